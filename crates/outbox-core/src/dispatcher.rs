@@ -1,0 +1,529 @@
+//! The relay loop: claim a batch, publish it with pipelined confirms, write every outcome
+//! back in one round trip, repeat.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::time::Duration;
+
+use tokio::sync::{Mutex, Notify};
+use tokio_util::sync::CancellationToken;
+use tracing::{Instrument as _, debug, info, info_span, warn};
+
+use crate::error::OutboxError;
+use crate::message::OutboxMessage;
+use crate::publisher::{EventPublisher, PublishOutcome};
+use crate::retry::RetryPolicies;
+use crate::store::{Completion, CompletionOutcome, OutboxStore};
+
+/// Dispatcher settings. Build with [`DispatcherConfig::new`] and the `with_*` setters.
+#[derive(Debug, Clone)]
+pub struct DispatcherConfig {
+    batch_size: usize,
+    poll_interval: Duration,
+    lease: Duration,
+    concurrency: usize,
+    retry: RetryPolicies,
+    probe_initial: Duration,
+    probe_max: Duration,
+    store_backoff_max: Duration,
+}
+
+impl Default for DispatcherConfig {
+    fn default() -> Self {
+        Self {
+            batch_size: 500,
+            poll_interval: Duration::from_millis(500),
+            lease: Duration::from_secs(30),
+            concurrency: 2,
+            retry: RetryPolicies::default(),
+            probe_initial: Duration::from_millis(500),
+            probe_max: Duration::from_secs(30),
+            store_backoff_max: Duration::from_secs(30),
+        }
+    }
+}
+
+impl DispatcherConfig {
+    /// The defaults: batches of 500 messages, 500 ms poll interval, 30 s lease, 2 batches
+    /// in flight, the default [`RetryPolicies`], circuit probes from 500 ms up to 30 s.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Messages claimed per batch (default 500, at least 1).
+    #[must_use]
+    pub fn with_batch_size(mut self, n: usize) -> Self {
+        self.batch_size = n.max(1);
+        self
+    }
+
+    /// Wait between polls when the last batch was not full (default 500 ms).
+    /// [`WakeHandle::wake`] cuts the wait short.
+    #[must_use]
+    pub fn with_poll_interval(mut self, d: Duration) -> Self {
+        self.poll_interval = d;
+        self
+    }
+
+    /// How long a claim is held before another dispatcher may reclaim it (default 30 s).
+    /// It must exceed the longest publish of a batch, confirms included.
+    #[must_use]
+    pub fn with_lease(mut self, d: Duration) -> Self {
+        self.lease = d;
+        self
+    }
+
+    /// Batches in flight at once in this dispatcher (default 2, at least 1): while one
+    /// batch waits for the database the other keeps the broker busy.
+    #[must_use]
+    pub fn with_concurrency(mut self, n: usize) -> Self {
+        self.concurrency = n.max(1);
+        self
+    }
+
+    /// Retry policies (default: [`RetryPolicies::default`]).
+    #[must_use]
+    pub fn with_retry(mut self, retry: RetryPolicies) -> Self {
+        self.retry = retry;
+        self
+    }
+
+    /// Circuit-breaker probe backoff: first delay and cap (defaults 500 ms and 30 s).
+    #[must_use]
+    pub fn with_probe_backoff(mut self, initial: Duration, max: Duration) -> Self {
+        self.probe_initial = initial;
+        self.probe_max = max.max(initial);
+        self
+    }
+
+    /// Messages per batch.
+    pub fn batch_size(&self) -> usize {
+        self.batch_size
+    }
+
+    /// Lease per claim.
+    pub fn lease(&self) -> Duration {
+        self.lease
+    }
+}
+
+/// Counters of a dispatcher since it was created (monotonic).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct DispatcherStats {
+    /// Batches claimed (non-empty).
+    pub batches: u64,
+    /// Messages claimed.
+    pub claimed: u64,
+    /// Messages confirmed by the broker and marked Sent.
+    pub published: u64,
+    /// Messages scheduled for another attempt.
+    pub retried: u64,
+    /// Messages moved to Dead.
+    pub dead: u64,
+    /// Messages handed back without charging an attempt (outage or shutdown).
+    pub released: u64,
+    /// Completions that changed nothing because another claim took over (stale lease).
+    pub fenced: u64,
+    /// Times the circuit opened because the broker was unreachable.
+    pub circuit_opened: u64,
+}
+
+#[derive(Debug, Default)]
+struct Counters {
+    batches: AtomicU64,
+    claimed: AtomicU64,
+    published: AtomicU64,
+    retried: AtomicU64,
+    dead: AtomicU64,
+    released: AtomicU64,
+    fenced: AtomicU64,
+    circuit_opened: AtomicU64,
+}
+
+impl Counters {
+    fn snapshot(&self) -> DispatcherStats {
+        let get = |c: &AtomicU64| c.load(Ordering::Relaxed);
+        DispatcherStats {
+            batches: get(&self.batches),
+            claimed: get(&self.claimed),
+            published: get(&self.published),
+            retried: get(&self.retried),
+            dead: get(&self.dead),
+            released: get(&self.released),
+            fenced: get(&self.fenced),
+            circuit_opened: get(&self.circuit_opened),
+        }
+    }
+}
+
+/// What one batch did.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct BatchReport {
+    /// Messages claimed.
+    pub claimed: usize,
+    /// Marked Sent.
+    pub published: usize,
+    /// Scheduled for retry.
+    pub retried: usize,
+    /// Moved to Dead.
+    pub dead: usize,
+    /// Released without charge.
+    pub released: usize,
+    /// Completions fenced out.
+    pub fenced: usize,
+    /// Whether the publisher reported the broker unreachable.
+    pub outage: bool,
+}
+
+/// Wakes a dispatcher that is waiting for its poll interval, e.g. right after a
+/// transaction that enqueued messages commits. Cheap to clone.
+#[derive(Debug, Clone)]
+pub struct WakeHandle(Arc<Notify>);
+
+impl WakeHandle {
+    /// Ends the current poll wait of every pipeline of the dispatcher.
+    pub fn wake(&self) {
+        self.0.notify_waiters();
+    }
+}
+
+/// The relay: moves committed outbox messages to the broker.
+///
+/// Each of `concurrency` pipelines loops: claim a batch (committing the claim before
+/// anything is published), publish it (the publisher pipelines confirms), then record
+/// every outcome in one fenced statement. A full batch is followed at once by the next;
+/// otherwise the pipeline waits `poll_interval` or a [`WakeHandle::wake`]. Several
+/// dispatchers, in one process or many, may share a database: claims never overlap.
+///
+/// Failures:
+/// - transient publish failure: `Processing → New` with backoff from the event type's
+///   [`RetryPolicy`](crate::RetryPolicy); after `max_attempts`, `Dead`;
+/// - permanent failure: `Dead` at once, with `last_error`;
+/// - broker unreachable: the **circuit opens**: unpublished messages are released
+///   without charging an attempt, claiming stops, the publisher is probed with
+///   exponential backoff, and claiming resumes when a probe succeeds. An outage of any
+///   length never dead-letters anything;
+/// - database failure: the pipeline backs off exponentially (up to 30 s) and retries;
+///   completion of a published batch is retried until it lands or the lease runs out
+///   (the message is then republished after reclaim: at-least-once).
+///
+/// Shutdown ([`run`](Self::run)'s token): pipelines stop claiming, finish the batch in
+/// hand (publish and complete), and return.
+pub struct Dispatcher<S, P> {
+    store: Arc<S>,
+    publisher: Arc<P>,
+    config: Arc<DispatcherConfig>,
+    wake: Arc<Notify>,
+    counters: Arc<Counters>,
+    circuit: Arc<Circuit>,
+}
+
+impl<S, P> Clone for Dispatcher<S, P> {
+    fn clone(&self) -> Self {
+        Self {
+            store: Arc::clone(&self.store),
+            publisher: Arc::clone(&self.publisher),
+            config: Arc::clone(&self.config),
+            wake: Arc::clone(&self.wake),
+            counters: Arc::clone(&self.counters),
+            circuit: Arc::clone(&self.circuit),
+        }
+    }
+}
+
+impl<S, P> std::fmt::Debug for Dispatcher<S, P> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Dispatcher")
+            .field("config", &self.config)
+            .field("stats", &self.counters.snapshot())
+            .finish_non_exhaustive()
+    }
+}
+
+#[derive(Debug, Default)]
+struct Circuit {
+    open: AtomicBool,
+    probe: Mutex<()>,
+}
+
+impl<S: OutboxStore, P: EventPublisher> Dispatcher<S, P> {
+    /// A dispatcher over `store` and `publisher`.
+    pub fn new(store: Arc<S>, publisher: Arc<P>, config: DispatcherConfig) -> Self {
+        Self {
+            store,
+            publisher,
+            config: Arc::new(config),
+            wake: Arc::new(Notify::new()),
+            counters: Arc::new(Counters::default()),
+            circuit: Arc::new(Circuit::default()),
+        }
+    }
+
+    /// A handle that ends the poll wait early.
+    pub fn wake_handle(&self) -> WakeHandle {
+        WakeHandle(Arc::clone(&self.wake))
+    }
+
+    /// Counters since creation.
+    pub fn stats(&self) -> DispatcherStats {
+        self.counters.snapshot()
+    }
+
+    /// Whether the circuit is open (the broker was found unreachable and not yet back).
+    pub fn circuit_open(&self) -> bool {
+        self.circuit.open.load(Ordering::Acquire)
+    }
+
+    /// Runs the pipelines until `shutdown` is cancelled, then returns the counters.
+    ///
+    /// # Errors
+    /// Only for a failure that retrying cannot fix (a corrupt row, a bad configuration);
+    /// outages are waited out.
+    pub async fn run(&self, shutdown: CancellationToken) -> Result<DispatcherStats, OutboxError> {
+        info!(
+            batch_size = self.config.batch_size,
+            concurrency = self.config.concurrency,
+            lease_ms = self.config.lease.as_millis() as u64,
+            "dispatcher started"
+        );
+        let mut tasks = tokio::task::JoinSet::new();
+        for pipeline in 0..self.config.concurrency {
+            let this = self.clone();
+            let token = shutdown.clone();
+            tasks.spawn(async move { this.pipeline(pipeline, token).await });
+        }
+        let mut result = Ok(());
+        while let Some(joined) = tasks.join_next().await {
+            let outcome = match joined {
+                Ok(r) => r,
+                Err(e) => Err(OutboxError::Config(format!("dispatcher pipeline panicked: {e}"))),
+            };
+            if let Err(e) = outcome {
+                // A fatal error in one pipeline stops them all.
+                shutdown.cancel();
+                if result.is_ok() {
+                    result = Err(e);
+                }
+            }
+        }
+        let stats = self.stats();
+        info!(?stats, "dispatcher stopped");
+        result.map(|()| stats)
+    }
+
+    async fn pipeline(&self, pipeline: usize, shutdown: CancellationToken) -> Result<(), OutboxError> {
+        let mut store_backoff = Duration::ZERO;
+        while !shutdown.is_cancelled() {
+            if self.circuit_open() {
+                self.probe_until_ready(&shutdown).await;
+                continue;
+            }
+            // Register interest before the batch so a wake during it is not lost.
+            let notified = self.wake.notified();
+            tokio::pin!(notified);
+            notified.as_mut().enable();
+            match self.run_batch().await {
+                Ok(report) => {
+                    store_backoff = Duration::ZERO;
+                    if report.outage {
+                        continue;
+                    }
+                    if report.claimed >= self.config.batch_size {
+                        continue;
+                    }
+                    tokio::select! {
+                        () = shutdown.cancelled() => {}
+                        () = &mut notified => {}
+                        () = tokio::time::sleep(self.config.poll_interval) => {}
+                    }
+                }
+                Err(e) if e.kind().is_retryable() => {
+                    store_backoff = next_backoff(store_backoff, self.config.store_backoff_max);
+                    warn!(pipeline, error = %e, backoff_ms = store_backoff.as_millis() as u64, "store unavailable, backing off");
+                    tokio::select! {
+                        () = shutdown.cancelled() => {}
+                        () = tokio::time::sleep(store_backoff) => {}
+                    }
+                }
+                Err(e) => return Err(e),
+            }
+        }
+        Ok(())
+    }
+
+    async fn probe_until_ready(&self, shutdown: &CancellationToken) {
+        let _guard = self.circuit.probe.lock().await;
+        let mut delay = self.config.probe_initial;
+        while self.circuit_open() && !shutdown.is_cancelled() {
+            tokio::select! {
+                () = shutdown.cancelled() => return,
+                () = tokio::time::sleep(delay) => {}
+            }
+            match self.publisher.check_ready().await {
+                Ok(()) => {
+                    self.circuit.open.store(false, Ordering::Release);
+                    info!("broker reachable again, circuit closed");
+                }
+                Err(e) => {
+                    delay = next_backoff(delay, self.config.probe_max);
+                    warn!(error = %e, next_probe_ms = delay.as_millis() as u64, "broker still unreachable");
+                }
+            }
+        }
+    }
+
+    /// Claims, publishes and completes one batch. Useful for tools and tests; [`run`]
+    /// (Self::run) calls it in a loop.
+    ///
+    /// # Errors
+    /// A store error from the claim (nothing was claimed) or from completion after the
+    /// lease ran out (the messages will be reclaimed and republished).
+    pub async fn run_batch(&self) -> Result<BatchReport, OutboxError> {
+        let batch_size = self.config.batch_size;
+        let lease = self.config.lease;
+        let claimed = self
+            .store
+            .claim(batch_size, lease)
+            .instrument(info_span!("outbox.claim", batch_size))
+            .await?;
+        if claimed.is_empty() {
+            return Ok(BatchReport::default());
+        }
+        let claimed_at = tokio::time::Instant::now();
+        self.counters.batches.fetch_add(1, Ordering::Relaxed);
+        self.counters
+            .claimed
+            .fetch_add(claimed.len() as u64, Ordering::Relaxed);
+
+        let outcomes = self
+            .publisher
+            .publish_batch(&claimed)
+            .instrument(info_span!("outbox.publish", messages = claimed.len()))
+            .await;
+        let (completions, mut report) = self.decide(&claimed, outcomes);
+
+        let completed = self.complete_with_retry(&completions, claimed_at, lease).await?;
+        report.fenced = completed.fenced.len();
+        if !completed.fenced.is_empty() {
+            warn!(fenced = completed.fenced.len(), "completion fenced: another dispatcher reclaimed these messages after our lease expired");
+        }
+        let c = &self.counters;
+        c.published.fetch_add(report.published as u64, Ordering::Relaxed);
+        c.retried.fetch_add(report.retried as u64, Ordering::Relaxed);
+        c.dead.fetch_add(report.dead as u64, Ordering::Relaxed);
+        c.released.fetch_add(report.released as u64, Ordering::Relaxed);
+        c.fenced.fetch_add(report.fenced as u64, Ordering::Relaxed);
+        if report.outage && !self.circuit.open.swap(true, Ordering::AcqRel) {
+            c.circuit_opened.fetch_add(1, Ordering::Relaxed);
+            warn!(released = report.released, "broker unreachable: circuit opened, messages released without charge");
+        }
+        Ok(report)
+    }
+
+    fn decide(
+        &self,
+        claimed: &[OutboxMessage],
+        outcomes: Vec<PublishOutcome>,
+    ) -> (Vec<Completion>, BatchReport) {
+        let mut report = BatchReport {
+            claimed: claimed.len(),
+            ..BatchReport::default()
+        };
+        if outcomes.len() != claimed.len() {
+            warn!(
+                expected = claimed.len(),
+                got = outcomes.len(),
+                "publisher broke its contract: outcome count differs; unmatched messages are released"
+            );
+        }
+        let mut outcomes = outcomes.into_iter();
+        let mut completions = Vec::with_capacity(claimed.len());
+        for msg in claimed {
+            let Some(token) = msg.claim_token else {
+                continue;
+            };
+            let outcome = match outcomes.next() {
+                None => {
+                    report.released += 1;
+                    CompletionOutcome::Release
+                }
+                Some(PublishOutcome::Published) => {
+                    report.published += 1;
+                    CompletionOutcome::Sent
+                }
+                Some(o @ PublishOutcome::Transient(_)) if o.is_outage() => {
+                    report.outage = true;
+                    report.released += 1;
+                    CompletionOutcome::Release
+                }
+                Some(PublishOutcome::Transient(e)) => {
+                    let policy = self.config.retry.for_event_type(&msg.event_type);
+                    let attempts = u32::try_from(msg.attempts).unwrap_or(0);
+                    if policy.should_retry(attempts) {
+                        report.retried += 1;
+                        let delay = policy.delay(attempts);
+                        debug!(id = %msg.id, attempts, delay_ms = delay.as_millis() as u64, error = %e, "publish failed, will retry");
+                        CompletionOutcome::Retry {
+                            delay,
+                            error: e.to_string(),
+                        }
+                    } else {
+                        report.dead += 1;
+                        warn!(id = %msg.id, event_type = %msg.event_type, attempts, error = %e, "attempts exhausted, message is dead");
+                        CompletionOutcome::Dead {
+                            error: format!("attempts exhausted ({attempts}/{}): {e}", policy.max_attempts()),
+                        }
+                    }
+                }
+                Some(PublishOutcome::Permanent(e)) => {
+                    report.dead += 1;
+                    warn!(id = %msg.id, event_type = %msg.event_type, error = %e, "permanent publish failure, message is dead");
+                    CompletionOutcome::Dead {
+                        error: e.to_string(),
+                    }
+                }
+            };
+            completions.push(Completion {
+                id: msg.id,
+                claim_token: token,
+                outcome,
+            });
+        }
+        (completions, report)
+    }
+
+    async fn complete_with_retry(
+        &self,
+        completions: &[Completion],
+        claimed_at: tokio::time::Instant,
+        lease: Duration,
+    ) -> Result<crate::store::CompleteReport, OutboxError> {
+        let mut delay = Duration::from_millis(100);
+        loop {
+            let result = self
+                .store
+                .complete(completions)
+                .instrument(info_span!("outbox.complete", messages = completions.len()))
+                .await;
+            match result {
+                Ok(report) => return Ok(report),
+                Err(e) if e.kind().is_retryable() && claimed_at.elapsed() + delay < lease => {
+                    warn!(error = %e, retry_in_ms = delay.as_millis() as u64, "completion failed, retrying");
+                    tokio::time::sleep(delay).await;
+                    delay = next_backoff(delay, Duration::from_secs(5));
+                }
+                Err(e) => return Err(e),
+            }
+        }
+    }
+}
+
+fn next_backoff(current: Duration, max: Duration) -> Duration {
+    if current.is_zero() {
+        Duration::from_millis(100).min(max)
+    } else {
+        (current * 2).min(max)
+    }
+}

@@ -1,0 +1,54 @@
+//! # outbox-core
+//!
+//! The driver-free heart of the transactional outbox and inbox toolkit:
+//!
+//! - the message model: [`NewMessage`] (built and validated by the producer),
+//!   [`OutboxMessage`] (a stored row) and the [`MessageStatus`] state machine
+//!   (New=0 → Processing=9 → Sent=1 / Dead=3);
+//! - the required traits: [`OutboxStore`] (claim, fenced completion, stats, dead
+//!   letters, replay, purge), [`InboxStore`] (consumer dedup inside the consumer's
+//!   transaction) and [`EventPublisher`] (publish a batch, one [`PublishOutcome`] per
+//!   message);
+//! - the [`Dispatcher`] (relay) with its [`RetryPolicy`] and circuit breaker;
+//! - the [`wire`] format shared by the transports (CloudEvents binary mode, W3C Trace
+//!   Context);
+//! - the [`domain`] events helper;
+//! - with the `conformance` feature, the store conformance suite every backend runs.
+//!
+//! Backends (`outbox-postgres`) write messages in the caller's transaction; transports
+//! (`transport-rabbit`) publish them.
+//!
+//! ```
+//! use outbox_core::NewMessage;
+//!
+//! let event = NewMessage::builder("order", "42", "OrderPlaced")
+//!     .aggregate_version(1)
+//!     .tenant_id("acme")
+//!     .payload(&serde_json::json!({ "order_id": 42, "total_cents": 1999 }))
+//!     .build()?;
+//! assert_eq!(event.event_type, "OrderPlaced");
+//! # Ok::<(), outbox_core::OutboxError>(())
+//! ```
+
+pub mod dispatcher;
+pub mod domain;
+pub mod error;
+pub mod message;
+pub mod publisher;
+pub mod retry;
+pub mod store;
+pub mod wire;
+
+#[cfg(feature = "conformance")]
+pub mod conformance;
+
+pub use dispatcher::{BatchReport, Dispatcher, DispatcherConfig, DispatcherStats, WakeHandle};
+pub use domain::{DomainEvents, EventSource};
+pub use error::{BoxError, ErrorKind, InvalidMessage, OutboxError, PublishError};
+pub use message::{Headers, MessageStatus, NewMessage, NewMessageBuilder, OutboxMessage};
+pub use publisher::{EventPublisher, PublishOutcome};
+pub use retry::{RetryPolicies, RetryPolicy};
+pub use store::{
+    CompleteReport, Completion, CompletionOutcome, InboxStore, MessageFilter, OutboxStats,
+    OutboxStore, ReplayReport,
+};

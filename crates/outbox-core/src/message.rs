@@ -1,0 +1,483 @@
+//! The message model: [`OutboxMessage`] (a stored row), [`NewMessage`] (what a producer
+//! enqueues) and the [`MessageStatus`] state machine.
+
+use std::collections::BTreeMap;
+use std::fmt;
+use std::time::Duration;
+
+use chrono::{DateTime, Utc};
+use serde::Serialize;
+use serde_json::value::RawValue;
+use uuid::Uuid;
+
+use crate::error::{InvalidMessage, OutboxError};
+
+/// Headers carried by a message: a sorted string map (name → value).
+pub type Headers = BTreeMap<String, String>;
+
+/// The stored status of an outbox message. The numeric codes are what the stores persist
+/// and MUST NOT change.
+///
+/// Legal transitions (stores enforce them in SQL with `WHERE status = ...`):
+///
+/// | from         | to           | when                                              |
+/// |--------------|--------------|---------------------------------------------------|
+/// | `New`        | `Processing` | claimed by a dispatcher                           |
+/// | `Processing` | `Sent`       | the broker confirmed the publish                  |
+/// | `Processing` | `New`        | transient failure (with backoff) or release       |
+/// | `Processing` | `Dead`       | permanent failure or attempts exhausted           |
+/// | `Processing` | `Processing` | the lease expired and another dispatcher reclaimed|
+/// | `Dead`       | `New`        | replay                                            |
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
+#[repr(i16)]
+pub enum MessageStatus {
+    /// Waiting to be claimed once `visible_at` has passed. Code 0.
+    New = 0,
+    /// Published and confirmed by the broker. Code 1.
+    Sent = 1,
+    /// Failed permanently or ran out of attempts; kept with `last_error` until replayed.
+    /// Code 3.
+    Dead = 3,
+    /// Claimed by a dispatcher that holds a lease until `lease_until`. Code 9.
+    Processing = 9,
+}
+
+impl MessageStatus {
+    /// The code stored in the `status` column.
+    pub const fn code(self) -> i16 {
+        self as i16
+    }
+
+    /// Parses a stored code.
+    ///
+    /// # Errors
+    /// [`OutboxError::UnknownStatus`] for a code that is not one of 0, 1, 3, 9.
+    pub fn from_code(code: i16) -> Result<Self, OutboxError> {
+        match code {
+            0 => Ok(Self::New),
+            1 => Ok(Self::Sent),
+            3 => Ok(Self::Dead),
+            9 => Ok(Self::Processing),
+            other => Err(OutboxError::UnknownStatus(other)),
+        }
+    }
+
+    /// Whether the state machine allows `self → to` (see the type's table).
+    pub const fn can_transition_to(self, to: MessageStatus) -> bool {
+        use MessageStatus::{Dead, New, Processing, Sent};
+        matches!(
+            (self, to),
+            (New, Processing)
+                | (Processing, Sent)
+                | (Processing, New)
+                | (Processing, Dead)
+                | (Processing, Processing)
+                | (Dead, New)
+        )
+    }
+}
+
+impl fmt::Display for MessageStatus {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Self::New => "new",
+            Self::Sent => "sent",
+            Self::Dead => "dead",
+            Self::Processing => "processing",
+        })
+    }
+}
+
+/// A message as stored in the outbox and handed to publishers.
+///
+/// `id` is a UUIDv7: it is also the broker message id (AMQP `message-id`, `Nats-Msg-Id`)
+/// and the consumer-side inbox key.
+#[derive(Debug, Clone)]
+#[non_exhaustive]
+pub struct OutboxMessage {
+    /// Unique id (UUIDv7), the broker message id and the inbox key.
+    pub id: Uuid,
+    /// Insertion order assigned by the database (monotonic per table, gaps allowed).
+    pub seq: i64,
+    /// Kind of aggregate that raised the event, e.g. `"order"`.
+    pub aggregate_type: String,
+    /// Id of the aggregate instance, as text.
+    pub aggregate_id: String,
+    /// Version of the aggregate after the event (0 when the producer does not version).
+    pub aggregate_version: i64,
+    /// Event type, e.g. `"OrderPlaced"`; never empty. Default routing key.
+    pub event_type: String,
+    /// The JSON payload, exactly as enqueued (already validated).
+    pub payload: Box<RawValue>,
+    /// Extra headers (string map), including the captured trace context.
+    pub headers: Headers,
+    /// Tenant, when the producer is multi-tenant.
+    pub tenant_id: Option<String>,
+    /// Routing key (AMQP) or subject suffix (NATS); `None` means use `event_type`.
+    pub routing_key: Option<String>,
+    /// Ordering key; `None` means the aggregate (`aggregate_type` + `aggregate_id`).
+    pub partition_key: Option<String>,
+    /// When the event happened (producer's statement).
+    pub occurred_at: DateTime<Utc>,
+    /// When the row was written (database clock, transaction time).
+    pub created_at: DateTime<Utc>,
+    /// Not claimable before this instant (database clock).
+    pub visible_at: DateTime<Utc>,
+    /// Claims so far, including the current one.
+    pub attempts: i32,
+    /// Current status.
+    pub status: MessageStatus,
+    /// The last failure, if any.
+    pub last_error: Option<String>,
+    /// Fencing token of the current claim; completions must present it.
+    pub claim_token: Option<Uuid>,
+    /// End of the current lease (database clock).
+    pub lease_until: Option<DateTime<Utc>>,
+    /// When the broker confirmed the publish (database clock).
+    pub sent_at: Option<DateTime<Utc>>,
+}
+
+impl OutboxMessage {
+    /// The routing key to publish with: `routing_key`, or else `event_type`.
+    pub fn effective_routing_key(&self) -> &str {
+        self.routing_key.as_deref().unwrap_or(&self.event_type)
+    }
+
+    /// The ordering key: `partition_key`, or else `"{aggregate_type}:{aggregate_id}"`.
+    pub fn effective_partition_key(&self) -> String {
+        match &self.partition_key {
+            Some(key) => key.clone(),
+            None => format!("{}:{}", self.aggregate_type, self.aggregate_id),
+        }
+    }
+}
+
+/// Maximum length, in bytes, of `event_type`, `aggregate_type`, keys and header names.
+pub const MAX_NAME_LEN: usize = 255;
+
+/// A message to enqueue: built with [`NewMessage::builder`], validated by
+/// [`NewMessageBuilder::build`], written by a store's `enqueue` inside the caller's
+/// transaction.
+#[derive(Debug, Clone)]
+#[non_exhaustive]
+pub struct NewMessage {
+    /// UUIDv7 generated at build time (or supplied with [`NewMessageBuilder::id`]).
+    pub id: Uuid,
+    /// See [`OutboxMessage::aggregate_type`].
+    pub aggregate_type: String,
+    /// See [`OutboxMessage::aggregate_id`].
+    pub aggregate_id: String,
+    /// See [`OutboxMessage::aggregate_version`].
+    pub aggregate_version: i64,
+    /// See [`OutboxMessage::event_type`].
+    pub event_type: String,
+    /// Validated JSON payload.
+    pub payload: Box<RawValue>,
+    /// See [`OutboxMessage::headers`].
+    pub headers: Headers,
+    /// See [`OutboxMessage::tenant_id`].
+    pub tenant_id: Option<String>,
+    /// See [`OutboxMessage::routing_key`].
+    pub routing_key: Option<String>,
+    /// See [`OutboxMessage::partition_key`].
+    pub partition_key: Option<String>,
+    /// See [`OutboxMessage::occurred_at`]; `None` means the database's `now()`.
+    pub occurred_at: Option<DateTime<Utc>>,
+    /// Delay before the message becomes claimable, applied as `now() + delay` in SQL.
+    pub deliver_after: Option<Duration>,
+}
+
+impl NewMessage {
+    /// Starts a builder for an event of `event_type` raised by aggregate
+    /// `aggregate_type`/`aggregate_id`.
+    pub fn builder(
+        aggregate_type: impl Into<String>,
+        aggregate_id: impl Into<String>,
+        event_type: impl Into<String>,
+    ) -> NewMessageBuilder {
+        NewMessageBuilder {
+            id: None,
+            aggregate_type: aggregate_type.into(),
+            aggregate_id: aggregate_id.into(),
+            aggregate_version: 0,
+            event_type: event_type.into(),
+            payload: PayloadSource::Missing,
+            headers: Headers::new(),
+            tenant_id: None,
+            routing_key: None,
+            partition_key: None,
+            occurred_at: None,
+            deliver_after: None,
+        }
+    }
+}
+
+#[derive(Debug)]
+enum PayloadSource {
+    Missing,
+    Json(Result<Box<RawValue>, String>),
+}
+
+/// Builder for [`NewMessage`]; every setter consumes and returns the builder.
+#[derive(Debug)]
+#[must_use]
+pub struct NewMessageBuilder {
+    id: Option<Uuid>,
+    aggregate_type: String,
+    aggregate_id: String,
+    aggregate_version: i64,
+    event_type: String,
+    payload: PayloadSource,
+    headers: Headers,
+    tenant_id: Option<String>,
+    routing_key: Option<String>,
+    partition_key: Option<String>,
+    occurred_at: Option<DateTime<Utc>>,
+    deliver_after: Option<Duration>,
+}
+
+impl NewMessageBuilder {
+    /// Uses this id instead of a fresh UUIDv7 (e.g. a deterministic idempotency key).
+    pub fn id(mut self, id: Uuid) -> Self {
+        self.id = Some(id);
+        self
+    }
+
+    /// Payload from any serializable value (serialized with `serde_json`).
+    pub fn payload<T: Serialize + ?Sized>(mut self, value: &T) -> Self {
+        self.payload = PayloadSource::Json(
+            serde_json::value::to_raw_value(value).map_err(|e| e.to_string()),
+        );
+        self
+    }
+
+    /// Payload from JSON text; it is validated by [`build`](Self::build).
+    pub fn payload_json(mut self, json: impl Into<String>) -> Self {
+        self.payload =
+            PayloadSource::Json(RawValue::from_string(json.into()).map_err(|e| e.to_string()));
+        self
+    }
+
+    /// Aggregate version after this event (default 0).
+    pub fn aggregate_version(mut self, version: i64) -> Self {
+        self.aggregate_version = version;
+        self
+    }
+
+    /// Adds one header. Names must be non-empty, at most [`MAX_NAME_LEN`] bytes, and free
+    /// of control characters; values free of control characters.
+    pub fn header(mut self, name: impl Into<String>, value: impl Into<String>) -> Self {
+        self.headers.insert(name.into(), value.into());
+        self
+    }
+
+    /// Tenant id (default none).
+    pub fn tenant_id(mut self, tenant: impl Into<String>) -> Self {
+        self.tenant_id = Some(tenant.into());
+        self
+    }
+
+    /// Routing key (default: the event type).
+    pub fn routing_key(mut self, key: impl Into<String>) -> Self {
+        self.routing_key = Some(key.into());
+        self
+    }
+
+    /// Partition (ordering) key (default: the aggregate).
+    pub fn partition_key(mut self, key: impl Into<String>) -> Self {
+        self.partition_key = Some(key.into());
+        self
+    }
+
+    /// Correlation id, carried as the `correlationid` header.
+    pub fn correlation_id(self, id: impl Into<String>) -> Self {
+        self.header(crate::wire::CORRELATION_ID, id)
+    }
+
+    /// Causation id, carried as the `causationid` header.
+    pub fn causation_id(self, id: impl Into<String>) -> Self {
+        self.header(crate::wire::CAUSATION_ID, id)
+    }
+
+    /// W3C Trace Context (<https://www.w3.org/TR/trace-context/>) of the producing span:
+    /// `traceparent` (validated) and optional `tracestate`, carried in the row and
+    /// injected into broker headers by the transports.
+    pub fn trace_context(mut self, traceparent: impl Into<String>, tracestate: Option<String>) -> Self {
+        self.headers
+            .insert(crate::wire::TRACEPARENT.to_owned(), traceparent.into());
+        if let Some(state) = tracestate {
+            self.headers
+                .insert(crate::wire::TRACESTATE.to_owned(), state);
+        }
+        self
+    }
+
+    /// When the event happened (default: the database's `now()` at enqueue).
+    pub fn occurred_at(mut self, at: DateTime<Utc>) -> Self {
+        self.occurred_at = Some(at);
+        self
+    }
+
+    /// Makes the message claimable only after `delay` (computed as `now() + delay` by
+    /// the database). Default: at once.
+    pub fn deliver_after(mut self, delay: Duration) -> Self {
+        self.deliver_after = Some(delay);
+        self
+    }
+
+    /// Validates and builds the message.
+    ///
+    /// # Errors
+    /// [`OutboxError::InvalidMessage`] when the event type or aggregate type is empty or
+    /// too long, the payload is missing or not valid JSON, a header name is empty or a
+    /// header contains control characters, or a key is empty.
+    pub fn build(self) -> Result<NewMessage, OutboxError> {
+        validate_name("event_type", &self.event_type)?;
+        validate_name("aggregate_type", &self.aggregate_type)?;
+        if self.aggregate_id.is_empty() {
+            return Err(InvalidMessage::Empty { field: "aggregate_id" }.into());
+        }
+        for (field, value) in [
+            ("routing_key", &self.routing_key),
+            ("partition_key", &self.partition_key),
+            ("tenant_id", &self.tenant_id),
+        ] {
+            if let Some(v) = value {
+                validate_name(field, v)?;
+            }
+        }
+        for (name, value) in &self.headers {
+            validate_name("header name", name)?;
+            if value.chars().any(char::is_control) {
+                return Err(InvalidMessage::ControlCharacter {
+                    field: "header value",
+                    value: name.clone(),
+                }
+                .into());
+            }
+        }
+        if let Some(tp) = self.headers.get(crate::wire::TRACEPARENT) {
+            if crate::wire::TraceParent::parse(tp).is_none() {
+                return Err(InvalidMessage::TraceParent(tp.clone()).into());
+            }
+        }
+        let payload = match self.payload {
+            PayloadSource::Missing => return Err(InvalidMessage::MissingPayload.into()),
+            PayloadSource::Json(Err(reason)) => {
+                return Err(InvalidMessage::InvalidJson(reason).into());
+            }
+            PayloadSource::Json(Ok(raw)) => raw,
+        };
+        Ok(NewMessage {
+            id: self.id.unwrap_or_else(Uuid::now_v7),
+            aggregate_type: self.aggregate_type,
+            aggregate_id: self.aggregate_id,
+            aggregate_version: self.aggregate_version,
+            event_type: self.event_type,
+            payload,
+            headers: self.headers,
+            tenant_id: self.tenant_id,
+            routing_key: self.routing_key,
+            partition_key: self.partition_key,
+            occurred_at: self.occurred_at,
+            deliver_after: self.deliver_after,
+        })
+    }
+}
+
+fn validate_name(field: &'static str, value: &str) -> Result<(), InvalidMessage> {
+    if value.is_empty() {
+        return Err(InvalidMessage::Empty { field });
+    }
+    if value.len() > MAX_NAME_LEN {
+        return Err(InvalidMessage::TooLong {
+            field,
+            len: value.len(),
+            max: MAX_NAME_LEN,
+        });
+    }
+    if value.chars().any(char::is_control) {
+        return Err(InvalidMessage::ControlCharacter {
+            field,
+            value: value.escape_debug().to_string(),
+        });
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn status_codes_are_stable() {
+        for (status, code) in [
+            (MessageStatus::New, 0),
+            (MessageStatus::Sent, 1),
+            (MessageStatus::Dead, 3),
+            (MessageStatus::Processing, 9),
+        ] {
+            assert_eq!(status.code(), code);
+            assert_eq!(MessageStatus::from_code(code).ok(), Some(status));
+        }
+        assert!(matches!(
+            MessageStatus::from_code(2),
+            Err(OutboxError::UnknownStatus(2))
+        ));
+    }
+
+    #[test]
+    fn transitions_follow_the_design() {
+        use MessageStatus::*;
+        assert!(New.can_transition_to(Processing));
+        assert!(Processing.can_transition_to(Processing));
+        assert!(Dead.can_transition_to(New));
+        assert!(!New.can_transition_to(Sent));
+        assert!(!Sent.can_transition_to(New));
+        assert!(!Dead.can_transition_to(Sent));
+    }
+
+    #[test]
+    fn builder_rejects_bad_input() {
+        let empty_type = NewMessage::builder("order", "1", "").payload(&1).build();
+        assert!(matches!(
+            empty_type,
+            Err(OutboxError::InvalidMessage(InvalidMessage::Empty { field: "event_type" }))
+        ));
+        let bad_json = NewMessage::builder("order", "1", "OrderPlaced")
+            .payload_json("{not json")
+            .build();
+        assert!(matches!(
+            bad_json,
+            Err(OutboxError::InvalidMessage(InvalidMessage::InvalidJson(_)))
+        ));
+        let no_payload = NewMessage::builder("order", "1", "OrderPlaced").build();
+        assert!(matches!(
+            no_payload,
+            Err(OutboxError::InvalidMessage(InvalidMessage::MissingPayload))
+        ));
+        let bad_header = NewMessage::builder("order", "1", "OrderPlaced")
+            .payload(&1)
+            .header("x", "a\nb")
+            .build();
+        assert!(bad_header.is_err());
+        let bad_trace = NewMessage::builder("order", "1", "OrderPlaced")
+            .payload(&1)
+            .trace_context("nonsense", None)
+            .build();
+        assert!(matches!(
+            bad_trace,
+            Err(OutboxError::InvalidMessage(InvalidMessage::TraceParent(_)))
+        ));
+    }
+
+    #[test]
+    fn builder_keeps_payload_text_and_makes_v7_ids() {
+        let msg = NewMessage::builder("order", "42", "OrderPlaced")
+            .payload_json(r#"{"b":1,"a":2}"#)
+            .build()
+            .expect("valid");
+        assert_eq!(msg.payload.get(), r#"{"b":1,"a":2}"#);
+        assert_eq!(msg.id.get_version_num(), 7);
+    }
+}

@@ -1,0 +1,82 @@
+//! The [`EventPublisher`] trait implemented by transports, and per-message outcomes.
+
+use async_trait::async_trait;
+
+use crate::error::{ErrorKind, PublishError};
+use crate::message::OutboxMessage;
+
+/// What happened to one message of a published batch.
+#[derive(Debug)]
+#[non_exhaustive]
+pub enum PublishOutcome {
+    /// The broker confirmed it (AMQP publisher confirm `ack`, JetStream `PubAck`).
+    Published,
+    /// It may succeed later. When the error's kind is [`ErrorKind::Unavailable`] the
+    /// broker itself is unreachable: the dispatcher releases the message without
+    /// charging an attempt and opens its circuit.
+    Transient(PublishError),
+    /// It can never succeed as it is (unroutable, too large, invalid subject): the
+    /// dispatcher dead-letters it at once.
+    Permanent(PublishError),
+}
+
+impl PublishOutcome {
+    /// Classifies a per-message result by [`PublishError::kind`].
+    pub fn from_result(result: Result<(), PublishError>) -> Self {
+        match result {
+            Ok(()) => Self::Published,
+            Err(e) if e.kind() == ErrorKind::Permanent => Self::Permanent(e),
+            Err(e) => Self::Transient(e),
+        }
+    }
+
+    /// Whether the broker confirmed the message.
+    pub fn is_published(&self) -> bool {
+        matches!(self, Self::Published)
+    }
+
+    /// Whether this outcome says the broker is unreachable (circuit-opening).
+    pub fn is_outage(&self) -> bool {
+        matches!(self, Self::Transient(e) if e.kind() == ErrorKind::Unavailable)
+    }
+}
+
+/// A broker-side publisher used by the [`Dispatcher`](crate::Dispatcher).
+///
+/// # Contract
+/// - [`publish_batch`](Self::publish_batch) MUST return exactly one outcome per input
+///   message, in input order.
+/// - It MUST report [`PublishOutcome::Published`] only after the broker confirmed the
+///   message durably as far as the broker's protocol allows (publisher confirms,
+///   JetStream acks); a fire-and-forget send is not a publish.
+/// - It SHOULD keep many messages in flight and await their confirmations together,
+///   never one round trip per message.
+/// - It MUST use [`OutboxMessage::id`] as the broker message id, so consumers can
+///   deduplicate a re-publish after a relay crash.
+/// - It SHOULD reconnect by itself after the broker comes back, and report
+///   [`PublishError::Unavailable`] while it cannot reach the broker.
+#[async_trait]
+pub trait EventPublisher: Send + Sync + 'static {
+    /// Publishes `messages` and waits for every broker confirmation.
+    async fn publish_batch(&self, messages: &[OutboxMessage]) -> Vec<PublishOutcome>;
+
+    /// Checks that the broker can be reached (reconnecting if needed). The dispatcher
+    /// calls it, with backoff, while its circuit is open. The default says yes.
+    ///
+    /// # Errors
+    /// A [`PublishError`] (usually `Unavailable`) while the broker cannot be used.
+    async fn check_ready(&self) -> Result<(), PublishError> {
+        Ok(())
+    }
+}
+
+#[async_trait]
+impl<P: EventPublisher + ?Sized> EventPublisher for std::sync::Arc<P> {
+    async fn publish_batch(&self, messages: &[OutboxMessage]) -> Vec<PublishOutcome> {
+        (**self).publish_batch(messages).await
+    }
+
+    async fn check_ready(&self) -> Result<(), PublishError> {
+        (**self).check_ready().await
+    }
+}

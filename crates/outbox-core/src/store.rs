@@ -1,0 +1,252 @@
+//! Store traits: [`OutboxStore`] (the relay's side of the outbox table) and
+//! [`InboxStore`] (the consumer's dedup records), with the types they exchange.
+//!
+//! Enqueueing is not part of [`OutboxStore`]: it must run inside the caller's own
+//! transaction, whose type belongs to the backend (`&mut PgConnection` for PostgreSQL),
+//! so each backend offers `enqueue` / `enqueue_batch` as inherent methods.
+
+use std::time::Duration;
+
+use async_trait::async_trait;
+use chrono::{DateTime, Utc};
+use uuid::Uuid;
+
+use crate::error::OutboxError;
+use crate::message::OutboxMessage;
+
+/// What to record for one claimed message.
+#[derive(Debug, Clone, PartialEq)]
+#[non_exhaustive]
+pub enum CompletionOutcome {
+    /// Processing → Sent, `sent_at = now()`.
+    Sent,
+    /// Processing → New, `visible_at = now() + delay`, `last_error = error`.
+    Retry {
+        /// Backoff before the next claim.
+        delay: Duration,
+        /// The failure, stored as `last_error`.
+        error: String,
+    },
+    /// Processing → Dead with `last_error = error`.
+    Dead {
+        /// The failure, stored as `last_error`.
+        error: String,
+    },
+    /// Processing → New without charging the attempt (`attempts - 1`), visible at once:
+    /// used when the broker is down or the dispatcher shuts down holding messages.
+    Release,
+}
+
+/// One completion: which message, under which claim, with what outcome.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Completion {
+    /// The message id.
+    pub id: Uuid,
+    /// The fencing token received with the claim.
+    pub claim_token: Uuid,
+    /// What to record.
+    pub outcome: CompletionOutcome,
+}
+
+/// What [`OutboxStore::complete`] did.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct CompleteReport {
+    /// Completions applied.
+    pub applied: u64,
+    /// Ids whose completion changed nothing because the claim token no longer matched
+    /// (the lease expired and another dispatcher reclaimed the message, or it was
+    /// completed already).
+    pub fenced: Vec<Uuid>,
+}
+
+/// Counts by status and the queue lag.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct OutboxStats {
+    /// Rows with status New.
+    pub new: u64,
+    /// Rows with status Processing.
+    pub processing: u64,
+    /// Rows with status Sent.
+    pub sent: u64,
+    /// Rows with status Dead.
+    pub dead: u64,
+    /// Age of the oldest New or Processing row (by `created_at`, database clock).
+    pub oldest_pending_age: Option<Duration>,
+}
+
+/// Selects messages for dead-letter listing and replay. Empty fields match everything;
+/// set fields are combined with AND.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct MessageFilter {
+    /// Only these ids.
+    pub ids: Vec<Uuid>,
+    /// `created_at >= from`.
+    pub from: Option<DateTime<Utc>>,
+    /// `created_at < to`.
+    pub to: Option<DateTime<Utc>>,
+    /// Tenant equals.
+    pub tenant_id: Option<String>,
+    /// Aggregate type equals.
+    pub aggregate_type: Option<String>,
+    /// Aggregate id equals.
+    pub aggregate_id: Option<String>,
+    /// Event type equals.
+    pub event_type: Option<String>,
+    /// `last_error` contains this text (case-insensitive).
+    pub error_contains: Option<String>,
+}
+
+impl MessageFilter {
+    /// A filter matching everything.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Only these ids.
+    #[must_use]
+    pub fn with_ids(mut self, ids: impl IntoIterator<Item = Uuid>) -> Self {
+        self.ids = ids.into_iter().collect();
+        self
+    }
+
+    /// Only this event type.
+    #[must_use]
+    pub fn with_event_type(mut self, event_type: impl Into<String>) -> Self {
+        self.event_type = Some(event_type.into());
+        self
+    }
+
+    /// Only this tenant.
+    #[must_use]
+    pub fn with_tenant(mut self, tenant: impl Into<String>) -> Self {
+        self.tenant_id = Some(tenant.into());
+        self
+    }
+
+    /// Only errors containing `text`.
+    #[must_use]
+    pub fn with_error_containing(mut self, text: impl Into<String>) -> Self {
+        self.error_contains = Some(text.into());
+        self
+    }
+}
+
+/// What a replay did.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct ReplayReport {
+    /// Dead messages matching the filter.
+    pub matched: u64,
+    /// Messages moved back to New (0 on a dry run).
+    pub replayed: u64,
+    /// Matched messages that could not be replayed (they left `Dead` meanwhile).
+    pub failed: u64,
+    /// Wall time spent.
+    pub elapsed: Duration,
+}
+
+/// The relay's view of an outbox table.
+///
+/// # Contract
+/// Every implementation MUST hold these properties (the `conformance` feature states
+/// them as executable tests):
+/// - [`claim`](Self::claim) atomically takes up to `batch_size` messages that are `New`
+///   with `visible_at <= now` or `Processing` with an expired lease, oldest
+///   `(visible_at, seq)` first, skipping rows another claimer has locked; it sets them
+///   `Processing`, `lease_until = now + lease`, a fresh `claim_token` and
+///   `attempts + 1`, and commits before returning. No message is handed to two live
+///   claims at once.
+/// - [`complete`](Self::complete) applies all completions in one round trip, each only
+///   where the status is `Processing` and the `claim_token` matches; others are reported
+///   as fenced and left unchanged.
+/// - Every time is taken from the database clock; the caller supplies durations only.
+#[async_trait]
+pub trait OutboxStore: Send + Sync + 'static {
+    /// Claims a batch (see the trait contract). Messages are returned in `seq` order.
+    ///
+    /// # Errors
+    /// [`OutboxError::Database`] on database failure (nothing is claimed then), or
+    /// [`OutboxError::Decode`] / [`OutboxError::UnknownStatus`] for a corrupt row.
+    async fn claim(
+        &self,
+        batch_size: usize,
+        lease: Duration,
+    ) -> Result<Vec<OutboxMessage>, OutboxError>;
+
+    /// Records the outcomes of claimed messages, fenced by their claim tokens.
+    ///
+    /// # Errors
+    /// [`OutboxError::Database`] on database failure (nothing is changed then).
+    async fn complete(&self, completions: &[Completion]) -> Result<CompleteReport, OutboxError>;
+
+    /// One message by id.
+    ///
+    /// # Errors
+    /// [`OutboxError::Database`] on database failure.
+    async fn get(&self, id: Uuid) -> Result<Option<OutboxMessage>, OutboxError>;
+
+    /// Counts by status and the age of the oldest pending message.
+    ///
+    /// # Errors
+    /// [`OutboxError::Database`] on database failure.
+    async fn stats(&self) -> Result<OutboxStats, OutboxError>;
+
+    /// Dead messages matching `filter`, oldest first, at most `limit`.
+    ///
+    /// # Errors
+    /// [`OutboxError::Database`] on database failure.
+    async fn dead_letters(
+        &self,
+        filter: &MessageFilter,
+        limit: usize,
+    ) -> Result<Vec<OutboxMessage>, OutboxError>;
+
+    /// Moves dead messages matching `filter` back to New, visible now, with attempts
+    /// reset to 0 (Dead → New). With `dry_run` only counts them.
+    ///
+    /// # Errors
+    /// [`OutboxError::Database`] on database failure.
+    async fn replay(
+        &self,
+        filter: &MessageFilter,
+        dry_run: bool,
+    ) -> Result<ReplayReport, OutboxError>;
+
+    /// Deletes up to `batch_size` Sent messages whose `sent_at` is older than
+    /// `older_than`; returns how many. Call repeatedly until it returns 0.
+    ///
+    /// # Errors
+    /// [`OutboxError::Database`] on database failure.
+    async fn purge_sent(&self, older_than: Duration, batch_size: usize)
+    -> Result<u64, OutboxError>;
+}
+
+/// The consumer's dedup records: `(message_id, consumer)` claimed inside the consumer's
+/// own transaction, so the record commits or rolls back with the handler's effects.
+#[async_trait]
+pub trait InboxStore: Send + Sync + 'static {
+    /// The backend's connection or transaction type (e.g. `PgConnection`).
+    type Connection: Send;
+
+    /// Records `(message_id, consumer)` on `conn` (which should be inside a
+    /// transaction). Returns `true` if this is the first time, `false` for a duplicate.
+    /// Concurrent claims of the same pair MUST NOT both return `true` once committed.
+    ///
+    /// # Errors
+    /// [`OutboxError::Database`] on database failure.
+    async fn try_claim(
+        &self,
+        conn: &mut Self::Connection,
+        message_id: Uuid,
+        consumer: &str,
+    ) -> Result<bool, OutboxError>;
+
+    /// Deletes up to `batch_size` inbox records older than `older_than`; returns how
+    /// many. A duplicate that arrives after its record was purged is processed again,
+    /// so `older_than` must exceed the longest redelivery or replay horizon.
+    ///
+    /// # Errors
+    /// [`OutboxError::Database`] on database failure.
+    async fn purge(&self, older_than: Duration, batch_size: usize) -> Result<u64, OutboxError>;
+}

@@ -1,0 +1,378 @@
+//! The wire format shared by every transport: CloudEvents attributes in binary content
+//! mode, plus W3C Trace Context.
+//!
+//! The payload travels as the message body (`datacontenttype` = `application/json`); the
+//! event's metadata travels as broker headers named after CloudEvents attributes
+//! (<https://github.com/cloudevents/spec>, v1.0.2), with the prefix of the protocol
+//! binding in use:
+//!
+//! | binding                          | prefix         | example header      |
+//! |----------------------------------|----------------|---------------------|
+//! | AMQP (RabbitMQ, AMQP 0-9-1 headers) | `cloudEvents:` | `cloudEvents:type` |
+//! | NATS                             | `ce-`          | `ce-type`           |
+//!
+//! | attribute          | from                         | kind                        |
+//! |--------------------|------------------------------|-----------------------------|
+//! | `specversion`      | `1.0`                        | required                    |
+//! | `id`               | outbox id (UUIDv7)           | required; also the broker message id |
+//! | `source`           | `/{aggregate_type}`, or configured | required              |
+//! | `type`             | `event_type`                 | required                    |
+//! | `subject`          | `aggregate_id`               | optional                    |
+//! | `time`             | `occurred_at` (RFC 3339)     | optional                    |
+//! | `datacontenttype`  | `application/json`           | optional (AMQP: the `content-type` property) |
+//! | `aggregatetype`    | `aggregate_type`             | extension                   |
+//! | `aggregateversion` | `aggregate_version`          | extension                   |
+//! | `tenantid`         | `tenant_id`                  | extension                   |
+//! | `partitionkey`     | `partition_key`              | Partitioning extension      |
+//! | `correlationid`, `causationid` | headers of the message | extensions             |
+//!
+//! `traceparent` and `tracestate` travel unprefixed, as W3C Trace Context
+//! (<https://www.w3.org/TR/trace-context/>) and OpenTelemetry propagators expect. Any
+//! other header of the message is passed through under its own name.
+
+use std::collections::BTreeMap;
+
+use chrono::{DateTime, SecondsFormat, Utc};
+use uuid::Uuid;
+
+use crate::message::{Headers, OutboxMessage};
+
+/// CloudEvents `specversion` we emit.
+pub const SPEC_VERSION: &str = "1.0";
+/// Content type of every payload.
+pub const CONTENT_TYPE_JSON: &str = "application/json";
+/// W3C Trace Context `traceparent` header.
+pub const TRACEPARENT: &str = "traceparent";
+/// W3C Trace Context `tracestate` header.
+pub const TRACESTATE: &str = "tracestate";
+/// Message header (unprefixed in the row) carrying the correlation id.
+pub const CORRELATION_ID: &str = "correlationid";
+/// Message header (unprefixed in the row) carrying the causation id.
+pub const CAUSATION_ID: &str = "causationid";
+
+/// A CloudEvents protocol binding: decides the header prefix.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Binding {
+    /// AMQP binding: `cloudEvents:` prefix.
+    Amqp,
+    /// NATS binding: `ce-` prefix.
+    Nats,
+}
+
+impl Binding {
+    /// The header prefix of the binding.
+    pub const fn prefix(self) -> &'static str {
+        match self {
+            Self::Amqp => "cloudEvents:",
+            Self::Nats => "ce-",
+        }
+    }
+
+    fn name(self, attribute: &str) -> String {
+        format!("{}{attribute}", self.prefix())
+    }
+}
+
+/// Formats a time as CloudEvents wants it (RFC 3339, microseconds, `Z`).
+pub fn format_time(at: DateTime<Utc>) -> String {
+    at.to_rfc3339_opts(SecondsFormat::Micros, true)
+}
+
+/// The headers to publish for `msg` under `binding`, as (name, value) pairs. `source`
+/// overrides the default CloudEvents `source` of `/{aggregate_type}`.
+pub fn encode_headers(
+    msg: &OutboxMessage,
+    binding: Binding,
+    source: Option<&str>,
+) -> Vec<(String, String)> {
+    let mut out = Vec::with_capacity(10 + msg.headers.len());
+    out.push((binding.name("specversion"), SPEC_VERSION.to_owned()));
+    out.push((binding.name("id"), msg.id.to_string()));
+    out.push((
+        binding.name("source"),
+        source.map_or_else(|| format!("/{}", msg.aggregate_type), str::to_owned),
+    ));
+    out.push((binding.name("type"), msg.event_type.clone()));
+    out.push((binding.name("subject"), msg.aggregate_id.clone()));
+    out.push((binding.name("time"), format_time(msg.occurred_at)));
+    out.push((binding.name("aggregatetype"), msg.aggregate_type.clone()));
+    out.push((
+        binding.name("aggregateversion"),
+        msg.aggregate_version.to_string(),
+    ));
+    if let Some(tenant) = &msg.tenant_id {
+        out.push((binding.name("tenantid"), tenant.clone()));
+    }
+    if let Some(key) = &msg.partition_key {
+        out.push((binding.name("partitionkey"), key.clone()));
+    }
+    for (name, value) in &msg.headers {
+        let wire_name = match name.as_str() {
+            CORRELATION_ID | CAUSATION_ID => binding.name(name),
+            _ => name.clone(),
+        };
+        out.push((wire_name, value.clone()));
+    }
+    out
+}
+
+/// A message as received by a consumer, decoded from the wire format.
+#[derive(Debug, Clone)]
+#[non_exhaustive]
+pub struct IncomingMessage {
+    /// The outbox id (broker message id, CloudEvents `id`): the inbox key.
+    pub id: Uuid,
+    /// CloudEvents `type`.
+    pub event_type: String,
+    /// CloudEvents `source`.
+    pub source: Option<String>,
+    /// `aggregatetype` extension.
+    pub aggregate_type: Option<String>,
+    /// CloudEvents `subject` (the aggregate id).
+    pub aggregate_id: Option<String>,
+    /// `aggregateversion` extension.
+    pub aggregate_version: Option<i64>,
+    /// `tenantid` extension.
+    pub tenant_id: Option<String>,
+    /// `partitionkey` extension.
+    pub partition_key: Option<String>,
+    /// `correlationid` extension.
+    pub correlation_id: Option<String>,
+    /// `causationid` extension.
+    pub causation_id: Option<String>,
+    /// CloudEvents `time` (the event's `occurred_at`).
+    pub occurred_at: Option<DateTime<Utc>>,
+    /// W3C `traceparent`, if valid.
+    pub traceparent: Option<TraceParent>,
+    /// W3C `tracestate`.
+    pub tracestate: Option<String>,
+    /// Every header as received (names and values).
+    pub headers: Headers,
+    /// The body (JSON bytes).
+    pub payload: Vec<u8>,
+    /// Whether the broker flags this as a redelivery.
+    pub redelivered: bool,
+    /// The delivery attempt number reported by the broker, when it reports one.
+    pub delivery_count: Option<u64>,
+}
+
+/// Why an incoming message could not be decoded.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum DecodeError {
+    /// A required attribute is absent.
+    #[error("missing required attribute {0}")]
+    Missing(&'static str),
+    /// An attribute has a malformed value.
+    #[error("attribute {attribute} has a malformed value {value:?}")]
+    Malformed {
+        /// The attribute.
+        attribute: &'static str,
+        /// The value received.
+        value: String,
+    },
+}
+
+impl IncomingMessage {
+    /// Decodes the wire format. `message_id` is the broker's message-id property, used
+    /// when the CloudEvents `id` header is absent.
+    ///
+    /// # Errors
+    /// [`DecodeError`] when neither an id nor an event type can be found, or the id is
+    /// not a UUID.
+    pub fn decode(
+        binding: Binding,
+        message_id: Option<&str>,
+        headers: Headers,
+        payload: Vec<u8>,
+        redelivered: bool,
+        delivery_count: Option<u64>,
+    ) -> Result<Self, DecodeError> {
+        let get = |attr: &str| headers.get(&binding.name(attr)).cloned();
+        let raw_id = get("id")
+            .or_else(|| message_id.map(str::to_owned))
+            .ok_or(DecodeError::Missing("id"))?;
+        let id = Uuid::parse_str(&raw_id).map_err(|_| DecodeError::Malformed {
+            attribute: "id",
+            value: raw_id.clone(),
+        })?;
+        let event_type = get("type").ok_or(DecodeError::Missing("type"))?;
+        let aggregate_version = match get("aggregateversion") {
+            Some(v) => Some(v.parse::<i64>().map_err(|_| DecodeError::Malformed {
+                attribute: "aggregateversion",
+                value: v,
+            })?),
+            None => None,
+        };
+        let occurred_at = get("time").and_then(|t| {
+            DateTime::parse_from_rfc3339(&t)
+                .ok()
+                .map(|t| t.with_timezone(&Utc))
+        });
+        Ok(Self {
+            id,
+            event_type,
+            source: get("source"),
+            aggregate_type: get("aggregatetype"),
+            aggregate_id: get("subject"),
+            aggregate_version,
+            tenant_id: get("tenantid"),
+            partition_key: get("partitionkey"),
+            correlation_id: get(CORRELATION_ID),
+            causation_id: get(CAUSATION_ID),
+            occurred_at,
+            traceparent: headers.get(TRACEPARENT).and_then(|t| TraceParent::parse(t)),
+            tracestate: headers.get(TRACESTATE).cloned(),
+            headers,
+            payload,
+            redelivered,
+            delivery_count,
+        })
+    }
+
+    /// The payload deserialized as `T`.
+    ///
+    /// # Errors
+    /// The `serde_json` error when the body does not match `T`.
+    pub fn json<T: serde::de::DeserializeOwned>(&self) -> Result<T, serde_json::Error> {
+        serde_json::from_slice(&self.payload)
+    }
+}
+
+/// A parsed W3C Trace Context `traceparent` (version 00):
+/// `00-{trace-id: 32 hex}-{parent-id: 16 hex}-{flags: 2 hex}`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct TraceParent {
+    /// 16-byte trace id (not all zero).
+    pub trace_id: u128,
+    /// 8-byte parent span id (not all zero).
+    pub parent_id: u64,
+    /// Trace flags (bit 0: sampled).
+    pub flags: u8,
+}
+
+impl TraceParent {
+    /// Parses a `traceparent` value; `None` when it is malformed or uses the all-zero
+    /// ids the specification forbids.
+    pub fn parse(value: &str) -> Option<Self> {
+        let parts: Vec<&str> = value.trim().split('-').collect();
+        let [version, trace, parent, flags] = parts.as_slice() else {
+            return None;
+        };
+        let hex = |s: &str, len: usize| {
+            s.len() == len && s.bytes().all(|b| matches!(b, b'0'..=b'9' | b'a'..=b'f'))
+        };
+        if !hex(version, 2) || *version == "ff" || !hex(trace, 32) || !hex(parent, 16) || !hex(flags, 2)
+        {
+            return None;
+        }
+        let trace_id = u128::from_str_radix(trace, 16).ok()?;
+        let parent_id = u64::from_str_radix(parent, 16).ok()?;
+        if trace_id == 0 || parent_id == 0 {
+            return None;
+        }
+        Some(Self {
+            trace_id,
+            parent_id,
+            flags: u8::from_str_radix(flags, 16).ok()?,
+        })
+    }
+}
+
+impl std::fmt::Display for TraceParent {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "00-{:032x}-{:016x}-{:02x}",
+            self.trace_id, self.parent_id, self.flags
+        )
+    }
+}
+
+/// Builds a [`Headers`] map from (name, value) pairs.
+pub fn headers_from_pairs<I, K, V>(pairs: I) -> Headers
+where
+    I: IntoIterator<Item = (K, V)>,
+    K: Into<String>,
+    V: Into<String>,
+{
+    pairs
+        .into_iter()
+        .map(|(k, v)| (k.into(), v.into()))
+        .collect::<BTreeMap<_, _>>()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::message::MessageStatus;
+    use serde_json::value::RawValue;
+
+    fn sample() -> OutboxMessage {
+        OutboxMessage {
+            id: Uuid::now_v7(),
+            seq: 1,
+            aggregate_type: "order".into(),
+            aggregate_id: "42".into(),
+            aggregate_version: 3,
+            event_type: "OrderPlaced".into(),
+            payload: RawValue::from_string("{}".into()).expect("json"),
+            headers: headers_from_pairs([
+                (TRACEPARENT, "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"),
+                (CORRELATION_ID, "c-1"),
+            ]),
+            tenant_id: Some("t1".into()),
+            routing_key: None,
+            partition_key: None,
+            occurred_at: Utc::now(),
+            created_at: Utc::now(),
+            visible_at: Utc::now(),
+            attempts: 1,
+            status: MessageStatus::Processing,
+            last_error: None,
+            claim_token: None,
+            lease_until: None,
+            sent_at: None,
+        }
+    }
+
+    #[test]
+    fn round_trip_through_both_bindings() {
+        let msg = sample();
+        for binding in [Binding::Amqp, Binding::Nats] {
+            let headers = headers_from_pairs(encode_headers(&msg, binding, None));
+            assert!(headers.contains_key(&format!("{}type", binding.prefix())));
+            let decoded =
+                IncomingMessage::decode(binding, None, headers, b"{}".to_vec(), false, None)
+                    .expect("decodes");
+            assert_eq!(decoded.id, msg.id);
+            assert_eq!(decoded.event_type, "OrderPlaced");
+            assert_eq!(decoded.aggregate_id.as_deref(), Some("42"));
+            assert_eq!(decoded.aggregate_version, Some(3));
+            assert_eq!(decoded.tenant_id.as_deref(), Some("t1"));
+            assert_eq!(decoded.correlation_id.as_deref(), Some("c-1"));
+            assert_eq!(decoded.source.as_deref(), Some("/order"));
+            assert_eq!(
+                decoded.traceparent.map(|t| t.to_string()).as_deref(),
+                Some("00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01")
+            );
+        }
+    }
+
+    #[test]
+    fn decode_rejects_missing_or_bad_ids() {
+        let missing = IncomingMessage::decode(Binding::Nats, None, Headers::new(), vec![], false, None);
+        assert_eq!(missing.err(), Some(DecodeError::Missing("id")));
+        let bad = IncomingMessage::decode(Binding::Nats, Some("x"), Headers::new(), vec![], false, None);
+        assert!(matches!(bad, Err(DecodeError::Malformed { attribute: "id", .. })));
+    }
+
+    #[test]
+    fn traceparent_validation() {
+        assert!(TraceParent::parse("00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01").is_some());
+        assert!(TraceParent::parse("00-00000000000000000000000000000000-00f067aa0ba902b7-01").is_none());
+        assert!(TraceParent::parse("00-4BF92F3577B34DA6A3CE929D0E0E4736-00f067aa0ba902b7-01").is_none());
+        assert!(TraceParent::parse("garbage").is_none());
+    }
+}

@@ -1,0 +1,243 @@
+//! Project automation, run as `cargo xtask <command>`.
+//!
+//! * `cargo xtask services` brings PostgreSQL, RabbitMQ and NATS up (Docker
+//!   Compose when a Docker engine is reachable, the locally installed servers
+//!   otherwise) and prints their status.
+//! * `cargo xtask itest [-- ARGS]` brings the services up, then runs every
+//!   test of the workspace (`cargo test --workspace --all-targets ARGS`, then
+//!   the doc tests).
+//! * `cargo xtask demo [-- ARGS]` runs the orders example against the services.
+//! * `cargo xtask bench [-- ARGS]` runs the orders benchmark.
+//! * `cargo xtask lint` checks formatting and runs clippy with warnings denied.
+//!
+//! Child processes get `DATABASE_URL`, `AMQP_URL` and `NATS_URL` pointing at
+//! the local services unless those variables are already set.
+
+mod services;
+#[cfg(test)]
+mod tidy;
+
+use std::ffi::OsString;
+use std::path::{Path, PathBuf};
+use std::process::{Command, ExitCode};
+use std::time::Duration;
+
+use anyhow::{Context, Result, bail};
+use clap::{Parser, Subcommand};
+
+/// Connection settings handed to child processes when not already set.
+const ENV_DEFAULTS: [(&str, &str); 3] = [
+    ("DATABASE_URL", "postgres://postgres@127.0.0.1:5432/test"),
+    ("AMQP_URL", "amqp://guest:guest@127.0.0.1:5672/%2f"),
+    ("NATS_URL", "nats://127.0.0.1:4222"),
+];
+
+/// Project automation for the outbox workspace.
+#[derive(Debug, Parser)]
+#[command(name = "cargo xtask", bin_name = "cargo xtask", version, about)]
+struct Cli {
+    /// Seconds to wait for the services to become ready.
+    #[arg(
+        long,
+        global = true,
+        env = "XTASK_SERVICE_TIMEOUT",
+        default_value_t = 90,
+        value_name = "SECS"
+    )]
+    service_timeout: u64,
+
+    #[command(subcommand)]
+    command: Cmd,
+}
+
+/// The xtask subcommands.
+#[derive(Debug, Subcommand)]
+enum Cmd {
+    /// Ensure PostgreSQL, RabbitMQ and NATS are up and print their status.
+    Services,
+    /// Ensure the services, then run all workspace tests and the doc tests.
+    ///
+    /// ARGS go to `cargo test --workspace --all-targets` unchanged; to reach
+    /// the test harness use a second `--`, e.g.
+    /// `cargo xtask itest -- -- --nocapture`.
+    Itest {
+        /// Extra arguments for `cargo test`.
+        #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
+        args: Vec<OsString>,
+    },
+    /// Ensure the services, then run the orders example (release build).
+    Demo {
+        /// Extra arguments for the example binary.
+        #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
+        args: Vec<OsString>,
+    },
+    /// Ensure the services, then run the orders benchmark (release build).
+    Bench {
+        /// Extra arguments for the bench binary.
+        #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
+        args: Vec<OsString>,
+    },
+    /// Check formatting and run clippy with warnings denied.
+    Lint,
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    match run(cli) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(err) => {
+            eprintln!("xtask: error: {err:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn run(cli: Cli) -> Result<()> {
+    let timeout = Duration::from_secs(cli.service_timeout);
+    match cli.command {
+        Cmd::Services => services::ensure(timeout),
+        Cmd::Itest { args } => {
+            services::ensure(timeout)?;
+            let mut tests = cargo();
+            tests
+                .args(["test", "--workspace", "--all-targets"])
+                .args(&args);
+            env_default(&mut tests, "RUST_BACKTRACE", "1");
+            run_child(&mut tests)?;
+
+            let mut doc = cargo();
+            doc.args(["test", "--workspace", "--doc"]);
+            env_default(&mut doc, "RUST_BACKTRACE", "1");
+            run_child(&mut doc)
+        }
+        Cmd::Demo { args } => {
+            services::ensure(timeout)?;
+            let mut demo = cargo();
+            demo.args(["run", "--release", "-p", "orders-example", "--"])
+                .args(&args);
+            run_child(&mut demo)
+        }
+        Cmd::Bench { args } => {
+            services::ensure(timeout)?;
+            let mut bench = cargo();
+            bench
+                .args([
+                    "run",
+                    "--release",
+                    "-p",
+                    "orders-example",
+                    "--bin",
+                    "bench",
+                    "--",
+                ])
+                .args(&args);
+            run_child(&mut bench)
+        }
+        Cmd::Lint => {
+            // Run both so one invocation reports every problem.
+            let fmt = run_child(cargo().args(["fmt", "--all", "--", "--check"]));
+            let clippy = run_child(cargo().args([
+                "clippy",
+                "--workspace",
+                "--all-targets",
+                "--",
+                "-D",
+                "warnings",
+            ]));
+            match (fmt, clippy) {
+                (Ok(()), Ok(())) => Ok(()),
+                (Err(e), Ok(())) | (Ok(()), Err(e)) => Err(e),
+                (Err(fmt), Err(clippy)) => bail!("{fmt:#}; {clippy:#}"),
+            }
+        }
+    }
+}
+
+/// The workspace root (the parent of this crate's directory).
+pub(crate) fn workspace_root() -> PathBuf {
+    let manifest_dir = Path::new(env!("CARGO_MANIFEST_DIR"));
+    manifest_dir.parent().unwrap_or(manifest_dir).to_path_buf()
+}
+
+/// A `cargo` command (honouring `$CARGO`) run from the workspace root with
+/// the service URLs defaulted.
+fn cargo() -> Command {
+    let program = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
+    let mut cmd = Command::new(program);
+    cmd.current_dir(workspace_root());
+    for (key, value) in ENV_DEFAULTS {
+        env_default(&mut cmd, key, value);
+    }
+    cmd
+}
+
+/// Sets `key` for the child unless the variable is already set for us.
+fn env_default(cmd: &mut Command, key: &str, value: &str) {
+    if std::env::var_os(key).is_none() {
+        cmd.env(key, value);
+    }
+}
+
+/// The command line of `cmd`, for messages.
+pub(crate) fn display(cmd: &Command) -> String {
+    std::iter::once(cmd.get_program())
+        .chain(cmd.get_args())
+        .map(|arg| arg.to_string_lossy().into_owned())
+        .collect::<Vec<_>>()
+        .join(" ")
+}
+
+/// Runs `cmd` with inherited stdio; fails unless it exits successfully.
+fn run_child(cmd: &mut Command) -> Result<()> {
+    let shown = display(cmd);
+    eprintln!("xtask: running `{shown}`");
+    let status = cmd
+        .status()
+        .with_context(|| format!("could not run `{shown}`"))?;
+    if !status.success() {
+        bail!("`{shown}` failed ({status})");
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn args_of(argv: &[&str]) -> Vec<OsString> {
+        match Cli::try_parse_from(argv).expect("parses").command {
+            Cmd::Itest { args } | Cmd::Demo { args } | Cmd::Bench { args } => args,
+            other => panic!("unexpected command {other:?}"),
+        }
+    }
+
+    #[test]
+    fn extra_args_are_forwarded_verbatim() {
+        assert_eq!(
+            args_of(&["xtask", "itest", "--", "-p", "outbox-core"]),
+            ["-p", "outbox-core"]
+        );
+        assert_eq!(
+            args_of(&["xtask", "itest", "--", "--", "--nocapture"]),
+            ["--", "--nocapture"]
+        );
+        assert_eq!(
+            args_of(&["xtask", "demo", "--", "--orders", "10"]),
+            ["--orders", "10"]
+        );
+        assert_eq!(args_of(&["xtask", "bench"]), Vec::<OsString>::new());
+    }
+
+    #[test]
+    fn service_timeout_is_a_global_option() {
+        let cli =
+            Cli::try_parse_from(["xtask", "itest", "--service-timeout", "5"]).expect("parses");
+        assert_eq!(cli.service_timeout, 5);
+    }
+
+    #[test]
+    fn cli_is_consistent() {
+        use clap::CommandFactory;
+        Cli::command().debug_assert();
+    }
+}

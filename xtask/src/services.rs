@@ -1,0 +1,494 @@
+//! Service bring-up: PostgreSQL, RabbitMQ and NATS on their default local ports.
+//!
+//! Each service is checked for real readiness (not just an open port). The
+//! ones that are not ready are started with `docker compose` when a Docker
+//! engine answers `docker info`, otherwise with the locally installed
+//! servers, and then polled until ready or until the deadline passes.
+
+use std::fs::{self, File};
+use std::io::{self, Read, Write};
+use std::net::{SocketAddr, TcpStream};
+use std::path::PathBuf;
+use std::process::{Command, Stdio};
+use std::thread;
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result, bail};
+
+use crate::{display, workspace_root};
+
+/// Pause between two readiness polls.
+const POLL_INTERVAL: Duration = Duration::from_millis(500);
+/// Upper bound for one readiness check (connect, handshake, reply).
+const CHECK_TIMEOUT: Duration = Duration::from_secs(2);
+/// The AMQP 0-9-1 protocol header a client sends first.
+const AMQP_PROTOCOL_HEADER: &[u8; 8] = b"AMQP\x00\x00\x09\x01";
+/// Where the local PostgreSQL clusters are configured (one directory per version).
+const POSTGRES_CONF_DIR: &str = "/etc/postgresql";
+
+/// A service the tests and examples need.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Service {
+    Postgres,
+    Rabbitmq,
+    Nats,
+}
+
+impl Service {
+    const ALL: [Self; 3] = [Self::Postgres, Self::Rabbitmq, Self::Nats];
+
+    /// Name used in messages; also the service name in `compose.yaml`.
+    fn name(self) -> &'static str {
+        match self {
+            Self::Postgres => "postgres",
+            Self::Rabbitmq => "rabbitmq",
+            Self::Nats => "nats",
+        }
+    }
+
+    fn addr(self) -> SocketAddr {
+        let port = match self {
+            Self::Postgres => 5432,
+            Self::Rabbitmq => 5672,
+            Self::Nats => 4222,
+        };
+        SocketAddr::from(([127, 0, 0, 1], port))
+    }
+
+    /// `Ok` when the service accepts clients; otherwise why not.
+    fn check(self) -> Result<(), String> {
+        match self {
+            Self::Postgres => check_postgres(self.addr()),
+            Self::Rabbitmq => check_amqp(self.addr()),
+            Self::Nats => check_nats(self.addr()),
+        }
+    }
+
+    /// The command that starts the locally installed server.
+    fn local_start_command(self) -> Result<Command> {
+        let mut cmd;
+        match self {
+            Self::Postgres => {
+                let version = postgres_version()?;
+                cmd = Command::new("pg_ctlcluster");
+                cmd.args(["--skip-systemctl-redirect", &version, "main", "start"]);
+            }
+            Self::Rabbitmq => {
+                cmd = Command::new("rabbitmq-server");
+                cmd.arg("-detached");
+            }
+            Self::Nats => {
+                cmd = Command::new("start-stop-daemon");
+                cmd.args([
+                    "--start",
+                    "--oknodo",
+                    "--background",
+                    "--exec",
+                    "/usr/sbin/nats-server",
+                    "--",
+                    "-a",
+                    "127.0.0.1",
+                    "-p",
+                    "4222",
+                    "-js",
+                    "-sd",
+                    "/var/lib/nats-server",
+                    "-l",
+                    "/var/log/nats-server.log",
+                ]);
+            }
+        }
+        Ok(cmd)
+    }
+}
+
+/// What was done to bring a service up.
+struct Attempt {
+    service: Service,
+    /// "started with docker compose" or "started locally".
+    how: &'static str,
+    /// The command that was run.
+    command: String,
+    /// Anything odd about the start (non-zero exit, where its output went).
+    note: Option<String>,
+    /// The reason of the latest failed readiness check.
+    last_check: String,
+}
+
+/// Makes sure PostgreSQL, RabbitMQ and NATS are ready, starting what is not,
+/// and prints one status line per service.
+pub(crate) fn ensure(timeout: Duration) -> Result<()> {
+    let began = Instant::now();
+    let mut down = Vec::new();
+    for service in Service::ALL {
+        match service.check() {
+            Ok(()) => println!("{}: ready (already running)", service.name()),
+            Err(why) => down.push((service, why)),
+        }
+    }
+
+    if !down.is_empty() {
+        let attempts = if docker_engine_available() {
+            start_with_compose(down)?
+        } else {
+            start_locally(down)?
+        };
+        wait_until_ready(attempts, began, began + timeout, timeout)?;
+    }
+
+    if std::env::var_os("MSSQL_URL").is_none() {
+        println!("sqlserver: MSSQL_URL not set; SQL Server tests will be skipped");
+    } else {
+        println!("sqlserver: MSSQL_URL set (not checked by xtask)");
+    }
+    Ok(())
+}
+
+/// Whether a Docker engine answers (the client alone is not enough).
+fn docker_engine_available() -> bool {
+    Command::new("docker")
+        .arg("info")
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .status()
+        .is_ok_and(|status| status.success())
+}
+
+fn start_with_compose(down: Vec<(Service, String)>) -> Result<Vec<Attempt>> {
+    let mut cmd = Command::new("docker");
+    cmd.args(["compose", "up", "-d"])
+        .args(down.iter().map(|(service, _)| service.name()))
+        .current_dir(workspace_root())
+        .stdin(Stdio::null());
+    let shown = display(&cmd);
+    println!("xtask: Docker engine found, running `{shown}`");
+    let status = cmd
+        .status()
+        .with_context(|| format!("could not run `{shown}`"))?;
+    if !status.success() {
+        let names: Vec<_> = down.iter().map(|(service, _)| service.name()).collect();
+        bail!(
+            "`{shown}` failed ({status}); services not ready: {}",
+            names.join(", ")
+        );
+    }
+    Ok(down
+        .into_iter()
+        .map(|(service, why)| Attempt {
+            service,
+            how: "started with docker compose",
+            command: shown.clone(),
+            note: None,
+            last_check: why,
+        })
+        .collect())
+}
+
+fn start_locally(down: Vec<(Service, String)>) -> Result<Vec<Attempt>> {
+    let mut attempts = Vec::new();
+    for (service, why) in down {
+        let mut cmd = service.local_start_command().with_context(|| {
+            format!(
+                "{} ({}) is not ready ({why}) and cannot be started locally",
+                service.name(),
+                service.addr()
+            )
+        })?;
+        let shown = display(&cmd);
+        // Daemons may inherit stdout/stderr: point them at a file, never at a
+        // pipe we would wait on.
+        let log = start_log_path(service);
+        let out =
+            File::create(&log).with_context(|| format!("could not create {}", log.display()))?;
+        let err = out
+            .try_clone()
+            .with_context(|| format!("could not reopen {}", log.display()))?;
+        println!(
+            "xtask: {} not ready ({why}); running `{shown}`",
+            service.name()
+        );
+        let status = cmd
+            .stdin(Stdio::null())
+            .stdout(out)
+            .stderr(err)
+            .status()
+            .with_context(|| {
+                format!(
+                    "{} ({}) is not ready ({why}) and `{shown}` could not be run",
+                    service.name(),
+                    service.addr()
+                )
+            })?;
+        let note = if status.success() {
+            None
+        } else {
+            let output = fs::read_to_string(&log).unwrap_or_default();
+            let note = format!("it failed ({status}); output in {}", log.display());
+            // Keep waiting: the server may be starting up already.
+            eprintln!("xtask: warning: `{shown}` failed ({status}); waiting anyway");
+            for line in output.lines().filter(|l| !l.trim().is_empty()).take(10) {
+                eprintln!("    {line}");
+            }
+            Some(note)
+        };
+        attempts.push(Attempt {
+            service,
+            how: "started locally",
+            command: shown,
+            note,
+            last_check: why,
+        });
+    }
+    Ok(attempts)
+}
+
+fn start_log_path(service: Service) -> PathBuf {
+    std::env::temp_dir().join(format!("xtask-{}-start.log", service.name()))
+}
+
+/// The PostgreSQL version whose cluster to start: the highest-numbered
+/// directory in `/etc/postgresql`.
+fn postgres_version() -> Result<String> {
+    let entries = fs::read_dir(POSTGRES_CONF_DIR)
+        .with_context(|| format!("could not list {POSTGRES_CONF_DIR}"))?;
+    let mut versions = Vec::new();
+    for entry in entries {
+        let entry = entry.with_context(|| format!("could not list {POSTGRES_CONF_DIR}"))?;
+        if entry.path().is_dir() {
+            versions.push(entry.file_name().to_string_lossy().into_owned());
+        }
+    }
+    versions.sort_by_key(|v| {
+        v.split('.')
+            .map(|part| part.parse::<u32>().unwrap_or(0))
+            .collect::<Vec<_>>()
+    });
+    versions
+        .pop()
+        .with_context(|| format!("no PostgreSQL cluster configured in {POSTGRES_CONF_DIR}"))
+}
+
+fn wait_until_ready(
+    mut pending: Vec<Attempt>,
+    began: Instant,
+    deadline: Instant,
+    timeout: Duration,
+) -> Result<()> {
+    loop {
+        pending.retain_mut(|attempt| match attempt.service.check() {
+            Ok(()) => {
+                println!(
+                    "{}: {}, ready after {:.1} s",
+                    attempt.service.name(),
+                    attempt.how,
+                    began.elapsed().as_secs_f64()
+                );
+                false
+            }
+            Err(why) => {
+                attempt.last_check = why;
+                true
+            }
+        });
+        if pending.is_empty() {
+            return Ok(());
+        }
+        if Instant::now() >= deadline {
+            let mut msg = format!(
+                "services not ready after {} s (set --service-timeout or XTASK_SERVICE_TIMEOUT to wait longer):",
+                timeout.as_secs()
+            );
+            for attempt in &pending {
+                msg.push_str(&format!(
+                    "\n  {} ({}): tried `{}`",
+                    attempt.service.name(),
+                    attempt.service.addr(),
+                    attempt.command
+                ));
+                if let Some(note) = &attempt.note {
+                    msg.push_str(&format!(" ({note})"));
+                }
+                msg.push_str(&format!("; last check: {}", attempt.last_check));
+            }
+            bail!(msg);
+        }
+        thread::sleep(POLL_INTERVAL);
+    }
+}
+
+/// PostgreSQL: `pg_isready` when installed, a TCP connect otherwise.
+fn check_postgres(addr: SocketAddr) -> Result<(), String> {
+    let status = Command::new("pg_isready")
+        .args([
+            "-q",
+            "-h",
+            &addr.ip().to_string(),
+            "-p",
+            &addr.port().to_string(),
+        ])
+        .args(["-t", "2"])
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .status();
+    match status {
+        Ok(status) if status.success() => Ok(()),
+        Ok(status) => Err(match status.code() {
+            Some(1) => "pg_isready: server is rejecting connections (starting up?)".to_owned(),
+            Some(2) => "pg_isready: no response".to_owned(),
+            _ => format!("pg_isready: {status}"),
+        }),
+        Err(e) if e.kind() == io::ErrorKind::NotFound => connect(addr).map(drop),
+        Err(e) => Err(format!("could not run pg_isready: {e}")),
+    }
+}
+
+/// RabbitMQ: the server must answer the AMQP protocol header with a
+/// Connection.Start method frame (type 1, channel 0).
+fn check_amqp(addr: SocketAddr) -> Result<(), String> {
+    let mut stream = connect(addr)?;
+    let deadline = Instant::now() + CHECK_TIMEOUT;
+    stream
+        .write_all(AMQP_PROTOCOL_HEADER)
+        .map_err(|e| format!("AMQP handshake: sending protocol header: {e}"))?;
+    let reply = read_until(&mut stream, deadline, |buf| buf.len() >= 7)
+        .map_err(|e| format!("AMQP handshake: waiting for Connection.Start: {e}"))?;
+    match reply.as_slice() {
+        [1, 0, 0, ..] if reply.len() >= 7 => Ok(()),
+        [b'A', b'M', b'Q', b'P', ..] => Err(format!(
+            "AMQP handshake: server rejected protocol 0-9-1 (replied {:?})",
+            String::from_utf8_lossy(&reply)
+        )),
+        _ => Err(format!(
+            "AMQP handshake: expected a Connection.Start frame, got {} byte(s) {:02x?}",
+            reply.len(),
+            &reply[..reply.len().min(16)]
+        )),
+    }
+}
+
+/// NATS: the server greets every client with an `INFO {...}` line.
+fn check_nats(addr: SocketAddr) -> Result<(), String> {
+    let mut stream = connect(addr)?;
+    let deadline = Instant::now() + CHECK_TIMEOUT;
+    let greeting = read_until(&mut stream, deadline, |buf| buf.contains(&b'\n'))
+        .map_err(|e| format!("NATS: waiting for INFO: {e}"))?;
+    if greeting.starts_with(b"INFO ") {
+        Ok(())
+    } else {
+        let shown = String::from_utf8_lossy(&greeting[..greeting.len().min(60)]).into_owned();
+        Err(format!("NATS: expected an INFO line, got {shown:?}"))
+    }
+}
+
+fn connect(addr: SocketAddr) -> Result<TcpStream, String> {
+    let stream = TcpStream::connect_timeout(&addr, CHECK_TIMEOUT)
+        .map_err(|e| format!("TCP connect to {addr}: {e}"))?;
+    stream
+        .set_write_timeout(Some(CHECK_TIMEOUT))
+        .map_err(|e| format!("TCP {addr}: {e}"))?;
+    Ok(stream)
+}
+
+/// Reads until `done` holds for what was read, the peer closes, or the
+/// deadline passes (an error unless `done` holds).
+fn read_until(
+    stream: &mut TcpStream,
+    deadline: Instant,
+    done: impl Fn(&[u8]) -> bool,
+) -> Result<Vec<u8>, String> {
+    const MAX: usize = 64 * 1024;
+    let mut buf = Vec::new();
+    let mut chunk = [0_u8; 1024];
+    while !done(&buf) && buf.len() < MAX {
+        let left = deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return Err(format!("timed out after {} s", CHECK_TIMEOUT.as_secs()));
+        }
+        stream
+            .set_read_timeout(Some(left))
+            .map_err(|e| e.to_string())?;
+        match stream.read(&mut chunk) {
+            Ok(0) if buf.is_empty() => return Err("connection closed without a reply".to_owned()),
+            Ok(0) => break,
+            Ok(n) => buf.extend_from_slice(&chunk[..n]),
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+            Err(e)
+                if matches!(
+                    e.kind(),
+                    io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut
+                ) =>
+            {
+                return Err(format!("timed out after {} s", CHECK_TIMEOUT.as_secs()));
+            }
+            Err(e) => return Err(e.to_string()),
+        }
+    }
+    Ok(buf)
+}
+
+#[cfg(test)]
+mod tests {
+    use std::net::TcpListener;
+
+    use super::*;
+
+    /// A one-shot server on an ephemeral port that reads a little, replies
+    /// with `reply`, then closes.
+    fn fake_server(reply: &'static [u8], read_first: usize) -> SocketAddr {
+        let listener = TcpListener::bind("127.0.0.1:0").expect("bind");
+        let addr = listener.local_addr().expect("addr");
+        thread::spawn(move || {
+            if let Ok((mut conn, _)) = listener.accept() {
+                let mut got = vec![0_u8; read_first];
+                let _ = conn.read_exact(&mut got);
+                let _ = conn.write_all(reply);
+            }
+        });
+        addr
+    }
+
+    #[test]
+    fn amqp_connection_start_is_ready() {
+        // Frame type 1, channel 0, size, then class 10 method 10.
+        let addr = fake_server(b"\x01\x00\x00\x00\x00\x01\x00\x00\x0a\x00\x0a", 8);
+        assert_eq!(check_amqp(addr), Ok(()));
+    }
+
+    #[test]
+    fn amqp_protocol_mismatch_is_not_ready() {
+        let addr = fake_server(b"AMQP\x00\x00\x09\x01", 8);
+        let err = check_amqp(addr).expect_err("not ready");
+        assert!(err.contains("rejected"), "{err}");
+    }
+
+    #[test]
+    fn amqp_silent_close_is_not_ready() {
+        let addr = fake_server(b"", 8);
+        assert!(check_amqp(addr).is_err());
+    }
+
+    #[test]
+    fn nats_info_line_is_ready() {
+        let addr = fake_server(b"INFO {\"server_id\":\"x\"}\r\n", 0);
+        assert_eq!(check_nats(addr), Ok(()));
+    }
+
+    #[test]
+    fn nats_other_greeting_is_not_ready() {
+        let addr = fake_server(b"-ERR 'nope'\r\n", 0);
+        let err = check_nats(addr).expect_err("not ready");
+        assert!(err.contains("INFO"), "{err}");
+    }
+
+    #[test]
+    fn closed_port_is_not_ready() {
+        let addr = {
+            let listener = TcpListener::bind("127.0.0.1:0").expect("bind");
+            listener.local_addr().expect("addr")
+        };
+        assert!(check_nats(addr).is_err());
+        assert!(check_amqp(addr).is_err());
+    }
+}

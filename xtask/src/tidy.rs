@@ -1,0 +1,144 @@
+//! House-style checks over the repository, run as ordinary tests.
+
+use std::fs;
+use std::path::{Path, PathBuf};
+
+use crate::workspace_root;
+
+/// All files below `dir`, skipping build output and hidden directories.
+fn files_under(dir: &Path) -> Vec<PathBuf> {
+    let mut files = Vec::new();
+    let mut stack = vec![dir.to_path_buf()];
+    while let Some(dir) = stack.pop() {
+        let Ok(entries) = fs::read_dir(&dir) else {
+            continue;
+        };
+        for entry in entries.flatten() {
+            let path = entry.path();
+            let name = entry.file_name();
+            let name = name.to_string_lossy();
+            if path.is_dir() {
+                if name != "target" && !name.starts_with('.') {
+                    stack.push(path);
+                }
+            } else {
+                files.push(path);
+            }
+        }
+    }
+    files.sort();
+    files
+}
+
+/// Whether the manifest opts into the workspace lints
+/// (`[lints]` + `workspace = true`, or `lints.workspace = true`).
+fn uses_workspace_lints(manifest: &str) -> bool {
+    // The current `[table]` header; empty before the first one.
+    let mut table = String::new();
+    for line in manifest.lines() {
+        let line: String = line
+            .split('#')
+            .next()
+            .unwrap_or_default()
+            .chars()
+            .filter(|c| !c.is_whitespace())
+            .collect();
+        if line.starts_with('[') {
+            table = line;
+        } else if (table == "[lints]" && line == "workspace=true")
+            || (table.is_empty() && line == "lints.workspace=true")
+        {
+            return true;
+        }
+    }
+    false
+}
+
+#[test]
+fn every_manifest_uses_workspace_lints() {
+    let root = workspace_root();
+    let mut manifests: Vec<PathBuf> = ["crates", "examples"]
+        .iter()
+        .flat_map(|dir| files_under(&root.join(dir)))
+        .filter(|path| path.file_name().is_some_and(|name| name == "Cargo.toml"))
+        .collect();
+    manifests.push(root.join("xtask/Cargo.toml"));
+
+    let offenders: Vec<String> = manifests
+        .iter()
+        .filter(|path| {
+            let text = fs::read_to_string(path).unwrap_or_default();
+            !uses_workspace_lints(&text)
+        })
+        .map(|path| {
+            path.strip_prefix(&root)
+                .unwrap_or(path)
+                .display()
+                .to_string()
+        })
+        .collect();
+    assert!(
+        offenders.is_empty(),
+        "these manifests need `[lints]\\nworkspace = true`: {offenders:?}"
+    );
+}
+
+#[test]
+fn no_crate_level_lint_lists_in_crates() {
+    let root = workspace_root();
+    let mut offenders = Vec::new();
+    for path in files_under(&root.join("crates")) {
+        // Non-text files cannot hold attributes.
+        let Ok(text) = fs::read_to_string(&path) else {
+            continue;
+        };
+        for (number, line) in text.lines().enumerate() {
+            let compact: String = line.chars().filter(|c| !c.is_whitespace()).collect();
+            if compact.contains("#![warn(") || compact.contains("#![deny(") {
+                let shown = path.strip_prefix(&root).unwrap_or(&path).display();
+                offenders.push(format!("{shown}:{}", number + 1));
+            }
+        }
+    }
+    assert!(
+        offenders.is_empty(),
+        "lint levels belong in [workspace.lints], not in `#![warn(..)]`/`#![deny(..)]`: {offenders:?}"
+    );
+}
+
+#[test]
+fn ci_runs_the_documented_test_command() {
+    let ci = fs::read_to_string(workspace_root().join(".ci/run")).expect(".ci/run exists");
+    assert!(
+        ci.contains("cargo xtask itest"),
+        ".ci/run must run `cargo xtask itest`"
+    );
+}
+
+#[test]
+fn readme_documents_the_xtask_commands() {
+    let Ok(readme) = fs::read_to_string(workspace_root().join("README.md")) else {
+        return; // No README yet.
+    };
+    for command in ["cargo xtask itest", "cargo xtask demo"] {
+        assert!(
+            readme.contains(command),
+            "README.md must mention `{command}`"
+        );
+    }
+}
+
+#[test]
+fn lints_detection() {
+    assert!(uses_workspace_lints(
+        "[package]\nname = \"x\"\n\n[lints]\nworkspace = true\n"
+    ));
+    assert!(uses_workspace_lints("[lints]\nworkspace=true # shared\n"));
+    assert!(uses_workspace_lints("lints.workspace = true\n"));
+    assert!(!uses_workspace_lints("[package]\nworkspace = true\n"));
+    assert!(!uses_workspace_lints("[package]\nlints.workspace = true\n"));
+    assert!(!uses_workspace_lints("[lints]\n# workspace = true\n"));
+    assert!(!uses_workspace_lints(
+        "[lints.rust]\nunsafe_code = \"forbid\"\n"
+    ));
+}
