@@ -92,8 +92,10 @@ impl fmt::Display for MessageStatus {
 ///
 /// `id` is a UUIDv7: it is also the broker message id (AMQP `message-id`, `Nats-Msg-Id`)
 /// and the consumer-side inbox key.
+///
+/// Not `#[non_exhaustive]`: backends construct it from rows, and a new column is a
+/// deliberate breaking change for every backend.
 #[derive(Debug, Clone)]
-#[non_exhaustive]
 pub struct OutboxMessage {
     /// Unique id (UUIDv7), the broker message id and the inbox key.
     pub id: Uuid,

@@ -14,9 +14,9 @@ use uuid::Uuid;
 use crate::error::OutboxError;
 use crate::message::OutboxMessage;
 
-/// What to record for one claimed message.
+/// What to record for one claimed message. Exhaustive on purpose: every store must
+/// handle every outcome.
 #[derive(Debug, Clone, PartialEq)]
-#[non_exhaustive]
 pub enum CompletionOutcome {
     /// Processing → Sent, `sent_at = now()`.
     Sent,

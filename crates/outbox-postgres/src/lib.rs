@@ -1,1 +1,43 @@
-//! placeholder
+//! # outbox-postgres
+//!
+//! The PostgreSQL backend of the outbox toolkit, on sqlx:
+//!
+//! - [`migrate()`]: versioned migrations into a configurable schema (default `outbox`);
+//! - [`PgOutbox`]: [`enqueue`](PgOutbox::enqueue) / [`enqueue_batch`](PgOutbox::enqueue_batch)
+//!   on the caller's transaction, and the [`OutboxStore`](outbox_core::OutboxStore) the
+//!   dispatcher uses: claims with `FOR UPDATE SKIP LOCKED` in `(visible_at, seq)` order,
+//!   fenced leases, one-statement batch completion, backoff as `now() + delay` in SQL;
+//! - [`PgInbox`]: the [`InboxStore`](outbox_core::InboxStore) (`ON CONFLICT DO NOTHING`
+//!   inside the consumer's transaction).
+//!
+//! ```no_run
+//! use outbox_core::NewMessage;
+//! use outbox_postgres::{PgConfig, PgOutbox};
+//!
+//! # async fn demo() -> Result<(), Box<dyn std::error::Error>> {
+//! let outbox = PgOutbox::connect(&PgConfig::new("postgres://postgres@127.0.0.1/test")).await?;
+//! outbox.migrate().await?;
+//!
+//! let mut tx = outbox.pool().begin().await?;
+//! sqlx::query("INSERT INTO orders (id, total_cents) VALUES ($1, $2)")
+//!     .bind(42_i64).bind(1999_i64)
+//!     .execute(&mut *tx).await?;
+//! let event = NewMessage::builder("order", "42", "OrderPlaced")
+//!     .payload(&serde_json::json!({ "order_id": 42 }))
+//!     .build()?;
+//! outbox.enqueue(&mut tx, &event).await?;
+//! tx.commit().await?; // the order and its event commit together, or neither does
+//! # Ok(()) }
+//! ```
+
+mod config;
+mod error;
+mod inbox;
+mod migrate;
+mod sql;
+mod store;
+
+pub use config::{DEFAULT_SCHEMA, PgConfig, parse_url};
+pub use inbox::PgInbox;
+pub use migrate::{LATEST_VERSION, migrate};
+pub use store::PgOutbox;

@@ -1,0 +1,83 @@
+//! Versioned migrations into the configured schema.
+//!
+//! Migrations are SQL files compiled into the crate. Each runs once, in its own
+//! transaction, under a transaction-scoped advisory lock (so several processes may call
+//! [`migrate`] at start-up), and is recorded in `{schema}.outbox_schema_migrations`.
+
+use outbox_core::OutboxError;
+// The schema name is validated before it is spliced into any statement.
+use sqlx::{AssertSqlSafe, PgPool};
+
+use crate::error::db;
+
+/// (version, description, SQL with `{schema}` placeholders).
+const MIGRATIONS: &[(i32, &str, &str)] = &[(
+    1,
+    "outbox_messages and inbox_records",
+    include_str!("../migrations/0001_outbox.sql"),
+)];
+
+/// The highest migration version this crate knows.
+pub const LATEST_VERSION: i32 = 1;
+
+/// Creates `schema` if needed and applies every migration not yet applied. Returns the
+/// versions applied by this call.
+///
+/// # Errors
+/// [`OutboxError::Config`] for an invalid schema name, [`OutboxError::Database`] when a
+/// statement fails (that migration is rolled back), or [`OutboxError::Config`] when the
+/// database already has a newer version than this crate knows.
+pub async fn migrate(pool: &PgPool, schema: &str) -> Result<Vec<i32>, OutboxError> {
+    crate::config::validate_schema(schema)?;
+    let mut applied = Vec::new();
+    for &(version, description, sql) in MIGRATIONS {
+        let mut tx = pool.begin().await.map_err(db("migrate"))?;
+        // One lock per schema name, so parallel migrations of one schema serialize.
+        sqlx::query("SELECT pg_advisory_xact_lock(hashtext($1))")
+            .bind(format!("outbox-migrate:{schema}"))
+            .execute(&mut *tx)
+            .await
+            .map_err(db("migrate"))?;
+        sqlx::raw_sql(AssertSqlSafe(format!(
+            "CREATE SCHEMA IF NOT EXISTS {schema};
+             CREATE TABLE IF NOT EXISTS {schema}.outbox_schema_migrations (
+                 version integer PRIMARY KEY,
+                 description text NOT NULL,
+                 applied_at timestamptz NOT NULL DEFAULT now())"
+        )))
+        .execute(&mut *tx)
+        .await
+        .map_err(db("migrate"))?;
+        let newest: Option<i32> = sqlx::query_scalar(AssertSqlSafe(format!(
+            "SELECT max(version) FROM {schema}.outbox_schema_migrations"
+        )))
+        .fetch_one(&mut *tx)
+        .await
+        .map_err(db("migrate"))?;
+        if newest.is_some_and(|v| v > LATEST_VERSION) {
+            return Err(OutboxError::Config(format!(
+                "schema {schema} is at migration {} but this build knows only up to {LATEST_VERSION}",
+                newest.unwrap_or_default()
+            )));
+        }
+        if newest.is_some_and(|v| v >= version) {
+            continue;
+        }
+        sqlx::raw_sql(AssertSqlSafe(sql.replace("{schema}", schema)))
+            .execute(&mut *tx)
+            .await
+            .map_err(db("migrate"))?;
+        sqlx::query(AssertSqlSafe(format!(
+            "INSERT INTO {schema}.outbox_schema_migrations (version, description) VALUES ($1, $2)"
+        )))
+        .bind(version)
+        .bind(description)
+        .execute(&mut *tx)
+        .await
+        .map_err(db("migrate"))?;
+        tx.commit().await.map_err(db("migrate"))?;
+        tracing::info!(schema, version, description, "applied outbox migration");
+        applied.push(version);
+    }
+    Ok(applied)
+}

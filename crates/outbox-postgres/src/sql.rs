@@ -1,0 +1,163 @@
+//! SQL text of the backend, rendered once per schema. The schema name is validated
+//! before it is spliced; every value is a bind parameter.
+
+use std::sync::Arc;
+
+use sqlx::AssertSqlSafe;
+
+/// Columns read back for an [`OutboxMessage`](outbox_core::OutboxMessage).
+const COLUMNS: &str = "m.id, m.seq, m.aggregate_type, m.aggregate_id, m.aggregate_version, \
+    m.event_type, m.payload::text AS payload, m.headers, m.tenant_id, m.routing_key, \
+    m.partition_key, m.occurred_at, m.created_at, m.visible_at, m.attempts, m.status, \
+    m.last_error, m.claim_token, m.lease_until, m.sent_at";
+
+/// The optional-filter predicate shared by dead-letter listing and replay
+/// (`$1` ids, `$2` from, `$3` to, `$4` tenant, `$5` aggregate type, `$6` aggregate id,
+/// `$7` event type, `$8` error text).
+const FILTER: &str = "m.status = 3
+    AND ($1::uuid[] IS NULL OR m.id = ANY($1))
+    AND ($2::timestamptz IS NULL OR m.created_at >= $2)
+    AND ($3::timestamptz IS NULL OR m.created_at < $3)
+    AND ($4::text IS NULL OR m.tenant_id = $4)
+    AND ($5::text IS NULL OR m.aggregate_type = $5)
+    AND ($6::text IS NULL OR m.aggregate_id = $6)
+    AND ($7::text IS NULL OR m.event_type = $7)
+    AND ($8::text IS NULL OR m.last_error ILIKE '%' || $8 || '%')";
+
+#[derive(Debug)]
+pub(crate) struct Queries {
+    pub(crate) enqueue: Arc<str>,
+    pub(crate) claim: Arc<str>,
+    pub(crate) complete: Arc<str>,
+    pub(crate) get: Arc<str>,
+    pub(crate) stats: Arc<str>,
+    pub(crate) dead_letters: Arc<str>,
+    pub(crate) replay_count: Arc<str>,
+    pub(crate) replay: Arc<str>,
+    pub(crate) purge_sent: Arc<str>,
+    pub(crate) inbox_claim: Arc<str>,
+    pub(crate) inbox_purge: Arc<str>,
+}
+
+/// Wraps pre-rendered SQL for sqlx (cheap: an `Arc` clone).
+pub(crate) fn sql(text: &Arc<str>) -> AssertSqlSafe<Arc<str>> {
+    AssertSqlSafe(Arc::clone(text))
+}
+
+impl Queries {
+    pub(crate) fn new(schema: &str) -> Self {
+        let t = format!("{schema}.outbox_messages");
+        let inbox = format!("{schema}.inbox_records");
+        let s = |text: String| -> Arc<str> { text.into() };
+        Self {
+            // One statement for any number of messages; WITH ORDINALITY keeps `seq` in
+            // the caller's order.
+            enqueue: s(format!(
+                "INSERT INTO {t} (id, aggregate_type, aggregate_id, aggregate_version, event_type,
+                     payload, headers, tenant_id, routing_key, partition_key, occurred_at, visible_at)
+                 SELECT u.id, u.aggregate_type, u.aggregate_id, u.aggregate_version, u.event_type,
+                     u.payload::json, u.headers::jsonb, u.tenant_id, u.routing_key, u.partition_key,
+                     COALESCE(u.occurred_at, now()), now() + make_interval(secs => u.delay_secs)
+                 FROM UNNEST($1::uuid[], $2::text[], $3::text[], $4::int8[], $5::text[], $6::text[],
+                             $7::text[], $8::text[], $9::text[], $10::text[], $11::timestamptz[],
+                             $12::float8[])
+                     WITH ORDINALITY AS u(id, aggregate_type, aggregate_id, aggregate_version,
+                         event_type, payload, headers, tenant_id, routing_key, partition_key,
+                         occurred_at, delay_secs, ord)
+                 ORDER BY u.ord"
+            )),
+            // Claim: New and visible, or Processing with an expired lease, oldest first,
+            // skipping rows locked by concurrent claimers. Each branch walks its own
+            // partial index. Times come from the database clock only.
+            claim: s(format!(
+                "WITH fresh AS (
+                     SELECT id, visible_at, seq FROM {t}
+                      WHERE status = 0 AND visible_at <= now()
+                      ORDER BY visible_at, seq LIMIT $1 FOR UPDATE SKIP LOCKED
+                 ), expired AS (
+                     SELECT id, visible_at, seq FROM {t}
+                      WHERE status = 9 AND lease_until < now()
+                      ORDER BY lease_until LIMIT $1 FOR UPDATE SKIP LOCKED
+                 ), candidates AS (
+                     SELECT c.id FROM (SELECT * FROM fresh UNION ALL SELECT * FROM expired) c
+                      ORDER BY c.visible_at, c.seq LIMIT $1
+                 )
+                 UPDATE {t} m
+                    SET status = 9,
+                        lease_until = now() + make_interval(secs => $2),
+                        claim_token = $3,
+                        attempts = m.attempts + 1
+                   FROM candidates c
+                  WHERE m.id = c.id
+                 RETURNING {COLUMNS}"
+            )),
+            // Completion of a whole batch, each row fenced by its claim token.
+            complete: s(format!(
+                "UPDATE {t} m
+                    SET status = u.status,
+                        attempts = CASE WHEN u.release THEN greatest(m.attempts - 1, 0) ELSE m.attempts END,
+                        visible_at = CASE WHEN u.status = 0 AND NOT u.release
+                                          THEN now() + make_interval(secs => u.delay_secs)
+                                          ELSE m.visible_at END,
+                        last_error = COALESCE(u.error, m.last_error),
+                        sent_at = CASE WHEN u.status = 1 THEN now() END,
+                        lease_until = NULL,
+                        claim_token = NULL
+                   FROM UNNEST($1::uuid[], $2::uuid[], $3::int2[], $4::float8[], $5::text[], $6::bool[])
+                        AS u(id, token, status, delay_secs, error, release)
+                  WHERE m.id = u.id AND m.claim_token = u.token AND m.status = 9
+                 RETURNING m.id"
+            )),
+            get: s(format!("SELECT {COLUMNS} FROM {t} m WHERE m.id = $1")),
+            stats: s(format!(
+                "SELECT count(*) FILTER (WHERE status = 0),
+                        count(*) FILTER (WHERE status = 9),
+                        count(*) FILTER (WHERE status = 1),
+                        count(*) FILTER (WHERE status = 3),
+                        extract(epoch FROM now() - min(created_at) FILTER (WHERE status IN (0, 9)))::float8
+                   FROM {t}"
+            )),
+            dead_letters: s(format!(
+                "SELECT {COLUMNS} FROM {t} m WHERE {FILTER} ORDER BY m.created_at, m.seq LIMIT $9"
+            )),
+            replay_count: s(format!("SELECT count(*) FROM {t} m WHERE {FILTER}")),
+            replay: s(format!(
+                "UPDATE {t} m
+                    SET status = 0, attempts = 0, visible_at = now(), lease_until = NULL,
+                        claim_token = NULL
+                  WHERE {FILTER}"
+            )),
+            purge_sent: s(format!(
+                "DELETE FROM {t} WHERE id IN (
+                     SELECT id FROM {t}
+                      WHERE status = 1 AND sent_at <= now() - make_interval(secs => $1)
+                      ORDER BY sent_at LIMIT $2 FOR UPDATE SKIP LOCKED)"
+            )),
+            inbox_claim: s(format!(
+                "INSERT INTO {inbox} (message_id, consumer) VALUES ($1, $2)
+                 ON CONFLICT (message_id, consumer) DO NOTHING"
+            )),
+            inbox_purge: s(format!(
+                "DELETE FROM {inbox} WHERE (message_id, consumer) IN (
+                     SELECT message_id, consumer FROM {inbox}
+                      WHERE processed_at <= now() - make_interval(secs => $1)
+                      ORDER BY processed_at LIMIT $2 FOR UPDATE SKIP LOCKED)"
+            )),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn claim_uses_skip_locked_and_the_database_clock() {
+        let q = Queries::new("outbox");
+        assert!(q.claim.contains("FOR UPDATE SKIP LOCKED"));
+        assert!(q.claim.contains("visible_at <= now()"));
+        assert!(q.claim.contains("lease_until < now()"));
+        assert!(q.complete.contains("m.claim_token = u.token AND m.status = 9"));
+        assert!(q.purge_sent.contains("LIMIT $2"));
+    }
+}

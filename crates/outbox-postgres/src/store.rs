@@ -1,0 +1,371 @@
+//! [`PgOutbox`]: enqueue inside the caller's transaction, and the [`OutboxStore`] the
+//! dispatcher uses.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use async_trait::async_trait;
+use chrono::{DateTime, Utc};
+use outbox_core::{
+    CompleteReport, Completion, CompletionOutcome, EventSource, Headers, MessageFilter,
+    MessageStatus, NewMessage, OutboxError, OutboxMessage, OutboxStats, OutboxStore,
+    ReplayReport,
+};
+use serde_json::value::RawValue;
+use sqlx::postgres::{PgArguments, PgRow};
+use sqlx::query::Query;
+use sqlx::types::Json;
+use sqlx::{PgConnection, PgPool, Postgres, Row};
+use tracing::Instrument as _;
+use uuid::Uuid;
+
+use crate::config::PgConfig;
+use crate::error::db;
+use crate::sql::{Queries, sql};
+
+/// The PostgreSQL outbox: a pool plus the SQL rendered for one schema. Cheap to clone.
+///
+/// Writes go through [`enqueue`](Self::enqueue) / [`enqueue_batch`](Self::enqueue_batch)
+/// on the caller's own connection or transaction (`&mut *tx`), so the events commit or
+/// roll back with the business rows. The relay side is the [`OutboxStore`] impl.
+#[derive(Debug, Clone)]
+pub struct PgOutbox {
+    pool: PgPool,
+    schema: Arc<str>,
+    q: Arc<Queries>,
+}
+
+impl PgOutbox {
+    /// An outbox over `pool` in `schema` (run [`migrate`](Self::migrate) first).
+    ///
+    /// # Errors
+    /// [`OutboxError::Config`] for an invalid schema name.
+    pub fn new(pool: PgPool, schema: &str) -> Result<Self, OutboxError> {
+        crate::config::validate_schema(schema)?;
+        Ok(Self {
+            pool,
+            schema: schema.into(),
+            q: Arc::new(Queries::new(schema)),
+        })
+    }
+
+    /// Connects with `config` (see [`PgConfig::connect`]).
+    ///
+    /// # Errors
+    /// As [`PgConfig::connect`].
+    pub async fn connect(config: &PgConfig) -> Result<Self, OutboxError> {
+        let pool = config.connect().await?;
+        Self::new(pool, config.schema())
+    }
+
+    /// Applies pending migrations to this outbox's schema; returns the versions applied.
+    ///
+    /// # Errors
+    /// As [`crate::migrate()`].
+    pub async fn migrate(&self) -> Result<Vec<i32>, OutboxError> {
+        crate::migrate::migrate(&self.pool, &self.schema).await
+    }
+
+    /// The pool.
+    pub fn pool(&self) -> &PgPool {
+        &self.pool
+    }
+
+    /// The schema name.
+    pub fn schema(&self) -> &str {
+        &self.schema
+    }
+
+    /// Writes one message on `conn` (the caller's transaction). Returns its id.
+    ///
+    /// # Errors
+    /// [`OutboxError::Database`] when the insert fails (the caller's transaction is then
+    /// aborted and should be rolled back).
+    pub async fn enqueue(&self, conn: &mut PgConnection, message: &NewMessage) -> Result<Uuid, OutboxError> {
+        self.enqueue_batch(conn, std::slice::from_ref(message)).await?;
+        Ok(message.id)
+    }
+
+    /// Writes `messages` on `conn` in one statement (`INSERT ... SELECT FROM UNNEST`),
+    /// preserving their order in `seq`. Returns their ids.
+    ///
+    /// # Errors
+    /// [`OutboxError::Database`] when the insert fails; nothing is written then.
+    pub async fn enqueue_batch(
+        &self,
+        conn: &mut PgConnection,
+        messages: &[NewMessage],
+    ) -> Result<Vec<Uuid>, OutboxError> {
+        if messages.is_empty() {
+            return Ok(Vec::new());
+        }
+        let n = messages.len();
+        let mut ids = Vec::with_capacity(n);
+        let mut aggregate_types = Vec::with_capacity(n);
+        let mut aggregate_ids = Vec::with_capacity(n);
+        let mut versions = Vec::with_capacity(n);
+        let mut event_types = Vec::with_capacity(n);
+        let mut payloads = Vec::with_capacity(n);
+        let mut headers = Vec::with_capacity(n);
+        let mut tenants = Vec::with_capacity(n);
+        let mut routing_keys = Vec::with_capacity(n);
+        let mut partition_keys = Vec::with_capacity(n);
+        let mut occurred = Vec::with_capacity(n);
+        let mut delays = Vec::with_capacity(n);
+        for m in messages {
+            ids.push(m.id);
+            aggregate_types.push(m.aggregate_type.as_str());
+            aggregate_ids.push(m.aggregate_id.as_str());
+            versions.push(m.aggregate_version);
+            event_types.push(m.event_type.as_str());
+            payloads.push(m.payload.get());
+            headers.push(serde_json::to_string(&m.headers).map_err(|e| OutboxError::Decode {
+                id: m.id.to_string(),
+                reason: e.to_string(),
+            })?);
+            tenants.push(m.tenant_id.as_deref());
+            routing_keys.push(m.routing_key.as_deref());
+            partition_keys.push(m.partition_key.as_deref());
+            occurred.push(m.occurred_at);
+            delays.push(m.deliver_after.map_or(0.0, |d| d.as_secs_f64()));
+        }
+        sqlx::query(sql(&self.q.enqueue))
+            .bind(&ids)
+            .bind(&aggregate_types)
+            .bind(&aggregate_ids)
+            .bind(&versions)
+            .bind(&event_types)
+            .bind(&payloads)
+            .bind(&headers)
+            .bind(&tenants)
+            .bind(&routing_keys)
+            .bind(&partition_keys)
+            .bind(&occurred)
+            .bind(&delays)
+            .execute(&mut *conn)
+            .instrument(tracing::debug_span!("outbox.enqueue", messages = n))
+            .await
+            .map_err(db("enqueue"))?;
+        Ok(ids)
+    }
+
+    /// Drains the aggregate's pending [`DomainEvents`](outbox_core::DomainEvents) into
+    /// the outbox on `conn`. On failure the events are put back, so the caller can retry
+    /// the unit of work; on success they are gone from the aggregate and cannot be
+    /// written twice.
+    ///
+    /// # Errors
+    /// As [`enqueue_batch`](Self::enqueue_batch).
+    pub async fn save_events<A: EventSource + ?Sized>(
+        &self,
+        conn: &mut PgConnection,
+        aggregate: &mut A,
+    ) -> Result<Vec<Uuid>, OutboxError> {
+        let events = aggregate.domain_events().take();
+        match self.enqueue_batch(conn, &events).await {
+            Ok(ids) => Ok(ids),
+            Err(e) => {
+                aggregate.domain_events().restore(events);
+                Err(e)
+            }
+        }
+    }
+
+    fn bind_filter<'q>(
+        query: Query<'q, Postgres, PgArguments>,
+        f: &'q MessageFilter,
+    ) -> Query<'q, Postgres, PgArguments> {
+        query
+            .bind(if f.ids.is_empty() { None } else { Some(&f.ids) })
+            .bind(f.from)
+            .bind(f.to)
+            .bind(f.tenant_id.as_deref())
+            .bind(f.aggregate_type.as_deref())
+            .bind(f.aggregate_id.as_deref())
+            .bind(f.event_type.as_deref())
+            .bind(f.error_contains.as_deref())
+    }
+}
+
+/// Decodes a row of [`Queries`]' column list.
+pub(crate) fn decode_row(row: &PgRow) -> Result<OutboxMessage, OutboxError> {
+    let id: Uuid = row.try_get("id").map_err(db("decode"))?;
+    let decode_err = |reason: String| OutboxError::Decode {
+        id: id.to_string(),
+        reason,
+    };
+    let payload: String = row.try_get("payload").map_err(db("decode"))?;
+    let payload = RawValue::from_string(payload).map_err(|e| decode_err(format!("payload: {e}")))?;
+    let headers: Json<Headers> = row
+        .try_get("headers")
+        .map_err(|e| decode_err(format!("headers must be a JSON object of strings: {e}")))?;
+    let status: i16 = row.try_get("status").map_err(db("decode"))?;
+    Ok(OutboxMessage {
+        id,
+        seq: row.try_get("seq").map_err(db("decode"))?,
+        aggregate_type: row.try_get("aggregate_type").map_err(db("decode"))?,
+        aggregate_id: row.try_get("aggregate_id").map_err(db("decode"))?,
+        aggregate_version: row.try_get("aggregate_version").map_err(db("decode"))?,
+        event_type: row.try_get("event_type").map_err(db("decode"))?,
+        payload,
+        headers: headers.0,
+        tenant_id: row.try_get("tenant_id").map_err(db("decode"))?,
+        routing_key: row.try_get("routing_key").map_err(db("decode"))?,
+        partition_key: row.try_get("partition_key").map_err(db("decode"))?,
+        occurred_at: row.try_get("occurred_at").map_err(db("decode"))?,
+        created_at: row.try_get("created_at").map_err(db("decode"))?,
+        visible_at: row.try_get("visible_at").map_err(db("decode"))?,
+        attempts: row.try_get("attempts").map_err(db("decode"))?,
+        status: MessageStatus::from_code(status)?,
+        last_error: row.try_get("last_error").map_err(db("decode"))?,
+        claim_token: row.try_get("claim_token").map_err(db("decode"))?,
+        lease_until: row.try_get::<Option<DateTime<Utc>>, _>("lease_until").map_err(db("decode"))?,
+        sent_at: row.try_get("sent_at").map_err(db("decode"))?,
+    })
+}
+
+fn count(n: i64) -> u64 {
+    u64::try_from(n).unwrap_or(0)
+}
+
+fn limit(n: usize) -> i64 {
+    i64::try_from(n).unwrap_or(i64::MAX)
+}
+
+#[async_trait]
+impl OutboxStore for PgOutbox {
+    async fn claim(&self, batch_size: usize, lease: Duration) -> Result<Vec<OutboxMessage>, OutboxError> {
+        let token = Uuid::new_v4();
+        let rows = sqlx::query(sql(&self.q.claim))
+            .bind(limit(batch_size))
+            .bind(lease.as_secs_f64())
+            .bind(token)
+            .fetch_all(&self.pool)
+            .await
+            .map_err(db("claim"))?;
+        let mut messages = rows.iter().map(decode_row).collect::<Result<Vec<_>, _>>()?;
+        messages.sort_unstable_by_key(|m| m.seq);
+        Ok(messages)
+    }
+
+    async fn complete(&self, completions: &[Completion]) -> Result<CompleteReport, OutboxError> {
+        if completions.is_empty() {
+            return Ok(CompleteReport::default());
+        }
+        let n = completions.len();
+        let (mut ids, mut tokens, mut statuses) = (Vec::with_capacity(n), Vec::with_capacity(n), Vec::with_capacity(n));
+        let (mut delays, mut errors, mut releases) = (Vec::with_capacity(n), Vec::with_capacity(n), Vec::with_capacity(n));
+        for c in completions {
+            ids.push(c.id);
+            tokens.push(c.claim_token);
+            let (status, delay, error, release) = match &c.outcome {
+                CompletionOutcome::Sent => (MessageStatus::Sent, 0.0, None, false),
+                CompletionOutcome::Retry { delay, error } => {
+                    (MessageStatus::New, delay.as_secs_f64(), Some(error.as_str()), false)
+                }
+                CompletionOutcome::Dead { error } => (MessageStatus::Dead, 0.0, Some(error.as_str()), false),
+                CompletionOutcome::Release => (MessageStatus::New, 0.0, None, true),
+            };
+            statuses.push(status.code());
+            delays.push(delay);
+            errors.push(error);
+            releases.push(release);
+        }
+        let applied: Vec<Uuid> = sqlx::query_scalar(sql(&self.q.complete))
+            .bind(&ids)
+            .bind(&tokens)
+            .bind(&statuses)
+            .bind(&delays)
+            .bind(&errors)
+            .bind(&releases)
+            .fetch_all(&self.pool)
+            .await
+            .map_err(db("complete"))?;
+        let fenced = if applied.len() == n {
+            Vec::new()
+        } else {
+            let done: std::collections::HashSet<Uuid> = applied.iter().copied().collect();
+            ids.into_iter().filter(|id| !done.contains(id)).collect()
+        };
+        Ok(CompleteReport {
+            applied: applied.len() as u64,
+            fenced,
+        })
+    }
+
+    async fn get(&self, id: Uuid) -> Result<Option<OutboxMessage>, OutboxError> {
+        let row = sqlx::query(sql(&self.q.get))
+            .bind(id)
+            .fetch_optional(&self.pool)
+            .await
+            .map_err(db("get"))?;
+        row.as_ref().map(decode_row).transpose()
+    }
+
+    async fn stats(&self) -> Result<OutboxStats, OutboxError> {
+        let row = sqlx::query(sql(&self.q.stats))
+            .fetch_one(&self.pool)
+            .await
+            .map_err(db("stats"))?;
+        let get = |i: usize| row.try_get::<i64, _>(i).map(count).map_err(db("stats"));
+        let age: Option<f64> = row.try_get(4).map_err(db("stats"))?;
+        let mut stats = OutboxStats::default();
+        stats.new = get(0)?;
+        stats.processing = get(1)?;
+        stats.sent = get(2)?;
+        stats.dead = get(3)?;
+        stats.oldest_pending_age = age.map(|s| Duration::from_secs_f64(s.max(0.0)));
+        Ok(stats)
+    }
+
+    async fn dead_letters(&self, filter: &MessageFilter, limit_rows: usize) -> Result<Vec<OutboxMessage>, OutboxError> {
+        let rows = Self::bind_filter(sqlx::query(sql(&self.q.dead_letters)), filter)
+            .bind(limit(limit_rows))
+            .fetch_all(&self.pool)
+            .await
+            .map_err(db("dead_letters"))?;
+        rows.iter().map(decode_row).collect()
+    }
+
+    async fn replay(&self, filter: &MessageFilter, dry_run: bool) -> Result<ReplayReport, OutboxError> {
+        let started = Instant::now();
+        let matched: i64 = sqlx::query_scalar(sql(&self.q.replay_count))
+            .bind(if filter.ids.is_empty() { None } else { Some(&filter.ids) })
+            .bind(filter.from)
+            .bind(filter.to)
+            .bind(filter.tenant_id.as_deref())
+            .bind(filter.aggregate_type.as_deref())
+            .bind(filter.aggregate_id.as_deref())
+            .bind(filter.event_type.as_deref())
+            .bind(filter.error_contains.as_deref())
+            .fetch_one(&self.pool)
+            .await
+            .map_err(db("replay"))?;
+        let replayed = if dry_run {
+            0
+        } else {
+            Self::bind_filter(sqlx::query(sql(&self.q.replay)), filter)
+                .execute(&self.pool)
+                .await
+                .map_err(db("replay"))?
+                .rows_affected()
+        };
+        let matched = count(matched);
+        Ok(ReplayReport {
+            matched,
+            replayed,
+            failed: if dry_run { 0 } else { matched.saturating_sub(replayed) },
+            elapsed: started.elapsed(),
+        })
+    }
+
+    async fn purge_sent(&self, older_than: Duration, batch_size: usize) -> Result<u64, OutboxError> {
+        Ok(sqlx::query(sql(&self.q.purge_sent))
+            .bind(older_than.as_secs_f64())
+            .bind(limit(batch_size))
+            .execute(&self.pool)
+            .await
+            .map_err(db("purge_sent"))?
+            .rows_affected())
+    }
+}
