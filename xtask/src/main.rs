@@ -108,7 +108,21 @@ fn run(cli: Cli) -> Result<()> {
             let mut doc = cargo();
             doc.args(["test", "--workspace", "--doc"]);
             env_default(&mut doc, "RUST_BACKTRACE", "1");
-            run_child(&mut doc)
+            run_child(&mut doc)?;
+
+            // The main job must keep working: a short demo run (debug build, already
+            // compiled by the tests) whose reconciliation fails the run on any mismatch.
+            let mut demo = cargo();
+            demo.args([
+                "run",
+                "--quiet",
+                "-p",
+                "orders-example",
+                "--",
+                "--orders",
+                "500",
+            ]);
+            run_child(&mut demo)
         }
         Cmd::Demo { args } => {
             services::ensure(timeout)?;

@@ -78,7 +78,10 @@ pub async fn claim_marks_processing<H: Harness>(h: &H) {
     let store = h.store();
     let msgs = messages(5, "Claimed");
     h.enqueue(&msgs).await;
-    let claimed = store.claim(10, Duration::from_secs(60)).await.expect("claim");
+    let claimed = store
+        .claim(10, Duration::from_secs(60))
+        .await
+        .expect("claim");
     assert_eq!(claimed.len(), 5, "all five visible messages are claimed");
     let token = claimed[0].claim_token.expect("claim token set");
     for (i, m) in claimed.iter().enumerate() {
@@ -87,9 +90,16 @@ pub async fn claim_marks_processing<H: Harness>(h: &H) {
         assert_eq!(m.claim_token, Some(token));
         assert!(m.lease_until.expect("lease") > m.created_at);
         assert_eq!(m.id, msgs[i].id, "claimed in seq order");
-        assert_eq!(m.payload.get(), msgs[i].payload.get(), "payload round-trips");
+        assert_eq!(
+            m.payload.get(),
+            msgs[i].payload.get(),
+            "payload round-trips"
+        );
     }
-    let again = store.claim(10, Duration::from_secs(60)).await.expect("claim");
+    let again = store
+        .claim(10, Duration::from_secs(60))
+        .await
+        .expect("claim");
     assert!(again.is_empty(), "leased messages are not claimed again");
 }
 
@@ -104,7 +114,10 @@ pub async fn concurrent_claims_are_exclusive<H: Harness>(h: &H) {
         tasks.push(tokio::spawn(async move {
             let mut mine = Vec::new();
             loop {
-                let batch = store.claim(50, Duration::from_secs(60)).await.expect("claim");
+                let batch = store
+                    .claim(50, Duration::from_secs(60))
+                    .await
+                    .expect("claim");
                 if batch.is_empty() {
                     return mine;
                 }
@@ -128,7 +141,10 @@ pub async fn concurrent_claims_are_exclusive<H: Harness>(h: &H) {
 pub async fn completion_applies_each_outcome<H: Harness>(h: &H) {
     let store = h.store();
     h.enqueue(&messages(4, "Outcomes")).await;
-    let c = store.claim(4, Duration::from_secs(60)).await.expect("claim");
+    let c = store
+        .claim(4, Duration::from_secs(60))
+        .await
+        .expect("claim");
     assert_eq!(c.len(), 4);
     let t = c[0].claim_token.expect("token");
     let report = store
@@ -142,7 +158,13 @@ pub async fn completion_applies_each_outcome<H: Harness>(h: &H) {
                     error: "nack from broker".into(),
                 },
             ),
-            completion(c[2].id, t, CompletionOutcome::Dead { error: "unroutable".into() }),
+            completion(
+                c[2].id,
+                t,
+                CompletionOutcome::Dead {
+                    error: "unroutable".into(),
+                },
+            ),
             completion(c[3].id, t, CompletionOutcome::Release),
         ])
         .await
@@ -169,7 +191,10 @@ pub async fn completion_applies_each_outcome<H: Harness>(h: &H) {
     assert_eq!(released.attempts, 0, "release does not charge the attempt");
 
     // Only the released message is claimable now; the retried one waits for its backoff.
-    let next = store.claim(10, Duration::from_secs(60)).await.expect("claim");
+    let next = store
+        .claim(10, Duration::from_secs(60))
+        .await
+        .expect("claim");
     assert_eq!(next.iter().map(|m| m.id).collect::<Vec<_>>(), [c[3].id]);
     assert_eq!(next[0].attempts, 1);
 }
@@ -178,7 +203,10 @@ pub async fn completion_applies_each_outcome<H: Harness>(h: &H) {
 pub async fn retry_becomes_claimable_after_backoff<H: Harness>(h: &H) {
     let store = h.store();
     h.enqueue(&messages(1, "Retry")).await;
-    let c = store.claim(1, Duration::from_secs(60)).await.expect("claim");
+    let c = store
+        .claim(1, Duration::from_secs(60))
+        .await
+        .expect("claim");
     let t = c[0].claim_token.expect("token");
     store
         .complete(&[completion(
@@ -192,7 +220,11 @@ pub async fn retry_becomes_claimable_after_backoff<H: Harness>(h: &H) {
         .await
         .expect("complete");
     let again = claim_until(&*store, 1, Duration::from_secs(60), 1).await;
-    assert_eq!(again.len(), 1, "retried message is claimable after its backoff");
+    assert_eq!(
+        again.len(),
+        1,
+        "retried message is claimable after its backoff"
+    );
     assert_eq!(again[0].attempts, 2);
     assert_ne!(again[0].claim_token, Some(t), "a fresh token per claim");
 }
@@ -202,7 +234,10 @@ pub async fn retry_becomes_claimable_after_backoff<H: Harness>(h: &H) {
 pub async fn expired_lease_is_reclaimed_and_stale_completion_fenced<H: Harness>(h: &H) {
     let store = h.store();
     h.enqueue(&messages(3, "Lease")).await;
-    let first = store.claim(3, Duration::from_millis(300)).await.expect("claim");
+    let first = store
+        .claim(3, Duration::from_millis(300))
+        .await
+        .expect("claim");
     assert_eq!(first.len(), 3);
     let stale = first[0].claim_token.expect("token");
 
@@ -213,13 +248,23 @@ pub async fn expired_lease_is_reclaimed_and_stale_completion_fenced<H: Harness>(
     assert!(second.iter().all(|m| m.attempts == 2));
 
     let report = store
-        .complete(&[completion(first[0].id, stale, CompletionOutcome::Dead { error: "stale".into() })])
+        .complete(&[completion(
+            first[0].id,
+            stale,
+            CompletionOutcome::Dead {
+                error: "stale".into(),
+            },
+        )])
         .await
         .expect("complete");
     assert_eq!(report.applied, 0);
     assert_eq!(report.fenced, vec![first[0].id]);
     let row = store.get(first[0].id).await.expect("get").expect("row");
-    assert_eq!(row.status, MessageStatus::Processing, "stale completion changed nothing");
+    assert_eq!(
+        row.status,
+        MessageStatus::Processing,
+        "stale completion changed nothing"
+    );
     assert_eq!(row.claim_token, Some(fresh));
 
     let report = store
@@ -242,50 +287,105 @@ pub async fn dead_letters_and_replay<H: Harness>(h: &H) {
     let mut msgs = messages(2, "DeadA");
     msgs.extend(messages(1, "DeadB"));
     h.enqueue(&msgs).await;
-    let c = store.claim(3, Duration::from_secs(60)).await.expect("claim");
+    let c = store
+        .claim(3, Duration::from_secs(60))
+        .await
+        .expect("claim");
     let t = c[0].claim_token.expect("token");
     let done: Vec<Completion> = c
         .iter()
-        .map(|m| completion(m.id, t, CompletionOutcome::Dead { error: format!("boom {}", m.event_type) }))
+        .map(|m| {
+            completion(
+                m.id,
+                t,
+                CompletionOutcome::Dead {
+                    error: format!("boom {}", m.event_type),
+                },
+            )
+        })
         .collect();
     store.complete(&done).await.expect("complete");
 
-    let all = store.dead_letters(&MessageFilter::new(), 100).await.expect("list");
+    let all = store
+        .dead_letters(&MessageFilter::new(), 100)
+        .await
+        .expect("list");
     assert_eq!(all.len(), 3);
     let only_a = MessageFilter::new().with_event_type("DeadA");
-    assert_eq!(store.dead_letters(&only_a, 100).await.expect("list").len(), 2);
+    assert_eq!(
+        store.dead_letters(&only_a, 100).await.expect("list").len(),
+        2
+    );
     let by_error = MessageFilter::new().with_error_containing("BOOM DEADB");
-    assert_eq!(store.dead_letters(&by_error, 100).await.expect("list").len(), 1);
+    assert_eq!(
+        store
+            .dead_letters(&by_error, 100)
+            .await
+            .expect("list")
+            .len(),
+        1
+    );
     let by_id = MessageFilter::new().with_ids([c[0].id]);
-    assert_eq!(store.dead_letters(&by_id, 100).await.expect("list").len(), 1);
+    assert_eq!(
+        store.dead_letters(&by_id, 100).await.expect("list").len(),
+        1
+    );
 
     let dry = store.replay(&only_a, true).await.expect("dry run");
     assert_eq!((dry.matched, dry.replayed), (2, 0));
-    assert_eq!(store.stats().await.expect("stats").dead, 3, "dry run changes nothing");
+    assert_eq!(
+        store.stats().await.expect("stats").dead,
+        3,
+        "dry run changes nothing"
+    );
 
     let real = store.replay(&only_a, false).await.expect("replay");
     assert_eq!((real.matched, real.replayed, real.failed), (2, 2, 0));
-    let again = store.claim(10, Duration::from_secs(60)).await.expect("claim");
+    let again = store
+        .claim(10, Duration::from_secs(60))
+        .await
+        .expect("claim");
     assert_eq!(again.len(), 2);
-    assert!(again.iter().all(|m| m.event_type == "DeadA" && m.attempts == 1));
+    assert!(
+        again
+            .iter()
+            .all(|m| m.event_type == "DeadA" && m.attempts == 1)
+    );
 }
 
 /// Stats count rows by status; purge removes only old Sent rows.
 pub async fn stats_and_purge<H: Harness>(h: &H) {
     let store = h.store();
     h.enqueue(&messages(4, "Stats")).await;
-    let c = store.claim(2, Duration::from_secs(60)).await.expect("claim");
+    let c = store
+        .claim(2, Duration::from_secs(60))
+        .await
+        .expect("claim");
     let t = c[0].claim_token.expect("token");
     store
         .complete(&[completion(c[0].id, t, CompletionOutcome::Sent)])
         .await
         .expect("complete");
     let stats = store.stats().await.expect("stats");
-    assert_eq!((stats.new, stats.processing, stats.sent, stats.dead), (2, 1, 1, 0));
+    assert_eq!(
+        (stats.new, stats.processing, stats.sent, stats.dead),
+        (2, 1, 1, 0)
+    );
     assert!(stats.oldest_pending_age.is_some());
 
-    assert_eq!(store.purge_sent(Duration::from_secs(3600), 100).await.expect("purge"), 0, "recent rows are kept");
-    assert_eq!(store.purge_sent(Duration::ZERO, 100).await.expect("purge"), 1, "only the sent row goes");
+    assert_eq!(
+        store
+            .purge_sent(Duration::from_secs(3600), 100)
+            .await
+            .expect("purge"),
+        0,
+        "recent rows are kept"
+    );
+    assert_eq!(
+        store.purge_sent(Duration::ZERO, 100).await.expect("purge"),
+        1,
+        "only the sent row goes"
+    );
     let stats = store.stats().await.expect("stats");
     assert_eq!((stats.new, stats.processing, stats.sent), (2, 1, 0));
 }

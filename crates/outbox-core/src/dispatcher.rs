@@ -298,7 +298,9 @@ impl<S: OutboxStore, P: EventPublisher> Dispatcher<S, P> {
         while let Some(joined) = tasks.join_next().await {
             let outcome = match joined {
                 Ok(r) => r,
-                Err(e) => Err(OutboxError::Config(format!("dispatcher pipeline panicked: {e}"))),
+                Err(e) => Err(OutboxError::Config(format!(
+                    "dispatcher pipeline panicked: {e}"
+                ))),
             };
             if let Err(e) = outcome {
                 // A fatal error in one pipeline stops them all.
@@ -313,7 +315,11 @@ impl<S: OutboxStore, P: EventPublisher> Dispatcher<S, P> {
         result.map(|()| stats)
     }
 
-    async fn pipeline(&self, pipeline: usize, shutdown: CancellationToken) -> Result<(), OutboxError> {
+    async fn pipeline(
+        &self,
+        pipeline: usize,
+        shutdown: CancellationToken,
+    ) -> Result<(), OutboxError> {
         let mut store_backoff = Duration::ZERO;
         while !shutdown.is_cancelled() {
             if self.circuit_open() {
@@ -404,20 +410,31 @@ impl<S: OutboxStore, P: EventPublisher> Dispatcher<S, P> {
             .await;
         let (completions, mut report) = self.decide(&claimed, outcomes);
 
-        let completed = self.complete_with_retry(&completions, claimed_at, lease).await?;
+        let completed = self
+            .complete_with_retry(&completions, claimed_at, lease)
+            .await?;
         report.fenced = completed.fenced.len();
         if !completed.fenced.is_empty() {
-            warn!(fenced = completed.fenced.len(), "completion fenced: another dispatcher reclaimed these messages after our lease expired");
+            warn!(
+                fenced = completed.fenced.len(),
+                "completion fenced: another dispatcher reclaimed these messages after our lease expired"
+            );
         }
         let c = &self.counters;
-        c.published.fetch_add(report.published as u64, Ordering::Relaxed);
-        c.retried.fetch_add(report.retried as u64, Ordering::Relaxed);
+        c.published
+            .fetch_add(report.published as u64, Ordering::Relaxed);
+        c.retried
+            .fetch_add(report.retried as u64, Ordering::Relaxed);
         c.dead.fetch_add(report.dead as u64, Ordering::Relaxed);
-        c.released.fetch_add(report.released as u64, Ordering::Relaxed);
+        c.released
+            .fetch_add(report.released as u64, Ordering::Relaxed);
         c.fenced.fetch_add(report.fenced as u64, Ordering::Relaxed);
         if report.outage && !self.circuit.open.swap(true, Ordering::AcqRel) {
             c.circuit_opened.fetch_add(1, Ordering::Relaxed);
-            warn!(released = report.released, "broker unreachable: circuit opened, messages released without charge");
+            warn!(
+                released = report.released,
+                "broker unreachable: circuit opened, messages released without charge"
+            );
         }
         Ok(report)
     }
@@ -473,7 +490,10 @@ impl<S: OutboxStore, P: EventPublisher> Dispatcher<S, P> {
                         report.dead += 1;
                         warn!(id = %msg.id, event_type = %msg.event_type, attempts, error = %e, "attempts exhausted, message is dead");
                         CompletionOutcome::Dead {
-                            error: format!("attempts exhausted ({attempts}/{}): {e}", policy.max_attempts()),
+                            error: format!(
+                                "attempts exhausted ({attempts}/{}): {e}",
+                                policy.max_attempts()
+                            ),
                         }
                     }
                 }

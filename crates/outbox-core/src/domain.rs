@@ -74,7 +74,11 @@ mod tests {
         assert!(events.pending().is_empty());
         events.raise(event(3));
         events.restore(taken);
-        let versions: Vec<i64> = events.pending().iter().map(|e| e.aggregate_version).collect();
+        let versions: Vec<i64> = events
+            .pending()
+            .iter()
+            .map(|e| e.aggregate_version)
+            .collect();
         assert_eq!(versions, [1, 2, 3]);
     }
 }

@@ -133,7 +133,9 @@ pub enum PublishError {
     },
     /// The broker could not route the message to any queue or stream (AMQP mandatory
     /// return, e.g. `312 NO_ROUTE`).
-    #[error("unroutable: exchange {exchange:?}, routing key {routing_key:?}: {reply_code} {reply_text}")]
+    #[error(
+        "unroutable: exchange {exchange:?}, routing key {routing_key:?}: {reply_code} {reply_text}"
+    )]
     Unroutable {
         /// Exchange or stream the message was sent to.
         exchange: String,

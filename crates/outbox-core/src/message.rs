@@ -247,9 +247,8 @@ impl NewMessageBuilder {
 
     /// Payload from any serializable value (serialized with `serde_json`).
     pub fn payload<T: Serialize + ?Sized>(mut self, value: &T) -> Self {
-        self.payload = PayloadSource::Json(
-            serde_json::value::to_raw_value(value).map_err(|e| e.to_string()),
-        );
+        self.payload =
+            PayloadSource::Json(serde_json::value::to_raw_value(value).map_err(|e| e.to_string()));
         self
     }
 
@@ -304,7 +303,11 @@ impl NewMessageBuilder {
     /// W3C Trace Context (<https://www.w3.org/TR/trace-context/>) of the producing span:
     /// `traceparent` (validated) and optional `tracestate`, carried in the row and
     /// injected into broker headers by the transports.
-    pub fn trace_context(mut self, traceparent: impl Into<String>, tracestate: Option<String>) -> Self {
+    pub fn trace_context(
+        mut self,
+        traceparent: impl Into<String>,
+        tracestate: Option<String>,
+    ) -> Self {
         self.headers
             .insert(crate::wire::TRACEPARENT.to_owned(), traceparent.into());
         if let Some(state) = tracestate {
@@ -337,7 +340,10 @@ impl NewMessageBuilder {
         validate_name("event_type", &self.event_type)?;
         validate_name("aggregate_type", &self.aggregate_type)?;
         if self.aggregate_id.is_empty() {
-            return Err(InvalidMessage::Empty { field: "aggregate_id" }.into());
+            return Err(InvalidMessage::Empty {
+                field: "aggregate_id",
+            }
+            .into());
         }
         for (field, value) in [
             ("routing_key", &self.routing_key),
@@ -358,10 +364,10 @@ impl NewMessageBuilder {
                 .into());
             }
         }
-        if let Some(tp) = self.headers.get(crate::wire::TRACEPARENT) {
-            if crate::wire::TraceParent::parse(tp).is_none() {
-                return Err(InvalidMessage::TraceParent(tp.clone()).into());
-            }
+        if let Some(tp) = self.headers.get(crate::wire::TRACEPARENT)
+            && crate::wire::TraceParent::parse(tp).is_none()
+        {
+            return Err(InvalidMessage::TraceParent(tp.clone()).into());
         }
         let payload = match self.payload {
             PayloadSource::Missing => return Err(InvalidMessage::MissingPayload.into()),
@@ -444,7 +450,9 @@ mod tests {
         let empty_type = NewMessage::builder("order", "1", "").payload(&1).build();
         assert!(matches!(
             empty_type,
-            Err(OutboxError::InvalidMessage(InvalidMessage::Empty { field: "event_type" }))
+            Err(OutboxError::InvalidMessage(InvalidMessage::Empty {
+                field: "event_type"
+            }))
         ));
         let bad_json = NewMessage::builder("order", "1", "OrderPlaced")
             .payload_json("{not json")

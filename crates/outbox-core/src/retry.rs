@@ -145,7 +145,10 @@ mod tests {
         for attempt in 1..10 {
             let d = p.delay(attempt);
             let base = p.base_delay(attempt);
-            assert!(d >= base && d <= base + Duration::from_millis(2500), "{d:?}");
+            assert!(
+                d >= base && d <= base + Duration::from_millis(2500),
+                "{d:?}"
+            );
         }
         let none = p.clone().with_jitter(Duration::ZERO);
         assert_eq!(none.delay(3), Duration::from_secs(27));

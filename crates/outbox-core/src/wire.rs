@@ -263,7 +263,11 @@ impl TraceParent {
         let hex = |s: &str, len: usize| {
             s.len() == len && s.bytes().all(|b| matches!(b, b'0'..=b'9' | b'a'..=b'f'))
         };
-        if !hex(version, 2) || *version == "ff" || !hex(trace, 32) || !hex(parent, 16) || !hex(flags, 2)
+        if !hex(version, 2)
+            || *version == "ff"
+            || !hex(trace, 32)
+            || !hex(parent, 16)
+            || !hex(flags, 2)
         {
             return None;
         }
@@ -319,7 +323,10 @@ mod tests {
             event_type: "OrderPlaced".into(),
             payload: RawValue::from_string("{}".into()).expect("json"),
             headers: headers_from_pairs([
-                (TRACEPARENT, "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"),
+                (
+                    TRACEPARENT,
+                    "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01",
+                ),
                 (CORRELATION_ID, "c-1"),
             ]),
             tenant_id: Some("t1".into()),
@@ -362,17 +369,37 @@ mod tests {
 
     #[test]
     fn decode_rejects_missing_or_bad_ids() {
-        let missing = IncomingMessage::decode(Binding::Nats, None, Headers::new(), vec![], false, None);
+        let missing =
+            IncomingMessage::decode(Binding::Nats, None, Headers::new(), vec![], false, None);
         assert_eq!(missing.err(), Some(DecodeError::Missing("id")));
-        let bad = IncomingMessage::decode(Binding::Nats, Some("x"), Headers::new(), vec![], false, None);
-        assert!(matches!(bad, Err(DecodeError::Malformed { attribute: "id", .. })));
+        let bad = IncomingMessage::decode(
+            Binding::Nats,
+            Some("x"),
+            Headers::new(),
+            vec![],
+            false,
+            None,
+        );
+        assert!(matches!(
+            bad,
+            Err(DecodeError::Malformed {
+                attribute: "id",
+                ..
+            })
+        ));
     }
 
     #[test]
     fn traceparent_validation() {
-        assert!(TraceParent::parse("00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01").is_some());
-        assert!(TraceParent::parse("00-00000000000000000000000000000000-00f067aa0ba902b7-01").is_none());
-        assert!(TraceParent::parse("00-4BF92F3577B34DA6A3CE929D0E0E4736-00f067aa0ba902b7-01").is_none());
+        assert!(
+            TraceParent::parse("00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01").is_some()
+        );
+        assert!(
+            TraceParent::parse("00-00000000000000000000000000000000-00f067aa0ba902b7-01").is_none()
+        );
+        assert!(
+            TraceParent::parse("00-4BF92F3577B34DA6A3CE929D0E0E4736-00f067aa0ba902b7-01").is_none()
+        );
         assert!(TraceParent::parse("garbage").is_none());
     }
 }

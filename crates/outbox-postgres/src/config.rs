@@ -151,7 +151,14 @@ mod tests {
     fn schema_names_are_checked() {
         assert!(validate_schema("outbox").is_ok());
         assert!(validate_schema("t_0123").is_ok());
-        for bad in ["", "Outbox", "a-b", "x;drop table y", "1abc", &"a".repeat(64)] {
+        for bad in [
+            "",
+            "Outbox",
+            "a-b",
+            "x;drop table y",
+            "1abc",
+            &"a".repeat(64),
+        ] {
             assert!(validate_schema(bad).is_err(), "{bad}");
         }
     }
@@ -159,7 +166,10 @@ mod tests {
     #[test]
     fn malformed_urls_are_config_errors() {
         for bad in ["", "http://x", "postgres://host:notaport/db", "mysql://x/y"] {
-            assert!(matches!(parse_url(bad), Err(OutboxError::Config(_))), "{bad}");
+            assert!(
+                matches!(parse_url(bad), Err(OutboxError::Config(_))),
+                "{bad}"
+            );
         }
         assert!(parse_url("postgres://postgres@127.0.0.1:5432/test").is_ok());
     }

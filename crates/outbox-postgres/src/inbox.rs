@@ -48,9 +48,16 @@ impl PgInbox {
 impl InboxStore for PgInbox {
     type Connection = PgConnection;
 
-    async fn try_claim(&self, conn: &mut PgConnection, message_id: Uuid, consumer: &str) -> Result<bool, OutboxError> {
+    async fn try_claim(
+        &self,
+        conn: &mut PgConnection,
+        message_id: Uuid,
+        consumer: &str,
+    ) -> Result<bool, OutboxError> {
         if consumer.is_empty() {
-            return Err(OutboxError::Config("consumer name must not be empty".into()));
+            return Err(OutboxError::Config(
+                "consumer name must not be empty".into(),
+            ));
         }
         let inserted = sqlx::query(sql(&self.q.inbox_claim))
             .bind(message_id)

@@ -157,7 +157,10 @@ mod tests {
         assert!(q.claim.contains("FOR UPDATE SKIP LOCKED"));
         assert!(q.claim.contains("visible_at <= now()"));
         assert!(q.claim.contains("lease_until < now()"));
-        assert!(q.complete.contains("m.claim_token = u.token AND m.status = 9"));
+        assert!(
+            q.complete
+                .contains("m.claim_token = u.token AND m.status = 9")
+        );
         assert!(q.purge_sent.contains("LIMIT $2"));
     }
 }

@@ -8,8 +8,7 @@ use async_trait::async_trait;
 use chrono::{DateTime, Utc};
 use outbox_core::{
     CompleteReport, Completion, CompletionOutcome, EventSource, Headers, MessageFilter,
-    MessageStatus, NewMessage, OutboxError, OutboxMessage, OutboxStats, OutboxStore,
-    ReplayReport,
+    MessageStatus, NewMessage, OutboxError, OutboxMessage, OutboxStats, OutboxStore, ReplayReport,
 };
 use serde_json::value::RawValue;
 use sqlx::postgres::{PgArguments, PgRow};
@@ -81,8 +80,13 @@ impl PgOutbox {
     /// # Errors
     /// [`OutboxError::Database`] when the insert fails (the caller's transaction is then
     /// aborted and should be rolled back).
-    pub async fn enqueue(&self, conn: &mut PgConnection, message: &NewMessage) -> Result<Uuid, OutboxError> {
-        self.enqueue_batch(conn, std::slice::from_ref(message)).await?;
+    pub async fn enqueue(
+        &self,
+        conn: &mut PgConnection,
+        message: &NewMessage,
+    ) -> Result<Uuid, OutboxError> {
+        self.enqueue_batch(conn, std::slice::from_ref(message))
+            .await?;
         Ok(message.id)
     }
 
@@ -119,10 +123,12 @@ impl PgOutbox {
             versions.push(m.aggregate_version);
             event_types.push(m.event_type.as_str());
             payloads.push(m.payload.get());
-            headers.push(serde_json::to_string(&m.headers).map_err(|e| OutboxError::Decode {
-                id: m.id.to_string(),
-                reason: e.to_string(),
-            })?);
+            headers.push(
+                serde_json::to_string(&m.headers).map_err(|e| OutboxError::Decode {
+                    id: m.id.to_string(),
+                    reason: e.to_string(),
+                })?,
+            );
             tenants.push(m.tenant_id.as_deref());
             routing_keys.push(m.routing_key.as_deref());
             partition_keys.push(m.partition_key.as_deref());
@@ -195,7 +201,8 @@ pub(crate) fn decode_row(row: &PgRow) -> Result<OutboxMessage, OutboxError> {
         reason,
     };
     let payload: String = row.try_get("payload").map_err(db("decode"))?;
-    let payload = RawValue::from_string(payload).map_err(|e| decode_err(format!("payload: {e}")))?;
+    let payload =
+        RawValue::from_string(payload).map_err(|e| decode_err(format!("payload: {e}")))?;
     let headers: Json<Headers> = row
         .try_get("headers")
         .map_err(|e| decode_err(format!("headers must be a JSON object of strings: {e}")))?;
@@ -219,7 +226,9 @@ pub(crate) fn decode_row(row: &PgRow) -> Result<OutboxMessage, OutboxError> {
         status: MessageStatus::from_code(status)?,
         last_error: row.try_get("last_error").map_err(db("decode"))?,
         claim_token: row.try_get("claim_token").map_err(db("decode"))?,
-        lease_until: row.try_get::<Option<DateTime<Utc>>, _>("lease_until").map_err(db("decode"))?,
+        lease_until: row
+            .try_get::<Option<DateTime<Utc>>, _>("lease_until")
+            .map_err(db("decode"))?,
         sent_at: row.try_get("sent_at").map_err(db("decode"))?,
     })
 }
@@ -234,7 +243,11 @@ fn limit(n: usize) -> i64 {
 
 #[async_trait]
 impl OutboxStore for PgOutbox {
-    async fn claim(&self, batch_size: usize, lease: Duration) -> Result<Vec<OutboxMessage>, OutboxError> {
+    async fn claim(
+        &self,
+        batch_size: usize,
+        lease: Duration,
+    ) -> Result<Vec<OutboxMessage>, OutboxError> {
         let token = Uuid::new_v4();
         let rows = sqlx::query(sql(&self.q.claim))
             .bind(limit(batch_size))
@@ -253,17 +266,30 @@ impl OutboxStore for PgOutbox {
             return Ok(CompleteReport::default());
         }
         let n = completions.len();
-        let (mut ids, mut tokens, mut statuses) = (Vec::with_capacity(n), Vec::with_capacity(n), Vec::with_capacity(n));
-        let (mut delays, mut errors, mut releases) = (Vec::with_capacity(n), Vec::with_capacity(n), Vec::with_capacity(n));
+        let (mut ids, mut tokens, mut statuses) = (
+            Vec::with_capacity(n),
+            Vec::with_capacity(n),
+            Vec::with_capacity(n),
+        );
+        let (mut delays, mut errors, mut releases) = (
+            Vec::with_capacity(n),
+            Vec::with_capacity(n),
+            Vec::with_capacity(n),
+        );
         for c in completions {
             ids.push(c.id);
             tokens.push(c.claim_token);
             let (status, delay, error, release) = match &c.outcome {
                 CompletionOutcome::Sent => (MessageStatus::Sent, 0.0, None, false),
-                CompletionOutcome::Retry { delay, error } => {
-                    (MessageStatus::New, delay.as_secs_f64(), Some(error.as_str()), false)
+                CompletionOutcome::Retry { delay, error } => (
+                    MessageStatus::New,
+                    delay.as_secs_f64(),
+                    Some(error.as_str()),
+                    false,
+                ),
+                CompletionOutcome::Dead { error } => {
+                    (MessageStatus::Dead, 0.0, Some(error.as_str()), false)
                 }
-                CompletionOutcome::Dead { error } => (MessageStatus::Dead, 0.0, Some(error.as_str()), false),
                 CompletionOutcome::Release => (MessageStatus::New, 0.0, None, true),
             };
             statuses.push(status.code());
@@ -318,7 +344,11 @@ impl OutboxStore for PgOutbox {
         Ok(stats)
     }
 
-    async fn dead_letters(&self, filter: &MessageFilter, limit_rows: usize) -> Result<Vec<OutboxMessage>, OutboxError> {
+    async fn dead_letters(
+        &self,
+        filter: &MessageFilter,
+        limit_rows: usize,
+    ) -> Result<Vec<OutboxMessage>, OutboxError> {
         let rows = Self::bind_filter(sqlx::query(sql(&self.q.dead_letters)), filter)
             .bind(limit(limit_rows))
             .fetch_all(&self.pool)
@@ -327,10 +357,18 @@ impl OutboxStore for PgOutbox {
         rows.iter().map(decode_row).collect()
     }
 
-    async fn replay(&self, filter: &MessageFilter, dry_run: bool) -> Result<ReplayReport, OutboxError> {
+    async fn replay(
+        &self,
+        filter: &MessageFilter,
+        dry_run: bool,
+    ) -> Result<ReplayReport, OutboxError> {
         let started = Instant::now();
         let matched: i64 = sqlx::query_scalar(sql(&self.q.replay_count))
-            .bind(if filter.ids.is_empty() { None } else { Some(&filter.ids) })
+            .bind(if filter.ids.is_empty() {
+                None
+            } else {
+                Some(&filter.ids)
+            })
             .bind(filter.from)
             .bind(filter.to)
             .bind(filter.tenant_id.as_deref())
@@ -354,12 +392,20 @@ impl OutboxStore for PgOutbox {
         Ok(ReplayReport {
             matched,
             replayed,
-            failed: if dry_run { 0 } else { matched.saturating_sub(replayed) },
+            failed: if dry_run {
+                0
+            } else {
+                matched.saturating_sub(replayed)
+            },
             elapsed: started.elapsed(),
         })
     }
 
-    async fn purge_sent(&self, older_than: Duration, batch_size: usize) -> Result<u64, OutboxError> {
+    async fn purge_sent(
+        &self,
+        older_than: Duration,
+        batch_size: usize,
+    ) -> Result<u64, OutboxError> {
         Ok(sqlx::query(sql(&self.q.purge_sent))
             .bind(older_than.as_secs_f64())
             .bind(limit(batch_size))

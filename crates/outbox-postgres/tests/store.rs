@@ -18,40 +18,62 @@ fn event(n: i64) -> NewMessage {
 }
 
 async fn count_rows(outbox: &PgOutbox) -> i64 {
-    sqlx::query_scalar(sqlx::AssertSqlSafe(format!("SELECT count(*) FROM {}.outbox_messages", outbox.schema())))
-        .fetch_one(outbox.pool())
-        .await
-        .expect("count")
+    sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
+        "SELECT count(*) FROM {}.outbox_messages",
+        outbox.schema()
+    )))
+    .fetch_one(outbox.pool())
+    .await
+    .expect("count")
 }
 
 #[tokio::test]
 async fn rolled_back_transaction_leaves_no_event_and_commit_keeps_both() {
     let outbox = fresh_outbox().await;
     let business = format!("{}.orders", outbox.schema());
-    sqlx::raw_sql(sqlx::AssertSqlSafe(format!("CREATE TABLE {business} (id bigint PRIMARY KEY)")))
-        .execute(outbox.pool())
-        .await
-        .expect("create");
+    sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
+        "CREATE TABLE {business} (id bigint PRIMARY KEY)"
+    )))
+    .execute(outbox.pool())
+    .await
+    .expect("create");
 
     let mut tx = outbox.pool().begin().await.expect("begin");
-    sqlx::query(sqlx::AssertSqlSafe(format!("INSERT INTO {business} VALUES (1)")))
-        .execute(&mut *tx)
-        .await
-        .expect("insert");
+    sqlx::query(sqlx::AssertSqlSafe(format!(
+        "INSERT INTO {business} VALUES (1)"
+    )))
+    .execute(&mut *tx)
+    .await
+    .expect("insert");
     outbox.enqueue(&mut tx, &event(1)).await.expect("enqueue");
     tx.rollback().await.expect("rollback");
-    assert_eq!(count_rows(&outbox).await, 0, "rolled-back event must not exist");
+    assert_eq!(
+        count_rows(&outbox).await,
+        0,
+        "rolled-back event must not exist"
+    );
 
     let mut tx = outbox.pool().begin().await.expect("begin");
-    sqlx::query(sqlx::AssertSqlSafe(format!("INSERT INTO {business} VALUES (2)")))
-        .execute(&mut *tx)
-        .await
-        .expect("insert");
+    sqlx::query(sqlx::AssertSqlSafe(format!(
+        "INSERT INTO {business} VALUES (2)"
+    )))
+    .execute(&mut *tx)
+    .await
+    .expect("insert");
     let id = outbox.enqueue(&mut tx, &event(2)).await.expect("enqueue");
     // Not visible to the relay before commit.
-    assert!(outbox.claim(10, Duration::from_secs(30)).await.expect("claim").is_empty());
+    assert!(
+        outbox
+            .claim(10, Duration::from_secs(30))
+            .await
+            .expect("claim")
+            .is_empty()
+    );
     tx.commit().await.expect("commit");
-    let claimed = outbox.claim(10, Duration::from_secs(30)).await.expect("claim");
+    let claimed = outbox
+        .claim(10, Duration::from_secs(30))
+        .await
+        .expect("claim");
     assert_eq!(claimed.iter().map(|m| m.id).collect::<Vec<_>>(), [id]);
 }
 
@@ -74,10 +96,21 @@ async fn batch_enqueue_keeps_order_fields_and_payload_text() {
     let mut tx = outbox.pool().begin().await.expect("begin");
     let ids = outbox.enqueue_batch(&mut tx, &msgs).await.expect("enqueue");
     tx.commit().await.expect("commit");
-    let claimed = outbox.claim(1000, Duration::from_secs(30)).await.expect("claim");
-    assert_eq!(claimed.iter().map(|m| m.id).collect::<Vec<_>>(), ids, "seq follows input order");
+    let claimed = outbox
+        .claim(1000, Duration::from_secs(30))
+        .await
+        .expect("claim");
+    assert_eq!(
+        claimed.iter().map(|m| m.id).collect::<Vec<_>>(),
+        ids,
+        "seq follows input order"
+    );
     let m = &claimed[5];
-    assert_eq!(m.payload.get(), r#"{"z": 5,  "a": [1, 2]}"#, "json column keeps the text");
+    assert_eq!(
+        m.payload.get(),
+        r#"{"z": 5,  "a": [1, 2]}"#,
+        "json column keeps the text"
+    );
     assert_eq!(m.tenant_id.as_deref(), Some("acme"));
     assert_eq!(m.routing_key.as_deref(), Some("orders.placed"));
     assert_eq!(m.partition_key.as_deref(), Some("k5"));
@@ -97,7 +130,10 @@ async fn delayed_message_is_not_claimable_before_its_time() {
     outbox.enqueue(&mut tx, &later).await.expect("enqueue");
     outbox.enqueue(&mut tx, &event(2)).await.expect("enqueue");
     tx.commit().await.expect("commit");
-    let claimed = outbox.claim(10, Duration::from_secs(30)).await.expect("claim");
+    let claimed = outbox
+        .claim(10, Duration::from_secs(30))
+        .await
+        .expect("claim");
     assert_eq!(claimed.len(), 1);
     assert_eq!(claimed[0].event_type, "OrderPlaced");
 }
@@ -109,27 +145,49 @@ async fn domain_events_are_drained_once_and_restored_on_failure() {
     events.raise(event(1));
     events.raise(event(2));
     let mut tx = outbox.pool().begin().await.expect("begin");
-    let ids = outbox.save_events(&mut tx, &mut events).await.expect("save");
+    let ids = outbox
+        .save_events(&mut tx, &mut events)
+        .await
+        .expect("save");
     assert_eq!(ids.len(), 2);
     // A second save in the same unit of work writes nothing more.
-    assert!(outbox.save_events(&mut tx, &mut events).await.expect("save").is_empty());
+    assert!(
+        outbox
+            .save_events(&mut tx, &mut events)
+            .await
+            .expect("save")
+            .is_empty()
+    );
     tx.commit().await.expect("commit");
     assert_eq!(count_rows(&outbox).await, 2);
 
     // Failure: the same ids again violate the primary key; the events are put back.
     let mut again = DomainEvents::new();
-    let dup = NewMessage::builder("order", "1", "OrderPlaced").id(ids[0]).payload(&1).build().expect("valid");
+    let dup = NewMessage::builder("order", "1", "OrderPlaced")
+        .id(ids[0])
+        .payload(&1)
+        .build()
+        .expect("valid");
     again.raise(dup);
     let mut tx = outbox.pool().begin().await.expect("begin");
-    let err = outbox.save_events(&mut tx, &mut again).await.expect_err("duplicate id");
+    let err = outbox
+        .save_events(&mut tx, &mut again)
+        .await
+        .expect_err("duplicate id");
     assert!(matches!(err, OutboxError::Database { .. }), "{err}");
-    assert_eq!(again.pending().len(), 1, "events restored after a failed write");
+    assert_eq!(
+        again.pending().len(),
+        1,
+        "events restored after a failed write"
+    );
 }
 
 #[tokio::test]
 async fn bad_input_gets_typed_errors_and_writes_nothing() {
     let outbox = fresh_outbox().await;
-    let invalid_json = NewMessage::builder("order", "1", "OrderPlaced").payload_json("{\"a\":").build();
+    let invalid_json = NewMessage::builder("order", "1", "OrderPlaced")
+        .payload_json("{\"a\":")
+        .build();
     assert!(matches!(invalid_json, Err(OutboxError::InvalidMessage(_))));
     let empty_type = NewMessage::builder("order", "1", "").payload(&1).build();
     assert!(matches!(empty_type, Err(OutboxError::InvalidMessage(_))));
@@ -143,7 +201,10 @@ async fn bad_input_gets_typed_errors_and_writes_nothing() {
     .bind(uuid::Uuid::now_v7())
     .execute(outbox.pool())
     .await;
-    assert!(bad.is_err(), "empty event type is rejected by the CHECK constraint");
+    assert!(
+        bad.is_err(),
+        "empty event type is rejected by the CHECK constraint"
+    );
     let bad_json = sqlx::query(sqlx::AssertSqlSafe(format!(
         "INSERT INTO {}.outbox_messages (id, aggregate_type, aggregate_id, event_type, payload) VALUES ($1, 'a', '1', 'E', '{{oops')",
         outbox.schema()
@@ -151,16 +212,27 @@ async fn bad_input_gets_typed_errors_and_writes_nothing() {
     .bind(uuid::Uuid::now_v7())
     .execute(outbox.pool())
     .await;
-    assert!(bad_json.is_err(), "invalid JSON is rejected by the json column");
+    assert!(
+        bad_json.is_err(),
+        "invalid JSON is rejected by the json column"
+    );
     assert_eq!(count_rows(&outbox).await, 0);
 
-    for url in ["not a url", "postgres://host:99999999/db", "http://127.0.0.1/x"] {
-        let err = PgOutbox::connect(&PgConfig::new(url)).await.expect_err("malformed URL");
+    for url in [
+        "not a url",
+        "postgres://host:99999999/db",
+        "http://127.0.0.1/x",
+    ] {
+        let err = PgOutbox::connect(&PgConfig::new(url))
+            .await
+            .expect_err("malformed URL");
         assert!(matches!(err, OutboxError::Config(_)), "{url}: {err}");
     }
-    let err = PgOutbox::connect(&PgConfig::new(common::database_url()).with_schema("Robert'); DROP TABLE x;--"))
-        .await
-        .expect_err("bad schema");
+    let err = PgOutbox::connect(
+        &PgConfig::new(common::database_url()).with_schema("Robert'); DROP TABLE x;--"),
+    )
+    .await
+    .expect_err("bad schema");
     assert!(matches!(err, OutboxError::Config(_)));
 }
 
@@ -187,7 +259,10 @@ async fn unknown_status_code_in_the_table_is_a_typed_error() {
 async fn migrations_are_idempotent_and_concurrent_safe() {
     let outbox = fresh_outbox().await;
     let (a, b) = tokio::join!(outbox.migrate(), outbox.migrate());
-    assert!(a.expect("migrate").is_empty() && b.expect("migrate").is_empty(), "already at latest");
+    assert!(
+        a.expect("migrate").is_empty() && b.expect("migrate").is_empty(),
+        "already at latest"
+    );
     let v: i32 = sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
         "SELECT max(version) FROM {}.outbox_schema_migrations",
         outbox.schema()
@@ -205,21 +280,48 @@ async fn inbox_suppresses_duplicates_and_rollback_releases_the_claim() {
     let id = uuid::Uuid::now_v7();
 
     let mut tx = inbox.pool().begin().await.expect("begin");
-    assert!(inbox.try_claim(&mut tx, id, "projector").await.expect("claim"));
-    assert!(!inbox.try_claim(&mut tx, id, "projector").await.expect("claim"), "duplicate in same tx");
-    assert!(inbox.try_claim(&mut tx, id, "mailer").await.expect("claim"), "other consumer is independent");
+    assert!(
+        inbox
+            .try_claim(&mut tx, id, "projector")
+            .await
+            .expect("claim")
+    );
+    assert!(
+        !inbox
+            .try_claim(&mut tx, id, "projector")
+            .await
+            .expect("claim"),
+        "duplicate in same tx"
+    );
+    assert!(
+        inbox.try_claim(&mut tx, id, "mailer").await.expect("claim"),
+        "other consumer is independent"
+    );
     tx.rollback().await.expect("rollback");
 
     // The rollback removed the record: the redelivery is processed.
     let mut tx = inbox.pool().begin().await.expect("begin");
-    assert!(inbox.try_claim(&mut tx, id, "projector").await.expect("claim"));
+    assert!(
+        inbox
+            .try_claim(&mut tx, id, "projector")
+            .await
+            .expect("claim")
+    );
     tx.commit().await.expect("commit");
     let mut tx = inbox.pool().begin().await.expect("begin");
-    assert!(!inbox.try_claim(&mut tx, id, "projector").await.expect("claim"), "committed duplicate");
+    assert!(
+        !inbox
+            .try_claim(&mut tx, id, "projector")
+            .await
+            .expect("claim"),
+        "committed duplicate"
+    );
     tx.rollback().await.expect("rollback");
 
     assert!(matches!(
-        inbox.try_claim(&mut *inbox.pool().acquire().await.expect("conn"), id, "").await,
+        inbox
+            .try_claim(&mut *inbox.pool().acquire().await.expect("conn"), id, "")
+            .await,
         Err(OutboxError::Config(_))
     ));
 }
@@ -235,7 +337,10 @@ async fn racing_inbox_claims_let_exactly_one_commit() {
             let inbox = inbox.clone();
             tasks.push(tokio::spawn(async move {
                 let mut tx = inbox.pool().begin().await.expect("begin");
-                let first = inbox.try_claim(&mut tx, id, "projector").await.expect("claim");
+                let first = inbox
+                    .try_claim(&mut tx, id, "projector")
+                    .await
+                    .expect("claim");
                 tx.commit().await.expect("commit");
                 first
             }));
@@ -254,11 +359,24 @@ async fn inbox_purge_removes_only_old_records() {
     let inbox = PgInbox::new(outbox.pool().clone(), outbox.schema()).expect("inbox");
     let mut tx = inbox.pool().begin().await.expect("begin");
     for _ in 0..5 {
-        inbox.try_claim(&mut tx, uuid::Uuid::now_v7(), "c").await.expect("claim");
+        inbox
+            .try_claim(&mut tx, uuid::Uuid::now_v7(), "c")
+            .await
+            .expect("claim");
     }
     tx.commit().await.expect("commit");
-    assert_eq!(inbox.purge(Duration::from_secs(3600), 100).await.expect("purge"), 0);
-    assert_eq!(inbox.purge(Duration::ZERO, 3).await.expect("purge"), 3, "batch size respected");
+    assert_eq!(
+        inbox
+            .purge(Duration::from_secs(3600), 100)
+            .await
+            .expect("purge"),
+        0
+    );
+    assert_eq!(
+        inbox.purge(Duration::ZERO, 3).await.expect("purge"),
+        3,
+        "batch size respected"
+    );
     assert_eq!(inbox.purge(Duration::ZERO, 100).await.expect("purge"), 2);
     let status = outbox.stats().await.expect("stats");
     assert_eq!(status.new, 0);

@@ -3,20 +3,27 @@
 
 use std::sync::Arc;
 
+pub mod rabbit;
+
 use async_trait::async_trait;
 use outbox_core::NewMessage;
 use outbox_core::conformance::Harness;
 use outbox_postgres::{PgConfig, PgOutbox};
 
 pub fn database_url() -> String {
-    std::env::var("DATABASE_URL").unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".into())
+    std::env::var("DATABASE_URL")
+        .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".into())
 }
 
 /// A fresh, migrated schema named `t_<uuid>`.
 pub async fn fresh_outbox() -> PgOutbox {
     let schema = format!("t_{}", uuid::Uuid::new_v4().simple());
-    let config = PgConfig::new(database_url()).with_schema(&schema).with_max_connections(6);
-    let outbox = PgOutbox::connect(&config).await.expect("connect to PostgreSQL (is it running? `cargo xtask services`)");
+    let config = PgConfig::new(database_url())
+        .with_schema(&schema)
+        .with_max_connections(6);
+    let outbox = PgOutbox::connect(&config)
+        .await
+        .expect("connect to PostgreSQL (is it running? `cargo xtask services`)");
     outbox.migrate().await.expect("migrate");
     outbox
 }

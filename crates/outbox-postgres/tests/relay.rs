@@ -1,0 +1,335 @@
+//! The dispatcher end to end on the real PostgreSQL and RabbitMQ: exclusivity under
+//! concurrency, lease reclaim after a crash, retry, dead letters.
+
+mod common;
+
+use std::collections::HashSet;
+use std::sync::Arc;
+use std::time::Duration;
+
+use common::fresh_outbox;
+use common::rabbit::{eventually, fixture, reject_when_full};
+use lapin::types::FieldTable;
+use outbox_core::{
+    Dispatcher, DispatcherConfig, EventPublisher, MessageStatus, NewMessage, OutboxMessage,
+    OutboxStore, PublishOutcome, RetryPolicies, RetryPolicy,
+};
+use outbox_postgres::PgOutbox;
+use tokio_util::sync::CancellationToken;
+use transport_rabbit::{RabbitConfig, RabbitPublisher};
+
+async fn publisher(exchange: &str, max_payload: Option<usize>) -> Arc<RabbitPublisher> {
+    let mut b = RabbitConfig::builder(common::rabbit::amqp_url())
+        .with_exchange(exchange)
+        .with_declare_exchange(false);
+    if let Some(max) = max_payload {
+        b = b.with_max_payload_bytes(max);
+    }
+    Arc::new(
+        RabbitPublisher::connect(b.build().expect("config"))
+            .await
+            .expect("publisher"),
+    )
+}
+
+async fn enqueue(outbox: &PgOutbox, msgs: &[NewMessage]) -> Vec<uuid::Uuid> {
+    let mut tx = outbox.pool().begin().await.expect("begin");
+    let mut ids = Vec::new();
+    for chunk in msgs.chunks(1000) {
+        ids.extend(outbox.enqueue_batch(&mut tx, chunk).await.expect("enqueue"));
+    }
+    tx.commit().await.expect("commit");
+    ids
+}
+
+fn events(n: usize, event_type: &str) -> Vec<NewMessage> {
+    (0..n)
+        .map(|i| {
+            NewMessage::builder("order", i.to_string(), event_type)
+                .payload(&serde_json::json!({ "i": i }))
+                .build()
+                .expect("valid")
+        })
+        .collect()
+}
+
+fn fast_retry(max_attempts: u32) -> RetryPolicies {
+    RetryPolicies::new(
+        RetryPolicy::new()
+            .with_base(1.0)
+            .with_cap(Duration::from_millis(200))
+            .with_jitter(Duration::ZERO)
+            .with_max_attempts(max_attempts),
+    )
+}
+
+fn spawn<S: OutboxStore, P: EventPublisher>(
+    d: &Dispatcher<S, P>,
+    token: &CancellationToken,
+) -> tokio::task::JoinHandle<Result<outbox_core::DispatcherStats, outbox_core::OutboxError>> {
+    let d = d.clone();
+    let t = token.clone();
+    tokio::spawn(async move { d.run(t).await })
+}
+
+async fn status_of(outbox: &PgOutbox, id: uuid::Uuid) -> OutboxMessage {
+    outbox.get(id).await.expect("get").expect("row")
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn four_dispatchers_publish_10000_messages_exactly_once() {
+    let outbox = Arc::new(fresh_outbox().await);
+    let fx = fixture(true, FieldTable::default()).await;
+    let counts = fx.counter().await;
+    let ids: HashSet<String> = enqueue(&outbox, &events(10_000, "OrderPlaced"))
+        .await
+        .into_iter()
+        .map(|u| u.to_string())
+        .collect();
+
+    let token = CancellationToken::new();
+    let mut dispatchers = Vec::new();
+    for _ in 0..4 {
+        let d = Dispatcher::new(
+            Arc::clone(&outbox),
+            publisher(&fx.exchange, None).await,
+            DispatcherConfig::new().with_batch_size(100),
+        );
+        dispatchers.push((d.clone(), spawn(&d, &token)));
+    }
+    let all_sent = eventually(Duration::from_secs(120), || async {
+        outbox.stats().await.expect("stats").sent == 10_000
+    })
+    .await;
+    assert!(all_sent, "all 10,000 sent: {:?}", outbox.stats().await);
+    let all_received = eventually(Duration::from_secs(60), || async {
+        counts.lock().expect("lock").len() == 10_000
+    })
+    .await;
+    token.cancel();
+    let mut published = 0;
+    for (_, handle) in dispatchers {
+        let stats = handle.await.expect("join").expect("run");
+        published += stats.published;
+        assert_eq!(stats.dead + stats.retried + stats.fenced, 0, "{stats:?}");
+    }
+    assert!(
+        all_received,
+        "consumer saw {} distinct ids",
+        counts.lock().expect("lock").len()
+    );
+    assert_eq!(
+        published, 10_000,
+        "each message published by exactly one dispatcher"
+    );
+    let counts = counts.lock().expect("lock");
+    assert!(counts.values().all(|&c| c == 1), "a message arrived twice");
+    assert_eq!(
+        counts.keys().cloned().collect::<HashSet<_>>(),
+        ids,
+        "exactly the enqueued ids arrived"
+    );
+}
+
+/// A publisher that publishes for real and then never returns: a dispatcher that dies
+/// after publishing and before recording the outcome.
+struct DiesAfterPublish(Arc<RabbitPublisher>);
+
+#[async_trait::async_trait]
+impl EventPublisher for DiesAfterPublish {
+    async fn publish_batch(&self, messages: &[OutboxMessage]) -> Vec<PublishOutcome> {
+        let _ = self.0.publish_batch(messages).await;
+        std::future::pending().await
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dispatcher_killed_mid_batch_loses_nothing_after_lease_expiry() {
+    let outbox = Arc::new(fresh_outbox().await);
+    let fx = fixture(true, FieldTable::default()).await;
+    let counts = fx.counter().await;
+    let ids = enqueue(&outbox, &events(50, "OrderPlaced")).await;
+    let real = publisher(&fx.exchange, None).await;
+
+    let doomed = Dispatcher::new(
+        Arc::clone(&outbox),
+        Arc::new(DiesAfterPublish(Arc::clone(&real))),
+        DispatcherConfig::new()
+            .with_batch_size(20)
+            .with_concurrency(1)
+            .with_lease(Duration::from_secs(2)),
+    );
+    let killed = tokio::spawn(async move { doomed.run_batch().await });
+    // Wait until the doomed dispatcher has published its batch, then kill it.
+    assert!(
+        eventually(Duration::from_secs(20), || async {
+            counts.lock().expect("lock").len() >= 20
+        })
+        .await
+    );
+    killed.abort();
+    let held: Vec<_> = {
+        let mut v = Vec::new();
+        for id in &ids {
+            if status_of(&outbox, *id).await.status == MessageStatus::Processing {
+                v.push(*id);
+            }
+        }
+        v
+    };
+    assert_eq!(held.len(), 20, "the dead dispatcher holds its batch");
+
+    let token = CancellationToken::new();
+    let rescuer = Dispatcher::new(
+        Arc::clone(&outbox),
+        real,
+        DispatcherConfig::new().with_poll_interval(Duration::from_millis(100)),
+    );
+    let handle = spawn(&rescuer, &token);
+    assert!(
+        eventually(Duration::from_secs(30), || async {
+            outbox.stats().await.expect("stats").sent == 50
+        })
+        .await,
+        "all sent after reclaim"
+    );
+    token.cancel();
+    handle.await.expect("join").expect("run");
+    for id in &held {
+        assert_eq!(status_of(&outbox, *id).await.attempts, 2, "reclaimed once");
+    }
+    assert!(
+        eventually(Duration::from_secs(10), || async {
+            counts.lock().expect("lock").len() == 50
+        })
+        .await
+    );
+    let counts = counts.lock().expect("lock");
+    let dupes = counts.values().filter(|&&c| c == 2).count();
+    assert_eq!(
+        dupes, 20,
+        "the abandoned batch is published again (at-least-once; the inbox absorbs it)"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn broker_nack_backs_off_then_retries_to_sent() {
+    let outbox = Arc::new(fresh_outbox().await);
+    let fx = fixture(true, reject_when_full(1)).await;
+    fx.publish_raw(b"filler").await; // the queue is full: the broker nacks publishes
+    let id = enqueue(&outbox, &events(1, "OrderPlaced")).await[0];
+    let token = CancellationToken::new();
+    let d = Dispatcher::new(
+        Arc::clone(&outbox),
+        publisher(&fx.exchange, None).await,
+        DispatcherConfig::new()
+            .with_retry(fast_retry(100))
+            .with_poll_interval(Duration::from_millis(50)),
+    );
+    let handle = spawn(&d, &token);
+    let failed_once = eventually(Duration::from_secs(20), || async {
+        let m = status_of(&outbox, id).await;
+        m.last_error.is_some() && m.attempts >= 1
+    })
+    .await;
+    assert!(
+        failed_once,
+        "nack recorded: {:?}",
+        status_of(&outbox, id).await
+    );
+    let m = status_of(&outbox, id).await;
+    assert_ne!(m.status, MessageStatus::Dead, "a nack is transient");
+    assert!(
+        m.last_error.as_deref().unwrap_or("").contains("rejected"),
+        "{:?}",
+        m.last_error
+    );
+
+    fx.purge().await; // room again: the next retry goes through
+    assert!(
+        eventually(Duration::from_secs(20), || async {
+            status_of(&outbox, id).await.status == MessageStatus::Sent
+        })
+        .await
+    );
+    token.cancel();
+    let stats = handle.await.expect("join").expect("run");
+    assert!(
+        stats.retried >= 1 && stats.published == 1 && stats.dead == 0,
+        "{stats:?}"
+    );
+    assert!(status_of(&outbox, id).await.attempts >= 2);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn exhausted_attempts_end_dead_with_last_error() {
+    let outbox = Arc::new(fresh_outbox().await);
+    let fx = fixture(true, reject_when_full(1)).await;
+    fx.publish_raw(b"filler").await;
+    let id = enqueue(&outbox, &events(1, "OrderPlaced")).await[0];
+    let token = CancellationToken::new();
+    let d = Dispatcher::new(
+        Arc::clone(&outbox),
+        publisher(&fx.exchange, None).await,
+        DispatcherConfig::new()
+            .with_retry(fast_retry(3))
+            .with_poll_interval(Duration::from_millis(50)),
+    );
+    let handle = spawn(&d, &token);
+    assert!(
+        eventually(Duration::from_secs(30), || async {
+            status_of(&outbox, id).await.status == MessageStatus::Dead
+        })
+        .await
+    );
+    token.cancel();
+    handle.await.expect("join").expect("run");
+    let m = status_of(&outbox, id).await;
+    assert_eq!(m.attempts, 3);
+    let err = m.last_error.expect("last_error");
+    assert!(err.contains("attempts exhausted (3/3)"), "{err}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn permanent_failures_are_dead_at_once() {
+    let outbox = Arc::new(fresh_outbox().await);
+    // Unroutable: the exchange has no queue.
+    let lonely = fixture(false, FieldTable::default()).await;
+    let unroutable = enqueue(&outbox, &events(1, "NobodyListens")).await[0];
+    let d = Dispatcher::new(
+        Arc::clone(&outbox),
+        publisher(&lonely.exchange, None).await,
+        DispatcherConfig::new(),
+    );
+    let report = d.run_batch().await.expect("batch");
+    assert_eq!(report.dead, 1, "{report:?}");
+    let m = status_of(&outbox, unroutable).await;
+    assert_eq!((m.status, m.attempts), (MessageStatus::Dead, 1));
+    assert!(
+        m.last_error.as_deref().unwrap_or("").contains("unroutable"),
+        "{:?}",
+        m.last_error
+    );
+
+    // Too large for the configured limit.
+    let fx = fixture(true, FieldTable::default()).await;
+    let big = NewMessage::builder("order", "1", "Big")
+        .payload(&"x".repeat(2000))
+        .build()
+        .expect("valid");
+    let big_id = enqueue(&outbox, &[big]).await[0];
+    let d = Dispatcher::new(
+        Arc::clone(&outbox),
+        publisher(&fx.exchange, Some(1024)).await,
+        DispatcherConfig::new(),
+    );
+    let report = d.run_batch().await.expect("batch");
+    assert_eq!(report.dead, 1, "{report:?}");
+    let m = status_of(&outbox, big_id).await;
+    assert_eq!((m.status, m.attempts), (MessageStatus::Dead, 1));
+    assert!(
+        m.last_error.as_deref().unwrap_or("").contains("exceeds"),
+        "{:?}",
+        m.last_error
+    );
+}

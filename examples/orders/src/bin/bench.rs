@@ -1,0 +1,290 @@
+//! `cargo xtask bench`: relay throughput PostgreSQL → RabbitMQ next to two ceilings
+//! measured in the same run:
+//!
+//! 1. **broker ceiling**: raw lapin publishing the same number of 256-byte persistent,
+//!    mandatory messages to the same kind of exchange and queue, with pipelined publisher
+//!    confirms (no database);
+//! 2. **store ceiling**: the outbox store's claim + complete loop with a publisher that
+//!    confirms instantly (no broker);
+//! 3. **relay**: the real dispatcher with the RabbitMQ publisher.
+//!
+//! The relay's ratio to the lower ceiling is the figure of merit (target ≥ 0.9).
+
+#[path = "../common.rs"]
+mod common;
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::{Context as _, bail};
+use async_trait::async_trait;
+use clap::Parser;
+use lapin::options::{
+    BasicPublishOptions, ConfirmSelectOptions, ExchangeDeclareOptions, QueueBindOptions,
+    QueueDeclareOptions, QueueDeleteOptions, ExchangeDeleteOptions,
+};
+use lapin::types::FieldTable;
+use lapin::{BasicProperties, Connection, ConnectionProperties, ExchangeKind};
+use outbox_core::{
+    Dispatcher, DispatcherConfig, EventPublisher, NewMessage, OutboxMessage, PublishOutcome,
+};
+use outbox_postgres::{PgConfig, PgOutbox};
+use tokio_util::sync::CancellationToken;
+use transport_rabbit::{RabbitConfig, RabbitPublisher};
+
+/// Relay benchmark: PostgreSQL → RabbitMQ, with both ceilings measured in the same run.
+#[derive(Debug, Parser)]
+struct Args {
+    /// Messages per phase.
+    #[arg(long, default_value_t = 20_000)]
+    messages: usize,
+    /// Payload size in bytes.
+    #[arg(long, default_value_t = 256)]
+    payload_bytes: usize,
+    /// Dispatcher batch size (messages per claim).
+    #[arg(long, default_value_t = 500)]
+    batch_size: usize,
+    /// Batches in flight per dispatcher.
+    #[arg(long, default_value_t = 2)]
+    concurrency: usize,
+}
+
+/// Confirms everything at once: isolates the store's claim + complete cost.
+struct InstantPublisher;
+
+#[async_trait]
+impl EventPublisher for InstantPublisher {
+    async fn publish_batch(&self, messages: &[OutboxMessage]) -> Vec<PublishOutcome> {
+        messages.iter().map(|_| PublishOutcome::Published).collect()
+    }
+}
+
+fn payload(bytes: usize) -> String {
+    // A JSON string value padded to the requested total size.
+    let pad = bytes.saturating_sub(r#"{"pad":""}"#.len());
+    format!(r#"{{"pad":"{}"}}"#, "x".repeat(pad))
+}
+
+async fn fresh_outbox(tag: &str) -> anyhow::Result<PgOutbox> {
+    let schema = format!("bench_{tag}_{}", &uuid::Uuid::new_v4().simple().to_string()[..8]);
+    let outbox = PgOutbox::connect(&PgConfig::new(common::database_url()).with_schema(&schema).with_max_connections(8)).await?;
+    outbox.migrate().await?;
+    Ok(outbox)
+}
+
+async fn preload(outbox: &PgOutbox, n: usize, payload: &str) -> anyhow::Result<()> {
+    let mut tx = outbox.pool().begin().await?;
+    let mut batch = Vec::with_capacity(1000);
+    for i in 0..n {
+        batch.push(
+            NewMessage::builder("bench", i.to_string(), "BenchEvent")
+                .payload_json(payload.to_owned())
+                .build()?,
+        );
+        if batch.len() == 1000 || i + 1 == n {
+            outbox.enqueue_batch(&mut tx, &batch).await?;
+            batch.clear();
+        }
+    }
+    tx.commit().await?;
+    sqlx::query(sqlx::AssertSqlSafe(format!("ANALYZE {}.outbox_messages", outbox.schema())))
+        .execute(outbox.pool())
+        .await?;
+    Ok(())
+}
+
+async fn drop_schema(outbox: &PgOutbox) {
+    let _ = sqlx::raw_sql(sqlx::AssertSqlSafe(format!("DROP SCHEMA {} CASCADE", outbox.schema())))
+        .execute(outbox.pool())
+        .await;
+}
+
+struct RelayRun {
+    elapsed: Duration,
+    peak_rss: u64,
+}
+
+async fn run_dispatcher<P: EventPublisher>(
+    outbox: &PgOutbox,
+    publisher: Arc<P>,
+    args: &Args,
+) -> anyhow::Result<RelayRun> {
+    let config = DispatcherConfig::new()
+        .with_batch_size(args.batch_size)
+        .with_concurrency(args.concurrency)
+        .with_poll_interval(Duration::from_millis(50));
+    let dispatcher = Dispatcher::new(Arc::new(outbox.clone()), publisher, config);
+    let token = CancellationToken::new();
+    let started = Instant::now();
+    let runner = {
+        let d = dispatcher.clone();
+        let t = token.clone();
+        tokio::spawn(async move { d.run(t).await })
+    };
+    let mut peak_rss = common::rss_bytes();
+    let deadline = started + Duration::from_secs(600);
+    while dispatcher.stats().published < args.messages as u64 {
+        if Instant::now() > deadline {
+            token.cancel();
+            bail!("relay did not finish within 10 minutes: {:?}", dispatcher.stats());
+        }
+        peak_rss = peak_rss.max(common::rss_bytes());
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    let elapsed = started.elapsed();
+    token.cancel();
+    runner.await??;
+    let stats = dispatcher.stats();
+    if stats.dead > 0 || stats.retried > 0 {
+        bail!("relay had failures: {stats:?}");
+    }
+    Ok(RelayRun { elapsed, peak_rss })
+}
+
+async fn commit_to_publish(outbox: &PgOutbox) -> anyhow::Result<Option<(Duration, Duration)>> {
+    let rows: Vec<f64> = sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
+        "SELECT extract(epoch FROM sent_at - created_at)::float8 * 1000 FROM {}.outbox_messages WHERE status = 1",
+        outbox.schema()
+    )))
+    .fetch_all(outbox.pool())
+    .await?;
+    Ok(common::percentiles(&rows))
+}
+
+/// Raw lapin: `concurrency` channels, each publishing windows of `batch_size` messages
+/// and then awaiting their confirms together.
+async fn broker_ceiling(args: &Args, exchange: &str, body: &[u8]) -> anyhow::Result<Duration> {
+    let conn = Connection::connect(&common::amqp_url(), ConnectionProperties::default()).await?;
+    let per_channel = args.messages.div_ceil(args.concurrency);
+    let started = Instant::now();
+    let mut tasks = Vec::new();
+    for c in 0..args.concurrency {
+        let channel = conn.create_channel().await?;
+        channel.confirm_select(ConfirmSelectOptions::default()).await?;
+        let exchange = exchange.to_owned();
+        let body = body.to_vec();
+        let batch = args.batch_size;
+        let count = per_channel.min(args.messages - c * per_channel);
+        tasks.push(tokio::spawn(async move {
+            let mut sent = 0;
+            while sent < count {
+                let window = batch.min(count - sent);
+                let mut confirms = Vec::with_capacity(window);
+                for _ in 0..window {
+                    let props = BasicProperties::default()
+                        .with_delivery_mode(2)
+                        .with_message_id(uuid::Uuid::now_v7().to_string().into())
+                        .with_content_type("application/json".into());
+                    confirms.push(
+                        channel
+                            .basic_publish(
+                                exchange.as_str().into(),
+                                "BenchEvent".into(),
+                                BasicPublishOptions { mandatory: true, ..Default::default() },
+                                &body,
+                                props,
+                            )
+                            .await?,
+                    );
+                }
+                for confirm in futures::future::join_all(confirms).await {
+                    let confirmation = confirm?;
+                    anyhow::ensure!(confirmation.is_ack(), "broker nacked a message");
+                }
+                sent += window;
+            }
+            anyhow::Ok(())
+        }));
+    }
+    for t in tasks {
+        t.await??;
+    }
+    let elapsed = started.elapsed();
+    conn.close(200, "bench done".into()).await.ok();
+    Ok(elapsed)
+}
+
+fn rate(n: usize, d: Duration) -> f64 {
+    n as f64 / d.as_secs_f64()
+}
+
+#[tokio::main]
+async fn main() -> anyhow::Result<()> {
+    tracing_subscriber::fmt()
+        .with_env_filter(tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "warn".into()))
+        .init();
+    let args = Args::parse();
+    let body = payload(args.payload_bytes);
+    let n = args.messages;
+    println!(
+        "outbox relay benchmark: {n} messages of {} bytes, batch {}, {} batches in flight, {} CPUs",
+        body.len(),
+        args.batch_size,
+        args.concurrency,
+        std::thread::available_parallelism().map_or(0, usize::from)
+    );
+
+    // Broker plumbing shared by the broker ceiling and the relay: a durable topic
+    // exchange with one durable queue bound to everything, deleted at the end.
+    let tag = uuid::Uuid::new_v4().simple().to_string()[..8].to_owned();
+    let exchange = format!("bench.{tag}");
+    let queue = format!("bench.{tag}.sink");
+    let admin = Connection::connect(&common::amqp_url(), ConnectionProperties::default())
+        .await
+        .context("connect to RabbitMQ (is it running? `cargo xtask services`)")?;
+    let ch = admin.create_channel().await?;
+    ch.exchange_declare(exchange.as_str().into(), ExchangeKind::Topic, ExchangeDeclareOptions { durable: true, ..Default::default() }, FieldTable::default()).await?;
+    ch.queue_declare(queue.as_str().into(), QueueDeclareOptions { durable: true, ..Default::default() }, FieldTable::default()).await?;
+    ch.queue_bind(queue.as_str().into(), exchange.as_str().into(), "#".into(), QueueBindOptions::default(), FieldTable::default()).await?;
+
+    // 1. Store ceiling.
+    let store_db = fresh_outbox("store").await?;
+    preload(&store_db, n, &body).await?;
+    let store = run_dispatcher(&store_db, Arc::new(InstantPublisher), &args).await?;
+    drop_schema(&store_db).await;
+
+    // 2. Broker ceiling.
+    let broker = broker_ceiling(&args, &exchange, body.as_bytes()).await?;
+    ch.queue_purge(queue.as_str().into(), Default::default()).await?;
+
+    // 3. The relay.
+    let relay_db = fresh_outbox("relay").await?;
+    preload(&relay_db, n, &body).await?;
+    let publisher = RabbitPublisher::connect(RabbitConfig::builder(common::amqp_url()).with_exchange(&exchange).with_declare_exchange(false).build()?).await?;
+    let baseline_rss = common::rss_bytes();
+    let relay = run_dispatcher(&relay_db, Arc::new(publisher), &args).await?;
+    let latency = commit_to_publish(&relay_db).await?;
+    let sent: i64 = sqlx::query_scalar(sqlx::AssertSqlSafe(format!("SELECT count(*) FROM {}.outbox_messages WHERE status = 1", relay_db.schema())))
+        .fetch_one(relay_db.pool())
+        .await?;
+    drop_schema(&relay_db).await;
+
+    ch.queue_delete(queue.as_str().into(), QueueDeleteOptions::default()).await?;
+    ch.exchange_delete(exchange.as_str().into(), ExchangeDeleteOptions::default()).await?;
+    admin.close(200, "bench done".into()).await.ok();
+
+    let (store_rate, broker_rate, relay_rate) = (rate(n, store.elapsed), rate(n, broker), rate(n, relay.elapsed));
+    let ceiling = store_rate.min(broker_rate);
+    println!();
+    println!("| phase                                   | messages/s | elapsed   |");
+    println!("|-----------------------------------------|-----------:|----------:|");
+    println!("| store ceiling (claim + complete, no broker) | {store_rate:>10.0} | {:>9} |", common::ms(store.elapsed));
+    println!("| broker ceiling (raw lapin, pipelined confirms) | {broker_rate:>10.0} | {:>9} |", common::ms(broker));
+    println!("| relay PostgreSQL → RabbitMQ             | {relay_rate:>10.0} | {:>9} |", common::ms(relay.elapsed));
+    println!();
+    println!("relay / lower ceiling = {:.2} (target ≥ 0.90)", relay_rate / ceiling);
+    println!("messages marked Sent: {sent} of {n}");
+    if let Some((p50, p99)) = latency {
+        println!(
+            "commit-to-publish latency (backlog of {n} pre-inserted): p50 {} p99 {}",
+            common::ms(p50),
+            common::ms(p99)
+        );
+    }
+    println!(
+        "relay process peak RSS {:.1} MiB (baseline before the relay {:.1} MiB)",
+        relay.peak_rss as f64 / 1048576.0,
+        baseline_rss as f64 / 1048576.0
+    );
+    Ok(())
+}

@@ -1,0 +1,50 @@
+//! Helpers shared by the demo and the benchmark binaries.
+#![allow(dead_code)] // reason: each binary uses a different subset
+
+use std::time::Duration;
+
+use hdrhistogram::Histogram;
+
+/// `DATABASE_URL`, or the local default.
+pub(crate) fn database_url() -> String {
+    std::env::var("DATABASE_URL").unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".into())
+}
+
+/// `AMQP_URL`, or the local default.
+pub(crate) fn amqp_url() -> String {
+    std::env::var("AMQP_URL").unwrap_or_else(|_| "amqp://guest:guest@127.0.0.1:5672/%2f".into())
+}
+
+/// p50 and p99 of latencies given in milliseconds.
+pub(crate) fn percentiles(latencies_ms: &[f64]) -> Option<(Duration, Duration)> {
+    let mut h = Histogram::<u64>::new_with_bounds(1, 3_600_000_000, 3).ok()?;
+    for &ms in latencies_ms {
+        let us = (ms * 1000.0).max(1.0) as u64;
+        h.saturating_record(us);
+    }
+    if h.is_empty() {
+        return None;
+    }
+    Some((
+        Duration::from_micros(h.value_at_quantile(0.50)),
+        Duration::from_micros(h.value_at_quantile(0.99)),
+    ))
+}
+
+/// Resident set size of this process, in bytes (Linux; 0 elsewhere).
+pub(crate) fn rss_bytes() -> u64 {
+    std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find(|l| l.starts_with("VmRSS:"))
+                .and_then(|l| l.split_whitespace().nth(1))
+                .and_then(|kb| kb.parse::<u64>().ok())
+        })
+        .map_or(0, |kb| kb * 1024)
+}
+
+/// Formats a duration in milliseconds with one decimal.
+pub(crate) fn ms(d: Duration) -> String {
+    format!("{:.1} ms", d.as_secs_f64() * 1000.0)
+}
