@@ -1,0 +1,488 @@
+//! Configuration: [`RabbitConfigBuilder`] (unvalidated settings with defaults) and
+//! [`RabbitConfig`] (validated, shared by the publisher and the consumer).
+//!
+//! ```
+//! use std::time::Duration;
+//! use transport_rabbit::RabbitConfigBuilder;
+//!
+//! let config = RabbitConfigBuilder::new("amqp://guest:guest@127.0.0.1:5672/%2f")
+//!     .with_exchange("orders.events")
+//!     .with_confirm_timeout(Duration::from_secs(10))
+//!     .with_connection_name("orders-relay")
+//!     .build()?;
+//! assert_eq!(config.exchange(), "orders.events");
+//! // The password never shows up in logs or errors.
+//! assert_eq!(config.url_redacted(), "amqp://guest:***@127.0.0.1:5672/%2f");
+//! # Ok::<(), transport_rabbit::RabbitError>(())
+//! ```
+
+use std::fmt;
+use std::net::IpAddr;
+use std::str::FromStr;
+use std::time::Duration;
+
+use lapin::types::MAX_SHORT_STRING_LENGTH;
+use lapin::uri::AMQPUri;
+
+use crate::error::{RabbitError, redact_url};
+
+/// The broker URL used by [`RabbitConfigBuilder::from_env`] when `AMQP_URL` is not set.
+pub const DEFAULT_URL: &str = "amqp://guest:guest@127.0.0.1:5672/%2f";
+/// The environment variable read by [`RabbitConfigBuilder::from_env`].
+pub const URL_ENV: &str = "AMQP_URL";
+/// Default exchange name.
+pub const DEFAULT_EXCHANGE: &str = "outbox.events";
+/// Default time to wait for the publisher confirms of one batch.
+pub const DEFAULT_CONFIRM_TIMEOUT: Duration = Duration::from_secs(30);
+/// Default time to wait for a connection (TCP, TLS, AMQP handshake, channel setup).
+pub const DEFAULT_CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
+/// Default largest payload published: 16 MiB, RabbitMQ 4's default `max_message_size`.
+pub const DEFAULT_MAX_PAYLOAD_BYTES: usize = 16 * 1024 * 1024;
+/// Default connection name shown by the broker (`connection_name` client property).
+pub const DEFAULT_CONNECTION_NAME: &str = "outbox-transport-rabbit";
+/// Default number of publisher channels per connection.
+pub const DEFAULT_CHANNELS: usize = 2;
+/// Largest accepted number of publisher channels per connection.
+pub const MAX_CHANNELS: usize = 256;
+
+/// Settings for the RabbitMQ transport, before validation. Every setter consumes and
+/// returns the builder; [`build`](Self::build) validates.
+#[derive(Clone)]
+#[must_use]
+pub struct RabbitConfigBuilder {
+    url: String,
+    exchange: String,
+    declare_exchange: bool,
+    confirm_timeout: Duration,
+    connect_timeout: Duration,
+    max_payload_bytes: usize,
+    source: Option<String>,
+    connection_name: String,
+    channels: usize,
+}
+
+impl fmt::Debug for RabbitConfigBuilder {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("RabbitConfigBuilder")
+            .field("url", &redact_url(&self.url))
+            .field("exchange", &self.exchange)
+            .field("declare_exchange", &self.declare_exchange)
+            .field("confirm_timeout", &self.confirm_timeout)
+            .field("connect_timeout", &self.connect_timeout)
+            .field("max_payload_bytes", &self.max_payload_bytes)
+            .field("source", &self.source)
+            .field("connection_name", &self.connection_name)
+            .field("channels", &self.channels)
+            .finish()
+    }
+}
+
+impl RabbitConfigBuilder {
+    /// Settings for the broker at `url` (`amqp://user:pass@host:port/vhost` or
+    /// `amqps://...`; the default virtual host `/` is written `%2f`), with every other
+    /// setting at its default.
+    pub fn new(url: impl Into<String>) -> Self {
+        Self {
+            url: url.into(),
+            exchange: DEFAULT_EXCHANGE.to_owned(),
+            declare_exchange: true,
+            confirm_timeout: DEFAULT_CONFIRM_TIMEOUT,
+            connect_timeout: DEFAULT_CONNECT_TIMEOUT,
+            max_payload_bytes: DEFAULT_MAX_PAYLOAD_BYTES,
+            source: None,
+            connection_name: DEFAULT_CONNECTION_NAME.to_owned(),
+            channels: DEFAULT_CHANNELS,
+        }
+    }
+
+    /// Settings for the broker named by the `AMQP_URL` environment variable, or
+    /// [`DEFAULT_URL`] (`amqp://guest:guest@127.0.0.1:5672/%2f`) when it is unset or
+    /// empty.
+    pub fn from_env() -> Self {
+        match std::env::var(URL_ENV) {
+            Ok(url) if !url.trim().is_empty() => Self::new(url.trim()),
+            _ => Self::new(DEFAULT_URL),
+        }
+    }
+
+    /// The exchange messages are published to and queues are bound to. Default
+    /// [`DEFAULT_EXCHANGE`] (`"outbox.events"`).
+    ///
+    /// The name must be 1 to 255 bytes. The AMQP default exchange `""` is rejected by
+    /// [`build`](Self::build): it routes by queue name, so event types would have to be
+    /// queue names, consumers could not bind by pattern, and it cannot be declared.
+    pub fn with_exchange(mut self, exchange: impl Into<String>) -> Self {
+        self.exchange = exchange.into();
+        self
+    }
+
+    /// Whether to declare the exchange (durable, type `topic`) when connecting. Default
+    /// `true`. When `false` the exchange must exist: connecting checks it with a passive
+    /// declare. Exchanges named `amq.*` are reserved by the broker and can only be used
+    /// with `false`.
+    pub fn with_declare_exchange(mut self, declare: bool) -> Self {
+        self.declare_exchange = declare;
+        self
+    }
+
+    /// How long a batch waits for its publisher confirms, measured from the start of
+    /// the batch; messages still unconfirmed then are reported as
+    /// [`PublishError::Timeout`](outbox_core::PublishError::Timeout). Default 30 s.
+    pub fn with_confirm_timeout(mut self, timeout: Duration) -> Self {
+        self.confirm_timeout = timeout;
+        self
+    }
+
+    /// How long connecting may take (TCP, TLS, AMQP handshake, channel setup and
+    /// declarations) before giving up with [`RabbitError::ConnectTimeout`], so a broker
+    /// that is down never hangs the relay. Default 5 s.
+    pub fn with_connect_timeout(mut self, timeout: Duration) -> Self {
+        self.connect_timeout = timeout;
+        self
+    }
+
+    /// The largest payload, in bytes, the publisher sends. A larger message is not sent
+    /// and gets [`PublishError::PayloadTooLarge`](outbox_core::PublishError::PayloadTooLarge)
+    /// (permanent). Default 16 MiB; keep it at or below the broker's
+    /// `max_message_size`.
+    pub fn with_max_payload_bytes(mut self, max: usize) -> Self {
+        self.max_payload_bytes = max;
+        self
+    }
+
+    /// The CloudEvents `source` attribute of every published message. Default `None`:
+    /// `/{aggregate_type}` of each message.
+    pub fn with_source(mut self, source: Option<String>) -> Self {
+        self.source = source;
+        self
+    }
+
+    /// The connection name shown by the broker (the `connection_name` client property,
+    /// visible in `rabbitmqctl list_connections client_properties` and the management
+    /// UI). Default [`DEFAULT_CONNECTION_NAME`] (`"outbox-transport-rabbit"`).
+    pub fn with_connection_name(mut self, name: impl Into<String>) -> Self {
+        self.connection_name = name.into();
+        self
+    }
+
+    /// How many confirm-mode channels the publisher opens on its connection, 1 to
+    /// [`MAX_CHANNELS`]. Concurrent `publish_batch` calls use different channels; calls
+    /// beyond this number wait for a free channel. Default 2.
+    pub fn with_channels(mut self, channels: usize) -> Self {
+        self.channels = channels;
+        self
+    }
+
+    /// Validates the settings.
+    ///
+    /// # Errors
+    /// - [`RabbitError::InvalidUrl`] when the URL does not parse as `amqp://` or
+    ///   `amqps://` (the error shows the URL with its password redacted);
+    /// - [`RabbitError::InvalidConfig`] when the exchange name is empty or longer than
+    ///   255 bytes, an `amq.*` exchange is to be declared, a timeout or the payload limit
+    ///   is zero, the channel count is outside `1..=256`, or the source or connection
+    ///   name is empty.
+    pub fn build(self) -> Result<RabbitConfig, RabbitError> {
+        let url_redacted = redact_url(&self.url);
+        let uri = parse_uri(&self.url, &url_redacted)?;
+        if self.exchange.is_empty() {
+            return Err(invalid(
+                "exchange",
+                "must not be empty (the AMQP default exchange is not supported)",
+            ));
+        }
+        if self.exchange.len() > MAX_SHORT_STRING_LENGTH {
+            return Err(invalid(
+                "exchange",
+                format!(
+                    "is {} bytes long, the maximum is {MAX_SHORT_STRING_LENGTH}",
+                    self.exchange.len()
+                ),
+            ));
+        }
+        if self.exchange.chars().any(char::is_control) {
+            return Err(invalid("exchange", "contains a control character"));
+        }
+        if self.declare_exchange && self.exchange.starts_with("amq.") {
+            return Err(invalid(
+                "exchange",
+                format!(
+                    "{:?} is reserved by the broker and cannot be declared; use with_declare_exchange(false)",
+                    self.exchange
+                ),
+            ));
+        }
+        if self.confirm_timeout.is_zero() {
+            return Err(invalid("confirm_timeout", "must be greater than zero"));
+        }
+        if self.connect_timeout.is_zero() {
+            return Err(invalid("connect_timeout", "must be greater than zero"));
+        }
+        if self.max_payload_bytes == 0 {
+            return Err(invalid("max_payload_bytes", "must be greater than zero"));
+        }
+        if !(1..=MAX_CHANNELS).contains(&self.channels) {
+            return Err(invalid(
+                "channels",
+                format!(
+                    "must be between 1 and {MAX_CHANNELS}, got {}",
+                    self.channels
+                ),
+            ));
+        }
+        if self.source.as_deref().is_some_and(str::is_empty) {
+            return Err(invalid("source", "must not be empty when set"));
+        }
+        if self.connection_name.is_empty() {
+            return Err(invalid("connection_name", "must not be empty"));
+        }
+        Ok(RabbitConfig {
+            uri,
+            url_redacted,
+            exchange: self.exchange,
+            declare_exchange: self.declare_exchange,
+            confirm_timeout: self.confirm_timeout,
+            connect_timeout: self.connect_timeout,
+            max_payload_bytes: self.max_payload_bytes,
+            source: self.source,
+            connection_name: self.connection_name,
+            channels: self.channels,
+        })
+    }
+}
+
+fn invalid(field: &'static str, reason: impl Into<String>) -> RabbitError {
+    RabbitError::InvalidConfig {
+        field,
+        reason: reason.into(),
+    }
+}
+
+/// Parses an AMQP URI without ever panicking or leaking the password.
+fn parse_uri(url: &str, url_redacted: &str) -> Result<AMQPUri, RabbitError> {
+    let invalid_url = |reason: String| RabbitError::InvalidUrl {
+        url_redacted: url_redacted.to_owned(),
+        // Parser messages may quote the input; never let the password through.
+        reason: reason.replace(url, url_redacted),
+    };
+    let trimmed = url.trim();
+    if trimmed.is_empty() {
+        return Err(invalid_url("the URL is empty".to_owned()));
+    }
+    if !(trimmed.starts_with("amqp://") || trimmed.starts_with("amqps://")) {
+        return Err(invalid_url(
+            "the scheme must be amqp:// or amqps://".to_owned(),
+        ));
+    }
+    let mut uri = AMQPUri::from_str(trimmed).map_err(invalid_url)?;
+    // amq-protocol-uri 10.6 takes the host from `Url::domain()`, which is `None` for IPv6
+    // literals (`[::1]`), and then silently falls back to "localhost": restore the IP.
+    if let Some(ip) = ip_host(trimmed) {
+        uri.authority.host = ip.to_string();
+    }
+    if uri.authority.host.is_empty() {
+        return Err(invalid_url("the URL has no host".to_owned()));
+    }
+    Ok(uri)
+}
+
+/// The host of an `amqp(s)://` URL when it is an IP literal (`127.0.0.1`, `[::1]`).
+fn ip_host(url: &str) -> Option<IpAddr> {
+    let rest = &url[url.find("://")? + 3..];
+    let authority = &rest[..rest.find(['/', '?', '#']).unwrap_or(rest.len())];
+    let host_port = authority
+        .rfind('@')
+        .map_or(authority, |at| &authority[at + 1..]);
+    let host = if let Some(v6) = host_port.strip_prefix('[') {
+        &v6[..v6.find(']')?]
+    } else {
+        host_port.split(':').next()?
+    };
+    host.parse().ok()
+}
+
+/// Validated settings of the RabbitMQ transport: build them with
+/// [`RabbitConfigBuilder`]. Cheap to clone. `Debug` shows the URL redacted.
+#[derive(Clone)]
+pub struct RabbitConfig {
+    uri: AMQPUri,
+    url_redacted: String,
+    exchange: String,
+    declare_exchange: bool,
+    confirm_timeout: Duration,
+    connect_timeout: Duration,
+    max_payload_bytes: usize,
+    source: Option<String>,
+    connection_name: String,
+    channels: usize,
+}
+
+impl fmt::Debug for RabbitConfig {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("RabbitConfig")
+            .field("url", &self.url_redacted)
+            .field("exchange", &self.exchange)
+            .field("declare_exchange", &self.declare_exchange)
+            .field("confirm_timeout", &self.confirm_timeout)
+            .field("connect_timeout", &self.connect_timeout)
+            .field("max_payload_bytes", &self.max_payload_bytes)
+            .field("source", &self.source)
+            .field("connection_name", &self.connection_name)
+            .field("channels", &self.channels)
+            .finish()
+    }
+}
+
+impl RabbitConfig {
+    /// Starts a [`RabbitConfigBuilder`] for the broker at `url`.
+    pub fn builder(url: impl Into<String>) -> RabbitConfigBuilder {
+        RabbitConfigBuilder::new(url)
+    }
+
+    /// The parsed broker URI (it contains the password: do not log it).
+    pub(crate) fn uri(&self) -> &AMQPUri {
+        &self.uri
+    }
+
+    /// The broker URL with its password replaced by `***`.
+    pub fn url_redacted(&self) -> &str {
+        &self.url_redacted
+    }
+
+    /// The exchange messages are published to.
+    pub fn exchange(&self) -> &str {
+        &self.exchange
+    }
+
+    /// Whether the exchange is declared (durable topic) when connecting.
+    pub fn declare_exchange(&self) -> bool {
+        self.declare_exchange
+    }
+
+    /// How long a batch waits for its publisher confirms.
+    pub fn confirm_timeout(&self) -> Duration {
+        self.confirm_timeout
+    }
+
+    /// How long connecting may take.
+    pub fn connect_timeout(&self) -> Duration {
+        self.connect_timeout
+    }
+
+    /// The largest payload published, in bytes.
+    pub fn max_payload_bytes(&self) -> usize {
+        self.max_payload_bytes
+    }
+
+    /// The CloudEvents `source` override, if any.
+    pub fn source(&self) -> Option<&str> {
+        self.source.as_deref()
+    }
+
+    /// The connection name shown by the broker.
+    pub fn connection_name(&self) -> &str {
+        &self.connection_name
+    }
+
+    /// The number of publisher channels.
+    pub fn channels(&self) -> usize {
+        self.channels
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn defaults() {
+        let config = RabbitConfigBuilder::new(DEFAULT_URL)
+            .build()
+            .expect("valid");
+        assert_eq!(config.exchange(), DEFAULT_EXCHANGE);
+        assert!(config.declare_exchange());
+        assert_eq!(config.confirm_timeout(), Duration::from_secs(30));
+        assert_eq!(config.connect_timeout(), Duration::from_secs(5));
+        assert_eq!(config.max_payload_bytes(), 16 * 1024 * 1024);
+        assert_eq!(config.channels(), 2);
+        assert_eq!(config.source(), None);
+        assert_eq!(config.uri().authority.host, "127.0.0.1");
+        assert_eq!(config.uri().authority.port, 5672);
+        assert_eq!(config.uri().vhost, "/");
+    }
+
+    #[test]
+    fn ip_hosts_are_kept() {
+        for (url, host) in [
+            ("amqp://u:p@10.1.2.3:5673/%2f", "10.1.2.3"),
+            ("amqp://[::1]:5672/%2f", "::1"),
+            ("amqps://u:p@[fe80::1]/vh", "fe80::1"),
+            ("amqp://broker.internal/%2f", "broker.internal"),
+        ] {
+            let config = RabbitConfigBuilder::new(url).build().expect("valid");
+            assert_eq!(config.uri().authority.host, host, "{url}");
+        }
+    }
+
+    #[test]
+    fn malformed_urls_are_typed_errors_without_password() {
+        for url in [
+            "",
+            "   ",
+            "http://guest:hunter2@host/",
+            "amqp://guest:hunter2@host:notaport/%2f",
+            "amqp://guest:hunter2@host/%2f?heartbeat=abc",
+            "amqp//guest:hunter2@host",
+            "guest:hunter2@host",
+            "amqp://guest:hunter2@host/%ff",
+        ] {
+            match RabbitConfigBuilder::new(url).build() {
+                Err(e @ RabbitError::InvalidUrl { .. }) => {
+                    let text = format!("{e} {e:?}");
+                    assert!(!text.contains("hunter2"), "password leaked: {text}");
+                }
+                other => panic!("{url:?}: expected InvalidUrl, got {other:?}"),
+            }
+        }
+    }
+
+    #[test]
+    fn invalid_settings() {
+        let base = || RabbitConfigBuilder::new(DEFAULT_URL);
+        let field = |b: RabbitConfigBuilder| match b.build() {
+            Err(RabbitError::InvalidConfig { field, .. }) => field,
+            other => panic!("expected InvalidConfig, got {other:?}"),
+        };
+        assert_eq!(field(base().with_exchange("")), "exchange");
+        assert_eq!(field(base().with_exchange("x".repeat(256))), "exchange");
+        assert_eq!(field(base().with_exchange("amq.topic")), "exchange");
+        assert!(
+            base()
+                .with_exchange("amq.topic")
+                .with_declare_exchange(false)
+                .build()
+                .is_ok()
+        );
+        assert_eq!(field(base().with_channels(0)), "channels");
+        assert_eq!(field(base().with_channels(MAX_CHANNELS + 1)), "channels");
+        assert_eq!(
+            field(base().with_confirm_timeout(Duration::ZERO)),
+            "confirm_timeout"
+        );
+        assert_eq!(
+            field(base().with_connect_timeout(Duration::ZERO)),
+            "connect_timeout"
+        );
+        assert_eq!(field(base().with_max_payload_bytes(0)), "max_payload_bytes");
+        assert_eq!(field(base().with_source(Some(String::new()))), "source");
+        assert_eq!(field(base().with_connection_name("")), "connection_name");
+    }
+
+    #[test]
+    fn debug_never_shows_the_password() {
+        let builder = RabbitConfigBuilder::new("amqp://guest:hunter2@host/%2f");
+        assert!(!format!("{builder:?}").contains("hunter2"));
+        let config = builder.build().expect("valid");
+        assert!(!format!("{config:?}").contains("hunter2"));
+    }
+}

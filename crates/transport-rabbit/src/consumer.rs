@@ -1,0 +1,763 @@
+//! [`RabbitConsumer`]: consumes a queue with manual acknowledgements and hands each
+//! decoded message to a [`DeliveryHandler`].
+//!
+//! # Contract
+//!
+//! - The queue is declared durable (unless turned off) and bound to the configured
+//!   exchange with the given binding keys; `basic.qos` limits unacknowledged deliveries
+//!   to the prefetch count; `basic.consume` runs with `no_ack = false` (AMQP 0-9-1
+//!   manual acknowledgement, see RabbitMQ's [consumer acknowledgements]).
+//! - Each delivery is decoded with [`IncomingMessage::decode`] (AMQP binding: the
+//!   `message_id` property and `cloudEvents:*` headers). The broker is answered only
+//!   **after** the handler returns, so a handler that commits its database transaction
+//!   before returning [`HandlerDecision::Ack`] never loses a message: a crash before the
+//!   ack means a redelivery, which the inbox deduplicates.
+//! - A delivery that cannot be decoded (no id, an id that is not a UUID, no event type)
+//!   is logged and rejected without requeue (`basic.nack`, `requeue = false`): it goes to
+//!   the queue's dead-letter exchange if it has one, and never blocks the queue.
+//! - Deliveries are handled **concurrently**, up to the prefetch count at a time, within
+//!   the task that calls [`run`](RabbitConsumer::run); the order in which handlers finish
+//!   is not the delivery order.
+//! - A lost connection is re-established with exponential backoff until shutdown;
+//!   handlers in flight when it was lost are finished first (their acks fail and the
+//!   broker redelivers those messages).
+//! - On shutdown the consumer is cancelled (`basic.cancel`), in-flight handlers finish
+//!   and are acknowledged, then the connection is closed; deliveries prefetched but not
+//!   started are returned to the queue by the broker.
+//!
+//! [consumer acknowledgements]: https://www.rabbitmq.com/docs/confirms#consumer-acknowledgements
+
+use std::panic::AssertUnwindSafe;
+use std::time::Duration;
+
+use async_trait::async_trait;
+use futures::stream::FuturesUnordered;
+use futures::{FutureExt, StreamExt};
+use lapin::message::Delivery;
+use lapin::options::{
+    BasicAckOptions, BasicCancelOptions, BasicConsumeOptions, BasicNackOptions, BasicQosOptions,
+    QueueBindOptions, QueueDeclareOptions,
+};
+use lapin::types::{AMQPValue, DecimalValue, FieldTable, LongString, ShortString};
+use lapin::{Channel, Connection};
+use outbox_core::wire::{Binding, IncomingMessage};
+use outbox_core::{ErrorKind, Headers};
+use tokio::time::timeout;
+use tokio_util::sync::CancellationToken;
+use tracing::{debug, error, info, warn};
+
+use crate::config::RabbitConfig;
+use crate::error::RabbitError;
+use crate::publisher::{declare_exchange, open_connection};
+
+/// Default number of unacknowledged deliveries (and concurrent handlers).
+pub const DEFAULT_PREFETCH: u16 = 100;
+/// Default first delay before reconnecting.
+pub const DEFAULT_RECONNECT_INITIAL: Duration = Duration::from_millis(200);
+/// Default longest delay between reconnection attempts.
+pub const DEFAULT_RECONNECT_MAX: Duration = Duration::from_secs(30);
+
+/// What to tell the broker about a delivery once the handler is done.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum HandlerDecision {
+    /// Processed (and committed): `basic.ack`.
+    Ack,
+    /// Not processed, try again: `basic.nack` with `requeue = true`. The broker
+    /// redelivers it with the `redelivered` flag set.
+    Requeue,
+    /// Never processable: `basic.nack` with `requeue = false`. The broker dead-letters it
+    /// if the queue has a dead-letter exchange, else drops it.
+    Reject,
+}
+
+/// Handles one decoded delivery.
+///
+/// # Contract
+/// - It MUST finish its side effects (e.g. commit its database transaction) before
+///   returning [`HandlerDecision::Ack`]: the ack follows the return.
+/// - It MUST be idempotent or deduplicate on [`IncomingMessage::id`]: delivery is
+///   at-least-once.
+/// - It SHOULD NOT panic. A panic is caught and logged; the delivery is requeued on its
+///   first delivery and rejected when it was already redelivered, so a message that
+///   always panics is dead-lettered instead of looping.
+#[async_trait]
+pub trait DeliveryHandler: Send + Sync + 'static {
+    /// Handles `msg` and says how to answer the broker.
+    async fn handle(&self, msg: IncomingMessage) -> HandlerDecision;
+}
+
+#[async_trait]
+impl<H: DeliveryHandler + ?Sized> DeliveryHandler for std::sync::Arc<H> {
+    async fn handle(&self, msg: IncomingMessage) -> HandlerDecision {
+        (**self).handle(msg).await
+    }
+}
+
+/// Settings of a [`RabbitConsumer`] before validation. Every setter consumes and
+/// returns the builder; [`build`](Self::build) validates.
+#[derive(Debug, Clone)]
+#[must_use]
+pub struct RabbitConsumerBuilder {
+    config: RabbitConfig,
+    queue: String,
+    prefetch: u16,
+    binding_keys: Vec<String>,
+    declare_queue: bool,
+    dead_letter_exchange: Option<String>,
+    queue_arguments: FieldTable,
+    consumer_tag: Option<String>,
+    reconnect_initial: Duration,
+    reconnect_max: Duration,
+}
+
+impl RabbitConsumerBuilder {
+    /// A consumer of `queue` on the broker and exchange of `config`.
+    pub fn new(config: RabbitConfig, queue: impl Into<String>) -> Self {
+        Self {
+            config,
+            queue: queue.into(),
+            prefetch: DEFAULT_PREFETCH,
+            binding_keys: Vec::new(),
+            declare_queue: true,
+            dead_letter_exchange: None,
+            queue_arguments: FieldTable::default(),
+            consumer_tag: None,
+            reconnect_initial: DEFAULT_RECONNECT_INITIAL,
+            reconnect_max: DEFAULT_RECONNECT_MAX,
+        }
+    }
+
+    /// Largest number of unacknowledged deliveries (`basic.qos` prefetch count), which
+    /// is also the largest number of handlers running at once. At least 1. Default 100.
+    pub fn with_prefetch(mut self, prefetch: u16) -> Self {
+        self.prefetch = prefetch;
+        self
+    }
+
+    /// Adds a binding of the queue to the exchange with this topic pattern (`*` matches
+    /// one word, `#` zero or more, words separated by `.`). Default: no bindings, so the
+    /// queue only gets what is bound elsewhere.
+    pub fn with_binding_key(mut self, key: impl Into<String>) -> Self {
+        self.binding_keys.push(key.into());
+        self
+    }
+
+    /// Adds several binding keys (see [`with_binding_key`](Self::with_binding_key)).
+    pub fn with_binding_keys<I, K>(mut self, keys: I) -> Self
+    where
+        I: IntoIterator<Item = K>,
+        K: Into<String>,
+    {
+        self.binding_keys.extend(keys.into_iter().map(Into::into));
+        self
+    }
+
+    /// Whether to declare the queue (durable, not exclusive, not auto-deleted) before
+    /// consuming. Default `true`; with `false` the queue must exist.
+    pub fn with_declare_queue(mut self, declare: bool) -> Self {
+        self.declare_queue = declare;
+        self
+    }
+
+    /// Declares the queue with this dead-letter exchange (`x-dead-letter-exchange`):
+    /// rejected deliveries go there. Default none. Only applies when the queue is
+    /// declared, and must match the arguments of an existing queue.
+    pub fn with_dead_letter_exchange(mut self, exchange: impl Into<String>) -> Self {
+        self.dead_letter_exchange = Some(exchange.into());
+        self
+    }
+
+    /// Extra `queue.declare` arguments (e.g. `x-queue-type` = `quorum`). Default none.
+    pub fn with_queue_arguments(mut self, arguments: FieldTable) -> Self {
+        self.queue_arguments = arguments;
+        self
+    }
+
+    /// The consumer tag. Default: generated by the broker.
+    pub fn with_consumer_tag(mut self, tag: impl Into<String>) -> Self {
+        self.consumer_tag = Some(tag.into());
+        self
+    }
+
+    /// Reconnection backoff: the first delay and the cap of the doubling delay.
+    /// Defaults 200 ms and 30 s.
+    pub fn with_reconnect_backoff(mut self, initial: Duration, max: Duration) -> Self {
+        self.reconnect_initial = initial;
+        self.reconnect_max = max;
+        self
+    }
+
+    /// Validates the settings.
+    ///
+    /// # Errors
+    /// [`RabbitError::InvalidConfig`] when the queue name is empty, a name, key or tag is
+    /// longer than 255 bytes or contains control characters, the prefetch is 0, or the
+    /// backoff is zero or its initial delay exceeds its cap.
+    pub fn build(self) -> Result<RabbitConsumer, RabbitError> {
+        check_name("queue", &self.queue)?;
+        for key in &self.binding_keys {
+            check_short("binding_key", key)?;
+        }
+        if let Some(tag) = &self.consumer_tag {
+            check_short("consumer_tag", tag)?;
+        }
+        if let Some(dlx) = &self.dead_letter_exchange {
+            check_short("dead_letter_exchange", dlx)?;
+        }
+        if self.prefetch == 0 {
+            return Err(RabbitError::InvalidConfig {
+                field: "prefetch",
+                reason: "must be at least 1 (0 would mean unlimited)".to_owned(),
+            });
+        }
+        if self.reconnect_initial.is_zero() || self.reconnect_initial > self.reconnect_max {
+            return Err(RabbitError::InvalidConfig {
+                field: "reconnect_backoff",
+                reason: "the initial delay must be greater than zero and at most the maximum"
+                    .to_owned(),
+            });
+        }
+        let mut queue_arguments = self.queue_arguments;
+        if let Some(dlx) = self.dead_letter_exchange {
+            queue_arguments.insert(
+                ShortString::from("x-dead-letter-exchange"),
+                AMQPValue::LongString(LongString::from(dlx)),
+            );
+        }
+        Ok(RabbitConsumer {
+            config: self.config,
+            queue: self.queue,
+            prefetch: self.prefetch,
+            binding_keys: self.binding_keys,
+            declare_queue: self.declare_queue,
+            queue_arguments,
+            consumer_tag: self.consumer_tag.unwrap_or_default(),
+            reconnect_initial: self.reconnect_initial,
+            reconnect_max: self.reconnect_max,
+        })
+    }
+}
+
+fn check_short(field: &'static str, value: &str) -> Result<(), RabbitError> {
+    if value.len() > 255 {
+        return Err(RabbitError::InvalidConfig {
+            field,
+            reason: format!("is {} bytes long, AMQP allows at most 255", value.len()),
+        });
+    }
+    if value.chars().any(char::is_control) {
+        return Err(RabbitError::InvalidConfig {
+            field,
+            reason: "contains a control character".to_owned(),
+        });
+    }
+    Ok(())
+}
+
+fn check_name(field: &'static str, value: &str) -> Result<(), RabbitError> {
+    if value.is_empty() {
+        return Err(RabbitError::InvalidConfig {
+            field,
+            reason: "must not be empty".to_owned(),
+        });
+    }
+    check_short(field, value)
+}
+
+/// Consumes one queue and answers the broker with what a [`DeliveryHandler`] decides.
+/// See the [module docs](self) for the contract.
+///
+/// ```no_run
+/// use async_trait::async_trait;
+/// use outbox_core::wire::IncomingMessage;
+/// use tokio_util::sync::CancellationToken;
+/// use transport_rabbit::{DeliveryHandler, HandlerDecision, RabbitConfigBuilder, RabbitConsumer};
+///
+/// struct Projection;
+///
+/// #[async_trait]
+/// impl DeliveryHandler for Projection {
+///     async fn handle(&self, msg: IncomingMessage) -> HandlerDecision {
+///         println!("{} {}", msg.event_type, msg.id);
+///         HandlerDecision::Ack
+///     }
+/// }
+///
+/// # async fn run() -> Result<(), transport_rabbit::RabbitError> {
+/// let config = RabbitConfigBuilder::from_env().build()?;
+/// let consumer = RabbitConsumer::builder(config, "projection.orders")
+///     .with_binding_key("Order*")
+///     .with_prefetch(50)
+///     .build()?;
+/// let shutdown = CancellationToken::new();
+/// consumer.run(Projection, shutdown).await
+/// # }
+/// ```
+#[derive(Debug, Clone)]
+pub struct RabbitConsumer {
+    config: RabbitConfig,
+    queue: String,
+    prefetch: u16,
+    binding_keys: Vec<String>,
+    declare_queue: bool,
+    queue_arguments: FieldTable,
+    consumer_tag: String,
+    reconnect_initial: Duration,
+    reconnect_max: Duration,
+}
+
+impl RabbitConsumer {
+    /// Starts a [`RabbitConsumerBuilder`] for `queue`.
+    pub fn builder(config: RabbitConfig, queue: impl Into<String>) -> RabbitConsumerBuilder {
+        RabbitConsumerBuilder::new(config, queue)
+    }
+
+    /// The queue consumed.
+    pub fn queue(&self) -> &str {
+        &self.queue
+    }
+
+    /// The prefetch count (and concurrency limit).
+    pub fn prefetch(&self) -> u16 {
+        self.prefetch
+    }
+
+    /// Connects once, declares the exchange (when configured) and the queue, binds it,
+    /// and disconnects. Call it before publishing when messages must not be missed
+    /// before [`run`](Self::run) starts.
+    ///
+    /// # Errors
+    /// A connection, channel or declaration error ([`RabbitError`]).
+    pub async fn declare(&self) -> Result<(), RabbitError> {
+        let connection = self.connect().await?;
+        let result = self.with_timeout(self.setup(&connection)).await;
+        close_connection(&connection, self.config.connect_timeout()).await;
+        result.map(drop)
+    }
+
+    /// Consumes until `shutdown` is cancelled, reconnecting with backoff after a lost
+    /// connection.
+    ///
+    /// # Errors
+    /// Only errors retrying cannot fix, at any (re)connection: bad credentials or
+    /// permissions (`403 ACCESS_REFUSED`), an unknown virtual host, a queue or exchange
+    /// declared with other arguments (`406 PRECONDITION_FAILED`). Returns `Ok(())` after
+    /// a graceful shutdown.
+    pub async fn run<H: DeliveryHandler>(
+        &self,
+        handler: H,
+        shutdown: CancellationToken,
+    ) -> Result<(), RabbitError> {
+        let mut delay = self.reconnect_initial;
+        loop {
+            if shutdown.is_cancelled() {
+                return Ok(());
+            }
+            let mut established = false;
+            match self
+                .consume_once(&handler, &shutdown, &mut established)
+                .await
+            {
+                Ok(()) => return Ok(()),
+                Err(e) if e.kind() == ErrorKind::Permanent => {
+                    error!(queue = %self.queue, error = %e, "RabbitMQ consumer stopped: retrying cannot help");
+                    return Err(e);
+                }
+                Err(e) => {
+                    if established {
+                        delay = self.reconnect_initial;
+                    }
+                    warn!(
+                        queue = %self.queue,
+                        error = %e,
+                        retry_in_ms = u64::try_from(delay.as_millis()).unwrap_or(u64::MAX),
+                        "RabbitMQ consumer disconnected, reconnecting"
+                    );
+                    tokio::select! {
+                        () = shutdown.cancelled() => return Ok(()),
+                        () = tokio::time::sleep(delay) => {}
+                    }
+                    delay = (delay * 2).min(self.reconnect_max);
+                }
+            }
+        }
+    }
+
+    async fn connect(&self) -> Result<Connection, RabbitError> {
+        self.with_timeout(open_connection(&self.config)).await
+    }
+
+    async fn with_timeout<T>(
+        &self,
+        fut: impl Future<Output = Result<T, RabbitError>>,
+    ) -> Result<T, RabbitError> {
+        timeout(self.config.connect_timeout(), fut)
+            .await
+            .unwrap_or_else(|_| {
+                Err(RabbitError::ConnectTimeout {
+                    url_redacted: self.config.url_redacted().to_owned(),
+                    timeout: self.config.connect_timeout(),
+                })
+            })
+    }
+
+    /// Declares and binds on a new channel, sets the prefetch; returns the channel.
+    async fn setup(&self, connection: &Connection) -> Result<Channel, RabbitError> {
+        if self.config.declare_exchange() {
+            declare_exchange(connection, &self.config, false).await?;
+        }
+        let channel = connection
+            .create_channel()
+            .await
+            .map_err(|source| RabbitError::Channel {
+                operation: "channel.open",
+                source: Box::new(source),
+            })?;
+        let queue = ShortString::from(self.queue.as_str());
+        if self.declare_queue {
+            channel
+                .queue_declare(
+                    queue.clone(),
+                    QueueDeclareOptions {
+                        durable: true,
+                        ..QueueDeclareOptions::default()
+                    },
+                    self.queue_arguments.clone(),
+                )
+                .await
+                .map_err(|source| RabbitError::Declare {
+                    operation: "queue.declare",
+                    name: self.queue.clone(),
+                    source: Box::new(source),
+                })?;
+        }
+        for key in &self.binding_keys {
+            channel
+                .queue_bind(
+                    queue.clone(),
+                    ShortString::from(self.config.exchange()),
+                    ShortString::from(key.as_str()),
+                    QueueBindOptions::default(),
+                    FieldTable::default(),
+                )
+                .await
+                .map_err(|source| RabbitError::Declare {
+                    operation: "queue.bind",
+                    name: format!("{} -> {} ({key})", self.config.exchange(), self.queue),
+                    source: Box::new(source),
+                })?;
+        }
+        channel
+            .basic_qos(self.prefetch, BasicQosOptions::default())
+            .await
+            .map_err(|source| RabbitError::Channel {
+                operation: "basic.qos",
+                source: Box::new(source),
+            })?;
+        Ok(channel)
+    }
+
+    /// One connection's worth of consuming. `Ok(())` means shutdown.
+    async fn consume_once<H: DeliveryHandler>(
+        &self,
+        handler: &H,
+        shutdown: &CancellationToken,
+        established: &mut bool,
+    ) -> Result<(), RabbitError> {
+        let connection = self.connect().await?;
+        let setup = self
+            .with_timeout(async {
+                let channel = self.setup(&connection).await?;
+                let consumer = channel
+                    .basic_consume(
+                        ShortString::from(self.queue.as_str()),
+                        ShortString::from(self.consumer_tag.as_str()),
+                        BasicConsumeOptions {
+                            no_ack: false,
+                            ..BasicConsumeOptions::default()
+                        },
+                        FieldTable::default(),
+                    )
+                    .await
+                    .map_err(|source| RabbitError::Consume {
+                        queue: self.queue.clone(),
+                        reason: "basic.consume failed".to_owned(),
+                        source: Some(Box::new(source)),
+                    })?;
+                Ok((channel, consumer))
+            })
+            .await;
+        let (channel, mut consumer) = match setup {
+            Ok(ok) => ok,
+            Err(e) => {
+                close_connection(&connection, self.config.connect_timeout()).await;
+                return Err(e);
+            }
+        };
+        *established = true;
+        info!(
+            queue = %self.queue,
+            consumer_tag = %consumer.tag(),
+            prefetch = self.prefetch,
+            "consuming from RabbitMQ"
+        );
+
+        let limit = usize::from(self.prefetch);
+        let mut in_flight = FuturesUnordered::new();
+        let ended = loop {
+            tokio::select! {
+                biased;
+                () = shutdown.cancelled() => break Ok(()),
+                Some(()) = in_flight.next(), if !in_flight.is_empty() => {}
+                next = consumer.next(), if in_flight.len() < limit => match next {
+                    Some(Ok(delivery)) => in_flight.push(process(handler, delivery)),
+                    Some(Err(source)) => break Err(RabbitError::Consume {
+                        queue: self.queue.clone(),
+                        reason: "the delivery stream failed".to_owned(),
+                        source: Some(Box::new(source)),
+                    }),
+                    None => break Err(RabbitError::Consume {
+                        queue: self.queue.clone(),
+                        reason: "the consumer was cancelled (queue deleted, or the channel closed)".to_owned(),
+                        source: None,
+                    }),
+                },
+            }
+        };
+
+        if ended.is_ok() {
+            // Stop new deliveries; prefetched ones not yet started are requeued by the
+            // broker when the channel closes.
+            let cancel = channel.basic_cancel(consumer.tag(), BasicCancelOptions::default());
+            if let Ok(Err(e)) = timeout(self.config.connect_timeout(), cancel).await {
+                debug!(error = %e, "basic.cancel failed");
+            }
+        }
+        let draining = in_flight.len();
+        if draining > 0 {
+            debug!(in_flight = draining, "waiting for in-flight handlers");
+        }
+        while in_flight.next().await.is_some() {}
+        drop(consumer);
+        if channel.status().connected() {
+            let _ = timeout(
+                self.config.connect_timeout(),
+                channel.close(200, "consumer stopped".into()),
+            )
+            .await;
+        }
+        close_connection(&connection, self.config.connect_timeout()).await;
+        if ended.is_ok() {
+            info!(queue = %self.queue, "RabbitMQ consumer shut down");
+        }
+        ended
+    }
+}
+
+async fn close_connection(connection: &Connection, limit: Duration) {
+    if connection.status().connected() {
+        let _ = timeout(limit, connection.close(200, "OK".into())).await;
+    }
+}
+
+/// Decodes, handles and answers one delivery. Never panics, never returns an error:
+/// failures are logged and the broker redelivers what was not acknowledged.
+async fn process<H: DeliveryHandler>(handler: &H, delivery: Delivery) {
+    let Delivery {
+        delivery_tag,
+        redelivered,
+        properties,
+        data,
+        acker,
+        ..
+    } = delivery;
+    let message_id = properties.message_id().as_ref().map(ShortString::as_str);
+    let headers = headers_to_strings(properties.headers().as_ref());
+    let decision = match IncomingMessage::decode(
+        Binding::Amqp,
+        message_id,
+        headers,
+        data,
+        redelivered,
+        None,
+    ) {
+        Ok(msg) => {
+            let id = msg.id;
+            match AssertUnwindSafe(handler.handle(msg)).catch_unwind().await {
+                Ok(decision) => decision,
+                Err(_) => {
+                    let decision = if redelivered {
+                        HandlerDecision::Reject
+                    } else {
+                        HandlerDecision::Requeue
+                    };
+                    error!(%id, redelivered, ?decision, "delivery handler panicked");
+                    decision
+                }
+            }
+        }
+        Err(e) => {
+            warn!(
+                delivery_tag,
+                message_id = message_id.unwrap_or(""),
+                error = %e,
+                "undecodable delivery rejected without requeue"
+            );
+            HandlerDecision::Reject
+        }
+    };
+    let answered = match decision {
+        HandlerDecision::Ack => acker.ack(BasicAckOptions::default()).await,
+        HandlerDecision::Requeue => {
+            acker
+                .nack(BasicNackOptions {
+                    multiple: false,
+                    requeue: true,
+                })
+                .await
+        }
+        HandlerDecision::Reject => {
+            acker
+                .nack(BasicNackOptions {
+                    multiple: false,
+                    requeue: false,
+                })
+                .await
+        }
+    };
+    if let Err(e) = answered {
+        warn!(delivery_tag, ?decision, error = %e, "could not answer the broker; it will redeliver");
+    }
+}
+
+/// AMQP headers as strings: strings as they are (long strings decoded as UTF-8,
+/// lossily), numbers, booleans and timestamps as decimal text, byte arrays when they are
+/// UTF-8. Nested tables, arrays and void values are left out.
+pub fn headers_to_strings(table: Option<&FieldTable>) -> Headers {
+    let mut headers = Headers::new();
+    if let Some(table) = table {
+        for (name, value) in table.inner() {
+            if let Some(text) = value_to_string(value) {
+                headers.insert(name.as_str().to_owned(), text);
+            }
+        }
+    }
+    headers
+}
+
+fn value_to_string(value: &AMQPValue) -> Option<String> {
+    Some(match value {
+        AMQPValue::LongString(s) => String::from_utf8_lossy(s.as_bytes()).into_owned(),
+        AMQPValue::ShortString(s) => s.as_str().to_owned(),
+        AMQPValue::Boolean(b) => b.to_string(),
+        AMQPValue::ShortShortInt(n) => n.to_string(),
+        AMQPValue::ShortShortUInt(n) => n.to_string(),
+        AMQPValue::ShortInt(n) => n.to_string(),
+        AMQPValue::ShortUInt(n) => n.to_string(),
+        AMQPValue::LongInt(n) => n.to_string(),
+        AMQPValue::LongUInt(n) => n.to_string(),
+        AMQPValue::LongLongInt(n) => n.to_string(),
+        AMQPValue::Timestamp(n) => n.to_string(),
+        AMQPValue::Float(n) => n.to_string(),
+        AMQPValue::Double(n) => n.to_string(),
+        AMQPValue::DecimalValue(d) => decimal_text(*d),
+        AMQPValue::ByteArray(b) => std::str::from_utf8(b.as_slice()).ok()?.to_owned(),
+        AMQPValue::FieldArray(_) | AMQPValue::FieldTable(_) | AMQPValue::Void => return None,
+    })
+}
+
+/// An AMQP decimal (`value` × 10^-`scale`) as text, e.g. 12345 with scale 2 → `123.45`.
+fn decimal_text(d: DecimalValue) -> String {
+    let digits = d.value.to_string();
+    let scale = usize::from(d.scale);
+    if scale == 0 {
+        return digits;
+    }
+    let padded = format!("{digits:0>width$}", width = scale + 1);
+    let (int, frac) = padded.split_at(padded.len() - scale);
+    format!("{int}.{frac}")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use lapin::types::ByteArray;
+
+    #[test]
+    fn header_values_become_text() {
+        let mut table = FieldTable::default();
+        table.insert("a".into(), AMQPValue::LongString("x".into()));
+        table.insert("b".into(), AMQPValue::ShortString("y".into()));
+        table.insert("c".into(), AMQPValue::LongLongInt(-42));
+        table.insert("d".into(), AMQPValue::ShortUInt(7));
+        table.insert("e".into(), AMQPValue::Boolean(true));
+        table.insert("f".into(), AMQPValue::Timestamp(1_700_000_000));
+        table.insert(
+            "g".into(),
+            AMQPValue::DecimalValue(DecimalValue { scale: 2, value: 5 }),
+        );
+        table.insert("h".into(), AMQPValue::FieldTable(FieldTable::default()));
+        table.insert("i".into(), AMQPValue::Void);
+        table.insert(
+            "j".into(),
+            AMQPValue::ByteArray(ByteArray::from(vec![b'o', b'k'])),
+        );
+        let headers = headers_to_strings(Some(&table));
+        assert_eq!(headers.get("a").map(String::as_str), Some("x"));
+        assert_eq!(headers.get("b").map(String::as_str), Some("y"));
+        assert_eq!(headers.get("c").map(String::as_str), Some("-42"));
+        assert_eq!(headers.get("d").map(String::as_str), Some("7"));
+        assert_eq!(headers.get("e").map(String::as_str), Some("true"));
+        assert_eq!(headers.get("f").map(String::as_str), Some("1700000000"));
+        assert_eq!(headers.get("g").map(String::as_str), Some("0.05"));
+        assert_eq!(headers.get("j").map(String::as_str), Some("ok"));
+        assert!(!headers.contains_key("h"));
+        assert!(!headers.contains_key("i"));
+        assert!(headers_to_strings(None).is_empty());
+    }
+
+    #[test]
+    fn decimals() {
+        assert_eq!(
+            decimal_text(DecimalValue {
+                scale: 0,
+                value: 12
+            }),
+            "12"
+        );
+        assert_eq!(
+            decimal_text(DecimalValue {
+                scale: 2,
+                value: 12345
+            }),
+            "123.45"
+        );
+        assert_eq!(decimal_text(DecimalValue { scale: 3, value: 7 }), "0.007");
+    }
+
+    #[test]
+    fn builder_validates() {
+        let config = crate::RabbitConfigBuilder::new(crate::config::DEFAULT_URL)
+            .build()
+            .expect("valid config");
+        let field = |b: RabbitConsumerBuilder| match b.build() {
+            Err(RabbitError::InvalidConfig { field, .. }) => field,
+            other => panic!("expected InvalidConfig, got {other:?}"),
+        };
+        assert_eq!(field(RabbitConsumer::builder(config.clone(), "")), "queue");
+        assert_eq!(
+            field(RabbitConsumer::builder(config.clone(), "q").with_prefetch(0)),
+            "prefetch"
+        );
+        assert_eq!(
+            field(RabbitConsumer::builder(config.clone(), "q").with_binding_key("k".repeat(256))),
+            "binding_key"
+        );
+        let consumer = RabbitConsumer::builder(config, "q")
+            .with_binding_keys(["a.*", "b.#"])
+            .build()
+            .expect("valid");
+        assert_eq!(consumer.prefetch(), DEFAULT_PREFETCH);
+        assert_eq!(consumer.queue(), "q");
+    }
+}

@@ -1,0 +1,216 @@
+//! [`RabbitError`]: what can go wrong while configuring, connecting, declaring topology or
+//! consuming. Per-message publish failures are [`outbox_core::PublishError`]s instead.
+//!
+//! Driver errors are boxed to keep `Result<_, RabbitError>` small.
+//!
+//! Callers branch on [`RabbitError::kind`], never on the message text. No variant ever
+//! contains the password of the broker URL: URLs are stored redacted
+//! (`amqp://user:***@host:5672/%2f`).
+
+use std::time::Duration;
+
+use lapin::protocol::{AMQPErrorKind, AMQPHardError, AMQPSoftError};
+use outbox_core::ErrorKind;
+
+/// Errors of the RabbitMQ transport outside the per-message publish path.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum RabbitError {
+    /// The broker URL is not a valid `amqp://` or `amqps://` URL.
+    #[error("invalid AMQP URL {url_redacted:?}: {reason}")]
+    InvalidUrl {
+        /// The URL with its password replaced by `***`.
+        url_redacted: String,
+        /// What is wrong with it.
+        reason: String,
+    },
+    /// A configuration value other than the URL is invalid.
+    #[error("invalid configuration: {field}: {reason}")]
+    InvalidConfig {
+        /// The setting, e.g. `"exchange"`.
+        field: &'static str,
+        /// What is wrong with it.
+        reason: String,
+    },
+    /// The connection to the broker could not be established (refused, unreachable,
+    /// bad credentials, unknown virtual host, TLS failure).
+    #[error("could not connect to {url_redacted}: {source}")]
+    Connect {
+        /// The URL with its password replaced by `***`.
+        url_redacted: String,
+        /// The driver's error.
+        #[source]
+        source: Box<lapin::Error>,
+    },
+    /// Connecting (TCP, TLS, AMQP handshake and channel setup) took longer than the
+    /// configured connect timeout.
+    #[error("timed out after {timeout:?} connecting to {url_redacted}")]
+    ConnectTimeout {
+        /// The URL with its password replaced by `***`.
+        url_redacted: String,
+        /// The configured connect timeout.
+        timeout: Duration,
+    },
+    /// Opening or configuring a channel failed (`channel.open`, `confirm.select`,
+    /// `basic.qos`).
+    #[error("channel operation {operation} failed: {source}")]
+    Channel {
+        /// The AMQP method, e.g. `"confirm.select"`.
+        operation: &'static str,
+        /// The driver's error.
+        #[source]
+        source: Box<lapin::Error>,
+    },
+    /// Declaring or binding topology failed (`exchange.declare`, `queue.declare`,
+    /// `queue.bind`), e.g. an existing exchange of another type (`406
+    /// PRECONDITION_FAILED`) or a missing exchange on a passive declare (`404
+    /// NOT_FOUND`).
+    #[error("{operation} {name:?} failed: {source}")]
+    Declare {
+        /// The AMQP method, e.g. `"exchange.declare"`.
+        operation: &'static str,
+        /// The exchange or queue name.
+        name: String,
+        /// The driver's error.
+        #[source]
+        source: Box<lapin::Error>,
+    },
+    /// Starting or running a consumer failed (`basic.consume`, a delivery error, or the
+    /// broker cancelled the consumer).
+    #[error("consuming from queue {queue:?} failed: {reason}")]
+    Consume {
+        /// The queue.
+        queue: String,
+        /// What happened.
+        reason: String,
+        /// The driver's error, if any.
+        #[source]
+        source: Option<Box<lapin::Error>>,
+    },
+}
+
+impl RabbitError {
+    /// What the caller can do about it:
+    ///
+    /// - [`ErrorKind::Permanent`]: invalid URL or configuration, bad credentials or
+    ///   missing permissions (`403 ACCESS_REFUSED`), an unknown virtual host,
+    ///   inequivalent topology (`406 PRECONDITION_FAILED`);
+    /// - [`ErrorKind::Unavailable`]: the broker cannot be reached or the connection was
+    ///   lost (I/O errors, timeouts, `320 CONNECTION_FORCED`, missed heartbeats);
+    /// - [`ErrorKind::Transient`]: anything else that may pass (e.g. `404 NOT_FOUND` for
+    ///   an exchange another service has yet to declare).
+    pub fn kind(&self) -> ErrorKind {
+        match self {
+            Self::InvalidUrl { .. } | Self::InvalidConfig { .. } => ErrorKind::Permanent,
+            Self::ConnectTimeout { .. } => ErrorKind::Unavailable,
+            Self::Connect { source, .. } => match classify(source) {
+                // A refused handshake at connect time is the credentials' or vhost's
+                // fault, not an outage.
+                ErrorKind::Permanent => ErrorKind::Permanent,
+                _ => ErrorKind::Unavailable,
+            },
+            Self::Channel { source, .. } | Self::Declare { source, .. } => classify(source),
+            Self::Consume { source, .. } => {
+                source.as_deref().map_or(ErrorKind::Unavailable, classify)
+            }
+        }
+    }
+}
+
+/// Classifies a driver error.
+pub(crate) fn classify(error: &lapin::Error) -> ErrorKind {
+    use lapin::ErrorKind as L;
+    match error.kind() {
+        L::ProtocolError(amqp) => match amqp.kind() {
+            AMQPErrorKind::Soft(
+                AMQPSoftError::ACCESSREFUSED | AMQPSoftError::PRECONDITIONFAILED,
+            ) => ErrorKind::Permanent,
+            AMQPErrorKind::Soft(_) => ErrorKind::Transient,
+            AMQPErrorKind::Hard(AMQPHardError::NOTALLOWED) => ErrorKind::Permanent,
+            AMQPErrorKind::Hard(_) => ErrorKind::Unavailable,
+        },
+        L::InvalidProtocolVersion(_) | L::AuthProviderError(_) => ErrorKind::Permanent,
+        L::ChannelsLimitReached => ErrorKind::Transient,
+        // I/O errors, closed channels and connections, missed heartbeats, a runtime
+        // shutting down, frames we could not parse or write: the connection is gone.
+        _ => ErrorKind::Unavailable,
+    }
+}
+
+/// Whether the error says the channel was closed by the broker with `406
+/// PRECONDITION_FAILED` (during a publish: a message over the broker's
+/// `max_message_size`).
+pub(crate) fn is_precondition_failed(error: &lapin::Error) -> bool {
+    matches!(
+        error.kind(),
+        lapin::ErrorKind::ProtocolError(amqp)
+            if matches!(amqp.kind(), AMQPErrorKind::Soft(AMQPSoftError::PRECONDITIONFAILED))
+    )
+}
+
+/// `url` with the password of its user info replaced by `***`. Works on malformed URLs
+/// too (best effort): whatever sits between the first `:` of the user info and the last
+/// `@` of the authority is hidden.
+pub fn redact_url(url: &str) -> String {
+    let Some(scheme_end) = url.find("://") else {
+        // No authority we can recognise: hide everything after a possible `user:`.
+        return match (url.find(':'), url.rfind('@')) {
+            (Some(colon), Some(at)) if colon < at => {
+                format!("{}:***{}", &url[..colon], &url[at..])
+            }
+            _ => url.to_owned(),
+        };
+    };
+    let authority_start = scheme_end + 3;
+    let rest = &url[authority_start..];
+    let authority_len = rest.find(['/', '?', '#']).unwrap_or(rest.len());
+    let authority = &rest[..authority_len];
+    let Some(at) = authority.rfind('@') else {
+        return url.to_owned();
+    };
+    let userinfo = &authority[..at];
+    match userinfo.find(':') {
+        Some(colon) => format!(
+            "{}{}:***{}",
+            &url[..authority_start],
+            &userinfo[..colon],
+            &url[authority_start + at..]
+        ),
+        None => url.to_owned(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn redacts_passwords() {
+        assert_eq!(
+            redact_url("amqp://guest:s3cret@127.0.0.1:5672/%2f"),
+            "amqp://guest:***@127.0.0.1:5672/%2f"
+        );
+        assert_eq!(
+            redact_url("amqps://u:p@ss@w0rd@host/vhost?heartbeat=10"),
+            "amqps://u:***@host/vhost?heartbeat=10"
+        );
+        assert_eq!(redact_url("amqp://host:5672/%2f"), "amqp://host:5672/%2f");
+        assert_eq!(redact_url("amqp://user@host"), "amqp://user@host");
+        assert_eq!(redact_url("user:secret@host"), "user:***@host");
+        assert_eq!(redact_url("not a url"), "not a url");
+    }
+
+    #[test]
+    fn config_errors_are_permanent() {
+        let e = RabbitError::InvalidUrl {
+            url_redacted: "x".into(),
+            reason: "y".into(),
+        };
+        assert_eq!(e.kind(), ErrorKind::Permanent);
+        let e = RabbitError::ConnectTimeout {
+            url_redacted: "x".into(),
+            timeout: Duration::from_secs(1),
+        };
+        assert_eq!(e.kind(), ErrorKind::Unavailable);
+    }
+}
