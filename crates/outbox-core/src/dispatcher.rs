@@ -5,11 +5,11 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::Duration;
 
-use tokio::sync::{Mutex, Notify};
+use tokio::sync::{Mutex, Notify, mpsc};
 use tokio_util::sync::CancellationToken;
-use tracing::{Instrument as _, debug, info, info_span, warn};
+use tracing::{Instrument as _, debug, error, info, info_span, warn};
 
-use crate::error::OutboxError;
+use crate::error::{OutboxError, PublishError};
 use crate::message::OutboxMessage;
 use crate::publisher::{EventPublisher, PublishOutcome};
 use crate::retry::RetryPolicies;
@@ -73,8 +73,8 @@ impl DispatcherConfig {
         self
     }
 
-    /// Batches in flight at once in this dispatcher (default 2, at least 1): while one
-    /// batch waits for the database the other keeps the broker busy.
+    /// Batches being published at once (default 2, at least 1); as many more may wait
+    /// claimed. Claiming and completing overlap with publishing in any case.
     #[must_use]
     pub fn with_concurrency(mut self, n: usize) -> Self {
         self.concurrency = n.max(1);
@@ -191,11 +191,13 @@ impl WakeHandle {
 
 /// The relay: moves committed outbox messages to the broker.
 ///
-/// Each of `concurrency` pipelines loops: claim a batch (committing the claim before
-/// anything is published), publish it (the publisher pipelines confirms), then record
-/// every outcome in one fenced statement. A full batch is followed at once by the next;
-/// otherwise the pipeline waits `poll_interval` or a [`WakeHandle::wake`]. Several
-/// dispatchers, in one process or many, may share a database: claims never overlap.
+/// Three stages run at once so the broker stays busy while the database works: a
+/// claimer claims batches (committing each claim before anything is published), up to
+/// `concurrency` publishers publish them (the publisher pipelines confirms), and a
+/// completer records every outcome, fenced by claim token, merging what is waiting into
+/// one statement. A full batch is followed at once by the next claim; otherwise the
+/// claimer waits `poll_interval` or a [`WakeHandle::wake`]. Several dispatchers, in one
+/// process or many, may share a database: claims never overlap.
 ///
 /// Failures:
 /// - transient publish failure: `Processing → New` with backoff from the event type's
@@ -209,8 +211,8 @@ impl WakeHandle {
 ///   completion of a published batch is retried until it lands or the lease runs out
 ///   (the message is then republished after reclaim: at-least-once).
 ///
-/// Shutdown ([`run`](Self::run)'s token): pipelines stop claiming, finish the batch in
-/// hand (publish and complete), and return.
+/// Shutdown ([`run`](Self::run)'s token): the claimer stops claiming; the batches
+/// already claimed are published and completed; then `run` returns.
 pub struct Dispatcher<S, P> {
     store: Arc<S>,
     publisher: Arc<P>,
@@ -240,6 +242,22 @@ impl<S, P> std::fmt::Debug for Dispatcher<S, P> {
             .field("stats", &self.counters.snapshot())
             .finish_non_exhaustive()
     }
+}
+
+/// Upper bound of completions merged into one statement by the completer.
+const MAX_MERGED_COMPLETIONS: usize = 5_000;
+
+/// A claimed batch on its way to a publisher.
+struct Claimed {
+    messages: Vec<OutboxMessage>,
+    claimed_at: tokio::time::Instant,
+}
+
+/// A published batch on its way to the completer.
+struct Finished {
+    completions: Vec<Completion>,
+    report: BatchReport,
+    claimed_at: tokio::time::Instant,
 }
 
 #[derive(Debug, Default)]
@@ -276,11 +294,16 @@ impl<S: OutboxStore, P: EventPublisher> Dispatcher<S, P> {
         self.circuit.open.load(Ordering::Acquire)
     }
 
-    /// Runs the pipelines until `shutdown` is cancelled, then returns the counters.
+    /// Runs the relay until `shutdown` is cancelled, then returns the counters.
+    ///
+    /// Three stages overlap so the broker stays busy while the database works:
+    /// one **claimer** claims batches (at most `concurrency` claimed batches wait), up
+    /// to `concurrency` **publishers** publish them, and one **completer** records the
+    /// outcomes, merging whatever completions are waiting into one statement.
     ///
     /// # Errors
-    /// Only for a failure that retrying cannot fix (a corrupt row, a bad configuration);
-    /// outages are waited out.
+    /// Only for a failure that retrying cannot fix (a corrupt row, a rejected
+    /// statement); outages are waited out.
     pub async fn run(&self, shutdown: CancellationToken) -> Result<DispatcherStats, OutboxError> {
         info!(
             batch_size = self.config.batch_size,
@@ -288,22 +311,40 @@ impl<S: OutboxStore, P: EventPublisher> Dispatcher<S, P> {
             lease_ms = self.config.lease.as_millis() as u64,
             "dispatcher started"
         );
+        let (claimed_tx, claimed_rx) = mpsc::channel::<Claimed>(self.config.concurrency);
+        let (done_tx, done_rx) = mpsc::channel::<Finished>(self.config.concurrency * 2);
+        let claimed_rx = Arc::new(Mutex::new(claimed_rx));
+
         let mut tasks = tokio::task::JoinSet::new();
-        for pipeline in 0..self.config.concurrency {
+        {
             let this = self.clone();
             let token = shutdown.clone();
-            tasks.spawn(async move { this.pipeline(pipeline, token).await });
+            tasks.spawn(async move { this.claimer(claimed_tx, token).await });
         }
+        for _ in 0..self.config.concurrency {
+            let this = self.clone();
+            let rx = Arc::clone(&claimed_rx);
+            let tx = done_tx.clone();
+            tasks.spawn(async move {
+                this.publisher_stage(rx, tx).await;
+                Ok(())
+            });
+        }
+        drop(done_tx);
+        {
+            let this = self.clone();
+            tasks.spawn(async move { this.completer(done_rx).await });
+        }
+
         let mut result = Ok(());
         while let Some(joined) = tasks.join_next().await {
-            let outcome = match joined {
-                Ok(r) => r,
-                Err(e) => Err(OutboxError::Config(format!(
-                    "dispatcher pipeline panicked: {e}"
-                ))),
-            };
+            let outcome = joined.unwrap_or_else(|e| {
+                Err(OutboxError::Config(format!(
+                    "dispatcher task panicked: {e}"
+                )))
+            });
             if let Err(e) = outcome {
-                // A fatal error in one pipeline stops them all.
+                // A fatal error in one stage stops the claimer; the others drain.
                 shutdown.cancel();
                 if result.is_ok() {
                     result = Err(e);
@@ -315,9 +356,10 @@ impl<S: OutboxStore, P: EventPublisher> Dispatcher<S, P> {
         result.map(|()| stats)
     }
 
-    async fn pipeline(
+    /// Stage 1: claims batches while there is work, hands them to the publishers.
+    async fn claimer(
         &self,
-        pipeline: usize,
+        claimed_tx: mpsc::Sender<Claimed>,
         shutdown: CancellationToken,
     ) -> Result<(), OutboxError> {
         let mut store_backoff = Duration::ZERO;
@@ -326,37 +368,163 @@ impl<S: OutboxStore, P: EventPublisher> Dispatcher<S, P> {
                 self.probe_until_ready(&shutdown).await;
                 continue;
             }
-            // Register interest before the batch so a wake during it is not lost.
+            // Register interest before claiming so a wake during the claim is not lost.
             let notified = self.wake.notified();
             tokio::pin!(notified);
             notified.as_mut().enable();
-            match self.run_batch().await {
-                Ok(report) => {
+            let claim = self
+                .store
+                .claim(self.config.batch_size, self.config.lease)
+                .instrument(info_span!(
+                    "outbox.claim",
+                    batch_size = self.config.batch_size
+                ))
+                .await;
+            let full = match claim {
+                Ok(messages) => {
                     store_backoff = Duration::ZERO;
-                    if report.outage {
-                        continue;
+                    let full = messages.len() >= self.config.batch_size;
+                    if !messages.is_empty() {
+                        self.counters.batches.fetch_add(1, Ordering::Relaxed);
+                        self.counters
+                            .claimed
+                            .fetch_add(messages.len() as u64, Ordering::Relaxed);
+                        let batch = Claimed {
+                            messages,
+                            claimed_at: tokio::time::Instant::now(),
+                        };
+                        if claimed_tx.send(batch).await.is_err() {
+                            break; // publishers are gone: the run is over
+                        }
                     }
-                    if report.claimed >= self.config.batch_size {
-                        continue;
-                    }
-                    tokio::select! {
-                        () = shutdown.cancelled() => {}
-                        () = &mut notified => {}
-                        () = tokio::time::sleep(self.config.poll_interval) => {}
-                    }
+                    full
                 }
                 Err(e) if e.kind().is_retryable() => {
                     store_backoff = next_backoff(store_backoff, self.config.store_backoff_max);
-                    warn!(pipeline, error = %e, backoff_ms = store_backoff.as_millis() as u64, "store unavailable, backing off");
+                    warn!(error = %e, backoff_ms = store_backoff.as_millis() as u64, "claim failed, backing off");
                     tokio::select! {
                         () = shutdown.cancelled() => {}
                         () = tokio::time::sleep(store_backoff) => {}
                     }
+                    continue;
                 }
                 Err(e) => return Err(e),
+            };
+            if !full {
+                tokio::select! {
+                    () = shutdown.cancelled() => {}
+                    () = &mut notified => {}
+                    () = tokio::time::sleep(self.config.poll_interval) => {}
+                }
             }
         }
         Ok(())
+    }
+
+    /// Stage 2: publishes claimed batches (several at once), decides each outcome.
+    async fn publisher_stage(
+        &self,
+        claimed_rx: Arc<Mutex<mpsc::Receiver<Claimed>>>,
+        done_tx: mpsc::Sender<Finished>,
+    ) {
+        loop {
+            let next = claimed_rx.lock().await.recv().await;
+            let Some(batch) = next else { break };
+            let finished = self.publish_and_decide(batch).await;
+            if done_tx.send(finished).await.is_err() {
+                break;
+            }
+        }
+    }
+
+    async fn publish_and_decide(&self, batch: Claimed) -> Finished {
+        let Claimed {
+            messages,
+            claimed_at,
+        } = batch;
+        let outcomes = if self.circuit_open() {
+            // The broker is known to be down: hand the batch back without trying.
+            messages
+                .iter()
+                .map(|_| PublishOutcome::Transient(PublishError::unavailable("circuit open", None)))
+                .collect()
+        } else {
+            self.publisher
+                .publish_batch(&messages)
+                .instrument(info_span!("outbox.publish", messages = messages.len()))
+                .await
+        };
+        let (completions, report) = self.decide(&messages, outcomes);
+        if report.outage && !self.circuit.open.swap(true, Ordering::AcqRel) {
+            self.counters.circuit_opened.fetch_add(1, Ordering::Relaxed);
+            warn!(
+                released = report.released,
+                "broker unreachable: circuit opened, messages released without charge"
+            );
+        }
+        Finished {
+            completions,
+            report,
+            claimed_at,
+        }
+    }
+
+    /// Stage 3: records outcomes, merging the completions that are waiting.
+    async fn completer(&self, mut done_rx: mpsc::Receiver<Finished>) -> Result<(), OutboxError> {
+        let mut fatal = None;
+        while let Some(first) = done_rx.recv().await {
+            let mut oldest = first.claimed_at;
+            let mut completions = first.completions;
+            let mut reports = vec![first.report];
+            while completions.len() < MAX_MERGED_COMPLETIONS {
+                let Ok(more) = done_rx.try_recv() else { break };
+                oldest = oldest.min(more.claimed_at);
+                completions.extend(more.completions);
+                reports.push(more.report);
+            }
+            match self
+                .complete_with_retry(&completions, oldest, self.config.lease)
+                .await
+            {
+                Ok(done) => {
+                    let fenced = done.fenced.len();
+                    if fenced > 0 {
+                        warn!(
+                            fenced,
+                            "completion fenced: another dispatcher reclaimed these messages after our lease expired"
+                        );
+                    }
+                    for mut report in reports {
+                        report.fenced = 0;
+                        self.record(&report);
+                    }
+                    self.counters
+                        .fenced
+                        .fetch_add(fenced as u64, Ordering::Relaxed);
+                }
+                Err(e) => {
+                    // The messages stay Processing and are reclaimed after their lease
+                    // (published again: at-least-once). Keep draining the publishers.
+                    error!(error = %e, messages = completions.len(), "could not record outcomes; they will be reclaimed after the lease");
+                    if !e.kind().is_retryable() && fatal.is_none() {
+                        fatal = Some(e);
+                    }
+                }
+            }
+        }
+        fatal.map_or(Ok(()), Err)
+    }
+
+    fn record(&self, report: &BatchReport) {
+        let c = &self.counters;
+        c.published
+            .fetch_add(report.published as u64, Ordering::Relaxed);
+        c.retried
+            .fetch_add(report.retried as u64, Ordering::Relaxed);
+        c.dead.fetch_add(report.dead as u64, Ordering::Relaxed);
+        c.released
+            .fetch_add(report.released as u64, Ordering::Relaxed);
+        c.fenced.fetch_add(report.fenced as u64, Ordering::Relaxed);
     }
 
     async fn probe_until_ready(&self, shutdown: &CancellationToken) {
@@ -387,55 +555,40 @@ impl<S: OutboxStore, P: EventPublisher> Dispatcher<S, P> {
     /// A store error from the claim (nothing was claimed) or from completion after the
     /// lease ran out (the messages will be reclaimed and republished).
     pub async fn run_batch(&self) -> Result<BatchReport, OutboxError> {
-        let batch_size = self.config.batch_size;
-        let lease = self.config.lease;
-        let claimed = self
+        let messages = self
             .store
-            .claim(batch_size, lease)
-            .instrument(info_span!("outbox.claim", batch_size))
+            .claim(self.config.batch_size, self.config.lease)
+            .instrument(info_span!(
+                "outbox.claim",
+                batch_size = self.config.batch_size
+            ))
             .await?;
-        if claimed.is_empty() {
+        if messages.is_empty() {
             return Ok(BatchReport::default());
         }
-        let claimed_at = tokio::time::Instant::now();
         self.counters.batches.fetch_add(1, Ordering::Relaxed);
         self.counters
             .claimed
-            .fetch_add(claimed.len() as u64, Ordering::Relaxed);
-
-        let outcomes = self
-            .publisher
-            .publish_batch(&claimed)
-            .instrument(info_span!("outbox.publish", messages = claimed.len()))
+            .fetch_add(messages.len() as u64, Ordering::Relaxed);
+        let claimed_at = tokio::time::Instant::now();
+        let finished = self
+            .publish_and_decide(Claimed {
+                messages,
+                claimed_at,
+            })
             .await;
-        let (completions, mut report) = self.decide(&claimed, outcomes);
-
-        let completed = self
-            .complete_with_retry(&completions, claimed_at, lease)
+        let done = self
+            .complete_with_retry(&finished.completions, claimed_at, self.config.lease)
             .await?;
-        report.fenced = completed.fenced.len();
-        if !completed.fenced.is_empty() {
+        let mut report = finished.report;
+        report.fenced = done.fenced.len();
+        if report.fenced > 0 {
             warn!(
-                fenced = completed.fenced.len(),
+                fenced = report.fenced,
                 "completion fenced: another dispatcher reclaimed these messages after our lease expired"
             );
         }
-        let c = &self.counters;
-        c.published
-            .fetch_add(report.published as u64, Ordering::Relaxed);
-        c.retried
-            .fetch_add(report.retried as u64, Ordering::Relaxed);
-        c.dead.fetch_add(report.dead as u64, Ordering::Relaxed);
-        c.released
-            .fetch_add(report.released as u64, Ordering::Relaxed);
-        c.fenced.fetch_add(report.fenced as u64, Ordering::Relaxed);
-        if report.outage && !self.circuit.open.swap(true, Ordering::AcqRel) {
-            c.circuit_opened.fetch_add(1, Ordering::Relaxed);
-            warn!(
-                released = report.released,
-                "broker unreachable: circuit opened, messages released without charge"
-            );
-        }
+        self.record(&report);
         Ok(report)
     }
 

@@ -68,7 +68,9 @@ impl Queries {
             )),
             // Claim: New and visible, or Processing with an expired lease, oldest first,
             // skipping rows locked by concurrent claimers. Each branch walks its own
-            // partial index. Times come from the database clock only.
+            // partial index. Times come from the database clock only. The chosen ids are
+            // updated through `id = ANY(ARRAY(...))`, a primary-key lookup, so the cost
+            // does not grow with the table (a join let the planner hash the whole table).
             claim: s(format!(
                 "WITH fresh AS (
                      SELECT id, visible_at, seq FROM {t}
@@ -78,20 +80,23 @@ impl Queries {
                      SELECT id, visible_at, seq FROM {t}
                       WHERE status = 9 AND lease_until < now()
                       ORDER BY lease_until LIMIT $1 FOR UPDATE SKIP LOCKED
-                 ), candidates AS (
-                     SELECT c.id FROM (SELECT * FROM fresh UNION ALL SELECT * FROM expired) c
-                      ORDER BY c.visible_at, c.seq LIMIT $1
                  )
                  UPDATE {t} m
                     SET status = 9,
                         lease_until = now() + make_interval(secs => $2),
                         claim_token = $3,
                         attempts = m.attempts + 1
-                   FROM candidates c
-                  WHERE m.id = c.id
+                  WHERE m.id = ANY(ARRAY(
+                        SELECT c.id FROM (SELECT * FROM fresh UNION ALL SELECT * FROM expired) c
+                         ORDER BY c.visible_at, c.seq LIMIT $1))
                  RETURNING {COLUMNS}"
             )),
             // Completion of a whole batch, each row fenced by its claim token.
+            // `status + 0 = 9` still enforces Processing → * in SQL but keeps the planner
+            // off the `status = 9` partial index: its statistics are always stale on a
+            // queue table (estimated 1 row), which made it drive a nested loop over the
+            // whole UNNEST for every Processing row, O(batch × in-flight). The primary
+            // key lookup per completion is linear.
             complete: s(format!(
                 "UPDATE {t} m
                     SET status = u.status,
@@ -105,7 +110,7 @@ impl Queries {
                         claim_token = NULL
                    FROM UNNEST($1::uuid[], $2::uuid[], $3::int2[], $4::float8[], $5::text[], $6::bool[])
                         AS u(id, token, status, delay_secs, error, release)
-                  WHERE m.id = u.id AND m.claim_token = u.token AND m.status = 9
+                  WHERE m.id = u.id AND m.claim_token = u.token AND m.status + 0 = 9
                  RETURNING m.id"
             )),
             get: s(format!("SELECT {COLUMNS} FROM {t} m WHERE m.id = $1")),
@@ -159,7 +164,7 @@ mod tests {
         assert!(q.claim.contains("lease_until < now()"));
         assert!(
             q.complete
-                .contains("m.claim_token = u.token AND m.status = 9")
+                .contains("m.claim_token = u.token AND m.status + 0 = 9")
         );
         assert!(q.purge_sent.contains("LIMIT $2"));
     }

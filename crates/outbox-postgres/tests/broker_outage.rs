@@ -193,5 +193,19 @@ async fn broker_down_for_a_minute_dead_letters_nothing_and_recovers() {
         max_attempts <= 2,
         "the outage was not charged to the messages (max attempts {max_attempts})"
     );
-    let _ = fx.conn.close(200, "done".into()).await;
+    // The durable exchange and queue outlive connections: delete them.
+    let conn = lapin::Connection::connect(
+        &common::rabbit::amqp_url(),
+        lapin::ConnectionProperties::default(),
+    )
+    .await
+    .expect("reconnect");
+    let ch = conn.create_channel().await.expect("channel");
+    ch.queue_delete(durable_q.as_str().into(), Default::default())
+        .await
+        .expect("delete queue");
+    ch.exchange_delete(durable.as_str().into(), Default::default())
+        .await
+        .expect("delete exchange");
+    let _ = conn.close(200, "done".into()).await;
 }

@@ -7,7 +7,8 @@ use hdrhistogram::Histogram;
 
 /// `DATABASE_URL`, or the local default.
 pub(crate) fn database_url() -> String {
-    std::env::var("DATABASE_URL").unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".into())
+    std::env::var("DATABASE_URL")
+        .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".into())
 }
 
 /// `AMQP_URL`, or the local default.

@@ -27,12 +27,16 @@ use anyhow::{Context as _, bail};
 use async_trait::async_trait;
 use clap::Parser;
 use outbox_core::wire::IncomingMessage;
-use outbox_core::{Dispatcher, DispatcherConfig, EventPublisher, InboxStore, NewMessage, OutboxStore};
+use outbox_core::{
+    Dispatcher, DispatcherConfig, EventPublisher, InboxStore, NewMessage, OutboxStore,
+};
 use outbox_postgres::{PgConfig, PgInbox, PgOutbox};
 use serde::{Deserialize, Serialize};
 use sqlx::{AssertSqlSafe, PgPool};
 use tokio_util::sync::CancellationToken;
-use transport_rabbit::{DeliveryHandler, HandlerDecision, RabbitConfig, RabbitConsumer, RabbitPublisher};
+use transport_rabbit::{
+    DeliveryHandler, HandlerDecision, RabbitConfig, RabbitConsumer, RabbitPublisher,
+};
 
 /// Orders demo: outbox → RabbitMQ → inbox → projection, then a reconciliation.
 #[derive(Debug, Parser)]
@@ -121,9 +125,15 @@ impl DeliveryHandler for Projector {
                 // Simulate a consumer crash between commit and ack for every N-th
                 // delivery: the broker will deliver it again.
                 if self.redeliver_every > 0 && n % self.redeliver_every == 0 {
-                    let first = self.withheld.lock().map(|mut w| w.insert(msg.id)).unwrap_or(false);
+                    let first = self
+                        .withheld
+                        .lock()
+                        .map(|mut w| w.insert(msg.id))
+                        .unwrap_or(false);
                     if first {
-                        self.counters.forced_redeliveries.fetch_add(1, Ordering::Relaxed);
+                        self.counters
+                            .forced_redeliveries
+                            .fetch_add(1, Ordering::Relaxed);
                         return HandlerDecision::Requeue;
                     }
                 }
@@ -164,7 +174,13 @@ async fn setup_schema(pool: &PgPool, schema: &str) -> anyhow::Result<()> {
 }
 
 /// Places `count` orders, one transaction each: the order row and its event.
-async fn produce(outbox: PgOutbox, schema: String, first: usize, count: usize, wake: outbox_core::WakeHandle) -> anyhow::Result<()> {
+async fn produce(
+    outbox: PgOutbox,
+    schema: String,
+    first: usize,
+    count: usize,
+    wake: outbox_core::WakeHandle,
+) -> anyhow::Result<()> {
     for i in first..first + count {
         let order = OrderPlaced {
             order_id: uuid::Uuid::now_v7(),
@@ -194,15 +210,21 @@ async fn produce(outbox: PgOutbox, schema: String, first: usize, count: usize, w
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
     tracing_subscriber::fmt()
-        .with_env_filter(tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "warn".into()))
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "warn".into()),
+        )
         .init();
     let args = Args::parse();
     let started = Instant::now();
 
     // PostgreSQL: the demo schema holds the business tables and the outbox/inbox tables.
-    let outbox = PgOutbox::connect(&PgConfig::new(common::database_url()).with_schema(&args.schema).with_max_connections(16))
-        .await
-        .context("connect to PostgreSQL (is it running? `cargo xtask services`)")?;
+    let outbox = PgOutbox::connect(
+        &PgConfig::new(common::database_url())
+            .with_schema(&args.schema)
+            .with_max_connections(16),
+    )
+    .await
+    .context("connect to PostgreSQL (is it running? `cargo xtask services`)")?;
     setup_schema(outbox.pool(), &args.schema).await?;
     outbox.migrate().await?;
     let inbox = PgInbox::new(outbox.pool().clone(), &args.schema)?;
@@ -210,13 +232,25 @@ async fn main() -> anyhow::Result<()> {
     // RabbitMQ: a durable topic exchange and the projection's queue bound to OrderPlaced.
     let exchange = format!("{}.events", args.schema);
     let queue = format!("{}.projection", args.schema);
-    let rabbit = RabbitConfig::builder(common::amqp_url()).with_exchange(&exchange).build()?;
-    let publisher = Arc::new(RabbitPublisher::connect(rabbit.clone()).await.context("connect to RabbitMQ")?);
+    let rabbit = RabbitConfig::builder(common::amqp_url())
+        .with_exchange(&exchange)
+        .build()?;
+    let publisher = Arc::new(
+        RabbitPublisher::connect(rabbit.clone())
+            .await
+            .context("connect to RabbitMQ")?,
+    );
     // Start from an empty queue: delete what an earlier run may have left behind.
     {
-        let conn = lapin::Connection::connect(&common::amqp_url(), lapin::ConnectionProperties::default()).await?;
+        let conn =
+            lapin::Connection::connect(&common::amqp_url(), lapin::ConnectionProperties::default())
+                .await?;
         let ch = conn.create_channel().await?;
-        ch.queue_delete(queue.as_str().into(), lapin::options::QueueDeleteOptions::default()).await?;
+        ch.queue_delete(
+            queue.as_str().into(),
+            lapin::options::QueueDeleteOptions::default(),
+        )
+        .await?;
         conn.close(200, "reset".into()).await?;
     }
     let consumer = RabbitConsumer::builder(rabbit.clone(), &queue)
@@ -244,7 +278,9 @@ async fn main() -> anyhow::Result<()> {
     let dispatcher = Dispatcher::new(
         Arc::new(outbox.clone()),
         Arc::clone(&publisher),
-        DispatcherConfig::new().with_batch_size(200).with_poll_interval(Duration::from_millis(100)),
+        DispatcherConfig::new()
+            .with_batch_size(200)
+            .with_poll_interval(Duration::from_millis(100)),
     );
 
     // Producers start first; the relay is not running yet, so a backlog builds up.
@@ -253,7 +289,13 @@ async fn main() -> anyhow::Result<()> {
     for p in 0..args.producers.max(1) {
         let first = p * per;
         let count = per.min(args.orders.saturating_sub(first));
-        producers.push(tokio::spawn(produce(outbox.clone(), args.schema.clone(), first, count, dispatcher.wake_handle())));
+        producers.push(tokio::spawn(produce(
+            outbox.clone(),
+            args.schema.clone(),
+            first,
+            count,
+            dispatcher.wake_handle(),
+        )));
     }
 
     // A relay that crashes: it claims a batch with a short lease, publishes it, and dies
@@ -262,12 +304,16 @@ async fn main() -> anyhow::Result<()> {
     if args.relay_crash_batch > 0 {
         let deadline = Instant::now() + Duration::from_secs(30);
         while crashed == 0 && Instant::now() < deadline {
-            let claimed = outbox.claim(args.relay_crash_batch, Duration::from_secs(2)).await?;
+            let claimed = outbox
+                .claim(args.relay_crash_batch, Duration::from_secs(2))
+                .await?;
             crashed = claimed.len();
             if crashed > 0 {
                 let outcomes = publisher.publish_batch(&claimed).await;
                 let published = outcomes.iter().filter(|o| o.is_published()).count();
-                println!("crashing relay: published {published} messages and died before recording them");
+                println!(
+                    "crashing relay: published {published} messages and died before recording them"
+                );
             } else {
                 tokio::time::sleep(Duration::from_millis(20)).await;
             }
@@ -288,16 +334,21 @@ async fn main() -> anyhow::Result<()> {
     let deadline = Instant::now() + Duration::from_secs(args.timeout_secs);
     let schema = &args.schema;
     loop {
-        let projected: i64 = sqlx::query_scalar(AssertSqlSafe(format!("SELECT count(*) FROM {schema}.order_projection")))
-            .fetch_one(outbox.pool())
-            .await?;
+        let projected: i64 = sqlx::query_scalar(AssertSqlSafe(format!(
+            "SELECT count(*) FROM {schema}.order_projection"
+        )))
+        .fetch_one(outbox.pool())
+        .await?;
         let pending = outbox.stats().await?;
         if projected as usize >= args.orders && pending.new == 0 && pending.processing == 0 {
             break;
         }
         if Instant::now() > deadline {
             shutdown.cancel();
-            bail!("timed out: {projected} of {} orders projected; outbox {pending:?}", args.orders);
+            bail!(
+                "timed out: {projected} of {} orders projected; outbox {pending:?}",
+                args.orders
+            );
         }
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
@@ -314,14 +365,27 @@ async fn main() -> anyhow::Result<()> {
     // Reconciliation, from the database.
     let one = |sql: String| {
         let pool = outbox.pool().clone();
-        async move { sqlx::query_scalar::<_, i64>(AssertSqlSafe(sql)).fetch_one(&pool).await }
+        async move {
+            sqlx::query_scalar::<_, i64>(AssertSqlSafe(sql))
+                .fetch_one(&pool)
+                .await
+        }
     };
     let orders = one(format!("SELECT count(*) FROM {schema}.orders")).await?;
     let events = one(format!("SELECT count(*) FROM {schema}.outbox_messages")).await?;
-    let sent = one(format!("SELECT count(*) FROM {schema}.outbox_messages WHERE status = 1")).await?;
-    let dead = one(format!("SELECT count(*) FROM {schema}.outbox_messages WHERE status = 3")).await?;
+    let sent = one(format!(
+        "SELECT count(*) FROM {schema}.outbox_messages WHERE status = 1"
+    ))
+    .await?;
+    let dead = one(format!(
+        "SELECT count(*) FROM {schema}.outbox_messages WHERE status = 3"
+    ))
+    .await?;
     let projected = one(format!("SELECT count(*) FROM {schema}.order_projection")).await?;
-    let exactly_once = one(format!("SELECT count(*) FROM {schema}.order_projection WHERE times_applied = 1")).await?;
+    let exactly_once = one(format!(
+        "SELECT count(*) FROM {schema}.order_projection WHERE times_applied = 1"
+    ))
+    .await?;
     let missing = one(format!(
         "SELECT count(*) FROM {schema}.orders o LEFT JOIN {schema}.order_projection p ON p.order_id = o.id WHERE p.order_id IS NULL"
     ))
@@ -331,7 +395,10 @@ async fn main() -> anyhow::Result<()> {
           WHERE p.customer <> o.customer OR p.total_cents <> o.total_cents"
     ))
     .await?;
-    let inbox_rows = one(format!("SELECT count(*) FROM {schema}.inbox_records WHERE consumer = '{CONSUMER}'")).await?;
+    let inbox_rows = one(format!(
+        "SELECT count(*) FROM {schema}.inbox_records WHERE consumer = '{CONSUMER}'"
+    ))
+    .await?;
     let latencies: Vec<f64> = sqlx::query_scalar(AssertSqlSafe(format!(
         "SELECT extract(epoch FROM p.projected_at - m.created_at)::float8 * 1000
            FROM {schema}.order_projection p JOIN {schema}.outbox_messages m ON m.id = p.event_id"
@@ -341,23 +408,43 @@ async fn main() -> anyhow::Result<()> {
 
     let c = &counters;
     println!();
-    println!("reconciliation ({:.1} s in all, producers finished after {:.1} s)", started.elapsed().as_secs_f64(), produced_at.as_secs_f64());
+    println!(
+        "reconciliation ({:.1} s in all, producers finished after {:.1} s)",
+        started.elapsed().as_secs_f64(),
+        produced_at.as_secs_f64()
+    );
     println!("  orders written                 {orders}");
     println!("  events in the outbox           {events}");
     println!("  events sent (confirmed)        {sent}");
     println!("  events dead                    {dead}");
-    println!("  broker deliveries              {}", c.deliveries.load(Ordering::Relaxed));
-    println!("  duplicates suppressed by inbox {}", c.duplicates.load(Ordering::Relaxed));
+    println!(
+        "  broker deliveries              {}",
+        c.deliveries.load(Ordering::Relaxed)
+    );
+    println!(
+        "  duplicates suppressed by inbox {}",
+        c.duplicates.load(Ordering::Relaxed)
+    );
     println!("    from the crashed relay       {crashed} republished");
-    println!("    from withheld acks           {} redelivered", c.forced_redeliveries.load(Ordering::Relaxed));
+    println!(
+        "    from withheld acks           {} redelivered",
+        c.forced_redeliveries.load(Ordering::Relaxed)
+    );
     println!("  projection rows                {projected}");
     println!("  rows applied exactly once      {exactly_once}");
     println!("  orders without projection      {missing}");
     println!("  projection rows not matching   {mismatched}");
     println!("  inbox records                  {inbox_rows}");
-    println!("  relay: {} published, {} batches, {} retried, {} fenced", relay_stats.published, relay_stats.batches, relay_stats.retried, relay_stats.fenced);
+    println!(
+        "  relay: {} published, {} batches, {} retried, {} fenced",
+        relay_stats.published, relay_stats.batches, relay_stats.retried, relay_stats.fenced
+    );
     if let Some((p50, p99)) = common::percentiles(&latencies) {
-        println!("  commit-to-consume latency      p50 {}  p99 {}", common::ms(p50), common::ms(p99));
+        println!(
+            "  commit-to-consume latency      p50 {}  p99 {}",
+            common::ms(p50),
+            common::ms(p99)
+        );
     }
     let ok = orders as usize == args.orders
         && events == orders
