@@ -49,3 +49,62 @@ pub(crate) fn rss_bytes() -> u64 {
 pub(crate) fn ms(d: Duration) -> String {
     format!("{:.1} ms", d.as_secs_f64() * 1000.0)
 }
+
+/// CPU seconds used so far by RabbitMQ (`beam.smp`), PostgreSQL (`postgres`) and this
+/// process, read from `/proc` (Linux; zeros elsewhere).
+#[derive(Debug, Clone, Copy, Default)]
+pub(crate) struct CpuTimes {
+    pub(crate) broker: f64,
+    pub(crate) database: f64,
+    pub(crate) relay: f64,
+}
+
+impl CpuTimes {
+    pub(crate) fn now() -> Self {
+        let tick = 100.0; // USER_HZ on Linux
+        let mut t = Self::default();
+        let me = std::process::id().to_string();
+        let Ok(dir) = std::fs::read_dir("/proc") else {
+            return t;
+        };
+        for entry in dir.flatten() {
+            let name = entry.file_name().to_string_lossy().into_owned();
+            if !name.bytes().all(|b| b.is_ascii_digit()) {
+                continue;
+            }
+            let Ok(stat) = std::fs::read_to_string(entry.path().join("stat")) else {
+                continue;
+            };
+            // "pid (comm) state ... utime stime" with utime/stime the 14th/15th fields.
+            let (Some(open), Some(close)) = (stat.find('('), stat.rfind(')')) else {
+                continue;
+            };
+            let comm = &stat[open + 1..close];
+            let fields: Vec<&str> = stat[close + 2..].split_whitespace().collect();
+            let secs = |i: usize| {
+                fields
+                    .get(i)
+                    .and_then(|v| v.parse::<f64>().ok())
+                    .unwrap_or(0.0)
+                    / tick
+            };
+            let used = secs(11) + secs(12);
+            if name == me {
+                t.relay += used;
+            } else if comm == "beam.smp" {
+                t.broker += used;
+            } else if comm == "postgres" {
+                t.database += used;
+            }
+        }
+        t
+    }
+
+    pub(crate) fn since(self, start: Self) -> Self {
+        Self {
+            broker: self.broker - start.broker,
+            database: self.database - start.database,
+            relay: self.relay - start.relay,
+        }
+    }
+}

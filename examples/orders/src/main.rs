@@ -124,7 +124,7 @@ impl DeliveryHandler for Projector {
                 self.counters.applied.fetch_add(1, Ordering::Relaxed);
                 // Simulate a consumer crash between commit and ack for every N-th
                 // delivery: the broker will deliver it again.
-                if self.redeliver_every > 0 && n % self.redeliver_every == 0 {
+                if self.redeliver_every > 0 && n.is_multiple_of(self.redeliver_every) {
                     let first = self
                         .withheld
                         .lock()

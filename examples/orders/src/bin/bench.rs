@@ -45,6 +45,15 @@ struct Args {
     /// Dispatcher batch size (messages per claim).
     #[arg(long, default_value_t = 500)]
     batch_size: usize,
+    /// Steady-state latency phase: messages per second written while the relay runs.
+    #[arg(long, default_value_t = 2_000)]
+    steady_rate: u64,
+    /// Steady-state latency phase: seconds.
+    #[arg(long, default_value_t = 5)]
+    steady_secs: u64,
+    /// Rounds to run (medians are reported).
+    #[arg(long, default_value_t = 3)]
+    rounds: usize,
     /// Batches in flight per dispatcher.
     #[arg(long, default_value_t = 2)]
     concurrency: usize,
@@ -112,6 +121,16 @@ async fn drop_schema(outbox: &PgOutbox) {
     )))
     .execute(outbox.pool())
     .await;
+}
+
+struct Round {
+    store: Duration,
+    store_cpu: common::CpuTimes,
+    broker: Duration,
+    broker_cpu: common::CpuTimes,
+    relay: Duration,
+    relay_cpu: common::CpuTimes,
+    bare: Duration,
 }
 
 struct RelayRun {
@@ -279,6 +298,59 @@ async fn broker_ceiling(
     Ok(elapsed)
 }
 
+/// Writes `rate` messages per second for `secs` seconds (10 ms ticks, one transaction
+/// per tick, waking the relay after each commit) while the relay runs; returns the
+/// commit-to-publish latency percentiles (database clock: `sent_at - created_at`).
+async fn steady_latency<P: EventPublisher>(
+    publisher: Arc<P>,
+    args: &Args,
+    payload: &str,
+) -> anyhow::Result<Option<(Duration, Duration)>> {
+    let outbox = fresh_outbox("steady").await?;
+    let dispatcher = Dispatcher::new(
+        Arc::new(outbox.clone()),
+        publisher,
+        DispatcherConfig::new()
+            .with_batch_size(args.batch_size)
+            .with_concurrency(args.concurrency),
+    );
+    let wake = dispatcher.wake_handle();
+    let token = CancellationToken::new();
+    let runner = {
+        let d = dispatcher.clone();
+        let t = token.clone();
+        tokio::spawn(async move { d.run(t).await })
+    };
+    let total = args.steady_rate * args.steady_secs;
+    let per_tick = (args.steady_rate / 100).max(1);
+    let mut written = 0;
+    let mut tick = tokio::time::interval(Duration::from_millis(10));
+    while written < total {
+        tick.tick().await;
+        let batch: Vec<NewMessage> = (0..per_tick.min(total - written))
+            .map(|i| {
+                NewMessage::builder("bench", (written + i).to_string(), "BenchEvent")
+                    .payload_json(payload.to_owned())
+                    .build()
+            })
+            .collect::<Result<_, _>>()?;
+        let mut tx = outbox.pool().begin().await?;
+        outbox.enqueue_batch(&mut tx, &batch).await?;
+        tx.commit().await?;
+        wake.wake();
+        written += batch.len() as u64;
+    }
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while dispatcher.stats().published < total && Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    token.cancel();
+    runner.await??;
+    let latency = commit_to_publish(&outbox).await?;
+    drop_schema(&outbox).await;
+    Ok(latency)
+}
+
 fn rate(n: usize, d: Duration) -> f64 {
     n as f64 / d.as_secs_f64()
 }
@@ -287,7 +359,8 @@ fn rate(n: usize, d: Duration) -> f64 {
 async fn main() -> anyhow::Result<()> {
     tracing_subscriber::fmt()
         .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "warn".into()),
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| "warn,lapin=off".into()),
         )
         .init();
     let args = Args::parse();
@@ -338,60 +411,109 @@ async fn main() -> anyhow::Result<()> {
     )
     .await?;
 
-    // 1. Store ceiling.
-    let store_db = fresh_outbox("store").await?;
-    preload(&store_db, n, &body).await?;
-    let store = run_dispatcher(&store_db, Arc::new(InstantPublisher), &args).await?;
-    drop_schema(&store_db).await;
-
-    // 2. Broker ceiling.
-    let broker = broker_ceiling(&args, &exchange, body.as_bytes(), false).await?;
-    ch.queue_purge(queue.as_str().into(), Default::default())
-        .await?;
-    // For reference: the same bodies with no properties or headers but persistence.
-    let bare = broker_ceiling(&args, &exchange, body.as_bytes(), true).await?;
-    ch.queue_purge(queue.as_str().into(), Default::default())
-        .await?;
-
-    // 3. The relay.
-    let relay_db = fresh_outbox("relay").await?;
-    preload(&relay_db, n, &body).await?;
-    let publisher = RabbitPublisher::connect(
-        RabbitConfig::builder(common::amqp_url())
-            .with_exchange(&exchange)
-            .with_declare_exchange(false)
-            .build()?,
-    )
-    .await?;
+    // Several rounds; the broker ceiling and the relay swap places every round so
+    // neither always meets a broker still cleaning up after the other. Medians are
+    // reported.
+    let publisher = Arc::new(
+        RabbitPublisher::connect(
+            RabbitConfig::builder(common::amqp_url())
+                .with_exchange(&exchange)
+                .with_declare_exchange(false)
+                .build()?,
+        )
+        .await?,
+    );
+    let mut rounds = Vec::new();
+    let mut latency = None;
+    let mut sent = 0;
+    let mut peak_rss = 0;
     let baseline_rss = common::rss_bytes();
-    let relay = run_dispatcher(&relay_db, Arc::new(publisher), &args).await?;
-    let latency = commit_to_publish(&relay_db).await?;
-    let sent: i64 = sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
-        "SELECT count(*) FROM {}.outbox_messages WHERE status = 1",
-        relay_db.schema()
-    )))
-    .fetch_one(relay_db.pool())
-    .await?;
-    drop_schema(&relay_db).await;
+    for round in 0..args.rounds.max(1) {
+        let store_db = fresh_outbox("store").await?;
+        preload(&store_db, n, &body).await?;
+        let cpu0 = common::CpuTimes::now();
+        let store = run_dispatcher(&store_db, Arc::new(InstantPublisher), &args).await?;
+        let store_cpu = common::CpuTimes::now().since(cpu0);
+        drop_schema(&store_db).await;
 
+        let relay_db = fresh_outbox("relay").await?;
+        preload(&relay_db, n, &body).await?;
+        let mut broker = None;
+        let mut relay = None;
+        for phase in 0..2 {
+            if (phase + round) % 2 == 0 {
+                let cpu0 = common::CpuTimes::now();
+                let elapsed = broker_ceiling(&args, &exchange, body.as_bytes(), false).await?;
+                broker = Some((elapsed, common::CpuTimes::now().since(cpu0)));
+            } else {
+                let cpu0 = common::CpuTimes::now();
+                let run = run_dispatcher(&relay_db, Arc::clone(&publisher), &args).await?;
+                relay = Some((run, common::CpuTimes::now().since(cpu0)));
+            }
+            ch.queue_purge(queue.as_str().into(), Default::default())
+                .await?;
+        }
+        let bare = broker_ceiling(&args, &exchange, body.as_bytes(), true).await?;
+        ch.queue_purge(queue.as_str().into(), Default::default())
+            .await?;
+        latency = commit_to_publish(&relay_db).await?;
+        sent = sqlx::query_scalar::<_, i64>(sqlx::AssertSqlSafe(format!(
+            "SELECT count(*) FROM {}.outbox_messages WHERE status = 1",
+            relay_db.schema()
+        )))
+        .fetch_one(relay_db.pool())
+        .await?;
+        drop_schema(&relay_db).await;
+        let (broker, broker_cpu) = broker.context("broker phase ran")?;
+        let (relay, relay_cpu) = relay.context("relay phase ran")?;
+        peak_rss = peak_rss.max(relay.peak_rss);
+        let r = Round {
+            store: store.elapsed,
+            store_cpu,
+            broker,
+            broker_cpu,
+            relay: relay.elapsed,
+            relay_cpu,
+            bare,
+        };
+        println!(
+            "round {}: store {:.0}/s, broker {:.0}/s, relay {:.0}/s, ratio {:.2}",
+            round + 1,
+            rate(n, r.store),
+            rate(n, r.broker),
+            rate(n, r.relay),
+            rate(n, r.relay) / rate(n, r.store).min(rate(n, r.broker))
+        );
+        rounds.push(r);
+    }
+    let median = |f: &dyn Fn(&Round) -> Duration| -> Duration {
+        let mut v: Vec<Duration> = rounds.iter().map(f).collect();
+        v.sort();
+        v[v.len() / 2]
+    };
+    let store = median(&|r| r.store);
+    let broker = median(&|r| r.broker);
+    let relay = median(&|r| r.relay);
+    let bare = median(&|r| r.bare);
+    let mid = &rounds[rounds.len() / 2];
+    let (store_cpu, broker_cpu, relay_cpu) = (mid.store_cpu, mid.broker_cpu, mid.relay_cpu);
+
+    let steady = steady_latency(Arc::clone(&publisher), &args, &body).await?;
     ch.queue_delete(queue.as_str().into(), QueueDeleteOptions::default())
         .await?;
     ch.exchange_delete(exchange.as_str().into(), ExchangeDeleteOptions::default())
         .await?;
     admin.close(200, "bench done".into()).await.ok();
 
-    let (store_rate, broker_rate, relay_rate) = (
-        rate(n, store.elapsed),
-        rate(n, broker),
-        rate(n, relay.elapsed),
-    );
+    let (store_rate, broker_rate, relay_rate) = (rate(n, store), rate(n, broker), rate(n, relay));
     let ceiling = store_rate.min(broker_rate);
     println!();
+    println!("medians of {} rounds:", rounds.len());
     println!("| phase                                   | messages/s | elapsed   |");
     println!("|-----------------------------------------|-----------:|----------:|");
     println!(
         "| store ceiling (claim + complete, no broker) | {store_rate:>10.0} | {:>9} |",
-        common::ms(store.elapsed)
+        common::ms(store)
     );
     println!(
         "| broker ceiling (raw lapin, pipelined confirms) | {broker_rate:>10.0} | {:>9} |",
@@ -399,13 +521,30 @@ async fn main() -> anyhow::Result<()> {
     );
     println!(
         "| relay PostgreSQL → RabbitMQ             | {relay_rate:>10.0} | {:>9} |",
-        common::ms(relay.elapsed)
+        common::ms(relay)
     );
     println!(
         "| (reference) raw lapin, bodies without headers | {:>10.0} | {:>9} |",
         rate(n, bare),
         common::ms(bare)
     );
+    println!();
+    let cores = std::thread::available_parallelism().map_or(1, usize::from);
+    println!("CPU seconds per phase in the median round (RabbitMQ / PostgreSQL / this process):");
+    for (phase, cpu, d) in [
+        ("store ceiling", store_cpu, mid.store),
+        ("broker ceiling", broker_cpu, mid.broker),
+        ("relay", relay_cpu, mid.relay),
+    ] {
+        let busy = cpu.broker + cpu.database + cpu.relay;
+        println!(
+            "  {phase:<15} {:.2} / {:.2} / {:.2} s, {:.0}% of {cores} cores",
+            cpu.broker,
+            cpu.database,
+            cpu.relay,
+            100.0 * busy / d.as_secs_f64() / cores as f64,
+        );
+    }
     println!();
     println!(
         "relay / lower ceiling = {:.2} (target ≥ 0.90)",
@@ -414,14 +553,23 @@ async fn main() -> anyhow::Result<()> {
     println!("messages marked Sent: {sent} of {n}");
     if let Some((p50, p99)) = latency {
         println!(
-            "commit-to-publish latency (backlog of {n} pre-inserted): p50 {} p99 {}",
+            "commit-to-publish latency, backlog of {n} pre-inserted (last round): p50 {} p99 {}",
+            common::ms(p50),
+            common::ms(p99)
+        );
+    }
+    if let Some((p50, p99)) = steady {
+        println!(
+            "commit-to-publish latency, steady {} messages/s for {} s: p50 {} p99 {}",
+            args.steady_rate,
+            args.steady_secs,
             common::ms(p50),
             common::ms(p99)
         );
     }
     println!(
         "relay process peak RSS {:.1} MiB (baseline before the relay {:.1} MiB)",
-        relay.peak_rss as f64 / 1048576.0,
+        peak_rss as f64 / 1048576.0,
         baseline_rss as f64 / 1048576.0
     );
     Ok(())
