@@ -15,6 +15,36 @@ pub fn database_url() -> String {
         .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".into())
 }
 
+/// Drops test schemas (`t_<uuid>`) migrated more than an hour ago: left behind by
+/// earlier runs, never by a test still running. Once per test binary.
+async fn sweep_old_schemas(pool: &sqlx::PgPool) {
+    static SWEPT: tokio::sync::OnceCell<()> = tokio::sync::OnceCell::const_new();
+    SWEPT
+        .get_or_init(|| async {
+            let schemas: Vec<String> = sqlx::query_scalar(
+                r"SELECT nspname::text FROM pg_namespace WHERE nspname ~ '^t_[0-9a-f]{32}$'",
+            )
+            .fetch_all(pool)
+            .await
+            .unwrap_or_default();
+            for schema in schemas {
+                let old: Option<bool> = sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
+                    "SELECT max(applied_at) < now() - interval '1 hour' FROM {schema}.outbox_schema_migrations"
+                )))
+                .fetch_one(pool)
+                .await
+                .ok()
+                .flatten();
+                if old == Some(true) {
+                    let _ = sqlx::raw_sql(sqlx::AssertSqlSafe(format!("DROP SCHEMA IF EXISTS {schema} CASCADE")))
+                        .execute(pool)
+                        .await;
+                }
+            }
+        })
+        .await;
+}
+
 /// A fresh, migrated schema named `t_<uuid>`.
 pub async fn fresh_outbox() -> PgOutbox {
     let schema = format!("t_{}", uuid::Uuid::new_v4().simple());
@@ -24,6 +54,7 @@ pub async fn fresh_outbox() -> PgOutbox {
     let outbox = PgOutbox::connect(&config)
         .await
         .expect("connect to PostgreSQL (is it running? `cargo xtask services`)");
+    sweep_old_schemas(outbox.pool()).await;
     outbox.migrate().await.expect("migrate");
     outbox
 }
