@@ -108,7 +108,15 @@ fn run(cli: Cli) -> Result<()> {
             // The main job must keep working: a short demo run (debug build, already
             // compiled by the tests) whose reconciliation fails the run on any mismatch.
             let mut demo = cargo();
-            demo.args(["run", "--quiet", "-p", "orders-example", "--", "--orders", "500"]);
+            demo.args([
+                "run",
+                "--quiet",
+                "-p",
+                "orders-example",
+                "--",
+                "--orders",
+                "500",
+            ]);
             run_child(&mut demo)?;
 
             let mut doc = cargo();

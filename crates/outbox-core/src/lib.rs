@@ -10,6 +10,8 @@
 //!   transaction) and [`EventPublisher`] (publish a batch, one [`PublishOutcome`] per
 //!   message);
 //! - the [`Dispatcher`] (relay) with its [`RetryPolicy`] and circuit breaker;
+//! - the [`consumer`] contract every transport's consumer adapter drives
+//!   ([`DeliveryHandler`], [`HandlerDecision`]);
 //! - the [`wire`] format shared by the transports (CloudEvents binary mode, W3C Trace
 //!   Context);
 //! - the [`domain`] events helper;
@@ -30,6 +32,7 @@
 //! # Ok::<(), outbox_core::OutboxError>(())
 //! ```
 
+pub mod consumer;
 pub mod dispatcher;
 pub mod domain;
 pub mod error;
@@ -42,6 +45,7 @@ pub mod wire;
 #[cfg(feature = "conformance")]
 pub mod conformance;
 
+pub use consumer::{DeliveryHandler, HandlerDecision};
 pub use dispatcher::{BatchReport, Dispatcher, DispatcherConfig, DispatcherStats, WakeHandle};
 pub use domain::{DomainEvents, EventSource};
 pub use error::{BoxError, ErrorKind, InvalidMessage, OutboxError, PublishError};

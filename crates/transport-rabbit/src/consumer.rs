@@ -30,7 +30,6 @@
 use std::panic::AssertUnwindSafe;
 use std::time::Duration;
 
-use async_trait::async_trait;
 use futures::stream::FuturesUnordered;
 use futures::{FutureExt, StreamExt};
 use lapin::message::Delivery;
@@ -40,6 +39,7 @@ use lapin::options::{
 };
 use lapin::types::{AMQPValue, DecimalValue, FieldTable, LongString, ShortString};
 use lapin::{Channel, Connection};
+use outbox_core::consumer::{DeliveryHandler, HandlerDecision};
 use outbox_core::wire::{Binding, IncomingMessage};
 use outbox_core::{ErrorKind, Headers};
 use tokio::time::timeout;
@@ -56,42 +56,6 @@ pub const DEFAULT_PREFETCH: u16 = 100;
 pub const DEFAULT_RECONNECT_INITIAL: Duration = Duration::from_millis(200);
 /// Default longest delay between reconnection attempts.
 pub const DEFAULT_RECONNECT_MAX: Duration = Duration::from_secs(30);
-
-/// What to tell the broker about a delivery once the handler is done.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum HandlerDecision {
-    /// Processed (and committed): `basic.ack`.
-    Ack,
-    /// Not processed, try again: `basic.nack` with `requeue = true`. The broker
-    /// redelivers it with the `redelivered` flag set.
-    Requeue,
-    /// Never processable: `basic.nack` with `requeue = false`. The broker dead-letters it
-    /// if the queue has a dead-letter exchange, else drops it.
-    Reject,
-}
-
-/// Handles one decoded delivery.
-///
-/// # Contract
-/// - It MUST finish its side effects (e.g. commit its database transaction) before
-///   returning [`HandlerDecision::Ack`]: the ack follows the return.
-/// - It MUST be idempotent or deduplicate on [`IncomingMessage::id`]: delivery is
-///   at-least-once.
-/// - It SHOULD NOT panic. A panic is caught and logged; the delivery is requeued on its
-///   first delivery and rejected when it was already redelivered, so a message that
-///   always panics is dead-lettered instead of looping.
-#[async_trait]
-pub trait DeliveryHandler: Send + Sync + 'static {
-    /// Handles `msg` and says how to answer the broker.
-    async fn handle(&self, msg: IncomingMessage) -> HandlerDecision;
-}
-
-#[async_trait]
-impl<H: DeliveryHandler + ?Sized> DeliveryHandler for std::sync::Arc<H> {
-    async fn handle(&self, msg: IncomingMessage) -> HandlerDecision {
-        (**self).handle(msg).await
-    }
-}
 
 /// Settings of a [`RabbitConsumer`] before validation. Every setter consumes and
 /// returns the builder; [`build`](Self::build) validates.

@@ -45,8 +45,9 @@ pub mod error;
 pub mod publisher;
 
 pub use config::{RabbitConfig, RabbitConfigBuilder};
-pub use consumer::{DeliveryHandler, HandlerDecision, RabbitConsumer, RabbitConsumerBuilder};
+pub use consumer::{RabbitConsumer, RabbitConsumerBuilder};
 pub use error::{RabbitError, redact_url};
+pub use outbox_core::consumer::{DeliveryHandler, HandlerDecision};
 pub use publisher::RabbitPublisher;
 
 /// The AMQP client this crate is built on, for its types (e.g.
