@@ -36,6 +36,7 @@ pub mod consumer;
 pub mod dispatcher;
 pub mod domain;
 pub mod error;
+pub mod inbox;
 pub mod message;
 pub mod publisher;
 pub mod retry;
@@ -49,6 +50,10 @@ pub use consumer::{DeliveryHandler, HandlerDecision};
 pub use dispatcher::{BatchReport, Dispatcher, DispatcherConfig, DispatcherStats, WakeHandle};
 pub use domain::{DomainEvents, EventSource};
 pub use error::{BoxError, ErrorKind, InvalidMessage, OutboxError, PublishError};
+pub use inbox::{
+    ConsumerDeadLetter, ConsumerDeadLetters, DurableInbox, FailureCount, InboxCompletion,
+    InboxOutcome, StoredMessage, VersionTracking,
+};
 pub use message::{Headers, MessageStatus, NewMessage, NewMessageBuilder, OutboxMessage};
 pub use publisher::{EventPublisher, PublishOutcome};
 pub use retry::{RetryPolicies, RetryPolicy};

@@ -226,8 +226,31 @@ pub trait OutboxStore: Send + Sync + 'static {
 /// own transaction, so the record commits or rolls back with the handler's effects.
 #[async_trait]
 pub trait InboxStore: Send + Sync + 'static {
-    /// The backend's connection or transaction type (e.g. `PgConnection`).
+    /// The backend's connection type handlers work on (e.g. `PgConnection`).
     type Connection: Send;
+
+    /// A live transaction that dereferences to [`Connection`](Self::Connection)
+    /// (e.g. `sqlx::Transaction<'static, Postgres>`).
+    type Transaction: std::ops::DerefMut<Target = Self::Connection> + Send;
+
+    /// Begins a transaction.
+    ///
+    /// # Errors
+    /// [`OutboxError::Database`] when no connection can be had.
+    async fn begin(&self) -> Result<Self::Transaction, OutboxError>;
+
+    /// Commits `tx`.
+    ///
+    /// # Errors
+    /// [`OutboxError::Database`]; the transaction's effects are then not durable.
+    async fn commit(&self, tx: Self::Transaction) -> Result<(), OutboxError>;
+
+    /// Rolls `tx` back.
+    ///
+    /// # Errors
+    /// [`OutboxError::Database`] (the server rolls back anyway when the connection
+    /// closes).
+    async fn rollback(&self, tx: Self::Transaction) -> Result<(), OutboxError>;
 
     /// Records `(message_id, consumer)` on `conn` (which should be inside a
     /// transaction). Returns `true` if this is the first time, `false` for a duplicate.

@@ -175,6 +175,30 @@ pub enum DecodeError {
 }
 
 impl IncomingMessage {
+    /// A message with only an id, event type and payload; set the public fields for the
+    /// rest (used by stores that rebuild stored messages).
+    pub fn new(id: Uuid, event_type: impl Into<String>, payload: Vec<u8>) -> Self {
+        Self {
+            id,
+            event_type: event_type.into(),
+            source: None,
+            aggregate_type: None,
+            aggregate_id: None,
+            aggregate_version: None,
+            tenant_id: None,
+            partition_key: None,
+            correlation_id: None,
+            causation_id: None,
+            occurred_at: None,
+            traceparent: None,
+            tracestate: None,
+            headers: Headers::new(),
+            payload,
+            redelivered: false,
+            delivery_count: None,
+        }
+    }
+
     /// Decodes the wire format. `message_id` is the broker's message-id property, used
     /// when the CloudEvents `id` header is absent.
     ///

@@ -4,12 +4,20 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use async_trait::async_trait;
-use outbox_core::{InboxStore, OutboxError};
-use sqlx::{PgConnection, PgPool};
+use chrono::{DateTime, Utc};
+use outbox_core::inbox::{
+    ConsumerDeadLetter, ConsumerDeadLetters, DurableInbox, FailureCount, InboxCompletion,
+    InboxOutcome, StoredMessage, VersionTracking,
+};
+use outbox_core::wire::{IncomingMessage, TraceParent};
+use outbox_core::{CompleteReport, Headers, InboxStore, OutboxError};
+use sqlx::postgres::PgRow;
+use sqlx::types::Json;
+use sqlx::{PgConnection, PgPool, Postgres, Row};
 use uuid::Uuid;
 
 use crate::error::db;
-use crate::sql::{Queries, sql};
+use crate::sql::{InboxQueries, Queries, sql};
 
 /// Inbox records in `{schema}.inbox_records` (created by the same migrations as the
 /// outbox). Cheap to clone.
@@ -23,6 +31,7 @@ use crate::sql::{Queries, sql};
 pub struct PgInbox {
     pool: PgPool,
     q: Arc<Queries>,
+    iq: Arc<InboxQueries>,
 }
 
 impl PgInbox {
@@ -35,6 +44,7 @@ impl PgInbox {
         Ok(Self {
             pool,
             q: Arc::new(Queries::new(schema)),
+            iq: Arc::new(InboxQueries::new(schema)),
         })
     }
 
@@ -47,6 +57,19 @@ impl PgInbox {
 #[async_trait]
 impl InboxStore for PgInbox {
     type Connection = PgConnection;
+    type Transaction = sqlx::Transaction<'static, Postgres>;
+
+    async fn begin(&self) -> Result<Self::Transaction, OutboxError> {
+        self.pool.begin().await.map_err(db("inbox_begin"))
+    }
+
+    async fn commit(&self, tx: Self::Transaction) -> Result<(), OutboxError> {
+        tx.commit().await.map_err(db("inbox_commit"))
+    }
+
+    async fn rollback(&self, tx: Self::Transaction) -> Result<(), OutboxError> {
+        tx.rollback().await.map_err(db("inbox_rollback"))
+    }
 
     async fn try_claim(
         &self,
@@ -76,6 +99,269 @@ impl InboxStore for PgInbox {
             .execute(&self.pool)
             .await
             .map_err(db("inbox_purge"))?
+            .rows_affected())
+    }
+}
+
+#[async_trait]
+impl VersionTracking for PgInbox {
+    async fn applied_version(
+        &self,
+        conn: &mut PgConnection,
+        consumer: &str,
+        aggregate_type: &str,
+        aggregate_id: &str,
+    ) -> Result<Option<i64>, OutboxError> {
+        // Make sure a row exists to lock, then lock it: two messages of one aggregate
+        // for one consumer are handled one after the other.
+        sqlx::query(sql(&self.iq.version_ensure))
+            .bind(consumer)
+            .bind(aggregate_type)
+            .bind(aggregate_id)
+            .execute(&mut *conn)
+            .await
+            .map_err(db("inbox_version"))?;
+        sqlx::query_scalar(sql(&self.iq.version_get))
+            .bind(consumer)
+            .bind(aggregate_type)
+            .bind(aggregate_id)
+            .fetch_one(&mut *conn)
+            .await
+            .map_err(db("inbox_version"))
+    }
+
+    async fn record_version(
+        &self,
+        conn: &mut PgConnection,
+        consumer: &str,
+        aggregate_type: &str,
+        aggregate_id: &str,
+        version: i64,
+    ) -> Result<(), OutboxError> {
+        sqlx::query(sql(&self.iq.version_set))
+            .bind(consumer)
+            .bind(aggregate_type)
+            .bind(aggregate_id)
+            .bind(version)
+            .execute(&mut *conn)
+            .await
+            .map_err(db("inbox_version"))?;
+        Ok(())
+    }
+}
+
+#[async_trait]
+impl ConsumerDeadLetters for PgInbox {
+    async fn record_failure(
+        &self,
+        msg: &IncomingMessage,
+        consumer: &str,
+        error: &str,
+        max_attempts: u32,
+    ) -> Result<FailureCount, OutboxError> {
+        let headers = serde_json::to_string(&msg.headers).unwrap_or_else(|_| "{}".into());
+        let (attempts, dead): (i32, bool) = sqlx::query_as(sql(&self.iq.failure))
+            .bind(msg.id)
+            .bind(consumer)
+            .bind(&msg.event_type)
+            .bind(error)
+            .bind(i32::try_from(max_attempts).unwrap_or(i32::MAX))
+            .bind(&msg.payload)
+            .bind(headers)
+            .fetch_one(&self.pool)
+            .await
+            .map_err(db("inbox_failure"))?;
+        Ok(FailureCount {
+            attempts: u32::try_from(attempts).unwrap_or(0),
+            dead,
+        })
+    }
+
+    async fn is_dead(&self, message_id: Uuid, consumer: &str) -> Result<bool, OutboxError> {
+        sqlx::query_scalar(sql(&self.iq.is_dead))
+            .bind(message_id)
+            .bind(consumer)
+            .fetch_one(&self.pool)
+            .await
+            .map_err(db("inbox_is_dead"))
+    }
+
+    async fn consumer_dead_letters(
+        &self,
+        consumer: Option<&str>,
+        limit: usize,
+    ) -> Result<Vec<ConsumerDeadLetter>, OutboxError> {
+        let rows: Vec<(Uuid, String, String, String, i32, DateTime<Utc>, Vec<u8>)> =
+            sqlx::query_as(sql(&self.iq.dead_letters))
+                .bind(consumer)
+                .bind(i64::try_from(limit).unwrap_or(i64::MAX))
+                .fetch_all(&self.pool)
+                .await
+                .map_err(db("inbox_dead_letters"))?;
+        Ok(rows
+            .into_iter()
+            .map(
+                |(message_id, consumer, event_type, last_error, attempts, dead_at, payload)| {
+                    ConsumerDeadLetter {
+                        message_id,
+                        consumer,
+                        event_type,
+                        last_error,
+                        attempts: u32::try_from(attempts).unwrap_or(0),
+                        dead_at,
+                        payload,
+                    }
+                },
+            )
+            .collect())
+    }
+}
+
+fn decode_stored(row: &PgRow) -> Result<StoredMessage, OutboxError> {
+    let get_err = db("inbox_decode");
+    let id: Uuid = row.try_get("id").map_err(get_err)?;
+    let d = |e: sqlx::Error| OutboxError::Decode {
+        id: id.to_string(),
+        reason: e.to_string(),
+    };
+    let mut msg = IncomingMessage::new(
+        id,
+        row.try_get::<String, _>("event_type").map_err(d)?,
+        row.try_get::<Vec<u8>, _>("payload").map_err(d)?,
+    );
+    msg.source = row.try_get("source").map_err(d)?;
+    msg.aggregate_type = row.try_get("aggregate_type").map_err(d)?;
+    msg.aggregate_id = row.try_get("aggregate_id").map_err(d)?;
+    msg.aggregate_version = row.try_get("aggregate_version").map_err(d)?;
+    msg.tenant_id = row.try_get("tenant_id").map_err(d)?;
+    msg.partition_key = row.try_get("partition_key").map_err(d)?;
+    msg.correlation_id = row.try_get("correlation_id").map_err(d)?;
+    msg.causation_id = row.try_get("causation_id").map_err(d)?;
+    msg.occurred_at = row.try_get("occurred_at").map_err(d)?;
+    msg.traceparent = row
+        .try_get::<Option<String>, _>("traceparent")
+        .map_err(d)?
+        .as_deref()
+        .and_then(TraceParent::parse);
+    msg.tracestate = row.try_get("tracestate").map_err(d)?;
+    msg.headers = row.try_get::<Json<Headers>, _>("headers").map_err(d)?.0;
+    let attempts: i32 = row.try_get("attempts").map_err(d)?;
+    msg.redelivered = attempts > 1;
+    msg.delivery_count = u64::try_from(attempts).ok();
+    let age: f64 = row.try_get("age_secs").map_err(d)?;
+    Ok(StoredMessage::new(
+        msg,
+        attempts,
+        row.try_get("claim_token").map_err(d)?,
+        row.try_get("received_at").map_err(d)?,
+        Duration::from_secs_f64(age.max(0.0)),
+    ))
+}
+
+#[async_trait]
+impl DurableInbox for PgInbox {
+    async fn store(&self, msg: &IncomingMessage) -> Result<bool, OutboxError> {
+        let headers = serde_json::to_string(&msg.headers).unwrap_or_else(|_| "{}".into());
+        let inserted = sqlx::query(sql(&self.iq.store))
+            .bind(msg.id)
+            .bind(&msg.event_type)
+            .bind(msg.source.as_deref())
+            .bind(msg.aggregate_type.as_deref())
+            .bind(msg.aggregate_id.as_deref())
+            .bind(msg.aggregate_version)
+            .bind(msg.tenant_id.as_deref())
+            .bind(msg.partition_key.as_deref())
+            .bind(msg.correlation_id.as_deref())
+            .bind(msg.causation_id.as_deref())
+            .bind(msg.occurred_at)
+            .bind(msg.traceparent.map(|t| t.to_string()))
+            .bind(msg.tracestate.as_deref())
+            .bind(headers)
+            .bind(&msg.payload)
+            .execute(&self.pool)
+            .await
+            .map_err(db("inbox_store"))?
+            .rows_affected();
+        Ok(inserted == 1)
+    }
+
+    async fn claim(
+        &self,
+        batch_size: usize,
+        lease: Duration,
+    ) -> Result<Vec<StoredMessage>, OutboxError> {
+        let rows = sqlx::query(sql(&self.iq.claim))
+            .bind(i64::try_from(batch_size).unwrap_or(i64::MAX))
+            .bind(lease.as_secs_f64())
+            .bind(Uuid::new_v4())
+            .fetch_all(&self.pool)
+            .await
+            .map_err(db("inbox_claim_stored"))?;
+        let mut out: Vec<(i64, StoredMessage)> = rows
+            .iter()
+            .map(|r| {
+                Ok((
+                    r.try_get::<i64, _>("seq").map_err(db("inbox_decode"))?,
+                    decode_stored(r)?,
+                ))
+            })
+            .collect::<Result<_, OutboxError>>()?;
+        out.sort_unstable_by_key(|(seq, _)| *seq);
+        Ok(out.into_iter().map(|(_, m)| m).collect())
+    }
+
+    async fn complete(
+        &self,
+        completions: &[InboxCompletion],
+    ) -> Result<CompleteReport, OutboxError> {
+        if completions.is_empty() {
+            return Ok(CompleteReport::default());
+        }
+        let mut ids = Vec::with_capacity(completions.len());
+        let mut tokens = Vec::with_capacity(completions.len());
+        let mut kinds = Vec::with_capacity(completions.len());
+        let mut delays = Vec::with_capacity(completions.len());
+        let mut errors = Vec::with_capacity(completions.len());
+        for c in completions {
+            ids.push(c.id);
+            tokens.push(c.claim_token);
+            let (kind, delay, error): (i16, f64, Option<&str>) = match &c.outcome {
+                InboxOutcome::Done => (1, 0.0, None),
+                InboxOutcome::Retry { delay, error } => (0, delay.as_secs_f64(), Some(error)),
+                InboxOutcome::Dead { error } => (3, 0.0, Some(error)),
+                InboxOutcome::Defer { delay } => (10, delay.as_secs_f64(), None),
+            };
+            kinds.push(kind);
+            delays.push(delay);
+            errors.push(error);
+        }
+        let applied: Vec<Uuid> = sqlx::query_scalar(sql(&self.iq.complete))
+            .bind(&ids)
+            .bind(&tokens)
+            .bind(&kinds)
+            .bind(&delays)
+            .bind(&errors)
+            .fetch_all(&self.pool)
+            .await
+            .map_err(db("inbox_complete"))?;
+        let done: std::collections::HashSet<Uuid> = applied.iter().copied().collect();
+        Ok(CompleteReport {
+            applied: applied.len() as u64,
+            fenced: ids.into_iter().filter(|id| !done.contains(id)).collect(),
+        })
+    }
+
+    async fn purge_processed(
+        &self,
+        older_than: Duration,
+        batch_size: usize,
+    ) -> Result<u64, OutboxError> {
+        Ok(sqlx::query(sql(&self.iq.purge_processed))
+            .bind(older_than.as_secs_f64())
+            .bind(i64::try_from(batch_size).unwrap_or(i64::MAX))
+            .execute(&self.pool)
+            .await
+            .map_err(db("inbox_purge_processed"))?
             .rows_affected())
     }
 }

@@ -11,14 +11,21 @@ use sqlx::{AssertSqlSafe, PgPool};
 use crate::error::db;
 
 /// (version, description, SQL with `{schema}` placeholders).
-const MIGRATIONS: &[(i32, &str, &str)] = &[(
-    1,
-    "outbox_messages and inbox_records",
-    include_str!("../migrations/0001_outbox.sql"),
-)];
+const MIGRATIONS: &[(i32, &str, &str)] = &[
+    (
+        1,
+        "outbox_messages and inbox_records",
+        include_str!("../migrations/0001_outbox.sql"),
+    ),
+    (
+        2,
+        "inbox_versions, inbox_failures, inbox_messages",
+        include_str!("../migrations/0002_inbox.sql"),
+    ),
+];
 
 /// The highest migration version this crate knows.
-pub const LATEST_VERSION: i32 = 1;
+pub const LATEST_VERSION: i32 = 2;
 
 /// Creates `schema` if needed and applies every migration not yet applied. Returns the
 /// versions applied by this call.

@@ -169,3 +169,116 @@ mod tests {
         assert!(q.purge_sent.contains("LIMIT $2"));
     }
 }
+
+/// SQL of the inbox capabilities (version tracking, failures, durable inbox).
+#[derive(Debug)]
+pub(crate) struct InboxQueries {
+    pub(crate) version_ensure: Arc<str>,
+    pub(crate) version_get: Arc<str>,
+    pub(crate) version_set: Arc<str>,
+    pub(crate) failure: Arc<str>,
+    pub(crate) is_dead: Arc<str>,
+    pub(crate) dead_letters: Arc<str>,
+    pub(crate) store: Arc<str>,
+    pub(crate) claim: Arc<str>,
+    pub(crate) complete: Arc<str>,
+    pub(crate) purge_processed: Arc<str>,
+}
+
+/// Columns read back for a stored durable-inbox message.
+const INBOX_COLUMNS: &str = "m.id, m.event_type, m.source, m.aggregate_type, m.aggregate_id, \
+    m.aggregate_version, m.tenant_id, m.partition_key, m.correlation_id, m.causation_id, \
+    m.occurred_at, m.traceparent, m.tracestate, m.headers, m.payload, m.received_at, \
+    m.attempts, m.claim_token, extract(epoch FROM now() - m.received_at)::float8 AS age_secs";
+
+impl InboxQueries {
+    pub(crate) fn new(schema: &str) -> Self {
+        let v = format!("{schema}.inbox_versions");
+        let f = format!("{schema}.inbox_failures");
+        let t = format!("{schema}.inbox_messages");
+        let s = |text: String| -> Arc<str> { text.into() };
+        Self {
+            version_ensure: s(format!(
+                "INSERT INTO {v} (consumer, aggregate_type, aggregate_id) VALUES ($1, $2, $3)
+                 ON CONFLICT DO NOTHING"
+            )),
+            version_get: s(format!(
+                "SELECT version FROM {v}
+                  WHERE consumer = $1 AND aggregate_type = $2 AND aggregate_id = $3 FOR UPDATE"
+            )),
+            version_set: s(format!(
+                "UPDATE {v} SET version = greatest(coalesce(version, $4), $4), updated_at = now()
+                  WHERE consumer = $1 AND aggregate_type = $2 AND aggregate_id = $3"
+            )),
+            // One failure more; dead (with the message kept) once attempts reach $5.
+            failure: s(format!(
+                "INSERT INTO {f} AS x (message_id, consumer, event_type, attempts, last_error, payload, headers, dead_at)
+                 VALUES ($1, $2, $3, 1, $4, $6, $7::jsonb, CASE WHEN 1 >= $5 THEN now() END)
+                 ON CONFLICT (message_id, consumer) DO UPDATE
+                    SET attempts = x.attempts + 1,
+                        last_error = EXCLUDED.last_error,
+                        last_failed_at = now(),
+                        dead_at = coalesce(x.dead_at, CASE WHEN x.attempts + 1 >= $5 THEN now() END)
+                 RETURNING attempts, dead_at IS NOT NULL"
+            )),
+            is_dead: s(format!(
+                "SELECT EXISTS (SELECT 1 FROM {f} WHERE message_id = $1 AND consumer = $2 AND dead_at IS NOT NULL)"
+            )),
+            dead_letters: s(format!(
+                "SELECT message_id, consumer, event_type, last_error, attempts, dead_at, coalesce(payload, ''::bytea)
+                   FROM {f} WHERE dead_at IS NOT NULL AND ($1::text IS NULL OR consumer = $1)
+                  ORDER BY dead_at LIMIT $2"
+            )),
+            store: s(format!(
+                "INSERT INTO {t} (id, event_type, source, aggregate_type, aggregate_id, aggregate_version,
+                     tenant_id, partition_key, correlation_id, causation_id, occurred_at, traceparent,
+                     tracestate, headers, payload)
+                 VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14::jsonb, $15)
+                 ON CONFLICT (id) DO NOTHING"
+            )),
+            claim: s(format!(
+                "WITH fresh AS (
+                     SELECT id, visible_at, seq FROM {t}
+                      WHERE status = 0 AND visible_at <= now()
+                      ORDER BY visible_at, seq LIMIT $1 FOR UPDATE SKIP LOCKED
+                 ), expired AS (
+                     SELECT id, visible_at, seq FROM {t}
+                      WHERE status = 9 AND lease_until < now()
+                      ORDER BY lease_until LIMIT $1 FOR UPDATE SKIP LOCKED
+                 )
+                 UPDATE {t} m
+                    SET status = 9,
+                        lease_until = now() + make_interval(secs => $2),
+                        claim_token = $3,
+                        attempts = m.attempts + 1
+                  WHERE m.id = ANY(ARRAY(
+                        SELECT c.id FROM (SELECT * FROM fresh UNION ALL SELECT * FROM expired) c
+                         ORDER BY c.visible_at, c.seq LIMIT $1))
+                 RETURNING {INBOX_COLUMNS}, m.seq"
+            )),
+            // Outcome codes: 1 done, 0 retry, 3 dead, 10 defer (New without charge).
+            complete: s(format!(
+                "UPDATE {t} m
+                    SET status = CASE WHEN u.kind = 10 THEN 0 ELSE u.kind END,
+                        attempts = CASE WHEN u.kind = 10 THEN greatest(m.attempts - 1, 0) ELSE m.attempts END,
+                        visible_at = CASE WHEN u.kind IN (0, 10)
+                                          THEN now() + make_interval(secs => u.delay_secs)
+                                          ELSE m.visible_at END,
+                        last_error = coalesce(u.error, m.last_error),
+                        processed_at = CASE WHEN u.kind = 1 THEN now() END,
+                        lease_until = NULL,
+                        claim_token = NULL
+                   FROM UNNEST($1::uuid[], $2::uuid[], $3::int2[], $4::float8[], $5::text[])
+                        AS u(id, token, kind, delay_secs, error)
+                  WHERE m.id = u.id AND m.claim_token = u.token AND m.status + 0 = 9
+                 RETURNING m.id"
+            )),
+            purge_processed: s(format!(
+                "DELETE FROM {t} WHERE id IN (
+                     SELECT id FROM {t}
+                      WHERE status = 1 AND processed_at <= now() - make_interval(secs => $1)
+                      ORDER BY processed_at LIMIT $2 FOR UPDATE SKIP LOCKED)"
+            )),
+        }
+    }
+}

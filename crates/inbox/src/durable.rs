@@ -1,0 +1,333 @@
+//! The durable inbox: [`DurableReceiver`] stores deliveries and acks them at once;
+//! [`InboxProcessor`] claims stored messages with fenced leases and runs the pipeline
+//! with its own backoff, attempts, dead state and reorder window.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use async_trait::async_trait;
+use outbox_core::consumer::{DeliveryHandler, HandlerDecision};
+use outbox_core::inbox::{
+    DurableInbox, InboxCompletion, InboxOutcome, StoredMessage, VersionTracking,
+};
+use outbox_core::wire::IncomingMessage;
+use outbox_core::{InboxStore, OutboxError, RetryPolicy};
+use tokio_util::sync::CancellationToken;
+use tracing::{debug, error, info, warn};
+
+use crate::pipeline::{Pipeline, Step, run_handler};
+
+/// Stores each delivery in the durable inbox (`ON CONFLICT DO NOTHING` on its id) and
+/// acks it; a store failure requeues the delivery. Plug it into a transport consumer.
+#[derive(Debug)]
+pub struct DurableReceiver<S> {
+    store: Arc<S>,
+}
+
+impl<S: DurableInbox> DurableReceiver<S> {
+    /// A receiver writing into `store`.
+    pub fn new(store: Arc<S>) -> Self {
+        Self { store }
+    }
+}
+
+#[async_trait]
+impl<S: DurableInbox> DeliveryHandler for DurableReceiver<S> {
+    async fn handle(&self, msg: IncomingMessage) -> HandlerDecision {
+        match self.store.store(&msg).await {
+            Ok(new) => {
+                if !new {
+                    debug!(id = %msg.id, "duplicate delivery: already in the durable inbox");
+                }
+                HandlerDecision::Ack
+            }
+            Err(e) => {
+                warn!(id = %msg.id, error = %e, "could not store the delivery, requeueing");
+                HandlerDecision::Requeue
+            }
+        }
+    }
+}
+
+/// What to do with a message still missing its predecessor when the reorder window
+/// has passed.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum GapPolicy {
+    /// Process it anyway (the late predecessor will then be stale) (default).
+    #[default]
+    ProcessAnyway,
+    /// Dead-letter it.
+    DeadLetter,
+}
+
+/// Settings of an [`InboxProcessor`].
+#[derive(Debug, Clone)]
+pub struct ProcessorConfig {
+    batch_size: usize,
+    lease: Duration,
+    poll_interval: Duration,
+    retry: RetryPolicy,
+    reorder_window: Duration,
+    gap_recheck: Duration,
+    gap_policy: GapPolicy,
+}
+
+impl Default for ProcessorConfig {
+    fn default() -> Self {
+        Self {
+            batch_size: 100,
+            lease: Duration::from_secs(30),
+            poll_interval: Duration::from_millis(500),
+            retry: RetryPolicy::default(),
+            reorder_window: Duration::from_secs(180),
+            gap_recheck: Duration::from_secs(1),
+            gap_policy: GapPolicy::ProcessAnyway,
+        }
+    }
+}
+
+impl ProcessorConfig {
+    /// Defaults: batches of 100 messages, 30 s lease, 500 ms poll interval, the default
+    /// [`RetryPolicy`] (base 3 s, cap 300 s, 8 attempts), a 3-minute reorder window
+    /// rechecked every second, [`GapPolicy::ProcessAnyway`].
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Messages per claim (default 100).
+    #[must_use]
+    pub fn with_batch_size(mut self, n: usize) -> Self {
+        self.batch_size = n.max(1);
+        self
+    }
+
+    /// Claim lease (default 30 s); must exceed the slowest batch.
+    #[must_use]
+    pub fn with_lease(mut self, lease: Duration) -> Self {
+        self.lease = lease;
+        self
+    }
+
+    /// Wait after a batch that was not full (default 500 ms).
+    #[must_use]
+    pub fn with_poll_interval(mut self, d: Duration) -> Self {
+        self.poll_interval = d;
+        self
+    }
+
+    /// Backoff and attempts for failing handlers (default [`RetryPolicy::default`]).
+    #[must_use]
+    pub fn with_retry(mut self, retry: RetryPolicy) -> Self {
+        self.retry = retry;
+        self
+    }
+
+    /// How long a message ahead of a version gap waits for its predecessor, counted
+    /// from when it was stored (default 180 s), and how often it is rechecked
+    /// (default 1 s).
+    #[must_use]
+    pub fn with_reorder_window(mut self, window: Duration, recheck: Duration) -> Self {
+        self.reorder_window = window;
+        self.gap_recheck = recheck;
+        self
+    }
+
+    /// What happens when the reorder window has passed (default
+    /// [`GapPolicy::ProcessAnyway`]).
+    #[must_use]
+    pub fn with_gap_policy(mut self, policy: GapPolicy) -> Self {
+        self.gap_policy = policy;
+        self
+    }
+}
+
+/// Claims stored messages and runs the pipeline on them. Several processors (tasks,
+/// processes, hosts) may share one inbox: claims use `FOR UPDATE SKIP LOCKED` and
+/// completions are fenced by claim token, as in the outbox.
+///
+/// For each message, handlers run in order, each in its own transaction with its own
+/// inbox record; a failure stops the message there and schedules a retry with backoff
+/// (handlers that succeeded are not re-run); after the retry policy's `max_attempts`
+/// (or at once for a permanent error) the message goes Dead with `last_error` naming
+/// the handler. A versioned message ahead of a gap is deferred (not charged an attempt)
+/// until its predecessor is applied or the reorder window passes.
+pub struct InboxProcessor<S: InboxStore> {
+    store: Arc<S>,
+    pipeline: Arc<Pipeline<S>>,
+    config: ProcessorConfig,
+}
+
+impl<S: InboxStore> std::fmt::Debug for InboxProcessor<S> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("InboxProcessor")
+            .field("pipeline", &self.pipeline)
+            .field("config", &self.config)
+            .finish_non_exhaustive()
+    }
+}
+
+/// What one processed batch did.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct ProcessReport {
+    /// Messages claimed.
+    pub claimed: usize,
+    /// Completed (every handler done).
+    pub done: usize,
+    /// Scheduled for retry.
+    pub retried: usize,
+    /// Dead.
+    pub dead: usize,
+    /// Deferred for the reorder window.
+    pub deferred: usize,
+    /// Completions fenced out (another processor took over after our lease expired).
+    pub fenced: usize,
+}
+
+impl<S> InboxProcessor<S>
+where
+    S: DurableInbox + VersionTracking,
+{
+    /// A processor of `store` running `pipeline`.
+    pub fn new(store: Arc<S>, pipeline: Pipeline<S>, config: ProcessorConfig) -> Self {
+        Self {
+            store,
+            pipeline: Arc::new(pipeline),
+            config,
+        }
+    }
+
+    /// Claims and processes one batch.
+    ///
+    /// # Errors
+    /// A store error from the claim or the completion (claimed messages are then
+    /// reclaimed after their lease).
+    pub async fn run_once(&self) -> Result<ProcessReport, OutboxError> {
+        let batch = self
+            .store
+            .claim(self.config.batch_size, self.config.lease)
+            .await?;
+        let mut report = ProcessReport {
+            claimed: batch.len(),
+            ..ProcessReport::default()
+        };
+        if batch.is_empty() {
+            return Ok(report);
+        }
+        let mut completions = Vec::with_capacity(batch.len());
+        for stored in &batch {
+            let outcome = self.process(stored).await;
+            match &outcome {
+                InboxOutcome::Done => report.done += 1,
+                InboxOutcome::Retry { .. } => report.retried += 1,
+                InboxOutcome::Dead { .. } => report.dead += 1,
+                InboxOutcome::Defer { .. } => report.deferred += 1,
+            }
+            completions.push(InboxCompletion {
+                id: stored.message.id,
+                claim_token: stored.claim_token,
+                outcome,
+            });
+        }
+        let done = self.store.complete(&completions).await?;
+        report.fenced = done.fenced.len();
+        if report.fenced > 0 {
+            warn!(
+                fenced = report.fenced,
+                "inbox completion fenced: another processor reclaimed these messages"
+            );
+        }
+        Ok(report)
+    }
+
+    async fn process(&self, stored: &StoredMessage) -> InboxOutcome {
+        let msg = &stored.message;
+        let attempt = u32::try_from(stored.attempts).unwrap_or(1);
+        let window_passed = stored.age >= self.config.reorder_window;
+        for reg in self.pipeline.handlers(&msg.event_type) {
+            let hold_gaps = !window_passed || self.config.gap_policy == GapPolicy::DeadLetter;
+            match run_handler(&*self.store, reg, msg, attempt, hold_gaps).await {
+                Ok(Step::Applied | Step::AlreadyDone | Step::SkippedStale) => {}
+                Ok(Step::Gap { expected, got }) => {
+                    if window_passed {
+                        error!(id = %msg.id, consumer = %reg.consumer, expected, got, "predecessor never arrived: dead-lettered");
+                        return InboxOutcome::Dead {
+                            error: format!(
+                                "{}: version {got} arrived but {expected} never did within the reorder window of {:?}",
+                                reg.consumer, self.config.reorder_window
+                            ),
+                        };
+                    }
+                    debug!(id = %msg.id, expected, got, "ahead of a gap: deferred");
+                    return InboxOutcome::Defer {
+                        delay: self.config.gap_recheck,
+                    };
+                }
+                Ok(Step::Failed(e)) => {
+                    let error = format!("{}: {e}", reg.consumer);
+                    if e.is_permanent() || !self.config.retry.should_retry(attempt) {
+                        error!(id = %msg.id, consumer = %reg.consumer, attempt, error = %e, "inbox message is dead");
+                        return InboxOutcome::Dead {
+                            error: if e.is_permanent() {
+                                error
+                            } else {
+                                format!(
+                                    "attempts exhausted ({attempt}/{}): {error}",
+                                    self.config.retry.max_attempts()
+                                )
+                            },
+                        };
+                    }
+                    return InboxOutcome::Retry {
+                        delay: self.config.retry.delay(attempt),
+                        error,
+                    };
+                }
+                Err(e) => {
+                    warn!(id = %msg.id, error = %e, "inbox store error, deferring");
+                    return InboxOutcome::Defer {
+                        delay: self.config.gap_recheck,
+                    };
+                }
+            }
+        }
+        InboxOutcome::Done
+    }
+
+    /// Processes batches until `shutdown` is cancelled; the batch in hand is finished.
+    ///
+    /// # Errors
+    /// A store error that retrying cannot fix.
+    pub async fn run(&self, shutdown: CancellationToken) -> Result<(), OutboxError> {
+        info!(
+            batch_size = self.config.batch_size,
+            "inbox processor started"
+        );
+        let mut backoff = Duration::ZERO;
+        while !shutdown.is_cancelled() {
+            let wait = match self.run_once().await {
+                Ok(report) if report.claimed >= self.config.batch_size => {
+                    backoff = Duration::ZERO;
+                    continue;
+                }
+                Ok(_) => {
+                    backoff = Duration::ZERO;
+                    self.config.poll_interval
+                }
+                Err(e) if e.kind().is_retryable() => {
+                    backoff =
+                        (backoff * 2).clamp(Duration::from_millis(100), Duration::from_secs(30));
+                    warn!(error = %e, backoff_ms = backoff.as_millis() as u64, "inbox processor backing off");
+                    backoff
+                }
+                Err(e) => return Err(e),
+            };
+            tokio::select! {
+                () = shutdown.cancelled() => {}
+                () = tokio::time::sleep(wait) => {}
+            }
+        }
+        Ok(())
+    }
+}

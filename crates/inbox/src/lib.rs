@@ -1,0 +1,60 @@
+//! # inbox
+//!
+//! Exactly-once **effects** from at-least-once **delivery**, on any backend that
+//! implements the `outbox-core` inbox traits (PostgreSQL: `outbox_postgres::PgInbox`).
+//!
+//! - [`Pipeline`]: handlers subscribed to event types, in order, each under its own
+//!   consumer name; each handler's success is recorded `(message_id, consumer)` in the
+//!   same transaction as its effects, so a retry re-runs only the handlers that have
+//!   not succeeded yet.
+//! - [`IdempotentConsumer`] (mode 1): plugged into a transport's consumer adapter, it
+//!   runs the pipeline per delivery and acks after commit; failures are redelivered up
+//!   to a limit, then recorded as consumer dead letters and acked.
+//! - [`DurableReceiver`] + [`InboxProcessor`] (mode 2): deliveries are stored and acked
+//!   at once; processors claim them with fenced leases and run the pipeline with their
+//!   own backoff, attempts, dead state and a reorder window for version gaps.
+//! - Stale versions: the last applied `aggregate_version` is tracked per consumer and
+//!   aggregate; a stale message is skipped or delivered flagged ([`StalePolicy`]).
+//! - [`Retention`]: purges in batches, and warns when the dedup window is shorter than
+//!   the redelivery or replay horizon.
+//!
+//! ```no_run
+//! use std::sync::Arc;
+//! use async_trait::async_trait;
+//! use inbox::{Handler, HandlerContext, HandlerError, IdempotentConsumer, Pipeline};
+//! use outbox_core::wire::IncomingMessage;
+//! use outbox_postgres::PgInbox;
+//!
+//! struct Project;
+//!
+//! #[async_trait]
+//! impl Handler<PgInbox> for Project {
+//!     async fn handle(&self, conn: &mut sqlx::PgConnection, msg: &IncomingMessage, _: &HandlerContext)
+//!         -> Result<(), HandlerError> {
+//!         sqlx::query("INSERT INTO projection (id) VALUES ($1)").bind(msg.id).execute(conn).await?;
+//!         Ok(())
+//!     }
+//! }
+//!
+//! # fn demo(store: PgInbox) {
+//! let pipeline = Pipeline::new().on("OrderPlaced", "order-projection", Project);
+//! let consumer = IdempotentConsumer::new(Arc::new(store), pipeline);
+//! // RabbitConsumer::run(consumer, shutdown) / NatsConsumer::run(...)
+//! # }
+//! ```
+//!
+//! Trace context: the W3C `traceparent` of the message is recorded on the
+//! `inbox.handle` span (`trace_id`, `parent_span_id`); linking that span into an
+//! OpenTelemetry trace as a child comes with the observability work.
+
+mod consumer;
+mod durable;
+mod handler;
+mod pipeline;
+mod retention;
+
+pub use consumer::{DEFAULT_MAX_DELIVERIES, IdempotentConsumer};
+pub use durable::{DurableReceiver, GapPolicy, InboxProcessor, ProcessReport, ProcessorConfig};
+pub use handler::{Handler, HandlerContext, HandlerError, StalePolicy};
+pub use pipeline::Pipeline;
+pub use retention::{PurgeReport, Retention};

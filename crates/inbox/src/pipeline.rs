@@ -1,0 +1,218 @@
+//! [`Pipeline`]: the handlers subscribed to each event type, in order, and the step that
+//! runs one handler in its own transaction.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use outbox_core::inbox::VersionTracking;
+use outbox_core::wire::IncomingMessage;
+use outbox_core::{InboxStore, OutboxError};
+use tracing::{Instrument as _, debug, info_span};
+
+use crate::handler::{Handler, HandlerContext, HandlerError, StalePolicy};
+
+pub(crate) struct Registered<S: InboxStore> {
+    pub(crate) consumer: String,
+    pub(crate) handler: Arc<dyn Handler<S>>,
+    pub(crate) stale: StalePolicy,
+}
+
+/// Handlers by event type, each under its own consumer name.
+///
+/// Several handlers may subscribe to one event type; they run in the order added, each
+/// in its own transaction with its own inbox record `(message_id, consumer)`, so a
+/// retry re-runs only the handlers that have not succeeded yet.
+pub struct Pipeline<S: InboxStore> {
+    routes: HashMap<String, Vec<Arc<Registered<S>>>>,
+}
+
+impl<S: InboxStore> std::fmt::Debug for Pipeline<S> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let routes: HashMap<&str, Vec<&str>> = self
+            .routes
+            .iter()
+            .map(|(k, v)| (k.as_str(), v.iter().map(|r| r.consumer.as_str()).collect()))
+            .collect();
+        f.debug_struct("Pipeline").field("routes", &routes).finish()
+    }
+}
+
+impl<S: InboxStore> Default for Pipeline<S> {
+    fn default() -> Self {
+        Self {
+            routes: HashMap::new(),
+        }
+    }
+}
+
+impl<S: InboxStore> Pipeline<S> {
+    /// An empty pipeline.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Subscribes `handler`, under the consumer name `consumer`, to `event_type`, with
+    /// the default [`StalePolicy::Skip`]. Handlers of one event type run in the order
+    /// added.
+    ///
+    /// # Panics
+    /// If `consumer` is empty or already subscribed to `event_type` (a programming error).
+    #[must_use]
+    pub fn on(
+        self,
+        event_type: impl Into<String>,
+        consumer: impl Into<String>,
+        handler: impl Handler<S>,
+    ) -> Self {
+        self.on_with(event_type, consumer, handler, StalePolicy::Skip)
+    }
+
+    /// As [`on`](Self::on), with a stale-version policy.
+    ///
+    /// # Panics
+    /// As [`on`](Self::on).
+    #[must_use]
+    pub fn on_with(
+        mut self,
+        event_type: impl Into<String>,
+        consumer: impl Into<String>,
+        handler: impl Handler<S>,
+        stale: StalePolicy,
+    ) -> Self {
+        let consumer = consumer.into();
+        assert!(!consumer.is_empty(), "consumer name must not be empty");
+        let list = self.routes.entry(event_type.into()).or_default();
+        assert!(
+            list.iter().all(|r| r.consumer != consumer),
+            "consumer {consumer:?} subscribed twice to one event type"
+        );
+        list.push(Arc::new(Registered {
+            consumer,
+            handler: Arc::new(handler),
+            stale,
+        }));
+        self
+    }
+
+    pub(crate) fn handlers(&self, event_type: &str) -> &[Arc<Registered<S>>] {
+        self.routes.get(event_type).map_or(&[], Vec::as_slice)
+    }
+
+    /// Every consumer name, for retention checks and tooling.
+    pub fn consumers(&self) -> impl Iterator<Item = &str> {
+        self.routes.values().flatten().map(|r| r.consumer.as_str())
+    }
+}
+
+/// What running one handler did.
+#[derive(Debug)]
+pub(crate) enum Step {
+    /// The handler ran and committed.
+    Applied,
+    /// This consumer had already handled the message (inbox record present).
+    AlreadyDone,
+    /// The version was stale and the policy skips: recorded as handled, not run.
+    SkippedStale,
+    /// The version is ahead of the next expected one (a predecessor is missing).
+    Gap { expected: i64, got: i64 },
+    /// The handler failed; its transaction was rolled back.
+    Failed(HandlerError),
+}
+
+fn version_key(msg: &IncomingMessage) -> Option<(&str, &str, i64)> {
+    match (
+        &msg.aggregate_type,
+        &msg.aggregate_id,
+        msg.aggregate_version,
+    ) {
+        (Some(t), Some(id), Some(v)) if v > 0 => Some((t.as_str(), id.as_str(), v)),
+        _ => None,
+    }
+}
+
+/// Runs `reg` on `msg` in its own transaction. `hold_gaps`: report a version gap
+/// instead of running the handler.
+pub(crate) async fn run_handler<S>(
+    store: &S,
+    reg: &Registered<S>,
+    msg: &IncomingMessage,
+    attempt: u32,
+    hold_gaps: bool,
+) -> Result<Step, OutboxError>
+where
+    S: InboxStore + VersionTracking,
+{
+    let span = info_span!(
+        "inbox.handle",
+        message_id = %msg.id,
+        event_type = %msg.event_type,
+        consumer = %reg.consumer,
+        tenant = msg.tenant_id.as_deref().unwrap_or(""),
+        aggregate_type = msg.aggregate_type.as_deref().unwrap_or(""),
+        aggregate_id = msg.aggregate_id.as_deref().unwrap_or(""),
+        version = msg.aggregate_version.unwrap_or(0),
+        attempt,
+        trace_id = tracing::field::Empty,
+        parent_span_id = tracing::field::Empty,
+    );
+    if let Some(tp) = msg.traceparent {
+        span.record("trace_id", format!("{:032x}", tp.trace_id));
+        span.record("parent_span_id", format!("{:016x}", tp.parent_id));
+    }
+    async {
+        let mut tx = store.begin().await?;
+        if !store.try_claim(&mut tx, msg.id, &reg.consumer).await? {
+            store.rollback(tx).await?;
+            debug!("duplicate: already handled by this consumer");
+            return Ok(Step::AlreadyDone);
+        }
+        let mut ctx = HandlerContext {
+            consumer: reg.consumer.clone(),
+            applied_version: None,
+            stale: false,
+            attempt,
+        };
+        let versioned = version_key(msg);
+        if let Some((agg_type, agg_id, version)) = versioned {
+            let applied = store
+                .applied_version(&mut tx, &reg.consumer, agg_type, agg_id)
+                .await?;
+            ctx.applied_version = applied;
+            if let Some(last) = applied {
+                if version <= last {
+                    if reg.stale == StalePolicy::Skip {
+                        store.commit(tx).await?;
+                        debug!(last, "stale version skipped");
+                        return Ok(Step::SkippedStale);
+                    }
+                    ctx.stale = true;
+                } else if hold_gaps && version > last + 1 {
+                    store.rollback(tx).await?;
+                    return Ok(Step::Gap {
+                        expected: last + 1,
+                        got: version,
+                    });
+                }
+            }
+        }
+        match reg.handler.handle(&mut tx, msg, &ctx).await {
+            Ok(()) => {
+                if let Some((agg_type, agg_id, version)) = versioned
+                    && !ctx.stale
+                {
+                    store
+                        .record_version(&mut tx, &reg.consumer, agg_type, agg_id, version)
+                        .await?;
+                }
+                store.commit(tx).await?;
+                Ok(Step::Applied)
+            }
+            Err(e) => {
+                store.rollback(tx).await?;
+                Ok(Step::Failed(e))
+            }
+        }
+    }
+    .instrument(span)
+    .await
+}

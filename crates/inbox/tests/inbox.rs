@@ -1,0 +1,664 @@
+//! The inbox against the real PostgreSQL (and RabbitMQ for the wiring tests).
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::time::Duration;
+
+use async_trait::async_trait;
+use inbox::{
+    DurableReceiver, GapPolicy, Handler, HandlerContext, HandlerError, IdempotentConsumer,
+    InboxProcessor, Pipeline, ProcessorConfig, StalePolicy,
+};
+use outbox_core::RetryPolicy;
+use outbox_core::consumer::{DeliveryHandler, HandlerDecision};
+use outbox_core::inbox::ConsumerDeadLetters;
+use outbox_core::wire::IncomingMessage;
+use outbox_postgres::{PgConfig, PgInbox, PgOutbox};
+use sqlx::{AssertSqlSafe, PgConnection, PgPool};
+use uuid::Uuid;
+
+fn database_url() -> String {
+    std::env::var("DATABASE_URL")
+        .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".into())
+}
+
+struct Db {
+    inbox: Arc<PgInbox>,
+    pool: PgPool,
+    schema: String,
+}
+
+async fn db() -> Db {
+    let schema = format!("t_{}", Uuid::new_v4().simple());
+    let outbox = PgOutbox::connect(
+        &PgConfig::new(database_url())
+            .with_schema(&schema)
+            .with_max_connections(8),
+    )
+    .await
+    .expect("connect to PostgreSQL");
+    outbox.migrate().await.expect("migrate");
+    sqlx::raw_sql(AssertSqlSafe(format!(
+        "CREATE TABLE {schema}.effects (id bigserial PRIMARY KEY, message_id uuid NOT NULL, consumer text NOT NULL, version bigint, stale boolean NOT NULL)"
+    )))
+    .execute(outbox.pool())
+    .await
+    .expect("effects table");
+    Db {
+        inbox: Arc::new(PgInbox::new(outbox.pool().clone(), &schema).expect("inbox")),
+        pool: outbox.pool().clone(),
+        schema,
+    }
+}
+
+impl Db {
+    async fn effects(&self, consumer: &str) -> Vec<(Uuid, Option<i64>, bool)> {
+        sqlx::query_as(AssertSqlSafe(format!(
+            "SELECT message_id, version, stale FROM {}.effects WHERE consumer = $1 ORDER BY id",
+            self.schema
+        )))
+        .bind(consumer)
+        .fetch_all(&self.pool)
+        .await
+        .expect("effects")
+    }
+}
+
+/// Writes one effect row per call; fails the first `fail_first` calls; can sleep inside
+/// the transaction to widen races.
+struct Effect {
+    schema: String,
+    fail_first: AtomicU32,
+    calls: Arc<AtomicU32>,
+    permanent: bool,
+    pause: Duration,
+}
+
+impl Effect {
+    fn new(db: &Db) -> Self {
+        Self {
+            schema: db.schema.clone(),
+            fail_first: AtomicU32::new(0),
+            calls: Arc::new(AtomicU32::new(0)),
+            permanent: false,
+            pause: Duration::ZERO,
+        }
+    }
+
+    fn failing(self, n: u32) -> Self {
+        self.fail_first.store(n, Ordering::SeqCst);
+        self
+    }
+}
+
+#[async_trait]
+impl Handler<PgInbox> for Effect {
+    async fn handle(
+        &self,
+        conn: &mut PgConnection,
+        msg: &IncomingMessage,
+        ctx: &HandlerContext,
+    ) -> Result<(), HandlerError> {
+        self.calls.fetch_add(1, Ordering::SeqCst);
+        sqlx::query(AssertSqlSafe(format!(
+            "INSERT INTO {}.effects (message_id, consumer, version, stale) VALUES ($1, $2, $3, $4)",
+            self.schema
+        )))
+        .bind(msg.id)
+        .bind(&ctx.consumer)
+        .bind(msg.aggregate_version)
+        .bind(ctx.stale)
+        .execute(&mut *conn)
+        .await?;
+        if !self.pause.is_zero() {
+            tokio::time::sleep(self.pause).await;
+        }
+        let left = self.fail_first.load(Ordering::SeqCst);
+        if left > 0 {
+            self.fail_first.store(left - 1, Ordering::SeqCst);
+            let e = std::io::Error::other("injected failure");
+            return Err(if self.permanent {
+                HandlerError::permanent(e)
+            } else {
+                HandlerError::retryable(e)
+            });
+        }
+        Ok(())
+    }
+}
+
+fn message(event_type: &str, aggregate: &str, version: i64) -> IncomingMessage {
+    let mut m = IncomingMessage::new(Uuid::now_v7(), event_type, br#"{"ok":true}"#.to_vec());
+    m.aggregate_type = Some("order".into());
+    m.aggregate_id = Some(aggregate.into());
+    m.aggregate_version = Some(version);
+    m
+}
+
+#[tokio::test]
+async fn a_message_delivered_five_times_has_its_effect_once() {
+    let db = db().await;
+    let effect = Effect::new(&db);
+    let calls = Arc::clone(&effect.calls);
+    let consumer = IdempotentConsumer::new(
+        Arc::clone(&db.inbox),
+        Pipeline::new().on("OrderPlaced", "projector", effect),
+    );
+    let msg = message("OrderPlaced", "1", 1);
+    for _ in 0..5 {
+        assert_eq!(consumer.process(&msg).await, HandlerDecision::Ack);
+    }
+    assert_eq!(db.effects("projector").await.len(), 1);
+    assert_eq!(
+        calls.load(Ordering::SeqCst),
+        1,
+        "the handler itself ran once"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_consumers_racing_on_one_message_produce_one_effect() {
+    let db = db().await;
+    for _ in 0..5 {
+        let msg = message("OrderPlaced", &Uuid::new_v4().to_string(), 1);
+        let make = || {
+            let mut e = Effect::new(&db);
+            e.pause = Duration::from_millis(100);
+            IdempotentConsumer::new(
+                Arc::clone(&db.inbox),
+                Pipeline::new().on("OrderPlaced", "projector", e),
+            )
+        };
+        let (a, b) = (make(), make());
+        let (ra, rb) = tokio::join!(a.process(&msg), b.process(&msg));
+        assert_eq!((ra, rb), (HandlerDecision::Ack, HandlerDecision::Ack));
+        let effects = db.effects("projector").await;
+        assert_eq!(
+            effects.iter().filter(|(id, ..)| *id == msg.id).count(),
+            1,
+            "one effect per message"
+        );
+    }
+}
+
+#[tokio::test]
+async fn a_handler_that_fails_twice_is_retried_and_applied_once() {
+    let db = db().await;
+    let consumer = IdempotentConsumer::new(
+        Arc::clone(&db.inbox),
+        Pipeline::new().on("OrderPlaced", "projector", Effect::new(&db).failing(2)),
+    );
+    let msg = message("OrderPlaced", "1", 1);
+    assert_eq!(consumer.process(&msg).await, HandlerDecision::Requeue);
+    assert_eq!(consumer.process(&msg).await, HandlerDecision::Requeue);
+    assert_eq!(consumer.process(&msg).await, HandlerDecision::Ack);
+    assert_eq!(
+        consumer.process(&msg).await,
+        HandlerDecision::Ack,
+        "a later duplicate is acked"
+    );
+    assert_eq!(
+        db.effects("projector").await.len(),
+        1,
+        "failed attempts rolled back, success applied once"
+    );
+    assert!(
+        !db.inbox
+            .is_dead(msg.id, "projector")
+            .await
+            .expect("is_dead")
+    );
+}
+
+#[tokio::test]
+async fn after_a_retry_only_the_handlers_that_failed_run_again() {
+    let db = db().await;
+    let first = Effect::new(&db);
+    let second = Effect::new(&db).failing(1);
+    let third = Effect::new(&db);
+    let (c1, c2, c3) = (
+        Arc::clone(&first.calls),
+        Arc::clone(&second.calls),
+        Arc::clone(&third.calls),
+    );
+    let consumer = IdempotentConsumer::new(
+        Arc::clone(&db.inbox),
+        Pipeline::new()
+            .on("OrderPlaced", "first", first)
+            .on("OrderPlaced", "second", second)
+            .on("OrderPlaced", "third", third),
+    );
+    let msg = message("OrderPlaced", "1", 1);
+    assert_eq!(consumer.process(&msg).await, HandlerDecision::Requeue);
+    assert_eq!(
+        (
+            c1.load(Ordering::SeqCst),
+            c2.load(Ordering::SeqCst),
+            c3.load(Ordering::SeqCst)
+        ),
+        (1, 1, 0)
+    );
+    assert_eq!(consumer.process(&msg).await, HandlerDecision::Ack);
+    assert_eq!(
+        (
+            c1.load(Ordering::SeqCst),
+            c2.load(Ordering::SeqCst),
+            c3.load(Ordering::SeqCst)
+        ),
+        (1, 2, 1),
+        "the first handler is not re-run"
+    );
+    for consumer in ["first", "second", "third"] {
+        assert_eq!(
+            db.effects(consumer).await.len(),
+            1,
+            "{consumer} applied once"
+        );
+    }
+}
+
+#[tokio::test]
+async fn stale_versions_are_skipped_or_delivered_flagged_by_policy() {
+    let db = db().await;
+    let consumer = IdempotentConsumer::new(
+        Arc::clone(&db.inbox),
+        Pipeline::new()
+            .on("OrderChanged", "skipper", Effect::new(&db))
+            .on_with(
+                "OrderChanged",
+                "auditor",
+                Effect::new(&db),
+                StalePolicy::Deliver,
+            ),
+    );
+    // Versions 1, 3, 2 (out of order), then 3 again with a new id (a stale re-send).
+    for v in [1, 3, 2, 3] {
+        assert_eq!(
+            consumer.process(&message("OrderChanged", "42", v)).await,
+            HandlerDecision::Ack
+        );
+    }
+    let skipped: Vec<Option<i64>> = db
+        .effects("skipper")
+        .await
+        .into_iter()
+        .map(|(_, v, _)| v)
+        .collect();
+    assert_eq!(
+        skipped,
+        [Some(1), Some(3)],
+        "2 and the second 3 are stale for the default policy"
+    );
+    let audited: Vec<(Option<i64>, bool)> = db
+        .effects("auditor")
+        .await
+        .into_iter()
+        .map(|(_, v, s)| (v, s))
+        .collect();
+    assert_eq!(
+        audited,
+        [
+            (Some(1), false),
+            (Some(3), false),
+            (Some(2), true),
+            (Some(3), true)
+        ]
+    );
+    // Other aggregates are independent; unversioned messages are never stale.
+    assert_eq!(
+        consumer.process(&message("OrderChanged", "43", 1)).await,
+        HandlerDecision::Ack
+    );
+    assert_eq!(
+        consumer.process(&message("OrderChanged", "43", 0)).await,
+        HandlerDecision::Ack
+    );
+    assert_eq!(db.effects("skipper").await.len(), 4);
+}
+
+#[tokio::test]
+async fn a_poison_message_becomes_a_dead_letter_and_later_messages_flow() {
+    let db = db().await;
+    let consumer = IdempotentConsumer::new(
+        Arc::clone(&db.inbox),
+        Pipeline::new().on(
+            "OrderPlaced",
+            "projector",
+            Effect::new(&db).failing(u32::MAX),
+        ),
+    )
+    .with_max_deliveries(3);
+    let poison = message("OrderPlaced", "1", 1);
+    assert_eq!(consumer.process(&poison).await, HandlerDecision::Requeue);
+    assert_eq!(consumer.process(&poison).await, HandlerDecision::Requeue);
+    assert_eq!(
+        consumer.process(&poison).await,
+        HandlerDecision::Ack,
+        "acked once it is a dead letter"
+    );
+    let dead = db
+        .inbox
+        .consumer_dead_letters(Some("projector"), 10)
+        .await
+        .expect("list");
+    assert_eq!(dead.len(), 1);
+    assert_eq!((dead[0].message_id, dead[0].attempts), (poison.id, 3));
+    assert!(dead[0].last_error.contains("injected failure"));
+    assert_eq!(dead[0].payload, br#"{"ok":true}"#);
+    // A redelivery of the dead letter is acked without running the handler again.
+    assert_eq!(consumer.process(&poison).await, HandlerDecision::Ack);
+    assert!(db.effects("projector").await.is_empty());
+}
+
+#[tokio::test]
+async fn a_permanent_error_is_dead_lettered_at_once() {
+    let db = db().await;
+    let mut effect = Effect::new(&db).failing(1);
+    effect.permanent = true;
+    let consumer = IdempotentConsumer::new(
+        Arc::clone(&db.inbox),
+        Pipeline::new().on("OrderPlaced", "projector", effect),
+    );
+    let msg = message("OrderPlaced", "1", 1);
+    assert_eq!(consumer.process(&msg).await, HandlerDecision::Ack);
+    assert!(
+        db.inbox
+            .is_dead(msg.id, "projector")
+            .await
+            .expect("is_dead")
+    );
+}
+
+fn processor(
+    db: &Db,
+    pipeline: Pipeline<PgInbox>,
+    config: ProcessorConfig,
+) -> InboxProcessor<PgInbox> {
+    InboxProcessor::new(
+        Arc::clone(&db.inbox),
+        pipeline,
+        config.with_poll_interval(Duration::from_millis(50)),
+    )
+}
+
+async fn store(db: &Db, msg: &IncomingMessage) {
+    let receiver = DurableReceiver::new(Arc::clone(&db.inbox));
+    assert_eq!(receiver.handle(msg.clone()).await, HandlerDecision::Ack);
+}
+
+#[tokio::test]
+async fn durable_inbox_stores_once_and_processes_once() {
+    let db = db().await;
+    let msg = message("OrderPlaced", "1", 1);
+    for _ in 0..3 {
+        store(&db, &msg).await; // duplicates are absorbed on store
+    }
+    let p = processor(
+        &db,
+        Pipeline::new().on("OrderPlaced", "projector", Effect::new(&db)),
+        ProcessorConfig::new(),
+    );
+    let report = p.run_once().await.expect("process");
+    assert_eq!((report.claimed, report.done), (1, 1));
+    assert_eq!(p.run_once().await.expect("process").claimed, 0);
+    assert_eq!(db.effects("projector").await.len(), 1);
+}
+
+#[tokio::test]
+async fn durable_inbox_retries_with_backoff_then_dead_letters() {
+    let db = db().await;
+    let ok = message("OrderPlaced", "1", 1);
+    let poison = message("OrderPlaced", "2", 1);
+    store(&db, &ok).await;
+    store(&db, &poison).await;
+    struct FailsFor(Uuid, Effect);
+    #[async_trait]
+    impl Handler<PgInbox> for FailsFor {
+        async fn handle(
+            &self,
+            conn: &mut PgConnection,
+            msg: &IncomingMessage,
+            ctx: &HandlerContext,
+        ) -> Result<(), HandlerError> {
+            if msg.id == self.0 {
+                return Err(HandlerError::retryable(std::io::Error::other(
+                    "always fails",
+                )));
+            }
+            self.1.handle(conn, msg, ctx).await
+        }
+    }
+    let retry = RetryPolicy::new()
+        .with_base(1.0)
+        .with_cap(Duration::from_millis(100))
+        .with_jitter(Duration::ZERO)
+        .with_max_attempts(3);
+    let p = processor(
+        &db,
+        Pipeline::new().on(
+            "OrderPlaced",
+            "projector",
+            FailsFor(poison.id, Effect::new(&db)),
+        ),
+        ProcessorConfig::new().with_retry(retry),
+    );
+    let first = p.run_once().await.expect("process");
+    assert_eq!(
+        (first.done, first.retried),
+        (1, 1),
+        "the poison message does not block the good one"
+    );
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    let mut dead = 0;
+    while dead == 0 && tokio::time::Instant::now() < deadline {
+        dead = p.run_once().await.expect("process").dead;
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert_eq!(dead, 1);
+    let (status, attempts, error): (i16, i32, String) = sqlx::query_as(AssertSqlSafe(format!(
+        "SELECT status, attempts, last_error FROM {}.inbox_messages WHERE id = $1",
+        db.schema
+    )))
+    .bind(poison.id)
+    .fetch_one(&db.pool)
+    .await
+    .expect("row");
+    assert_eq!((status, attempts), (3, 3));
+    assert!(
+        error.contains("attempts exhausted (3/3)") && error.contains("projector"),
+        "{error}"
+    );
+}
+
+#[tokio::test]
+async fn durable_inbox_holds_a_message_ahead_of_a_gap_for_its_predecessor() {
+    let db = db().await;
+    let p = processor(
+        &db,
+        Pipeline::new().on("OrderChanged", "projector", Effect::new(&db)),
+        ProcessorConfig::new()
+            .with_reorder_window(Duration::from_secs(60), Duration::from_millis(100)),
+    );
+    let (v1, v2, v3) = (
+        message("OrderChanged", "9", 1),
+        message("OrderChanged", "9", 2),
+        message("OrderChanged", "9", 3),
+    );
+    store(&db, &v1).await;
+    store(&db, &v3).await;
+    let r = p.run_once().await.expect("process");
+    assert_eq!((r.done, r.deferred), (1, 1), "3 waits for 2");
+    store(&db, &v2).await;
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    while db.effects("projector").await.len() < 3 && tokio::time::Instant::now() < deadline {
+        p.run_once().await.expect("process");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let order: Vec<Option<i64>> = db
+        .effects("projector")
+        .await
+        .into_iter()
+        .map(|(_, v, _)| v)
+        .collect();
+    assert_eq!(
+        order,
+        [Some(1), Some(2), Some(3)],
+        "applied in version order"
+    );
+    let attempts: i32 = sqlx::query_scalar(AssertSqlSafe(format!(
+        "SELECT attempts FROM {}.inbox_messages WHERE id = $1",
+        db.schema
+    )))
+    .bind(v3.id)
+    .fetch_one(&db.pool)
+    .await
+    .expect("attempts");
+    assert_eq!(attempts, 1, "waiting is not charged as an attempt");
+}
+
+#[tokio::test]
+async fn after_the_reorder_window_a_gap_is_processed_anyway_or_dead_lettered() {
+    for (policy, expect_applied) in [
+        (GapPolicy::ProcessAnyway, true),
+        (GapPolicy::DeadLetter, false),
+    ] {
+        let db = db().await;
+        let p = processor(
+            &db,
+            Pipeline::new().on("OrderChanged", "projector", Effect::new(&db)),
+            ProcessorConfig::new()
+                .with_reorder_window(Duration::from_millis(300), Duration::from_millis(100))
+                .with_gap_policy(policy),
+        );
+        store(&db, &message("OrderChanged", "9", 1)).await;
+        let v3 = message("OrderChanged", "9", 3);
+        store(&db, &v3).await;
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+        let mut finished = false;
+        while !finished && tokio::time::Instant::now() < deadline {
+            let r = p.run_once().await.expect("process");
+            finished = r.dead > 0 || db.effects("projector").await.len() == 2;
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        let applied = db
+            .effects("projector")
+            .await
+            .iter()
+            .any(|(id, ..)| *id == v3.id);
+        assert_eq!(applied, expect_applied, "{policy:?}");
+        if !expect_applied {
+            let status: i16 = sqlx::query_scalar(AssertSqlSafe(format!(
+                "SELECT status FROM {}.inbox_messages WHERE id = $1",
+                db.schema
+            )))
+            .bind(v3.id)
+            .fetch_one(&db.pool)
+            .await
+            .expect("status");
+            assert_eq!(status, 3, "dead");
+        }
+    }
+}
+
+/// A handler that blocks forever on one message: the processor holding it is killed.
+struct Hangs(Effect);
+
+#[async_trait]
+impl Handler<PgInbox> for Hangs {
+    async fn handle(
+        &self,
+        conn: &mut PgConnection,
+        msg: &IncomingMessage,
+        ctx: &HandlerContext,
+    ) -> Result<(), HandlerError> {
+        self.0.handle(conn, msg, ctx).await?;
+        std::future::pending::<()>().await;
+        Ok(())
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_processor_killed_mid_batch_loses_nothing() {
+    let db = db().await;
+    let msgs: Vec<IncomingMessage> = (0..20)
+        .map(|i| message("OrderPlaced", &i.to_string(), 1))
+        .collect();
+    for m in &msgs {
+        store(&db, m).await;
+    }
+    let doomed = processor(
+        &db,
+        Pipeline::new().on("OrderPlaced", "projector", Hangs(Effect::new(&db))),
+        ProcessorConfig::new()
+            .with_batch_size(10)
+            .with_lease(Duration::from_secs(1)),
+    );
+    let killed = tokio::spawn(async move { doomed.run_once().await });
+    // Wait until it has claimed its batch (and hangs on the first message), then kill it.
+    let claimed = format!(
+        "SELECT count(*) FROM {}.inbox_messages WHERE status = 9",
+        db.schema
+    );
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    while sqlx::query_scalar::<_, i64>(AssertSqlSafe(claimed.clone()))
+        .fetch_one(&db.pool)
+        .await
+        .expect("count")
+        < 10
+    {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the doomed processor never claimed"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    killed.abort();
+
+    let rescuer = processor(
+        &db,
+        Pipeline::new().on("OrderPlaced", "projector", Effect::new(&db)),
+        ProcessorConfig::new(),
+    );
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
+    while db.effects("projector").await.len() < 20 && tokio::time::Instant::now() < deadline {
+        rescuer.run_once().await.expect("process");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let effects = db.effects("projector").await;
+    assert_eq!(
+        effects.len(),
+        20,
+        "every message applied after the lease expired"
+    );
+    let distinct: std::collections::HashSet<Uuid> = effects.iter().map(|(id, ..)| *id).collect();
+    assert_eq!(
+        distinct.len(),
+        20,
+        "each exactly once (the killed transaction rolled back)"
+    );
+}
+
+#[tokio::test]
+async fn retention_purges_old_records_and_processed_messages() {
+    let db = db().await;
+    let msg = message("OrderPlaced", "1", 1);
+    store(&db, &msg).await;
+    let p = processor(
+        &db,
+        Pipeline::new().on("OrderPlaced", "projector", Effect::new(&db)),
+        ProcessorConfig::new(),
+    );
+    p.run_once().await.expect("process");
+    let keep = inbox::Retention::new();
+    assert_eq!(
+        keep.purge(&*db.inbox).await.expect("purge"),
+        inbox::PurgeReport::default(),
+        "recent rows are kept"
+    );
+    let purge_all = inbox::Retention::new()
+        .with_dedup_window(Duration::ZERO)
+        .with_processed_retention(Duration::ZERO)
+        .with_batch_size(1);
+    let report = purge_all.purge(&*db.inbox).await.expect("purge");
+    assert_eq!((report.inbox_records, report.processed_messages), (1, 1));
+}

@@ -1,0 +1,226 @@
+//! Optional inbox capabilities, next to the required [`InboxStore`]:
+//!
+//! - [`VersionTracking`]: the last applied `aggregate_version` per consumer and
+//!   aggregate, for stale and out-of-order detection;
+//! - [`ConsumerDeadLetters`]: failure counts per `(message, consumer)` and the consumer
+//!   dead letters a poison message ends as;
+//! - [`DurableInbox`]: received messages stored first (and acked at once), then claimed
+//!   by processors with fenced leases, like the outbox.
+//!
+//! The `inbox` crate drives them; backends implement them.
+
+use std::time::Duration;
+
+use async_trait::async_trait;
+use chrono::{DateTime, Utc};
+use uuid::Uuid;
+
+use crate::error::OutboxError;
+use crate::store::{CompleteReport, InboxStore};
+use crate::wire::IncomingMessage;
+
+/// Last applied aggregate version per `(consumer, aggregate_type, aggregate_id)`.
+#[async_trait]
+pub trait VersionTracking: InboxStore {
+    /// The last version `consumer` applied for the aggregate, locking that record on
+    /// `conn` until the transaction ends (so two messages of one aggregate are ordered).
+    /// `None` when the consumer has applied nothing of it yet.
+    ///
+    /// # Errors
+    /// [`OutboxError::Database`].
+    async fn applied_version(
+        &self,
+        conn: &mut Self::Connection,
+        consumer: &str,
+        aggregate_type: &str,
+        aggregate_id: &str,
+    ) -> Result<Option<i64>, OutboxError>;
+
+    /// Records `version` as applied (only ever raises the stored version).
+    ///
+    /// # Errors
+    /// [`OutboxError::Database`].
+    async fn record_version(
+        &self,
+        conn: &mut Self::Connection,
+        consumer: &str,
+        aggregate_type: &str,
+        aggregate_id: &str,
+        version: i64,
+    ) -> Result<(), OutboxError>;
+}
+
+/// What a failure left behind.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct FailureCount {
+    /// Failures of this `(message, consumer)` so far, this one included.
+    pub attempts: u32,
+    /// Whether the message is now a consumer dead letter.
+    pub dead: bool,
+}
+
+/// A message a consumer gave up on. Built by backends, so not `#[non_exhaustive]`.
+#[derive(Debug, Clone)]
+pub struct ConsumerDeadLetter {
+    /// Message id.
+    pub message_id: Uuid,
+    /// Consumer (handler) name.
+    pub consumer: String,
+    /// Event type.
+    pub event_type: String,
+    /// The last error.
+    pub last_error: String,
+    /// Failures counted.
+    pub attempts: u32,
+    /// When it was declared dead (database clock).
+    pub dead_at: DateTime<Utc>,
+    /// The payload as received.
+    pub payload: Vec<u8>,
+}
+
+/// Failure counting and consumer dead letters.
+#[async_trait]
+pub trait ConsumerDeadLetters: InboxStore {
+    /// Counts one failure of `consumer` on `msg` in its own transaction; when the count
+    /// reaches `max_attempts` the message is recorded as a consumer dead letter (with
+    /// its payload, error and count).
+    ///
+    /// # Errors
+    /// [`OutboxError::Database`].
+    async fn record_failure(
+        &self,
+        msg: &IncomingMessage,
+        consumer: &str,
+        error: &str,
+        max_attempts: u32,
+    ) -> Result<FailureCount, OutboxError>;
+
+    /// Whether `(message_id, consumer)` is a consumer dead letter.
+    ///
+    /// # Errors
+    /// [`OutboxError::Database`].
+    async fn is_dead(&self, message_id: Uuid, consumer: &str) -> Result<bool, OutboxError>;
+
+    /// Consumer dead letters, oldest first, optionally of one consumer.
+    ///
+    /// # Errors
+    /// [`OutboxError::Database`].
+    async fn consumer_dead_letters(
+        &self,
+        consumer: Option<&str>,
+        limit: usize,
+    ) -> Result<Vec<ConsumerDeadLetter>, OutboxError>;
+}
+
+/// A stored durable-inbox message handed to a processor.
+#[derive(Debug, Clone)]
+#[non_exhaustive]
+pub struct StoredMessage {
+    /// The message as received.
+    pub message: IncomingMessage,
+    /// Claims so far, this one included.
+    pub attempts: i32,
+    /// Fencing token of this claim.
+    pub claim_token: Uuid,
+    /// When it was stored (database clock).
+    pub received_at: DateTime<Utc>,
+    /// How long ago it was stored, by the database clock at claim time.
+    pub age: Duration,
+}
+
+impl StoredMessage {
+    /// Assembles a claimed row (for backends).
+    pub fn new(
+        message: IncomingMessage,
+        attempts: i32,
+        claim_token: Uuid,
+        received_at: DateTime<Utc>,
+        age: Duration,
+    ) -> Self {
+        Self {
+            message,
+            attempts,
+            claim_token,
+            received_at,
+            age,
+        }
+    }
+}
+
+/// What to record for a processed durable-inbox message.
+#[derive(Debug, Clone, PartialEq)]
+pub enum InboxOutcome {
+    /// Every handler succeeded (or skipped): Processing → Done (code 1).
+    Done,
+    /// A handler failed: Processing → New, visible after `delay`.
+    Retry {
+        /// Backoff.
+        delay: Duration,
+        /// Stored as `last_error`.
+        error: String,
+    },
+    /// Given up: Processing → Dead (code 3).
+    Dead {
+        /// Stored as `last_error`.
+        error: String,
+    },
+    /// Not processed yet (waiting for a predecessor): Processing → New after `delay`,
+    /// without charging the attempt.
+    Defer {
+        /// Wait before the next claim.
+        delay: Duration,
+    },
+}
+
+/// One durable-inbox completion.
+#[derive(Debug, Clone, PartialEq)]
+pub struct InboxCompletion {
+    /// Message id.
+    pub id: Uuid,
+    /// The claim's fencing token.
+    pub claim_token: Uuid,
+    /// What to record.
+    pub outcome: InboxOutcome,
+}
+
+/// The durable inbox: store on delivery, process later with fenced leases.
+#[async_trait]
+pub trait DurableInbox: InboxStore {
+    /// Stores `msg` unless a message with its id is already stored. Returns whether it
+    /// was new.
+    ///
+    /// # Errors
+    /// [`OutboxError::Database`]: the delivery must then not be acked.
+    async fn store(&self, msg: &IncomingMessage) -> Result<bool, OutboxError>;
+
+    /// Claims up to `batch_size` stored messages (New and visible, or Processing with an
+    /// expired lease), oldest first, skipping rows locked by other processors; sets a
+    /// lease, a fresh claim token and `attempts + 1`.
+    ///
+    /// # Errors
+    /// [`OutboxError::Database`].
+    async fn claim(
+        &self,
+        batch_size: usize,
+        lease: Duration,
+    ) -> Result<Vec<StoredMessage>, OutboxError>;
+
+    /// Records outcomes in one statement, fenced by claim token.
+    ///
+    /// # Errors
+    /// [`OutboxError::Database`].
+    async fn complete(
+        &self,
+        completions: &[InboxCompletion],
+    ) -> Result<CompleteReport, OutboxError>;
+
+    /// Deletes up to `batch_size` Done messages processed more than `older_than` ago.
+    ///
+    /// # Errors
+    /// [`OutboxError::Database`].
+    async fn purge_processed(
+        &self,
+        older_than: Duration,
+        batch_size: usize,
+    ) -> Result<u64, OutboxError>;
+}
