@@ -43,13 +43,18 @@
 //! # }
 //! ```
 //!
-//! Trace context: the W3C `traceparent` of the message is recorded on the
-//! `inbox.handle` span (`trace_id`, `parent_span_id`); linking that span into an
-//! OpenTelemetry trace as a child comes with the observability work.
+//! Trace context: each handler runs in an `inbox.handle` span carrying the message id,
+//! event type, consumer, tenant, aggregate, version and attempt (never the payload).
+//! The message's W3C `traceparent`/`tracestate` is recorded on it (`trace_id`,
+//! `parent_span_id`) and, with the default `opentelemetry` feature and a
+//! `tracing-opentelemetry` layer installed, becomes the span's OpenTelemetry parent, so
+//! the handler joins the producer's trace.
 
 mod consumer;
 mod durable;
 mod handler;
+#[cfg(feature = "opentelemetry")]
+mod otel;
 mod pipeline;
 mod retention;
 

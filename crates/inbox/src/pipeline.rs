@@ -158,6 +158,8 @@ where
     if let Some(tp) = msg.traceparent {
         span.record("trace_id", format!("{:032x}", tp.trace_id));
         span.record("parent_span_id", format!("{:016x}", tp.parent_id));
+        #[cfg(feature = "opentelemetry")]
+        crate::otel::set_remote_parent(&span, tp, msg.tracestate.as_deref());
     }
     async {
         let mut tx = store.begin().await?;
