@@ -173,3 +173,88 @@ async fn duplicates_and_a_poison_message_through_rabbitmq() {
     );
     publisher.close().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn durable_inbox_fed_by_rabbitmq() {
+    let schema = format!("t_{}", Uuid::new_v4().simple());
+    let outbox = PgOutbox::connect(
+        &PgConfig::new(env(
+            "DATABASE_URL",
+            "postgres://postgres@127.0.0.1:5432/test",
+        ))
+        .with_schema(&schema),
+    )
+    .await
+    .expect("PostgreSQL");
+    outbox.migrate().await.expect("migrate");
+    sqlx::raw_sql(AssertSqlSafe(format!(
+        "CREATE TABLE {schema}.effects (message_id uuid NOT NULL)"
+    )))
+    .execute(outbox.pool())
+    .await
+    .expect("table");
+    let store = Arc::new(PgInbox::new(outbox.pool().clone(), &schema).expect("inbox"));
+    let exchange = format!("t.{}", Uuid::new_v4().simple());
+    let config = RabbitConfig::builder(env("AMQP_URL", "amqp://guest:guest@127.0.0.1:5672/%2f"))
+        .with_exchange(&exchange)
+        .build()
+        .expect("config");
+    let consumer = RabbitConsumer::builder(config.clone(), format!("{exchange}.q"))
+        .with_binding_key("#")
+        .build()
+        .expect("consumer");
+    consumer.declare().await.expect("declare");
+    let publisher = RabbitPublisher::connect(config).await.expect("publisher");
+    let (a, b) = (outbox_message("OrderPlaced"), outbox_message("OrderPlaced"));
+    let batch = vec![a.clone(), a.clone(), b.clone(), a.clone()];
+    assert!(
+        publisher
+            .publish_batch(&batch)
+            .await
+            .iter()
+            .all(|o| o.is_published())
+    );
+
+    let token = CancellationToken::new();
+    let run = {
+        let t = token.clone();
+        let receiver = inbox::DurableReceiver::new(Arc::clone(&store));
+        tokio::spawn(async move { consumer.run(receiver, t).await })
+    };
+    let processor = inbox::InboxProcessor::new(
+        Arc::clone(&store),
+        Pipeline::new().on("OrderPlaced", "projector", Projector(schema.clone())),
+        inbox::ProcessorConfig::new(),
+    );
+    let effects = format!("SELECT count(*) FROM {schema}.effects");
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
+    while sqlx::query_scalar::<_, i64>(AssertSqlSafe(effects.clone()))
+        .fetch_one(outbox.pool())
+        .await
+        .expect("count")
+        < 2
+    {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "messages were not processed"
+        );
+        processor.run_once().await.expect("process");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    token.cancel();
+    run.await.expect("join").expect("consumer");
+    let stored: i64 = sqlx::query_scalar(AssertSqlSafe(format!(
+        "SELECT count(*) FROM {schema}.inbox_messages"
+    )))
+    .fetch_one(outbox.pool())
+    .await
+    .expect("count");
+    assert_eq!(stored, 2, "four deliveries, two distinct messages stored");
+    assert_eq!(processor.run_once().await.expect("process").claimed, 0);
+    let n: i64 = sqlx::query_scalar(AssertSqlSafe(effects))
+        .fetch_one(outbox.pool())
+        .await
+        .expect("count");
+    assert_eq!(n, 2, "each applied once");
+    publisher.close().await;
+}
