@@ -73,8 +73,17 @@ fn outbox_message(event_type: &str) -> OutboxMessage {
     }
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn duplicates_and_a_poison_message_through_rabbitmq() {
+/// A fresh schema with an `effects` table, its inbox, and an isolated exchange with a
+/// declared queue (prefetch `prefetch`), its consumer and a publisher.
+struct Setup {
+    schema: String,
+    outbox: PgOutbox,
+    store: Arc<PgInbox>,
+    consumer: RabbitConsumer,
+    publisher: RabbitPublisher,
+}
+
+async fn setup(prefetch: u16) -> Setup {
     let schema = format!("t_{}", Uuid::new_v4().simple());
     let outbox = PgOutbox::connect(
         &PgConfig::new(env(
@@ -93,20 +102,36 @@ async fn duplicates_and_a_poison_message_through_rabbitmq() {
     .await
     .expect("table");
     let store = Arc::new(PgInbox::new(outbox.pool().clone(), &schema).expect("inbox"));
-
     let exchange = format!("t.{}", Uuid::new_v4().simple());
     let config = RabbitConfig::builder(env("AMQP_URL", "amqp://guest:guest@127.0.0.1:5672/%2f"))
         .with_exchange(&exchange)
         .build()
         .expect("config");
-    let queue = format!("{exchange}.q");
-    let consumer = RabbitConsumer::builder(config.clone(), &queue)
+    let consumer = RabbitConsumer::builder(config.clone(), format!("{exchange}.q"))
         .with_binding_key("#")
-        .with_prefetch(1)
+        .with_prefetch(prefetch)
         .build()
         .expect("consumer");
     consumer.declare().await.expect("declare");
     let publisher = RabbitPublisher::connect(config).await.expect("publisher");
+    Setup {
+        schema,
+        outbox,
+        store,
+        consumer,
+        publisher,
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn duplicates_and_a_poison_message_through_rabbitmq() {
+    let Setup {
+        schema,
+        outbox,
+        store,
+        consumer,
+        publisher,
+    } = setup(1).await;
 
     // The same message published 5 times (same id), a poison message, then a good one.
     let dup = outbox_message("OrderPlaced");
@@ -176,35 +201,13 @@ async fn duplicates_and_a_poison_message_through_rabbitmq() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn durable_inbox_fed_by_rabbitmq() {
-    let schema = format!("t_{}", Uuid::new_v4().simple());
-    let outbox = PgOutbox::connect(
-        &PgConfig::new(env(
-            "DATABASE_URL",
-            "postgres://postgres@127.0.0.1:5432/test",
-        ))
-        .with_schema(&schema),
-    )
-    .await
-    .expect("PostgreSQL");
-    outbox.migrate().await.expect("migrate");
-    sqlx::raw_sql(AssertSqlSafe(format!(
-        "CREATE TABLE {schema}.effects (message_id uuid NOT NULL)"
-    )))
-    .execute(outbox.pool())
-    .await
-    .expect("table");
-    let store = Arc::new(PgInbox::new(outbox.pool().clone(), &schema).expect("inbox"));
-    let exchange = format!("t.{}", Uuid::new_v4().simple());
-    let config = RabbitConfig::builder(env("AMQP_URL", "amqp://guest:guest@127.0.0.1:5672/%2f"))
-        .with_exchange(&exchange)
-        .build()
-        .expect("config");
-    let consumer = RabbitConsumer::builder(config.clone(), format!("{exchange}.q"))
-        .with_binding_key("#")
-        .build()
-        .expect("consumer");
-    consumer.declare().await.expect("declare");
-    let publisher = RabbitPublisher::connect(config).await.expect("publisher");
+    let Setup {
+        schema,
+        outbox,
+        store,
+        consumer,
+        publisher,
+    } = setup(100).await;
     let (a, b) = (outbox_message("OrderPlaced"), outbox_message("OrderPlaced"));
     let batch = vec![a.clone(), a.clone(), b.clone(), a.clone()];
     assert!(

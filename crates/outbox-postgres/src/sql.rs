@@ -24,6 +24,36 @@ const FILTER: &str = "m.status = 3
     AND ($7::text IS NULL OR m.event_type = $7)
     AND ($8::text IS NULL OR m.last_error ILIKE '%' || $8 || '%')";
 
+/// The claim statement shared by the outbox and the durable inbox (same columns and
+/// status codes): New and visible, or Processing with an expired lease, oldest
+/// `(visible_at, seq)` first, skipping rows locked by concurrent claimers. Each branch
+/// walks its own partial index; times come from the database clock only. The chosen ids
+/// are updated through `id = ANY(ARRAY(...))`, a primary-key lookup, so the cost does
+/// not grow with the table (a join let the planner hash the whole table).
+/// `$1` batch size, `$2` lease in seconds, `$3` claim token.
+fn claim_statement(table: &str, returning: &str) -> String {
+    format!(
+        "WITH fresh AS (
+             SELECT id, visible_at, seq FROM {table}
+              WHERE status = 0 AND visible_at <= now()
+              ORDER BY visible_at, seq LIMIT $1 FOR UPDATE SKIP LOCKED
+         ), expired AS (
+             SELECT id, visible_at, seq FROM {table}
+              WHERE status = 9 AND lease_until < now()
+              ORDER BY lease_until LIMIT $1 FOR UPDATE SKIP LOCKED
+         )
+         UPDATE {table} m
+            SET status = 9,
+                lease_until = now() + make_interval(secs => $2),
+                claim_token = $3,
+                attempts = m.attempts + 1
+          WHERE m.id = ANY(ARRAY(
+                SELECT c.id FROM (SELECT * FROM fresh UNION ALL SELECT * FROM expired) c
+                 ORDER BY c.visible_at, c.seq LIMIT $1))
+         RETURNING {returning}"
+    )
+}
+
 #[derive(Debug)]
 pub(crate) struct Queries {
     pub(crate) enqueue: Arc<str>,
@@ -66,31 +96,7 @@ impl Queries {
                          occurred_at, delay_secs, ord)
                  ORDER BY u.ord"
             )),
-            // Claim: New and visible, or Processing with an expired lease, oldest first,
-            // skipping rows locked by concurrent claimers. Each branch walks its own
-            // partial index. Times come from the database clock only. The chosen ids are
-            // updated through `id = ANY(ARRAY(...))`, a primary-key lookup, so the cost
-            // does not grow with the table (a join let the planner hash the whole table).
-            claim: s(format!(
-                "WITH fresh AS (
-                     SELECT id, visible_at, seq FROM {t}
-                      WHERE status = 0 AND visible_at <= now()
-                      ORDER BY visible_at, seq LIMIT $1 FOR UPDATE SKIP LOCKED
-                 ), expired AS (
-                     SELECT id, visible_at, seq FROM {t}
-                      WHERE status = 9 AND lease_until < now()
-                      ORDER BY lease_until LIMIT $1 FOR UPDATE SKIP LOCKED
-                 )
-                 UPDATE {t} m
-                    SET status = 9,
-                        lease_until = now() + make_interval(secs => $2),
-                        claim_token = $3,
-                        attempts = m.attempts + 1
-                  WHERE m.id = ANY(ARRAY(
-                        SELECT c.id FROM (SELECT * FROM fresh UNION ALL SELECT * FROM expired) c
-                         ORDER BY c.visible_at, c.seq LIMIT $1))
-                 RETURNING {COLUMNS}"
-            )),
+            claim: s(claim_statement(&t, COLUMNS)),
             // Completion of a whole batch, each row fenced by its claim token.
             // `status + 0 = 9` still enforces Processing → * in SQL but keeps the planner
             // off the `status = 9` partial index: its statistics are always stale on a
@@ -236,26 +242,7 @@ impl InboxQueries {
                  VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14::jsonb, $15)
                  ON CONFLICT (id) DO NOTHING"
             )),
-            claim: s(format!(
-                "WITH fresh AS (
-                     SELECT id, visible_at, seq FROM {t}
-                      WHERE status = 0 AND visible_at <= now()
-                      ORDER BY visible_at, seq LIMIT $1 FOR UPDATE SKIP LOCKED
-                 ), expired AS (
-                     SELECT id, visible_at, seq FROM {t}
-                      WHERE status = 9 AND lease_until < now()
-                      ORDER BY lease_until LIMIT $1 FOR UPDATE SKIP LOCKED
-                 )
-                 UPDATE {t} m
-                    SET status = 9,
-                        lease_until = now() + make_interval(secs => $2),
-                        claim_token = $3,
-                        attempts = m.attempts + 1
-                  WHERE m.id = ANY(ARRAY(
-                        SELECT c.id FROM (SELECT * FROM fresh UNION ALL SELECT * FROM expired) c
-                         ORDER BY c.visible_at, c.seq LIMIT $1))
-                 RETURNING {INBOX_COLUMNS}, m.seq"
-            )),
+            claim: s(claim_statement(&t, &format!("{INBOX_COLUMNS}, m.seq"))),
             // Outcome codes: 1 done, 0 retry, 3 dead, 10 defer (New without charge).
             complete: s(format!(
                 "UPDATE {t} m
