@@ -5,7 +5,8 @@
 //!   otherwise) and prints their status.
 //! * `cargo xtask itest [-- ARGS]` brings the services up, then runs every
 //!   test of the workspace (`cargo test --workspace --all-targets ARGS`), a
-//!   500-order demo run whose reconciliation must be exact, then the doc tests.
+//!   500-order demo run over RabbitMQ and one over NATS whose reconciliations must
+//!   be exact, then the doc tests.
 //! * `cargo xtask demo [-- ARGS]` runs the orders example against the services.
 //! * `cargo xtask bench [-- ARGS]` runs the orders benchmark.
 //! * `cargo xtask lint` checks formatting and runs clippy with warnings denied.
@@ -105,19 +106,15 @@ fn run(cli: Cli) -> Result<()> {
             env_default(&mut tests, "RUST_BACKTRACE", "1");
             run_child(&mut tests)?;
 
-            // The main job must keep working: a short demo run (debug build, already
-            // compiled by the tests) whose reconciliation fails the run on any mismatch.
-            let mut demo = cargo();
-            demo.args([
-                "run",
-                "--quiet",
-                "-p",
-                "orders-example",
-                "--",
-                "--orders",
-                "500",
-            ]);
-            run_child(&mut demo)?;
+            // The main job must keep working: short demo runs over each broker (debug
+            // build, already compiled by the tests) whose reconciliation fails the run
+            // on any mismatch.
+            for transport in ["rabbit", "nats"] {
+                let mut demo = cargo();
+                demo.args(["run", "--quiet", "-p", "orders-example", "--"])
+                    .args(["--orders", "500", "--transport", transport]);
+                run_child(&mut demo)?;
+            }
 
             let mut doc = cargo();
             doc.args(["test", "--workspace", "--doc"]);

@@ -16,6 +16,11 @@ pub(crate) fn amqp_url() -> String {
     std::env::var("AMQP_URL").unwrap_or_else(|_| "amqp://guest:guest@127.0.0.1:5672/%2f".into())
 }
 
+/// `NATS_URL`, or the local default.
+pub(crate) fn nats_url() -> String {
+    std::env::var("NATS_URL").unwrap_or_else(|_| "nats://127.0.0.1:4222".into())
+}
+
 /// p50 and p99 of latencies given in milliseconds.
 pub(crate) fn percentiles(latencies_ms: &[f64]) -> Option<(Duration, Duration)> {
     let mut h = Histogram::<u64>::new_with_bounds(1, 3_600_000_000, 3).ok()?;
@@ -50,8 +55,8 @@ pub(crate) fn ms(d: Duration) -> String {
     format!("{:.1} ms", d.as_secs_f64() * 1000.0)
 }
 
-/// CPU seconds used so far by RabbitMQ (`beam.smp`), PostgreSQL (`postgres`) and this
-/// process, read from `/proc` (Linux; zeros elsewhere).
+/// CPU seconds used so far by the broker (RabbitMQ's `beam.smp` or `nats-server`),
+/// PostgreSQL (`postgres`) and this process, read from `/proc` (Linux; zeros elsewhere).
 #[derive(Debug, Clone, Copy, Default)]
 pub(crate) struct CpuTimes {
     pub(crate) broker: f64,
@@ -60,7 +65,13 @@ pub(crate) struct CpuTimes {
 }
 
 impl CpuTimes {
+    /// With RabbitMQ (`beam.smp`) as the broker.
     pub(crate) fn now() -> Self {
+        Self::now_with("beam.smp")
+    }
+
+    /// With the processes named `broker_comm` as the broker.
+    pub(crate) fn now_with(broker_comm: &str) -> Self {
         let tick = 100.0; // USER_HZ on Linux
         let mut t = Self::default();
         let me = std::process::id().to_string();
@@ -91,7 +102,7 @@ impl CpuTimes {
             let used = secs(11) + secs(12);
             if name == me {
                 t.relay += used;
-            } else if comm == "beam.smp" {
+            } else if comm == broker_comm {
                 t.broker += used;
             } else if comm == "postgres" {
                 t.database += used;

@@ -1,12 +1,13 @@
-//! The main job, end to end on real PostgreSQL and RabbitMQ:
+//! The main job, end to end on real PostgreSQL and RabbitMQ or NATS JetStream
+//! (`--transport rabbit|nats`, see [`transport`]):
 //!
 //! 1. **producers** write orders, each in one transaction with its `OrderPlaced` event
 //!    (the order row and the outbox row commit together or not at all);
-//! 2. the **relay** ([`Dispatcher`] + [`RabbitPublisher`]) publishes committed events
-//!    with publisher confirms;
-//! 3. a **consumer** projects each event into `order_projection` through the inbox: the
-//!    inbox record, the projection upsert and the broker ack follow one another so the
-//!    effect happens exactly once;
+//! 2. the **relay** ([`Dispatcher`] + `RabbitPublisher` or `NatsPublisher`) publishes
+//!    committed events with publisher confirms or JetStream PubAcks;
+//! 3. a **consumer** projects each event into `order_projection` through the `inbox`
+//!    crate's idempotent consumer: the inbox record and the projection upsert commit
+//!    together, then the broker is acked, so the effect happens exactly once;
 //! 4. duplicates are made **on purpose** on both sides: a relay "crashes" after
 //!    publishing a batch and before recording it (the batch is published again after
 //!    its lease expires), and the consumer "crashes" after committing some deliveries
@@ -17,28 +18,25 @@
 //! Run it with `cargo xtask demo` (defaults need no configuration).
 
 mod common;
+mod projection;
+mod transport;
 
-use std::collections::HashSet;
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
+use projection::{CONSUMER, ConsumerCounters, Projector};
+
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context as _, bail};
-use async_trait::async_trait;
 use clap::Parser;
-use outbox_core::wire::IncomingMessage;
-use outbox_core::{
-    Dispatcher, DispatcherConfig, EventPublisher, InboxStore, NewMessage, OutboxStore,
-};
+use outbox_core::{Dispatcher, DispatcherConfig, EventPublisher, NewMessage, OutboxStore};
 use outbox_postgres::{PgConfig, PgInbox, PgOutbox};
 use serde::{Deserialize, Serialize};
 use sqlx::{AssertSqlSafe, PgPool};
 use tokio_util::sync::CancellationToken;
-use transport_rabbit::{
-    DeliveryHandler, HandlerDecision, RabbitConfig, RabbitConsumer, RabbitPublisher,
-};
 
-/// Orders demo: outbox → RabbitMQ → inbox → projection, then a reconciliation.
+/// Orders demo: outbox → RabbitMQ or NATS JetStream → inbox → projection, then a
+/// reconciliation.
 #[derive(Debug, Parser)]
 struct Args {
     /// Orders to place.
@@ -57,98 +55,19 @@ struct Args {
     /// Schema for the demo's tables (dropped and recreated on each run).
     #[arg(long, default_value = "orders_demo")]
     schema: String,
+    /// The broker: RabbitMQ or NATS JetStream.
+    #[arg(long, value_enum, default_value_t = transport::Transport::Rabbit)]
+    transport: transport::Transport,
     /// Seconds to wait for every order to be projected.
     #[arg(long, default_value_t = 120)]
     timeout_secs: u64,
 }
 
-const CONSUMER: &str = "order-projection";
-
 #[derive(Debug, Serialize, Deserialize)]
-struct OrderPlaced {
+pub(crate) struct OrderPlaced {
     order_id: uuid::Uuid,
     customer: String,
     total_cents: i64,
-}
-
-#[derive(Default)]
-struct ConsumerCounters {
-    deliveries: AtomicU64,
-    applied: AtomicU64,
-    duplicates: AtomicU64,
-    forced_redeliveries: AtomicU64,
-}
-
-/// The projection handler: one transaction per delivery (inbox claim + upsert), commit,
-/// then ack.
-struct Projector {
-    pool: PgPool,
-    inbox: PgInbox,
-    schema: String,
-    redeliver_every: u64,
-    counters: Arc<ConsumerCounters>,
-    withheld: Mutex<HashSet<uuid::Uuid>>,
-}
-
-impl Projector {
-    async fn apply(&self, msg: &IncomingMessage) -> anyhow::Result<bool> {
-        let event: OrderPlaced = msg.json().context("OrderPlaced payload")?;
-        let mut tx = self.pool.begin().await?;
-        if !self.inbox.try_claim(&mut tx, msg.id, CONSUMER).await? {
-            tx.rollback().await?;
-            return Ok(false);
-        }
-        sqlx::query(AssertSqlSafe(format!(
-            "INSERT INTO {s}.order_projection (order_id, customer, total_cents, event_id, projected_at, times_applied)
-             VALUES ($1, $2, $3, $4, clock_timestamp(), 1)
-             ON CONFLICT (order_id) DO UPDATE SET times_applied = {s}.order_projection.times_applied + 1",
-            s = self.schema
-        )))
-        .bind(event.order_id)
-        .bind(&event.customer)
-        .bind(event.total_cents)
-        .bind(msg.id)
-        .execute(&mut *tx)
-        .await?;
-        tx.commit().await?;
-        Ok(true)
-    }
-}
-
-#[async_trait]
-impl DeliveryHandler for Projector {
-    async fn handle(&self, msg: IncomingMessage) -> HandlerDecision {
-        let n = self.counters.deliveries.fetch_add(1, Ordering::Relaxed) + 1;
-        match self.apply(&msg).await {
-            Ok(true) => {
-                self.counters.applied.fetch_add(1, Ordering::Relaxed);
-                // Simulate a consumer crash between commit and ack for every N-th
-                // delivery: the broker will deliver it again.
-                if self.redeliver_every > 0 && n.is_multiple_of(self.redeliver_every) {
-                    let first = self
-                        .withheld
-                        .lock()
-                        .map(|mut w| w.insert(msg.id))
-                        .unwrap_or(false);
-                    if first {
-                        self.counters
-                            .forced_redeliveries
-                            .fetch_add(1, Ordering::Relaxed);
-                        return HandlerDecision::Requeue;
-                    }
-                }
-                HandlerDecision::Ack
-            }
-            Ok(false) => {
-                self.counters.duplicates.fetch_add(1, Ordering::Relaxed);
-                HandlerDecision::Ack
-            }
-            Err(e) => {
-                tracing::warn!(id = %msg.id, error = %e, "projection failed, will be redelivered");
-                HandlerDecision::Requeue
-            }
-        }
-    }
 }
 
 async fn setup_schema(pool: &PgPool, schema: &str) -> anyhow::Result<()> {
@@ -229,48 +148,24 @@ async fn main() -> anyhow::Result<()> {
     outbox.migrate().await?;
     let inbox = PgInbox::new(outbox.pool().clone(), &args.schema)?;
 
-    // RabbitMQ: a durable topic exchange and the projection's queue bound to OrderPlaced.
-    let exchange = format!("{}.events", args.schema);
-    let queue = format!("{}.projection", args.schema);
-    let rabbit = RabbitConfig::builder(common::amqp_url())
-        .with_exchange(&exchange)
-        .build()?;
-    let publisher = Arc::new(
-        RabbitPublisher::connect(rabbit.clone())
-            .await
-            .context("connect to RabbitMQ")?,
-    );
-    // Start from an empty queue: delete what an earlier run may have left behind.
-    {
-        let conn =
-            lapin::Connection::connect(&common::amqp_url(), lapin::ConnectionProperties::default())
-                .await?;
-        let ch = conn.create_channel().await?;
-        ch.queue_delete(
-            queue.as_str().into(),
-            lapin::options::QueueDeleteOptions::default(),
-        )
-        .await?;
-        conn.close(200, "reset".into()).await?;
-    }
-    let consumer = RabbitConsumer::builder(rabbit.clone(), &queue)
-        .with_binding_keys(["OrderPlaced"])
-        .with_prefetch(200)
-        .build()?;
-    // Declare and bind the queue before anything is published, so nothing is missed.
-    consumer.declare().await?;
+    // The broker (RabbitMQ or NATS JetStream): publisher, and the projection's queue or
+    // durable consumer, which exists before anything is published.
+    let transport::Wiring {
+        publisher,
+        consumer,
+        broker,
+    } = transport::wire(args.transport, &args.schema).await?;
+    let publisher = Arc::new(publisher);
 
     let counters = Arc::new(ConsumerCounters::default());
     let shutdown = CancellationToken::new();
     let consumer_task = {
-        let handler = Projector {
-            pool: outbox.pool().clone(),
+        let handler = Projector::new(
             inbox,
-            schema: args.schema.clone(),
-            redeliver_every: args.redeliver_every,
-            counters: Arc::clone(&counters),
-            withheld: Mutex::new(HashSet::new()),
-        };
+            &args.schema,
+            args.redeliver_every,
+            Arc::clone(&counters),
+        );
         let token = shutdown.clone();
         tokio::spawn(async move { consumer.run(handler, token).await })
     };
@@ -303,6 +198,11 @@ async fn main() -> anyhow::Result<()> {
     let mut crashed = 0;
     if args.relay_crash_batch > 0 {
         let deadline = Instant::now() + Duration::from_secs(30);
+        // Wait until a full batch is committed, so the crash abandons that many.
+        let want = args.relay_crash_batch.min(args.orders) as u64;
+        while outbox.stats().await?.new < want && Instant::now() < deadline {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
         while crashed == 0 && Instant::now() < deadline {
             let claimed = outbox
                 .claim(args.relay_crash_batch, Duration::from_secs(2))
@@ -354,8 +254,9 @@ async fn main() -> anyhow::Result<()> {
     }
     // Let the redeliveries and republished duplicates arrive before reconciling.
     let settle = Instant::now() + Duration::from_secs(10);
-    let expected_dupes = counters.forced_redeliveries.load(Ordering::Relaxed) + crashed as u64;
-    while counters.duplicates.load(Ordering::Relaxed) < expected_dupes && Instant::now() < settle {
+    let expected_dupes = counters.forced_redeliveries.load(Ordering::Relaxed)
+        + broker.relay_duplicates_delivered(crashed);
+    while counters.duplicates() < expected_dupes && Instant::now() < settle {
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     shutdown.cancel();
@@ -421,11 +322,15 @@ async fn main() -> anyhow::Result<()> {
         "  broker deliveries              {}",
         c.deliveries.load(Ordering::Relaxed)
     );
-    println!(
-        "  duplicates suppressed by inbox {}",
-        c.duplicates.load(Ordering::Relaxed)
-    );
-    println!("    from the crashed relay       {crashed} republished");
+    println!("  duplicates suppressed by inbox {}", c.duplicates());
+    let stored = broker.stored_messages().await?;
+    if stored.is_some() {
+        println!(
+            "    from the crashed relay       0 ({crashed} republished, dropped by the stream's duplicate window)"
+        );
+    } else {
+        println!("    from the crashed relay       {crashed} republished");
+    }
     println!(
         "    from withheld acks           {} redelivered",
         c.forced_redeliveries.load(Ordering::Relaxed)
@@ -435,6 +340,9 @@ async fn main() -> anyhow::Result<()> {
     println!("  orders without projection      {missing}");
     println!("  projection rows not matching   {mismatched}");
     println!("  inbox records                  {inbox_rows}");
+    if let Some(stored) = stored {
+        println!("  messages in the NATS stream    {stored}");
+    }
     println!(
         "  relay: {} published, {} batches, {} retried, {} fenced",
         relay_stats.published, relay_stats.batches, relay_stats.retried, relay_stats.fenced
@@ -454,7 +362,8 @@ async fn main() -> anyhow::Result<()> {
         && exactly_once == orders
         && missing == 0
         && mismatched == 0
-        && inbox_rows == orders;
+        && inbox_rows == orders
+        && stored.is_none_or(|n| i64::try_from(n).is_ok_and(|n| n == events));
     if ok {
         println!("\nOK: every order has exactly one projection row.");
         Ok(())

@@ -1,19 +1,22 @@
-//! `cargo xtask bench`: relay throughput PostgreSQL → RabbitMQ next to two ceilings
-//! measured in the same run:
+//! `cargo xtask bench`: relay throughput PostgreSQL → RabbitMQ (default) or NATS
+//! JetStream (`--transport nats`) next to two ceilings measured in the same run:
 //!
-//! 1. **broker ceiling**: raw lapin publishing the same number of 256-byte persistent,
-//!    mandatory messages to the same kind of exchange and queue, with pipelined publisher
-//!    confirms (no database), with the same properties and CloudEvents headers as the
-//!    relay sends;
+//! 1. **broker ceiling**: the raw client publishing the same number of 256-byte
+//!    messages with the same metadata the relay sends, pipelined, without a database.
+//!    RabbitMQ: lapin, persistent and mandatory to the same kind of exchange and queue,
+//!    with publisher confirms, same properties and CloudEvents headers. NATS: async-nats
+//!    JetStream publishes to the same kind of stream (file storage, 2-minute duplicate
+//!    window), same `Nats-Msg-Id`, `Content-Type` and `ce-*` headers, awaiting PubAcks;
 //! 2. **store ceiling**: the outbox store's claim + complete loop with a publisher that
 //!    confirms instantly (no broker);
-//! 3. **relay**: the real dispatcher with the RabbitMQ publisher.
+//! 3. **relay**: the real dispatcher with the RabbitMQ or NATS publisher.
 //!
 //! The relay's ratio to the lower ceiling is the figure of merit (target ≥ 0.9).
 
 #[path = "../common.rs"]
 mod common;
 
+use std::future::IntoFuture;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -31,11 +34,27 @@ use outbox_core::{
 };
 use outbox_postgres::{PgConfig, PgOutbox};
 use tokio_util::sync::CancellationToken;
+use transport_nats::async_nats;
+use transport_nats::async_nats::jetstream;
+use transport_nats::{NatsConfigBuilder, NatsPublisher, StreamSetup};
 use transport_rabbit::{RabbitConfig, RabbitPublisher};
 
-/// Relay benchmark: PostgreSQL → RabbitMQ, with both ceilings measured in the same run.
+/// The broker the relay publishes to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+enum Transport {
+    /// RabbitMQ (lapin): publisher confirms.
+    Rabbit,
+    /// NATS JetStream (async-nats): PubAcks, `Nats-Msg-Id` deduplication.
+    Nats,
+}
+
+/// Relay benchmark: PostgreSQL → RabbitMQ or NATS JetStream, with both ceilings measured
+/// in the same run.
 #[derive(Debug, Parser)]
 struct Args {
+    /// The broker.
+    #[arg(long, value_enum, default_value_t = Transport::Rabbit)]
+    transport: Transport,
     /// Messages per phase.
     #[arg(long, default_value_t = 20_000)]
     messages: usize,
@@ -236,7 +255,7 @@ fn same_properties_as_the_relay(body: &[u8]) -> BasicProperties {
 
 /// Raw lapin: `concurrency` channels, each publishing windows of `batch_size` messages
 /// and then awaiting their confirms together.
-async fn broker_ceiling(
+async fn rabbit_ceiling(
     args: &Args,
     exchange: &str,
     body: &[u8],
@@ -355,6 +374,261 @@ fn rate(n: usize, d: Duration) -> f64 {
     n as f64 / d.as_secs_f64()
 }
 
+/// The headers the relay's NATS publisher sends for a `BenchEvent`: `Nats-Msg-Id` (a
+/// fresh id, so the stream tracks every message in its duplicate window as it does for
+/// the relay), `Content-Type` and the CloudEvents `ce-*` headers.
+fn same_headers_as_the_relay(body: &[u8]) -> async_nats::HeaderMap {
+    let now = chrono::Utc::now();
+    let msg = OutboxMessage {
+        id: uuid::Uuid::now_v7(),
+        seq: 0,
+        aggregate_type: "bench".into(),
+        aggregate_id: "0".into(),
+        aggregate_version: 0,
+        event_type: "BenchEvent".into(),
+        payload: serde_json::value::RawValue::from_string(
+            String::from_utf8_lossy(body).into_owned(),
+        )
+        .unwrap_or_else(|_| {
+            serde_json::value::RawValue::from_string("null".into()).expect("valid JSON")
+        }),
+        headers: Default::default(),
+        tenant_id: None,
+        routing_key: None,
+        partition_key: None,
+        occurred_at: now,
+        created_at: now,
+        visible_at: now,
+        attempts: 1,
+        status: outbox_core::MessageStatus::Processing,
+        last_error: None,
+        claim_token: None,
+        lease_until: None,
+        sent_at: None,
+    };
+    let mut headers = async_nats::HeaderMap::new();
+    headers.insert("Nats-Msg-Id", msg.id.to_string().as_str());
+    headers.insert("Content-Type", "application/json");
+    for (name, value) in
+        outbox_core::wire::encode_headers(&msg, outbox_core::wire::Binding::Nats, None)
+    {
+        headers.insert(name.as_str(), value.as_str());
+    }
+    headers
+}
+
+/// Raw async-nats JetStream: `concurrency` tasks, each publishing windows of
+/// `batch_size` messages and then awaiting their PubAcks together.
+async fn nats_ceiling(
+    args: &Args,
+    js: &jetstream::Context,
+    subject: &str,
+    body: &[u8],
+    bare: bool,
+) -> anyhow::Result<Duration> {
+    let per_task = args.messages.div_ceil(args.concurrency);
+    let started = Instant::now();
+    let mut tasks = Vec::new();
+    for c in 0..args.concurrency {
+        let js = js.clone();
+        let subject = subject.to_owned();
+        let body = bytes::Bytes::copy_from_slice(body);
+        let batch = args.batch_size;
+        let count = per_task.min(args.messages - c * per_task);
+        tasks.push(tokio::spawn(async move {
+            let mut sent = 0;
+            while sent < count {
+                let window = batch.min(count - sent);
+                let mut acks = Vec::with_capacity(window);
+                for _ in 0..window {
+                    let message = if bare {
+                        jetstream::message::PublishMessage::build().payload(body.clone())
+                    } else {
+                        jetstream::message::PublishMessage::build()
+                            .payload(body.clone())
+                            .headers(same_headers_as_the_relay(&body))
+                    };
+                    acks.push(js.send_publish(subject.clone(), message).await?);
+                }
+                for ack in
+                    futures::future::join_all(acks.into_iter().map(IntoFuture::into_future)).await
+                {
+                    let ack = ack?;
+                    anyhow::ensure!(
+                        !ack.duplicate,
+                        "the stream dropped a message as a duplicate"
+                    );
+                }
+                sent += window;
+            }
+            anyhow::Ok(())
+        }));
+    }
+    for t in tasks {
+        t.await??;
+    }
+    Ok(started.elapsed())
+}
+
+/// The broker side of the benchmark: where the ceiling and the relay publish, and how
+/// to empty and remove it.
+enum Broker {
+    /// A durable topic exchange with one durable queue bound to everything.
+    Rabbit {
+        exchange: String,
+        queue: String,
+        admin: Connection,
+        channel: lapin::Channel,
+    },
+    /// A file-storage stream (2-minute duplicate window) capturing `bench.<tag>.>`.
+    Nats {
+        js: jetstream::Context,
+        stream: String,
+        prefix: String,
+    },
+}
+
+impl Broker {
+    async fn setup(transport: Transport, tag: &str) -> anyhow::Result<Self> {
+        match transport {
+            Transport::Rabbit => {
+                let exchange = format!("bench.{tag}");
+                let queue = format!("bench.{tag}.sink");
+                let admin =
+                    Connection::connect(&common::amqp_url(), ConnectionProperties::default())
+                        .await
+                        .context("connect to RabbitMQ (is it running? `cargo xtask services`)")?;
+                let channel = admin.create_channel().await?;
+                channel
+                    .exchange_declare(
+                        exchange.as_str().into(),
+                        ExchangeKind::Topic,
+                        ExchangeDeclareOptions {
+                            durable: true,
+                            ..Default::default()
+                        },
+                        FieldTable::default(),
+                    )
+                    .await?;
+                channel
+                    .queue_declare(
+                        queue.as_str().into(),
+                        QueueDeclareOptions {
+                            durable: true,
+                            ..Default::default()
+                        },
+                        FieldTable::default(),
+                    )
+                    .await?;
+                channel
+                    .queue_bind(
+                        queue.as_str().into(),
+                        exchange.as_str().into(),
+                        "#".into(),
+                        QueueBindOptions::default(),
+                        FieldTable::default(),
+                    )
+                    .await?;
+                Ok(Self::Rabbit {
+                    exchange,
+                    queue,
+                    admin,
+                    channel,
+                })
+            }
+            Transport::Nats => {
+                let client = async_nats::connect(common::nats_url()).await.context(
+                    "connect to NATS (is it running with JetStream? `cargo xtask services`)",
+                )?;
+                let js = jetstream::new(client);
+                let stream = format!("BENCH_{tag}");
+                let prefix = format!("bench.{tag}");
+                StreamSetup::new(&stream)
+                    .with_subject(format!("{prefix}.>"))
+                    .apply_with(&js, Duration::from_secs(10))
+                    .await?;
+                Ok(Self::Nats { js, stream, prefix })
+            }
+        }
+    }
+
+    fn name(&self) -> &'static str {
+        match self {
+            Self::Rabbit { .. } => "RabbitMQ",
+            Self::Nats { .. } => "NATS",
+        }
+    }
+
+    /// The process name of the broker, for CPU accounting.
+    fn comm(&self) -> &'static str {
+        match self {
+            Self::Rabbit { .. } => "beam.smp",
+            Self::Nats { .. } => "nats-server",
+        }
+    }
+
+    fn ceiling_label(&self) -> &'static str {
+        match self {
+            Self::Rabbit { .. } => "broker ceiling (raw lapin, pipelined confirms)",
+            Self::Nats { .. } => "broker ceiling (raw JetStream, pipelined PubAcks)",
+        }
+    }
+
+    fn bare_label(&self) -> &'static str {
+        match self {
+            Self::Rabbit { .. } => "(reference) raw lapin, bodies without headers",
+            Self::Nats { .. } => "(reference) raw JetStream, bodies without headers",
+        }
+    }
+
+    async fn ceiling(&self, args: &Args, body: &[u8], bare: bool) -> anyhow::Result<Duration> {
+        match self {
+            Self::Rabbit { exchange, .. } => rabbit_ceiling(args, exchange, body, bare).await,
+            Self::Nats { js, prefix, .. } => {
+                nats_ceiling(args, js, &format!("{prefix}.BenchEvent"), body, bare).await
+            }
+        }
+    }
+
+    /// Empties the queue or stream between phases.
+    async fn purge(&self) -> anyhow::Result<()> {
+        match self {
+            Self::Rabbit { queue, channel, .. } => {
+                channel
+                    .queue_purge(queue.as_str().into(), Default::default())
+                    .await?;
+            }
+            Self::Nats { js, stream, .. } => {
+                js.get_stream(stream).await?.purge().await?;
+            }
+        }
+        Ok(())
+    }
+
+    async fn cleanup(self) -> anyhow::Result<()> {
+        match self {
+            Self::Rabbit {
+                exchange,
+                queue,
+                admin,
+                channel,
+            } => {
+                channel
+                    .queue_delete(queue.as_str().into(), QueueDeleteOptions::default())
+                    .await?;
+                channel
+                    .exchange_delete(exchange.as_str().into(), ExchangeDeleteOptions::default())
+                    .await?;
+                admin.close(200, "bench done".into()).await.ok();
+            }
+            Self::Nats { js, stream, .. } => {
+                js.delete_stream(&stream).await?;
+            }
+        }
+        Ok(())
+    }
+}
+
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
     tracing_subscriber::fmt()
@@ -364,65 +638,54 @@ async fn main() -> anyhow::Result<()> {
         )
         .init();
     let args = Args::parse();
+    let tag = uuid::Uuid::new_v4().simple().to_string()[..8].to_owned();
+    let broker = Broker::setup(args.transport, &tag).await?;
+    let result = match &broker {
+        Broker::Rabbit { exchange, .. } => {
+            let publisher = RabbitPublisher::connect(
+                RabbitConfig::builder(common::amqp_url())
+                    .with_exchange(exchange)
+                    .with_declare_exchange(false)
+                    .build()?,
+            )
+            .await?;
+            run(&args, &broker, Arc::new(publisher)).await
+        }
+        Broker::Nats { prefix, .. } => {
+            let publisher = NatsPublisher::connect(
+                NatsConfigBuilder::new(common::nats_url())
+                    .with_subject_prefix(prefix)
+                    .build()?,
+            )
+            .await?;
+            run(&args, &broker, Arc::new(publisher)).await
+        }
+    };
+    broker.cleanup().await?;
+    result
+}
+
+/// The rounds, the steady-state phase and the report, with `publisher` as the relay's.
+async fn run<P: EventPublisher>(
+    args: &Args,
+    broker: &Broker,
+    publisher: Arc<P>,
+) -> anyhow::Result<()> {
     let body = payload(args.payload_bytes);
     let n = args.messages;
     println!(
-        "outbox relay benchmark: {n} messages of {} bytes, batch {}, {} batches in flight, {} CPUs",
+        "outbox relay benchmark, PostgreSQL → {}: {n} messages of {} bytes, batch {}, {} batches in flight, {} CPUs",
+        broker.name(),
         body.len(),
         args.batch_size,
         args.concurrency,
         std::thread::available_parallelism().map_or(0, usize::from)
     );
-
-    // Broker plumbing shared by the broker ceiling and the relay: a durable topic
-    // exchange with one durable queue bound to everything, deleted at the end.
-    let tag = uuid::Uuid::new_v4().simple().to_string()[..8].to_owned();
-    let exchange = format!("bench.{tag}");
-    let queue = format!("bench.{tag}.sink");
-    let admin = Connection::connect(&common::amqp_url(), ConnectionProperties::default())
-        .await
-        .context("connect to RabbitMQ (is it running? `cargo xtask services`)")?;
-    let ch = admin.create_channel().await?;
-    ch.exchange_declare(
-        exchange.as_str().into(),
-        ExchangeKind::Topic,
-        ExchangeDeclareOptions {
-            durable: true,
-            ..Default::default()
-        },
-        FieldTable::default(),
-    )
-    .await?;
-    ch.queue_declare(
-        queue.as_str().into(),
-        QueueDeclareOptions {
-            durable: true,
-            ..Default::default()
-        },
-        FieldTable::default(),
-    )
-    .await?;
-    ch.queue_bind(
-        queue.as_str().into(),
-        exchange.as_str().into(),
-        "#".into(),
-        QueueBindOptions::default(),
-        FieldTable::default(),
-    )
-    .await?;
+    let cpu = || common::CpuTimes::now_with(broker.comm());
 
     // Several rounds; the broker ceiling and the relay swap places every round so
     // neither always meets a broker still cleaning up after the other. Medians are
     // reported.
-    let publisher = Arc::new(
-        RabbitPublisher::connect(
-            RabbitConfig::builder(common::amqp_url())
-                .with_exchange(&exchange)
-                .with_declare_exchange(false)
-                .build()?,
-        )
-        .await?,
-    );
     let mut rounds = Vec::new();
     let mut latency = None;
     let mut sent = 0;
@@ -431,31 +694,29 @@ async fn main() -> anyhow::Result<()> {
     for round in 0..args.rounds.max(1) {
         let store_db = fresh_outbox("store").await?;
         preload(&store_db, n, &body).await?;
-        let cpu0 = common::CpuTimes::now();
-        let store = run_dispatcher(&store_db, Arc::new(InstantPublisher), &args).await?;
-        let store_cpu = common::CpuTimes::now().since(cpu0);
+        let cpu0 = cpu();
+        let store = run_dispatcher(&store_db, Arc::new(InstantPublisher), args).await?;
+        let store_cpu = cpu().since(cpu0);
         drop_schema(&store_db).await;
 
         let relay_db = fresh_outbox("relay").await?;
         preload(&relay_db, n, &body).await?;
-        let mut broker = None;
+        let mut ceiling = None;
         let mut relay = None;
         for phase in 0..2 {
             if (phase + round) % 2 == 0 {
-                let cpu0 = common::CpuTimes::now();
-                let elapsed = broker_ceiling(&args, &exchange, body.as_bytes(), false).await?;
-                broker = Some((elapsed, common::CpuTimes::now().since(cpu0)));
+                let cpu0 = cpu();
+                let elapsed = broker.ceiling(args, body.as_bytes(), false).await?;
+                ceiling = Some((elapsed, cpu().since(cpu0)));
             } else {
-                let cpu0 = common::CpuTimes::now();
-                let run = run_dispatcher(&relay_db, Arc::clone(&publisher), &args).await?;
-                relay = Some((run, common::CpuTimes::now().since(cpu0)));
+                let cpu0 = cpu();
+                let run = run_dispatcher(&relay_db, Arc::clone(&publisher), args).await?;
+                relay = Some((run, cpu().since(cpu0)));
             }
-            ch.queue_purge(queue.as_str().into(), Default::default())
-                .await?;
+            broker.purge().await?;
         }
-        let bare = broker_ceiling(&args, &exchange, body.as_bytes(), true).await?;
-        ch.queue_purge(queue.as_str().into(), Default::default())
-            .await?;
+        let bare = broker.ceiling(args, body.as_bytes(), true).await?;
+        broker.purge().await?;
         latency = commit_to_publish(&relay_db).await?;
         sent = sqlx::query_scalar::<_, i64>(sqlx::AssertSqlSafe(format!(
             "SELECT count(*) FROM {}.outbox_messages WHERE status = 1",
@@ -464,13 +725,13 @@ async fn main() -> anyhow::Result<()> {
         .fetch_one(relay_db.pool())
         .await?;
         drop_schema(&relay_db).await;
-        let (broker, broker_cpu) = broker.context("broker phase ran")?;
+        let (broker_elapsed, broker_cpu) = ceiling.context("broker phase ran")?;
         let (relay, relay_cpu) = relay.context("relay phase ran")?;
         peak_rss = peak_rss.max(relay.peak_rss);
         let r = Round {
             store: store.elapsed,
             store_cpu,
-            broker,
+            broker: broker_elapsed,
             broker_cpu,
             relay: relay.elapsed,
             relay_cpu,
@@ -492,20 +753,17 @@ async fn main() -> anyhow::Result<()> {
         v[v.len() / 2]
     };
     let store = median(&|r| r.store);
-    let broker = median(&|r| r.broker);
+    let broker_median = median(&|r| r.broker);
     let relay = median(&|r| r.relay);
     let bare = median(&|r| r.bare);
     let mid = &rounds[rounds.len() / 2];
     let (store_cpu, broker_cpu, relay_cpu) = (mid.store_cpu, mid.broker_cpu, mid.relay_cpu);
 
-    let steady = steady_latency(Arc::clone(&publisher), &args, &body).await?;
-    ch.queue_delete(queue.as_str().into(), QueueDeleteOptions::default())
-        .await?;
-    ch.exchange_delete(exchange.as_str().into(), ExchangeDeleteOptions::default())
-        .await?;
-    admin.close(200, "bench done".into()).await.ok();
+    let steady = steady_latency(Arc::clone(&publisher), args, &body).await?;
+    broker.purge().await?;
 
-    let (store_rate, broker_rate, relay_rate) = (rate(n, store), rate(n, broker), rate(n, relay));
+    let (store_rate, broker_rate, relay_rate) =
+        (rate(n, store), rate(n, broker_median), rate(n, relay));
     let ceiling = store_rate.min(broker_rate);
     println!();
     println!("medians of {} rounds:", rounds.len());
@@ -516,21 +774,27 @@ async fn main() -> anyhow::Result<()> {
         common::ms(store)
     );
     println!(
-        "| broker ceiling (raw lapin, pipelined confirms) | {broker_rate:>10.0} | {:>9} |",
-        common::ms(broker)
+        "| {} | {broker_rate:>10.0} | {:>9} |",
+        broker.ceiling_label(),
+        common::ms(broker_median)
     );
     println!(
-        "| relay PostgreSQL → RabbitMQ             | {relay_rate:>10.0} | {:>9} |",
+        "| relay PostgreSQL → {:<20} | {relay_rate:>10.0} | {:>9} |",
+        broker.name(),
         common::ms(relay)
     );
     println!(
-        "| (reference) raw lapin, bodies without headers | {:>10.0} | {:>9} |",
+        "| {} | {:>10.0} | {:>9} |",
+        broker.bare_label(),
         rate(n, bare),
         common::ms(bare)
     );
     println!();
     let cores = std::thread::available_parallelism().map_or(1, usize::from);
-    println!("CPU seconds per phase in the median round (RabbitMQ / PostgreSQL / this process):");
+    println!(
+        "CPU seconds per phase in the median round ({} / PostgreSQL / this process):",
+        broker.name()
+    );
     for (phase, cpu, d) in [
         ("store ceiling", store_cpu, mid.store),
         ("broker ceiling", broker_cpu, mid.broker),

@@ -1,0 +1,582 @@
+//! Configuration: [`NatsConfigBuilder`] (unvalidated settings with defaults) and
+//! [`NatsConfig`] (validated, shared by the publisher, the stream helper and the
+//! consumer).
+//!
+//! ```
+//! use std::time::Duration;
+//! use transport_nats::NatsConfigBuilder;
+//!
+//! let config = NatsConfigBuilder::new("nats://app:s3cret@127.0.0.1:4222")
+//!     .with_subject_prefix("orders.events")
+//!     .with_ack_timeout(Duration::from_secs(10))
+//!     .with_connection_name("orders-relay")
+//!     .build()?;
+//! assert_eq!(config.subject_prefix(), "orders.events");
+//! assert_eq!(config.subject_for("OrderPlaced"), "orders.events.OrderPlaced");
+//! // The password never shows up in logs or errors.
+//! assert_eq!(config.url_redacted(), "nats://app:***@127.0.0.1:4222");
+//! # Ok::<(), transport_nats::NatsError>(())
+//! ```
+
+use std::fmt;
+use std::str::FromStr;
+use std::time::Duration;
+
+use async_nats::ServerAddr;
+
+use crate::error::{NatsError, redact_url};
+
+/// The server URL used by [`NatsConfigBuilder::from_env`] when `NATS_URL` is not set.
+pub const DEFAULT_URL: &str = "nats://127.0.0.1:4222";
+/// The environment variable read by [`NatsConfigBuilder::from_env`].
+pub const URL_ENV: &str = "NATS_URL";
+/// Default subject prefix: messages go to `outbox.events.<routing key or event type>`.
+pub const DEFAULT_SUBJECT_PREFIX: &str = "outbox.events";
+/// Default time a batch waits for its PubAcks, counted from the batch's first publish.
+pub const DEFAULT_ACK_TIMEOUT: Duration = Duration::from_secs(10);
+/// Default time to wait for a connection (TCP, TLS, NATS handshake) or a JetStream API
+/// answer.
+pub const DEFAULT_CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
+/// Default number of publishes awaiting their PubAck at once, per publisher.
+pub const DEFAULT_MAX_IN_FLIGHT: usize = 1024;
+/// Largest accepted in-flight window.
+pub const MAX_IN_FLIGHT: usize = 65_536;
+/// Default connection name shown by the server (`CONNECT {"name": ...}`, visible in
+/// `/connz` of the monitoring port).
+pub const DEFAULT_CONNECTION_NAME: &str = "outbox-transport-nats";
+/// Longest publish subject accepted, in bytes. The server's default `max_control_line`
+/// is 4,096 bytes and the `HPUB` line also carries the reply inbox and two sizes; a
+/// longer line makes the server close the connection, which would look like an outage.
+pub const MAX_SUBJECT_BYTES: usize = 3_072;
+
+/// Settings for the NATS transport, before validation. Every setter consumes and returns
+/// the builder; [`build`](Self::build) validates.
+#[derive(Clone)]
+#[must_use]
+pub struct NatsConfigBuilder {
+    url: String,
+    subject_prefix: String,
+    ack_timeout: Duration,
+    connect_timeout: Duration,
+    max_in_flight: usize,
+    max_payload_bytes: Option<usize>,
+    source: Option<String>,
+    connection_name: String,
+}
+
+impl fmt::Debug for NatsConfigBuilder {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("NatsConfigBuilder")
+            .field("url", &redact_url(&self.url))
+            .field("subject_prefix", &self.subject_prefix)
+            .field("ack_timeout", &self.ack_timeout)
+            .field("connect_timeout", &self.connect_timeout)
+            .field("max_in_flight", &self.max_in_flight)
+            .field("max_payload_bytes", &self.max_payload_bytes)
+            .field("source", &self.source)
+            .field("connection_name", &self.connection_name)
+            .finish()
+    }
+}
+
+impl NatsConfigBuilder {
+    /// Settings for the server(s) at `url`: `nats://[user:password@]host[:port]` or
+    /// `tls://…`, several separated by commas; the port defaults to 4222.
+    pub fn new(url: impl Into<String>) -> Self {
+        Self {
+            url: url.into(),
+            subject_prefix: DEFAULT_SUBJECT_PREFIX.to_owned(),
+            ack_timeout: DEFAULT_ACK_TIMEOUT,
+            connect_timeout: DEFAULT_CONNECT_TIMEOUT,
+            max_in_flight: DEFAULT_MAX_IN_FLIGHT,
+            max_payload_bytes: None,
+            source: None,
+            connection_name: DEFAULT_CONNECTION_NAME.to_owned(),
+        }
+    }
+
+    /// Settings for the server named by the `NATS_URL` environment variable, or
+    /// [`DEFAULT_URL`] (`nats://127.0.0.1:4222`) when it is unset or empty.
+    pub fn from_env() -> Self {
+        match std::env::var(URL_ENV) {
+            Ok(url) if !url.trim().is_empty() => Self::new(url.trim()),
+            _ => Self::new(DEFAULT_URL),
+        }
+    }
+
+    /// The subject prefix: a message is published to `{prefix}.{routing key}` (or
+    /// `{prefix}.{event type}` when it has no routing key). Default
+    /// [`DEFAULT_SUBJECT_PREFIX`] (`"outbox.events"`). An empty prefix publishes to the
+    /// routing key alone. The prefix must be a valid publish subject itself: non-empty
+    /// tokens separated by `.`, no whitespace or control characters, no `*` or `>`, not
+    /// starting with `$` (reserved for the system and JetStream APIs).
+    pub fn with_subject_prefix(mut self, prefix: impl Into<String>) -> Self {
+        self.subject_prefix = prefix.into();
+        self
+    }
+
+    /// How long a batch waits for its PubAcks, measured from the start of the batch;
+    /// messages still unacknowledged then are reported as
+    /// [`PublishError::Timeout`](outbox_core::PublishError::Timeout) (transient), or as
+    /// `Unavailable` when the connection was lost meanwhile. Also bounds each JetStream
+    /// API request of the publisher. Default 10 s.
+    pub fn with_ack_timeout(mut self, timeout: Duration) -> Self {
+        self.ack_timeout = timeout;
+        self
+    }
+
+    /// How long connecting may take (TCP, TLS, NATS handshake), and how long
+    /// [`check_ready`](outbox_core::EventPublisher::check_ready), the stream helper and
+    /// the consumer wait for a JetStream API answer. Default 5 s.
+    pub fn with_connect_timeout(mut self, timeout: Duration) -> Self {
+        self.connect_timeout = timeout;
+        self
+    }
+
+    /// How many publishes may await their PubAck at once, across every batch of one
+    /// publisher, 1 to [`MAX_IN_FLIGHT`]. A batch larger than this sends the next
+    /// message as soon as an earlier one is acknowledged. Default 1,024.
+    pub fn with_max_in_flight(mut self, n: usize) -> Self {
+        self.max_in_flight = n;
+        self
+    }
+
+    /// A payload limit, in bytes, below the server's. Default `None`: the server's
+    /// `max_payload` (from its `INFO`, 1 MiB unless configured) is the only limit. A
+    /// message whose payload plus headers exceed the limit is not sent and gets
+    /// [`PublishError::PayloadTooLarge`](outbox_core::PublishError::PayloadTooLarge)
+    /// (permanent).
+    pub fn with_max_payload_bytes(mut self, max: Option<usize>) -> Self {
+        self.max_payload_bytes = max;
+        self
+    }
+
+    /// The CloudEvents `source` attribute (`ce-source` header) of every published
+    /// message. Default `None`: `/{aggregate_type}` of each message.
+    pub fn with_source(mut self, source: Option<String>) -> Self {
+        self.source = source;
+        self
+    }
+
+    /// The connection name shown by the server. Default [`DEFAULT_CONNECTION_NAME`]
+    /// (`"outbox-transport-nats"`).
+    pub fn with_connection_name(mut self, name: impl Into<String>) -> Self {
+        self.connection_name = name.into();
+        self
+    }
+
+    /// Validates the settings.
+    ///
+    /// # Errors
+    /// - [`NatsError::InvalidUrl`] when a URL does not parse or its scheme is not
+    ///   `nats://` or `tls://` (the error shows the URL with its password redacted);
+    /// - [`NatsError::InvalidConfig`] when the subject prefix is not a valid publish
+    ///   subject, a timeout, the in-flight window or the payload limit is zero (or the
+    ///   window is over [`MAX_IN_FLIGHT`]), or the source or connection name is empty or
+    ///   contains a line break.
+    pub fn build(self) -> Result<NatsConfig, NatsError> {
+        let url_redacted = redact_url(&self.url);
+        let servers = parse_servers(&self.url, &url_redacted)?;
+        if !self.subject_prefix.is_empty()
+            && let Some(problem) = subject_problem(&self.subject_prefix)
+        {
+            return Err(invalid("subject_prefix", problem));
+        }
+        if self.ack_timeout.is_zero() {
+            return Err(invalid("ack_timeout", "must be greater than zero"));
+        }
+        if self.connect_timeout.is_zero() {
+            return Err(invalid("connect_timeout", "must be greater than zero"));
+        }
+        if !(1..=MAX_IN_FLIGHT).contains(&self.max_in_flight) {
+            return Err(invalid(
+                "max_in_flight",
+                format!(
+                    "must be between 1 and {MAX_IN_FLIGHT}, got {}",
+                    self.max_in_flight
+                ),
+            ));
+        }
+        if self.max_payload_bytes == Some(0) {
+            return Err(invalid("max_payload_bytes", "must be greater than zero"));
+        }
+        if let Some(source) = &self.source {
+            if source.is_empty() {
+                return Err(invalid("source", "must not be empty when set"));
+            }
+            if source.contains(['\r', '\n']) {
+                return Err(invalid("source", "must not contain a line break"));
+            }
+        }
+        if self.connection_name.is_empty() {
+            return Err(invalid("connection_name", "must not be empty"));
+        }
+        if self.connection_name.chars().any(char::is_control) {
+            return Err(invalid("connection_name", "contains a control character"));
+        }
+        Ok(NatsConfig {
+            servers,
+            url_redacted,
+            subject_prefix: self.subject_prefix,
+            ack_timeout: self.ack_timeout,
+            connect_timeout: self.connect_timeout,
+            max_in_flight: self.max_in_flight,
+            max_payload_bytes: self.max_payload_bytes,
+            source: self.source,
+            connection_name: self.connection_name,
+        })
+    }
+}
+
+pub(crate) fn invalid(field: &'static str, reason: impl Into<String>) -> NatsError {
+    NatsError::InvalidConfig {
+        field,
+        reason: reason.into(),
+    }
+}
+
+/// Parses a comma-separated server list without leaking the password.
+fn parse_servers(url: &str, url_redacted: &str) -> Result<Vec<ServerAddr>, NatsError> {
+    let invalid_url = |reason: String| NatsError::InvalidUrl {
+        url_redacted: url_redacted.to_owned(),
+        // Parser messages may quote the input; never let the password through.
+        reason: reason.replace(url, url_redacted),
+    };
+    let trimmed = url.trim();
+    if trimmed.is_empty() {
+        return Err(invalid_url("the URL is empty".to_owned()));
+    }
+    let mut servers = Vec::new();
+    for part in trimmed.split(',').map(str::trim) {
+        if part.is_empty() {
+            return Err(invalid_url("an empty entry in the server list".to_owned()));
+        }
+        if let Some(scheme_end) = part.find("://") {
+            let scheme = &part[..scheme_end];
+            if scheme != "nats" && scheme != "tls" {
+                return Err(invalid_url(format!(
+                    "the scheme must be nats:// or tls://, got {scheme}://"
+                )));
+            }
+        }
+        let server = ServerAddr::from_str(part)
+            .map_err(|e| invalid_url(e.to_string().replace(part, &redact_url(part))))?;
+        if server.host().is_empty() {
+            return Err(invalid_url("the URL has no host".to_owned()));
+        }
+        servers.push(server);
+    }
+    Ok(servers)
+}
+
+/// Why `subject` is not a valid NATS publish subject, or `None` when it is.
+///
+/// NATS subjects ([docs](https://docs.nats.io/nats-concepts/subjects)) are tokens
+/// separated by `.`; a token is non-empty and contains no whitespace; `*` and `>` are
+/// wildcards, which a publish subject must not contain; names starting with `$` are
+/// reserved for the system (`$SYS`) and the JetStream API (`$JS`).
+pub(crate) fn subject_problem(subject: &str) -> Option<String> {
+    let shown = || {
+        let head: String = subject.chars().take(60).collect();
+        if head.len() < subject.len() {
+            format!("{head:?}...")
+        } else {
+            format!("{head:?}")
+        }
+    };
+    if subject.is_empty() {
+        return Some("the subject is empty".to_owned());
+    }
+    if subject.len() > MAX_SUBJECT_BYTES {
+        return Some(format!(
+            "subject {} is {} bytes long, at most {MAX_SUBJECT_BYTES} are accepted (the server's control line limit)",
+            shown(),
+            subject.len()
+        ));
+    }
+    if subject.chars().any(|c| c.is_whitespace() || c.is_control()) {
+        return Some(format!(
+            "subject {} contains whitespace or a control character",
+            shown()
+        ));
+    }
+    if subject.contains(['*', '>']) {
+        return Some(format!(
+            "subject {} contains a wildcard ('*' or '>'), which a publish subject must not",
+            shown()
+        ));
+    }
+    if subject.split('.').any(str::is_empty) {
+        return Some(format!(
+            "subject {} has an empty token (leading, trailing or doubled '.')",
+            shown()
+        ));
+    }
+    if subject.starts_with('$') {
+        return Some(format!(
+            "subject {} starts with '$', reserved for the system and JetStream APIs",
+            shown()
+        ));
+    }
+    None
+}
+
+/// Validated settings of the NATS transport: build them with [`NatsConfigBuilder`].
+/// Cheap to clone. `Debug` shows the URL redacted.
+#[derive(Clone)]
+pub struct NatsConfig {
+    servers: Vec<ServerAddr>,
+    url_redacted: String,
+    subject_prefix: String,
+    ack_timeout: Duration,
+    connect_timeout: Duration,
+    max_in_flight: usize,
+    max_payload_bytes: Option<usize>,
+    source: Option<String>,
+    connection_name: String,
+}
+
+impl fmt::Debug for NatsConfig {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("NatsConfig")
+            .field("url", &self.url_redacted)
+            .field("subject_prefix", &self.subject_prefix)
+            .field("ack_timeout", &self.ack_timeout)
+            .field("connect_timeout", &self.connect_timeout)
+            .field("max_in_flight", &self.max_in_flight)
+            .field("max_payload_bytes", &self.max_payload_bytes)
+            .field("source", &self.source)
+            .field("connection_name", &self.connection_name)
+            .finish()
+    }
+}
+
+impl NatsConfig {
+    /// Starts a [`NatsConfigBuilder`] for the server(s) at `url`.
+    pub fn builder(url: impl Into<String>) -> NatsConfigBuilder {
+        NatsConfigBuilder::new(url)
+    }
+
+    /// The parsed server addresses (they contain the credentials: do not log them).
+    pub(crate) fn servers(&self) -> &[ServerAddr] {
+        &self.servers
+    }
+
+    /// The server URL with its password or token replaced by `***`.
+    pub fn url_redacted(&self) -> &str {
+        &self.url_redacted
+    }
+
+    /// The subject prefix (may be empty).
+    pub fn subject_prefix(&self) -> &str {
+        &self.subject_prefix
+    }
+
+    /// The subject a message with this routing key (or event type) is published to:
+    /// `{prefix}.{key}`, or `key` when the prefix is empty. Not validated; the publisher
+    /// checks it per message.
+    pub fn subject_for(&self, key: &str) -> String {
+        if self.subject_prefix.is_empty() {
+            key.to_owned()
+        } else {
+            format!("{}.{key}", self.subject_prefix)
+        }
+    }
+
+    /// The subject filter that matches every subject of this configuration:
+    /// `{prefix}.>`, or `>` when the prefix is empty. Give it to a stream
+    /// ([`StreamSetup::with_subjects`](crate::StreamSetup::with_subjects)).
+    pub fn subject_wildcard(&self) -> String {
+        self.subject_for(">")
+    }
+
+    /// How long a batch waits for its PubAcks.
+    pub fn ack_timeout(&self) -> Duration {
+        self.ack_timeout
+    }
+
+    /// How long connecting or a JetStream API request may take.
+    pub fn connect_timeout(&self) -> Duration {
+        self.connect_timeout
+    }
+
+    /// Publishes awaiting their PubAck at once, per publisher.
+    pub fn max_in_flight(&self) -> usize {
+        self.max_in_flight
+    }
+
+    /// The configured payload limit in bytes, if lower than the server's.
+    pub fn max_payload_bytes(&self) -> Option<usize> {
+        self.max_payload_bytes
+    }
+
+    /// The CloudEvents `source` override, if any.
+    pub fn source(&self) -> Option<&str> {
+        self.source.as_deref()
+    }
+
+    /// The connection name shown by the server.
+    pub fn connection_name(&self) -> &str {
+        &self.connection_name
+    }
+
+    /// Connect options for a client of this configuration: name, connect timeout, API
+    /// request timeout, unlimited reconnects (the default of async-nats, with its backoff
+    /// of up to 4 s between attempts).
+    pub(crate) fn connect_options(&self) -> async_nats::ConnectOptions {
+        async_nats::ConnectOptions::new()
+            .name(&self.connection_name)
+            .connection_timeout(self.connect_timeout)
+            .request_timeout(Some(self.connect_timeout))
+            .max_reconnects(None)
+    }
+
+    /// Connects a plain client (no event tracking), failing after the connect timeout.
+    pub(crate) async fn connect_client(&self) -> Result<async_nats::Client, NatsError> {
+        connect_with(self, self.connect_options()).await
+    }
+}
+
+/// Connects with `options`, failing after the connect timeout.
+pub(crate) async fn connect_with(
+    config: &NatsConfig,
+    options: async_nats::ConnectOptions,
+) -> Result<async_nats::Client, NatsError> {
+    let connecting = options.connect(config.servers().to_vec());
+    match tokio::time::timeout(config.connect_timeout(), connecting).await {
+        Ok(Ok(client)) => Ok(client),
+        Ok(Err(source)) => Err(NatsError::Connect {
+            url_redacted: config.url_redacted().to_owned(),
+            source: Box::new(source),
+        }),
+        Err(_) => Err(NatsError::Timeout {
+            operation: "connect",
+            url_redacted: config.url_redacted().to_owned(),
+            timeout: config.connect_timeout(),
+        }),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn defaults() {
+        let config = NatsConfigBuilder::new(DEFAULT_URL).build().expect("valid");
+        assert_eq!(config.subject_prefix(), DEFAULT_SUBJECT_PREFIX);
+        assert_eq!(config.ack_timeout(), Duration::from_secs(10));
+        assert_eq!(config.connect_timeout(), Duration::from_secs(5));
+        assert_eq!(config.max_in_flight(), 1024);
+        assert_eq!(config.max_payload_bytes(), None);
+        assert_eq!(config.source(), None);
+        assert_eq!(config.servers().len(), 1);
+        assert_eq!(config.servers()[0].host(), "127.0.0.1");
+        assert_eq!(config.servers()[0].port(), 4222);
+        assert_eq!(
+            config.subject_for("OrderPlaced"),
+            "outbox.events.OrderPlaced"
+        );
+        assert_eq!(config.subject_wildcard(), "outbox.events.>");
+        let bare = NatsConfigBuilder::new(DEFAULT_URL)
+            .with_subject_prefix("")
+            .build()
+            .expect("valid");
+        assert_eq!(bare.subject_for("a.b"), "a.b");
+        assert_eq!(bare.subject_wildcard(), ">");
+    }
+
+    #[test]
+    fn server_lists_and_bare_hosts() {
+        let config = NatsConfigBuilder::new("nats://a:1,tls://u:p@b:2, c")
+            .build()
+            .expect("valid");
+        let hosts: Vec<(String, u16)> = config
+            .servers()
+            .iter()
+            .map(|s| (s.host().to_owned(), s.port()))
+            .collect();
+        assert_eq!(
+            hosts,
+            [("a".into(), 1), ("b".into(), 2), ("c".into(), 4222)]
+        );
+    }
+
+    #[test]
+    fn malformed_urls_are_typed_errors_without_password() {
+        for url in [
+            "",
+            "   ",
+            "http://app:hunter2@host/",
+            "amqp://app:hunter2@host:5672",
+            "nats://app:hunter2@host:notaport",
+            "nats://app:hunter2@host:1,",
+        ] {
+            match NatsConfigBuilder::new(url).build() {
+                Err(e @ NatsError::InvalidUrl { .. }) => {
+                    let text = format!("{e} {e:?}");
+                    assert!(!text.contains("hunter2"), "password leaked: {text}");
+                }
+                other => panic!("{url:?}: expected InvalidUrl, got {other:?}"),
+            }
+        }
+    }
+
+    #[test]
+    fn invalid_settings() {
+        let base = || NatsConfigBuilder::new(DEFAULT_URL);
+        let field = |b: NatsConfigBuilder| match b.build() {
+            Err(NatsError::InvalidConfig { field, .. }) => field,
+            other => panic!("expected InvalidConfig, got {other:?}"),
+        };
+        for prefix in ["a..b", ".a", "a.", "a b", "a.*", "a.>", "$JS.API", "a\tb"] {
+            assert_eq!(
+                field(base().with_subject_prefix(prefix)),
+                "subject_prefix",
+                "{prefix:?}"
+            );
+        }
+        assert_eq!(field(base().with_max_in_flight(0)), "max_in_flight");
+        assert_eq!(
+            field(base().with_max_in_flight(MAX_IN_FLIGHT + 1)),
+            "max_in_flight"
+        );
+        assert_eq!(
+            field(base().with_ack_timeout(Duration::ZERO)),
+            "ack_timeout"
+        );
+        assert_eq!(
+            field(base().with_connect_timeout(Duration::ZERO)),
+            "connect_timeout"
+        );
+        assert_eq!(
+            field(base().with_max_payload_bytes(Some(0))),
+            "max_payload_bytes"
+        );
+        assert_eq!(field(base().with_source(Some(String::new()))), "source");
+        assert_eq!(field(base().with_source(Some("a\nb".into()))), "source");
+        assert_eq!(field(base().with_connection_name("")), "connection_name");
+    }
+
+    #[test]
+    fn subject_rules() {
+        for ok in ["a", "orders.events.OrderPlaced", "a-b_c.D9", "ünïcode.ok"] {
+            assert_eq!(subject_problem(ok), None, "{ok:?}");
+        }
+        for bad in [
+            "", "a..b", ".a", "a.", "a b", "a\nb", "a.*.c", "a.>", "x*y", "$SYS.x",
+        ] {
+            assert!(subject_problem(bad).is_some(), "{bad:?} should be invalid");
+        }
+        let long = format!("a.{}", "b".repeat(MAX_SUBJECT_BYTES));
+        assert!(subject_problem(&long).is_some_and(|p| p.contains("bytes long")));
+    }
+
+    #[test]
+    fn debug_never_shows_the_password() {
+        let builder = NatsConfigBuilder::new("nats://app:hunter2@host:4222");
+        assert!(!format!("{builder:?}").contains("hunter2"));
+        let config = builder.build().expect("valid");
+        assert!(!format!("{config:?}").contains("hunter2"));
+    }
+}

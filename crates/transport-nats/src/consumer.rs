@@ -1,0 +1,775 @@
+//! [`NatsConsumer`]: consumes a JetStream stream through a durable pull consumer with
+//! explicit acks and hands each decoded message to a [`DeliveryHandler`].
+//!
+//! # Contract
+//!
+//! - The durable consumer is created, or updated to the configured settings, before
+//!   consuming: explicit acks ([`AckPolicy::Explicit`]), `ack_wait`, `max_deliver`,
+//!   server-side `backoff` for ack timeouts, an optional filter subject, and
+//!   `max_ack_pending` = the concurrency limit (JetStream [consumers]). Its position is
+//!   kept by the server: a restarted consumer resumes where it stopped.
+//! - Each message is decoded with [`IncomingMessage::decode`] (NATS binding: the
+//!   `Nats-Msg-Id` header and `ce-*` headers), with `redelivered` = JetStream's
+//!   delivery count > 1 and `delivery_count` = that count. The server is answered only
+//!   **after** the handler returns, so a handler that commits its database transaction
+//!   before returning [`HandlerDecision::Ack`] never loses a message: a crash before
+//!   the ack means a redelivery after `ack_wait`, which the inbox deduplicates.
+//! - Answers: `Ack` → `+ACK`; `Requeue` → `-NAK` with a delay from the configured
+//!   [nak delays](NatsConsumerBuilder::with_nak_delays) (by delivery count), or `+TERM`
+//!   when this was delivery number `max_deliver` (JetStream would not deliver it again);
+//!   `Reject` → `+TERM` (never redelivered; JetStream publishes a
+//!   `$JS.EVENT.ADVISORY.CONSUMER.MSG_TERMINATED` advisory).
+//! - A message that cannot be decoded (no id, an id that is not a UUID, no event type)
+//!   is logged and terminated: it never blocks the consumer.
+//! - A handler that panics is caught and logged; the message is redelivered once (nak)
+//!   and terminated if it panics again, as the RabbitMQ transport's consumer does.
+//! - Messages are handled **concurrently**, up to the concurrency limit at a time,
+//!   within the task that calls [`run`](NatsConsumer::run); handlers may finish in any
+//!   order.
+//! - The client reconnects by itself after a lost connection and the pull subscription
+//!   resumes; if the consumer or stream is gone (deleted, or lost with a memory-storage
+//!   stream in a server restart) it is created again, with exponential backoff.
+//! - On shutdown no more messages are pulled, in-flight handlers finish and are
+//!   answered, and the client is flushed; messages pulled but not started are
+//!   redelivered by the server after `ack_wait`.
+//!
+//! # Delivery limits and the inbox
+//!
+//! `max_deliver` counts every delivery of a message, acked or not. When the limit is
+//! reached JetStream stops delivering the message (advisory
+//! `$JS.EVENT.ADVISORY.CONSUMER.MAX_DELIVERIES`); it stays in the stream but this
+//! consumer never sees it again. The `inbox` crate's `IdempotentConsumer` counts its
+//! own handler failures and, after its `max_deliveries` (5 by default), records the
+//! message as a **consumer dead letter** and acks it: set `max_deliver` **larger** than
+//! that (the default here is 10), so the inbox records the dead letter before
+//! JetStream gives up silently.
+//!
+//! [consumers]: https://docs.nats.io/nats-concepts/jetstream/consumers
+
+use std::panic::AssertUnwindSafe;
+use std::time::Duration;
+
+use async_nats::jetstream::consumer::pull::MessagesErrorKind;
+use async_nats::jetstream::consumer::{self, AckPolicy, DeliverPolicy};
+use async_nats::jetstream::{self, AckKind, ErrorCode};
+use futures::stream::FuturesUnordered;
+use futures::{FutureExt, StreamExt};
+use outbox_core::consumer::{DeliveryHandler, HandlerDecision};
+use outbox_core::wire::{Binding, IncomingMessage};
+use outbox_core::{ErrorKind, Headers};
+use tokio::time::timeout;
+use tokio_util::sync::CancellationToken;
+use tracing::{debug, error, info, warn};
+
+use crate::config::{NatsConfig, invalid};
+use crate::error::{NatsError, classify_api};
+use crate::publisher::MSG_ID_HEADER;
+
+/// Default number of handlers running at once (and the consumer's `max_ack_pending`).
+pub const DEFAULT_CONCURRENCY: usize = 100;
+/// Largest accepted concurrency.
+pub const MAX_CONCURRENCY: usize = 10_000;
+/// Default time the server waits for an answer before redelivering: 30 s.
+pub const DEFAULT_ACK_WAIT: Duration = Duration::from_secs(30);
+/// Default deliveries of one message before JetStream stops delivering it. Larger than
+/// the inbox's default of 5 failed deliveries, see the [module docs](self).
+pub const DEFAULT_MAX_DELIVER: u32 = 10;
+/// Default delays of a `-NAK` after the 1st, 2nd, ... delivery (the last repeats).
+pub const DEFAULT_NAK_DELAYS: [Duration; 4] = [
+    Duration::from_secs(1),
+    Duration::from_secs(5),
+    Duration::from_secs(15),
+    Duration::from_secs(30),
+];
+/// Default first delay before setting the consumer up again.
+pub const DEFAULT_RECONNECT_INITIAL: Duration = Duration::from_millis(200);
+/// Default longest delay between setup attempts.
+pub const DEFAULT_RECONNECT_MAX: Duration = Duration::from_secs(30);
+/// Idle heartbeat requested with each pull: a pull that hears nothing for two of them
+/// is considered lost and re-issued.
+const PULL_HEARTBEAT: Duration = Duration::from_secs(5);
+/// Lifetime of one pull request.
+const PULL_EXPIRES: Duration = Duration::from_secs(30);
+/// Stream errors in a row, without a message in between, after which the consumer is
+/// set up again.
+const MAX_CONSECUTIVE_ERRORS: u32 = 5;
+
+/// Settings of a [`NatsConsumer`] before validation. Every setter consumes and returns
+/// the builder; [`build`](Self::build) validates.
+#[derive(Debug, Clone)]
+#[must_use]
+pub struct NatsConsumerBuilder {
+    config: NatsConfig,
+    stream: String,
+    durable: String,
+    filter_subject: Option<String>,
+    ack_wait: Duration,
+    max_deliver: Option<u32>,
+    backoff: Vec<Duration>,
+    nak_delays: Vec<Duration>,
+    concurrency: usize,
+    reconnect_initial: Duration,
+    reconnect_max: Duration,
+}
+
+impl NatsConsumerBuilder {
+    /// A durable consumer named `durable` of `stream` on the server of `config`.
+    pub fn new(config: NatsConfig, stream: impl Into<String>, durable: impl Into<String>) -> Self {
+        Self {
+            config,
+            stream: stream.into(),
+            durable: durable.into(),
+            filter_subject: None,
+            ack_wait: DEFAULT_ACK_WAIT,
+            max_deliver: Some(DEFAULT_MAX_DELIVER),
+            backoff: Vec::new(),
+            nak_delays: DEFAULT_NAK_DELAYS.to_vec(),
+            concurrency: DEFAULT_CONCURRENCY,
+            reconnect_initial: DEFAULT_RECONNECT_INITIAL,
+            reconnect_max: DEFAULT_RECONNECT_MAX,
+        }
+    }
+
+    /// Only messages whose subject matches this filter (wildcards allowed) are
+    /// delivered. Default: every message of the stream.
+    pub fn with_filter_subject(mut self, subject: impl Into<String>) -> Self {
+        self.filter_subject = Some(subject.into());
+        self
+    }
+
+    /// How long the server waits for an answer to a delivery before delivering it again.
+    /// Default 30 s; it must exceed the slowest handler (a slower one gets a duplicate,
+    /// which the inbox absorbs).
+    pub fn with_ack_wait(mut self, ack_wait: Duration) -> Self {
+        self.ack_wait = ack_wait;
+        self
+    }
+
+    /// Deliveries of one message after which JetStream stops delivering it, or `None`
+    /// for no limit. Default `Some(10)`; keep it above the inbox's `max_deliveries`
+    /// (see the [module docs](self)). Must exceed the number of
+    /// [`with_backoff`](Self::with_backoff) steps.
+    pub fn with_max_deliver(mut self, max_deliver: Option<u32>) -> Self {
+        self.max_deliver = max_deliver;
+        self
+    }
+
+    /// Server-side redelivery delays after an **unanswered** delivery (the consumer's
+    /// `backoff`, which replaces `ack_wait` for the n-th redelivery; the last repeats).
+    /// Default none: `ack_wait` every time.
+    pub fn with_backoff(mut self, delays: Vec<Duration>) -> Self {
+        self.backoff = delays;
+        self
+    }
+
+    /// Delays of the `-NAK` sent for [`HandlerDecision::Requeue`]: after delivery `n`
+    /// the message comes back after `delays[n - 1]` (the last delay repeats). Default
+    /// 1 s, 5 s, 15 s, 30 s. An empty list naks without delay (immediate redelivery).
+    pub fn with_nak_delays(mut self, delays: Vec<Duration>) -> Self {
+        self.nak_delays = delays;
+        self
+    }
+
+    /// Largest number of handlers running at once, which is also the consumer's
+    /// `max_ack_pending` (unanswered deliveries the server allows). 1 to
+    /// [`MAX_CONCURRENCY`]. Default 100.
+    pub fn with_concurrency(mut self, concurrency: usize) -> Self {
+        self.concurrency = concurrency;
+        self
+    }
+
+    /// Backoff between attempts to (re)create the consumer or reconnect: the first
+    /// delay and the cap of the doubling delay. Defaults 200 ms and 30 s.
+    pub fn with_reconnect_backoff(mut self, initial: Duration, max: Duration) -> Self {
+        self.reconnect_initial = initial;
+        self.reconnect_max = max;
+        self
+    }
+
+    /// Validates the settings.
+    ///
+    /// # Errors
+    /// [`NatsError::InvalidConfig`] when the stream or durable name is empty or contains
+    /// whitespace, `.`, `*`, `>`, `/` or `\`; the filter subject is not a valid subject;
+    /// `ack_wait` is zero; `max_deliver` is `Some(0)` or not above the number of backoff
+    /// steps; a backoff delay is zero; the concurrency is outside `1..=10_000`; or the
+    /// reconnect backoff is zero or its initial delay exceeds its cap.
+    pub fn build(self) -> Result<NatsConsumer, NatsError> {
+        check_name("stream", &self.stream)?;
+        check_name("durable", &self.durable)?;
+        if let Some(filter) = &self.filter_subject {
+            let probe = filter
+                .split('.')
+                .map(|t| if t == "*" || t == ">" { "w" } else { t })
+                .collect::<Vec<_>>()
+                .join(".");
+            if let Some(problem) = crate::config::subject_problem(&probe) {
+                return Err(invalid("filter_subject", problem.replace(&probe, filter)));
+            }
+        }
+        if self.ack_wait.is_zero() {
+            return Err(invalid("ack_wait", "must be greater than zero"));
+        }
+        if self.backoff.iter().any(Duration::is_zero) {
+            return Err(invalid("backoff", "delays must be greater than zero"));
+        }
+        match self.max_deliver {
+            Some(0) => return Err(invalid("max_deliver", "must be at least 1, or None")),
+            Some(n) if !self.backoff.is_empty() && (n as usize) <= self.backoff.len() => {
+                return Err(invalid(
+                    "max_deliver",
+                    format!(
+                        "must exceed the {} backoff steps (a JetStream rule)",
+                        self.backoff.len()
+                    ),
+                ));
+            }
+            _ => {}
+        }
+        if !(1..=MAX_CONCURRENCY).contains(&self.concurrency) {
+            return Err(invalid(
+                "concurrency",
+                format!(
+                    "must be between 1 and {MAX_CONCURRENCY}, got {}",
+                    self.concurrency
+                ),
+            ));
+        }
+        if self.reconnect_initial.is_zero() || self.reconnect_initial > self.reconnect_max {
+            return Err(invalid(
+                "reconnect_backoff",
+                "the initial delay must be greater than zero and at most the maximum",
+            ));
+        }
+        Ok(NatsConsumer {
+            config: self.config,
+            stream: self.stream,
+            durable: self.durable,
+            filter_subject: self.filter_subject,
+            ack_wait: self.ack_wait,
+            max_deliver: self.max_deliver,
+            backoff: self.backoff,
+            nak_delays: self.nak_delays,
+            concurrency: self.concurrency,
+            reconnect_initial: self.reconnect_initial,
+            reconnect_max: self.reconnect_max,
+        })
+    }
+}
+
+fn check_name(field: &'static str, value: &str) -> Result<(), NatsError> {
+    if value.is_empty() {
+        return Err(invalid(field, "must not be empty"));
+    }
+    if value
+        .chars()
+        .any(|c| c.is_whitespace() || c.is_control() || ".*>/\\".contains(c))
+    {
+        return Err(invalid(
+            field,
+            format!("{value:?} must not contain whitespace, '.', '*', '>', '/' or '\\'"),
+        ));
+    }
+    Ok(())
+}
+
+/// Consumes a JetStream stream through a durable pull consumer and answers the server
+/// with what a [`DeliveryHandler`] decides. See the [module docs](self) for the
+/// contract.
+///
+/// ```no_run
+/// use async_trait::async_trait;
+/// use outbox_core::wire::IncomingMessage;
+/// use tokio_util::sync::CancellationToken;
+/// use transport_nats::{DeliveryHandler, HandlerDecision, NatsConfigBuilder, NatsConsumer};
+///
+/// struct Projection;
+///
+/// #[async_trait]
+/// impl DeliveryHandler for Projection {
+///     async fn handle(&self, msg: IncomingMessage) -> HandlerDecision {
+///         println!("{} {}", msg.event_type, msg.id);
+///         HandlerDecision::Ack
+///     }
+/// }
+///
+/// # async fn run() -> Result<(), transport_nats::NatsError> {
+/// let config = NatsConfigBuilder::from_env()
+///     .with_subject_prefix("orders.events")
+///     .build()?;
+/// let consumer = NatsConsumer::builder(config, "ORDERS", "projection")
+///     .with_filter_subject("orders.events.OrderPlaced")
+///     .with_concurrency(50)
+///     .build()?;
+/// let shutdown = CancellationToken::new();
+/// consumer.run(Projection, shutdown).await
+/// # }
+/// ```
+#[derive(Debug, Clone)]
+pub struct NatsConsumer {
+    config: NatsConfig,
+    stream: String,
+    durable: String,
+    filter_subject: Option<String>,
+    ack_wait: Duration,
+    max_deliver: Option<u32>,
+    backoff: Vec<Duration>,
+    nak_delays: Vec<Duration>,
+    concurrency: usize,
+    reconnect_initial: Duration,
+    reconnect_max: Duration,
+}
+
+/// Per-message settings the processing of a delivery needs.
+#[derive(Debug, Clone)]
+struct Answering {
+    max_deliver: Option<u32>,
+    nak_delays: Vec<Duration>,
+}
+
+impl NatsConsumer {
+    /// Starts a [`NatsConsumerBuilder`] for the durable consumer `durable` of `stream`.
+    pub fn builder(
+        config: NatsConfig,
+        stream: impl Into<String>,
+        durable: impl Into<String>,
+    ) -> NatsConsumerBuilder {
+        NatsConsumerBuilder::new(config, stream, durable)
+    }
+
+    /// The stream consumed.
+    pub fn stream(&self) -> &str {
+        &self.stream
+    }
+
+    /// The durable consumer's name.
+    pub fn durable(&self) -> &str {
+        &self.durable
+    }
+
+    /// The concurrency limit.
+    pub fn concurrency(&self) -> usize {
+        self.concurrency
+    }
+
+    /// The JetStream consumer configuration this consumer creates or updates.
+    fn consumer_config(&self) -> consumer::pull::Config {
+        consumer::pull::Config {
+            durable_name: Some(self.durable.clone()),
+            deliver_policy: DeliverPolicy::All,
+            ack_policy: AckPolicy::Explicit,
+            ack_wait: self.ack_wait,
+            max_deliver: self.max_deliver.map_or(-1, i64::from),
+            backoff: self.backoff.clone(),
+            filter_subject: self.filter_subject.clone().unwrap_or_default(),
+            max_ack_pending: i64::try_from(self.concurrency).unwrap_or(i64::MAX),
+            ..consumer::pull::Config::default()
+        }
+    }
+
+    /// Connects once, creates the durable consumer (or updates it to these settings),
+    /// and disconnects. Call it before publishing when the consumer must exist first
+    /// (e.g. with [`Retention::Interest`](crate::Retention::Interest), where messages
+    /// without an interested consumer are not kept).
+    ///
+    /// # Errors
+    /// A connection error, or [`NatsError::Stream`] / [`NatsError::Consumer`] when the
+    /// stream does not exist or the server refuses the consumer's settings.
+    pub async fn declare(&self) -> Result<(), NatsError> {
+        let client = self.config.connect_client().await?;
+        let js = jetstream::new(client.clone());
+        let result = self.setup(&js).await.map(drop);
+        let _ = timeout(self.config.connect_timeout(), client.drain()).await;
+        result
+    }
+
+    /// Consumes until `shutdown` is cancelled, reconnecting and setting the consumer up
+    /// again with backoff after failures.
+    ///
+    /// # Errors
+    /// Only errors retrying cannot fix: an authorization violation at connect time, a
+    /// consumer configuration the server refuses (e.g. a filter subject outside the
+    /// stream's subjects). Returns `Ok(())` after a graceful shutdown.
+    pub async fn run<H: DeliveryHandler>(
+        &self,
+        handler: H,
+        shutdown: CancellationToken,
+    ) -> Result<(), NatsError> {
+        let mut delay = self.reconnect_initial;
+        let client = loop {
+            match self.config.connect_client().await {
+                Ok(client) => break client,
+                Err(e) if e.kind() == ErrorKind::Permanent => {
+                    error!(stream = %self.stream, consumer = %self.durable, error = %e, "NATS consumer stopped: retrying cannot help");
+                    return Err(e);
+                }
+                Err(e) => {
+                    warn!(error = %e, retry_in_ms = millis(delay), "NATS unreachable, retrying");
+                    tokio::select! {
+                        () = shutdown.cancelled() => return Ok(()),
+                        () = tokio::time::sleep(delay) => {}
+                    }
+                    delay = (delay * 2).min(self.reconnect_max);
+                }
+            }
+        };
+        let js = jetstream::new(client.clone());
+        let answering = Answering {
+            max_deliver: self.max_deliver,
+            nak_delays: self.nak_delays.clone(),
+        };
+        let mut delay = self.reconnect_initial;
+        let result = loop {
+            if shutdown.is_cancelled() {
+                break Ok(());
+            }
+            let mut established = false;
+            match self
+                .consume_once(&js, &handler, &answering, &shutdown, &mut established)
+                .await
+            {
+                Ok(()) => break Ok(()),
+                Err(e) if e.kind() == ErrorKind::Permanent => {
+                    error!(stream = %self.stream, consumer = %self.durable, error = %e, "NATS consumer stopped: retrying cannot help");
+                    break Err(e);
+                }
+                Err(e) => {
+                    if established {
+                        delay = self.reconnect_initial;
+                    }
+                    warn!(
+                        stream = %self.stream,
+                        consumer = %self.durable,
+                        error = %e,
+                        retry_in_ms = millis(delay),
+                        "NATS consumer interrupted, setting it up again"
+                    );
+                    tokio::select! {
+                        () = shutdown.cancelled() => break Ok(()),
+                        () = tokio::time::sleep(delay) => {}
+                    }
+                    delay = (delay * 2).min(self.reconnect_max);
+                }
+            }
+        };
+        // Acks were written to the client; make sure they reach the server.
+        let _ = timeout(self.config.connect_timeout(), client.flush()).await;
+        let _ = timeout(self.config.connect_timeout(), client.drain()).await;
+        if result.is_ok() {
+            info!(stream = %self.stream, consumer = %self.durable, "NATS consumer shut down");
+        }
+        result
+    }
+
+    /// Gets the stream and creates or updates the durable consumer.
+    async fn setup(
+        &self,
+        js: &jetstream::Context,
+    ) -> Result<consumer::Consumer<consumer::pull::Config>, NatsError> {
+        let limit = self.config.connect_timeout();
+        let stream = match timeout(limit, js.get_stream(&self.stream)).await {
+            Ok(Ok(stream)) => stream,
+            Ok(Err(e)) => {
+                use async_nats::jetstream::context::GetStreamErrorKind as K;
+                let kind = match e.kind() {
+                    // The relay may not have created it yet.
+                    K::JetStream(js) if js.error_code() == ErrorCode::STREAM_NOT_FOUND => {
+                        ErrorKind::Transient
+                    }
+                    K::JetStream(js) => classify_api(&js),
+                    K::EmptyName | K::InvalidStreamName => ErrorKind::Permanent,
+                    _ => ErrorKind::Unavailable,
+                };
+                return Err(NatsError::Stream {
+                    operation: "stream.info",
+                    stream: self.stream.clone(),
+                    kind,
+                    source: Box::new(e),
+                });
+            }
+            Err(_) => return Err(self.timeout("stream.info")),
+        };
+        match timeout(limit, stream.create_consumer(self.consumer_config())).await {
+            Ok(Ok(consumer)) => Ok(consumer),
+            Ok(Err(e)) => {
+                use async_nats::jetstream::stream::ConsumerErrorKind as K;
+                let kind = match e.kind() {
+                    K::JetStream(js) => classify_api(&js),
+                    K::InvalidConsumerType | K::InvalidName => ErrorKind::Permanent,
+                    K::TimedOut | K::Request => ErrorKind::Unavailable,
+                    _ => ErrorKind::Transient,
+                };
+                Err(NatsError::Consumer {
+                    operation: "consumer.create_or_update",
+                    stream: self.stream.clone(),
+                    consumer: self.durable.clone(),
+                    kind,
+                    source: Box::new(e),
+                })
+            }
+            Err(_) => Err(self.timeout("consumer.create_or_update")),
+        }
+    }
+
+    fn timeout(&self, operation: &'static str) -> NatsError {
+        NatsError::Timeout {
+            operation,
+            url_redacted: self.config.url_redacted().to_owned(),
+            timeout: self.config.connect_timeout(),
+        }
+    }
+
+    fn consume_error(&self, reason: impl Into<String>, source: Option<BoxedError>) -> NatsError {
+        NatsError::Consume {
+            stream: self.stream.clone(),
+            consumer: self.durable.clone(),
+            reason: reason.into(),
+            source,
+        }
+    }
+
+    /// One pull subscription's worth of consuming. `Ok(())` means shutdown.
+    async fn consume_once<H: DeliveryHandler>(
+        &self,
+        js: &jetstream::Context,
+        handler: &H,
+        answering: &Answering,
+        shutdown: &CancellationToken,
+        established: &mut bool,
+    ) -> Result<(), NatsError> {
+        let consumer = self.setup(js).await?;
+        let mut messages = consumer
+            .stream()
+            .max_messages_per_batch(self.concurrency)
+            .heartbeat(PULL_HEARTBEAT)
+            .expires(PULL_EXPIRES)
+            .messages()
+            .await
+            .map_err(|e| {
+                self.consume_error("starting the pull subscription failed", Some(Box::new(e)))
+            })?;
+        *established = true;
+        info!(
+            stream = %self.stream,
+            consumer = %self.durable,
+            concurrency = self.concurrency,
+            "consuming from JetStream"
+        );
+
+        let mut in_flight = FuturesUnordered::new();
+        let mut errors_in_a_row = 0u32;
+        let ended = loop {
+            tokio::select! {
+                biased;
+                () = shutdown.cancelled() => break Ok(()),
+                Some(()) = in_flight.next(), if !in_flight.is_empty() => {}
+                next = messages.next(), if in_flight.len() < self.concurrency => match next {
+                    Some(Ok(message)) => {
+                        errors_in_a_row = 0;
+                        in_flight.push(process(handler, message, answering));
+                    }
+                    Some(Err(e)) => {
+                        let terminal = matches!(
+                            e.kind(),
+                            MessagesErrorKind::ConsumerDeleted
+                                | MessagesErrorKind::PushBasedConsumer
+                                | MessagesErrorKind::RequestLimitExceeded
+                        );
+                        errors_in_a_row += 1;
+                        if terminal || errors_in_a_row >= MAX_CONSECUTIVE_ERRORS {
+                            break Err(self.consume_error(
+                                format!("the pull subscription failed ({errors_in_a_row} errors in a row)"),
+                                Some(Box::new(e)),
+                            ));
+                        }
+                        debug!(error = %e, "pull subscription hiccup; it re-issues its pull");
+                    }
+                    None => break Err(self.consume_error("the pull subscription ended", None)),
+                },
+            }
+        };
+        // No more pulls; let the running handlers finish and answer.
+        drop(messages);
+        let draining = in_flight.len();
+        if draining > 0 {
+            debug!(in_flight = draining, "waiting for in-flight handlers");
+        }
+        while in_flight.next().await.is_some() {}
+        ended
+    }
+}
+
+type BoxedError = outbox_core::BoxError;
+
+fn millis(d: Duration) -> u64 {
+    u64::try_from(d.as_millis()).unwrap_or(u64::MAX)
+}
+
+/// Decodes, handles and answers one message. Never panics, never returns an error:
+/// failures are logged and the server redelivers what was not answered.
+async fn process<H: DeliveryHandler>(
+    handler: &H,
+    message: jetstream::Message,
+    answering: &Answering,
+) {
+    let (delivered, stream_sequence) = match message.info() {
+        Ok(info) => (
+            u64::try_from(info.delivered).unwrap_or(1).max(1),
+            info.stream_sequence,
+        ),
+        Err(e) => {
+            warn!(subject = %message.subject, error = %e, "not a JetStream message; ignored");
+            return;
+        }
+    };
+    let headers = headers_to_strings(message.headers.as_ref());
+    let message_id = headers.get(MSG_ID_HEADER).cloned();
+    let decision = match IncomingMessage::decode(
+        Binding::Nats,
+        message_id.as_deref(),
+        headers,
+        message.payload.to_vec(),
+        delivered > 1,
+        Some(delivered),
+    ) {
+        Ok(msg) => {
+            let id = msg.id;
+            match AssertUnwindSafe(handler.handle(msg)).catch_unwind().await {
+                Ok(decision) => decision,
+                Err(_) => {
+                    let decision = if delivered > 1 {
+                        HandlerDecision::Reject
+                    } else {
+                        HandlerDecision::Requeue
+                    };
+                    error!(%id, delivered, ?decision, "delivery handler panicked");
+                    decision
+                }
+            }
+        }
+        Err(e) => {
+            warn!(
+                stream_sequence,
+                message_id = message_id.as_deref().unwrap_or(""),
+                error = %e,
+                "undecodable message terminated"
+            );
+            HandlerDecision::Reject
+        }
+    };
+    let kind = match decision {
+        HandlerDecision::Ack => AckKind::Ack,
+        HandlerDecision::Requeue
+            if answering
+                .max_deliver
+                .is_some_and(|max| delivered >= u64::from(max)) =>
+        {
+            error!(
+                stream_sequence,
+                delivered,
+                message_id = message_id.as_deref().unwrap_or(""),
+                "delivery limit (max_deliver) reached: JetStream will not deliver this message again; terminated"
+            );
+            AckKind::Term
+        }
+        HandlerDecision::Requeue => AckKind::Nak(nak_delay(&answering.nak_delays, delivered)),
+        HandlerDecision::Reject => AckKind::Term,
+    };
+    if let Err(e) = message.ack_with(kind).await {
+        warn!(stream_sequence, ?decision, error = %e, "could not answer the server; it will redeliver after ack_wait");
+    }
+}
+
+/// The delay of the `-NAK` after delivery number `delivered` (1-based).
+fn nak_delay(delays: &[Duration], delivered: u64) -> Option<Duration> {
+    let index = usize::try_from(delivered.saturating_sub(1)).unwrap_or(usize::MAX);
+    delays.get(index).or_else(|| delays.last()).copied()
+}
+
+/// NATS headers as strings: the first value of each header.
+pub fn headers_to_strings(map: Option<&async_nats::HeaderMap>) -> Headers {
+    let mut headers = Headers::new();
+    if let Some(map) = map {
+        for (name, values) in map.iter() {
+            if let Some(value) = values.first() {
+                headers.insert(
+                    AsRef::<str>::as_ref(name).to_owned(),
+                    value.as_str().to_owned(),
+                );
+            }
+        }
+    }
+    headers
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn nak_delays_follow_the_delivery_count() {
+        let delays = [Duration::from_secs(1), Duration::from_secs(5)];
+        assert_eq!(nak_delay(&delays, 1), Some(Duration::from_secs(1)));
+        assert_eq!(nak_delay(&delays, 2), Some(Duration::from_secs(5)));
+        assert_eq!(nak_delay(&delays, 9), Some(Duration::from_secs(5)));
+        assert_eq!(nak_delay(&[], 3), None);
+    }
+
+    #[test]
+    fn headers_become_strings() {
+        let mut map = async_nats::HeaderMap::new();
+        map.insert("ce-type", "OrderPlaced");
+        map.append("multi", "first");
+        map.append("multi", "second");
+        let headers = headers_to_strings(Some(&map));
+        assert_eq!(
+            headers.get("ce-type").map(String::as_str),
+            Some("OrderPlaced")
+        );
+        assert_eq!(headers.get("multi").map(String::as_str), Some("first"));
+        assert!(headers_to_strings(None).is_empty());
+    }
+
+    #[test]
+    fn builder_validates() {
+        let config = crate::NatsConfigBuilder::new(crate::config::DEFAULT_URL)
+            .build()
+            .expect("valid config");
+        let field = |b: NatsConsumerBuilder| match b.build() {
+            Err(NatsError::InvalidConfig { field, .. }) => field,
+            other => panic!("expected InvalidConfig, got {other:?}"),
+        };
+        let base = || NatsConsumer::builder(config.clone(), "S", "d");
+        assert_eq!(
+            field(NatsConsumer::builder(config.clone(), "", "d")),
+            "stream"
+        );
+        assert_eq!(
+            field(NatsConsumer::builder(config.clone(), "S", "a.b")),
+            "durable"
+        );
+        assert_eq!(field(base().with_concurrency(0)), "concurrency");
+        assert_eq!(field(base().with_ack_wait(Duration::ZERO)), "ack_wait");
+        assert_eq!(field(base().with_max_deliver(Some(0))), "max_deliver");
+        assert_eq!(
+            field(
+                base()
+                    .with_max_deliver(Some(2))
+                    .with_backoff(vec![Duration::from_secs(1); 2])
+            ),
+            "max_deliver"
+        );
+        assert_eq!(field(base().with_filter_subject("a..b")), "filter_subject");
+        let consumer = base()
+            .with_filter_subject("orders.*.placed")
+            .with_max_deliver(None)
+            .build()
+            .expect("valid");
+        assert_eq!(consumer.concurrency(), DEFAULT_CONCURRENCY);
+        let config = consumer.consumer_config();
+        assert_eq!(config.max_deliver, -1);
+        assert_eq!(config.ack_policy, AckPolicy::Explicit);
+        assert_eq!(config.max_ack_pending, 100);
+        assert_eq!(config.filter_subject, "orders.*.placed");
+    }
+}

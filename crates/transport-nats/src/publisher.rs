@@ -1,0 +1,660 @@
+//! [`NatsPublisher`]: the [`EventPublisher`] for NATS JetStream, with pipelined PubAcks and
+//! server-side deduplication by `Nats-Msg-Id`.
+//!
+//! # How a batch is published
+//!
+//! 1. Each message is checked before anything is sent: its subject
+//!    (`{prefix}.{routing key or event type}`) must be a valid NATS publish subject
+//!    (non-empty tokens separated by `.`, no whitespace, no `*` or `>`, not starting
+//!    with `$`), its headers must be expressible as NATS headers, and payload plus
+//!    headers must fit the server's `max_payload` (from its `INFO`; 1 MiB by default) or
+//!    the configured lower limit. A message that fails gets [`PublishError::Invalid`] or
+//!    [`PublishError::PayloadTooLarge`] (both permanent: the dispatcher dead-letters it
+//!    at once) and is not sent.
+//! 2. When the client is not connected (it reconnects by itself in the background),
+//!    every message gets [`PublishError::Unavailable`] without being sent: the
+//!    dispatcher opens its circuit and probes with [`check_ready`](EventPublisher::check_ready).
+//! 3. The messages are published one after another without waiting ([JetStream
+//!    publish]: a request whose reply is the PubAck), up to
+//!    [`max_in_flight`](crate::NatsConfigBuilder::with_max_in_flight) awaiting their
+//!    PubAck at once across all batches of the publisher; when the window is full the
+//!    next message goes out as soon as an earlier one is acknowledged.
+//! 4. All PubAcks are awaited under one deadline of
+//!    [`ack_timeout`](crate::NatsConfigBuilder::with_ack_timeout) counted from the
+//!    start of the batch.
+//!
+//! Each message gets exactly one [`PublishOutcome`], in input order:
+//!
+//! | server or client says                                   | outcome                                  |
+//! |---------------------------------------------------------|------------------------------------------|
+//! | PubAck                                                  | `Published`                              |
+//! | PubAck with `duplicate: true` (same `Nats-Msg-Id` inside the stream's duplicate window) | `Published` (stored once, earlier) |
+//! | no responders, and no stream captures the subject       | `Permanent(Unroutable)`                  |
+//! | no responders, but a stream captures the subject now    | `Transient(Rejected)`                    |
+//! | JetStream API does not answer, not connected, connection lost | `Transient(Unavailable)`: circuit opens |
+//! | JetStream error `10054` (over the stream's `max_msg_size`) | `Permanent(Other)`                    |
+//! | other JetStream error (e.g. `10077` store failed, stream full with `discard: new`) | `Transient(Rejected)` |
+//! | no PubAck within the deadline, connection stayed up     | `Transient(Timeout)`                     |
+//! | no PubAck within the deadline, connection lost meanwhile | `Transient(Unavailable)`: circuit opens |
+//!
+//! "No responders" (status `503`) is the server's answer to a publish on a subject that
+//! no stream captures. It is a configuration error, like RabbitMQ's unroutable
+//! `mandatory` return, so it dead-letters the message, but only after the publisher
+//! asked JetStream which stream captures the subject (`$JS.API.STREAM.NAMES` with a
+//! subject filter): when JetStream does not answer it is an outage, and when a stream
+//! appeared meanwhile it is retried. Create the stream before the relay publishes
+//! ([`StreamSetup`]).
+//!
+//! # Deduplication and durability
+//!
+//! `Nats-Msg-Id` is the outbox id, so a message published again inside the stream's
+//! [duplicate window] (a relay that crashed after publishing and before recording the
+//! result republishes after its lease, 30 s by default; or a publish whose PubAck was
+//! lost) is acknowledged with `duplicate: true` and stored once. Outside the window the
+//! consumer's inbox absorbs the duplicate. A PubAck means the stream stored the message
+//! (on a cluster: a quorum of replicas); see [`StreamSetup`] for
+//! when that is on disk.
+//!
+//! A publish that was handed to the client while the connection was down is sent when
+//! it comes back, even though this batch reported it `Unavailable`; the republish that
+//! follows is then dropped by the duplicate window.
+//!
+//! # Wire format
+//!
+//! Binary content mode of the CloudEvents NATS protocol binding (NATS headers, since
+//! server 2.2): [`outbox_core::wire::encode_headers`] with [`Binding::Nats`] (`ce-id`,
+//! `ce-type`, `ce-source`, `ce-subject`, `ce-time`, the extensions, `traceparent` /
+//! `tracestate` unprefixed, pass-through headers), `Content-Type: application/json`,
+//! and `Nats-Msg-Id` = outbox id. When a pass-through header has the name of a
+//! CloudEvents attribute or `Content-Type`, ours wins; a pass-through header named
+//! `Nats-*` (JetStream's control headers, e.g. `Nats-Expected-Stream`) makes the message
+//! [`PublishError::Invalid`].
+//!
+//! [JetStream publish]: https://docs.nats.io/nats-concepts/jetstream/js_walkthrough
+//! [duplicate window]: https://docs.nats.io/using-nats/developer/develop_jetstream/model_deep_dive#message-deduplication
+
+use std::collections::HashMap;
+use std::future::IntoFuture;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+use async_nats::connection::State;
+use async_nats::jetstream::context::PublishErrorKind;
+use async_nats::jetstream::message::PublishMessage;
+use async_nats::jetstream::publish::PublishAck;
+use async_nats::jetstream::{self, ErrorCode};
+use async_nats::{HeaderMap, HeaderName, HeaderValue};
+use async_trait::async_trait;
+use bytes::Bytes;
+use futures::StreamExt;
+use futures::stream::FuturesUnordered;
+use outbox_core::wire::{Binding, CONTENT_TYPE_JSON, encode_headers};
+use outbox_core::{ErrorKind, EventPublisher, OutboxMessage, PublishError, PublishOutcome};
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
+use tokio::time::{Instant, sleep_until, timeout, timeout_at};
+use tracing::{debug, info, warn};
+
+use crate::config::{NatsConfig, connect_with, subject_problem};
+use crate::error::{NatsError, jetstream_error};
+use crate::stream::{StreamInfo, StreamSetup};
+
+/// The NATS header carrying the message id JetStream deduplicates on.
+pub const MSG_ID_HEADER: &str = "Nats-Msg-Id";
+/// The header carrying the payload's media type.
+pub const CONTENT_TYPE_HEADER: &str = "Content-Type";
+
+/// Publishes outbox messages to NATS JetStream and waits for their PubAcks. See the
+/// [module docs](self) for the outcome of each server answer.
+///
+/// Cheap to share: wrap it in an [`Arc`] or hand it to the
+/// [`Dispatcher`](outbox_core::Dispatcher) directly; concurrent
+/// [`publish_batch`](EventPublisher::publish_batch) calls share one connection and one
+/// in-flight window. The client reconnects by itself (unlimited attempts, backoff up to
+/// 4 s); while it is disconnected batches report `Unavailable`.
+#[derive(Debug)]
+pub struct NatsPublisher {
+    config: NatsConfig,
+    client: async_nats::Client,
+    jetstream: jetstream::Context,
+    in_flight: Arc<Semaphore>,
+    /// Incremented on every `Disconnected` event of the client.
+    disconnects: Arc<AtomicU64>,
+}
+
+impl NatsPublisher {
+    /// Connects at once.
+    ///
+    /// # Errors
+    /// [`NatsError::Connect`] when the server refuses or cannot be reached (an
+    /// authorization violation is [`ErrorKind::Permanent`], an unreachable server
+    /// [`ErrorKind::Unavailable`]), [`NatsError::Timeout`] after the connect timeout.
+    pub async fn connect(config: NatsConfig) -> Result<Self, NatsError> {
+        Self::open(config, false).await
+    }
+
+    /// A publisher that connects in the background and keeps trying until it succeeds:
+    /// use it when the relay must start while the server is down. Until the first
+    /// connection, batches report `Unavailable` and `check_ready` fails.
+    ///
+    /// # Errors
+    /// None in practice; the signature leaves room for option validation by the
+    /// client.
+    pub async fn connect_lazy(config: NatsConfig) -> Result<Self, NatsError> {
+        Self::open(config, true).await
+    }
+
+    async fn open(config: NatsConfig, lazy: bool) -> Result<Self, NatsError> {
+        let disconnects = Arc::new(AtomicU64::new(0));
+        let counter = Arc::clone(&disconnects);
+        let url = config.url_redacted().to_owned();
+        let mut options = config.connect_options().event_callback(move |event| {
+            let counter = Arc::clone(&counter);
+            let url = url.clone();
+            async move {
+                match event {
+                    async_nats::Event::Disconnected => {
+                        counter.fetch_add(1, Ordering::AcqRel);
+                        warn!(url = %url, "NATS connection lost, reconnecting");
+                    }
+                    async_nats::Event::Connected => info!(url = %url, "connected to NATS"),
+                    other => debug!(url = %url, event = %other, "NATS client event"),
+                }
+            }
+        });
+        if lazy {
+            options = options.retry_on_initial_connect();
+        }
+        let client = connect_with(&config, options).await?;
+        // Our window bounds what is in flight; the context's own limit only has to be
+        // larger so that it never blocks (its permits are released as acks resolve).
+        let jetstream = jetstream::ContextBuilder::new()
+            .timeout(config.ack_timeout())
+            .max_ack_inflight(config.max_in_flight() + 16)
+            .backpressure_on_inflight(true)
+            .build(client.clone());
+        Ok(Self {
+            in_flight: Arc::new(Semaphore::new(config.max_in_flight())),
+            config,
+            client,
+            jetstream,
+            disconnects,
+        })
+    }
+
+    /// The configuration.
+    pub fn config(&self) -> &NatsConfig {
+        &self.config
+    }
+
+    /// The underlying client (shared connection), e.g. for a consumer in the same
+    /// process.
+    pub fn client(&self) -> &async_nats::Client {
+        &self.client
+    }
+
+    /// The JetStream context the publisher uses.
+    pub fn jetstream(&self) -> &jetstream::Context {
+        &self.jetstream
+    }
+
+    /// Creates the stream `setup` describes, or updates it to match, over the
+    /// publisher's connection.
+    ///
+    /// # Errors
+    /// As [`StreamSetup::apply_with`].
+    pub async fn ensure_stream(&self, setup: &StreamSetup) -> Result<StreamInfo, NatsError> {
+        setup
+            .apply_with(&self.jetstream, self.config.connect_timeout())
+            .await
+    }
+
+    /// Flushes what the client still buffers and closes the connection (draining it).
+    /// Publishing after this reports `Unavailable`.
+    pub async fn close(&self) {
+        let flushed = timeout(self.config.connect_timeout(), self.client.flush()).await;
+        if !matches!(flushed, Ok(Ok(()))) {
+            debug!("flushing the NATS connection before closing failed");
+        }
+        if let Ok(Err(e)) = timeout(self.config.connect_timeout(), self.client.drain()).await {
+            debug!(error = %e, "draining the NATS connection failed");
+        }
+    }
+
+    /// The largest payload plus headers, in bytes, the publisher sends now.
+    pub fn max_message_bytes(&self) -> usize {
+        let server = self.client.max_payload();
+        self.config
+            .max_payload_bytes()
+            .map_or(server, |own| own.min(server))
+    }
+
+    fn connected(&self) -> bool {
+        self.client.connection_state() == State::Connected
+    }
+
+    /// Checks one message and turns it into what a JetStream publish needs.
+    fn prepare(&self, msg: &OutboxMessage, max: usize) -> Result<Prepared, PublishError> {
+        let subject = self.config.subject_for(msg.effective_routing_key());
+        if let Some(problem) = subject_problem(&subject) {
+            return Err(PublishError::Invalid(format!(
+                "not a valid NATS publish subject (prefix {:?} + routing key or event type): {problem}",
+                self.config.subject_prefix()
+            )));
+        }
+        let mut headers = HeaderMap::new();
+        let mut names: Vec<String> = Vec::with_capacity(12 + msg.headers.len());
+        let mut push = |headers: &mut HeaderMap, name: &str, value: &str| {
+            if names.iter().any(|n| n.eq_ignore_ascii_case(name)) {
+                // encode_headers lists the CloudEvents attributes first: a pass-through
+                // header must not overwrite the id, type, ... of the event.
+                return Ok(());
+            }
+            let header_name = name.parse::<HeaderName>().map_err(|_| {
+                PublishError::Invalid(format!(
+                    "header name {name:?} is not a NATS header name (printable ASCII without ':')"
+                ))
+            })?;
+            let header_value = value.parse::<HeaderValue>().map_err(|_| {
+                PublishError::Invalid(format!(
+                    "the value of header {name:?} contains a line break"
+                ))
+            })?;
+            headers.insert(header_name, header_value);
+            names.push(name.to_owned());
+            Ok::<(), PublishError>(())
+        };
+        let id = msg.id.to_string();
+        push(&mut headers, MSG_ID_HEADER, &id)?;
+        push(&mut headers, CONTENT_TYPE_HEADER, CONTENT_TYPE_JSON)?;
+        for (name, value) in encode_headers(msg, Binding::Nats, self.config.source()) {
+            if name.len() >= 5 && name[..5].eq_ignore_ascii_case("nats-") {
+                return Err(PublishError::Invalid(format!(
+                    "header {name:?} is reserved for JetStream (Nats-* headers control deduplication and expectations)"
+                )));
+            }
+            push(&mut headers, &name, &value)?;
+        }
+        let payload = Bytes::copy_from_slice(msg.payload.get().as_bytes());
+        let size = payload.len() + header_wire_len(&headers);
+        if size > max {
+            return Err(PublishError::PayloadTooLarge { size, max });
+        }
+        Ok(Prepared {
+            subject,
+            message: PublishMessage::build().payload(payload).headers(headers),
+        })
+    }
+
+    /// Publishes the prepared messages with a bounded window, then awaits every PubAck.
+    /// Fills `results` for every index in `prepared`.
+    async fn publish_prepared(
+        &self,
+        prepared: Vec<(usize, Prepared)>,
+        results: &mut [Option<Result<(), PublishError>>],
+    ) {
+        if !self.connected() {
+            let reason = format!(
+                "not connected to NATS at {} (the client is reconnecting)",
+                self.config.url_redacted()
+            );
+            for (i, _) in &prepared {
+                results[*i] = Some(Err(PublishError::unavailable(reason.clone(), None)));
+            }
+            return;
+        }
+        let epoch = self.disconnects.load(Ordering::Acquire);
+        let deadline = Instant::now() + self.config.ack_timeout();
+        let mut subjects: HashMap<usize, String> = HashMap::new();
+        let mut failures: Vec<(usize, Failure)> = Vec::new();
+        let mut pending = FuturesUnordered::new();
+        let mut duplicates = 0usize;
+        let mut acked = 0usize;
+        let mut record = |i: usize,
+                          result: Result<PublishAck, Failure>,
+                          results: &mut [Option<Result<(), PublishError>>],
+                          failures: &mut Vec<(usize, Failure)>| {
+            match result {
+                Ok(ack) => {
+                    acked += 1;
+                    duplicates += usize::from(ack.duplicate);
+                    results[i] = Some(Ok(()));
+                }
+                Err(failure) => failures.push((i, failure)),
+            }
+        };
+
+        for (i, Prepared { subject, message }) in prepared {
+            // A free slot of the window, driving our own pending acks while we wait so
+            // their permits come back.
+            let permit: Option<OwnedSemaphorePermit> = loop {
+                if let Ok(permit) = Arc::clone(&self.in_flight).try_acquire_owned() {
+                    break Some(permit);
+                }
+                tokio::select! {
+                    biased;
+                    Some((j, result)) = pending.next(), if !pending.is_empty() => {
+                        record(j, result, results, &mut failures);
+                    }
+                    permit = Arc::clone(&self.in_flight).acquire_owned() => break permit.ok(),
+                    () = sleep_until(deadline) => break None,
+                }
+            };
+            let Some(permit) = permit else {
+                failures.push((i, Failure::Timeout));
+                continue;
+            };
+            match timeout_at(
+                deadline,
+                self.jetstream.send_publish(subject.clone(), message),
+            )
+            .await
+            {
+                Ok(Ok(ack)) => {
+                    subjects.insert(i, subject);
+                    pending.push(async move {
+                        let result = match timeout_at(deadline, ack.into_future()).await {
+                            Ok(Ok(ack)) => Ok(ack),
+                            Ok(Err(e)) => Err(Failure::Publish(e)),
+                            Err(_) => Err(Failure::Timeout),
+                        };
+                        drop(permit);
+                        (i, result)
+                    });
+                }
+                Ok(Err(e)) => {
+                    subjects.insert(i, subject);
+                    failures.push((i, Failure::Publish(e)));
+                }
+                Err(_) => failures.push((i, Failure::Timeout)),
+            }
+        }
+        while let Some((j, result)) = pending.next().await {
+            record(j, result, results, &mut failures);
+        }
+
+        if failures.is_empty() {
+            if duplicates > 0 {
+                debug!(
+                    acked,
+                    duplicates, "JetStream batch acknowledged (duplicates dropped by the stream)"
+                );
+            } else {
+                debug!(acked, "JetStream batch acknowledged");
+            }
+            return;
+        }
+        let connection_lost =
+            !self.connected() || self.disconnects.load(Ordering::Acquire) != epoch;
+        let mut no_stream: HashMap<String, Vec<usize>> = HashMap::new();
+        let failed = failures.len();
+        for (i, failure) in failures {
+            match failure.into_error(&self.config, connection_lost) {
+                Mapped::Done(error) => results[i] = Some(Err(error)),
+                Mapped::NoResponders => no_stream
+                    .entry(subjects.remove(&i).unwrap_or_default())
+                    .or_default()
+                    .push(i),
+            }
+        }
+        for (subject, indices) in no_stream {
+            let error = self.no_responders(&subject).await;
+            for i in indices {
+                results[i] = Some(Err(error.clone_as_error()));
+            }
+        }
+        warn!(
+            acked,
+            failed,
+            connection_lost,
+            connected = self.connected(),
+            "JetStream batch incomplete"
+        );
+    }
+
+    /// Decides what a "no responders" answer to a publish on `subject` means by asking
+    /// JetStream which stream captures the subject.
+    async fn no_responders(&self, subject: &str) -> Cloneable {
+        let lookup = timeout(
+            self.config.connect_timeout(),
+            self.jetstream.stream_by_subject(subject),
+        )
+        .await;
+        match lookup {
+            Ok(Err(e)) if e.kind() == jetstream::context::GetStreamByNameErrorKind::NotFound => {
+                Cloneable::Unroutable {
+                    subject: subject.to_owned(),
+                }
+            }
+            Ok(Ok(stream)) => Cloneable::Rejected(format!(
+                "no responders for subject {subject:?} although stream {stream:?} captures it now (the stream was being created, restored or moved)"
+            )),
+            Ok(Err(e)) => Cloneable::Unavailable(format!(
+                "no responders for subject {subject:?} and the JetStream API did not answer the stream lookup: {e}"
+            )),
+            Err(_) => Cloneable::Unavailable(format!(
+                "no responders for subject {subject:?} and the JetStream API did not answer the stream lookup within {:?}",
+                self.config.connect_timeout()
+            )),
+        }
+    }
+}
+
+#[async_trait]
+impl EventPublisher for NatsPublisher {
+    async fn publish_batch(&self, messages: &[OutboxMessage]) -> Vec<PublishOutcome> {
+        let mut results: Vec<Option<Result<(), PublishError>>> =
+            messages.iter().map(|_| None).collect();
+        let max = self.max_message_bytes();
+        let mut prepared = Vec::with_capacity(messages.len());
+        for (i, msg) in messages.iter().enumerate() {
+            match self.prepare(msg, max) {
+                Ok(p) => prepared.push((i, p)),
+                Err(e) => {
+                    warn!(id = %msg.id, event_type = %msg.event_type, error = %e, "message cannot be published");
+                    results[i] = Some(Err(e));
+                }
+            }
+        }
+        if !prepared.is_empty() {
+            self.publish_prepared(prepared, &mut results).await;
+        }
+        results
+            .into_iter()
+            .map(|result| {
+                PublishOutcome::from_result(result.unwrap_or_else(|| {
+                    Err(PublishError::Other {
+                        kind: ErrorKind::Transient,
+                        message: "no outcome was recorded for this message".to_owned(),
+                        source: None,
+                    })
+                }))
+            })
+            .collect()
+    }
+
+    /// Succeeds only when the client is connected and the JetStream API answers an
+    /// account info request (`$JS.API.INFO`) within the connect timeout without an
+    /// error; otherwise `Unavailable`.
+    async fn check_ready(&self) -> Result<(), PublishError> {
+        if !self.connected() {
+            return Err(PublishError::unavailable(
+                format!(
+                    "not connected to NATS at {} (the client is reconnecting)",
+                    self.config.url_redacted()
+                ),
+                None,
+            ));
+        }
+        jetstream_ready(&self.client, self.config.connect_timeout())
+            .await
+            .map_err(|reason| PublishError::unavailable(reason, None))
+    }
+}
+
+/// Asks the JetStream API for the account info (`$JS.API.INFO`) and checks the answer is
+/// not an error. `Err` carries a description.
+pub(crate) async fn jetstream_ready(
+    client: &async_nats::Client,
+    limit: Duration,
+) -> Result<(), String> {
+    let request = client.request("$JS.API.INFO", Bytes::new());
+    match timeout(limit, request).await {
+        Err(_) => Err(format!("JetStream did not answer within {limit:?}")),
+        Ok(Err(e)) => Err(format!("JetStream API request failed: {e}")),
+        Ok(Ok(reply)) => match serde_json::from_slice::<serde_json::Value>(&reply.payload) {
+            Ok(value) => match value.get("error") {
+                None => Ok(()),
+                Some(error) => Err(format!("JetStream answered with an error: {error}")),
+            },
+            Err(e) => Err(format!(
+                "JetStream answered something that is not JSON: {e}"
+            )),
+        },
+    }
+}
+
+/// The serialized size of a NATS header block (`NATS/1.0\r\n`, `name: value\r\n` per
+/// value, `\r\n`), as the server counts it against `max_payload`.
+fn header_wire_len(headers: &HeaderMap) -> usize {
+    let mut len = "NATS/1.0\r\n".len() + 2;
+    for (name, values) in headers.iter() {
+        for value in values {
+            len += AsRef::<str>::as_ref(name).len() + 2 + value.as_str().len() + 2;
+        }
+    }
+    len
+}
+
+/// What a JetStream publish needs for one message.
+struct Prepared {
+    subject: String,
+    message: PublishMessage,
+}
+
+/// Why a message of a batch got no PubAck.
+enum Failure {
+    Publish(jetstream::context::PublishError),
+    Timeout,
+}
+
+/// A failure mapped to an error, or one that needs a stream lookup first.
+enum Mapped {
+    Done(PublishError),
+    NoResponders,
+}
+
+impl Failure {
+    fn into_error(self, config: &NatsConfig, connection_lost: bool) -> Mapped {
+        let lost = || {
+            PublishError::unavailable(
+                format!(
+                    "connection to NATS at {} lost before the PubAck arrived",
+                    config.url_redacted()
+                ),
+                None,
+            )
+        };
+        let error = match self {
+            Self::Timeout if connection_lost => lost(),
+            Self::Timeout => PublishError::Timeout(config.ack_timeout()),
+            Self::Publish(e) => match e.kind() {
+                PublishErrorKind::StreamNotFound => return Mapped::NoResponders,
+                PublishErrorKind::TimedOut if connection_lost => lost(),
+                PublishErrorKind::TimedOut => PublishError::Timeout(config.ack_timeout()),
+                PublishErrorKind::BrokenPipe => lost(),
+                PublishErrorKind::MaxPayloadExceeded => PublishError::Other {
+                    kind: ErrorKind::Permanent,
+                    message: format!("the server's max_payload is exceeded: {e}"),
+                    source: Some(Box::new(e)),
+                },
+                _ => match jetstream_error(&e).map(|js| (js.code(), js.error_code())) {
+                    Some((_, ErrorCode::STREAM_MESSAGE_EXCEEDS_MAXIMUM)) => PublishError::Other {
+                        kind: ErrorKind::Permanent,
+                        message: format!("the message exceeds the stream's max_msg_size: {e}"),
+                        source: Some(Box::new(e)),
+                    },
+                    Some((503, _))
+                    | Some((
+                        _,
+                        ErrorCode::JETSTREAM_NOT_ENABLED
+                        | ErrorCode::JETSTREAM_NOT_ENABLED_FOR_ACCOUNT
+                        | ErrorCode::CLUSTER_NOT_AVAILABLE,
+                    )) => PublishError::unavailable(
+                        format!("JetStream is not available: {e}"),
+                        Some(Box::new(e)),
+                    ),
+                    Some(_) => PublishError::Rejected {
+                        reason: format!("JetStream refused the message: {e}"),
+                    },
+                    None if connection_lost => lost(),
+                    // The client could not hand the publish to its connection task.
+                    None => PublishError::Other {
+                        kind: ErrorKind::Transient,
+                        message: format!("publish failed: {e}"),
+                        source: Some(Box::new(e)),
+                    },
+                },
+            },
+        };
+        Mapped::Done(error)
+    }
+}
+
+/// The outcome of a stream lookup, shared by every message of one subject.
+enum Cloneable {
+    Unroutable { subject: String },
+    Rejected(String),
+    Unavailable(String),
+}
+
+impl Cloneable {
+    fn clone_as_error(&self) -> PublishError {
+        match self {
+            Self::Unroutable { subject } => PublishError::Unroutable {
+                exchange: String::new(),
+                routing_key: subject.clone(),
+                reply_code: 503,
+                reply_text: "no responders: no JetStream stream captures this subject (create one with transport_nats::StreamSetup, or fix the subject prefix)".to_owned(),
+            },
+            Self::Rejected(reason) => PublishError::Rejected {
+                reason: reason.clone(),
+            },
+            Self::Unavailable(reason) => PublishError::unavailable(reason.clone(), None),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn header_length_matches_the_wire_format() {
+        let mut headers = HeaderMap::new();
+        headers.insert("Nats-Msg-Id", "abc");
+        headers.insert("ce-type", "OrderPlaced");
+        // "NATS/1.0\r\n" + "Nats-Msg-Id: abc\r\n" + "ce-type: OrderPlaced\r\n" + "\r\n"
+        assert_eq!(header_wire_len(&headers), 10 + 18 + 22 + 2);
+    }
+
+    #[test]
+    fn timeouts_become_outages_when_the_connection_was_lost() {
+        let config = crate::NatsConfigBuilder::new(crate::config::DEFAULT_URL)
+            .build()
+            .expect("valid");
+        match Failure::Timeout.into_error(&config, false) {
+            Mapped::Done(PublishError::Timeout(d)) => assert_eq!(d, config.ack_timeout()),
+            _ => panic!("expected Timeout"),
+        }
+        match Failure::Timeout.into_error(&config, true) {
+            Mapped::Done(e) => assert_eq!(e.kind(), ErrorKind::Unavailable),
+            Mapped::NoResponders => panic!("expected Unavailable"),
+        }
+        let no_stream = jetstream::context::PublishError::new(PublishErrorKind::StreamNotFound);
+        assert!(matches!(
+            Failure::Publish(no_stream).into_error(&config, false),
+            Mapped::NoResponders
+        ));
+    }
+}

@@ -1,0 +1,457 @@
+//! `NatsConsumer` against the real NATS server, fed by `NatsPublisher` (and by raw
+//! JetStream publishes for messages our publisher would never produce), with the inbox
+//! of outbox-postgres for exactly-once effects.
+
+mod common;
+
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use async_nats::jetstream::consumer::PullConsumer;
+use async_trait::async_trait;
+use outbox_core::wire::IncomingMessage;
+use outbox_core::{EventPublisher, InboxStore, OutboxMessage};
+use outbox_postgres::{PgInbox, PgOutbox};
+use tokio::task::JoinHandle;
+use tokio_util::sync::CancellationToken;
+use transport_nats::{
+    DeliveryHandler, HandlerDecision, NatsConsumer, NatsConsumerBuilder, NatsError, NatsPublisher,
+};
+use uuid::Uuid;
+
+use common::*;
+
+/// What a handler saw of one delivery.
+#[derive(Debug, Clone)]
+struct Seen {
+    id: Uuid,
+    event_type: String,
+    redelivered: bool,
+    delivery_count: Option<u64>,
+}
+
+struct Running {
+    shutdown: CancellationToken,
+    task: JoinHandle<Result<(), NatsError>>,
+}
+
+impl Running {
+    async fn stop(self) {
+        self.shutdown.cancel();
+        tokio::time::timeout(DEADLINE, self.task)
+            .await
+            .expect("consumer stops before the deadline")
+            .expect("consumer task did not panic")
+            .expect("consumer ends without error");
+    }
+}
+
+fn start<H: DeliveryHandler>(consumer: NatsConsumer, handler: H) -> Running {
+    let shutdown = CancellationToken::new();
+    let token = shutdown.clone();
+    let task = tokio::spawn(async move { consumer.run(handler, token).await });
+    Running { shutdown, task }
+}
+
+fn consumer(fx: &Fixture, durable: &str) -> NatsConsumerBuilder {
+    NatsConsumer::builder(fx.build(), &fx.stream, durable)
+        .with_nak_delays(vec![Duration::from_millis(50)])
+        .with_reconnect_backoff(Duration::from_millis(100), Duration::from_secs(1))
+}
+
+async fn publish(fx: &Fixture, messages: &[OutboxMessage]) {
+    let publisher = NatsPublisher::connect(fx.build()).await.expect("connect");
+    let outcomes = publisher.publish_batch(messages).await;
+    for outcome in &outcomes {
+        assert!(outcome.is_published(), "{outcome:?}");
+    }
+    publisher.close().await;
+}
+
+async fn consumer_info(fx: &Fixture, durable: &str) -> async_nats::jetstream::consumer::Info {
+    let stream = fx.js.get_stream(&fx.stream).await.expect("stream");
+    let consumer: PullConsumer = stream.get_consumer(durable).await.expect("consumer");
+    consumer.get_info().await.expect("consumer info")
+}
+
+/// The idempotent-consumer pattern on the inbox: claim `(message_id, consumer)`, apply
+/// the effect, commit; the first delivery of every message "crashes" after the commit
+/// and before the ack (answers `Requeue`), so every message is delivered again.
+struct InboxProjector {
+    inbox: PgInbox,
+    schema: String,
+    seen: Mutex<Vec<Seen>>,
+    duplicates: Mutex<u32>,
+}
+
+impl InboxProjector {
+    async fn apply(&self, msg: &IncomingMessage) -> Result<bool, Box<dyn std::error::Error>> {
+        let mut tx = self.inbox.pool().begin().await?;
+        if !self.inbox.try_claim(&mut tx, msg.id, "projector").await? {
+            tx.rollback().await?;
+            return Ok(false);
+        }
+        sqlx::query(sqlx::AssertSqlSafe(format!(
+            "INSERT INTO {}.effects (message_id, applied) VALUES ($1, 1)
+             ON CONFLICT (message_id) DO UPDATE SET applied = effects.applied + 1",
+            self.schema
+        )))
+        .bind(msg.id)
+        .execute(&mut *tx)
+        .await?;
+        tx.commit().await?;
+        Ok(true)
+    }
+}
+
+#[async_trait]
+impl DeliveryHandler for InboxProjector {
+    async fn handle(&self, msg: IncomingMessage) -> HandlerDecision {
+        self.seen.lock().expect("lock").push(Seen {
+            id: msg.id,
+            event_type: msg.event_type.clone(),
+            redelivered: msg.redelivered,
+            delivery_count: msg.delivery_count,
+        });
+        match self.apply(&msg).await {
+            // Committed, then "crash" before the ack: JetStream delivers it again.
+            Ok(true) => HandlerDecision::Requeue,
+            Ok(false) => {
+                *self.duplicates.lock().expect("lock") += 1;
+                HandlerDecision::Ack
+            }
+            Err(e) => panic!("projection failed: {e}"),
+        }
+    }
+}
+
+async fn effects_table(outbox: &PgOutbox) {
+    sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
+        "CREATE TABLE {}.effects (message_id uuid PRIMARY KEY, applied integer NOT NULL)",
+        outbox.schema()
+    )))
+    .execute(outbox.pool())
+    .await
+    .expect("effects table");
+}
+
+/// Every message is delivered twice (the first answer is a nak after the commit), yet
+/// each has exactly one effect: the redelivery is flagged (`redelivered`, delivery
+/// count 2) and the inbox claim turns it into an acked duplicate. Afterwards nothing is
+/// pending on the consumer.
+#[tokio::test]
+async fn redelivered_messages_have_one_effect_through_the_inbox() {
+    let fx = Fixture::new().await;
+    let outbox = fresh_outbox().await;
+    effects_table(&outbox).await;
+    let projector = Arc::new(InboxProjector {
+        inbox: PgInbox::new(outbox.pool().clone(), outbox.schema()).expect("inbox"),
+        schema: outbox.schema().to_owned(),
+        seen: Mutex::new(Vec::new()),
+        duplicates: Mutex::new(0),
+    });
+    let messages: Vec<OutboxMessage> = (0..20)
+        .map(|i| message("OrderPlaced", &i.to_string(), &format!(r#"{{"n":{i}}}"#)))
+        .collect();
+    publish(&fx, &messages).await;
+
+    let running = start(
+        consumer(&fx, "projector").build().expect("valid"),
+        Arc::clone(&projector),
+    );
+    eventually("every message is delivered twice", || async {
+        *projector.duplicates.lock().expect("lock") >= 20
+    })
+    .await;
+    eventually("nothing is pending on the consumer", || async {
+        let info = consumer_info(&fx, "projector").await;
+        info.num_ack_pending == 0 && info.num_pending == 0
+    })
+    .await;
+    running.stop().await;
+
+    let seen = projector.seen.lock().expect("lock").clone();
+    assert_eq!(seen.len(), 40, "{seen:?}");
+    for msg in &messages {
+        let deliveries: Vec<&Seen> = seen.iter().filter(|s| s.id == msg.id).collect();
+        assert_eq!(deliveries.len(), 2, "{deliveries:?}");
+        assert!(deliveries.iter().all(|s| s.event_type == "OrderPlaced"));
+        assert_eq!(
+            (deliveries[0].redelivered, deliveries[0].delivery_count),
+            (false, Some(1))
+        );
+        assert_eq!(
+            (deliveries[1].redelivered, deliveries[1].delivery_count),
+            (true, Some(2))
+        );
+    }
+    let (rows, once): (i64, i64) = sqlx::query_as(sqlx::AssertSqlSafe(format!(
+        "SELECT count(*), count(*) FILTER (WHERE applied = 1) FROM {}.effects",
+        outbox.schema()
+    )))
+    .fetch_one(outbox.pool())
+    .await
+    .expect("effects");
+    assert_eq!((rows, once), (20, 20), "one effect per message");
+    drop_schema(&outbox).await;
+    fx.cleanup().await;
+}
+
+/// Requeues one message every time, acks the rest; records every delivery.
+#[derive(Clone, Default)]
+struct Poisoned {
+    poison: Arc<Mutex<Option<Uuid>>>,
+    seen: Arc<Mutex<Vec<Seen>>>,
+}
+
+#[async_trait]
+impl DeliveryHandler for Poisoned {
+    async fn handle(&self, msg: IncomingMessage) -> HandlerDecision {
+        self.seen.lock().expect("lock").push(Seen {
+            id: msg.id,
+            event_type: msg.event_type.clone(),
+            redelivered: msg.redelivered,
+            delivery_count: msg.delivery_count,
+        });
+        if *self.poison.lock().expect("lock") == Some(msg.id) {
+            HandlerDecision::Requeue
+        } else {
+            HandlerDecision::Ack
+        }
+    }
+}
+
+/// A message the handler can never process is delivered `max_deliver` times, then
+/// terminated (nothing stays pending, it is never delivered again), and it does not
+/// block the messages behind it even with a concurrency of 1.
+#[tokio::test]
+async fn poison_message_is_terminated_after_max_deliver_and_blocks_nothing() {
+    let fx = Fixture::new().await;
+    let poison = message("Poison", "p", "{}");
+    let after: Vec<OutboxMessage> = (0..5)
+        .map(|i| message("Fine", &i.to_string(), "{}"))
+        .collect();
+    let mut all = vec![poison.clone()];
+    all.extend(after.iter().cloned());
+    publish(&fx, &all).await;
+
+    let handler = Poisoned::default();
+    *handler.poison.lock().expect("lock") = Some(poison.id);
+    let running = start(
+        consumer(&fx, "poisoned")
+            .with_concurrency(1)
+            .with_max_deliver(Some(3))
+            .build()
+            .expect("valid"),
+        handler.clone(),
+    );
+    eventually("every later message is handled", || async {
+        let seen = handler.seen.lock().expect("lock");
+        after.iter().all(|m| seen.iter().any(|s| s.id == m.id))
+    })
+    .await;
+    eventually(
+        "the poison message is no longer pending anywhere",
+        || async {
+            let info = consumer_info(&fx, "poisoned").await;
+            info.num_ack_pending == 0 && info.num_pending == 0
+        },
+    )
+    .await;
+    running.stop().await;
+
+    let seen = handler.seen.lock().expect("lock").clone();
+    let poison_deliveries: Vec<Option<u64>> = seen
+        .iter()
+        .filter(|s| s.id == poison.id)
+        .map(|s| s.delivery_count)
+        .collect();
+    assert_eq!(poison_deliveries, [Some(1), Some(2), Some(3)]);
+    for m in &after {
+        assert_eq!(seen.iter().filter(|s| s.id == m.id).count(), 1);
+    }
+    fx.cleanup().await;
+}
+
+/// Panics on every delivery of its poison id, counting them.
+#[derive(Clone, Default)]
+struct Panicker {
+    poison: Arc<Mutex<Option<Uuid>>>,
+    calls: Arc<Mutex<Vec<bool>>>,
+    handled: Arc<Mutex<Vec<Uuid>>>,
+}
+
+#[async_trait]
+impl DeliveryHandler for Panicker {
+    async fn handle(&self, msg: IncomingMessage) -> HandlerDecision {
+        if *self.poison.lock().expect("lock") == Some(msg.id) {
+            self.calls.lock().expect("lock").push(msg.redelivered);
+            panic!("handler bug (expected by the test)");
+        }
+        self.handled.lock().expect("lock").push(msg.id);
+        HandlerDecision::Ack
+    }
+}
+
+/// Messages without a usable id (raw publishes: no headers at all, or an id that is
+/// not a UUID) are terminated at once; a handler that panics does not take the
+/// consumer down: the message is redelivered once, then terminated; a raw message with
+/// only `Nats-Msg-Id` and `ce-type` is decoded and handled.
+#[tokio::test]
+async fn undecodable_and_panicking_messages_are_terminated() {
+    let fx = Fixture::new().await;
+    let subject = format!("{}.Raw", fx.prefix);
+    fx.js
+        .publish(subject.clone(), "not even json".into())
+        .await
+        .expect("send")
+        .await
+        .expect("PubAck");
+    let mut headers = async_nats::HeaderMap::new();
+    headers.insert("Nats-Msg-Id", "not-a-uuid");
+    headers.insert("ce-type", "Raw");
+    fx.js
+        .publish_with_headers(subject.clone(), headers, "{}".into())
+        .await
+        .expect("send")
+        .await
+        .expect("PubAck");
+    let raw_id = Uuid::now_v7();
+    let mut headers = async_nats::HeaderMap::new();
+    headers.insert("Nats-Msg-Id", raw_id.to_string().as_str());
+    headers.insert("ce-type", "Raw");
+    fx.js
+        .publish_with_headers(subject, headers, "{}".into())
+        .await
+        .expect("send")
+        .await
+        .expect("PubAck");
+    let poison = message("Panics", "p", "{}");
+    let good = message("Fine", "g", "{}");
+    publish(&fx, &[poison.clone(), good.clone()]).await;
+
+    let handler = Panicker::default();
+    *handler.poison.lock().expect("lock") = Some(poison.id);
+    let running = start(
+        consumer(&fx, "panics").build().expect("valid"),
+        handler.clone(),
+    );
+    eventually("the decodable messages are handled", || async {
+        let handled = handler.handled.lock().expect("lock");
+        handled.contains(&raw_id) && handled.contains(&good.id)
+    })
+    .await;
+    eventually("nothing is left pending", || async {
+        let info = consumer_info(&fx, "panics").await;
+        info.num_ack_pending == 0 && info.num_pending == 0
+    })
+    .await;
+    assert!(
+        !running.task.is_finished(),
+        "the consumer survived the panics"
+    );
+    running.stop().await;
+    assert_eq!(*handler.calls.lock().expect("lock"), vec![false, true]);
+    assert_eq!(handler.handled.lock().expect("lock").len(), 2);
+    fx.cleanup().await;
+}
+
+/// Sleeps, then acks; records what started and what finished.
+#[derive(Clone, Default)]
+struct Slow {
+    started: Arc<Mutex<Vec<Uuid>>>,
+    finished: Arc<Mutex<Vec<Uuid>>>,
+}
+
+#[async_trait]
+impl DeliveryHandler for Slow {
+    async fn handle(&self, msg: IncomingMessage) -> HandlerDecision {
+        self.started.lock().expect("lock").push(msg.id);
+        tokio::time::sleep(Duration::from_millis(1500)).await;
+        self.finished.lock().expect("lock").push(msg.id);
+        HandlerDecision::Ack
+    }
+}
+
+/// Up to the concurrency limit run at once; a graceful shutdown lets them finish and
+/// acks them; the durable consumer keeps its position, so a new run gets exactly the
+/// messages not handled yet.
+#[tokio::test]
+async fn concurrent_handling_graceful_shutdown_and_resume() {
+    let fx = Fixture::new().await;
+    let messages: Vec<OutboxMessage> = (0..10)
+        .map(|i| message("Slow", &i.to_string(), "{}"))
+        .collect();
+    publish(&fx, &messages).await;
+
+    let first = Slow::default();
+    let running = start(
+        consumer(&fx, "resumable")
+            .with_concurrency(4)
+            .build()
+            .expect("valid"),
+        first.clone(),
+    );
+    eventually("four handlers run at once", || async {
+        first.started.lock().expect("lock").len() == 4
+    })
+    .await;
+    assert!(
+        first.finished.lock().expect("lock").is_empty(),
+        "still running"
+    );
+    running.stop().await;
+    let done = first.finished.lock().expect("lock").clone();
+    assert_eq!(
+        done,
+        first.started.lock().expect("lock").clone(),
+        "in-flight handlers finished"
+    );
+    assert_eq!(done.len(), 4);
+
+    let second = Slow::default();
+    let running = start(
+        consumer(&fx, "resumable")
+            .with_concurrency(10)
+            .build()
+            .expect("valid"),
+        second.clone(),
+    );
+    eventually("the other six are handled by the next run", || async {
+        second.finished.lock().expect("lock").len() == 6
+    })
+    .await;
+    running.stop().await;
+    let again = second.finished.lock().expect("lock").clone();
+    assert!(
+        again.iter().all(|id| !done.contains(id)),
+        "nothing handled twice"
+    );
+    let info = consumer_info(&fx, "resumable").await;
+    assert_eq!((info.num_ack_pending, info.num_pending), (0, 0));
+    fx.cleanup().await;
+}
+
+/// A filter subject outside the stream's subjects cannot be fixed by retrying: `run`
+/// returns a typed, permanent error instead of looping.
+#[tokio::test]
+async fn invalid_consumer_settings_are_a_permanent_error() {
+    let fx = Fixture::new().await;
+    let consumer = consumer(&fx, "misfit")
+        .with_filter_subject("elsewhere.>")
+        .build()
+        .expect("valid locally");
+    let result = tokio::time::timeout(
+        DEADLINE,
+        consumer.run(Poisoned::default(), CancellationToken::new()),
+    )
+    .await
+    .expect("returns instead of retrying forever");
+    match result {
+        Err(e @ NatsError::Consumer { .. }) => {
+            assert_eq!(e.kind(), outbox_core::ErrorKind::Permanent, "{e}");
+        }
+        other => panic!("expected a permanent Consumer error, got {other:?}"),
+    }
+    fx.cleanup().await;
+}

@@ -1,0 +1,228 @@
+//! The `inbox` crate driven by `NatsConsumer`, in both modes, over the real NATS server
+//! and PostgreSQL:
+//!
+//! - idempotent consumer: copies of one message have one effect, and a poison message
+//!   becomes a consumer dead letter (recorded by the inbox after its `max_deliveries`,
+//!   below JetStream's `max_deliver`) and is acked, so the messages behind it flow;
+//! - durable inbox: deliveries are stored once and acked, then a processor applies them.
+
+mod common;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use async_trait::async_trait;
+use inbox::{
+    DurableReceiver, Handler, HandlerContext, HandlerError, IdempotentConsumer, InboxProcessor,
+    Pipeline, ProcessorConfig,
+};
+use outbox_core::inbox::ConsumerDeadLetters;
+use outbox_core::wire::IncomingMessage;
+use outbox_core::{EventPublisher, OutboxMessage};
+use outbox_postgres::{PgInbox, PgOutbox};
+use sqlx::PgConnection;
+use tokio_util::sync::CancellationToken;
+use transport_nats::{NatsConsumer, NatsPublisher};
+use uuid::Uuid;
+
+use common::*;
+
+/// Inserts one `effects` row per application; fails every `Poison` message.
+struct Projector(String);
+
+#[async_trait]
+impl Handler<PgInbox> for Projector {
+    async fn handle(
+        &self,
+        conn: &mut PgConnection,
+        msg: &IncomingMessage,
+        _: &HandlerContext,
+    ) -> Result<(), HandlerError> {
+        if msg.event_type == "Poison" {
+            return Err(HandlerError::retryable(std::io::Error::other(
+                "cannot project",
+            )));
+        }
+        sqlx::query(sqlx::AssertSqlSafe(format!(
+            "INSERT INTO {}.effects (message_id) VALUES ($1)",
+            self.0
+        )))
+        .bind(msg.id)
+        .execute(&mut *conn)
+        .await?;
+        Ok(())
+    }
+}
+
+/// One aggregate per message, so no message is stale for another.
+fn fresh(event_type: &str) -> OutboxMessage {
+    let mut msg = message(event_type, "x", "{}");
+    msg.aggregate_id = msg.id.to_string();
+    msg
+}
+
+async fn setup() -> (PgOutbox, Arc<PgInbox>) {
+    let outbox = fresh_outbox().await;
+    sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
+        "CREATE TABLE {}.effects (message_id uuid NOT NULL)",
+        outbox.schema()
+    )))
+    .execute(outbox.pool())
+    .await
+    .expect("effects table");
+    let store = Arc::new(PgInbox::new(outbox.pool().clone(), outbox.schema()).expect("inbox"));
+    (outbox, store)
+}
+
+async fn effects(outbox: &PgOutbox, id: Uuid) -> i64 {
+    sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
+        "SELECT count(*) FROM {}.effects WHERE message_id = $1",
+        outbox.schema()
+    )))
+    .bind(id)
+    .fetch_one(outbox.pool())
+    .await
+    .expect("count")
+}
+
+/// Three copies of one event (published raw without `Nats-Msg-Id`, so the stream keeps
+/// all three; the `ce-id` is the same) have one effect; a poison message is recorded
+/// as a consumer dead letter after the inbox's 3 failed deliveries and acked (JetStream
+/// would allow 10), and the message published after it is processed, with a
+/// concurrency of 1.
+#[tokio::test]
+async fn idempotent_consumer_over_nats_duplicates_and_a_poison_message() {
+    let fx = Fixture::new().await;
+    let (outbox, store) = setup().await;
+
+    let dup = fresh("OrderPlaced");
+    for _ in 0..3 {
+        let mut headers = async_nats::HeaderMap::new();
+        headers.insert("ce-id", dup.id.to_string().as_str());
+        headers.insert("ce-type", "OrderPlaced");
+        headers.insert("ce-subject", dup.aggregate_id.as_str());
+        headers.insert("ce-aggregateversion", "1");
+        fx.js
+            .publish_with_headers(format!("{}.OrderPlaced", fx.prefix), headers, "{}".into())
+            .await
+            .expect("send")
+            .await
+            .expect("PubAck");
+    }
+    let poison = fresh("Poison");
+    let after = fresh("OrderPlaced");
+    let publisher = NatsPublisher::connect(fx.build()).await.expect("connect");
+    for outcome in publisher
+        .publish_batch(&[poison.clone(), after.clone()])
+        .await
+    {
+        assert!(outcome.is_published(), "{outcome:?}");
+    }
+    assert_eq!(fx.stored().await, 5);
+
+    let handler = IdempotentConsumer::new(
+        Arc::clone(&store),
+        Pipeline::new()
+            .on(
+                "OrderPlaced",
+                "projector",
+                Projector(outbox.schema().to_owned()),
+            )
+            .on("Poison", "projector", Projector(outbox.schema().to_owned())),
+    )
+    .with_max_deliveries(3);
+    let consumer = NatsConsumer::builder(fx.build(), &fx.stream, "inbox")
+        .with_concurrency(1)
+        .with_max_deliver(Some(10))
+        .with_nak_delays(vec![Duration::from_millis(50)])
+        .build()
+        .expect("valid");
+    let token = CancellationToken::new();
+    let run = {
+        let t = token.clone();
+        tokio::spawn(async move { consumer.run(handler, t).await })
+    };
+    eventually(
+        "the poison message is dead-lettered and the later one applied",
+        || async {
+            effects(&outbox, after.id).await == 1
+                && store.is_dead(poison.id, "projector").await.expect("dead")
+        },
+    )
+    .await;
+    eventually("the consumer has nothing pending", || async {
+        let stream = fx.js.get_stream(&fx.stream).await.expect("stream");
+        let consumer: async_nats::jetstream::consumer::PullConsumer =
+            stream.get_consumer("inbox").await.expect("consumer");
+        let info = consumer.get_info().await.expect("info");
+        info.num_ack_pending == 0 && info.num_pending == 0
+    })
+    .await;
+    token.cancel();
+    run.await.expect("join").expect("consumer ends cleanly");
+
+    assert_eq!(
+        effects(&outbox, dup.id).await,
+        1,
+        "three copies, one effect"
+    );
+    let dead = store
+        .consumer_dead_letters(Some("projector"), 10)
+        .await
+        .expect("dead letters");
+    assert_eq!(
+        dead.iter()
+            .map(|d| (d.message_id, d.attempts))
+            .collect::<Vec<_>>(),
+        [(poison.id, 3)]
+    );
+    drop_schema(&outbox).await;
+    fx.cleanup().await;
+}
+
+/// Durable inbox: every delivery is stored (once per id) and acked at once; a processor
+/// then applies each message exactly once.
+#[tokio::test]
+async fn durable_inbox_over_nats_stores_then_processes() {
+    let fx = Fixture::new().await;
+    let (outbox, store) = setup().await;
+    let messages: Vec<OutboxMessage> = (0..10).map(|_| fresh("OrderPlaced")).collect();
+    let publisher = NatsPublisher::connect(fx.build()).await.expect("connect");
+    for outcome in publisher.publish_batch(&messages).await {
+        assert!(outcome.is_published(), "{outcome:?}");
+    }
+
+    let consumer = NatsConsumer::builder(fx.build(), &fx.stream, "durable")
+        .build()
+        .expect("valid");
+    let token = CancellationToken::new();
+    let run = {
+        let (t, receiver) = (token.clone(), DurableReceiver::new(Arc::clone(&store)));
+        tokio::spawn(async move { consumer.run(receiver, t).await })
+    };
+    let processor = InboxProcessor::new(
+        Arc::clone(&store),
+        Pipeline::new().on(
+            "OrderPlaced",
+            "projector",
+            Projector(outbox.schema().to_owned()),
+        ),
+        ProcessorConfig::new(),
+    );
+    eventually("every message is stored and applied", || async {
+        processor.run_once().await.expect("process");
+        let mut all = true;
+        for m in &messages {
+            all &= effects(&outbox, m.id).await == 1;
+        }
+        all
+    })
+    .await;
+    token.cancel();
+    run.await.expect("join").expect("consumer ends cleanly");
+    for m in &messages {
+        assert_eq!(effects(&outbox, m.id).await, 1);
+    }
+    drop_schema(&outbox).await;
+    fx.cleanup().await;
+}

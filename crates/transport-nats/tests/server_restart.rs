@@ -1,0 +1,281 @@
+//! The NATS server is stopped in the middle of a relay run and started again: nothing
+//! goes dead, nothing is lost or stored twice, and both the relay (PostgreSQL →
+//! JetStream) and the consumer resume by themselves.
+//!
+//! This binary stops the shared NATS server, so it holds a single test (cargo runs test
+//! binaries one after another). The outage length is `NATS_OUTAGE_SECS` (default 5).
+//! The local server is stopped and started with `start-stop-daemon` (as `cargo xtask
+//! services` starts it); with Docker, the compose service `nats` is stopped and started
+//! instead.
+
+mod common;
+
+use std::collections::HashSet;
+use std::process::Command;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use async_trait::async_trait;
+use outbox_core::wire::IncomingMessage;
+use outbox_core::{Dispatcher, DispatcherConfig, NewMessage, OutboxStore};
+use outbox_postgres::PgOutbox;
+use tokio_util::sync::CancellationToken;
+use transport_nats::{
+    DeliveryHandler, HandlerDecision, NatsConfigBuilder, NatsConsumer, NatsPublisher,
+};
+use uuid::Uuid;
+
+use common::*;
+
+const SERVER: &str = "/usr/sbin/nats-server";
+const SERVER_ARGS: [&str; 8] = [
+    "-a",
+    "127.0.0.1",
+    "-p",
+    "4222",
+    "-js",
+    "-sd",
+    "/var/lib/nats-server",
+    "-l",
+];
+const SERVER_LOG: &str = "/var/log/nats-server.log";
+
+fn run(cmd: &str, args: &[&str]) -> bool {
+    Command::new(cmd)
+        .args(args)
+        .status()
+        .map(|s| s.success())
+        .unwrap_or(false)
+}
+
+/// Stops the NATS server and starts it again on [`Outage::end`], or on drop if the test
+/// panics.
+struct Outage {
+    docker: bool,
+    ended: bool,
+}
+
+impl Outage {
+    fn begin() -> Self {
+        if std::path::Path::new(SERVER).exists()
+            && run(
+                "start-stop-daemon",
+                &[
+                    "--stop",
+                    "--oknodo",
+                    "--retry",
+                    "TERM/10/KILL/5",
+                    "--exec",
+                    SERVER,
+                ],
+            )
+        {
+            return Self {
+                docker: false,
+                ended: false,
+            };
+        }
+        if run("docker", &["info"]) && run("docker", &["compose", "stop", "nats"]) {
+            return Self {
+                docker: true,
+                ended: false,
+            };
+        }
+        panic!("cannot stop NATS: neither start-stop-daemon nor `docker compose stop nats` worked");
+    }
+
+    fn end(&mut self) {
+        self.ended = true;
+        let ok = if self.docker {
+            run("docker", &["compose", "start", "nats"])
+        } else {
+            let mut args = vec![
+                "--start",
+                "--oknodo",
+                "--background",
+                "--exec",
+                SERVER,
+                "--",
+            ];
+            args.extend(SERVER_ARGS);
+            args.push(SERVER_LOG);
+            run("start-stop-daemon", &args)
+        };
+        assert!(ok, "failed to start NATS again");
+    }
+}
+
+impl Drop for Outage {
+    fn drop(&mut self) {
+        if !self.ended {
+            self.end();
+        }
+    }
+}
+
+/// Records the distinct ids it receives and acks everything.
+#[derive(Clone, Default)]
+struct Collector {
+    ids: Arc<Mutex<HashSet<Uuid>>>,
+    deliveries: Arc<Mutex<u64>>,
+}
+
+#[async_trait]
+impl DeliveryHandler for Collector {
+    async fn handle(&self, msg: IncomingMessage) -> HandlerDecision {
+        *self.deliveries.lock().expect("lock") += 1;
+        self.ids.lock().expect("lock").insert(msg.id);
+        HandlerDecision::Ack
+    }
+}
+
+async fn enqueue(outbox: &PgOutbox, n: usize, tag: &str) {
+    let messages: Vec<NewMessage> = (0..n)
+        .map(|i| {
+            NewMessage::builder("order", format!("{tag}-{i}"), "OrderPlaced")
+                .payload(&i)
+                .build()
+                .expect("valid")
+        })
+        .collect();
+    let mut tx = outbox.pool().begin().await.expect("begin");
+    outbox
+        .enqueue_batch(&mut tx, &messages)
+        .await
+        .expect("enqueue");
+    tx.commit().await.expect("commit");
+}
+
+async fn server_is_down() -> bool {
+    tokio::net::TcpStream::connect("127.0.0.1:4222")
+        .await
+        .is_err()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn relay_and_consumer_resume_after_a_server_restart_and_nothing_is_lost() {
+    let outage_secs: u64 = std::env::var("NATS_OUTAGE_SECS")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(5);
+    // File storage: the stream (and the durable consumer) survive the restart.
+    let fx = Fixture::new().await;
+    let outbox = Arc::new(fresh_outbox().await);
+    enqueue(&outbox, 3000, "before").await;
+
+    let config = fx
+        .config()
+        .with_ack_timeout(Duration::from_secs(2))
+        .with_connect_timeout(Duration::from_secs(2))
+        .build()
+        .expect("valid");
+    let publisher = Arc::new(
+        NatsPublisher::connect(config.clone())
+            .await
+            .expect("connect"),
+    );
+    let dispatcher = Dispatcher::new(
+        Arc::clone(&outbox),
+        Arc::clone(&publisher),
+        DispatcherConfig::new()
+            .with_batch_size(50)
+            .with_poll_interval(Duration::from_millis(100))
+            .with_probe_backoff(Duration::from_millis(200), Duration::from_secs(2)),
+    );
+    let token = CancellationToken::new();
+    let relay = {
+        let d = dispatcher.clone();
+        let t = token.clone();
+        tokio::spawn(async move { d.run(t).await })
+    };
+    let collector = Collector::default();
+    let consumer = NatsConsumer::builder(
+        NatsConfigBuilder::new(url())
+            .with_subject_prefix(&fx.prefix)
+            .with_connect_timeout(Duration::from_secs(2))
+            .build()
+            .expect("valid"),
+        &fx.stream,
+        "restart-survivor",
+    )
+    .with_ack_wait(Duration::from_secs(5))
+    .with_reconnect_backoff(Duration::from_millis(200), Duration::from_secs(2))
+    .build()
+    .expect("valid");
+    let consumer_task = {
+        let (c, t, h) = (consumer, token.clone(), collector.clone());
+        tokio::spawn(async move { c.run(h, t).await })
+    };
+
+    eventually("the relay is under way", || async {
+        dispatcher.stats().published >= 300
+    })
+    .await;
+
+    let mut outage = Outage::begin();
+    eventually("the server is down", server_is_down).await;
+    eprintln!(
+        "NATS stopped after {} messages were published",
+        dispatcher.stats().published
+    );
+    // Written while the server is down: the relay must pick these up afterwards too.
+    enqueue(&outbox, 1000, "during").await;
+    eventually_within(
+        Duration::from_secs(outage_secs.max(1) + 20),
+        "the dispatcher opens its circuit",
+        || async { dispatcher.circuit_open() },
+    )
+    .await;
+    // The outage itself (not an assertion: the server stays down this long).
+    tokio::time::sleep(Duration::from_secs(outage_secs)).await;
+    let stats_down = dispatcher.stats();
+    outage.end();
+    eventually("the server is up", || async { !server_is_down().await }).await;
+    eprintln!("NATS started again; relay during the outage: {stats_down:?}");
+
+    eventually_within(
+        Duration::from_secs(120),
+        "every message is sent",
+        || async {
+            let stats = outbox.stats().await.expect("stats");
+            stats.new == 0 && stats.processing == 0
+        },
+    )
+    .await;
+    let stats = outbox.stats().await.expect("stats");
+    assert_eq!(
+        stats.dead, 0,
+        "an outage must not dead-letter anything: {stats:?}"
+    );
+    assert_eq!(stats.sent, 4000, "{stats:?}");
+    assert!(
+        dispatcher.stats().circuit_opened >= 1,
+        "{:?}",
+        dispatcher.stats()
+    );
+    // Exactly once in the stream: republished messages were dropped by the duplicate
+    // window (JetStream rebuilds it from the stored messages after a restart).
+    assert_eq!(fx.stored().await, 4000);
+    eventually_within(
+        Duration::from_secs(60),
+        "the consumer received every message",
+        || async { collector.ids.lock().expect("lock").len() == 4000 },
+    )
+    .await;
+
+    token.cancel();
+    let final_stats = relay
+        .await
+        .expect("relay task")
+        .expect("relay ends cleanly");
+    consumer_task
+        .await
+        .expect("consumer task")
+        .expect("consumer ends cleanly");
+    eprintln!(
+        "relay {final_stats:?}; consumer deliveries {}",
+        *collector.deliveries.lock().expect("lock")
+    );
+    drop_schema(&outbox).await;
+    fx.cleanup().await;
+}
