@@ -7,7 +7,7 @@ use async_trait::async_trait;
 use inbox::{Handler, HandlerContext, HandlerError, IdempotentConsumer, Pipeline};
 use outbox_core::inbox::ConsumerDeadLetters;
 use outbox_core::wire::IncomingMessage;
-use outbox_core::{EventPublisher, MessageStatus, OutboxMessage};
+use outbox_core::{EventPublisher, OutboxMessage};
 use outbox_postgres::{PgConfig, PgInbox, PgOutbox};
 use sqlx::{AssertSqlSafe, PgConnection};
 use tokio_util::sync::CancellationToken;
@@ -45,32 +45,16 @@ impl Handler<PgInbox> for Projector {
 }
 
 fn outbox_message(event_type: &str) -> OutboxMessage {
-    let now = chrono::Utc::now();
     let id = Uuid::now_v7();
-    OutboxMessage {
-        id,
-        seq: 0,
-        aggregate_type: "order".into(),
-        // One aggregate per message: the same aggregate and version would make the
-        // later messages stale for the projector.
-        aggregate_id: id.to_string(),
-        aggregate_version: 1,
-        event_type: event_type.into(),
-        payload: serde_json::value::RawValue::from_string("{}".into()).expect("json"),
-        headers: Default::default(),
-        tenant_id: None,
-        routing_key: None,
-        partition_key: None,
-        occurred_at: now,
-        created_at: now,
-        visible_at: now,
-        attempts: 1,
-        status: MessageStatus::Processing,
-        last_error: None,
-        claim_token: None,
-        lease_until: None,
-        sent_at: None,
-    }
+    // One aggregate per message: the same aggregate and version would make the later
+    // messages stale for the projector.
+    let msg = outbox_core::NewMessage::builder("order", id.to_string(), event_type)
+        .id(id)
+        .aggregate_version(1)
+        .payload_json("{}")
+        .build()
+        .expect("valid");
+    OutboxMessage::claimed_from(msg, chrono::Utc::now())
 }
 
 /// A fresh schema with an `effects` table, its inbox, and an isolated exchange with a

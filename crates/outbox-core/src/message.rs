@@ -140,6 +140,35 @@ pub struct OutboxMessage {
 }
 
 impl OutboxMessage {
+    /// The row a store would hand a publisher right after first claiming `msg` at
+    /// `now`: `seq` 0, `attempts` 1, status `Processing`, `occurred_at` as given or
+    /// `now`, a fresh claim token. For exercising a publisher without a store
+    /// (benchmarks, transport tests).
+    pub fn claimed_from(msg: NewMessage, now: DateTime<Utc>) -> Self {
+        Self {
+            id: msg.id,
+            seq: 0,
+            aggregate_type: msg.aggregate_type,
+            aggregate_id: msg.aggregate_id,
+            aggregate_version: msg.aggregate_version,
+            event_type: msg.event_type,
+            payload: msg.payload,
+            headers: msg.headers,
+            tenant_id: msg.tenant_id,
+            routing_key: msg.routing_key,
+            partition_key: msg.partition_key,
+            occurred_at: msg.occurred_at.unwrap_or(now),
+            created_at: now,
+            visible_at: now,
+            attempts: 1,
+            status: MessageStatus::Processing,
+            last_error: None,
+            claim_token: Some(Uuid::new_v4()),
+            lease_until: None,
+            sent_at: None,
+        }
+    }
+
     /// The routing key to publish with: `routing_key`, or else `event_type`.
     pub fn effective_routing_key(&self) -> &str {
         self.routing_key.as_deref().unwrap_or(&self.event_type)

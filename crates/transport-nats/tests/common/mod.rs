@@ -11,9 +11,8 @@ use std::time::Duration;
 use async_nats::jetstream::{self, consumer};
 use chrono::{SubsecRound, Utc};
 use futures::StreamExt;
-use outbox_core::{Headers, MessageStatus, OutboxMessage};
+use outbox_core::{NewMessage, OutboxMessage};
 use outbox_postgres::{PgConfig, PgOutbox};
-use serde_json::value::RawValue;
 use tokio::time::Instant;
 use transport_nats::{NatsConfig, NatsConfigBuilder, StreamSetup};
 use uuid::Uuid;
@@ -156,29 +155,12 @@ async fn sweep_old_streams(js: &jetstream::Context) {
 
 /// An outbox row as a store would hand it to the publisher.
 pub fn message(event_type: &str, aggregate_id: &str, payload: &str) -> OutboxMessage {
-    let now = Utc::now().trunc_subsecs(6);
-    OutboxMessage {
-        id: Uuid::now_v7(),
-        seq: 1,
-        aggregate_type: "order".into(),
-        aggregate_id: aggregate_id.into(),
-        aggregate_version: 1,
-        event_type: event_type.into(),
-        payload: RawValue::from_string(payload.to_owned()).expect("test payload is JSON"),
-        headers: Headers::new(),
-        tenant_id: None,
-        routing_key: None,
-        partition_key: None,
-        occurred_at: now,
-        created_at: now,
-        visible_at: now,
-        attempts: 1,
-        status: MessageStatus::Processing,
-        last_error: None,
-        claim_token: Some(Uuid::now_v7()),
-        lease_until: None,
-        sent_at: None,
-    }
+    let msg = NewMessage::builder("order", aggregate_id, event_type)
+        .aggregate_version(1)
+        .payload_json(payload)
+        .build()
+        .expect("test payload is JSON");
+    OutboxMessage::claimed_from(msg, Utc::now().trunc_subsecs(6))
 }
 
 /// A fresh, migrated PostgreSQL schema named `t_<uuid>`.

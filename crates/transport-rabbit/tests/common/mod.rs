@@ -16,8 +16,7 @@ use lapin::options::{
 };
 use lapin::types::{AMQPValue, FieldTable};
 use lapin::{Channel, Connection, ConnectionProperties, ExchangeKind};
-use outbox_core::{Headers, MessageStatus, OutboxMessage};
-use serde_json::value::RawValue;
+use outbox_core::{NewMessage, OutboxMessage};
 use tokio::time::Instant;
 use transport_rabbit::{RabbitConfig, RabbitConfigBuilder};
 use uuid::Uuid;
@@ -50,29 +49,12 @@ pub fn build(builder: RabbitConfigBuilder) -> RabbitConfig {
 
 /// An outbox row as a store would hand it to the publisher.
 pub fn message(event_type: &str, aggregate_id: &str, payload: &str) -> OutboxMessage {
-    let now = Utc::now().trunc_subsecs(6);
-    OutboxMessage {
-        id: Uuid::now_v7(),
-        seq: 1,
-        aggregate_type: "order".into(),
-        aggregate_id: aggregate_id.into(),
-        aggregate_version: 1,
-        event_type: event_type.into(),
-        payload: RawValue::from_string(payload.to_owned()).expect("test payload is JSON"),
-        headers: Headers::new(),
-        tenant_id: None,
-        routing_key: None,
-        partition_key: None,
-        occurred_at: now,
-        created_at: now,
-        visible_at: now,
-        attempts: 1,
-        status: MessageStatus::Processing,
-        last_error: None,
-        claim_token: Some(Uuid::now_v7()),
-        lease_until: None,
-        sent_at: None,
-    }
+    let msg = NewMessage::builder("order", aggregate_id, event_type)
+        .aggregate_version(1)
+        .payload_json(payload)
+        .build()
+        .expect("test payload is JSON");
+    OutboxMessage::claimed_from(msg, Utc::now().trunc_subsecs(6))
 }
 
 pub async fn raw_connection() -> Connection {

@@ -210,34 +210,13 @@ async fn commit_to_publish(outbox: &PgOutbox) -> anyhow::Result<Option<(Duration
 /// The properties and headers the relay's publisher sends for a `BenchEvent` (CloudEvents
 /// attributes as AMQP long-string headers), so the ceiling publishes identical messages.
 fn same_properties_as_the_relay(body: &[u8]) -> BasicProperties {
-    let now = chrono::Utc::now();
-    let msg = OutboxMessage {
-        id: uuid::Uuid::now_v7(),
-        seq: 0,
-        aggregate_type: "bench".into(),
-        aggregate_id: "0".into(),
-        aggregate_version: 0,
-        event_type: "BenchEvent".into(),
-        payload: serde_json::value::RawValue::from_string(
-            String::from_utf8_lossy(body).into_owned(),
-        )
-        .unwrap_or_else(|_| {
-            serde_json::value::RawValue::from_string("null".into()).expect("valid JSON")
-        }),
-        headers: Default::default(),
-        tenant_id: None,
-        routing_key: None,
-        partition_key: None,
-        occurred_at: now,
-        created_at: now,
-        visible_at: now,
-        attempts: 1,
-        status: outbox_core::MessageStatus::Processing,
-        last_error: None,
-        claim_token: None,
-        lease_until: None,
-        sent_at: None,
-    };
+    let msg = OutboxMessage::claimed_from(
+        NewMessage::builder("bench", "0", "BenchEvent")
+            .payload_json(String::from_utf8_lossy(body).into_owned())
+            .build()
+            .expect("the bench payload is JSON"),
+        chrono::Utc::now(),
+    );
     let mut headers = std::collections::BTreeMap::new();
     for (name, value) in
         outbox_core::wire::encode_headers(&msg, outbox_core::wire::Binding::Amqp, None)
@@ -248,7 +227,7 @@ fn same_properties_as_the_relay(body: &[u8]) -> BasicProperties {
         .with_content_type("application/json".into())
         .with_delivery_mode(2)
         .with_message_id(msg.id.to_string().into())
-        .with_timestamp(u64::try_from(now.timestamp()).unwrap_or(0))
+        .with_timestamp(u64::try_from(msg.occurred_at.timestamp()).unwrap_or(0))
         .with_type("BenchEvent".into())
         .with_headers(FieldTable::from(headers))
 }
@@ -378,34 +357,13 @@ fn rate(n: usize, d: Duration) -> f64 {
 /// fresh id, so the stream tracks every message in its duplicate window as it does for
 /// the relay), `Content-Type` and the CloudEvents `ce-*` headers.
 fn same_headers_as_the_relay(body: &[u8]) -> async_nats::HeaderMap {
-    let now = chrono::Utc::now();
-    let msg = OutboxMessage {
-        id: uuid::Uuid::now_v7(),
-        seq: 0,
-        aggregate_type: "bench".into(),
-        aggregate_id: "0".into(),
-        aggregate_version: 0,
-        event_type: "BenchEvent".into(),
-        payload: serde_json::value::RawValue::from_string(
-            String::from_utf8_lossy(body).into_owned(),
-        )
-        .unwrap_or_else(|_| {
-            serde_json::value::RawValue::from_string("null".into()).expect("valid JSON")
-        }),
-        headers: Default::default(),
-        tenant_id: None,
-        routing_key: None,
-        partition_key: None,
-        occurred_at: now,
-        created_at: now,
-        visible_at: now,
-        attempts: 1,
-        status: outbox_core::MessageStatus::Processing,
-        last_error: None,
-        claim_token: None,
-        lease_until: None,
-        sent_at: None,
-    };
+    let msg = OutboxMessage::claimed_from(
+        NewMessage::builder("bench", "0", "BenchEvent")
+            .payload_json(String::from_utf8_lossy(body).into_owned())
+            .build()
+            .expect("the bench payload is JSON"),
+        chrono::Utc::now(),
+    );
     let mut headers = async_nats::HeaderMap::new();
     headers.insert("Nats-Msg-Id", msg.id.to_string().as_str());
     headers.insert("Content-Type", "application/json");
