@@ -38,6 +38,8 @@ pub mod domain;
 pub mod error;
 pub mod inbox;
 pub mod message;
+#[cfg(feature = "opentelemetry")]
+mod otel;
 pub mod publisher;
 pub mod retry;
 pub mod store;

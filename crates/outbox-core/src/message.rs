@@ -359,13 +359,17 @@ impl NewMessageBuilder {
         self
     }
 
-    /// Validates and builds the message.
+    /// Validates and builds the message. With the `opentelemetry` feature (default) and
+    /// no explicit [`trace_context`](Self::trace_context), the current span's
+    /// OpenTelemetry context is captured as `traceparent`/`tracestate`.
     ///
     /// # Errors
     /// [`OutboxError::InvalidMessage`] when the event type or aggregate type is empty or
     /// too long, the payload is missing or not valid JSON, a header name is empty or a
     /// header contains control characters, or a key is empty.
-    pub fn build(self) -> Result<NewMessage, OutboxError> {
+    // `mut` is needed only for the trace-context capture.
+    #[cfg_attr(not(feature = "opentelemetry"), allow(unused_mut))]
+    pub fn build(mut self) -> Result<NewMessage, OutboxError> {
         validate_name("event_type", &self.event_type)?;
         validate_name("aggregate_type", &self.aggregate_type)?;
         if self.aggregate_id.is_empty() {
@@ -391,6 +395,17 @@ impl NewMessageBuilder {
                     value: name.clone(),
                 }
                 .into());
+            }
+        }
+        #[cfg(feature = "opentelemetry")]
+        if !self.headers.contains_key(crate::wire::TRACEPARENT)
+            && let Some((traceparent, tracestate)) = crate::otel::current_trace_context()
+        {
+            self.headers
+                .insert(crate::wire::TRACEPARENT.to_owned(), traceparent);
+            if let Some(state) = tracestate {
+                self.headers
+                    .insert(crate::wire::TRACESTATE.to_owned(), state);
             }
         }
         if let Some(tp) = self.headers.get(crate::wire::TRACEPARENT)
@@ -508,6 +523,46 @@ mod tests {
             bad_trace,
             Err(OutboxError::InvalidMessage(InvalidMessage::TraceParent(_)))
         ));
+    }
+
+    #[cfg(feature = "opentelemetry")]
+    #[test]
+    fn build_captures_the_current_opentelemetry_span() {
+        use opentelemetry::trace::{TraceContextExt as _, TracerProvider as _};
+        use tracing_opentelemetry::OpenTelemetrySpanExt as _;
+        use tracing_subscriber::layer::SubscriberExt as _;
+
+        let provider = opentelemetry_sdk::trace::SdkTracerProvider::builder().build();
+        let subscriber = tracing_subscriber::registry()
+            .with(tracing_opentelemetry::layer().with_tracer(provider.tracer("test")));
+        let _guard = tracing::subscriber::set_default(subscriber);
+        let span = tracing::info_span!("place_order");
+        let _entered = span.enter();
+        let trace_id = span.context().span().span_context().trace_id();
+
+        let msg = NewMessage::builder("order", "1", "OrderPlaced")
+            .payload(&1)
+            .build()
+            .expect("valid");
+        let tp = msg.headers.get(crate::wire::TRACEPARENT).expect("captured");
+        assert!(tp.starts_with(&format!("00-{trace_id:032x}-")), "{tp}");
+
+        let explicit = NewMessage::builder("order", "1", "OrderPlaced")
+            .payload(&1)
+            .trace_context(
+                "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01",
+                None,
+            )
+            .build()
+            .expect("valid");
+        assert_eq!(
+            explicit
+                .headers
+                .get(crate::wire::TRACEPARENT)
+                .map(String::as_str),
+            Some("00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"),
+            "an explicit context wins"
+        );
     }
 
     #[test]
