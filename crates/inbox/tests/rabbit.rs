@@ -93,6 +93,7 @@ async fn setup(prefetch: u16) -> Setup {
         .expect("config");
     let consumer = RabbitConsumer::builder(config.clone(), format!("{exchange}.q"))
         .with_binding_key("#")
+        .with_queue_arguments(expires_when_unused())
         .with_prefetch(prefetch)
         .build()
         .expect("consumer");
@@ -244,4 +245,12 @@ async fn durable_inbox_fed_by_rabbitmq() {
         .expect("count");
     assert_eq!(n, 2, "each applied once");
     publisher.close().await;
+}
+
+/// Queue arguments that let RabbitMQ delete the test queue a minute after its last
+/// consumer left, even when the test fails half-way.
+fn expires_when_unused() -> lapin::types::FieldTable {
+    let mut args = lapin::types::FieldTable::default();
+    args.insert("x-expires".into(), lapin::types::AMQPValue::LongInt(60_000));
+    args
 }

@@ -67,6 +67,7 @@ async fn the_consumer_span_joins_the_producers_trace() {
         .expect("config");
     let consumer = RabbitConsumer::builder(rabbit.clone(), format!("{exchange}.q"))
         .with_binding_key("#")
+        .with_queue_arguments(expires_when_unused())
         .build()
         .expect("consumer");
     consumer.declare().await.expect("declare");
@@ -124,4 +125,12 @@ async fn the_consumer_span_joins_the_producers_trace() {
         handled.parent_span_id, producer_span_id,
         "the producer's span is the handler's parent"
     );
+}
+
+/// Queue arguments that let RabbitMQ delete the test queue a minute after its last
+/// consumer left, even when the test fails half-way.
+fn expires_when_unused() -> lapin::types::FieldTable {
+    let mut args = lapin::types::FieldTable::default();
+    args.insert("x-expires".into(), lapin::types::AMQPValue::LongInt(60_000));
+    args
 }
