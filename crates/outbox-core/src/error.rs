@@ -198,3 +198,73 @@ impl PublishError {
         }
     }
 }
+
+/// What a user info without a `:` (no password part) is, when redacting a URL.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum LoneUserInfo {
+    /// A user name, shown as is (`amqp://guest@host`).
+    UserName,
+    /// A secret token, hidden whole (`nats://s3cr3t@host` → `nats://***@host`).
+    Token,
+}
+
+/// `url` with the password of its user info replaced by `***`, so it can go into logs
+/// and error messages. Best effort on malformed URLs too: whatever sits between the
+/// first `:` of the user info and the last `@` of the authority is hidden.
+pub fn redact_url(url: &str, lone: LoneUserInfo) -> String {
+    let (prefix, rest, authority_len) = match url.find("://") {
+        Some(i) => {
+            let (prefix, rest) = url.split_at(i + 3);
+            (
+                prefix,
+                rest,
+                rest.find(['/', '?', '#']).unwrap_or(rest.len()),
+            )
+        }
+        // No recognisable scheme (`amqp//user:pw@host`): the whole text may hide a
+        // user info, so nothing is cut off before looking for the `@`.
+        None => ("", url, url.len()),
+    };
+    let Some(at) = rest[..authority_len].rfind('@') else {
+        return url.to_owned();
+    };
+    let userinfo = &rest[..at];
+    let shown = match (userinfo.find(':'), lone) {
+        (Some(colon), _) => format!("{}:***", &userinfo[..colon]),
+        (None, LoneUserInfo::Token) => "***".to_owned(),
+        (None, LoneUserInfo::UserName) => return url.to_owned(),
+    };
+    format!("{prefix}{shown}{}", &rest[at..])
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn redaction_hides_passwords_and_tokens() {
+        use LoneUserInfo::{Token, UserName};
+        assert_eq!(
+            redact_url("amqp://guest:s3cret@h:5672/%2f", UserName),
+            "amqp://guest:***@h:5672/%2f"
+        );
+        assert_eq!(
+            redact_url("amqps://u:p@ss@w0rd@host/v?x=1", UserName),
+            "amqps://u:***@host/v?x=1"
+        );
+        assert_eq!(redact_url("amqp://user@host", UserName), "amqp://user@host");
+        assert_eq!(redact_url("nats://s3cr3t@host", Token), "nats://***@host");
+        assert_eq!(
+            redact_url("amqp//guest:hunter2@host", UserName),
+            "amqp//guest:***@host"
+        );
+        assert_eq!(redact_url("user:secret@host", UserName), "user:***@host");
+        assert_eq!(redact_url("not a url", Token), "not a url");
+        assert_eq!(
+            redact_url("nats://host/a@b", Token),
+            "nats://host/a@b",
+            "an @ after the authority is not user info"
+        );
+    }
+}

@@ -178,25 +178,10 @@ pub(crate) fn classify_create_stream(
 /// between the first `:` of a user info and its `@` is hidden; a user info without `:`
 /// (a token, `nats://s3cr3t@host`) is hidden whole.
 pub fn redact_url(url: &str) -> String {
-    url.split(',').map(redact_one).collect::<Vec<_>>().join(",")
-}
-
-fn redact_one(url: &str) -> String {
-    let (prefix, rest) = match url.find("://") {
-        Some(i) => url.split_at(i + 3),
-        None => ("", url),
-    };
-    let authority_len = rest.find(['/', '?', '#']).unwrap_or(rest.len());
-    let authority = &rest[..authority_len];
-    let Some(at) = authority.rfind('@') else {
-        return url.to_owned();
-    };
-    let userinfo = &authority[..at];
-    let shown = match userinfo.find(':') {
-        Some(colon) => format!("{}:***", &userinfo[..colon]),
-        None => "***".to_owned(),
-    };
-    format!("{prefix}{shown}{}", &rest[at..])
+    url.split(',')
+        .map(|one| outbox_core::error::redact_url(one, outbox_core::error::LoneUserInfo::Token))
+        .collect::<Vec<_>>()
+        .join(",")
 }
 
 #[cfg(test)]

@@ -152,32 +152,7 @@ pub(crate) fn is_precondition_failed(error: &lapin::Error) -> bool {
 /// too (best effort): whatever sits between the first `:` of the user info and the last
 /// `@` of the authority is hidden.
 pub fn redact_url(url: &str) -> String {
-    let Some(scheme_end) = url.find("://") else {
-        // No authority we can recognise: hide everything after a possible `user:`.
-        return match (url.find(':'), url.rfind('@')) {
-            (Some(colon), Some(at)) if colon < at => {
-                format!("{}:***{}", &url[..colon], &url[at..])
-            }
-            _ => url.to_owned(),
-        };
-    };
-    let authority_start = scheme_end + 3;
-    let rest = &url[authority_start..];
-    let authority_len = rest.find(['/', '?', '#']).unwrap_or(rest.len());
-    let authority = &rest[..authority_len];
-    let Some(at) = authority.rfind('@') else {
-        return url.to_owned();
-    };
-    let userinfo = &authority[..at];
-    match userinfo.find(':') {
-        Some(colon) => format!(
-            "{}{}:***{}",
-            &url[..authority_start],
-            &userinfo[..colon],
-            &url[authority_start + at..]
-        ),
-        None => url.to_owned(),
-    }
+    outbox_core::error::redact_url(url, outbox_core::error::LoneUserInfo::UserName)
 }
 
 #[cfg(test)]
