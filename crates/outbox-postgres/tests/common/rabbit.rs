@@ -26,7 +26,10 @@ pub struct Fixture {
 }
 
 /// A durable topic exchange `t.<uuid>`; with `bind`, a queue bound to `#` with `args`.
-pub async fn fixture(bind: bool, queue_args: FieldTable) -> Fixture {
+pub async fn fixture(bind: bool, mut queue_args: FieldTable) -> Fixture {
+    // auto_delete needs a consumer to have come and gone; a queue never consumed (the
+    // nack tests) would stay. Expire it a minute after it was last used instead.
+    queue_args.insert("x-expires".into(), AMQPValue::LongInt(60_000));
     let tag = uuid::Uuid::new_v4().simple().to_string();
     let exchange = format!("t.{tag}");
     let queue = format!("t.{tag}.q");
