@@ -316,8 +316,7 @@ where
                     self.config.poll_interval
                 }
                 Err(e) if e.kind().is_retryable() => {
-                    backoff =
-                        (backoff * 2).clamp(Duration::from_millis(100), Duration::from_secs(30));
+                    backoff = outbox_core::retry::outage_backoff(backoff, Duration::from_secs(30));
                     warn!(error = %e, backoff_ms = backoff.as_millis() as u64, "inbox processor backing off");
                     backoff
                 }

@@ -400,7 +400,8 @@ impl<S: OutboxStore, P: EventPublisher> Dispatcher<S, P> {
                     full
                 }
                 Err(e) if e.kind().is_retryable() => {
-                    store_backoff = next_backoff(store_backoff, self.config.store_backoff_max);
+                    store_backoff =
+                        crate::retry::outage_backoff(store_backoff, self.config.store_backoff_max);
                     warn!(error = %e, backoff_ms = store_backoff.as_millis() as u64, "claim failed, backing off");
                     tokio::select! {
                         () = shutdown.cancelled() => {}
@@ -541,7 +542,7 @@ impl<S: OutboxStore, P: EventPublisher> Dispatcher<S, P> {
                     info!("broker reachable again, circuit closed");
                 }
                 Err(e) => {
-                    delay = next_backoff(delay, self.config.probe_max);
+                    delay = crate::retry::outage_backoff(delay, self.config.probe_max);
                     warn!(error = %e, next_probe_ms = delay.as_millis() as u64, "broker still unreachable");
                 }
             }
@@ -685,18 +686,10 @@ impl<S: OutboxStore, P: EventPublisher> Dispatcher<S, P> {
                 Err(e) if e.kind().is_retryable() && claimed_at.elapsed() + delay < lease => {
                     warn!(error = %e, retry_in_ms = delay.as_millis() as u64, "completion failed, retrying");
                     tokio::time::sleep(delay).await;
-                    delay = next_backoff(delay, Duration::from_secs(5));
+                    delay = crate::retry::outage_backoff(delay, Duration::from_secs(5));
                 }
                 Err(e) => return Err(e),
             }
         }
-    }
-}
-
-fn next_backoff(current: Duration, max: Duration) -> Duration {
-    if current.is_zero() {
-        Duration::from_millis(100).min(max)
-    } else {
-        (current * 2).min(max)
     }
 }

@@ -93,6 +93,17 @@ impl RetryPolicy {
     }
 }
 
+/// The next wait while a database or broker stays unreachable: 100 ms first, then
+/// doubling, never above `max`. Start from `Duration::ZERO`; reset to it on success.
+/// (Outages are not a message's fault, so they use this, not a [`RetryPolicy`].)
+pub fn outage_backoff(current: Duration, max: Duration) -> Duration {
+    if current.is_zero() {
+        Duration::from_millis(100).min(max)
+    } else {
+        (current * 2).min(max)
+    }
+}
+
 /// The default [`RetryPolicy`] plus overrides by event type.
 #[derive(Debug, Clone, Default)]
 pub struct RetryPolicies {
@@ -152,6 +163,18 @@ mod tests {
         }
         let none = p.clone().with_jitter(Duration::ZERO);
         assert_eq!(none.delay(3), Duration::from_secs(27));
+    }
+
+    #[test]
+    fn outage_backoff_doubles_from_100ms_up_to_the_cap() {
+        let max = Duration::from_secs(1);
+        let mut d = Duration::ZERO;
+        let mut seen = Vec::new();
+        for _ in 0..6 {
+            d = outage_backoff(d, max);
+            seen.push(d.as_millis());
+        }
+        assert_eq!(seen, [100, 200, 400, 800, 1000, 1000]);
     }
 
     #[test]
