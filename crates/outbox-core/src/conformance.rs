@@ -18,7 +18,8 @@ use std::time::Duration;
 use async_trait::async_trait;
 use uuid::Uuid;
 
-use crate::message::{MessageStatus, NewMessage};
+use crate::message::{MessageStatus, NewMessage, OutboxMessage};
+use crate::ordering::OnDead;
 use crate::store::{Completion, CompletionOutcome, MessageFilter, OutboxStore};
 
 /// What a backend provides to run the suite.
@@ -390,6 +391,365 @@ pub async fn stats_and_purge<H: Harness>(h: &H) {
     assert_eq!((stats.new, stats.processing, stats.sent), (2, 1, 0));
 }
 
+/// Messages `(key, n)` for each pair, interleaved round-robin across keys in the order
+/// given (so `seq` interleaves keys); payload `{"key": key, "n": n}` with `n` counting
+/// from 0 per key.
+pub fn keyed(keys: &[&str], per_key: usize, event_type: &str) -> Vec<NewMessage> {
+    let mut out = Vec::with_capacity(keys.len() * per_key);
+    for n in 0..per_key {
+        for key in keys {
+            out.push(
+                NewMessage::builder("conformance", format!("{key}-{n}"), event_type)
+                    .partition_key(*key)
+                    .payload(&serde_json::json!({ "key": key, "n": n }))
+                    .build()
+                    .expect("valid message"),
+            );
+        }
+    }
+    out
+}
+
+fn key_of(m: &OutboxMessage) -> String {
+    m.order_key().to_string()
+}
+
+fn n_of(m: &OutboxMessage) -> u64 {
+    let v: serde_json::Value = serde_json::from_str(m.payload.get()).expect("payload");
+    v["n"].as_u64().expect("n")
+}
+
+/// Checks that `batch` holds, for each key, consecutive messages starting at
+/// `next[key]` (updated), in `seq` order.
+fn assert_key_prefixes(batch: &[OutboxMessage], next: &mut std::collections::HashMap<String, u64>) {
+    let mut last_seq = i64::MIN;
+    for m in batch {
+        assert!(
+            m.seq > last_seq,
+            "claim_ordered returns messages in seq order"
+        );
+        last_seq = m.seq;
+        let expected = next.entry(key_of(m)).or_insert(0);
+        assert_eq!(
+            n_of(m),
+            *expected,
+            "key {} must be claimed in order, without gaps",
+            key_of(m)
+        );
+        *expected += 1;
+    }
+}
+
+/// Per-key claim: every key's run comes in `seq` order; a key with a message in flight
+/// is not claimed again; a batch too small for all runs splits them into prefixes.
+pub async fn ordered_claim_takes_key_prefixes<H: Harness>(h: &H) {
+    let store = h.store();
+    let lease = Duration::from_secs(60);
+    h.enqueue(&keyed(&["a", "b", "c"], 4, "Ordered")).await;
+    let mut next = std::collections::HashMap::new();
+
+    let first = store
+        .claim_ordered(6, lease, OnDead::Block)
+        .await
+        .expect("claim");
+    assert_eq!(first.len(), 6, "6 = 3 keys x 2 from each run");
+    assert_key_prefixes(&first, &mut next);
+    assert!(next.values().all(|&n| n == 2), "two of each key: {next:?}");
+    assert!(
+        store
+            .claim_ordered(100, lease, OnDead::Block)
+            .await
+            .expect("claim")
+            .is_empty(),
+        "every key has messages in flight: nothing may be claimed"
+    );
+    assert!(
+        store
+            .claim_ordered(100, lease, OnDead::Skip)
+            .await
+            .expect("claim")
+            .is_empty(),
+        "in-flight messages block under Skip too"
+    );
+    // Finish key a only: its rest becomes claimable, b and c stay held.
+    let token = first[0].claim_token.expect("token");
+    let done_a: Vec<Completion> = first
+        .iter()
+        .filter(|m| key_of(m) == "a")
+        .map(|m| completion(m.id, token, CompletionOutcome::Sent))
+        .collect();
+    store.complete(&done_a).await.expect("complete");
+    let second = store
+        .claim_ordered(100, lease, OnDead::Block)
+        .await
+        .expect("claim");
+    assert_eq!(second.len(), 2, "only key a's last two are free");
+    assert_key_prefixes(&second, &mut next);
+    assert!(second.iter().all(|m| key_of(m) == "a"));
+}
+
+/// A failing head blocks its own key only: during its backoff the key's later messages
+/// wait while other keys flow; afterwards the key resumes in order. The blocked key is
+/// reported by `blocked_keys`.
+pub async fn ordered_failing_key_waits_alone<H: Harness>(h: &H) {
+    let store = h.store();
+    let lease = Duration::from_secs(60);
+    h.enqueue(&keyed(&["slow", "fast"], 2, "Ordered")).await;
+    let batch = store
+        .claim_ordered(10, lease, OnDead::Block)
+        .await
+        .expect("claim");
+    assert_eq!(batch.len(), 4);
+    let token = batch[0].claim_token.expect("token");
+    let outcomes: Vec<Completion> = batch
+        .iter()
+        .map(|m| {
+            let outcome = match (key_of(m).as_str(), n_of(m)) {
+                ("slow", 0) => CompletionOutcome::Retry {
+                    delay: Duration::from_secs(2),
+                    error: "broker said no".into(),
+                },
+                ("slow", _) => CompletionOutcome::Release,
+                _ => CompletionOutcome::Sent,
+            };
+            completion(m.id, token, outcome)
+        })
+        .collect();
+    store.complete(&outcomes).await.expect("complete");
+    h.enqueue(&keyed(&["fast"], 1, "Ordered2")).await;
+
+    let during = store
+        .claim_ordered(10, lease, OnDead::Block)
+        .await
+        .expect("claim");
+    assert_eq!(
+        during.len(),
+        1,
+        "only the other key flows during the backoff"
+    );
+    assert_eq!(key_of(&during[0]), "fast");
+    let blocked = store.blocked_keys(10).await.expect("blocked keys");
+    assert_eq!(blocked.len(), 1, "one blocked key: {blocked:?}");
+    assert!(blocked[0].key.contains("slow"), "{:?}", blocked[0]);
+    assert_eq!(blocked[0].status, MessageStatus::New);
+    assert_eq!(blocked[0].attempts, 1);
+    assert_eq!(blocked[0].waiting, 1);
+    assert_eq!(blocked[0].last_error.as_deref(), Some("broker said no"));
+    assert!(blocked[0].blocked_since.is_some() && blocked[0].retry_at.is_some());
+
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
+    let after = loop {
+        let got = store
+            .claim_ordered(10, lease, OnDead::Block)
+            .await
+            .expect("claim");
+        if !got.is_empty() || tokio::time::Instant::now() > deadline {
+            break got;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    let mut next = std::collections::HashMap::new();
+    assert_key_prefixes(&after, &mut next);
+    assert_eq!(
+        after.len(),
+        2,
+        "after the backoff the key resumes with its head"
+    );
+    assert_eq!(after[0].attempts, 2, "the head's second attempt");
+    assert_eq!(
+        after[1].attempts, 1,
+        "the released successor was not charged"
+    );
+}
+
+/// A Dead head blocks its key under `OnDead::Block` (until replayed, then it goes
+/// first) and is passed over under `OnDead::Skip`.
+pub async fn ordered_dead_head_blocks_or_skips<H: Harness>(h: &H) {
+    let store = h.store();
+    let lease = Duration::from_secs(60);
+    h.enqueue(&keyed(&["k"], 3, "Ordered")).await;
+    let batch = store
+        .claim_ordered(10, lease, OnDead::Block)
+        .await
+        .expect("claim");
+    assert_eq!(batch.len(), 3);
+    let token = batch[0].claim_token.expect("token");
+    let mut outcomes = vec![completion(
+        batch[0].id,
+        token,
+        CompletionOutcome::Dead {
+            error: "unroutable".into(),
+        },
+    )];
+    outcomes.extend(
+        batch[1..]
+            .iter()
+            .map(|m| completion(m.id, token, CompletionOutcome::Release)),
+    );
+    store.complete(&outcomes).await.expect("complete");
+
+    assert!(
+        store
+            .claim_ordered(10, lease, OnDead::Block)
+            .await
+            .expect("claim")
+            .is_empty(),
+        "Block: the dead head stops its key"
+    );
+    let blocked = store.blocked_keys(10).await.expect("blocked keys");
+    assert_eq!(blocked.len(), 1);
+    assert_eq!(blocked[0].head_id, batch[0].id);
+    assert_eq!(blocked[0].status, MessageStatus::Dead);
+    assert_eq!(blocked[0].waiting, 2);
+
+    // Replayed, the dead head goes first again.
+    let report = store
+        .replay(&MessageFilter::new().with_ids([batch[0].id]), false)
+        .await
+        .expect("replay");
+    assert_eq!(report.replayed, 1);
+    let again = store
+        .claim_ordered(10, lease, OnDead::Block)
+        .await
+        .expect("claim");
+    let mut next = std::collections::HashMap::new();
+    assert_key_prefixes(&again, &mut next);
+    assert_eq!(again.len(), 3, "replayed head and its successors, in order");
+
+    // Dead again; under Skip the successors go on without it.
+    let token = again[0].claim_token.expect("token");
+    let mut outcomes = vec![completion(
+        again[0].id,
+        token,
+        CompletionOutcome::Dead {
+            error: "unroutable".into(),
+        },
+    )];
+    outcomes.extend(
+        again[1..]
+            .iter()
+            .map(|m| completion(m.id, token, CompletionOutcome::Release)),
+    );
+    store.complete(&outcomes).await.expect("complete");
+    let skipped = store
+        .claim_ordered(10, lease, OnDead::Skip)
+        .await
+        .expect("claim");
+    assert_eq!(
+        skipped.iter().map(n_of).collect::<Vec<_>>(),
+        vec![1, 2],
+        "Skip: the key continues after its dead message"
+    );
+}
+
+/// A delayed (not yet visible) message holds back its key's later messages.
+pub async fn ordered_delayed_message_holds_its_key<H: Harness>(h: &H) {
+    let store = h.store();
+    let delayed = NewMessage::builder("conformance", "d-0", "Ordered")
+        .partition_key("d")
+        .payload(&serde_json::json!({ "key": "d", "n": 0 }))
+        .deliver_after(Duration::from_secs(30))
+        .build()
+        .expect("valid");
+    let after = NewMessage::builder("conformance", "d-1", "Ordered")
+        .partition_key("d")
+        .payload(&serde_json::json!({ "key": "d", "n": 1 }))
+        .build()
+        .expect("valid");
+    h.enqueue(&[delayed, after]).await;
+    assert!(
+        store
+            .claim_ordered(10, Duration::from_secs(60), OnDead::Block)
+            .await
+            .expect("claim")
+            .is_empty(),
+        "the visible message waits for its delayed predecessor"
+    );
+}
+
+/// Four concurrent ordered claimers over 30 keys: no key is ever held by two claims at
+/// once, and every key's messages are claimed in order, each once.
+pub async fn ordered_concurrent_claims_never_share_a_key<H: Harness>(h: &H) {
+    let store = h.store();
+    let keys: Vec<String> = (0..30).map(|k| format!("key-{k}")).collect();
+    let key_refs: Vec<&str> = keys.iter().map(String::as_str).collect();
+    h.enqueue(&keyed(&key_refs, 20, "Ordered")).await;
+    let mut next = std::collections::HashMap::new();
+    let mut total = 0;
+    for _round in 0..200 {
+        let mut tasks = Vec::new();
+        for _ in 0..4 {
+            let store = Arc::clone(&store);
+            tasks.push(tokio::spawn(async move {
+                store
+                    .claim_ordered(40, Duration::from_secs(60), OnDead::Block)
+                    .await
+                    .expect("claim")
+            }));
+        }
+        let mut batches = Vec::new();
+        for t in tasks {
+            batches.push(t.await.expect("task"));
+        }
+        let mut owner: std::collections::HashMap<String, usize> = std::collections::HashMap::new();
+        for (i, batch) in batches.iter().enumerate() {
+            for m in batch {
+                let prev = owner.insert(key_of(m), i);
+                assert!(
+                    prev.is_none_or(|p| p == i),
+                    "key {} held by two concurrent claims",
+                    key_of(m)
+                );
+            }
+        }
+        let mut merged: Vec<OutboxMessage> = batches.into_iter().flatten().collect();
+        if merged.is_empty() {
+            break;
+        }
+        merged.sort_by_key(|m| m.seq);
+        assert_key_prefixes(&merged, &mut next);
+        total += merged.len();
+        let done: Vec<Completion> = merged
+            .iter()
+            .map(|m| completion(m.id, m.claim_token.expect("token"), CompletionOutcome::Sent))
+            .collect();
+        let report = store.complete(&done).await.expect("complete");
+        assert!(report.fenced.is_empty());
+    }
+    assert_eq!(total, 600, "every message claimed exactly once");
+}
+
+/// A claimer that dies holding a run: after the lease the run is reclaimed whole, in
+/// order, and the dead claimer's late completion is fenced.
+pub async fn ordered_expired_run_is_reclaimed_in_order<H: Harness>(h: &H) {
+    let store = h.store();
+    h.enqueue(&keyed(&["x"], 3, "Ordered")).await;
+    let first = store
+        .claim_ordered(10, Duration::from_secs(1), OnDead::Block)
+        .await
+        .expect("claim");
+    assert_eq!(first.len(), 3);
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    let second = store
+        .claim_ordered(10, Duration::from_secs(60), OnDead::Block)
+        .await
+        .expect("claim");
+    let mut next = std::collections::HashMap::new();
+    assert_key_prefixes(&second, &mut next);
+    assert_eq!(second.len(), 3, "the whole run is reclaimed");
+    assert!(second.iter().all(|m| m.attempts == 2));
+    let stale: Vec<Completion> = first
+        .iter()
+        .map(|m| completion(m.id, m.claim_token.expect("token"), CompletionOutcome::Sent))
+        .collect();
+    let report = store.complete(&stale).await.expect("complete");
+    assert_eq!(
+        report.fenced.len(),
+        3,
+        "the dead claimer's completion is fenced"
+    );
+}
+
 /// Expands to one `#[tokio::test]` per conformance property. `$harness` is the path of
 /// an `async fn() -> impl Harness` that returns a fresh, isolated harness.
 #[macro_export]
@@ -405,6 +765,12 @@ macro_rules! store_conformance_tests {
                 expired_lease_is_reclaimed_and_stale_completion_fenced,
                 dead_letters_and_replay,
                 stats_and_purge,
+                ordered_claim_takes_key_prefixes,
+                ordered_failing_key_waits_alone,
+                ordered_dead_head_blocks_or_skips,
+                ordered_delayed_message_holds_its_key,
+                ordered_concurrent_claims_never_share_a_key,
+                ordered_expired_run_is_reclaimed_in_order,
             );
         }
     };

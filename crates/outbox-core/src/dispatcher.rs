@@ -1,8 +1,10 @@
 //! The relay loop: claim a batch, publish it with pipelined confirms, write every outcome
 //! back in one round trip, repeat.
 
+use std::collections::HashSet;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::Ordering::{AcqRel, Acquire, Relaxed, Release};
+use std::sync::atomic::{AtomicBool, AtomicU64};
 use std::time::Duration;
 
 use tokio::sync::{Mutex, Notify, mpsc};
@@ -11,6 +13,7 @@ use tracing::{Instrument as _, debug, error, info, info_span, warn};
 
 use crate::error::{OutboxError, PublishError};
 use crate::message::OutboxMessage;
+use crate::ordering::{OnDead, OrderKey, Ordering};
 use crate::publisher::{EventPublisher, PublishOutcome};
 use crate::retry::RetryPolicies;
 use crate::store::{Completion, CompletionOutcome, OutboxStore};
@@ -26,6 +29,7 @@ pub struct DispatcherConfig {
     probe_initial: Duration,
     probe_max: Duration,
     store_backoff_max: Duration,
+    ordering: Ordering,
 }
 
 impl Default for DispatcherConfig {
@@ -39,6 +43,7 @@ impl Default for DispatcherConfig {
             probe_initial: Duration::from_millis(500),
             probe_max: Duration::from_secs(30),
             store_backoff_max: Duration::from_secs(30),
+            ordering: Ordering::Unordered,
         }
     }
 }
@@ -96,6 +101,22 @@ impl DispatcherConfig {
         self
     }
 
+    /// Delivery order (default [`Ordering::Unordered`]). With [`Ordering::PerKey`] the
+    /// dispatcher claims through
+    /// [`OutboxStore::claim_ordered`](crate::OutboxStore::claim_ordered) and publishes
+    /// each batch in waves, one message per key per wave, so a failed message stops the
+    /// rest of its key (they are released without charge); see [`crate::ordering`].
+    #[must_use]
+    pub fn with_ordering(mut self, ordering: Ordering) -> Self {
+        self.ordering = ordering;
+        self
+    }
+
+    /// The delivery order.
+    pub fn ordering(&self) -> Ordering {
+        self.ordering
+    }
+
     /// Messages per batch.
     pub fn batch_size(&self) -> usize {
         self.batch_size
@@ -143,7 +164,7 @@ struct Counters {
 
 impl Counters {
     fn snapshot(&self) -> DispatcherStats {
-        let get = |c: &AtomicU64| c.load(Ordering::Relaxed);
+        let get = |c: &AtomicU64| c.load(Relaxed);
         DispatcherStats {
             batches: get(&self.batches),
             claimed: get(&self.claimed),
@@ -291,7 +312,7 @@ impl<S: OutboxStore, P: EventPublisher> Dispatcher<S, P> {
 
     /// Whether the circuit is open (the broker was found unreachable and not yet back).
     pub fn circuit_open(&self) -> bool {
-        self.circuit.open.load(Ordering::Acquire)
+        self.circuit.open.load(Acquire)
     }
 
     /// Runs the relay until `shutdown` is cancelled, then returns the counters.
@@ -372,23 +393,16 @@ impl<S: OutboxStore, P: EventPublisher> Dispatcher<S, P> {
             let notified = self.wake.notified();
             tokio::pin!(notified);
             notified.as_mut().enable();
-            let claim = self
-                .store
-                .claim(self.config.batch_size, self.config.lease)
-                .instrument(info_span!(
-                    "outbox.claim",
-                    batch_size = self.config.batch_size
-                ))
-                .await;
+            let claim = self.claim().await;
             let full = match claim {
                 Ok(messages) => {
                     store_backoff = Duration::ZERO;
                     let full = messages.len() >= self.config.batch_size;
                     if !messages.is_empty() {
-                        self.counters.batches.fetch_add(1, Ordering::Relaxed);
+                        self.counters.batches.fetch_add(1, Relaxed);
                         self.counters
                             .claimed
-                            .fetch_add(messages.len() as u64, Ordering::Relaxed);
+                            .fetch_add(messages.len() as u64, Relaxed);
                         let batch = Claimed {
                             messages,
                             claimed_at: tokio::time::Instant::now(),
@@ -447,17 +461,41 @@ impl<S: OutboxStore, P: EventPublisher> Dispatcher<S, P> {
             // The broker is known to be down: hand the batch back without trying.
             messages
                 .iter()
-                .map(|_| PublishOutcome::Transient(PublishError::unavailable("circuit open", None)))
+                .map(|_| {
+                    Some(PublishOutcome::Transient(PublishError::unavailable(
+                        "circuit open",
+                        None,
+                    )))
+                })
                 .collect()
         } else {
-            self.publisher
-                .publish_batch(&messages)
-                .instrument(info_span!("outbox.publish", messages = messages.len()))
-                .await
+            let span = info_span!("outbox.publish", messages = messages.len());
+            match self.config.ordering {
+                Ordering::Unordered => {
+                    let outcomes = self
+                        .publisher
+                        .publish_batch(&messages)
+                        .instrument(span)
+                        .await;
+                    if outcomes.len() != messages.len() {
+                        warn!(
+                            expected = messages.len(),
+                            got = outcomes.len(),
+                            "publisher broke its contract: outcome count differs; unmatched messages are released"
+                        );
+                    }
+                    outcomes.into_iter().map(Some).collect()
+                }
+                Ordering::PerKey { on_dead } => {
+                    self.publish_in_waves(&messages, on_dead)
+                        .instrument(span)
+                        .await
+                }
+            }
         };
         let (completions, report) = self.decide(&messages, outcomes);
-        if report.outage && !self.circuit.open.swap(true, Ordering::AcqRel) {
-            self.counters.circuit_opened.fetch_add(1, Ordering::Relaxed);
+        if report.outage && !self.circuit.open.swap(true, AcqRel) {
+            self.counters.circuit_opened.fetch_add(1, Relaxed);
             warn!(
                 released = report.released,
                 "broker unreachable: circuit opened, messages released without charge"
@@ -499,9 +537,12 @@ impl<S: OutboxStore, P: EventPublisher> Dispatcher<S, P> {
                         report.fenced = 0;
                         self.record(&report);
                     }
-                    self.counters
-                        .fenced
-                        .fetch_add(fenced as u64, Ordering::Relaxed);
+                    if self.config.ordering.is_ordered() {
+                        // The completed keys are free again: claim their next messages
+                        // now rather than after the poll interval.
+                        self.wake.notify_waiters();
+                    }
+                    self.counters.fenced.fetch_add(fenced as u64, Relaxed);
                 }
                 Err(e) => {
                     // The messages stay Processing and are reclaimed after their lease
@@ -518,14 +559,11 @@ impl<S: OutboxStore, P: EventPublisher> Dispatcher<S, P> {
 
     fn record(&self, report: &BatchReport) {
         let c = &self.counters;
-        c.published
-            .fetch_add(report.published as u64, Ordering::Relaxed);
-        c.retried
-            .fetch_add(report.retried as u64, Ordering::Relaxed);
-        c.dead.fetch_add(report.dead as u64, Ordering::Relaxed);
-        c.released
-            .fetch_add(report.released as u64, Ordering::Relaxed);
-        c.fenced.fetch_add(report.fenced as u64, Ordering::Relaxed);
+        c.published.fetch_add(report.published as u64, Relaxed);
+        c.retried.fetch_add(report.retried as u64, Relaxed);
+        c.dead.fetch_add(report.dead as u64, Relaxed);
+        c.released.fetch_add(report.released as u64, Relaxed);
+        c.fenced.fetch_add(report.fenced as u64, Relaxed);
     }
 
     async fn probe_until_ready(&self, shutdown: &CancellationToken) {
@@ -538,13 +576,35 @@ impl<S: OutboxStore, P: EventPublisher> Dispatcher<S, P> {
             }
             match self.publisher.check_ready().await {
                 Ok(()) => {
-                    self.circuit.open.store(false, Ordering::Release);
+                    self.circuit.open.store(false, Release);
                     info!("broker reachable again, circuit closed");
                 }
                 Err(e) => {
                     delay = crate::retry::outage_backoff(delay, self.config.probe_max);
                     warn!(error = %e, next_probe_ms = delay.as_millis() as u64, "broker still unreachable");
                 }
+            }
+        }
+    }
+
+    async fn claim(&self) -> Result<Vec<OutboxMessage>, OutboxError> {
+        let span = info_span!(
+            "outbox.claim",
+            batch_size = self.config.batch_size,
+            ordered = self.config.ordering.is_ordered()
+        );
+        match self.config.ordering {
+            Ordering::Unordered => {
+                self.store
+                    .claim(self.config.batch_size, self.config.lease)
+                    .instrument(span)
+                    .await
+            }
+            Ordering::PerKey { on_dead } => {
+                self.store
+                    .claim_ordered(self.config.batch_size, self.config.lease, on_dead)
+                    .instrument(span)
+                    .await
             }
         }
     }
@@ -556,21 +616,14 @@ impl<S: OutboxStore, P: EventPublisher> Dispatcher<S, P> {
     /// A store error from the claim (nothing was claimed) or from completion after the
     /// lease ran out (the messages will be reclaimed and republished).
     pub async fn run_batch(&self) -> Result<BatchReport, OutboxError> {
-        let messages = self
-            .store
-            .claim(self.config.batch_size, self.config.lease)
-            .instrument(info_span!(
-                "outbox.claim",
-                batch_size = self.config.batch_size
-            ))
-            .await?;
+        let messages = self.claim().await?;
         if messages.is_empty() {
             return Ok(BatchReport::default());
         }
-        self.counters.batches.fetch_add(1, Ordering::Relaxed);
+        self.counters.batches.fetch_add(1, Relaxed);
         self.counters
             .claimed
-            .fetch_add(messages.len() as u64, Ordering::Relaxed);
+            .fetch_add(messages.len() as u64, Relaxed);
         let claimed_at = tokio::time::Instant::now();
         let finished = self
             .publish_and_decide(Claimed {
@@ -593,29 +646,89 @@ impl<S: OutboxStore, P: EventPublisher> Dispatcher<S, P> {
         Ok(report)
     }
 
+    /// Per-key mode: publishes `messages` (in `seq` order) in waves, the first message
+    /// of every key, then the second, ..., awaiting every confirmation of a wave before
+    /// the next, so a key never has a later message sent after an earlier one failed.
+    /// A key stops at its first unpublished message (under [`OnDead::Skip`] a permanent
+    /// failure does not stop it); an outage stops every key. `None` = not attempted.
+    async fn publish_in_waves(
+        &self,
+        messages: &[OutboxMessage],
+        on_dead: OnDead,
+    ) -> Vec<Option<PublishOutcome>> {
+        let mut waves: Vec<Vec<usize>> = Vec::new();
+        {
+            let mut depth: std::collections::HashMap<OrderKey<'_>, usize> =
+                std::collections::HashMap::with_capacity(messages.len());
+            for (i, m) in messages.iter().enumerate() {
+                let d = depth.entry(m.order_key()).or_insert(0);
+                if waves.len() <= *d {
+                    waves.push(Vec::new());
+                }
+                waves[*d].push(i);
+                *d += 1;
+            }
+        }
+        let mut outcomes: Vec<Option<PublishOutcome>> = messages.iter().map(|_| None).collect();
+        if waves.len() == 1 {
+            // Every key appears once: one pipelined publish, as in unordered mode.
+            let got = self.publisher.publish_batch(messages).await;
+            for (slot, o) in outcomes.iter_mut().zip(got) {
+                *slot = Some(o);
+            }
+            return outcomes;
+        }
+        let mut stopped: HashSet<OrderKey<'_>> = HashSet::new();
+        for wave in waves {
+            let go: Vec<usize> = wave
+                .into_iter()
+                .filter(|&i| !stopped.contains(&messages[i].order_key()))
+                .collect();
+            if go.is_empty() {
+                continue;
+            }
+            let batch: Vec<OutboxMessage> = go.iter().map(|&i| messages[i].clone()).collect();
+            let mut got = self.publisher.publish_batch(&batch).await.into_iter();
+            let mut outage = false;
+            for &i in &go {
+                let outcome = got.next();
+                let keeps_going = match &outcome {
+                    Some(PublishOutcome::Published) => true,
+                    Some(PublishOutcome::Permanent(_)) => on_dead == OnDead::Skip,
+                    Some(o) => {
+                        outage |= o.is_outage();
+                        false
+                    }
+                    None => false,
+                };
+                if !keeps_going {
+                    stopped.insert(messages[i].order_key());
+                }
+                outcomes[i] = outcome;
+            }
+            if outage {
+                break; // the broker is unreachable: everything left is released
+            }
+        }
+        outcomes
+    }
+
     fn decide(
         &self,
         claimed: &[OutboxMessage],
-        outcomes: Vec<PublishOutcome>,
+        outcomes: Vec<Option<PublishOutcome>>,
     ) -> (Vec<Completion>, BatchReport) {
         let mut report = BatchReport {
             claimed: claimed.len(),
             ..BatchReport::default()
         };
-        if outcomes.len() != claimed.len() {
-            warn!(
-                expected = claimed.len(),
-                got = outcomes.len(),
-                "publisher broke its contract: outcome count differs; unmatched messages are released"
-            );
-        }
         let mut outcomes = outcomes.into_iter();
         let mut completions = Vec::with_capacity(claimed.len());
         for msg in claimed {
             let Some(token) = msg.claim_token else {
                 continue;
             };
-            let outcome = match outcomes.next() {
+            let outcome = match outcomes.next().flatten() {
                 None => {
                     report.released += 1;
                     CompletionOutcome::Release

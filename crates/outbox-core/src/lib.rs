@@ -38,6 +38,7 @@ pub mod domain;
 pub mod error;
 pub mod inbox;
 pub mod message;
+pub mod ordering;
 #[cfg(feature = "opentelemetry")]
 mod otel;
 pub mod publisher;
@@ -57,6 +58,7 @@ pub use inbox::{
     InboxOutcome, StoredMessage, VersionTracking,
 };
 pub use message::{Headers, MessageStatus, NewMessage, NewMessageBuilder, OutboxMessage};
+pub use ordering::{BlockedKey, OnDead, OrderKey, Ordering};
 pub use publisher::{EventPublisher, PublishOutcome};
 pub use retry::{RetryPolicies, RetryPolicy};
 pub use store::{

@@ -13,6 +13,7 @@ use uuid::Uuid;
 
 use crate::error::OutboxError;
 use crate::message::OutboxMessage;
+use crate::ordering::{BlockedKey, OnDead};
 
 /// What to record for one claimed message. Exhaustive on purpose: every store must
 /// handle every outcome.
@@ -173,6 +174,36 @@ pub trait OutboxStore: Send + Sync + 'static {
         batch_size: usize,
         lease: Duration,
     ) -> Result<Vec<OutboxMessage>, OutboxError>;
+
+    /// Claims for [`Ordering::PerKey`](crate::Ordering::PerKey) mode: like
+    /// [`claim`](Self::claim), but only messages whose key is free. For each key
+    /// (`partition_key`, else aggregate type and id) it takes at most a run of the
+    /// key's first unfinished messages, in `seq` order, and only if every earlier
+    /// unfinished message of the key is in the same claim. A key is not free while any
+    /// message of it is `Processing` under a live lease, `New` but not yet visible
+    /// (retry backoff, delay), or, under [`OnDead::Block`], `Dead`. Claimable messages
+    /// of the run are `New` and visible or `Processing` with an expired lease. Keys are
+    /// found oldest `(visible_at, seq)` first. Concurrent claimers never hold messages
+    /// of the same key at once: each locks the key's head row (skipping it when another
+    /// claimer holds it). Returns the messages in `seq` order.
+    ///
+    /// # Errors
+    /// As [`claim`](Self::claim).
+    async fn claim_ordered(
+        &self,
+        batch_size: usize,
+        lease: Duration,
+        on_dead: OnDead,
+    ) -> Result<Vec<OutboxMessage>, OutboxError>;
+
+    /// Keys whose head (first unfinished message, `Dead` included) is `Dead` or waiting
+    /// out a retry backoff, longest blocked first, at most `limit`. Under
+    /// [`OnDead::Skip`] a `Dead` head does not block the relay; it is listed anyway so
+    /// operators see it.
+    ///
+    /// # Errors
+    /// [`OutboxError::Database`] on database failure.
+    async fn blocked_keys(&self, limit: usize) -> Result<Vec<BlockedKey>, OutboxError>;
 
     /// Records the outcomes of claimed messages, fenced by their claim tokens.
     ///

@@ -22,10 +22,15 @@ const MIGRATIONS: &[(i32, &str, &str)] = &[
         "inbox_versions, inbox_failures, inbox_messages",
         include_str!("../migrations/0002_inbox.sql"),
     ),
+    (
+        3,
+        "ordering key, first_failed_at and the per-key claim indexes",
+        include_str!("../migrations/0003_ordering.sql"),
+    ),
 ];
 
 /// The highest migration version this crate knows.
-pub const LATEST_VERSION: i32 = 2;
+pub const LATEST_VERSION: i32 = 3;
 
 /// Creates `schema` if needed and applies every migration not yet applied. Returns the
 /// versions applied by this call.

@@ -54,10 +54,86 @@ fn claim_statement(table: &str, returning: &str) -> String {
     )
 }
 
+/// Whether a row may be claimed now: New and visible, or Processing with an expired
+/// lease (database clock).
+const CLAIMABLE: &str =
+    "((p.status = 0 AND p.visible_at <= now()) OR (p.status = 9 AND p.lease_until < now()))";
+
+/// The per-key claim of [`Ordering::PerKey`](outbox_core::Ordering) mode.
+/// `$1` batch size, `$2` lease in seconds, `$3` claim token, `$4` whether Dead blocks.
+///
+/// 1. `cand`: keys of the oldest visible New rows (and of expired leases), skipping rows
+///    whose key is visibly blocked by an earlier in-flight, dead (when `$4`) or
+///    not-yet-visible row. The probe walks `outbox_messages_key_blockers`, an index of
+///    the few rows that can block, so it stays cheap however long the backlog; the scan
+///    does walk past the backlog of blocked keys.
+/// 2. `heads`: each key's first unfinished row (`outbox_messages_key_unfinished`), kept
+///    only when claimable.
+/// 3. `locked`: the heads locked `FOR UPDATE SKIP LOCKED` with the claimability checked
+///    again on the latest row version: a key whose head another claimer holds, or took
+///    since our snapshot, is skipped. The head lock is the key's mutex.
+/// 4. `run_locked`: up to `$1 / keys` of each key's first unfinished rows from its head,
+///    locked and read at their latest version; `runs` keeps the prefix that is all
+///    claimable (a not-yet-visible or dead row stops the run).
+/// 5. The final cut orders by `seq`, so it keeps a prefix of every key's run.
+fn claim_ordered_statement(table: &str, returning: &str) -> String {
+    format!(
+        "WITH cand AS (
+             (SELECT m.order_key, m.visible_at AS since FROM {table} m
+               WHERE m.status = 0 AND m.visible_at <= now()
+                 AND NOT EXISTS (
+                     SELECT 1 FROM {table} b
+                      WHERE b.order_key = m.order_key AND b.seq < m.seq
+                        AND (b.status IN (3, 9) OR (b.status = 0 AND (b.attempts > 0 OR b.visible_at > b.created_at)))
+                        AND (b.status = 9 OR (b.status = 3 AND $4) OR (b.status = 0 AND b.visible_at > now())))
+               ORDER BY m.visible_at, m.seq LIMIT $1)
+             UNION ALL
+             (SELECT m.order_key, m.lease_until FROM {table} m
+               WHERE m.status = 9 AND m.lease_until < now()
+               ORDER BY m.lease_until LIMIT $1)
+         ), keys AS (
+             SELECT order_key FROM cand GROUP BY order_key ORDER BY min(since) LIMIT $1
+         ), heads AS (
+             SELECT h.id FROM keys k CROSS JOIN LATERAL (
+                 SELECT p.id, p.status, p.visible_at, p.lease_until FROM {table} p
+                  WHERE p.order_key = k.order_key AND p.status IN (0, 3, 9) AND (p.status <> 3 OR $4)
+                  ORDER BY p.seq LIMIT 1) h
+              WHERE (h.status = 0 AND h.visible_at <= now()) OR (h.status = 9 AND h.lease_until < now())
+         ), locked AS (
+             SELECT p.id, p.order_key, p.seq FROM {table} p
+              WHERE p.id = ANY(ARRAY(SELECT id FROM heads)) AND {CLAIMABLE}
+              FOR UPDATE SKIP LOCKED
+         ), run_rows AS (
+             SELECT r.id FROM locked h CROSS JOIN LATERAL (
+                 SELECT p.id FROM {table} p
+                  WHERE p.order_key = h.order_key AND p.status IN (0, 3, 9) AND (p.status <> 3 OR $4)
+                    AND p.seq >= h.seq
+                  ORDER BY p.seq
+                  LIMIT greatest(1, $1 / greatest(1, (SELECT count(*) FROM locked)))) r
+         ), run_locked AS (
+             SELECT p.id, p.seq, p.order_key, {CLAIMABLE} AS ok FROM {table} p
+              WHERE p.id = ANY(ARRAY(SELECT id FROM run_rows))
+              FOR UPDATE
+         ), runs AS (
+             SELECT id, seq, bool_and(ok) OVER (PARTITION BY order_key ORDER BY seq) AS free
+               FROM run_locked
+         )
+         UPDATE {table} m
+            SET status = 9,
+                lease_until = now() + make_interval(secs => $2),
+                claim_token = $3,
+                attempts = m.attempts + 1
+          WHERE m.id = ANY(ARRAY(SELECT id FROM runs WHERE free ORDER BY seq LIMIT $1))
+         RETURNING {returning}"
+    )
+}
+
 #[derive(Debug)]
 pub(crate) struct Queries {
     pub(crate) enqueue: Arc<str>,
     pub(crate) claim: Arc<str>,
+    pub(crate) claim_ordered: Arc<str>,
+    pub(crate) blocked_keys: Arc<str>,
     pub(crate) complete: Arc<str>,
     pub(crate) get: Arc<str>,
     pub(crate) stats: Arc<str>,
@@ -97,6 +173,25 @@ impl Queries {
                  ORDER BY u.ord"
             )),
             claim: s(claim_statement(&t, COLUMNS)),
+            claim_ordered: s(claim_ordered_statement(&t, COLUMNS)),
+            // Keys whose head (first unfinished row, Dead included) is Dead or waiting out
+            // a retry backoff. Candidates come from the small blockers index.
+            blocked_keys: s(format!(
+                "SELECT h.order_key, h.id, h.seq, h.status, h.attempts, h.last_error,
+                        h.first_failed_at, CASE WHEN h.status = 0 THEN h.visible_at END AS retry_at,
+                        (SELECT count(*) FROM {t} w
+                          WHERE w.order_key = h.order_key AND w.status IN (0, 3, 9) AND w.seq > h.seq) AS waiting
+                   FROM (SELECT DISTINCT b.order_key FROM {t} b
+                          WHERE (b.status IN (3, 9) OR (b.status = 0 AND (b.attempts > 0 OR b.visible_at > b.created_at)))
+                            AND (b.status = 3 OR (b.status = 0 AND b.attempts > 0 AND b.visible_at > now()))) k
+                   CROSS JOIN LATERAL (
+                        SELECT p.* FROM {t} p
+                         WHERE p.order_key = k.order_key AND p.status IN (0, 3, 9)
+                         ORDER BY p.seq LIMIT 1) h
+                  WHERE h.status = 3 OR (h.status = 0 AND h.attempts > 0 AND h.visible_at > now())
+                  ORDER BY h.first_failed_at NULLS LAST, h.seq
+                  LIMIT $1"
+            )),
             // Completion of a whole batch, each row fenced by its claim token.
             // `status + 0 = 9` still enforces Processing → * in SQL but keeps the planner
             // off the `status = 9` partial index: its statistics are always stale on a
@@ -111,6 +206,8 @@ impl Queries {
                                           THEN now() + make_interval(secs => u.delay_secs)
                                           ELSE m.visible_at END,
                         last_error = COALESCE(u.error, m.last_error),
+                        first_failed_at = CASE WHEN u.error IS NULL THEN m.first_failed_at
+                                               ELSE COALESCE(m.first_failed_at, now()) END,
                         sent_at = CASE WHEN u.status = 1 THEN now() END,
                         lease_until = NULL,
                         claim_token = NULL
@@ -173,6 +270,27 @@ mod tests {
                 .contains("m.claim_token = u.token AND m.status + 0 = 9")
         );
         assert!(q.purge_sent.contains("LIMIT $2"));
+    }
+
+    #[test]
+    fn ordered_claim_locks_heads_and_rechecks_the_latest_version() {
+        let q = Queries::new("outbox");
+        // The head lock is the key's mutex: skipped when held by another claimer.
+        assert!(q.claim_ordered.contains("AND ((p.status = 0 AND p.visible_at <= now()) OR (p.status = 9 AND p.lease_until < now()))\n              FOR UPDATE SKIP LOCKED"));
+        // The run is locked and judged at its latest version.
+        assert!(
+            q.claim_ordered
+                .contains("AS ok FROM outbox.outbox_messages p")
+        );
+        assert!(
+            q.claim_ordered
+                .contains("bool_and(ok) OVER (PARTITION BY order_key ORDER BY seq)")
+        );
+        // The blocker probe repeats the partial index predicate so the planner can use it.
+        assert!(q.claim_ordered.contains(
+            "(b.status IN (3, 9) OR (b.status = 0 AND (b.attempts > 0 OR b.visible_at > b.created_at)))"
+        ));
+        assert!(!q.claim_ordered.contains("clock_timestamp"));
     }
 }
 

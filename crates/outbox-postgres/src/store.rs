@@ -7,8 +7,9 @@ use std::time::{Duration, Instant};
 use async_trait::async_trait;
 use chrono::{DateTime, Utc};
 use outbox_core::{
-    CompleteReport, Completion, CompletionOutcome, EventSource, Headers, MessageFilter,
-    MessageStatus, NewMessage, OutboxError, OutboxMessage, OutboxStats, OutboxStore, ReplayReport,
+    BlockedKey, CompleteReport, Completion, CompletionOutcome, EventSource, Headers, MessageFilter,
+    MessageStatus, NewMessage, OnDead, OutboxError, OutboxMessage, OutboxStats, OutboxStore,
+    ReplayReport,
 };
 use serde_json::value::RawValue;
 use sqlx::postgres::{PgArguments, PgRow};
@@ -259,6 +260,51 @@ impl OutboxStore for PgOutbox {
         let mut messages = rows.iter().map(decode_row).collect::<Result<Vec<_>, _>>()?;
         messages.sort_unstable_by_key(|m| m.seq);
         Ok(messages)
+    }
+
+    async fn claim_ordered(
+        &self,
+        batch_size: usize,
+        lease: Duration,
+        on_dead: OnDead,
+    ) -> Result<Vec<OutboxMessage>, OutboxError> {
+        let token = Uuid::new_v4();
+        let rows = sqlx::query(sql(&self.q.claim_ordered))
+            .bind(limit(batch_size))
+            .bind(lease.as_secs_f64())
+            .bind(token)
+            .bind(on_dead == OnDead::Block)
+            .fetch_all(&self.pool)
+            .await
+            .map_err(db("claim_ordered"))?;
+        let mut messages = rows.iter().map(decode_row).collect::<Result<Vec<_>, _>>()?;
+        messages.sort_unstable_by_key(|m| m.seq);
+        Ok(messages)
+    }
+
+    async fn blocked_keys(&self, limit_rows: usize) -> Result<Vec<BlockedKey>, OutboxError> {
+        let rows = sqlx::query(sql(&self.q.blocked_keys))
+            .bind(limit(limit_rows))
+            .fetch_all(&self.pool)
+            .await
+            .map_err(db("blocked_keys"))?;
+        rows.iter()
+            .map(|row| {
+                let status: i16 = row.try_get("status").map_err(db("blocked_keys"))?;
+                let waiting: i64 = row.try_get("waiting").map_err(db("blocked_keys"))?;
+                Ok(BlockedKey::new(
+                    row.try_get("order_key").map_err(db("blocked_keys"))?,
+                    row.try_get("id").map_err(db("blocked_keys"))?,
+                    row.try_get("seq").map_err(db("blocked_keys"))?,
+                    MessageStatus::from_code(status)?,
+                    row.try_get("attempts").map_err(db("blocked_keys"))?,
+                    row.try_get("last_error").map_err(db("blocked_keys"))?,
+                    row.try_get("first_failed_at").map_err(db("blocked_keys"))?,
+                    row.try_get("retry_at").map_err(db("blocked_keys"))?,
+                    count(waiting),
+                ))
+            })
+            .collect()
     }
 
     async fn complete(&self, completions: &[Completion]) -> Result<CompleteReport, OutboxError> {
