@@ -99,6 +99,7 @@ where
                         .await
                     {
                         Ok(count) if count.dead => {
+                            crate::metrics::dead(&reg.consumer);
                             error!(id = %msg.id, consumer = %reg.consumer, attempts = count.attempts, error = %text, "handler gave up: message recorded as a consumer dead letter");
                         }
                         Ok(count) => {

@@ -251,6 +251,7 @@ where
                 Ok(Step::Applied | Step::AlreadyDone | Step::SkippedStale) => {}
                 Ok(Step::Gap { expected, got }) => {
                     if window_passed {
+                        crate::metrics::dead(&reg.consumer);
                         error!(id = %msg.id, consumer = %reg.consumer, expected, got, "predecessor never arrived: dead-lettered");
                         return InboxOutcome::Dead {
                             error: format!(
@@ -267,6 +268,7 @@ where
                 Ok(Step::Failed(e)) => {
                     let error = format!("{}: {e}", reg.consumer);
                     if e.is_permanent() || !self.config.retry.should_retry(attempt) {
+                        crate::metrics::dead(&reg.consumer);
                         error!(id = %msg.id, consumer = %reg.consumer, attempt, error = %e, "inbox message is dead");
                         return InboxOutcome::Dead {
                             error: if e.is_permanent() {

@@ -53,6 +53,7 @@
 mod consumer;
 mod durable;
 mod handler;
+pub mod metrics;
 #[cfg(feature = "opentelemetry")]
 mod otel;
 mod pipeline;

@@ -162,9 +162,11 @@ where
         crate::otel::set_remote_parent(&span, tp, msg.tracestate.as_deref());
     }
     async {
+        let started = std::time::Instant::now();
         let mut tx = store.begin().await?;
         if !store.try_claim(&mut tx, msg.id, &reg.consumer).await? {
             store.rollback(tx).await?;
+            crate::metrics::duplicate(&reg.consumer);
             debug!("duplicate: already handled by this consumer");
             return Ok(Step::AlreadyDone);
         }
@@ -184,6 +186,7 @@ where
                 if version <= last {
                     if reg.stale == StalePolicy::Skip {
                         store.commit(tx).await?;
+                        crate::metrics::stale(&reg.consumer);
                         debug!(last, "stale version skipped");
                         return Ok(Step::SkippedStale);
                     }
@@ -207,10 +210,17 @@ where
                         .await?;
                 }
                 store.commit(tx).await?;
+                crate::metrics::processed(
+                    &reg.consumer,
+                    &msg.event_type,
+                    started.elapsed(),
+                    msg.occurred_at,
+                );
                 Ok(Step::Applied)
             }
             Err(e) => {
                 store.rollback(tx).await?;
+                crate::metrics::failed(&reg.consumer);
                 Ok(Step::Failed(e))
             }
         }

@@ -400,6 +400,7 @@ impl<S: OutboxStore, P: EventPublisher> Dispatcher<S, P> {
                     let full = messages.len() >= self.config.batch_size;
                     if !messages.is_empty() {
                         self.counters.batches.fetch_add(1, Relaxed);
+                        crate::metrics::claimed(messages.len());
                         self.counters
                             .claimed
                             .fetch_add(messages.len() as u64, Relaxed);
@@ -457,6 +458,7 @@ impl<S: OutboxStore, P: EventPublisher> Dispatcher<S, P> {
             messages,
             claimed_at,
         } = batch;
+        let publish_started = (!self.circuit_open()).then(std::time::Instant::now);
         let outcomes = if self.circuit_open() {
             // The broker is known to be down: hand the batch back without trying.
             messages
@@ -493,8 +495,18 @@ impl<S: OutboxStore, P: EventPublisher> Dispatcher<S, P> {
                 }
             }
         };
+        if let Some(started) = publish_started {
+            crate::metrics::publish_duration(started.elapsed());
+        }
+        crate::metrics::commit_to_publish(messages.iter().zip(&outcomes).map(|(m, o)| {
+            (
+                &m.created_at,
+                o.as_ref().is_some_and(PublishOutcome::is_published),
+            )
+        }));
         let (completions, report) = self.decide(&messages, outcomes);
         if report.outage && !self.circuit.open.swap(true, AcqRel) {
+            crate::metrics::circuit(true);
             self.counters.circuit_opened.fetch_add(1, Relaxed);
             warn!(
                 released = report.released,
@@ -543,6 +555,7 @@ impl<S: OutboxStore, P: EventPublisher> Dispatcher<S, P> {
                         self.wake.notify_waiters();
                     }
                     self.counters.fenced.fetch_add(fenced as u64, Relaxed);
+                    crate::metrics::completed(0, 0, fenced);
                 }
                 Err(e) => {
                     // The messages stay Processing and are reclaimed after their lease
@@ -564,6 +577,7 @@ impl<S: OutboxStore, P: EventPublisher> Dispatcher<S, P> {
         c.dead.fetch_add(report.dead as u64, Relaxed);
         c.released.fetch_add(report.released as u64, Relaxed);
         c.fenced.fetch_add(report.fenced as u64, Relaxed);
+        crate::metrics::completed(report.published, report.released, report.fenced);
     }
 
     async fn probe_until_ready(&self, shutdown: &CancellationToken) {
@@ -577,6 +591,7 @@ impl<S: OutboxStore, P: EventPublisher> Dispatcher<S, P> {
             match self.publisher.check_ready().await {
                 Ok(()) => {
                     self.circuit.open.store(false, Release);
+                    crate::metrics::circuit(false);
                     info!("broker reachable again, circuit closed");
                 }
                 Err(e) => {
@@ -621,6 +636,7 @@ impl<S: OutboxStore, P: EventPublisher> Dispatcher<S, P> {
             return Ok(BatchReport::default());
         }
         self.counters.batches.fetch_add(1, Relaxed);
+        crate::metrics::claimed(messages.len());
         self.counters
             .claimed
             .fetch_add(messages.len() as u64, Relaxed);
@@ -738,15 +754,18 @@ impl<S: OutboxStore, P: EventPublisher> Dispatcher<S, P> {
                     CompletionOutcome::Sent
                 }
                 Some(o @ PublishOutcome::Transient(_)) if o.is_outage() => {
+                    crate::metrics::publish_failed(crate::ErrorKind::Unavailable, &msg.event_type);
                     report.outage = true;
                     report.released += 1;
                     CompletionOutcome::Release
                 }
                 Some(PublishOutcome::Transient(e)) => {
+                    crate::metrics::publish_failed(e.kind(), &msg.event_type);
                     let policy = self.config.retry.for_event_type(&msg.event_type);
                     let attempts = u32::try_from(msg.attempts).unwrap_or(0);
                     if policy.should_retry(attempts) {
                         report.retried += 1;
+                        crate::metrics::retried(&msg.event_type);
                         let delay = policy.delay(attempts);
                         debug!(id = %msg.id, attempts, delay_ms = delay.as_millis() as u64, error = %e, "publish failed, will retry");
                         CompletionOutcome::Retry {
@@ -755,6 +774,7 @@ impl<S: OutboxStore, P: EventPublisher> Dispatcher<S, P> {
                         }
                     } else {
                         report.dead += 1;
+                        crate::metrics::dead(&msg.event_type);
                         warn!(id = %msg.id, event_type = %msg.event_type, attempts, error = %e, "attempts exhausted, message is dead");
                         CompletionOutcome::Dead {
                             error: format!(
@@ -766,6 +786,8 @@ impl<S: OutboxStore, P: EventPublisher> Dispatcher<S, P> {
                 }
                 Some(PublishOutcome::Permanent(e)) => {
                     report.dead += 1;
+                    crate::metrics::publish_failed(e.kind(), &msg.event_type);
+                    crate::metrics::dead(&msg.event_type);
                     warn!(id = %msg.id, event_type = %msg.event_type, error = %e, "permanent publish failure, message is dead");
                     CompletionOutcome::Dead {
                         error: e.to_string(),

@@ -38,6 +38,7 @@ pub mod domain;
 pub mod error;
 pub mod inbox;
 pub mod message;
+pub mod metrics;
 pub mod ordering;
 #[cfg(feature = "opentelemetry")]
 mod otel;

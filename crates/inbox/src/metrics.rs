@@ -1,0 +1,117 @@
+//! Consumer-side metrics, recorded through the [`metrics`] facade (no-ops until the
+//! application installs a recorder, e.g. `metrics-exporter-prometheus`).
+//!
+//! | name | type | unit | labels | meaning |
+//! |---|---|---|---|---|
+//! | [`PROCESSED_TOTAL`] | counter | messages | `consumer`, `event_type` | handler ran and its transaction committed |
+//! | [`DUPLICATES_TOTAL`] | counter | messages | `consumer` | already handled by this consumer (inbox record present): no effect |
+//! | [`STALE_TOTAL`] | counter | messages | `consumer` | skipped: aggregate version not newer than the last applied |
+//! | [`FAILURES_TOTAL`] | counter | messages | `consumer` | handler failed; its transaction rolled back |
+//! | [`DEAD_TOTAL`] | counter | messages | `consumer` | given up: consumer dead letter (idempotent consumer) or durable inbox `Dead` |
+//! | [`HANDLER_DURATION_SECONDS`] | histogram | seconds | `consumer` | one handler run, its transaction included (successful runs) |
+//! | [`END_TO_END_SECONDS`] | histogram | seconds | `consumer` | from the event's `occurred_at` (producer clock) to the handler's commit (consumer clock) |
+//!
+//! `consumer` is the handler's consumer name (bounded by the pipeline); `event_type`
+//! is bounded by the event types the pipeline subscribes to.
+
+use std::time::Duration;
+
+use chrono::{DateTime, Utc};
+
+/// Counter: messages a handler applied and committed.
+pub const PROCESSED_TOTAL: &str = "inbox_processed_total";
+/// Counter: duplicate deliveries absorbed by the inbox record.
+pub const DUPLICATES_TOTAL: &str = "inbox_duplicates_total";
+/// Counter: stale versions skipped.
+pub const STALE_TOTAL: &str = "inbox_stale_total";
+/// Counter: handler failures (rolled back).
+pub const FAILURES_TOTAL: &str = "inbox_handler_failures_total";
+/// Counter: messages given up on (consumer dead letters, durable inbox `Dead`).
+pub const DEAD_TOTAL: &str = "inbox_dead_total";
+/// Histogram (seconds): one successful handler run with its transaction.
+pub const HANDLER_DURATION_SECONDS: &str = "inbox_handler_duration_seconds";
+/// Histogram (seconds): `occurred_at` to commit of the handler's effects.
+pub const END_TO_END_SECONDS: &str = "inbox_end_to_end_seconds";
+
+/// Label: the handler's consumer name.
+pub const LABEL_CONSUMER: &str = "consumer";
+/// Label: the message's event type.
+pub const LABEL_EVENT_TYPE: &str = "event_type";
+
+/// Registers descriptions and units with the installed recorder (optional).
+pub fn describe() {
+    use ::metrics::{Unit, describe_counter, describe_histogram};
+    describe_counter!(
+        PROCESSED_TOTAL,
+        Unit::Count,
+        "Messages a handler applied and committed, by consumer and event type"
+    );
+    describe_counter!(
+        DUPLICATES_TOTAL,
+        Unit::Count,
+        "Duplicate deliveries absorbed by the inbox, by consumer"
+    );
+    describe_counter!(
+        STALE_TOTAL,
+        Unit::Count,
+        "Stale aggregate versions skipped, by consumer"
+    );
+    describe_counter!(
+        FAILURES_TOTAL,
+        Unit::Count,
+        "Handler failures (rolled back), by consumer"
+    );
+    describe_counter!(
+        DEAD_TOTAL,
+        Unit::Count,
+        "Messages given up on (consumer dead letters, durable inbox Dead), by consumer"
+    );
+    describe_histogram!(
+        HANDLER_DURATION_SECONDS,
+        Unit::Seconds,
+        "One successful handler run with its transaction"
+    );
+    describe_histogram!(
+        END_TO_END_SECONDS,
+        Unit::Seconds,
+        "From the event's occurred_at to the commit of the handler's effects"
+    );
+}
+
+/// Records a committed handler run: processed count, handler duration and, when the
+/// message carries `occurred_at`, end-to-end latency (negative skew recorded as 0).
+pub(crate) fn processed(
+    consumer: &str,
+    event_type: &str,
+    took: Duration,
+    occurred_at: Option<DateTime<Utc>>,
+) {
+    ::metrics::counter!(PROCESSED_TOTAL, LABEL_CONSUMER => consumer.to_owned(), LABEL_EVENT_TYPE => event_type.to_owned()).increment(1);
+    ::metrics::histogram!(HANDLER_DURATION_SECONDS, LABEL_CONSUMER => consumer.to_owned())
+        .record(took.as_secs_f64());
+    if let Some(at) = occurred_at {
+        let secs = (Utc::now() - at).num_microseconds().unwrap_or(0) as f64 / 1e6;
+        ::metrics::histogram!(END_TO_END_SECONDS, LABEL_CONSUMER => consumer.to_owned())
+            .record(secs.max(0.0));
+    }
+}
+
+/// Records a duplicate absorbed by the inbox.
+pub(crate) fn duplicate(consumer: &str) {
+    ::metrics::counter!(DUPLICATES_TOTAL, LABEL_CONSUMER => consumer.to_owned()).increment(1);
+}
+
+/// Records a stale version skipped.
+pub(crate) fn stale(consumer: &str) {
+    ::metrics::counter!(STALE_TOTAL, LABEL_CONSUMER => consumer.to_owned()).increment(1);
+}
+
+/// Records a handler failure.
+pub(crate) fn failed(consumer: &str) {
+    ::metrics::counter!(FAILURES_TOTAL, LABEL_CONSUMER => consumer.to_owned()).increment(1);
+}
+
+/// Records a message given up on by `consumer`.
+pub(crate) fn dead(consumer: &str) {
+    ::metrics::counter!(DEAD_TOTAL, LABEL_CONSUMER => consumer.to_owned()).increment(1);
+}
