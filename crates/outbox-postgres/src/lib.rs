@@ -34,6 +34,7 @@ mod config;
 mod error;
 mod inbox;
 mod migrate;
+pub mod ops;
 mod sql;
 mod store;
 

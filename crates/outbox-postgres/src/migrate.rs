@@ -27,10 +27,15 @@ const MIGRATIONS: &[(i32, &str, &str)] = &[
         "ordering key, first_failed_at and the per-key claim indexes",
         include_str!("../migrations/0003_ordering.sql"),
     ),
+    (
+        4,
+        "outbox_messages_archive and inbox_records_archive",
+        include_str!("../migrations/0004_archive.sql"),
+    ),
 ];
 
 /// The highest migration version this crate knows.
-pub const LATEST_VERSION: i32 = 3;
+pub const LATEST_VERSION: i32 = 4;
 
 /// Creates `schema` if needed and applies every migration not yet applied. Returns the
 /// versions applied by this call.

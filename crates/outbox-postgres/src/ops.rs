@@ -1,0 +1,550 @@
+//! Operator queries behind the `outbox` binary, as inherent methods of [`PgOutbox`]:
+//!
+//! - [`PgOutbox::stats_by_group`]: counts by status and queue lag per event type and
+//!   tenant;
+//! - [`PgOutbox::reconcile`]: per day, tenant, event type and consumer, messages written
+//!   to the outbox vs recorded as processed in that consumer's inbox;
+//! - [`PgOutbox::archive_sent`] / [`PgOutbox::archive_inbox_records`]: retention that
+//!   moves rows into the archive tables of migration 4 instead of deleting them (plain
+//!   deletion is [`OutboxStore::purge_sent`](outbox_core::OutboxStore::purge_sent) and
+//!   [`InboxStore::purge`](outbox_core::InboxStore::purge));
+//! - [`PgOutbox::inbox_dead_letters`] / [`PgOutbox::replay_inbox_dead_letters`]: the
+//!   consumer side's dead letters (idempotent-consumer failures and durable-inbox
+//!   `Dead` rows) and their replay.
+//!
+//! The inbox queries read the inbox tables of the **same schema** as the outbox (the
+//! layout of the examples: producer and consumer share a database). These are admin
+//! queries: the breakdowns scan the table; run them against a replica when it is huge.
+
+use std::time::{Duration, Instant};
+
+use chrono::{DateTime, NaiveDate, Utc};
+use outbox_core::OutboxError;
+use sqlx::{AssertSqlSafe, Row};
+use uuid::Uuid;
+
+use crate::error::db;
+use crate::store::PgOutbox;
+
+/// Counts of one `(event_type, tenant_id)` group.
+#[derive(Debug, Clone, PartialEq, serde::Serialize)]
+#[non_exhaustive]
+pub struct GroupStats {
+    /// Event type.
+    pub event_type: String,
+    /// Tenant (`None`: messages without a tenant).
+    pub tenant_id: Option<String>,
+    /// Rows `New`.
+    pub new: u64,
+    /// Rows `Processing`.
+    pub processing: u64,
+    /// Rows `Sent` (still in the table, i.e. not purged yet).
+    pub sent: u64,
+    /// Rows `Dead`.
+    pub dead: u64,
+    /// Age of the group's oldest `New`/`Processing` row, in seconds (database clock).
+    pub oldest_pending_age_secs: Option<f64>,
+}
+
+/// One reconciliation line: for a UTC day, tenant, event type and consumer, how many
+/// messages were written to the outbox and how many that consumer recorded as processed.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+#[non_exhaustive]
+pub struct ReconcileRow {
+    /// UTC day of the outbox row's `created_at`.
+    pub day: NaiveDate,
+    /// Tenant (`None`: no tenant).
+    pub tenant_id: Option<String>,
+    /// Event type.
+    pub event_type: String,
+    /// Consumer (handler) name.
+    pub consumer: String,
+    /// Outbox rows written (any status, not yet purged).
+    pub written: u64,
+    /// Of those, messages with an inbox record of `consumer` (handled, or skipped as a
+    /// stale version, which also counts as handled).
+    pub processed: u64,
+    /// Of those, consumer dead letters of `consumer`.
+    pub dead: u64,
+    /// `written - processed`: messages the consumer has not (yet) handled, dead letters
+    /// included. Zero after a clean run.
+    pub missing: i64,
+}
+
+/// Selects consumer-side dead letters. Empty fields match everything; set fields are
+/// combined with AND.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct InboxDeadFilter {
+    /// Only these message ids.
+    pub ids: Vec<Uuid>,
+    /// Time `>= from` (consumer dead letters: `dead_at`; durable inbox: `received_at`).
+    pub from: Option<DateTime<Utc>>,
+    /// Time `< to` (same columns as `from`).
+    pub to: Option<DateTime<Utc>>,
+    /// Consumer name equals (durable inbox rows: `last_error` starts with
+    /// `"<consumer>: "`, which is how the processor names the failing handler).
+    pub consumer: Option<String>,
+    /// Event type equals.
+    pub event_type: Option<String>,
+    /// Last error contains this text (case-insensitive).
+    pub error_contains: Option<String>,
+}
+
+impl InboxDeadFilter {
+    /// A filter matching everything.
+    pub fn new() -> Self {
+        Self::default()
+    }
+}
+
+/// Where a consumer-side dead letter lives.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum InboxDeadKind {
+    /// An idempotent consumer gave up (`inbox_failures` row with `dead_at`).
+    Consumer,
+    /// A durable-inbox message went `Dead` (`inbox_messages.status = 3`).
+    Durable,
+}
+
+/// A consumer-side dead letter (no payload: listings never show payloads).
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+#[non_exhaustive]
+pub struct InboxDeadLetter {
+    /// Which table it is in.
+    pub kind: InboxDeadKind,
+    /// Message id.
+    pub message_id: Uuid,
+    /// Consumer name (`None` for durable rows: the failing handler is named in
+    /// `last_error`).
+    pub consumer: Option<String>,
+    /// Event type.
+    pub event_type: String,
+    /// Last error.
+    pub last_error: Option<String>,
+    /// Failures or claims counted.
+    pub attempts: i32,
+    /// `dead_at` (consumer) or `received_at` (durable), database clock.
+    pub at: DateTime<Utc>,
+}
+
+/// What [`PgOutbox::replay_inbox_dead_letters`] did.
+#[derive(Debug, Clone, Default, PartialEq, serde::Serialize)]
+#[non_exhaustive]
+pub struct InboxReplayReport {
+    /// Dead letters matching the filter.
+    pub matched: u64,
+    /// Made processable again (0 on a dry run).
+    pub replayed: u64,
+    /// Matched but not replayable: consumer dead letters whose message is not in this
+    /// outbox (purged, or produced elsewhere) when not in `clear_only` mode, or rows
+    /// that changed meanwhile.
+    pub failed: u64,
+    /// Wall time, in seconds.
+    pub elapsed_secs: f64,
+}
+
+/// Columns of the outbox archive (migration 4).
+const ARCHIVE_COLUMNS: &str = "id, seq, aggregate_type, aggregate_id, aggregate_version, \
+    event_type, payload, headers, tenant_id, routing_key, partition_key, occurred_at, \
+    created_at, attempts, last_error, sent_at";
+
+/// Filter over `inbox_failures f` (`$1` ids, `$2` from, `$3` to, `$4` consumer,
+/// `$5` event type, `$6` error text).
+const FAILURE_FILTER: &str = "f.dead_at IS NOT NULL
+    AND ($1::uuid[] IS NULL OR f.message_id = ANY($1))
+    AND ($2::timestamptz IS NULL OR f.dead_at >= $2)
+    AND ($3::timestamptz IS NULL OR f.dead_at < $3)
+    AND ($4::text IS NULL OR f.consumer = $4)
+    AND ($5::text IS NULL OR f.event_type = $5)
+    AND ($6::text IS NULL OR f.last_error ILIKE '%' || $6 || '%')";
+
+/// Filter over `inbox_messages d`, same parameters as [`FAILURE_FILTER`].
+const DURABLE_FILTER: &str = "d.status = 3
+    AND ($1::uuid[] IS NULL OR d.id = ANY($1))
+    AND ($2::timestamptz IS NULL OR d.received_at >= $2)
+    AND ($3::timestamptz IS NULL OR d.received_at < $3)
+    AND ($4::text IS NULL OR starts_with(coalesce(d.last_error, ''), $4 || ': '))
+    AND ($5::text IS NULL OR d.event_type = $5)
+    AND ($6::text IS NULL OR d.last_error ILIKE '%' || $6 || '%')";
+
+fn count(n: i64) -> u64 {
+    u64::try_from(n).unwrap_or(0)
+}
+
+fn limit(n: usize) -> i64 {
+    i64::try_from(n).unwrap_or(i64::MAX)
+}
+
+impl PgOutbox {
+    /// Counts by status and the oldest pending age, per `(event_type, tenant_id)`,
+    /// ordered by event type then tenant. Scans the table.
+    ///
+    /// # Errors
+    /// [`OutboxError::Database`] on database failure.
+    pub async fn stats_by_group(&self) -> Result<Vec<GroupStats>, OutboxError> {
+        let s = self.schema();
+        let rows = sqlx::query(AssertSqlSafe(format!(
+            "SELECT event_type, tenant_id,
+                    count(*) FILTER (WHERE status = 0), count(*) FILTER (WHERE status = 9),
+                    count(*) FILTER (WHERE status = 1), count(*) FILTER (WHERE status = 3),
+                    extract(epoch FROM now() - min(created_at) FILTER (WHERE status IN (0, 9)))::float8
+               FROM {s}.outbox_messages
+              GROUP BY event_type, tenant_id
+              ORDER BY event_type, tenant_id NULLS FIRST"
+        )))
+        .fetch_all(self.pool())
+        .await
+        .map_err(db("stats_by_group"))?;
+        rows.iter()
+            .map(|r| {
+                let n = |i: usize| r.try_get::<i64, _>(i).map(count);
+                Ok(GroupStats {
+                    event_type: r.try_get(0)?,
+                    tenant_id: r.try_get(1)?,
+                    new: n(2)?,
+                    processing: n(3)?,
+                    sent: n(4)?,
+                    dead: n(5)?,
+                    oldest_pending_age_secs: r.try_get::<Option<f64>, _>(6)?.map(|a| a.max(0.0)),
+                })
+            })
+            .collect::<Result<_, sqlx::Error>>()
+            .map_err(db("stats_by_group"))
+    }
+
+    /// How long the oldest claimable message (`New` and visible) has been waiting,
+    /// by the database clock; `None` when nothing is claimable. A relay that keeps up
+    /// keeps this below its poll interval plus one batch. Uses the claim index.
+    ///
+    /// # Errors
+    /// [`OutboxError::Database`] on database failure.
+    pub async fn oldest_claimable_wait(&self) -> Result<Option<Duration>, OutboxError> {
+        let s = self.schema();
+        let secs: Option<f64> = sqlx::query_scalar(AssertSqlSafe(format!(
+            "SELECT extract(epoch FROM now() - min(visible_at))::float8
+               FROM {s}.outbox_messages WHERE status = 0 AND visible_at <= now()"
+        )))
+        .fetch_one(self.pool())
+        .await
+        .map_err(db("oldest_claimable_wait"))?;
+        Ok(secs.map(|s| Duration::from_secs_f64(s.max(0.0))))
+    }
+
+    /// Reconciles the outbox with the inbox records of the same schema for messages
+    /// created in `[from, to)`: one row per UTC day, tenant, event type and consumer.
+    ///
+    /// A consumer is expected for an event type when it has an inbox record or a
+    /// consumer dead letter for at least one message of that event type in the window,
+    /// or when it is named in `consumers` (which also restricts the output to those
+    /// consumers when not empty). Purged rows are not counted: reconcile windows
+    /// inside the retention of both the outbox and the inbox.
+    ///
+    /// # Errors
+    /// [`OutboxError::Config`] when `to <= from`, [`OutboxError::Database`] on database
+    /// failure.
+    pub async fn reconcile(
+        &self,
+        from: DateTime<Utc>,
+        to: DateTime<Utc>,
+        consumers: &[String],
+    ) -> Result<Vec<ReconcileRow>, OutboxError> {
+        if to <= from {
+            return Err(OutboxError::Config(format!(
+                "reconcile window is empty: {from} is not before {to}"
+            )));
+        }
+        let s = self.schema();
+        let rows = sqlx::query(AssertSqlSafe(format!(
+            "WITH w AS (
+                 SELECT id, (created_at AT TIME ZONE 'UTC')::date AS day, tenant_id, event_type
+                   FROM {s}.outbox_messages WHERE created_at >= $1 AND created_at < $2
+             ), written AS (
+                 SELECT day, tenant_id, event_type, count(*) AS n FROM w GROUP BY 1, 2, 3
+             ), seen AS (
+                 SELECT w.event_type, r.consumer FROM w JOIN {s}.inbox_records r ON r.message_id = w.id
+                 UNION
+                 SELECT w.event_type, f.consumer FROM w JOIN {s}.inbox_failures f ON f.message_id = w.id
+                 UNION
+                 SELECT e.event_type, c.consumer
+                   FROM (SELECT DISTINCT event_type FROM w) e CROSS JOIN unnest($3::text[]) AS c(consumer)
+             ), expected AS (
+                 SELECT DISTINCT event_type, consumer FROM seen
+                  WHERE cardinality($3::text[]) = 0 OR consumer = ANY($3)
+             ), processed AS (
+                 SELECT w.day, w.tenant_id, w.event_type, r.consumer, count(*) AS n
+                   FROM w JOIN {s}.inbox_records r ON r.message_id = w.id GROUP BY 1, 2, 3, 4
+             ), dead AS (
+                 SELECT w.day, w.tenant_id, w.event_type, f.consumer, count(*) AS n
+                   FROM w JOIN {s}.inbox_failures f ON f.message_id = w.id AND f.dead_at IS NOT NULL
+                  GROUP BY 1, 2, 3, 4
+             )
+             SELECT wr.day, wr.tenant_id, wr.event_type, x.consumer, wr.n,
+                    coalesce(p.n, 0), coalesce(d.n, 0)
+               FROM written wr
+               JOIN expected x ON x.event_type = wr.event_type
+               LEFT JOIN processed p ON p.day = wr.day AND p.tenant_id IS NOT DISTINCT FROM wr.tenant_id
+                                    AND p.event_type = wr.event_type AND p.consumer = x.consumer
+               LEFT JOIN dead d ON d.day = wr.day AND d.tenant_id IS NOT DISTINCT FROM wr.tenant_id
+                               AND d.event_type = wr.event_type AND d.consumer = x.consumer
+              ORDER BY wr.day, wr.tenant_id NULLS FIRST, wr.event_type, x.consumer"
+        )))
+        .bind(from)
+        .bind(to)
+        .bind(consumers)
+        .fetch_all(self.pool())
+        .await
+        .map_err(db("reconcile"))?;
+        rows.iter()
+            .map(|r| {
+                let written: i64 = r.try_get(4)?;
+                let processed: i64 = r.try_get(5)?;
+                Ok(ReconcileRow {
+                    day: r.try_get(0)?,
+                    tenant_id: r.try_get(1)?,
+                    event_type: r.try_get(2)?,
+                    consumer: r.try_get(3)?,
+                    written: count(written),
+                    processed: count(processed),
+                    dead: count(r.try_get(6)?),
+                    missing: written - processed,
+                })
+            })
+            .collect::<Result<_, sqlx::Error>>()
+            .map_err(db("reconcile"))
+    }
+
+    /// Moves up to `batch_size` `Sent` rows whose `sent_at` is older than `older_than`
+    /// into `outbox_messages_archive` (one statement: delete and insert commit
+    /// together); returns how many moved. Call until it returns less than
+    /// `batch_size`. Rows locked by others are skipped, so the relay is never blocked.
+    ///
+    /// # Errors
+    /// [`OutboxError::Database`] (e.g. migration 4 not applied).
+    pub async fn archive_sent(
+        &self,
+        older_than: Duration,
+        batch_size: usize,
+    ) -> Result<u64, OutboxError> {
+        let s = self.schema();
+        let moved: i64 = sqlx::query_scalar(AssertSqlSafe(format!(
+            "WITH moved AS (
+                 DELETE FROM {s}.outbox_messages WHERE id IN (
+                     SELECT id FROM {s}.outbox_messages
+                      WHERE status = 1 AND sent_at <= now() - make_interval(secs => $1)
+                      ORDER BY sent_at LIMIT $2 FOR UPDATE SKIP LOCKED)
+                 RETURNING {ARCHIVE_COLUMNS}
+             ), kept AS (
+                 INSERT INTO {s}.outbox_messages_archive ({ARCHIVE_COLUMNS})
+                 SELECT {ARCHIVE_COLUMNS} FROM moved ON CONFLICT (id) DO NOTHING
+             )
+             SELECT count(*) FROM moved"
+        )))
+        .bind(older_than.as_secs_f64())
+        .bind(limit(batch_size))
+        .fetch_one(self.pool())
+        .await
+        .map_err(db("archive_sent"))?;
+        Ok(count(moved))
+    }
+
+    /// Moves up to `batch_size` inbox records older than `older_than` into
+    /// `inbox_records_archive`; returns how many moved. The dedup caveat of
+    /// [`InboxStore::purge`](outbox_core::InboxStore::purge) applies: an archived
+    /// record no longer absorbs duplicates.
+    ///
+    /// # Errors
+    /// [`OutboxError::Database`] (e.g. migration 4 not applied).
+    pub async fn archive_inbox_records(
+        &self,
+        older_than: Duration,
+        batch_size: usize,
+    ) -> Result<u64, OutboxError> {
+        let s = self.schema();
+        let moved: i64 = sqlx::query_scalar(AssertSqlSafe(format!(
+            "WITH moved AS (
+                 DELETE FROM {s}.inbox_records WHERE (message_id, consumer) IN (
+                     SELECT message_id, consumer FROM {s}.inbox_records
+                      WHERE processed_at <= now() - make_interval(secs => $1)
+                      ORDER BY processed_at LIMIT $2 FOR UPDATE SKIP LOCKED)
+                 RETURNING message_id, consumer, processed_at
+             ), kept AS (
+                 INSERT INTO {s}.inbox_records_archive (message_id, consumer, processed_at)
+                 SELECT message_id, consumer, processed_at FROM moved
+                 ON CONFLICT (message_id, consumer) DO NOTHING
+             )
+             SELECT count(*) FROM moved"
+        )))
+        .bind(older_than.as_secs_f64())
+        .bind(limit(batch_size))
+        .fetch_one(self.pool())
+        .await
+        .map_err(db("archive_inbox_records"))?;
+        Ok(count(moved))
+    }
+
+    /// Consumer-side dead letters matching `filter`: idempotent-consumer dead letters
+    /// then durable-inbox `Dead` rows, each oldest first, at most `limit_rows` in all.
+    ///
+    /// # Errors
+    /// [`OutboxError::Database`] on database failure.
+    pub async fn inbox_dead_letters(
+        &self,
+        filter: &InboxDeadFilter,
+        limit_rows: usize,
+    ) -> Result<Vec<InboxDeadLetter>, OutboxError> {
+        let s = self.schema();
+        let rows = bind_inbox_filter(
+            sqlx::query(AssertSqlSafe(format!(
+                "(SELECT 0 AS kind, f.message_id, f.consumer, f.event_type, f.last_error,
+                         f.attempts, f.dead_at AS at
+                    FROM {s}.inbox_failures f WHERE {FAILURE_FILTER}
+                   ORDER BY f.dead_at LIMIT $7)
+                 UNION ALL
+                 (SELECT 1, d.id, NULL, d.event_type, d.last_error, d.attempts, d.received_at
+                    FROM {s}.inbox_messages d WHERE {DURABLE_FILTER}
+                   ORDER BY d.received_at LIMIT $7)
+                 ORDER BY 1, 7 LIMIT $7"
+            ))),
+            filter,
+        )
+        .bind(limit(limit_rows))
+        .fetch_all(self.pool())
+        .await
+        .map_err(db("inbox_dead_letters"))?;
+        rows.iter()
+            .map(|r| {
+                Ok(InboxDeadLetter {
+                    kind: if r.try_get::<i32, _>(0)? == 0 {
+                        InboxDeadKind::Consumer
+                    } else {
+                        InboxDeadKind::Durable
+                    },
+                    message_id: r.try_get(1)?,
+                    consumer: r.try_get(2)?,
+                    event_type: r.try_get(3)?,
+                    last_error: r.try_get(4)?,
+                    attempts: r.try_get(5)?,
+                    at: r.try_get(6)?,
+                })
+            })
+            .collect::<Result<_, sqlx::Error>>()
+            .map_err(db("inbox_dead_letters"))
+    }
+
+    /// Makes consumer-side dead letters matching `filter` processable again, in one
+    /// transaction. With `dry_run` only counts them.
+    ///
+    /// - **Durable inbox** `Dead` rows go back to `New`, visible now, attempts 0. Their
+    ///   handlers' inbox records stay, so only the handlers that had not succeeded run.
+    /// - **Idempotent-consumer** dead letters: the broker acked the message long ago,
+    ///   so it has to be delivered again. The message's outbox row (same id, same
+    ///   schema) is set back to `New`, visible now, attempts 0 (from `Sent` or `Dead`;
+    ///   left alone when already pending), and the failure row is deleted, so the
+    ///   consumer no longer skips it and counts failures afresh. The relay republishes
+    ///   it to every subscriber; consumers that had handled it hold an inbox record and
+    ///   ignore it. When the outbox row is gone (purged, or the message was produced in
+    ///   another database) the dead letter is counted as `failed` and kept, unless
+    ///   `clear_only` is set: then only the failure rows are deleted, and the operator
+    ///   arranges the redelivery.
+    ///
+    /// # Errors
+    /// [`OutboxError::Database`] on database failure (nothing changes then).
+    pub async fn replay_inbox_dead_letters(
+        &self,
+        filter: &InboxDeadFilter,
+        dry_run: bool,
+        clear_only: bool,
+    ) -> Result<InboxReplayReport, OutboxError> {
+        let started = Instant::now();
+        let s = self.schema();
+        let mut tx = self.pool().begin().await.map_err(db("inbox_replay"))?;
+        let (matched, replayed) = if dry_run {
+            let row = bind_inbox_filter(
+                sqlx::query(AssertSqlSafe(format!(
+                    "SELECT (SELECT count(*) FROM {s}.inbox_failures f WHERE {FAILURE_FILTER})
+                          + (SELECT count(*) FROM {s}.inbox_messages d WHERE {DURABLE_FILTER})"
+                ))),
+                filter,
+            )
+            .fetch_one(&mut *tx)
+            .await
+            .map_err(db("inbox_replay"))?;
+            (row.try_get::<i64, _>(0).map_err(db("inbox_replay"))?, 0)
+        } else {
+            let row = bind_inbox_filter(
+                sqlx::query(AssertSqlSafe(format!(
+                    "WITH target AS (
+                         SELECT f.message_id, f.consumer FROM {s}.inbox_failures f
+                          WHERE {FAILURE_FILTER} FOR UPDATE
+                     ), source AS (
+                         SELECT m.id, m.status FROM {s}.outbox_messages m
+                          WHERE m.id IN (SELECT message_id FROM target) FOR UPDATE
+                     ), requeued AS (
+                         UPDATE {s}.outbox_messages m
+                            SET status = 0, attempts = 0, visible_at = now(), lease_until = NULL,
+                                claim_token = NULL, sent_at = NULL
+                          WHERE m.id IN (SELECT id FROM source WHERE status IN (1, 3)) AND NOT $7
+                         RETURNING m.id
+                     ), cleared AS (
+                         DELETE FROM {s}.inbox_failures f USING target t
+                          WHERE f.message_id = t.message_id AND f.consumer = t.consumer
+                            AND ($7 OR t.message_id IN (SELECT id FROM source))
+                         RETURNING f.message_id
+                     ), durable AS (
+                         UPDATE {s}.inbox_messages d
+                            SET status = 0, attempts = 0, visible_at = now(), lease_until = NULL,
+                                claim_token = NULL
+                          WHERE {DURABLE_FILTER}
+                         RETURNING d.id
+                     )
+                     SELECT (SELECT count(*) FROM target) + (SELECT count(*) FROM durable),
+                            (SELECT count(*) FROM cleared) + (SELECT count(*) FROM durable),
+                            (SELECT count(*) FROM requeued)"
+                ))),
+                filter,
+            )
+            .bind(clear_only)
+            .fetch_one(&mut *tx)
+            .await
+            .map_err(db("inbox_replay"))?;
+            let matched: i64 = row.try_get(0).map_err(db("inbox_replay"))?;
+            let replayed: i64 = row.try_get(1).map_err(db("inbox_replay"))?;
+            let requeued: i64 = row.try_get(2).map_err(db("inbox_replay"))?;
+            tracing::info!(
+                matched,
+                replayed,
+                requeued,
+                clear_only,
+                "consumer dead letters replayed"
+            );
+            (matched, replayed)
+        };
+        tx.commit().await.map_err(db("inbox_replay"))?;
+        let (matched, replayed) = (count(matched), count(replayed));
+        Ok(InboxReplayReport {
+            matched,
+            replayed,
+            failed: if dry_run {
+                0
+            } else {
+                matched.saturating_sub(replayed)
+            },
+            elapsed_secs: started.elapsed().as_secs_f64(),
+        })
+    }
+}
+
+fn bind_inbox_filter<'q>(
+    query: sqlx::query::Query<'q, sqlx::Postgres, sqlx::postgres::PgArguments>,
+    f: &'q InboxDeadFilter,
+) -> sqlx::query::Query<'q, sqlx::Postgres, sqlx::postgres::PgArguments> {
+    query
+        .bind(if f.ids.is_empty() { None } else { Some(&f.ids) })
+        .bind(f.from)
+        .bind(f.to)
+        .bind(f.consumer.as_deref())
+        .bind(f.event_type.as_deref())
+        .bind(f.error_contains.as_deref())
+}
