@@ -1,0 +1,410 @@
+//! The command line (clap). Every setting of `relay` can also come from an environment
+//! variable (shown in `--help`) or the config file; flags and environment variables
+//! win over the file, the file wins over the defaults.
+
+use std::path::PathBuf;
+
+use clap::{Args, Parser, Subcommand, ValueEnum};
+
+/// Operate a transactional outbox: run the relay, migrate, inspect, reconcile, replay
+/// dead letters, purge.
+#[derive(Debug, Parser)]
+#[command(name = "outbox", version, about, long_about = None)]
+pub struct Cli {
+    /// TOML config file (see docs/operations.md). Flags and environment variables
+    /// override its values.
+    #[arg(
+        long,
+        short = 'c',
+        global = true,
+        env = "OUTBOX_CONFIG",
+        value_name = "FILE"
+    )]
+    pub config: Option<PathBuf>,
+
+    /// PostgreSQL URL, e.g. postgres://user:password@host:5432/db.
+    #[arg(
+        long,
+        global = true,
+        env = "DATABASE_URL",
+        value_name = "URL",
+        hide_env_values = true
+    )]
+    pub database_url: Option<String>,
+
+    /// Schema holding the outbox and inbox tables [default: outbox].
+    #[arg(long, global = true, env = "OUTBOX_SCHEMA", value_name = "NAME")]
+    pub schema: Option<String>,
+
+    /// Log format on stderr [default: text]. The level comes from RUST_LOG
+    /// (default `info`).
+    #[arg(long, global = true, env = "OUTBOX_LOG_FORMAT", value_enum)]
+    pub log_format: Option<LogFormat>,
+
+    /// What to do.
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+/// Log output format.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum LogFormat {
+    /// Human-readable lines.
+    Text,
+    /// One JSON object per line (for log shippers).
+    Json,
+}
+
+/// The subcommands.
+#[derive(Debug, Subcommand)]
+pub enum Command {
+    /// Run the relay: publish committed outbox messages to the broker until SIGINT or
+    /// SIGTERM; serve /metrics and /healthz.
+    Relay(RelayArgs),
+    /// Create the schema and apply pending migrations (idempotent, safe to run from
+    /// several processes at once).
+    Migrate,
+    /// Counts by status, oldest pending age, dead count, per event type and tenant,
+    /// and keys blocked in ordered mode.
+    Stats(StatsArgs),
+    /// Per day, tenant, event type and consumer: messages written to the outbox vs
+    /// processed by the consumer's inbox, and the difference.
+    Reconcile(ReconcileArgs),
+    /// Outbox dead letters: list or replay.
+    Dead {
+        /// list or replay.
+        #[command(subcommand)]
+        command: DeadCommand,
+    },
+    /// Consumer-side (inbox) operations.
+    Inbox {
+        /// dead.
+        #[command(subcommand)]
+        command: InboxCommand,
+    },
+    /// Delete (or archive) sent outbox rows and inbox records older than a retention,
+    /// in small batches that never block the relay.
+    Purge(PurgeArgs),
+}
+
+/// `outbox dead ...`
+#[derive(Debug, Subcommand)]
+pub enum DeadCommand {
+    /// List dead messages (oldest first; payloads are never shown).
+    List(DeadListArgs),
+    /// Move dead messages back to New, visible now, attempts reset; the relay publishes
+    /// them again and consumers' inboxes absorb duplicates.
+    Replay(DeadReplayArgs),
+}
+
+/// `outbox inbox ...`
+#[derive(Debug, Subcommand)]
+pub enum InboxCommand {
+    /// Consumer dead letters: list or replay.
+    Dead {
+        /// list or replay.
+        #[command(subcommand)]
+        command: InboxDeadCommand,
+    },
+}
+
+/// `outbox inbox dead ...`
+#[derive(Debug, Subcommand)]
+pub enum InboxDeadCommand {
+    /// List consumer dead letters (idempotent-consumer failures and durable-inbox Dead
+    /// rows).
+    List(InboxDeadListArgs),
+    /// Make consumer dead letters processable again: durable-inbox rows go back to
+    /// New; for idempotent consumers the failure record is cleared and the message's
+    /// outbox row is set back to New so the relay delivers it again.
+    Replay(InboxDeadReplayArgs),
+}
+
+/// Settings of `outbox relay`.
+#[derive(Debug, Default, Args)]
+pub struct RelayArgs {
+    /// Broker: rabbit or nats [default: rabbit].
+    #[arg(long, env = "OUTBOX_TRANSPORT", value_enum)]
+    pub transport: Option<TransportKind>,
+
+    /// Broker URL (amqp[s]://user:password@host:port/vhost or nats://host:port)
+    /// [default: AMQP_URL or NATS_URL, else the local broker].
+    #[arg(
+        long,
+        env = "OUTBOX_BROKER_URL",
+        value_name = "URL",
+        hide_env_values = true
+    )]
+    pub broker_url: Option<String>,
+
+    /// RabbitMQ: durable topic exchange to publish to [default: outbox.events].
+    #[arg(long, env = "OUTBOX_EXCHANGE", value_name = "NAME")]
+    pub exchange: Option<String>,
+
+    /// NATS: subject prefix; the subject is PREFIX.<routing key or event type>
+    /// [default: outbox.events].
+    #[arg(long, env = "OUTBOX_SUBJECT_PREFIX", value_name = "PREFIX")]
+    pub subject_prefix: Option<String>,
+
+    /// Messages claimed per batch [default: 500].
+    #[arg(long, env = "OUTBOX_BATCH_SIZE", value_name = "N")]
+    pub batch_size: Option<usize>,
+
+    /// Wait between polls when a batch was not full, e.g. 500ms [default: 500ms].
+    #[arg(long, env = "OUTBOX_POLL_INTERVAL", value_name = "DURATION")]
+    pub poll_interval: Option<String>,
+
+    /// How long a claim is held before another relay may take it over; must exceed the
+    /// slowest batch publish, e.g. 30s [default: 30s].
+    #[arg(long, env = "OUTBOX_LEASE", value_name = "DURATION")]
+    pub lease: Option<String>,
+
+    /// Attempts before a message goes Dead [default: 8].
+    #[arg(long, env = "OUTBOX_MAX_ATTEMPTS", value_name = "N")]
+    pub max_attempts: Option<u32>,
+
+    /// Batches published at once [default: 2].
+    #[arg(long, env = "OUTBOX_CONCURRENCY", value_name = "N")]
+    pub concurrency: Option<usize>,
+
+    /// Retry policy of one event type:
+    /// EVENT_TYPE:key=value[,key=value...] with keys max_attempts (count), base
+    /// (growth factor, delay = base^attempt seconds), cap and jitter (durations).
+    /// Repeatable; in the environment separate several with `;`.
+    #[arg(
+        long = "event-type",
+        env = "OUTBOX_EVENT_TYPES",
+        value_name = "OVERRIDE",
+        value_delimiter = ';'
+    )]
+    pub event_types: Vec<String>,
+
+    /// Publish order: unordered (fastest, no order promised), per-key (FIFO per
+    /// partition key or aggregate; a dead message blocks its key until replayed) or
+    /// per-key-skip (FIFO per key; a dead message is passed over) [default: unordered].
+    #[arg(long, env = "OUTBOX_ORDERING", value_enum)]
+    pub ordering: Option<OrderingMode>,
+
+    /// Address of the /metrics and /healthz endpoint [default: 127.0.0.1:9464].
+    #[arg(long, env = "OUTBOX_LISTEN", value_name = "ADDR")]
+    pub listen: Option<String>,
+
+    /// /healthz fails when the oldest pending message is older than this, e.g. 5m
+    /// [default: 5m].
+    #[arg(long, env = "OUTBOX_MAX_LAG", value_name = "DURATION")]
+    pub max_lag: Option<String>,
+
+    /// /healthz fails when a claimable message has waited this long without being
+    /// claimed (the relay is stuck), e.g. 2m [default: 2m].
+    #[arg(long, env = "OUTBOX_STUCK_AFTER", value_name = "DURATION")]
+    pub stuck_after: Option<String>,
+
+    /// How often the health checker queries the table (gauges) and probes the broker
+    /// [default: 5s].
+    #[arg(long, env = "OUTBOX_HEALTH_INTERVAL", value_name = "DURATION")]
+    pub health_interval: Option<String>,
+}
+
+/// The broker.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum, serde::Deserialize, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum TransportKind {
+    /// RabbitMQ (AMQP 0-9-1 with publisher confirms).
+    Rabbit,
+    /// NATS JetStream (PubAck).
+    Nats,
+}
+
+/// Publish order of the relay.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum, serde::Deserialize, serde::Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum OrderingMode {
+    /// No order promised.
+    Unordered,
+    /// FIFO per key; a dead message blocks its key.
+    PerKey,
+    /// FIFO per key; a dead message is skipped.
+    PerKeySkip,
+}
+
+/// `outbox stats`
+#[derive(Debug, Args)]
+pub struct StatsArgs {
+    /// Print JSON instead of tables.
+    #[arg(long)]
+    pub json: bool,
+    /// At most this many blocked keys.
+    #[arg(long, default_value_t = 20, value_name = "N")]
+    pub blocked_limit: usize,
+}
+
+/// `outbox reconcile`
+#[derive(Debug, Args)]
+pub struct ReconcileArgs {
+    /// Start of the window (RFC 3339 time, or a duration meaning that long ago, e.g.
+    /// 7d) [default: 7d].
+    #[arg(long, value_name = "TIME")]
+    pub since: Option<String>,
+    /// End of the window, exclusive (RFC 3339 time or duration ago) [default: now].
+    #[arg(long, value_name = "TIME")]
+    pub until: Option<String>,
+    /// Consumer expected to process every event type in the window (repeatable); also
+    /// restricts the output to the named consumers.
+    #[arg(long = "consumer", value_name = "NAME")]
+    pub consumers: Vec<String>,
+    /// Show only lines with a difference.
+    #[arg(long)]
+    pub only_differences: bool,
+    /// Print JSON instead of a table.
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// Filters shared by `dead list` and `dead replay`.
+#[derive(Debug, Default, Args)]
+pub struct FilterArgs {
+    /// Only this message id (repeatable).
+    #[arg(long = "id", value_name = "UUID")]
+    pub ids: Vec<uuid::Uuid>,
+    /// created_at at or after (RFC 3339 time or a duration ago, e.g. 2h).
+    #[arg(long, value_name = "TIME")]
+    pub since: Option<String>,
+    /// created_at before (RFC 3339 time or a duration ago).
+    #[arg(long, value_name = "TIME")]
+    pub until: Option<String>,
+    /// Tenant equals.
+    #[arg(long, value_name = "TENANT")]
+    pub tenant: Option<String>,
+    /// Aggregate type equals.
+    #[arg(long, value_name = "TYPE")]
+    pub aggregate_type: Option<String>,
+    /// Aggregate id equals.
+    #[arg(long, value_name = "ID")]
+    pub aggregate_id: Option<String>,
+    /// Event type equals.
+    #[arg(long, value_name = "TYPE")]
+    pub event_type: Option<String>,
+    /// Last error contains this text (case-insensitive).
+    #[arg(long, value_name = "TEXT")]
+    pub error_contains: Option<String>,
+}
+
+/// `outbox dead list`
+#[derive(Debug, Args)]
+pub struct DeadListArgs {
+    /// Which messages.
+    #[command(flatten)]
+    pub filter: FilterArgs,
+    /// At most this many rows.
+    #[arg(long, default_value_t = 100, value_name = "N")]
+    pub limit: usize,
+    /// Print JSON instead of a table.
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// `outbox dead replay`
+#[derive(Debug, Args)]
+pub struct DeadReplayArgs {
+    /// Which messages.
+    #[command(flatten)]
+    pub filter: FilterArgs,
+    /// Only count what would be replayed; change nothing.
+    #[arg(long)]
+    pub dry_run: bool,
+    /// Replay every dead message when no filter is given (a guard against accidents).
+    #[arg(long)]
+    pub all: bool,
+    /// Print the report as JSON.
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// Filters of consumer dead letters.
+#[derive(Debug, Default, Args)]
+pub struct InboxFilterArgs {
+    /// Only this message id (repeatable).
+    #[arg(long = "id", value_name = "UUID")]
+    pub ids: Vec<uuid::Uuid>,
+    /// Dead at or after (durable inbox: received at or after); RFC 3339 or a duration ago.
+    #[arg(long, value_name = "TIME")]
+    pub since: Option<String>,
+    /// Dead before (durable inbox: received before); RFC 3339 or a duration ago.
+    #[arg(long, value_name = "TIME")]
+    pub until: Option<String>,
+    /// Consumer (handler) name equals.
+    #[arg(long, value_name = "NAME")]
+    pub consumer: Option<String>,
+    /// Event type equals.
+    #[arg(long, value_name = "TYPE")]
+    pub event_type: Option<String>,
+    /// Last error contains this text (case-insensitive).
+    #[arg(long, value_name = "TEXT")]
+    pub error_contains: Option<String>,
+}
+
+/// `outbox inbox dead list`
+#[derive(Debug, Args)]
+pub struct InboxDeadListArgs {
+    /// Which dead letters.
+    #[command(flatten)]
+    pub filter: InboxFilterArgs,
+    /// At most this many rows.
+    #[arg(long, default_value_t = 100, value_name = "N")]
+    pub limit: usize,
+    /// Print JSON instead of a table.
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// `outbox inbox dead replay`
+#[derive(Debug, Args)]
+pub struct InboxDeadReplayArgs {
+    /// Which dead letters.
+    #[command(flatten)]
+    pub filter: InboxFilterArgs,
+    /// Only count what would be replayed; change nothing.
+    #[arg(long)]
+    pub dry_run: bool,
+    /// Replay every consumer dead letter when no filter is given.
+    #[arg(long)]
+    pub all: bool,
+    /// Idempotent consumers: only delete the failure records, do not requeue the
+    /// outbox rows (when the messages come from another database, redeliver them
+    /// yourself).
+    #[arg(long)]
+    pub clear_only: bool,
+    /// Print the report as JSON.
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// `outbox purge`
+#[derive(Debug, Args)]
+pub struct PurgeArgs {
+    /// Remove sent outbox rows sent longer ago than this, and inbox records processed
+    /// longer ago (e.g. 7d). Must exceed the longest redelivery or replay horizon, or
+    /// late duplicates are processed again.
+    #[arg(long, value_name = "DURATION")]
+    pub older_than: String,
+    /// Rows per statement.
+    #[arg(long, default_value_t = 1000, value_name = "N")]
+    pub batch_size: usize,
+    /// Pause between batches, e.g. 50ms (eases load on a busy database).
+    #[arg(long, default_value = "0s", value_name = "DURATION")]
+    pub pause: String,
+    /// Move rows to outbox_messages_archive / inbox_records_archive instead of deleting
+    /// them.
+    #[arg(long)]
+    pub archive: bool,
+    /// Leave inbox records (and processed durable-inbox messages) alone.
+    #[arg(long)]
+    pub outbox_only: bool,
+    /// Leave the outbox alone.
+    #[arg(long, conflicts_with = "outbox_only")]
+    pub inbox_only: bool,
+    /// Print the report as JSON.
+    #[arg(long)]
+    pub json: bool,
+}

@@ -1,0 +1,647 @@
+//! Settings: the TOML config file ([`FileConfig`]), the resolved relay settings
+//! ([`RelaySettings`]) and the parsers for durations, time bounds and per-event-type
+//! overrides.
+//!
+//! Precedence, per setting: command-line flag, then environment variable (clap reads
+//! both), then the config file, then the default.
+
+use std::collections::BTreeMap;
+use std::net::SocketAddr;
+use std::path::Path;
+use std::time::Duration;
+
+use chrono::{DateTime, Utc};
+use outbox_core::{DispatcherConfig, RetryPolicies, RetryPolicy};
+use serde::Deserialize;
+
+use crate::cli::{Cli, LogFormat, OrderingMode, RelayArgs, TransportKind};
+use crate::error::CliError;
+
+/// Default address of `/metrics` and `/healthz`.
+pub const DEFAULT_LISTEN: &str = "127.0.0.1:9464";
+
+/// The config file. Every key is optional; unknown keys are an error (a typo must not
+/// be silently ignored).
+///
+/// ```toml
+/// database_url = "postgres://postgres@127.0.0.1:5432/app"
+/// schema = "outbox"
+/// log_format = "json"
+///
+/// [relay]
+/// transport = "rabbit"            # or "nats"
+/// broker_url = "amqp://guest:guest@127.0.0.1:5672/%2f"
+/// exchange = "outbox.events"      # rabbit
+/// subject_prefix = "outbox.events" # nats
+/// batch_size = 500
+/// poll_interval = "500ms"
+/// lease = "30s"
+/// max_attempts = 8
+/// concurrency = 2
+/// ordering = "per-key"            # unordered | per-key | per-key-skip
+/// listen = "0.0.0.0:9464"
+/// max_lag = "5m"
+/// stuck_after = "2m"
+/// health_interval = "5s"
+///
+/// [relay.event_types.PaymentCaptured]
+/// max_attempts = 20
+/// base = 2.0
+/// cap = "10m"
+/// jitter = "1s"
+/// ```
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct FileConfig {
+    /// PostgreSQL URL.
+    pub database_url: Option<String>,
+    /// Schema of the tables.
+    pub schema: Option<String>,
+    /// Log format.
+    pub log_format: Option<LogFormat>,
+    /// Relay settings.
+    #[serde(default)]
+    pub relay: FileRelay,
+}
+
+/// The `[relay]` table of the config file (see [`RelayArgs`] for the meaning of each).
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+#[allow(missing_docs)] // reason: documented on the matching `RelayArgs` flags
+pub struct FileRelay {
+    pub transport: Option<TransportKind>,
+    pub broker_url: Option<String>,
+    pub exchange: Option<String>,
+    pub subject_prefix: Option<String>,
+    pub batch_size: Option<usize>,
+    pub poll_interval: Option<String>,
+    pub lease: Option<String>,
+    pub max_attempts: Option<u32>,
+    pub concurrency: Option<usize>,
+    pub ordering: Option<OrderingMode>,
+    pub listen: Option<String>,
+    pub max_lag: Option<String>,
+    pub stuck_after: Option<String>,
+    pub health_interval: Option<String>,
+    #[serde(default)]
+    pub event_types: BTreeMap<String, FileOverride>,
+}
+
+/// A per-event-type retry override in the config file.
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct FileOverride {
+    /// Attempts before Dead.
+    pub max_attempts: Option<u32>,
+    /// Growth factor (delay = base^attempt seconds).
+    pub base: Option<f64>,
+    /// Cap of the exponential part.
+    pub cap: Option<String>,
+    /// Maximum random jitter added.
+    pub jitter: Option<String>,
+}
+
+impl FileConfig {
+    /// Reads and parses `path`.
+    ///
+    /// # Errors
+    /// [`CliError::ConfigRead`] or [`CliError::ConfigParse`] (with line and column).
+    pub fn load(path: &Path) -> Result<Self, CliError> {
+        let text = std::fs::read_to_string(path).map_err(|source| CliError::ConfigRead {
+            path: path.to_owned(),
+            source,
+        })?;
+        Self::parse(&text).map_err(|message| CliError::ConfigParse {
+            path: path.to_owned(),
+            message,
+        })
+    }
+
+    /// Parses TOML text.
+    ///
+    /// # Errors
+    /// The parser's message for invalid TOML or unknown/mistyped keys.
+    pub fn parse(text: &str) -> Result<Self, String> {
+        toml::from_str(text).map_err(|e| e.to_string().trim_end().to_owned())
+    }
+}
+
+/// Database settings shared by every command.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DbSettings {
+    /// PostgreSQL URL (validated).
+    pub url: String,
+    /// Schema (validated).
+    pub schema: String,
+}
+
+impl DbSettings {
+    /// From flags/environment, else the file.
+    ///
+    /// # Errors
+    /// [`CliError::Missing`] without a URL, [`CliError::Invalid`] for a malformed URL
+    /// or schema name.
+    pub fn resolve(cli: &Cli, file: &FileConfig) -> Result<Self, CliError> {
+        let url = cli
+            .database_url
+            .clone()
+            .or_else(|| file.database_url.clone())
+            .ok_or(CliError::Missing {
+                field: "database_url",
+                hint: "pass --database-url, set DATABASE_URL, or set database_url in the config file",
+            })?;
+        let schema = cli
+            .schema
+            .clone()
+            .or_else(|| file.schema.clone())
+            .unwrap_or_else(|| outbox_postgres::DEFAULT_SCHEMA.to_owned());
+        let config = outbox_postgres::PgConfig::new(&url).with_schema(&schema);
+        if let Err(e) = outbox_postgres::parse_url(&url) {
+            return Err(CliError::Invalid {
+                field: "database_url",
+                reason: strip_config_prefix(&e),
+            });
+        }
+        if let Err(e) = config.validate() {
+            return Err(CliError::Invalid {
+                field: "schema",
+                reason: strip_config_prefix(&e),
+            });
+        }
+        Ok(Self { url, schema })
+    }
+
+    /// The backend configuration.
+    pub fn pg_config(&self) -> outbox_postgres::PgConfig {
+        outbox_postgres::PgConfig::new(&self.url).with_schema(&self.schema)
+    }
+}
+
+fn strip_config_prefix(e: &outbox_core::OutboxError) -> String {
+    match e {
+        outbox_core::OutboxError::Config(reason) => reason.clone(),
+        other => other.to_string(),
+    }
+}
+
+/// Everything `outbox relay` needs, resolved and validated.
+#[derive(Debug, Clone)]
+pub struct RelaySettings {
+    /// Database.
+    pub db: DbSettings,
+    /// Broker kind.
+    pub transport: TransportKind,
+    /// Broker URL.
+    pub broker_url: String,
+    /// RabbitMQ exchange.
+    pub exchange: String,
+    /// NATS subject prefix.
+    pub subject_prefix: String,
+    /// Messages per claim.
+    pub batch_size: usize,
+    /// Poll interval.
+    pub poll_interval: Duration,
+    /// Claim lease.
+    pub lease: Duration,
+    /// Default attempts before Dead.
+    pub max_attempts: u32,
+    /// Batches in flight.
+    pub concurrency: usize,
+    /// Per-event-type retry policies (event type → policy).
+    pub overrides: BTreeMap<String, RetryPolicy>,
+    /// Publish order.
+    pub ordering: OrderingMode,
+    /// Endpoint address (port 0: any free port).
+    pub listen: SocketAddr,
+    /// Queue-lag threshold of /healthz.
+    pub max_lag: Duration,
+    /// Stuck threshold of /healthz.
+    pub stuck_after: Duration,
+    /// Health check and gauge refresh period.
+    pub health_interval: Duration,
+}
+
+impl RelaySettings {
+    /// Settings for a relay of `db` over `transport` at `broker_url`, other values at
+    /// their defaults (handy for tests and embedding).
+    pub fn new(db: DbSettings, transport: TransportKind, broker_url: impl Into<String>) -> Self {
+        Self {
+            db,
+            transport,
+            broker_url: broker_url.into(),
+            exchange: transport_rabbit::config::DEFAULT_EXCHANGE.to_owned(),
+            subject_prefix: transport_nats::config::DEFAULT_SUBJECT_PREFIX.to_owned(),
+            batch_size: 500,
+            poll_interval: Duration::from_millis(500),
+            lease: Duration::from_secs(30),
+            max_attempts: 8,
+            concurrency: 2,
+            overrides: BTreeMap::new(),
+            ordering: OrderingMode::Unordered,
+            listen: SocketAddr::from(([127, 0, 0, 1], 9464)),
+            max_lag: Duration::from_secs(300),
+            stuck_after: Duration::from_secs(120),
+            health_interval: Duration::from_secs(5),
+        }
+    }
+
+    /// Resolves flags/environment over the file over the defaults, and validates.
+    ///
+    /// # Errors
+    /// [`CliError::Missing`], [`CliError::Invalid`] (durations, sizes, address, broker
+    /// URL, exchange, subject prefix), [`CliError::EventTypeOverride`].
+    pub fn resolve(cli: &Cli, args: &RelayArgs, file: &FileConfig) -> Result<Self, CliError> {
+        let db = DbSettings::resolve(cli, file)?;
+        let f = &file.relay;
+        let transport = args
+            .transport
+            .or(f.transport)
+            .unwrap_or(TransportKind::Rabbit);
+        let broker_url = args
+            .broker_url
+            .clone()
+            .or_else(|| f.broker_url.clone())
+            .or_else(|| {
+                let var = match transport {
+                    TransportKind::Rabbit => transport_rabbit::config::URL_ENV,
+                    TransportKind::Nats => transport_nats::config::URL_ENV,
+                };
+                std::env::var(var).ok()
+            })
+            .unwrap_or_else(|| {
+                match transport {
+                    TransportKind::Rabbit => transport_rabbit::config::DEFAULT_URL,
+                    TransportKind::Nats => transport_nats::config::DEFAULT_URL,
+                }
+                .to_owned()
+            });
+        let mut s = Self::new(db, transport, broker_url);
+        if let Some(x) = args.exchange.clone().or_else(|| f.exchange.clone()) {
+            s.exchange = x;
+        }
+        if let Some(x) = args
+            .subject_prefix
+            .clone()
+            .or_else(|| f.subject_prefix.clone())
+        {
+            s.subject_prefix = x;
+        }
+        if let Some(n) = args.batch_size.or(f.batch_size) {
+            s.batch_size = positive("batch_size", n)?;
+        }
+        if let Some(n) = args.concurrency.or(f.concurrency) {
+            s.concurrency = positive("concurrency", n)?;
+        }
+        if let Some(n) = args.max_attempts.or(f.max_attempts) {
+            s.max_attempts =
+                u32::try_from(positive("max_attempts", n as usize)?).unwrap_or(u32::MAX);
+        }
+        let dur = |field: &'static str, flag: &Option<String>, file: &Option<String>| {
+            flag.as_deref()
+                .or(file.as_deref())
+                .map(|v| parse_duration(field, v))
+                .transpose()
+        };
+        if let Some(d) = dur("poll_interval", &args.poll_interval, &f.poll_interval)? {
+            s.poll_interval = d;
+        }
+        if let Some(d) = dur("lease", &args.lease, &f.lease)? {
+            s.lease = nonzero("lease", d)?;
+        }
+        if let Some(d) = dur("max_lag", &args.max_lag, &f.max_lag)? {
+            s.max_lag = nonzero("max_lag", d)?;
+        }
+        if let Some(d) = dur("stuck_after", &args.stuck_after, &f.stuck_after)? {
+            s.stuck_after = nonzero("stuck_after", d)?;
+        }
+        if let Some(d) = dur("health_interval", &args.health_interval, &f.health_interval)? {
+            s.health_interval = nonzero("health_interval", d)?;
+        }
+        if let Some(o) = args.ordering.or(f.ordering) {
+            s.ordering = o;
+        }
+        if let Some(addr) = args.listen.as_deref().or(f.listen.as_deref()) {
+            s.listen = addr.parse().map_err(|e| CliError::Invalid {
+                field: "listen",
+                reason: format!("{addr:?} is not a socket address (host:port): {e}"),
+            })?;
+        }
+        // File overrides first, flags replace them per event type.
+        for (event_type, o) in &f.event_types {
+            let policy = file_override(event_type, o, s.max_attempts)?;
+            s.overrides.insert(event_type.clone(), policy);
+        }
+        for text in &args.event_types {
+            if text.trim().is_empty() {
+                continue;
+            }
+            let (event_type, policy) = parse_override(text, s.max_attempts)?;
+            s.overrides.insert(event_type, policy);
+        }
+        s.validate_transport()?;
+        Ok(s)
+    }
+
+    /// Builds the transport configuration once to validate the broker URL, exchange and
+    /// subject prefix before anything connects.
+    ///
+    /// # Errors
+    /// [`CliError::Rabbit`] / [`CliError::Nats`] with `InvalidUrl` / `InvalidConfig`.
+    pub fn validate_transport(&self) -> Result<(), CliError> {
+        match self.transport {
+            TransportKind::Rabbit => {
+                self.rabbit_config()?;
+            }
+            TransportKind::Nats => {
+                self.nats_config()?;
+            }
+        }
+        Ok(())
+    }
+
+    /// The RabbitMQ configuration.
+    ///
+    /// # Errors
+    /// [`CliError::Rabbit`] for an invalid URL or exchange.
+    pub fn rabbit_config(&self) -> Result<transport_rabbit::RabbitConfig, CliError> {
+        Ok(transport_rabbit::RabbitConfig::builder(&self.broker_url)
+            .with_exchange(&self.exchange)
+            .with_connection_name("outbox-relay")
+            .build()?)
+    }
+
+    /// The NATS configuration.
+    ///
+    /// # Errors
+    /// [`CliError::Nats`] for an invalid URL or subject prefix.
+    pub fn nats_config(&self) -> Result<transport_nats::NatsConfig, CliError> {
+        Ok(transport_nats::NatsConfig::builder(&self.broker_url)
+            .with_subject_prefix(&self.subject_prefix)
+            .with_connection_name("outbox-relay")
+            .build()?)
+    }
+
+    /// The retry policies: the default with `max_attempts`, plus the overrides.
+    pub fn retry_policies(&self) -> RetryPolicies {
+        let mut policies =
+            RetryPolicies::new(RetryPolicy::new().with_max_attempts(self.max_attempts));
+        for (event_type, policy) in &self.overrides {
+            policies = policies.with_override(event_type.clone(), policy.clone());
+        }
+        policies
+    }
+
+    /// The dispatcher configuration.
+    pub fn dispatcher_config(&self) -> DispatcherConfig {
+        DispatcherConfig::new()
+            .with_batch_size(self.batch_size)
+            .with_poll_interval(self.poll_interval)
+            .with_lease(self.lease)
+            .with_concurrency(self.concurrency)
+            .with_retry(self.retry_policies())
+    }
+}
+
+fn positive(field: &'static str, n: usize) -> Result<usize, CliError> {
+    if n == 0 {
+        Err(CliError::Invalid {
+            field,
+            reason: "must be at least 1".into(),
+        })
+    } else {
+        Ok(n)
+    }
+}
+
+fn nonzero(field: &'static str, d: Duration) -> Result<Duration, CliError> {
+    if d.is_zero() {
+        Err(CliError::Invalid {
+            field,
+            reason: "must be greater than zero".into(),
+        })
+    } else {
+        Ok(d)
+    }
+}
+
+/// Parses a duration such as `500ms`, `30s`, `5m`, `7d`, `1h 30m` (humantime syntax).
+///
+/// # Errors
+/// [`CliError::Invalid`] naming `field`.
+pub fn parse_duration(field: &'static str, text: &str) -> Result<Duration, CliError> {
+    humantime::parse_duration(text.trim()).map_err(|e| CliError::Invalid {
+        field,
+        reason: format!("{text:?} is not a duration like 500ms, 30s, 5m or 7d: {e}"),
+    })
+}
+
+/// Parses one time bound: an RFC 3339 time (`2026-11-22T06:00:00Z`) or a duration
+/// meaning that long before `now` (`2h`, `7d`).
+///
+/// # Errors
+/// [`CliError::TimeWindow`] naming the flag.
+pub fn parse_time(flag: &str, text: &str, now: DateTime<Utc>) -> Result<DateTime<Utc>, CliError> {
+    let text = text.trim();
+    if let Ok(t) = DateTime::parse_from_rfc3339(text) {
+        return Ok(t.with_timezone(&Utc));
+    }
+    let ago = humantime::parse_duration(text).map_err(|_| CliError::TimeWindow {
+        reason: format!(
+            "{flag} {text:?} is neither an RFC 3339 time (2026-11-22T06:00:00Z) nor a duration ago (2h, 7d)"
+        ),
+    })?;
+    let ago = chrono::Duration::from_std(ago).map_err(|_| CliError::TimeWindow {
+        reason: format!("{flag} {text:?} is too far back"),
+    })?;
+    now.checked_sub_signed(ago)
+        .ok_or_else(|| CliError::TimeWindow {
+            reason: format!("{flag} {text:?} is too far back"),
+        })
+}
+
+/// A time window `[from, to)`; either bound may be open.
+pub type Window = (Option<DateTime<Utc>>, Option<DateTime<Utc>>);
+
+/// Parses `--since`/`--until` into a window; both optional.
+///
+/// # Errors
+/// [`CliError::TimeWindow`] for an unparsable bound or `since >= until`.
+pub fn parse_window(
+    since: Option<&str>,
+    until: Option<&str>,
+    now: DateTime<Utc>,
+) -> Result<Window, CliError> {
+    let from = since.map(|s| parse_time("--since", s, now)).transpose()?;
+    let to = until.map(|s| parse_time("--until", s, now)).transpose()?;
+    if let (Some(f), Some(t)) = (from, to)
+        && f >= t
+    {
+        return Err(CliError::TimeWindow {
+            reason: format!("--since ({f}) must be before --until ({t})"),
+        });
+    }
+    Ok((from, to))
+}
+
+/// Parses `EVENT_TYPE:key=value[,key=value...]` (keys `max_attempts`, `base`, `cap`,
+/// `jitter`) into a policy based on the default policy with `default_max_attempts`.
+///
+/// # Errors
+/// [`CliError::EventTypeOverride`] saying what is wrong.
+pub fn parse_override(
+    text: &str,
+    default_max_attempts: u32,
+) -> Result<(String, RetryPolicy), CliError> {
+    let bad = |reason: String| CliError::EventTypeOverride {
+        input: text.to_owned(),
+        reason,
+    };
+    let (event_type, settings) = text
+        .split_once(':')
+        .ok_or_else(|| bad("expected EVENT_TYPE:key=value[,key=value...]".into()))?;
+    let event_type = event_type.trim();
+    if event_type.is_empty() {
+        return Err(bad("the event type is empty".into()));
+    }
+    let mut o = FileOverride::default();
+    let mut any = false;
+    for pair in settings.split(',').map(str::trim).filter(|p| !p.is_empty()) {
+        let (key, value) = pair
+            .split_once('=')
+            .ok_or_else(|| bad(format!("{pair:?} is not key=value")))?;
+        let (key, value) = (key.trim(), value.trim());
+        match key {
+            "max_attempts" => {
+                o.max_attempts = Some(value.parse().map_err(|_| {
+                    bad(format!("max_attempts {value:?} is not a positive integer"))
+                })?);
+            }
+            "base" => {
+                o.base = Some(
+                    value
+                        .parse()
+                        .map_err(|_| bad(format!("base {value:?} is not a number")))?,
+                );
+            }
+            "cap" => o.cap = Some(value.to_owned()),
+            "jitter" => o.jitter = Some(value.to_owned()),
+            other => {
+                return Err(bad(format!(
+                    "unknown key {other:?} (known: max_attempts, base, cap, jitter)"
+                )));
+            }
+        }
+        any = true;
+    }
+    if !any {
+        return Err(bad("no settings after the event type".into()));
+    }
+    let policy = file_override(event_type, &o, default_max_attempts).map_err(|e| match e {
+        CliError::EventTypeOverride { reason, .. } => bad(reason),
+        other => other,
+    })?;
+    Ok((event_type.to_owned(), policy))
+}
+
+fn file_override(
+    event_type: &str,
+    o: &FileOverride,
+    default_max_attempts: u32,
+) -> Result<RetryPolicy, CliError> {
+    let bad = |reason: String| CliError::EventTypeOverride {
+        input: event_type.to_owned(),
+        reason,
+    };
+    let mut policy = RetryPolicy::new().with_max_attempts(default_max_attempts);
+    if let Some(n) = o.max_attempts {
+        if n == 0 {
+            return Err(bad("max_attempts must be at least 1".into()));
+        }
+        policy = policy.with_max_attempts(n);
+    }
+    if let Some(b) = o.base {
+        if !b.is_finite() || b < 1.0 {
+            return Err(bad(format!("base {b} must be a number >= 1")));
+        }
+        policy = policy.with_base(b);
+    }
+    let dur = |name: &str, v: &str| {
+        humantime::parse_duration(v).map_err(|e| {
+            bad(format!(
+                "{name} {v:?} is not a duration like 30s or 5m: {e}"
+            ))
+        })
+    };
+    if let Some(c) = &o.cap {
+        policy = policy.with_cap(dur("cap", c)?);
+    }
+    if let Some(j) = &o.jitter {
+        policy = policy.with_jitter(dur("jitter", j)?);
+    }
+    Ok(policy)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn overrides_parse_and_reject_bad_syntax() {
+        let (t, p) =
+            parse_override("OrderPlaced:max_attempts=3,cap=60s,jitter=0s", 8).expect("valid");
+        assert_eq!(t, "OrderPlaced");
+        assert_eq!(p.max_attempts(), 3);
+        assert_eq!(p.base_delay(10), Duration::from_secs(60));
+        for bad in [
+            "OrderPlaced",
+            ":max_attempts=3",
+            "OrderPlaced:",
+            "OrderPlaced:attempts=3",
+            "OrderPlaced:max_attempts=x",
+            "OrderPlaced:max_attempts=0",
+            "OrderPlaced:cap=soon",
+            "OrderPlaced:base=0.5",
+            "OrderPlaced:max_attempts",
+        ] {
+            assert!(
+                matches!(
+                    parse_override(bad, 8),
+                    Err(CliError::EventTypeOverride { .. })
+                ),
+                "{bad}"
+            );
+        }
+    }
+
+    #[test]
+    fn time_bounds_accept_rfc3339_and_durations_ago() {
+        let now = DateTime::parse_from_rfc3339("2026-11-22T12:00:00Z")
+            .expect("valid")
+            .with_timezone(&Utc);
+        let t = parse_time("--since", "2h", now).expect("valid");
+        assert_eq!(t, now - chrono::Duration::hours(2));
+        let t = parse_time("--since", "2026-11-21T00:00:00+01:00", now).expect("valid");
+        assert_eq!(t.to_rfc3339(), "2026-11-20T23:00:00+00:00");
+        assert!(matches!(
+            parse_time("--since", "yesterday", now),
+            Err(CliError::TimeWindow { .. })
+        ));
+        assert!(matches!(
+            parse_window(Some("1h"), Some("2h"), now),
+            Err(CliError::TimeWindow { .. })
+        ));
+        assert!(parse_window(Some("2h"), Some("1h"), now).is_ok());
+    }
+
+    #[test]
+    fn file_rejects_unknown_keys_and_reads_overrides() {
+        assert!(FileConfig::parse("databse_url = 'x'").is_err());
+        assert!(FileConfig::parse("[relay]\nbatch_size = 'many'").is_err());
+        let f = FileConfig::parse(
+            "database_url = 'postgres://u@h/db'\n[relay]\nbatch_size = 10\n[relay.event_types.A]\nmax_attempts = 2\n",
+        )
+        .expect("valid");
+        assert_eq!(f.relay.batch_size, Some(10));
+        assert_eq!(f.relay.event_types["A"].max_attempts, Some(2));
+    }
+}

@@ -1,0 +1,121 @@
+//! [`CliError`]: every failure of the binary, typed, with the exit code it maps to.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+
+use outbox_core::OutboxError;
+
+/// A failure of an `outbox` command. Bad input (configuration, flags, time windows)
+/// is reported before anything is touched and exits with code 2; failures while
+/// running exit with code 1.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum CliError {
+    /// The config file could not be read.
+    #[error("cannot read config file {path}: {source}")]
+    ConfigRead {
+        /// The file.
+        path: PathBuf,
+        /// The I/O error.
+        #[source]
+        source: std::io::Error,
+    },
+    /// The config file is not valid TOML or has unknown or mistyped keys.
+    #[error("invalid config file {path}: {message}")]
+    ConfigParse {
+        /// The file.
+        path: PathBuf,
+        /// The parser's description, with line and column.
+        message: String,
+    },
+    /// A required setting is missing.
+    #[error("missing setting {field}: {hint}")]
+    Missing {
+        /// The setting, as named in the config file.
+        field: &'static str,
+        /// How to provide it.
+        hint: &'static str,
+    },
+    /// A setting has an invalid value (URL, duration, size, address, name).
+    #[error("invalid {field}: {reason}")]
+    Invalid {
+        /// The setting, as named in the config file.
+        field: &'static str,
+        /// What is wrong (URLs are shown with their password redacted).
+        reason: String,
+    },
+    /// A per-event-type override is malformed (expected
+    /// `EVENT_TYPE:key=value[,key=value...]` with keys `max_attempts`, `base`, `cap`,
+    /// `jitter`).
+    #[error("invalid event type override {input:?}: {reason}")]
+    EventTypeOverride {
+        /// The text given.
+        input: String,
+        /// What is wrong.
+        reason: String,
+    },
+    /// A time bound does not parse, or the window is empty.
+    #[error("invalid time window: {reason}")]
+    TimeWindow {
+        /// What is wrong.
+        reason: String,
+    },
+    /// The store failed (database unreachable, statement rejected, invalid schema).
+    #[error(transparent)]
+    Store(#[from] OutboxError),
+    /// The RabbitMQ transport could not be configured or reached.
+    #[error("RabbitMQ: {0}")]
+    Rabbit(#[from] transport_rabbit::RabbitError),
+    /// The NATS transport could not be configured or reached.
+    #[error("NATS: {0}")]
+    Nats(#[from] transport_nats::NatsError),
+    /// The metrics/health endpoint could not bind its address.
+    #[error("cannot listen on {addr}: {source}")]
+    Listen {
+        /// The address.
+        addr: SocketAddr,
+        /// The I/O error.
+        #[source]
+        source: std::io::Error,
+    },
+    /// The Prometheus recorder could not be installed.
+    #[error("metrics: {0}")]
+    Metrics(String),
+    /// Writing the output failed.
+    #[error("output: {0}")]
+    Output(#[from] std::io::Error),
+    /// A background task of the relay failed or panicked.
+    #[error("relay task failed: {0}")]
+    Task(String),
+}
+
+impl CliError {
+    /// Whether this is bad input (exit code 2) rather than a runtime failure (1).
+    pub fn is_bad_input(&self) -> bool {
+        match self {
+            Self::ConfigRead { .. }
+            | Self::ConfigParse { .. }
+            | Self::Missing { .. }
+            | Self::Invalid { .. }
+            | Self::EventTypeOverride { .. }
+            | Self::TimeWindow { .. } => true,
+            Self::Store(OutboxError::Config(_)) => true,
+            Self::Rabbit(e) => matches!(
+                e,
+                transport_rabbit::RabbitError::InvalidUrl { .. }
+                    | transport_rabbit::RabbitError::InvalidConfig { .. }
+            ),
+            Self::Nats(e) => matches!(
+                e,
+                transport_nats::NatsError::InvalidUrl { .. }
+                    | transport_nats::NatsError::InvalidConfig { .. }
+            ),
+            _ => false,
+        }
+    }
+
+    /// The process exit code: 2 for bad input, 1 otherwise.
+    pub fn exit_code(&self) -> u8 {
+        if self.is_bad_input() { 2 } else { 1 }
+    }
+}

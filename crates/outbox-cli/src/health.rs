@@ -1,0 +1,233 @@
+//! The relay's health: what `/healthz` reports, and the checker that keeps it (and the
+//! table gauges) current.
+//!
+//! `/healthz` is unhealthy (HTTP 503) when any of these holds, healthy (200) otherwise:
+//! - the relay task has stopped (fatal error);
+//! - the broker is unreachable: the dispatcher's circuit is open, or the checker's own
+//!   readiness probe of the broker failed (this catches a dead broker even when there
+//!   is nothing to publish);
+//! - the database could not be queried for longer than `stuck_after`;
+//! - the relay is stuck: a claimable message (New and visible) has waited longer than
+//!   `stuck_after` without being claimed;
+//! - the queue lag (age of the oldest New or Processing message) is over `max_lag`.
+//!
+//! Until the first check completes the state is unhealthy with reason `starting`.
+
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use outbox_core::{EventPublisher, OutboxStore};
+use outbox_postgres::PgOutbox;
+use serde::Serialize;
+use tokio_util::sync::CancellationToken;
+
+/// A point-in-time health report, as served by `/healthz` (JSON).
+#[derive(Debug, Clone, Serialize, PartialEq)]
+#[non_exhaustive]
+pub struct HealthReport {
+    /// `"ok"` or `"unhealthy"`.
+    pub status: &'static str,
+    /// Why it is unhealthy (empty when ok).
+    pub reasons: Vec<String>,
+    /// `New` + `Processing` rows at the last check.
+    pub pending: Option<u64>,
+    /// `Dead` rows at the last check.
+    pub dead: Option<u64>,
+    /// Queue lag in seconds at the last check.
+    pub oldest_pending_age_secs: Option<f64>,
+    /// How long the oldest claimable message has waited, in seconds.
+    pub oldest_claimable_wait_secs: Option<f64>,
+    /// Whether the dispatcher's circuit is open.
+    pub circuit_open: bool,
+    /// Whether the last broker probe succeeded.
+    pub broker_reachable: Option<bool>,
+    /// Messages published by this relay since start.
+    pub published: u64,
+}
+
+impl HealthReport {
+    /// Whether every check passed.
+    pub fn is_healthy(&self) -> bool {
+        self.reasons.is_empty()
+    }
+}
+
+#[derive(Debug, Default)]
+struct State {
+    checked: bool,
+    relay_stopped: Option<String>,
+    broker_error: Option<String>,
+    db_error: Option<String>,
+    last_db_ok: Option<Instant>,
+    pending: Option<u64>,
+    dead: Option<u64>,
+    lag: Option<Duration>,
+    claimable_wait: Option<Duration>,
+    circuit_open: bool,
+    published: u64,
+}
+
+/// Shared health state: written by the checker and the relay, read by `/healthz`.
+#[derive(Debug, Clone)]
+pub struct Health {
+    state: Arc<Mutex<State>>,
+    max_lag: Duration,
+    stuck_after: Duration,
+    started: Instant,
+}
+
+impl Health {
+    /// A state with the given thresholds.
+    pub fn new(max_lag: Duration, stuck_after: Duration) -> Self {
+        Self {
+            state: Arc::default(),
+            max_lag,
+            stuck_after,
+            started: Instant::now(),
+        }
+    }
+
+    fn with<T>(&self, f: impl FnOnce(&mut State) -> T) -> T {
+        let mut guard = self
+            .state
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        f(&mut guard)
+    }
+
+    /// Records that the relay task ended (with its error, if any).
+    pub fn relay_stopped(&self, why: String) {
+        self.with(|s| s.relay_stopped = Some(why));
+    }
+
+    /// The current report.
+    pub fn report(&self) -> HealthReport {
+        self.with(|s| {
+            let mut reasons = Vec::new();
+            if !s.checked {
+                reasons.push("starting: first check not finished".to_owned());
+            }
+            if let Some(why) = &s.relay_stopped {
+                reasons.push(format!("relay stopped: {why}"));
+            }
+            if s.circuit_open {
+                reasons.push("broker unreachable: circuit open".to_owned());
+            }
+            if let Some(e) = &s.broker_error {
+                reasons.push(format!("broker unreachable: {e}"));
+            }
+            if let Some(e) = &s.db_error {
+                let since_ok = s.last_db_ok.unwrap_or(self.started).elapsed();
+                if since_ok >= self.stuck_after {
+                    reasons.push(format!(
+                        "database unreachable for {}s: {e}",
+                        since_ok.as_secs()
+                    ));
+                }
+            }
+            if let Some(wait) = s.claimable_wait
+                && wait >= self.stuck_after
+                && !s.circuit_open
+            {
+                reasons.push(format!(
+                    "relay stuck: a claimable message has waited {}s (threshold {}s)",
+                    wait.as_secs(),
+                    self.stuck_after.as_secs()
+                ));
+            }
+            if let Some(lag) = s.lag
+                && lag > self.max_lag
+            {
+                reasons.push(format!(
+                    "queue lag {}s over the threshold of {}s",
+                    lag.as_secs(),
+                    self.max_lag.as_secs()
+                ));
+            }
+            HealthReport {
+                status: if reasons.is_empty() {
+                    "ok"
+                } else {
+                    "unhealthy"
+                },
+                reasons,
+                pending: s.pending,
+                dead: s.dead,
+                oldest_pending_age_secs: s.lag.map(|d| d.as_secs_f64()),
+                oldest_claimable_wait_secs: s.claimable_wait.map(|d| d.as_secs_f64()),
+                circuit_open: s.circuit_open,
+                broker_reachable: s.checked.then_some(s.broker_error.is_none()),
+                published: s.published,
+            }
+        })
+    }
+
+    /// One check: table stats (also exported as gauges), the oldest claimable wait, a
+    /// broker probe bounded by `probe_timeout`, and the dispatcher's circuit.
+    pub async fn check<P: EventPublisher>(
+        &self,
+        store: &PgOutbox,
+        publisher: &P,
+        circuit_open: bool,
+        published: u64,
+        probe_timeout: Duration,
+    ) {
+        outbox_core::metrics::circuit(circuit_open);
+        let stats = store.stats().await;
+        let claimable = match &stats {
+            Ok(_) => store.oldest_claimable_wait().await.map(Some),
+            Err(_) => Ok(None),
+        };
+        let probe = tokio::time::timeout(probe_timeout, publisher.check_ready()).await;
+        let broker_error = match probe {
+            Ok(Ok(())) => None,
+            Ok(Err(e)) => Some(e.to_string()),
+            Err(_) => Some(format!("no answer within {probe_timeout:?}")),
+        };
+        if let Ok(st) = &stats {
+            outbox_core::metrics::set_table_gauges(st);
+        }
+        self.with(|s| {
+            s.checked = true;
+            s.circuit_open = circuit_open;
+            s.published = published;
+            s.broker_error = broker_error;
+            match (stats, claimable) {
+                (Ok(st), Ok(wait)) => {
+                    s.db_error = None;
+                    s.last_db_ok = Some(Instant::now());
+                    s.pending = Some(st.new + st.processing);
+                    s.dead = Some(st.dead);
+                    s.lag = st.oldest_pending_age;
+                    s.claimable_wait = wait.flatten();
+                }
+                (Err(e), _) | (_, Err(e)) => {
+                    s.db_error = Some(e.to_string());
+                }
+            }
+        });
+    }
+
+    /// Runs checks every `interval` until `shutdown`; `sample` supplies the
+    /// dispatcher's circuit state and published count at each check.
+    pub async fn run_checker<P: EventPublisher>(
+        &self,
+        store: PgOutbox,
+        publisher: Arc<P>,
+        interval: Duration,
+        sample: impl Fn() -> (bool, u64) + Send,
+        shutdown: CancellationToken,
+    ) {
+        loop {
+            let (circuit_open, published) = sample();
+            tokio::select! {
+                () = shutdown.cancelled() => return,
+                () = self.check(&store, &*publisher, circuit_open, published, interval.max(Duration::from_secs(1))) => {}
+            }
+            tokio::select! {
+                () = shutdown.cancelled() => return,
+                () = tokio::time::sleep(interval) => {}
+            }
+        }
+    }
+}

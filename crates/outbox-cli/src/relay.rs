@@ -1,0 +1,329 @@
+//! `outbox relay`: the dispatcher over PostgreSQL and RabbitMQ or NATS, with the
+//! `/metrics` and `/healthz` endpoint and the health checker.
+
+use std::net::SocketAddr;
+use std::sync::{Arc, OnceLock};
+
+use async_trait::async_trait;
+use axum::Router;
+use axum::extract::State;
+use axum::http::{StatusCode, header};
+use axum::response::{IntoResponse, Response};
+use axum::routing::get;
+use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
+use outbox_core::{
+    Dispatcher, DispatcherStats, EventPublisher, OnDead, Ordering, OutboxMessage, PublishError,
+    PublishOutcome,
+};
+use outbox_postgres::PgOutbox;
+use tokio::task::JoinHandle;
+use tokio_util::sync::CancellationToken;
+use tracing::{info, warn};
+use transport_nats::NatsPublisher;
+use transport_rabbit::RabbitPublisher;
+
+use crate::cli::{OrderingMode, TransportKind};
+use crate::config::RelaySettings;
+use crate::error::CliError;
+use crate::health::Health;
+
+/// The relay's publisher: RabbitMQ or NATS, chosen at run time. Both connect lazily, so
+/// the relay starts (and reports unhealthy) while the broker is down.
+#[derive(Debug)]
+#[allow(clippy::large_enum_variant)] // reason: one value per process, never moved in a loop
+pub enum AnyPublisher {
+    /// RabbitMQ.
+    Rabbit(RabbitPublisher),
+    /// NATS JetStream.
+    Nats(NatsPublisher),
+}
+
+impl AnyPublisher {
+    /// The publisher `settings` ask for, connecting lazily.
+    ///
+    /// # Errors
+    /// [`CliError::Rabbit`] / [`CliError::Nats`] for an invalid transport configuration.
+    pub async fn new(settings: &RelaySettings) -> Result<Self, CliError> {
+        Ok(match settings.transport {
+            TransportKind::Rabbit => Self::Rabbit(RabbitPublisher::new(settings.rabbit_config()?)),
+            TransportKind::Nats => {
+                Self::Nats(NatsPublisher::connect_lazy(settings.nats_config()?).await?)
+            }
+        })
+    }
+
+    /// Closes the broker connection.
+    pub async fn close(&self) {
+        match self {
+            Self::Rabbit(p) => p.close().await,
+            Self::Nats(p) => p.close().await,
+        }
+    }
+}
+
+#[async_trait]
+impl EventPublisher for AnyPublisher {
+    async fn publish_batch(&self, messages: &[OutboxMessage]) -> Vec<PublishOutcome> {
+        match self {
+            Self::Rabbit(p) => p.publish_batch(messages).await,
+            Self::Nats(p) => p.publish_batch(messages).await,
+        }
+    }
+
+    async fn check_ready(&self) -> Result<(), PublishError> {
+        match self {
+            Self::Rabbit(p) => p.check_ready().await,
+            Self::Nats(p) => p.check_ready().await,
+        }
+    }
+}
+
+/// Installs the process-wide Prometheus recorder once (later calls return the same
+/// handle), with histogram buckets for the latency and batch-size series, and
+/// registers the descriptions of the relay and inbox metrics.
+///
+/// # Errors
+/// [`CliError::Metrics`] when another recorder is already installed.
+pub fn prometheus() -> Result<PrometheusHandle, CliError> {
+    static HANDLE: OnceLock<Result<PrometheusHandle, String>> = OnceLock::new();
+    HANDLE
+        .get_or_init(|| {
+            let seconds = [
+                0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
+                60.0, 300.0,
+            ];
+            let sizes = [
+                1.0, 5.0, 10.0, 25.0, 50.0, 100.0, 250.0, 500.0, 1000.0, 5000.0,
+            ];
+            let recorder = PrometheusBuilder::new()
+                .set_buckets_for_metric(Matcher::Suffix("_seconds".into()), &seconds)
+                .and_then(|b| {
+                    b.set_buckets_for_metric(
+                        Matcher::Full(outbox_core::metrics::CLAIM_BATCH_SIZE.into()),
+                        &sizes,
+                    )
+                })
+                .map_err(|e| e.to_string())?
+                .build_recorder();
+            let handle = recorder.handle();
+            metrics::set_global_recorder(recorder).map_err(|e| e.to_string())?;
+            outbox_core::metrics::describe();
+            inbox::metrics::describe();
+            Ok(handle)
+        })
+        .clone()
+        .map_err(CliError::Metrics)
+}
+
+/// The `/metrics` and `/healthz` routes.
+pub fn router(health: Health, prometheus: PrometheusHandle) -> Router {
+    Router::new()
+        .route("/metrics", get(metrics_endpoint))
+        .route("/healthz", get(healthz_endpoint))
+        .with_state((health, prometheus))
+}
+
+async fn metrics_endpoint(State((_, prometheus)): State<(Health, PrometheusHandle)>) -> Response {
+    prometheus.run_upkeep();
+    (
+        [(
+            header::CONTENT_TYPE,
+            "text/plain; version=0.0.4; charset=utf-8",
+        )],
+        prometheus.render(),
+    )
+        .into_response()
+}
+
+async fn healthz_endpoint(State((health, _)): State<(Health, PrometheusHandle)>) -> Response {
+    let report = health.report();
+    let code = if report.is_healthy() {
+        StatusCode::OK
+    } else {
+        StatusCode::SERVICE_UNAVAILABLE
+    };
+    (code, axum::Json(report)).into_response()
+}
+
+/// A running relay: the dispatcher, the health checker and the HTTP endpoint.
+#[derive(Debug)]
+pub struct Relay {
+    addr: SocketAddr,
+    health: Health,
+    shutdown: CancellationToken,
+    task: JoinHandle<Result<DispatcherStats, CliError>>,
+}
+
+impl Relay {
+    /// Connects to the database (eagerly: a wrong URL fails here), creates the
+    /// publisher (lazily: a down broker makes the relay unhealthy, not failed), binds
+    /// the endpoint and starts everything. Cancel `shutdown` to stop it gracefully.
+    ///
+    /// # Errors
+    /// [`CliError::Store`] when the database cannot be reached,
+    /// [`CliError::Rabbit`]/[`CliError::Nats`] for a bad transport configuration,
+    /// [`CliError::Listen`] when the address is taken, [`CliError::Metrics`].
+    pub async fn start(
+        settings: &RelaySettings,
+        shutdown: CancellationToken,
+    ) -> Result<Self, CliError> {
+        let prometheus = prometheus()?;
+        let store = PgOutbox::connect(&settings.db.pg_config()).await?;
+        let publisher = Arc::new(AnyPublisher::new(settings).await?);
+        let config = dispatcher_config(settings);
+        let dispatcher = Dispatcher::new(Arc::new(store.clone()), Arc::clone(&publisher), config);
+        let health = Health::new(settings.max_lag, settings.stuck_after);
+
+        let listener = tokio::net::TcpListener::bind(settings.listen)
+            .await
+            .map_err(|source| CliError::Listen {
+                addr: settings.listen,
+                source,
+            })?;
+        let addr = listener.local_addr().map_err(|source| CliError::Listen {
+            addr: settings.listen,
+            source,
+        })?;
+        let server = {
+            let token = shutdown.clone();
+            let app = router(health.clone(), prometheus);
+            tokio::spawn(async move {
+                axum::serve(listener, app)
+                    .with_graceful_shutdown(token.cancelled_owned())
+                    .await
+            })
+        };
+        let checker = {
+            let health = health.clone();
+            let token = shutdown.clone();
+            let d = dispatcher.clone();
+            let interval = settings.health_interval;
+            let publisher = Arc::clone(&publisher);
+            tokio::spawn(async move {
+                health
+                    .run_checker(
+                        store,
+                        publisher,
+                        interval,
+                        move || (d.circuit_open(), d.stats().published),
+                        token,
+                    )
+                    .await;
+            })
+        };
+        info!(
+            listen = %addr,
+            transport = ?settings.transport,
+            broker = %redacted_broker(settings),
+            schema = %settings.db.schema,
+            ordering = ?settings.ordering,
+            "relay started"
+        );
+        let task = {
+            let token = shutdown.clone();
+            let health = health.clone();
+            tokio::spawn(async move {
+                let result = dispatcher.run(token.clone()).await;
+                if let Err(e) = &result {
+                    health.relay_stopped(e.to_string());
+                }
+                // The relay is what the process is for: without it, stop serving.
+                token.cancel();
+                let _ = checker.await;
+                match server.await {
+                    Ok(Ok(())) => {}
+                    Ok(Err(e)) => warn!(error = %e, "metrics endpoint failed"),
+                    Err(e) => warn!(error = %e, "metrics endpoint task failed"),
+                }
+                publisher.close().await;
+                let stats = result?;
+                info!(?stats, "relay stopped");
+                Ok(stats)
+            })
+        };
+        Ok(Self {
+            addr,
+            health,
+            shutdown,
+            task,
+        })
+    }
+
+    /// The bound address of `/metrics` and `/healthz` (useful with port 0).
+    pub fn local_addr(&self) -> SocketAddr {
+        self.addr
+    }
+
+    /// The health state served by `/healthz`.
+    pub fn health(&self) -> &Health {
+        &self.health
+    }
+
+    /// Asks the relay to stop (same as cancelling the token given to
+    /// [`start`](Self::start)).
+    pub fn stop(&self) {
+        self.shutdown.cancel();
+    }
+
+    /// Waits until the relay has stopped; returns the dispatcher's counters.
+    ///
+    /// # Errors
+    /// The dispatcher's fatal error ([`CliError::Store`]) or [`CliError::Task`] when a
+    /// task panicked.
+    pub async fn wait(self) -> Result<DispatcherStats, CliError> {
+        self.task.await.map_err(|e| CliError::Task(e.to_string()))?
+    }
+}
+
+fn redacted_broker(settings: &RelaySettings) -> String {
+    match settings.transport {
+        TransportKind::Rabbit => transport_rabbit::redact_url(&settings.broker_url),
+        TransportKind::Nats => transport_nats::redact_url(&settings.broker_url),
+    }
+}
+
+/// The dispatcher configuration of `settings`, ordering included.
+fn dispatcher_config(settings: &RelaySettings) -> outbox_core::DispatcherConfig {
+    let ordering = match settings.ordering {
+        OrderingMode::Unordered => Ordering::Unordered,
+        OrderingMode::PerKey => Ordering::PerKey {
+            on_dead: OnDead::Block,
+        },
+        OrderingMode::PerKeySkip => Ordering::PerKey {
+            on_dead: OnDead::Skip,
+        },
+    };
+    settings.dispatcher_config().with_ordering(ordering)
+}
+
+/// Waits for SIGINT or SIGTERM (SIGINT only on non-Unix), then cancels `token`.
+pub async fn cancel_on_signal(token: CancellationToken) {
+    #[cfg(unix)]
+    {
+        use tokio::signal::unix::{SignalKind, signal};
+        match signal(SignalKind::terminate()) {
+            Ok(mut term) => {
+                tokio::select! {
+                    _ = tokio::signal::ctrl_c() => info!("SIGINT received, shutting down"),
+                    _ = term.recv() => info!("SIGTERM received, shutting down"),
+                    () = token.cancelled() => return,
+                }
+            }
+            Err(e) => {
+                warn!(error = %e, "cannot listen for SIGTERM; SIGINT only");
+                tokio::select! {
+                    _ = tokio::signal::ctrl_c() => info!("SIGINT received, shutting down"),
+                    () = token.cancelled() => return,
+                }
+            }
+        }
+    }
+    #[cfg(not(unix))]
+    {
+        tokio::select! {
+            _ = tokio::signal::ctrl_c() => info!("SIGINT received, shutting down"),
+            () = token.cancelled() => return,
+        }
+    }
+    token.cancel();
+}

@@ -1,0 +1,137 @@
+//! The `outbox` binary as a process: exit codes, stdout/stderr, graceful SIGTERM.
+
+mod common;
+
+use std::process::{Command, Output, Stdio};
+use std::time::Duration;
+
+use common::{database_url, fresh_outbox, http_get};
+
+fn outbox(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_outbox"))
+        .args(args)
+        .env_remove("DATABASE_URL")
+        .env_remove("OUTBOX_CONFIG")
+        .env_remove("OUTBOX_SCHEMA")
+        .output()
+        .expect("run outbox")
+}
+
+fn stderr(o: &Output) -> String {
+    String::from_utf8_lossy(&o.stderr).into_owned()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn migrate_then_stats_as_a_process() {
+    let schema = format!("t_{}", uuid::Uuid::new_v4().simple());
+    let url = database_url();
+    let o = outbox(&["--database-url", &url, "--schema", &schema, "migrate"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let text = String::from_utf8_lossy(&o.stdout);
+    assert!(text.contains("applied migrations [1, 2, 3, 4]"), "{text}");
+    let o = outbox(&["--database-url", &url, "--schema", &schema, "migrate"]);
+    assert!(String::from_utf8_lossy(&o.stdout).contains("up to date"));
+    let o = outbox(&["--database-url", &url, "--schema", &schema, "stats", "--json"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let v: serde_json::Value = serde_json::from_slice(&o.stdout).expect("json");
+    assert_eq!(v["totals"]["new"], 0);
+    assert_eq!(v["groups"], serde_json::json!([]));
+    let o = outbox(&["--help"]);
+    assert!(o.status.success());
+    let o = outbox(&["relay", "--help"]);
+    let help = String::from_utf8_lossy(&o.stdout);
+    for flag in [
+        "--transport", "--broker-url", "--exchange", "--subject-prefix", "--batch-size",
+        "--poll-interval", "--lease", "--max-attempts", "--event-type", "--ordering", "--listen",
+        "--max-lag", "[env: OUTBOX_BATCH_SIZE=]",
+    ] {
+        assert!(help.contains(flag), "{flag} missing from relay --help:\n{help}");
+    }
+}
+
+#[test]
+fn bad_input_exits_with_code_2_and_says_why() {
+    let dir = std::env::temp_dir().join(format!("outbox-cli-{}", uuid::Uuid::new_v4().simple()));
+    std::fs::create_dir_all(&dir).expect("dir");
+    let bad_config = dir.join("bad.toml");
+    std::fs::write(&bad_config, "[relay]\nbatch_sise = 10\n").expect("write");
+    let bad_config = bad_config.to_string_lossy().into_owned();
+    let db = "postgres://u@127.0.0.1:1/db";
+    for (args, needle) in [
+        (vec!["--database-url", "mysql://x/y", "stats"], "invalid database_url"),
+        (vec!["--config", bad_config.as_str(), "stats"], "unknown field `batch_sise`"),
+        (vec!["--database-url", db, "relay", "--event-type", "OrderPlaced"], "invalid event type override"),
+        (vec!["--database-url", db, "relay", "--broker-url", "amqp://guest:s3cret@host:notaport/"], "invalid AMQP URL"),
+        (vec!["--database-url", db, "dead", "list", "--since", "yesterday"], "invalid time window"),
+        (vec!["--database-url", db, "dead", "list", "--until", "3h", "--since", "1h"], "must be before"),
+        (vec!["stats"], "missing setting database_url"),
+        (vec!["--database-url", db, "nonsense"], "unrecognized subcommand"),
+    ] {
+        let o = outbox(&args);
+        assert_eq!(o.status.code(), Some(2), "{args:?}: {}", stderr(&o));
+        assert!(stderr(&o).contains(needle), "{args:?}: {}", stderr(&o));
+        assert!(!stderr(&o).contains("s3cret"), "passwords are redacted");
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn relay_process_serves_health_and_stops_on_sigterm() {
+    let db = fresh_outbox().await;
+    let port = {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+        l.local_addr().expect("addr").port()
+    };
+    let listen = format!("127.0.0.1:{port}");
+    let dir = std::env::temp_dir().join(format!("outbox-cli-{}", uuid::Uuid::new_v4().simple()));
+    std::fs::create_dir_all(&dir).expect("dir");
+    let config = dir.join("outbox.toml");
+    std::fs::write(
+        &config,
+        format!(
+            "database_url = \"{}\"\nschema = \"{}\"\nlog_format = \"json\"\n[relay]\nexchange = \"t.{}\"\nlisten = \"{listen}\"\npoll_interval = \"100ms\"\nhealth_interval = \"200ms\"\n[relay.event_types.OrderPlaced]\nmax_attempts = 3\n",
+            database_url(),
+            db.schema(),
+            uuid::Uuid::new_v4().simple(),
+        ),
+    )
+    .expect("write");
+    let mut child = Command::new(env!("CARGO_BIN_EXE_outbox"))
+        .args(["--config", &config.to_string_lossy(), "relay", "--ordering", "per-key"])
+        .env("OUTBOX_BROKER_URL", common::amqp_url())
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("spawn");
+    let addr = listen.parse().expect("addr");
+    let healthy = common::eventually(Duration::from_secs(20), || async move {
+        tokio::net::TcpStream::connect(addr).await.is_ok() && http_get(addr, "/healthz").await.0 == 200
+    })
+    .await;
+    assert!(healthy, "relay did not become healthy");
+    let (status, body) = http_get(addr, "/metrics").await;
+    assert_eq!(status, 200);
+    assert!(body.contains("outbox_pending_messages"), "{body}");
+    let killed = Command::new("kill")
+        .args(["-TERM", &child.id().to_string()])
+        .status()
+        .expect("kill");
+    assert!(killed.success());
+    let deadline = std::time::Instant::now() + Duration::from_secs(20);
+    let status = loop {
+        if let Some(status) = child.try_wait().expect("wait") {
+            break status;
+        }
+        assert!(std::time::Instant::now() < deadline, "relay did not stop on SIGTERM");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    let mut err = String::new();
+    if let Some(mut e) = child.stderr.take() {
+        use std::io::Read as _;
+        let _ = e.read_to_string(&mut err);
+    }
+    assert!(status.success(), "{status:?}: {err}");
+    assert!(err.contains("SIGTERM received"), "{err}");
+    assert!(err.lines().any(|l| l.starts_with('{')), "JSON logs: {err}");
+    let _ = std::fs::remove_dir_all(&dir);
+}

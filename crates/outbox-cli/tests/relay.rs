@@ -1,0 +1,273 @@
+//! `outbox relay` as a library: publishes to the real RabbitMQ, exports the documented
+//! metrics, reports health, and a replayed message stays single through the inbox.
+
+mod common;
+
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use async_trait::async_trait;
+use clap::Parser as _;
+use common::{amqp_url, enqueue, eventually, exec, fresh_outbox, http_get, message, scalar};
+use inbox::{Handler, HandlerContext, HandlerError, IdempotentConsumer, Pipeline};
+use outbox_cli::Cli;
+use outbox_cli::cli::TransportKind;
+use outbox_cli::config::{DbSettings, RelaySettings};
+use outbox_cli::relay::Relay;
+use outbox_core::consumer::{DeliveryHandler, HandlerDecision};
+use outbox_core::wire::IncomingMessage;
+use outbox_postgres::{PgInbox, PgOutbox};
+use sqlx::{AssertSqlSafe, PgConnection};
+use tokio_util::sync::CancellationToken;
+use transport_rabbit::lapin::types::{AMQPValue, FieldTable};
+use transport_rabbit::{RabbitConfig, RabbitConsumer};
+use uuid::Uuid;
+
+fn settings(db: &PgOutbox, broker_url: &str, exchange: &str) -> RelaySettings {
+    let mut s = RelaySettings::new(
+        DbSettings {
+            url: common::database_url(),
+            schema: db.schema().to_owned(),
+        },
+        TransportKind::Rabbit,
+        broker_url,
+    );
+    s.exchange = exchange.to_owned();
+    s.listen = SocketAddr::from(([127, 0, 0, 1], 0));
+    s.poll_interval = Duration::from_millis(50);
+    s.health_interval = Duration::from_millis(200);
+    s.batch_size = 50;
+    s
+}
+
+struct Projector(String);
+
+#[async_trait]
+impl Handler<PgInbox> for Projector {
+    async fn handle(
+        &self,
+        conn: &mut PgConnection,
+        msg: &IncomingMessage,
+        _: &HandlerContext,
+    ) -> Result<(), HandlerError> {
+        sqlx::query(AssertSqlSafe(format!(
+            "INSERT INTO {}.effects (message_id) VALUES ($1)",
+            self.0
+        )))
+        .bind(msg.id)
+        .execute(&mut *conn)
+        .await?;
+        Ok(())
+    }
+}
+
+/// Counts deliveries per message id, then hands them to the idempotent consumer.
+struct Counting {
+    inner: IdempotentConsumer<PgInbox>,
+    seen: Arc<Mutex<HashMap<Uuid, usize>>>,
+}
+
+#[async_trait]
+impl DeliveryHandler for Counting {
+    async fn handle(&self, msg: IncomingMessage) -> HandlerDecision {
+        *self
+            .seen
+            .lock()
+            .expect("lock")
+            .entry(msg.id)
+            .or_insert(0) += 1;
+        self.inner.process(&msg).await
+    }
+}
+
+fn expires_when_unused() -> FieldTable {
+    let mut args = FieldTable::default();
+    args.insert("x-expires".into(), AMQPValue::LongInt(60_000));
+    args
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn relay_exports_metrics_and_a_replayed_message_stays_single() {
+    let db = fresh_outbox().await;
+    exec(&db, "CREATE TABLE {s}.effects (message_id uuid NOT NULL)").await;
+    let exchange = format!("t.{}", Uuid::new_v4().simple());
+    let rabbit = RabbitConfig::builder(amqp_url())
+        .with_exchange(&exchange)
+        .build()
+        .expect("config");
+    // Only OrderPlaced is routed: an "Unroutable" message dies at once (mandatory).
+    let consumer = RabbitConsumer::builder(rabbit, format!("{exchange}.q"))
+        .with_binding_key("OrderPlaced")
+        .with_queue_arguments(expires_when_unused())
+        .build()
+        .expect("consumer");
+    consumer.declare().await.expect("declare");
+    let store = Arc::new(PgInbox::new(db.pool().clone(), db.schema()).expect("inbox"));
+    let seen = Arc::new(Mutex::new(HashMap::new()));
+    let handler = Counting {
+        inner: IdempotentConsumer::new(
+            Arc::clone(&store),
+            Pipeline::new().on("OrderPlaced", "projector", Projector(db.schema().to_owned())),
+        ),
+        seen: Arc::clone(&seen),
+    };
+    let consumer_stop = CancellationToken::new();
+    let consuming = {
+        let t = consumer_stop.clone();
+        tokio::spawn(async move { consumer.run(handler, t).await })
+    };
+
+    let placed: Vec<_> = (0..5)
+        .map(|i| message("OrderPlaced", "acme", &i.to_string()))
+        .collect();
+    let unroutable = message("Unroutable", "acme", "9");
+    enqueue(&db, &placed).await;
+    enqueue(&db, std::slice::from_ref(&unroutable)).await;
+
+    let stop = CancellationToken::new();
+    let relay = Relay::start(&settings(&db, &amqp_url(), &exchange), stop.clone())
+        .await
+        .expect("relay starts");
+    let addr = relay.local_addr();
+    let effects = |db: PgOutbox| async move { scalar(&db, "SELECT count(*) FROM {s}.effects").await };
+    assert!(
+        eventually(Duration::from_secs(30), || {
+            let db = db.clone();
+            async move {
+                effects(db.clone()).await == 5
+                    && scalar(&db, "SELECT count(*) FROM {s}.outbox_messages WHERE status = 3").await == 1
+            }
+        })
+        .await,
+        "published, consumed and the unroutable one dead"
+    );
+
+    // /healthz turns ok once a check has run (nothing pending, broker reachable).
+    assert!(
+        eventually(Duration::from_secs(10), || async move {
+            http_get(addr, "/healthz").await.0 == 200
+        })
+        .await,
+        "healthy: {:?}",
+        http_get(addr, "/healthz").await
+    );
+
+    // Replay: the first message is marked dead as if its confirm had been lost, then
+    // replayed through the CLI: published again, absorbed by the inbox.
+    let again = placed[0].id;
+    exec(
+        &db,
+        &format!(
+            "UPDATE {{s}}.outbox_messages SET status = 3, last_error = 'no broker confirmation within 30s' WHERE id = '{again}'"
+        ),
+    )
+    .await;
+    let url = common::database_url();
+    let id = again.to_string();
+    let mut out = Vec::new();
+    outbox_cli::run(
+        Cli::parse_from([
+            "outbox", "--database-url", &url, "--schema", db.schema(), "dead", "replay", "--id", &id,
+        ]),
+        &mut out,
+    )
+    .await
+    .expect("replay");
+    let out = String::from_utf8(out).expect("utf-8");
+    assert!(out.contains("matched 1, replayed 1, failed 0"), "{out}");
+    assert!(
+        eventually(Duration::from_secs(30), || {
+            let seen = Arc::clone(&seen);
+            async move { seen.lock().expect("lock").get(&again) == Some(&2) }
+        })
+        .await,
+        "the replayed message was delivered again"
+    );
+    assert!(
+        eventually(Duration::from_secs(10), || {
+            let db = db.clone();
+            async move {
+                scalar(&db, &format!("SELECT count(*) FROM {{s}}.outbox_messages WHERE id = '{again}' AND status = 1")).await == 1
+            }
+        })
+        .await
+    );
+    assert_eq!(effects(db.clone()).await, 5, "its effect stays single");
+
+    // Every documented series is exported.
+    let (status, body) = http_get(addr, "/metrics").await;
+    assert_eq!(status, 200);
+    for name in [
+        outbox_core::metrics::PUBLISHED_TOTAL,
+        outbox_core::metrics::PUBLISH_FAILURES_TOTAL,
+        outbox_core::metrics::DEAD_TOTAL,
+        outbox_core::metrics::CLAIM_BATCH_SIZE,
+        outbox_core::metrics::PUBLISH_DURATION_SECONDS,
+        outbox_core::metrics::COMMIT_TO_PUBLISH_SECONDS,
+        outbox_core::metrics::CIRCUIT_OPEN,
+        outbox_core::metrics::PENDING_MESSAGES,
+        outbox_core::metrics::OLDEST_PENDING_AGE_SECONDS,
+        outbox_core::metrics::DEAD_MESSAGES,
+        inbox::metrics::PROCESSED_TOTAL,
+        inbox::metrics::DUPLICATES_TOTAL,
+        inbox::metrics::HANDLER_DURATION_SECONDS,
+        inbox::metrics::END_TO_END_SECONDS,
+    ] {
+        assert!(body.contains(&format!("\n{name}")), "{name} missing in:\n{body}");
+    }
+    assert!(
+        body.contains("outbox_publish_failures_total{kind=\"permanent\",event_type=\"Unroutable\"}"),
+        "{body}"
+    );
+    assert!(body.contains("outbox_claim_batch_size_bucket"), "histograms have buckets");
+
+    stop.cancel();
+    let stats = relay.wait().await.expect("graceful stop");
+    assert!(stats.published >= 6, "{stats:?}");
+    assert_eq!(stats.dead, 1);
+    consumer_stop.cancel();
+    consuming.await.expect("join").expect("consumer");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn healthz_fails_when_the_broker_is_unreachable() {
+    let db = fresh_outbox().await;
+    enqueue(&db, &[message("OrderPlaced", "acme", "1")]).await;
+    // Nothing listens on port 1: the broker is unreachable.
+    let stop = CancellationToken::new();
+    let relay = Relay::start(
+        &settings(&db, "amqp://guest:guest@127.0.0.1:1/%2f", "t.unreachable"),
+        stop.clone(),
+    )
+    .await
+    .expect("starts although the broker is down");
+    let addr = relay.local_addr();
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(15);
+    let last = loop {
+        let got = http_get(addr, "/healthz").await;
+        let unhealthy = got.0 == 503
+            && got.1.contains("broker unreachable")
+            && got.1.contains("\"circuit_open\":true");
+        if unhealthy {
+            break got;
+        }
+        assert!(tokio::time::Instant::now() < deadline, "still {got:?}");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    let report: serde_json::Value = serde_json::from_str(&last.1).expect("json");
+    assert_eq!(report["status"], "unhealthy");
+    assert_eq!(report["broker_reachable"], false);
+    stop.cancel();
+    relay.wait().await.expect("graceful stop");
+    // The outage charged nothing and killed nothing.
+    let (status, attempts): (i16, i32) = sqlx::query_as(AssertSqlSafe(format!(
+        "SELECT status, attempts FROM {}.outbox_messages",
+        db.schema()
+    )))
+    .fetch_one(db.pool())
+    .await
+    .expect("row");
+    assert_eq!((status, attempts), (0, 0));
+}
