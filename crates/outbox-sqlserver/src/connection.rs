@@ -1,0 +1,307 @@
+//! Connections: a bb8 [`ManageConnection`](bb8::ManageConnection) for tiberius over
+//! tokio, the [`MssqlPool`] the stores share, and [`MssqlTransaction`], a pooled
+//! connection with an open transaction (tiberius has no transaction object of its own).
+
+use std::ops::{Deref, DerefMut};
+use std::time::Duration;
+
+use outbox_core::OutboxError;
+use tokio::net::TcpStream;
+use tokio_util::compat::{Compat, TokioAsyncWriteCompatExt};
+
+use crate::error::{ConnectError, db};
+
+/// The tiberius client this crate works with: TDS over a tokio TCP stream.
+pub type MssqlClient = tiberius::Client<Compat<TcpStream>>;
+
+/// Session options set on every new connection: the ANSI settings that filtered indexes
+/// and indexed computed columns require for any write to the table (tiberius logs in
+/// as an ODBC client, which sets most of them already), and `XACT_ABORT ON` so that a
+/// failed statement rolls back its whole transaction instead of leaving it half-done.
+pub(crate) const SESSION_SETUP: &str = "SET ANSI_NULLS, ANSI_PADDING, ANSI_WARNINGS, ARITHABORT, \
+    CONCAT_NULL_YIELDS_NULL, QUOTED_IDENTIFIER ON; SET NUMERIC_ROUNDABORT OFF; SET XACT_ABORT ON;";
+
+/// A pooled connection: the client plus a flag saying whether it may be reused.
+///
+/// The flag is raised while this crate has a statement or a transaction in flight on
+/// the connection and lowered when that work finished cleanly. A connection returned to
+/// the pool with the flag raised (a dropped future, an error, a
+/// [`MssqlTransaction`] dropped without commit or rollback) is discarded, so the server
+/// rolls back whatever it held and no later borrower inherits an open transaction.
+#[derive(Debug)]
+pub struct MssqlConnection {
+    client: MssqlClient,
+    in_flight: bool,
+}
+
+impl MssqlConnection {
+    /// Marks the connection busy (discarded if returned before [`settle`](Self::settle)).
+    pub(crate) fn start(&mut self) {
+        self.in_flight = true;
+    }
+
+    /// Marks the connection clean again.
+    pub(crate) fn settle(&mut self) {
+        self.in_flight = false;
+    }
+}
+
+impl Deref for MssqlConnection {
+    type Target = MssqlClient;
+    fn deref(&self) -> &MssqlClient {
+        &self.client
+    }
+}
+
+impl DerefMut for MssqlConnection {
+    fn deref_mut(&mut self) -> &mut MssqlClient {
+        &mut self.client
+    }
+}
+
+/// Opens tiberius connections for bb8: TCP (nodelay), TLS with rustls, login, one
+/// redirect when the server routes the client elsewhere (Azure SQL gateways), then
+/// [`SESSION_SETUP`].
+#[derive(Debug, Clone)]
+pub struct MssqlConnectionManager {
+    config: tiberius::Config,
+    connect_timeout: Duration,
+}
+
+impl MssqlConnectionManager {
+    /// A manager for `config`; each connect (TCP, TLS and login together) may take at
+    /// most `connect_timeout`.
+    pub fn new(config: tiberius::Config, connect_timeout: Duration) -> Self {
+        Self {
+            config,
+            connect_timeout,
+        }
+    }
+
+    /// Opens one connection.
+    ///
+    /// # Errors
+    /// [`ConnectError`] naming the address and the cause.
+    pub async fn open(&self) -> Result<MssqlConnection, ConnectError> {
+        let addr = self.config.get_addr();
+        match tokio::time::timeout(self.connect_timeout, self.open_at(self.config.clone())).await {
+            Ok(result) => result,
+            Err(_) => Err(ConnectError::Timeout {
+                addr,
+                timeout: self.connect_timeout,
+            }),
+        }
+    }
+
+    async fn open_at(&self, config: tiberius::Config) -> Result<MssqlConnection, ConnectError> {
+        let addr = config.get_addr();
+        let client = match Self::login(config.clone(), &addr).await {
+            Err(ConnectError::Login {
+                source: tiberius::error::Error::Routing { host, port },
+                ..
+            }) => {
+                let mut routed = config;
+                routed.host(&host);
+                routed.port(port);
+                let addr = routed.get_addr();
+                Self::login(routed, &addr).await?
+            }
+            other => other?,
+        };
+        let mut conn = MssqlConnection {
+            client,
+            in_flight: false,
+        };
+        let setup = async {
+            conn.client
+                .simple_query(SESSION_SETUP)
+                .await?
+                .into_results()
+                .await
+        };
+        setup
+            .await
+            .map_err(|source| ConnectError::Login { addr, source })?;
+        Ok(conn)
+    }
+
+    async fn login(config: tiberius::Config, addr: &str) -> Result<MssqlClient, ConnectError> {
+        let tcp = TcpStream::connect(addr)
+            .await
+            .map_err(|source| ConnectError::Unreachable {
+                addr: addr.to_owned(),
+                source,
+            })?;
+        // Best effort: without nodelay small requests wait for delayed ACKs.
+        let _ = tcp.set_nodelay(true);
+        tiberius::Client::connect(config, tcp.compat_write())
+            .await
+            .map_err(|source| ConnectError::Login {
+                addr: addr.to_owned(),
+                source,
+            })
+    }
+}
+
+impl bb8::ManageConnection for MssqlConnectionManager {
+    type Connection = MssqlConnection;
+    type Error = ConnectError;
+
+    async fn connect(&self) -> Result<MssqlConnection, ConnectError> {
+        self.open().await
+    }
+
+    async fn is_valid(&self, conn: &mut MssqlConnection) -> Result<(), ConnectError> {
+        let addr = self.config.get_addr();
+        let ping = async {
+            conn.client
+                .simple_query("SELECT 1")
+                .await?
+                .into_results()
+                .await
+        };
+        ping.await
+            .map(|_| ())
+            .map_err(|source| ConnectError::Login { addr, source })
+    }
+
+    fn has_broken(&self, conn: &mut MssqlConnection) -> bool {
+        conn.in_flight
+    }
+}
+
+/// The connection pool shared by [`MssqlOutbox`](crate::MssqlOutbox) and
+/// [`MssqlInbox`](crate::MssqlInbox). Cheap to clone.
+///
+/// Connections are not pinged on checkout (that would cost a round trip per claim);
+/// one that failed is discarded when it comes back (see [`MssqlConnection`]).
+#[derive(Debug, Clone)]
+pub struct MssqlPool {
+    inner: bb8::Pool<MssqlConnectionManager>,
+    acquire_timeout: Duration,
+}
+
+/// A connection borrowed from an [`MssqlPool`]; dereferences to [`MssqlClient`].
+pub type PooledConnection = bb8::PooledConnection<'static, MssqlConnectionManager>;
+
+impl MssqlPool {
+    pub(crate) fn new(inner: bb8::Pool<MssqlConnectionManager>, acquire_timeout: Duration) -> Self {
+        Self {
+            inner,
+            acquire_timeout,
+        }
+    }
+
+    /// Builds a pool around an existing bb8 pool (e.g. one configured differently);
+    /// `acquire_timeout` is only used in error messages.
+    pub fn from_bb8(inner: bb8::Pool<MssqlConnectionManager>, acquire_timeout: Duration) -> Self {
+        Self::new(inner, acquire_timeout)
+    }
+
+    /// The underlying bb8 pool.
+    pub fn bb8(&self) -> &bb8::Pool<MssqlConnectionManager> {
+        &self.inner
+    }
+
+    /// Borrows a connection (for the caller's own statements, e.g. a transaction that
+    /// enqueues with [`MssqlOutbox::enqueue`](crate::MssqlOutbox::enqueue)).
+    ///
+    /// A connection handed back with a transaction still open stays open on the server
+    /// for the next borrower: end every `BEGIN TRAN` with `COMMIT` or `ROLLBACK`, or use
+    /// [`begin`](Self::begin), which discards a connection whose transaction was not
+    /// ended.
+    ///
+    /// # Errors
+    /// [`OutboxError::Database`] (`Unavailable`) when no connection can be opened or
+    /// none becomes free within the acquire timeout.
+    pub async fn get(&self) -> Result<PooledConnection, OutboxError> {
+        self.inner
+            .get_owned()
+            .await
+            .map_err(crate::error::pool("acquire", self.acquire_timeout))
+    }
+
+    /// Borrows a connection and marks it in flight (see [`MssqlConnection`]); the
+    /// caller settles it once its statement finished cleanly.
+    pub(crate) async fn checkout(
+        &self,
+        operation: &'static str,
+    ) -> Result<PooledConnection, OutboxError> {
+        let mut conn = self
+            .inner
+            .get_owned()
+            .await
+            .map_err(crate::error::pool(operation, self.acquire_timeout))?;
+        conn.start();
+        Ok(conn)
+    }
+
+    /// Borrows a connection and begins a transaction on it (a TDS transaction-manager
+    /// request, the same as `BEGIN TRANSACTION`).
+    ///
+    /// # Errors
+    /// [`OutboxError::Database`] when no connection can be had or the server refuses.
+    pub async fn begin(&self) -> Result<MssqlTransaction, OutboxError> {
+        let mut conn = self.checkout("begin").await?;
+        conn.client.begin_transaction().await.map_err(db("begin"))?;
+        Ok(MssqlTransaction { conn })
+    }
+}
+
+/// A pooled connection with an open transaction. Dereferences to [`MssqlClient`], so
+/// statements run inside the transaction: `tx.execute(...)`, `outbox.enqueue(&mut tx,
+/// ...)`.
+///
+/// End it with [`commit`](Self::commit) or [`rollback`](Self::rollback). Dropped
+/// without either, its connection is closed instead of being returned to the pool, and
+/// the server rolls the transaction back.
+#[derive(Debug)]
+pub struct MssqlTransaction {
+    conn: PooledConnection,
+}
+
+impl MssqlTransaction {
+    /// Commits; the connection goes back to the pool.
+    ///
+    /// # Errors
+    /// [`OutboxError::Database`]; the transaction's effects are then not durable (the
+    /// connection is discarded and the server rolls back).
+    pub async fn commit(mut self) -> Result<(), OutboxError> {
+        self.conn
+            .client
+            .commit_transaction()
+            .await
+            .map_err(db("commit"))?;
+        self.conn.settle();
+        Ok(())
+    }
+
+    /// Rolls back; the connection goes back to the pool.
+    ///
+    /// # Errors
+    /// [`OutboxError::Database`] (e.g. when `XACT_ABORT` already rolled the transaction
+    /// back after a failed statement); the connection is then discarded, which rolls
+    /// back anything left.
+    pub async fn rollback(mut self) -> Result<(), OutboxError> {
+        self.conn
+            .client
+            .rollback_transaction()
+            .await
+            .map_err(db("rollback"))?;
+        self.conn.settle();
+        Ok(())
+    }
+}
+
+impl Deref for MssqlTransaction {
+    type Target = MssqlClient;
+    fn deref(&self) -> &MssqlClient {
+        &self.conn.client
+    }
+}
+
+impl DerefMut for MssqlTransaction {
+    fn deref_mut(&mut self) -> &mut MssqlClient {
+        &mut self.conn.client
+    }
+}

@@ -1,0 +1,73 @@
+//! # outbox-sqlserver
+//!
+//! The SQL Server backend of the outbox toolkit, on tiberius (TDS over tokio, rustls for
+//! TLS, no OpenSSL) with a bb8 pool:
+//!
+//! - [`migrate()`]: versioned migrations into a configurable schema (default `outbox`),
+//!   the same version numbers as the PostgreSQL backend;
+//! - [`MssqlOutbox`]: [`enqueue`](MssqlOutbox::enqueue) /
+//!   [`enqueue_batch`](MssqlOutbox::enqueue_batch) on the caller's client inside the
+//!   caller's transaction, and the [`OutboxStore`](outbox_core::OutboxStore) the
+//!   dispatcher uses: claims `WITH (ROWLOCK, UPDLOCK, READPAST)` in `(visible_at, seq)`
+//!   order, per-key ordered claims that lock each key's head, fenced leases,
+//!   one-statement batch completion, every time from `SYSUTCDATETIME()`;
+//! - [`MssqlInbox`]: the [`InboxStore`](outbox_core::InboxStore) (`MERGE ... WITH
+//!   (HOLDLOCK)` inside the consumer's transaction) and the inbox capabilities
+//!   ([`VersionTracking`](outbox_core::VersionTracking),
+//!   [`ConsumerDeadLetters`](outbox_core::ConsumerDeadLetters),
+//!   [`DurableInbox`](outbox_core::DurableInbox));
+//! - [`MssqlTransaction`]: tiberius has no transaction object, so this is one: a pooled
+//!   connection with an open transaction that dereferences to the client.
+//!
+//! Requires SQL Server 2016 or later (or Azure SQL) at database compatibility level 130
+//! or higher (`OPENJSON`, `DATEDIFF_BIG`).
+//!
+//! Exercised against: unit tests of the generated SQL only; this crate has never run
+//! against a real SQL Server in this project's CI. `tests/conformance.rs` runs the
+//! shared store conformance suite when `MSSQL_URL` is set and says it was skipped when
+//! it is not. See `docs/sqlserver.md` in the repository for setup and guarantees.
+//!
+//! ```no_run
+//! use outbox_core::NewMessage;
+//! use outbox_sqlserver::{MssqlConfig, MssqlOutbox};
+//!
+//! # async fn demo() -> Result<(), Box<dyn std::error::Error>> {
+//! let config = MssqlConfig::new(
+//!     "server=tcp:127.0.0.1,1433;user=sa;password=...;TrustServerCertificate=true",
+//! );
+//! let outbox = MssqlOutbox::connect(&config).await?;
+//! outbox.migrate().await?;
+//!
+//! // A pooled connection with an open transaction (BEGIN TRAN on your own client works
+//! // the same: pass that client to `enqueue`).
+//! let mut tx = outbox.begin().await?;
+//! tx.execute(
+//!     "INSERT INTO dbo.orders (id, total_cents) VALUES (@P1, @P2)",
+//!     &[&42_i64, &1999_i64],
+//! )
+//! .await?;
+//! let event = NewMessage::builder("order", "42", "OrderPlaced")
+//!     .payload(&serde_json::json!({ "order_id": 42 }))
+//!     .build()?;
+//! outbox.enqueue(&mut tx, &event).await?;
+//! tx.commit().await?; // the order and its event commit together, or neither does
+//! # Ok(()) }
+//! ```
+
+mod config;
+mod connection;
+mod error;
+mod inbox;
+mod migrate;
+mod sql;
+mod store;
+
+pub use config::{DEFAULT_SCHEMA, MSSQL_URL_ENV, MssqlConfig, redact_connection_string};
+pub use connection::{
+    MssqlClient, MssqlConnection, MssqlConnectionManager, MssqlPool, MssqlTransaction,
+    PooledConnection,
+};
+pub use error::ConnectError;
+pub use inbox::MssqlInbox;
+pub use migrate::{LATEST_VERSION, migrate};
+pub use store::MssqlOutbox;

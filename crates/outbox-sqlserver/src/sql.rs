@@ -1,0 +1,880 @@
+//! SQL text of the backend, rendered once per schema. The schema name is validated
+//! before it is spliced (bracket-quoted); every value is a `@Pn` parameter, batches of
+//! rows travel as one JSON parameter read with `OPENJSON`; every time is computed from
+//! `SYSUTCDATETIME()` on the server (the application passes durations in milliseconds).
+
+use std::sync::Arc;
+
+/// `[schema]`, for a schema name already checked by `validate_schema`.
+pub(crate) fn quoted_schema(schema: &str) -> String {
+    format!("[{schema}]")
+}
+
+/// `base + ms` in T-SQL, `ms` a bigint expression of milliseconds (split into seconds
+/// and milliseconds: `DATEADD` takes an int, which would overflow after 24.8 days of
+/// milliseconds). Callers clamp `ms` with [`millis`].
+pub(crate) fn plus_ms(base: &str, ms: &str) -> String {
+    format!(
+        "DATEADD(millisecond, CAST(({ms}) % 1000 AS int), DATEADD(second, CAST(({ms}) / 1000 AS int), {base}))"
+    )
+}
+
+/// `base - ms` in T-SQL (see [`plus_ms`]).
+pub(crate) fn minus_ms(base: &str, ms: &str) -> String {
+    format!(
+        "DATEADD(millisecond, -CAST(({ms}) % 1000 AS int), DATEADD(second, -CAST(({ms}) / 1000 AS int), {base}))"
+    )
+}
+
+/// The longest duration passed to the server: 50 years, so whole seconds fit an int
+/// and `SYSUTCDATETIME() + d` stays far below year 9999.
+pub(crate) const MAX_MILLIS: i64 = 50 * 365 * 24 * 3600 * 1000;
+
+/// A duration in whole milliseconds, clamped to [`MAX_MILLIS`].
+pub(crate) fn millis(d: std::time::Duration) -> i64 {
+    i64::try_from(d.as_millis()).map_or(MAX_MILLIS, |ms| ms.min(MAX_MILLIS))
+}
+
+/// The ordering key of a row, as stored in the computed `order_key` column (the
+/// PostgreSQL encoding, lengths in UTF-16 code units). The migration spells it out;
+/// a test keeps the two equal.
+#[cfg(test)]
+pub(crate) fn order_key_expr(
+    partition_key: &str,
+    aggregate_type: &str,
+    aggregate_id: &str,
+) -> String {
+    format!(
+        "COALESCE(N'p:' + {partition_key}, N'a:' + CAST(DATALENGTH({aggregate_type}) / 2 AS nvarchar(12)) + N':' + {aggregate_type} + N':' + {aggregate_id})"
+    )
+}
+
+/// The SHA-256 key of an `inbox_versions` row (see migration 0002).
+pub(crate) fn version_key_expr(consumer: &str, aggregate_type: &str, aggregate_id: &str) -> String {
+    format!(
+        "CAST(HASHBYTES('SHA2_256', CAST(DATALENGTH({consumer}) AS nvarchar(12)) + N':' + {consumer} + N':' + CAST(DATALENGTH({aggregate_type}) AS nvarchar(12)) + N':' + {aggregate_type} + N':' + {aggregate_id}) AS binary(32))"
+    )
+}
+
+/// Columns read back for an [`OutboxMessage`](outbox_core::OutboxMessage), from the
+/// row alias or `inserted` pseudo-table `p`.
+fn columns(p: &str) -> String {
+    [
+        "id",
+        "seq",
+        "aggregate_type",
+        "aggregate_id",
+        "aggregate_version",
+        "event_type",
+        "payload",
+        "headers",
+        "tenant_id",
+        "routing_key",
+        "partition_key",
+        "occurred_at",
+        "created_at",
+        "visible_at",
+        "attempts",
+        "status",
+        "last_error",
+        "claim_token",
+        "lease_until",
+        "sent_at",
+    ]
+    .iter()
+    .map(|c| format!("{p}.{c}"))
+    .collect::<Vec<_>>()
+    .join(", ")
+}
+
+/// Claimable: New and visible, or Processing with an expired lease (`@now` is the
+/// statement's `SYSUTCDATETIME()`).
+fn claimable(a: &str) -> String {
+    format!(
+        "(({a}.status = 0 AND {a}.visible_at <= @now) OR ({a}.status = 9 AND {a}.lease_until < @now))"
+    )
+}
+
+/// The optional-filter predicate shared by dead-letter listing and replay
+/// (`@P1` ids as a JSON array, `@P2` from, `@P3` to, `@P4` tenant, `@P5` aggregate type,
+/// `@P6` aggregate id, `@P7` event type, `@P8` error text, LIKE-escaped with `\`).
+const FILTER: &str = "m.status = 3
+    AND (@P1 IS NULL OR m.id IN (SELECT CAST(j.value AS uniqueidentifier) FROM OPENJSON(@P1) AS j))
+    AND (@P2 IS NULL OR m.created_at >= @P2)
+    AND (@P3 IS NULL OR m.created_at < @P3)
+    AND (@P4 IS NULL OR m.tenant_id = @P4)
+    AND (@P5 IS NULL OR m.aggregate_type = @P5)
+    AND (@P6 IS NULL OR m.aggregate_id = @P6)
+    AND (@P7 IS NULL OR m.event_type = @P7)
+    AND (@P8 IS NULL OR UPPER(m.last_error) LIKE N'%' + UPPER(@P8) + N'%' ESCAPE N'\\')";
+
+/// The claim statement shared by the outbox and the durable inbox (same columns and
+/// status codes): a CTE picks up to `@P1` rows, New and visible or Processing with an
+/// expired lease, oldest `(visible_at, seq)` first, `WITH (ROWLOCK, UPDLOCK, READPAST)`
+/// so rows another claimer holds are skipped, not waited for; each branch walks its own
+/// filtered index. The update re-checks claimability under the lock and returns the
+/// rows through `OUTPUT`. `@P1` batch size, `@P2` lease in ms, `@P3` claim token.
+fn claim_statement(table: &str, output: &str) -> String {
+    let lease = plus_ms("@now", "@P2");
+    let recheck = claimable("m");
+    // T-SQL allows ORDER BY in a UNION branch only inside a derived table with TOP.
+    format!(
+        "DECLARE @now datetime2(7) = SYSUTCDATETIME();
+WITH picked AS (
+    SELECT TOP (@P1) x.id FROM (
+        SELECT f.id, f.visible_at, f.seq FROM (
+            SELECT TOP (@P1) c.id, c.visible_at, c.seq
+              FROM {table} AS c WITH (ROWLOCK, UPDLOCK, READPAST)
+             WHERE c.status = 0 AND c.visible_at <= @now
+             ORDER BY c.visible_at, c.seq) AS f
+        UNION ALL
+        SELECT e.id, e.visible_at, e.seq FROM (
+            SELECT TOP (@P1) c.id, c.visible_at, c.seq
+              FROM {table} AS c WITH (ROWLOCK, UPDLOCK, READPAST)
+             WHERE c.status = 9 AND c.lease_until < @now
+             ORDER BY c.lease_until) AS e
+    ) AS x
+    ORDER BY x.visible_at, x.seq
+)
+UPDATE m
+   SET m.status = 9,
+       m.lease_until = {lease},
+       m.claim_token = @P3,
+       m.attempts = m.attempts + 1
+OUTPUT {output}
+  FROM {table} AS m WITH (ROWLOCK)
+  INNER JOIN picked AS p ON p.id = m.id
+ WHERE {recheck};"
+    )
+}
+
+/// The per-key claim ([`OutboxStore::claim_ordered`](outbox_core::OutboxStore::claim_ordered)),
+/// one batch in one transaction. `unfinished` is the status list that makes a row hold
+/// its key: `0, 3, 9` under `OnDead::Block`, `0, 9` under `OnDead::Skip`.
+///
+/// 1. Candidate heads: claimable rows with no earlier unfinished row of their key,
+///    oldest `(visible_at, seq)` first, at most `@P1`, read `WITH (NOLOCK)`: this never
+///    waits, and a row another transaction is writing (an uncommitted enqueue, a claim
+///    in flight) at worst makes a key look busy or its head fail the lock below, so the
+///    key is skipped this time; it is never taken early.
+/// 2. For each candidate key: lock the head `WITH (ROWLOCK, UPDLOCK, READPAST)` and
+///    re-check under the lock that it is still claimable (a key whose head another
+///    claimer holds is skipped); re-check that nothing earlier became unfinished; lock
+///    the key's claimable rows from the head on, in `seq` order; cut the run at the
+///    first unfinished row of the key (seen `WITH (NOLOCK)`) that is not among them, so
+///    the run is consecutive even when a row was skipped as locked.
+/// 3. Fill the batch in waves: the runs' first rows (keys oldest first), then their
+///    second rows, ..., at most `@P1` in total, so every key gets a prefix of its run.
+/// 4. Update those rows to Processing (`OUTPUT` them) and commit. Locks taken on rows
+///    that did not make the batch are released at the commit.
+///
+/// `@P1` batch size, `@P2` lease in ms, `@P3` claim token.
+fn claim_ordered_statement(table: &str, output: &str, unfinished: &str) -> String {
+    let lease = plus_ms("@now", "@P2");
+    let claimable_r = claimable("r");
+    let claimable_h = claimable("h");
+    let no_earlier = |a: &str| {
+        format!(
+            "NOT EXISTS (SELECT 1 FROM {table} AS e WITH (NOLOCK)
+                            WHERE e.order_hash = {a}.order_hash AND e.seq < {a}.seq
+                              AND e.status IN ({unfinished}))"
+        )
+    };
+    let no_earlier_r = no_earlier("r");
+    format!(
+        "SET NOCOUNT ON;
+SET XACT_ABORT ON;
+DECLARE @now datetime2(7) = SYSUTCDATETIME();
+DECLARE @keys TABLE (n int IDENTITY(1, 1) PRIMARY KEY, order_hash binary(32) NOT NULL, head_seq bigint NOT NULL);
+DECLARE @run TABLE (seq bigint PRIMARY KEY, id uniqueidentifier NOT NULL);
+DECLARE @runs TABLE (rn bigint NOT NULL, n int NOT NULL, id uniqueidentifier NOT NULL, PRIMARY KEY (rn, n));
+DECLARE @claim TABLE (id uniqueidentifier PRIMARY KEY);
+DECLARE @i int = 0, @n int, @k binary(32), @head bigint, @got bigint, @stop bigint;
+BEGIN TRANSACTION;
+INSERT INTO @keys (order_hash, head_seq)
+SELECT h.order_hash, MIN(h.seq) FROM (
+    SELECT TOP (@P1) c.order_hash, c.seq, c.visible_at FROM (
+        SELECT f.order_hash, f.seq, f.visible_at FROM (
+            SELECT TOP (@P1) r.order_hash, r.seq, r.visible_at
+              FROM {table} AS r WITH (NOLOCK)
+             WHERE r.status = 0 AND r.visible_at <= @now AND {no_earlier_r}
+             ORDER BY r.visible_at, r.seq) AS f
+        UNION ALL
+        SELECT x.order_hash, x.seq, x.visible_at FROM (
+            SELECT TOP (@P1) r.order_hash, r.seq, r.visible_at
+              FROM {table} AS r WITH (NOLOCK)
+             WHERE r.status = 9 AND r.lease_until < @now AND {no_earlier_r}
+             ORDER BY r.lease_until) AS x
+    ) AS c
+    ORDER BY c.visible_at, c.seq
+) AS h
+GROUP BY h.order_hash
+ORDER BY MIN(h.visible_at), MIN(h.seq);
+SELECT @n = COUNT(*) FROM @keys;
+WHILE @i < @n
+BEGIN
+    SET @i += 1;
+    SELECT @k = order_hash, @head = head_seq FROM @keys WHERE n = @i;
+    SET @got = NULL;
+    SELECT @got = h.seq
+      FROM {table} AS h WITH (ROWLOCK, UPDLOCK, READPAST)
+     WHERE h.order_hash = @k AND h.seq = @head AND {claimable_h};
+    IF @got IS NULL CONTINUE;
+    IF EXISTS (SELECT 1 FROM {table} AS e WITH (NOLOCK)
+                WHERE e.order_hash = @k AND e.seq < @head AND e.status IN ({unfinished}))
+        CONTINUE;
+    DELETE FROM @run;
+    INSERT INTO @run (seq, id)
+    SELECT TOP (@P1) r.seq, r.id
+      FROM {table} AS r WITH (ROWLOCK, UPDLOCK, READPAST)
+     WHERE r.order_hash = @k AND r.seq >= @head AND {claimable_r}
+     ORDER BY r.seq;
+    SET @stop = (SELECT MIN(s.seq) FROM {table} AS s WITH (NOLOCK)
+                  WHERE s.order_hash = @k AND s.seq > @head AND s.status IN ({unfinished})
+                    AND NOT EXISTS (SELECT 1 FROM @run AS x WHERE x.seq = s.seq));
+    INSERT INTO @runs (rn, n, id)
+    SELECT ROW_NUMBER() OVER (ORDER BY seq), @i, id FROM @run
+     WHERE @stop IS NULL OR seq < @stop;
+END;
+INSERT INTO @claim (id) SELECT TOP (@P1) id FROM @runs ORDER BY rn, n;
+UPDATE m
+   SET m.status = 9,
+       m.lease_until = {lease},
+       m.claim_token = @P3,
+       m.attempts = m.attempts + 1
+OUTPUT {output}
+  FROM {table} AS m WITH (ROWLOCK)
+  INNER JOIN @claim AS c ON c.id = m.id;
+COMMIT TRANSACTION;"
+    )
+}
+
+#[derive(Debug)]
+pub(crate) struct Queries {
+    pub(crate) enqueue: Arc<str>,
+    pub(crate) claim: Arc<str>,
+    pub(crate) claim_ordered_block: Arc<str>,
+    pub(crate) claim_ordered_skip: Arc<str>,
+    pub(crate) blocked_keys: Arc<str>,
+    pub(crate) complete: Arc<str>,
+    pub(crate) get: Arc<str>,
+    pub(crate) stats: Arc<str>,
+    pub(crate) dead_letters: Arc<str>,
+    pub(crate) replay_count: Arc<str>,
+    pub(crate) replay: Arc<str>,
+    pub(crate) purge_sent: Arc<str>,
+    pub(crate) inbox_claim: Arc<str>,
+    pub(crate) inbox_purge: Arc<str>,
+}
+
+impl Queries {
+    pub(crate) fn new(schema: &str) -> Self {
+        let q = quoted_schema(schema);
+        let t = format!("{q}.outbox_messages");
+        let inbox = format!("{q}.inbox_records");
+        let s = |text: String| -> Arc<str> { text.into() };
+        let visible = plus_ms("SYSUTCDATETIME()", "j.delay_ms");
+        let retry_at = plus_ms("@now", "u.delay_ms");
+        let sent_cutoff = minus_ms("SYSUTCDATETIME()", "@P1");
+        let cols_m = columns("m");
+        let cols_out = columns("inserted");
+        Self {
+            // One statement for any number of messages: `@P1` is a JSON array of
+            // objects. `ORDER BY` the array index makes IDENTITY assign `seq` in the
+            // caller's order (INSERT ... SELECT ... ORDER BY guarantees that).
+            enqueue: s(format!(
+                "INSERT INTO {t} (id, aggregate_type, aggregate_id, aggregate_version, event_type,
+                     payload, headers, tenant_id, routing_key, partition_key, occurred_at, visible_at)
+                 SELECT j.id, j.aggregate_type, j.aggregate_id, j.aggregate_version, j.event_type,
+                     j.payload, j.headers, j.tenant_id, j.routing_key, j.partition_key,
+                     COALESCE(j.occurred_at, SYSUTCDATETIME()), {visible}
+                   FROM OPENJSON(@P1) AS a
+                  CROSS APPLY OPENJSON(a.value) WITH (
+                     id uniqueidentifier '$.id',
+                     aggregate_type nvarchar(255) '$.aggregate_type',
+                     aggregate_id nvarchar(max) '$.aggregate_id',
+                     aggregate_version bigint '$.aggregate_version',
+                     event_type nvarchar(255) '$.event_type',
+                     payload nvarchar(max) '$.payload',
+                     headers nvarchar(max) '$.headers',
+                     tenant_id nvarchar(255) '$.tenant_id',
+                     routing_key nvarchar(255) '$.routing_key',
+                     partition_key nvarchar(255) '$.partition_key',
+                     occurred_at datetime2(7) '$.occurred_at',
+                     delay_ms bigint '$.delay_ms') AS j
+                  ORDER BY CAST(a.[key] AS int)"
+            )),
+            claim: s(claim_statement(&t, &cols_out)),
+            claim_ordered_block: s(claim_ordered_statement(&t, &cols_out, "0, 3, 9")),
+            claim_ordered_skip: s(claim_ordered_statement(&t, &cols_out, "0, 9")),
+            // Keys whose head (first unfinished row, Dead included) is Dead or waiting
+            // out a retry backoff, longest blocked first. `@P1` limit.
+            blocked_keys: s(format!(
+                "WITH heads AS (
+                     SELECT m.order_key, m.order_hash, m.id, m.seq, m.status, m.attempts,
+                            m.last_error, m.first_failed_at, m.visible_at, m.created_at,
+                            ROW_NUMBER() OVER (PARTITION BY m.order_hash ORDER BY m.seq) AS rn
+                       FROM {t} AS m
+                      WHERE m.status IN (0, 3, 9)
+                 )
+                 SELECT TOP (@P1) h.order_key, h.id, h.seq, h.status, h.attempts, h.last_error,
+                        h.first_failed_at,
+                        CASE WHEN h.status = 0 THEN h.visible_at END AS retry_at,
+                        (SELECT COUNT_BIG(*) FROM {t} AS w
+                          WHERE w.order_hash = h.order_hash AND w.seq > h.seq
+                            AND w.status IN (0, 3, 9)) AS waiting
+                   FROM heads AS h
+                  WHERE h.rn = 1
+                    AND (h.status = 3
+                         OR (h.status = 0 AND h.visible_at > SYSUTCDATETIME() AND h.attempts > 0))
+                  ORDER BY COALESCE(h.first_failed_at, h.created_at), h.seq"
+            )),
+            // Completion of a whole batch (`@P1`, a JSON array), each row fenced by its
+            // claim token and by `status = 9` (Processing → * enforced in SQL).
+            complete: s(format!(
+                "DECLARE @now datetime2(7) = SYSUTCDATETIME();
+                 UPDATE m
+                    SET m.status = u.status,
+                        m.attempts = CASE WHEN u.release = 1
+                                          THEN CASE WHEN m.attempts > 0 THEN m.attempts - 1 ELSE 0 END
+                                          ELSE m.attempts END,
+                        m.visible_at = CASE WHEN u.status = 0 AND u.release = 0
+                                            THEN {retry_at} ELSE m.visible_at END,
+                        m.last_error = COALESCE(u.error, m.last_error),
+                        m.sent_at = CASE WHEN u.status = 1 THEN @now END,
+                        m.first_failed_at = CASE WHEN m.first_failed_at IS NULL AND u.release = 0
+                                                      AND u.status IN (0, 3)
+                                                 THEN @now ELSE m.first_failed_at END,
+                        m.lease_until = NULL,
+                        m.claim_token = NULL
+                 OUTPUT inserted.id
+                   FROM {t} AS m WITH (ROWLOCK)
+                  INNER JOIN OPENJSON(@P1) WITH (
+                        id uniqueidentifier '$.id',
+                        token uniqueidentifier '$.token',
+                        status smallint '$.status',
+                        delay_ms bigint '$.delay_ms',
+                        error nvarchar(max) '$.error',
+                        release bit '$.release') AS u
+                     ON m.id = u.id
+                  WHERE m.claim_token = u.token AND m.status = 9;"
+            )),
+            get: s(format!("SELECT {cols_m} FROM {t} AS m WHERE m.id = @P1")),
+            stats: s(format!(
+                "SELECT COUNT_BIG(CASE WHEN status = 0 THEN 1 END),
+                        COUNT_BIG(CASE WHEN status = 9 THEN 1 END),
+                        COUNT_BIG(CASE WHEN status = 1 THEN 1 END),
+                        COUNT_BIG(CASE WHEN status = 3 THEN 1 END),
+                        DATEDIFF_BIG(millisecond,
+                                     MIN(CASE WHEN status IN (0, 9) THEN created_at END),
+                                     SYSUTCDATETIME())
+                   FROM {t}"
+            )),
+            dead_letters: s(format!(
+                "SELECT TOP (@P9) {cols_m} FROM {t} AS m WHERE {FILTER}
+                  ORDER BY m.created_at, m.seq OPTION (RECOMPILE)"
+            )),
+            replay_count: s(format!(
+                "SELECT COUNT_BIG(*) FROM {t} AS m WHERE {FILTER} OPTION (RECOMPILE)"
+            )),
+            // Dead → New only (`m.status = 3` leads FILTER).
+            replay: s(format!(
+                "UPDATE m
+                    SET m.status = 0, m.attempts = 0, m.visible_at = SYSUTCDATETIME(),
+                        m.lease_until = NULL, m.claim_token = NULL
+                   FROM {t} AS m
+                  WHERE {FILTER} OPTION (RECOMPILE)"
+            )),
+            // Small batches, skipping rows others hold, so retention never blocks the
+            // relay. `@P1` age in ms, `@P2` batch size.
+            purge_sent: s(format!(
+                "WITH d AS (
+                     SELECT TOP (@P2) m.id FROM {t} AS m WITH (ROWLOCK, READPAST)
+                      WHERE m.status = 1 AND m.sent_at <= {sent_cutoff}
+                      ORDER BY m.sent_at)
+                 DELETE FROM d"
+            )),
+            // Plain MERGE is not atomic: two sessions can both see "not matched" and
+            // both insert (one then fails on the key). HOLDLOCK (serializable) keeps a
+            // key-range lock from the match to the insert, so a concurrent claim of the
+            // same pair waits for this transaction and then finds the row.
+            inbox_claim: s(format!(
+                "MERGE INTO {inbox} WITH (HOLDLOCK) AS r
+                 USING (SELECT @P1 AS message_id, @P2 AS consumer) AS s
+                    ON r.message_id = s.message_id AND r.consumer = s.consumer
+                 WHEN NOT MATCHED THEN
+                     INSERT (message_id, consumer) VALUES (s.message_id, s.consumer);"
+            )),
+            inbox_purge: s(format!(
+                "WITH d AS (
+                     SELECT TOP (@P2) r.message_id FROM {inbox} AS r WITH (ROWLOCK, READPAST)
+                      WHERE r.processed_at <= {sent_cutoff}
+                      ORDER BY r.processed_at)
+                 DELETE FROM d"
+            )),
+        }
+    }
+}
+
+/// SQL of the inbox capabilities (version tracking, failures, durable inbox).
+#[derive(Debug)]
+pub(crate) struct InboxQueries {
+    pub(crate) version_get: Arc<str>,
+    pub(crate) version_set: Arc<str>,
+    pub(crate) failure: Arc<str>,
+    pub(crate) is_dead: Arc<str>,
+    pub(crate) dead_letters: Arc<str>,
+    pub(crate) store: Arc<str>,
+    pub(crate) claim: Arc<str>,
+    pub(crate) complete: Arc<str>,
+    pub(crate) purge_processed: Arc<str>,
+}
+
+/// Columns read back for a stored durable-inbox message (`inserted` of the claim).
+fn inbox_columns(p: &str) -> String {
+    let mut cols: Vec<String> = [
+        "id",
+        "seq",
+        "event_type",
+        "source",
+        "aggregate_type",
+        "aggregate_id",
+        "aggregate_version",
+        "tenant_id",
+        "partition_key",
+        "correlation_id",
+        "causation_id",
+        "occurred_at",
+        "traceparent",
+        "tracestate",
+        "headers",
+        "payload",
+        "received_at",
+        "attempts",
+        "claim_token",
+    ]
+    .iter()
+    .map(|c| format!("{p}.{c}"))
+    .collect();
+    cols.push(format!(
+        "DATEDIFF_BIG(millisecond, {p}.received_at, @now) AS age_ms"
+    ));
+    cols.join(", ")
+}
+
+impl InboxQueries {
+    pub(crate) fn new(schema: &str) -> Self {
+        let q = quoted_schema(schema);
+        let v = format!("{q}.inbox_versions");
+        let f = format!("{q}.inbox_failures");
+        let t = format!("{q}.inbox_messages");
+        let s = |text: String| -> Arc<str> { text.into() };
+        let key = version_key_expr("@P1", "@P2", "@P3");
+        let retry_at = plus_ms("@now", "u.delay_ms");
+        let cutoff = minus_ms("SYSUTCDATETIME()", "@P1");
+        Self {
+            // Make sure a row exists to lock (MERGE ... HOLDLOCK, race-free), then read
+            // it under an update lock held to the end of the caller's transaction: two
+            // messages of one aggregate for one consumer are handled one after the other.
+            version_get: s(format!(
+                "MERGE INTO {v} WITH (HOLDLOCK) AS x
+                 USING (SELECT @P1 AS consumer, @P2 AS aggregate_type, @P3 AS aggregate_id) AS s
+                    ON x.key_hash = {key}
+                 WHEN NOT MATCHED THEN
+                     INSERT (consumer, aggregate_type, aggregate_id)
+                     VALUES (s.consumer, s.aggregate_type, s.aggregate_id);
+                 SELECT x.version FROM {v} AS x WITH (UPDLOCK, ROWLOCK, HOLDLOCK)
+                  WHERE x.key_hash = {key}
+                    AND x.consumer = @P1 AND x.aggregate_type = @P2 AND x.aggregate_id = @P3;"
+            )),
+            // Only ever raises the stored version.
+            version_set: s(format!(
+                "UPDATE x
+                    SET x.version = CASE WHEN x.version IS NULL OR x.version < @P4
+                                         THEN @P4 ELSE x.version END,
+                        x.updated_at = SYSUTCDATETIME()
+                   FROM {v} AS x
+                  WHERE x.key_hash = {key}
+                    AND x.consumer = @P1 AND x.aggregate_type = @P2 AND x.aggregate_id = @P3"
+            )),
+            // One failure more; dead (with the message kept) once attempts reach @P5.
+            failure: s(format!(
+                "MERGE INTO {f} WITH (HOLDLOCK) AS x
+                 USING (SELECT @P1 AS message_id, @P2 AS consumer) AS s
+                    ON x.message_id = s.message_id AND x.consumer = s.consumer
+                 WHEN MATCHED THEN UPDATE
+                     SET x.attempts = x.attempts + 1,
+                         x.last_error = @P4,
+                         x.last_failed_at = SYSUTCDATETIME(),
+                         x.dead_at = COALESCE(x.dead_at,
+                             CASE WHEN x.attempts + 1 >= @P5 THEN SYSUTCDATETIME() END)
+                 WHEN NOT MATCHED THEN
+                     INSERT (message_id, consumer, event_type, attempts, last_error, payload,
+                             headers, dead_at)
+                     VALUES (@P1, @P2, @P3, 1, @P4, @P6, @P7,
+                             CASE WHEN 1 >= @P5 THEN SYSUTCDATETIME() END)
+                 OUTPUT inserted.attempts,
+                        CAST(CASE WHEN inserted.dead_at IS NULL THEN 0 ELSE 1 END AS bit);"
+            )),
+            is_dead: s(format!(
+                "SELECT CAST(CASE WHEN EXISTS (
+                     SELECT 1 FROM {f} WHERE message_id = @P1 AND consumer = @P2
+                        AND dead_at IS NOT NULL) THEN 1 ELSE 0 END AS bit)"
+            )),
+            dead_letters: s(format!(
+                "SELECT TOP (@P2) message_id, consumer, event_type, last_error, attempts, dead_at,
+                        COALESCE(payload, 0x)
+                   FROM {f}
+                  WHERE dead_at IS NOT NULL AND (@P1 IS NULL OR consumer = @P1)
+                  ORDER BY dead_at"
+            )),
+            // INSERT ... WHERE NOT EXISTS under (UPDLOCK, HOLDLOCK): the equivalent of
+            // MERGE ... WITH (HOLDLOCK); without the hints two deliveries of one id race.
+            store: s(format!(
+                "INSERT INTO {t} (id, event_type, source, aggregate_type, aggregate_id,
+                     aggregate_version, tenant_id, partition_key, correlation_id, causation_id,
+                     occurred_at, traceparent, tracestate, headers, payload)
+                 SELECT @P1, @P2, @P3, @P4, @P5, @P6, @P7, @P8, @P9, @P10, @P11, @P12, @P13,
+                        @P14, @P15
+                  WHERE NOT EXISTS (SELECT 1 FROM {t} AS x WITH (UPDLOCK, HOLDLOCK)
+                                     WHERE x.id = @P1)"
+            )),
+            claim: s(claim_statement(&t, &inbox_columns("inserted"))),
+            // Outcome codes: 1 done, 0 retry, 3 dead, 10 defer (New without charge).
+            complete: s(format!(
+                "DECLARE @now datetime2(7) = SYSUTCDATETIME();
+                 UPDATE m
+                    SET m.status = CASE WHEN u.kind = 10 THEN 0 ELSE u.kind END,
+                        m.attempts = CASE WHEN u.kind = 10
+                                          THEN CASE WHEN m.attempts > 0 THEN m.attempts - 1 ELSE 0 END
+                                          ELSE m.attempts END,
+                        m.visible_at = CASE WHEN u.kind IN (0, 10) THEN {retry_at}
+                                            ELSE m.visible_at END,
+                        m.last_error = COALESCE(u.error, m.last_error),
+                        m.processed_at = CASE WHEN u.kind = 1 THEN @now END,
+                        m.lease_until = NULL,
+                        m.claim_token = NULL
+                 OUTPUT inserted.id
+                   FROM {t} AS m WITH (ROWLOCK)
+                  INNER JOIN OPENJSON(@P1) WITH (
+                        id uniqueidentifier '$.id',
+                        token uniqueidentifier '$.token',
+                        kind smallint '$.kind',
+                        delay_ms bigint '$.delay_ms',
+                        error nvarchar(max) '$.error') AS u
+                     ON m.id = u.id
+                  WHERE m.claim_token = u.token AND m.status = 9;"
+            )),
+            purge_processed: s(format!(
+                "WITH d AS (
+                     SELECT TOP (@P2) m.id FROM {t} AS m WITH (ROWLOCK, READPAST)
+                      WHERE m.status = 1 AND m.processed_at <= {cutoff}
+                      ORDER BY m.processed_at)
+                 DELETE FROM d"
+            )),
+        }
+    }
+}
+
+/// `text` escaped for `LIKE ... ESCAPE N'\'`: the wildcards `%`, `_`, `[` and the escape
+/// character itself match literally.
+pub(crate) fn like_escape(text: &str) -> String {
+    let mut out = String::with_capacity(text.len());
+    for c in text.chars() {
+        if matches!(c, '%' | '_' | '[' | '\\') {
+            out.push('\\');
+        }
+        out.push(c);
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn all_outbox(q: &Queries) -> Vec<(&'static str, &str)> {
+        vec![
+            ("enqueue", &*q.enqueue),
+            ("claim", &*q.claim),
+            ("claim_ordered_block", &*q.claim_ordered_block),
+            ("claim_ordered_skip", &*q.claim_ordered_skip),
+            ("blocked_keys", &*q.blocked_keys),
+            ("complete", &*q.complete),
+            ("get", &*q.get),
+            ("stats", &*q.stats),
+            ("dead_letters", &*q.dead_letters),
+            ("replay_count", &*q.replay_count),
+            ("replay", &*q.replay),
+            ("purge_sent", &*q.purge_sent),
+            ("inbox_claim", &*q.inbox_claim),
+            ("inbox_purge", &*q.inbox_purge),
+        ]
+    }
+
+    fn all_inbox(q: &InboxQueries) -> Vec<(&'static str, &str)> {
+        vec![
+            ("version_get", &*q.version_get),
+            ("version_set", &*q.version_set),
+            ("failure", &*q.failure),
+            ("is_dead", &*q.is_dead),
+            ("dead_letters", &*q.dead_letters),
+            ("store", &*q.store),
+            ("claim", &*q.claim),
+            ("complete", &*q.complete),
+            ("purge_processed", &*q.purge_processed),
+        ]
+    }
+
+    /// Strips the contents of N'...' / '...' literals, leaving the quotes.
+    fn without_literals(sql: &str) -> String {
+        let mut out = String::new();
+        let mut in_lit = false;
+        for c in sql.chars() {
+            if c == '\'' {
+                in_lit = !in_lit;
+                out.push(c);
+            } else if !in_lit {
+                out.push(c);
+            }
+        }
+        out
+    }
+
+    #[test]
+    fn claim_uses_readpast_updlock_rowlock_and_the_server_clock() {
+        let q = Queries::new("outbox");
+        for (name, sql) in [
+            ("claim", &*q.claim),
+            ("inbox claim", &*InboxQueries::new("outbox").claim),
+        ] {
+            assert!(
+                sql.contains("WITH picked AS ("),
+                "{name}: a CTE picks the rows"
+            );
+            assert!(sql.contains("SELECT TOP (@P1)"), "{name}");
+            assert_eq!(
+                sql.matches("WITH (ROWLOCK, UPDLOCK, READPAST)").count(),
+                2,
+                "{name}: both claim paths skip locked rows"
+            );
+            assert!(sql.contains("ORDER BY x.visible_at, x.seq"), "{name}");
+            assert!(
+                sql.contains("DECLARE @now datetime2(7) = SYSUTCDATETIME();"),
+                "{name}"
+            );
+            assert!(
+                sql.contains("c.status = 0 AND c.visible_at <= @now"),
+                "{name}"
+            );
+            assert!(
+                sql.contains("c.status = 9 AND c.lease_until < @now"),
+                "{name}"
+            );
+            assert!(sql.contains("m.claim_token = @P3"), "{name}");
+            assert!(sql.contains("m.attempts = m.attempts + 1"), "{name}");
+            assert!(sql.contains("OUTPUT inserted.id"), "{name}");
+            assert!(
+                sql.contains(&plus_ms("@now", "@P2")),
+                "{name}: lease = server now + duration"
+            );
+        }
+    }
+
+    #[test]
+    fn ordered_claim_locks_the_key_head_and_runs_in_one_transaction() {
+        let q = Queries::new("outbox");
+        for (sql, unfinished) in [
+            (&*q.claim_ordered_block, "0, 3, 9"),
+            (&*q.claim_ordered_skip, "0, 9"),
+        ] {
+            assert!(sql.contains("SET XACT_ABORT ON;"));
+            assert!(sql.contains("BEGIN TRANSACTION;"));
+            assert!(sql.trim_end().ends_with("COMMIT TRANSACTION;"));
+            // The head and the run are locked; other claimers' keys are skipped.
+            assert!(
+                sql.contains(
+                    "FROM [outbox].outbox_messages AS h WITH (ROWLOCK, UPDLOCK, READPAST)"
+                )
+            );
+            assert!(
+                sql.contains(
+                    "FROM [outbox].outbox_messages AS r WITH (ROWLOCK, UPDLOCK, READPAST)"
+                )
+            );
+            assert!(sql.contains("WHERE h.order_hash = @k AND h.seq = @head AND ((h.status = 0"));
+            assert!(sql.contains(&format!("e.status IN ({unfinished})")));
+            assert!(sql.contains(&format!("s.status IN ({unfinished})")));
+            assert!(sql.contains("ORDER BY r.seq"));
+            assert!(
+                sql.contains("SELECT TOP (@P1) id FROM @runs ORDER BY rn, n;"),
+                "at most batch_size in total, filled in waves"
+            );
+            assert!(sql.contains("INNER JOIN @claim AS c ON c.id = m.id"));
+        }
+        assert!(!q.claim_ordered_skip.contains("IN (0, 3, 9)"));
+    }
+
+    #[test]
+    fn union_branches_order_only_inside_derived_tables() {
+        // `SELECT TOP (n) ... ORDER BY ... UNION ALL ...` is a syntax error in T-SQL:
+        // each ordered branch must sit in a derived table.
+        let q = Queries::new("outbox");
+        let iq = InboxQueries::new("outbox");
+        for sql in [
+            &*q.claim,
+            &*q.claim_ordered_block,
+            &*q.claim_ordered_skip,
+            &*iq.claim,
+        ] {
+            let mut rest = sql;
+            while let Some(at) = rest.find("UNION ALL") {
+                let before = rest[..at].trim_end();
+                assert!(
+                    before.ends_with(") AS f"),
+                    "an ORDER BY branch precedes UNION ALL bare: {before}"
+                );
+                rest = &rest[at + 9..];
+            }
+        }
+    }
+
+    #[test]
+    fn the_inbox_claim_is_a_race_free_merge() {
+        let q = Queries::new("outbox");
+        assert!(
+            q.inbox_claim
+                .contains("MERGE INTO [outbox].inbox_records WITH (HOLDLOCK) AS r")
+        );
+        assert!(q.inbox_claim.contains("WHEN NOT MATCHED THEN"));
+        assert!(q.inbox_claim.trim_end().ends_with(';'), "MERGE needs its ;");
+        let iq = InboxQueries::new("outbox");
+        assert!(iq.version_get.contains("WITH (HOLDLOCK)"));
+        assert!(iq.version_get.contains("WITH (UPDLOCK, ROWLOCK, HOLDLOCK)"));
+        assert!(
+            iq.failure
+                .contains("MERGE INTO [outbox].inbox_failures WITH (HOLDLOCK)")
+        );
+        assert!(iq.store.contains("WITH (UPDLOCK, HOLDLOCK)"));
+    }
+
+    #[test]
+    fn completion_is_fenced_by_token_and_status() {
+        let q = Queries::new("outbox");
+        assert!(
+            q.complete
+                .contains("WHERE m.claim_token = u.token AND m.status = 9;")
+        );
+        assert!(q.complete.contains("OPENJSON(@P1)"));
+        assert!(q.complete.contains(&plus_ms("@now", "u.delay_ms")));
+        assert!(
+            q.complete
+                .contains("m.first_failed_at = CASE WHEN m.first_failed_at IS NULL")
+        );
+        let iq = InboxQueries::new("outbox");
+        assert!(
+            iq.complete
+                .contains("WHERE m.claim_token = u.token AND m.status = 9;")
+        );
+    }
+
+    #[test]
+    fn every_time_comes_from_the_server_clock() {
+        let q = Queries::new("outbox");
+        let iq = InboxQueries::new("outbox");
+        for (name, sql) in all_outbox(&q).into_iter().chain(all_inbox(&iq)) {
+            for local in [
+                "GETDATE(",
+                "GETUTCDATE(",
+                "SYSDATETIME(",
+                "CURRENT_TIMESTAMP",
+            ] {
+                assert!(!sql.contains(local), "{name} uses {local}");
+            }
+        }
+        // Wherever a time is written, it derives from SYSUTCDATETIME() (directly or via
+        // @now); the only client-supplied instant is the producer's occurred_at and the
+        // filter bounds of dead-letter queries.
+        for (name, sql) in [
+            ("claim", &*q.claim),
+            ("complete", &*q.complete),
+            ("replay", &*q.replay),
+            ("purge_sent", &*q.purge_sent),
+            ("enqueue", &*q.enqueue),
+            ("stats", &*q.stats),
+            ("inbox complete", &*iq.complete),
+            ("failure", &*iq.failure),
+        ] {
+            assert!(sql.contains("SYSUTCDATETIME()"), "{name}");
+        }
+        assert!(
+            q.enqueue
+                .contains("COALESCE(j.occurred_at, SYSUTCDATETIME())")
+        );
+        assert!(
+            q.enqueue
+                .contains(&plus_ms("SYSUTCDATETIME()", "j.delay_ms"))
+        );
+    }
+
+    #[test]
+    fn values_are_parameters_never_spliced() {
+        // Outside string literals the only text that varies per call would be values;
+        // every statement is built once per schema, so no value can be spliced. Check
+        // that each statement refers to parameters, and that literals hold only
+        // constants (JSON paths, lock names, fixed strings).
+        let q = Queries::new("s_1");
+        let iq = InboxQueries::new("s_1");
+        for (name, sql) in all_outbox(&q).into_iter().chain(all_inbox(&iq)) {
+            if name != "stats" {
+                assert!(sql.contains("@P1"), "{name} takes parameters");
+            }
+            let bare = without_literals(sql);
+            assert!(!bare.contains("{schema}"), "{name}");
+            assert!(bare.contains("[s_1]."), "{name}: bracket-quoted schema");
+        }
+        // The statements do not depend on anything but the schema.
+        assert_eq!(Queries::new("s_1").claim, q.claim);
+    }
+
+    #[test]
+    fn order_key_expression_matches_the_migration() {
+        let squash = |s: &str| s.split_whitespace().collect::<String>();
+        let migration = squash(include_str!("../migrations/0003_ordering.sql"));
+        let expr = squash(&order_key_expr(
+            "partition_key",
+            "aggregate_type",
+            "aggregate_id",
+        ));
+        assert!(migration.contains(&format!("order_keyAS{expr}PERSISTED")));
+        assert!(migration.contains(&format!("HASHBYTES('SHA2_256',{expr})")));
+        let inbox = squash(include_str!("../migrations/0002_inbox.sql"));
+        let key = squash(&version_key_expr(
+            "consumer",
+            "aggregate_type",
+            "aggregate_id",
+        ));
+        assert!(inbox.contains(&format!("key_hashAS{key}PERSISTEDNOTNULL")));
+    }
+
+    #[test]
+    fn durations_are_clamped_milliseconds() {
+        use std::time::Duration;
+        assert_eq!(millis(Duration::from_millis(1500)), 1500);
+        assert_eq!(millis(Duration::MAX), MAX_MILLIS);
+        assert!(
+            MAX_MILLIS / 1000 < i64::from(i32::MAX),
+            "seconds fit DATEADD's int"
+        );
+        assert_eq!(
+            plus_ms("@now", "@P2"),
+            "DATEADD(millisecond, CAST((@P2) % 1000 AS int), DATEADD(second, CAST((@P2) / 1000 AS int), @now))"
+        );
+    }
+
+    #[test]
+    fn like_patterns_are_escaped() {
+        assert_eq!(like_escape("50%_[x]\\"), "50\\%\\_\\[x]\\\\");
+        assert!(FILTER.contains("ESCAPE N'\\'"));
+    }
+}

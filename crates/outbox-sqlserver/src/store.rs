@@ -1,0 +1,616 @@
+//! [`MssqlOutbox`]: enqueue inside the caller's transaction, and the [`OutboxStore`] the
+//! dispatcher uses.
+
+use std::collections::HashSet;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use async_trait::async_trait;
+use chrono::{DateTime, NaiveDateTime, Utc};
+use outbox_core::{
+    BlockedKey, CompleteReport, Completion, CompletionOutcome, EventSource, Headers, MessageFilter,
+    MessageStatus, NewMessage, OnDead, OutboxError, OutboxMessage, OutboxStats, OutboxStore,
+    ReplayReport,
+};
+use serde_json::value::RawValue;
+use tiberius::{FromSql, Row, ToSql};
+use tracing::Instrument as _;
+use uuid::Uuid;
+
+use crate::config::MssqlConfig;
+use crate::connection::{MssqlClient, MssqlPool, MssqlTransaction};
+use crate::error::db;
+use crate::sql::{Queries, like_escape, millis};
+
+/// The SQL Server outbox: a pool plus the SQL rendered for one schema. Cheap to clone.
+///
+/// Writes go through [`enqueue`](Self::enqueue) / [`enqueue_batch`](Self::enqueue_batch)
+/// on the caller's own client, inside the caller's transaction, so the events commit or
+/// roll back with the business rows. tiberius has no transaction object: either use
+/// [`begin`](Self::begin) (a pooled connection with an open transaction, see
+/// [`MssqlTransaction`]), or run `BEGIN TRAN` / `COMMIT` yourself on your client and
+/// pass that client. The relay side is the [`OutboxStore`] impl.
+#[derive(Debug, Clone)]
+pub struct MssqlOutbox {
+    pool: MssqlPool,
+    schema: Arc<str>,
+    q: Arc<Queries>,
+}
+
+impl MssqlOutbox {
+    /// An outbox over `pool` in `schema` (run [`migrate`](Self::migrate) first).
+    ///
+    /// # Errors
+    /// [`OutboxError::Config`] for an invalid schema name.
+    pub fn new(pool: MssqlPool, schema: &str) -> Result<Self, OutboxError> {
+        crate::config::validate_schema(schema)?;
+        Ok(Self {
+            pool,
+            schema: schema.into(),
+            q: Arc::new(Queries::new(schema)),
+        })
+    }
+
+    /// Connects with `config` (see [`MssqlConfig::connect`]).
+    ///
+    /// # Errors
+    /// As [`MssqlConfig::connect`].
+    pub async fn connect(config: &MssqlConfig) -> Result<Self, OutboxError> {
+        let pool = config.connect().await?;
+        Self::new(pool, config.schema())
+    }
+
+    /// Applies pending migrations to this outbox's schema; returns the versions applied.
+    ///
+    /// # Errors
+    /// As [`crate::migrate()`].
+    pub async fn migrate(&self) -> Result<Vec<i32>, OutboxError> {
+        crate::migrate::migrate(&self.pool, &self.schema).await
+    }
+
+    /// The pool.
+    pub fn pool(&self) -> &MssqlPool {
+        &self.pool
+    }
+
+    /// The schema name.
+    pub fn schema(&self) -> &str {
+        &self.schema
+    }
+
+    /// Borrows a pooled connection and begins a transaction on it, for the caller's
+    /// business statements and [`enqueue`](Self::enqueue) (see [`MssqlPool::begin`]).
+    ///
+    /// # Errors
+    /// [`OutboxError::Database`] when no connection can be had.
+    pub async fn begin(&self) -> Result<MssqlTransaction, OutboxError> {
+        self.pool.begin().await
+    }
+
+    /// Writes one message on `client`, which should be inside the caller's transaction
+    /// (`BEGIN TRAN` already run, or an [`MssqlTransaction`]). Returns its id.
+    ///
+    /// # Errors
+    /// [`OutboxError::Database`] when the insert fails (with `XACT_ABORT ON`, the
+    /// session default on this crate's connections, the caller's transaction is then
+    /// rolled back; otherwise roll it back yourself).
+    pub async fn enqueue(
+        &self,
+        client: &mut MssqlClient,
+        message: &NewMessage,
+    ) -> Result<Uuid, OutboxError> {
+        self.enqueue_batch(client, std::slice::from_ref(message))
+            .await?;
+        Ok(message.id)
+    }
+
+    /// Writes `messages` on `client` in one statement (`INSERT ... SELECT FROM
+    /// OPENJSON(@P1)`, the rows travelling as one JSON parameter), preserving their
+    /// order in `seq`. Returns their ids. `visible_at` is `SYSUTCDATETIME()` plus the
+    /// message's delay, computed by the server.
+    ///
+    /// # Errors
+    /// [`OutboxError::Database`] when the insert fails; nothing is written then.
+    pub async fn enqueue_batch(
+        &self,
+        client: &mut MssqlClient,
+        messages: &[NewMessage],
+    ) -> Result<Vec<Uuid>, OutboxError> {
+        if messages.is_empty() {
+            return Ok(Vec::new());
+        }
+        let n = messages.len();
+        let rows = encode_batch(messages)?;
+        client
+            .execute(&*self.q.enqueue, &[&rows])
+            .instrument(tracing::debug_span!("outbox.enqueue", messages = n))
+            .await
+            .map_err(db("enqueue"))?;
+        Ok(messages.iter().map(|m| m.id).collect())
+    }
+
+    /// Drains the aggregate's pending [`DomainEvents`](outbox_core::DomainEvents) into
+    /// the outbox on `client`. On failure the events are put back, so the caller can
+    /// retry the unit of work; on success they are gone from the aggregate and cannot be
+    /// written twice.
+    ///
+    /// # Errors
+    /// As [`enqueue_batch`](Self::enqueue_batch).
+    pub async fn save_events<A: EventSource + ?Sized>(
+        &self,
+        client: &mut MssqlClient,
+        aggregate: &mut A,
+    ) -> Result<Vec<Uuid>, OutboxError> {
+        let events = aggregate.domain_events().take();
+        match self.enqueue_batch(client, &events).await {
+            Ok(ids) => Ok(ids),
+            Err(e) => {
+                aggregate.domain_events().restore(events);
+                Err(e)
+            }
+        }
+    }
+
+    /// Runs `sql` with `params` on a pooled connection and collects every row of every
+    /// result set.
+    async fn rows(
+        &self,
+        operation: &'static str,
+        sql: &str,
+        params: &[&dyn ToSql],
+    ) -> Result<Vec<Row>, OutboxError> {
+        let mut conn = self.pool.checkout(operation).await?;
+        let results = conn
+            .query(sql, params)
+            .await
+            .map_err(db(operation))?
+            .into_results()
+            .await
+            .map_err(db(operation))?;
+        conn.settle();
+        Ok(results.into_iter().flatten().collect())
+    }
+
+    /// Runs `sql` with `params` on a pooled connection; returns the rows affected.
+    async fn execute(
+        &self,
+        operation: &'static str,
+        sql: &str,
+        params: &[&dyn ToSql],
+    ) -> Result<u64, OutboxError> {
+        let mut conn = self.pool.checkout(operation).await?;
+        let affected = conn
+            .execute(sql, params)
+            .await
+            .map_err(db(operation))?
+            .total();
+        conn.settle();
+        Ok(affected)
+    }
+}
+
+/// The JSON array `enqueue` sends as `@P1`.
+fn encode_batch(messages: &[NewMessage]) -> Result<String, OutboxError> {
+    let rows: Vec<serde_json::Value> = messages
+        .iter()
+        .map(|m| {
+            let headers = serde_json::to_string(&m.headers).map_err(|e| OutboxError::Decode {
+                id: m.id.to_string(),
+                reason: e.to_string(),
+            })?;
+            Ok(serde_json::json!({
+                "id": m.id,
+                "aggregate_type": m.aggregate_type,
+                "aggregate_id": m.aggregate_id,
+                "aggregate_version": m.aggregate_version,
+                "event_type": m.event_type,
+                // The payload travels as a JSON string, so its text is stored byte for
+                // byte as the producer wrote it.
+                "payload": m.payload.get(),
+                "headers": headers,
+                "tenant_id": m.tenant_id,
+                "routing_key": m.routing_key,
+                "partition_key": m.partition_key,
+                "occurred_at": m.occurred_at.map(datetime2_text),
+                "delay_ms": m.deliver_after.map_or(0, millis),
+            }))
+        })
+        .collect::<Result<_, OutboxError>>()?;
+    serde_json::to_string(&rows).map_err(|e| OutboxError::Decode {
+        id: "batch".into(),
+        reason: e.to_string(),
+    })
+}
+
+/// An instant as `datetime2` text (ISO 8601, UTC, microseconds, no zone suffix).
+fn datetime2_text(at: DateTime<Utc>) -> String {
+    at.naive_utc().format("%Y-%m-%dT%H:%M:%S%.6f").to_string()
+}
+
+/// A required column of `row`.
+pub(crate) fn req<'a, T: FromSql<'a>>(row: &'a Row, col: &str, id: &str) -> Result<T, OutboxError> {
+    opt(row, col, id)?.ok_or_else(|| OutboxError::Decode {
+        id: id.to_owned(),
+        reason: format!("column {col} is NULL"),
+    })
+}
+
+/// A nullable column of `row`.
+pub(crate) fn opt<'a, T: FromSql<'a>>(
+    row: &'a Row,
+    col: &str,
+    id: &str,
+) -> Result<Option<T>, OutboxError> {
+    row.try_get::<T, _>(col).map_err(|e| OutboxError::Decode {
+        id: id.to_owned(),
+        reason: format!("column {col}: {e}"),
+    })
+}
+
+/// A `datetime2` column read as UTC.
+pub(crate) fn time(row: &Row, col: &str, id: &str) -> Result<Option<DateTime<Utc>>, OutboxError> {
+    Ok(opt::<NaiveDateTime>(row, col, id)?.map(|t| t.and_utc()))
+}
+
+fn req_time(row: &Row, col: &str, id: &str) -> Result<DateTime<Utc>, OutboxError> {
+    time(row, col, id)?.ok_or_else(|| OutboxError::Decode {
+        id: id.to_owned(),
+        reason: format!("column {col} is NULL"),
+    })
+}
+
+/// The `id` column of a row, for error messages and as the first decoded value.
+pub(crate) fn row_id(row: &Row) -> Result<Uuid, OutboxError> {
+    req::<Uuid>(row, "id", "?")
+}
+
+/// Decodes a row of the outbox column list.
+pub(crate) fn decode_row(row: &Row) -> Result<OutboxMessage, OutboxError> {
+    let id = row_id(row)?;
+    let sid = id.to_string();
+    let s = sid.as_str();
+    let payload: &str = req(row, "payload", s)?;
+    let payload = RawValue::from_string(payload.to_owned()).map_err(|e| OutboxError::Decode {
+        id: sid.clone(),
+        reason: format!("payload: {e}"),
+    })?;
+    let headers: &str = req(row, "headers", s)?;
+    let headers: Headers = serde_json::from_str(headers).map_err(|e| OutboxError::Decode {
+        id: sid.clone(),
+        reason: format!("headers must be a JSON object of strings: {e}"),
+    })?;
+    let status: i16 = req(row, "status", s)?;
+    let owned = |v: Option<&str>| v.map(str::to_owned);
+    Ok(OutboxMessage {
+        id,
+        seq: req(row, "seq", s)?,
+        aggregate_type: req::<&str>(row, "aggregate_type", s)?.to_owned(),
+        aggregate_id: req::<&str>(row, "aggregate_id", s)?.to_owned(),
+        aggregate_version: req(row, "aggregate_version", s)?,
+        event_type: req::<&str>(row, "event_type", s)?.to_owned(),
+        payload,
+        headers,
+        tenant_id: owned(opt(row, "tenant_id", s)?),
+        routing_key: owned(opt(row, "routing_key", s)?),
+        partition_key: owned(opt(row, "partition_key", s)?),
+        occurred_at: req_time(row, "occurred_at", s)?,
+        created_at: req_time(row, "created_at", s)?,
+        visible_at: req_time(row, "visible_at", s)?,
+        attempts: req(row, "attempts", s)?,
+        status: MessageStatus::from_code(status)?,
+        last_error: owned(opt(row, "last_error", s)?),
+        claim_token: opt(row, "claim_token", s)?,
+        lease_until: time(row, "lease_until", s)?,
+        sent_at: time(row, "sent_at", s)?,
+    })
+}
+
+fn count(n: i64) -> u64 {
+    u64::try_from(n).unwrap_or(0)
+}
+
+fn limit(n: usize) -> i64 {
+    i64::try_from(n).unwrap_or(i64::MAX)
+}
+
+/// The messages of claim rows, in `seq` order.
+fn claimed(rows: &[Row]) -> Result<Vec<OutboxMessage>, OutboxError> {
+    let mut messages = rows.iter().map(decode_row).collect::<Result<Vec<_>, _>>()?;
+    messages.sort_unstable_by_key(|m| m.seq);
+    Ok(messages)
+}
+
+/// The parameters of `FILTER` (see `sql.rs`), owned.
+struct FilterParams {
+    ids: Option<String>,
+    from: Option<NaiveDateTime>,
+    to: Option<NaiveDateTime>,
+    tenant: Option<String>,
+    aggregate_type: Option<String>,
+    aggregate_id: Option<String>,
+    event_type: Option<String>,
+    error: Option<String>,
+}
+
+impl FilterParams {
+    fn new(f: &MessageFilter) -> Result<Self, OutboxError> {
+        let ids = if f.ids.is_empty() {
+            None
+        } else {
+            Some(
+                serde_json::to_string(&f.ids).map_err(|e| OutboxError::Decode {
+                    id: "filter".into(),
+                    reason: e.to_string(),
+                })?,
+            )
+        };
+        Ok(Self {
+            ids,
+            from: f.from.map(|t| t.naive_utc()),
+            to: f.to.map(|t| t.naive_utc()),
+            tenant: f.tenant_id.clone(),
+            aggregate_type: f.aggregate_type.clone(),
+            aggregate_id: f.aggregate_id.clone(),
+            event_type: f.event_type.clone(),
+            error: f.error_contains.as_deref().map(like_escape),
+        })
+    }
+
+    fn params(&self) -> [&dyn ToSql; 8] {
+        [
+            &self.ids,
+            &self.from,
+            &self.to,
+            &self.tenant,
+            &self.aggregate_type,
+            &self.aggregate_id,
+            &self.event_type,
+            &self.error,
+        ]
+    }
+}
+
+#[async_trait]
+impl OutboxStore for MssqlOutbox {
+    async fn claim(
+        &self,
+        batch_size: usize,
+        lease: Duration,
+    ) -> Result<Vec<OutboxMessage>, OutboxError> {
+        let token = Uuid::new_v4();
+        let rows = self
+            .rows(
+                "claim",
+                &self.q.claim,
+                &[&limit(batch_size), &millis(lease), &token],
+            )
+            .await?;
+        claimed(&rows)
+    }
+
+    async fn claim_ordered(
+        &self,
+        batch_size: usize,
+        lease: Duration,
+        on_dead: OnDead,
+    ) -> Result<Vec<OutboxMessage>, OutboxError> {
+        let token = Uuid::new_v4();
+        let sql = match on_dead {
+            OnDead::Block => &self.q.claim_ordered_block,
+            OnDead::Skip => &self.q.claim_ordered_skip,
+        };
+        let rows = self
+            .rows(
+                "claim_ordered",
+                sql,
+                &[&limit(batch_size), &millis(lease), &token],
+            )
+            .await?;
+        claimed(&rows)
+    }
+
+    async fn blocked_keys(&self, limit_rows: usize) -> Result<Vec<BlockedKey>, OutboxError> {
+        let rows = self
+            .rows("blocked_keys", &self.q.blocked_keys, &[&limit(limit_rows)])
+            .await?;
+        rows.iter()
+            .map(|row| {
+                let id = row_id(row)?;
+                let sid = id.to_string();
+                let s = sid.as_str();
+                let status: i16 = req(row, "status", s)?;
+                let waiting: i64 = req(row, "waiting", s)?;
+                Ok(BlockedKey::new(
+                    req::<&str>(row, "order_key", s)?.to_owned(),
+                    id,
+                    req(row, "seq", s)?,
+                    MessageStatus::from_code(status)?,
+                    req(row, "attempts", s)?,
+                    opt::<&str>(row, "last_error", s)?.map(str::to_owned),
+                    time(row, "first_failed_at", s)?,
+                    time(row, "retry_at", s)?,
+                    count(waiting),
+                ))
+            })
+            .collect()
+    }
+
+    async fn complete(&self, completions: &[Completion]) -> Result<CompleteReport, OutboxError> {
+        if completions.is_empty() {
+            return Ok(CompleteReport::default());
+        }
+        let batch: Vec<serde_json::Value> = completions
+            .iter()
+            .map(|c| {
+                let (status, delay, error, release) = match &c.outcome {
+                    CompletionOutcome::Sent => (MessageStatus::Sent, 0, None, false),
+                    CompletionOutcome::Retry { delay, error } => (
+                        MessageStatus::New,
+                        millis(*delay),
+                        Some(error.as_str()),
+                        false,
+                    ),
+                    CompletionOutcome::Dead { error } => {
+                        (MessageStatus::Dead, 0, Some(error.as_str()), false)
+                    }
+                    CompletionOutcome::Release => (MessageStatus::New, 0, None, true),
+                };
+                serde_json::json!({
+                    "id": c.id,
+                    "token": c.claim_token,
+                    "status": status.code(),
+                    "delay_ms": delay,
+                    "error": error,
+                    "release": release,
+                })
+            })
+            .collect();
+        let batch = serde_json::Value::Array(batch).to_string();
+        let rows = self.rows("complete", &self.q.complete, &[&batch]).await?;
+        let applied: HashSet<Uuid> = rows
+            .iter()
+            .map(row_id)
+            .collect::<Result<_, OutboxError>>()?;
+        let fenced = completions
+            .iter()
+            .map(|c| c.id)
+            .filter(|id| !applied.contains(id))
+            .collect();
+        Ok(CompleteReport {
+            applied: applied.len() as u64,
+            fenced,
+        })
+    }
+
+    async fn get(&self, id: Uuid) -> Result<Option<OutboxMessage>, OutboxError> {
+        let rows = self.rows("get", &self.q.get, &[&id]).await?;
+        rows.first().map(decode_row).transpose()
+    }
+
+    async fn stats(&self) -> Result<OutboxStats, OutboxError> {
+        let rows = self.rows("stats", &self.q.stats, &[]).await?;
+        let row = rows.first().ok_or_else(|| OutboxError::Decode {
+            id: "stats".into(),
+            reason: "no row".into(),
+        })?;
+        let get = |i: usize| -> Result<u64, OutboxError> {
+            row.try_get::<i64, _>(i)
+                .map(|v| count(v.unwrap_or(0)))
+                .map_err(db("stats"))
+        };
+        let age: Option<i64> = row.try_get(4).map_err(db("stats"))?;
+        let mut stats = OutboxStats::default();
+        stats.new = get(0)?;
+        stats.processing = get(1)?;
+        stats.sent = get(2)?;
+        stats.dead = get(3)?;
+        stats.oldest_pending_age = age.map(|ms| Duration::from_millis(count(ms)));
+        Ok(stats)
+    }
+
+    async fn dead_letters(
+        &self,
+        filter: &MessageFilter,
+        limit_rows: usize,
+    ) -> Result<Vec<OutboxMessage>, OutboxError> {
+        let f = FilterParams::new(filter)?;
+        let n = limit(limit_rows);
+        let mut params: Vec<&dyn ToSql> = f.params().to_vec();
+        params.push(&n);
+        let rows = self
+            .rows("dead_letters", &self.q.dead_letters, &params)
+            .await?;
+        rows.iter().map(decode_row).collect()
+    }
+
+    async fn replay(
+        &self,
+        filter: &MessageFilter,
+        dry_run: bool,
+    ) -> Result<ReplayReport, OutboxError> {
+        let started = Instant::now();
+        let f = FilterParams::new(filter)?;
+        let rows = self
+            .rows("replay", &self.q.replay_count, &f.params())
+            .await?;
+        let matched = rows
+            .first()
+            .map(|r| r.try_get::<i64, _>(0))
+            .transpose()
+            .map_err(db("replay"))?
+            .flatten()
+            .map_or(0, count);
+        let replayed = if dry_run {
+            0
+        } else {
+            self.execute("replay", &self.q.replay, &f.params()).await?
+        };
+        Ok(ReplayReport {
+            matched,
+            replayed,
+            failed: if dry_run {
+                0
+            } else {
+                matched.saturating_sub(replayed)
+            },
+            elapsed: started.elapsed(),
+        })
+    }
+
+    async fn purge_sent(
+        &self,
+        older_than: Duration,
+        batch_size: usize,
+    ) -> Result<u64, OutboxError> {
+        self.execute(
+            "purge_sent",
+            &self.q.purge_sent,
+            &[&millis(older_than), &limit(batch_size)],
+        )
+        .await
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn batches_encode_as_json_rows_in_order() {
+        let a = NewMessage::builder("order", "1", "Placed")
+            .payload_json(r#"{ "spaced" : [1, 2] }"#)
+            .partition_key("p-1")
+            .header("x", "y")
+            .build()
+            .expect("valid");
+        let b = NewMessage::builder("order", "2", "Placed")
+            .payload(&serde_json::json!(7))
+            .build()
+            .expect("valid");
+        let text = encode_batch(&[a.clone(), b.clone()]).expect("encodes");
+        let rows: Vec<serde_json::Value> = serde_json::from_str(&text).expect("json");
+        assert_eq!(rows.len(), 2);
+        assert_eq!(rows[0]["id"], a.id.to_string());
+        assert_eq!(rows[1]["id"], b.id.to_string());
+        assert_eq!(
+            rows[0]["payload"], r#"{ "spaced" : [1, 2] }"#,
+            "payload text kept byte for byte"
+        );
+        assert_eq!(rows[0]["headers"], r#"{"x":"y"}"#);
+        assert_eq!(rows[0]["partition_key"], "p-1");
+        assert!(rows[1]["partition_key"].is_null());
+        assert!(
+            rows[0]["occurred_at"].is_null(),
+            "no client time unless stated"
+        );
+        assert_eq!(rows[0]["delay_ms"], 0);
+    }
+
+    #[test]
+    fn instants_are_datetime2_text() {
+        let at = DateTime::parse_from_rfc3339("2026-01-02T03:04:05.123456789Z")
+            .expect("time")
+            .with_timezone(&Utc);
+        assert_eq!(datetime2_text(at), "2026-01-02T03:04:05.123456");
+    }
+}

@@ -1,0 +1,121 @@
+//! Shared helpers: every test gets its own schema in the SQL Server named by
+//! `MSSQL_URL`; without it, tests report that they were skipped and return.
+#![allow(dead_code, unreachable_pub)] // reason: each test binary uses a different subset
+
+use std::io::Write as _;
+use std::sync::Arc;
+
+use async_trait::async_trait;
+use outbox_core::NewMessage;
+use outbox_core::conformance::Harness;
+use outbox_sqlserver::{MssqlConfig, MssqlOutbox, MssqlPool};
+
+/// The skip notice, written straight to the process's stderr (not through `eprintln!`,
+/// which the test harness captures for passing tests), so it shows in every run.
+pub fn skip_notice(test: &str) {
+    let _ = writeln!(
+        std::io::stderr(),
+        "SQL Server suite SKIPPED: MSSQL_URL is not set, so `{test}` ran nothing against \
+         SQL Server (start one with `docker compose up -d mssql` and export \
+         MSSQL_URL='server=tcp:127.0.0.1,1433;user=sa;password=Outbox_Passw0rd!;TrustServerCertificate=true'; \
+         see docs/sqlserver.md)"
+    );
+}
+
+/// `MSSQL_URL`, or `None` (after printing the skip notice for `test`).
+pub fn mssql_url(test: &str) -> Option<String> {
+    match std::env::var("MSSQL_URL") {
+        Ok(url) if !url.is_empty() => Some(url),
+        _ => {
+            skip_notice(test);
+            None
+        }
+    }
+}
+
+/// Drops test schemas (`t_<uuid>`) migrated more than an hour ago: left behind by
+/// earlier runs, never by a test still running. Once per test binary.
+async fn sweep_old_schemas(pool: &MssqlPool) {
+    static SWEPT: tokio::sync::OnceCell<()> = tokio::sync::OnceCell::const_new();
+    SWEPT
+        .get_or_init(|| async {
+            let Ok(mut conn) = pool.get().await else {
+                return;
+            };
+            // Test-only cleanup: object names come from the catalog and are quoted with
+            // QUOTENAME; the schema pattern is fixed.
+            let sweep = r"
+                DECLARE @schema sysname, @sql nvarchar(max), @old bit;
+                DECLARE schemas CURSOR LOCAL FAST_FORWARD FOR
+                    SELECT name FROM sys.schemas
+                     WHERE name LIKE 't[_]%' AND LEN(name) = 34;
+                OPEN schemas;
+                FETCH NEXT FROM schemas INTO @schema;
+                WHILE @@FETCH_STATUS = 0
+                BEGIN
+                    SET @old = 0;
+                    IF OBJECT_ID(QUOTENAME(@schema) + N'.outbox_schema_migrations', N'U') IS NOT NULL
+                    BEGIN
+                        SET @sql = N'SELECT @o = CASE WHEN MAX(applied_at) < DATEADD(hour, -1, SYSUTCDATETIME()) THEN 1 ELSE 0 END FROM '
+                                 + QUOTENAME(@schema) + N'.outbox_schema_migrations';
+                        EXEC sp_executesql @sql, N'@o bit OUTPUT', @o = @old OUTPUT;
+                    END;
+                    IF @old = 1
+                    BEGIN
+                        SET @sql = N'';
+                        SELECT @sql = @sql + N'DROP TABLE ' + QUOTENAME(@schema) + N'.' + QUOTENAME(t.name) + N';'
+                          FROM sys.tables AS t WHERE t.schema_id = SCHEMA_ID(@schema);
+                        SET @sql = @sql + N'DROP SCHEMA ' + QUOTENAME(@schema) + N';';
+                        EXEC (@sql);
+                    END;
+                    FETCH NEXT FROM schemas INTO @schema;
+                END;
+                CLOSE schemas;
+                DEALLOCATE schemas;";
+            if let Ok(stream) = conn.simple_query(sweep).await {
+                let _ = stream.into_results().await;
+            }
+        })
+        .await;
+}
+
+/// A fresh, migrated schema named `t_<uuid>` on the server at `url`.
+pub async fn fresh_outbox(url: &str) -> MssqlOutbox {
+    let schema = format!("t_{}", uuid::Uuid::new_v4().simple());
+    let config = MssqlConfig::new(url)
+        .with_schema(&schema)
+        .with_max_connections(6);
+    let outbox = MssqlOutbox::connect(&config)
+        .await
+        .expect("connect to SQL Server (is it running? `docker compose up -d mssql`)");
+    sweep_old_schemas(outbox.pool()).await;
+    outbox.migrate().await.expect("migrate");
+    outbox
+}
+
+pub struct MssqlHarness(pub Arc<MssqlOutbox>);
+
+#[async_trait]
+impl Harness for MssqlHarness {
+    type Store = MssqlOutbox;
+
+    fn store(&self) -> Arc<MssqlOutbox> {
+        Arc::clone(&self.0)
+    }
+
+    async fn enqueue(&self, messages: &[NewMessage]) {
+        let mut tx = self.0.begin().await.expect("begin");
+        for chunk in messages.chunks(1000) {
+            self.0.enqueue_batch(&mut tx, chunk).await.expect("enqueue");
+        }
+        tx.commit().await.expect("commit");
+    }
+}
+
+/// The conformance harness: only compiled into the suite when `MSSQL_URL` was set at
+/// build time (see `build.rs`); it still reads the variable at run time.
+pub async fn harness() -> MssqlHarness {
+    let url = std::env::var("MSSQL_URL")
+        .expect("MSSQL_URL was set when this test was built; set it for the run too");
+    MssqlHarness(Arc::new(fresh_outbox(&url).await))
+}
