@@ -9,7 +9,7 @@ use clap::{Args, Parser, Subcommand, ValueEnum};
 /// Operate a transactional outbox: run the relay, migrate, inspect, reconcile, replay
 /// dead letters, purge.
 #[derive(Debug, Parser)]
-#[command(name = "outbox", version, about, long_about = None)]
+#[command(name = "outbox", version)]
 pub struct Cli {
     /// TOML config file (see docs/operations.md). Flags and environment variables
     /// override its values.

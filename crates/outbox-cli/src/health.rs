@@ -7,7 +7,8 @@
 //!   readiness probe of the broker failed (this catches a dead broker even when there
 //!   is nothing to publish);
 //! - the database could not be queried for longer than `stuck_after`;
-//! - the relay is stuck: a claimable message (New and visible) has waited longer than
+//! - the relay is stuck: a claimable message (New and visible; in ordered mode also
+//!   not held back by an earlier message of its key) has waited longer than
 //!   `stuck_after` without being claimed;
 //! - the queue lag (age of the oldest New or Processing message) is over `max_lag`.
 //!
@@ -16,7 +17,7 @@
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use outbox_core::{EventPublisher, OutboxStore};
+use outbox_core::{EventPublisher, OnDead, OutboxStore};
 use outbox_postgres::PgOutbox;
 use serde::Serialize;
 use tokio_util::sync::CancellationToken;
@@ -73,16 +74,20 @@ pub struct Health {
     state: Arc<Mutex<State>>,
     max_lag: Duration,
     stuck_after: Duration,
+    ordered: Option<OnDead>,
     started: Instant,
 }
 
 impl Health {
-    /// A state with the given thresholds.
-    pub fn new(max_lag: Duration, stuck_after: Duration) -> Self {
+    /// A state with the given thresholds. `ordered` is the relay's per-key policy
+    /// (`None` when unordered): messages waiting behind a blocked key do not count as
+    /// a stuck relay.
+    pub fn new(max_lag: Duration, stuck_after: Duration, ordered: Option<OnDead>) -> Self {
         Self {
             state: Arc::default(),
             max_lag,
             stuck_after,
+            ordered,
             started: Instant::now(),
         }
     }
@@ -175,7 +180,7 @@ impl Health {
         outbox_core::metrics::circuit(circuit_open);
         let stats = store.stats().await;
         let claimable = match &stats {
-            Ok(_) => store.oldest_claimable_wait().await.map(Some),
+            Ok(_) => store.oldest_claimable_wait(self.ordered).await.map(Some),
             Err(_) => Ok(None),
         };
         let probe = tokio::time::timeout(probe_timeout, publisher.check_ready()).await;

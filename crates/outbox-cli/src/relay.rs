@@ -171,8 +171,12 @@ impl Relay {
         let store = PgOutbox::connect(&settings.db.pg_config()).await?;
         let publisher = Arc::new(AnyPublisher::new(settings).await?);
         let config = dispatcher_config(settings);
+        let ordered = match config.ordering() {
+            Ordering::PerKey { on_dead } => Some(on_dead),
+            _ => None,
+        };
         let dispatcher = Dispatcher::new(Arc::new(store.clone()), Arc::clone(&publisher), config);
-        let health = Health::new(settings.max_lag, settings.stuck_after);
+        let health = Health::new(settings.max_lag, settings.stuck_after, ordered);
 
         let listener = tokio::net::TcpListener::bind(settings.listen)
             .await

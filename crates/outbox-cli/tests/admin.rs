@@ -60,7 +60,11 @@ async fn dead_replay_by_each_filter_with_dry_run() {
         .build()
         .expect("valid");
     let alive = message("OrderPlaced", "acme", "5");
-    enqueue(&db, &[a.clone(), b.clone(), c.clone(), d.clone(), alive.clone()]).await;
+    enqueue(
+        &db,
+        &[a.clone(), b.clone(), c.clone(), d.clone(), alive.clone()],
+    )
+    .await;
     let errors = [
         (a.id, "unroutable: NO_ROUTE"),
         (b.id, "payload too large"),
@@ -122,7 +126,11 @@ async fn dead_replay_by_each_filter_with_dry_run() {
         let report = json(&db, &args).await;
         assert_eq!(report["matched"], expected.len() as u64, "{filter:?}");
         assert_eq!(report["replayed"], 0);
-        assert_eq!(ids_with_status(&db, 3).await, all_dead, "dry run {filter:?}");
+        assert_eq!(
+            ids_with_status(&db, 3).await,
+            all_dead,
+            "dry run {filter:?}"
+        );
         // replay: exactly the matched ones go New with attempts reset
         let mut args = vec!["dead", "replay", "--json"];
         args.extend(&filter);
@@ -150,7 +158,16 @@ async fn dead_replay_by_each_filter_with_dry_run() {
 
     // No filter: refused without --all.
     let err = outbox(&db, &["dead", "replay"]).await.expect_err("guarded");
-    assert!(matches!(err, CliError::Invalid { field: "filter", .. }), "{err}");
+    assert!(
+        matches!(
+            err,
+            CliError::Invalid {
+                field: "filter",
+                ..
+            }
+        ),
+        "{err}"
+    );
     let report = json(&db, &["dead", "replay", "--all", "--json"]).await;
     assert_eq!(report["replayed"], 4);
 }
@@ -216,13 +233,18 @@ async fn stats_match_the_table() {
         assert_eq!(g["tenant_id"].as_str(), tenant.as_deref());
         assert_eq!(
             [&g["new"], &g["processing"], &g["sent"], &g["dead"]],
-            [new, processing, sent, dead].map(serde_json::Value::from).each_ref()
+            [new, processing, sent, dead]
+                .map(serde_json::Value::from)
+                .each_ref()
         );
     }
     assert!(report["blocked_keys"].is_array());
     // The table form prints the same numbers.
     let text = outbox(&db, &["stats"]).await.expect("stats");
-    assert!(text.starts_with("new 3  processing 1  sent 2  dead 1"), "{text}");
+    assert!(
+        text.starts_with("new 3  processing 1  sent 2  dead 1"),
+        "{text}"
+    );
     assert!(text.contains("OrderShipped"), "{text}");
 }
 
@@ -236,7 +258,11 @@ async fn reconcile_is_zero_after_a_clean_run_and_counts_removed_records() {
         message("OrderShipped", "acme", "4"),
     ];
     enqueue(&db, &msgs).await;
-    exec(&db, "UPDATE {s}.outbox_messages SET status = 1, sent_at = now()").await;
+    exec(
+        &db,
+        "UPDATE {s}.outbox_messages SET status = 1, sent_at = now()",
+    )
+    .await;
     // "projector" handles everything, "mailer" only OrderPlaced.
     exec(
         &db,
@@ -268,7 +294,11 @@ async fn reconcile_is_zero_after_a_clean_run_and_counts_removed_records() {
         ),
     )
     .await;
-    let rows = json(&db, &["reconcile", "--since", "1d", "--only-differences", "--json"]).await;
+    let rows = json(
+        &db,
+        &["reconcile", "--since", "1d", "--only-differences", "--json"],
+    )
+    .await;
     let rows = rows.as_array().expect("rows");
     assert_eq!(rows.len(), 1, "{rows:?}");
     let r = &rows[0];
@@ -278,10 +308,23 @@ async fn reconcile_is_zero_after_a_clean_run_and_counts_removed_records() {
     assert_eq!(r["written"], 2);
     assert_eq!(r["processed"], 1);
     assert_eq!(r["missing"], 1);
-    let text = outbox(&db, &["reconcile", "--since", "1d"]).await.expect("table");
+    let text = outbox(&db, &["reconcile", "--since", "1d"])
+        .await
+        .expect("table");
     assert!(text.contains("total difference: 1"), "{text}");
     // A window in the future is empty.
-    let rows = json(&db, &["reconcile", "--since", "2099-01-01T00:00:00Z", "--until", "2099-01-02T00:00:00Z", "--json"]).await;
+    let rows = json(
+        &db,
+        &[
+            "reconcile",
+            "--since",
+            "2099-01-01T00:00:00Z",
+            "--until",
+            "2099-01-02T00:00:00Z",
+            "--json",
+        ],
+    )
+    .await;
     assert_eq!(rows.as_array().map(Vec::len), Some(0));
     // A reversed window is a typed error.
     let err = outbox(&db, &["reconcile", "--since", "1h", "--until", "2h"])
@@ -368,7 +411,15 @@ async fn purge_with_archive_moves_rows() {
     let (ids, records) = seed_for_purge(&db).await;
     let report = json(
         &db,
-        &["purge", "--older-than", "1d", "--batch-size", "2", "--archive", "--json"],
+        &[
+            "purge",
+            "--older-than",
+            "1d",
+            "--batch-size",
+            "2",
+            "--archive",
+            "--json",
+        ],
     )
     .await;
     assert_eq!(report["archived"], true);
@@ -399,10 +450,21 @@ async fn purge_with_archive_moves_rows() {
     .collect();
     assert_eq!(archived, records[0..2].iter().copied().collect());
     // --outbox-only leaves the inbox alone.
-    exec(&db, "UPDATE {s}.inbox_records SET processed_at = now() - interval '5 days'").await;
-    let report = json(&db, &["purge", "--older-than", "1d", "--outbox-only", "--json"]).await;
+    exec(
+        &db,
+        "UPDATE {s}.inbox_records SET processed_at = now() - interval '5 days'",
+    )
+    .await;
+    let report = json(
+        &db,
+        &["purge", "--older-than", "1d", "--outbox-only", "--json"],
+    )
+    .await;
     assert_eq!(report["inbox_records"], 0);
-    assert_eq!(scalar(&db, "SELECT count(*) FROM {s}.inbox_records").await, 1);
+    assert_eq!(
+        scalar(&db, "SELECT count(*) FROM {s}.inbox_records").await,
+        1
+    );
 }
 
 /// Inserts into `effects` unless told to fail (permanently).
@@ -420,7 +482,9 @@ impl Handler<PgInbox> for Projector {
         _: &HandlerContext,
     ) -> Result<(), HandlerError> {
         if self.fail.load(Ordering::SeqCst) {
-            return Err(HandlerError::permanent(std::io::Error::other("projection broken")));
+            return Err(HandlerError::permanent(std::io::Error::other(
+                "projection broken",
+            )));
         }
         sqlx::query(AssertSqlSafe(format!(
             "INSERT INTO {}.effects (message_id) VALUES ($1)",
@@ -453,7 +517,11 @@ async fn inbox_dead_letters_list_and_replay() {
     // A message the relay published (Sent), which the consumer dead-letters.
     let m = message("OrderPlaced", "acme", "1");
     enqueue(&db, std::slice::from_ref(&m)).await;
-    exec(&db, "UPDATE {s}.outbox_messages SET status = 1, sent_at = now(), attempts = 1").await;
+    exec(
+        &db,
+        "UPDATE {s}.outbox_messages SET status = 1, sent_at = now(), attempts = 1",
+    )
+    .await;
     let incoming = IncomingMessage::new(m.id, "OrderPlaced", b"{}".to_vec());
     assert_eq!(consumer.process(&incoming).await, HandlerDecision::Ack);
     // One from another producer database (no outbox row here).
@@ -491,11 +559,26 @@ async fn inbox_dead_letters_list_and_replay() {
             ("durable".to_owned(), durable.id.to_string()),
         ]
     );
-    let only = json(&db, &["inbox", "dead", "list", "--event-type", "OrderShipped", "--json"]).await;
+    let only = json(
+        &db,
+        &[
+            "inbox",
+            "dead",
+            "list",
+            "--event-type",
+            "OrderShipped",
+            "--json",
+        ],
+    )
+    .await;
     assert_eq!(only.as_array().map(Vec::len), Some(1));
 
     // Dry run: counts, changes nothing.
-    let report = json(&db, &["inbox", "dead", "replay", "--all", "--dry-run", "--json"]).await;
+    let report = json(
+        &db,
+        &["inbox", "dead", "replay", "--all", "--dry-run", "--json"],
+    )
+    .await;
     assert_eq!(report["matched"], 3);
     assert_eq!(report["replayed"], 0);
     assert!(store.is_dead(m.id, "projector").await.expect("dead"));
@@ -507,10 +590,17 @@ async fn inbox_dead_letters_list_and_replay() {
     // Replay the idempotent consumer's dead letter of our outbox message.
     let id = m.id.to_string();
     let report = json(&db, &["inbox", "dead", "replay", "--id", &id, "--json"]).await;
-    assert_eq!((report["matched"].clone(), report["replayed"].clone()), (1.into(), 1.into()));
+    assert_eq!(
+        (report["matched"].clone(), report["replayed"].clone()),
+        (1.into(), 1.into())
+    );
     assert!(!store.is_dead(m.id, "projector").await.expect("dead"));
     let row = db.get(m.id).await.expect("get").expect("row");
-    assert_eq!(row.status, outbox_core::MessageStatus::New, "requeued for the relay");
+    assert_eq!(
+        row.status,
+        outbox_core::MessageStatus::New,
+        "requeued for the relay"
+    );
     assert_eq!(row.attempts, 0);
     // Redelivered (what the relay will do): processed once, duplicates absorbed.
     fail.store(false, Ordering::SeqCst);
@@ -518,18 +608,36 @@ async fn inbox_dead_letters_list_and_replay() {
         assert_eq!(consumer.process(&incoming).await, HandlerDecision::Ack);
     }
     assert_eq!(
-        scalar(&db, &format!("SELECT count(*) FROM {{s}}.effects WHERE message_id = '{}'", m.id)).await,
+        scalar(
+            &db,
+            &format!(
+                "SELECT count(*) FROM {{s}}.effects WHERE message_id = '{}'",
+                m.id
+            )
+        )
+        .await,
         1
     );
 
     // The foreign one cannot be requeued here: failed, kept; --clear-only clears it.
     let fid = foreign.id.to_string();
     let report = json(&db, &["inbox", "dead", "replay", "--id", &fid, "--json"]).await;
-    assert_eq!((report["replayed"].clone(), report["failed"].clone()), (0.into(), 1.into()));
+    assert_eq!(
+        (report["replayed"].clone(), report["failed"].clone()),
+        (0.into(), 1.into())
+    );
     assert!(store.is_dead(foreign.id, "projector").await.expect("dead"));
     let report = json(
         &db,
-        &["inbox", "dead", "replay", "--id", &fid, "--clear-only", "--json"],
+        &[
+            "inbox",
+            "dead",
+            "replay",
+            "--id",
+            &fid,
+            "--clear-only",
+            "--json",
+        ],
     )
     .await;
     assert_eq!(report["replayed"], 1);
@@ -538,7 +646,16 @@ async fn inbox_dead_letters_list_and_replay() {
     // The durable one goes back to New, attempts reset.
     let report = json(
         &db,
-        &["inbox", "dead", "replay", "--consumer", "projector", "--event-type", "OrderShipped", "--json"],
+        &[
+            "inbox",
+            "dead",
+            "replay",
+            "--consumer",
+            "projector",
+            "--event-type",
+            "OrderShipped",
+            "--json",
+        ],
     )
     .await;
     assert_eq!(report["replayed"], 1);
@@ -552,7 +669,10 @@ async fn inbox_dead_letters_list_and_replay() {
     .expect("row");
     assert_eq!((status, attempts), (0, 0));
     assert_eq!(
-        json(&db, &["inbox", "dead", "list", "--json"]).await.as_array().map(Vec::len),
+        json(&db, &["inbox", "dead", "list", "--json"])
+            .await
+            .as_array()
+            .map(Vec::len),
         Some(0)
     );
 }
@@ -565,26 +685,192 @@ async fn bad_input_is_a_typed_error_before_anything_connects() {
         outbox_cli::run(Cli::parse_from(args), &mut out).await
     };
     let e = run(vec!["outbox", "--database-url", "mysql://x/y", "stats"]).await;
-    assert!(matches!(e, Err(CliError::Invalid { field: "database_url", .. })), "{e:?}");
-    let e = run(vec!["outbox", "--database-url", "postgres://u@h/db", "--schema", "Bad-Name", "stats"]).await;
-    assert!(matches!(e, Err(CliError::Invalid { field: "schema", .. })), "{e:?}");
-    let e = run(vec!["outbox", "--database-url", "postgres://u@127.0.0.1:1/db", "dead", "list", "--since", "last tuesday"]).await;
+    assert!(
+        matches!(
+            e,
+            Err(CliError::Invalid {
+                field: "database_url",
+                ..
+            })
+        ),
+        "{e:?}"
+    );
+    let e = run(vec![
+        "outbox",
+        "--database-url",
+        "postgres://u@h/db",
+        "--schema",
+        "Bad-Name",
+        "stats",
+    ])
+    .await;
+    assert!(
+        matches!(
+            e,
+            Err(CliError::Invalid {
+                field: "schema",
+                ..
+            })
+        ),
+        "{e:?}"
+    );
+    let e = run(vec![
+        "outbox",
+        "--database-url",
+        "postgres://u@127.0.0.1:1/db",
+        "dead",
+        "list",
+        "--since",
+        "last tuesday",
+    ])
+    .await;
     assert!(matches!(e, Err(CliError::TimeWindow { .. })), "{e:?}");
-    let e = run(vec!["outbox", "--database-url", "postgres://u@127.0.0.1:1/db", "purge", "--older-than", "forever"]).await;
-    assert!(matches!(e, Err(CliError::Invalid { field: "older_than", .. })), "{e:?}");
-    let e = run(vec!["outbox", "--database-url", "postgres://u@127.0.0.1:1/db", "relay", "--event-type", "OrderPlaced=3"]).await;
-    assert!(matches!(e, Err(CliError::EventTypeOverride { .. })), "{e:?}");
-    let e = run(vec!["outbox", "--database-url", "postgres://u@127.0.0.1:1/db", "relay", "--broker-url", "http://rabbit"]).await;
-    assert!(matches!(&e, Err(err @ CliError::Rabbit(_)) if err.is_bad_input()), "{e:?}");
-    let e = run(vec!["outbox", "--database-url", "postgres://u@127.0.0.1:1/db", "relay", "--transport", "nats", "--broker-url", "amqp://x"]).await;
-    assert!(matches!(&e, Err(err @ CliError::Nats(_)) if err.is_bad_input()), "{e:?}");
-    let e = run(vec!["outbox", "--database-url", "postgres://u@127.0.0.1:1/db", "relay", "--lease", "0s"]).await;
-    assert!(matches!(e, Err(CliError::Invalid { field: "lease", .. })), "{e:?}");
-    let e = run(vec!["outbox", "--database-url", "postgres://u@127.0.0.1:1/db", "relay", "--listen", "localhost"]).await;
-    assert!(matches!(e, Err(CliError::Invalid { field: "listen", .. })), "{e:?}");
-    let e = run(vec!["outbox", "--config", "/nonexistent/outbox.toml", "stats"]).await;
+    let e = run(vec![
+        "outbox",
+        "--database-url",
+        "postgres://u@127.0.0.1:1/db",
+        "purge",
+        "--older-than",
+        "forever",
+    ])
+    .await;
+    assert!(
+        matches!(
+            e,
+            Err(CliError::Invalid {
+                field: "older_than",
+                ..
+            })
+        ),
+        "{e:?}"
+    );
+    let e = run(vec![
+        "outbox",
+        "--database-url",
+        "postgres://u@127.0.0.1:1/db",
+        "relay",
+        "--event-type",
+        "OrderPlaced=3",
+    ])
+    .await;
+    assert!(
+        matches!(e, Err(CliError::EventTypeOverride { .. })),
+        "{e:?}"
+    );
+    let e = run(vec![
+        "outbox",
+        "--database-url",
+        "postgres://u@127.0.0.1:1/db",
+        "relay",
+        "--broker-url",
+        "http://rabbit",
+    ])
+    .await;
+    assert!(
+        matches!(&e, Err(err @ CliError::Rabbit(_)) if err.is_bad_input()),
+        "{e:?}"
+    );
+    let e = run(vec![
+        "outbox",
+        "--database-url",
+        "postgres://u@127.0.0.1:1/db",
+        "relay",
+        "--transport",
+        "nats",
+        "--broker-url",
+        "amqp://x",
+    ])
+    .await;
+    assert!(
+        matches!(&e, Err(err @ CliError::Nats(_)) if err.is_bad_input()),
+        "{e:?}"
+    );
+    let e = run(vec![
+        "outbox",
+        "--database-url",
+        "postgres://u@127.0.0.1:1/db",
+        "relay",
+        "--lease",
+        "0s",
+    ])
+    .await;
+    assert!(
+        matches!(e, Err(CliError::Invalid { field: "lease", .. })),
+        "{e:?}"
+    );
+    let e = run(vec![
+        "outbox",
+        "--database-url",
+        "postgres://u@127.0.0.1:1/db",
+        "relay",
+        "--listen",
+        "localhost",
+    ])
+    .await;
+    assert!(
+        matches!(
+            e,
+            Err(CliError::Invalid {
+                field: "listen",
+                ..
+            })
+        ),
+        "{e:?}"
+    );
+    let e = run(vec![
+        "outbox",
+        "--config",
+        "/nonexistent/outbox.toml",
+        "stats",
+    ])
+    .await;
     assert!(matches!(e, Err(CliError::ConfigRead { .. })), "{e:?}");
     // An unreachable database is a runtime error (exit code 1), not bad input.
-    let e = run(vec!["outbox", "--database-url", "postgres://u@127.0.0.1:1/db", "stats"]).await;
-    assert!(matches!(&e, Err(err @ CliError::Store(_)) if !err.is_bad_input()), "{e:?}");
+    let e = run(vec![
+        "outbox",
+        "--database-url",
+        "postgres://u@127.0.0.1:1/db",
+        "stats",
+    ])
+    .await;
+    assert!(
+        matches!(&e, Err(err @ CliError::Store(_)) if !err.is_bad_input()),
+        "{e:?}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn claimable_wait_ignores_keys_blocked_by_design_in_ordered_mode() {
+    use outbox_core::OnDead;
+    let db = fresh_outbox().await;
+    let head = message("OrderPlaced", "acme", "1");
+    let next = message("OrderShipped", "acme", "1"); // same aggregate: same key
+    enqueue(&db, &[head.clone(), next.clone()]).await;
+    exec(
+        &db,
+        "UPDATE {s}.outbox_messages SET visible_at = now() - interval '10 minutes', created_at = now() - interval '10 minutes'",
+    )
+    .await;
+    exec(
+        &db,
+        &format!(
+            "UPDATE {{s}}.outbox_messages SET status = 3 WHERE id = '{}'",
+            head.id
+        ),
+    )
+    .await;
+    let secs = |d: Option<std::time::Duration>| d.map(|d| d.as_secs());
+    let unordered = db.oldest_claimable_wait(None).await.expect("query");
+    assert!(secs(unordered).is_some_and(|s| s >= 599), "{unordered:?}");
+    assert_eq!(
+        db.oldest_claimable_wait(Some(OnDead::Block))
+            .await
+            .expect("query"),
+        None
+    );
+    let skip = db
+        .oldest_claimable_wait(Some(OnDead::Skip))
+        .await
+        .expect("query");
+    assert!(secs(skip).is_some_and(|s| s >= 599), "{skip:?}");
 }

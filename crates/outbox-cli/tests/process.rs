@@ -31,7 +31,14 @@ async fn migrate_then_stats_as_a_process() {
     assert!(text.contains("applied migrations [1, 2, 3, 4]"), "{text}");
     let o = outbox(&["--database-url", &url, "--schema", &schema, "migrate"]);
     assert!(String::from_utf8_lossy(&o.stdout).contains("up to date"));
-    let o = outbox(&["--database-url", &url, "--schema", &schema, "stats", "--json"]);
+    let o = outbox(&[
+        "--database-url",
+        &url,
+        "--schema",
+        &schema,
+        "stats",
+        "--json",
+    ]);
     assert!(o.status.success(), "{}", stderr(&o));
     let v: serde_json::Value = serde_json::from_slice(&o.stdout).expect("json");
     assert_eq!(v["totals"]["new"], 0);
@@ -41,11 +48,24 @@ async fn migrate_then_stats_as_a_process() {
     let o = outbox(&["relay", "--help"]);
     let help = String::from_utf8_lossy(&o.stdout);
     for flag in [
-        "--transport", "--broker-url", "--exchange", "--subject-prefix", "--batch-size",
-        "--poll-interval", "--lease", "--max-attempts", "--event-type", "--ordering", "--listen",
-        "--max-lag", "[env: OUTBOX_BATCH_SIZE=]",
+        "--transport",
+        "--broker-url",
+        "--exchange",
+        "--subject-prefix",
+        "--batch-size",
+        "--poll-interval",
+        "--lease",
+        "--max-attempts",
+        "--event-type",
+        "--ordering",
+        "--listen",
+        "--max-lag",
+        "[env: OUTBOX_BATCH_SIZE=]",
     ] {
-        assert!(help.contains(flag), "{flag} missing from relay --help:\n{help}");
+        assert!(
+            help.contains(flag),
+            "{flag} missing from relay --help:\n{help}"
+        );
     }
 }
 
@@ -58,14 +78,50 @@ fn bad_input_exits_with_code_2_and_says_why() {
     let bad_config = bad_config.to_string_lossy().into_owned();
     let db = "postgres://u@127.0.0.1:1/db";
     for (args, needle) in [
-        (vec!["--database-url", "mysql://x/y", "stats"], "invalid database_url"),
-        (vec!["--config", bad_config.as_str(), "stats"], "unknown field `batch_sise`"),
-        (vec!["--database-url", db, "relay", "--event-type", "OrderPlaced"], "invalid event type override"),
-        (vec!["--database-url", db, "relay", "--broker-url", "amqp://guest:s3cret@host:notaport/"], "invalid AMQP URL"),
-        (vec!["--database-url", db, "dead", "list", "--since", "yesterday"], "invalid time window"),
-        (vec!["--database-url", db, "dead", "list", "--until", "3h", "--since", "1h"], "must be before"),
+        (
+            vec!["--database-url", "mysql://x/y", "stats"],
+            "invalid database_url",
+        ),
+        (
+            vec!["--config", bad_config.as_str(), "stats"],
+            "unknown field `batch_sise`",
+        ),
+        (
+            vec!["--database-url", db, "relay", "--event-type", "OrderPlaced"],
+            "invalid event type override",
+        ),
+        (
+            vec![
+                "--database-url",
+                db,
+                "relay",
+                "--broker-url",
+                "amqp://guest:s3cret@host:notaport/",
+            ],
+            "invalid AMQP URL",
+        ),
+        (
+            vec!["--database-url", db, "dead", "list", "--since", "yesterday"],
+            "invalid time window",
+        ),
+        (
+            vec![
+                "--database-url",
+                db,
+                "dead",
+                "list",
+                "--until",
+                "3h",
+                "--since",
+                "1h",
+            ],
+            "must be before",
+        ),
         (vec!["stats"], "missing setting database_url"),
-        (vec!["--database-url", db, "nonsense"], "unrecognized subcommand"),
+        (
+            vec!["--database-url", db, "nonsense"],
+            "unrecognized subcommand",
+        ),
     ] {
         let o = outbox(&args);
         assert_eq!(o.status.code(), Some(2), "{args:?}: {}", stderr(&o));
@@ -97,7 +153,13 @@ async fn relay_process_serves_health_and_stops_on_sigterm() {
     )
     .expect("write");
     let mut child = Command::new(env!("CARGO_BIN_EXE_outbox"))
-        .args(["--config", &config.to_string_lossy(), "relay", "--ordering", "per-key"])
+        .args([
+            "--config",
+            &config.to_string_lossy(),
+            "relay",
+            "--ordering",
+            "per-key",
+        ])
         .env("OUTBOX_BROKER_URL", common::amqp_url())
         .stdout(Stdio::null())
         .stderr(Stdio::piped())
@@ -105,7 +167,8 @@ async fn relay_process_serves_health_and_stops_on_sigterm() {
         .expect("spawn");
     let addr = listen.parse().expect("addr");
     let healthy = common::eventually(Duration::from_secs(20), || async move {
-        tokio::net::TcpStream::connect(addr).await.is_ok() && http_get(addr, "/healthz").await.0 == 200
+        tokio::net::TcpStream::connect(addr).await.is_ok()
+            && http_get(addr, "/healthz").await.0 == 200
     })
     .await;
     assert!(healthy, "relay did not become healthy");
@@ -122,7 +185,10 @@ async fn relay_process_serves_health_and_stops_on_sigterm() {
         if let Some(status) = child.try_wait().expect("wait") {
             break status;
         }
-        assert!(std::time::Instant::now() < deadline, "relay did not stop on SIGTERM");
+        assert!(
+            std::time::Instant::now() < deadline,
+            "relay did not stop on SIGTERM"
+        );
         tokio::time::sleep(Duration::from_millis(50)).await;
     };
     let mut err = String::new();

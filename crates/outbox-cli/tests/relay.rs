@@ -72,12 +72,7 @@ struct Counting {
 #[async_trait]
 impl DeliveryHandler for Counting {
     async fn handle(&self, msg: IncomingMessage) -> HandlerDecision {
-        *self
-            .seen
-            .lock()
-            .expect("lock")
-            .entry(msg.id)
-            .or_insert(0) += 1;
+        *self.seen.lock().expect("lock").entry(msg.id).or_insert(0) += 1;
         self.inner.process(&msg).await
     }
 }
@@ -109,7 +104,11 @@ async fn relay_exports_metrics_and_a_replayed_message_stays_single() {
     let handler = Counting {
         inner: IdempotentConsumer::new(
             Arc::clone(&store),
-            Pipeline::new().on("OrderPlaced", "projector", Projector(db.schema().to_owned())),
+            Pipeline::new().on(
+                "OrderPlaced",
+                "projector",
+                Projector(db.schema().to_owned()),
+            ),
         ),
         seen: Arc::clone(&seen),
     };
@@ -131,13 +130,19 @@ async fn relay_exports_metrics_and_a_replayed_message_stays_single() {
         .await
         .expect("relay starts");
     let addr = relay.local_addr();
-    let effects = |db: PgOutbox| async move { scalar(&db, "SELECT count(*) FROM {s}.effects").await };
+    let effects =
+        |db: PgOutbox| async move { scalar(&db, "SELECT count(*) FROM {s}.effects").await };
     assert!(
         eventually(Duration::from_secs(30), || {
             let db = db.clone();
             async move {
                 effects(db.clone()).await == 5
-                    && scalar(&db, "SELECT count(*) FROM {s}.outbox_messages WHERE status = 3").await == 1
+                    && scalar(
+                        &db,
+                        "SELECT count(*) FROM {s}.outbox_messages WHERE status = 3",
+                    )
+                    .await
+                        == 1
             }
         })
         .await,
@@ -169,7 +174,15 @@ async fn relay_exports_metrics_and_a_replayed_message_stays_single() {
     let mut out = Vec::new();
     outbox_cli::run(
         Cli::parse_from([
-            "outbox", "--database-url", &url, "--schema", db.schema(), "dead", "replay", "--id", &id,
+            "outbox",
+            "--database-url",
+            &url,
+            "--schema",
+            db.schema(),
+            "dead",
+            "replay",
+            "--id",
+            &id,
         ]),
         &mut out,
     )
@@ -215,13 +228,21 @@ async fn relay_exports_metrics_and_a_replayed_message_stays_single() {
         inbox::metrics::HANDLER_DURATION_SECONDS,
         inbox::metrics::END_TO_END_SECONDS,
     ] {
-        assert!(body.contains(&format!("\n{name}")), "{name} missing in:\n{body}");
+        assert!(
+            body.contains(&format!("\n{name}")),
+            "{name} missing in:\n{body}"
+        );
     }
     assert!(
-        body.contains("outbox_publish_failures_total{kind=\"permanent\",event_type=\"Unroutable\"}"),
+        body.contains(
+            "outbox_publish_failures_total{kind=\"permanent\",event_type=\"Unroutable\"}"
+        ),
         "{body}"
     );
-    assert!(body.contains("outbox_claim_batch_size_bucket"), "histograms have buckets");
+    assert!(
+        body.contains("outbox_claim_batch_size_bucket"),
+        "histograms have buckets"
+    );
 
     stop.cancel();
     let stats = relay.wait().await.expect("graceful stop");

@@ -19,7 +19,7 @@
 use std::time::{Duration, Instant};
 
 use chrono::{DateTime, NaiveDate, Utc};
-use outbox_core::OutboxError;
+use outbox_core::{OnDead, OutboxError};
 use sqlx::{AssertSqlSafe, Row};
 use uuid::Uuid;
 
@@ -218,17 +218,49 @@ impl PgOutbox {
     /// by the database clock; `None` when nothing is claimable. A relay that keeps up
     /// keeps this below its poll interval plus one batch. Uses the claim index.
     ///
+    /// With `ordered = Some(on_dead)` (per-key mode) a message is claimable only when
+    /// no earlier message of its key is in flight, in a retry backoff or (under
+    /// [`OnDead::Block`]) `Dead`: those keys are blocked by design and reported by
+    /// [`blocked_keys`](outbox_core::OutboxStore::blocked_keys), not as a stuck relay.
+    /// Only the 1,000 oldest visible messages are examined, so the cost stays flat
+    /// under a large backlog (if all of them wait behind blocked keys the answer is
+    /// `None`).
+    ///
     /// # Errors
     /// [`OutboxError::Database`] on database failure.
-    pub async fn oldest_claimable_wait(&self) -> Result<Option<Duration>, OutboxError> {
+    pub async fn oldest_claimable_wait(
+        &self,
+        ordered: Option<OnDead>,
+    ) -> Result<Option<Duration>, OutboxError> {
         let s = self.schema();
-        let secs: Option<f64> = sqlx::query_scalar(AssertSqlSafe(format!(
-            "SELECT extract(epoch FROM now() - min(visible_at))::float8
-               FROM {s}.outbox_messages WHERE status = 0 AND visible_at <= now()"
-        )))
-        .fetch_one(self.pool())
-        .await
-        .map_err(db("oldest_claimable_wait"))?;
+        let sql = match ordered {
+            None => format!(
+                "SELECT extract(epoch FROM now() - min(visible_at))::float8
+                   FROM {s}.outbox_messages WHERE status = 0 AND visible_at <= now()"
+            ),
+            Some(on_dead) => {
+                let dead_blocks = if on_dead == OnDead::Block {
+                    "b.status = 3 OR "
+                } else {
+                    ""
+                };
+                format!(
+                    "SELECT extract(epoch FROM now() - min(m.visible_at))::float8
+                       FROM (SELECT order_key, seq, visible_at FROM {s}.outbox_messages
+                              WHERE status = 0 AND visible_at <= now()
+                              ORDER BY visible_at, seq LIMIT 1000) m
+                      WHERE NOT EXISTS (
+                            SELECT 1 FROM {s}.outbox_messages b
+                             WHERE b.order_key = m.order_key AND b.seq < m.seq
+                               AND ({dead_blocks}b.status = 9
+                                    OR (b.status = 0 AND b.visible_at > now())))"
+                )
+            }
+        };
+        let secs: Option<f64> = sqlx::query_scalar(AssertSqlSafe(sql))
+            .fetch_one(self.pool())
+            .await
+            .map_err(db("oldest_claimable_wait"))?;
         Ok(secs.map(|s| Duration::from_secs_f64(s.max(0.0))))
     }
 

@@ -60,7 +60,10 @@ pub fn message(event_type: &str, tenant: &str, aggregate: &str) -> NewMessage {
 
 pub async fn enqueue(outbox: &PgOutbox, messages: &[NewMessage]) {
     let mut tx = outbox.pool().begin().await.expect("begin");
-    outbox.enqueue_batch(&mut tx, messages).await.expect("enqueue");
+    outbox
+        .enqueue_batch(&mut tx, messages)
+        .await
+        .expect("enqueue");
     tx.commit().await.expect("commit");
 }
 
@@ -68,7 +71,9 @@ pub async fn enqueue(outbox: &PgOutbox, messages: &[NewMessage]) {
 pub async fn http_get(addr: SocketAddr, path: &str) -> (u16, String) {
     let mut stream = tokio::net::TcpStream::connect(addr).await.expect("connect");
     stream
-        .write_all(format!("GET {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n").as_bytes())
+        .write_all(
+            format!("GET {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n").as_bytes(),
+        )
         .await
         .expect("write");
     let mut raw = Vec::new();
