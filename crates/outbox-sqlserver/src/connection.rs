@@ -211,6 +211,26 @@ impl MssqlPool {
     /// [`begin`](Self::begin), which discards a connection whose transaction was not
     /// ended.
     ///
+    /// ```no_run
+    /// # async fn demo(
+    /// #     outbox: &outbox_sqlserver::MssqlOutbox,
+    /// #     event: &outbox_core::NewMessage,
+    /// # ) -> Result<(), Box<dyn std::error::Error>> {
+    /// let mut conn = outbox.pool().get().await?;
+    /// conn.simple_query("BEGIN TRAN").await?.into_results().await?;
+    /// let work = async {
+    ///     conn.execute("INSERT INTO dbo.orders (id) VALUES (@P1)", &[&42_i64])
+    ///         .await?;
+    ///     outbox.enqueue(&mut conn, event).await?;
+    ///     Ok::<_, Box<dyn std::error::Error>>(())
+    /// }
+    /// .await;
+    /// let end = if work.is_ok() { "COMMIT" } else { "IF @@TRANCOUNT > 0 ROLLBACK" };
+    /// conn.simple_query(end).await?.into_results().await?;
+    /// work
+    /// # }
+    /// ```
+    ///
     /// # Errors
     /// [`OutboxError::Database`] (`Unavailable`) when no connection can be opened or
     /// none becomes free within the acquire timeout.
