@@ -90,13 +90,17 @@ fn report(e: &CliError) -> ExitCode {
     ExitCode::from(e.exit_code())
 }
 
-/// Installs the tracing subscriber: `format` on stderr, level from `RUST_LOG`
-/// (default `info`). Does nothing when one is installed already.
+/// Installs the tracing subscriber: `format` on stderr (colours only on a terminal),
+/// level from `RUST_LOG` (default `info`, server notices at `warn`). Does nothing when one is installed already.
 pub fn init_logging(format: LogFormat) {
+    use std::io::IsTerminal as _;
     use tracing_subscriber::EnvFilter;
-    let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info"));
+    // sqlx logs every server NOTICE (e.g. "schema already exists") at info.
+    let filter = EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| EnvFilter::new("info,sqlx::postgres::notice=warn"));
     let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)
+        .with_ansi(std::io::stderr().is_terminal())
         .with_writer(std::io::stderr);
     let _ = match format {
         LogFormat::Text => builder.try_init(),
