@@ -14,6 +14,8 @@
 //! Different keys proceed in parallel, inside a batch, across batches and across
 //! dispatcher instances: a claim takes a key only through its first unfinished message
 //! (the key's head), locked so that two claimers never hold messages of one key at once.
+//! Keys are served round-robin (a store walks its keys from where its previous ordered
+//! claim stopped), so a busy key cannot starve the others.
 //! Inside a claimed batch the dispatcher publishes in waves (the first message of every
 //! key, then the second, ...), awaiting the broker's confirmations between waves, so a
 //! failed message stops the rest of its key in that batch.
@@ -124,7 +126,7 @@ pub struct BlockedKey {
     pub blocked_since: Option<DateTime<Utc>>,
     /// When a `New` head becomes claimable again (database clock); `None` for `Dead`.
     pub retry_at: Option<DateTime<Utc>>,
-    /// Unfinished messages of the key behind the head.
+    /// New or Processing messages of the key behind the head.
     pub waiting: u64,
 }
 

@@ -183,8 +183,10 @@ pub trait OutboxStore: Send + Sync + 'static {
     /// message of it is `Processing` under a live lease, `New` but not yet visible
     /// (retry backoff, delay), or, under [`OnDead::Block`], `Dead`. Claimable messages
     /// of the run are `New` and visible or `Processing` with an expired lease. Keys are
-    /// found oldest `(visible_at, seq)` first. Concurrent claimers never hold messages
-    /// of the same key at once: each locks the key's head row (skipping it when another
+    /// served round-robin: the store walks the keys with pending messages from where
+    /// its previous ordered claim stopped, wrapping around, so every key gets its turn
+    /// (there is no age order across keys). Concurrent claimers never hold messages of
+    /// the same key at once: each locks the key's head row (skipping it when another
     /// claimer holds it). Returns the messages in `seq` order.
     ///
     /// # Errors

@@ -60,45 +60,54 @@ const CLAIMABLE: &str =
     "((p.status = 0 AND p.visible_at <= now()) OR (p.status = 9 AND p.lease_until < now()))";
 
 /// The per-key claim of [`Ordering::PerKey`](outbox_core::Ordering) mode.
-/// `$1` batch size, `$2` lease in seconds, `$3` claim token, `$4` whether Dead blocks.
+/// `$1` batch size, `$2` lease in seconds, `$3` claim token, `$4` whether Dead blocks,
+/// `$5` the round-robin cursor (the last key claimed before; `''` at first).
 ///
-/// 1. `cand`: keys of the oldest visible New rows (and of expired leases), skipping rows
-///    whose key is visibly blocked by an earlier in-flight, dead (when `$4`) or
-///    not-yet-visible row. The probe walks `outbox_messages_key_blockers`, an index of
-///    the few rows that can block, so it stays cheap however long the backlog; the scan
-///    does walk past the backlog of blocked keys.
-/// 2. `heads`: each key's first unfinished row (`outbox_messages_key_unfinished`), kept
-///    only when claimable.
+/// 1. `keys`: the distinct keys with pending (New or Processing) messages, walked as a
+///    loose index scan of `outbox_messages_key_pending` (one probe per key, never a
+///    scan of the rows), starting after the cursor and wrapping around to it. The walk
+///    is lazy: it stops once `$1` free keys are found, so its cost is the number of keys
+///    passed over (held by other claims, blocked), not the backlog.
+/// 2. `heads`: each key's first pending row, kept when claimable and, under `$4`, not
+///    preceded by a Dead row of its key (`outbox_messages_key_dead`).
 /// 3. `locked`: the heads locked `FOR UPDATE SKIP LOCKED` with the claimability checked
 ///    again on the latest row version: a key whose head another claimer holds, or took
 ///    since our snapshot, is skipped. The head lock is the key's mutex.
-/// 4. `run_locked`: up to `$1 / keys` of each key's first unfinished rows from its head,
-///    locked and read at their latest version; `runs` keeps the prefix that is all
-///    claimable (a not-yet-visible or dead row stops the run).
+/// 4. `run_locked`: up to `$1 / keys` of each key's pending rows from its head (under
+///    `$4`, only those before the key's next Dead row), locked and read at their latest
+///    version; `runs` keeps the prefix that is all claimable (a not-yet-visible row
+///    stops the run).
 /// 5. The final cut orders by `seq`, so it keeps a prefix of every key's run.
 fn claim_ordered_statement(table: &str, returning: &str) -> String {
+    let head_claimable = CLAIMABLE.replace("p.", "h.");
     format!(
-        "WITH cand AS (
-             (SELECT m.order_key, m.visible_at AS since FROM {table} m
-               WHERE m.status = 0 AND m.visible_at <= now()
-                 AND NOT EXISTS (
-                     SELECT 1 FROM {table} b
-                      WHERE b.order_key = m.order_key AND b.seq < m.seq
-                        AND (b.status IN (3, 9) OR (b.status = 0 AND (b.attempts > 0 OR b.visible_at > b.created_at)))
-                        AND (b.status = 9 OR (b.status = 3 AND $4) OR (b.status = 0 AND b.visible_at > now())))
-               ORDER BY m.visible_at, m.seq LIMIT $1)
+        "WITH RECURSIVE after_cursor(k) AS (
+             SELECT (SELECT p.order_key FROM {table} p
+                      WHERE p.status IN (0, 9) AND p.order_key > $5 ORDER BY p.order_key LIMIT 1)
              UNION ALL
-             (SELECT m.order_key, m.lease_until FROM {table} m
-               WHERE m.status = 9 AND m.lease_until < now()
-               ORDER BY m.lease_until LIMIT $1)
+             SELECT (SELECT p.order_key FROM {table} p
+                      WHERE p.status IN (0, 9) AND p.order_key > a.k ORDER BY p.order_key LIMIT 1)
+               FROM after_cursor a WHERE a.k IS NOT NULL
+         ), from_start(k) AS (
+             SELECT (SELECT p.order_key FROM {table} p
+                      WHERE p.status IN (0, 9) ORDER BY p.order_key LIMIT 1)
+             UNION ALL
+             SELECT (SELECT p.order_key FROM {table} p
+                      WHERE p.status IN (0, 9) AND p.order_key > s.k ORDER BY p.order_key LIMIT 1)
+               FROM from_start s WHERE s.k <= $5
          ), keys AS (
-             SELECT order_key FROM cand GROUP BY order_key ORDER BY min(since) LIMIT $1
+             SELECT k FROM after_cursor WHERE k IS NOT NULL
+             UNION ALL
+             SELECT k FROM from_start WHERE k <= $5
          ), heads AS (
-             SELECT h.id FROM keys k CROSS JOIN LATERAL (
-                 SELECT p.id, p.status, p.visible_at, p.lease_until FROM {table} p
-                  WHERE p.order_key = k.order_key AND p.status IN (0, 3, 9) AND (p.status <> 3 OR $4)
+             SELECT h.id FROM keys CROSS JOIN LATERAL (
+                 SELECT p.id, p.seq, p.status, p.visible_at, p.lease_until FROM {table} p
+                  WHERE p.order_key = keys.k AND p.status IN (0, 9)
                   ORDER BY p.seq LIMIT 1) h
-              WHERE (h.status = 0 AND h.visible_at <= now()) OR (h.status = 9 AND h.lease_until < now())
+              WHERE {head_claimable}
+                AND NOT ($4 AND EXISTS (
+                    SELECT 1 FROM {table} d WHERE d.order_key = keys.k AND d.status = 3 AND d.seq < h.seq))
+              LIMIT $1
          ), locked AS (
              SELECT p.id, p.order_key, p.seq FROM {table} p
               WHERE p.id = ANY(ARRAY(SELECT id FROM heads)) AND {CLAIMABLE}
@@ -106,8 +115,11 @@ fn claim_ordered_statement(table: &str, returning: &str) -> String {
          ), run_rows AS (
              SELECT r.id FROM locked h CROSS JOIN LATERAL (
                  SELECT p.id FROM {table} p
-                  WHERE p.order_key = h.order_key AND p.status IN (0, 3, 9) AND (p.status <> 3 OR $4)
-                    AND p.seq >= h.seq
+                  WHERE p.order_key = h.order_key AND p.status IN (0, 9) AND p.seq >= h.seq
+                    AND (NOT $4 OR NOT EXISTS (
+                        SELECT 1 FROM {table} d
+                         WHERE d.order_key = h.order_key AND d.status = 3
+                           AND d.seq > h.seq AND d.seq < p.seq))
                   ORDER BY p.seq
                   LIMIT greatest(1, $1 / greatest(1, (SELECT count(*) FROM locked)))) r
          ), run_locked AS (
@@ -124,7 +136,7 @@ fn claim_ordered_statement(table: &str, returning: &str) -> String {
                 claim_token = $3,
                 attempts = m.attempts + 1
           WHERE m.id = ANY(ARRAY(SELECT id FROM runs WHERE free ORDER BY seq LIMIT $1))
-         RETURNING {returning}"
+         RETURNING {returning}, m.order_key"
     )
 }
 
@@ -175,19 +187,25 @@ impl Queries {
             claim: s(claim_statement(&t, COLUMNS)),
             claim_ordered: s(claim_ordered_statement(&t, COLUMNS)),
             // Keys whose head (first unfinished row, Dead included) is Dead or waiting out
-            // a retry backoff. Candidates come from the small blockers index.
+            // a retry backoff. Candidates: keys with a Dead row, and keys with a retried
+            // New row not yet visible (the claim_new index's future range).
             blocked_keys: s(format!(
                 "SELECT h.order_key, h.id, h.seq, h.status, h.attempts, h.last_error,
                         h.first_failed_at, CASE WHEN h.status = 0 THEN h.visible_at END AS retry_at,
                         (SELECT count(*) FROM {t} w
-                          WHERE w.order_key = h.order_key AND w.status IN (0, 3, 9) AND w.seq > h.seq) AS waiting
-                   FROM (SELECT DISTINCT b.order_key FROM {t} b
-                          WHERE (b.status IN (3, 9) OR (b.status = 0 AND (b.attempts > 0 OR b.visible_at > b.created_at)))
-                            AND (b.status = 3 OR (b.status = 0 AND b.attempts > 0 AND b.visible_at > now()))) k
+                          WHERE w.order_key = h.order_key AND w.status IN (0, 9) AND w.seq > h.seq) AS waiting
+                   FROM (SELECT d.order_key FROM {t} d WHERE d.status = 3
+                         UNION
+                         SELECT f.order_key FROM {t} f
+                          WHERE f.status = 0 AND f.visible_at > now() AND f.attempts > 0) k
                    CROSS JOIN LATERAL (
-                        SELECT p.* FROM {t} p
-                         WHERE p.order_key = k.order_key AND p.status IN (0, 3, 9)
-                         ORDER BY p.seq LIMIT 1) h
+                        SELECT x.* FROM (
+                            (SELECT p.* FROM {t} p WHERE p.order_key = k.order_key AND p.status IN (0, 9)
+                              ORDER BY p.seq LIMIT 1)
+                            UNION ALL
+                            (SELECT p.* FROM {t} p WHERE p.order_key = k.order_key AND p.status = 3
+                              ORDER BY p.seq LIMIT 1)) x
+                         ORDER BY x.seq LIMIT 1) h
                   WHERE h.status = 3 OR (h.status = 0 AND h.attempts > 0 AND h.visible_at > now())
                   ORDER BY h.first_failed_at NULLS LAST, h.seq
                   LIMIT $1"
@@ -286,10 +304,9 @@ mod tests {
             q.claim_ordered
                 .contains("bool_and(ok) OVER (PARTITION BY order_key ORDER BY seq)")
         );
-        // The blocker probe repeats the partial index predicate so the planner can use it.
-        assert!(q.claim_ordered.contains(
-            "(b.status IN (3, 9) OR (b.status = 0 AND (b.attempts > 0 OR b.visible_at > b.created_at)))"
-        ));
+        // Keys are walked from the round-robin cursor, wrapping around to it.
+        assert!(q.claim_ordered.contains("p.order_key > $5"));
+        assert!(q.claim_ordered.contains("WHERE k <= $5"));
         assert!(!q.claim_ordered.contains("clock_timestamp"));
     }
 }

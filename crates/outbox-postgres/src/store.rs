@@ -33,6 +33,8 @@ pub struct PgOutbox {
     pool: PgPool,
     schema: Arc<str>,
     q: Arc<Queries>,
+    /// Where the last ordered claim stopped walking keys (shared by clones).
+    key_cursor: Arc<std::sync::Mutex<String>>,
 }
 
 impl PgOutbox {
@@ -46,6 +48,7 @@ impl PgOutbox {
             pool,
             schema: schema.into(),
             q: Arc::new(Queries::new(schema)),
+            key_cursor: Arc::default(),
         })
     }
 
@@ -269,14 +272,41 @@ impl OutboxStore for PgOutbox {
         on_dead: OnDead,
     ) -> Result<Vec<OutboxMessage>, OutboxError> {
         let token = Uuid::new_v4();
+        let cursor = self
+            .key_cursor
+            .lock()
+            .map(|c| c.clone())
+            .unwrap_or_default();
         let rows = sqlx::query(sql(&self.q.claim_ordered))
             .bind(limit(batch_size))
             .bind(lease.as_secs_f64())
             .bind(token)
             .bind(on_dead == OnDead::Block)
+            .bind(&cursor)
             .fetch_all(&self.pool)
             .await
             .map_err(db("claim_ordered"))?;
+        // Keys were visited after the cursor, then from the start up to it: the last one
+        // visited is the greatest key at or below the cursor if the walk wrapped, else
+        // the greatest key. The next claim starts after it.
+        let mut after: Option<String> = None;
+        let mut wrapped: Option<String> = None;
+        for row in &rows {
+            let key: String = row.try_get("order_key").map_err(db("claim_ordered"))?;
+            let slot = if key > cursor {
+                &mut after
+            } else {
+                &mut wrapped
+            };
+            if slot.as_ref().is_none_or(|k| key > *k) {
+                *slot = Some(key);
+            }
+        }
+        if let Some(last) = wrapped.or(after)
+            && let Ok(mut c) = self.key_cursor.lock()
+        {
+            *c = last;
+        }
         let mut messages = rows.iter().map(decode_row).collect::<Result<Vec<_>, _>>()?;
         messages.sort_unstable_by_key(|m| m.seq);
         Ok(messages)

@@ -14,9 +14,8 @@ use lapin::options::{BasicAckOptions, BasicConsumeOptions};
 use lapin::types::FieldTable;
 use outbox_core::conformance::keyed;
 use outbox_core::{
-    Dispatcher, DispatcherConfig, EventPublisher, MessageFilter, MessageStatus, NewMessage,
-    OnDead, Ordering, OutboxMessage, OutboxStore, PublishError, PublishOutcome, RetryPolicies,
-    RetryPolicy,
+    Dispatcher, DispatcherConfig, EventPublisher, MessageFilter, MessageStatus, NewMessage, OnDead,
+    Ordering, OutboxMessage, OutboxStore, PublishError, PublishOutcome, RetryPolicies, RetryPolicy,
 };
 use outbox_postgres::PgOutbox;
 use tokio_util::sync::CancellationToken;
@@ -105,7 +104,10 @@ fn assert_in_order(log: &[Arrival], keys: usize, per_key: u64) {
     assert_eq!(per.len(), keys, "messages of every key arrived");
     for (key, ns) in &per {
         let expected: Vec<u64> = (0..per_key).collect();
-        assert_eq!(ns, &expected, "key {key} arrived out of order or incomplete");
+        assert_eq!(
+            ns, &expected,
+            "key {key} arrived out of order or incomplete"
+        );
     }
 }
 
@@ -158,7 +160,11 @@ async fn four_dispatchers_keep_100_keys_in_order_over_20000_messages() {
         assert_eq!(stats.dead + stats.retried, 0, "{stats:?}");
         published += stats.published;
     }
-    assert!(received, "20,000 received: {}", log.lock().expect("lock").len());
+    assert!(
+        received,
+        "20,000 received: {}",
+        log.lock().expect("lock").len()
+    );
     assert_eq!(published, 20_000, "each message published once");
     assert_in_order(&log.lock().expect("lock"), 100, 200);
 }
@@ -260,7 +266,11 @@ async fn transient_failure_delays_only_its_key_and_order_holds() {
     .await;
     token.cancel();
     let stats = handle.await.expect("join").expect("run");
-    assert!(received, "all 1,000 received: {}", log.lock().expect("lock").len());
+    assert!(
+        received,
+        "all 1,000 received: {}",
+        log.lock().expect("lock").len()
+    );
     assert_eq!(stats.retried, 1, "{stats:?}");
     let log = log.lock().expect("lock").clone();
     assert_in_order(&log, 20, 50);
@@ -296,13 +306,21 @@ async fn on_dead_block_stops_the_key_until_replay() {
     let token = CancellationToken::new();
     let d = Dispatcher::new(
         Arc::clone(&outbox),
-        Arc::new(Faulty::new(publisher(&fx.exchange).await, &[(poison, true, 1)])),
+        Arc::new(Faulty::new(
+            publisher(&fx.exchange).await,
+            &[(poison, true, 1)],
+        )),
         ordered(OnDead::Block),
     );
     let handle = spawn(&d, &token);
     assert!(
         eventually(Duration::from_secs(30), || async {
-            log.lock().expect("lock").iter().filter(|a| a.key == "free").count() == 10
+            log.lock()
+                .expect("lock")
+                .iter()
+                .filter(|a| a.key == "free")
+                .count()
+                == 10
         })
         .await,
         "the other key is not held up"
@@ -311,8 +329,16 @@ async fn on_dead_block_stops_the_key_until_replay() {
     tokio::time::sleep(Duration::from_millis(800)).await;
     {
         let log = log.lock().expect("lock");
-        let blocked: Vec<u64> = log.iter().filter(|a| a.key == "blocked").map(|a| a.n).collect();
-        assert_eq!(blocked, vec![0, 1, 2, 3], "the key stops at its dead message");
+        let blocked: Vec<u64> = log
+            .iter()
+            .filter(|a| a.key == "blocked")
+            .map(|a| a.n)
+            .collect();
+        assert_eq!(
+            blocked,
+            vec![0, 1, 2, 3],
+            "the key stops at its dead message"
+        );
     }
     assert_eq!(
         outbox.get(poison).await.expect("get").expect("row").status,
@@ -353,7 +379,10 @@ async fn on_dead_skip_lets_the_key_continue() {
     let token = CancellationToken::new();
     let d = Dispatcher::new(
         Arc::clone(&outbox),
-        Arc::new(Faulty::new(publisher(&fx.exchange).await, &[(poison, true, 1)])),
+        Arc::new(Faulty::new(
+            publisher(&fx.exchange).await,
+            &[(poison, true, 1)],
+        )),
         ordered(OnDead::Skip),
     );
     let handle = spawn(&d, &token);
@@ -368,7 +397,11 @@ async fn on_dead_skip_lets_the_key_continue() {
     let stats = handle.await.expect("join").expect("run");
     assert_eq!(stats.dead, 1);
     let ns: Vec<u64> = log.lock().expect("lock").iter().map(|a| a.n).collect();
-    assert_eq!(ns, vec![0, 1, 2, 3, 5, 6, 7, 8, 9], "in order, without the dead one");
+    assert_eq!(
+        ns,
+        vec![0, 1, 2, 3, 5, 6, 7, 8, 9],
+        "in order, without the dead one"
+    );
     assert_eq!(
         outbox.get(poison).await.expect("get").expect("row").status,
         MessageStatus::Dead
@@ -431,7 +464,11 @@ async fn dispatcher_killed_mid_batch_does_not_break_any_keys_order() {
     let token = CancellationToken::new();
     let rescuers: Vec<_> = (0..2)
         .map(|_| {
-            let d = Dispatcher::new(Arc::clone(&outbox), Arc::clone(&real), ordered(OnDead::Block));
+            let d = Dispatcher::new(
+                Arc::clone(&outbox),
+                Arc::clone(&real),
+                ordered(OnDead::Block),
+            );
             spawn(&d, &token)
         })
         .collect();

@@ -30,7 +30,8 @@ use lapin::options::{
 use lapin::types::{AMQPValue, FieldTable};
 use lapin::{BasicProperties, Connection, ConnectionProperties, ExchangeKind};
 use outbox_core::{
-    Dispatcher, DispatcherConfig, EventPublisher, NewMessage, OutboxMessage, PublishOutcome,
+    Dispatcher, DispatcherConfig, EventPublisher, NewMessage, OnDead, Ordering, OutboxMessage,
+    PublishOutcome,
 };
 use outbox_postgres::{PgConfig, PgOutbox};
 use tokio_util::sync::CancellationToken;
@@ -76,6 +77,10 @@ struct Args {
     /// Batches in flight per dispatcher.
     #[arg(long, default_value_t = 2)]
     concurrency: usize,
+    /// Measure ordered delivery per partition key instead (`Ordering::PerKey`) with 1,
+    /// 10 and 1,000 distinct keys, beside the unordered relay on the same data.
+    #[arg(long)]
+    ordered: bool,
 }
 
 /// Confirms everything at once: isolates the store's claim + complete cost.
@@ -110,14 +115,25 @@ async fn fresh_outbox(tag: &str) -> anyhow::Result<PgOutbox> {
 }
 
 async fn preload(outbox: &PgOutbox, n: usize, payload: &str) -> anyhow::Result<()> {
+    preload_keyed(outbox, n, payload, None).await
+}
+
+/// Writes `n` messages; with `keys`, message `i` gets partition key `k{i % keys}`.
+async fn preload_keyed(
+    outbox: &PgOutbox,
+    n: usize,
+    payload: &str,
+    keys: Option<usize>,
+) -> anyhow::Result<()> {
     let mut tx = outbox.pool().begin().await?;
     let mut batch = Vec::with_capacity(1000);
     for i in 0..n {
-        batch.push(
-            NewMessage::builder("bench", i.to_string(), "BenchEvent")
-                .payload_json(payload.to_owned())
-                .build()?,
-        );
+        let mut msg = NewMessage::builder("bench", i.to_string(), "BenchEvent")
+            .payload_json(payload.to_owned());
+        if let Some(keys) = keys {
+            msg = msg.partition_key(format!("k{}", i % keys.max(1)));
+        }
+        batch.push(msg.build()?);
         if batch.len() == 1000 || i + 1 == n {
             outbox.enqueue_batch(&mut tx, &batch).await?;
             batch.clear();
@@ -162,9 +178,19 @@ async fn run_dispatcher<P: EventPublisher>(
     publisher: Arc<P>,
     args: &Args,
 ) -> anyhow::Result<RelayRun> {
+    run_dispatcher_with(outbox, publisher, args, Ordering::Unordered).await
+}
+
+async fn run_dispatcher_with<P: EventPublisher>(
+    outbox: &PgOutbox,
+    publisher: Arc<P>,
+    args: &Args,
+    ordering: Ordering,
+) -> anyhow::Result<RelayRun> {
     let config = DispatcherConfig::new()
         .with_batch_size(args.batch_size)
         .with_concurrency(args.concurrency)
+        .with_ordering(ordering)
         .with_poll_interval(Duration::from_millis(50));
     let dispatcher = Dispatcher::new(Arc::new(outbox.clone()), publisher, config);
     let token = CancellationToken::new();
@@ -623,12 +649,91 @@ async fn main() -> anyhow::Result<()> {
     result
 }
 
+/// `--ordered`: per-key ordering with 1, 10 and 1,000 keys against the unordered relay
+/// on the same data, each preceded by the store-only (instant publisher) rate.
+async fn run_ordered<P: EventPublisher>(
+    args: &Args,
+    broker: &Broker,
+    publisher: Arc<P>,
+) -> anyhow::Result<()> {
+    let body = payload(args.payload_bytes);
+    let n = args.messages;
+    println!(
+        "ordered relay benchmark, PostgreSQL → {}: {n} messages of {} bytes, batch {}, {} batches in flight, {} CPUs, median of {} rounds",
+        broker.name(),
+        body.len(),
+        args.batch_size,
+        args.concurrency,
+        std::thread::available_parallelism().map_or(0, usize::from),
+        args.rounds.max(1)
+    );
+    let per_key = Ordering::PerKey {
+        on_dead: OnDead::Block,
+    };
+    let mut rows = Vec::new();
+    for keys in [None, Some(1), Some(10), Some(1000)] {
+        let mut store_runs = Vec::new();
+        let mut relay_runs = Vec::new();
+        let ordering = if keys.is_some() {
+            per_key
+        } else {
+            Ordering::Unordered
+        };
+        for _ in 0..args.rounds.max(1) {
+            let db = fresh_outbox("ostore").await?;
+            preload_keyed(&db, n, &body, keys).await?;
+            store_runs.push(
+                run_dispatcher_with(&db, Arc::new(InstantPublisher), args, ordering)
+                    .await?
+                    .elapsed,
+            );
+            drop_schema(&db).await;
+            let db = fresh_outbox("orelay").await?;
+            preload_keyed(&db, n, &body, keys).await?;
+            relay_runs.push(
+                run_dispatcher_with(&db, Arc::clone(&publisher), args, ordering)
+                    .await?
+                    .elapsed,
+            );
+            drop_schema(&db).await;
+            broker.purge().await?;
+        }
+        store_runs.sort();
+        relay_runs.sort();
+        let (store, relay) = (
+            store_runs[store_runs.len() / 2],
+            relay_runs[relay_runs.len() / 2],
+        );
+        let label = keys.map_or("unordered".to_owned(), |k| format!("PerKey, {k} keys"));
+        println!(
+            "{label}: store {:.0}/s, relay {:.0}/s",
+            rate(n, store),
+            rate(n, relay)
+        );
+        rows.push((label, rate(n, store), rate(n, relay)));
+    }
+    let unordered_relay = rows[0].2;
+    println!();
+    println!("| mode | store only (claim + complete) msg/s | relay msg/s | relay vs unordered |");
+    println!("|---|---:|---:|---:|");
+    for (label, store, relay) in &rows {
+        println!(
+            "| {label} | {store:.0} | {relay:.0} | {:.2} |",
+            relay / unordered_relay
+        );
+    }
+    Ok(())
+}
+
 /// The rounds, the steady-state phase and the report, with `publisher` as the relay's.
 async fn run<P: EventPublisher>(
     args: &Args,
     broker: &Broker,
     publisher: Arc<P>,
 ) -> anyhow::Result<()> {
+    if args.ordered {
+        return run_ordered(args, broker, publisher).await;
+    }
     let body = payload(args.payload_bytes);
     let n = args.messages;
     println!(
