@@ -63,16 +63,24 @@ impl Handler<PgInbox> for Projector {
     }
 }
 
-/// Counts deliveries per message id, then hands them to the idempotent consumer.
+/// Counts deliveries per message id (and keeps their trace ids), then hands them to
+/// the idempotent consumer.
 struct Counting {
     inner: IdempotentConsumer<PgInbox>,
     seen: Arc<Mutex<HashMap<Uuid, usize>>>,
+    traces: Arc<Mutex<HashMap<Uuid, u128>>>,
 }
 
 #[async_trait]
 impl DeliveryHandler for Counting {
     async fn handle(&self, msg: IncomingMessage) -> HandlerDecision {
         *self.seen.lock().expect("lock").entry(msg.id).or_insert(0) += 1;
+        if let Some(tp) = msg.traceparent {
+            self.traces
+                .lock()
+                .expect("lock")
+                .insert(msg.id, tp.trace_id);
+        }
         self.inner.process(&msg).await
     }
 }
@@ -101,6 +109,7 @@ async fn relay_exports_metrics_and_a_replayed_message_stays_single() {
     consumer.declare().await.expect("declare");
     let store = Arc::new(PgInbox::new(db.pool().clone(), db.schema()).expect("inbox"));
     let seen = Arc::new(Mutex::new(HashMap::new()));
+    let traces = Arc::new(Mutex::new(HashMap::new()));
     let handler = Counting {
         inner: IdempotentConsumer::new(
             Arc::clone(&store),
@@ -111,6 +120,7 @@ async fn relay_exports_metrics_and_a_replayed_message_stays_single() {
             ),
         ),
         seen: Arc::clone(&seen),
+        traces: Arc::clone(&traces),
     };
     let consumer_stop = CancellationToken::new();
     let consuming = {
@@ -118,9 +128,21 @@ async fn relay_exports_metrics_and_a_replayed_message_stays_single() {
         tokio::spawn(async move { consumer.run(handler, t).await })
     };
 
-    let placed: Vec<_> = (0..5)
+    let mut placed: Vec<_> = (0..4)
         .map(|i| message("OrderPlaced", "acme", &i.to_string()))
         .collect();
+    // The producer's W3C trace context travels through the relay to the consumer.
+    let traced = outbox_core::NewMessage::builder("order", "4", "OrderPlaced")
+        .aggregate_version(1)
+        .tenant_id("acme")
+        .payload_json("{}")
+        .trace_context(
+            "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01",
+            Some("vendor=1".into()),
+        )
+        .build()
+        .expect("valid");
+    placed.push(traced.clone());
     let unroutable = message("Unroutable", "acme", "9");
     enqueue(&db, &placed).await;
     enqueue(&db, std::slice::from_ref(&unroutable)).await;
@@ -208,6 +230,11 @@ async fn relay_exports_metrics_and_a_replayed_message_stays_single() {
         .await
     );
     assert_eq!(effects(db.clone()).await, 5, "its effect stays single");
+    assert_eq!(
+        traces.lock().expect("lock").get(&traced.id),
+        Some(&0x4bf9_2f35_77b3_4da6_a3ce_929d_0e0e_4736),
+        "the consumer sees the producer's trace id"
+    );
 
     // Every documented series is exported.
     let (status, body) = http_get(addr, "/metrics").await;
