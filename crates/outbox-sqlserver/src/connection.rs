@@ -61,7 +61,8 @@ impl DerefMut for MssqlConnection {
 
 /// Opens tiberius connections for bb8: TCP (nodelay), TLS with rustls, login, one
 /// redirect when the server routes the client elsewhere (Azure SQL gateways), then
-/// [`SESSION_SETUP`].
+/// the session options (`XACT_ABORT ON` and the ANSI settings that writes to tables
+/// with filtered indexes and indexed computed columns require).
 #[derive(Debug, Clone)]
 pub struct MssqlConnectionManager {
     config: tiberius::Config,
@@ -162,7 +163,7 @@ impl bb8::ManageConnection for MssqlConnectionManager {
         };
         ping.await
             .map(|_| ())
-            .map_err(|source| ConnectError::Login { addr, source })
+            .map_err(|source| ConnectError::Broken { addr, source })
     }
 
     fn has_broken(&self, conn: &mut MssqlConnection) -> bool {
@@ -173,8 +174,10 @@ impl bb8::ManageConnection for MssqlConnectionManager {
 /// The connection pool shared by [`MssqlOutbox`](crate::MssqlOutbox) and
 /// [`MssqlInbox`](crate::MssqlInbox). Cheap to clone.
 ///
-/// Connections are not pinged on checkout (that would cost a round trip per claim);
-/// one that failed is discarded when it comes back (see [`MssqlConnection`]).
+/// A connection is checked with `SELECT 1` when borrowed (bb8's default, one short
+/// round trip), so connections broken by a server restart are replaced instead of
+/// failing the next claim; one that failed or was abandoned mid-statement is discarded
+/// when it comes back (see [`MssqlConnection`]).
 #[derive(Debug, Clone)]
 pub struct MssqlPool {
     inner: bb8::Pool<MssqlConnectionManager>,

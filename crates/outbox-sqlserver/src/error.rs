@@ -82,6 +82,16 @@ pub enum ConnectError {
         #[source]
         source: tiberius::error::Error,
     },
+    /// A pooled connection failed its liveness check (`SELECT 1`) when borrowed; the
+    /// pool discards it and opens another.
+    #[error("a pooled SQL Server connection to {addr} failed its liveness check: {source}")]
+    Broken {
+        /// `host:port` of the connection.
+        addr: String,
+        /// The driver's error.
+        #[source]
+        source: tiberius::error::Error,
+    },
     /// No pooled connection became free within the acquire timeout.
     #[error("no pooled SQL Server connection became free within {0:?}")]
     PoolTimeout(Duration),
@@ -96,7 +106,7 @@ impl ConnectError {
             Self::Timeout { .. } | Self::Unreachable { .. } | Self::PoolTimeout(_) => {
                 ErrorKind::Unavailable
             }
-            Self::Login { source, .. } => classify(source),
+            Self::Login { source, .. } | Self::Broken { source, .. } => classify(source),
         }
     }
 }

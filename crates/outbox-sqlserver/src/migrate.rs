@@ -37,10 +37,19 @@ pub const LATEST_VERSION: i32 = 3;
 
 /// Takes the migration lock (waiting up to 60 s) and creates the schema when missing.
 /// `@P1` lock resource, `@P2` schema name (validated; quoted again with QUOTENAME).
-pub(crate) const LOCK_AND_CREATE_SCHEMA: &str = "DECLARE @r int;
+/// (`EXEC (...)` accepts only variables and literals, hence `@ddl`.)
+pub(crate) const LOCK_AND_CREATE_SCHEMA: &str = "DECLARE @r int, @ddl nvarchar(300);
 EXEC @r = sp_getapplock @Resource = @P1, @LockMode = 'Exclusive', @LockOwner = 'Transaction', @LockTimeout = 60000;
-IF @r < 0 THROW 51000, 'outbox migrate: could not take the migration lock within 60 s', 1;
-IF SCHEMA_ID(@P2) IS NULL EXEC (N'CREATE SCHEMA ' + QUOTENAME(@P2));";
+IF @r < 0
+BEGIN
+    RAISERROR (N'outbox migrate: could not take the migration lock within 60 s', 16, 1);
+    RETURN;
+END;
+IF SCHEMA_ID(@P2) IS NULL
+BEGIN
+    SET @ddl = N'CREATE SCHEMA ' + QUOTENAME(@P2);
+    EXEC (@ddl);
+END;";
 
 /// The migration's batches with `{schema}` replaced by the bracket-quoted schema:
 /// the text split at lines holding only `GO` (any case, surrounding blanks ignored),
@@ -107,7 +116,10 @@ pub async fn migrate(pool: &MssqlPool, schema: &str) -> Result<Vec<i32>, OutboxE
             .into_row()
             .await
             .map_err(db("migrate"))?
-            .and_then(|row| row.get::<i32, _>(0));
+            .map(|row| row.try_get::<i32, _>(0))
+            .transpose()
+            .map_err(db("migrate"))?
+            .flatten();
         if let Some(newest) = newest.filter(|v| *v > LATEST_VERSION) {
             // The connection is still in flight: dropping it rolls back.
             return Err(OutboxError::Config(format!(
@@ -203,6 +215,10 @@ mod tests {
     fn the_lock_statement_is_parameterised() {
         assert!(LOCK_AND_CREATE_SCHEMA.contains("@Resource = @P1"));
         assert!(LOCK_AND_CREATE_SCHEMA.contains("QUOTENAME(@P2)"));
+        assert!(
+            LOCK_AND_CREATE_SCHEMA.contains("EXEC (@ddl)"),
+            "EXEC (...) takes no function calls"
+        );
         assert!(LOCK_AND_CREATE_SCHEMA.contains("@LockOwner = 'Transaction'"));
     }
 }

@@ -142,8 +142,8 @@ UPDATE m
        m.claim_token = @P3,
        m.attempts = m.attempts + 1
 OUTPUT {output}
-  FROM {table} AS m WITH (ROWLOCK)
-  INNER JOIN picked AS p ON p.id = m.id
+  FROM picked AS p
+ INNER LOOP JOIN {table} AS m WITH (ROWLOCK, FORCESEEK) ON m.id = p.id
  WHERE {recheck};"
     )
 }
@@ -243,8 +243,8 @@ UPDATE m
        m.claim_token = @P3,
        m.attempts = m.attempts + 1
 OUTPUT {output}
-  FROM {table} AS m WITH (ROWLOCK)
-  INNER JOIN @claim AS c ON c.id = m.id;
+  FROM @claim AS c
+ INNER LOOP JOIN {table} AS m WITH (ROWLOCK, FORCESEEK) ON m.id = c.id;
 COMMIT TRANSACTION;"
     )
 }
@@ -348,15 +348,14 @@ impl Queries {
                         m.lease_until = NULL,
                         m.claim_token = NULL
                  OUTPUT inserted.id
-                   FROM {t} AS m WITH (ROWLOCK)
-                  INNER JOIN OPENJSON(@P1) WITH (
+                   FROM OPENJSON(@P1) WITH (
                         id uniqueidentifier '$.id',
                         token uniqueidentifier '$.token',
                         status smallint '$.status',
                         delay_ms bigint '$.delay_ms',
                         error nvarchar(max) '$.error',
                         release bit '$.release') AS u
-                     ON m.id = u.id
+                  INNER LOOP JOIN {t} AS m WITH (ROWLOCK, FORCESEEK) ON m.id = u.id
                   WHERE m.claim_token = u.token AND m.status = 9;"
             )),
             get: s(format!("SELECT {cols_m} FROM {t} AS m WHERE m.id = @P1")),
@@ -555,14 +554,13 @@ impl InboxQueries {
                         m.lease_until = NULL,
                         m.claim_token = NULL
                  OUTPUT inserted.id
-                   FROM {t} AS m WITH (ROWLOCK)
-                  INNER JOIN OPENJSON(@P1) WITH (
+                   FROM OPENJSON(@P1) WITH (
                         id uniqueidentifier '$.id',
                         token uniqueidentifier '$.token',
                         kind smallint '$.kind',
                         delay_ms bigint '$.delay_ms',
                         error nvarchar(max) '$.error') AS u
-                     ON m.id = u.id
+                  INNER LOOP JOIN {t} AS m WITH (ROWLOCK, FORCESEEK) ON m.id = u.id
                   WHERE m.claim_token = u.token AND m.status = 9;"
             )),
             purge_processed: s(format!(
@@ -675,6 +673,10 @@ mod tests {
             assert!(sql.contains("m.attempts = m.attempts + 1"), "{name}");
             assert!(sql.contains("OUTPUT inserted.id"), "{name}");
             assert!(
+                sql.contains("INNER LOOP JOIN") && sql.contains("WITH (ROWLOCK, FORCESEEK)"),
+                "{name}: the update seeks the picked rows, never scans into rows others hold"
+            );
+            assert!(
                 sql.contains(&plus_ms("@now", "@P2")),
                 "{name}: lease = server now + duration"
             );
@@ -710,7 +712,9 @@ mod tests {
                 sql.contains("SELECT TOP (@P1) id FROM @runs ORDER BY rn, n;"),
                 "at most batch_size in total, filled in waves"
             );
-            assert!(sql.contains("INNER JOIN @claim AS c ON c.id = m.id"));
+            assert!(sql.contains(
+                "INNER LOOP JOIN [outbox].outbox_messages AS m WITH (ROWLOCK, FORCESEEK) ON m.id = c.id;"
+            ));
         }
         assert!(!q.claim_ordered_skip.contains("IN (0, 3, 9)"));
     }
@@ -876,5 +880,51 @@ mod tests {
     fn like_patterns_are_escaped() {
         assert_eq!(like_escape("50%_[x]\\"), "50\\%\\_\\[x]\\\\");
         assert!(FILTER.contains("ESCAPE N'\\'"));
+    }
+}
+
+#[cfg(test)]
+mod tests_support {
+    pub(super) fn all<'a>(
+        q: &'a super::Queries,
+        iq: &'a super::InboxQueries,
+    ) -> Vec<(&'static str, &'a str)> {
+        vec![
+            ("enqueue", &*q.enqueue),
+            ("claim", &*q.claim),
+            ("claim_ordered_block", &*q.claim_ordered_block),
+            ("blocked_keys", &*q.blocked_keys),
+            ("complete", &*q.complete),
+            ("get", &*q.get),
+            ("stats", &*q.stats),
+            ("dead_letters", &*q.dead_letters),
+            ("replay_count", &*q.replay_count),
+            ("replay", &*q.replay),
+            ("purge_sent", &*q.purge_sent),
+            ("inbox_claim", &*q.inbox_claim),
+            ("inbox_purge", &*q.inbox_purge),
+            ("version_get", &*iq.version_get),
+            ("version_set", &*iq.version_set),
+            ("failure", &*iq.failure),
+            ("is_dead", &*iq.is_dead),
+            ("inbox_dead_letters", &*iq.dead_letters),
+            ("store", &*iq.store),
+            ("inbox_claim_stored", &*iq.claim),
+            ("inbox_complete", &*iq.complete),
+            ("purge_processed", &*iq.purge_processed),
+        ]
+    }
+}
+
+#[cfg(test)]
+mod dump {
+    #[test]
+    #[ignore = "prints the rendered SQL for review"]
+    fn dump_sql() {
+        let q = super::Queries::new("outbox");
+        let iq = super::InboxQueries::new("outbox");
+        for (name, sql) in super::tests_support::all(&q, &iq) {
+            println!("-- ===== {name}\n{sql}\nGO\n");
+        }
     }
 }
