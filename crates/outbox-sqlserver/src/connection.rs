@@ -16,10 +16,13 @@ pub type MssqlClient = tiberius::Client<Compat<TcpStream>>;
 
 /// Session options set on every new connection: the ANSI settings that filtered indexes
 /// and indexed computed columns require for any write to the table (tiberius logs in
-/// as an ODBC client, which sets most of them already), and `XACT_ABORT ON` so that a
-/// failed statement rolls back its whole transaction instead of leaving it half-done.
+/// as an ODBC client, which sets most of them already), `XACT_ABORT ON` so that a
+/// failed statement rolls back its whole transaction instead of leaving it half-done,
+/// and `NOCOUNT OFF` against a server whose `user options` turn row counts off (the
+/// statements whose counts matter read `@@ROWCOUNT` or `OUTPUT` rows anyway).
 pub(crate) const SESSION_SETUP: &str = "SET ANSI_NULLS, ANSI_PADDING, ANSI_WARNINGS, ARITHABORT, \
-    CONCAT_NULL_YIELDS_NULL, QUOTED_IDENTIFIER ON; SET NUMERIC_ROUNDABORT OFF; SET XACT_ABORT ON;";
+    CONCAT_NULL_YIELDS_NULL, QUOTED_IDENTIFIER ON; SET NUMERIC_ROUNDABORT OFF; SET XACT_ABORT ON; \
+    SET NOCOUNT OFF;";
 
 /// A pooled connection: the client plus a flag saying whether it may be reused.
 ///

@@ -75,20 +75,23 @@ impl MssqlInbox {
         Ok(results.into_iter().flatten().collect())
     }
 
-    async fn execute(
+    /// Runs `sql` (which ends with `SELECT @@ROWCOUNT AS affected`) with `params`;
+    /// returns that count.
+    async fn affected(
         &self,
         operation: &'static str,
         sql: &str,
         params: &[&dyn ToSql],
     ) -> Result<u64, OutboxError> {
-        let mut conn = self.pool.checkout(operation).await?;
-        let affected = conn
-            .execute(sql, params)
-            .await
+        let rows = self.rows(operation, sql, params).await?;
+        let count = rows
+            .last()
+            .map(|row| row.try_get::<i64, _>("affected"))
+            .transpose()
             .map_err(db(operation))?
-            .total();
-        conn.settle();
-        Ok(affected)
+            .flatten()
+            .unwrap_or(0);
+        Ok(u64::try_from(count).unwrap_or(0))
     }
 }
 
@@ -130,16 +133,23 @@ impl InboxStore for MssqlInbox {
         consumer: &str,
     ) -> Result<bool, OutboxError> {
         non_empty_consumer(consumer)?;
+        // Counted from OUTPUT rows, not the DONE token: the caller's session may run
+        // with SET NOCOUNT ON, which would make every claim look like a duplicate.
         let inserted = conn
-            .execute(&*self.q.inbox_claim, &[&message_id, &consumer])
+            .query(&*self.q.inbox_claim, &[&message_id, &consumer])
             .await
             .map_err(db("inbox_claim"))?
-            .total();
+            .into_results()
+            .await
+            .map_err(db("inbox_claim"))?
+            .into_iter()
+            .flatten()
+            .count();
         Ok(inserted == 1)
     }
 
     async fn purge(&self, older_than: Duration, batch_size: usize) -> Result<u64, OutboxError> {
-        self.execute(
+        self.affected(
             "inbox_purge",
             &self.q.inbox_purge,
             &[&millis(older_than), &limit(batch_size)],
@@ -345,8 +355,9 @@ impl DurableInbox for MssqlInbox {
         let headers = serde_json::to_string(&msg.headers).unwrap_or_else(|_| "{}".into());
         let occurred = msg.occurred_at.map(|t| t.naive_utc());
         let traceparent = msg.traceparent.map(|t| t.to_string());
+        // `OUTPUT inserted.id` yields a row only when the message was new.
         let inserted = self
-            .execute(
+            .rows(
                 "inbox_store",
                 &self.iq.store,
                 &[
@@ -368,7 +379,7 @@ impl DurableInbox for MssqlInbox {
                 ],
             )
             .await?;
-        Ok(inserted == 1)
+        Ok(inserted.len() == 1)
     }
 
     async fn claim(
@@ -439,7 +450,7 @@ impl DurableInbox for MssqlInbox {
         older_than: Duration,
         batch_size: usize,
     ) -> Result<u64, OutboxError> {
-        self.execute(
+        self.affected(
             "inbox_purge_processed",
             &self.iq.purge_processed,
             &[&millis(older_than), &limit(batch_size)],

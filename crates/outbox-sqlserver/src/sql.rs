@@ -95,6 +95,11 @@ fn claimable(a: &str) -> String {
     )
 }
 
+/// Appended to statements whose caller needs the number of rows they changed: read
+/// from `@@ROWCOUNT`, not from the DONE token's count, which a session with
+/// `SET NOCOUNT ON` (e.g. through the server's `user options`) leaves empty.
+const AFFECTED: &str = "SELECT CAST(@@ROWCOUNT AS bigint) AS affected;";
+
 /// The optional-filter predicate shared by dead-letter listing and replay
 /// (`@P1` ids as a JSON array, `@P2` from, `@P3` to, `@P4` tenant, `@P5` aggregate type,
 /// `@P6` aggregate id, `@P7` event type, `@P8` error text, LIKE-escaped with `\`).
@@ -382,7 +387,8 @@ impl Queries {
                     SET m.status = 0, m.attempts = 0, m.visible_at = SYSUTCDATETIME(),
                         m.lease_until = NULL, m.claim_token = NULL
                    FROM {t} AS m
-                  WHERE {FILTER} OPTION (RECOMPILE)"
+                  WHERE {FILTER} OPTION (RECOMPILE);
+                 {AFFECTED}"
             )),
             // Small batches, skipping rows others hold, so retention never blocks the
             // relay. `@P1` age in ms, `@P2` batch size.
@@ -391,7 +397,8 @@ impl Queries {
                      SELECT TOP (@P2) m.id FROM {t} AS m WITH (ROWLOCK, READPAST)
                       WHERE m.status = 1 AND m.sent_at <= {sent_cutoff}
                       ORDER BY m.sent_at)
-                 DELETE FROM d"
+                 DELETE FROM d;
+                 {AFFECTED}"
             )),
             // Plain MERGE is not atomic: two sessions can both see "not matched" and
             // both insert (one then fails on the key). HOLDLOCK (serializable) keeps a
@@ -402,14 +409,16 @@ impl Queries {
                  USING (SELECT @P1 AS message_id, @P2 AS consumer) AS s
                     ON r.message_id = s.message_id AND r.consumer = s.consumer
                  WHEN NOT MATCHED THEN
-                     INSERT (message_id, consumer) VALUES (s.message_id, s.consumer);"
+                     INSERT (message_id, consumer) VALUES (s.message_id, s.consumer)
+                 OUTPUT inserted.message_id;"
             )),
             inbox_purge: s(format!(
                 "WITH d AS (
                      SELECT TOP (@P2) r.message_id FROM {inbox} AS r WITH (ROWLOCK, READPAST)
                       WHERE r.processed_at <= {sent_cutoff}
                       ORDER BY r.processed_at)
-                 DELETE FROM d"
+                 DELETE FROM d;
+                 {AFFECTED}"
             )),
         }
     }
@@ -533,6 +542,7 @@ impl InboxQueries {
                 "INSERT INTO {t} (id, event_type, source, aggregate_type, aggregate_id,
                      aggregate_version, tenant_id, partition_key, correlation_id, causation_id,
                      occurred_at, traceparent, tracestate, headers, payload)
+                 OUTPUT inserted.id
                  SELECT @P1, @P2, @P3, @P4, @P5, @P6, @P7, @P8, @P9, @P10, @P11, @P12, @P13,
                         @P14, @P15
                   WHERE NOT EXISTS (SELECT 1 FROM {t} AS x WITH (UPDLOCK, HOLDLOCK)
@@ -568,7 +578,8 @@ impl InboxQueries {
                      SELECT TOP (@P2) m.id FROM {t} AS m WITH (ROWLOCK, READPAST)
                       WHERE m.status = 1 AND m.processed_at <= {cutoff}
                       ORDER BY m.processed_at)
-                 DELETE FROM d"
+                 DELETE FROM d;
+                 {AFFECTED}"
             )),
         }
     }
@@ -741,6 +752,22 @@ mod tests {
                 rest = &rest[at + 9..];
             }
         }
+    }
+
+    #[test]
+    fn row_counts_do_not_depend_on_nocount() {
+        let q = Queries::new("outbox");
+        let iq = InboxQueries::new("outbox");
+        for (name, sql) in [
+            ("replay", &*q.replay),
+            ("purge_sent", &*q.purge_sent),
+            ("inbox_purge", &*q.inbox_purge),
+            ("purge_processed", &*iq.purge_processed),
+        ] {
+            assert!(sql.trim_end().ends_with(AFFECTED), "{name}");
+        }
+        assert!(q.inbox_claim.contains("OUTPUT inserted.message_id"));
+        assert!(iq.store.contains("OUTPUT inserted.id"));
     }
 
     #[test]

@@ -171,21 +171,23 @@ impl MssqlOutbox {
         Ok(results.into_iter().flatten().collect())
     }
 
-    /// Runs `sql` with `params` on a pooled connection; returns the rows affected.
-    async fn execute(
+    /// Runs `sql` (which ends with `SELECT @@ROWCOUNT AS affected`) with `params`;
+    /// returns that count.
+    async fn affected(
         &self,
         operation: &'static str,
         sql: &str,
         params: &[&dyn ToSql],
     ) -> Result<u64, OutboxError> {
-        let mut conn = self.pool.checkout(operation).await?;
-        let affected = conn
-            .execute(sql, params)
-            .await
+        let rows = self.rows(operation, sql, params).await?;
+        let count = rows
+            .last()
+            .map(|row| row.try_get::<i64, _>("affected"))
+            .transpose()
             .map_err(db(operation))?
-            .total();
-        conn.settle();
-        Ok(affected)
+            .flatten()
+            .unwrap_or(0);
+        Ok(u64::try_from(count).unwrap_or(0))
     }
 }
 
@@ -543,7 +545,7 @@ impl OutboxStore for MssqlOutbox {
         let replayed = if dry_run {
             0
         } else {
-            self.execute("replay", &self.q.replay, &f.params()).await?
+            self.affected("replay", &self.q.replay, &f.params()).await?
         };
         Ok(ReplayReport {
             matched,
@@ -562,7 +564,7 @@ impl OutboxStore for MssqlOutbox {
         older_than: Duration,
         batch_size: usize,
     ) -> Result<u64, OutboxError> {
-        self.execute(
+        self.affected(
             "purge_sent",
             &self.q.purge_sent,
             &[&millis(older_than), &limit(batch_size)],
