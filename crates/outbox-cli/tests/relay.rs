@@ -263,9 +263,10 @@ async fn relay_exports_metrics_and_a_replayed_message_stays_single() {
         );
     }
     assert!(
-        body.contains(
-            "outbox_publish_failures_total{kind=\"permanent\",event_type=\"Unroutable\"}"
-        ),
+        body.lines()
+            .any(|l| l.starts_with("outbox_publish_failures_total{")
+                && l.contains("kind=\"permanent\"")
+                && l.contains("event_type=\"Unroutable\"")),
         "{body}"
     );
     assert!(
