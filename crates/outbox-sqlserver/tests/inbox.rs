@@ -240,3 +240,104 @@ async fn a_dropped_transaction_rolls_back_its_enqueue() {
     let row = outbox.get(event.id).await.expect("get").expect("row");
     assert_eq!(row.payload.get(), "{}");
 }
+
+/// Writes a projection row on the consumer's transaction (the inbox crate's handler
+/// contract: every effect through `conn`).
+struct Project {
+    table: String,
+    fail: bool,
+}
+
+#[async_trait::async_trait]
+impl inbox::Handler<MssqlInbox> for Project {
+    async fn handle(
+        &self,
+        conn: &mut outbox_sqlserver::MssqlClient,
+        msg: &IncomingMessage,
+        _ctx: &inbox::HandlerContext,
+    ) -> Result<(), inbox::HandlerError> {
+        conn.execute(
+            format!("INSERT INTO {} (id) VALUES (@P1)", self.table),
+            &[&msg.id],
+        )
+        .await
+        .map_err(inbox::HandlerError::retryable)?;
+        if self.fail {
+            return Err(inbox::HandlerError::retryable(std::io::Error::other(
+                "handler failed after writing",
+            )));
+        }
+        Ok(())
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_inbox_crate_consumer_applies_a_message_once() {
+    use std::sync::Arc;
+
+    use outbox_core::HandlerDecision;
+
+    let Some(url) = common::mssql_url("the_inbox_crate_consumer_applies_a_message_once") else {
+        return;
+    };
+    let outbox = common::fresh_outbox(&url).await;
+    let table = format!("[{}].projection", outbox.schema());
+    let mut conn = outbox.pool().get().await.expect("conn");
+    conn.simple_query(format!(
+        "CREATE TABLE {table} (id uniqueidentifier PRIMARY KEY)"
+    ))
+    .await
+    .expect("create")
+    .into_results()
+    .await
+    .expect("create");
+    drop(conn);
+    let store = Arc::new(MssqlInbox::new(outbox.pool().clone(), outbox.schema()).expect("inbox"));
+    let consumer = inbox::IdempotentConsumer::new(
+        Arc::clone(&store),
+        inbox::Pipeline::new().on(
+            "OrderPlaced",
+            "projection",
+            Project {
+                table: table.clone(),
+                fail: false,
+            },
+        ),
+    );
+    let msg = IncomingMessage::new(Uuid::now_v7(), "OrderPlaced", b"{}".to_vec());
+    assert_eq!(consumer.process(&msg).await, HandlerDecision::Ack);
+    assert_eq!(
+        consumer.process(&msg).await,
+        HandlerDecision::Ack,
+        "the duplicate is acked without a second effect"
+    );
+
+    let failing = inbox::IdempotentConsumer::new(
+        Arc::clone(&store),
+        inbox::Pipeline::new().on(
+            "OrderPlaced",
+            "failing",
+            Project {
+                table: table.clone(),
+                fail: true,
+            },
+        ),
+    );
+    let other = IncomingMessage::new(Uuid::now_v7(), "OrderPlaced", b"{}".to_vec());
+    assert_eq!(failing.process(&other).await, HandlerDecision::Requeue);
+
+    let mut conn = outbox.pool().get().await.expect("conn");
+    let rows = conn
+        .simple_query(format!("SELECT COUNT_BIG(*) FROM {table}"))
+        .await
+        .expect("count")
+        .into_row()
+        .await
+        .expect("count")
+        .and_then(|row| row.try_get::<i64, _>(0).ok().flatten());
+    assert_eq!(
+        rows,
+        Some(1),
+        "one effect for the duplicate pair, none for the rolled-back failure"
+    );
+}
