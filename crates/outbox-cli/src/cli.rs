@@ -128,7 +128,7 @@ pub struct RelayArgs {
     #[arg(long, env = "OUTBOX_TRANSPORT", value_enum)]
     pub transport: Option<TransportKind>,
 
-    /// Broker URL (amqp[s]://user:password@host:port/vhost or nats://host:port)
+    /// Broker URL (amqp:// or amqps://user:password@host:port/vhost, or nats://host:port)
     /// [default: AMQP_URL or NATS_URL, else the local broker].
     #[arg(
         long,
@@ -142,7 +142,7 @@ pub struct RelayArgs {
     #[arg(long, env = "OUTBOX_EXCHANGE", value_name = "NAME")]
     pub exchange: Option<String>,
 
-    /// NATS: subject prefix; the subject is PREFIX.<routing key or event type>
+    /// NATS: subject prefix; the subject is PREFIX.{routing key or event type}
     /// [default: outbox.events].
     #[arg(long, env = "OUTBOX_SUBJECT_PREFIX", value_name = "PREFIX")]
     pub subject_prefix: Option<String>,
