@@ -17,6 +17,8 @@
 //!   aggregate; a stale message is skipped or delivered flagged ([`StalePolicy`]).
 //! - [`Retention`]: purges in batches, and warns when the dedup window is shorter than
 //!   the redelivery or replay horizon.
+//! - [`metrics`]: what the consumers record (processed, duplicates, dead, handler and
+//!   end-to-end latency) through the `metrics` facade.
 //!
 //! ```no_run
 //! use std::sync::Arc;

@@ -15,6 +15,8 @@
 //! - the [`wire`] format shared by the transports (CloudEvents binary mode, W3C Trace
 //!   Context);
 //! - the [`domain`] events helper;
+//! - the [`metrics`] the dispatcher records (names, units, labels), through the
+//!   `metrics` facade;
 //! - with the `conformance` feature, the store conformance suite every backend runs.
 //!
 //! Backends (`outbox-postgres`) write messages in the caller's transaction; transports
