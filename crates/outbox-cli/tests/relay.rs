@@ -322,3 +322,53 @@ async fn healthz_fails_when_the_broker_is_unreachable() {
     .expect("row");
     assert_eq!((status, attempts), (0, 0));
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn relay_over_nats_jetstream() {
+    let db = fresh_outbox().await;
+    let id = Uuid::new_v4().simple().to_string();
+    let (stream, prefix) = (format!("TEST_{id}"), format!("test.{id}"));
+    let nats_url = std::env::var("NATS_URL").unwrap_or_else(|_| "nats://127.0.0.1:4222".into());
+    let config = transport_nats::NatsConfig::builder(&nats_url)
+        .with_subject_prefix(&prefix)
+        .build()
+        .expect("config");
+    transport_nats::StreamSetup::for_config(&stream, &config)
+        .with_storage(transport_nats::Storage::Memory)
+        .apply(&config)
+        .await
+        .expect("stream");
+    let msgs: Vec<_> = (0..3)
+        .map(|i| message("OrderPlaced", "acme", &i.to_string()))
+        .collect();
+    enqueue(&db, &msgs).await;
+    let mut s = settings(&db, &nats_url, "unused");
+    s.transport = TransportKind::Nats;
+    s.subject_prefix = prefix;
+    let stop = CancellationToken::new();
+    let relay = Relay::start(&s, stop.clone()).await.expect("relay starts");
+    let sent = eventually(Duration::from_secs(30), || {
+        let db = db.clone();
+        async move {
+            scalar(
+                &db,
+                "SELECT count(*) FROM {s}.outbox_messages WHERE status = 1",
+            )
+            .await
+                == 3
+        }
+    })
+    .await;
+    let health = http_get(relay.local_addr(), "/healthz").await;
+    stop.cancel();
+    let stats = relay.wait().await.expect("graceful stop");
+    let client = transport_nats::async_nats::connect(&nats_url)
+        .await
+        .expect("connect");
+    let _ = transport_nats::async_nats::jetstream::new(client)
+        .delete_stream(&stream)
+        .await;
+    assert!(sent, "published with PubAck: {stats:?}");
+    assert_eq!(stats.published, 3);
+    assert!(health.1.contains("\"broker_reachable\""), "{health:?}");
+}
