@@ -158,20 +158,23 @@ OUTPUT {output}
 /// its key: `0, 3, 9` under `OnDead::Block`, `0, 9` under `OnDead::Skip`.
 ///
 /// 1. Candidate heads: claimable rows with no earlier unfinished row of their key,
-///    oldest `(visible_at, seq)` first, at most `@P1`, read `WITH (NOLOCK)`: this never
-///    waits, and a row another transaction is writing (an uncommitted enqueue, a claim
-///    in flight) at worst makes a key look busy or its head fail the lock below, so the
-///    key is skipped this time; it is never taken early.
-/// 2. For each candidate key: lock the head `WITH (ROWLOCK, UPDLOCK, READPAST)` and
-///    re-check under the lock that it is still claimable (a key whose head another
-///    claimer holds is skipped); re-check that nothing earlier became unfinished; lock
-///    the key's claimable rows from the head on, in `seq` order; cut the run at the
-///    first unfinished row of the key (seen `WITH (NOLOCK)`) that is not among them, so
-///    the run is consecutive even when a row was skipped as locked.
-/// 3. Fill the batch in waves: the runs' first rows (keys oldest first), then their
-///    second rows, ..., at most `@P1` in total, so every key gets a prefix of its run.
-/// 4. Update those rows to Processing (`OUTPUT` them) and commit. Locks taken on rows
-///    that did not make the batch are released at the commit.
+///    oldest `(visible_at, seq)` first, up to `4 × @P1` (so that keys other claimers
+///    hold right now still leave enough to fill the batch), read `WITH (NOLOCK)`: this
+///    never waits, and a row another transaction is writing (an uncommitted enqueue, a
+///    claim in flight) at worst makes a key look busy or its head fail the lock below,
+///    so the key is skipped this time; it is never taken early.
+/// 2. Heads, until `@P1` keys are held: lock the head `WITH (ROWLOCK, UPDLOCK,
+///    READPAST)` and re-check under the lock that it is still claimable (a key whose
+///    head another claimer holds is skipped), then that nothing earlier became
+///    unfinished. The head lock is the key's mutex.
+/// 3. Runs, at most `ceil(@P1 / keys held)` rows per key: lock the key's claimable rows
+///    from the head on, in `seq` order; cut the run at the first unfinished row of the
+///    key (seen `WITH (NOLOCK)`) that is not among them, so the run is consecutive even
+///    when a row was skipped as locked.
+/// 4. Fill the batch in waves (every run's first row, keys oldest first, then every
+///    run's second row, ...), at most `@P1`, so each key gets a prefix of its run;
+///    update those rows to Processing, `OUTPUT` them and commit. Locks on rows that did
+///    not make the batch end with the transaction.
 ///
 /// `@P1` batch size, `@P2` lease in ms, `@P3` claim token.
 fn claim_ordered_statement(table: &str, output: &str, unfinished: &str) -> String {
@@ -190,23 +193,26 @@ fn claim_ordered_statement(table: &str, output: &str, unfinished: &str) -> Strin
         "SET NOCOUNT ON;
 SET XACT_ABORT ON;
 DECLARE @now datetime2(7) = SYSUTCDATETIME();
-DECLARE @keys TABLE (n int IDENTITY(1, 1) PRIMARY KEY, order_hash binary(32) NOT NULL, head_seq bigint NOT NULL);
+DECLARE @scan bigint = CASE WHEN @P1 > 1000000 THEN @P1 ELSE @P1 * 4 END;
+DECLARE @candidates TABLE (n int IDENTITY(1, 1) PRIMARY KEY, order_hash binary(32) NOT NULL, head_seq bigint NOT NULL);
+DECLARE @heads TABLE (n int PRIMARY KEY, order_hash binary(32) NOT NULL, head_seq bigint NOT NULL);
 DECLARE @run TABLE (seq bigint PRIMARY KEY, id uniqueidentifier NOT NULL);
 DECLARE @runs TABLE (rn bigint NOT NULL, n int NOT NULL, id uniqueidentifier NOT NULL, PRIMARY KEY (rn, n));
 DECLARE @claim TABLE (id uniqueidentifier PRIMARY KEY);
 DECLARE @i int = 0, @n int, @k binary(32), @head bigint, @got bigint, @stop bigint;
+DECLARE @held bigint = 0, @per bigint;
 BEGIN TRANSACTION;
-INSERT INTO @keys (order_hash, head_seq)
+INSERT INTO @candidates (order_hash, head_seq)
 SELECT h.order_hash, MIN(h.seq) FROM (
-    SELECT TOP (@P1) c.order_hash, c.seq, c.visible_at FROM (
+    SELECT TOP (@scan) c.order_hash, c.seq, c.visible_at FROM (
         SELECT f.order_hash, f.seq, f.visible_at FROM (
-            SELECT TOP (@P1) r.order_hash, r.seq, r.visible_at
+            SELECT TOP (@scan) r.order_hash, r.seq, r.visible_at
               FROM {table} AS r WITH (NOLOCK)
              WHERE r.status = 0 AND r.visible_at <= @now AND {no_earlier_r}
              ORDER BY r.visible_at, r.seq) AS f
         UNION ALL
         SELECT x.order_hash, x.seq, x.visible_at FROM (
-            SELECT TOP (@P1) r.order_hash, r.seq, r.visible_at
+            SELECT TOP (@scan) r.order_hash, r.seq, r.visible_at
               FROM {table} AS r WITH (NOLOCK)
              WHERE r.status = 9 AND r.lease_until < @now AND {no_earlier_r}
              ORDER BY r.lease_until) AS x
@@ -215,11 +221,11 @@ SELECT h.order_hash, MIN(h.seq) FROM (
 ) AS h
 GROUP BY h.order_hash
 ORDER BY MIN(h.visible_at), MIN(h.seq);
-SELECT @n = COUNT(*) FROM @keys;
-WHILE @i < @n
+SELECT @n = COUNT(*) FROM @candidates;
+WHILE @i < @n AND @held < @P1
 BEGIN
     SET @i += 1;
-    SELECT @k = order_hash, @head = head_seq FROM @keys WHERE n = @i;
+    SELECT @k = order_hash, @head = head_seq FROM @candidates WHERE n = @i;
     SET @got = NULL;
     SELECT @got = h.seq
       FROM {table} AS h WITH (ROWLOCK, UPDLOCK, READPAST)
@@ -228,9 +234,20 @@ BEGIN
     IF EXISTS (SELECT 1 FROM {table} AS e WITH (NOLOCK)
                 WHERE e.order_hash = @k AND e.seq < @head AND e.status IN ({unfinished}))
         CONTINUE;
+    INSERT INTO @heads (n, order_hash, head_seq) VALUES (@i, @k, @head);
+    SET @held += 1;
+END;
+SET @per = CASE WHEN @held = 0 THEN 0 ELSE (@P1 + @held - 1) / @held END;
+SET @i = 0;
+WHILE @i < @n
+BEGIN
+    SET @i += 1;
+    SET @k = NULL;
+    SELECT @k = order_hash, @head = head_seq FROM @heads WHERE n = @i;
+    IF @k IS NULL CONTINUE;
     DELETE FROM @run;
     INSERT INTO @run (seq, id)
-    SELECT TOP (@P1) r.seq, r.id
+    SELECT TOP (@per) r.seq, r.id
       FROM {table} AS r WITH (ROWLOCK, UPDLOCK, READPAST)
      WHERE r.order_hash = @k AND r.seq >= @head AND {claimable_r}
      ORDER BY r.seq;
@@ -313,26 +330,33 @@ impl Queries {
             claim_ordered_block: s(claim_ordered_statement(&t, &cols_out, "0, 3, 9")),
             claim_ordered_skip: s(claim_ordered_statement(&t, &cols_out, "0, 9")),
             // Keys whose head (first unfinished row, Dead included) is Dead or waiting
-            // out a retry backoff, longest blocked first. `@P1` limit.
+            // out a retry backoff, longest blocked first (never-failed heads last).
+            // Candidates: keys with a Dead row, and keys with a retried New row not yet
+            // visible (the claim_new index's future range); each key's head is one seek
+            // on the key index. `waiting` counts the key's pending (New or Processing)
+            // rows behind the head, as the PostgreSQL backend does. `@P1` limit.
             blocked_keys: s(format!(
-                "WITH heads AS (
-                     SELECT m.order_key, m.order_hash, m.id, m.seq, m.status, m.attempts,
-                            m.last_error, m.first_failed_at, m.visible_at, m.created_at,
-                            ROW_NUMBER() OVER (PARTITION BY m.order_hash ORDER BY m.seq) AS rn
-                       FROM {t} AS m
-                      WHERE m.status IN (0, 3, 9)
-                 )
-                 SELECT TOP (@P1) h.order_key, h.id, h.seq, h.status, h.attempts, h.last_error,
+                "SELECT TOP (@P1) h.order_key, h.id, h.seq, h.status, h.attempts, h.last_error,
                         h.first_failed_at,
                         CASE WHEN h.status = 0 THEN h.visible_at END AS retry_at,
                         (SELECT COUNT_BIG(*) FROM {t} AS w
-                          WHERE w.order_hash = h.order_hash AND w.seq > h.seq
-                            AND w.status IN (0, 3, 9)) AS waiting
-                   FROM heads AS h
-                  WHERE h.rn = 1
-                    AND (h.status = 3
-                         OR (h.status = 0 AND h.visible_at > SYSUTCDATETIME() AND h.attempts > 0))
-                  ORDER BY COALESCE(h.first_failed_at, h.created_at), h.seq"
+                          WHERE w.order_hash = h.order_hash AND w.status IN (0, 9)
+                            AND w.seq > h.seq) AS waiting
+                   FROM (SELECT d.order_hash FROM {t} AS d WHERE d.status = 3
+                         UNION
+                         SELECT f.order_hash FROM {t} AS f
+                          WHERE f.status = 0 AND f.visible_at > SYSUTCDATETIME()
+                            AND f.attempts > 0) AS k
+                  CROSS APPLY (
+                        SELECT TOP (1) p.order_key, p.order_hash, p.id, p.seq, p.status,
+                               p.attempts, p.last_error, p.first_failed_at, p.visible_at
+                          FROM {t} AS p
+                         WHERE p.order_hash = k.order_hash AND p.status IN (0, 3, 9)
+                         ORDER BY p.seq) AS h
+                  WHERE h.status = 3
+                     OR (h.status = 0 AND h.attempts > 0 AND h.visible_at > SYSUTCDATETIME())
+                  ORDER BY CASE WHEN h.first_failed_at IS NULL THEN 1 ELSE 0 END,
+                           h.first_failed_at, h.seq"
             )),
             // Completion of a whole batch (`@P1`, a JSON array), each row fenced by its
             // claim token and by `status = 9` (Processing → * enforced in SQL).
@@ -728,6 +752,29 @@ mod tests {
             ));
         }
         assert!(!q.claim_ordered_skip.contains("IN (0, 3, 9)"));
+        let sql = &*q.claim_ordered_block;
+        assert!(
+            sql.contains("WHILE @i < @n AND @held < @P1"),
+            "at most @P1 keys held"
+        );
+        assert!(
+            sql.contains(
+                "SET @per = CASE WHEN @held = 0 THEN 0 ELSE (@P1 + @held - 1) / @held END;"
+            )
+        );
+        assert!(
+            sql.contains("SELECT TOP (@per) r.seq, r.id"),
+            "runs capped per key"
+        );
+        // The head is locked before its run, and both before the update.
+        let head = sql
+            .find("AS h WITH (ROWLOCK, UPDLOCK, READPAST)")
+            .unwrap_or(usize::MAX);
+        let run = sql
+            .find("AS r WITH (ROWLOCK, UPDLOCK, READPAST)")
+            .unwrap_or(0);
+        let update = sql.find("UPDATE m").unwrap_or(0);
+        assert!(head < run && run < update);
     }
 
     #[test]
