@@ -874,3 +874,87 @@ async fn claimable_wait_ignores_keys_blocked_by_design_in_ordered_mode() {
         .expect("query");
     assert!(secs(skip).is_some_and(|s| s >= 599), "{skip:?}");
 }
+
+/// A broker that is always reachable and never used.
+struct Reachable;
+
+#[async_trait]
+impl outbox_core::EventPublisher for Reachable {
+    async fn publish_batch(
+        &self,
+        messages: &[outbox_core::OutboxMessage],
+    ) -> Vec<outbox_core::PublishOutcome> {
+        messages
+            .iter()
+            .map(|_| outbox_core::PublishOutcome::Published)
+            .collect()
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn health_reports_a_stuck_relay_and_queue_lag() {
+    use outbox_cli::health::Health;
+    use std::time::Duration;
+    let db = fresh_outbox().await;
+    let health = Health::new(Duration::from_secs(300), Duration::from_secs(60), None);
+    assert!(!health.report().is_healthy(), "starting");
+    health
+        .check(&db, &Reachable, false, 0, Duration::from_secs(1))
+        .await;
+    let report = health.report();
+    assert!(report.is_healthy(), "{report:?}");
+    assert_eq!(report.pending, Some(0));
+
+    // A message claimable for 10 minutes that nobody claimed: stuck, and lagging.
+    enqueue(&db, &[message("OrderPlaced", "acme", "1")]).await;
+    exec(
+        &db,
+        "UPDATE {s}.outbox_messages SET visible_at = now() - interval '10 minutes', created_at = now() - interval '10 minutes'",
+    )
+    .await;
+    health
+        .check(&db, &Reachable, false, 0, Duration::from_secs(1))
+        .await;
+    let report = health.report();
+    assert_eq!(report.status, "unhealthy");
+    assert!(
+        report.reasons.iter().any(|r| r.starts_with("relay stuck")),
+        "{report:?}"
+    );
+    assert!(
+        report.reasons.iter().any(|r| r.starts_with("queue lag")),
+        "{report:?}"
+    );
+    // While the circuit is open, waiting is the broker's fault, not a stuck relay.
+    health
+        .check(&db, &Reachable, true, 0, Duration::from_secs(1))
+        .await;
+    let report = health.report();
+    assert!(
+        report.reasons.iter().all(|r| !r.starts_with("relay stuck")),
+        "{report:?}"
+    );
+    assert!(
+        report.reasons.iter().any(|r| r.contains("circuit open")),
+        "{report:?}"
+    );
+
+    // A message in a retry backoff is pending (lag) but not claimable (not stuck).
+    exec(
+        &db,
+        "UPDATE {s}.outbox_messages SET visible_at = now() + interval '1 hour'",
+    )
+    .await;
+    health
+        .check(&db, &Reachable, false, 0, Duration::from_secs(1))
+        .await;
+    let report = health.report();
+    assert!(
+        report.reasons.iter().all(|r| !r.starts_with("relay stuck")),
+        "{report:?}"
+    );
+    assert!(
+        report.reasons.iter().any(|r| r.starts_with("queue lag")),
+        "{report:?}"
+    );
+}
