@@ -186,7 +186,12 @@ impl MssqlConfig {
         })?;
         let mut text = raw.trim().to_owned();
         let jdbc = text.to_ascii_lowercase().starts_with("jdbc:sqlserver://");
-        if !jdbc && !text.to_ascii_lowercase().contains("server=") {
+        let squashed: String = text
+            .to_ascii_lowercase()
+            .chars()
+            .filter(|c| !c.is_whitespace())
+            .collect();
+        if !jdbc && !squashed.contains("server=") && !squashed.contains("datasource=") {
             return Err(OutboxError::Config(format!(
                 "SQL Server connection string {:?} names no server: expected \
                  `server=tcp:HOST,PORT;user=...;password=...` (ADO.NET) or \
@@ -398,6 +403,14 @@ mod tests {
         assert_eq!(
             jdbc.tiberius_config().expect("jdbc").get_addr(),
             "db.example:1444"
+        );
+        let data_source = MssqlConfig::new("Data Source=tcp:db,1433;User ID=sa;Password=pw");
+        assert_eq!(
+            data_source
+                .tiberius_config()
+                .expect("data source")
+                .get_addr(),
+            "db:1433"
         );
         for bad in ["", "postgres://x/y", "user=sa;password=hunter2"] {
             let err = MssqlConfig::new(bad).validate().expect_err(bad);
