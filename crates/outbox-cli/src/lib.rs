@@ -91,13 +91,17 @@ fn report(e: &CliError) -> ExitCode {
 }
 
 /// Installs the tracing subscriber: `format` on stderr (colours only on a terminal),
-/// level from `RUST_LOG` (default `info`, server notices at `warn`). Does nothing when one is installed already.
+/// level from `RUST_LOG` (default `info`; PostgreSQL notices at `warn`; lapin's
+/// returned-message warnings, which include the payload, off). Does nothing when one is installed already.
 pub fn init_logging(format: LogFormat) {
     use std::io::IsTerminal as _;
     use tracing_subscriber::EnvFilter;
-    // sqlx logs every server NOTICE (e.g. "schema already exists") at info.
-    let filter = EnvFilter::try_from_default_env()
-        .unwrap_or_else(|_| EnvFilter::new("info,sqlx::postgres::notice=warn"));
+    // sqlx logs every server NOTICE (e.g. "schema already exists") at info; lapin logs
+    // each returned (unroutable) message at warn with its body, and payloads must never
+    // reach the logs (the dispatcher logs the failure itself, without the payload).
+    let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| {
+        EnvFilter::new("info,sqlx::postgres::notice=warn,lapin::returned_messages=error")
+    });
     let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_ansi(std::io::stderr().is_terminal())

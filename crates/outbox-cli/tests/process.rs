@@ -134,6 +134,13 @@ fn bad_input_exits_with_code_2_and_says_why() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn relay_process_serves_health_and_stops_on_sigterm() {
     let db = fresh_outbox().await;
+    // Nothing is bound to the relay's exchange: this message is returned (unroutable)
+    // and dies; its payload must not reach the logs.
+    let secret = outbox_core::NewMessage::builder("card", "1", "CardAdded")
+        .payload_json(r#"{"pan":"4111111111111111"}"#)
+        .build()
+        .expect("valid");
+    common::enqueue(&db, std::slice::from_ref(&secret)).await;
     let port = {
         let l = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
         l.local_addr().expect("addr").port()
@@ -172,6 +179,19 @@ async fn relay_process_serves_health_and_stops_on_sigterm() {
     })
     .await;
     assert!(healthy, "relay did not become healthy");
+    let dead = common::eventually(Duration::from_secs(20), || {
+        let db = db.clone();
+        async move {
+            common::scalar(
+                &db,
+                "SELECT count(*) FROM {s}.outbox_messages WHERE status = 3",
+            )
+            .await
+                == 1
+        }
+    })
+    .await;
+    assert!(dead, "the unroutable message went Dead");
     let (status, body) = http_get(addr, "/metrics").await;
     assert_eq!(status, 200);
     assert!(body.contains("outbox_pending_messages"), "{body}");
@@ -198,6 +218,11 @@ async fn relay_process_serves_health_and_stops_on_sigterm() {
     }
     assert!(status.success(), "{status:?}: {err}");
     assert!(err.contains("SIGTERM received"), "{err}");
+    assert!(err.contains("permanent publish failure"), "{err}");
+    assert!(
+        !err.contains("4111111111111111") && !err.contains("BasicReturnMessage"),
+        "payloads never reach the logs: {err}"
+    );
     assert!(err.lines().any(|l| l.starts_with('{')), "JSON logs: {err}");
     let _ = std::fs::remove_dir_all(&dir);
 }
