@@ -767,7 +767,7 @@ impl<S: OutboxStore, P: EventPublisher> Dispatcher<S, P> {
                         report.retried += 1;
                         crate::metrics::retried(&msg.event_type);
                         let delay = policy.delay(attempts);
-                        debug!(id = %msg.id, attempts, delay_ms = delay.as_millis() as u64, error = %e, "publish failed, will retry");
+                        debug!(id = %msg.id, event_type = %msg.event_type, tenant = msg.tenant_id.as_deref().unwrap_or(""), aggregate_type = %msg.aggregate_type, aggregate_id = %msg.aggregate_id, version = msg.aggregate_version, attempts, delay_ms = delay.as_millis() as u64, error = %e, "publish failed, will retry");
                         CompletionOutcome::Retry {
                             delay,
                             error: e.to_string(),
@@ -775,7 +775,7 @@ impl<S: OutboxStore, P: EventPublisher> Dispatcher<S, P> {
                     } else {
                         report.dead += 1;
                         crate::metrics::dead(&msg.event_type);
-                        warn!(id = %msg.id, event_type = %msg.event_type, attempts, error = %e, "attempts exhausted, message is dead");
+                        warn!(id = %msg.id, event_type = %msg.event_type, tenant = msg.tenant_id.as_deref().unwrap_or(""), aggregate_type = %msg.aggregate_type, aggregate_id = %msg.aggregate_id, version = msg.aggregate_version, attempts, error = %e, "attempts exhausted, message is dead");
                         CompletionOutcome::Dead {
                             error: format!(
                                 "attempts exhausted ({attempts}/{}): {e}",
@@ -788,7 +788,7 @@ impl<S: OutboxStore, P: EventPublisher> Dispatcher<S, P> {
                     report.dead += 1;
                     crate::metrics::publish_failed(e.kind(), &msg.event_type);
                     crate::metrics::dead(&msg.event_type);
-                    warn!(id = %msg.id, event_type = %msg.event_type, error = %e, "permanent publish failure, message is dead");
+                    warn!(id = %msg.id, event_type = %msg.event_type, tenant = msg.tenant_id.as_deref().unwrap_or(""), aggregate_type = %msg.aggregate_type, aggregate_id = %msg.aggregate_id, version = msg.aggregate_version, attempts = msg.attempts, error = %e, "permanent publish failure, message is dead");
                     CompletionOutcome::Dead {
                         error: e.to_string(),
                     }
