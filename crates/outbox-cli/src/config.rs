@@ -634,6 +634,20 @@ mod tests {
     }
 
     #[test]
+    fn the_example_config_file_is_valid() {
+        let file = FileConfig::parse(include_str!("../outbox.example.toml")).expect("parses");
+        let cli = <Cli as clap::Parser>::parse_from(["outbox", "relay"]);
+        let crate::cli::Command::Relay(args) = &cli.command else {
+            unreachable!("parsed relay")
+        };
+        let s = RelaySettings::resolve(&cli, args, &file).expect("valid");
+        assert_eq!(s.ordering, OrderingMode::PerKey);
+        assert_eq!(s.overrides["PaymentCaptured"].max_attempts(), 20);
+        assert_eq!(s.overrides["EmailRequested"].max_attempts(), 3);
+        assert_eq!(s.poll_interval, Duration::from_millis(200));
+    }
+
+    #[test]
     fn file_rejects_unknown_keys_and_reads_overrides() {
         assert!(FileConfig::parse("databse_url = 'x'").is_err());
         assert!(FileConfig::parse("[relay]\nbatch_size = 'many'").is_err());
