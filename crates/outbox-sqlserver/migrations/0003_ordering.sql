@@ -21,9 +21,14 @@ ALTER TABLE {schema}.outbox_messages ADD
     first_failed_at datetime2(7) NULL;
 GO
 
--- A key's unfinished messages in seq order: finds a key's head, its run, and whether an
--- earlier message blocks a candidate.
-CREATE INDEX outbox_messages_key_unfinished
+-- A key's pending (New or Processing) messages in seq order: the ordered claim walks
+-- the keys through it (one seek per key), finds each key's head and its run; covers
+-- the claimability check.
+CREATE INDEX outbox_messages_key_pending
     ON {schema}.outbox_messages (order_hash, seq)
     INCLUDE (status, visible_at, lease_until)
-    WHERE status IN (0, 3, 9);
+    WHERE status IN (0, 9);
+-- Dead messages per key: under OnDead::Block an earlier dead message stops its key.
+CREATE INDEX outbox_messages_key_dead
+    ON {schema}.outbox_messages (order_hash, seq)
+    WHERE status = 3;

@@ -2,7 +2,7 @@
 //! dispatcher uses.
 
 use std::collections::HashSet;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
@@ -35,6 +35,9 @@ pub struct MssqlOutbox {
     pool: MssqlPool,
     schema: Arc<str>,
     q: Arc<Queries>,
+    /// Where the previous ordered claim stopped walking the keys (`order_hash`); shared
+    /// by clones, so one relay's claims go round-robin over the keys.
+    key_cursor: Arc<Mutex<Option<Vec<u8>>>>,
 }
 
 impl MssqlOutbox {
@@ -48,6 +51,7 @@ impl MssqlOutbox {
             pool,
             schema: schema.into(),
             q: Arc::new(Queries::new(schema)),
+            key_cursor: Arc::default(),
         })
     }
 
@@ -401,14 +405,28 @@ impl OutboxStore for MssqlOutbox {
             OnDead::Block => &self.q.claim_ordered_block,
             OnDead::Skip => &self.q.claim_ordered_skip,
         };
+        let cursor: Option<Vec<u8>> = self.key_cursor.lock().ok().and_then(|c| c.clone());
         let rows = self
             .rows(
                 "claim_ordered",
                 sql,
-                &[&limit(batch_size), &millis(lease), &token],
+                &[&limit(batch_size), &millis(lease), &token, &cursor],
             )
             .await?;
-        claimed(&rows)
+        // The statement returns the claimed rows, then one row with the last key it
+        // visited: the next ordered claim starts after it.
+        let (cursor_rows, claimed_rows): (Vec<Row>, Vec<Row>) = rows
+            .into_iter()
+            .partition(|row| row.columns().iter().any(|c| c.name() == "next_cursor"));
+        if let Some(row) = cursor_rows.first() {
+            let next = row
+                .try_get::<&[u8], _>("next_cursor")
+                .map_err(db("claim_ordered"))?;
+            if let (Some(next), Ok(mut slot)) = (next, self.key_cursor.lock()) {
+                *slot = Some(next.to_vec());
+            }
+        }
+        claimed(&claimed_rows)
     }
 
     async fn blocked_keys(&self, limit_rows: usize) -> Result<Vec<BlockedKey>, OutboxError> {
