@@ -763,6 +763,12 @@ mod tests {
                 "wraps"
             );
             assert!(sql.contains("SELECT @last AS next_cursor;"));
+            let zeros = format!("@none binary(32) = 0x{}", "0".repeat(64));
+            let ones = format!("@all binary(32) = 0x{}", "F".repeat(64));
+            assert!(
+                sql.contains(&zeros) && sql.contains(&ones),
+                "32-byte bounds"
+            );
             // The head (on its clustered row) and the run are locked; keys other
             // claimers hold are skipped.
             assert!(sql.contains(
