@@ -17,7 +17,7 @@
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use outbox_core::{EventPublisher, OnDead, OutboxStore};
+use outbox_core::{EventPublisher, OnDead};
 use outbox_postgres::PgOutbox;
 use serde::Serialize;
 use tokio_util::sync::CancellationToken;
@@ -178,7 +178,7 @@ impl Health {
         probe_timeout: Duration,
     ) {
         outbox_core::metrics::circuit(circuit_open);
-        let stats = store.stats().await;
+        let stats = store.pending_stats().await;
         let claimable = match &stats {
             Ok(_) => store.oldest_claimable_wait(self.ordered).await.map(Some),
             Err(_) => Ok(None),

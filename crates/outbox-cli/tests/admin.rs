@@ -239,6 +239,14 @@ async fn stats_match_the_table() {
         );
     }
     assert!(report["blocked_keys"].is_array());
+    // The relay's cheap variant (health checks, gauges) agrees except for `sent`.
+    let pending = db.pending_stats().await.expect("pending stats");
+    let full = db.stats().await.expect("stats");
+    assert_eq!(
+        (pending.new, pending.processing, pending.dead, pending.sent),
+        (full.new, full.processing, full.dead, 0)
+    );
+    assert!(pending.oldest_pending_age.is_some());
     // The table form prints the same numbers.
     let text = outbox(&db, &["stats"]).await.expect("stats");
     assert!(
