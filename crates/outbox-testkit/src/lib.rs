@@ -1,0 +1,18 @@
+//! # outbox-testkit
+//!
+//! Test support shared by the SQL backends' integration tests (not published):
+//!
+//! - [`rabbit`]: an isolated exchange and queue per test on the real RabbitMQ, and raw
+//!   lapin consumers that record what arrived;
+//! - [`ordered`]: the ordered-delivery suite (dispatcher in `Ordering::PerKey` mode,
+//!   real broker, a consumer checking every key's order), generic over the
+//!   conformance [`Harness`](outbox_core::conformance::Harness), expanded by
+//!   [`ordered_delivery_tests!`].
+//!
+//! ```ignore
+//! async fn harness() -> MyHarness { /* fresh schema */ }
+//! outbox_testkit::ordered_delivery_tests!(harness);
+//! ```
+
+pub mod ordered;
+pub mod rabbit;
