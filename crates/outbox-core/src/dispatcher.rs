@@ -102,8 +102,7 @@ impl DispatcherConfig {
     }
 
     /// Delivery order (default [`Ordering::Unordered`]). With [`Ordering::PerKey`] the
-    /// dispatcher claims through
-    /// [`OutboxStore::claim_ordered`](crate::OutboxStore::claim_ordered) and publishes
+    /// dispatcher claims through [`OutboxStore::claim_ordered`] and publishes
     /// each batch in waves, one message per key per wave, so a failed message stops the
     /// rest of its key (they are released without charge); see [`crate::ordering`].
     #[must_use]
@@ -624,8 +623,8 @@ impl<S: OutboxStore, P: EventPublisher> Dispatcher<S, P> {
         }
     }
 
-    /// Claims, publishes and completes one batch. Useful for tools and tests; [`run`]
-    /// (Self::run) calls it in a loop.
+    /// Claims, publishes and completes one batch. Useful for tools and tests;
+    /// [`run`](Self::run) does the same, with its stages overlapping.
     ///
     /// # Errors
     /// A store error from the claim (nothing was claimed) or from completion after the

@@ -153,7 +153,7 @@ impl PgOutbox {
             .bind(&occurred)
             .bind(&delays)
             .execute(&mut *conn)
-            .instrument(tracing::debug_span!("outbox.enqueue", messages = n))
+            .instrument(enqueue_span(messages))
             .await
             .map_err(db("enqueue"))?;
         Ok(ids)
@@ -198,6 +198,24 @@ impl PgOutbox {
 }
 
 /// Decodes a row of [`Queries`]' column list.
+/// The `outbox.enqueue` span: the message count, and for a single message its id,
+/// event type, tenant, aggregate and version (never the payload).
+fn enqueue_span(messages: &[NewMessage]) -> tracing::Span {
+    match messages {
+        [m] => tracing::debug_span!(
+            "outbox.enqueue",
+            messages = 1,
+            message.id = %m.id,
+            event_type = %m.event_type,
+            tenant = m.tenant_id.as_deref().unwrap_or(""),
+            aggregate_type = %m.aggregate_type,
+            aggregate_id = %m.aggregate_id,
+            aggregate_version = m.aggregate_version,
+        ),
+        _ => tracing::debug_span!("outbox.enqueue", messages = messages.len()),
+    }
+}
+
 pub(crate) fn decode_row(row: &PgRow) -> Result<OutboxMessage, OutboxError> {
     let id: Uuid = row.try_get("id").map_err(db("decode"))?;
     let decode_err = |reason: String| OutboxError::Decode {

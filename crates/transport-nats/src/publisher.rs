@@ -233,8 +233,21 @@ impl NatsPublisher {
         self.client.connection_state() == State::Connected
     }
 
-    /// Checks one message and turns it into what a JetStream publish needs.
+    /// Checks one message and turns it into what a JetStream publish needs, inside a
+    /// debug-level `outbox.publish_message` span with the message's id, event type,
+    /// tenant, aggregate, version and attempts (never the payload).
     fn prepare(&self, msg: &OutboxMessage, max: usize) -> Result<Prepared, PublishError> {
+        let _span = tracing::debug_span!(
+            "outbox.publish_message",
+            message.id = %msg.id,
+            event_type = %msg.event_type,
+            tenant = msg.tenant_id.as_deref().unwrap_or(""),
+            aggregate_type = %msg.aggregate_type,
+            aggregate_id = %msg.aggregate_id,
+            aggregate_version = msg.aggregate_version,
+            attempts = msg.attempts,
+        )
+        .entered();
         let subject = self.config.subject_for(msg.effective_routing_key());
         if let Some(problem) = subject_problem(&subject) {
             return Err(PublishError::Invalid(format!(

@@ -258,8 +258,21 @@ impl RabbitPublisher {
         Ok(channel)
     }
 
-    /// Checks one message and turns it into what `basic.publish` needs.
+    /// Checks one message and turns it into what `basic.publish` needs, inside a
+    /// debug-level `outbox.publish_message` span with the message's id, event type,
+    /// tenant, aggregate, version and attempts (never the payload).
     fn prepare(&self, msg: &OutboxMessage) -> Result<Prepared, PublishError> {
+        let _span = tracing::debug_span!(
+            "outbox.publish_message",
+            message.id = %msg.id,
+            event_type = %msg.event_type,
+            tenant = msg.tenant_id.as_deref().unwrap_or(""),
+            aggregate_type = %msg.aggregate_type,
+            aggregate_id = %msg.aggregate_id,
+            aggregate_version = msg.aggregate_version,
+            attempts = msg.attempts,
+        )
+        .entered();
         let size = msg.payload.get().len();
         let max = self.config.max_payload_bytes();
         if size > max {
