@@ -78,7 +78,7 @@ struct Args {
     #[arg(long, default_value_t = 2)]
     concurrency: usize,
     /// Measure ordered delivery per partition key instead (`Ordering::PerKey`) with 1,
-    /// 10 and 1,000 distinct keys, beside the unordered relay on the same data.
+    /// 10, 1,000 and 10,000 distinct keys, beside the unordered relay on the same data.
     #[arg(long)]
     ordered: bool,
 }
@@ -649,7 +649,7 @@ async fn main() -> anyhow::Result<()> {
     result
 }
 
-/// `--ordered`: per-key ordering with 1, 10 and 1,000 keys against the unordered relay
+/// `--ordered`: per-key ordering with 1, 10, 1,000 and 10,000 keys against the unordered relay
 /// on the same data, each preceded by the store-only (instant publisher) rate.
 async fn run_ordered<P: EventPublisher>(
     args: &Args,
@@ -671,7 +671,7 @@ async fn run_ordered<P: EventPublisher>(
         on_dead: OnDead::Block,
     };
     let mut rows = Vec::new();
-    for keys in [None, Some(1), Some(10), Some(1000)] {
+    for keys in [None, Some(1), Some(10), Some(1000), Some(10_000)] {
         let mut store_runs = Vec::new();
         let mut relay_runs = Vec::new();
         let ordering = if keys.is_some() {
