@@ -1,8 +1,7 @@
 //! Shared fixtures: a fresh schema per test, isolated RabbitMQ names, a tiny HTTP GET.
-#![allow(dead_code, unreachable_pub)] // reason: each test binary uses a different subset
+#![allow(dead_code, unreachable_pub, unused_imports)] // reason: each test binary uses a different subset
 
 use std::net::SocketAddr;
-use std::time::Duration;
 
 use outbox_core::NewMessage;
 use outbox_postgres::{PgConfig, PgOutbox};
@@ -14,9 +13,7 @@ pub fn database_url() -> String {
         .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".into())
 }
 
-pub fn amqp_url() -> String {
-    std::env::var("AMQP_URL").unwrap_or_else(|_| "amqp://guest:guest@127.0.0.1:5672/%2f".into())
-}
+pub use outbox_testkit::rabbit::amqp_url;
 
 /// A fresh, migrated schema `t_<uuid>` (swept by the outbox-postgres tests after an hour).
 pub async fn fresh_outbox() -> PgOutbox {
@@ -91,20 +88,5 @@ pub async fn http_get(addr: SocketAddr, path: &str) -> (u16, String) {
     (status, body)
 }
 
-/// Polls `f` every 50 ms until it is true or `timeout` passes.
-pub async fn eventually<F, Fut>(timeout: Duration, mut f: F) -> bool
-where
-    F: FnMut() -> Fut,
-    Fut: std::future::Future<Output = bool>,
-{
-    let deadline = tokio::time::Instant::now() + timeout;
-    loop {
-        if f().await {
-            return true;
-        }
-        if tokio::time::Instant::now() > deadline {
-            return false;
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-}
+/// Polls `f` every 50 ms until it is true or a timeout passes (shared test support).
+pub use outbox_testkit::rabbit::eventually;
