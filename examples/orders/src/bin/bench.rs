@@ -565,17 +565,31 @@ impl Broker {
         }
     }
 
+    /// The raw broker rate; fails (instead of hanging) when the broker stops
+    /// confirming for 5 minutes.
     async fn ceiling(&self, args: &Args, body: &[u8], bare: bool) -> anyhow::Result<Duration> {
-        match self {
-            Self::Rabbit { exchange, .. } => rabbit_ceiling(args, exchange, body, bare).await,
-            Self::Nats { js, prefix, .. } => {
-                nats_ceiling(args, js, &format!("{prefix}.BenchEvent"), body, bare).await
+        let run = async {
+            match self {
+                Self::Rabbit { exchange, .. } => rabbit_ceiling(args, exchange, body, bare).await,
+                Self::Nats { js, prefix, .. } => {
+                    nats_ceiling(args, js, &format!("{prefix}.BenchEvent"), body, bare).await
+                }
             }
-        }
+        };
+        tokio::time::timeout(Duration::from_secs(300), run)
+            .await
+            .context("the broker ceiling got no confirmations for 5 minutes (broker blocked? check its alarms)")?
     }
 
-    /// Empties the queue or stream between phases.
+    /// Empties the queue or stream between phases; fails instead of hanging after a
+    /// minute.
     async fn purge(&self) -> anyhow::Result<()> {
+        tokio::time::timeout(Duration::from_secs(60), self.purge_now())
+            .await
+            .context("purging the bench sink took over a minute")?
+    }
+
+    async fn purge_now(&self) -> anyhow::Result<()> {
         match self {
             Self::Rabbit { queue, channel, .. } => {
                 channel
