@@ -488,9 +488,33 @@ pub async fn dispatcher_killed_mid_batch_does_not_break_any_keys_order<H: Harnes
 
 /// Expands to one `#[tokio::test]` per ordered-delivery property. `$harness` is the path
 /// of an `async fn() -> impl Harness` returning a fresh, isolated store; the tests also
-/// need the RabbitMQ at `AMQP_URL`.
+/// need the RabbitMQ at `AMQP_URL`. With `optional $harness`, an `async fn(&str) ->
+/// Option<impl Harness>` called with the test's name, where `None` skips the test (see
+/// `outbox_core::store_conformance_tests!`).
 #[macro_export]
 macro_rules! ordered_delivery_tests {
+    (optional $harness:path) => {
+        mod ordered_delivery {
+            use super::*;
+            $crate::ordered_delivery_tests!(@optional $harness;
+                four_dispatchers_keep_100_keys_in_order_over_20000_messages,
+                transient_failure_delays_only_its_key_and_order_holds,
+                on_dead_block_stops_the_key_until_replay,
+                on_dead_skip_lets_the_key_continue,
+                dispatcher_killed_mid_batch_does_not_break_any_keys_order,
+            );
+        }
+    };
+    (@optional $harness:path; $($name:ident),* $(,)?) => {
+        $(
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn $name() {
+                if let Some(h) = $harness(stringify!($name)).await {
+                    $crate::ordered::$name(&h).await;
+                }
+            }
+        )*
+    };
     ($harness:path) => {
         mod ordered_delivery {
             use super::*;
