@@ -8,8 +8,8 @@
 //!   republished after a crash may arrive again, later, and the inbox drops it);
 //! - a message is never published while an earlier message of the same key is `New`
 //!   (including one waiting out a retry backoff or a delay) or `Processing`;
-//! - an earlier message that went `Dead` blocks the key until it is replayed or
-//!   resolved ([`OnDead::Block`], the default) or is passed over ([`OnDead::Skip`]).
+//! - an earlier message that went `Dead` blocks the key until it is replayed or its row
+//!   deleted ([`OnDead::Block`], the default), or is passed over ([`OnDead::Skip`]).
 //!
 //! Different keys proceed in parallel, inside a batch, across batches and across
 //! dispatcher instances: a claim takes a key only through its first unfinished message
@@ -62,9 +62,9 @@ impl Ordering {
 /// [`Ordering::PerKey`] mode.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash)]
 pub enum OnDead {
-    /// The key stops until the dead message is replayed (it then goes first) or
-    /// resolved (e.g. purged by an operator). Nothing of the key is published out of
-    /// order. The default.
+    /// The key stops until the dead message is replayed (it then goes first, e.g.
+    /// `outbox dead replay --id ...`) or an operator deletes its row because it must
+    /// never go out. Nothing of the key is published out of order. The default.
     #[default]
     Block,
     /// The key continues with its next message; the dead one stays dead for an
