@@ -262,6 +262,45 @@ impl MssqlPool {
         Ok(conn)
     }
 
+    /// Runs `sql` with `params` on a pooled connection and collects every row of every
+    /// result set.
+    pub(crate) async fn rows(
+        &self,
+        operation: &'static str,
+        sql: &str,
+        params: &[&dyn tiberius::ToSql],
+    ) -> Result<Vec<tiberius::Row>, OutboxError> {
+        let mut conn = self.checkout(operation).await?;
+        let results = conn
+            .query(sql, params)
+            .await
+            .map_err(db(operation))?
+            .into_results()
+            .await
+            .map_err(db(operation))?;
+        conn.settle();
+        Ok(results.into_iter().flatten().collect())
+    }
+
+    /// Runs `sql` (which ends with `SELECT @@ROWCOUNT AS affected`) with `params`;
+    /// returns that count.
+    pub(crate) async fn affected(
+        &self,
+        operation: &'static str,
+        sql: &str,
+        params: &[&dyn tiberius::ToSql],
+    ) -> Result<u64, OutboxError> {
+        let rows = self.rows(operation, sql, params).await?;
+        let count = rows
+            .last()
+            .map(|row| row.try_get::<i64, _>("affected"))
+            .transpose()
+            .map_err(db(operation))?
+            .flatten()
+            .unwrap_or(0);
+        Ok(u64::try_from(count).unwrap_or(0))
+    }
+
     /// Borrows a connection and begins a transaction on it (a TDS transaction-manager
     /// request, the same as `BEGIN TRANSACTION`).
     ///

@@ -12,7 +12,7 @@ use outbox_core::inbox::{
 };
 use outbox_core::wire::{IncomingMessage, TraceParent};
 use outbox_core::{CompleteReport, Headers, InboxStore, OutboxError};
-use tiberius::{Row, ToSql};
+use tiberius::Row;
 use uuid::Uuid;
 
 use crate::connection::{MssqlClient, MssqlPool, MssqlTransaction};
@@ -55,43 +55,6 @@ impl MssqlInbox {
     /// The pool.
     pub fn pool(&self) -> &MssqlPool {
         &self.pool
-    }
-
-    async fn rows(
-        &self,
-        operation: &'static str,
-        sql: &str,
-        params: &[&dyn ToSql],
-    ) -> Result<Vec<Row>, OutboxError> {
-        let mut conn = self.pool.checkout(operation).await?;
-        let results = conn
-            .query(sql, params)
-            .await
-            .map_err(db(operation))?
-            .into_results()
-            .await
-            .map_err(db(operation))?;
-        conn.settle();
-        Ok(results.into_iter().flatten().collect())
-    }
-
-    /// Runs `sql` (which ends with `SELECT @@ROWCOUNT AS affected`) with `params`;
-    /// returns that count.
-    async fn affected(
-        &self,
-        operation: &'static str,
-        sql: &str,
-        params: &[&dyn ToSql],
-    ) -> Result<u64, OutboxError> {
-        let rows = self.rows(operation, sql, params).await?;
-        let count = rows
-            .last()
-            .map(|row| row.try_get::<i64, _>("affected"))
-            .transpose()
-            .map_err(db(operation))?
-            .flatten()
-            .unwrap_or(0);
-        Ok(u64::try_from(count).unwrap_or(0))
     }
 }
 
@@ -149,12 +112,13 @@ impl InboxStore for MssqlInbox {
     }
 
     async fn purge(&self, older_than: Duration, batch_size: usize) -> Result<u64, OutboxError> {
-        self.affected(
-            "inbox_purge",
-            &self.q.inbox_purge,
-            &[&millis(older_than), &limit(batch_size)],
-        )
-        .await
+        self.pool
+            .affected(
+                "inbox_purge",
+                &self.q.inbox_purge,
+                &[&millis(older_than), &limit(batch_size)],
+            )
+            .await
     }
 }
 
@@ -215,6 +179,7 @@ impl ConsumerDeadLetters for MssqlInbox {
         let headers = serde_json::to_string(&msg.headers).unwrap_or_else(|_| "{}".into());
         let max = i32::try_from(max_attempts).unwrap_or(i32::MAX);
         let rows = self
+            .pool
             .rows(
                 "inbox_failure",
                 &self.iq.failure,
@@ -249,6 +214,7 @@ impl ConsumerDeadLetters for MssqlInbox {
 
     async fn is_dead(&self, message_id: Uuid, consumer: &str) -> Result<bool, OutboxError> {
         let rows = self
+            .pool
             .rows("inbox_is_dead", &self.iq.is_dead, &[&message_id, &consumer])
             .await?;
         Ok(rows
@@ -266,6 +232,7 @@ impl ConsumerDeadLetters for MssqlInbox {
         limit_rows: usize,
     ) -> Result<Vec<ConsumerDeadLetter>, OutboxError> {
         let rows = self
+            .pool
             .rows(
                 "inbox_dead_letters",
                 &self.iq.dead_letters,
@@ -357,6 +324,7 @@ impl DurableInbox for MssqlInbox {
         let traceparent = msg.traceparent.map(|t| t.to_string());
         // `OUTPUT inserted.id` yields a row only when the message was new.
         let inserted = self
+            .pool
             .rows(
                 "inbox_store",
                 &self.iq.store,
@@ -388,6 +356,7 @@ impl DurableInbox for MssqlInbox {
         lease: Duration,
     ) -> Result<Vec<StoredMessage>, OutboxError> {
         let rows = self
+            .pool
             .rows(
                 "inbox_claim_stored",
                 &self.iq.claim,
@@ -429,6 +398,7 @@ impl DurableInbox for MssqlInbox {
             .collect();
         let batch = serde_json::Value::Array(batch).to_string();
         let rows = self
+            .pool
             .rows("inbox_complete", &self.iq.complete, &[&batch])
             .await?;
         let applied: HashSet<Uuid> = rows
@@ -450,11 +420,12 @@ impl DurableInbox for MssqlInbox {
         older_than: Duration,
         batch_size: usize,
     ) -> Result<u64, OutboxError> {
-        self.affected(
-            "inbox_purge_processed",
-            &self.iq.purge_processed,
-            &[&millis(older_than), &limit(batch_size)],
-        )
-        .await
+        self.pool
+            .affected(
+                "inbox_purge_processed",
+                &self.iq.purge_processed,
+                &[&millis(older_than), &limit(batch_size)],
+            )
+            .await
     }
 }

@@ -154,45 +154,6 @@ impl MssqlOutbox {
             }
         }
     }
-
-    /// Runs `sql` with `params` on a pooled connection and collects every row of every
-    /// result set.
-    async fn rows(
-        &self,
-        operation: &'static str,
-        sql: &str,
-        params: &[&dyn ToSql],
-    ) -> Result<Vec<Row>, OutboxError> {
-        let mut conn = self.pool.checkout(operation).await?;
-        let results = conn
-            .query(sql, params)
-            .await
-            .map_err(db(operation))?
-            .into_results()
-            .await
-            .map_err(db(operation))?;
-        conn.settle();
-        Ok(results.into_iter().flatten().collect())
-    }
-
-    /// Runs `sql` (which ends with `SELECT @@ROWCOUNT AS affected`) with `params`;
-    /// returns that count.
-    async fn affected(
-        &self,
-        operation: &'static str,
-        sql: &str,
-        params: &[&dyn ToSql],
-    ) -> Result<u64, OutboxError> {
-        let rows = self.rows(operation, sql, params).await?;
-        let count = rows
-            .last()
-            .map(|row| row.try_get::<i64, _>("affected"))
-            .transpose()
-            .map_err(db(operation))?
-            .flatten()
-            .unwrap_or(0);
-        Ok(u64::try_from(count).unwrap_or(0))
-    }
 }
 
 /// The JSON array `enqueue` sends as `@P1`.
@@ -385,6 +346,7 @@ impl OutboxStore for MssqlOutbox {
     ) -> Result<Vec<OutboxMessage>, OutboxError> {
         let token = Uuid::new_v4();
         let rows = self
+            .pool
             .rows(
                 "claim",
                 &self.q.claim,
@@ -407,6 +369,7 @@ impl OutboxStore for MssqlOutbox {
         };
         let cursor: Option<Vec<u8>> = self.key_cursor.lock().ok().and_then(|c| c.clone());
         let rows = self
+            .pool
             .rows(
                 "claim_ordered",
                 sql,
@@ -431,6 +394,7 @@ impl OutboxStore for MssqlOutbox {
 
     async fn blocked_keys(&self, limit_rows: usize) -> Result<Vec<BlockedKey>, OutboxError> {
         let rows = self
+            .pool
             .rows("blocked_keys", &self.q.blocked_keys, &[&limit(limit_rows)])
             .await?;
         rows.iter()
@@ -486,7 +450,10 @@ impl OutboxStore for MssqlOutbox {
             })
             .collect();
         let batch = serde_json::Value::Array(batch).to_string();
-        let rows = self.rows("complete", &self.q.complete, &[&batch]).await?;
+        let rows = self
+            .pool
+            .rows("complete", &self.q.complete, &[&batch])
+            .await?;
         let applied: HashSet<Uuid> = rows
             .iter()
             .map(row_id)
@@ -503,12 +470,12 @@ impl OutboxStore for MssqlOutbox {
     }
 
     async fn get(&self, id: Uuid) -> Result<Option<OutboxMessage>, OutboxError> {
-        let rows = self.rows("get", &self.q.get, &[&id]).await?;
+        let rows = self.pool.rows("get", &self.q.get, &[&id]).await?;
         rows.first().map(decode_row).transpose()
     }
 
     async fn stats(&self) -> Result<OutboxStats, OutboxError> {
-        let rows = self.rows("stats", &self.q.stats, &[]).await?;
+        let rows = self.pool.rows("stats", &self.q.stats, &[]).await?;
         let row = rows.first().ok_or_else(|| OutboxError::Decode {
             id: "stats".into(),
             reason: "no row".into(),
@@ -538,6 +505,7 @@ impl OutboxStore for MssqlOutbox {
         let mut params: Vec<&dyn ToSql> = f.params().to_vec();
         params.push(&n);
         let rows = self
+            .pool
             .rows("dead_letters", &self.q.dead_letters, &params)
             .await?;
         rows.iter().map(decode_row).collect()
@@ -551,6 +519,7 @@ impl OutboxStore for MssqlOutbox {
         let started = Instant::now();
         let f = FilterParams::new(filter)?;
         let rows = self
+            .pool
             .rows("replay", &self.q.replay_count, &f.params())
             .await?;
         let matched = rows
@@ -563,7 +532,9 @@ impl OutboxStore for MssqlOutbox {
         let replayed = if dry_run {
             0
         } else {
-            self.affected("replay", &self.q.replay, &f.params()).await?
+            self.pool
+                .affected("replay", &self.q.replay, &f.params())
+                .await?
         };
         Ok(ReplayReport {
             matched,
@@ -582,12 +553,13 @@ impl OutboxStore for MssqlOutbox {
         older_than: Duration,
         batch_size: usize,
     ) -> Result<u64, OutboxError> {
-        self.affected(
-            "purge_sent",
-            &self.q.purge_sent,
-            &[&millis(older_than), &limit(batch_size)],
-        )
-        .await
+        self.pool
+            .affected(
+                "purge_sent",
+                &self.q.purge_sent,
+                &[&millis(older_than), &limit(batch_size)],
+            )
+            .await
     }
 }
 
