@@ -15,6 +15,10 @@
 //! - A delivery that cannot be decoded (no id, an id that is not a UUID, no event type)
 //!   is logged and rejected without requeue (`basic.nack`, `requeue = false`): it goes to
 //!   the queue's dead-letter exchange if it has one, and never blocks the queue.
+//! - [`HandlerDecision::Requeue`] waits the requeue delay (default 1 s,
+//!   [`RabbitConsumerBuilder::with_requeue_delay`]) before `basic.nack` with
+//!   `requeue = true`, so a failing message does not loop at full speed (AMQP 0-9-1 has
+//!   no delayed requeue of its own).
 //! - Deliveries are handled **concurrently**, up to the prefetch count at a time, within
 //!   the task that calls [`run`](RabbitConsumer::run); the order in which handlers finish
 //!   is not the delivery order.
@@ -57,6 +61,9 @@ pub const DEFAULT_RECONNECT_INITIAL: Duration = Duration::from_millis(200);
 /// Default longest delay between reconnection attempts.
 pub const DEFAULT_RECONNECT_MAX: Duration = Duration::from_secs(30);
 
+/// Default wait before a delivery the handler asked to requeue is returned to the queue.
+pub const DEFAULT_REQUEUE_DELAY: Duration = Duration::from_secs(1);
+
 /// Settings of a [`RabbitConsumer`] before validation. Every setter consumes and
 /// returns the builder; [`build`](Self::build) validates.
 #[derive(Debug, Clone)]
@@ -72,6 +79,7 @@ pub struct RabbitConsumerBuilder {
     consumer_tag: Option<String>,
     reconnect_initial: Duration,
     reconnect_max: Duration,
+    requeue_delay: Duration,
 }
 
 impl RabbitConsumerBuilder {
@@ -88,6 +96,7 @@ impl RabbitConsumerBuilder {
             consumer_tag: None,
             reconnect_initial: DEFAULT_RECONNECT_INITIAL,
             reconnect_max: DEFAULT_RECONNECT_MAX,
+            requeue_delay: DEFAULT_REQUEUE_DELAY,
         }
     }
 
@@ -151,6 +160,16 @@ impl RabbitConsumerBuilder {
         self
     }
 
+    /// How long a delivery the handler answered with [`HandlerDecision::Requeue`] waits
+    /// before it is returned to the queue (`basic.nack` with `requeue = true`). AMQP
+    /// 0-9-1 has no delayed requeue: without a wait, a failing message comes straight
+    /// back and loops as fast as the handler fails. The wait holds one of the prefetch
+    /// slots; shutdown cuts it short. Default 1 s; zero requeues at once.
+    pub fn with_requeue_delay(mut self, delay: Duration) -> Self {
+        self.requeue_delay = delay;
+        self
+    }
+
     /// Validates the settings.
     ///
     /// # Errors
@@ -198,6 +217,7 @@ impl RabbitConsumerBuilder {
             consumer_tag: self.consumer_tag.unwrap_or_default(),
             reconnect_initial: self.reconnect_initial,
             reconnect_max: self.reconnect_max,
+            requeue_delay: self.requeue_delay,
         })
     }
 }
@@ -268,6 +288,7 @@ pub struct RabbitConsumer {
     consumer_tag: String,
     reconnect_initial: Duration,
     reconnect_max: Duration,
+    requeue_delay: Duration,
 }
 
 impl RabbitConsumer {
@@ -474,7 +495,7 @@ impl RabbitConsumer {
                 () = shutdown.cancelled() => break Ok(()),
                 Some(()) = in_flight.next(), if !in_flight.is_empty() => {}
                 next = consumer.next(), if in_flight.len() < limit => match next {
-                    Some(Ok(delivery)) => in_flight.push(process(handler, delivery)),
+                    Some(Ok(delivery)) => in_flight.push(process(handler, delivery, self.requeue_delay, shutdown)),
                     Some(Err(source)) => break Err(RabbitError::Consume {
                         queue: self.queue.clone(),
                         reason: "the delivery stream failed".to_owned(),
@@ -526,7 +547,13 @@ async fn close_connection(connection: &Connection, limit: Duration) {
 
 /// Decodes, handles and answers one delivery. Never panics, never returns an error:
 /// failures are logged and the broker redelivers what was not acknowledged.
-async fn process<H: DeliveryHandler>(handler: &H, delivery: Delivery) {
+/// A requeue waits `requeue_delay` first (cut short by `shutdown`).
+async fn process<H: DeliveryHandler>(
+    handler: &H,
+    delivery: Delivery,
+    requeue_delay: Duration,
+    shutdown: &CancellationToken,
+) {
     let Delivery {
         delivery_tag,
         redelivered,
@@ -573,6 +600,12 @@ async fn process<H: DeliveryHandler>(handler: &H, delivery: Delivery) {
     let answered = match decision {
         HandlerDecision::Ack => acker.ack(BasicAckOptions::default()).await,
         HandlerDecision::Requeue => {
+            if !requeue_delay.is_zero() {
+                tokio::select! {
+                    () = shutdown.cancelled() => {}
+                    () = tokio::time::sleep(requeue_delay) => {}
+                }
+            }
             acker
                 .nack(BasicNackOptions {
                     multiple: false,

@@ -28,6 +28,7 @@ struct Seen {
     event_type: String,
     redelivered: bool,
     aggregate_version: Option<i64>,
+    at: std::time::Instant,
 }
 
 /// Records every message; requeues the first delivery of ids listed in `requeue_once`;
@@ -58,6 +59,7 @@ impl DeliveryHandler for Recorder {
             event_type: msg.event_type.clone(),
             redelivered: msg.redelivered,
             aggregate_version: msg.aggregate_version,
+            at: std::time::Instant::now(),
         });
         if !self.delay.is_zero() {
             tokio::time::sleep(self.delay).await;
@@ -111,7 +113,8 @@ async fn publisher(config: &RabbitConfig) -> RabbitPublisher {
 }
 
 /// A handler that answers `Requeue` gets the message again, flagged as redelivered,
-/// and once it answers `Ack` the message is gone from the queue.
+/// after the requeue delay, and once it answers `Ack` the message is gone from the
+/// queue.
 #[tokio::test]
 async fn requeued_message_is_redelivered_then_acked() {
     let exchange = unique("requeue");
@@ -120,6 +123,7 @@ async fn requeued_message_is_redelivered_then_acked() {
     let consumer = RabbitConsumer::builder(config.clone(), queue.clone())
         .with_binding_key("#")
         .with_queue_arguments(expiring(FieldTable::default()))
+        .with_requeue_delay(Duration::from_millis(400))
         .build()
         .expect("valid consumer");
     consumer.declare().await.expect("topology");
@@ -150,12 +154,58 @@ async fn requeued_message_is_redelivered_then_acked() {
         seen[1].redelivered,
         "the requeued delivery is flagged redelivered"
     );
+    assert!(
+        seen[1].at.duration_since(seen[0].at) >= Duration::from_millis(400),
+        "the requeue waited its delay: {:?}",
+        seen[1].at.duration_since(seen[0].at)
+    );
 
     running.stop().await;
     let raw = raw_connection().await;
     let channel = raw_channel(&raw).await;
     assert_eq!(queue_len(&channel, &queue).await, 0, "acked: nothing left");
     assert_eq!(handler.seen().len(), 2, "no third delivery");
+    cleanup(&channel, &[&exchange], &[&queue]).await;
+}
+
+/// Shutdown cuts a pending requeue delay short: the consumer stops in time and the
+/// message is back in the queue.
+#[tokio::test]
+async fn shutdown_cuts_the_requeue_delay_short() {
+    let exchange = unique("requeue-stop");
+    let queue = unique("requeue-stop.q");
+    let config = build(config(&exchange));
+    let consumer = RabbitConsumer::builder(config.clone(), queue.clone())
+        .with_binding_key("#")
+        .with_queue_arguments(expiring(FieldTable::default()))
+        .with_requeue_delay(Duration::from_secs(600))
+        .build()
+        .expect("valid consumer");
+    consumer.declare().await.expect("topology");
+
+    let msg = message("OrderPlaced", "7", r#"{"order":7}"#);
+    let handler = Recorder::default();
+    handler.requeue_once.lock().expect("lock").push(msg.id);
+    let running = start(consumer, handler.clone());
+    let outcomes = publisher(&config)
+        .await
+        .publish_batch(std::slice::from_ref(&msg))
+        .await;
+    assert!(outcomes[0].is_published(), "{:?}", outcomes[0]);
+    eventually("the handler asked for a requeue", || async {
+        !handler.finished().is_empty()
+    })
+    .await;
+
+    running.stop().await; // within DEADLINE (30 s), far below the 600 s delay
+    let raw = raw_connection().await;
+    let channel = raw_channel(&raw).await;
+    assert_eq!(
+        queue_len(&channel, &queue).await,
+        1,
+        "the requeued message waits in the queue"
+    );
+    assert_eq!(handler.seen().len(), 1, "not delivered again meanwhile");
     cleanup(&channel, &[&exchange], &[&queue]).await;
 }
 
