@@ -15,6 +15,28 @@ use crate::error::OutboxError;
 use crate::message::OutboxMessage;
 use crate::ordering::{BlockedKey, OnDead};
 
+/// Checks a schema name before a backend splices it into SQL (the only identifier that
+/// is not a bind parameter): `[a-z_][a-z0-9_]{0,62}`, which fits PostgreSQL's 63-byte
+/// identifiers and SQL Server's and needs no quoting in either.
+///
+/// # Errors
+/// [`OutboxError::Config`] naming the rule when `schema` breaks it.
+pub fn validate_schema(schema: &str) -> Result<(), OutboxError> {
+    let mut chars = schema.chars();
+    let ok = schema.len() <= 63
+        && chars
+            .next()
+            .is_some_and(|c| c.is_ascii_lowercase() || c == '_')
+        && chars.all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '_');
+    if ok {
+        Ok(())
+    } else {
+        Err(OutboxError::Config(format!(
+            "schema name {schema:?} must match [a-z_][a-z0-9_]{{0,62}}"
+        )))
+    }
+}
+
 /// What to record for one claimed message. Exhaustive on purpose: every store must
 /// handle every outcome.
 #[derive(Debug, Clone, PartialEq)]

@@ -127,21 +127,7 @@ pub fn parse_url(url: &str) -> Result<PgConnectOptions, OutboxError> {
         .map_err(|e| OutboxError::Config(format!("malformed database URL: {e}")))
 }
 
-pub(crate) fn validate_schema(schema: &str) -> Result<(), OutboxError> {
-    let mut chars = schema.chars();
-    let ok = schema.len() <= 63
-        && chars
-            .next()
-            .is_some_and(|c| c.is_ascii_lowercase() || c == '_')
-        && chars.all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '_');
-    if ok {
-        Ok(())
-    } else {
-        Err(OutboxError::Config(format!(
-            "schema name {schema:?} must match [a-z_][a-z0-9_]{{0,62}}"
-        )))
-    }
-}
+pub(crate) use outbox_core::store::validate_schema;
 
 #[cfg(test)]
 mod tests {

@@ -320,21 +320,7 @@ fn split_part(s: &str) -> (&str, Option<&str>) {
     (s, None)
 }
 
-pub(crate) fn validate_schema(schema: &str) -> Result<(), OutboxError> {
-    let mut chars = schema.chars();
-    let ok = schema.len() <= 63
-        && chars
-            .next()
-            .is_some_and(|c| c.is_ascii_lowercase() || c == '_')
-        && chars.all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '_');
-    if ok {
-        Ok(())
-    } else {
-        Err(OutboxError::Config(format!(
-            "schema name {schema:?} must match [a-z_][a-z0-9_]{{0,62}}"
-        )))
-    }
-}
+pub(crate) use outbox_core::store::validate_schema;
 
 #[cfg(test)]
 mod tests {
