@@ -676,12 +676,22 @@ mod tests {
             ("version_set", &*q.version_set),
             ("failure", &*q.failure),
             ("is_dead", &*q.is_dead),
-            ("dead_letters", &*q.dead_letters),
+            ("inbox_dead_letters", &*q.dead_letters),
             ("store", &*q.store),
-            ("claim", &*q.claim),
-            ("complete", &*q.complete),
+            ("inbox_claim_stored", &*q.claim),
+            ("inbox_complete", &*q.complete),
             ("purge_processed", &*q.purge_processed),
         ]
+    }
+
+    #[test]
+    #[ignore = "prints the rendered SQL for review"]
+    fn dump_sql() {
+        let q = Queries::new("outbox");
+        let iq = InboxQueries::new("outbox");
+        for (name, sql) in all_outbox(&q).into_iter().chain(all_inbox(&iq)) {
+            println!("-- ===== {name}\n{sql}\nGO\n");
+        }
     }
 
     /// Strips the contents of N'...' / '...' literals, leaving the quotes.
@@ -984,52 +994,5 @@ mod tests {
     fn like_patterns_are_escaped() {
         assert_eq!(like_escape("50%_[x]\\"), "50\\%\\_\\[x]\\\\");
         assert!(FILTER.contains("ESCAPE N'\\'"));
-    }
-}
-
-#[cfg(test)]
-mod tests_support {
-    pub(super) fn all<'a>(
-        q: &'a super::Queries,
-        iq: &'a super::InboxQueries,
-    ) -> Vec<(&'static str, &'a str)> {
-        vec![
-            ("enqueue", &*q.enqueue),
-            ("claim", &*q.claim),
-            ("claim_ordered_block", &*q.claim_ordered_block),
-            ("claim_ordered_skip", &*q.claim_ordered_skip),
-            ("blocked_keys", &*q.blocked_keys),
-            ("complete", &*q.complete),
-            ("get", &*q.get),
-            ("stats", &*q.stats),
-            ("dead_letters", &*q.dead_letters),
-            ("replay_count", &*q.replay_count),
-            ("replay", &*q.replay),
-            ("purge_sent", &*q.purge_sent),
-            ("inbox_claim", &*q.inbox_claim),
-            ("inbox_purge", &*q.inbox_purge),
-            ("version_get", &*iq.version_get),
-            ("version_set", &*iq.version_set),
-            ("failure", &*iq.failure),
-            ("is_dead", &*iq.is_dead),
-            ("inbox_dead_letters", &*iq.dead_letters),
-            ("store", &*iq.store),
-            ("inbox_claim_stored", &*iq.claim),
-            ("inbox_complete", &*iq.complete),
-            ("purge_processed", &*iq.purge_processed),
-        ]
-    }
-}
-
-#[cfg(test)]
-mod dump {
-    #[test]
-    #[ignore = "prints the rendered SQL for review"]
-    fn dump_sql() {
-        let q = super::Queries::new("outbox");
-        let iq = super::InboxQueries::new("outbox");
-        for (name, sql) in super::tests_support::all(&q, &iq) {
-            println!("-- ===== {name}\n{sql}\nGO\n");
-        }
     }
 }
