@@ -53,6 +53,7 @@
 use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
+use std::task::Poll;
 
 use async_trait::async_trait;
 use futures::future::join_all;
@@ -322,21 +323,34 @@ impl RabbitPublisher {
         })
     }
 
-    /// Publishes the prepared messages on one channel, then awaits their confirms
-    /// together. Fills `results` for every index in `prepared`.
-    async fn publish_prepared(
+    /// Records the outcome of a batch that cannot reach the broker: a message that
+    /// could never be published is rejected as such, every other one is an outage.
+    fn not_published(
         &self,
         messages: &[OutboxMessage],
-        prepared: Vec<(usize, Prepared)>,
+        error: &RabbitError,
+        results: &mut [Option<Result<(), PublishError>>],
+    ) {
+        for (i, msg) in messages.iter().enumerate() {
+            results[i] = Some(match self.prepare(msg) {
+                Ok(_) => Err(outage(error)),
+                Err(e) => Err(e),
+            });
+        }
+    }
+
+    /// Publishes the batch on one channel, then awaits its confirms together. Fills
+    /// `results` for every message.
+    async fn publish_on_channel(
+        &self,
+        messages: &[OutboxMessage],
         results: &mut [Option<Result<(), PublishError>>],
     ) {
         let session = match self.session().await {
             Ok(session) => session,
             Err(e) => {
-                warn!(error = %e, messages = prepared.len(), "RabbitMQ unavailable, batch not published");
-                for (i, _) in &prepared {
-                    results[*i] = Some(Err(outage(&e)));
-                }
+                warn!(error = %e, messages = messages.len(), "RabbitMQ unavailable, batch not published");
+                self.not_published(messages, &e, results);
                 return;
             }
         };
@@ -345,9 +359,7 @@ impl RabbitPublisher {
             Ok(channel) => channel,
             Err(e) => {
                 warn!(error = %e, "no usable RabbitMQ channel, batch not published");
-                for (i, _) in &prepared {
-                    results[*i] = Some(Err(outage(&e)));
-                }
+                self.not_published(messages, &e, results);
                 drop(slot);
                 self.forget_if_lost(&session).await;
                 return;
@@ -363,14 +375,24 @@ impl RabbitPublisher {
             immediate: false,
         };
 
-        // Phase 1: send everything, keeping the confirm futures.
-        let mut pending: Vec<(usize, PublisherConfirm)> = Vec::with_capacity(prepared.len());
-        let mut failure: Option<Failure> = None;
-        for (i, message) in prepared {
-            if let Some(failure) = &failure {
-                results[i] = Some(Err(failure.to_error(&self.config, &session)));
-                continue;
-            }
+        // Phase 1: prepare each message and hand it to lapin at once; then await the
+        // sends together. A send's first poll registers its delivery tag and queues its
+        // frames, so lapin's I/O thread writes them in a few large writes while the next
+        // messages are prepared; awaiting each send before the next cost one write and
+        // two thread hand-offs per message (about half of this process's CPU). Sends
+        // complete in any order; the order of messages within a batch does not matter:
+        // unordered mode promises none, and an ordered wave holds one message per key.
+        let mut sends = Vec::with_capacity(messages.len());
+        let mut sent = Vec::with_capacity(messages.len());
+        for (i, msg) in messages.iter().enumerate() {
+            let message = match self.prepare(msg) {
+                Ok(message) => message,
+                Err(e) => {
+                    warn!(id = %msg.id, event_type = %msg.event_type, error = %e, "message cannot be published");
+                    results[i] = Some(Err(e));
+                    continue;
+                }
+            };
             if message.header_frame_size > frame_max {
                 results[i] = Some(Err(PublishError::Invalid(format!(
                     "the headers and properties need {} bytes, more than the negotiated AMQP frame size of {frame_max} bytes",
@@ -378,14 +400,26 @@ impl RabbitPublisher {
                 ))));
                 continue;
             }
-            let publish = channel.basic_publish(
-                exchange.clone(),
-                message.routing_key,
-                options,
-                messages[i].payload.get().as_bytes(),
-                message.properties,
-            );
-            match timeout_at(deadline, publish).await {
+            let mut send = Box::pin(timeout_at(
+                deadline,
+                channel.basic_publish(
+                    exchange.clone(),
+                    message.routing_key,
+                    options,
+                    msg.payload.get().as_bytes(),
+                    message.properties,
+                ),
+            ));
+            match futures::poll!(send.as_mut()) {
+                Poll::Ready(outcome) => sent.push((i, outcome)),
+                Poll::Pending => sends.push(async move { (i, send.await) }),
+            }
+        }
+        sent.extend(join_all(sends).await);
+        let mut pending: Vec<(usize, PublisherConfirm)> = Vec::with_capacity(sent.len());
+        let mut failure: Option<Failure> = None;
+        for (i, outcome) in sent {
+            match outcome {
                 Ok(Ok(confirm)) => pending.push((i, confirm)),
                 Ok(Err(e)) => {
                     let f = Failure::Driver(e);
@@ -446,19 +480,8 @@ impl EventPublisher for RabbitPublisher {
     async fn publish_batch(&self, messages: &[OutboxMessage]) -> Vec<PublishOutcome> {
         let mut results: Vec<Option<Result<(), PublishError>>> =
             messages.iter().map(|_| None).collect();
-        let mut prepared = Vec::with_capacity(messages.len());
-        for (i, msg) in messages.iter().enumerate() {
-            match self.prepare(msg) {
-                Ok(p) => prepared.push((i, p)),
-                Err(e) => {
-                    warn!(id = %msg.id, event_type = %msg.event_type, error = %e, "message cannot be published");
-                    results[i] = Some(Err(e));
-                }
-            }
-        }
-        if !prepared.is_empty() {
-            self.publish_prepared(messages, prepared, &mut results)
-                .await;
+        if !messages.is_empty() {
+            self.publish_on_channel(messages, &mut results).await;
         }
         results
             .into_iter()
