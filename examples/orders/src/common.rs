@@ -119,3 +119,37 @@ impl CpuTimes {
         }
     }
 }
+
+/// Waits until the machine is quiet before a timed phase, so that no phase pays for
+/// the aftermath of the one before it (a checkpoint, a dropped schema, the broker
+/// deleting purged messages): until all cores were at least 95% idle over 250 ms, for
+/// at most `max`. Returns how long it waited. Reads `/proc/stat` (Linux; elsewhere it
+/// returns at once).
+pub(crate) async fn settle(max: Duration) -> Duration {
+    fn idle_and_total() -> Option<(u64, u64)> {
+        let stat = std::fs::read_to_string("/proc/stat").ok()?;
+        // "cpu  user nice system idle iowait irq softirq steal ..." in USER_HZ ticks.
+        let line = stat.lines().next()?.strip_prefix("cpu ")?;
+        let ticks: Vec<u64> = line
+            .split_whitespace()
+            .filter_map(|v| v.parse().ok())
+            .collect();
+        let idle = ticks.get(3)? + ticks.get(4).copied().unwrap_or(0);
+        Some((idle, ticks.iter().take(8).sum()))
+    }
+    let started = std::time::Instant::now();
+    while started.elapsed() < max {
+        let Some((idle0, total0)) = idle_and_total() else {
+            break;
+        };
+        tokio::time::sleep(Duration::from_millis(250)).await;
+        let Some((idle1, total1)) = idle_and_total() else {
+            break;
+        };
+        let total = total1.saturating_sub(total0);
+        if total > 0 && (idle1.saturating_sub(idle0)) as f64 >= 0.95 * total as f64 {
+            break;
+        }
+    }
+    started.elapsed()
+}

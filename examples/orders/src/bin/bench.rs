@@ -12,6 +12,11 @@
 //! 3. **relay**: the real dispatcher with the RabbitMQ or NATS publisher.
 //!
 //! The relay's ratio to the lower ceiling is the figure of merit (target ≥ 0.9).
+//!
+//! Every timed phase starts after a PostgreSQL `CHECKPOINT`, a `sync` and a wait for
+//! idle cores, so no phase pays for the setup of another. With
+//! `RUST_LOG=warn,outbox_core=info` each claim, publish and completion span is printed
+//! as it closes, with its busy and idle time.
 
 #[path = "../common.rs"]
 mod common;
@@ -72,7 +77,7 @@ struct Args {
     #[arg(long, default_value_t = 5)]
     steady_secs: u64,
     /// Rounds to run (medians are reported).
-    #[arg(long, default_value_t = 3)]
+    #[arg(long, default_value_t = 5)]
     rounds: usize,
     /// Batches in flight per dispatcher.
     #[arg(long, default_value_t = 2)]
@@ -99,6 +104,23 @@ fn payload(bytes: usize) -> String {
     format!(r#"{{"pad":"{}"}}"#, "x".repeat(pad))
 }
 
+/// The longest a timed phase waits for a quiet machine (see `common::settle`).
+const SETTLE_MAX: Duration = Duration::from_secs(10);
+
+/// Before a timed phase: flushes what the setup wrote (PostgreSQL `CHECKPOINT`, then
+/// the kernel's dirty pages with `sync`), so that neither PostgreSQL's checkpointer nor
+/// the kernel's writeback of a 20,000-row preload slows the broker's fsyncs in the
+/// phase that happens to come first; then waits for idle cores. Returns the time spent.
+async fn quiesce(outbox: &PgOutbox) -> Duration {
+    let started = Instant::now();
+    if let Err(e) = sqlx::query("CHECKPOINT").execute(outbox.pool()).await {
+        eprintln!("note: CHECKPOINT failed ({e}); the setup's writes may land in a phase");
+    }
+    let _ = tokio::task::spawn_blocking(|| std::process::Command::new("sync").status()).await;
+    common::settle(SETTLE_MAX).await;
+    started.elapsed()
+}
+
 async fn fresh_outbox(tag: &str) -> anyhow::Result<PgOutbox> {
     let schema = format!(
         "bench_{tag}_{}",
@@ -111,6 +133,14 @@ async fn fresh_outbox(tag: &str) -> anyhow::Result<PgOutbox> {
     )
     .await?;
     outbox.migrate().await?;
+    // A bench table lives for seconds: autovacuum starting on it (a preload of 20,000
+    // rows crosses its insert threshold) would land in a random phase of a random
+    // round. Production tables keep autovacuum.
+    sqlx::query(sqlx::AssertSqlSafe(format!(
+        "ALTER TABLE {schema}.outbox_messages SET (autovacuum_enabled = false)"
+    )))
+    .execute(outbox.pool())
+    .await?;
     Ok(outbox)
 }
 
@@ -283,6 +313,10 @@ async fn rabbit_ceiling(
             let mut sent = 0;
             while sent < count {
                 let window = batch.min(count - sent);
+                // Each send is polled once as soon as it is built (queuing its frames
+                // for lapin's I/O thread), then all are awaited together: the relay's
+                // RabbitMQ publisher sends the same way.
+                let mut sends = Vec::with_capacity(window);
                 let mut confirms = Vec::with_capacity(window);
                 for _ in 0..window {
                     let props = if bare {
@@ -290,20 +324,23 @@ async fn rabbit_ceiling(
                     } else {
                         same_properties_as_the_relay(&body)
                     };
-                    confirms.push(
-                        channel
-                            .basic_publish(
-                                exchange.as_str().into(),
-                                "BenchEvent".into(),
-                                BasicPublishOptions {
-                                    mandatory: true,
-                                    ..Default::default()
-                                },
-                                &body,
-                                props,
-                            )
-                            .await?,
-                    );
+                    let mut send = Box::pin(channel.basic_publish(
+                        exchange.as_str().into(),
+                        "BenchEvent".into(),
+                        BasicPublishOptions {
+                            mandatory: true,
+                            ..Default::default()
+                        },
+                        &body,
+                        props,
+                    ));
+                    match futures::poll!(send.as_mut()) {
+                        std::task::Poll::Ready(confirm) => confirms.push(confirm?),
+                        std::task::Poll::Pending => sends.push(send),
+                    }
+                }
+                for sent in futures::future::join_all(sends).await {
+                    confirms.push(sent?);
                 }
                 for confirm in futures::future::join_all(confirms).await {
                     let confirmation = confirm?;
@@ -630,6 +667,7 @@ impl Broker {
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
     tracing_subscriber::fmt()
+        .with_span_events(tracing_subscriber::fmt::format::FmtSpan::CLOSE)
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_default_env()
                 .unwrap_or_else(|_| "warn,lapin=off".into()),
@@ -696,6 +734,7 @@ async fn run_ordered<P: EventPublisher>(
         for _ in 0..args.rounds.max(1) {
             let db = fresh_outbox("ostore").await?;
             preload_keyed(&db, n, &body, keys).await?;
+            quiesce(&db).await;
             store_runs.push(
                 run_dispatcher_with(&db, Arc::new(InstantPublisher), args, ordering)
                     .await?
@@ -704,6 +743,7 @@ async fn run_ordered<P: EventPublisher>(
             drop_schema(&db).await;
             let db = fresh_outbox("orelay").await?;
             preload_keyed(&db, n, &body, keys).await?;
+            quiesce(&db).await;
             relay_runs.push(
                 run_dispatcher_with(&db, Arc::clone(&publisher), args, ordering)
                     .await?
@@ -768,9 +808,11 @@ async fn run<P: EventPublisher>(
     let mut sent = 0;
     let mut peak_rss = 0;
     let baseline_rss = common::rss_bytes();
+    let mut settled = Duration::ZERO;
     for round in 0..args.rounds.max(1) {
         let store_db = fresh_outbox("store").await?;
         preload(&store_db, n, &body).await?;
+        settled = settled.max(quiesce(&store_db).await);
         let cpu0 = cpu();
         let store = run_dispatcher(&store_db, Arc::new(InstantPublisher), args).await?;
         let store_cpu = cpu().since(cpu0);
@@ -781,6 +823,7 @@ async fn run<P: EventPublisher>(
         let mut ceiling = None;
         let mut relay = None;
         for phase in 0..2 {
+            settled = settled.max(quiesce(&relay_db).await);
             if (phase + round) % 2 == 0 {
                 let cpu0 = cpu();
                 let elapsed = broker.ceiling(args, body.as_bytes(), false).await?;
@@ -792,6 +835,7 @@ async fn run<P: EventPublisher>(
             }
             broker.purge().await?;
         }
+        settled = settled.max(quiesce(&relay_db).await);
         let bare = broker.ceiling(args, body.as_bytes(), true).await?;
         broker.purge().await?;
         latency = commit_to_publish(&relay_db).await?;
@@ -890,6 +934,10 @@ async fn run<P: EventPublisher>(
     println!(
         "relay / lower ceiling = {:.2} (target ≥ 0.90)",
         relay_rate / ceiling
+    );
+    println!(
+        "each timed phase started after a checkpoint and sync, on idle cores (longest wait {})",
+        common::ms(settled)
     );
     println!("messages marked Sent: {sent} of {n}");
     if let Some((p50, p99)) = latency {
