@@ -11,6 +11,10 @@
 //!    confirms instantly (no broker);
 //! 3. **relay**: the real dispatcher with the RabbitMQ or NATS publisher.
 //!
+//! For reference it also runs the relay with the database out of the phase (messages
+//! claimed from PostgreSQL before the clock starts, completions recorded nowhere), which
+//! separates the cost of the dispatcher and publisher from the database's.
+//!
 //! The relay's ratio to the lower ceiling is the figure of merit (target ≥ 0.9).
 //!
 //! Every timed phase starts after a PostgreSQL `CHECKPOINT`, a `sync` and a wait for
@@ -35,8 +39,9 @@ use lapin::options::{
 use lapin::types::{AMQPValue, FieldTable};
 use lapin::{BasicProperties, Connection, ConnectionProperties, ExchangeKind};
 use outbox_core::{
-    Dispatcher, DispatcherConfig, EventPublisher, NewMessage, OnDead, Ordering, OutboxMessage,
-    PublishOutcome,
+    BlockedKey, CompleteReport, Completion, Dispatcher, DispatcherConfig, EventPublisher,
+    MessageFilter, NewMessage, OnDead, Ordering, OutboxError, OutboxMessage, OutboxStats,
+    OutboxStore, PublishOutcome, ReplayReport,
 };
 use outbox_postgres::{PgConfig, PgOutbox};
 use tokio_util::sync::CancellationToken;
@@ -195,6 +200,8 @@ struct Round {
     broker_cpu: common::CpuTimes,
     relay: Duration,
     relay_cpu: common::CpuTimes,
+    pipeline: Duration,
+    pipeline_cpu: common::CpuTimes,
     bare: Duration,
 }
 
@@ -217,12 +224,85 @@ async fn run_dispatcher_with<P: EventPublisher>(
     args: &Args,
     ordering: Ordering,
 ) -> anyhow::Result<RelayRun> {
+    run_store(Arc::new(outbox.clone()), publisher, args, ordering).await
+}
+
+/// The pipeline without the database: the same dispatcher and publisher, relaying
+/// messages that were claimed from PostgreSQL before the clock started.
+async fn run_preclaimed<P: EventPublisher>(
+    claimed: Vec<OutboxMessage>,
+    publisher: Arc<P>,
+    args: &Args,
+) -> anyhow::Result<RelayRun> {
+    let store = Arc::new(PreclaimedStore(std::sync::Mutex::new(claimed.into())));
+    run_store(store, publisher, args, Ordering::Unordered).await
+}
+
+/// Hands out messages claimed in advance and records completions nowhere: the
+/// dispatcher's and publisher's cost without the database's.
+struct PreclaimedStore(std::sync::Mutex<std::collections::VecDeque<OutboxMessage>>);
+
+#[async_trait]
+impl OutboxStore for PreclaimedStore {
+    async fn claim(&self, batch: usize, _: Duration) -> Result<Vec<OutboxMessage>, OutboxError> {
+        let mut queue = self.0.lock().map_err(|_| unsupported())?;
+        let n = batch.min(queue.len());
+        Ok(queue.drain(..n).collect())
+    }
+    async fn claim_ordered(
+        &self,
+        _: usize,
+        _: Duration,
+        _: OnDead,
+    ) -> Result<Vec<OutboxMessage>, OutboxError> {
+        Err(unsupported())
+    }
+    async fn blocked_keys(&self, _: usize) -> Result<Vec<BlockedKey>, OutboxError> {
+        Err(unsupported())
+    }
+    async fn complete(&self, completions: &[Completion]) -> Result<CompleteReport, OutboxError> {
+        Ok(CompleteReport {
+            applied: completions.len() as u64,
+            fenced: Vec::new(),
+        })
+    }
+    async fn get(&self, _: uuid::Uuid) -> Result<Option<OutboxMessage>, OutboxError> {
+        Err(unsupported())
+    }
+    async fn stats(&self) -> Result<OutboxStats, OutboxError> {
+        Err(unsupported())
+    }
+    async fn dead_letters(
+        &self,
+        _: &MessageFilter,
+        _: usize,
+    ) -> Result<Vec<OutboxMessage>, OutboxError> {
+        Err(unsupported())
+    }
+    async fn replay(&self, _: &MessageFilter, _: bool) -> Result<ReplayReport, OutboxError> {
+        Err(unsupported())
+    }
+    async fn purge_sent(&self, _: Duration, _: usize) -> Result<u64, OutboxError> {
+        Err(unsupported())
+    }
+}
+
+fn unsupported() -> OutboxError {
+    OutboxError::Config("not supported by the bench's pre-claimed store".to_owned())
+}
+
+async fn run_store<S: OutboxStore, P: EventPublisher>(
+    store: Arc<S>,
+    publisher: Arc<P>,
+    args: &Args,
+    ordering: Ordering,
+) -> anyhow::Result<RelayRun> {
     let config = DispatcherConfig::new()
         .with_batch_size(args.batch_size)
         .with_concurrency(args.concurrency)
         .with_ordering(ordering)
         .with_poll_interval(Duration::from_millis(50));
-    let dispatcher = Dispatcher::new(Arc::new(outbox.clone()), publisher, config);
+    let dispatcher = Dispatcher::new(store, publisher, config);
     let token = CancellationToken::new();
     let started = Instant::now();
     let runner = {
@@ -835,6 +915,17 @@ async fn run<P: EventPublisher>(
             }
             broker.purge().await?;
         }
+        // The same relay with the database out of the phase: the messages of a third
+        // table are claimed before the clock starts.
+        let pre_db = fresh_outbox("preclaimed").await?;
+        preload(&pre_db, n, &body).await?;
+        let claimed = pre_db.claim(n, Duration::from_secs(3600)).await?;
+        drop_schema(&pre_db).await;
+        settled = settled.max(quiesce(&relay_db).await);
+        let cpu0 = cpu();
+        let pipeline = run_preclaimed(claimed, Arc::clone(&publisher), args).await?;
+        let pipeline_cpu = cpu().since(cpu0);
+        broker.purge().await?;
         settled = settled.max(quiesce(&relay_db).await);
         let bare = broker.ceiling(args, body.as_bytes(), true).await?;
         broker.purge().await?;
@@ -848,7 +939,10 @@ async fn run<P: EventPublisher>(
         drop_schema(&relay_db).await;
         let (broker_elapsed, broker_cpu) = ceiling.context("broker phase ran")?;
         let (relay, relay_cpu) = relay.context("relay phase ran")?;
-        peak_rss = peak_rss.max(relay.peak_rss);
+        if round == 0 {
+            // Later rounds start with the heap the pre-claimed phase left behind.
+            peak_rss = relay.peak_rss;
+        }
         let r = Round {
             store: store.elapsed,
             store_cpu,
@@ -856,14 +950,17 @@ async fn run<P: EventPublisher>(
             broker_cpu,
             relay: relay.elapsed,
             relay_cpu,
+            pipeline: pipeline.elapsed,
+            pipeline_cpu,
             bare,
         };
         println!(
-            "round {}: store {:.0}/s, broker {:.0}/s, relay {:.0}/s, ratio {:.2}",
+            "round {}: store {:.0}/s, broker {:.0}/s, relay {:.0}/s, relay without database {:.0}/s, ratio {:.2}",
             round + 1,
             rate(n, r.store),
             rate(n, r.broker),
             rate(n, r.relay),
+            rate(n, r.pipeline),
             rate(n, r.relay) / rate(n, r.store).min(rate(n, r.broker))
         );
         rounds.push(r);
@@ -876,9 +973,15 @@ async fn run<P: EventPublisher>(
     let store = median(&|r| r.store);
     let broker_median = median(&|r| r.broker);
     let relay = median(&|r| r.relay);
+    let pipeline = median(&|r| r.pipeline);
     let bare = median(&|r| r.bare);
     let mid = &rounds[rounds.len() / 2];
-    let (store_cpu, broker_cpu, relay_cpu) = (mid.store_cpu, mid.broker_cpu, mid.relay_cpu);
+    let (store_cpu, broker_cpu, relay_cpu, pipeline_cpu) = (
+        mid.store_cpu,
+        mid.broker_cpu,
+        mid.relay_cpu,
+        mid.pipeline_cpu,
+    );
 
     let steady = steady_latency(Arc::clone(&publisher), args, &body).await?;
     broker.purge().await?;
@@ -905,6 +1008,11 @@ async fn run<P: EventPublisher>(
         common::ms(relay)
     );
     println!(
+        "| (reference) relay without the database in the phase | {:>10.0} | {:>9} |",
+        rate(n, pipeline),
+        common::ms(pipeline)
+    );
+    println!(
         "| {} | {:>10.0} | {:>9} |",
         broker.bare_label(),
         rate(n, bare),
@@ -920,6 +1028,7 @@ async fn run<P: EventPublisher>(
         ("store ceiling", store_cpu, mid.store),
         ("broker ceiling", broker_cpu, mid.broker),
         ("relay", relay_cpu, mid.relay),
+        ("relay, no db", pipeline_cpu, mid.pipeline),
     ] {
         let busy = cpu.broker + cpu.database + cpu.relay;
         println!(
@@ -957,7 +1066,7 @@ async fn run<P: EventPublisher>(
         );
     }
     println!(
-        "relay process peak RSS {:.1} MiB (baseline before the relay {:.1} MiB)",
+        "relay process peak RSS in the first round {:.1} MiB (baseline before the relay {:.1} MiB)",
         peak_rss as f64 / 1048576.0,
         baseline_rss as f64 / 1048576.0
     );
