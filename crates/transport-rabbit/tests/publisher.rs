@@ -339,7 +339,8 @@ async fn malformed_urls_are_invalid_url_errors() {
 
 /// A broker that is not there: `connect` fails fast with a typed, `Unavailable`
 /// connect error; a lazy publisher's `check_ready` and `publish_batch` report
-/// `Unavailable` (which opens the dispatcher's circuit) instead of hanging.
+/// `Unavailable` (which opens the dispatcher's circuit) instead of hanging, except for
+/// a message that could never be published, which stays a permanent failure.
 #[tokio::test]
 async fn unreachable_broker_is_a_fast_typed_error() {
     let config = build(
@@ -372,11 +373,20 @@ async fn unreachable_broker_is_a_fast_typed_error() {
         matches!(ready, Err(PublishError::Unavailable { .. })),
         "{ready:?}"
     );
+    // A message that could never be published is rejected as such even while the
+    // broker is away; the others are an outage, not charged an attempt.
+    let mut long_key = message("C", "3", "{}");
+    long_key.routing_key = Some("k".repeat(256));
     let outcomes = publisher
-        .publish_batch(&[message("A", "1", "{}"), message("B", "2", "{}")])
+        .publish_batch(&[message("A", "1", "{}"), long_key, message("B", "2", "{}")])
         .await;
-    assert_eq!(outcomes.len(), 2);
-    for outcome in &outcomes {
+    assert_eq!(outcomes.len(), 3);
+    assert!(
+        matches!(&outcomes[1], PublishOutcome::Permanent(PublishError::Invalid(_))),
+        "{:?}",
+        outcomes[1]
+    );
+    for outcome in [&outcomes[0], &outcomes[2]] {
         assert!(outcome.is_outage(), "{outcome:?}");
     }
     assert!(
