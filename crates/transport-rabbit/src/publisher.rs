@@ -379,7 +379,7 @@ impl RabbitPublisher {
         // sends together. A send's first poll registers its delivery tag and queues its
         // frames, so lapin's I/O thread writes them in a few large writes while the next
         // messages are prepared; awaiting each send before the next cost one write and
-        // two thread hand-offs per message (about half of this process's CPU). Sends
+        // two thread hand-offs per message (about 40% of the relay process's CPU). Sends
         // complete in any order; the order of messages within a batch does not matter:
         // unordered mode promises none, and an ordered wave holds one message per key.
         let mut sends = Vec::with_capacity(messages.len());

@@ -382,7 +382,10 @@ async fn unreachable_broker_is_a_fast_typed_error() {
         .await;
     assert_eq!(outcomes.len(), 3);
     assert!(
-        matches!(&outcomes[1], PublishOutcome::Permanent(PublishError::Invalid(_))),
+        matches!(
+            &outcomes[1],
+            PublishOutcome::Permanent(PublishError::Invalid(_))
+        ),
         "{:?}",
         outcomes[1]
     );

@@ -113,9 +113,9 @@ fn payload(bytes: usize) -> String {
 const SETTLE_MAX: Duration = Duration::from_secs(10);
 
 /// Before a timed phase: flushes what the setup wrote (PostgreSQL `CHECKPOINT`, then
-/// the kernel's dirty pages with `sync`), so that neither PostgreSQL's checkpointer nor
-/// the kernel's writeback of a 20,000-row preload slows the broker's fsyncs in the
-/// phase that happens to come first; then waits for idle cores. Returns the time spent.
+/// the kernel's dirty pages with `sync`), so that the writeback of a 20,000-row preload
+/// does not land in whichever phase comes first; then waits for idle cores. Returns the
+/// time spent.
 async fn quiesce(outbox: &PgOutbox) -> Duration {
     let started = Instant::now();
     if let Err(e) = sqlx::query("CHECKPOINT").execute(outbox.pool()).await {
@@ -245,7 +245,10 @@ struct PreclaimedStore(std::sync::Mutex<std::collections::VecDeque<OutboxMessage
 #[async_trait]
 impl OutboxStore for PreclaimedStore {
     async fn claim(&self, batch: usize, _: Duration) -> Result<Vec<OutboxMessage>, OutboxError> {
-        let mut queue = self.0.lock().map_err(|_| unsupported())?;
+        let mut queue = self
+            .0
+            .lock()
+            .map_err(|_| OutboxError::Config("the pre-claimed queue is poisoned".to_owned()))?;
         let n = batch.min(queue.len());
         Ok(queue.drain(..n).collect())
     }
@@ -419,8 +422,8 @@ async fn rabbit_ceiling(
                         std::task::Poll::Pending => sends.push(send),
                     }
                 }
-                for sent in futures::future::join_all(sends).await {
-                    confirms.push(sent?);
+                for send in futures::future::join_all(sends).await {
+                    confirms.push(send?);
                 }
                 for confirm in futures::future::join_all(confirms).await {
                     let confirmation = confirm?;
