@@ -112,32 +112,62 @@ async fn publisher(config: &RabbitConfig) -> RabbitPublisher {
         .expect("publisher connects")
 }
 
-/// A handler that answers `Requeue` gets the message again, flagged as redelivered,
-/// after the requeue delay, and once it answers `Ack` the message is gone from the
-/// queue.
-#[tokio::test]
-async fn requeued_message_is_redelivered_then_acked() {
-    let exchange = unique("requeue");
-    let queue = unique("requeue.q");
+/// A consumer with `requeue_delay` on a fresh queue, running a handler that requeues
+/// the first delivery of one message, and that message published to it.
+struct RequeuedOnce {
+    exchange: String,
+    queue: String,
+    msg: outbox_core::OutboxMessage,
+    handler: Recorder,
+    running: Running,
+}
+
+async fn requeued_once(tag: &str, requeue_delay: Duration, aggregate_id: &str) -> RequeuedOnce {
+    let exchange = unique(tag);
+    let queue = unique(&format!("{tag}.q"));
     let config = build(config(&exchange));
     let consumer = RabbitConsumer::builder(config.clone(), queue.clone())
         .with_binding_key("#")
         .with_queue_arguments(expiring(FieldTable::default()))
-        .with_requeue_delay(Duration::from_millis(400))
+        .with_requeue_delay(requeue_delay)
         .build()
         .expect("valid consumer");
     consumer.declare().await.expect("topology");
 
-    let msg = message("OrderPlaced", "42", r#"{"order":42}"#);
+    let msg = message(
+        "OrderPlaced",
+        aggregate_id,
+        &format!(r#"{{"order":{aggregate_id}}}"#),
+    );
     let handler = Recorder::default();
     handler.requeue_once.lock().expect("lock").push(msg.id);
     let running = start(consumer, handler.clone());
-
     let outcomes = publisher(&config)
         .await
         .publish_batch(std::slice::from_ref(&msg))
         .await;
     assert!(outcomes[0].is_published(), "{:?}", outcomes[0]);
+    RequeuedOnce {
+        exchange,
+        queue,
+        msg,
+        handler,
+        running,
+    }
+}
+
+/// A handler that answers `Requeue` gets the message again, flagged as redelivered,
+/// after the requeue delay, and once it answers `Ack` the message is gone from the
+/// queue.
+#[tokio::test]
+async fn requeued_message_is_redelivered_then_acked() {
+    let RequeuedOnce {
+        exchange,
+        queue,
+        msg,
+        handler,
+        running,
+    } = requeued_once("requeue", Duration::from_millis(400), "42").await;
 
     eventually("the message is delivered twice", || async {
         handler.finished().len() >= 2
@@ -172,26 +202,13 @@ async fn requeued_message_is_redelivered_then_acked() {
 /// message is back in the queue.
 #[tokio::test]
 async fn shutdown_cuts_the_requeue_delay_short() {
-    let exchange = unique("requeue-stop");
-    let queue = unique("requeue-stop.q");
-    let config = build(config(&exchange));
-    let consumer = RabbitConsumer::builder(config.clone(), queue.clone())
-        .with_binding_key("#")
-        .with_queue_arguments(expiring(FieldTable::default()))
-        .with_requeue_delay(Duration::from_secs(600))
-        .build()
-        .expect("valid consumer");
-    consumer.declare().await.expect("topology");
-
-    let msg = message("OrderPlaced", "7", r#"{"order":7}"#);
-    let handler = Recorder::default();
-    handler.requeue_once.lock().expect("lock").push(msg.id);
-    let running = start(consumer, handler.clone());
-    let outcomes = publisher(&config)
-        .await
-        .publish_batch(std::slice::from_ref(&msg))
-        .await;
-    assert!(outcomes[0].is_published(), "{:?}", outcomes[0]);
+    let RequeuedOnce {
+        exchange,
+        queue,
+        handler,
+        running,
+        ..
+    } = requeued_once("requeue-stop", Duration::from_secs(600), "7").await;
     eventually("the handler asked for a requeue", || async {
         !handler.finished().is_empty()
     })
