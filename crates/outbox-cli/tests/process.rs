@@ -28,7 +28,10 @@ async fn migrate_then_stats_as_a_process() {
     let o = outbox(&["--database-url", &url, "--schema", &schema, "migrate"]);
     assert!(o.status.success(), "{}", stderr(&o));
     let text = String::from_utf8_lossy(&o.stdout);
-    assert!(text.contains("applied migrations [1, 2, 3, 4]"), "{text}");
+    assert!(
+        text.contains("applied migrations [1, 2, 3, 4, 5]"),
+        "{text}"
+    );
     let o = outbox(&["--database-url", &url, "--schema", &schema, "migrate"]);
     assert!(String::from_utf8_lossy(&o.stdout).contains("up to date"));
     let o = outbox(&[

@@ -32,10 +32,15 @@ const MIGRATIONS: &[(i32, &str, &str)] = &[
         "outbox_messages_archive and inbox_records_archive",
         include_str!("../migrations/0004_archive.sql"),
     ),
+    (
+        5,
+        "claims as HOT updates: partial indexes on phase, fillfactor 50",
+        include_str!("../migrations/0005_hot_claims.sql"),
+    ),
 ];
 
 /// The highest migration version this crate knows.
-pub const LATEST_VERSION: i32 = 4;
+pub const LATEST_VERSION: i32 = 5;
 
 /// Creates `schema` if needed and applies every migration not yet applied. Returns the
 /// versions applied by this call.

@@ -161,7 +161,7 @@ const FAILURE_FILTER: &str = "f.dead_at IS NOT NULL
     AND ($6::text IS NULL OR f.last_error ILIKE '%' || $6 || '%')";
 
 /// Filter over `inbox_messages d`, same parameters as [`FAILURE_FILTER`].
-const DURABLE_FILTER: &str = "d.status = 3
+const DURABLE_FILTER: &str = "d.phase = 3
     AND ($1::uuid[] IS NULL OR d.id = ANY($1))
     AND ($2::timestamptz IS NULL OR d.received_at >= $2)
     AND ($3::timestamptz IS NULL OR d.received_at < $3)
@@ -215,22 +215,21 @@ impl PgOutbox {
     }
 
     /// Like [`OutboxStore::stats`](outbox_core::OutboxStore::stats) but without the
-    /// `sent` count (left 0), so that every count walks a partial index (`New`,
-    /// `Processing`, `Dead`) instead of the whole table: cheap enough to run every few
-    /// seconds from every relay however many sent rows await retention. The oldest
-    /// pending age is by `created_at`, database clock.
+    /// `sent` count (left 0), so that every count walks a partial index (pending, dead)
+    /// instead of the whole table: cheap enough to run every few seconds from every
+    /// relay however many sent rows await retention. The oldest pending age is by
+    /// `created_at`, database clock.
     ///
     /// # Errors
     /// [`OutboxError::Database`] on database failure.
     pub async fn pending_stats(&self) -> Result<OutboxStats, OutboxError> {
         let s = self.schema();
         let row = sqlx::query(AssertSqlSafe(format!(
-            "SELECT (SELECT count(*) FROM {s}.outbox_messages WHERE status = 0),
-                    (SELECT count(*) FROM {s}.outbox_messages WHERE status = 9),
-                    (SELECT count(*) FROM {s}.outbox_messages WHERE status = 3),
-                    extract(epoch FROM now() - least(
-                        (SELECT min(created_at) FROM {s}.outbox_messages WHERE status = 0),
-                        (SELECT min(created_at) FROM {s}.outbox_messages WHERE status = 9)))::float8"
+            "SELECT (SELECT count(*) FROM {s}.outbox_messages WHERE phase = 0 AND status = 0),
+                    (SELECT count(*) FROM {s}.outbox_messages WHERE phase = 0 AND status = 9),
+                    (SELECT count(*) FROM {s}.outbox_messages WHERE phase = 3),
+                    extract(epoch FROM now() -
+                        (SELECT min(created_at) FROM {s}.outbox_messages WHERE phase = 0))::float8"
         )))
         .fetch_one(self.pool())
         .await
@@ -271,24 +270,29 @@ impl PgOutbox {
         let sql = match ordered {
             None => format!(
                 "SELECT extract(epoch FROM now() - min(visible_at))::float8
-                   FROM {s}.outbox_messages WHERE status = 0 AND visible_at <= now()"
+                   FROM {s}.outbox_messages WHERE phase = 0 AND status = 0 AND visible_at <= now()"
             ),
             Some(on_dead) => {
+                // A message waits behind an earlier one of its key that is in flight or
+                // in a retry backoff, or (under Block) Dead: one probe of each per-key
+                // index.
                 let dead_blocks = if on_dead == OnDead::Block {
-                    "b.status = 3 OR "
+                    format!(
+                        "OR EXISTS (SELECT 1 FROM {s}.outbox_messages d
+                                     WHERE d.order_key = m.order_key AND d.phase = 3 AND d.seq < m.seq)"
+                    )
                 } else {
-                    ""
+                    String::new()
                 };
                 format!(
                     "SELECT extract(epoch FROM now() - min(m.visible_at))::float8
                        FROM (SELECT order_key, seq, visible_at FROM {s}.outbox_messages
-                              WHERE status = 0 AND visible_at <= now()
+                              WHERE phase = 0 AND status = 0 AND visible_at <= now()
                               ORDER BY visible_at, seq LIMIT 1000) m
-                      WHERE NOT EXISTS (
+                      WHERE NOT (EXISTS (
                             SELECT 1 FROM {s}.outbox_messages b
-                             WHERE b.order_key = m.order_key AND b.seq < m.seq
-                               AND ({dead_blocks}b.status = 9
-                                    OR (b.status = 0 AND b.visible_at > now())))"
+                             WHERE b.order_key = m.order_key AND b.phase = 0 AND b.seq < m.seq
+                               AND (b.status = 9 OR b.visible_at > now())) {dead_blocks})"
                 )
             }
         };
@@ -399,7 +403,7 @@ impl PgOutbox {
             "WITH moved AS (
                  DELETE FROM {s}.outbox_messages WHERE id IN (
                      SELECT id FROM {s}.outbox_messages
-                      WHERE status = 1 AND sent_at <= now() - make_interval(secs => $1)
+                      WHERE phase = 1 AND sent_at <= now() - make_interval(secs => $1)
                       ORDER BY sent_at LIMIT $2 FOR UPDATE SKIP LOCKED)
                  RETURNING {ARCHIVE_COLUMNS}
              ), kept AS (

@@ -14,7 +14,7 @@ const COLUMNS: &str = "m.id, m.seq, m.aggregate_type, m.aggregate_id, m.aggregat
 /// The optional-filter predicate shared by dead-letter listing and replay
 /// (`$1` ids, `$2` from, `$3` to, `$4` tenant, `$5` aggregate type, `$6` aggregate id,
 /// `$7` event type, `$8` error text).
-const FILTER: &str = "m.status = 3
+const FILTER: &str = "m.phase = 3
     AND ($1::uuid[] IS NULL OR m.id = ANY($1))
     AND ($2::timestamptz IS NULL OR m.created_at >= $2)
     AND ($3::timestamptz IS NULL OR m.created_at < $3)
@@ -26,30 +26,30 @@ const FILTER: &str = "m.status = 3
 
 /// The claim statement shared by the outbox and the durable inbox (same columns and
 /// status codes): New and visible, or Processing with an expired lease, oldest
-/// `(visible_at, seq)` first, skipping rows locked by concurrent claimers. Each branch
-/// walks its own partial index; times come from the database clock only. The chosen ids
-/// are updated through `id = ANY(ARRAY(...))`, a primary-key lookup, so the cost does
-/// not grow with the table (a join let the planner hash the whole table).
+/// `(visible_at, seq)` first, skipping rows locked by concurrent claimers; times come
+/// from the database clock only.
+///
+/// Both kinds are found by one walk of the pending index (`phase = 0`, migration 5): a
+/// Processing row stays in it (its `visible_at` has passed) and its lease is checked on
+/// the row, so the walk also passes over the rows in flight (at most `concurrency ×
+/// batch_size` per relay). In exchange the update changes no indexed column, and
+/// PostgreSQL makes it a heap-only-tuple update: no index entries, and with the
+/// table's fillfactor the new version on the same page. The chosen ids are updated
+/// through `id = ANY(ARRAY(...))`, a primary-key lookup, so the cost does not grow with
+/// the table (a join let the planner hash the whole table).
 /// `$1` batch size, `$2` lease in seconds, `$3` claim token.
 fn claim_statement(table: &str, returning: &str) -> String {
     format!(
-        "WITH fresh AS (
-             SELECT id, visible_at, seq FROM {table}
-              WHERE status = 0 AND visible_at <= now()
-              ORDER BY visible_at, seq LIMIT $1 FOR UPDATE SKIP LOCKED
-         ), expired AS (
-             SELECT id, visible_at, seq FROM {table}
-              WHERE status = 9 AND lease_until < now()
-              ORDER BY lease_until LIMIT $1 FOR UPDATE SKIP LOCKED
-         )
-         UPDATE {table} m
+        "UPDATE {table} m
             SET status = 9,
                 lease_until = now() + make_interval(secs => $2),
                 claim_token = $3,
                 attempts = m.attempts + 1
           WHERE m.id = ANY(ARRAY(
-                SELECT c.id FROM (SELECT * FROM fresh UNION ALL SELECT * FROM expired) c
-                 ORDER BY c.visible_at, c.seq LIMIT $1))
+                SELECT c.id FROM {table} c
+                 WHERE c.phase = 0 AND c.visible_at <= now()
+                   AND (c.status = 0 OR c.lease_until < now())
+                 ORDER BY c.visible_at, c.seq LIMIT $1 FOR UPDATE SKIP LOCKED))
          RETURNING {returning}"
     )
 }
@@ -83,17 +83,17 @@ fn claim_ordered_statement(table: &str, returning: &str) -> String {
     format!(
         "WITH RECURSIVE after_cursor(k) AS (
              SELECT (SELECT p.order_key FROM {table} p
-                      WHERE p.status IN (0, 9) AND p.order_key > $5 ORDER BY p.order_key LIMIT 1)
+                      WHERE p.phase = 0 AND p.order_key > $5 ORDER BY p.order_key LIMIT 1)
              UNION ALL
              SELECT (SELECT p.order_key FROM {table} p
-                      WHERE p.status IN (0, 9) AND p.order_key > a.k ORDER BY p.order_key LIMIT 1)
+                      WHERE p.phase = 0 AND p.order_key > a.k ORDER BY p.order_key LIMIT 1)
                FROM after_cursor a WHERE a.k IS NOT NULL
          ), from_start(k) AS (
              SELECT (SELECT p.order_key FROM {table} p
-                      WHERE p.status IN (0, 9) ORDER BY p.order_key LIMIT 1)
+                      WHERE p.phase = 0 ORDER BY p.order_key LIMIT 1)
              UNION ALL
              SELECT (SELECT p.order_key FROM {table} p
-                      WHERE p.status IN (0, 9) AND p.order_key > s.k ORDER BY p.order_key LIMIT 1)
+                      WHERE p.phase = 0 AND p.order_key > s.k ORDER BY p.order_key LIMIT 1)
                FROM from_start s WHERE s.k <= $5
          ), keys AS (
              SELECT k FROM after_cursor WHERE k IS NOT NULL
@@ -102,11 +102,11 @@ fn claim_ordered_statement(table: &str, returning: &str) -> String {
          ), heads AS (
              SELECT h.id FROM keys CROSS JOIN LATERAL (
                  SELECT p.id, p.seq, p.status, p.visible_at, p.lease_until FROM {table} p
-                  WHERE p.order_key = keys.k AND p.status IN (0, 9)
+                  WHERE p.order_key = keys.k AND p.phase = 0
                   ORDER BY p.seq LIMIT 1) h
               WHERE {head_claimable}
                 AND NOT ($4 AND EXISTS (
-                    SELECT 1 FROM {table} d WHERE d.order_key = keys.k AND d.status = 3 AND d.seq < h.seq))
+                    SELECT 1 FROM {table} d WHERE d.order_key = keys.k AND d.phase = 3 AND d.seq < h.seq))
               LIMIT $1
          ), locked AS (
              SELECT p.id, p.order_key, p.seq FROM {table} p
@@ -115,10 +115,10 @@ fn claim_ordered_statement(table: &str, returning: &str) -> String {
          ), run_rows AS (
              SELECT r.id FROM locked h CROSS JOIN LATERAL (
                  SELECT p.id FROM {table} p
-                  WHERE p.order_key = h.order_key AND p.status IN (0, 9) AND p.seq >= h.seq
+                  WHERE p.order_key = h.order_key AND p.phase = 0 AND p.seq >= h.seq
                     AND (NOT $4 OR NOT EXISTS (
                         SELECT 1 FROM {table} d
-                         WHERE d.order_key = h.order_key AND d.status = 3
+                         WHERE d.order_key = h.order_key AND d.phase = 3
                            AND d.seq > h.seq AND d.seq < p.seq))
                   ORDER BY p.seq
                   LIMIT greatest(1, $1 / greatest(1, (SELECT count(*) FROM locked)))) r
@@ -188,22 +188,22 @@ impl Queries {
             claim_ordered: s(claim_ordered_statement(&t, COLUMNS)),
             // Keys whose head (first unfinished row, Dead included) is Dead or waiting out
             // a retry backoff. Candidates: keys with a Dead row, and keys with a retried
-            // New row not yet visible (the claim_new index's future range).
+            // New row not yet visible (the pending index's future range).
             blocked_keys: s(format!(
                 "SELECT h.order_key, h.id, h.seq, h.status, h.attempts, h.last_error,
                         h.first_failed_at, CASE WHEN h.status = 0 THEN h.visible_at END AS retry_at,
                         (SELECT count(*) FROM {t} w
-                          WHERE w.order_key = h.order_key AND w.status IN (0, 9) AND w.seq > h.seq) AS waiting
-                   FROM (SELECT d.order_key FROM {t} d WHERE d.status = 3
+                          WHERE w.order_key = h.order_key AND w.phase = 0 AND w.seq > h.seq) AS waiting
+                   FROM (SELECT d.order_key FROM {t} d WHERE d.phase = 3
                          UNION
                          SELECT f.order_key FROM {t} f
-                          WHERE f.status = 0 AND f.visible_at > now() AND f.attempts > 0) k
+                          WHERE f.phase = 0 AND f.status = 0 AND f.visible_at > now() AND f.attempts > 0) k
                    CROSS JOIN LATERAL (
                         SELECT x.* FROM (
-                            (SELECT p.* FROM {t} p WHERE p.order_key = k.order_key AND p.status IN (0, 9)
+                            (SELECT p.* FROM {t} p WHERE p.order_key = k.order_key AND p.phase = 0
                               ORDER BY p.seq LIMIT 1)
                             UNION ALL
-                            (SELECT p.* FROM {t} p WHERE p.order_key = k.order_key AND p.status = 3
+                            (SELECT p.* FROM {t} p WHERE p.order_key = k.order_key AND p.phase = 3
                               ORDER BY p.seq LIMIT 1)) x
                          ORDER BY x.seq LIMIT 1) h
                   WHERE h.status = 3 OR (h.status = 0 AND h.attempts > 0 AND h.visible_at > now())
@@ -212,10 +212,12 @@ impl Queries {
             )),
             // Completion of a whole batch, each row fenced by its claim token.
             // `status + 0 = 9` still enforces Processing → * in SQL but keeps the planner
-            // off the `status = 9` partial index: its statistics are always stale on a
-            // queue table (estimated 1 row), which made it drive a nested loop over the
-            // whole UNNEST for every Processing row, O(batch × in-flight). The primary
-            // key lookup per completion is linear.
+            // from trusting the column's statistics, which are always stale on a queue
+            // table (estimated 1 row at Processing): with them it scanned the table, or
+            // (with the partial index of migration 1) drove a nested loop over the whole
+            // UNNEST for every Processing row, O(batch × in-flight). The primary key
+            // lookup per completion is linear. A release (Processing → New, no charge)
+            // changes no indexed column, so it is a HOT update like the claim.
             complete: s(format!(
                 "UPDATE {t} m
                     SET status = u.status,
@@ -256,7 +258,7 @@ impl Queries {
             purge_sent: s(format!(
                 "DELETE FROM {t} WHERE id IN (
                      SELECT id FROM {t}
-                      WHERE status = 1 AND sent_at <= now() - make_interval(secs => $1)
+                      WHERE phase = 1 AND sent_at <= now() - make_interval(secs => $1)
                       ORDER BY sent_at LIMIT $2 FOR UPDATE SKIP LOCKED)"
             )),
             inbox_claim: s(format!(
@@ -283,6 +285,8 @@ mod tests {
         assert!(q.claim.contains("FOR UPDATE SKIP LOCKED"));
         assert!(q.claim.contains("visible_at <= now()"));
         assert!(q.claim.contains("lease_until < now()"));
+        // The walk is over the pending index, whose predicate a claim leaves unchanged.
+        assert!(q.claim.contains("c.phase = 0 AND c.visible_at <= now()"));
         assert!(
             q.complete
                 .contains("m.claim_token = u.token AND m.status + 0 = 9")
@@ -398,7 +402,7 @@ impl InboxQueries {
             purge_processed: s(format!(
                 "DELETE FROM {t} WHERE id IN (
                      SELECT id FROM {t}
-                      WHERE status = 1 AND processed_at <= now() - make_interval(secs => $1)
+                      WHERE phase = 1 AND processed_at <= now() - make_interval(secs => $1)
                       ORDER BY processed_at LIMIT $2 FOR UPDATE SKIP LOCKED)"
             )),
         }
