@@ -200,14 +200,36 @@ struct Round {
     broker_cpu: common::CpuTimes,
     relay: Duration,
     relay_cpu: common::CpuTimes,
+    relay_publishing: Publishing,
     pipeline: Duration,
     pipeline_cpu: common::CpuTimes,
+    pipeline_publishing: Publishing,
     bare: Duration,
 }
 
 struct RelayRun {
     elapsed: Duration,
     peak_rss: u64,
+    publishing: Publishing,
+}
+
+/// Where the publishers' time went in a relay phase (from `DispatcherStats`).
+#[derive(Debug, Clone, Copy)]
+struct Publishing {
+    /// Share of the phase the publishers spent publishing (1.0: always busy).
+    busy: f64,
+    /// Mean time from a batch's first send to its last confirmation.
+    per_batch: Duration,
+}
+
+impl Publishing {
+    fn of(stats: &outbox_core::DispatcherStats, elapsed: Duration, publishers: usize) -> Self {
+        let publishing = Duration::from_micros(stats.publish_micros);
+        Self {
+            busy: publishing.as_secs_f64() / (elapsed.as_secs_f64() * publishers.max(1) as f64),
+            per_batch: publishing / u32::try_from(stats.batches.max(1)).unwrap_or(u32::MAX),
+        }
+    }
 }
 
 async fn run_dispatcher<P: EventPublisher>(
@@ -327,13 +349,19 @@ async fn run_store<S: OutboxStore, P: EventPublisher>(
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
     let elapsed = started.elapsed();
+    // Before the shutdown, so the publishers' idle tail is not counted.
+    let publishing = Publishing::of(&dispatcher.stats(), elapsed, args.concurrency);
     token.cancel();
     runner.await??;
     let stats = dispatcher.stats();
     if stats.dead > 0 || stats.retried > 0 {
         bail!("relay had failures: {stats:?}");
     }
-    Ok(RelayRun { elapsed, peak_rss })
+    Ok(RelayRun {
+        elapsed,
+        peak_rss,
+        publishing,
+    })
 }
 
 async fn commit_to_publish(outbox: &PgOutbox) -> anyhow::Result<Option<(Duration, Duration)>> {
@@ -953,8 +981,10 @@ async fn run<P: EventPublisher>(
             broker_cpu,
             relay: relay.elapsed,
             relay_cpu,
+            relay_publishing: relay.publishing,
             pipeline: pipeline.elapsed,
             pipeline_cpu,
+            pipeline_publishing: pipeline.publishing,
             bare,
         };
         println!(
@@ -1042,6 +1072,16 @@ async fn run<P: EventPublisher>(
             100.0 * busy / d.as_secs_f64() / cores as f64,
         );
     }
+    // Whether the relay waited on the database (publishers idle) or on the broker
+    // (publishers busy, each batch taking longer to be confirmed).
+    let (with_db, no_db) = (mid.relay_publishing, mid.pipeline_publishing);
+    println!(
+        "publishers in the median round: busy {:.0}% of the relay phase, a batch confirmed {} after its first send (no database in the phase: {:.0}%, {})",
+        100.0 * with_db.busy,
+        common::ms(with_db.per_batch),
+        100.0 * no_db.busy,
+        common::ms(no_db.per_batch),
+    );
     println!();
     println!(
         "relay / lower ceiling = {:.2} (target ≥ 0.90)",
