@@ -247,6 +247,7 @@ async fn relay_exports_metrics_and_a_replayed_message_stays_single() {
         outbox_core::metrics::DEAD_TOTAL,
         outbox_core::metrics::CLAIM_BATCH_SIZE,
         outbox_core::metrics::PUBLISH_DURATION_SECONDS,
+        outbox_core::metrics::CLAIM_WAIT_SECONDS,
         outbox_core::metrics::COMMIT_TO_PUBLISH_SECONDS,
         outbox_core::metrics::CIRCUIT_OPEN,
         outbox_core::metrics::PENDING_MESSAGES,

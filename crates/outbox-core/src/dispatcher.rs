@@ -464,6 +464,7 @@ impl<S: OutboxStore, P: EventPublisher> Dispatcher<S, P> {
                 .claim_wait_micros
                 .fetch_add(micros(waiting), Relaxed);
             let Some(batch) = next else { break };
+            crate::metrics::claim_wait(waiting.elapsed());
             let publishing = std::time::Instant::now();
             let finished = self.publish_and_decide(batch).await;
             self.counters

@@ -15,6 +15,7 @@
 //! | [`FENCED_TOTAL`] | counter | messages | – | completions lost to a newer claim (stale lease) |
 //! | [`CLAIM_BATCH_SIZE`] | histogram | messages | – | size of each non-empty claimed batch |
 //! | [`PUBLISH_DURATION_SECONDS`] | histogram | seconds | – | publish of one batch, all confirms included |
+//! | [`CLAIM_WAIT_SECONDS`] | histogram | seconds | – | a publisher's wait for a claimed batch (beside the publish time: is a busy relay waiting on the database?) |
 //! | [`COMMIT_TO_PUBLISH_SECONDS`] | histogram | seconds | – | row `created_at` (database clock) to broker confirm (relay clock), per message |
 //! | [`CIRCUIT_OPEN`] | gauge | 0/1 | – | 1 while the broker is considered unreachable |
 //! | [`PENDING_MESSAGES`] | gauge | messages | – | `New` + `Processing` rows (queue depth) |
@@ -51,6 +52,11 @@ pub const FENCED_TOTAL: &str = "outbox_fenced_total";
 pub const CLAIM_BATCH_SIZE: &str = "outbox_claim_batch_size";
 /// Histogram (seconds): publishing one batch, confirms included.
 pub const PUBLISH_DURATION_SECONDS: &str = "outbox_publish_duration_seconds";
+/// Histogram (seconds): how long a publisher waited for a claimed batch before it could
+/// publish again. With a backlog, time spent waiting on the store; without one, idle
+/// time. Its `_sum` rate beside [`PUBLISH_DURATION_SECONDS`]'s says whether a busy relay
+/// is bound by the broker (publishers rarely wait) or by the database.
+pub const CLAIM_WAIT_SECONDS: &str = "outbox_claim_wait_seconds";
 /// Histogram (seconds): from the row's commit (`created_at`) to its broker confirm.
 pub const COMMIT_TO_PUBLISH_SECONDS: &str = "outbox_commit_to_publish_seconds";
 /// Gauge (0 or 1): whether the dispatcher's circuit is open.
@@ -119,6 +125,11 @@ pub fn describe() {
         "Publishing one batch, broker confirms included"
     );
     describe_histogram!(
+        CLAIM_WAIT_SECONDS,
+        Unit::Seconds,
+        "A publisher's wait for a claimed batch (with a backlog: time waiting on the store)"
+    );
+    describe_histogram!(
         COMMIT_TO_PUBLISH_SECONDS,
         Unit::Seconds,
         "From the outbox row's commit (created_at) to its broker confirm"
@@ -159,6 +170,11 @@ pub fn claimed(n: usize) {
 /// Records how long publishing one batch took.
 pub fn publish_duration(elapsed: Duration) {
     ::metrics::histogram!(PUBLISH_DURATION_SECONDS).record(elapsed.as_secs_f64());
+}
+
+/// Records how long a publisher waited for the claimed batch it now publishes.
+pub fn claim_wait(elapsed: Duration) {
+    ::metrics::histogram!(CLAIM_WAIT_SECONDS).record(elapsed.as_secs_f64());
 }
 
 /// Records commit-to-publish latency for each message whose `published` flag is set,
