@@ -7,9 +7,9 @@
 //!   on the caller's transaction, and the [`OutboxStore`](outbox_core::OutboxStore) the
 //!   dispatcher uses: claims with `FOR UPDATE SKIP LOCKED` in `(visible_at, seq)` order,
 //!   fenced leases, one-statement batch completion, backoff as `now() + delay` in SQL.
-//!   Claims and releases change no indexed column, so PostgreSQL performs them as
-//!   heap-only-tuple (HOT) updates (migration 5: partial indexes on the generated
-//!   `phase` column, `fillfactor = 50`);
+//!   Claims change no indexed column and find room on their page, so PostgreSQL
+//!   performs them as heap-only-tuple (HOT) updates (migration 5: partial indexes on
+//!   the generated `phase` column, `fillfactor = 50`);
 //! - [`PgInbox`]: the [`InboxStore`](outbox_core::InboxStore) (`ON CONFLICT DO NOTHING`
 //!   inside the consumer's transaction).
 //!

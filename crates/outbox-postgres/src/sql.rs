@@ -217,7 +217,7 @@ impl Queries {
             // (with the partial index of migration 1) drove a nested loop over the whole
             // UNNEST for every Processing row, O(batch × in-flight). The primary key
             // lookup per completion is linear. A release (Processing → New, no charge)
-            // changes no indexed column, so it is a HOT update like the claim.
+            // changes no indexed column either: a HOT update when its page has room.
             complete: s(format!(
                 "UPDATE {t} m
                     SET status = u.status,

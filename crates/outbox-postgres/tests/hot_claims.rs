@@ -1,12 +1,12 @@
-//! Claims and releases are heap-only-tuple (HOT) updates (migration 5): no index uses a
-//! column they change, a whole backlog claimed at once really is updated in place, and
+//! Claims are heap-only-tuple (HOT) updates (migration 5): no index uses a column a claim
+//! or a release changes, a whole backlog claimed at once really is updated in place, and
 //! a schema upgraded from migration 4 keeps every row where it was.
 
 mod common;
 
 use std::time::{Duration, Instant};
 
-use common::{database_url, fresh_outbox};
+use common::{database_url, enqueue_committed, fresh_outbox};
 use outbox_core::{
     Completion, CompletionOutcome, MessageFilter, MessageStatus, NewMessage, OutboxStore,
 };
@@ -84,7 +84,7 @@ async fn update_counts(pool: &sqlx::PgPool, schema: &str, at_least: i64) -> (i64
 }
 
 #[tokio::test]
-async fn a_whole_backlog_claimed_at_once_and_released_is_updated_in_place() {
+async fn a_whole_backlog_claimed_at_once_is_updated_in_place() {
     let outbox = fresh_outbox().await;
     // One connection, so the statistics flushed are those of the claims.
     let pool = PgConfig::new(database_url())
@@ -103,12 +103,7 @@ async fn a_whole_backlog_claimed_at_once_and_released_is_updated_in_place() {
                 .expect("valid")
         })
         .collect();
-    let mut tx = pool.begin().await.expect("begin");
-    outbox
-        .enqueue_batch(&mut tx, &messages)
-        .await
-        .expect("enqueue");
-    tx.commit().await.expect("commit");
+    enqueue_committed(&outbox, &messages).await;
 
     // The worst case for page room: every row of every page in one claim.
     let claimed = outbox
@@ -123,7 +118,9 @@ async fn a_whole_backlog_claimed_at_once_and_released_is_updated_in_place() {
     // room for its last one: about 56 pages here, at most one miss each.
     assert!(hot >= 490, "only {hot} of 500 claims were HOT updates");
 
-    // An outage hands them back without charge: in place too.
+    // An outage hands them back without charge. (In place too when the page has room,
+    // which needs the original versions pruned: not asserted, as any older transaction
+    // in the database, such as a parallel test's, holds that back.)
     let releases: Vec<Completion> = claimed
         .iter()
         .map(|m| Completion {
@@ -134,9 +131,6 @@ async fn a_whole_backlog_claimed_at_once_and_released_is_updated_in_place() {
         .collect();
     let report = outbox.complete(&releases).await.expect("release");
     assert_eq!(report.applied, 500);
-    let (upd, hot_after) = update_counts(&pool, outbox.schema(), 1000).await;
-    assert_eq!(upd, 1000);
-    assert_eq!(hot_after - hot, 500, "every release was a HOT update");
 
     // And they are claimable again at once, uncharged.
     let again = outbox
@@ -197,12 +191,7 @@ async fn upgrade_from_migration_4_keeps_every_row_where_it_was() {
                 .expect("valid")
         })
         .collect();
-    let mut tx = pool.begin().await.expect("begin");
-    outbox
-        .enqueue_batch(&mut tx, &messages)
-        .await
-        .expect("enqueue");
-    tx.commit().await.expect("commit");
+    enqueue_committed(&outbox, &messages).await;
     let [new, expired, held, sent, dead] = [0, 1, 2, 3, 4].map(|i| messages[i].id);
     let set = |id: uuid::Uuid, assignments: &str| {
         let sql = format!("UPDATE {schema}.outbox_messages SET {assignments} WHERE id = $1");

@@ -59,6 +59,15 @@ pub async fn fresh_outbox() -> PgOutbox {
     outbox
 }
 
+/// Enqueues `messages` in one transaction and commits it (one statement per 1,000).
+pub async fn enqueue_committed(outbox: &PgOutbox, messages: &[NewMessage]) {
+    let mut tx = outbox.pool().begin().await.expect("begin");
+    for chunk in messages.chunks(1000) {
+        outbox.enqueue_batch(&mut tx, chunk).await.expect("enqueue");
+    }
+    tx.commit().await.expect("commit");
+}
+
 pub struct PgHarness(pub Arc<PgOutbox>);
 
 #[async_trait]
@@ -70,11 +79,7 @@ impl Harness for PgHarness {
     }
 
     async fn enqueue(&self, messages: &[NewMessage]) {
-        let mut tx = self.0.pool().begin().await.expect("begin");
-        for chunk in messages.chunks(1000) {
-            self.0.enqueue_batch(&mut tx, chunk).await.expect("enqueue");
-        }
-        tx.commit().await.expect("commit");
+        enqueue_committed(&self.0, messages).await;
     }
 }
 

@@ -731,16 +731,17 @@ impl Broker {
         }
     }
 
-    /// The raw broker rate; fails (instead of hanging) when the broker stops
-    /// confirming for 5 minutes.
     /// An untimed publish of the phase's size, then a purge: every timed broker phase
-    /// starts on a broker that has just worked, as a running relay's broker has (after
-    /// seconds idle, the first phase of a round was 15-20% slower), and on an empty sink.
+    /// starts on a broker that has just done the same work, as a running relay's broker
+    /// has, and on an empty sink. It narrows the slowdown of whichever phase runs first
+    /// in a round but does not remove it (hence the balanced order of the rounds).
     async fn warm_up(&self, args: &Args, body: &[u8]) -> anyhow::Result<()> {
         self.ceiling(args, body, false).await?;
         self.purge().await
     }
 
+    /// The raw broker rate; fails (instead of hanging) when the broker stops
+    /// confirming for 5 minutes.
     async fn ceiling(&self, args: &Args, body: &[u8], bare: bool) -> anyhow::Result<Duration> {
         let run = async {
             match self {
