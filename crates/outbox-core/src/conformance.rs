@@ -28,8 +28,13 @@ pub trait Harness: Send + Sync + 'static {
     /// The store under test.
     type Store: OutboxStore;
 
-    /// The store (isolated from every other test).
+    /// The store (isolated from every other test), with the default
+    /// [`SentRetention::Keep`](crate::SentRetention::Keep).
     fn store(&self) -> Arc<Self::Store>;
+
+    /// A store over the same tables as [`store`](Self::store), configured with
+    /// [`SentRetention::Delete`](crate::SentRetention::Delete).
+    fn store_deleting_sent(&self) -> Arc<Self::Store>;
 
     /// Enqueues and commits `messages`; panics on failure.
     async fn enqueue(&self, messages: &[NewMessage]);
@@ -279,6 +284,126 @@ pub async fn expired_lease_is_reclaimed_and_stale_completion_fenced<H: Harness>(
         .await
         .expect("complete");
     assert_eq!(report.fenced.len(), 1);
+}
+
+/// Under [`SentRetention::Delete`](crate::SentRetention::Delete) a `Sent` completion deletes the row, and nothing else
+/// changes: Retry, Dead and Release are recorded as under `Keep`, a second `Sent`
+/// completion is fenced, and a stale holder's `Sent` completion is fenced and deletes
+/// nothing.
+pub async fn sent_retention_delete_removes_only_confirmed_rows<H: Harness>(h: &H) {
+    let store = h.store_deleting_sent();
+    h.enqueue(&messages(4, "DeleteOnSent")).await;
+    let c = store
+        .claim(4, Duration::from_secs(60))
+        .await
+        .expect("claim");
+    assert_eq!(c.len(), 4);
+    let t = c[0].claim_token.expect("token");
+    let report = store
+        .complete(&[
+            completion(c[0].id, t, CompletionOutcome::Sent),
+            completion(
+                c[1].id,
+                t,
+                CompletionOutcome::Retry {
+                    delay: Duration::from_secs(3600),
+                    error: "nack from broker".into(),
+                },
+            ),
+            completion(
+                c[2].id,
+                t,
+                CompletionOutcome::Dead {
+                    error: "unroutable".into(),
+                },
+            ),
+            completion(c[3].id, t, CompletionOutcome::Release),
+        ])
+        .await
+        .expect("complete");
+    assert_eq!(report.applied, 4, "every outcome is applied");
+    assert!(report.fenced.is_empty());
+    assert!(
+        store.get(c[0].id).await.expect("get").is_none(),
+        "the sent message's row is deleted"
+    );
+    let retry = store
+        .get(c[1].id)
+        .await
+        .expect("get")
+        .expect("retried row kept");
+    assert_eq!(retry.status, MessageStatus::New);
+    assert_eq!(retry.last_error.as_deref(), Some("nack from broker"));
+    let dead = store
+        .get(c[2].id)
+        .await
+        .expect("get")
+        .expect("dead row kept");
+    assert_eq!(dead.status, MessageStatus::Dead);
+    let released = store
+        .get(c[3].id)
+        .await
+        .expect("get")
+        .expect("released row kept");
+    assert_eq!(released.status, MessageStatus::New);
+    assert_eq!(released.attempts, 0, "release does not charge the attempt");
+    let stats = store.stats().await.expect("stats");
+    assert_eq!(
+        (stats.new, stats.processing, stats.sent, stats.dead),
+        (2, 0, 0, 1),
+        "no sent rows are kept"
+    );
+
+    let again = store
+        .complete(&[completion(c[0].id, t, CompletionOutcome::Sent)])
+        .await
+        .expect("complete");
+    assert_eq!((again.applied, again.fenced), (0, vec![c[0].id]));
+
+    // A holder whose lease expired and was taken over deletes nothing.
+    let first = store
+        .claim(1, Duration::from_millis(300))
+        .await
+        .expect("claim");
+    assert_eq!(first.iter().map(|m| m.id).collect::<Vec<_>>(), [c[3].id]);
+    let stale = first[0].claim_token.expect("token");
+    let second = claim_until(&*store, 1, Duration::from_secs(60), 1).await;
+    assert_eq!(second.len(), 1, "the expired lease is reclaimed");
+    let fresh = second[0].claim_token.expect("token");
+    let report = store
+        .complete(&[completion(c[3].id, stale, CompletionOutcome::Sent)])
+        .await
+        .expect("complete");
+    assert_eq!((report.applied, report.fenced), (0, vec![c[3].id]));
+    let row = store.get(c[3].id).await.expect("get").expect("row kept");
+    assert_eq!(row.status, MessageStatus::Processing);
+    assert_eq!(
+        row.claim_token,
+        Some(fresh),
+        "the stale completion changed nothing"
+    );
+    let report = store
+        .complete(&[completion(c[3].id, fresh, CompletionOutcome::Sent)])
+        .await
+        .expect("complete");
+    assert_eq!(report.applied, 1);
+    assert!(store.get(c[3].id).await.expect("get").is_none());
+
+    // The same tables under the default retention keep what they send.
+    let keeping = h.store();
+    h.enqueue(&messages(1, "KeptOnSent")).await;
+    let k = keeping
+        .claim(1, Duration::from_secs(60))
+        .await
+        .expect("claim");
+    assert_eq!(k.len(), 1);
+    let kt = k[0].claim_token.expect("token");
+    keeping
+        .complete(&[completion(k[0].id, kt, CompletionOutcome::Sent)])
+        .await
+        .expect("complete");
+    let kept = keeping.get(k[0].id).await.expect("get").expect("row kept");
+    assert_eq!(kept.status, MessageStatus::Sent);
 }
 
 /// Dead letters can be listed by filter; a dry run changes nothing; replay resets
@@ -766,6 +891,7 @@ macro_rules! store_conformance_tests {
                 claim_marks_processing,
                 concurrent_claims_are_exclusive,
                 completion_applies_each_outcome,
+                sent_retention_delete_removes_only_confirmed_rows,
                 retry_becomes_claimable_after_backoff,
                 expired_lease_is_reclaimed_and_stale_completion_fenced,
                 dead_letters_and_replay,
@@ -796,6 +922,7 @@ macro_rules! store_conformance_tests {
                 claim_marks_processing,
                 concurrent_claims_are_exclusive,
                 completion_applies_each_outcome,
+                sent_retention_delete_removes_only_confirmed_rows,
                 retry_becomes_claimable_after_backoff,
                 expired_lease_is_reclaimed_and_stale_completion_fenced,
                 dead_letters_and_replay,

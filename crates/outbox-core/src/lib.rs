@@ -66,5 +66,5 @@ pub use publisher::{EventPublisher, PublishOutcome};
 pub use retry::{RetryPolicies, RetryPolicy};
 pub use store::{
     CompleteReport, Completion, CompletionOutcome, InboxStore, MessageFilter, OutboxStats,
-    OutboxStore, ReplayReport,
+    OutboxStore, ReplayReport, SentRetention,
 };

@@ -41,7 +41,8 @@ pub fn validate_schema(schema: &str) -> Result<(), OutboxError> {
 /// handle every outcome.
 #[derive(Debug, Clone, PartialEq)]
 pub enum CompletionOutcome {
-    /// Processing → Sent, `sent_at = now()`.
+    /// Processing → Sent, `sent_at = now()`; under [`SentRetention::Delete`] the row is
+    /// deleted instead.
     Sent,
     /// Processing → New, `visible_at = now() + delay`, `last_error = error`.
     Retry {
@@ -58,6 +59,69 @@ pub enum CompletionOutcome {
     /// Processing → New without charging the attempt (`attempts - 1`), visible at once:
     /// used when the broker is down or the dispatcher shuts down holding messages.
     Release,
+}
+
+/// What a store does with a message once the broker has confirmed it (a
+/// [`CompletionOutcome::Sent`] completion). Set on the backend's configuration, e.g.
+/// `PgConfig::with_sent_retention`; every completion of that store follows it.
+///
+/// - [`Keep`](Self::Keep) (the default) marks the row `Sent` with `sent_at` and leaves it
+///   for [`OutboxStore::purge_sent`] (or `outbox purge`, which can archive it) to remove
+///   after a retention age. The kept rows are what `outbox reconcile` compares with the
+///   consumers' inbox records, what [`OutboxStats::sent`] counts and what
+///   [`OutboxStore::get`] finds after delivery.
+/// - [`Delete`](Self::Delete) deletes the row in the completion statement itself, the
+///   way MassTransit's and Wolverine's outboxes remove delivered messages: retention
+///   with an age of zero. A delete is much cheaper for the database than an update (no
+///   new row version, no index entries; on PostgreSQL it halves the relay's database
+///   work per message, see the README's performance section), and sent rows never
+///   accumulate, so no purge of them is needed. In exchange there is no record of
+///   delivered messages in the outbox: `reconcile` sees only the rows still there
+///   (pending and dead ones), `stats` counts no sent rows, and `get` returns `None`
+///   for a delivered message. Retries, dead letters, releases and the fencing by claim
+///   token are unchanged: only a `Sent` completion whose token matches deletes.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum SentRetention {
+    /// Keep sent rows as `Sent`, with `sent_at`, until they are purged.
+    #[default]
+    Keep,
+    /// Delete each row in the completion that records it as sent.
+    Delete,
+}
+
+impl SentRetention {
+    /// The configuration name: `keep` or `delete`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Keep => "keep",
+            Self::Delete => "delete",
+        }
+    }
+}
+
+impl std::fmt::Display for SentRetention {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+impl std::str::FromStr for SentRetention {
+    type Err = OutboxError;
+
+    /// Parses `keep` or `delete` (ASCII case-insensitive).
+    ///
+    /// # Errors
+    /// [`OutboxError::Config`] naming the value and the accepted ones.
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s.to_ascii_lowercase().as_str() {
+            "keep" => Ok(Self::Keep),
+            "delete" => Ok(Self::Delete),
+            _ => Err(OutboxError::Config(format!(
+                "sent retention {s:?} is not one of: keep, delete"
+            ))),
+        }
+    }
 }
 
 /// One completion: which message, under which claim, with what outcome.
@@ -182,7 +246,9 @@ pub struct ReplayReport {
 ///   claims at once.
 /// - [`complete`](Self::complete) applies all completions in one round trip, each only
 ///   where the status is `Processing` and the `claim_token` matches; others are reported
-///   as fenced and left unchanged.
+///   as fenced and left unchanged. A `Sent` completion marks the row `Sent` with
+///   `sent_at = now`, or deletes it when the store is configured with
+///   [`SentRetention::Delete`].
 /// - Every time is taken from the database clock; the caller supplies durations only.
 #[async_trait]
 pub trait OutboxStore: Send + Sync + 'static {
@@ -327,4 +393,29 @@ pub trait InboxStore: Send + Sync + 'static {
     /// # Errors
     /// [`OutboxError::Database`] on database failure.
     async fn purge(&self, older_than: Duration, batch_size: usize) -> Result<u64, OutboxError>;
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sent_retention_parses_its_names_and_rejects_others() {
+        for r in [SentRetention::Keep, SentRetention::Delete] {
+            assert_eq!(r.as_str().parse::<SentRetention>().ok(), Some(r));
+            assert_eq!(r.to_string(), r.as_str());
+        }
+        assert_eq!(
+            "DELETE".parse::<SentRetention>().ok(),
+            Some(SentRetention::Delete)
+        );
+        assert_eq!(SentRetention::default(), SentRetention::Keep);
+        let err = "archive"
+            .parse::<SentRetention>()
+            .expect_err("not a retention");
+        assert!(
+            matches!(err, OutboxError::Config(ref m) if m.contains("archive")),
+            "{err}"
+        );
+    }
 }

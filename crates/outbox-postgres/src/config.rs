@@ -3,7 +3,7 @@
 use std::str::FromStr;
 use std::time::Duration;
 
-use outbox_core::OutboxError;
+use outbox_core::{OutboxError, SentRetention};
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 
 /// Default schema holding the outbox and inbox tables.
@@ -16,6 +16,7 @@ pub struct PgConfig {
     schema: String,
     max_connections: u32,
     acquire_timeout: Duration,
+    sent_retention: SentRetention,
 }
 
 impl Default for PgConfig {
@@ -25,6 +26,7 @@ impl Default for PgConfig {
             schema: DEFAULT_SCHEMA.to_owned(),
             max_connections: 8,
             acquire_timeout: Duration::from_secs(10),
+            sent_retention: SentRetention::Keep,
         }
     }
 }
@@ -38,17 +40,22 @@ impl PgConfig {
         }
     }
 
-    /// Settings from the environment: `DATABASE_URL` (required) and `OUTBOX_SCHEMA`
-    /// (default `outbox`).
+    /// Settings from the environment: `DATABASE_URL` (required), `OUTBOX_SCHEMA`
+    /// (default `outbox`) and `OUTBOX_SENT_RETENTION` (`keep` or `delete`, default
+    /// `keep`).
     ///
     /// # Errors
-    /// [`OutboxError::Config`] when `DATABASE_URL` is not set.
+    /// [`OutboxError::Config`] when `DATABASE_URL` is not set or
+    /// `OUTBOX_SENT_RETENTION` is neither `keep` nor `delete`.
     pub fn from_env() -> Result<Self, OutboxError> {
         let url = std::env::var("DATABASE_URL")
             .map_err(|_| OutboxError::Config("DATABASE_URL is not set".into()))?;
         let mut config = Self::new(url);
         if let Ok(schema) = std::env::var("OUTBOX_SCHEMA") {
             config = config.with_schema(schema);
+        }
+        if let Ok(retention) = std::env::var("OUTBOX_SENT_RETENTION") {
+            config = config.with_sent_retention(retention.parse()?);
         }
         Ok(config)
     }
@@ -75,9 +82,24 @@ impl PgConfig {
         self
     }
 
+    /// What completions do with messages the broker confirmed (default
+    /// [`SentRetention::Keep`]: mark them `Sent` and keep them until purged;
+    /// [`SentRetention::Delete`]: delete them, which halves the relay's database work
+    /// but leaves no record of delivered messages, see [`SentRetention`]).
+    #[must_use]
+    pub fn with_sent_retention(mut self, retention: SentRetention) -> Self {
+        self.sent_retention = retention;
+        self
+    }
+
     /// The schema name.
     pub fn schema(&self) -> &str {
         &self.schema
+    }
+
+    /// What completions do with sent messages.
+    pub fn sent_retention(&self) -> SentRetention {
+        self.sent_retention
     }
 
     /// Checks the schema name (it is spliced into SQL, so only a plain lower-case

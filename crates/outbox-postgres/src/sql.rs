@@ -140,6 +140,44 @@ fn claim_ordered_statement(table: &str, returning: &str) -> String {
     )
 }
 
+/// The completions of a batch as rows `u(id, token, status, delay_secs, error,
+/// release)`: `$1` ids, `$2` claim tokens, `$3` target status codes, `$4` retry delays in
+/// seconds, `$5` errors, `$6` whether the outcome is a release.
+const COMPLETIONS: &str =
+    "UNNEST($1::uuid[], $2::uuid[], $3::int2[], $4::float8[], $5::text[], $6::bool[])
+                        AS u(id, token, status, delay_secs, error, release)";
+
+/// The fence of every completion: the row is Processing under the completion's token.
+/// `status + 0 = 9` still enforces Processing → * in SQL but keeps the planner from
+/// trusting the column's statistics, which are always stale on a queue table (estimated
+/// 1 row at Processing): with them it scanned the table, or (with the partial index of
+/// migration 1) drove a nested loop over the whole UNNEST for every Processing row,
+/// O(batch × in-flight). The primary key lookup per completion is linear.
+const FENCE: &str = "m.id = u.id AND m.claim_token = u.token AND m.status + 0 = 9";
+
+/// Records the completions `u` read from `source` (those matching `filter` too), fenced
+/// by [`FENCE`], returning the ids applied. A release (Processing → New, no charge)
+/// changes no indexed column: a HOT update when its page has room.
+fn completion_update(table: &str, source: &str, filter: &str) -> String {
+    format!(
+        "UPDATE {table} m
+            SET status = u.status,
+                attempts = CASE WHEN u.release THEN greatest(m.attempts - 1, 0) ELSE m.attempts END,
+                visible_at = CASE WHEN u.status = 0 AND NOT u.release
+                                  THEN now() + make_interval(secs => u.delay_secs)
+                                  ELSE m.visible_at END,
+                last_error = COALESCE(u.error, m.last_error),
+                first_failed_at = CASE WHEN u.error IS NULL THEN m.first_failed_at
+                                       ELSE COALESCE(m.first_failed_at, now()) END,
+                sent_at = CASE WHEN u.status = 1 THEN now() END,
+                lease_until = NULL,
+                claim_token = NULL
+           FROM {source}
+          WHERE {filter}{FENCE}
+         RETURNING m.id"
+    )
+}
+
 #[derive(Debug)]
 pub(crate) struct Queries {
     pub(crate) enqueue: Arc<str>,
@@ -147,6 +185,7 @@ pub(crate) struct Queries {
     pub(crate) claim_ordered: Arc<str>,
     pub(crate) blocked_keys: Arc<str>,
     pub(crate) complete: Arc<str>,
+    pub(crate) complete_deleting_sent: Arc<str>,
     pub(crate) get: Arc<str>,
     pub(crate) stats: Arc<str>,
     pub(crate) dead_letters: Arc<str>,
@@ -210,31 +249,18 @@ impl Queries {
                   ORDER BY h.first_failed_at NULLS LAST, h.seq
                   LIMIT $1"
             )),
-            // Completion of a whole batch, each row fenced by its claim token.
-            // `status + 0 = 9` still enforces Processing → * in SQL but keeps the planner
-            // from trusting the column's statistics, which are always stale on a queue
-            // table (estimated 1 row at Processing): with them it scanned the table, or
-            // (with the partial index of migration 1) drove a nested loop over the whole
-            // UNNEST for every Processing row, O(batch × in-flight). The primary key
-            // lookup per completion is linear. A release (Processing → New, no charge)
-            // changes no indexed column either: a HOT update when its page has room.
-            complete: s(format!(
-                "UPDATE {t} m
-                    SET status = u.status,
-                        attempts = CASE WHEN u.release THEN greatest(m.attempts - 1, 0) ELSE m.attempts END,
-                        visible_at = CASE WHEN u.status = 0 AND NOT u.release
-                                          THEN now() + make_interval(secs => u.delay_secs)
-                                          ELSE m.visible_at END,
-                        last_error = COALESCE(u.error, m.last_error),
-                        first_failed_at = CASE WHEN u.error IS NULL THEN m.first_failed_at
-                                               ELSE COALESCE(m.first_failed_at, now()) END,
-                        sent_at = CASE WHEN u.status = 1 THEN now() END,
-                        lease_until = NULL,
-                        claim_token = NULL
-                   FROM UNNEST($1::uuid[], $2::uuid[], $3::int2[], $4::float8[], $5::text[], $6::bool[])
-                        AS u(id, token, status, delay_secs, error, release)
-                  WHERE m.id = u.id AND m.claim_token = u.token AND m.status + 0 = 9
-                 RETURNING m.id"
+            // Completion of a whole batch in one statement, each row fenced by its
+            // claim token (SentRetention::Keep).
+            complete: s(completion_update(&t, COMPLETIONS, "")),
+            // The same under SentRetention::Delete: the Sent completions delete their
+            // rows (no new row version, no index entries), the others update as above.
+            // `u` is referenced twice, so PostgreSQL materialises it once.
+            complete_deleting_sent: s(format!(
+                "WITH u AS (SELECT * FROM {COMPLETIONS}),
+                 sent AS (DELETE FROM {t} m USING u WHERE u.status = 1 AND {FENCE} RETURNING m.id),
+                 other AS ({})
+                 SELECT id FROM sent UNION ALL SELECT id FROM other",
+                completion_update(&t, "u", "u.status <> 1 AND ")
             )),
             get: s(format!("SELECT {COLUMNS} FROM {t} m WHERE m.id = $1")),
             stats: s(format!(
@@ -287,10 +313,18 @@ mod tests {
         assert!(q.claim.contains("lease_until < now()"));
         // The walk is over the pending index, whose predicate a claim leaves unchanged.
         assert!(q.claim.contains("c.phase = 0 AND c.visible_at <= now()"));
+        for complete in [&q.complete, &q.complete_deleting_sent] {
+            assert!(complete.contains("m.claim_token = u.token AND m.status + 0 = 9"));
+        }
+        // Under SentRetention::Delete only a Sent completion deletes, fenced the same way.
+        assert!(q.complete_deleting_sent.contains(
+            "DELETE FROM outbox.outbox_messages m USING u WHERE u.status = 1 AND m.id = u.id"
+        ));
         assert!(
-            q.complete
-                .contains("m.claim_token = u.token AND m.status + 0 = 9")
+            q.complete_deleting_sent
+                .contains("WHERE u.status <> 1 AND m.id = u.id")
         );
+        assert!(!q.complete.contains("DELETE"));
         assert!(q.purge_sent.contains("LIMIT $2"));
     }
 

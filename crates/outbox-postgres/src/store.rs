@@ -9,7 +9,7 @@ use chrono::{DateTime, Utc};
 use outbox_core::{
     BlockedKey, CompleteReport, Completion, CompletionOutcome, EventSource, Headers, MessageFilter,
     MessageStatus, NewMessage, OnDead, OutboxError, OutboxMessage, OutboxStats, OutboxStore,
-    ReplayReport,
+    ReplayReport, SentRetention,
 };
 use serde_json::value::RawValue;
 use sqlx::postgres::{PgArguments, PgRow};
@@ -35,10 +35,12 @@ pub struct PgOutbox {
     q: Arc<Queries>,
     /// Where the last ordered claim stopped walking keys (shared by clones).
     key_cursor: Arc<std::sync::Mutex<String>>,
+    sent_retention: SentRetention,
 }
 
 impl PgOutbox {
-    /// An outbox over `pool` in `schema` (run [`migrate`](Self::migrate) first).
+    /// An outbox over `pool` in `schema` (run [`migrate`](Self::migrate) first), keeping
+    /// sent rows ([`SentRetention::Keep`]; see [`with_sent_retention`](Self::with_sent_retention)).
     ///
     /// # Errors
     /// [`OutboxError::Config`] for an invalid schema name.
@@ -49,16 +51,32 @@ impl PgOutbox {
             schema: schema.into(),
             q: Arc::new(Queries::new(schema)),
             key_cursor: Arc::default(),
+            sent_retention: SentRetention::Keep,
         })
     }
 
-    /// Connects with `config` (see [`PgConfig::connect`]).
+    /// Connects with `config` (see [`PgConfig::connect`]), with its schema and
+    /// [`sent_retention`](PgConfig::with_sent_retention).
     ///
     /// # Errors
     /// As [`PgConfig::connect`].
     pub async fn connect(config: &PgConfig) -> Result<Self, OutboxError> {
         let pool = config.connect().await?;
-        Self::new(pool, config.schema())
+        Ok(Self::new(pool, config.schema())?.with_sent_retention(config.sent_retention()))
+    }
+
+    /// The same outbox (pool, schema, ordered-claim cursor) whose completions treat sent
+    /// messages as `retention` says: [`SentRetention::Keep`] (the default) marks them
+    /// `Sent`, [`SentRetention::Delete`] deletes them in the completion statement.
+    #[must_use]
+    pub fn with_sent_retention(mut self, retention: SentRetention) -> Self {
+        self.sent_retention = retention;
+        self
+    }
+
+    /// What completions do with sent messages.
+    pub fn sent_retention(&self) -> SentRetention {
+        self.sent_retention
     }
 
     /// Applies pending migrations to this outbox's schema; returns the versions applied.
@@ -391,7 +409,11 @@ impl OutboxStore for PgOutbox {
             errors.push(error);
             releases.push(release);
         }
-        let applied: Vec<Uuid> = sqlx::query_scalar(sql(&self.q.complete))
+        let statement = match self.sent_retention {
+            SentRetention::Delete => &self.q.complete_deleting_sent,
+            _ => &self.q.complete,
+        };
+        let applied: Vec<Uuid> = sqlx::query_scalar(sql(statement))
             .bind(&ids)
             .bind(&tokens)
             .bind(&statuses)

@@ -3,7 +3,7 @@
 use std::fmt;
 use std::time::Duration;
 
-use outbox_core::OutboxError;
+use outbox_core::{OutboxError, SentRetention};
 
 use crate::connection::{MssqlConnectionManager, MssqlPool};
 
@@ -33,6 +33,7 @@ pub struct MssqlConfig {
     connect_timeout: Duration,
     trust_cert: bool,
     application_name: String,
+    sent_retention: SentRetention,
 }
 
 impl Default for MssqlConfig {
@@ -45,6 +46,7 @@ impl Default for MssqlConfig {
             connect_timeout: Duration::from_secs(10),
             trust_cert: false,
             application_name: "outbox-sqlserver".to_owned(),
+            sent_retention: SentRetention::Keep,
         }
     }
 }
@@ -65,6 +67,7 @@ impl fmt::Debug for MssqlConfig {
             .field("connect_timeout", &self.connect_timeout)
             .field("trust_cert", &self.trust_cert)
             .field("application_name", &self.application_name)
+            .field("sent_retention", &self.sent_retention)
             .finish()
     }
 }
@@ -79,17 +82,22 @@ impl MssqlConfig {
         }
     }
 
-    /// Settings from the environment: `MSSQL_URL` (required, a connection string) and
-    /// `OUTBOX_SCHEMA` (default `outbox`).
+    /// Settings from the environment: `MSSQL_URL` (required, a connection string),
+    /// `OUTBOX_SCHEMA` (default `outbox`) and `OUTBOX_SENT_RETENTION` (`keep` or
+    /// `delete`, default `keep`).
     ///
     /// # Errors
-    /// [`OutboxError::Config`] when `MSSQL_URL` is not set.
+    /// [`OutboxError::Config`] when `MSSQL_URL` is not set or `OUTBOX_SENT_RETENTION`
+    /// is neither `keep` nor `delete`.
     pub fn from_env() -> Result<Self, OutboxError> {
         let url = std::env::var(MSSQL_URL_ENV)
             .map_err(|_| OutboxError::Config(format!("{MSSQL_URL_ENV} is not set")))?;
         let mut config = Self::new(url);
         if let Ok(schema) = std::env::var("OUTBOX_SCHEMA") {
             config = config.with_schema(schema);
+        }
+        if let Ok(retention) = std::env::var("OUTBOX_SENT_RETENTION") {
+            config = config.with_sent_retention(retention.parse()?);
         }
         Ok(config)
     }
@@ -142,9 +150,24 @@ impl MssqlConfig {
         self
     }
 
+    /// What completions do with messages the broker confirmed (default
+    /// [`SentRetention::Keep`]: mark them `Sent` and keep them until purged;
+    /// [`SentRetention::Delete`]: delete them, leaving no record of delivered messages,
+    /// see [`SentRetention`]).
+    #[must_use]
+    pub fn with_sent_retention(mut self, retention: SentRetention) -> Self {
+        self.sent_retention = retention;
+        self
+    }
+
     /// The schema name.
     pub fn schema(&self) -> &str {
         &self.schema
+    }
+
+    /// What completions do with sent messages.
+    pub fn sent_retention(&self) -> SentRetention {
+        self.sent_retention
     }
 
     /// Pool size.

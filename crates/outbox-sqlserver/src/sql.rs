@@ -285,6 +285,44 @@ COMMIT TRANSACTION;"
     )
 }
 
+/// The completions of a batch (`@P1`, a JSON array of objects) as rows `u`.
+const COMPLETIONS: &str = "OPENJSON(@P1) WITH (
+                        id uniqueidentifier '$.id',
+                        token uniqueidentifier '$.token',
+                        status smallint '$.status',
+                        delay_ms bigint '$.delay_ms',
+                        error nvarchar(max) '$.error',
+                        release bit '$.release') AS u";
+
+/// The fence of every completion: the row is Processing under the completion's token.
+const FENCE: &str = "m.claim_token = u.token AND m.status = 9";
+
+/// Records the completions of `@P1` (those matching `filter` too), fenced by [`FENCE`],
+/// with `@now` declared by the caller; outputs the ids applied.
+fn completion_update(table: &str, filter: &str) -> String {
+    let retry_at = plus_ms("@now", "u.delay_ms");
+    format!(
+        "UPDATE m
+                    SET m.status = u.status,
+                        m.attempts = CASE WHEN u.release = 1
+                                          THEN CASE WHEN m.attempts > 0 THEN m.attempts - 1 ELSE 0 END
+                                          ELSE m.attempts END,
+                        m.visible_at = CASE WHEN u.status = 0 AND u.release = 0
+                                            THEN {retry_at} ELSE m.visible_at END,
+                        m.last_error = COALESCE(u.error, m.last_error),
+                        m.sent_at = CASE WHEN u.status = 1 THEN @now END,
+                        m.first_failed_at = CASE WHEN m.first_failed_at IS NULL AND u.release = 0
+                                                      AND u.status IN (0, 3)
+                                                 THEN @now ELSE m.first_failed_at END,
+                        m.lease_until = NULL,
+                        m.claim_token = NULL
+                 OUTPUT inserted.id
+                   FROM {COMPLETIONS}
+                  INNER LOOP JOIN {table} AS m WITH (ROWLOCK, FORCESEEK) ON m.id = u.id
+                  WHERE {filter}{FENCE};"
+    )
+}
+
 #[derive(Debug)]
 pub(crate) struct Queries {
     pub(crate) enqueue: Arc<str>,
@@ -293,6 +331,7 @@ pub(crate) struct Queries {
     pub(crate) claim_ordered_skip: Arc<str>,
     pub(crate) blocked_keys: Arc<str>,
     pub(crate) complete: Arc<str>,
+    pub(crate) complete_deleting_sent: Arc<str>,
     pub(crate) get: Arc<str>,
     pub(crate) stats: Arc<str>,
     pub(crate) dead_letters: Arc<str>,
@@ -310,7 +349,6 @@ impl Queries {
         let inbox = format!("{q}.inbox_records");
         let s = |text: String| -> Arc<str> { text.into() };
         let visible = plus_ms("SYSUTCDATETIME()", "j.delay_ms");
-        let retry_at = plus_ms("@now", "u.delay_ms");
         let sent_cutoff = minus_ms("SYSUTCDATETIME()", "@P1");
         let cols_m = columns("m");
         let cols_out = columns("inserted");
@@ -384,33 +422,28 @@ impl Queries {
                            h.first_failed_at, h.seq"
             )),
             // Completion of a whole batch (`@P1`, a JSON array), each row fenced by its
-            // claim token and by `status = 9` (Processing → * enforced in SQL).
+            // claim token and by `status = 9` (Processing → * enforced in SQL), under
+            // SentRetention::Keep.
             complete: s(format!(
                 "DECLARE @now datetime2(7) = SYSUTCDATETIME();
-                 UPDATE m
-                    SET m.status = u.status,
-                        m.attempts = CASE WHEN u.release = 1
-                                          THEN CASE WHEN m.attempts > 0 THEN m.attempts - 1 ELSE 0 END
-                                          ELSE m.attempts END,
-                        m.visible_at = CASE WHEN u.status = 0 AND u.release = 0
-                                            THEN {retry_at} ELSE m.visible_at END,
-                        m.last_error = COALESCE(u.error, m.last_error),
-                        m.sent_at = CASE WHEN u.status = 1 THEN @now END,
-                        m.first_failed_at = CASE WHEN m.first_failed_at IS NULL AND u.release = 0
-                                                      AND u.status IN (0, 3)
-                                                 THEN @now ELSE m.first_failed_at END,
-                        m.lease_until = NULL,
-                        m.claim_token = NULL
-                 OUTPUT inserted.id
-                   FROM OPENJSON(@P1) WITH (
-                        id uniqueidentifier '$.id',
-                        token uniqueidentifier '$.token',
-                        status smallint '$.status',
-                        delay_ms bigint '$.delay_ms',
-                        error nvarchar(max) '$.error',
-                        release bit '$.release') AS u
+                 {}",
+                completion_update(&t, "")
+            )),
+            // The same under SentRetention::Delete: the Sent completions delete their
+            // rows, the others update as above; one transaction, so a failure (which
+            // XACT_ABORT turns into a rollback) changes nothing.
+            complete_deleting_sent: s(format!(
+                "SET XACT_ABORT ON;
+                 DECLARE @now datetime2(7) = SYSUTCDATETIME();
+                 BEGIN TRANSACTION;
+                 DELETE m
+                 OUTPUT deleted.id
+                   FROM {COMPLETIONS}
                   INNER LOOP JOIN {t} AS m WITH (ROWLOCK, FORCESEEK) ON m.id = u.id
-                  WHERE m.claim_token = u.token AND m.status = 9;"
+                  WHERE u.status = 1 AND {FENCE};
+                 {}
+                 COMMIT TRANSACTION;",
+                completion_update(&t, "u.status <> 1 AND ")
             )),
             get: s(format!("SELECT {cols_m} FROM {t} AS m WHERE m.id = @P1")),
             stats: s(format!(
@@ -659,6 +692,7 @@ mod tests {
             ("claim_ordered_skip", &*q.claim_ordered_skip),
             ("blocked_keys", &*q.blocked_keys),
             ("complete", &*q.complete),
+            ("complete_deleting_sent", &*q.complete_deleting_sent),
             ("get", &*q.get),
             ("stats", &*q.stats),
             ("dead_letters", &*q.dead_letters),
@@ -879,16 +913,30 @@ mod tests {
     #[test]
     fn completion_is_fenced_by_token_and_status() {
         let q = Queries::new("outbox");
-        assert!(
-            q.complete
-                .contains("WHERE m.claim_token = u.token AND m.status = 9;")
+        for complete in [&q.complete, &q.complete_deleting_sent] {
+            assert!(complete.contains("m.claim_token = u.token AND m.status = 9;"));
+            assert!(complete.contains("OPENJSON(@P1)"));
+            assert!(complete.contains(&plus_ms("@now", "u.delay_ms")));
+            assert!(complete.contains("m.first_failed_at = CASE WHEN m.first_failed_at IS NULL"));
+            assert!(complete.contains("DECLARE @now datetime2(7) = SYSUTCDATETIME();"));
+        }
+        assert!(!q.complete.contains("DELETE"));
+        // Under SentRetention::Delete only a Sent completion deletes, fenced the same
+        // way, and the delete and the update commit or roll back together.
+        let d = &q.complete_deleting_sent;
+        assert!(d.contains(
+            "DELETE m\n                 OUTPUT deleted.id\n                   FROM OPENJSON(@P1)"
+        ));
+        assert!(d.contains("WHERE u.status = 1 AND m.claim_token = u.token AND m.status = 9;"));
+        assert!(d.contains("WHERE u.status <> 1 AND m.claim_token = u.token AND m.status = 9;"));
+        assert_eq!(
+            d.matches("INNER LOOP JOIN [outbox].outbox_messages AS m WITH (ROWLOCK, FORCESEEK)")
+                .count(),
+            2
         );
-        assert!(q.complete.contains("OPENJSON(@P1)"));
-        assert!(q.complete.contains(&plus_ms("@now", "u.delay_ms")));
-        assert!(
-            q.complete
-                .contains("m.first_failed_at = CASE WHEN m.first_failed_at IS NULL")
-        );
+        let (begin, commit) = (d.find("BEGIN TRANSACTION;"), d.find("COMMIT TRANSACTION;"));
+        assert!(d.contains("SET XACT_ABORT ON;"));
+        assert!(begin < d.find("DELETE m") && d.find("UPDATE m") < commit && begin.is_some());
         let iq = InboxQueries::new("outbox");
         assert!(
             iq.complete
@@ -916,6 +964,7 @@ mod tests {
         for (name, sql) in [
             ("claim", &*q.claim),
             ("complete", &*q.complete),
+            ("complete_deleting_sent", &*q.complete_deleting_sent),
             ("replay", &*q.replay),
             ("purge_sent", &*q.purge_sent),
             ("enqueue", &*q.enqueue),

@@ -10,7 +10,7 @@ use chrono::{DateTime, NaiveDateTime, Utc};
 use outbox_core::{
     BlockedKey, CompleteReport, Completion, CompletionOutcome, EventSource, Headers, MessageFilter,
     MessageStatus, NewMessage, OnDead, OutboxError, OutboxMessage, OutboxStats, OutboxStore,
-    ReplayReport,
+    ReplayReport, SentRetention,
 };
 use serde_json::value::RawValue;
 use tiberius::{FromSql, Row, ToSql};
@@ -38,10 +38,12 @@ pub struct MssqlOutbox {
     /// Where the previous ordered claim stopped walking the keys (`order_hash`); shared
     /// by clones, so one relay's claims go round-robin over the keys.
     key_cursor: Arc<Mutex<Option<Vec<u8>>>>,
+    sent_retention: SentRetention,
 }
 
 impl MssqlOutbox {
-    /// An outbox over `pool` in `schema` (run [`migrate`](Self::migrate) first).
+    /// An outbox over `pool` in `schema` (run [`migrate`](Self::migrate) first), keeping
+    /// sent rows ([`SentRetention::Keep`]; see [`with_sent_retention`](Self::with_sent_retention)).
     ///
     /// # Errors
     /// [`OutboxError::Config`] for an invalid schema name.
@@ -52,16 +54,40 @@ impl MssqlOutbox {
             schema: schema.into(),
             q: Arc::new(Queries::new(schema)),
             key_cursor: Arc::default(),
+            sent_retention: SentRetention::Keep,
         })
     }
 
-    /// Connects with `config` (see [`MssqlConfig::connect`]).
+    /// Connects with `config` (see [`MssqlConfig::connect`]), with its schema and
+    /// [`sent_retention`](MssqlConfig::with_sent_retention).
     ///
     /// # Errors
     /// As [`MssqlConfig::connect`].
     pub async fn connect(config: &MssqlConfig) -> Result<Self, OutboxError> {
         let pool = config.connect().await?;
-        Self::new(pool, config.schema())
+        Ok(Self::new(pool, config.schema())?.with_sent_retention(config.sent_retention()))
+    }
+
+    /// The same outbox (pool, schema, ordered-claim cursor) whose completions treat sent
+    /// messages as `retention` says: [`SentRetention::Keep`] (the default) marks them
+    /// `Sent`, [`SentRetention::Delete`] deletes them in the completion's transaction.
+    #[must_use]
+    pub fn with_sent_retention(mut self, retention: SentRetention) -> Self {
+        self.sent_retention = retention;
+        self
+    }
+
+    /// What completions do with sent messages.
+    pub fn sent_retention(&self) -> SentRetention {
+        self.sent_retention
+    }
+
+    /// The completion statement of the configured retention.
+    fn complete_statement(&self) -> &str {
+        match self.sent_retention {
+            SentRetention::Delete => &self.q.complete_deleting_sent,
+            _ => &self.q.complete,
+        }
     }
 
     /// Applies pending migrations to this outbox's schema; returns the versions applied.
@@ -452,7 +478,7 @@ impl OutboxStore for MssqlOutbox {
         let batch = serde_json::Value::Array(batch).to_string();
         let rows = self
             .pool
-            .rows("complete", &self.q.complete, &[&batch])
+            .rows("complete", self.complete_statement(), &[&batch])
             .await?;
         let applied: HashSet<Uuid> = rows
             .iter()

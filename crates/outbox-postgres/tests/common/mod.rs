@@ -78,6 +78,10 @@ impl Harness for PgHarness {
         Arc::clone(&self.0)
     }
 
+    fn store_deleting_sent(&self) -> Arc<PgOutbox> {
+        Arc::new(PgOutbox::clone(&self.0).with_sent_retention(outbox_core::SentRetention::Delete))
+    }
+
     async fn enqueue(&self, messages: &[NewMessage]) {
         enqueue_committed(&self.0, messages).await;
     }

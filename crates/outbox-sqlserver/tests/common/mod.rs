@@ -103,6 +103,12 @@ impl Harness for MssqlHarness {
         Arc::clone(&self.0)
     }
 
+    fn store_deleting_sent(&self) -> Arc<MssqlOutbox> {
+        Arc::new(
+            MssqlOutbox::clone(&self.0).with_sent_retention(outbox_core::SentRetention::Delete),
+        )
+    }
+
     async fn enqueue(&self, messages: &[NewMessage]) {
         let mut tx = self.0.begin().await.expect("begin");
         for chunk in messages.chunks(1000) {
