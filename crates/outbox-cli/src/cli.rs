@@ -186,6 +186,14 @@ pub struct RelayArgs {
     #[arg(long, env = "OUTBOX_ORDERING", value_enum)]
     pub ordering: Option<OrderingMode>,
 
+    /// What happens to a message once the broker confirmed it: keep (mark it Sent and
+    /// keep the row until `outbox purge`; needed by `reconcile` and the sent count of
+    /// `stats`) or delete (delete the row in the same statement: about half the
+    /// database work per message, no purge needed, but no record of delivered messages)
+    /// [default: keep].
+    #[arg(long, env = "OUTBOX_SENT_RETENTION", value_enum)]
+    pub sent_retention: Option<SentRetentionMode>,
+
     /// Address of the /metrics and /healthz endpoint [default: 127.0.0.1:9464].
     #[arg(long, env = "OUTBOX_LISTEN", value_name = "ADDR")]
     pub listen: Option<String>,
@@ -226,6 +234,25 @@ pub enum OrderingMode {
     PerKey,
     /// FIFO per key; a dead message is skipped.
     PerKeySkip,
+}
+
+/// What the relay does with sent messages ([`outbox_core::SentRetention`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum, serde::Deserialize, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum SentRetentionMode {
+    /// Mark them Sent and keep them until purged.
+    Keep,
+    /// Delete them when they are recorded as sent.
+    Delete,
+}
+
+impl From<SentRetentionMode> for outbox_core::SentRetention {
+    fn from(mode: SentRetentionMode) -> Self {
+        match mode {
+            SentRetentionMode::Keep => Self::Keep,
+            SentRetentionMode::Delete => Self::Delete,
+        }
+    }
 }
 
 /// `outbox stats`

@@ -14,7 +14,7 @@ use chrono::{DateTime, Utc};
 use outbox_core::{DispatcherConfig, RetryPolicies, RetryPolicy};
 use serde::Deserialize;
 
-use crate::cli::{Cli, LogFormat, OrderingMode, RelayArgs, TransportKind};
+use crate::cli::{Cli, LogFormat, OrderingMode, RelayArgs, SentRetentionMode, TransportKind};
 use crate::error::CliError;
 
 /// Default address of `/metrics` and `/healthz`.
@@ -39,6 +39,7 @@ pub const DEFAULT_LISTEN: &str = "127.0.0.1:9464";
 /// max_attempts = 8
 /// concurrency = 2
 /// ordering = "per-key"            # unordered | per-key | per-key-skip
+/// sent_retention = "keep"         # keep | delete
 /// listen = "0.0.0.0:9464"
 /// max_lag = "5m"
 /// stuck_after = "2m"
@@ -79,6 +80,7 @@ pub struct FileRelay {
     pub max_attempts: Option<u32>,
     pub concurrency: Option<usize>,
     pub ordering: Option<OrderingMode>,
+    pub sent_retention: Option<SentRetentionMode>,
     pub listen: Option<String>,
     pub max_lag: Option<String>,
     pub stuck_after: Option<String>,
@@ -211,6 +213,8 @@ pub struct RelaySettings {
     pub overrides: BTreeMap<String, RetryPolicy>,
     /// Publish order.
     pub ordering: OrderingMode,
+    /// What completions do with sent messages.
+    pub sent_retention: SentRetentionMode,
     /// Endpoint address (port 0: any free port).
     pub listen: SocketAddr,
     /// Queue-lag threshold of /healthz.
@@ -238,6 +242,7 @@ impl RelaySettings {
             concurrency: 2,
             overrides: BTreeMap::new(),
             ordering: OrderingMode::Unordered,
+            sent_retention: SentRetentionMode::Keep,
             listen: SocketAddr::from(([127, 0, 0, 1], 9464)),
             max_lag: Duration::from_secs(300),
             stuck_after: Duration::from_secs(120),
@@ -319,6 +324,9 @@ impl RelaySettings {
         }
         if let Some(o) = args.ordering.or(f.ordering) {
             s.ordering = o;
+        }
+        if let Some(r) = args.sent_retention.or(f.sent_retention) {
+            s.sent_retention = r;
         }
         if let Some(addr) = args.listen.as_deref().or(f.listen.as_deref()) {
             s.listen = addr.parse().map_err(|e| CliError::Invalid {
@@ -642,9 +650,49 @@ mod tests {
         };
         let s = RelaySettings::resolve(&cli, args, &file).expect("valid");
         assert_eq!(s.ordering, OrderingMode::PerKey);
+        assert_eq!(s.sent_retention, SentRetentionMode::Keep);
         assert_eq!(s.overrides["PaymentCaptured"].max_attempts(), 20);
         assert_eq!(s.overrides["EmailRequested"].max_attempts(), 3);
         assert_eq!(s.poll_interval, Duration::from_millis(200));
+    }
+
+    #[test]
+    fn sent_retention_defaults_to_keep_and_a_flag_beats_the_file() {
+        let resolve = |argv: &[&str], file: &str| {
+            let cli = <Cli as clap::Parser>::try_parse_from(argv).map_err(|e| e.to_string())?;
+            let crate::cli::Command::Relay(args) = &cli.command else {
+                unreachable!("parsed relay")
+            };
+            let file = FileConfig::parse(&format!("database_url = 'postgres://u@h/db'\n{file}"))?;
+            RelaySettings::resolve(&cli, args, &file)
+                .map(|s| s.sent_retention)
+                .map_err(|e| e.to_string())
+        };
+        let relay = ["outbox", "relay"];
+        assert_eq!(resolve(&relay, ""), Ok(SentRetentionMode::Keep));
+        let delete_file = "[relay]\nsent_retention = 'delete'";
+        assert_eq!(resolve(&relay, delete_file), Ok(SentRetentionMode::Delete));
+        assert_eq!(
+            resolve(
+                &["outbox", "relay", "--sent-retention", "keep"],
+                delete_file
+            ),
+            Ok(SentRetentionMode::Keep)
+        );
+        assert_eq!(
+            resolve(&["outbox", "relay", "--sent-retention", "delete"], ""),
+            Ok(SentRetentionMode::Delete)
+        );
+        let bad_file =
+            resolve(&relay, "[relay]\nsent_retention = 'archive'").expect_err("not a retention");
+        assert!(bad_file.contains("archive"), "{bad_file}");
+        let bad_flag = resolve(&["outbox", "relay", "--sent-retention", "archive"], "")
+            .expect_err("not a retention");
+        assert!(bad_flag.contains("keep, delete"), "{bad_flag}");
+        assert_eq!(
+            outbox_core::SentRetention::from(SentRetentionMode::Delete),
+            outbox_core::SentRetention::Delete
+        );
     }
 
     #[test]

@@ -168,7 +168,13 @@ impl Relay {
         shutdown: CancellationToken,
     ) -> Result<Self, CliError> {
         let prometheus = prometheus()?;
-        let store = PgOutbox::connect(&settings.db.pg_config()).await?;
+        let store = PgOutbox::connect(
+            &settings
+                .db
+                .pg_config()
+                .with_sent_retention(settings.sent_retention.into()),
+        )
+        .await?;
         let publisher = Arc::new(AnyPublisher::new(settings).await?);
         let config = dispatcher_config(settings);
         let ordered = match config.ordering() {
@@ -221,6 +227,7 @@ impl Relay {
             broker = %redacted_broker(settings),
             schema = %settings.db.schema,
             ordering = ?settings.ordering,
+            sent_retention = ?settings.sent_retention,
             "relay started"
         );
         let task = {

@@ -13,7 +13,7 @@ use clap::Parser as _;
 use common::{amqp_url, enqueue, eventually, exec, fresh_outbox, http_get, message, scalar};
 use inbox::{Handler, HandlerContext, HandlerError, IdempotentConsumer, Pipeline};
 use outbox_cli::Cli;
-use outbox_cli::cli::TransportKind;
+use outbox_cli::cli::{SentRetentionMode, TransportKind};
 use outbox_cli::config::{DbSettings, RelaySettings};
 use outbox_cli::relay::Relay;
 use outbox_core::consumer::{DeliveryHandler, HandlerDecision};
@@ -279,6 +279,83 @@ async fn relay_exports_metrics_and_a_replayed_message_stays_single() {
     let stats = relay.wait().await.expect("graceful stop");
     assert!(stats.published >= 6, "{stats:?}");
     assert_eq!(stats.dead, 1);
+    consumer_stop.cancel();
+    consuming.await.expect("join").expect("consumer");
+}
+
+/// Records each delivered message id, and acks.
+struct Seen(Arc<Mutex<HashMap<Uuid, usize>>>);
+
+#[async_trait]
+impl DeliveryHandler for Seen {
+    async fn handle(&self, msg: IncomingMessage) -> HandlerDecision {
+        *self.0.lock().expect("lock").entry(msg.id).or_insert(0) += 1;
+        HandlerDecision::Ack
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sent_retention_delete_removes_delivered_rows_and_keeps_dead_ones() {
+    let db = fresh_outbox().await;
+    let exchange = format!("t.{}", Uuid::new_v4().simple());
+    let rabbit = RabbitConfig::builder(amqp_url())
+        .with_exchange(&exchange)
+        .build()
+        .expect("config");
+    let consumer = RabbitConsumer::builder(rabbit, format!("{exchange}.q"))
+        .with_binding_key("OrderPlaced")
+        .with_queue_arguments(expires_when_unused())
+        .build()
+        .expect("consumer");
+    consumer.declare().await.expect("declare");
+    let seen = Arc::new(Mutex::new(HashMap::new()));
+    let consumer_stop = CancellationToken::new();
+    let consuming = {
+        let t = consumer_stop.clone();
+        let handler = Seen(Arc::clone(&seen));
+        tokio::spawn(async move { consumer.run(handler, t).await })
+    };
+
+    let placed: Vec<_> = (0..200)
+        .map(|i| message("OrderPlaced", "acme", &i.to_string()))
+        .collect();
+    enqueue(&db, &placed).await;
+    enqueue(&db, &[message("Unroutable", "acme", "x")]).await;
+
+    let mut s = settings(&db, &amqp_url(), &exchange);
+    s.sent_retention = SentRetentionMode::Delete;
+    let stop = CancellationToken::new();
+    let relay = Relay::start(&s, stop.clone()).await.expect("relay starts");
+    assert!(
+        eventually(Duration::from_secs(30), || {
+            let (db, seen) = (db.clone(), Arc::clone(&seen));
+            async move {
+                seen.lock().expect("lock").len() == 200
+                    && scalar(&db, "SELECT count(*) FROM {s}.outbox_messages").await == 1
+            }
+        })
+        .await,
+        "every message delivered, and only the dead one left in the table: {} rows, {} delivered",
+        scalar(&db, "SELECT count(*) FROM {s}.outbox_messages").await,
+        seen.lock().expect("lock").len()
+    );
+    assert_eq!(
+        scalar(
+            &db,
+            "SELECT count(*) FROM {s}.outbox_messages WHERE status = 3 AND event_type = 'Unroutable' AND last_error IS NOT NULL"
+        )
+        .await,
+        1,
+        "the dead letter is kept, with its error"
+    );
+    stop.cancel();
+    let stats = relay.wait().await.expect("graceful stop");
+    assert_eq!((stats.published, stats.dead, stats.fenced), (200, 1, 0));
+    let seen = seen.lock().expect("lock").clone();
+    assert!(
+        placed.iter().all(|m| seen.get(&m.id) == Some(&1)),
+        "each message delivered exactly once"
+    );
     consumer_stop.cancel();
     consuming.await.expect("join").expect("consumer");
 }
