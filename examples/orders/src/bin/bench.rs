@@ -49,7 +49,7 @@ use lapin::{BasicProperties, Connection, ConnectionProperties, ExchangeKind};
 use outbox_core::{
     BlockedKey, CompleteReport, Completion, Dispatcher, DispatcherConfig, EventPublisher,
     MessageFilter, NewMessage, OnDead, Ordering, OutboxError, OutboxMessage, OutboxStats,
-    OutboxStore, PublishOutcome, ReplayReport,
+    OutboxStore, PublishOutcome, ReplayReport, SentRetention,
 };
 use outbox_postgres::{PgConfig, PgOutbox};
 use tokio_util::sync::CancellationToken;
@@ -65,6 +65,24 @@ enum Transport {
     Rabbit,
     /// NATS JetStream (async-nats): PubAcks, `Nats-Msg-Id` deduplication.
     Nats,
+}
+
+/// What the store does with sent messages (`outbox_core::SentRetention`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+enum Retention {
+    /// Mark them Sent and keep them (the library's default).
+    Keep,
+    /// Delete them in the completion statement.
+    Delete,
+}
+
+impl From<Retention> for SentRetention {
+    fn from(r: Retention) -> Self {
+        match r {
+            Retention::Keep => Self::Keep,
+            Retention::Delete => Self::Delete,
+        }
+    }
 }
 
 /// Relay benchmark: PostgreSQL → RabbitMQ or NATS JetStream, with both ceilings measured
@@ -96,6 +114,10 @@ struct Args {
     /// Batches in flight per dispatcher.
     #[arg(long, default_value_t = 2)]
     concurrency: usize,
+    /// What the store ceiling's and the relay's completions do with sent messages. The
+    /// latency phases always keep them: their latency is read from `sent_at`.
+    #[arg(long, value_enum, default_value_t = Retention::Keep)]
+    sent_retention: Retention,
     /// Measure ordered delivery per partition key instead (`Ordering::PerKey`) with 1,
     /// 10, 1,000 and 10,000 distinct keys, beside the unordered relay on the same data.
     #[arg(long)]
@@ -849,11 +871,12 @@ async fn run_ordered<P: EventPublisher>(
     let body = payload(args.payload_bytes);
     let n = args.messages;
     println!(
-        "ordered relay benchmark, PostgreSQL → {}: {n} messages of {} bytes, batch {}, {} batches in flight, {} CPUs, median of {} rounds",
+        "ordered relay benchmark, PostgreSQL → {}: {n} messages of {} bytes, batch {}, {} batches in flight, sent retention {}, {} CPUs, median of {} rounds",
         broker.name(),
         body.len(),
         args.batch_size,
         args.concurrency,
+        SentRetention::from(args.sent_retention),
         std::thread::available_parallelism().map_or(0, usize::from),
         args.rounds.max(1)
     );
@@ -870,7 +893,9 @@ async fn run_ordered<P: EventPublisher>(
             Ordering::Unordered
         };
         for _ in 0..args.rounds.max(1) {
-            let db = fresh_outbox("ostore").await?;
+            let db = fresh_outbox("ostore")
+                .await?
+                .with_sent_retention(args.sent_retention.into());
             preload_keyed(&db, n, &body, keys).await?;
             quiesce(&db).await;
             store_runs.push(
@@ -879,7 +904,9 @@ async fn run_ordered<P: EventPublisher>(
                     .elapsed,
             );
             drop_schema(&db).await;
-            let db = fresh_outbox("orelay").await?;
+            let db = fresh_outbox("orelay")
+                .await?
+                .with_sent_retention(args.sent_retention.into());
             preload_keyed(&db, n, &body, keys).await?;
             quiesce(&db).await;
             relay_runs.push(
@@ -929,11 +956,12 @@ async fn run<P: EventPublisher>(
     let body = payload(args.payload_bytes);
     let n = args.messages;
     println!(
-        "outbox relay benchmark, PostgreSQL → {}: {n} messages of {} bytes, batch {}, {} batches in flight, {} CPUs",
+        "outbox relay benchmark, PostgreSQL → {}: {n} messages of {} bytes, batch {}, {} batches in flight, sent retention {}, {} CPUs",
         broker.name(),
         body.len(),
         args.batch_size,
         args.concurrency,
+        SentRetention::from(args.sent_retention),
         std::thread::available_parallelism().map_or(0, usize::from)
     );
     let cpu = || common::CpuTimes::now_with(broker.comm());
@@ -954,7 +982,9 @@ async fn run<P: EventPublisher>(
     let baseline_rss = common::rss_bytes();
     let mut settled = Duration::ZERO;
     for round in 0..args.rounds.max(1) {
-        let store_db = fresh_outbox("store").await?;
+        let store_db = fresh_outbox("store")
+            .await?
+            .with_sent_retention(args.sent_retention.into());
         preload(&store_db, n, &body).await?;
         settled = settled.max(quiesce(&store_db).await);
         let cpu0 = cpu();
@@ -962,7 +992,9 @@ async fn run<P: EventPublisher>(
         let store_cpu = cpu().since(cpu0);
         drop_schema(&store_db).await;
 
-        let relay_db = fresh_outbox("relay").await?;
+        let relay_db = fresh_outbox("relay")
+            .await?
+            .with_sent_retention(args.sent_retention.into());
         preload(&relay_db, n, &body).await?;
         let mut ceiling = None;
         let mut relay = None;
@@ -997,8 +1029,13 @@ async fn run<P: EventPublisher>(
         let bare = broker.ceiling(args, body.as_bytes(), true).await?;
         broker.purge().await?;
         latency = commit_to_publish(&relay_db).await?;
+        // Sent rows under Keep; rows left (none expected) under Delete.
+        let counted = match args.sent_retention {
+            Retention::Keep => "WHERE status = 1",
+            Retention::Delete => "",
+        };
         sent = sqlx::query_scalar::<_, i64>(sqlx::AssertSqlSafe(format!(
-            "SELECT count(*) FROM {}.outbox_messages WHERE status = 1",
+            "SELECT count(*) FROM {}.outbox_messages {counted}",
             relay_db.schema()
         )))
         .fetch_one(relay_db.pool())
@@ -1157,7 +1194,19 @@ async fn run<P: EventPublisher>(
          each broker phase right after an untimed warm-up of the same size",
         common::ms(settled)
     );
-    println!("messages marked Sent: {sent} of {n}");
+    match args.sent_retention {
+        Retention::Keep => println!("messages marked Sent: {sent} of {n}"),
+        Retention::Delete => {
+            println!(
+                "rows left in the outbox after the relay: {sent} of {n} (sent rows are deleted)"
+            );
+        }
+    }
+    if args.sent_retention == Retention::Delete {
+        println!(
+            "commit-to-publish latency of the backlog: not measured (it is read from sent_at, and sent rows are deleted)"
+        );
+    }
     if let Some((p50, p99)) = latency {
         println!(
             "commit-to-publish latency, backlog of {n} pre-inserted (last round): p50 {} p99 {}",
@@ -1167,7 +1216,7 @@ async fn run<P: EventPublisher>(
     }
     if let Some((p50, p99)) = steady {
         println!(
-            "commit-to-publish latency, steady {} messages/s for {} s: p50 {} p99 {}",
+            "commit-to-publish latency, steady {} messages/s for {} s (sent rows kept): p50 {} p99 {}",
             args.steady_rate,
             args.steady_secs,
             common::ms(p50),
