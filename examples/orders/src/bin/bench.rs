@@ -17,8 +17,9 @@
 //!
 //! The relay's ratio to the lower ceiling is the figure of merit (target ≥ 0.9). Each
 //! round measures the store ceiling, then the broker ceiling and the relay in turns
-//! (the ceiling first in odd rounds, the relay first in even ones: whichever runs first
-//! is slower), and the figure is the geometric mean of the rounds' ratios, each relay
+//! (the ceiling first in odd rounds, the relay first in even ones: the order within a
+//! round moves the ratio, on some days one way, on others the other), and the figure
+//! is the geometric mean of the rounds' ratios, each relay
 //! paired with the ceilings of its own round. With an even number of rounds (6 by
 //! default) the order effect cancels; the report also gives the ratio by order.
 //!
@@ -108,7 +109,8 @@ struct Args {
     #[arg(long, default_value_t = 5)]
     steady_secs: u64,
     /// Rounds to run. The broker ceiling and the relay take turns running first, so use
-    /// an even number: the phase that runs first in a round is measurably slower.
+    /// an even number: the order of the two phases within a round measurably moves
+    /// their ratio.
     #[arg(long, default_value_t = 6)]
     rounds: usize,
     /// Batches in flight per dispatcher.
@@ -755,8 +757,8 @@ impl Broker {
 
     /// An untimed publish of the phase's size, then a purge: every timed broker phase
     /// starts on a broker that has just done the same work, as a running relay's broker
-    /// has, and on an empty sink. It narrows the slowdown of whichever phase runs first
-    /// in a round but does not remove it (hence the balanced order of the rounds).
+    /// has, and on an empty sink. It narrows the effect of the phases' order within a
+    /// round but does not remove it (hence the balanced order of the rounds).
     async fn warm_up(&self, args: &Args, body: &[u8]) -> anyhow::Result<()> {
         self.ceiling(args, body, false).await?;
         self.purge().await
@@ -967,11 +969,12 @@ async fn run<P: EventPublisher>(
     let cpu = || common::CpuTimes::now_with(broker.comm());
 
     // Several rounds; the broker ceiling and the relay swap places every round, because
-    // whichever runs first in a round is slower (by 15-20% on the development machine,
-    // warm-up or not): with an even number of rounds each runs first equally often.
+    // the order within a round moves their ratio (by up to 15-20% on the development
+    // machine, warm-up or not; the first phase was the slower one on some days, the
+    // second on others): with an even number of rounds each runs first equally often.
     if !args.rounds.is_multiple_of(2) {
         println!(
-            "note: {} rounds: the relay runs second in one round more than the ceiling, which favours it",
+            "note: {} rounds: the relay runs second in one round more than the ceiling, so the order effect does not cancel",
             args.rounds
         );
     }
@@ -1171,7 +1174,7 @@ async fn run<P: EventPublisher>(
     println!();
     // The figure of merit pairs each relay with the ceilings measured in its own round,
     // and averages the rounds' ratios geometrically: with as many rounds run relay-first
-    // as ceiling-first, a slowdown of whichever runs first cancels out.
+    // as ceiling-first, the effect of the order cancels out.
     let geomean = |rs: &[&Round]| -> Option<f64> {
         (!rs.is_empty())
             .then(|| (rs.iter().map(|r| r.ratio(n).ln()).sum::<f64>() / rs.len() as f64).exp())
