@@ -93,22 +93,28 @@ fn expires_when_unused() -> FieldTable {
     args
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn relay_exports_metrics_and_a_replayed_message_stays_single() {
-    let db = fresh_outbox().await;
-    exec(&db, "CREATE TABLE {s}.effects (message_id uuid NOT NULL)").await;
+/// A fresh exchange name and a declared consumer of its `OrderPlaced` messages only: a
+/// message of another event type is unroutable and dies at once (mandatory).
+async fn order_placed_consumer() -> (String, RabbitConsumer) {
     let exchange = format!("t.{}", Uuid::new_v4().simple());
     let rabbit = RabbitConfig::builder(amqp_url())
         .with_exchange(&exchange)
         .build()
         .expect("config");
-    // Only OrderPlaced is routed: an "Unroutable" message dies at once (mandatory).
     let consumer = RabbitConsumer::builder(rabbit, format!("{exchange}.q"))
         .with_binding_key("OrderPlaced")
         .with_queue_arguments(expires_when_unused())
         .build()
         .expect("consumer");
     consumer.declare().await.expect("declare");
+    (exchange, consumer)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn relay_exports_metrics_and_a_replayed_message_stays_single() {
+    let db = fresh_outbox().await;
+    exec(&db, "CREATE TABLE {s}.effects (message_id uuid NOT NULL)").await;
+    let (exchange, consumer) = order_placed_consumer().await;
     let store = Arc::new(PgInbox::new(db.pool().clone(), db.schema()).expect("inbox"));
     let seen = Arc::new(Mutex::new(HashMap::new()));
     let traces = Arc::new(Mutex::new(HashMap::new()));
@@ -297,17 +303,7 @@ impl DeliveryHandler for Seen {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sent_retention_delete_removes_delivered_rows_and_keeps_dead_ones() {
     let db = fresh_outbox().await;
-    let exchange = format!("t.{}", Uuid::new_v4().simple());
-    let rabbit = RabbitConfig::builder(amqp_url())
-        .with_exchange(&exchange)
-        .build()
-        .expect("config");
-    let consumer = RabbitConsumer::builder(rabbit, format!("{exchange}.q"))
-        .with_binding_key("OrderPlaced")
-        .with_queue_arguments(expires_when_unused())
-        .build()
-        .expect("consumer");
-    consumer.declare().await.expect("declare");
+    let (exchange, consumer) = order_placed_consumer().await;
     let seen = Arc::new(Mutex::new(HashMap::new()));
     let consumer_stop = CancellationToken::new();
     let consuming = {

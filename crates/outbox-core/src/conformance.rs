@@ -142,11 +142,12 @@ pub async fn concurrent_claims_are_exclusive<H: Harness>(h: &H) {
     assert_eq!(total, 2000, "every message claimed once");
 }
 
-/// Sent, Retry (hidden until the backoff passes, `last_error` kept), Dead and Release
-/// (`attempts` not charged) are applied in one call.
-pub async fn completion_applies_each_outcome<H: Harness>(h: &H) {
-    let store = h.store();
-    h.enqueue(&messages(4, "Outcomes")).await;
+/// Claims the four messages just enqueued and completes them in one call: the first
+/// `Sent`, the second `Retry` (1 h backoff, "nack from broker"), the third `Dead`
+/// ("unroutable"), the fourth `Release`. Checks that all four were applied and that the
+/// last three are recorded (the retry hidden behind its backoff with `last_error` kept,
+/// the release not charged); returns the claimed messages.
+async fn one_outcome_each<S: OutboxStore>(store: &S) -> Vec<OutboxMessage> {
     let c = store
         .claim(4, Duration::from_secs(60))
         .await
@@ -175,26 +176,38 @@ pub async fn completion_applies_each_outcome<H: Harness>(h: &H) {
         ])
         .await
         .expect("complete");
-    assert_eq!(report.applied, 4);
+    assert_eq!(report.applied, 4, "every outcome is applied");
     assert!(report.fenced.is_empty());
 
-    let sent = store.get(c[0].id).await.expect("get").expect("row");
-    assert_eq!(sent.status, MessageStatus::Sent);
-    assert!(sent.sent_at.is_some());
-    assert!(sent.claim_token.is_none());
-
-    let retry = store.get(c[1].id).await.expect("get").expect("row");
+    let retry = store.get(c[1].id).await.expect("get").expect("retried row");
     assert_eq!(retry.status, MessageStatus::New);
     assert_eq!(retry.last_error.as_deref(), Some("nack from broker"));
     assert!(retry.visible_at > retry.created_at + chrono::Duration::seconds(3000));
 
-    let dead = store.get(c[2].id).await.expect("get").expect("row");
+    let dead = store.get(c[2].id).await.expect("get").expect("dead row");
     assert_eq!(dead.status, MessageStatus::Dead);
     assert_eq!(dead.last_error.as_deref(), Some("unroutable"));
 
-    let released = store.get(c[3].id).await.expect("get").expect("row");
+    let released = store
+        .get(c[3].id)
+        .await
+        .expect("get")
+        .expect("released row");
     assert_eq!(released.status, MessageStatus::New);
     assert_eq!(released.attempts, 0, "release does not charge the attempt");
+    c
+}
+
+/// Sent, Retry (hidden until the backoff passes, `last_error` kept), Dead and Release
+/// (`attempts` not charged) are applied in one call.
+pub async fn completion_applies_each_outcome<H: Harness>(h: &H) {
+    let store = h.store();
+    h.enqueue(&messages(4, "Outcomes")).await;
+    let c = one_outcome_each(&*store).await;
+    let sent = store.get(c[0].id).await.expect("get").expect("row");
+    assert_eq!(sent.status, MessageStatus::Sent);
+    assert!(sent.sent_at.is_some());
+    assert!(sent.claim_token.is_none());
 
     // Only the released message is claimable now; the retried one waits for its backoff.
     let next = store
@@ -286,67 +299,18 @@ pub async fn expired_lease_is_reclaimed_and_stale_completion_fenced<H: Harness>(
     assert_eq!(report.fenced.len(), 1);
 }
 
-/// Under [`SentRetention::Delete`](crate::SentRetention::Delete) a `Sent` completion deletes the row, and nothing else
-/// changes: Retry, Dead and Release are recorded as under `Keep`, a second `Sent`
-/// completion is fenced, and a stale holder's `Sent` completion is fenced and deletes
-/// nothing.
+/// Under [`SentRetention::Delete`](crate::SentRetention::Delete) a `Sent` completion
+/// deletes the row, and nothing else changes: Retry, Dead and Release are recorded as
+/// under `Keep`, a second `Sent` completion is fenced, and a stale holder's `Sent`
+/// completion is fenced and deletes nothing.
 pub async fn sent_retention_delete_removes_only_confirmed_rows<H: Harness>(h: &H) {
     let store = h.store_deleting_sent();
     h.enqueue(&messages(4, "DeleteOnSent")).await;
-    let c = store
-        .claim(4, Duration::from_secs(60))
-        .await
-        .expect("claim");
-    assert_eq!(c.len(), 4);
-    let t = c[0].claim_token.expect("token");
-    let report = store
-        .complete(&[
-            completion(c[0].id, t, CompletionOutcome::Sent),
-            completion(
-                c[1].id,
-                t,
-                CompletionOutcome::Retry {
-                    delay: Duration::from_secs(3600),
-                    error: "nack from broker".into(),
-                },
-            ),
-            completion(
-                c[2].id,
-                t,
-                CompletionOutcome::Dead {
-                    error: "unroutable".into(),
-                },
-            ),
-            completion(c[3].id, t, CompletionOutcome::Release),
-        ])
-        .await
-        .expect("complete");
-    assert_eq!(report.applied, 4, "every outcome is applied");
-    assert!(report.fenced.is_empty());
+    let c = one_outcome_each(&*store).await;
     assert!(
         store.get(c[0].id).await.expect("get").is_none(),
         "the sent message's row is deleted"
     );
-    let retry = store
-        .get(c[1].id)
-        .await
-        .expect("get")
-        .expect("retried row kept");
-    assert_eq!(retry.status, MessageStatus::New);
-    assert_eq!(retry.last_error.as_deref(), Some("nack from broker"));
-    let dead = store
-        .get(c[2].id)
-        .await
-        .expect("get")
-        .expect("dead row kept");
-    assert_eq!(dead.status, MessageStatus::Dead);
-    let released = store
-        .get(c[3].id)
-        .await
-        .expect("get")
-        .expect("released row kept");
-    assert_eq!(released.status, MessageStatus::New);
-    assert_eq!(released.attempts, 0, "release does not charge the attempt");
     let stats = store.stats().await.expect("stats");
     assert_eq!(
         (stats.new, stats.processing, stats.sent, stats.dead),
@@ -355,7 +319,11 @@ pub async fn sent_retention_delete_removes_only_confirmed_rows<H: Harness>(h: &H
     );
 
     let again = store
-        .complete(&[completion(c[0].id, t, CompletionOutcome::Sent)])
+        .complete(&[completion(
+            c[0].id,
+            c[0].claim_token.expect("token"),
+            CompletionOutcome::Sent,
+        )])
         .await
         .expect("complete");
     assert_eq!((again.applied, again.fenced), (0, vec![c[0].id]));
