@@ -188,9 +188,9 @@ pub struct RelayArgs {
 
     /// What happens to a message once the broker confirmed it: keep (mark it Sent and
     /// keep the row until `outbox purge`; needed by `reconcile` and the sent count of
-    /// `stats`) or delete (delete the row in the same statement: about half the
-    /// database work per message, no purge needed, but no record of delivered messages)
-    /// [default: keep].
+    /// `stats`) or delete (delete the row in the same statement: about half the database
+    /// work of claiming and completing a message, no purge needed, but no record of
+    /// delivered messages) [default: keep].
     #[arg(long, env = "OUTBOX_SENT_RETENTION", value_enum)]
     pub sent_retention: Option<SentRetentionMode>,
 

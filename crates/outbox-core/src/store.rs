@@ -73,9 +73,10 @@ pub enum CompletionOutcome {
 /// - [`Delete`](Self::Delete) deletes the row in the completion statement itself, the
 ///   way MassTransit's and Wolverine's outboxes remove delivered messages: retention
 ///   with an age of zero. A delete is much cheaper for the database than an update (no
-///   new row version, no index entries; on PostgreSQL it halves the relay's database
-///   work per message, see the README's performance section), and sent rows never
-///   accumulate, so no purge of them is needed. In exchange there is no record of
+///   new row version, no index entries: on PostgreSQL the claim and completion of a
+///   message take about 8 µs inside the database instead of 15; the README's
+///   performance section has the relay's figures), and sent rows never accumulate, so
+///   no purge of them is needed. In exchange there is no record of
 ///   delivered messages in the outbox: `reconcile` sees only the rows still there
 ///   (pending and dead ones), `stats` counts no sent rows, and `get` returns `None`
 ///   for a delivered message. Retries, dead letters, releases and the fencing by claim

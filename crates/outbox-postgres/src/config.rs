@@ -84,8 +84,9 @@ impl PgConfig {
 
     /// What completions do with messages the broker confirmed (default
     /// [`SentRetention::Keep`]: mark them `Sent` and keep them until purged;
-    /// [`SentRetention::Delete`]: delete them, which halves the relay's database work
-    /// but leaves no record of delivered messages, see [`SentRetention`]).
+    /// [`SentRetention::Delete`]: delete them, which takes about half of the claim and
+    /// completion work off the database but leaves no record of delivered messages, see
+    /// [`SentRetention`]).
     #[must_use]
     pub fn with_sent_retention(mut self, retention: SentRetention) -> Self {
         self.sent_retention = retention;
