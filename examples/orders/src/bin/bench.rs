@@ -68,24 +68,6 @@ enum Transport {
     Nats,
 }
 
-/// What the store does with sent messages (`outbox_core::SentRetention`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
-enum Retention {
-    /// Mark them Sent and keep them (the library's default).
-    Keep,
-    /// Delete them in the completion statement.
-    Delete,
-}
-
-impl From<Retention> for SentRetention {
-    fn from(r: Retention) -> Self {
-        match r {
-            Retention::Keep => Self::Keep,
-            Retention::Delete => Self::Delete,
-        }
-    }
-}
-
 /// Relay benchmark: PostgreSQL → RabbitMQ or NATS JetStream, with both ceilings measured
 /// in the same run.
 #[derive(Debug, Parser)]
@@ -116,10 +98,11 @@ struct Args {
     /// Batches in flight per dispatcher.
     #[arg(long, default_value_t = 2)]
     concurrency: usize,
-    /// What the store ceiling's and the relay's completions do with sent messages. The
-    /// latency phases always keep them: their latency is read from `sent_at`.
-    #[arg(long, value_enum, default_value_t = Retention::Keep)]
-    sent_retention: Retention,
+    /// What the store ceiling's and the relay's completions do with sent messages: keep
+    /// (the library's default) or delete. The latency phases always keep them: their
+    /// latency is read from `sent_at`.
+    #[arg(long, default_value_t = SentRetention::Keep)]
+    sent_retention: SentRetention,
     /// Measure ordered delivery per partition key instead (`Ordering::PerKey`) with 1,
     /// 10, 1,000 and 10,000 distinct keys, beside the unordered relay on the same data.
     #[arg(long)]
@@ -878,7 +861,7 @@ async fn run_ordered<P: EventPublisher>(
         body.len(),
         args.batch_size,
         args.concurrency,
-        SentRetention::from(args.sent_retention),
+        args.sent_retention,
         std::thread::available_parallelism().map_or(0, usize::from),
         args.rounds.max(1)
     );
@@ -897,7 +880,7 @@ async fn run_ordered<P: EventPublisher>(
         for _ in 0..args.rounds.max(1) {
             let db = fresh_outbox("ostore")
                 .await?
-                .with_sent_retention(args.sent_retention.into());
+                .with_sent_retention(args.sent_retention);
             preload_keyed(&db, n, &body, keys).await?;
             quiesce(&db).await;
             store_runs.push(
@@ -908,7 +891,7 @@ async fn run_ordered<P: EventPublisher>(
             drop_schema(&db).await;
             let db = fresh_outbox("orelay")
                 .await?
-                .with_sent_retention(args.sent_retention.into());
+                .with_sent_retention(args.sent_retention);
             preload_keyed(&db, n, &body, keys).await?;
             quiesce(&db).await;
             relay_runs.push(
@@ -963,7 +946,7 @@ async fn run<P: EventPublisher>(
         body.len(),
         args.batch_size,
         args.concurrency,
-        SentRetention::from(args.sent_retention),
+        args.sent_retention,
         std::thread::available_parallelism().map_or(0, usize::from)
     );
     let cpu = || common::CpuTimes::now_with(broker.comm());
@@ -987,7 +970,7 @@ async fn run<P: EventPublisher>(
     for round in 0..args.rounds.max(1) {
         let store_db = fresh_outbox("store")
             .await?
-            .with_sent_retention(args.sent_retention.into());
+            .with_sent_retention(args.sent_retention);
         preload(&store_db, n, &body).await?;
         settled = settled.max(quiesce(&store_db).await);
         let cpu0 = cpu();
@@ -997,7 +980,7 @@ async fn run<P: EventPublisher>(
 
         let relay_db = fresh_outbox("relay")
             .await?
-            .with_sent_retention(args.sent_retention.into());
+            .with_sent_retention(args.sent_retention);
         preload(&relay_db, n, &body).await?;
         let mut ceiling = None;
         let mut relay = None;
@@ -1033,9 +1016,10 @@ async fn run<P: EventPublisher>(
         broker.purge().await?;
         latency = commit_to_publish(&relay_db).await?;
         // Sent rows under Keep; rows left (none expected) under Delete.
-        let counted = match args.sent_retention {
-            Retention::Keep => "WHERE status = 1",
-            Retention::Delete => "",
+        let counted = if args.sent_retention == SentRetention::Delete {
+            ""
+        } else {
+            "WHERE status = 1"
         };
         sent = sqlx::query_scalar::<_, i64>(sqlx::AssertSqlSafe(format!(
             "SELECT count(*) FROM {}.outbox_messages {counted}",
@@ -1197,18 +1181,13 @@ async fn run<P: EventPublisher>(
          each broker phase right after an untimed warm-up of the same size",
         common::ms(settled)
     );
-    match args.sent_retention {
-        Retention::Keep => println!("messages marked Sent: {sent} of {n}"),
-        Retention::Delete => {
-            println!(
-                "rows left in the outbox after the relay: {sent} of {n} (sent rows are deleted)"
-            );
-        }
-    }
-    if args.sent_retention == Retention::Delete {
+    if args.sent_retention == SentRetention::Delete {
+        println!("rows left in the outbox after the relay: {sent} of {n} (sent rows are deleted)");
         println!(
             "commit-to-publish latency of the backlog: not measured (it is read from sent_at, and sent rows are deleted)"
         );
+    } else {
+        println!("messages marked Sent: {sent} of {n}");
     }
     if let Some((p50, p99)) = latency {
         println!(
