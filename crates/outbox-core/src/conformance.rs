@@ -20,7 +20,10 @@ use uuid::Uuid;
 
 use crate::message::{MessageStatus, NewMessage, OutboxMessage};
 use crate::ordering::OnDead;
-use crate::store::{Completion, CompletionOutcome, MessageFilter, OutboxStore};
+use crate::store::{
+    Completion, CompletionOutcome, DEFAULT_CRASH_LOOP_LIMIT, MAX_ERROR_BYTES, MessageFilter,
+    OutboxStore, Poison,
+};
 
 /// What a backend provides to run the suite.
 #[async_trait]
@@ -38,6 +41,10 @@ pub trait Harness: Send + Sync + 'static {
 
     /// Enqueues and commits `messages`; panics on failure.
     async fn enqueue(&self, messages: &[NewMessage]);
+
+    /// Overwrites the stored `headers` of message `id` with the JSON text `json`, as a
+    /// trigger, a migration or another language's producer might; panics on failure.
+    async fn set_headers_json(&self, id: Uuid, json: &str);
 }
 
 /// `n` valid messages of event type `event_type`.
@@ -69,7 +76,7 @@ async fn claim_until<S: OutboxStore>(
 ) -> Vec<crate::OutboxMessage> {
     let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
     loop {
-        let got = store.claim(batch, lease).await.expect("claim");
+        let got = store.claim(batch, lease).await.expect("claim").messages;
         if got.len() >= want || tokio::time::Instant::now() > deadline {
             return got;
         }
@@ -87,7 +94,8 @@ pub async fn claim_marks_processing<H: Harness>(h: &H) {
     let claimed = store
         .claim(10, Duration::from_secs(60))
         .await
-        .expect("claim");
+        .expect("claim")
+        .messages;
     assert_eq!(claimed.len(), 5, "all five visible messages are claimed");
     let token = claimed[0].claim_token.expect("claim token set");
     for (i, m) in claimed.iter().enumerate() {
@@ -105,8 +113,204 @@ pub async fn claim_marks_processing<H: Harness>(h: &H) {
     let again = store
         .claim(10, Duration::from_secs(60))
         .await
-        .expect("claim");
+        .expect("claim")
+        .messages;
     assert!(again.is_empty(), "leased messages are not claimed again");
+}
+
+/// A claimed row whose headers are not a JSON object of strings does not fail the claim:
+/// it comes back as [`Poison::Undecodable`] under the claim's token, beside the rest of
+/// the batch; completing it `Dead` records the reason, and the dead letters listing shows
+/// it (its headers made into strings).
+pub async fn undecodable_rows_are_poison_alone<H: Harness>(h: &H) {
+    let store = h.store();
+    let msgs = messages(3, "Poison");
+    h.enqueue(&msgs).await;
+    h.set_headers_json(msgs[1].id, r#"{"retries": 3}"#).await;
+    let batch = store
+        .claim(10, Duration::from_secs(60))
+        .await
+        .expect("a poison row does not fail the claim");
+    let ids: Vec<Uuid> = batch.messages.iter().map(|m| m.id).collect();
+    assert_eq!(
+        ids,
+        vec![msgs[0].id, msgs[2].id],
+        "the good rows are claimed"
+    );
+    assert_eq!(batch.poison.len(), 1, "one poison row: {:?}", batch.poison);
+    let poison = &batch.poison[0];
+    assert_eq!(poison.id, msgs[1].id);
+    assert!(poison.seq > batch.messages[0].seq, "seq is read");
+    assert_eq!(poison.aggregate_id, msgs[1].aggregate_id);
+    let token = batch.messages[0].claim_token.expect("token");
+    match &poison.poison {
+        Poison::Undecodable {
+            claim_token,
+            reason,
+        } => {
+            assert_eq!(*claim_token, token, "claimed under the batch's token");
+            assert!(
+                reason.contains("retries"),
+                "the reason names the header: {reason}"
+            );
+        }
+        other => panic!("expected Undecodable, got {other:?}"),
+    }
+    let mut completions: Vec<Completion> = batch
+        .messages
+        .iter()
+        .map(|m| completion(m.id, token, CompletionOutcome::Sent))
+        .collect();
+    completions.push(completion(
+        poison.id,
+        token,
+        CompletionOutcome::Dead {
+            error: poison.poison.to_string(),
+        },
+    ));
+    let report = store.complete(&completions).await.expect("complete");
+    assert_eq!(report.applied, 3);
+    let dead = store
+        .dead_letters(&MessageFilter::new(), 10)
+        .await
+        .expect("dead letters are listed despite the bad headers");
+    assert_eq!(dead.len(), 1);
+    assert_eq!(dead[0].id, msgs[1].id);
+    assert_eq!(
+        dead[0].headers.get("retries").map(String::as_str),
+        Some("3")
+    );
+    assert!(
+        dead[0]
+            .last_error
+            .as_deref()
+            .is_some_and(|e| e.starts_with("undecodable row")),
+        "{:?}",
+        dead[0].last_error
+    );
+}
+
+/// The crash-loop guard: a row claimed [`DEFAULT_CRASH_LOOP_LIMIT`] times without any
+/// outcome (each claimer vanished and its lease ran out) is moved to `Dead` by the next
+/// claim and returned as [`Poison::CrashLoop`]; a row whose claims ended in an outcome
+/// (here a release each time) is claimed as usual; the vanished claimer's late
+/// completion is fenced.
+pub async fn crash_loop_guard_kills_a_row_claimed_without_outcome<H: Harness>(h: &H) {
+    let store = h.store();
+    let msgs = messages(2, "CrashLoop");
+    h.enqueue(&msgs).await;
+    let lease = Duration::from_millis(1);
+    let mut last_token = None;
+    for round in 0..DEFAULT_CRASH_LOOP_LIMIT {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        let batch = claim_until(&*store, 10, lease, 2).await;
+        assert_eq!(batch.len(), 2, "round {round}: both rows are claimed");
+        let token = batch[0].claim_token.expect("token");
+        last_token = Some(token);
+        let released = store
+            .complete(&[completion(msgs[1].id, token, CompletionOutcome::Release)])
+            .await
+            .expect("release");
+        assert_eq!(released.applied, 1);
+    }
+    tokio::time::sleep(Duration::from_millis(20)).await;
+    let batch = store
+        .claim(10, Duration::from_secs(60))
+        .await
+        .expect("claim");
+    let ids: Vec<Uuid> = batch.messages.iter().map(|m| m.id).collect();
+    assert_eq!(
+        ids,
+        vec![msgs[1].id],
+        "the released row is claimed as usual"
+    );
+    assert_eq!(
+        batch
+            .poison
+            .iter()
+            .map(|p| (p.id, p.poison.clone()))
+            .collect::<Vec<_>>(),
+        vec![(
+            msgs[0].id,
+            Poison::CrashLoop {
+                claims: DEFAULT_CRASH_LOOP_LIMIT
+            }
+        )]
+    );
+    let dead = store.get(msgs[0].id).await.expect("get").expect("row");
+    assert_eq!(dead.status, MessageStatus::Dead);
+    assert_eq!(dead.claim_token, None);
+    assert!(
+        dead.last_error
+            .as_deref()
+            .is_some_and(|e| e.starts_with("suspected crash loop")),
+        "{:?}",
+        dead.last_error
+    );
+    let late = store
+        .complete(&[completion(
+            msgs[0].id,
+            last_token.expect("claimed"),
+            CompletionOutcome::Sent,
+        )])
+        .await
+        .expect("complete");
+    assert_eq!(
+        late.fenced,
+        vec![msgs[0].id],
+        "the vanished claimer is fenced"
+    );
+    let replayed = store
+        .replay(&MessageFilter::new().with_ids([msgs[0].id]), false)
+        .await
+        .expect("replay");
+    assert_eq!(replayed.replayed, 1);
+    let again = claim_until(&*store, 10, Duration::from_secs(60), 1).await;
+    assert_eq!(
+        again.iter().map(|m| m.id).collect::<Vec<_>>(),
+        vec![msgs[0].id],
+        "a replayed row starts a new count: claimed, not killed again"
+    );
+}
+
+/// An error text with a NUL character, or longer than [`MAX_ERROR_BYTES`], is stored
+/// sanitized (NUL as `\0`, cut at a character boundary) and never fails the completion.
+pub async fn error_texts_are_stored_sanitized<H: Harness>(h: &H) {
+    let store = h.store();
+    let msgs = messages(2, "Sanitized");
+    h.enqueue(&msgs).await;
+    let batch = claim_until(&*store, 10, Duration::from_secs(60), 2).await;
+    let token = batch[0].claim_token.expect("token");
+    let report = store
+        .complete(&[
+            completion(
+                msgs[0].id,
+                token,
+                CompletionOutcome::Dead {
+                    error: "broker said \0 no".into(),
+                },
+            ),
+            completion(
+                msgs[1].id,
+                token,
+                CompletionOutcome::Retry {
+                    delay: Duration::from_secs(60),
+                    error: "é".repeat(MAX_ERROR_BYTES),
+                },
+            ),
+        ])
+        .await
+        .expect("a NUL byte or a long text does not fail the completion");
+    assert_eq!(report.applied, 2);
+    let dead = store.get(msgs[0].id).await.expect("get").expect("row");
+    assert_eq!(dead.last_error.as_deref(), Some("broker said \\0 no"));
+    let retried = store.get(msgs[1].id).await.expect("get").expect("row");
+    let text = retried.last_error.expect("error");
+    assert!(
+        text.len() <= MAX_ERROR_BYTES && text.ends_with('…'),
+        "{}",
+        text.len()
+    );
 }
 
 /// Four concurrent claimers over 2,000 messages: every message is claimed exactly once.
@@ -123,7 +327,8 @@ pub async fn concurrent_claims_are_exclusive<H: Harness>(h: &H) {
                 let batch = store
                     .claim(50, Duration::from_secs(60))
                     .await
-                    .expect("claim");
+                    .expect("claim")
+                    .messages;
                 if batch.is_empty() {
                     return mine;
                 }
@@ -151,7 +356,8 @@ async fn one_outcome_each<S: OutboxStore>(store: &S) -> Vec<OutboxMessage> {
     let c = store
         .claim(4, Duration::from_secs(60))
         .await
-        .expect("claim");
+        .expect("claim")
+        .messages;
     assert_eq!(c.len(), 4);
     let t = c[0].claim_token.expect("token");
     let report = store
@@ -213,7 +419,8 @@ pub async fn completion_applies_each_outcome<H: Harness>(h: &H) {
     let next = store
         .claim(10, Duration::from_secs(60))
         .await
-        .expect("claim");
+        .expect("claim")
+        .messages;
     assert_eq!(next.iter().map(|m| m.id).collect::<Vec<_>>(), [c[3].id]);
     assert_eq!(next[0].attempts, 1);
 }
@@ -225,7 +432,8 @@ pub async fn retry_becomes_claimable_after_backoff<H: Harness>(h: &H) {
     let c = store
         .claim(1, Duration::from_secs(60))
         .await
-        .expect("claim");
+        .expect("claim")
+        .messages;
     let t = c[0].claim_token.expect("token");
     store
         .complete(&[completion(
@@ -256,7 +464,8 @@ pub async fn expired_lease_is_reclaimed_and_stale_completion_fenced<H: Harness>(
     let first = store
         .claim(3, Duration::from_millis(300))
         .await
-        .expect("claim");
+        .expect("claim")
+        .messages;
     assert_eq!(first.len(), 3);
     let stale = first[0].claim_token.expect("token");
 
@@ -332,7 +541,8 @@ pub async fn sent_retention_delete_removes_only_confirmed_rows<H: Harness>(h: &H
     let first = store
         .claim(1, Duration::from_millis(300))
         .await
-        .expect("claim");
+        .expect("claim")
+        .messages;
     assert_eq!(first.iter().map(|m| m.id).collect::<Vec<_>>(), [c[3].id]);
     let stale = first[0].claim_token.expect("token");
     let second = claim_until(&*store, 1, Duration::from_secs(60), 1).await;
@@ -363,7 +573,8 @@ pub async fn sent_retention_delete_removes_only_confirmed_rows<H: Harness>(h: &H
     let k = keeping
         .claim(1, Duration::from_secs(60))
         .await
-        .expect("claim");
+        .expect("claim")
+        .messages;
     assert_eq!(k.len(), 1);
     let kt = k[0].claim_token.expect("token");
     keeping
@@ -384,7 +595,8 @@ pub async fn dead_letters_and_replay<H: Harness>(h: &H) {
     let c = store
         .claim(3, Duration::from_secs(60))
         .await
-        .expect("claim");
+        .expect("claim")
+        .messages;
     let t = c[0].claim_token.expect("token");
     let done: Vec<Completion> = c
         .iter()
@@ -438,7 +650,8 @@ pub async fn dead_letters_and_replay<H: Harness>(h: &H) {
     let again = store
         .claim(10, Duration::from_secs(60))
         .await
-        .expect("claim");
+        .expect("claim")
+        .messages;
     assert_eq!(again.len(), 2);
     assert!(
         again
@@ -454,7 +667,8 @@ pub async fn stats_and_purge<H: Harness>(h: &H) {
     let c = store
         .claim(2, Duration::from_secs(60))
         .await
-        .expect("claim");
+        .expect("claim")
+        .messages;
     let t = c[0].claim_token.expect("token");
     store
         .complete(&[completion(c[0].id, t, CompletionOutcome::Sent)])
@@ -544,7 +758,8 @@ pub async fn ordered_claim_takes_key_prefixes<H: Harness>(h: &H) {
     let first = store
         .claim_ordered(6, lease, OnDead::Block)
         .await
-        .expect("claim");
+        .expect("claim")
+        .messages;
     assert_eq!(first.len(), 6, "6 = 3 keys x 2 from each run");
     assert_key_prefixes(&first, &mut next);
     assert!(next.values().all(|&n| n == 2), "two of each key: {next:?}");
@@ -553,6 +768,7 @@ pub async fn ordered_claim_takes_key_prefixes<H: Harness>(h: &H) {
             .claim_ordered(100, lease, OnDead::Block)
             .await
             .expect("claim")
+            .messages
             .is_empty(),
         "every key has messages in flight: nothing may be claimed"
     );
@@ -561,6 +777,7 @@ pub async fn ordered_claim_takes_key_prefixes<H: Harness>(h: &H) {
             .claim_ordered(100, lease, OnDead::Skip)
             .await
             .expect("claim")
+            .messages
             .is_empty(),
         "in-flight messages block under Skip too"
     );
@@ -575,7 +792,8 @@ pub async fn ordered_claim_takes_key_prefixes<H: Harness>(h: &H) {
     let second = store
         .claim_ordered(100, lease, OnDead::Block)
         .await
-        .expect("claim");
+        .expect("claim")
+        .messages;
     assert_eq!(second.len(), 2, "only key a's last two are free");
     assert_key_prefixes(&second, &mut next);
     assert!(second.iter().all(|m| key_of(m) == "a"));
@@ -591,7 +809,8 @@ pub async fn ordered_failing_key_waits_alone<H: Harness>(h: &H) {
     let batch = store
         .claim_ordered(10, lease, OnDead::Block)
         .await
-        .expect("claim");
+        .expect("claim")
+        .messages;
     assert_eq!(batch.len(), 4);
     let token = batch[0].claim_token.expect("token");
     let outcomes: Vec<Completion> = batch
@@ -614,7 +833,8 @@ pub async fn ordered_failing_key_waits_alone<H: Harness>(h: &H) {
     let during = store
         .claim_ordered(10, lease, OnDead::Block)
         .await
-        .expect("claim");
+        .expect("claim")
+        .messages;
     assert_eq!(
         during.len(),
         1,
@@ -635,7 +855,8 @@ pub async fn ordered_failing_key_waits_alone<H: Harness>(h: &H) {
         let got = store
             .claim_ordered(10, lease, OnDead::Block)
             .await
-            .expect("claim");
+            .expect("claim")
+            .messages;
         if !got.is_empty() || tokio::time::Instant::now() > deadline {
             break got;
         }
@@ -664,7 +885,8 @@ pub async fn ordered_dead_head_blocks_or_skips<H: Harness>(h: &H) {
     let batch = store
         .claim_ordered(10, lease, OnDead::Block)
         .await
-        .expect("claim");
+        .expect("claim")
+        .messages;
     assert_eq!(batch.len(), 3);
     let token = batch[0].claim_token.expect("token");
     let mut outcomes = vec![completion(
@@ -686,6 +908,7 @@ pub async fn ordered_dead_head_blocks_or_skips<H: Harness>(h: &H) {
             .claim_ordered(10, lease, OnDead::Block)
             .await
             .expect("claim")
+            .messages
             .is_empty(),
         "Block: the dead head stops its key"
     );
@@ -704,7 +927,8 @@ pub async fn ordered_dead_head_blocks_or_skips<H: Harness>(h: &H) {
     let again = store
         .claim_ordered(10, lease, OnDead::Block)
         .await
-        .expect("claim");
+        .expect("claim")
+        .messages;
     let mut next = std::collections::HashMap::new();
     assert_key_prefixes(&again, &mut next);
     assert_eq!(again.len(), 3, "replayed head and its successors, in order");
@@ -727,7 +951,8 @@ pub async fn ordered_dead_head_blocks_or_skips<H: Harness>(h: &H) {
     let skipped = store
         .claim_ordered(10, lease, OnDead::Skip)
         .await
-        .expect("claim");
+        .expect("claim")
+        .messages;
     assert_eq!(
         skipped.iter().map(n_of).collect::<Vec<_>>(),
         vec![1, 2],
@@ -755,6 +980,7 @@ pub async fn ordered_delayed_message_holds_its_key<H: Harness>(h: &H) {
             .claim_ordered(10, Duration::from_secs(60), OnDead::Block)
             .await
             .expect("claim")
+            .messages
             .is_empty(),
         "the visible message waits for its delayed predecessor"
     );
@@ -778,6 +1004,7 @@ pub async fn ordered_concurrent_claims_never_share_a_key<H: Harness>(h: &H) {
                     .claim_ordered(40, Duration::from_secs(60), OnDead::Block)
                     .await
                     .expect("claim")
+                    .messages
             }));
         }
         let mut batches = Vec::new();
@@ -820,13 +1047,15 @@ pub async fn ordered_expired_run_is_reclaimed_in_order<H: Harness>(h: &H) {
     let first = store
         .claim_ordered(10, Duration::from_secs(1), OnDead::Block)
         .await
-        .expect("claim");
+        .expect("claim")
+        .messages;
     assert_eq!(first.len(), 3);
     tokio::time::sleep(Duration::from_millis(1500)).await;
     let second = store
         .claim_ordered(10, Duration::from_secs(60), OnDead::Block)
         .await
-        .expect("claim");
+        .expect("claim")
+        .messages;
     let mut next = std::collections::HashMap::new();
     assert_key_prefixes(&second, &mut next);
     assert_eq!(second.len(), 3, "the whole run is reclaimed");
@@ -857,6 +1086,9 @@ macro_rules! store_conformance_tests {
             use super::*;
             $crate::store_conformance_tests!(@optional $harness;
                 claim_marks_processing,
+                undecodable_rows_are_poison_alone,
+                crash_loop_guard_kills_a_row_claimed_without_outcome,
+                error_texts_are_stored_sanitized,
                 concurrent_claims_are_exclusive,
                 completion_applies_each_outcome,
                 sent_retention_delete_removes_only_confirmed_rows,
@@ -888,6 +1120,9 @@ macro_rules! store_conformance_tests {
             use super::*;
             $crate::store_conformance_tests!(@each $harness;
                 claim_marks_processing,
+                undecodable_rows_are_poison_alone,
+                crash_loop_guard_kills_a_row_claimed_without_outcome,
+                error_texts_are_stored_sanitized,
                 concurrent_claims_are_exclusive,
                 completion_applies_each_outcome,
                 sent_retention_delete_removes_only_confirmed_rows,

@@ -11,8 +11,12 @@ pub type BoxError = Box<dyn std::error::Error + Send + Sync + 'static>;
 pub enum ErrorKind {
     /// Retrying the same operation later may succeed (timeout, nack, lock conflict).
     Transient,
-    /// The database or broker cannot be reached at all. Retryable, and not the
-    /// message's fault: the dispatcher opens its circuit instead of charging attempts.
+    /// The database or broker cannot take the work now: it cannot be reached, does not
+    /// answer in time, or refuses everything for a while (a RabbitMQ resource alarm or a
+    /// queue at its `x-max-length` with `reject-publish`, a JetStream stream that is
+    /// full, being moved or has no leader). Retryable, and never the message's fault: the
+    /// dispatcher opens its circuit and releases the messages instead of charging
+    /// attempts.
     Unavailable,
     /// Retrying cannot help (bad input, unroutable message, payload too large).
     Permanent,
@@ -125,7 +129,10 @@ pub enum PublishError {
         #[source]
         source: Option<BoxError>,
     },
-    /// The broker negatively acknowledged the message (AMQP `basic.nack`, JetStream error).
+    /// The broker refused to take responsibility for the message for a reason of its own
+    /// (AMQP `basic.nack`: a full queue with `reject-publish`, a queue process failure;
+    /// a JetStream error about the stream's state, such as storage full). Not the
+    /// message's fault: [`ErrorKind::Unavailable`].
     #[error("broker rejected the message: {reason}")]
     Rejected {
         /// The broker's words.
@@ -157,7 +164,8 @@ pub enum PublishError {
     /// The routing key, subject or a header cannot be expressed on the wire.
     #[error("invalid destination or header: {0}")]
     Invalid(String),
-    /// No confirmation arrived in time.
+    /// No confirmation arrived in time: the broker is slow, frozen or blocked.
+    /// [`ErrorKind::Unavailable`].
     #[error("no broker confirmation within {0:?}")]
     Timeout(Duration),
     /// A confirmation was not requested though it must be (AMQP `NotRequested`).
@@ -178,10 +186,15 @@ pub enum PublishError {
 
 impl PublishError {
     /// The classification that drives retry, dead-lettering and the circuit breaker.
+    /// Only a verdict about the message itself ([`Unroutable`](Self::Unroutable),
+    /// [`PayloadTooLarge`](Self::PayloadTooLarge), [`Invalid`](Self::Invalid)) is
+    /// permanent; what a degraded broker says ([`Rejected`](Self::Rejected),
+    /// [`Timeout`](Self::Timeout)) is an outage, like no connection at all.
     pub fn kind(&self) -> ErrorKind {
         match self {
-            Self::Unavailable { .. } => ErrorKind::Unavailable,
-            Self::Rejected { .. } | Self::Timeout(_) => ErrorKind::Transient,
+            Self::Unavailable { .. } | Self::Rejected { .. } | Self::Timeout(_) => {
+                ErrorKind::Unavailable
+            }
             Self::Unroutable { .. }
             | Self::PayloadTooLarge { .. }
             | Self::Invalid(_)

@@ -60,11 +60,15 @@ pub use inbox::{
     ConsumerDeadLetter, ConsumerDeadLetters, DurableInbox, FailureCount, InboxCompletion,
     InboxOutcome, StoredMessage, VersionTracking,
 };
-pub use message::{Headers, MessageStatus, NewMessage, NewMessageBuilder, OutboxMessage};
+pub use message::{
+    Headers, MessageStatus, NewMessage, NewMessageBuilder, OutboxMessage, headers_from_json,
+    headers_from_json_lossy,
+};
 pub use ordering::{BlockedKey, OnDead, OrderKey, Ordering};
 pub use publisher::{EventPublisher, PublishOutcome};
 pub use retry::{RetryPolicies, RetryPolicy};
 pub use store::{
-    CompleteReport, Completion, CompletionOutcome, InboxStore, MessageFilter, OutboxStats,
-    OutboxStore, ReplayReport, SentRetention,
+    ClaimedBatch, CompleteReport, Completion, CompletionOutcome, DEFAULT_CRASH_LOOP_LIMIT,
+    InboxStore, MessageFilter, OutboxStats, OutboxStore, Poison, PoisonRow, ReplayReport,
+    SentRetention, sanitize_error,
 };

@@ -15,6 +15,58 @@ use crate::error::{InvalidMessage, OutboxError};
 /// Headers carried by a message: a sorted string map (name → value).
 pub type Headers = BTreeMap<String, String>;
 
+/// Headers from their stored JSON form, which must be an object whose values are all
+/// strings (what [`NewMessage`] writes; a trigger, a migration or another language's
+/// producer may write anything).
+///
+/// # Errors
+/// A description of the first thing wrong, for a poison row's `last_error`.
+pub fn headers_from_json(value: serde_json::Value) -> Result<Headers, String> {
+    let serde_json::Value::Object(map) = value else {
+        return Err(format!(
+            "headers must be a JSON object of strings, not {}",
+            json_kind(&value)
+        ));
+    };
+    map.into_iter()
+        .map(|(name, value)| match value {
+            serde_json::Value::String(text) => Ok((name, text)),
+            other => Err(format!(
+                "headers must be a JSON object of strings: header {name:?} is {}",
+                json_kind(&other)
+            )),
+        })
+        .collect()
+}
+
+/// Headers from their stored JSON form, never failing: a value that is not a string
+/// becomes its JSON text, and a form that is not an object becomes one header named
+/// `(headers)` holding its JSON text. For showing rows to an operator (dead letters),
+/// never for publishing.
+pub fn headers_from_json_lossy(value: serde_json::Value) -> Headers {
+    match value {
+        serde_json::Value::Object(map) => map
+            .into_iter()
+            .map(|(name, value)| match value {
+                serde_json::Value::String(text) => (name, text),
+                other => (name, other.to_string()),
+            })
+            .collect(),
+        other => Headers::from([("(headers)".to_owned(), other.to_string())]),
+    }
+}
+
+fn json_kind(value: &serde_json::Value) -> &'static str {
+    match value {
+        serde_json::Value::Null => "null",
+        serde_json::Value::Bool(_) => "a boolean",
+        serde_json::Value::Number(_) => "a number",
+        serde_json::Value::String(_) => "a string",
+        serde_json::Value::Array(_) => "an array",
+        serde_json::Value::Object(_) => "an object",
+    }
+}
+
 /// The stored status of an outbox message. The numeric codes are what the stores persist
 /// and MUST NOT change.
 ///
@@ -573,5 +625,123 @@ mod tests {
             .expect("valid");
         assert_eq!(msg.payload.get(), r#"{"b":1,"a":2}"#);
         assert_eq!(msg.id.get_version_num(), 7);
+    }
+}
+
+/// Property tests: no panic is reachable from the stored JSON form of a row's headers.
+#[cfg(test)]
+mod properties {
+    use super::*;
+    use proptest::prelude::*;
+    use proptest::test_runner::Config as ProptestConfig;
+    use serde_json::Value;
+
+    fn config() -> ProptestConfig {
+        ProptestConfig {
+            cases: 256,
+            // Keep proptest's regression files out of the repository.
+            failure_persistence: None,
+            ..ProptestConfig::default()
+        }
+    }
+
+    /// Any text: every `char` (controls, NUL, surrogate-free non-BMP) is possible.
+    fn text(max_chars: usize) -> impl Strategy<Value = String> {
+        prop::collection::vec(any::<char>(), 0..=max_chars).prop_map(String::from_iter)
+    }
+
+    /// Any JSON value, nested up to 4 levels, numbers of every kind (NaN and the
+    /// infinities become `null`, as `serde_json` does).
+    fn json() -> impl Strategy<Value = Value> {
+        let leaf = prop_oneof![
+            Just(Value::Null),
+            any::<bool>().prop_map(Value::Bool),
+            any::<i64>().prop_map(Value::from),
+            any::<u64>().prop_map(Value::from),
+            any::<f64>().prop_map(Value::from),
+            text(40).prop_map(Value::String),
+        ];
+        leaf.prop_recursive(4, 64, 8, |inner| {
+            prop_oneof![
+                prop::collection::vec(inner.clone(), 0..8).prop_map(Value::Array),
+                prop::collection::btree_map(text(20), inner, 0..8)
+                    .prop_map(|map| Value::Object(map.into_iter().collect())),
+            ]
+        })
+    }
+
+    /// What a stored `headers` column may hold: anything, often an object of strings
+    /// (the well-formed case), sometimes an object with one value of another kind.
+    fn stored_headers() -> impl Strategy<Value = Value> {
+        let strings = || prop::collection::btree_map(text(30), text(60), 0..12);
+        prop_oneof![
+            json(),
+            strings().prop_map(|map| Value::Object(
+                map.into_iter()
+                    .map(|(k, v)| (k, Value::String(v)))
+                    .collect()
+            )),
+            (strings(), text(30), json()).prop_map(|(map, name, odd)| {
+                let mut object: serde_json::Map<String, Value> = map
+                    .into_iter()
+                    .map(|(k, v)| (k, Value::String(v)))
+                    .collect();
+                object.insert(name, odd);
+                Value::Object(object)
+            }),
+        ]
+    }
+
+    proptest! {
+        #![proptest_config(config())]
+
+        /// Guards against `headers_from_json` panicking on, or accepting, a column that
+        /// is not an object of strings (a trigger, migration or foreign producer may
+        /// have written anything): `Ok` exactly for an object of strings, and then the
+        /// same map; otherwise a description, never a panic.
+        #[test]
+        fn strict_headers_accept_exactly_objects_of_strings(value in stored_headers()) {
+            let expected: Option<Headers> = match &value {
+                Value::Object(map) => map
+                    .iter()
+                    .map(|(k, v)| v.as_str().map(|s| (k.clone(), s.to_owned())))
+                    .collect(),
+                _ => None,
+            };
+            match (headers_from_json(value.clone()), expected) {
+                (Ok(headers), Some(expected)) => prop_assert_eq!(headers, expected),
+                (Err(reason), None) => prop_assert!(!reason.is_empty()),
+                (got, expected) => prop_assert!(
+                    false,
+                    "{value} gave {got:?}, expected {expected:?}"
+                ),
+            }
+        }
+
+        /// Guards against `headers_from_json_lossy` (used to show dead letters) panicking
+        /// or dropping a header: every key of an object is kept (strings as they are,
+        /// other values as their JSON text), anything else becomes the one `(headers)`
+        /// header.
+        #[test]
+        fn lossy_headers_keep_every_key(value in stored_headers()) {
+            let headers = headers_from_json_lossy(value.clone());
+            match &value {
+                Value::Object(map) => {
+                    prop_assert_eq!(headers.len(), map.len());
+                    for (name, v) in map {
+                        let shown = headers.get(name);
+                        prop_assert!(shown.is_some(), "header {:?} dropped", name);
+                        match v {
+                            Value::String(s) => prop_assert_eq!(shown, Some(s)),
+                            other => prop_assert_eq!(shown, Some(&other.to_string())),
+                        }
+                    }
+                }
+                other => {
+                    prop_assert_eq!(headers.len(), 1);
+                    prop_assert_eq!(headers.get("(headers)"), Some(&other.to_string()));
+                }
+            }
+        }
     }
 }

@@ -12,11 +12,12 @@ pub enum PublishOutcome {
     /// The broker confirmed it (AMQP publisher confirm `ack`, JetStream `PubAck`).
     Published,
     /// It may succeed later. When the error's kind is [`ErrorKind::Unavailable`] the
-    /// broker itself is unreachable: the dispatcher releases the message without
-    /// charging an attempt and opens its circuit.
+    /// broker cannot take messages now (unreachable, slow, blocked, full): the
+    /// dispatcher releases the message without charging an attempt and opens its
+    /// circuit. Any other transient error charges an attempt of this message.
     Transient(PublishError),
-    /// It can never succeed as it is (unroutable, too large, invalid subject): the
-    /// dispatcher dead-letters it at once.
+    /// It can never succeed as it is (unroutable, too large, invalid subject or header):
+    /// the dispatcher dead-letters this message, and only this one, at once.
     Permanent(PublishError),
 }
 
@@ -55,10 +56,26 @@ impl PublishOutcome {
 ///   deduplicate a re-publish after a relay crash.
 /// - It SHOULD reconnect by itself after the broker comes back, and report
 ///   [`PublishError::Unavailable`] while it cannot reach the broker.
+/// - It MUST judge a message [`Permanent`](PublishOutcome::Permanent) only for what is
+///   wrong with that message itself, and report everything that is the broker's state
+///   (slow, blocked, full, unreachable) with an [`ErrorKind::Unavailable`] error, so a
+///   degraded broker never costs a healthy message an attempt. No content of a message
+///   may make it panic.
+/// - It SHOULD return within [`publish_timeout`](Self::publish_timeout).
 #[async_trait]
 pub trait EventPublisher: Send + Sync + 'static {
     /// Publishes `messages` and waits for every broker confirmation.
     async fn publish_batch(&self, messages: &[OutboxMessage]) -> Vec<PublishOutcome>;
+
+    /// The longest one [`publish_batch`](Self::publish_batch) call takes, reconnecting
+    /// and awaiting confirmations included (for the transports: their connect timeout
+    /// plus their confirm or ack timeout), or `None` when the publisher does not bound
+    /// it. The dispatcher refuses to start with a lease shorter than twice this (a
+    /// publish must end, and be recorded, before another relay may reclaim its
+    /// messages), and treats a call that runs longer as an outage of the whole batch.
+    fn publish_timeout(&self) -> Option<std::time::Duration> {
+        None
+    }
 
     /// Checks that the broker can be reached (reconnecting if needed). The dispatcher
     /// calls it, with backoff, while its circuit is open. The default says yes.
@@ -78,5 +95,9 @@ impl<P: EventPublisher + ?Sized> EventPublisher for std::sync::Arc<P> {
 
     async fn check_ready(&self) -> Result<(), PublishError> {
         (**self).check_ready().await
+    }
+
+    fn publish_timeout(&self) -> Option<std::time::Duration> {
+        (**self).publish_timeout()
     }
 }

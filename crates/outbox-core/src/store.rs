@@ -125,6 +125,134 @@ impl std::str::FromStr for SentRetention {
     }
 }
 
+/// Default of the crash-loop guard: a row claimed this many times in a row without any
+/// outcome being recorded is moved to `Dead` at its next claim (see [`Poison::CrashLoop`]).
+pub const DEFAULT_CRASH_LOOP_LIMIT: u32 = 5;
+
+/// Longest `last_error` a store writes, in bytes: longer texts are cut at a character
+/// boundary by [`sanitize_error`].
+pub const MAX_ERROR_BYTES: usize = 4096;
+
+/// `error` as a store may write it into `last_error`: every NUL character (which
+/// PostgreSQL's `text` cannot hold, SQLSTATE 22021) replaced by the two characters `\0`,
+/// and the text cut to [`MAX_ERROR_BYTES`] at a character boundary, ending in `…` when
+/// cut. Broker and driver error texts go into `last_error` unfiltered otherwise, and a
+/// completion that fails on one of them would fail its whole batch.
+pub fn sanitize_error(error: &str) -> std::borrow::Cow<'_, str> {
+    if error.len() <= MAX_ERROR_BYTES && !error.contains('\0') {
+        return std::borrow::Cow::Borrowed(error);
+    }
+    let mut out = String::with_capacity(error.len().min(MAX_ERROR_BYTES));
+    for c in error.chars() {
+        let piece_len = if c == '\0' { 2 } else { c.len_utf8() };
+        if out.len() + piece_len > MAX_ERROR_BYTES - '…'.len_utf8() {
+            out.push('…');
+            break;
+        }
+        if c == '\0' {
+            out.push_str("\\0");
+        } else {
+            out.push(c);
+        }
+    }
+    std::borrow::Cow::Owned(out)
+}
+
+/// What one claim took: the messages to publish, and the claimed rows that must not be
+/// published ([`PoisonRow`]s). A claim never fails because of one row's content.
+#[derive(Debug, Default)]
+#[non_exhaustive]
+pub struct ClaimedBatch {
+    /// Claimed messages (`Processing` under one claim token), in `seq` order.
+    pub messages: Vec<OutboxMessage>,
+    /// Claimed rows that cannot or must not be published, each alone.
+    pub poison: Vec<PoisonRow>,
+}
+
+impl ClaimedBatch {
+    /// A batch of `messages` and `poison` rows.
+    pub fn new(messages: Vec<OutboxMessage>, poison: Vec<PoisonRow>) -> Self {
+        Self { messages, poison }
+    }
+
+    /// Whether the claim took nothing at all.
+    pub fn is_empty(&self) -> bool {
+        self.messages.is_empty() && self.poison.is_empty()
+    }
+
+    /// Rows taken by the claim: messages and poison rows.
+    pub fn len(&self) -> usize {
+        self.messages.len() + self.poison.len()
+    }
+}
+
+/// A claimed row that is not handed to a publisher. The rest of its batch is unaffected
+/// (in [`Ordering::PerKey`](crate::Ordering::PerKey) mode under [`OnDead::Block`], the
+/// later messages of its key in the batch are released: the row is `Dead` and blocks
+/// them).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PoisonRow {
+    /// The row's id.
+    pub id: Uuid,
+    /// The row's `seq`.
+    pub seq: i64,
+    /// The row's `aggregate_type`, for its ordering key.
+    pub aggregate_type: String,
+    /// The row's `aggregate_id`, for its ordering key.
+    pub aggregate_id: String,
+    /// The row's `partition_key`, for its ordering key.
+    pub partition_key: Option<String>,
+    /// What is wrong with it.
+    pub poison: Poison,
+}
+
+impl PoisonRow {
+    /// The row's ordering key, as [`OutboxMessage::order_key`].
+    pub fn order_key(&self) -> crate::ordering::OrderKey<'_> {
+        match &self.partition_key {
+            Some(key) => crate::ordering::OrderKey::Partition(key),
+            None => crate::ordering::OrderKey::Aggregate(&self.aggregate_type, &self.aggregate_id),
+        }
+    }
+}
+
+/// Why a claimed row is poison.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Poison {
+    /// The row was claimed (it is `Processing` under `claim_token`) but its columns do
+    /// not make an [`OutboxMessage`] (for example `headers` that are not a JSON object of
+    /// strings, written by a trigger, a migration or another language's producer). The
+    /// dispatcher completes it as `Dead` with `reason` in `last_error`.
+    Undecodable {
+        /// The claim's fencing token.
+        claim_token: Uuid,
+        /// What could not be decoded.
+        reason: String,
+    },
+    /// The claim itself moved the row to `Dead`: it had been claimed `claims` times in a
+    /// row without any outcome being recorded (each relay holding it stopped, crashed or
+    /// lost its lease first), the mark of a row that crashes whatever relay publishes
+    /// it. The store's crash-loop limit ([`DEFAULT_CRASH_LOOP_LIMIT`] by default) sets
+    /// the count; `last_error` says "suspected crash loop". Nothing is left to complete.
+    CrashLoop {
+        /// Claims without an outcome before this one.
+        claims: u32,
+    },
+}
+
+impl std::fmt::Display for Poison {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::Undecodable { reason, .. } => write!(f, "undecodable row: {reason}"),
+            Self::CrashLoop { claims } => write!(
+                f,
+                "suspected crash loop: claimed {claims} times without an outcome"
+            ),
+        }
+    }
+}
+
 /// One completion: which message, under which claim, with what outcome.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Completion {
@@ -245,24 +373,31 @@ pub struct ReplayReport {
 ///   `Processing`, `lease_until = now + lease`, a fresh `claim_token` and
 ///   `attempts + 1`, and commits before returning. No message is handed to two live
 ///   claims at once.
+/// - A claim never fails because of one row's content: a claimed row that cannot be
+///   decoded is returned as [`Poison::Undecodable`] (still `Processing` under the claim's
+///   token) beside the rest of the batch.
+/// - The **crash-loop guard**: every claim counts one more claim without an outcome on
+///   the row, and every completion (any outcome, release included) resets the count. A
+///   row whose count has reached the store's crash-loop limit (default
+///   [`DEFAULT_CRASH_LOOP_LIMIT`]) is not claimed but moved to `Dead` by the claim, with
+///   a `last_error` starting "suspected crash loop", and returned as
+///   [`Poison::CrashLoop`].
 /// - [`complete`](Self::complete) applies all completions in one round trip, each only
 ///   where the status is `Processing` and the `claim_token` matches; others are reported
 ///   as fenced and left unchanged. A `Sent` completion marks the row `Sent` with
 ///   `sent_at = now`, or deletes it when the store is configured with
-///   [`SentRetention::Delete`].
+///   [`SentRetention::Delete`]. Error texts are written through [`sanitize_error`], so
+///   no error text can make a completion fail.
 /// - Every time is taken from the database clock; the caller supplies durations only.
 #[async_trait]
 pub trait OutboxStore: Send + Sync + 'static {
-    /// Claims a batch (see the trait contract). Messages are returned in `seq` order.
+    /// Claims a batch (see the trait contract). Messages are returned in `seq` order;
+    /// rows that must not be published are returned as [`ClaimedBatch::poison`] (they
+    /// count toward `batch_size`).
     ///
     /// # Errors
-    /// [`OutboxError::Database`] on database failure (nothing is claimed then), or
-    /// [`OutboxError::Decode`] / [`OutboxError::UnknownStatus`] for a corrupt row.
-    async fn claim(
-        &self,
-        batch_size: usize,
-        lease: Duration,
-    ) -> Result<Vec<OutboxMessage>, OutboxError>;
+    /// [`OutboxError::Database`] on database failure (nothing is claimed then).
+    async fn claim(&self, batch_size: usize, lease: Duration) -> Result<ClaimedBatch, OutboxError>;
 
     /// Claims for [`Ordering::PerKey`](crate::Ordering::PerKey) mode: like
     /// [`claim`](Self::claim), but only messages whose key is free. For each key
@@ -276,7 +411,9 @@ pub trait OutboxStore: Send + Sync + 'static {
     /// its previous ordered claim stopped, wrapping around, so every key gets its turn
     /// (there is no age order across keys). Concurrent claimers never hold messages of
     /// the same key at once: each locks the key's head row (skipping it when another
-    /// claimer holds it). Returns the messages in `seq` order.
+    /// claimer holds it). Returns the messages in `seq` order, and poison rows as
+    /// [`claim`](Self::claim) does (a crash-loop row is `Dead`, so under
+    /// [`OnDead::Block`] it stops its key).
     ///
     /// # Errors
     /// As [`claim`](Self::claim).
@@ -285,7 +422,7 @@ pub trait OutboxStore: Send + Sync + 'static {
         batch_size: usize,
         lease: Duration,
         on_dead: OnDead,
-    ) -> Result<Vec<OutboxMessage>, OutboxError>;
+    ) -> Result<ClaimedBatch, OutboxError>;
 
     /// Keys whose head (first unfinished message, `Dead` included) is `Dead` or waiting
     /// out a retry backoff, longest blocked first, at most `limit`. Under
@@ -296,7 +433,8 @@ pub trait OutboxStore: Send + Sync + 'static {
     /// [`OutboxError::Database`] on database failure.
     async fn blocked_keys(&self, limit: usize) -> Result<Vec<BlockedKey>, OutboxError>;
 
-    /// Records the outcomes of claimed messages, fenced by their claim tokens.
+    /// Records the outcomes of claimed messages, fenced by their claim tokens, and resets
+    /// each applied row's count of claims without an outcome.
     ///
     /// # Errors
     /// [`OutboxError::Database`] on database failure (nothing is changed then).
@@ -399,6 +537,22 @@ pub trait InboxStore: Send + Sync + 'static {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn error_texts_lose_nul_bytes_and_excess_length() {
+        assert!(matches!(
+            sanitize_error("plain"),
+            std::borrow::Cow::Borrowed("plain")
+        ));
+        assert_eq!(sanitize_error("a\0b"), "a\\0b");
+        let long = "é".repeat(MAX_ERROR_BYTES);
+        let cut = sanitize_error(&long);
+        assert!(cut.len() <= MAX_ERROR_BYTES, "{}", cut.len());
+        assert!(cut.ends_with('…'));
+        let nuls = "\0".repeat(MAX_ERROR_BYTES);
+        let cut = sanitize_error(&nuls);
+        assert!(cut.len() <= MAX_ERROR_BYTES && !cut.contains('\0'));
+    }
 
     #[test]
     fn sent_retention_parses_its_names_and_rejects_others() {

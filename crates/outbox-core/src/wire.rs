@@ -427,3 +427,332 @@ mod tests {
         assert!(TraceParent::parse("garbage").is_none());
     }
 }
+
+/// Property tests: no panic is reachable from a row's content on the way to the wire,
+/// nor from a broker's headers on the way back.
+#[cfg(test)]
+mod properties {
+    use super::*;
+    use crate::message::MessageStatus;
+    use proptest::prelude::*;
+    use proptest::test_runner::Config as ProptestConfig;
+    use serde_json::value::RawValue;
+
+    fn config() -> ProptestConfig {
+        ProptestConfig {
+            cases: 256,
+            // Keep proptest's regression files out of the repository.
+            failure_persistence: None,
+            ..ProptestConfig::default()
+        }
+    }
+
+    /// Every attribute `decode` looks up, without the binding's prefix.
+    const ATTRIBUTES: [&str; 12] = [
+        "specversion",
+        "id",
+        "source",
+        "type",
+        "subject",
+        "time",
+        "aggregatetype",
+        "aggregateversion",
+        "tenantid",
+        "partitionkey",
+        CORRELATION_ID,
+        CAUSATION_ID,
+    ];
+
+    /// Any text: every `char` (controls, NUL, CR/LF, non-BMP) is possible.
+    fn text(max_chars: usize) -> impl Strategy<Value = String> {
+        prop::collection::vec(any::<char>(), 0..=max_chars).prop_map(String::from_iter)
+    }
+
+    /// Header names: arbitrary text, empty, very long (ASCII or multi-byte), the names
+    /// of our attributes under either binding, `Nats-*` in any case, 1-4 byte names.
+    fn header_name() -> impl Strategy<Value = String> {
+        prop_oneof![
+            4 => text(40),
+            1 => (0usize..400).prop_map(|n| "h".repeat(n)),
+            1 => prop::collection::vec(any::<char>(), 60..200).prop_map(String::from_iter),
+            2 => (
+                prop::sample::select(vec!["ce-", "cloudEvents:", "Nats-", "NATS-", "nats-", "CE-"]),
+                prop::sample::select(ATTRIBUTES.to_vec()),
+            )
+                .prop_map(|(prefix, attr)| format!("{prefix}{attr}")),
+            2 => prop::sample::select(vec![
+                "", TRACEPARENT, TRACESTATE, CORRELATION_ID, CAUSATION_ID, "Nats-Msg-Id",
+                "Content-Type", "N", "Na", "Nat", "Nats", "é", "日本", "𝄞", "Nats-", "ce-",
+                "a:b", "x\r\ny", " ",
+            ])
+            .prop_map(str::to_owned),
+        ]
+    }
+
+    /// Header values: arbitrary text, long text, and values some attribute parses
+    /// (UUIDs, integers, RFC 3339 times, trace contexts), valid or nearly so.
+    fn header_value() -> impl Strategy<Value = String> {
+        prop_oneof![
+            4 => text(60),
+            1 => (0usize..2000).prop_map(|n| "v".repeat(n)),
+            2 => any::<u128>().prop_map(|n| Uuid::from_u128(n).to_string()),
+            1 => any::<i64>().prop_map(|n| n.to_string()),
+            1 => "[0-9]{1,30}",
+            1 => any_time().prop_map(format_time),
+            1 => concat!(
+                "[0-9+-]{4,7}-[0-9]{2}-[0-9]{2}T[0-9]{2}:[0-9]{2}:[0-9]{2}",
+                "(\\.[0-9]{0,12})?(Z|[+-][0-9]{2}:[0-9]{2})",
+            ),
+            2 => traceparent_like(),
+        ]
+    }
+
+    /// Strings shaped like a `traceparent`, valid or broken in one of many ways.
+    fn traceparent_like() -> impl Strategy<Value = String> {
+        "\\s{0,2}[0-9a-fA-F]{2}-[0-9a-fA-F]{31,33}-[0-9a-f]{15,17}-[0-9a-fA-F]{1,3}\\s{0,2}"
+    }
+
+    /// Any instant chrono can hold (years -262143 to 262142), leap seconds included.
+    fn any_time() -> impl Strategy<Value = DateTime<Utc>> {
+        (
+            DateTime::<Utc>::MIN_UTC.timestamp()..=DateTime::<Utc>::MAX_UTC.timestamp(),
+            0u32..2_000_000_000,
+        )
+            .prop_filter_map("not an instant", |(secs, nanos)| {
+                DateTime::from_timestamp(secs, nanos)
+            })
+    }
+
+    /// Instants of years 0 to 9999, which RFC 3339 can express.
+    fn rfc3339_time() -> impl Strategy<Value = DateTime<Utc>> {
+        (-62_167_219_200i64..=253_402_300_799, 0u32..1_000_000_000)
+            .prop_filter_map("not an instant", |(secs, nanos)| {
+                DateTime::from_timestamp(secs, nanos)
+            })
+    }
+
+    /// A claimed row with arbitrary content in every field the wire format reads.
+    fn message(
+        names: impl Strategy<Value = String>,
+        times: impl Strategy<Value = DateTime<Utc>>,
+    ) -> impl Strategy<Value = OutboxMessage> {
+        (
+            (any::<u128>(), text(30), text(30), any::<i64>(), text(30)),
+            (
+                prop::collection::btree_map(names, header_value(), 0..10),
+                prop::option::of(text(20)),
+                prop::option::of(text(20)),
+                prop::option::of(text(20)),
+            ),
+            times,
+        )
+            .prop_map(
+                |(
+                    (id, aggregate_type, aggregate_id, aggregate_version, event_type),
+                    (headers, tenant_id, routing_key, partition_key),
+                    occurred_at,
+                )| OutboxMessage {
+                    id: Uuid::from_u128(id),
+                    seq: 1,
+                    aggregate_type,
+                    aggregate_id,
+                    aggregate_version,
+                    event_type,
+                    payload: RawValue::from_string("{}".to_owned()).expect("valid JSON"),
+                    headers,
+                    tenant_id,
+                    routing_key,
+                    partition_key,
+                    occurred_at,
+                    created_at: occurred_at,
+                    visible_at: occurred_at,
+                    attempts: 1,
+                    status: MessageStatus::Processing,
+                    last_error: None,
+                    claim_token: None,
+                    lease_until: None,
+                    sent_at: None,
+                },
+            )
+    }
+
+    /// The encoded headers as both transports collect them: the first of two headers
+    /// of the same name wins (the CloudEvents attributes come first).
+    fn first_wins(pairs: Vec<(String, String)>) -> Headers {
+        let mut headers = Headers::new();
+        for (name, value) in pairs {
+            headers.entry(name).or_insert(value);
+        }
+        headers
+    }
+
+    fn binding() -> impl Strategy<Value = Binding> {
+        prop_oneof![Just(Binding::Amqp), Just(Binding::Nats)]
+    }
+
+    proptest! {
+        #![proptest_config(config())]
+
+        /// Guards against `encode_headers` panicking on a row's content (arbitrary
+        /// unicode, controls, empty or very long names, names of our own attributes,
+        /// any `occurred_at` chrono can hold) and checks its shape: the eight
+        /// CloudEvents attributes first, then tenant and partition key when set, then
+        /// one pair per header of the row, correlation and causation ids prefixed.
+        #[test]
+        fn encode_headers_never_panics(
+            msg in message(header_name(), any_time()),
+            binding in binding(),
+            source in prop::option::of(text(20)),
+        ) {
+            let pairs = encode_headers(&msg, binding, source.as_deref());
+            let fixed = 8 + usize::from(msg.tenant_id.is_some())
+                + usize::from(msg.partition_key.is_some());
+            prop_assert_eq!(pairs.len(), fixed + msg.headers.len());
+            let expected_source = source.unwrap_or_else(|| format!("/{}", msg.aggregate_type));
+            prop_assert_eq!(&pairs[0], &(binding.name("specversion"), SPEC_VERSION.to_owned()));
+            prop_assert_eq!(&pairs[1], &(binding.name("id"), msg.id.to_string()));
+            prop_assert_eq!(&pairs[2], &(binding.name("source"), expected_source));
+            prop_assert_eq!(&pairs[3], &(binding.name("type"), msg.event_type.clone()));
+            let passed_through = msg.headers.iter().zip(&pairs[fixed..]);
+            for ((name, value), (wire_name, wire_value)) in passed_through {
+                prop_assert_eq!(value, wire_value);
+                if name == CORRELATION_ID || name == CAUSATION_ID {
+                    prop_assert_eq!(wire_name, &binding.name(name));
+                } else {
+                    prop_assert_eq!(wire_name, name);
+                }
+            }
+        }
+
+        /// Guards against `IncomingMessage::decode` panicking on whatever headers a
+        /// broker delivers (anyone can publish to the exchange or stream): arbitrary
+        /// names and values, attributes present or not, well-formed or not. The verdict
+        /// is exactly: no id → `Missing("id")`, an id that is not a UUID → `Malformed`,
+        /// no type → `Missing("type")`, a version that is not an `i64` → `Malformed`,
+        /// else `Ok` with every header kept.
+        #[test]
+        fn decode_never_panics(
+            binding in binding(),
+            mut headers in prop::collection::btree_map(header_name(), header_value(), 0..12),
+            attributes in prop::collection::vec(
+                (prop::sample::select(ATTRIBUTES.to_vec()), header_value()),
+                0..8,
+            ),
+            trace in prop::option::of((traceparent_like(), text(20))),
+            message_id in prop::option::of(header_value()),
+            payload in prop::collection::vec(any::<u8>(), 0..64),
+            redelivered in any::<bool>(),
+            delivery_count in prop::option::of(any::<u64>()),
+        ) {
+            for (attribute, value) in attributes {
+                headers.insert(binding.name(attribute), value);
+            }
+            if let Some((traceparent, tracestate)) = trace {
+                headers.insert(TRACEPARENT.to_owned(), traceparent);
+                headers.insert(TRACESTATE.to_owned(), tracestate);
+            }
+            let get = |attribute: &str| headers.get(&binding.name(attribute)).cloned();
+            let raw_id = get("id").or_else(|| message_id.clone());
+            let expected = match raw_id.as_deref().map(Uuid::parse_str) {
+                None => Err(DecodeError::Missing("id")),
+                Some(Err(_)) => Err(DecodeError::Malformed {
+                    attribute: "id",
+                    value: raw_id.clone().unwrap_or_default(),
+                }),
+                Some(Ok(_)) if get("type").is_none() => Err(DecodeError::Missing("type")),
+                Some(Ok(id)) => match get("aggregateversion").map(|v| (v.parse::<i64>(), v)) {
+                    Some((Err(_), value)) => Err(DecodeError::Malformed {
+                        attribute: "aggregateversion",
+                        value,
+                    }),
+                    _ => Ok(id),
+                },
+            };
+            let decoded = IncomingMessage::decode(
+                binding,
+                message_id.as_deref(),
+                headers.clone(),
+                payload.clone(),
+                redelivered,
+                delivery_count,
+            );
+            match (decoded, expected) {
+                (Ok(msg), Ok(id)) => {
+                    prop_assert_eq!(msg.id, id);
+                    prop_assert_eq!(Some(msg.event_type), get("type"));
+                    prop_assert_eq!(
+                        msg.traceparent,
+                        headers.get(TRACEPARENT).and_then(|t| TraceParent::parse(t))
+                    );
+                    prop_assert_eq!(msg.headers, headers);
+                    prop_assert_eq!(msg.payload, payload);
+                    prop_assert_eq!(msg.redelivered, redelivered);
+                    prop_assert_eq!(msg.delivery_count, delivery_count);
+                }
+                (Err(got), Err(expected)) => prop_assert_eq!(got, expected),
+                (got, expected) => prop_assert!(false, "got {got:?}, expected {expected:?}"),
+            }
+        }
+
+        /// Guards the consumer's decode of what the publisher encodes: for any row
+        /// (any content, any `occurred_at`), the encoded headers decode to the same id,
+        /// type and attributes; the time survives for years 0-9999 and for others
+        /// (which RFC 3339 cannot express) is dropped, never a panic or an error.
+        #[test]
+        fn encoded_rows_decode(
+            msg in message(
+                header_name().prop_filter("a pass-through header shadowing an attribute", |n| {
+                    !n.starts_with(Binding::Nats.prefix()) && !n.starts_with(Binding::Amqp.prefix())
+                }),
+                prop_oneof![3 => rfc3339_time(), 1 => any_time()],
+            ),
+            binding in binding(),
+        ) {
+            let headers = first_wins(encode_headers(&msg, binding, None));
+            let payload = b"{}".to_vec();
+            let decoded = IncomingMessage::decode(binding, None, headers, payload, false, None)
+                .map_err(|e| TestCaseError::fail(format!("an encoded row does not decode: {e}")))?;
+            prop_assert_eq!(decoded.id, msg.id);
+            prop_assert_eq!(&decoded.event_type, &msg.event_type);
+            prop_assert_eq!(decoded.source, Some(format!("/{}", msg.aggregate_type)));
+            prop_assert_eq!(decoded.aggregate_type.as_ref(), Some(&msg.aggregate_type));
+            prop_assert_eq!(decoded.aggregate_id.as_ref(), Some(&msg.aggregate_id));
+            prop_assert_eq!(decoded.aggregate_version, Some(msg.aggregate_version));
+            prop_assert_eq!(&decoded.tenant_id, &msg.tenant_id);
+            prop_assert_eq!(&decoded.partition_key, &msg.partition_key);
+            prop_assert_eq!(decoded.correlation_id.as_ref(), msg.headers.get(CORRELATION_ID));
+            prop_assert_eq!(decoded.causation_id.as_ref(), msg.headers.get(CAUSATION_ID));
+            prop_assert_eq!(
+                decoded.traceparent,
+                msg.headers.get(TRACEPARENT).and_then(|t| TraceParent::parse(t))
+            );
+            prop_assert_eq!(decoded.tracestate.as_ref(), msg.headers.get(TRACESTATE));
+            let micros = msg.occurred_at.timestamp_micros();
+            if (0..=9999).contains(&chrono::Datelike::year(&msg.occurred_at)) {
+                prop_assert_eq!(
+                    decoded.occurred_at.map(|t| t.timestamp_micros()),
+                    Some(micros)
+                );
+            } else {
+                prop_assert_eq!(decoded.occurred_at, None);
+            }
+            for (name, value) in &msg.headers {
+                if name != CORRELATION_ID && name != CAUSATION_ID {
+                    prop_assert_eq!(decoded.headers.get(name), Some(value));
+                }
+            }
+        }
+
+        /// Guards `TraceParent::parse` against panicking on any text (it slices and
+        /// parses hex) and checks that what it accepts prints back as the same
+        /// trace id, parent id and flags.
+        #[test]
+        fn traceparent_parse_never_panics(value in prop_oneof![traceparent_like(), text(60)]) {
+            if let Some(parsed) = TraceParent::parse(&value) {
+                let printed = parsed.to_string();
+                prop_assert_eq!(&printed[2..], &value.trim()[2..]);
+                prop_assert_eq!(TraceParent::parse(&printed), Some(parsed));
+            }
+        }
+    }
+}

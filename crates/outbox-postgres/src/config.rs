@@ -3,7 +3,7 @@
 use std::str::FromStr;
 use std::time::Duration;
 
-use outbox_core::{OutboxError, SentRetention};
+use outbox_core::{DEFAULT_CRASH_LOOP_LIMIT, OutboxError, SentRetention};
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 
 /// Default schema holding the outbox and inbox tables.
@@ -17,6 +17,7 @@ pub struct PgConfig {
     max_connections: u32,
     acquire_timeout: Duration,
     sent_retention: SentRetention,
+    crash_loop_limit: u32,
 }
 
 impl Default for PgConfig {
@@ -27,6 +28,7 @@ impl Default for PgConfig {
             max_connections: 8,
             acquire_timeout: Duration::from_secs(10),
             sent_retention: SentRetention::Keep,
+            crash_loop_limit: DEFAULT_CRASH_LOOP_LIMIT,
         }
     }
 }
@@ -41,12 +43,13 @@ impl PgConfig {
     }
 
     /// Settings from the environment: `DATABASE_URL` (required), `OUTBOX_SCHEMA`
-    /// (default `outbox`) and `OUTBOX_SENT_RETENTION` (`keep` or `delete`, default
-    /// `keep`).
+    /// (default `outbox`), `OUTBOX_SENT_RETENTION` (`keep` or `delete`, default
+    /// `keep`) and `OUTBOX_CRASH_LOOP_LIMIT` (claims, default 5).
     ///
     /// # Errors
-    /// [`OutboxError::Config`] when `DATABASE_URL` is not set or
-    /// `OUTBOX_SENT_RETENTION` is neither `keep` nor `delete`.
+    /// [`OutboxError::Config`] when `DATABASE_URL` is not set,
+    /// `OUTBOX_SENT_RETENTION` is neither `keep` nor `delete`, or
+    /// `OUTBOX_CRASH_LOOP_LIMIT` is not a positive integer.
     pub fn from_env() -> Result<Self, OutboxError> {
         let url = std::env::var("DATABASE_URL")
             .map_err(|_| OutboxError::Config("DATABASE_URL is not set".into()))?;
@@ -56,6 +59,15 @@ impl PgConfig {
         }
         if let Ok(retention) = std::env::var("OUTBOX_SENT_RETENTION") {
             config = config.with_sent_retention(retention.parse()?);
+        }
+        if let Ok(limit) = std::env::var("OUTBOX_CRASH_LOOP_LIMIT") {
+            config = config.with_crash_loop_limit(
+                limit.parse().ok().filter(|n| *n > 0).ok_or_else(|| {
+                    OutboxError::Config(format!(
+                        "OUTBOX_CRASH_LOOP_LIMIT {limit:?} is not a positive integer"
+                    ))
+                })?,
+            );
         }
         Ok(config)
     }
@@ -91,6 +103,20 @@ impl PgConfig {
     pub fn with_sent_retention(mut self, retention: SentRetention) -> Self {
         self.sent_retention = retention;
         self
+    }
+
+    /// Claims without an outcome after which the claim moves a row to `Dead` as a
+    /// suspected crash loop (default [`DEFAULT_CRASH_LOOP_LIMIT`], at least 1): a row
+    /// that crashes every relay publishing it stops doing so after this many crashes.
+    #[must_use]
+    pub fn with_crash_loop_limit(mut self, limit: u32) -> Self {
+        self.crash_loop_limit = limit.max(1);
+        self
+    }
+
+    /// The crash-loop limit.
+    pub fn crash_loop_limit(&self) -> u32 {
+        self.crash_loop_limit
     }
 
     /// The schema name.

@@ -2,8 +2,10 @@
 
 use outbox_core::{ErrorKind, OutboxError};
 
-/// Classifies a sqlx error: connection trouble is `Unavailable`, serialization failures,
-/// deadlocks, lock timeouts and shutdowns are `Transient`, the rest `Permanent`.
+/// Classifies a sqlx error: connection trouble, a server out of disk or memory and a
+/// read-only server (a replica during failover) are `Unavailable`; serialization
+/// failures, deadlocks, lock timeouts, cancellations and too many connections are
+/// `Transient`; the rest (a statement or trigger that rejects the data) `Permanent`.
 pub(crate) fn classify(e: &sqlx::Error) -> ErrorKind {
     match e {
         sqlx::Error::Io(_)
@@ -16,8 +18,12 @@ pub(crate) fn classify(e: &sqlx::Error) -> ErrorKind {
             Some(code) if code.starts_with("08") || code.starts_with("57P") => {
                 ErrorKind::Unavailable
             }
-            // serialization failure, deadlock, lock not available, query canceled (timeout)
+            // serialization failure, deadlock, lock not available, query canceled
+            // (timeout), too many connections
             Some("40001" | "40P01" | "55P03" | "57014" | "53300") => ErrorKind::Transient,
+            // class 53 insufficient resources (disk full, out of memory); 25006 read-only
+            // transaction (a standby promoted late, a failover in progress)
+            Some(code) if code.starts_with("53") || code == "25006" => ErrorKind::Unavailable,
             _ => ErrorKind::Permanent,
         },
         _ => ErrorKind::Permanent,

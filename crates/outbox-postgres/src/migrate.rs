@@ -37,10 +37,15 @@ const MIGRATIONS: &[(i32, &str, &str)] = &[
         "claims as HOT updates: partial indexes on phase, fillfactor 50",
         include_str!("../migrations/0005_hot_claims.sql"),
     ),
+    (
+        6,
+        "crash-loop guard: unfinished_claims",
+        include_str!("../migrations/0006_crash_loop_guard.sql"),
+    ),
 ];
 
 /// The highest migration version this crate knows.
-pub const LATEST_VERSION: i32 = 5;
+pub const LATEST_VERSION: i32 = 6;
 
 /// Creates `schema` if needed and applies every migration not yet applied. Returns the
 /// versions applied by this call.

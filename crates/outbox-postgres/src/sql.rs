@@ -37,20 +37,53 @@ const FILTER: &str = "m.phase = 3
 /// table's fillfactor the new version on the same page. The chosen ids are updated
 /// through `id = ANY(ARRAY(...))`, a primary-key lookup, so the cost does not grow with
 /// the table (a join let the planner hash the whole table).
-/// `$1` batch size, `$2` lease in seconds, `$3` claim token.
-fn claim_statement(table: &str, returning: &str) -> String {
+/// `$1` batch size, `$2` lease in seconds, `$3` claim token; with `guard`, `$4` the
+/// crash-loop limit (see [`claim_set`]).
+fn claim_statement(table: &str, returning: &str, guard: bool) -> String {
+    let set = if guard {
+        claim_set("$4")
+    } else {
+        PLAIN_CLAIM_SET.to_owned()
+    };
     format!(
         "UPDATE {table} m
-            SET status = 9,
-                lease_until = now() + make_interval(secs => $2),
-                claim_token = $3,
-                attempts = m.attempts + 1
+            SET {set}
           WHERE m.id = ANY(ARRAY(
                 SELECT c.id FROM {table} c
                  WHERE c.phase = 0 AND c.visible_at <= now()
                    AND (c.status = 0 OR c.lease_until < now())
                  ORDER BY c.visible_at, c.seq LIMIT $1 FOR UPDATE SKIP LOCKED))
          RETURNING {returning}"
+    )
+}
+
+/// A claim's assignments without the crash-loop guard (the durable inbox).
+/// `$2` lease in seconds, `$3` claim token.
+const PLAIN_CLAIM_SET: &str = "status = 9,
+                lease_until = now() + make_interval(secs => $2),
+                claim_token = $3,
+                attempts = m.attempts + 1";
+
+/// A claim's assignments with the crash-loop guard, `limit` being the parameter that
+/// holds the crash-loop limit. A row already claimed `limit` times without an outcome
+/// is moved to Dead instead of claimed, with a `last_error` that says so; any other row
+/// becomes Processing under the claim, one more claim without an outcome. Every branch
+/// leaves the indexed columns alone for a claimed row (its `phase` stays 0), so the
+/// claim is still a HOT update; only a row moved to Dead changes its index entries.
+/// `$2` lease in seconds, `$3` claim token.
+fn claim_set(limit: &str) -> String {
+    let dead = format!("m.unfinished_claims >= {limit}");
+    format!(
+        "status = CASE WHEN {dead} THEN 3 ELSE 9 END,
+                lease_until = CASE WHEN {dead} THEN NULL ELSE now() + make_interval(secs => $2) END,
+                claim_token = CASE WHEN {dead} THEN NULL ELSE $3 END,
+                attempts = CASE WHEN {dead} THEN m.attempts ELSE m.attempts + 1 END,
+                unfinished_claims = CASE WHEN {dead} THEN m.unfinished_claims ELSE m.unfinished_claims + 1 END,
+                last_error = CASE WHEN {dead}
+                    THEN 'suspected crash loop: claimed ' || m.unfinished_claims
+                         || ' times without an outcome (each relay holding it stopped, crashed or lost its lease before recording one); replay it once the cause is fixed'
+                    ELSE m.last_error END,
+                first_failed_at = CASE WHEN {dead} THEN COALESCE(m.first_failed_at, now()) ELSE m.first_failed_at END"
     )
 }
 
@@ -61,7 +94,8 @@ const CLAIMABLE: &str =
 
 /// The per-key claim of [`Ordering::PerKey`](outbox_core::Ordering) mode.
 /// `$1` batch size, `$2` lease in seconds, `$3` claim token, `$4` whether Dead blocks,
-/// `$5` the round-robin cursor (the last key claimed before; `''` at first).
+/// `$5` the round-robin cursor (the last key claimed before; `''` at first), `$6` the
+/// crash-loop limit (see [`claim_set`]).
 ///
 /// 1. `keys`: the distinct keys with pending (New or Processing) messages, walked as a
 ///    loose index scan of `outbox_messages_key_pending` (one probe per key, never a
@@ -131,12 +165,10 @@ fn claim_ordered_statement(table: &str, returning: &str) -> String {
                FROM run_locked
          )
          UPDATE {table} m
-            SET status = 9,
-                lease_until = now() + make_interval(secs => $2),
-                claim_token = $3,
-                attempts = m.attempts + 1
+            SET {set}
           WHERE m.id = ANY(ARRAY(SELECT id FROM runs WHERE free ORDER BY seq LIMIT $1))
-         RETURNING {returning}, m.order_key"
+         RETURNING {returning}, m.order_key",
+        set = claim_set("$6")
     )
 }
 
@@ -171,7 +203,8 @@ fn completion_update(table: &str, source: &str, filter: &str) -> String {
                                        ELSE COALESCE(m.first_failed_at, now()) END,
                 sent_at = CASE WHEN u.status = 1 THEN now() END,
                 lease_until = NULL,
-                claim_token = NULL
+                claim_token = NULL,
+                unfinished_claims = 0
            FROM {source}
           WHERE {filter}{FENCE}
          RETURNING m.id"
@@ -223,8 +256,8 @@ impl Queries {
                          occurred_at, delay_secs, ord)
                  ORDER BY u.ord"
             )),
-            claim: s(claim_statement(&t, COLUMNS)),
-            claim_ordered: s(claim_ordered_statement(&t, COLUMNS)),
+            claim: s(claim_statement(&t, &format!("{COLUMNS}, m.unfinished_claims"), true)),
+            claim_ordered: s(claim_ordered_statement(&t, &format!("{COLUMNS}, m.unfinished_claims"))),
             // Keys whose head (first unfinished row, Dead included) is Dead or waiting out
             // a retry backoff. Candidates: keys with a Dead row, and keys with a retried
             // New row not yet visible (the pending index's future range).
@@ -278,7 +311,7 @@ impl Queries {
             replay: s(format!(
                 "UPDATE {t} m
                     SET status = 0, attempts = 0, visible_at = now(), lease_until = NULL,
-                        claim_token = NULL
+                        claim_token = NULL, unfinished_claims = 0
                   WHERE {FILTER}"
             )),
             purge_sent: s(format!(
@@ -415,7 +448,7 @@ impl InboxQueries {
                  VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14::jsonb, $15)
                  ON CONFLICT (id) DO NOTHING"
             )),
-            claim: s(claim_statement(&t, &format!("{INBOX_COLUMNS}, m.seq"))),
+            claim: s(claim_statement(&t, &format!("{INBOX_COLUMNS}, m.seq"), false)),
             // Outcome codes: 1 done, 0 retry, 3 dead, 10 defer (New without charge).
             complete: s(format!(
                 "UPDATE {t} m

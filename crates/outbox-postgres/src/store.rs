@@ -7,9 +7,10 @@ use std::time::{Duration, Instant};
 use async_trait::async_trait;
 use chrono::{DateTime, Utc};
 use outbox_core::{
-    BlockedKey, CompleteReport, Completion, CompletionOutcome, EventSource, Headers, MessageFilter,
-    MessageStatus, NewMessage, OnDead, OutboxError, OutboxMessage, OutboxStats, OutboxStore,
-    ReplayReport, SentRetention,
+    BlockedKey, ClaimedBatch, CompleteReport, Completion, CompletionOutcome,
+    DEFAULT_CRASH_LOOP_LIMIT, EventSource, Headers, MessageFilter, MessageStatus, NewMessage,
+    OnDead, OutboxError, OutboxMessage, OutboxStats, OutboxStore, Poison, PoisonRow, ReplayReport,
+    SentRetention, sanitize_error,
 };
 use serde_json::value::RawValue;
 use sqlx::postgres::{PgArguments, PgRow};
@@ -36,6 +37,7 @@ pub struct PgOutbox {
     /// Where the last ordered claim stopped walking keys (shared by clones).
     key_cursor: Arc<std::sync::Mutex<String>>,
     sent_retention: SentRetention,
+    crash_loop_limit: u32,
 }
 
 impl PgOutbox {
@@ -52,17 +54,36 @@ impl PgOutbox {
             q: Arc::new(Queries::new(schema)),
             key_cursor: Arc::default(),
             sent_retention: SentRetention::Keep,
+            crash_loop_limit: DEFAULT_CRASH_LOOP_LIMIT,
         })
     }
 
-    /// Connects with `config` (see [`PgConfig::connect`]), with its schema and
-    /// [`sent_retention`](PgConfig::with_sent_retention).
+    /// Connects with `config` (see [`PgConfig::connect`]), with its schema,
+    /// [`sent_retention`](PgConfig::with_sent_retention) and
+    /// [`crash_loop_limit`](PgConfig::with_crash_loop_limit).
     ///
     /// # Errors
     /// As [`PgConfig::connect`].
     pub async fn connect(config: &PgConfig) -> Result<Self, OutboxError> {
         let pool = config.connect().await?;
-        Ok(Self::new(pool, config.schema())?.with_sent_retention(config.sent_retention()))
+        Ok(Self::new(pool, config.schema())?
+            .with_sent_retention(config.sent_retention())
+            .with_crash_loop_limit(config.crash_loop_limit()))
+    }
+
+    /// The same outbox whose claims move a row to `Dead` as a suspected crash loop once
+    /// it has been claimed `limit` times in a row without an outcome (default
+    /// [`DEFAULT_CRASH_LOOP_LIMIT`], at least 1; see
+    /// [`Poison::CrashLoop`]).
+    #[must_use]
+    pub fn with_crash_loop_limit(mut self, limit: u32) -> Self {
+        self.crash_loop_limit = limit.max(1);
+        self
+    }
+
+    /// Claims without an outcome after which a row is a suspected crash loop.
+    pub fn crash_loop_limit(&self) -> u32 {
+        self.crash_loop_limit
     }
 
     /// The same outbox (pool, schema, ordered-claim cursor) whose completions treat sent
@@ -199,6 +220,10 @@ impl PgOutbox {
         }
     }
 
+    fn crash_loop_limit_param(&self) -> i32 {
+        i32::try_from(self.crash_loop_limit).unwrap_or(i32::MAX)
+    }
+
     fn bind_filter<'q>(
         query: Query<'q, Postgres, PgArguments>,
         f: &'q MessageFilter,
@@ -234,7 +259,67 @@ fn enqueue_span(messages: &[NewMessage]) -> tracing::Span {
     }
 }
 
-pub(crate) fn decode_row(row: &PgRow) -> Result<OutboxMessage, OutboxError> {
+/// The rows of a claim under `token`: a row the claim moved to `Dead` (status 3) is a
+/// [`Poison::CrashLoop`], a row that does not decode a [`Poison::Undecodable`], the rest
+/// messages in `seq` order.
+fn decode_claim(rows: &[PgRow], token: Uuid) -> Result<ClaimedBatch, OutboxError> {
+    let mut messages = Vec::with_capacity(rows.len());
+    let mut poison = Vec::new();
+    for row in rows {
+        let status: i16 = row.try_get("status").map_err(db("claim"))?;
+        if status == MessageStatus::Dead.code() {
+            let claims: i32 = row.try_get("unfinished_claims").map_err(db("claim"))?;
+            poison.push(poison_row(
+                row,
+                Poison::CrashLoop {
+                    claims: u32::try_from(claims).unwrap_or(0),
+                },
+            )?);
+            continue;
+        }
+        match decode_row(row, HeaderDecoding::Strict) {
+            Ok(message) => messages.push(message),
+            Err(e) => {
+                let reason = match e {
+                    OutboxError::Decode { reason, .. } => reason,
+                    other => other.to_string(),
+                };
+                poison.push(poison_row(
+                    row,
+                    Poison::Undecodable {
+                        claim_token: token,
+                        reason,
+                    },
+                )?);
+            }
+        }
+    }
+    messages.sort_unstable_by_key(|m| m.seq);
+    Ok(ClaimedBatch::new(messages, poison))
+}
+
+/// A poison row from the plain text columns every row can give.
+fn poison_row(row: &PgRow, poison: Poison) -> Result<PoisonRow, OutboxError> {
+    Ok(PoisonRow {
+        id: row.try_get("id").map_err(db("claim"))?,
+        seq: row.try_get("seq").map_err(db("claim"))?,
+        aggregate_type: row.try_get("aggregate_type").map_err(db("claim"))?,
+        aggregate_id: row.try_get("aggregate_id").map_err(db("claim"))?,
+        partition_key: row.try_get("partition_key").map_err(db("claim"))?,
+        poison,
+    })
+}
+
+/// How strictly [`decode_row`] reads `headers`.
+#[derive(Clone, Copy)]
+enum HeaderDecoding {
+    /// An object of strings or a decode error: for publishing.
+    Strict,
+    /// Whatever is there, made into strings: for showing rows (`get`, dead letters).
+    Lossy,
+}
+
+fn decode_row(row: &PgRow, headers: HeaderDecoding) -> Result<OutboxMessage, OutboxError> {
     let id: Uuid = row.try_get("id").map_err(db("decode"))?;
     let decode_err = |reason: String| OutboxError::Decode {
         id: id.to_string(),
@@ -243,9 +328,11 @@ pub(crate) fn decode_row(row: &PgRow) -> Result<OutboxMessage, OutboxError> {
     let payload: String = row.try_get("payload").map_err(db("decode"))?;
     let payload =
         RawValue::from_string(payload).map_err(|e| decode_err(format!("payload: {e}")))?;
-    let headers: Json<Headers> = row
-        .try_get("headers")
-        .map_err(|e| decode_err(format!("headers must be a JSON object of strings: {e}")))?;
+    let raw: Json<serde_json::Value> = row.try_get("headers").map_err(db("decode"))?;
+    let headers: Headers = match headers {
+        HeaderDecoding::Strict => outbox_core::headers_from_json(raw.0).map_err(decode_err)?,
+        HeaderDecoding::Lossy => outbox_core::headers_from_json_lossy(raw.0),
+    };
     let status: i16 = row.try_get("status").map_err(db("decode"))?;
     Ok(OutboxMessage {
         id,
@@ -255,7 +342,7 @@ pub(crate) fn decode_row(row: &PgRow) -> Result<OutboxMessage, OutboxError> {
         aggregate_version: row.try_get("aggregate_version").map_err(db("decode"))?,
         event_type: row.try_get("event_type").map_err(db("decode"))?,
         payload,
-        headers: headers.0,
+        headers,
         tenant_id: row.try_get("tenant_id").map_err(db("decode"))?,
         routing_key: row.try_get("routing_key").map_err(db("decode"))?,
         partition_key: row.try_get("partition_key").map_err(db("decode"))?,
@@ -283,22 +370,17 @@ fn limit(n: usize) -> i64 {
 
 #[async_trait]
 impl OutboxStore for PgOutbox {
-    async fn claim(
-        &self,
-        batch_size: usize,
-        lease: Duration,
-    ) -> Result<Vec<OutboxMessage>, OutboxError> {
+    async fn claim(&self, batch_size: usize, lease: Duration) -> Result<ClaimedBatch, OutboxError> {
         let token = Uuid::new_v4();
         let rows = sqlx::query(sql(&self.q.claim))
             .bind(limit(batch_size))
             .bind(lease.as_secs_f64())
             .bind(token)
+            .bind(self.crash_loop_limit_param())
             .fetch_all(&self.pool)
             .await
             .map_err(db("claim"))?;
-        let mut messages = rows.iter().map(decode_row).collect::<Result<Vec<_>, _>>()?;
-        messages.sort_unstable_by_key(|m| m.seq);
-        Ok(messages)
+        decode_claim(&rows, token)
     }
 
     async fn claim_ordered(
@@ -306,7 +388,7 @@ impl OutboxStore for PgOutbox {
         batch_size: usize,
         lease: Duration,
         on_dead: OnDead,
-    ) -> Result<Vec<OutboxMessage>, OutboxError> {
+    ) -> Result<ClaimedBatch, OutboxError> {
         let token = Uuid::new_v4();
         let cursor = self
             .key_cursor
@@ -319,6 +401,7 @@ impl OutboxStore for PgOutbox {
             .bind(token)
             .bind(on_dead == OnDead::Block)
             .bind(&cursor)
+            .bind(self.crash_loop_limit_param())
             .fetch_all(&self.pool)
             .await
             .map_err(db("claim_ordered"))?;
@@ -343,9 +426,7 @@ impl OutboxStore for PgOutbox {
         {
             *c = last;
         }
-        let mut messages = rows.iter().map(decode_row).collect::<Result<Vec<_>, _>>()?;
-        messages.sort_unstable_by_key(|m| m.seq);
-        Ok(messages)
+        decode_claim(&rows, token)
     }
 
     async fn blocked_keys(&self, limit_rows: usize) -> Result<Vec<BlockedKey>, OutboxError> {
@@ -406,7 +487,7 @@ impl OutboxStore for PgOutbox {
             };
             statuses.push(status.code());
             delays.push(delay);
-            errors.push(error);
+            errors.push(error.map(|e| sanitize_error(e).into_owned()));
             releases.push(release);
         }
         let statement = match self.sent_retention {
@@ -441,7 +522,9 @@ impl OutboxStore for PgOutbox {
             .fetch_optional(&self.pool)
             .await
             .map_err(db("get"))?;
-        row.as_ref().map(decode_row).transpose()
+        row.as_ref()
+            .map(|r| decode_row(r, HeaderDecoding::Lossy))
+            .transpose()
     }
 
     async fn stats(&self) -> Result<OutboxStats, OutboxError> {
@@ -470,7 +553,9 @@ impl OutboxStore for PgOutbox {
             .fetch_all(&self.pool)
             .await
             .map_err(db("dead_letters"))?;
-        rows.iter().map(decode_row).collect()
+        rows.iter()
+            .map(|r| decode_row(r, HeaderDecoding::Lossy))
+            .collect()
     }
 
     async fn replay(

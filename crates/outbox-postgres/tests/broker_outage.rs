@@ -1,12 +1,12 @@
 //! The broker is stopped for a minute in the middle of a run: nothing goes dead, nothing
 //! is lost, and the relay resumes by itself when the broker returns.
 //!
-//! This binary stops the shared RabbitMQ, so it holds a single test (cargo runs test
-//! binaries one after another). The outage length is `OUTBOX_OUTAGE_SECS` (default 60).
+//! The test stops the shared RabbitMQ under the machine-wide fault lock of
+//! `outbox_testkit::faults`, whose guard starts it again even if the test fails. The
+//! outage length is `OUTBOX_OUTAGE_SECS` (default 60).
 
 mod common;
 
-use std::process::Command;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -14,53 +14,9 @@ use common::fresh_outbox;
 use common::rabbit::{eventually, fixture};
 use lapin::types::FieldTable;
 use outbox_core::{Dispatcher, DispatcherConfig, NewMessage, OutboxStore};
+use outbox_testkit::faults::{self, RabbitStopped};
 use tokio_util::sync::CancellationToken;
 use transport_rabbit::{RabbitConfig, RabbitPublisher};
-
-/// Stops RabbitMQ (the local node's app, or the compose service) and starts it again on
-/// drop, even if the test panics.
-struct Outage {
-    docker: bool,
-}
-
-fn run(cmd: &str, args: &[&str]) -> bool {
-    Command::new(cmd)
-        .args(args)
-        .status()
-        .map(|s| s.success())
-        .unwrap_or(false)
-}
-
-impl Outage {
-    fn begin() -> Self {
-        if run("rabbitmqctl", &["-q", "stop_app"]) {
-            return Self { docker: false };
-        }
-        if run("docker", &["info"]) && run("docker", &["compose", "stop", "rabbitmq"]) {
-            return Self { docker: true };
-        }
-        panic!(
-            "cannot stop RabbitMQ: neither `rabbitmqctl stop_app` nor `docker compose stop rabbitmq` worked"
-        );
-    }
-
-    fn end(&self) {
-        let ok = if self.docker {
-            run("docker", &["compose", "start", "rabbitmq"])
-        } else {
-            run("rabbitmqctl", &["-q", "start_app"])
-        };
-        assert!(ok, "failed to restart RabbitMQ");
-    }
-}
-
-impl Drop for Outage {
-    fn drop(&mut self) {
-        if std::thread::panicking() {
-            self.end();
-        }
-    }
-}
 
 async fn enqueue(outbox: &outbox_postgres::PgOutbox, n: usize, tag: &str) {
     let msgs: Vec<NewMessage> = (0..n)
@@ -78,6 +34,7 @@ async fn enqueue(outbox: &outbox_postgres::PgOutbox, n: usize, tag: &str) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn broker_down_for_a_minute_dead_letters_nothing_and_recovers() {
+    let _lock = faults::lock().await;
     let outage_secs: u64 = std::env::var("OUTBOX_OUTAGE_SECS")
         .ok()
         .and_then(|s| s.parse().ok())
@@ -154,7 +111,7 @@ async fn broker_down_for_a_minute_dead_letters_nothing_and_recovers() {
         .await
     );
 
-    let outage = Outage::begin();
+    let outage = RabbitStopped::stop();
     // Producers keep writing while the broker is down.
     enqueue(&outbox, 500, "during").await;
     let deadline = tokio::time::Instant::now() + Duration::from_secs(outage_secs);

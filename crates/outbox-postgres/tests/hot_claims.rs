@@ -109,7 +109,8 @@ async fn a_whole_backlog_claimed_at_once_is_updated_in_place() {
     let claimed = outbox
         .claim(500, Duration::from_secs(60))
         .await
-        .expect("claim");
+        .expect("claim")
+        .messages;
     assert_eq!(claimed.len(), 500);
     let (upd, hot) = update_counts(&pool, outbox.schema(), 500).await;
     assert_eq!(upd, 500, "the claim updated each row once");
@@ -136,7 +137,8 @@ async fn a_whole_backlog_claimed_at_once_is_updated_in_place() {
     let again = outbox
         .claim(500, Duration::from_secs(60))
         .await
-        .expect("claim");
+        .expect("claim")
+        .messages;
     assert_eq!(again.len(), 500);
     assert!(
         again.iter().all(|m| m.attempts == 1),
@@ -226,7 +228,7 @@ async fn upgrade_from_migration_4_keeps_every_row_where_it_was() {
     )
     .await;
 
-    assert_eq!(outbox.migrate().await.expect("migrate"), vec![5]);
+    assert_eq!(outbox.migrate().await.expect("migrate"), vec![5, 6]);
 
     let stats = outbox.stats().await.expect("stats");
     assert_eq!(
@@ -240,7 +242,8 @@ async fn upgrade_from_migration_4_keeps_every_row_where_it_was() {
     let claimed = outbox
         .claim(10, Duration::from_secs(60))
         .await
-        .expect("claim");
+        .expect("claim")
+        .messages;
     let mut ids: Vec<_> = claimed.iter().map(|m| m.id).collect();
     ids.sort();
     let mut want = vec![new, expired];

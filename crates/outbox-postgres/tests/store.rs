@@ -67,13 +67,15 @@ async fn rolled_back_transaction_leaves_no_event_and_commit_keeps_both() {
             .claim(10, Duration::from_secs(30))
             .await
             .expect("claim")
+            .messages
             .is_empty()
     );
     tx.commit().await.expect("commit");
     let claimed = outbox
         .claim(10, Duration::from_secs(30))
         .await
-        .expect("claim");
+        .expect("claim")
+        .messages;
     assert_eq!(claimed.iter().map(|m| m.id).collect::<Vec<_>>(), [id]);
 }
 
@@ -99,7 +101,8 @@ async fn batch_enqueue_keeps_order_fields_and_payload_text() {
     let claimed = outbox
         .claim(1000, Duration::from_secs(30))
         .await
-        .expect("claim");
+        .expect("claim")
+        .messages;
     assert_eq!(
         claimed.iter().map(|m| m.id).collect::<Vec<_>>(),
         ids,
@@ -133,7 +136,8 @@ async fn delayed_message_is_not_claimable_before_its_time() {
     let claimed = outbox
         .claim(10, Duration::from_secs(30))
         .await
-        .expect("claim");
+        .expect("claim")
+        .messages;
     assert_eq!(claimed.len(), 1);
     assert_eq!(claimed[0].event_type, "OrderPlaced");
 }

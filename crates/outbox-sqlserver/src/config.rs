@@ -3,7 +3,7 @@
 use std::fmt;
 use std::time::Duration;
 
-use outbox_core::{OutboxError, SentRetention};
+use outbox_core::{DEFAULT_CRASH_LOOP_LIMIT, OutboxError, SentRetention};
 
 use crate::connection::{MssqlConnectionManager, MssqlPool};
 
@@ -34,6 +34,7 @@ pub struct MssqlConfig {
     trust_cert: bool,
     application_name: String,
     sent_retention: SentRetention,
+    crash_loop_limit: u32,
 }
 
 impl Default for MssqlConfig {
@@ -47,6 +48,7 @@ impl Default for MssqlConfig {
             trust_cert: false,
             application_name: "outbox-sqlserver".to_owned(),
             sent_retention: SentRetention::Keep,
+            crash_loop_limit: DEFAULT_CRASH_LOOP_LIMIT,
         }
     }
 }
@@ -68,6 +70,7 @@ impl fmt::Debug for MssqlConfig {
             .field("trust_cert", &self.trust_cert)
             .field("application_name", &self.application_name)
             .field("sent_retention", &self.sent_retention)
+            .field("crash_loop_limit", &self.crash_loop_limit)
             .finish()
     }
 }
@@ -83,12 +86,13 @@ impl MssqlConfig {
     }
 
     /// Settings from the environment: `MSSQL_URL` (required, a connection string),
-    /// `OUTBOX_SCHEMA` (default `outbox`) and `OUTBOX_SENT_RETENTION` (`keep` or
-    /// `delete`, default `keep`).
+    /// `OUTBOX_SCHEMA` (default `outbox`), `OUTBOX_SENT_RETENTION` (`keep` or `delete`,
+    /// default `keep`) and `OUTBOX_CRASH_LOOP_LIMIT` (claims, default 5).
     ///
     /// # Errors
-    /// [`OutboxError::Config`] when `MSSQL_URL` is not set or `OUTBOX_SENT_RETENTION`
-    /// is neither `keep` nor `delete`.
+    /// [`OutboxError::Config`] when `MSSQL_URL` is not set, `OUTBOX_SENT_RETENTION` is
+    /// neither `keep` nor `delete`, or `OUTBOX_CRASH_LOOP_LIMIT` is not a positive
+    /// integer.
     pub fn from_env() -> Result<Self, OutboxError> {
         let url = std::env::var(MSSQL_URL_ENV)
             .map_err(|_| OutboxError::Config(format!("{MSSQL_URL_ENV} is not set")))?;
@@ -98,6 +102,9 @@ impl MssqlConfig {
         }
         if let Ok(retention) = std::env::var("OUTBOX_SENT_RETENTION") {
             config = config.with_sent_retention(retention.parse()?);
+        }
+        if let Ok(limit) = std::env::var("OUTBOX_CRASH_LOOP_LIMIT") {
+            config = config.with_crash_loop_limit(parse_crash_loop_limit(&limit)?);
         }
         Ok(config)
     }
@@ -160,6 +167,16 @@ impl MssqlConfig {
         self
     }
 
+    /// Claims without an outcome after which the claim moves a row to `Dead` as a
+    /// suspected crash loop (a count of claims, default [`DEFAULT_CRASH_LOOP_LIMIT`]; 0
+    /// counts as 1): a row that crashes every relay publishing it stops doing so after
+    /// this many crashes. See [`Poison::CrashLoop`](outbox_core::Poison::CrashLoop).
+    #[must_use]
+    pub fn with_crash_loop_limit(mut self, limit: u32) -> Self {
+        self.crash_loop_limit = limit.max(1);
+        self
+    }
+
     /// The schema name.
     pub fn schema(&self) -> &str {
         &self.schema
@@ -168,6 +185,11 @@ impl MssqlConfig {
     /// What completions do with sent messages.
     pub fn sent_retention(&self) -> SentRetention {
         self.sent_retention
+    }
+
+    /// The crash-loop limit (claims).
+    pub fn crash_loop_limit(&self) -> u32 {
+        self.crash_loop_limit
     }
 
     /// Pool size.
@@ -272,6 +294,16 @@ impl MssqlConfig {
         let _ = pool.add(first);
         Ok(MssqlPool::new(pool, self.acquire_timeout))
     }
+}
+
+/// The value of `OUTBOX_CRASH_LOOP_LIMIT`: a positive integer, else a typed
+/// [`OutboxError::Config`].
+fn parse_crash_loop_limit(text: &str) -> Result<u32, OutboxError> {
+    text.parse().ok().filter(|n| *n > 0).ok_or_else(|| {
+        OutboxError::Config(format!(
+            "OUTBOX_CRASH_LOOP_LIMIT {text:?} is not a positive integer"
+        ))
+    })
 }
 
 /// `connection_string` with the values of `password` / `pwd` replaced by `***`.
@@ -388,6 +420,27 @@ mod tests {
             "server=h;password=***"
         );
         assert!(!redact_connection_string("password=s3cret").contains("s3cret"));
+    }
+
+    #[test]
+    fn crash_loop_limits_are_positive() {
+        assert_eq!(
+            MssqlConfig::default().crash_loop_limit(),
+            DEFAULT_CRASH_LOOP_LIMIT
+        );
+        assert_eq!(
+            MssqlConfig::default()
+                .with_crash_loop_limit(0)
+                .crash_loop_limit(),
+            1
+        );
+        assert_eq!(parse_crash_loop_limit("3").ok(), Some(3));
+        for bad in ["0", "-1", "five", "", "4294967296"] {
+            assert!(
+                matches!(parse_crash_loop_limit(bad), Err(OutboxError::Config(_))),
+                "{bad:?}"
+            );
+        }
     }
 
     #[test]

@@ -4,13 +4,14 @@
 //! TLS, no OpenSSL) with a bb8 pool:
 //!
 //! - [`migrate()`]: versioned migrations into a configurable schema (default `outbox`),
-//!   the same version numbers as the PostgreSQL backend;
+//!   versions 1 to 3 as in the PostgreSQL backend, 4 its 6 (the crash-loop guard);
 //! - [`MssqlOutbox`]: [`enqueue`](MssqlOutbox::enqueue) /
 //!   [`enqueue_batch`](MssqlOutbox::enqueue_batch) on the caller's client inside the
 //!   caller's transaction, and the [`OutboxStore`](outbox_core::OutboxStore) the
 //!   dispatcher uses: claims `WITH (ROWLOCK, UPDLOCK, READPAST)` in `(visible_at, seq)`
-//!   order, per-key ordered claims that lock each key's head, fenced leases,
-//!   one-statement batch completion, every time from `SYSUTCDATETIME()`;
+//!   order, per-key ordered claims that lock each key's head, fenced leases, the
+//!   crash-loop guard ([`MssqlOutbox::with_crash_loop_limit`]), one-statement batch
+//!   completion, every time from `SYSUTCDATETIME()`;
 //! - [`MssqlInbox`]: the [`InboxStore`](outbox_core::InboxStore) (`MERGE ... WITH
 //!   (HOLDLOCK)` inside the consumer's transaction) and the inbox capabilities
 //!   ([`VersionTracking`](outbox_core::VersionTracking),

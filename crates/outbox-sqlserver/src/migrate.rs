@@ -29,11 +29,17 @@ const MIGRATIONS: &[(i32, &str, &str)] = &[
         "ordering key, first_failed_at and the per-key claim indexes",
         include_str!("../migrations/0003_ordering.sql"),
     ),
+    (
+        4,
+        "crash-loop guard: unfinished_claims",
+        include_str!("../migrations/0004_crash_loop_guard.sql"),
+    ),
 ];
 
-/// The highest migration version this crate knows (the same numbering as the
-/// PostgreSQL backend).
-pub const LATEST_VERSION: i32 = 3;
+/// The highest migration version this crate knows. Versions 1 to 3 match the PostgreSQL
+/// backend's; 4 is its 6 (the crash-loop guard: PostgreSQL's 4 and 5, archive tables and
+/// HOT claims, have no SQL Server counterpart).
+pub const LATEST_VERSION: i32 = 4;
 
 /// Takes the migration lock (waiting up to 60 s) and creates the schema when missing.
 /// `@P1` lock resource, `@P2` schema name (validated; quoted again with QUOTENAME).
@@ -205,6 +211,18 @@ mod tests {
         assert!(ordering.contains("(order_hash, seq)"));
         assert!(ordering.contains("WHERE status IN (0, 9);"));
         assert!(ordering.contains("WHERE status = 3;"));
+        // The crash-loop guard's counter: NOT NULL with a named default of 0, added once.
+        let guard = batches(MIGRATIONS[3].2, "t_1");
+        assert_eq!(guard.len(), 1, "one batch");
+        let squashed: String = guard[0].split_whitespace().collect::<Vec<_>>().join(" ");
+        assert!(
+            squashed.contains(
+                "IF COL_LENGTH(N'[t_1].outbox_messages', N'unfinished_claims') IS NULL \
+                 ALTER TABLE [t_1].outbox_messages ADD unfinished_claims int NOT NULL \
+                 CONSTRAINT outbox_messages_unfinished_claims_df DEFAULT 0;"
+            ),
+            "{squashed}"
+        );
         // Every time default is the server's UTC clock.
         for (_, _, sql) in MIGRATIONS {
             assert!(!sql.contains("GETDATE()"), "local time used");

@@ -118,9 +118,11 @@ const FILTER: &str = "m.status = 3
 /// expired lease, oldest `(visible_at, seq)` first, `WITH (ROWLOCK, UPDLOCK, READPAST)`
 /// so rows another claimer holds are skipped, not waited for; each branch walks its own
 /// filtered index. The update re-checks claimability under the lock and returns the
-/// rows through `OUTPUT`. `@P1` batch size, `@P2` lease in ms, `@P3` claim token.
-fn claim_statement(table: &str, output: &str) -> String {
-    let lease = plus_ms("@now", "@P2");
+/// rows through `OUTPUT`. `@P1` batch size, `@P2` lease in ms, `@P3` claim token; with
+/// `guard` (the outbox, not the durable inbox), `guard` names the parameter holding the
+/// crash-loop limit (`@P4`, see [`claim_set`]).
+fn claim_statement(table: &str, output: &str, guard: Option<&str>) -> String {
+    let set = claim_set(guard);
     let recheck = claimable("m");
     // T-SQL allows ORDER BY in a UNION branch only inside a derived table with TOP.
     format!(
@@ -142,14 +144,48 @@ WITH picked AS (
     ORDER BY x.visible_at, x.seq
 )
 UPDATE m
-   SET m.status = 9,
-       m.lease_until = {lease},
-       m.claim_token = @P3,
-       m.attempts = m.attempts + 1
+   SET {set}
 OUTPUT {output}
   FROM picked AS p
  INNER LOOP JOIN {table} AS m WITH (ROWLOCK, FORCESEEK) ON m.id = p.id
  WHERE {recheck};"
+    )
+}
+
+/// The `SET` list of a claim (`@now` declared by the statement, `@P2` lease in ms, `@P3`
+/// claim token). Without `guard` (the durable inbox): Processing under the claim, the
+/// lease, the token, `attempts + 1`. With `guard`, the parameter holding the crash-loop
+/// limit: a row already claimed `limit` times without an outcome is moved to Dead
+/// instead (no lease, no token, `attempts` and the count unchanged, a `last_error` that
+/// says so, `first_failed_at` set if it was not), any other row is claimed as above and
+/// counts one more claim without an outcome. Every completion resets the count (see
+/// [`completion_update`]). The assignments all read the row as it was before the update,
+/// so each `CASE` sees the same `unfinished_claims`.
+fn claim_set(guard: Option<&str>) -> String {
+    let lease = plus_ms("@now", "@P2");
+    let Some(limit) = guard else {
+        return format!(
+            "m.status = 9,
+       m.lease_until = {lease},
+       m.claim_token = @P3,
+       m.attempts = m.attempts + 1"
+        );
+    };
+    let dead = format!("m.unfinished_claims >= {limit}");
+    format!(
+        "m.status = CASE WHEN {dead} THEN 3 ELSE 9 END,
+       m.lease_until = CASE WHEN {dead} THEN NULL ELSE {lease} END,
+       m.claim_token = CASE WHEN {dead} THEN NULL ELSE @P3 END,
+       m.attempts = CASE WHEN {dead} THEN m.attempts ELSE m.attempts + 1 END,
+       m.unfinished_claims = CASE WHEN {dead} THEN m.unfinished_claims
+                                  ELSE m.unfinished_claims + 1 END,
+       m.last_error = CASE WHEN {dead}
+                           THEN N'suspected crash loop: claimed '
+                                + CAST(m.unfinished_claims AS nvarchar(11))
+                                + N' times without an outcome (each relay holding it stopped, crashed or lost its lease before recording one); replay it once the cause is fixed'
+                           ELSE m.last_error END,
+       m.first_failed_at = CASE WHEN {dead} THEN COALESCE(m.first_failed_at, @now)
+                                ELSE m.first_failed_at END"
     )
 }
 
@@ -182,9 +218,12 @@ OUTPUT {output}
 /// Keys are ordered by `order_hash` (SHA-256), a fixed pseudo-random order; the all-zero
 /// hash serves as "before every key" and is never visited (no SHA-256 preimage is
 /// known). `@P1` batch size, `@P2` lease in ms, `@P3` claim token, `@P4` cursor
-/// (`binary(32)`, NULL at first).
+/// (`binary(32)`, NULL at first), `@P5` the crash-loop limit (see [`claim_set`]: a row
+/// of a run may be moved to Dead instead of claimed; under `block` it then holds its
+/// key from the next claim on, and the dispatcher releases the rows of its key that this
+/// batch took after it).
 fn claim_ordered_statement(table: &str, output: &str, block: bool) -> String {
-    let lease = plus_ms("@now", "@P2");
+    let set = claim_set(Some("@P5"));
     let claimable_r = claimable("r");
     let claimable_h = claimable("h");
     let dead_before_head = if block {
@@ -273,10 +312,7 @@ BEGIN
 END;
 INSERT INTO @claim (id) SELECT TOP (@P1) id FROM @runs ORDER BY rn, n;
 UPDATE m
-   SET m.status = 9,
-       m.lease_until = {lease},
-       m.claim_token = @P3,
-       m.attempts = m.attempts + 1
+   SET {set}
 OUTPUT {output}
   FROM @claim AS c
  INNER LOOP JOIN {table} AS m WITH (ROWLOCK, FORCESEEK) ON m.id = c.id;
@@ -298,7 +334,8 @@ const COMPLETIONS: &str = "OPENJSON(@P1) WITH (
 const FENCE: &str = "m.claim_token = u.token AND m.status = 9";
 
 /// Records the completions of `@P1` (those matching `filter` too), fenced by [`FENCE`],
-/// with `@now` declared by the caller; outputs the ids applied.
+/// with `@now` declared by the caller; outputs the ids applied. Every applied completion
+/// resets the row's count of claims without an outcome (the crash-loop guard).
 fn completion_update(table: &str, filter: &str) -> String {
     let retry_at = plus_ms("@now", "u.delay_ms");
     format!(
@@ -315,7 +352,8 @@ fn completion_update(table: &str, filter: &str) -> String {
                                                       AND u.status IN (0, 3)
                                                  THEN @now ELSE m.first_failed_at END,
                         m.lease_until = NULL,
-                        m.claim_token = NULL
+                        m.claim_token = NULL,
+                        m.unfinished_claims = 0
                  OUTPUT inserted.id
                    FROM {COMPLETIONS}
                   INNER LOOP JOIN {table} AS m WITH (ROWLOCK, FORCESEEK) ON m.id = u.id
@@ -352,6 +390,9 @@ impl Queries {
         let sent_cutoff = minus_ms("SYSUTCDATETIME()", "@P1");
         let cols_m = columns("m");
         let cols_out = columns("inserted");
+        // A claim also returns the count of claims without an outcome: with `status` 3
+        // it tells a row the crash-loop guard moved to Dead from a claimed one.
+        let claim_out = format!("{cols_out}, inserted.unfinished_claims");
         Self {
             // One statement for any number of messages: `@P1` is a JSON array of
             // objects. `ORDER BY` the array index makes IDENTITY assign `seq` in the
@@ -378,9 +419,9 @@ impl Queries {
                      delay_ms bigint '$.delay_ms') AS j
                   ORDER BY CAST(a.[key] AS int)"
             )),
-            claim: s(claim_statement(&t, &cols_out)),
-            claim_ordered_block: s(claim_ordered_statement(&t, &cols_out, true)),
-            claim_ordered_skip: s(claim_ordered_statement(&t, &cols_out, false)),
+            claim: s(claim_statement(&t, &claim_out, Some("@P4"))),
+            claim_ordered_block: s(claim_ordered_statement(&t, &claim_out, true)),
+            claim_ordered_skip: s(claim_ordered_statement(&t, &claim_out, false)),
             // Keys whose head (first unfinished row, Dead included) is Dead or waiting
             // out a retry backoff, longest blocked first (never-failed heads last).
             // Candidates: keys with a Dead row, and keys with a retried New row not yet
@@ -463,11 +504,13 @@ impl Queries {
             replay_count: s(format!(
                 "SELECT COUNT_BIG(*) FROM {t} AS m WHERE {FILTER} OPTION (RECOMPILE)"
             )),
-            // Dead → New only (`m.status = 3` leads FILTER).
+            // Dead → New only (`m.status = 3` leads FILTER). The count of claims
+            // without an outcome starts again, or a row the crash-loop guard killed
+            // would be killed again by its first claim.
             replay: s(format!(
                 "UPDATE m
                     SET m.status = 0, m.attempts = 0, m.visible_at = SYSUTCDATETIME(),
-                        m.lease_until = NULL, m.claim_token = NULL
+                        m.lease_until = NULL, m.claim_token = NULL, m.unfinished_claims = 0
                    FROM {t} AS m
                   WHERE {FILTER} OPTION (RECOMPILE);
                  {AFFECTED}"
@@ -630,7 +673,8 @@ impl InboxQueries {
                   WHERE NOT EXISTS (SELECT 1 FROM {t} AS x WITH (UPDLOCK, HOLDLOCK)
                                      WHERE x.id = @P1)"
             )),
-            claim: s(claim_statement(&t, &inbox_columns("inserted"))),
+            // No crash-loop guard: `inbox_messages` has no `unfinished_claims`.
+            claim: s(claim_statement(&t, &inbox_columns("inserted"), None)),
             // Outcome codes: 1 done, 0 retry, 3 dead, 10 defer (New without charge).
             complete: s(format!(
                 "DECLARE @now datetime2(7) = SYSUTCDATETIME();
@@ -773,8 +817,16 @@ mod tests {
                 sql.contains("c.status = 9 AND c.lease_until < @now"),
                 "{name}"
             );
-            assert!(sql.contains("m.claim_token = @P3"), "{name}");
-            assert!(sql.contains("m.attempts = m.attempts + 1"), "{name}");
+            assert!(
+                sql.contains("m.claim_token = @P3")
+                    || sql.contains("m.claim_token = CASE WHEN m.unfinished_claims >= @P4 THEN NULL ELSE @P3 END"),
+                "{name}"
+            );
+            assert!(
+                sql.contains("m.attempts = m.attempts + 1")
+                    || sql.contains("THEN m.attempts ELSE m.attempts + 1 END"),
+                "{name}"
+            );
             assert!(sql.contains("OUTPUT inserted.id"), "{name}");
             assert!(
                 sql.contains("INNER LOOP JOIN") && sql.contains("WITH (ROWLOCK, FORCESEEK)"),
@@ -853,6 +905,119 @@ mod tests {
             let update = sql.find("UPDATE m").unwrap_or(0);
             assert!(head < run && run < update, "head, then run, then update");
         }
+    }
+
+    /// The `UPDATE m ... OUTPUT` part of a claim statement.
+    fn claim_update(sql: &str) -> &str {
+        let at = sql.rfind("UPDATE m\n").expect("the claim updates");
+        let end = sql[at..].find(" FROM ").map_or(sql.len(), |e| at + e);
+        &sql[at..end]
+    }
+
+    #[test]
+    fn outbox_claims_apply_the_crash_loop_guard() {
+        let q = Queries::new("outbox");
+        for (name, sql, limit) in [
+            ("claim", &*q.claim, "@P4"),
+            ("claim_ordered_block", &*q.claim_ordered_block, "@P5"),
+            ("claim_ordered_skip", &*q.claim_ordered_skip, "@P5"),
+        ] {
+            let update = claim_update(sql);
+            let dead = format!("CASE WHEN m.unfinished_claims >= {limit}");
+            // Every assignment takes the Dead branch on the same condition (SQL Server
+            // evaluates each against the row before the update).
+            assert_eq!(update.matches(&dead).count(), 7, "{name}: {update}");
+            assert_eq!(
+                update.matches("m.unfinished_claims >=").count(),
+                7,
+                "{name}: only the limit parameter is compared"
+            );
+            for needle in [
+                format!("m.status = {dead} THEN 3 ELSE 9 END"),
+                format!(
+                    "m.lease_until = {dead} THEN NULL ELSE {} END",
+                    plus_ms("@now", "@P2")
+                ),
+                format!("m.claim_token = {dead} THEN NULL ELSE @P3 END"),
+                format!("m.attempts = {dead} THEN m.attempts ELSE m.attempts + 1 END"),
+                format!("m.unfinished_claims = {dead} THEN m.unfinished_claims"),
+                "ELSE m.unfinished_claims + 1 END".to_owned(),
+                format!("m.last_error = {dead}"),
+                "THEN N'suspected crash loop: claimed '".to_owned(),
+                "+ CAST(m.unfinished_claims AS nvarchar(11))".to_owned(),
+                "+ N' times without an outcome (each relay holding it stopped, crashed or lost its lease before recording one); replay it once the cause is fixed'".to_owned(),
+                "ELSE m.last_error END".to_owned(),
+                format!("m.first_failed_at = {dead} THEN COALESCE(m.first_failed_at, @now)"),
+                "ELSE m.first_failed_at END".to_owned(),
+            ] {
+                assert!(update.contains(&needle), "{name} lacks {needle}:\n{update}");
+            }
+            // The store tells a crash-loop row (status 3) from a claimed one by the
+            // returned status and reads the count beside it.
+            let output = &update[update.find("OUTPUT ").expect("OUTPUT")..];
+            assert!(output.contains("inserted.status"), "{name}");
+            assert!(
+                output.trim_end().ends_with(", inserted.unfinished_claims"),
+                "{name}: {output}"
+            );
+            // The limit is the next parameter after those the statement had.
+            let next = if limit == "@P4" { "@P5" } else { "@P6" };
+            assert!(!sql.contains(next), "{name} uses {next}");
+        }
+        // Crash-loop rows are only ever rows that were claimable: the plain claim's
+        // update re-checks claimability under the lock, the ordered claim updates only
+        // rows its runs locked (UPDLOCK, held to the commit) as claimable.
+        assert!(q.claim.trim_end().ends_with(
+            "WHERE ((m.status = 0 AND m.visible_at <= @now) OR (m.status = 9 AND m.lease_until < @now));"
+        ));
+        for sql in [&*q.claim_ordered_block, &*q.claim_ordered_skip] {
+            assert!(sql.contains("ON m.id = c.id;\nSELECT @last AS next_cursor;"));
+            assert!(sql.contains("r.seq >= @head AND ((r.status = 0 AND r.visible_at <= @now)"));
+        }
+        // The cursor stays @P4 of the ordered claim; the limit is @P5.
+        assert!(
+            q.claim_ordered_block
+                .contains("DECLARE @cursor binary(32) = @P4;")
+        );
+    }
+
+    #[test]
+    fn the_durable_inbox_claim_has_no_crash_loop_guard() {
+        let iq = InboxQueries::new("outbox");
+        let update = claim_update(&iq.claim);
+        assert!(!iq.claim.contains("unfinished_claims"), "{update}");
+        assert!(!iq.claim.contains("crash loop"));
+        assert!(!iq.claim.contains("@P4"), "three parameters only");
+        assert!(update.contains(
+            "SET m.status = 9,\n       m.lease_until = DATEADD(millisecond, CAST((@P2) % 1000 AS int)"
+        ));
+        assert!(
+            update.contains("m.claim_token = @P3,\n       m.attempts = m.attempts + 1\nOUTPUT ")
+        );
+        assert!(!iq.complete.contains("unfinished_claims"));
+    }
+
+    #[test]
+    fn completions_and_replays_reset_the_crash_loop_count() {
+        let q = Queries::new("outbox");
+        assert_eq!(
+            q.complete.matches("m.unfinished_claims = 0").count(),
+            1,
+            "{}",
+            q.complete
+        );
+        // Under SentRetention::Delete the Sent rows are deleted; the other outcomes
+        // (retry, dead, release) reset the count.
+        let d = &q.complete_deleting_sent;
+        assert_eq!(d.matches("m.unfinished_claims = 0").count(), 1);
+        let update = &d[d.find("UPDATE m").expect("update")..];
+        assert!(update.contains("m.claim_token = NULL,\n                        m.unfinished_claims = 0\n                 OUTPUT inserted.id"));
+        assert!(!d[..d.find("UPDATE m").unwrap_or(0)].contains("unfinished_claims"));
+        // A replayed row starts counting again, or the guard would kill it at once.
+        assert!(
+            q.replay
+                .contains("m.claim_token = NULL, m.unfinished_claims = 0")
+        );
     }
 
     #[test]

@@ -8,9 +8,10 @@ use std::time::{Duration, Instant};
 use async_trait::async_trait;
 use chrono::{DateTime, NaiveDateTime, Utc};
 use outbox_core::{
-    BlockedKey, CompleteReport, Completion, CompletionOutcome, EventSource, Headers, MessageFilter,
-    MessageStatus, NewMessage, OnDead, OutboxError, OutboxMessage, OutboxStats, OutboxStore,
-    ReplayReport, SentRetention,
+    BlockedKey, ClaimedBatch, CompleteReport, Completion, CompletionOutcome,
+    DEFAULT_CRASH_LOOP_LIMIT, EventSource, Headers, MessageFilter, MessageStatus, NewMessage,
+    OnDead, OutboxError, OutboxMessage, OutboxStats, OutboxStore, Poison, PoisonRow, ReplayReport,
+    SentRetention, sanitize_error,
 };
 use serde_json::value::RawValue;
 use tiberius::{FromSql, Row, ToSql};
@@ -39,6 +40,7 @@ pub struct MssqlOutbox {
     /// by clones, so one relay's claims go round-robin over the keys.
     key_cursor: Arc<Mutex<Option<Vec<u8>>>>,
     sent_retention: SentRetention,
+    crash_loop_limit: u32,
 }
 
 impl MssqlOutbox {
@@ -55,17 +57,41 @@ impl MssqlOutbox {
             q: Arc::new(Queries::new(schema)),
             key_cursor: Arc::default(),
             sent_retention: SentRetention::Keep,
+            crash_loop_limit: DEFAULT_CRASH_LOOP_LIMIT,
         })
     }
 
-    /// Connects with `config` (see [`MssqlConfig::connect`]), with its schema and
-    /// [`sent_retention`](MssqlConfig::with_sent_retention).
+    /// Connects with `config` (see [`MssqlConfig::connect`]), with its schema,
+    /// [`sent_retention`](MssqlConfig::with_sent_retention) and
+    /// [`crash_loop_limit`](MssqlConfig::with_crash_loop_limit).
     ///
     /// # Errors
     /// As [`MssqlConfig::connect`].
     pub async fn connect(config: &MssqlConfig) -> Result<Self, OutboxError> {
         let pool = config.connect().await?;
-        Ok(Self::new(pool, config.schema())?.with_sent_retention(config.sent_retention()))
+        Ok(Self::new(pool, config.schema())?
+            .with_sent_retention(config.sent_retention())
+            .with_crash_loop_limit(config.crash_loop_limit()))
+    }
+
+    /// The same outbox whose claims move a row to `Dead` as a suspected crash loop once
+    /// it has been claimed `limit` times in a row without an outcome (a count of claims,
+    /// default [`DEFAULT_CRASH_LOOP_LIMIT`]; 0 counts as 1; see [`Poison::CrashLoop`]).
+    #[must_use]
+    pub fn with_crash_loop_limit(mut self, limit: u32) -> Self {
+        self.crash_loop_limit = limit.max(1);
+        self
+    }
+
+    /// Claims without an outcome after which a row is a suspected crash loop.
+    pub fn crash_loop_limit(&self) -> u32 {
+        self.crash_loop_limit
+    }
+
+    /// The crash-loop limit as the claims' `int` parameter (limits beyond `i32::MAX`
+    /// are never reached: the count is an `int` too).
+    fn crash_loop_limit_param(&self) -> i32 {
+        i32::try_from(self.crash_loop_limit).unwrap_or(i32::MAX)
     }
 
     /// The same outbox (pool, schema, ordered-claim cursor) whose completions treat sent
@@ -215,6 +241,39 @@ fn encode_batch(messages: &[NewMessage]) -> Result<String, OutboxError> {
     })
 }
 
+/// The JSON array `complete` sends as `@P1` (read by `COMPLETIONS` in `sql.rs`). Every
+/// error text goes through [`sanitize_error`]: NUL characters escaped, texts longer than
+/// [`MAX_ERROR_BYTES`](outbox_core::store::MAX_ERROR_BYTES) cut.
+fn encode_completions(completions: &[Completion]) -> String {
+    let batch: Vec<serde_json::Value> = completions
+        .iter()
+        .map(|c| {
+            let (status, delay, error, release) = match &c.outcome {
+                CompletionOutcome::Sent => (MessageStatus::Sent, 0, None, false),
+                CompletionOutcome::Retry { delay, error } => (
+                    MessageStatus::New,
+                    millis(*delay),
+                    Some(error.as_str()),
+                    false,
+                ),
+                CompletionOutcome::Dead { error } => {
+                    (MessageStatus::Dead, 0, Some(error.as_str()), false)
+                }
+                CompletionOutcome::Release => (MessageStatus::New, 0, None, true),
+            };
+            serde_json::json!({
+                "id": c.id,
+                "token": c.claim_token,
+                "status": status.code(),
+                "delay_ms": delay,
+                "error": error.map(sanitize_error),
+                "release": release,
+            })
+        })
+        .collect();
+    serde_json::Value::Array(batch).to_string()
+}
+
 /// An instant as `datetime2` text (ISO 8601, UTC, microseconds, no zone suffix).
 fn datetime2_text(at: DateTime<Utc>) -> String {
     at.naive_utc().format("%Y-%m-%dT%H:%M:%S%.6f").to_string()
@@ -257,8 +316,20 @@ pub(crate) fn row_id(row: &Row) -> Result<Uuid, OutboxError> {
     req::<Uuid>(row, "id", "?")
 }
 
+/// How strictly [`decode_row`] reads `headers`.
+#[derive(Clone, Copy)]
+pub(crate) enum HeaderDecoding {
+    /// An object of strings or a decode error: for publishing.
+    Strict,
+    /// Whatever is there, made into strings: for showing rows (`get`, dead letters).
+    Lossy,
+}
+
 /// Decodes a row of the outbox column list.
-pub(crate) fn decode_row(row: &Row) -> Result<OutboxMessage, OutboxError> {
+pub(crate) fn decode_row(
+    row: &Row,
+    decoding: HeaderDecoding,
+) -> Result<OutboxMessage, OutboxError> {
     let id = row_id(row)?;
     let sid = id.to_string();
     let s = sid.as_str();
@@ -268,10 +339,20 @@ pub(crate) fn decode_row(row: &Row) -> Result<OutboxMessage, OutboxError> {
         reason: format!("payload: {e}"),
     })?;
     let headers: &str = req(row, "headers", s)?;
-    let headers: Headers = serde_json::from_str(headers).map_err(|e| OutboxError::Decode {
-        id: sid.clone(),
-        reason: format!("headers must be a JSON object of strings: {e}"),
-    })?;
+    let headers: serde_json::Value =
+        serde_json::from_str(headers).map_err(|e| OutboxError::Decode {
+            id: sid.clone(),
+            reason: format!("headers are not JSON: {e}"),
+        })?;
+    let headers: Headers = match decoding {
+        HeaderDecoding::Strict => {
+            outbox_core::headers_from_json(headers).map_err(|reason| OutboxError::Decode {
+                id: sid.clone(),
+                reason,
+            })?
+        }
+        HeaderDecoding::Lossy => outbox_core::headers_from_json_lossy(headers),
+    };
     let status: i16 = req(row, "status", s)?;
     let owned = |v: Option<&str>| v.map(str::to_owned);
     Ok(OutboxMessage {
@@ -306,11 +387,60 @@ fn limit(n: usize) -> i64 {
     i64::try_from(n).unwrap_or(i64::MAX)
 }
 
-/// The messages of claim rows, in `seq` order.
-fn claimed(rows: &[Row]) -> Result<Vec<OutboxMessage>, OutboxError> {
-    let mut messages = rows.iter().map(decode_row).collect::<Result<Vec<_>, _>>()?;
+/// The rows of a claim under `token`: a row the claim moved to `Dead` (status 3, the
+/// crash-loop guard) is a [`Poison::CrashLoop`] and is not decoded; a row that does not
+/// decode is a [`Poison::Undecodable`] (it stays `Processing` under the claim for the
+/// dispatcher to complete as `Dead`); the rest are messages in `seq` order.
+fn claimed(rows: &[Row], token: Uuid) -> Result<ClaimedBatch, OutboxError> {
+    let mut messages = Vec::with_capacity(rows.len());
+    let mut poison = Vec::new();
+    for row in rows {
+        let id = row_id(row)?.to_string();
+        let status: i16 = req(row, "status", &id)?;
+        if status == MessageStatus::Dead.code() {
+            let claims: i32 = req(row, "unfinished_claims", &id)?;
+            poison.push(poison_row(
+                row,
+                Poison::CrashLoop {
+                    claims: u32::try_from(claims).unwrap_or(0),
+                },
+            )?);
+            continue;
+        }
+        match decode_row(row, HeaderDecoding::Strict) {
+            Ok(message) => messages.push(message),
+            Err(e) => {
+                let reason = match e {
+                    OutboxError::Decode { reason, .. } => reason,
+                    other => other.to_string(),
+                };
+                poison.push(poison_row(
+                    row,
+                    Poison::Undecodable {
+                        claim_token: token,
+                        reason,
+                    },
+                )?);
+            }
+        }
+    }
     messages.sort_unstable_by_key(|m| m.seq);
-    Ok(messages)
+    Ok(ClaimedBatch::new(messages, poison))
+}
+
+/// A poison row from the plain columns every row can give.
+fn poison_row(row: &Row, poison: Poison) -> Result<PoisonRow, OutboxError> {
+    let id = row_id(row)?;
+    let sid = id.to_string();
+    let s = sid.as_str();
+    Ok(PoisonRow {
+        id,
+        seq: req(row, "seq", s)?,
+        aggregate_type: req::<&str>(row, "aggregate_type", s)?.to_owned(),
+        aggregate_id: req::<&str>(row, "aggregate_id", s)?.to_owned(),
+        partition_key: opt::<&str>(row, "partition_key", s)?.map(str::to_owned),
+        poison,
+    })
 }
 
 /// The parameters of `FILTER` (see `sql.rs`), owned.
@@ -365,21 +495,22 @@ impl FilterParams {
 
 #[async_trait]
 impl OutboxStore for MssqlOutbox {
-    async fn claim(
-        &self,
-        batch_size: usize,
-        lease: Duration,
-    ) -> Result<Vec<OutboxMessage>, OutboxError> {
+    async fn claim(&self, batch_size: usize, lease: Duration) -> Result<ClaimedBatch, OutboxError> {
         let token = Uuid::new_v4();
         let rows = self
             .pool
             .rows(
                 "claim",
                 &self.q.claim,
-                &[&limit(batch_size), &millis(lease), &token],
+                &[
+                    &limit(batch_size),
+                    &millis(lease),
+                    &token,
+                    &self.crash_loop_limit_param(),
+                ],
             )
             .await?;
-        claimed(&rows)
+        claimed(&rows, token)
     }
 
     async fn claim_ordered(
@@ -387,7 +518,7 @@ impl OutboxStore for MssqlOutbox {
         batch_size: usize,
         lease: Duration,
         on_dead: OnDead,
-    ) -> Result<Vec<OutboxMessage>, OutboxError> {
+    ) -> Result<ClaimedBatch, OutboxError> {
         let token = Uuid::new_v4();
         let sql = match on_dead {
             OnDead::Block => &self.q.claim_ordered_block,
@@ -399,7 +530,13 @@ impl OutboxStore for MssqlOutbox {
             .rows(
                 "claim_ordered",
                 sql,
-                &[&limit(batch_size), &millis(lease), &token, &cursor],
+                &[
+                    &limit(batch_size),
+                    &millis(lease),
+                    &token,
+                    &cursor,
+                    &self.crash_loop_limit_param(),
+                ],
             )
             .await?;
         // The statement returns the claimed rows, then one row with the last key it
@@ -415,7 +552,7 @@ impl OutboxStore for MssqlOutbox {
                 *slot = Some(next.to_vec());
             }
         }
-        claimed(&claimed_rows)
+        claimed(&claimed_rows, token)
     }
 
     async fn blocked_keys(&self, limit_rows: usize) -> Result<Vec<BlockedKey>, OutboxError> {
@@ -449,33 +586,7 @@ impl OutboxStore for MssqlOutbox {
         if completions.is_empty() {
             return Ok(CompleteReport::default());
         }
-        let batch: Vec<serde_json::Value> = completions
-            .iter()
-            .map(|c| {
-                let (status, delay, error, release) = match &c.outcome {
-                    CompletionOutcome::Sent => (MessageStatus::Sent, 0, None, false),
-                    CompletionOutcome::Retry { delay, error } => (
-                        MessageStatus::New,
-                        millis(*delay),
-                        Some(error.as_str()),
-                        false,
-                    ),
-                    CompletionOutcome::Dead { error } => {
-                        (MessageStatus::Dead, 0, Some(error.as_str()), false)
-                    }
-                    CompletionOutcome::Release => (MessageStatus::New, 0, None, true),
-                };
-                serde_json::json!({
-                    "id": c.id,
-                    "token": c.claim_token,
-                    "status": status.code(),
-                    "delay_ms": delay,
-                    "error": error,
-                    "release": release,
-                })
-            })
-            .collect();
-        let batch = serde_json::Value::Array(batch).to_string();
+        let batch = encode_completions(completions);
         let rows = self
             .pool
             .rows("complete", self.complete_statement(), &[&batch])
@@ -497,7 +608,9 @@ impl OutboxStore for MssqlOutbox {
 
     async fn get(&self, id: Uuid) -> Result<Option<OutboxMessage>, OutboxError> {
         let rows = self.pool.rows("get", &self.q.get, &[&id]).await?;
-        rows.first().map(decode_row).transpose()
+        rows.first()
+            .map(|r| decode_row(r, HeaderDecoding::Lossy))
+            .transpose()
     }
 
     async fn stats(&self) -> Result<OutboxStats, OutboxError> {
@@ -534,7 +647,9 @@ impl OutboxStore for MssqlOutbox {
             .pool
             .rows("dead_letters", &self.q.dead_letters, &params)
             .await?;
-        rows.iter().map(decode_row).collect()
+        rows.iter()
+            .map(|r| decode_row(r, HeaderDecoding::Lossy))
+            .collect()
     }
 
     async fn replay(
@@ -622,6 +737,44 @@ mod tests {
             "no client time unless stated"
         );
         assert_eq!(rows[0]["delay_ms"], 0);
+    }
+
+    #[test]
+    fn completion_errors_are_sanitized() {
+        let (id, token) = (Uuid::new_v4(), Uuid::new_v4());
+        let long = "é".repeat(outbox_core::store::MAX_ERROR_BYTES);
+        let text = encode_completions(&[
+            Completion {
+                id,
+                claim_token: token,
+                outcome: CompletionOutcome::Dead {
+                    error: "broker said \0 no".into(),
+                },
+            },
+            Completion {
+                id,
+                claim_token: token,
+                outcome: CompletionOutcome::Retry {
+                    delay: Duration::from_millis(1500),
+                    error: long.clone(),
+                },
+            },
+            Completion {
+                id,
+                claim_token: token,
+                outcome: CompletionOutcome::Release,
+            },
+        ]);
+        let rows: Vec<serde_json::Value> = serde_json::from_str(&text).expect("json");
+        assert_eq!(rows[0]["error"], "broker said \\0 no", "NUL escaped");
+        assert_eq!(rows[0]["status"], 3);
+        let cut = rows[1]["error"].as_str().expect("text");
+        assert!(cut.len() <= outbox_core::store::MAX_ERROR_BYTES && cut.ends_with('…'));
+        assert_eq!(cut, sanitize_error(&long));
+        assert_eq!(rows[1]["delay_ms"], 1500);
+        assert!(rows[2]["error"].is_null());
+        assert_eq!(rows[2]["release"], true);
+        assert_eq!(rows[0]["token"], token.to_string());
     }
 
     #[test]

@@ -206,7 +206,8 @@ async fn main() -> anyhow::Result<()> {
         while crashed == 0 && Instant::now() < deadline {
             let claimed = outbox
                 .claim(args.relay_crash_batch, Duration::from_secs(2))
-                .await?;
+                .await?
+                .messages;
             crashed = claimed.len();
             if crashed > 0 {
                 let outcomes = publisher.publish_batch(&claimed).await;

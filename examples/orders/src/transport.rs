@@ -46,6 +46,13 @@ impl EventPublisher for Publisher {
             Self::Nats(p) => p.check_ready().await,
         }
     }
+
+    fn publish_timeout(&self) -> Option<std::time::Duration> {
+        match self {
+            Self::Rabbit(p) => p.publish_timeout(),
+            Self::Nats(p) => p.publish_timeout(),
+        }
+    }
 }
 
 /// The projection's consumer for either transport.

@@ -85,6 +85,18 @@ impl Harness for PgHarness {
     async fn enqueue(&self, messages: &[NewMessage]) {
         enqueue_committed(&self.0, messages).await;
     }
+
+    async fn set_headers_json(&self, id: uuid::Uuid, json: &str) {
+        sqlx::query(sqlx::AssertSqlSafe(format!(
+            "UPDATE {}.outbox_messages SET headers = $2::jsonb WHERE id = $1",
+            self.0.schema()
+        )))
+        .bind(id)
+        .bind(json)
+        .execute(self.0.pool())
+        .await
+        .expect("set headers");
+    }
 }
 
 pub async fn harness() -> PgHarness {

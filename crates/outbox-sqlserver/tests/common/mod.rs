@@ -116,6 +116,15 @@ impl Harness for MssqlHarness {
         }
         tx.commit().await.expect("commit");
     }
+
+    async fn set_headers_json(&self, id: uuid::Uuid, json: &str) {
+        let sql = format!(
+            "UPDATE [{}].outbox_messages SET headers = @P2 WHERE id = @P1",
+            self.0.schema()
+        );
+        let mut conn = self.0.pool().get().await.expect("connection");
+        conn.execute(sql, &[&id, &json]).await.expect("set headers");
+    }
 }
 
 /// The harness of the shared suites: a fresh schema on the SQL Server at `MSSQL_URL`,

@@ -48,9 +48,9 @@ use lapin::options::{
 use lapin::types::{AMQPValue, FieldTable};
 use lapin::{BasicProperties, Connection, ConnectionProperties, ExchangeKind};
 use outbox_core::{
-    BlockedKey, CompleteReport, Completion, Dispatcher, DispatcherConfig, EventPublisher,
-    MessageFilter, NewMessage, OnDead, Ordering, OutboxError, OutboxMessage, OutboxStats,
-    OutboxStore, PublishOutcome, ReplayReport, SentRetention,
+    BlockedKey, ClaimedBatch, CompleteReport, Completion, Dispatcher, DispatcherConfig,
+    EventPublisher, MessageFilter, NewMessage, OnDead, Ordering, OutboxError, OutboxMessage,
+    OutboxStats, OutboxStore, PublishOutcome, ReplayReport, SentRetention,
 };
 use outbox_postgres::{PgConfig, PgOutbox};
 use tokio_util::sync::CancellationToken;
@@ -291,20 +291,20 @@ struct PreclaimedStore(std::sync::Mutex<std::collections::VecDeque<OutboxMessage
 
 #[async_trait]
 impl OutboxStore for PreclaimedStore {
-    async fn claim(&self, batch: usize, _: Duration) -> Result<Vec<OutboxMessage>, OutboxError> {
+    async fn claim(&self, batch: usize, _: Duration) -> Result<ClaimedBatch, OutboxError> {
         let mut queue = self
             .0
             .lock()
             .map_err(|_| OutboxError::Config("the pre-claimed queue is poisoned".to_owned()))?;
         let n = batch.min(queue.len());
-        Ok(queue.drain(..n).collect())
+        Ok(ClaimedBatch::new(queue.drain(..n).collect(), Vec::new()))
     }
     async fn claim_ordered(
         &self,
         _: usize,
         _: Duration,
         _: OnDead,
-    ) -> Result<Vec<OutboxMessage>, OutboxError> {
+    ) -> Result<ClaimedBatch, OutboxError> {
         Err(unsupported())
     }
     async fn blocked_keys(&self, _: usize) -> Result<Vec<BlockedKey>, OutboxError> {
@@ -1002,7 +1002,7 @@ async fn run<P: EventPublisher>(
         // table are claimed before the clock starts.
         let pre_db = fresh_outbox("preclaimed").await?;
         preload(&pre_db, n, &body).await?;
-        let claimed = pre_db.claim(n, Duration::from_secs(3600)).await?;
+        let claimed = pre_db.claim(n, Duration::from_secs(3600)).await?.messages;
         drop_schema(&pre_db).await;
         settled = settled.max(quiesce(&relay_db).await);
         broker.warm_up(args, body.as_bytes()).await?;
