@@ -55,7 +55,7 @@ use async_nats::jetstream::{self, AckKind, ErrorCode};
 use futures::stream::FuturesUnordered;
 use futures::{FutureExt, StreamExt};
 use outbox_core::consumer::{DeliveryHandler, HandlerDecision};
-use outbox_core::wire::{Binding, IncomingMessage};
+use outbox_core::wire::{Binding, DecodeError, IncomingMessage};
 use outbox_core::{ErrorKind, Headers};
 use tokio::time::timeout;
 use tokio_util::sync::CancellationToken;
@@ -622,16 +622,9 @@ async fn process<H: DeliveryHandler>(
             return;
         }
     };
-    let headers = headers_to_strings(message.headers.as_ref());
-    let message_id = headers.get(MSG_ID_HEADER).cloned();
-    let decision = match IncomingMessage::decode(
-        Binding::Nats,
-        message_id.as_deref(),
-        headers,
-        message.payload.to_vec(),
-        delivered > 1,
-        Some(delivered),
-    ) {
+    let (message_id, decoded) =
+        decode_message(message.headers.as_ref(), &message.payload, delivered);
+    let decision = match decoded {
         Ok(msg) => {
             let id = msg.id;
             match AssertUnwindSafe(handler.handle(msg)).catch_unwind().await {
@@ -678,6 +671,28 @@ async fn process<H: DeliveryHandler>(
     if let Err(e) = message.ack_with(kind).await {
         warn!(stream_sequence, ?decision, error = %e, "could not answer the server; it will redeliver after ack_wait");
     }
+}
+
+/// Decodes a JetStream message's headers and payload (NATS binding: `Nats-Msg-Id` and
+/// `ce-*` headers) as delivery number `delivered`. Returns the `Nats-Msg-Id` too, for
+/// logging. Pure (a `jetstream::Message` needs a live client), so that it can be tested
+/// with arbitrary headers.
+fn decode_message(
+    headers: Option<&async_nats::HeaderMap>,
+    payload: &[u8],
+    delivered: u64,
+) -> (Option<String>, Result<IncomingMessage, DecodeError>) {
+    let headers = headers_to_strings(headers);
+    let message_id = headers.get(MSG_ID_HEADER).cloned();
+    let decoded = IncomingMessage::decode(
+        Binding::Nats,
+        message_id.as_deref(),
+        headers,
+        payload.to_vec(),
+        delivered > 1,
+        Some(delivered),
+    );
+    (message_id, decoded)
 }
 
 /// The delay of the `-NAK` after delivery number `delivered` (1-based).
@@ -771,5 +786,117 @@ mod tests {
         assert_eq!(config.ack_policy, AckPolicy::Explicit);
         assert_eq!(config.max_ack_pending, 100);
         assert_eq!(config.filter_subject, "orders.*.placed");
+    }
+}
+
+/// Property tests: no panic is reachable from a delivered message's headers. A
+/// `jetstream::Message` needs a live client, so these exercise [`decode_message`], all
+/// of `process` that reads the message's content.
+#[cfg(test)]
+mod properties {
+    use super::*;
+    use async_nats::{HeaderMap, HeaderName, HeaderValue};
+    use proptest::prelude::*;
+    use proptest::test_runner::Config as ProptestConfig;
+
+    fn config() -> ProptestConfig {
+        ProptestConfig {
+            cases: 256,
+            // Keep proptest's regression files out of the repository.
+            failure_persistence: None,
+            ..ProptestConfig::default()
+        }
+    }
+
+    /// Every name a `HeaderMap` can hold (printable ASCII without ':', empty too),
+    /// often one the decoder looks up, in any case.
+    fn header_name() -> impl Strategy<Value = String> {
+        prop_oneof![
+            3 => "[!-9;-~]{0,30}",
+            1 => (0usize..400).prop_map(|n| "h".repeat(n)),
+            3 => prop::sample::select(vec![
+                "Nats-Msg-Id", "nats-msg-id", "ce-id", "CE-ID", "ce-type", "ce-source",
+                "ce-subject", "ce-time", "ce-aggregatetype", "ce-aggregateversion",
+                "ce-tenantid", "ce-partitionkey", "ce-correlationid", "ce-causationid",
+                "traceparent", "tracestate", "Content-Type", "Nats-Expected-Stream", "",
+            ])
+            .prop_map(str::to_owned),
+        ]
+    }
+
+    /// Every value a `HeaderMap` can hold (anything without CR or LF), often one an
+    /// attribute parses: UUIDs, integers, times, trace contexts.
+    fn header_value() -> impl Strategy<Value = String> {
+        prop_oneof![
+            3 => "[^\\r\\n]{0,40}",
+            2 => any::<u128>().prop_map(|n| uuid::Uuid::from_u128(n).to_string()),
+            1 => any::<i64>().prop_map(|n| n.to_string()),
+            1 => "[0-9]{4}-[0-9]{2}-[0-9]{2}T[0-9]{2}:[0-9]{2}:[0-9]{2}(\\.[0-9]{1,9})?Z",
+            1 => "[0-9a-f]{2}-[0-9a-f]{32}-[0-9a-f]{16}-[0-9a-f]{2}",
+            1 => (0usize..2000).prop_map(|n| "v".repeat(n)),
+        ]
+    }
+
+    /// A header map as a delivered message may carry: several values per name too,
+    /// often with a UUID id and some type, so that decoding gets past them.
+    fn header_map() -> impl Strategy<Value = HeaderMap> {
+        let uuid = || any::<u128>().prop_map(|n| uuid::Uuid::from_u128(n).to_string());
+        (
+            prop::collection::vec((header_name(), header_value()), 0..16),
+            prop::option::weighted(0.5, uuid()),
+            prop::option::weighted(0.3, uuid()),
+            prop::option::weighted(0.8, header_value()),
+        )
+            .prop_map(|(pairs, msg_id, ce_id, kind)| {
+                let mut map = HeaderMap::new();
+                for (name, value) in pairs {
+                    let name: HeaderName = name.parse().expect("a valid header name");
+                    let value: HeaderValue = value.parse().expect("a valid header value");
+                    map.append(name, value);
+                }
+                for (name, value) in [(MSG_ID_HEADER, msg_id), ("ce-id", ce_id), ("ce-type", kind)]
+                {
+                    if let Some(value) = value {
+                        map.insert(name, value.as_str());
+                    }
+                }
+                map
+            })
+    }
+
+    proptest! {
+        #![proptest_config(config())]
+
+        /// Guards against the consumer panicking on a delivered message's headers
+        /// (anyone who may publish to the stream chooses them): any names, any values,
+        /// several values per name, attributes malformed or missing, any delivery
+        /// count. The first value of each header is what is decoded; `Ok` carries the
+        /// `Nats-Msg-Id` or `ce-id` as its id, otherwise a `DecodeError`.
+        #[test]
+        fn decode_message_never_panics(
+            map in prop::option::weighted(0.9, header_map()),
+            payload in prop::collection::vec(any::<u8>(), 0..64),
+            delivered in 1u64..=u64::MAX,
+        ) {
+            let (message_id, decoded) = decode_message(map.as_ref(), &payload, delivered);
+            let headers = headers_to_strings(map.as_ref());
+            if let Some(map) = &map {
+                for (name, values) in map.iter() {
+                    prop_assert_eq!(
+                        headers.get(AsRef::<str>::as_ref(name)).map(String::as_str),
+                        values.first().map(HeaderValue::as_str)
+                    );
+                }
+            }
+            prop_assert_eq!(&message_id, &headers.get(MSG_ID_HEADER).cloned());
+            if let Ok(msg) = decoded {
+                let raw_id = headers.get("ce-id").or(message_id.as_ref());
+                prop_assert_eq!(raw_id.and_then(|id| uuid::Uuid::parse_str(id).ok()), Some(msg.id));
+                prop_assert_eq!(Some(&msg.event_type), headers.get("ce-type"));
+                prop_assert_eq!(msg.delivery_count, Some(delivered));
+                prop_assert_eq!(msg.redelivered, delivered > 1);
+                prop_assert_eq!(msg.payload, payload);
+            }
+        }
     }
 }

@@ -30,12 +30,16 @@
 //! | PubAck                                                  | `Published`                              |
 //! | PubAck with `duplicate: true` (same `Nats-Msg-Id` inside the stream's duplicate window) | `Published` (stored once, earlier) |
 //! | no responders, and no stream captures the subject       | `Permanent(Unroutable)`                  |
-//! | no responders, but a stream captures the subject now    | `Transient(Rejected)`                    |
+//! | no responders, but a stream captures the subject now    | `Transient(Rejected)`: an outage, circuit opens |
 //! | JetStream API does not answer, not connected, connection lost | `Transient(Unavailable)`: circuit opens |
-//! | JetStream error `10054` (over the stream's `max_msg_size`) | `Permanent(Other)`                    |
-//! | other JetStream error (e.g. `10077` store failed, stream full with `discard: new`) | `Transient(Rejected)` |
-//! | no PubAck within the deadline, connection stayed up     | `Transient(Timeout)`                     |
+//! | JetStream error `10054` (over the stream's `max_msg_size`), or over the server's `max_payload` | `Permanent(Other)` |
+//! | other JetStream error (e.g. `10077` store failed, stream full with `discard: new`, no leader) | `Transient(Rejected)`: an outage, circuit opens |
+//! | no PubAck within the deadline (a slow or frozen server, or the window stayed full) | `Transient(Timeout)`: an outage, circuit opens |
 //! | no PubAck within the deadline, connection lost meanwhile | `Transient(Unavailable)`: circuit opens |
+//!
+//! Only a verdict about one message (its subject, headers or size, or no stream for its
+//! subject) is permanent; whatever says the server cannot take messages now is an
+//! outage ([`ErrorKind::Unavailable`]), which charges no attempt.
 //!
 //! "No responders" (status `503`) is the server's answer to a publish on a subject that
 //! no stream captures. It is a configuration error, like RabbitMQ's unroutable
@@ -233,70 +237,10 @@ impl NatsPublisher {
         self.client.connection_state() == State::Connected
     }
 
-    /// Checks one message and turns it into what a JetStream publish needs, inside a
-    /// debug-level `outbox.publish_message` span with the message's id, event type,
-    /// tenant, aggregate, version and attempts (never the payload).
+    /// Checks one message and turns it into what a JetStream publish needs: see
+    /// [`prepare`].
     fn prepare(&self, msg: &OutboxMessage, max: usize) -> Result<Prepared, PublishError> {
-        let _span = tracing::debug_span!(
-            "outbox.publish_message",
-            message.id = %msg.id,
-            event_type = %msg.event_type,
-            tenant = msg.tenant_id.as_deref().unwrap_or(""),
-            aggregate_type = %msg.aggregate_type,
-            aggregate_id = %msg.aggregate_id,
-            aggregate_version = msg.aggregate_version,
-            attempts = msg.attempts,
-        )
-        .entered();
-        let subject = self.config.subject_for(msg.effective_routing_key());
-        if let Some(problem) = subject_problem(&subject) {
-            return Err(PublishError::Invalid(format!(
-                "not a valid NATS publish subject (prefix {:?} + routing key or event type): {problem}",
-                self.config.subject_prefix()
-            )));
-        }
-        let mut headers = HeaderMap::new();
-        let mut names: Vec<String> = Vec::with_capacity(12 + msg.headers.len());
-        let mut push = |headers: &mut HeaderMap, name: &str, value: &str| {
-            if names.iter().any(|n| n.eq_ignore_ascii_case(name)) {
-                // encode_headers lists the CloudEvents attributes first: a pass-through
-                // header must not overwrite the id, type, ... of the event.
-                return Ok(());
-            }
-            let header_name = name.parse::<HeaderName>().map_err(|_| {
-                PublishError::Invalid(format!(
-                    "header name {name:?} is not a NATS header name (printable ASCII without ':')"
-                ))
-            })?;
-            let header_value = value.parse::<HeaderValue>().map_err(|_| {
-                PublishError::Invalid(format!(
-                    "the value of header {name:?} contains a line break"
-                ))
-            })?;
-            headers.insert(header_name, header_value);
-            names.push(name.to_owned());
-            Ok::<(), PublishError>(())
-        };
-        let id = msg.id.to_string();
-        push(&mut headers, MSG_ID_HEADER, &id)?;
-        push(&mut headers, CONTENT_TYPE_HEADER, CONTENT_TYPE_JSON)?;
-        for (name, value) in encode_headers(msg, Binding::Nats, self.config.source()) {
-            if name.len() >= 5 && name[..5].eq_ignore_ascii_case("nats-") {
-                return Err(PublishError::Invalid(format!(
-                    "header {name:?} is reserved for JetStream (Nats-* headers control deduplication and expectations)"
-                )));
-            }
-            push(&mut headers, &name, &value)?;
-        }
-        let payload = Bytes::copy_from_slice(msg.payload.get().as_bytes());
-        let size = payload.len() + header_wire_len(&headers);
-        if size > max {
-            return Err(PublishError::PayloadTooLarge { size, max });
-        }
-        Ok(Prepared {
-            subject,
-            message: PublishMessage::build().payload(payload).headers(headers),
-        })
+        prepare(&self.config, msg, max)
     }
 
     /// Publishes the prepared messages with a bounded window, then awaits every PubAck.
@@ -337,7 +281,16 @@ impl NatsPublisher {
             }
         };
 
-        for (i, Prepared { subject, message }) in prepared {
+        for (
+            i,
+            Prepared {
+                subject,
+                headers,
+                payload,
+            },
+        ) in prepared
+        {
+            let message = PublishMessage::build().payload(payload).headers(headers);
             // A free slot of the window, driving our own pending acks while we wait so
             // their permits come back.
             let permit: Option<OwnedSemaphorePermit> = loop {
@@ -410,8 +363,11 @@ impl NatsPublisher {
                     .push(i),
             }
         }
+        // Every lookup ends by the batch's deadline plus one connect timeout (the
+        // publisher's publish timeout).
+        let lookups_end = deadline + self.config.connect_timeout();
         for (subject, indices) in no_stream {
-            let error = self.no_responders(&subject).await;
+            let error = self.no_responders(&subject, lookups_end).await;
             for i in indices {
                 results[i] = Some(Err(error.clone_as_error()));
             }
@@ -427,9 +383,9 @@ impl NatsPublisher {
 
     /// Decides what a "no responders" answer to a publish on `subject` means by asking
     /// JetStream which stream captures the subject.
-    async fn no_responders(&self, subject: &str) -> Cloneable {
-        let lookup = timeout(
-            self.config.connect_timeout(),
+    async fn no_responders(&self, subject: &str, end: Instant) -> Cloneable {
+        let lookup = timeout_at(
+            end.min(Instant::now() + self.config.connect_timeout()),
             self.jetstream.stream_by_subject(subject),
         )
         .await;
@@ -486,6 +442,13 @@ impl EventPublisher for NatsPublisher {
             .collect()
     }
 
+    /// The ack timeout plus the connect timeout: a batch's PubAcks are awaited under one
+    /// deadline of the ack timeout, and a "no responders" answer may add one stream
+    /// lookup bounded by the connect timeout.
+    fn publish_timeout(&self) -> Option<Duration> {
+        Some(self.config.ack_timeout() + self.config.connect_timeout())
+    }
+
     /// Succeeds only when the client is connected and the JetStream API answers an
     /// account info request (`$JS.API.INFO`) within the connect timeout without an
     /// error; otherwise `Unavailable`.
@@ -527,6 +490,85 @@ pub(crate) async fn jetstream_ready(
     }
 }
 
+/// Checks one message and turns it into what a JetStream publish needs (subject,
+/// headers, payload), inside a debug-level `outbox.publish_message` span with the
+/// message's id, event type, tenant, aggregate, version and attempts (never the
+/// payload). `max` is the largest payload plus headers, in bytes, to accept.
+///
+/// A free function of the configuration so that it can be exercised without a server.
+fn prepare(config: &NatsConfig, msg: &OutboxMessage, max: usize) -> Result<Prepared, PublishError> {
+    let _span = tracing::debug_span!(
+        "outbox.publish_message",
+        message.id = %msg.id,
+        event_type = %msg.event_type,
+        tenant = msg.tenant_id.as_deref().unwrap_or(""),
+        aggregate_type = %msg.aggregate_type,
+        aggregate_id = %msg.aggregate_id,
+        aggregate_version = msg.aggregate_version,
+        attempts = msg.attempts,
+    )
+    .entered();
+    let subject = config.subject_for(msg.effective_routing_key());
+    if let Some(problem) = subject_problem(&subject) {
+        return Err(PublishError::Invalid(format!(
+            "not a valid NATS publish subject (prefix {:?} + routing key or event type): {problem}",
+            config.subject_prefix()
+        )));
+    }
+    let mut headers = HeaderMap::new();
+    let mut names: Vec<String> = Vec::with_capacity(12 + msg.headers.len());
+    let mut push = |headers: &mut HeaderMap, name: &str, value: &str| {
+        if names.iter().any(|n| n.eq_ignore_ascii_case(name)) {
+            // encode_headers lists the CloudEvents attributes first: a pass-through
+            // header must not overwrite the id, type, ... of the event.
+            return Ok(());
+        }
+        // async-nats accepts an empty name, which would go out as the line ": value".
+        let header_name = name
+            .parse::<HeaderName>()
+            .ok()
+            .filter(|_| !name.is_empty())
+            .ok_or_else(|| {
+                PublishError::Invalid(format!(
+                    "header name {name:?} is not a NATS header name (printable ASCII without ':', not empty)"
+                ))
+            })?;
+        let header_value = value.parse::<HeaderValue>().map_err(|_| {
+            PublishError::Invalid(format!(
+                "the value of header {name:?} contains a line break"
+            ))
+        })?;
+        headers.insert(header_name, header_value);
+        names.push(name.to_owned());
+        Ok::<(), PublishError>(())
+    };
+    let id = msg.id.to_string();
+    push(&mut headers, MSG_ID_HEADER, &id)?;
+    push(&mut headers, CONTENT_TYPE_HEADER, CONTENT_TYPE_JSON)?;
+    for (name, value) in encode_headers(msg, Binding::Nats, config.source()) {
+        if name
+            .as_bytes()
+            .get(..5)
+            .is_some_and(|prefix| prefix.eq_ignore_ascii_case(b"nats-"))
+        {
+            return Err(PublishError::Invalid(format!(
+                "header {name:?} is reserved for JetStream (Nats-* headers control deduplication and expectations)"
+            )));
+        }
+        push(&mut headers, &name, &value)?;
+    }
+    let payload = Bytes::copy_from_slice(msg.payload.get().as_bytes());
+    let size = payload.len() + header_wire_len(&headers);
+    if size > max {
+        return Err(PublishError::PayloadTooLarge { size, max });
+    }
+    Ok(Prepared {
+        subject,
+        headers,
+        payload,
+    })
+}
+
 /// The serialized size of a NATS header block (`NATS/1.0\r\n`, `name: value\r\n` per
 /// value, `\r\n`), as the server counts it against `max_payload`.
 fn header_wire_len(headers: &HeaderMap) -> usize {
@@ -542,7 +584,8 @@ fn header_wire_len(headers: &HeaderMap) -> usize {
 /// What a JetStream publish needs for one message.
 struct Prepared {
     subject: String,
-    message: PublishMessage,
+    headers: HeaderMap,
+    payload: Bytes,
 }
 
 /// Why a message of a batch got no PubAck.
@@ -601,12 +644,12 @@ impl Failure {
                         reason: format!("JetStream refused the message: {e}"),
                     },
                     None if connection_lost => lost(),
-                    // The client could not hand the publish to its connection task.
-                    None => PublishError::Other {
-                        kind: ErrorKind::Transient,
-                        message: format!("publish failed: {e}"),
-                        source: Some(Box::new(e)),
-                    },
+                    // The client could not hand the publish to its connection task: the
+                    // client's state, never the message's.
+                    None => PublishError::unavailable(
+                        format!("the NATS client could not send the publish: {e}"),
+                        Some(Box::new(e)),
+                    ),
                 },
             },
         };
@@ -669,5 +712,315 @@ mod tests {
             Failure::Publish(no_stream).into_error(&config, false),
             Mapped::NoResponders
         ));
+    }
+}
+
+/// Property tests: no panic is reachable from a row's content on the way to a JetStream
+/// publish; what cannot be published gets a typed, permanent error.
+#[cfg(test)]
+mod properties {
+    use super::*;
+    use crate::config::DEFAULT_URL;
+    use outbox_core::MessageStatus;
+    use outbox_core::wire::IncomingMessage;
+    use proptest::prelude::*;
+    use proptest::test_runner::Config as ProptestConfig;
+    use serde_json::value::RawValue;
+    use uuid::Uuid;
+
+    fn config() -> ProptestConfig {
+        ProptestConfig {
+            cases: 256,
+            // Keep proptest's regression files out of the repository.
+            failure_persistence: None,
+            ..ProptestConfig::default()
+        }
+    }
+
+    /// Any text: every `char` (controls, NUL, CR/LF, non-BMP) is possible.
+    fn text(max_chars: usize) -> impl Strategy<Value = String> {
+        prop::collection::vec(any::<char>(), 0..=max_chars).prop_map(String::from_iter)
+    }
+
+    /// Header names: arbitrary text; names that are valid NATS names; `Nats-` in any
+    /// case; names of 1-4 bytes (ASCII or one multi-byte char) and names whose 5th
+    /// byte falls inside a multi-byte char (a `name[..5]` slice panicked on both);
+    /// names with ':', CR/LF, spaces; empty and very long names; our attributes.
+    fn header_name() -> impl Strategy<Value = String> {
+        prop_oneof![
+            3 => text(30),
+            3 => "[!-9;-~]{0,30}",
+            2 => ("[nN][aA][tT][sS]-", "[!-9;-~]{0,12}").prop_map(|(p, s)| p + &s),
+            2 => prop::collection::vec(any::<char>(), 1..=2)
+                .prop_map(String::from_iter)
+                .prop_filter("1 to 4 bytes", |s| (1..=4).contains(&s.len())),
+            2 => ("[nN]?[aA]?[tT]?[sS]?", any::<char>(), text(6))
+                .prop_map(|(p, c, s)| format!("{p}{c}{s}")),
+            1 => "[a-z]{0,4}[:\r\n \t][a-z]{0,4}",
+            1 => (0usize..600).prop_map(|n| "h".repeat(n)),
+            1 => prop::sample::select(vec![
+                "ce-id", "ce-type", "CE-TYPE", "ce-source", "ce-time", "ce-aggregateversion",
+                "ce-correlationid", "correlationid", "causationid", "traceparent", "tracestate",
+                "Content-Type", "content-type", "Nats-Msg-Id", "nats-expected-stream", "",
+            ])
+            .prop_map(str::to_owned),
+        ]
+    }
+
+    /// Header values: mostly printable or any text without line breaks, sometimes
+    /// arbitrary text (CR/LF included), long text.
+    fn header_value() -> impl Strategy<Value = String> {
+        prop_oneof![
+            3 => "[ -~]{0,40}",
+            2 => "[^\r\n]{0,20}",
+            1 => text(40),
+            1 => (0usize..1000).prop_map(|n| "v".repeat(n)),
+        ]
+    }
+
+    /// Text of the attributes that become header values (aggregate, tenant, ...).
+    fn field_text() -> impl Strategy<Value = String> {
+        prop_oneof![
+            3 => "[ -~]{0,20}",
+            2 => "[^\r\n]{0,20}",
+            1 => text(20),
+        ]
+    }
+
+    /// The headers of a row: most names valid NATS names, some of every kind above.
+    fn headers() -> impl Strategy<Value = outbox_core::Headers> {
+        let name = prop_oneof![6 => "x-[!-9;-~]{0,20}", 1 => header_name()];
+        prop::collection::btree_map(name, header_value(), 0..6)
+    }
+
+    /// Routing keys and event types: mostly valid subject tokens, and wildcards, `$`,
+    /// empty tokens, whitespace, multi-byte chars, arbitrary text, very long keys.
+    fn subject_part() -> impl Strategy<Value = String> {
+        prop_oneof![
+            9 => "[A-Za-z0-9_-]{1,12}(\\.[A-Za-z0-9_-]{1,12}){0,3}",
+            2 => "[A-Za-z0-9_.*>$ -]{0,20}",
+            2 => "[a-z]{1,4}[é日𝄞\u{85}\u{a0}][a-z.]{0,4}",
+            2 => text(20),
+            1 => (0usize..5000).prop_map(|n| "k".repeat(n)),
+        ]
+    }
+
+    /// A JSON payload of exactly `size` bytes (at least 1).
+    fn payload(size: usize) -> Box<RawValue> {
+        let json = if size < 2 {
+            "0".to_owned()
+        } else {
+            format!("\"{}\"", "a".repeat(size - 2))
+        };
+        RawValue::from_string(json).expect("valid JSON")
+    }
+
+    fn message() -> impl Strategy<Value = OutboxMessage> {
+        (
+            (
+                any::<u128>(),
+                field_text(),
+                field_text(),
+                any::<i64>(),
+                subject_part(),
+            ),
+            (
+                headers(),
+                prop::option::of(field_text()),
+                prop::option::of(subject_part()),
+                prop::option::of(field_text()),
+            ),
+            0usize..600,
+        )
+            .prop_map(
+                |(
+                    (id, aggregate_type, aggregate_id, aggregate_version, event_type),
+                    (headers, tenant_id, routing_key, partition_key),
+                    size,
+                )| {
+                    let now = chrono::Utc::now();
+                    OutboxMessage {
+                        id: Uuid::from_u128(id),
+                        seq: 1,
+                        aggregate_type,
+                        aggregate_id,
+                        aggregate_version,
+                        event_type,
+                        payload: payload(size),
+                        headers,
+                        tenant_id,
+                        routing_key,
+                        partition_key,
+                        occurred_at: now,
+                        created_at: now,
+                        visible_at: now,
+                        attempts: 1,
+                        status: MessageStatus::Processing,
+                        last_error: None,
+                        claim_token: None,
+                        lease_until: None,
+                        sent_at: None,
+                    }
+                },
+            )
+    }
+
+    fn nats_config() -> impl Strategy<Value = NatsConfig> {
+        (
+            prop::sample::select(vec!["outbox.events", "", "orders"]),
+            prop::option::of(Just("/orders-service".to_owned())),
+        )
+            .prop_map(|(prefix, source)| {
+                crate::NatsConfigBuilder::new(DEFAULT_URL)
+                    .with_subject_prefix(prefix)
+                    .with_source(source)
+                    .build()
+                    .expect("valid config")
+            })
+    }
+
+    /// Whether every header `prepare` would write can be a NATS header: non-empty names
+    /// of printable ASCII without ':' and not `Nats-*`, values without CR or LF.
+    fn expressible(msg: &OutboxMessage, config: &NatsConfig) -> bool {
+        let name_ok = |n: &str| {
+            !n.is_empty()
+                && n.chars().all(|c| c.is_ascii_graphic() && c != ':')
+                && !n.get(..5).is_some_and(|p| p.eq_ignore_ascii_case("nats-"))
+        };
+        let value_ok = |v: &str| !v.contains(['\r', '\n']);
+        msg.headers.iter().all(|(n, v)| name_ok(n) && value_ok(v))
+            && [
+                Some(&msg.event_type),
+                Some(&msg.aggregate_type),
+                Some(&msg.aggregate_id),
+                msg.tenant_id.as_ref(),
+                msg.partition_key.as_ref(),
+            ]
+            .into_iter()
+            .flatten()
+            .all(|v| value_ok(v))
+            && config.source().is_none_or(value_ok)
+    }
+
+    /// What the consumer decodes from the prepared headers.
+    fn consumed(prepared: &Prepared) -> Result<IncomingMessage, outbox_core::wire::DecodeError> {
+        let headers = crate::consumer::headers_to_strings(Some(&prepared.headers));
+        let message_id = headers.get(MSG_ID_HEADER).cloned();
+        IncomingMessage::decode(
+            Binding::Nats,
+            message_id.as_deref(),
+            headers,
+            prepared.payload.to_vec(),
+            false,
+            Some(1),
+        )
+    }
+
+    proptest! {
+        #![proptest_config(config())]
+
+        /// Guards against `prepare` panicking on a row's content (the `name[..5]` slice
+        /// on a multi-byte header name did): arbitrary header names and values,
+        /// routing keys and event types, payloads around `max`. The verdict is `Ok`,
+        /// `Invalid` or `PayloadTooLarge`; an invalid subject is always `Invalid`, a
+        /// message whose every part is expressible never is; `Ok` fits `max`, has the
+        /// configured subject and decodes on the consumer side to the same id and type.
+        #[test]
+        fn prepare_never_panics(
+            msg in message(),
+            config in nats_config(),
+            max in 1usize..1500,
+        ) {
+            let subject = config.subject_for(msg.effective_routing_key());
+            match prepare(&config, &msg, max) {
+                Ok(prepared) => {
+                    prop_assert!(subject_problem(&subject).is_none());
+                    prop_assert_eq!(&prepared.subject, &subject);
+                    let size = prepared.payload.len() + header_wire_len(&prepared.headers);
+                    prop_assert!(size <= max);
+                    prop_assert_eq!(prepared.payload.as_ref(), msg.payload.get().as_bytes());
+                    let decoded = consumed(&prepared).map_err(|e| {
+                        TestCaseError::fail(format!("prepared but undecodable: {e}"))
+                    })?;
+                    prop_assert_eq!(decoded.id, msg.id);
+                    prop_assert_eq!(&decoded.event_type, &msg.event_type);
+                    prop_assert_eq!(decoded.aggregate_version, Some(msg.aggregate_version));
+                }
+                Err(PublishError::Invalid(reason)) => {
+                    prop_assert!(!reason.is_empty());
+                    prop_assert!(
+                        subject_problem(&subject).is_some() || !expressible(&msg, &config),
+                        "an expressible message was rejected: {}", reason
+                    );
+                }
+                Err(PublishError::PayloadTooLarge { size, max: limit }) => {
+                    prop_assert_eq!(limit, max);
+                    prop_assert!(size > max && size >= msg.payload.get().len());
+                }
+                Err(other) => prop_assert!(false, "unexpected error {other:?}"),
+            }
+            if subject_problem(&subject).is_some() {
+                prop_assert!(matches!(prepare(&config, &msg, max), Err(PublishError::Invalid(_))));
+            }
+        }
+
+        /// Guards the size check at its boundary: with `max` chosen so that the payload
+        /// is a few bytes under, at or over what fits beside the headers, a payload
+        /// that fits is `Ok` and one that does not is `PayloadTooLarge` with the exact
+        /// size, never a panic or an off-by-one.
+        #[test]
+        fn payload_limit_is_exact(
+            msg in message(),
+            config in nats_config(),
+            room in 1usize..3000,
+            delta in -3isize..=3,
+        ) {
+            let Ok(probe) = prepare(&config, &msg, usize::MAX) else {
+                // Invalid whatever its size: covered by `prepare_never_panics`.
+                return Ok(());
+            };
+            let headers = header_wire_len(&probe.headers);
+            let size = room.saturating_add_signed(delta).max(1);
+            let msg = OutboxMessage { payload: payload(size), ..msg };
+            let max = headers + room;
+            match prepare(&config, &msg, max) {
+                Ok(_) => prop_assert!(headers + size <= max),
+                Err(PublishError::PayloadTooLarge { size: got, max: limit }) => {
+                    prop_assert_eq!(got, headers + size);
+                    prop_assert_eq!(limit, max);
+                    prop_assert!(got > max);
+                }
+                Err(other) => prop_assert!(false, "unexpected error {other:?}"),
+            }
+        }
+    }
+
+    /// The inputs that made the old `name[..5]` check panic: a multi-byte char across
+    /// byte 5, and names shorter than 5 bytes.
+    #[test]
+    fn multi_byte_header_names_are_invalid_not_a_panic() {
+        let config = crate::NatsConfigBuilder::new(DEFAULT_URL)
+            .build()
+            .expect("valid config");
+        for name in ["Natsé-x", "Nat日本", "é", "日", "ab", "𝄞"] {
+            let msg = OutboxMessage::claimed_from(
+                outbox_core::NewMessage::builder("order", "1", "OrderPlaced")
+                    .payload(&1)
+                    .header(name, "v")
+                    .build()
+                    .expect("valid message"),
+                chrono::Utc::now(),
+            );
+            let result = prepare(&config, &msg, 1 << 20);
+            if name.is_ascii() {
+                assert!(result.is_ok(), "{name:?}");
+            } else {
+                assert!(
+                    matches!(result, Err(PublishError::Invalid(_))),
+                    "{name:?}: {:?}",
+                    result.err()
+                );
+            }
+        }
     }
 }

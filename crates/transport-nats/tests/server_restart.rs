@@ -2,7 +2,8 @@
 //! goes dead, nothing is lost or stored twice, and both the relay (PostgreSQL →
 //! JetStream) and the consumer resume by themselves.
 //!
-//! This binary stops the shared NATS server, so it holds a single test (cargo runs test
+//! This binary stops the shared NATS server (under the machine-wide fault lock of
+//! `outbox_testkit::faults`), so it holds a single test (cargo runs test
 //! binaries one after another). The outage length is `NATS_OUTAGE_SECS` (default 5).
 //! The local server is stopped and started with `start-stop-daemon` (as `cargo xtask
 //! services` starts it); with Docker, the compose service `nats` is stopped and started
@@ -154,6 +155,8 @@ async fn server_is_down() -> bool {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn relay_and_consumer_resume_after_a_server_restart_and_nothing_is_lost() {
+    // No other test may freeze or stop a shared server meanwhile.
+    let _lock = outbox_testkit::faults::lock().await;
     let outage_secs: u64 = std::env::var("NATS_OUTAGE_SECS")
         .ok()
         .and_then(|s| s.parse().ok())

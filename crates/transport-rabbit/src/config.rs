@@ -33,7 +33,7 @@ pub const URL_ENV: &str = "AMQP_URL";
 /// Default exchange name.
 pub const DEFAULT_EXCHANGE: &str = "outbox.events";
 /// Default time to wait for the publisher confirms of one batch.
-pub const DEFAULT_CONFIRM_TIMEOUT: Duration = Duration::from_secs(30);
+pub const DEFAULT_CONFIRM_TIMEOUT: Duration = Duration::from_secs(10);
 /// Default time to wait for a connection (TCP, TLS, AMQP handshake, channel setup).
 pub const DEFAULT_CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
 /// Default largest payload published: 16 MiB, RabbitMQ 4's default `max_message_size`.
@@ -125,9 +125,11 @@ impl RabbitConfigBuilder {
         self
     }
 
-    /// How long a batch waits for its publisher confirms, measured from the start of
-    /// the batch; messages still unconfirmed then are reported as
-    /// [`PublishError::Timeout`](outbox_core::PublishError::Timeout). Default 30 s.
+    /// How long a batch waits for its publisher confirms: a batch ends at most the
+    /// connect timeout plus this after it started; messages still unconfirmed then are
+    /// reported as [`PublishError::Timeout`](outbox_core::PublishError::Timeout), an
+    /// outage that charges no attempt. Default 10 s. The dispatcher's lease must be at
+    /// least twice the sum of the two.
     pub fn with_confirm_timeout(mut self, timeout: Duration) -> Self {
         self.confirm_timeout = timeout;
         self
@@ -401,7 +403,7 @@ mod tests {
             .expect("valid");
         assert_eq!(config.exchange(), DEFAULT_EXCHANGE);
         assert!(config.declare_exchange());
-        assert_eq!(config.confirm_timeout(), Duration::from_secs(30));
+        assert_eq!(config.confirm_timeout(), Duration::from_secs(10));
         assert_eq!(config.connect_timeout(), Duration::from_secs(5));
         assert_eq!(config.max_payload_bytes(), 16 * 1024 * 1024);
         assert_eq!(config.channels(), 2);

@@ -42,9 +42,9 @@ use lapin::options::{
     QueueBindOptions, QueueDeclareOptions,
 };
 use lapin::types::{AMQPValue, DecimalValue, FieldTable, LongString, ShortString};
-use lapin::{Channel, Connection};
+use lapin::{BasicProperties, Channel, Connection};
 use outbox_core::consumer::{DeliveryHandler, HandlerDecision};
-use outbox_core::wire::{Binding, IncomingMessage};
+use outbox_core::wire::{Binding, DecodeError, IncomingMessage};
 use outbox_core::{ErrorKind, Headers};
 use tokio::time::timeout;
 use tokio_util::sync::CancellationToken;
@@ -563,15 +563,7 @@ async fn process<H: DeliveryHandler>(
         ..
     } = delivery;
     let message_id = properties.message_id().as_ref().map(ShortString::as_str);
-    let headers = headers_to_strings(properties.headers().as_ref());
-    let decision = match IncomingMessage::decode(
-        Binding::Amqp,
-        message_id,
-        headers,
-        data,
-        redelivered,
-        None,
-    ) {
+    let decision = match decode_delivery(&properties, data, redelivered) {
         Ok(msg) => {
             let id = msg.id;
             match AssertUnwindSafe(handler.handle(msg)).catch_unwind().await {
@@ -625,6 +617,24 @@ async fn process<H: DeliveryHandler>(
     if let Err(e) = answered {
         warn!(delivery_tag, ?decision, error = %e, "could not answer the broker; it will redeliver");
     }
+}
+
+/// Decodes a delivery's properties and body (AMQP binding: the `message_id` property
+/// and `cloudEvents:*` headers). Pure (a lapin `Delivery` holds an `Acker` only lapin
+/// can make), so that it can be tested with arbitrary properties.
+pub(crate) fn decode_delivery(
+    properties: &BasicProperties,
+    data: Vec<u8>,
+    redelivered: bool,
+) -> Result<IncomingMessage, DecodeError> {
+    IncomingMessage::decode(
+        Binding::Amqp,
+        properties.message_id().as_ref().map(ShortString::as_str),
+        headers_to_strings(properties.headers().as_ref()),
+        data,
+        redelivered,
+        None,
+    )
 }
 
 /// AMQP headers as strings: strings as they are (long strings decoded as UTF-8,
@@ -756,5 +766,214 @@ mod tests {
             .expect("valid");
         assert_eq!(consumer.prefetch(), DEFAULT_PREFETCH);
         assert_eq!(consumer.queue(), "q");
+    }
+}
+
+/// Property tests: no panic is reachable from a delivery's properties. A lapin
+/// `Delivery` cannot be built outside lapin (its `Acker`), so these exercise
+/// [`decode_delivery`], all of `process` that reads the delivery's content.
+#[cfg(test)]
+mod properties {
+    use super::*;
+    use lapin::types::{ByteArray, FieldArray};
+    use proptest::prelude::*;
+    use proptest::test_runner::Config as ProptestConfig;
+
+    fn config() -> ProptestConfig {
+        ProptestConfig {
+            cases: 256,
+            // Keep proptest's regression files out of the repository.
+            failure_persistence: None,
+            ..ProptestConfig::default()
+        }
+    }
+
+    /// Any text: every `char` (controls, NUL, CR/LF, non-BMP) is possible.
+    fn text(max_chars: usize) -> impl Strategy<Value = String> {
+        prop::collection::vec(any::<char>(), 0..=max_chars).prop_map(String::from_iter)
+    }
+
+    /// An AMQP short string: any text of at most 255 bytes.
+    fn short(max_chars: usize) -> impl Strategy<Value = ShortString> {
+        text(max_chars).prop_map(|mut s| {
+            while s.len() > 255 {
+                s.pop();
+            }
+            ShortString::try_new(s).expect("at most 255 bytes")
+        })
+    }
+
+    /// Texts an attribute parses (UUIDs, integers, times, trace contexts) or not.
+    fn attribute_text() -> impl Strategy<Value = String> {
+        prop_oneof![
+            2 => text(40),
+            2 => any::<u128>().prop_map(|n| uuid::Uuid::from_u128(n).to_string()),
+            1 => any::<i64>().prop_map(|n| n.to_string()),
+            1 => "[0-9]{4}-[0-9]{2}-[0-9]{2}T[0-9]{2}:[0-9]{2}:[0-9]{2}(\\.[0-9]{1,9})?Z",
+            1 => "[0-9a-f]{2}-[0-9a-f]{32}-[0-9a-f]{16}-[0-9a-f]{2}",
+        ]
+    }
+
+    /// Any AMQP field value: every scalar type (NaN and infinities, any decimal
+    /// scale), short and long strings, long strings and byte arrays of arbitrary
+    /// (non-UTF-8) bytes, void, and arrays and tables nested 3 deep.
+    fn amqp_value() -> impl Strategy<Value = AMQPValue> {
+        let leaf = prop_oneof![
+            any::<bool>().prop_map(AMQPValue::Boolean),
+            any::<i8>().prop_map(AMQPValue::ShortShortInt),
+            any::<u8>().prop_map(AMQPValue::ShortShortUInt),
+            any::<i16>().prop_map(AMQPValue::ShortInt),
+            any::<u16>().prop_map(AMQPValue::ShortUInt),
+            any::<i32>().prop_map(AMQPValue::LongInt),
+            any::<u32>().prop_map(AMQPValue::LongUInt),
+            any::<i64>().prop_map(AMQPValue::LongLongInt),
+            any::<f32>().prop_map(AMQPValue::Float),
+            any::<f64>().prop_map(AMQPValue::Double),
+            (any::<u8>(), any::<u32>())
+                .prop_map(|(scale, value)| AMQPValue::DecimalValue(DecimalValue { scale, value })),
+            any::<u64>().prop_map(AMQPValue::Timestamp),
+            short(60).prop_map(AMQPValue::ShortString),
+            attribute_text().prop_map(|s| AMQPValue::LongString(LongString::from(s))),
+            prop::collection::vec(any::<u8>(), 0..64)
+                .prop_map(|b| AMQPValue::LongString(LongString::from(b))),
+            attribute_text().prop_map(|s| AMQPValue::ByteArray(ByteArray::from(s.into_bytes()))),
+            prop::collection::vec(any::<u8>(), 0..64)
+                .prop_map(|b| AMQPValue::ByteArray(ByteArray::from(b))),
+            Just(AMQPValue::Void),
+        ];
+        leaf.prop_recursive(3, 32, 6, |inner| {
+            prop_oneof![
+                prop::collection::vec(inner.clone(), 0..6)
+                    .prop_map(|v| AMQPValue::FieldArray(FieldArray::from(v))),
+                prop::collection::btree_map(short(20), inner, 0..6)
+                    .prop_map(|m| AMQPValue::FieldTable(FieldTable::from(m))),
+            ]
+        })
+    }
+
+    /// Header names: any short string, near the 255-byte limit, or an attribute.
+    fn header_name() -> impl Strategy<Value = ShortString> {
+        prop_oneof![
+            2 => short(40),
+            1 => (0usize..=255).prop_map(|n| ShortString::try_new("h".repeat(n)).expect("short")),
+            3 => prop::sample::select(vec![
+                "cloudEvents:id", "cloudEvents:type", "cloudEvents:source",
+                "cloudEvents:subject", "cloudEvents:time", "cloudEvents:aggregatetype",
+                "cloudEvents:aggregateversion", "cloudEvents:tenantid",
+                "cloudEvents:partitionkey", "cloudEvents:correlationid",
+                "cloudEvents:causationid", "traceparent", "tracestate", "",
+            ])
+            .prop_map(ShortString::from),
+        ]
+    }
+
+    /// A UUID as any of the AMQP types a string can travel as.
+    fn uuid_value() -> impl Strategy<Value = AMQPValue> {
+        (any::<u128>(), 0..3).prop_map(|(n, kind)| {
+            let id = uuid::Uuid::from_u128(n).to_string();
+            match kind {
+                0 => AMQPValue::LongString(LongString::from(id)),
+                1 => AMQPValue::ShortString(ShortString::from(id)),
+                _ => AMQPValue::ByteArray(ByteArray::from(id.into_bytes())),
+            }
+        })
+    }
+
+    /// Delivery properties: arbitrary headers (often with a UUID id and some type, so
+    /// that decoding gets past them), with or without a `message_id`.
+    fn properties() -> impl Strategy<Value = BasicProperties> {
+        (
+            prop::option::weighted(
+                0.9,
+                prop::collection::btree_map(header_name(), amqp_value(), 0..12),
+            ),
+            prop::option::weighted(0.7, uuid_value()),
+            prop::option::weighted(
+                0.8,
+                prop_oneof![
+                    2 => text(30).prop_map(|s| AMQPValue::LongString(LongString::from(s))),
+                    1 => amqp_value(),
+                ],
+            ),
+            prop::option::of(prop_oneof![
+                short(40),
+                any::<u128>().prop_map(|n| ShortString::from(uuid::Uuid::from_u128(n).to_string())),
+            ]),
+        )
+            .prop_map(|(headers, id, kind, message_id)| {
+                let mut properties = BasicProperties::default();
+                if let Some(mut headers) = headers {
+                    if let Some(id) = id {
+                        headers.insert(ShortString::from("cloudEvents:id"), id);
+                    }
+                    if let Some(kind) = kind {
+                        headers.insert(ShortString::from("cloudEvents:type"), kind);
+                    }
+                    properties = properties.with_headers(FieldTable::from(headers));
+                }
+                if let Some(id) = message_id {
+                    properties = properties.with_message_id(id);
+                }
+                properties
+            })
+    }
+
+    proptest! {
+        #![proptest_config(config())]
+
+        /// Guards against the consumer panicking on a delivery's properties (anyone
+        /// who may publish to the exchange chooses them): any header names, values of
+        /// every AMQP type (non-UTF-8 strings and byte arrays, NaN, decimals of any
+        /// scale, nested arrays and tables, void), attributes of the wrong type,
+        /// malformed or missing, with or without a `message_id`. Scalars and UTF-8 byte
+        /// arrays become headers, arrays, tables, void and other byte arrays are left
+        /// out; `Ok` carries the `cloudEvents:id` or `message_id` as its id.
+        #[test]
+        fn decode_delivery_never_panics(
+            properties in properties(),
+            data in prop::collection::vec(any::<u8>(), 0..64),
+            redelivered in any::<bool>(),
+        ) {
+            let decoded = decode_delivery(&properties, data.clone(), redelivered);
+            let headers = headers_to_strings(properties.headers().as_ref());
+            if let Some(table) = properties.headers() {
+                for (name, value) in table.inner() {
+                    let kept = match value {
+                        AMQPValue::FieldArray(_)
+                        | AMQPValue::FieldTable(_)
+                        | AMQPValue::Void => false,
+                        AMQPValue::ByteArray(b) => std::str::from_utf8(b.as_slice()).is_ok(),
+                        _ => true,
+                    };
+                    prop_assert_eq!(headers.contains_key(name.as_str()), kept, "{:?}", value);
+                }
+            }
+            if let Ok(msg) = decoded {
+                let raw_id = headers.get("cloudEvents:id").map(String::as_str).or_else(|| {
+                    properties.message_id().as_ref().map(ShortString::as_str)
+                });
+                prop_assert_eq!(raw_id.and_then(|id| uuid::Uuid::parse_str(id).ok()), Some(msg.id));
+                prop_assert_eq!(Some(&msg.event_type), headers.get("cloudEvents:type"));
+                prop_assert_eq!(msg.redelivered, redelivered);
+                prop_assert_eq!(msg.payload, data);
+            }
+        }
+
+        /// Guards `decimal_text` (it pads and splits at `len - scale`) against any
+        /// scale, 0 to 255, and any value: the text has `scale` digits after the point
+        /// and reads back as the value.
+        #[test]
+        fn decimals_never_panic(scale in any::<u8>(), value in any::<u32>()) {
+            let text = decimal_text(DecimalValue { scale, value });
+            match text.split_once('.') {
+                None => prop_assert_eq!(scale, 0),
+                Some((int, frac)) => {
+                    prop_assert_eq!(frac.len(), usize::from(scale));
+                    prop_assert!(!int.is_empty());
+                }
+            }
+            let digits = text.replace('.', "");
+            prop_assert_eq!(digits.parse::<u128>().ok(), Some(u128::from(value)));
+        }
     }
 }

@@ -14,7 +14,9 @@
 //!    for anything in between.
 //! 3. Then all confirms are awaited together, under one deadline of
 //!    [`confirm_timeout`](crate::RabbitConfigBuilder::with_confirm_timeout) counted from
-//!    the first publish.
+//!    when the channel was ready (reconnecting first takes at most the
+//!    [`connect_timeout`](crate::RabbitConfigBuilder::with_connect_timeout); the sum is
+//!    the publisher's [`EventPublisher::publish_timeout`]).
 //!
 //! Each message gets exactly one [`PublishOutcome`], in input order:
 //!
@@ -22,12 +24,15 @@
 //! |-------------------------------------------------|--------------------------------------------|
 //! | `basic.ack`                                     | `Published`                                |
 //! | `basic.return` then `basic.ack` (mandatory, no queue bound) | `Permanent(Unroutable)`        |
-//! | `basic.nack`                                    | `Transient(Rejected)`                      |
+//! | `basic.nack` (a queue at `x-max-length` with `reject-publish`, a queue failure) | `Transient(Rejected)`: an outage, circuit opens |
 //! | no confirm requested (confirm mode off)         | `Permanent(ConfirmsNotEnabled)`            |
 //! | connection or channel lost, broker unreachable  | `Transient(Unavailable)`: circuit opens    |
 //! | connection blocked by a broker resource alarm   | `Transient(Unavailable)`: circuit opens    |
-//! | channel closed with `406 PRECONDITION_FAILED` (over the broker's `max_message_size`) | `Transient(Other)` |
-//! | no confirm within the deadline                  | `Transient(Timeout)`                       |
+//! | no confirm within the deadline (slow or frozen broker) | `Transient(Timeout)`: an outage, circuit opens |
+//! | channel closed with `406 PRECONDITION_FAILED` (a message over the broker's `max_message_size`) | the unconfirmed messages are published again one at a time: the one closed with 406 alone gets `Permanent(Other)`, the others their own outcome |
+//!
+//! Only a verdict about one message is permanent; whatever says the broker cannot take
+//! messages now is an outage ([`ErrorKind::Unavailable`]), which charges no attempt.
 //!
 //! # Wire format
 //!
@@ -339,19 +344,25 @@ impl RabbitPublisher {
         }
     }
 
-    /// Publishes the batch on one channel, then awaits its confirms together. Fills
-    /// `results` for every message.
+    /// Publishes the batch on one channel, then awaits its confirms together, before
+    /// `deadline` or, without one, the confirm timeout after the channel is ready.
+    /// Fills `results` for every message. Returns the deadline used and the indices of
+    /// the messages lost with a channel the broker closed with `406
+    /// PRECONDITION_FAILED` (one of them caused it; see [`isolate`](Self::isolate)), if
+    /// that happened.
     async fn publish_on_channel(
         &self,
         messages: &[OutboxMessage],
         results: &mut [Option<Result<(), PublishError>>],
-    ) {
+        deadline: Option<Instant>,
+    ) -> (Instant, Vec<usize>) {
+        let unreachable = || deadline.unwrap_or_else(Instant::now);
         let session = match self.session().await {
             Ok(session) => session,
             Err(e) => {
                 warn!(error = %e, messages = messages.len(), "RabbitMQ unavailable, batch not published");
                 self.not_published(messages, &e, results);
-                return;
+                return (unreachable(), Vec::new());
             }
         };
         let mut slot = session.take_slot().await;
@@ -362,14 +373,14 @@ impl RabbitPublisher {
                 self.not_published(messages, &e, results);
                 drop(slot);
                 self.forget_if_lost(&session).await;
-                return;
+                return (unreachable(), Vec::new());
             }
         };
 
         let frame_max =
             usize::try_from(session.connection.configuration().frame_max()).unwrap_or(usize::MAX);
         let exchange = ShortString::from(self.config.exchange());
-        let deadline = Instant::now() + self.config.confirm_timeout();
+        let deadline = deadline.unwrap_or_else(|| Instant::now() + self.config.confirm_timeout());
         let options = BasicPublishOptions {
             mandatory: true,
             immediate: false,
@@ -418,10 +429,19 @@ impl RabbitPublisher {
         sent.extend(join_all(sends).await);
         let mut pending: Vec<(usize, PublisherConfirm)> = Vec::with_capacity(sent.len());
         let mut failure: Option<Failure> = None;
+        // Messages lost with the channel while the connection stayed up, and whether the
+        // broker closed it with 406 PRECONDITION_FAILED (a message over its
+        // max_message_size): then one of them is poison and the rest innocent.
+        let mut lost_with_channel: Vec<usize> = Vec::new();
+        let mut precondition_failed = false;
         for (i, outcome) in sent {
             match outcome {
                 Ok(Ok(confirm)) => pending.push((i, confirm)),
                 Ok(Err(e)) => {
+                    precondition_failed |= is_precondition_failed(&e);
+                    if session.connection.status().connected() {
+                        lost_with_channel.push(i);
+                    }
                     let f = Failure::Driver(e);
                     results[i] = Some(Err(f.to_error(&self.config, &session)));
                     failure = Some(f);
@@ -446,6 +466,10 @@ impl RabbitPublisher {
                 Ok(Ok(confirmation)) => confirmation_result(confirmation, self.config.exchange()),
                 Ok(Err(e)) => {
                     driver_errors += 1;
+                    precondition_failed |= is_precondition_failed(&e);
+                    if session.connection.status().connected() {
+                        lost_with_channel.push(i);
+                    }
                     Err(Failure::Driver(e).to_error(&self.config, &session))
                 }
                 Err(_) => {
@@ -472,6 +496,55 @@ impl RabbitPublisher {
         } else {
             debug!(acked, "RabbitMQ batch confirmed");
         }
+        if !precondition_failed {
+            lost_with_channel.clear();
+        }
+        (deadline, lost_with_channel)
+    }
+
+    /// The broker closed a channel with `406 PRECONDITION_FAILED` (a message over its
+    /// `max_message_size`, which may be lower than our
+    /// [`max_payload_bytes`](crate::RabbitConfigBuilder::with_max_payload_bytes)) and
+    /// took the unconfirmed messages of the batch with it. Only one of them is at fault:
+    /// each is published again alone, on a channel of its own, before `deadline`; one
+    /// whose channel is closed with 406 again is permanently rejected, the others get
+    /// their own outcome. (One suspect alone is the culprit without a second try.)
+    async fn isolate(
+        &self,
+        messages: &[OutboxMessage],
+        suspects: Vec<usize>,
+        results: &mut [Option<Result<(), PublishError>>],
+        deadline: Instant,
+    ) {
+        let poison = |msg: &OutboxMessage| PublishError::Other {
+            kind: ErrorKind::Permanent,
+            message: format!(
+                "the broker closed the channel with 406 PRECONDITION_FAILED for this message alone ({} bytes of payload): is it over the broker's max_message_size?",
+                msg.payload.get().len()
+            ),
+            source: None,
+        };
+        if let [i] = suspects[..] {
+            warn!(id = %messages[i].id, "RabbitMQ closed the channel for one message: it is rejected");
+            results[i] = Some(Err(poison(&messages[i])));
+            return;
+        }
+        warn!(
+            suspects = suspects.len(),
+            "RabbitMQ closed a channel with 406 PRECONDITION_FAILED: publishing its unconfirmed messages one at a time to find the one at fault"
+        );
+        for i in suspects {
+            let mut alone = [None];
+            let (_, again) = self
+                .publish_on_channel(&messages[i..=i], &mut alone, Some(deadline))
+                .await;
+            results[i] = if again.is_empty() {
+                alone[0].take()
+            } else {
+                warn!(id = %messages[i].id, "RabbitMQ closes the channel for this message alone: it is rejected");
+                Some(Err(poison(&messages[i])))
+            };
+        }
     }
 }
 
@@ -481,7 +554,11 @@ impl EventPublisher for RabbitPublisher {
         let mut results: Vec<Option<Result<(), PublishError>>> =
             messages.iter().map(|_| None).collect();
         if !messages.is_empty() {
-            self.publish_on_channel(messages, &mut results).await;
+            let (deadline, suspects) = self.publish_on_channel(messages, &mut results, None).await;
+            if !suspects.is_empty() {
+                self.isolate(messages, suspects, &mut results, deadline)
+                    .await;
+            }
         }
         results
             .into_iter()
@@ -495,6 +572,16 @@ impl EventPublisher for RabbitPublisher {
                 }))
             })
             .collect()
+    }
+
+    /// The connect timeout plus the confirm timeout: a batch's connection and channel
+    /// are (re)opened under the connect timeout, then its messages are sent and their
+    /// confirms awaited under one deadline of the confirm timeout (a 406 isolation
+    /// included). Give the publisher at
+    /// least as many [`channels`](crate::RabbitConfigBuilder::with_channels) as the
+    /// dispatcher has concurrent publishes, or a batch may first wait for a channel.
+    fn publish_timeout(&self) -> Option<std::time::Duration> {
+        Some(self.config.connect_timeout() + self.config.confirm_timeout())
     }
 
     /// Connects if needed and succeeds only with a usable confirm-mode channel and an
@@ -736,5 +823,238 @@ mod tests {
             confirmation_result(Confirmation::NotRequested, "x"),
             Err(PublishError::ConfirmsNotEnabled)
         ));
+    }
+}
+
+/// Property tests: no panic is reachable from a row's content on the way to a
+/// `basic.publish`; what cannot be published gets a typed, permanent error.
+#[cfg(test)]
+mod properties {
+    use super::*;
+    use crate::config::DEFAULT_URL;
+    use chrono::{DateTime, Utc};
+    use outbox_core::MessageStatus;
+    use proptest::prelude::*;
+    use proptest::test_runner::Config as ProptestConfig;
+    use serde_json::value::RawValue;
+    use uuid::Uuid;
+
+    fn config() -> ProptestConfig {
+        ProptestConfig {
+            cases: 256,
+            // Keep proptest's regression files out of the repository.
+            failure_persistence: None,
+            ..ProptestConfig::default()
+        }
+    }
+
+    /// Any text: every `char` (controls, NUL, CR/LF, non-BMP) is possible.
+    fn text(max_chars: usize) -> impl Strategy<Value = String> {
+        prop::collection::vec(any::<char>(), 0..=max_chars).prop_map(String::from_iter)
+    }
+
+    /// Text of about `MAX_SHORT_STRING` bytes (250 to 260), ASCII or made of 2-, 3- or
+    /// 4-byte chars, so that the limit falls on or inside a char.
+    fn near_short_string_limit() -> impl Strategy<Value = String> {
+        (
+            prop::sample::select(vec!["k", "é", "日", "𝄞"]),
+            250usize..=260,
+        )
+            .prop_map(|(c, bytes)| {
+                let mut s = c.repeat(bytes / c.len());
+                s.push_str(&"k".repeat(bytes % c.len()));
+                s
+            })
+    }
+
+    /// Header names of 0 to about 800 bytes of arbitrary unicode, around the 255-byte
+    /// limit, and the names of our own attributes.
+    fn header_name() -> impl Strategy<Value = String> {
+        prop_oneof![
+            4 => text(40),
+            2 => "[!-~]{1,20}",
+            2 => near_short_string_limit(),
+            1 => (0usize..400).prop_map(|n| "h".repeat(n)),
+            1 => prop::collection::vec(any::<char>(), 60..200).prop_map(String::from_iter),
+            1 => prop::sample::select(vec![
+                "", "cloudEvents:id", "cloudEvents:type", "cloudEvents:aggregateversion",
+                "cloudEvents:time", "correlationid", "causationid", "traceparent",
+                "tracestate", "ce-id", "Nats-Msg-Id",
+            ])
+            .prop_map(str::to_owned),
+        ]
+    }
+
+    fn header_value() -> impl Strategy<Value = String> {
+        prop_oneof![
+            3 => text(60),
+            1 => (0usize..3000).prop_map(|n| "v".repeat(n)),
+        ]
+    }
+
+    /// Routing keys and event types: arbitrary text, around and over 255 bytes,
+    /// multi-byte.
+    fn key() -> impl Strategy<Value = String> {
+        prop_oneof![
+            4 => "[A-Za-z0-9_.-]{1,30}",
+            2 => text(30),
+            2 => near_short_string_limit(),
+            1 => text(300),
+        ]
+    }
+
+    /// Any instant chrono can hold, before 1970 too (the AMQP timestamp is unsigned).
+    fn any_time() -> impl Strategy<Value = DateTime<Utc>> {
+        (
+            DateTime::<Utc>::MIN_UTC.timestamp()..=DateTime::<Utc>::MAX_UTC.timestamp(),
+            0u32..1_000_000_000,
+        )
+            .prop_filter_map("not an instant", |(secs, nanos)| {
+                DateTime::from_timestamp(secs, nanos)
+            })
+    }
+
+    /// A JSON payload of exactly `size` bytes (at least 1).
+    fn payload(size: usize) -> Box<RawValue> {
+        let json = if size < 2 {
+            "0".to_owned()
+        } else {
+            format!("\"{}\"", "a".repeat(size - 2))
+        };
+        RawValue::from_string(json).expect("valid JSON")
+    }
+
+    /// A row with arbitrary content, and a payload limit with a payload a few bytes
+    /// under, at or over it (or of any size that fits).
+    fn message_and_limit() -> impl Strategy<Value = (OutboxMessage, usize)> {
+        (
+            (any::<u128>(), text(20), text(20), any::<i64>(), key()),
+            (
+                prop::collection::btree_map(header_name(), header_value(), 0..8),
+                prop::option::of(text(10)),
+                prop::option::of(key()),
+                prop::option::of(text(10)),
+                any_time(),
+            ),
+            (
+                1usize..512,
+                prop_oneof![3 => (-3isize..=3).prop_map(Some), 1 => Just(None)],
+                any::<prop::sample::Index>(),
+            ),
+        )
+            .prop_map(
+                |(
+                    (id, aggregate_type, aggregate_id, aggregate_version, event_type),
+                    (headers, tenant_id, routing_key, partition_key, occurred_at),
+                    (max, delta, fitting),
+                )| {
+                    let size = delta
+                        .map_or_else(|| fitting.index(max + 1), |d| max.saturating_add_signed(d));
+                    let msg = OutboxMessage {
+                        id: Uuid::from_u128(id),
+                        seq: 1,
+                        aggregate_type,
+                        aggregate_id,
+                        aggregate_version,
+                        event_type,
+                        payload: payload(size),
+                        headers,
+                        tenant_id,
+                        routing_key,
+                        partition_key,
+                        occurred_at,
+                        created_at: occurred_at,
+                        visible_at: occurred_at,
+                        attempts: 1,
+                        status: MessageStatus::Processing,
+                        last_error: None,
+                        claim_token: None,
+                        lease_until: None,
+                        sent_at: None,
+                    };
+                    (msg, max)
+                },
+            )
+    }
+
+    fn publisher(max: usize, source: Option<String>) -> RabbitPublisher {
+        RabbitPublisher::new(
+            RabbitConfig::builder(DEFAULT_URL)
+                .with_max_payload_bytes(max)
+                .with_source(source)
+                .build()
+                .expect("valid config"),
+        )
+    }
+
+    /// The bytes of the content header frame lapin writes for `properties`: frame
+    /// header (7), class id, weight, body size (12), properties, end octet (1).
+    fn content_header_frame_len(properties: &BasicProperties) -> usize {
+        let serialize = lapin::protocol::basic::gen_properties(properties);
+        let written = serialize(From::from(Vec::new())).expect("serializable properties");
+        7 + 12 + usize::try_from(written.position).expect("fits") + 1
+    }
+
+    proptest! {
+        #![proptest_config(config())]
+
+        /// Guards against `prepare` panicking on a row's content (lapin's
+        /// `ShortString::from` panics over 255 bytes): arbitrary header names of 0 to
+        /// 800 bytes and values, routing keys and event types around and over 255
+        /// bytes, multi-byte chars, payloads around `max_payload_bytes`, any
+        /// `occurred_at`. The verdict is exactly: payload over the limit →
+        /// `PayloadTooLarge`, a routing key, event type or header name over 255 bytes →
+        /// `Invalid`, else `Ok`. An `Ok` carries the key and properties the module docs
+        /// promise, its `header_frame_size` is the size of the frame lapin writes, and
+        /// the consumer decodes it to the same id, type and version.
+        #[test]
+        fn prepare_never_panics(
+            (msg, max) in message_and_limit(),
+            source in prop::option::of("/[a-z]{1,10}"),
+        ) {
+            let publisher = publisher(max, source);
+            let size = msg.payload.get().len();
+            let too_long = msg.effective_routing_key().len() > MAX_SHORT_STRING
+                || msg.event_type.len() > MAX_SHORT_STRING
+                || msg.headers.keys().any(|name| name.len() > MAX_SHORT_STRING);
+            match publisher.prepare(&msg) {
+                Err(PublishError::PayloadTooLarge { size: got, max: limit }) => {
+                    prop_assert_eq!((got, limit), (size, max));
+                    prop_assert!(size > max);
+                }
+                Err(PublishError::Invalid(reason)) => {
+                    prop_assert!(size <= max && too_long, "{}", reason);
+                }
+                Err(other) => prop_assert!(false, "unexpected error {other:?}"),
+                Ok(prepared) => {
+                    prop_assert!(size <= max && !too_long);
+                    prop_assert_eq!(prepared.routing_key.as_str(), msg.effective_routing_key());
+                    let properties = &prepared.properties;
+                    prop_assert_eq!(
+                        properties.kind().as_ref().map(ShortString::as_str),
+                        Some(msg.event_type.as_str())
+                    );
+                    let id = msg.id.to_string();
+                    prop_assert_eq!(
+                        properties.message_id().as_ref().map(ShortString::as_str),
+                        Some(id.as_str())
+                    );
+                    prop_assert_eq!(*properties.delivery_mode(), Some(PERSISTENT));
+                    prop_assert_eq!(
+                        prepared.header_frame_size,
+                        content_header_frame_len(properties)
+                    );
+                    let decoded = crate::consumer::decode_delivery(
+                        properties,
+                        msg.payload.get().as_bytes().to_vec(),
+                        false,
+                    )
+                    .map_err(|e| TestCaseError::fail(format!("prepared but undecodable: {e}")))?;
+                    prop_assert_eq!(decoded.id, msg.id);
+                    prop_assert_eq!(&decoded.event_type, &msg.event_type);
+                    prop_assert_eq!(decoded.aggregate_version, Some(msg.aggregate_version));
+                }
+            }
+        }
     }
 }

@@ -629,8 +629,8 @@ async fn deleted_exchange_is_an_outage_and_check_ready_recreates_it() {
     cleanup(&channel, &[&exchange], &[&queue]).await;
 }
 
-/// Confirms that do not arrive within the confirm timeout give `Timeout` (transient),
-/// one outcome per message, and the publisher stays usable.
+/// Confirms that do not arrive within the confirm timeout give `Timeout` (an outage:
+/// `ErrorKind::Unavailable`), one outcome per message, and the publisher stays usable.
 #[tokio::test]
 async fn unconfirmed_messages_time_out() {
     let exchange = unique("timeout");
@@ -654,6 +654,10 @@ async fn unconfirmed_messages_time_out() {
         .iter()
         .filter(|o| matches!(o, PublishOutcome::Transient(PublishError::Timeout(d)) if *d == Duration::from_millis(1)))
         .count();
+    assert!(
+        outcomes.iter().all(|o| o.is_published() || o.is_outage()),
+        "{outcomes:?}"
+    );
     let published = outcomes.iter().filter(|o| o.is_published()).count();
     assert_eq!(timed_out + published, batch.len(), "{outcomes:?}");
     assert!(timed_out > 0, "2000 confirms cannot all arrive within 1 ms");
