@@ -155,10 +155,31 @@ pub struct RelayArgs {
     #[arg(long, env = "OUTBOX_POLL_INTERVAL", value_name = "DURATION")]
     pub poll_interval: Option<String>,
 
-    /// How long a claim is held before another relay may take it over; must exceed the
-    /// slowest batch publish, e.g. 30s [default: 30s].
+    /// How long a claim is held before another relay may take it over; at least twice
+    /// the longest publish (5s to connect plus the confirm timeout), e.g. 30s
+    /// [default: 30s].
     #[arg(long, env = "OUTBOX_LEASE", value_name = "DURATION")]
     pub lease: Option<String>,
+
+    /// How long a batch waits for the broker's confirmations (RabbitMQ publisher
+    /// confirms, JetStream PubAcks) before the broker is taken to be unavailable (the
+    /// circuit opens; no attempt is charged), e.g. 10s [default: 10s].
+    #[arg(long, env = "OUTBOX_CONFIRM_TIMEOUT", value_name = "DURATION")]
+    pub confirm_timeout: Option<String>,
+
+    /// On SIGTERM or SIGINT: how long publishes in flight may take to finish; batches
+    /// not yet started are released at once, and whatever is still unconfirmed when
+    /// this is up is released too. Keep it under the platform's kill grace period
+    /// (Kubernetes terminationGracePeriodSeconds, 30s by default), e.g. 10s
+    /// [default: 10s].
+    #[arg(long, env = "OUTBOX_DRAIN_TIMEOUT", value_name = "DURATION")]
+    pub drain_timeout: Option<String>,
+
+    /// A row claimed this many times in a row without any outcome (each relay holding
+    /// it crashed, was killed or lost its lease) is moved to Dead as a suspected crash
+    /// loop at its next claim [default: 5].
+    #[arg(long, env = "OUTBOX_CRASH_LOOP_LIMIT", value_name = "N")]
+    pub crash_loop_limit: Option<u32>,
 
     /// Attempts before a message goes Dead [default: 8].
     #[arg(long, env = "OUTBOX_MAX_ATTEMPTS", value_name = "N")]

@@ -36,6 +36,9 @@ pub const DEFAULT_LISTEN: &str = "127.0.0.1:9464";
 /// batch_size = 500
 /// poll_interval = "500ms"
 /// lease = "30s"
+/// confirm_timeout = "10s"
+/// drain_timeout = "10s"
+/// crash_loop_limit = 5
 /// max_attempts = 8
 /// concurrency = 2
 /// ordering = "per-key"            # unordered | per-key | per-key-skip
@@ -77,6 +80,9 @@ pub struct FileRelay {
     pub batch_size: Option<usize>,
     pub poll_interval: Option<String>,
     pub lease: Option<String>,
+    pub confirm_timeout: Option<String>,
+    pub drain_timeout: Option<String>,
+    pub crash_loop_limit: Option<u32>,
     pub max_attempts: Option<u32>,
     pub concurrency: Option<usize>,
     pub ordering: Option<OrderingMode>,
@@ -205,6 +211,12 @@ pub struct RelaySettings {
     pub poll_interval: Duration,
     /// Claim lease.
     pub lease: Duration,
+    /// How long a batch waits for broker confirmations.
+    pub confirm_timeout: Duration,
+    /// Shutdown drain limit.
+    pub drain_timeout: Duration,
+    /// Claims without an outcome before a row is a suspected crash loop.
+    pub crash_loop_limit: u32,
     /// Default attempts before Dead.
     pub max_attempts: u32,
     /// Batches in flight.
@@ -238,6 +250,9 @@ impl RelaySettings {
             batch_size: 500,
             poll_interval: Duration::from_millis(500),
             lease: Duration::from_secs(30),
+            confirm_timeout: transport_rabbit::config::DEFAULT_CONFIRM_TIMEOUT,
+            drain_timeout: outbox_core::dispatcher::DEFAULT_DRAIN_TIMEOUT,
+            crash_loop_limit: outbox_core::DEFAULT_CRASH_LOOP_LIMIT,
             max_attempts: 8,
             concurrency: 2,
             overrides: BTreeMap::new(),
@@ -313,6 +328,16 @@ impl RelaySettings {
         if let Some(d) = dur("lease", &args.lease, &f.lease)? {
             s.lease = nonzero("lease", d)?;
         }
+        if let Some(d) = dur("confirm_timeout", &args.confirm_timeout, &f.confirm_timeout)? {
+            s.confirm_timeout = nonzero("confirm_timeout", d)?;
+        }
+        if let Some(d) = dur("drain_timeout", &args.drain_timeout, &f.drain_timeout)? {
+            s.drain_timeout = d;
+        }
+        if let Some(n) = args.crash_loop_limit.or(f.crash_loop_limit) {
+            s.crash_loop_limit =
+                u32::try_from(positive("crash_loop_limit", n as usize)?).unwrap_or(u32::MAX);
+        }
         if let Some(d) = dur("max_lag", &args.max_lag, &f.max_lag)? {
             s.max_lag = nonzero("max_lag", d)?;
         }
@@ -347,7 +372,26 @@ impl RelaySettings {
             s.overrides.insert(event_type, policy);
         }
         s.validate_transport()?;
+        s.dispatcher_config()
+            .check_lease(Some(s.publish_timeout()))
+            .map_err(|e| CliError::Invalid {
+                field: "lease",
+                reason: match e {
+                    outbox_core::OutboxError::Config(reason) => reason,
+                    other => other.to_string(),
+                },
+            })?;
         Ok(s)
+    }
+
+    /// The longest publish of one batch: the transport's connect timeout plus the
+    /// confirm timeout (what the publisher reports as its publish timeout).
+    pub fn publish_timeout(&self) -> Duration {
+        let connect = match self.transport {
+            TransportKind::Rabbit => transport_rabbit::config::DEFAULT_CONNECT_TIMEOUT,
+            TransportKind::Nats => transport_nats::config::DEFAULT_CONNECT_TIMEOUT,
+        };
+        connect + self.confirm_timeout
     }
 
     /// Builds the transport configuration once to validate the broker URL, exchange and
@@ -375,6 +419,7 @@ impl RelaySettings {
         Ok(transport_rabbit::RabbitConfig::builder(&self.broker_url)
             .with_exchange(&self.exchange)
             .with_connection_name("outbox-relay")
+            .with_confirm_timeout(self.confirm_timeout)
             .build()?)
     }
 
@@ -386,6 +431,7 @@ impl RelaySettings {
         Ok(transport_nats::NatsConfig::builder(&self.broker_url)
             .with_subject_prefix(&self.subject_prefix)
             .with_connection_name("outbox-relay")
+            .with_ack_timeout(self.confirm_timeout)
             .build()?)
     }
 
@@ -407,6 +453,7 @@ impl RelaySettings {
             .with_lease(self.lease)
             .with_concurrency(self.concurrency)
             .with_retry(self.retry_policies())
+            .with_drain_timeout(self.drain_timeout)
     }
 }
 

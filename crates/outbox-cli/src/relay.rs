@@ -27,6 +27,9 @@ use crate::config::RelaySettings;
 use crate::error::CliError;
 use crate::health::Health;
 
+/// How long closing the broker connection may take at exit.
+const CLOSE_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(2);
+
 /// The relay's publisher: RabbitMQ or NATS, chosen at run time. Both connect lazily, so
 /// the relay starts (and reports unhealthy) while the broker is down.
 #[derive(Debug)]
@@ -74,6 +77,13 @@ impl EventPublisher for AnyPublisher {
         match self {
             Self::Rabbit(p) => p.check_ready().await,
             Self::Nats(p) => p.check_ready().await,
+        }
+    }
+
+    fn publish_timeout(&self) -> Option<std::time::Duration> {
+        match self {
+            Self::Rabbit(p) => p.publish_timeout(),
+            Self::Nats(p) => p.publish_timeout(),
         }
     }
 }
@@ -172,7 +182,8 @@ impl Relay {
             &settings
                 .db
                 .pg_config()
-                .with_sent_retention(settings.sent_retention.into()),
+                .with_sent_retention(settings.sent_retention.into())
+                .with_crash_loop_limit(settings.crash_loop_limit),
         )
         .await?;
         let publisher = Arc::new(AnyPublisher::new(settings).await?);
@@ -246,7 +257,14 @@ impl Relay {
                     Ok(Err(e)) => warn!(error = %e, "metrics endpoint failed"),
                     Err(e) => warn!(error = %e, "metrics endpoint task failed"),
                 }
-                publisher.close().await;
+                // Best effort, and short: every message was confirmed or released
+                // already, and a frozen broker must not hold the exit past the drain.
+                if tokio::time::timeout(CLOSE_TIMEOUT, publisher.close())
+                    .await
+                    .is_err()
+                {
+                    warn!("the broker connection did not close in time; leaving it");
+                }
                 let stats = result?;
                 info!(?stats, "relay stopped");
                 Ok(stats)
