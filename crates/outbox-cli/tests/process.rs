@@ -29,7 +29,7 @@ async fn migrate_then_stats_as_a_process() {
     assert!(o.status.success(), "{}", stderr(&o));
     let text = String::from_utf8_lossy(&o.stdout);
     assert!(
-        text.contains("applied migrations [1, 2, 3, 4, 5]"),
+        text.contains("applied migrations [1, 2, 3, 4, 5, 6]"),
         "{text}"
     );
     let o = outbox(&["--database-url", &url, "--schema", &schema, "migrate"]);

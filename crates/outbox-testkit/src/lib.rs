@@ -4,6 +4,9 @@
 //!
 //! - [`rabbit`]: an isolated exchange and queue per test on the real RabbitMQ, and raw
 //!   lapin consumers that record what arrived;
+//! - [`faults`]: faults injected into the shared servers (RabbitMQ memory alarm,
+//!   `max_message_size`, node stopped; NATS frozen), each undone on drop, under one
+//!   machine-wide lock;
 //! - [`ordered`]: the ordered-delivery suite (dispatcher in `Ordering::PerKey` mode,
 //!   real broker, a consumer checking every key's order), generic over the
 //!   conformance [`Harness`](outbox_core::conformance::Harness), expanded by
@@ -14,5 +17,6 @@
 //! outbox_testkit::ordered_delivery_tests!(harness);
 //! ```
 
+pub mod faults;
 pub mod ordered;
 pub mod rabbit;

@@ -201,8 +201,12 @@ impl EventPublisher for Faulty {
                 Some(true) => PublishOutcome::Permanent(PublishError::Invalid(
                     "injected permanent failure".into(),
                 )),
-                Some(false) => PublishOutcome::Transient(PublishError::Rejected {
-                    reason: "injected transient failure".into(),
+                // A failure of this message alone (a broker's refusal would be an
+                // outage, which stops every key instead).
+                Some(false) => PublishOutcome::Transient(PublishError::Other {
+                    kind: outbox_core::ErrorKind::Transient,
+                    message: "injected transient failure".into(),
+                    source: None,
                 }),
                 None => passed.next().expect("one outcome per message"),
             })

@@ -30,8 +30,20 @@ pub struct Fixture {
     pub channel: Channel,
 }
 
-/// A durable topic exchange `t.<uuid>`; with `bind`, a queue bound to `#` with `args`.
-pub async fn fixture(bind: bool, mut queue_args: FieldTable) -> Fixture {
+/// A topic exchange `t.<uuid>` as the relay declares it (durable, not auto-deleted), and
+/// a queue bound to `#` with `queue_args` (expiring a minute after its last use). Delete
+/// the exchange with [`Fixture::delete_exchange`] at the end of the test.
+pub async fn relay_fixture(queue_args: FieldTable) -> Fixture {
+    declare(true, queue_args, true).await
+}
+
+/// A topic exchange `t.<uuid>` (auto-deleted once no queue is bound to it); with `bind`,
+/// a queue bound to `#` with `queue_args`.
+pub async fn fixture(bind: bool, queue_args: FieldTable) -> Fixture {
+    declare(bind, queue_args, false).await
+}
+
+async fn declare(bind: bool, mut queue_args: FieldTable, durable: bool) -> Fixture {
     // auto_delete needs a consumer to have come and gone; a queue never consumed (the
     // nack tests) would stay. Expire it a minute after it was last used instead.
     queue_args.insert("x-expires".into(), AMQPValue::LongInt(60_000));
@@ -47,7 +59,8 @@ pub async fn fixture(bind: bool, mut queue_args: FieldTable) -> Fixture {
             exchange.as_str().into(),
             ExchangeKind::Topic,
             ExchangeDeclareOptions {
-                auto_delete: true,
+                auto_delete: !durable,
+                durable,
                 ..Default::default()
             },
             FieldTable::default(),
@@ -109,6 +122,17 @@ impl Fixture {
             )
             .await
             .expect("publish");
+    }
+
+    /// Deletes the exchange (best effort).
+    pub async fn delete_exchange(&self) {
+        let _ = self
+            .channel
+            .exchange_delete(
+                self.exchange.as_str().into(),
+                lapin::options::ExchangeDeleteOptions::default(),
+            )
+            .await;
     }
 
     /// Empties the queue.

@@ -1,0 +1,758 @@
+//! `outbox relay` as a process under faults, against the real PostgreSQL, RabbitMQ and
+//! NATS: poison rows among good ones, a full queue, a broker memory alarm, a frozen
+//! NATS server, a database that rejects completions, and a shutdown behind a frozen
+//! broker. Each test checks the table and, independently, what the broker received.
+//!
+//! Several tests change a shared server (a memory alarm blocks every publishing
+//! connection, `max_message_size` applies to every channel, a frozen NATS answers no
+//! one), so every test here holds the machine-wide fault lock of
+//! `outbox_testkit::faults` and they run one at a time; the guards undo each fault even
+//! when the test fails.
+//!
+//! `OUTBOX_RELAY_BIN` runs them against another build of the binary (an older release,
+//! to watch a fault reproduce); by default they run this build's `outbox`.
+
+mod common;
+
+use std::collections::{HashMap, HashSet};
+use std::path::PathBuf;
+use std::process::{Child, Command, ExitStatus, Stdio};
+use std::time::{Duration, Instant};
+
+use common::{amqp_url, database_url, enqueue, exec, fresh_outbox, scalar};
+use futures::StreamExt as _;
+use lapin::types::FieldTable;
+use outbox_core::NewMessage;
+use outbox_postgres::PgOutbox;
+use outbox_testkit::faults::{self, NatsFrozen, RabbitMaxMessageSize, RabbitMemoryAlarm};
+use outbox_testkit::rabbit::{Fixture, reject_when_full, relay_fixture};
+use transport_nats::async_nats::{self, jetstream};
+use transport_nats::{NatsConfigBuilder, StreamSetup};
+use transport_rabbit::lapin;
+use uuid::Uuid;
+
+const NATS_URL: &str = "nats://127.0.0.1:4222";
+
+/// A running `outbox relay`, its log in a file; killed on drop if still running.
+struct RelayProcess {
+    child: Child,
+    log: PathBuf,
+}
+
+impl RelayProcess {
+    /// `outbox relay` over `db`'s schema with `args` after the subcommand.
+    fn start(db: &PgOutbox, args: &[&str]) -> Self {
+        let log = std::env::temp_dir().join(format!("outbox-relay-{}.log", Uuid::new_v4()));
+        let file = std::fs::File::create(&log).expect("log file");
+        let bin = std::env::var_os("OUTBOX_RELAY_BIN")
+            .unwrap_or_else(|| env!("CARGO_BIN_EXE_outbox").into());
+        let child = Command::new(bin)
+            .args(["--database-url", &database_url(), "--schema", db.schema()])
+            .arg("relay")
+            .args(["--listen", "127.0.0.1:0", "--poll-interval", "50ms"])
+            .args(args)
+            .env_remove("OUTBOX_CONFIG")
+            .env("RUST_LOG", "info")
+            .stdout(Stdio::null())
+            .stderr(file)
+            .spawn()
+            .expect("start outbox relay");
+        Self { child, log }
+    }
+
+    fn running(&mut self) -> bool {
+        self.child.try_wait().expect("try_wait").is_none()
+    }
+
+    fn log(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+
+    /// Sends SIGTERM.
+    fn terminate(&self) {
+        let pid = self.child.id().to_string();
+        assert!(
+            Command::new("kill")
+                .args(["-TERM", &pid])
+                .status()
+                .is_ok_and(|s| s.success()),
+            "kill -TERM {pid}"
+        );
+    }
+
+    /// Waits up to `limit` for the process to exit.
+    async fn exited_within(&mut self, limit: Duration) -> Option<ExitStatus> {
+        let deadline = Instant::now() + limit;
+        loop {
+            if let Some(status) = self.child.try_wait().expect("try_wait") {
+                return Some(status);
+            }
+            if Instant::now() > deadline {
+                return None;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+}
+
+impl Drop for RelayProcess {
+    fn drop(&mut self) {
+        if self.running() {
+            let _ = self.child.kill();
+            let _ = self.child.wait();
+        }
+        if !std::thread::panicking() {
+            let _ = std::fs::remove_file(&self.log);
+        }
+    }
+}
+
+/// Waits for `condition` (checked every 100 ms) up to `limit`; panics naming `what`,
+/// with the relay's log.
+async fn wait_until<F, Fut>(relay: &RelayProcess, limit: Duration, what: &str, mut condition: F)
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = bool>,
+{
+    let deadline = Instant::now() + limit;
+    while !condition().await {
+        assert!(
+            Instant::now() < deadline,
+            "timed out waiting until {what}; relay log:\n{}",
+            relay.log()
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+/// Rows by status code.
+async fn count(db: &PgOutbox, status: i16) -> i64 {
+    scalar(
+        db,
+        &format!("SELECT count(*) FROM {{s}}.outbox_messages WHERE status = {status}"),
+    )
+    .await
+}
+
+async fn pending(db: &PgOutbox) -> i64 {
+    scalar(
+        db,
+        "SELECT count(*) FROM {s}.outbox_messages WHERE status IN (0, 9)",
+    )
+    .await
+}
+
+/// (status, attempts, last_error) of row `id`.
+async fn row(db: &PgOutbox, id: Uuid) -> (i16, i32, Option<String>) {
+    sqlx::query_as(sqlx::AssertSqlSafe(format!(
+        "SELECT status, attempts, last_error FROM {}.outbox_messages WHERE id = $1",
+        db.schema()
+    )))
+    .bind(id)
+    .fetch_one(db.pool())
+    .await
+    .expect("row")
+}
+
+/// The largest `attempts` of any row.
+async fn max_attempts(db: &PgOutbox) -> i64 {
+    scalar(
+        db,
+        "SELECT coalesce(max(attempts), 0)::int8 FROM {s}.outbox_messages",
+    )
+    .await
+}
+
+fn orders(n: usize, tag: &str) -> Vec<NewMessage> {
+    (0..n)
+        .map(|i| {
+            NewMessage::builder("order", format!("{tag}-{i}"), "OrderPlaced")
+                .payload(&serde_json::json!({ "n": i }))
+                .build()
+                .expect("valid")
+        })
+        .collect()
+}
+
+/// Turns row `id` into poison with `set` (an SQL assignment list), as a trigger, a
+/// migration or another language's producer might.
+async fn poison(db: &PgOutbox, id: Uuid, set: &str) {
+    let sql = format!("UPDATE {{s}}.outbox_messages SET {set} WHERE id = '{id}'");
+    assert_eq!(exec(db, &sql).await, 1);
+}
+
+/// A JetStream stream capturing `<prefix>.>`, file storage, 2-minute duplicate window.
+struct Stream {
+    name: String,
+    prefix: String,
+    js: jetstream::Context,
+}
+
+impl Stream {
+    async fn new() -> Self {
+        let tag = Uuid::new_v4().simple().to_string();
+        let name = format!("TEST_{tag}");
+        let prefix = format!("test.{tag}");
+        let config = NatsConfigBuilder::new(NATS_URL)
+            .with_subject_prefix(&prefix)
+            .build()
+            .expect("config");
+        StreamSetup::for_config(&name, &config)
+            .with_duplicate_window(Duration::from_secs(120))
+            .apply(&config)
+            .await
+            .expect("create the stream (is NATS running with -js?)");
+        let client = async_nats::connect(NATS_URL)
+            .await
+            .expect("connect to NATS");
+        Self {
+            name,
+            prefix,
+            js: jetstream::new(client),
+        }
+    }
+
+    /// How many times each message id (`Nats-Msg-Id`) is stored.
+    async fn ids(&self) -> HashMap<Uuid, usize> {
+        let stream = self.js.get_stream(&self.name).await.expect("stream");
+        let mut info = stream.clone();
+        let stored = info.info().await.expect("info").state.messages;
+        let consumer = stream
+            .create_consumer(jetstream::consumer::pull::Config {
+                ack_policy: jetstream::consumer::AckPolicy::None,
+                ..Default::default()
+            })
+            .await
+            .expect("consumer");
+        let mut messages = consumer.messages().await.expect("messages");
+        let mut ids = HashMap::new();
+        for _ in 0..stored {
+            let message = tokio::time::timeout(Duration::from_secs(10), messages.next())
+                .await
+                .expect("every stored message arrives")
+                .expect("open")
+                .expect("message");
+            let id = message
+                .headers
+                .as_ref()
+                .and_then(|h| h.get("Nats-Msg-Id"))
+                .and_then(|v| v.as_str().parse::<Uuid>().ok())
+                .expect("Nats-Msg-Id");
+            *ids.entry(id).or_insert(0) += 1;
+        }
+        ids
+    }
+
+    async fn delete(self) {
+        let _ = self.js.delete_stream(&self.name).await;
+    }
+}
+
+/// Waits until nothing new has arrived at `counts` for two seconds; returns them.
+async fn quiet(
+    counts: &std::sync::Arc<std::sync::Mutex<HashMap<String, usize>>>,
+) -> HashMap<Uuid, usize> {
+    let total = || -> usize { counts.lock().expect("lock").values().sum() };
+    let mut last = total();
+    loop {
+        tokio::time::sleep(Duration::from_secs(2)).await;
+        let now = total();
+        if now == last {
+            break;
+        }
+        last = now;
+    }
+    counts
+        .lock()
+        .expect("lock")
+        .iter()
+        .filter_map(|(id, n)| Some((id.parse().ok()?, *n)))
+        .collect()
+}
+
+fn rabbit_args(fx: &Fixture) -> Vec<String> {
+    [
+        "--transport",
+        "rabbit",
+        "--broker-url",
+        &amqp_url(),
+        "--exchange",
+        &fx.exchange,
+    ]
+    .map(str::to_owned)
+    .to_vec()
+}
+
+fn nats_args(stream: &Stream) -> Vec<String> {
+    [
+        "--transport",
+        "nats",
+        "--broker-url",
+        NATS_URL,
+        "--subject-prefix",
+        &stream.prefix,
+    ]
+    .map(str::to_owned)
+    .to_vec()
+}
+
+fn with<'a>(base: &'a [String], more: &[&'a str]) -> Vec<&'a str> {
+    base.iter()
+        .map(String::as_str)
+        .chain(more.iter().copied())
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn nats_poison_rows_die_alone_and_the_relay_keeps_running() {
+    let _lock = faults::lock().await;
+    let db = fresh_outbox().await;
+    let stream = Stream::new().await;
+    let msgs = orders(15, "nats-poison");
+    enqueue(&db, &msgs).await;
+    let big = "x".repeat(1_200_000);
+    let cases: [(usize, String, &str); 5] = [
+        (
+            2,
+            r#"headers = '{"größe": "x"}'"#.into(),
+            "not a NATS header name",
+        ),
+        (4, r#"headers = '{"retries": 3}'"#.into(), "undecodable row"),
+        (6, r#"headers = '{"note": "a\nb"}'"#.into(), "line break"),
+        (
+            8,
+            r#"headers = '{"Nats-Expected-Stream": "other"}'"#.into(),
+            "reserved for JetStream",
+        ),
+        (
+            10,
+            format!("payload = to_json('{big}'::text)"),
+            "exceeds the broker limit",
+        ),
+    ];
+    for (i, set, _) in &cases {
+        poison(&db, msgs[*i].id, set).await;
+    }
+    let args = nats_args(&stream);
+    let mut relay = RelayProcess::start(&db, &with(&args, &[]));
+    wait_until(
+        &relay,
+        Duration::from_secs(60),
+        "no row is pending",
+        || async { pending(&db).await == 0 },
+    )
+    .await;
+    assert!(relay.running(), "the relay still runs:\n{}", relay.log());
+    for (i, _, reason) in &cases {
+        let (status, _, error) = row(&db, msgs[*i].id).await;
+        assert_eq!(status, 3, "poison row {i} is dead");
+        let error = error.unwrap_or_default();
+        assert!(
+            error.contains(reason),
+            "row {i}: {error:?} should say {reason:?}"
+        );
+    }
+    let poisoned: HashSet<usize> = cases.iter().map(|c| c.0).collect();
+    assert_eq!(count(&db, 1).await, 10, "every good row is sent");
+    assert_eq!(max_attempts(&db).await, 1, "nothing was charged twice");
+    let stored = stream.ids().await;
+    for (i, m) in msgs.iter().enumerate() {
+        let want = usize::from(!poisoned.contains(&i));
+        assert_eq!(
+            stored.get(&m.id).copied().unwrap_or(0),
+            want,
+            "message {i} in the stream"
+        );
+    }
+    relay.terminate();
+    let status = relay.exited_within(Duration::from_secs(30)).await;
+    assert!(
+        status.is_some_and(|s| s.success()),
+        "clean exit: {status:?}\n{}",
+        relay.log()
+    );
+    stream.delete().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rabbit_poison_rows_die_alone_and_no_good_row_is_charged() {
+    let _lock = faults::lock().await;
+    // The broker takes at most 64 KiB; the relay's own limit is the default 16 MiB, so
+    // the broker closes the channel (406) for the big message and the rest of its batch.
+    let _limit = RabbitMaxMessageSize::set(64 * 1024);
+    let db = fresh_outbox().await;
+    let fx = relay_fixture(FieldTable::default()).await;
+    let counts = fx.counter().await;
+    let msgs = orders(30, "rabbit-poison");
+    enqueue(&db, &msgs).await;
+    let big = "x".repeat(100 * 1024);
+    let long_name = "h".repeat(300);
+    let cases: [(usize, String, &str); 3] = [
+        (3, r#"headers = '{"retries": 3}'"#.into(), "undecodable row"),
+        (
+            7,
+            format!(r#"headers = '{{"{long_name}": "x"}}'"#),
+            "AMQP allows at most 255",
+        ),
+        (
+            20,
+            format!("payload = to_json('{big}'::text)"),
+            "406 PRECONDITION_FAILED for this message alone",
+        ),
+    ];
+    for (i, set, _) in &cases {
+        poison(&db, msgs[*i].id, set).await;
+    }
+    let args = rabbit_args(&fx);
+    let mut relay = RelayProcess::start(&db, &with(&args, &[]));
+    wait_until(
+        &relay,
+        Duration::from_secs(60),
+        "no row is pending",
+        || async { pending(&db).await == 0 },
+    )
+    .await;
+    assert!(relay.running(), "the relay still runs:\n{}", relay.log());
+    for (i, _, reason) in &cases {
+        let (status, attempts, error) = row(&db, msgs[*i].id).await;
+        assert_eq!(status, 3, "poison row {i} is dead");
+        assert!(attempts <= 1, "row {i}: {attempts} attempts");
+        let error = error.unwrap_or_default();
+        assert!(
+            error.contains(reason),
+            "row {i}: {error:?} should say {reason:?}"
+        );
+    }
+    assert_eq!(count(&db, 1).await, 27, "every good row is sent");
+    assert_eq!(
+        max_attempts(&db).await,
+        1,
+        "the channel closed by one message charged none of the others"
+    );
+    let arrived = quiet(&counts).await;
+    let poisoned: HashSet<usize> = cases.iter().map(|c| c.0).collect();
+    for (i, m) in msgs.iter().enumerate() {
+        let n = arrived.get(&m.id).copied().unwrap_or(0);
+        if poisoned.contains(&i) {
+            assert_eq!(n, 0, "poison message {i} reached the queue");
+        } else {
+            assert!(n >= 1, "good message {i} never reached the queue");
+        }
+    }
+    relay.terminate();
+    let status = relay.exited_within(Duration::from_secs(30)).await;
+    assert!(
+        status.is_some_and(|s| s.success()),
+        "clean exit: {status:?}\n{}",
+        relay.log()
+    );
+    fx.delete_exchange().await;
+}
+
+/// A queue at its `x-max-length` with `reject-publish` nacks every publish for 30 s:
+/// an outage, so nothing is charged and nothing dies; once the queue is consumed every
+/// message arrives once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_full_queue_dead_letters_nothing() {
+    let _lock = faults::lock().await;
+    let db = fresh_outbox().await;
+    let fx = relay_fixture(reject_when_full(10)).await;
+    let msgs = orders(100, "full");
+    enqueue(&db, &msgs).await;
+    let args = rabbit_args(&fx);
+    let mut relay = RelayProcess::start(
+        &db,
+        &with(&args, &["--max-attempts", "2", "--batch-size", "20"]),
+    );
+    wait_until(
+        &relay,
+        Duration::from_secs(30),
+        "the queue is full",
+        || async { count(&db, 1).await == 10 },
+    )
+    .await;
+    let full_until = Instant::now() + Duration::from_secs(30);
+    while Instant::now() < full_until {
+        assert_eq!(count(&db, 3).await, 0, "a message died:\n{}", relay.log());
+        assert!(
+            max_attempts(&db).await <= 1,
+            "an attempt was charged:\n{}",
+            relay.log()
+        );
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+    assert!(relay.running(), "{}", relay.log());
+    let counts = fx.counter().await;
+    wait_until(
+        &relay,
+        Duration::from_secs(90),
+        "every row is sent",
+        || async { count(&db, 1).await == 100 },
+    )
+    .await;
+    let arrived = quiet(&counts).await;
+    for m in &msgs {
+        assert_eq!(
+            arrived.get(&m.id),
+            Some(&1),
+            "message {} arrives once",
+            m.id
+        );
+    }
+    assert_eq!(count(&db, 3).await, 0);
+    assert_eq!(max_attempts(&db).await, 1, "no attempt was charged");
+    fx.delete_exchange().await;
+}
+
+/// A RabbitMQ memory alarm blocks the relay's connection for 20 s: an outage, nothing
+/// is charged and nothing dies; after the alarm every message arrives.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_memory_alarm_dead_letters_nothing() {
+    let _lock = faults::lock().await;
+    let db = fresh_outbox().await;
+    let fx = relay_fixture(FieldTable::default()).await;
+    let counts = fx.counter().await;
+    let first = orders(20, "before-alarm");
+    enqueue(&db, &first).await;
+    let args = rabbit_args(&fx);
+    let mut relay = RelayProcess::start(
+        &db,
+        &with(
+            &args,
+            &[
+                "--max-attempts",
+                "2",
+                "--confirm-timeout",
+                "2s",
+                "--lease",
+                "20s",
+            ],
+        ),
+    );
+    wait_until(
+        &relay,
+        Duration::from_secs(30),
+        "the first rows are sent",
+        || async { count(&db, 1).await == 20 },
+    )
+    .await;
+    let alarm = RabbitMemoryAlarm::raise();
+    let during = orders(200, "during-alarm");
+    enqueue(&db, &during).await;
+    let until = Instant::now() + Duration::from_secs(20);
+    while Instant::now() < until {
+        assert_eq!(count(&db, 3).await, 0, "a message died:\n{}", relay.log());
+        assert!(
+            max_attempts(&db).await <= 1,
+            "an attempt was charged:\n{}",
+            relay.log()
+        );
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+    drop(alarm);
+    wait_until(
+        &relay,
+        Duration::from_secs(90),
+        "every row is sent",
+        || async { count(&db, 1).await == 220 },
+    )
+    .await;
+    assert!(relay.running());
+    assert_eq!(count(&db, 3).await, 0);
+    assert_eq!(max_attempts(&db).await, 1, "no attempt was charged");
+    let arrived = quiet(&counts).await;
+    for m in first.iter().chain(&during) {
+        assert!(
+            arrived.get(&m.id).is_some_and(|n| *n >= 1),
+            "message {} arrived",
+            m.id
+        );
+    }
+    fx.delete_exchange().await;
+}
+
+/// The NATS server frozen (SIGSTOP) for 20 s while 2,000 messages wait: no PubAck
+/// comes, which is an outage; nothing is charged or dies, and afterwards the stream
+/// holds every message exactly once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_frozen_nats_server_dead_letters_nothing() {
+    let _lock = faults::lock().await;
+    let db = fresh_outbox().await;
+    let stream = Stream::new().await;
+    let first = orders(100, "before-freeze");
+    enqueue(&db, &first).await;
+    let args = nats_args(&stream);
+    let mut relay = RelayProcess::start(
+        &db,
+        &with(
+            &args,
+            &[
+                "--max-attempts",
+                "2",
+                "--confirm-timeout",
+                "2s",
+                "--lease",
+                "20s",
+            ],
+        ),
+    );
+    wait_until(
+        &relay,
+        Duration::from_secs(30),
+        "the first rows are sent",
+        || async { count(&db, 1).await == 100 },
+    )
+    .await;
+    let frozen = NatsFrozen::freeze();
+    let during = orders(2_000, "during-freeze");
+    enqueue(&db, &during).await;
+    let until = Instant::now() + Duration::from_secs(20);
+    while Instant::now() < until {
+        assert_eq!(count(&db, 3).await, 0, "a message died:\n{}", relay.log());
+        assert!(
+            max_attempts(&db).await <= 1,
+            "an attempt was charged:\n{}",
+            relay.log()
+        );
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+    frozen.thaw();
+    wait_until(
+        &relay,
+        Duration::from_secs(120),
+        "every row is sent",
+        || async { count(&db, 1).await == 2_100 },
+    )
+    .await;
+    assert!(relay.running());
+    assert_eq!(count(&db, 3).await, 0);
+    assert_eq!(max_attempts(&db).await, 1, "no attempt was charged");
+    let stored = stream.ids().await;
+    for m in first.iter().chain(&during) {
+        assert_eq!(stored.get(&m.id), Some(&1), "message {} stored once", m.id);
+    }
+    assert_eq!(stored.len(), 2_100);
+    stream.delete().await;
+}
+
+/// A trigger makes every `Sent` completion fail: the relay stops at once with a
+/// non-zero exit instead of publishing and republishing messages whose outcome it
+/// cannot record; nothing reaches the broker twice.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_completion_the_database_rejects_stops_the_relay() {
+    let _lock = faults::lock().await;
+    let db = fresh_outbox().await;
+    exec(
+        &db,
+        "CREATE FUNCTION {s}.refuse_sent() RETURNS trigger LANGUAGE plpgsql AS $$
+         BEGIN RAISE EXCEPTION 'sent rows are refused by a trigger'; END $$",
+    )
+    .await;
+    exec(
+        &db,
+        "CREATE TRIGGER refuse_sent BEFORE UPDATE ON {s}.outbox_messages
+         FOR EACH ROW WHEN (NEW.status = 1) EXECUTE FUNCTION {s}.refuse_sent()",
+    )
+    .await;
+    let fx = relay_fixture(FieldTable::default()).await;
+    let counts = fx.counter().await;
+    let msgs = orders(300, "refused");
+    enqueue(&db, &msgs).await;
+    let args = rabbit_args(&fx);
+    let mut relay = RelayProcess::start(&db, &with(&args, &["--batch-size", "10"]));
+    let status = relay.exited_within(Duration::from_secs(30)).await;
+    let log = relay.log();
+    assert!(
+        status.is_some_and(|s| !s.success()),
+        "the relay stops with an error: {status:?}\n{log}"
+    );
+    assert!(log.contains("sent rows are refused by a trigger"), "{log}");
+    let arrived = quiet(&counts).await;
+    assert!(
+        !arrived.is_empty(),
+        "it did publish before the completion failed"
+    );
+    assert!(
+        arrived.values().all(|n| *n == 1),
+        "nothing was published twice: {arrived:?}"
+    );
+    assert_eq!(count(&db, 1).await, 0, "no row could be marked sent");
+    assert!(
+        arrived.len() < 150,
+        "it stopped claiming: {} of 300 published (batches of 10; at most the few in the pipeline)",
+        arrived.len()
+    );
+    fx.delete_exchange().await;
+}
+
+/// SIGTERM while the NATS server is frozen: the relay stops within its drain timeout
+/// instead of waiting out its (long) confirm timeout, and every row it held and could
+/// not publish is `New` again, with no attempt charged.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn shutdown_behind_a_frozen_broker_releases_within_the_drain_timeout() {
+    let _lock = faults::lock().await;
+    let db = fresh_outbox().await;
+    let stream = Stream::new().await;
+    let first = orders(10, "before-shutdown");
+    enqueue(&db, &first).await;
+    let args = nats_args(&stream);
+    let mut relay = RelayProcess::start(
+        &db,
+        &with(
+            &args,
+            &[
+                "--confirm-timeout",
+                "30s",
+                "--lease",
+                "80s",
+                "--drain-timeout",
+                "2s",
+                "--batch-size",
+                "50",
+            ],
+        ),
+    );
+    wait_until(
+        &relay,
+        Duration::from_secs(30),
+        "the first rows are sent",
+        || async { count(&db, 1).await == 10 },
+    )
+    .await;
+    let frozen = NatsFrozen::freeze();
+    enqueue(&db, &orders(300, "held")).await;
+    wait_until(
+        &relay,
+        Duration::from_secs(30),
+        "the relay holds rows",
+        || async { count(&db, 9).await > 0 },
+    )
+    .await;
+    let stopping = Instant::now();
+    relay.terminate();
+    let status = relay.exited_within(Duration::from_secs(20)).await;
+    let took = stopping.elapsed();
+    frozen.thaw();
+    assert!(
+        status.is_some_and(|s| s.success()),
+        "clean exit: {status:?}\n{}",
+        relay.log()
+    );
+    assert!(
+        took < Duration::from_secs(8),
+        "stopped {took:?} after SIGTERM; the drain timeout is 2 s\n{}",
+        relay.log()
+    );
+    assert_eq!(count(&db, 9).await, 0, "nothing is left Processing");
+    assert_eq!(count(&db, 0).await, 300, "the held rows are New again");
+    assert_eq!(
+        scalar(
+            &db,
+            "SELECT coalesce(max(attempts), 0)::int8 FROM {s}.outbox_messages WHERE status = 0"
+        )
+        .await,
+        0,
+        "no attempt was charged"
+    );
+    stream.delete().await;
+}
