@@ -3,16 +3,51 @@
 use std::sync::Arc;
 
 use async_trait::async_trait;
-use outbox_core::InboxStore;
 use outbox_core::consumer::{DeliveryHandler, HandlerDecision};
 use outbox_core::inbox::{ConsumerDeadLetters, VersionTracking};
 use outbox_core::wire::IncomingMessage;
-use tracing::{error, warn};
+use outbox_core::{InboxStore, OutboxError};
+use tracing::{debug, error, warn};
 
 use crate::pipeline::{Pipeline, Step, run_handler};
 
 /// Default deliveries of one message a handler may fail before it is dead-lettered.
 pub const DEFAULT_MAX_DELIVERIES: u32 = 5;
+
+/// The consumer name under which [`UnhandledPolicy::DeadLetter`] records a message whose
+/// event type no handler subscribes to.
+pub const UNHANDLED_CONSUMER: &str = "unhandled";
+
+/// What a consumer does with a message whose event type no handler of its pipeline
+/// subscribes to (an event that arrives before its handler is deployed, a producer's
+/// new event type, a misrouted message).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum UnhandledPolicy {
+    /// Acknowledge it and forget it (the default): logged at debug level and counted in
+    /// [`UNHANDLED_TOTAL`](crate::metrics::UNHANDLED_TOTAL).
+    #[default]
+    Ack,
+    /// Keep it: recorded as a consumer dead letter under [`UNHANDLED_CONSUMER`] (with
+    /// its payload and headers, listed by `outbox inbox dead list`, replayable once a
+    /// handler exists), then acknowledged. The durable inbox marks it `Dead`.
+    DeadLetter,
+    /// Leave it for later: the broker delivers it again (after the transport's requeue
+    /// delay), as if a handler had failed, but nothing is counted against it. Use it
+    /// only while a handler is about to be deployed: the message keeps coming back.
+    Requeue,
+}
+
+impl UnhandledPolicy {
+    /// The metric label of the policy: `ack`, `dead_letter` or `requeue`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Ack => "ack",
+            Self::DeadLetter => "dead_letter",
+            Self::Requeue => "requeue",
+        }
+    }
+}
 
 /// Plugs a [`Pipeline`] into a transport's consumer adapter (it is a
 /// [`DeliveryHandler`]).
@@ -28,13 +63,19 @@ pub const DEFAULT_MAX_DELIVERIES: u32 = 5;
 /// recorded as a consumer dead letter for that handler, the remaining handlers run,
 /// and the delivery is acked, so a poison message never blocks the queue.
 ///
-/// Database outages requeue the delivery without counting a failure. Version gaps are
-/// not held back in this mode (the broker decides delivery order); use the durable
-/// inbox for a reorder window.
+/// A handler that panics fails like one that returns an error (the panic message is
+/// the error). A database error of the inbox itself (the database is down, a connection
+/// is refused or terminated, no pooled connection came free in time) is never the
+/// message's fault: the answer is [`HandlerDecision::Defer`], and the transport holds
+/// the delivery and tries again until the database is back, spending no delivery
+/// attempt, however long the outage. Messages whose event type has no handler follow
+/// the [`UnhandledPolicy`]. Version gaps are not held back in this mode (the broker
+/// decides delivery order); use the durable inbox for a reorder window.
 pub struct IdempotentConsumer<S: InboxStore> {
     store: Arc<S>,
     pipeline: Arc<Pipeline<S>>,
     max_deliveries: u32,
+    unhandled: UnhandledPolicy,
 }
 
 impl<S: InboxStore> std::fmt::Debug for IdempotentConsumer<S> {
@@ -42,6 +83,7 @@ impl<S: InboxStore> std::fmt::Debug for IdempotentConsumer<S> {
         f.debug_struct("IdempotentConsumer")
             .field("pipeline", &self.pipeline)
             .field("max_deliveries", &self.max_deliveries)
+            .field("unhandled", &self.unhandled)
             .finish_non_exhaustive()
     }
 }
@@ -57,7 +99,16 @@ where
             store,
             pipeline: Arc::new(pipeline),
             max_deliveries: DEFAULT_MAX_DELIVERIES,
+            unhandled: UnhandledPolicy::Ack,
         }
+    }
+
+    /// What to do with a message no handler subscribes to (default
+    /// [`UnhandledPolicy::Ack`]).
+    #[must_use]
+    pub fn with_unhandled(mut self, policy: UnhandledPolicy) -> Self {
+        self.unhandled = policy;
+        self
     }
 
     /// Failed deliveries of one message per handler before it becomes a consumer dead
@@ -75,14 +126,15 @@ where
             .delivery_count
             .and_then(|c| u32::try_from(c).ok())
             .unwrap_or(1);
-        for reg in self.pipeline.handlers(&msg.event_type) {
+        let handlers = self.pipeline.handlers(&msg.event_type);
+        if handlers.is_empty() {
+            return self.unhandled(msg).await;
+        }
+        for reg in handlers {
             match self.store.is_dead(msg.id, &reg.consumer).await {
                 Ok(true) => continue,
                 Ok(false) => {}
-                Err(e) => {
-                    warn!(id = %msg.id, error = %e, "inbox unavailable, requeueing");
-                    return HandlerDecision::Requeue;
-                }
+                Err(e) => return unavailable(msg, &e),
             }
             match run_handler(&*self.store, reg, msg, attempt, false).await {
                 Ok(Step::Applied | Step::AlreadyDone | Step::SkippedStale | Step::Gap { .. }) => {}
@@ -106,20 +158,54 @@ where
                             warn!(id = %msg.id, consumer = %reg.consumer, attempts = count.attempts, error = %text, "handler failed, requeueing");
                             return HandlerDecision::Requeue;
                         }
-                        Err(db) => {
-                            warn!(id = %msg.id, error = %db, "could not count the failure, requeueing");
-                            return HandlerDecision::Requeue;
-                        }
+                        // Not counted: do not spend a delivery on it either.
+                        Err(db) => return unavailable(msg, &db),
                     }
                 }
-                Err(e) => {
-                    warn!(id = %msg.id, consumer = %reg.consumer, error = %e, "inbox unavailable, requeueing");
-                    return HandlerDecision::Requeue;
-                }
+                Err(e) => return unavailable(msg, &e),
             }
         }
         HandlerDecision::Ack
     }
+
+    async fn unhandled(&self, msg: &IncomingMessage) -> HandlerDecision {
+        crate::metrics::unhandled(self.unhandled.as_str());
+        match self.unhandled {
+            UnhandledPolicy::Ack => {
+                debug!(id = %msg.id, event_type = %msg.event_type, "no handler for this event type: acknowledged");
+                HandlerDecision::Ack
+            }
+            UnhandledPolicy::Requeue => {
+                debug!(id = %msg.id, event_type = %msg.event_type, "no handler for this event type: requeued");
+                HandlerDecision::Requeue
+            }
+            UnhandledPolicy::DeadLetter => {
+                let error = format!("no handler subscribes to event type {:?}", msg.event_type);
+                match self
+                    .store
+                    .record_failure(msg, UNHANDLED_CONSUMER, &error, 1)
+                    .await
+                {
+                    Ok(_) => {
+                        crate::metrics::dead(UNHANDLED_CONSUMER);
+                        warn!(id = %msg.id, event_type = %msg.event_type, "no handler for this event type: recorded as a consumer dead letter");
+                        HandlerDecision::Ack
+                    }
+                    Err(e) => unavailable(msg, &e),
+                }
+            }
+        }
+    }
+}
+
+/// The inbox store failed: the message is not at fault, so no delivery is spent on it.
+fn unavailable(msg: &IncomingMessage, error: &OutboxError) -> HandlerDecision {
+    if error.kind().is_retryable() {
+        warn!(id = %msg.id, error = %error, "inbox database unavailable: deferring the delivery");
+    } else {
+        error!(id = %msg.id, error = %error, "inbox database error: deferring the delivery until it is fixed");
+    }
+    HandlerDecision::Defer
 }
 
 #[async_trait]
@@ -127,7 +213,7 @@ impl<S> DeliveryHandler for IdempotentConsumer<S>
 where
     S: InboxStore + VersionTracking + ConsumerDeadLetters,
 {
-    async fn handle(&self, msg: IncomingMessage) -> HandlerDecision {
-        self.process(&msg).await
+    async fn handle(&self, msg: &IncomingMessage) -> HandlerDecision {
+        self.process(msg).await
     }
 }

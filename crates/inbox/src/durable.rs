@@ -15,10 +15,13 @@ use outbox_core::{InboxStore, OutboxError, RetryPolicy};
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, error, info, warn};
 
+use crate::consumer::{UNHANDLED_CONSUMER, UnhandledPolicy};
 use crate::pipeline::{Pipeline, Step, run_handler};
 
 /// Stores each delivery in the durable inbox (`ON CONFLICT DO NOTHING` on its id) and
-/// acks it; a store failure requeues the delivery. Plug it into a transport consumer.
+/// acks it; a store failure defers the delivery ([`HandlerDecision::Defer`]: the
+/// transport holds it and tries again, spending no delivery attempt). Plug it into a
+/// transport consumer.
 #[derive(Debug)]
 pub struct DurableReceiver<S> {
     store: Arc<S>,
@@ -33,17 +36,18 @@ impl<S: DurableInbox> DurableReceiver<S> {
 
 #[async_trait]
 impl<S: DurableInbox> DeliveryHandler for DurableReceiver<S> {
-    async fn handle(&self, msg: IncomingMessage) -> HandlerDecision {
-        match self.store.store(&msg).await {
+    async fn handle(&self, msg: &IncomingMessage) -> HandlerDecision {
+        match self.store.store(msg).await {
             Ok(new) => {
                 if !new {
                     debug!(id = %msg.id, "duplicate delivery: already in the durable inbox");
                 }
                 HandlerDecision::Ack
             }
+            // The message is not at fault: hold it until the database is back.
             Err(e) => {
-                warn!(id = %msg.id, error = %e, "could not store the delivery, requeueing");
-                HandlerDecision::Requeue
+                warn!(id = %msg.id, error = %e, "could not store the delivery: deferring it");
+                HandlerDecision::Defer
             }
         }
     }
@@ -71,7 +75,12 @@ pub struct ProcessorConfig {
     reorder_window: Duration,
     gap_recheck: Duration,
     gap_policy: GapPolicy,
+    unhandled: UnhandledPolicy,
 }
+
+/// How long a message no handler subscribes to waits before it is tried again under
+/// [`UnhandledPolicy::Requeue`] (no attempt is counted).
+const UNHANDLED_RECHECK: Duration = Duration::from_secs(30);
 
 impl Default for ProcessorConfig {
     fn default() -> Self {
@@ -83,6 +92,7 @@ impl Default for ProcessorConfig {
             reorder_window: Duration::from_secs(180),
             gap_recheck: Duration::from_secs(1),
             gap_policy: GapPolicy::ProcessAnyway,
+            unhandled: UnhandledPolicy::Ack,
         }
     }
 }
@@ -130,6 +140,16 @@ impl ProcessorConfig {
     pub fn with_reorder_window(mut self, window: Duration, recheck: Duration) -> Self {
         self.reorder_window = window;
         self.gap_recheck = recheck;
+        self
+    }
+
+    /// What happens to a stored message no handler subscribes to (default
+    /// [`UnhandledPolicy::Ack`]: marked done; `DeadLetter`: `Dead` with a `last_error`
+    /// naming its event type; `Requeue`: tried again every 30 s without counting an
+    /// attempt).
+    #[must_use]
+    pub fn with_unhandled(mut self, policy: UnhandledPolicy) -> Self {
+        self.unhandled = policy;
         self
     }
 
@@ -245,7 +265,27 @@ where
         let msg = &stored.message;
         let attempt = u32::try_from(stored.attempts).unwrap_or(1);
         let window_passed = stored.age >= self.config.reorder_window;
-        for reg in self.pipeline.handlers(&msg.event_type) {
+        let handlers = self.pipeline.handlers(&msg.event_type);
+        if handlers.is_empty() {
+            crate::metrics::unhandled(self.config.unhandled.as_str());
+            return match self.config.unhandled {
+                UnhandledPolicy::Ack => {
+                    debug!(id = %msg.id, event_type = %msg.event_type, "no handler for this event type: done");
+                    InboxOutcome::Done
+                }
+                UnhandledPolicy::DeadLetter => {
+                    crate::metrics::dead(UNHANDLED_CONSUMER);
+                    warn!(id = %msg.id, event_type = %msg.event_type, "no handler for this event type: dead");
+                    InboxOutcome::Dead {
+                        error: format!("no handler subscribes to event type {:?}", msg.event_type),
+                    }
+                }
+                UnhandledPolicy::Requeue => InboxOutcome::Defer {
+                    delay: UNHANDLED_RECHECK,
+                },
+            };
+        }
+        for reg in handlers {
             let hold_gaps = !window_passed || self.config.gap_policy == GapPolicy::DeadLetter;
             match run_handler(&*self.store, reg, msg, attempt, hold_gaps).await {
                 Ok(Step::Applied | Step::AlreadyDone | Step::SkippedStale) => {}

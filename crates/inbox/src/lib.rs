@@ -61,7 +61,9 @@ mod otel;
 mod pipeline;
 mod retention;
 
-pub use consumer::{DEFAULT_MAX_DELIVERIES, IdempotentConsumer};
+pub use consumer::{
+    DEFAULT_MAX_DELIVERIES, IdempotentConsumer, UNHANDLED_CONSUMER, UnhandledPolicy,
+};
 pub use durable::{DurableReceiver, GapPolicy, InboxProcessor, ProcessReport, ProcessorConfig};
 pub use handler::{Handler, HandlerContext, HandlerError, StalePolicy};
 pub use pipeline::Pipeline;

@@ -10,6 +10,7 @@
 //! | [`DEAD_TOTAL`] | counter | messages | `consumer` | given up: consumer dead letter (idempotent consumer) or durable inbox `Dead` |
 //! | [`HANDLER_DURATION_SECONDS`] | histogram | seconds | `consumer` | one handler run, its transaction included (successful runs) |
 //! | [`END_TO_END_SECONDS`] | histogram | seconds | `consumer` | from the event's `occurred_at` (producer clock) to the handler's commit (consumer clock) |
+//! | [`UNHANDLED_TOTAL`] | counter | messages | `policy` | messages whose event type no handler subscribes to, by what the consumer's `UnhandledPolicy` did (`ack`, `dead_letter`, `requeue`) |
 //!
 //! `consumer` is the handler's consumer name (bounded by the pipeline); `event_type`
 //! is bounded by the event types the pipeline subscribes to.
@@ -32,6 +33,11 @@ pub const DEAD_TOTAL: &str = "inbox_dead_total";
 pub const HANDLER_DURATION_SECONDS: &str = "inbox_handler_duration_seconds";
 /// Histogram (seconds): `occurred_at` to commit of the handler's effects.
 pub const END_TO_END_SECONDS: &str = "inbox_end_to_end_seconds";
+/// Counter: messages no handler subscribes to, by policy.
+pub const UNHANDLED_TOTAL: &str = "inbox_unhandled_total";
+
+/// Label: what the `UnhandledPolicy` did.
+pub const LABEL_POLICY: &str = "policy";
 
 /// Label: the handler's consumer name.
 pub const LABEL_CONSUMER: &str = "consumer";
@@ -70,6 +76,11 @@ pub fn describe() {
         HANDLER_DURATION_SECONDS,
         Unit::Seconds,
         "One successful handler run with its transaction"
+    );
+    describe_counter!(
+        UNHANDLED_TOTAL,
+        Unit::Count,
+        "Messages whose event type no handler subscribes to, by policy (ack, dead_letter, requeue)"
     );
     describe_histogram!(
         END_TO_END_SECONDS,
@@ -114,4 +125,9 @@ pub(crate) fn failed(consumer: &str) {
 /// Records a message given up on by `consumer`.
 pub(crate) fn dead(consumer: &str) {
     ::metrics::counter!(DEAD_TOTAL, LABEL_CONSUMER => consumer.to_owned()).increment(1);
+}
+
+/// Records a message no handler subscribes to, handled by `policy`.
+pub(crate) fn unhandled(policy: &'static str) {
+    ::metrics::counter!(UNHANDLED_TOTAL, LABEL_POLICY => policy).increment(1);
 }

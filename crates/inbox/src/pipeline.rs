@@ -4,6 +4,7 @@
 use std::collections::HashMap;
 use std::sync::Arc;
 
+use futures::FutureExt as _;
 use outbox_core::inbox::VersionTracking;
 use outbox_core::wire::IncomingMessage;
 use outbox_core::{InboxStore, OutboxError};
@@ -200,7 +201,22 @@ where
                 }
             }
         }
-        match reg.handler.handle(&mut tx, msg, &ctx).await {
+        // A panic is a handler failure like any other: counted, retried, and in the end
+        // a dead letter that names it, never a lost delivery.
+        let handled = std::panic::AssertUnwindSafe(reg.handler.handle(&mut tx, msg, &ctx))
+            .catch_unwind()
+            .await
+            .unwrap_or_else(|panic| {
+                let text = panic
+                    .downcast_ref::<&str>()
+                    .map(|s| (*s).to_owned())
+                    .or_else(|| panic.downcast_ref::<String>().cloned())
+                    .unwrap_or_else(|| "a panic without a message".to_owned());
+                Err(HandlerError::retryable(format!(
+                    "the handler panicked: {text}"
+                )))
+            });
+        match handled {
             Ok(()) => {
                 if let Some((agg_type, agg_id, version)) = versioned
                     && !ctx.stale

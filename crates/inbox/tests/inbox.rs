@@ -7,7 +7,7 @@ use std::time::Duration;
 use async_trait::async_trait;
 use inbox::{
     DurableReceiver, GapPolicy, Handler, HandlerContext, HandlerError, IdempotentConsumer,
-    InboxProcessor, Pipeline, ProcessorConfig, StalePolicy,
+    InboxProcessor, Pipeline, ProcessorConfig, StalePolicy, UNHANDLED_CONSUMER, UnhandledPolicy,
 };
 use outbox_core::RetryPolicy;
 use outbox_core::consumer::{DeliveryHandler, HandlerDecision};
@@ -383,7 +383,7 @@ fn processor(
 
 async fn store(db: &Db, msg: &IncomingMessage) {
     let receiver = DurableReceiver::new(Arc::clone(&db.inbox));
-    assert_eq!(receiver.handle(msg.clone()).await, HandlerDecision::Ack);
+    assert_eq!(receiver.handle(msg).await, HandlerDecision::Ack);
 }
 
 #[tokio::test]
@@ -661,4 +661,153 @@ async fn retention_purges_old_records_and_processed_messages() {
         .with_batch_size(1);
     let report = purge_all.purge(&*db.inbox).await.expect("purge");
     assert_eq!((report.inbox_records, report.processed_messages), (1, 1));
+}
+
+/// A message whose event type no handler subscribes to follows the consumer's policy:
+/// `Ack` (the default) acknowledges it and records nothing; `DeadLetter` records it as a
+/// consumer dead letter under `unhandled` (payload kept) and acknowledges it; `Requeue`
+/// leaves it to the broker. The durable inbox follows the same policy: done, `Dead`
+/// with a reason, or tried again later without an attempt counted.
+#[tokio::test]
+async fn an_unhandled_event_type_follows_the_policy() {
+    let db = db().await;
+    let pipeline = || Pipeline::new().on("OrderPlaced", "projector", Effect::new(&db));
+    let msg = message("OrderShipped", "1", 1);
+
+    let ack = IdempotentConsumer::new(Arc::clone(&db.inbox), pipeline());
+    assert_eq!(ack.process(&msg).await, HandlerDecision::Ack);
+    assert!(
+        !db.inbox
+            .is_dead(msg.id, UNHANDLED_CONSUMER)
+            .await
+            .expect("dead")
+    );
+
+    let requeue = IdempotentConsumer::new(Arc::clone(&db.inbox), pipeline())
+        .with_unhandled(UnhandledPolicy::Requeue);
+    assert_eq!(requeue.process(&msg).await, HandlerDecision::Requeue);
+    assert!(
+        !db.inbox
+            .is_dead(msg.id, UNHANDLED_CONSUMER)
+            .await
+            .expect("dead")
+    );
+
+    let dead = IdempotentConsumer::new(Arc::clone(&db.inbox), pipeline())
+        .with_unhandled(UnhandledPolicy::DeadLetter);
+    assert_eq!(dead.process(&msg).await, HandlerDecision::Ack);
+    let letters = db
+        .inbox
+        .consumer_dead_letters(Some(UNHANDLED_CONSUMER), 10)
+        .await
+        .expect("dead letters");
+    assert_eq!(letters.len(), 1, "{letters:?}");
+    assert_eq!(letters[0].message_id, msg.id);
+    assert_eq!(letters[0].payload, msg.payload);
+    assert!(
+        letters[0].last_error.contains("OrderShipped"),
+        "{}",
+        letters[0].last_error
+    );
+    assert!(db.effects("projector").await.is_empty(), "no handler ran");
+
+    // The durable inbox, each policy on a message of its own.
+    for (policy, want) in [
+        (UnhandledPolicy::Ack, "done"),
+        (UnhandledPolicy::DeadLetter, "dead"),
+        (UnhandledPolicy::Requeue, "deferred"),
+    ] {
+        let msg = message("OrderShipped", &Uuid::new_v4().to_string(), 1);
+        store(&db, &msg).await;
+        let processor = InboxProcessor::new(
+            Arc::clone(&db.inbox),
+            pipeline(),
+            ProcessorConfig::new().with_unhandled(policy),
+        );
+        let report = processor.run_once().await.expect("process");
+        let got = match (report.done, report.dead, report.deferred) {
+            (1, 0, 0) => "done",
+            (0, 1, 0) => "dead",
+            (0, 0, 1) => "deferred",
+            _ => "unexpected",
+        };
+        assert_eq!(got, want, "{policy:?}: {report:?}");
+    }
+}
+
+/// A handler that panics fails like one that returns an error: counted, retried, and
+/// after `max_deliveries` a consumer dead letter whose error carries the panic message.
+#[tokio::test]
+async fn a_panicking_handler_is_a_counted_failure_then_a_dead_letter() {
+    struct Panics;
+    #[async_trait]
+    impl Handler<PgInbox> for Panics {
+        async fn handle(
+            &self,
+            _: &mut PgConnection,
+            _: &IncomingMessage,
+            _: &HandlerContext,
+        ) -> Result<(), HandlerError> {
+            panic!("projection bug (expected by the test)");
+        }
+    }
+    let db = db().await;
+    let consumer = IdempotentConsumer::new(
+        Arc::clone(&db.inbox),
+        Pipeline::new().on("OrderPlaced", "projector", Panics),
+    )
+    .with_max_deliveries(2);
+    let msg = message("OrderPlaced", "1", 1);
+    assert_eq!(consumer.process(&msg).await, HandlerDecision::Requeue);
+    assert_eq!(consumer.process(&msg).await, HandlerDecision::Ack);
+    let letters = db
+        .inbox
+        .consumer_dead_letters(Some("projector"), 10)
+        .await
+        .expect("dead letters");
+    assert_eq!(letters.len(), 1);
+    assert_eq!(letters[0].attempts, 2);
+    assert!(
+        letters[0]
+            .last_error
+            .contains("the handler panicked: projection bug"),
+        "{}",
+        letters[0].last_error
+    );
+}
+
+/// A store that cannot be reached is never the message's fault: the idempotent
+/// consumer and the durable receiver answer `Defer` (hold the delivery and try again),
+/// not `Requeue`, so no delivery attempt is spent on an outage.
+#[tokio::test]
+async fn an_unreachable_inbox_defers_the_delivery() {
+    let db = db().await;
+    // A pool of one connection, which the test holds: every acquire times out.
+    let pool = sqlx::postgres::PgPoolOptions::new()
+        .max_connections(1)
+        .acquire_timeout(Duration::from_millis(200))
+        .connect(&database_url())
+        .await
+        .expect("connect");
+    let held = pool.acquire().await.expect("the only connection");
+    let starved = Arc::new(PgInbox::new(pool.clone(), &db.schema).expect("inbox"));
+    let consumer = IdempotentConsumer::new(
+        Arc::clone(&starved),
+        Pipeline::new().on("OrderPlaced", "projector", Effect::new(&db)),
+    );
+    let msg = message("OrderPlaced", "1", 1);
+    assert_eq!(consumer.process(&msg).await, HandlerDecision::Defer);
+    let receiver = DurableReceiver::new(Arc::clone(&starved));
+    assert_eq!(receiver.handle(&msg).await, HandlerDecision::Defer);
+    drop(held);
+    assert_eq!(consumer.process(&msg).await, HandlerDecision::Ack);
+    assert_eq!(db.effects("projector").await.len(), 1);
+    assert!(
+        db.inbox
+            .consumer_dead_letters(None, 10)
+            .await
+            .expect("dead letters")
+            .is_empty(),
+        "the outage counted no failure"
+    );
 }

@@ -73,9 +73,9 @@ struct Counting {
 
 #[async_trait]
 impl DeliveryHandler for Counting {
-    async fn handle(&self, msg: IncomingMessage) -> HandlerDecision {
+    async fn handle(&self, msg: &IncomingMessage) -> HandlerDecision {
         // Counted after processing, so a count the test sees is fully handled.
-        let decision = self.inner.process(&msg).await;
+        let decision = self.inner.process(msg).await;
         if let Some(tp) = msg.traceparent {
             self.traces
                 .lock()
@@ -294,7 +294,7 @@ struct Seen(Arc<Mutex<HashMap<Uuid, usize>>>);
 
 #[async_trait]
 impl DeliveryHandler for Seen {
-    async fn handle(&self, msg: IncomingMessage) -> HandlerDecision {
+    async fn handle(&self, msg: &IncomingMessage) -> HandlerDecision {
         *self.0.lock().expect("lock").entry(msg.id).or_insert(0) += 1;
         HandlerDecision::Ack
     }

@@ -341,3 +341,90 @@ async fn the_inbox_crate_consumer_applies_a_message_once() {
         "one effect for the duplicate pair, none for the rolled-back failure"
     );
 }
+
+/// The consumer's fault properties over SQL Server (as over PostgreSQL in the `inbox`
+/// crate's tests): a handler that panics is a counted failure and then a consumer dead
+/// letter carrying the panic message; a message no handler subscribes to is recorded
+/// under `unhandled` with `UnhandledPolicy::DeadLetter`; an inbox whose pool cannot
+/// hand out a connection answers `Defer`, not `Requeue`, and counts nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_inbox_crate_consumer_survives_faults() {
+    use std::sync::Arc;
+
+    use inbox::{
+        Handler, HandlerContext, HandlerError, IdempotentConsumer, Pipeline, UNHANDLED_CONSUMER,
+        UnhandledPolicy,
+    };
+    use outbox_core::HandlerDecision;
+    use outbox_sqlserver::{MssqlClient, MssqlConfig};
+
+    struct Panics;
+    #[async_trait::async_trait]
+    impl Handler<MssqlInbox> for Panics {
+        async fn handle(
+            &self,
+            _: &mut MssqlClient,
+            _: &IncomingMessage,
+            _: &HandlerContext,
+        ) -> Result<(), HandlerError> {
+            panic!("projection bug (expected by the test)");
+        }
+    }
+
+    let Some(url) = common::mssql_url("the_inbox_crate_consumer_survives_faults") else {
+        return;
+    };
+    let outbox = common::fresh_outbox(&url).await;
+    let store = Arc::new(MssqlInbox::new(outbox.pool().clone(), outbox.schema()).expect("inbox"));
+    let consumer = IdempotentConsumer::new(
+        Arc::clone(&store),
+        Pipeline::new().on("OrderPlaced", "projection", Panics),
+    )
+    .with_max_deliveries(2)
+    .with_unhandled(UnhandledPolicy::DeadLetter);
+    let msg = IncomingMessage::new(Uuid::now_v7(), "OrderPlaced", b"{}".to_vec());
+    assert_eq!(consumer.process(&msg).await, HandlerDecision::Requeue);
+    assert_eq!(consumer.process(&msg).await, HandlerDecision::Ack);
+    let dead = store
+        .consumer_dead_letters(Some("projection"), 10)
+        .await
+        .expect("dead letters");
+    assert_eq!(dead.len(), 1);
+    assert!(
+        dead[0]
+            .last_error
+            .contains("the handler panicked: projection bug"),
+        "{}",
+        dead[0].last_error
+    );
+
+    let unhandled = IncomingMessage::new(Uuid::now_v7(), "OrderShipped", b"{}".to_vec());
+    assert_eq!(consumer.process(&unhandled).await, HandlerDecision::Ack);
+    assert!(
+        store
+            .is_dead(unhandled.id, UNHANDLED_CONSUMER)
+            .await
+            .expect("dead")
+    );
+
+    let starved_pool = MssqlConfig::new(&url)
+        .with_schema(outbox.schema())
+        .with_max_connections(1)
+        .with_acquire_timeout(Duration::from_millis(300))
+        .connect()
+        .await
+        .expect("connect");
+    let held = starved_pool.get().await.expect("the only connection");
+    let starved = Arc::new(MssqlInbox::new(starved_pool.clone(), outbox.schema()).expect("inbox"));
+    let waiting = IdempotentConsumer::new(
+        Arc::clone(&starved),
+        Pipeline::new().on("OrderPlaced", "projection", Panics),
+    );
+    let fresh = IncomingMessage::new(Uuid::now_v7(), "OrderPlaced", b"{}".to_vec());
+    assert_eq!(waiting.process(&fresh).await, HandlerDecision::Defer);
+    drop(held);
+    assert!(
+        !store.is_dead(fresh.id, "projection").await.expect("dead"),
+        "the outage counted nothing"
+    );
+}

@@ -7,6 +7,8 @@
 //! - [`faults`]: faults injected into the shared servers (RabbitMQ memory alarm,
 //!   `max_message_size`, node stopped; NATS frozen), each undone on drop, under one
 //!   machine-wide lock;
+//! - [`pg`]: a PostgreSQL outage for one consumer only (a role of its own, locked out
+//!   and let in again);
 //! - [`ordered`]: the ordered-delivery suite (dispatcher in `Ordering::PerKey` mode,
 //!   real broker, a consumer checking every key's order), generic over the
 //!   conformance [`Harness`](outbox_core::conformance::Harness), expanded by
@@ -19,4 +21,5 @@
 
 pub mod faults;
 pub mod ordered;
+pub mod pg;
 pub mod rabbit;

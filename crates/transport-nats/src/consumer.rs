@@ -15,14 +15,19 @@
 //!   before returning [`HandlerDecision::Ack`] never loses a message: a crash before
 //!   the ack means a redelivery after `ack_wait`, which the inbox deduplicates.
 //! - Answers: `Ack` → `+ACK`; `Requeue` → `-NAK` with a delay from the configured
-//!   [nak delays](NatsConsumerBuilder::with_nak_delays) (by delivery count), or `+TERM`
-//!   when this was delivery number `max_deliver` (JetStream would not deliver it again);
-//!   `Reject` → `+TERM` (never redelivered; JetStream publishes a
-//!   `$JS.EVENT.ADVISORY.CONSUMER.MSG_TERMINATED` advisory).
+//!   [nak delays](NatsConsumerBuilder::with_nak_delays) (by delivery count); `Reject` →
+//!   `+TERM` (never redelivered; JetStream publishes a
+//!   `$JS.EVENT.ADVISORY.CONSUMER.MSG_TERMINATED` advisory); `Defer` (the handler's
+//!   database is unavailable) → `+WPI` (in progress: the server restarts `ack_wait` and
+//!   counts no delivery) and the same message is handed to the handler again after 1 s,
+//!   2 s, ... up to 15 s, until it is decided, however long the outage; at shutdown a
+//!   still deferred message gets `-NAK`. Keep `ack_wait` above 15 s plus the handler's
+//!   longest wait for its database (the pool's acquire timeout).
 //! - A message that cannot be decoded (no id, an id that is not a UUID, no event type)
 //!   is logged and terminated: it never blocks the consumer.
-//! - A handler that panics is caught and logged; the message is redelivered once (nak)
-//!   and terminated if it panics again, as the RabbitMQ transport's consumer does.
+//! - A handler that panics is caught and logged, and the message redelivered (`-NAK`):
+//!   it is never terminated (the `inbox` crate's handlers count their own panics as
+//!   failures and end a message that always panics as a consumer dead letter).
 //! - Messages are handled **concurrently**, up to the concurrency limit at a time,
 //!   within the task that calls [`run`](NatsConsumer::run); handlers may finish in any
 //!   order.
@@ -38,23 +43,23 @@
 //! `max_deliver` counts every delivery of a message, acked or not. When the limit is
 //! reached JetStream stops delivering the message (advisory
 //! `$JS.EVENT.ADVISORY.CONSUMER.MAX_DELIVERIES`); it stays in the stream but this
-//! consumer never sees it again. The `inbox` crate's `IdempotentConsumer` counts its
-//! own handler failures and, after its `max_deliveries` (5 by default), records the
-//! message as a **consumer dead letter** and acks it: set `max_deliver` **larger** than
-//! that (the default here is 10), so the inbox records the dead letter before
-//! JetStream gives up silently.
+//! consumer never sees it again. The default here is **no limit**: the `inbox` crate's
+//! `IdempotentConsumer` counts its own handler failures and, after its
+//! `max_deliveries` (5 by default), records the message as a **consumer dead letter**
+//! and acks it, and a database outage defers deliveries without spending any, so no
+//! message ever leaves unrecorded. If you set a limit, set it well **above** the
+//! inbox's `max_deliveries`.
 //!
 //! [consumers]: https://docs.nats.io/nats-concepts/jetstream/consumers
 
-use std::panic::AssertUnwindSafe;
 use std::time::Duration;
 
 use async_nats::jetstream::consumer::pull::MessagesErrorKind;
 use async_nats::jetstream::consumer::{self, AckPolicy, DeliverPolicy};
 use async_nats::jetstream::{self, AckKind, ErrorCode};
+use futures::StreamExt;
 use futures::stream::FuturesUnordered;
-use futures::{FutureExt, StreamExt};
-use outbox_core::consumer::{DeliveryHandler, HandlerDecision};
+use outbox_core::consumer::{DeliveryHandler, HandlerDecision, handle_until_decided};
 use outbox_core::wire::{Binding, DecodeError, IncomingMessage};
 use outbox_core::{ErrorKind, Headers};
 use tokio::time::timeout;
@@ -73,7 +78,7 @@ pub const MAX_CONCURRENCY: usize = 10_000;
 pub const DEFAULT_ACK_WAIT: Duration = Duration::from_secs(30);
 /// Default deliveries of one message before JetStream stops delivering it. Larger than
 /// the inbox's default of 5 failed deliveries, see the [module docs](self).
-pub const DEFAULT_MAX_DELIVER: u32 = 10;
+pub const DEFAULT_MAX_DELIVER: Option<u32> = None;
 /// Default delays of a `-NAK` after the 1st, 2nd, ... delivery (the last repeats).
 pub const DEFAULT_NAK_DELAYS: [Duration; 4] = [
     Duration::from_secs(1),
@@ -121,7 +126,7 @@ impl NatsConsumerBuilder {
             durable: durable.into(),
             filter_subject: None,
             ack_wait: DEFAULT_ACK_WAIT,
-            max_deliver: Some(DEFAULT_MAX_DELIVER),
+            max_deliver: DEFAULT_MAX_DELIVER,
             backoff: Vec::new(),
             nak_delays: DEFAULT_NAK_DELAYS.to_vec(),
             concurrency: DEFAULT_CONCURRENCY,
@@ -146,8 +151,13 @@ impl NatsConsumerBuilder {
     }
 
     /// Deliveries of one message after which JetStream stops delivering it, or `None`
-    /// for no limit. Default `Some(10)`; keep it above the inbox's `max_deliveries`
-    /// (see the [module docs](self)). Must exceed the number of
+    /// for no limit. Default `None`: the inbox enforces its own limit on handler
+    /// failures and records a consumer dead letter, while a database outage (a deferred
+    /// delivery) spends no delivery at all, so nothing is ever dropped unrecorded. A
+    /// limit makes JetStream drop a message silently (advisory
+    /// `$JS.EVENT.ADVISORY.CONSUMER.MAX_DELIVERIES`) once reached, e.g. after repeated
+    /// shutdowns or `ack_wait` expiries; if you set one, keep it well above the inbox's
+    /// `max_deliveries` (see the [module docs](self)). Must exceed the number of
     /// [`with_backoff`](Self::with_backoff) steps.
     pub fn with_max_deliver(mut self, max_deliver: Option<u32>) -> Self {
         self.max_deliver = max_deliver;
@@ -287,7 +297,7 @@ fn check_name(field: &'static str, value: &str) -> Result<(), NatsError> {
 ///
 /// #[async_trait]
 /// impl DeliveryHandler for Projection {
-///     async fn handle(&self, msg: IncomingMessage) -> HandlerDecision {
+///     async fn handle(&self, msg: &IncomingMessage) -> HandlerDecision {
 ///         println!("{} {}", msg.event_type, msg.id);
 ///         HandlerDecision::Ack
 ///     }
@@ -323,7 +333,6 @@ pub struct NatsConsumer {
 /// Per-message settings the processing of a delivery needs.
 #[derive(Debug, Clone)]
 struct Answering {
-    max_deliver: Option<u32>,
     nak_delays: Vec<Duration>,
 }
 
@@ -415,7 +424,6 @@ impl NatsConsumer {
         };
         let js = jetstream::new(client.clone());
         let answering = Answering {
-            max_deliver: self.max_deliver,
             nak_delays: self.nak_delays.clone(),
         };
         let mut delay = self.reconnect_initial;
@@ -566,7 +574,7 @@ impl NatsConsumer {
                 next = messages.next(), if in_flight.len() < self.concurrency => match next {
                     Some(Ok(message)) => {
                         errors_in_a_row = 0;
-                        in_flight.push(process(handler, message, answering));
+                        in_flight.push(process(handler, message, answering, shutdown));
                     }
                     Some(Err(e)) => {
                         let terminal = matches!(
@@ -611,6 +619,7 @@ async fn process<H: DeliveryHandler>(
     handler: &H,
     message: jetstream::Message,
     answering: &Answering,
+    shutdown: &CancellationToken,
 ) {
     let (delivered, stream_sequence) = match message.info() {
         Ok(info) => (
@@ -625,20 +634,15 @@ async fn process<H: DeliveryHandler>(
     let (message_id, decoded) =
         decode_message(message.headers.as_ref(), &message.payload, delivered);
     let decision = match decoded {
+        // "+WPI" (work in progress) before each wait restarts the server's ack_wait, so
+        // a deferred delivery is neither redelivered nor counted again.
         Ok(msg) => {
-            let id = msg.id;
-            match AssertUnwindSafe(handler.handle(msg)).catch_unwind().await {
-                Ok(decision) => decision,
-                Err(_) => {
-                    let decision = if delivered > 1 {
-                        HandlerDecision::Reject
-                    } else {
-                        HandlerDecision::Requeue
-                    };
-                    error!(%id, delivered, ?decision, "delivery handler panicked");
-                    decision
+            handle_until_decided(handler, &msg, shutdown, || async {
+                if let Err(e) = message.ack_with(AckKind::Progress).await {
+                    debug!(stream_sequence, error = %e, "could not send +WPI");
                 }
-            }
+            })
+            .await
         }
         Err(e) => {
             warn!(
@@ -652,20 +656,9 @@ async fn process<H: DeliveryHandler>(
     };
     let kind = match decision {
         HandlerDecision::Ack => AckKind::Ack,
-        HandlerDecision::Requeue
-            if answering
-                .max_deliver
-                .is_some_and(|max| delivered >= u64::from(max)) =>
-        {
-            error!(
-                stream_sequence,
-                delivered,
-                message_id = message_id.as_deref().unwrap_or(""),
-                "delivery limit (max_deliver) reached: JetStream will not deliver this message again; terminated"
-            );
-            AckKind::Term
-        }
         HandlerDecision::Requeue => AckKind::Nak(nak_delay(&answering.nak_delays, delivered)),
+        // Still deferred at shutdown: let the server redeliver it at once.
+        HandlerDecision::Defer => AckKind::Nak(None),
         HandlerDecision::Reject => AckKind::Term,
     };
     if let Err(e) = message.ack_with(kind).await {
@@ -796,17 +789,8 @@ mod tests {
 mod properties {
     use super::*;
     use async_nats::{HeaderMap, HeaderName, HeaderValue};
+    use outbox_core::proptest_support::config;
     use proptest::prelude::*;
-    use proptest::test_runner::Config as ProptestConfig;
-
-    fn config() -> ProptestConfig {
-        ProptestConfig {
-            cases: 256,
-            // Keep proptest's regression files out of the repository.
-            failure_persistence: None,
-            ..ProptestConfig::default()
-        }
-    }
 
     /// Every name a `HeaderMap` can hold (printable ASCII without ':', empty too),
     /// often one the decoder looks up, in any case.

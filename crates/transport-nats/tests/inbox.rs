@@ -4,7 +4,9 @@
 //! - idempotent consumer: copies of one message have one effect, and a poison message
 //!   becomes a consumer dead letter (recorded by the inbox after its `max_deliveries`,
 //!   below JetStream's `max_deliver`) and is acked, so the messages behind it flow;
-//! - durable inbox: deliveries are stored once and acked, then a processor applies them.
+//! - durable inbox: deliveries are stored once and acked, then a processor applies them;
+//! - a database outage longer than JetStream's whole delivery budget loses nothing: the
+//!   consumer defers its deliveries (`+WPI`) instead of spending them.
 
 mod common;
 
@@ -20,7 +22,9 @@ use outbox_core::inbox::ConsumerDeadLetters;
 use outbox_core::wire::IncomingMessage;
 use outbox_core::{EventPublisher, OutboxMessage};
 use outbox_postgres::{PgInbox, PgOutbox};
+use outbox_testkit::pg::PgLockout;
 use sqlx::PgConnection;
+use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 use tokio_util::sync::CancellationToken;
 use transport_nats::{NatsConsumer, NatsPublisher};
 use uuid::Uuid;
@@ -150,14 +154,7 @@ async fn idempotent_consumer_over_nats_duplicates_and_a_poison_message() {
         },
     )
     .await;
-    eventually("the consumer has nothing pending", || async {
-        let stream = fx.js.get_stream(&fx.stream).await.expect("stream");
-        let consumer: async_nats::jetstream::consumer::PullConsumer =
-            stream.get_consumer("inbox").await.expect("consumer");
-        let info = consumer.get_info().await.expect("info");
-        info.num_ack_pending == 0 && info.num_pending == 0
-    })
-    .await;
+    fx.nothing_pending("inbox").await;
     token.cancel();
     run.await.expect("join").expect("consumer ends cleanly");
 
@@ -223,6 +220,93 @@ async fn durable_inbox_over_nats_stores_then_processes() {
     for m in &messages {
         assert_eq!(effects(&outbox, m.id).await, 1);
     }
+    drop_schema(&outbox).await;
+    fx.cleanup().await;
+}
+
+/// PostgreSQL cuts and refuses the consumer's connections (its own role, locked out) for
+/// 8 s while messages keep arriving, far longer than JetStream's delivery budget here
+/// (`max_deliver` 3 with 100 ms nak delays: a `Requeue` per delivery would spend it in a
+/// third of a second, and JetStream would then drop the message). When the database is
+/// back, every message has its effect exactly once, nothing is pending, nothing was
+/// dead-lettered.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_database_outage_longer_than_the_delivery_budget_loses_nothing() {
+    let fx = Fixture::new().await;
+    let (outbox, admin_store) = setup().await;
+    let admin: PgConnectOptions = database_url().parse().expect("database URL");
+    let lockout = PgLockout::new(outbox.pool(), &admin, outbox.schema()).await;
+    let pool = PgPoolOptions::new()
+        .max_connections(4)
+        .acquire_timeout(Duration::from_secs(2))
+        .connect_with(lockout.connect_options())
+        .await
+        .expect("connect as the consumer's role");
+    let store = Arc::new(PgInbox::new(pool, outbox.schema()).expect("inbox"));
+    let handler = IdempotentConsumer::new(
+        Arc::clone(&store),
+        Pipeline::new().on(
+            "OrderPlaced",
+            "projector",
+            Projector(outbox.schema().to_owned()),
+        ),
+    );
+    let consumer = NatsConsumer::builder(fx.build(), &fx.stream, "outage")
+        .with_max_deliver(Some(3))
+        .with_nak_delays(vec![Duration::from_millis(100)])
+        .build()
+        .expect("valid");
+    let token = CancellationToken::new();
+    let run = {
+        let t = token.clone();
+        tokio::spawn(async move { consumer.run(handler, t).await })
+    };
+    let publisher = NatsPublisher::connect(fx.build()).await.expect("connect");
+    let before: Vec<OutboxMessage> = (0..20).map(|_| fresh("OrderPlaced")).collect();
+    let during: Vec<OutboxMessage> = (0..50).map(|_| fresh("OrderPlaced")).collect();
+    for outcome in publisher.publish_batch(&before).await {
+        assert!(outcome.is_published(), "{outcome:?}");
+    }
+    eventually("the first messages are applied", || async {
+        let mut all = true;
+        for m in &before {
+            all &= effects(&outbox, m.id).await == 1;
+        }
+        all
+    })
+    .await;
+
+    lockout.lock_out().await;
+    for outcome in publisher.publish_batch(&during).await {
+        assert!(outcome.is_published(), "{outcome:?}");
+    }
+    tokio::time::sleep(Duration::from_secs(8)).await;
+    lockout.let_in().await;
+
+    eventually_within(
+        Duration::from_secs(60),
+        "every message is applied after the outage",
+        || async {
+            let mut all = true;
+            for m in &during {
+                all &= effects(&outbox, m.id).await >= 1;
+            }
+            all
+        },
+    )
+    .await;
+    fx.nothing_pending("outage").await;
+    token.cancel();
+    run.await.expect("join").expect("consumer ends cleanly");
+    for m in before.iter().chain(&during) {
+        assert_eq!(effects(&outbox, m.id).await, 1, "exactly one effect");
+    }
+    let dead = admin_store
+        .consumer_dead_letters(None, 10)
+        .await
+        .expect("dead letters");
+    assert!(dead.is_empty(), "nothing was dead-lettered: {dead:?}");
+    lockout.drop_role().await;
     drop_schema(&outbox).await;
     fx.cleanup().await;
 }

@@ -123,7 +123,7 @@ struct Collector {
 
 #[async_trait]
 impl DeliveryHandler for Collector {
-    async fn handle(&self, msg: IncomingMessage) -> HandlerDecision {
+    async fn handle(&self, msg: &IncomingMessage) -> HandlerDecision {
         *self.deliveries.lock().expect("lock") += 1;
         self.ids.lock().expect("lock").insert(msg.id);
         HandlerDecision::Ack

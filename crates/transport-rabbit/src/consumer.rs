@@ -19,6 +19,17 @@
 //!   [`RabbitConsumerBuilder::with_requeue_delay`]) before `basic.nack` with
 //!   `requeue = true`, so a failing message does not loop at full speed (AMQP 0-9-1 has
 //!   no delayed requeue of its own).
+//! - [`HandlerDecision::Defer`] (the handler's database is unavailable) keeps the
+//!   delivery unacknowledged and hands it to the handler again after 1 s, 2 s, ... up to
+//!   15 s, until it is decided: no `basic.nack`, so nothing counts toward a quorum
+//!   queue's `x-delivery-limit`, however long the outage. With every prefetched
+//!   delivery waiting, the broker sends no more. The broker's own `consumer_timeout`
+//!   (30 min by default) closes a channel that holds a delivery longer; the deliveries
+//!   then return to the queue (a quorum queue counts that as one delivery each) and the
+//!   consumer reconnects.
+//! - A handler that panics is caught and logged, and the delivery requeued: it is never
+//!   rejected (the `inbox` crate's handlers count their own panics as failures and
+//!   end a message that always panics as a consumer dead letter).
 //! - Deliveries are handled **concurrently**, up to the prefetch count at a time, within
 //!   the task that calls [`run`](RabbitConsumer::run); the order in which handlers finish
 //!   is not the delivery order.
@@ -31,11 +42,10 @@
 //!
 //! [consumer acknowledgements]: https://www.rabbitmq.com/docs/confirms#consumer-acknowledgements
 
-use std::panic::AssertUnwindSafe;
 use std::time::Duration;
 
+use futures::StreamExt;
 use futures::stream::FuturesUnordered;
-use futures::{FutureExt, StreamExt};
 use lapin::message::Delivery;
 use lapin::options::{
     BasicAckOptions, BasicCancelOptions, BasicConsumeOptions, BasicNackOptions, BasicQosOptions,
@@ -43,7 +53,7 @@ use lapin::options::{
 };
 use lapin::types::{AMQPValue, DecimalValue, FieldTable, LongString, ShortString};
 use lapin::{BasicProperties, Channel, Connection};
-use outbox_core::consumer::{DeliveryHandler, HandlerDecision};
+use outbox_core::consumer::{DeliveryHandler, HandlerDecision, handle_until_decided};
 use outbox_core::wire::{Binding, DecodeError, IncomingMessage};
 use outbox_core::{ErrorKind, Headers};
 use tokio::time::timeout;
@@ -261,7 +271,7 @@ fn check_name(field: &'static str, value: &str) -> Result<(), RabbitError> {
 ///
 /// #[async_trait]
 /// impl DeliveryHandler for Projection {
-///     async fn handle(&self, msg: IncomingMessage) -> HandlerDecision {
+///     async fn handle(&self, msg: &IncomingMessage) -> HandlerDecision {
 ///         println!("{} {}", msg.event_type, msg.id);
 ///         HandlerDecision::Ack
 ///     }
@@ -564,21 +574,9 @@ async fn process<H: DeliveryHandler>(
     } = delivery;
     let message_id = properties.message_id().as_ref().map(ShortString::as_str);
     let decision = match decode_delivery(&properties, data, redelivered) {
-        Ok(msg) => {
-            let id = msg.id;
-            match AssertUnwindSafe(handler.handle(msg)).catch_unwind().await {
-                Ok(decision) => decision,
-                Err(_) => {
-                    let decision = if redelivered {
-                        HandlerDecision::Reject
-                    } else {
-                        HandlerDecision::Requeue
-                    };
-                    error!(%id, redelivered, ?decision, "delivery handler panicked");
-                    decision
-                }
-            }
-        }
+        // An unacknowledged delivery stays ours: nothing to do to keep it while the
+        // handler defers.
+        Ok(msg) => handle_until_decided(handler, &msg, shutdown, || async {}).await,
         Err(e) => {
             warn!(
                 delivery_tag,
@@ -598,6 +596,15 @@ async fn process<H: DeliveryHandler>(
                     () = tokio::time::sleep(requeue_delay) => {}
                 }
             }
+            acker
+                .nack(BasicNackOptions {
+                    multiple: false,
+                    requeue: true,
+                })
+                .await
+        }
+        // Still deferred at shutdown: back to the queue at once.
+        HandlerDecision::Defer => {
             acker
                 .nack(BasicNackOptions {
                     multiple: false,
@@ -776,22 +783,8 @@ mod tests {
 mod properties {
     use super::*;
     use lapin::types::{ByteArray, FieldArray};
+    use outbox_core::proptest_support::{config, text};
     use proptest::prelude::*;
-    use proptest::test_runner::Config as ProptestConfig;
-
-    fn config() -> ProptestConfig {
-        ProptestConfig {
-            cases: 256,
-            // Keep proptest's regression files out of the repository.
-            failure_persistence: None,
-            ..ProptestConfig::default()
-        }
-    }
-
-    /// Any text: every `char` (controls, NUL, CR/LF, non-BMP) is possible.
-    fn text(max_chars: usize) -> impl Strategy<Value = String> {
-        prop::collection::vec(any::<char>(), 0..=max_chars).prop_map(String::from_iter)
-    }
 
     /// An AMQP short string: any text of at most 255 bytes.
     fn short(max_chars: usize) -> impl Strategy<Value = ShortString> {

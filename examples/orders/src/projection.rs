@@ -100,10 +100,10 @@ impl Projector {
 
 #[async_trait]
 impl DeliveryHandler for Projector {
-    async fn handle(&self, msg: IncomingMessage) -> HandlerDecision {
+    async fn handle(&self, msg: &IncomingMessage) -> HandlerDecision {
         let n = self.counters.deliveries.fetch_add(1, Ordering::Relaxed) + 1;
         let id = msg.id;
-        let decision = self.inner.process(&msg).await;
+        let decision = self.inner.process(msg).await;
         if decision == HandlerDecision::Ack
             && self.redeliver_every > 0
             && n.is_multiple_of(self.redeliver_every)

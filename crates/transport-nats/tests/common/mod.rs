@@ -122,6 +122,23 @@ impl Fixture {
         out
     }
 
+    /// The durable consumer `durable`'s info (pending counts, ack floor).
+    pub async fn consumer_info(&self, durable: &str) -> jetstream::consumer::Info {
+        let stream = self.js.get_stream(&self.stream).await.expect("stream");
+        let consumer: jetstream::consumer::PullConsumer =
+            stream.get_consumer(durable).await.expect("consumer");
+        consumer.get_info().await.expect("consumer info")
+    }
+
+    /// Waits until the durable consumer `durable` has nothing pending or unacknowledged.
+    pub async fn nothing_pending(&self, durable: &str) {
+        eventually("the consumer has nothing pending", || async {
+            let info = self.consumer_info(durable).await;
+            info.num_ack_pending == 0 && info.num_pending == 0
+        })
+        .await;
+    }
+
     pub async fn cleanup(self) {
         let _ = self.js.delete_stream(&self.stream).await;
     }
