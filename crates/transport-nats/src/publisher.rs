@@ -722,25 +722,10 @@ mod properties {
     use super::*;
     use crate::config::DEFAULT_URL;
     use outbox_core::MessageStatus;
+    use outbox_core::proptest_support::{config, payload, text};
     use outbox_core::wire::IncomingMessage;
     use proptest::prelude::*;
-    use proptest::test_runner::Config as ProptestConfig;
-    use serde_json::value::RawValue;
     use uuid::Uuid;
-
-    fn config() -> ProptestConfig {
-        ProptestConfig {
-            cases: 256,
-            // Keep proptest's regression files out of the repository.
-            failure_persistence: None,
-            ..ProptestConfig::default()
-        }
-    }
-
-    /// Any text: every `char` (controls, NUL, CR/LF, non-BMP) is possible.
-    fn text(max_chars: usize) -> impl Strategy<Value = String> {
-        prop::collection::vec(any::<char>(), 0..=max_chars).prop_map(String::from_iter)
-    }
 
     /// Header names: arbitrary text; names that are valid NATS names; `Nats-` in any
     /// case; names of 1-4 bytes (ASCII or one multi-byte char) and names whose 5th
@@ -803,16 +788,6 @@ mod properties {
             2 => text(20),
             1 => (0usize..5000).prop_map(|n| "k".repeat(n)),
         ]
-    }
-
-    /// A JSON payload of exactly `size` bytes (at least 1).
-    fn payload(size: usize) -> Box<RawValue> {
-        let json = if size < 2 {
-            "0".to_owned()
-        } else {
-            format!("\"{}\"", "a".repeat(size - 2))
-        };
-        RawValue::from_string(json).expect("valid JSON")
     }
 
     fn message() -> impl Strategy<Value = OutboxMessage> {

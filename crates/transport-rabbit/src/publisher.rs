@@ -832,26 +832,10 @@ mod tests {
 mod properties {
     use super::*;
     use crate::config::DEFAULT_URL;
-    use chrono::{DateTime, Utc};
     use outbox_core::MessageStatus;
+    use outbox_core::proptest_support::{any_time, config, payload, text};
     use proptest::prelude::*;
-    use proptest::test_runner::Config as ProptestConfig;
-    use serde_json::value::RawValue;
     use uuid::Uuid;
-
-    fn config() -> ProptestConfig {
-        ProptestConfig {
-            cases: 256,
-            // Keep proptest's regression files out of the repository.
-            failure_persistence: None,
-            ..ProptestConfig::default()
-        }
-    }
-
-    /// Any text: every `char` (controls, NUL, CR/LF, non-BMP) is possible.
-    fn text(max_chars: usize) -> impl Strategy<Value = String> {
-        prop::collection::vec(any::<char>(), 0..=max_chars).prop_map(String::from_iter)
-    }
 
     /// Text of about `MAX_SHORT_STRING` bytes (250 to 260), ASCII or made of 2-, 3- or
     /// 4-byte chars, so that the limit falls on or inside a char.
@@ -901,27 +885,6 @@ mod properties {
             2 => near_short_string_limit(),
             1 => text(300),
         ]
-    }
-
-    /// Any instant chrono can hold, before 1970 too (the AMQP timestamp is unsigned).
-    fn any_time() -> impl Strategy<Value = DateTime<Utc>> {
-        (
-            DateTime::<Utc>::MIN_UTC.timestamp()..=DateTime::<Utc>::MAX_UTC.timestamp(),
-            0u32..1_000_000_000,
-        )
-            .prop_filter_map("not an instant", |(secs, nanos)| {
-                DateTime::from_timestamp(secs, nanos)
-            })
-    }
-
-    /// A JSON payload of exactly `size` bytes (at least 1).
-    fn payload(size: usize) -> Box<RawValue> {
-        let json = if size < 2 {
-            "0".to_owned()
-        } else {
-            format!("\"{}\"", "a".repeat(size - 2))
-        };
-        RawValue::from_string(json).expect("valid JSON")
     }
 
     /// A row with arbitrary content, and a payload limit with a payload a few bytes
