@@ -2,13 +2,17 @@
 //! variable (shown in `--help`) or the config file; flags and environment variables
 //! win over the file, the file wins over the defaults.
 
+use std::fmt;
 use std::path::PathBuf;
 
 use clap::{Args, Parser, Subcommand, ValueEnum};
 
+use crate::config::{redact_broker_url, redact_database_url};
+
 /// Operate a transactional outbox: run the relay, migrate, inspect, reconcile, replay
 /// dead letters, purge.
-#[derive(Debug, Parser)]
+// `Debug` (below) hides the URLs' passwords.
+#[derive(Parser)]
 #[command(name = "outbox", version)]
 pub struct Cli {
     /// TOML config file (see docs/operations.md). Flags and environment variables
@@ -44,6 +48,29 @@ pub struct Cli {
     /// What to do.
     #[command(subcommand)]
     pub command: Command,
+}
+
+impl fmt::Debug for Cli {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        // Destructured, so that a new field cannot be forgotten here.
+        let Self {
+            config,
+            database_url,
+            schema,
+            log_format,
+            command,
+        } = self;
+        f.debug_struct("Cli")
+            .field("config", config)
+            .field(
+                "database_url",
+                &database_url.as_deref().map(redact_database_url),
+            )
+            .field("schema", schema)
+            .field("log_format", log_format)
+            .field("command", command)
+            .finish()
+    }
 }
 
 /// Log output format.
@@ -121,8 +148,8 @@ pub enum InboxDeadCommand {
     Replay(InboxDeadReplayArgs),
 }
 
-/// Settings of `outbox relay`.
-#[derive(Debug, Default, Args)]
+/// Settings of `outbox relay`. `Debug` hides the broker URL's password.
+#[derive(Default, Args)]
 pub struct RelayArgs {
     /// Broker: rabbit or nats [default: rabbit].
     #[arg(long, env = "OUTBOX_TRANSPORT", value_enum)]
@@ -233,6 +260,58 @@ pub struct RelayArgs {
     /// [default: 5s].
     #[arg(long, env = "OUTBOX_HEALTH_INTERVAL", value_name = "DURATION")]
     pub health_interval: Option<String>,
+}
+
+impl fmt::Debug for RelayArgs {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let Self {
+            transport,
+            broker_url,
+            exchange,
+            subject_prefix,
+            batch_size,
+            poll_interval,
+            lease,
+            confirm_timeout,
+            drain_timeout,
+            crash_loop_limit,
+            max_attempts,
+            concurrency,
+            event_types,
+            ordering,
+            sent_retention,
+            listen,
+            max_lag,
+            stuck_after,
+            health_interval,
+        } = self;
+        f.debug_struct("RelayArgs")
+            .field("transport", transport)
+            .field(
+                "broker_url",
+                &broker_url
+                    .as_deref()
+                    .map(|url| redact_broker_url(*transport, url)),
+            )
+            .field("exchange", exchange)
+            .field("subject_prefix", subject_prefix)
+            .field("batch_size", batch_size)
+            .field("poll_interval", poll_interval)
+            .field("lease", lease)
+            .field("confirm_timeout", confirm_timeout)
+            .field("drain_timeout", drain_timeout)
+            .field("crash_loop_limit", crash_loop_limit)
+            .field("max_attempts", max_attempts)
+            .field("concurrency", concurrency)
+            .field("event_types", event_types)
+            .field("ordering", ordering)
+            .field("sent_retention", sent_retention)
+            .field("listen", listen)
+            .field("max_lag", max_lag)
+            .field("stuck_after", stuck_after)
+            .field("health_interval", health_interval)
+            .finish()
+    }
 }
 
 /// The broker.

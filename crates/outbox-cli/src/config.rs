@@ -6,6 +6,7 @@
 //! both), then the config file, then the default.
 
 use std::collections::BTreeMap;
+use std::fmt;
 use std::net::SocketAddr;
 use std::path::Path;
 use std::time::Duration;
@@ -54,7 +55,9 @@ pub const DEFAULT_LISTEN: &str = "127.0.0.1:9464";
 /// cap = "10m"
 /// jitter = "1s"
 /// ```
-#[derive(Debug, Clone, Default, Deserialize)]
+///
+/// `Debug` hides the URLs' passwords.
+#[derive(Clone, Default, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct FileConfig {
     /// PostgreSQL URL.
@@ -69,7 +72,8 @@ pub struct FileConfig {
 }
 
 /// The `[relay]` table of the config file (see [`RelayArgs`] for the meaning of each).
-#[derive(Debug, Clone, Default, Deserialize)]
+/// `Debug` hides the broker URL's password.
+#[derive(Clone, Default, Deserialize)]
 #[serde(deny_unknown_fields)]
 #[allow(missing_docs)] // reason: documented on the matching `RelayArgs` flags
 pub struct FileRelay {
@@ -134,8 +138,8 @@ impl FileConfig {
     }
 }
 
-/// Database settings shared by every command.
-#[derive(Debug, Clone, PartialEq, Eq)]
+/// Database settings shared by every command. `Debug` hides the URL's password.
+#[derive(Clone, PartialEq, Eq)]
 pub struct DbSettings {
     /// PostgreSQL URL (validated).
     pub url: String,
@@ -185,6 +189,157 @@ impl DbSettings {
     }
 }
 
+/// `url`, a PostgreSQL URL, with its password replaced by `***` (for logs and `Debug`).
+pub fn redact_database_url(url: &str) -> String {
+    outbox_core::error::redact_url(url, outbox_core::error::LoneUserInfo::UserName)
+}
+
+/// `url`, a broker URL of `transport`, with its password (and a NATS token) replaced by
+/// `***`. When the transport is not known yet the NATS rules apply: a user info without
+/// a password is hidden as a token too, and a comma-separated server list is redacted
+/// server by server.
+pub fn redact_broker_url(transport: Option<TransportKind>, url: &str) -> String {
+    match transport {
+        Some(TransportKind::Rabbit) => transport_rabbit::redact_url(url),
+        Some(TransportKind::Nats) | None => transport_nats::redact_url(url),
+    }
+}
+
+impl fmt::Debug for FileConfig {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        // Destructured, so that a new field cannot be forgotten here.
+        let Self {
+            database_url,
+            schema,
+            log_format,
+            relay,
+        } = self;
+        f.debug_struct("FileConfig")
+            .field(
+                "database_url",
+                &database_url.as_deref().map(redact_database_url),
+            )
+            .field("schema", schema)
+            .field("log_format", log_format)
+            .field("relay", relay)
+            .finish()
+    }
+}
+
+impl fmt::Debug for FileRelay {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let Self {
+            transport,
+            broker_url,
+            exchange,
+            subject_prefix,
+            batch_size,
+            poll_interval,
+            lease,
+            confirm_timeout,
+            drain_timeout,
+            crash_loop_limit,
+            max_attempts,
+            concurrency,
+            ordering,
+            sent_retention,
+            listen,
+            max_lag,
+            stuck_after,
+            health_interval,
+            event_types,
+        } = self;
+        f.debug_struct("FileRelay")
+            .field("transport", transport)
+            .field(
+                "broker_url",
+                &broker_url
+                    .as_deref()
+                    .map(|url| redact_broker_url(*transport, url)),
+            )
+            .field("exchange", exchange)
+            .field("subject_prefix", subject_prefix)
+            .field("batch_size", batch_size)
+            .field("poll_interval", poll_interval)
+            .field("lease", lease)
+            .field("confirm_timeout", confirm_timeout)
+            .field("drain_timeout", drain_timeout)
+            .field("crash_loop_limit", crash_loop_limit)
+            .field("max_attempts", max_attempts)
+            .field("concurrency", concurrency)
+            .field("ordering", ordering)
+            .field("sent_retention", sent_retention)
+            .field("listen", listen)
+            .field("max_lag", max_lag)
+            .field("stuck_after", stuck_after)
+            .field("health_interval", health_interval)
+            .field("event_types", event_types)
+            .finish()
+    }
+}
+
+impl fmt::Debug for DbSettings {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let Self { url, schema } = self;
+        f.debug_struct("DbSettings")
+            .field("url", &redact_database_url(url))
+            .field("schema", schema)
+            .finish()
+    }
+}
+
+impl fmt::Debug for RelaySettings {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let Self {
+            db,
+            transport,
+            broker_url,
+            exchange,
+            subject_prefix,
+            batch_size,
+            poll_interval,
+            lease,
+            confirm_timeout,
+            drain_timeout,
+            crash_loop_limit,
+            max_attempts,
+            concurrency,
+            overrides,
+            ordering,
+            sent_retention,
+            listen,
+            max_lag,
+            stuck_after,
+            health_interval,
+        } = self;
+        f.debug_struct("RelaySettings")
+            .field("db", db)
+            .field("transport", transport)
+            .field(
+                "broker_url",
+                &redact_broker_url(Some(*transport), broker_url),
+            )
+            .field("exchange", exchange)
+            .field("subject_prefix", subject_prefix)
+            .field("batch_size", batch_size)
+            .field("poll_interval", poll_interval)
+            .field("lease", lease)
+            .field("confirm_timeout", confirm_timeout)
+            .field("drain_timeout", drain_timeout)
+            .field("crash_loop_limit", crash_loop_limit)
+            .field("max_attempts", max_attempts)
+            .field("concurrency", concurrency)
+            .field("overrides", overrides)
+            .field("ordering", ordering)
+            .field("sent_retention", sent_retention)
+            .field("listen", listen)
+            .field("max_lag", max_lag)
+            .field("stuck_after", stuck_after)
+            .field("health_interval", health_interval)
+            .finish()
+    }
+}
+
 fn strip_config_prefix(e: &outbox_core::OutboxError) -> String {
     match e {
         outbox_core::OutboxError::Config(reason) => reason.clone(),
@@ -192,8 +347,9 @@ fn strip_config_prefix(e: &outbox_core::OutboxError) -> String {
     }
 }
 
-/// Everything `outbox relay` needs, resolved and validated.
-#[derive(Debug, Clone)]
+/// Everything `outbox relay` needs, resolved and validated. `Debug` hides the URLs'
+/// passwords.
+#[derive(Clone)]
 pub struct RelaySettings {
     /// Database.
     pub db: DbSettings,
@@ -740,6 +896,74 @@ mod tests {
             outbox_core::SentRetention::from(SentRetentionMode::Delete),
             outbox_core::SentRetention::Delete
         );
+    }
+
+    #[test]
+    fn debug_never_shows_passwords() {
+        let file = FileConfig::parse(
+            "database_url = 'postgres://app:s3cret@db:5432/app'\n\
+             [relay]\nbroker_url = 'amqp://guest:1234/s3cret@mq:5672/%2f'\nbatch_size = 7\n",
+        )
+        .expect("valid");
+        let nats_file = FileConfig::parse(
+            "[relay]\ntransport = 'nats'\nbroker_url = 'nats://s3cret@nats:4222'\n",
+        )
+        .expect("valid");
+        let unknown_transport =
+            FileConfig::parse("[relay]\nbroker_url = 'nats://s3cret@nats:4222'\n").expect("valid");
+        // Unparsable as a database URL, still redacted.
+        let odd = <Cli as clap::Parser>::parse_from([
+            "outbox",
+            "--database-url",
+            "postgres://app:12/s3cret@db:5432/app",
+            "relay",
+            "--broker-url",
+            "nats://app:s3/cret@nats:4222",
+        ]);
+        let cli = <Cli as clap::Parser>::parse_from([
+            "outbox",
+            "--database-url",
+            "postgres://app:s3cret@db:5432/app",
+            "relay",
+            "--broker-url",
+            "amqp://guest:s3cret@mq:5672/%2f",
+            "--batch-size",
+            "9",
+        ]);
+        let crate::cli::Command::Relay(args) = &cli.command else {
+            unreachable!("parsed relay")
+        };
+        let db = DbSettings::resolve(&cli, &file).expect("db");
+        let relay = RelaySettings::resolve(&cli, args, &file).expect("relay");
+        let mut nats = relay.clone();
+        nats.transport = TransportKind::Nats;
+        nats.broker_url = "nats://s3cret@nats:4222,nats://u:s3cret@n2:4222".into();
+        let shown = [
+            format!("{file:?}"),
+            format!("{:?}", file.relay),
+            format!("{nats_file:#?}"),
+            format!("{unknown_transport:?}"),
+            format!("{cli:?}"),
+            format!("{args:#?}"),
+            format!("{db:?}"),
+            format!("{relay:?}"),
+            format!("{nats:?}"),
+            format!("{odd:?}"),
+        ];
+        for text in &shown {
+            assert!(
+                !text.contains("s3cret") && !text.contains("s3/cret"),
+                "{text}"
+            );
+            assert!(text.contains("***"), "{text}");
+        }
+        // Every other field is still shown.
+        assert!(shown[0].contains("batch_size: Some(7)"), "{}", shown[0]);
+        assert!(shown[0].contains("app:***@db:5432/app"), "{}", shown[0]);
+        assert!(shown[4].contains("batch_size: Some(9)"), "{}", shown[4]);
+        assert!(shown[6].contains("schema: \"outbox\""), "{}", shown[6]);
+        assert!(shown[7].contains("batch_size: 9"), "{}", shown[7]);
+        assert!(shown[7].contains("guest:***@mq:5672"), "{}", shown[7]);
     }
 
     #[test]

@@ -305,10 +305,7 @@ impl Relay {
 }
 
 fn redacted_broker(settings: &RelaySettings) -> String {
-    match settings.transport {
-        TransportKind::Rabbit => transport_rabbit::redact_url(&settings.broker_url),
-        TransportKind::Nats => transport_nats::redact_url(&settings.broker_url),
-    }
+    crate::config::redact_broker_url(Some(settings.transport), &settings.broker_url)
 }
 
 /// The dispatcher configuration of `settings`, ordering included.

@@ -72,6 +72,146 @@ async fn migrate_then_stats_as_a_process() {
     }
 }
 
+/// Drops a schema when the test ends, even on failure.
+struct DropSchema(&'static str);
+
+impl Drop for DropSchema {
+    fn drop(&mut self) {
+        let schema = self.0;
+        // On a runtime of our own: the test's may be shutting down (a failed assertion).
+        let _ = std::thread::spawn(move || {
+            let rt = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .expect("runtime");
+            rt.block_on(async {
+                if let Ok(pool) = sqlx::PgPool::connect(&database_url()).await {
+                    let _ = sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
+                        "DROP SCHEMA IF EXISTS \"{schema}\" CASCADE"
+                    )))
+                    .execute(&pool)
+                    .await;
+                }
+            });
+        })
+        .join();
+    }
+}
+
+fn stdout_json(o: &Output) -> serde_json::Value {
+    assert!(o.status.success(), "{}", stderr(o));
+    serde_json::from_slice(&o.stdout)
+        .unwrap_or_else(|e| panic!("{e}: {}", String::from_utf8_lossy(&o.stdout)))
+}
+
+/// Schema names that are reserved words (`user`, `select`) are valid: the binary
+/// migrates them, and the library enqueues, claims and completes in them, and the
+/// binary lists them in `stats` and `dead list` (whose `--error-contains` is literal).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn reserved_word_schemas_work_end_to_end() {
+    use outbox_core::{Completion, CompletionOutcome, OutboxStore as _};
+    let url = database_url();
+    for schema in ["user", "select"] {
+        let _cleanup = DropSchema(schema);
+        // Left behind by an interrupted run.
+        drop(DropSchema(schema));
+        let run = |args: &[&str]| {
+            let mut argv = vec!["--database-url", url.as_str(), "--schema", schema];
+            argv.extend_from_slice(args);
+            outbox(&argv)
+        };
+        let o = run(&["migrate"]);
+        assert!(o.status.success(), "{schema}: {}", stderr(&o));
+        assert!(
+            String::from_utf8_lossy(&o.stdout).contains("applied migrations [1, 2, 3, 4, 5, 6]"),
+            "{schema}"
+        );
+
+        let db = outbox_postgres::PgOutbox::connect(
+            &outbox_postgres::PgConfig::new(&url)
+                .with_schema(schema)
+                .with_max_connections(2),
+        )
+        .await
+        .expect("connect");
+        let sent = common::message("OrderPlaced", "acme", "1");
+        let unroutable = common::message("OrderPlaced", "acme", "2");
+        let plain = common::message("OrderShipped", "acme", "3");
+        common::enqueue(&db, &[sent.clone(), unroutable.clone(), plain.clone()]).await;
+        let claimed = db
+            .claim(10, Duration::from_secs(30))
+            .await
+            .expect("claim")
+            .messages;
+        assert_eq!(claimed.len(), 3, "{schema}");
+        let outcome = |id| {
+            if id == sent.id {
+                CompletionOutcome::Sent
+            } else if id == unroutable.id {
+                CompletionOutcome::Dead {
+                    error: "312 NO_ROUTE: no_route".into(),
+                }
+            } else {
+                CompletionOutcome::Dead {
+                    error: "plain error".into(),
+                }
+            }
+        };
+        let done: Vec<Completion> = claimed
+            .iter()
+            .map(|m| Completion {
+                id: m.id,
+                claim_token: m.claim_token.expect("token"),
+                outcome: outcome(m.id),
+            })
+            .collect();
+        assert_eq!(db.complete(&done).await.expect("complete").applied, 3);
+
+        let stats = stdout_json(&run(&["stats", "--json"]));
+        assert_eq!(stats["totals"]["sent"], 1, "{schema}: {stats}");
+        assert_eq!(stats["totals"]["dead"], 2, "{schema}: {stats}");
+        assert_eq!(stats["groups"].as_array().map(Vec::len), Some(2), "{stats}");
+
+        let ids = |v: &serde_json::Value| -> Vec<String> {
+            v.as_array()
+                .map(|rows| {
+                    rows.iter()
+                        .map(|r| r["id"].as_str().unwrap_or_default().to_owned())
+                        .collect()
+                })
+                .unwrap_or_default()
+        };
+        let all = stdout_json(&run(&["dead", "list", "--json"]));
+        assert_eq!(ids(&all).len(), 2, "{schema}: {all}");
+        let underscore = stdout_json(&run(&["dead", "list", "--json", "--error-contains", "_"]));
+        assert_eq!(
+            ids(&underscore),
+            [unroutable.id.to_string()],
+            "{underscore}"
+        );
+        // As a LIKE pattern `e_r` would match the `err` of "plain error".
+        let none = stdout_json(&run(&["dead", "list", "--json", "--error-contains", "e_r"]));
+        assert_eq!(ids(&none), Vec::<String>::new(), "{none}");
+        let dry = stdout_json(&run(&[
+            "dead",
+            "replay",
+            "--error-contains",
+            "_",
+            "--dry-run",
+            "--json",
+        ]));
+        assert_eq!(dry["matched"], 1, "{dry}");
+        for args in [
+            &["reconcile", "--json"][..],
+            &["inbox", "dead", "list", "--json"],
+            &["purge", "--older-than", "0s", "--archive", "--json"],
+        ] {
+            stdout_json(&run(args));
+        }
+        db.pool().close().await;
+    }
+}
+
 #[test]
 fn bad_input_exits_with_code_2_and_says_why() {
     let dir = std::env::temp_dir().join(format!("outbox-cli-{}", uuid::Uuid::new_v4().simple()));

@@ -303,6 +303,132 @@ fn with<'a>(base: &'a [String], more: &[&'a str]) -> Vec<&'a str> {
         .collect()
 }
 
+/// A row made poison: its index among the test's messages, the SQL assignments that
+/// spoil it, and what its `last_error` must say.
+type PoisonCase = (usize, String, &'static str);
+
+/// Spoils the `cases` rows of `msgs`, runs the relay with `args` until no row is
+/// pending, and checks that it still runs, that each poison row is dead alone (charged
+/// at most once) with the expected reason, and that every other row is sent after one
+/// attempt. Returns the running relay.
+async fn poison_rows_die_alone(
+    db: &PgOutbox,
+    args: &[&str],
+    msgs: &[NewMessage],
+    cases: &[PoisonCase],
+) -> RelayProcess {
+    for (i, set, _) in cases {
+        poison(db, msgs[*i].id, set).await;
+    }
+    let mut relay = RelayProcess::start(db, args);
+    wait_until(
+        &relay,
+        Duration::from_secs(60),
+        "no row is pending",
+        || async { pending(db).await == 0 },
+    )
+    .await;
+    assert!(relay.running(), "the relay still runs:\n{}", relay.log());
+    for (i, _, reason) in cases {
+        let (status, attempts, error) = row(db, msgs[*i].id).await;
+        assert_eq!(status, 3, "poison row {i} is dead");
+        assert!(attempts <= 1, "row {i}: {attempts} attempts");
+        let error = error.unwrap_or_default();
+        assert!(
+            error.contains(reason),
+            "row {i}: {error:?} should say {reason:?}"
+        );
+    }
+    let good = i64::try_from(msgs.len() - cases.len()).expect("count");
+    assert_eq!(count(db, 1).await, good, "every good row is sent");
+    assert_eq!(max_attempts(db).await, 1, "no good row was charged twice");
+    relay
+}
+
+/// Keeps an injected fault for `how_long` while checking that the relay kills and
+/// charges nothing.
+async fn nothing_dies_or_is_charged(db: &PgOutbox, relay: &RelayProcess, how_long: Duration) {
+    let until = Instant::now() + how_long;
+    while Instant::now() < until {
+        assert_eq!(count(db, 3).await, 0, "a message died:\n{}", relay.log());
+        assert!(
+            max_attempts(db).await <= 1,
+            "an attempt was charged:\n{}",
+            relay.log()
+        );
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+}
+
+/// Starts the relay over `first` (already enqueued) and waits until they are sent.
+async fn relay_warmed_up(db: &PgOutbox, args: &[&str], first: usize) -> RelayProcess {
+    let relay = RelayProcess::start(db, args);
+    let want = i64::try_from(first).expect("count");
+    wait_until(
+        &relay,
+        Duration::from_secs(30),
+        "the first rows are sent",
+        || async { count(db, 1).await == want },
+    )
+    .await;
+    relay
+}
+
+/// An outage injected for real: the relay (at most 2 attempts, a 2 s confirm timeout)
+/// sends `first` messages, then `fault()` is injected (its guard undoes it when
+/// dropped), `during` more messages are enqueued, and for 20 s nothing may die or be
+/// charged; once the fault is undone every row must be sent after one attempt. Returns
+/// the relay, still running, and every message.
+async fn an_outage_charges_nothing<G>(
+    db: &PgOutbox,
+    args: &[&str],
+    first: usize,
+    during: usize,
+    fault: impl FnOnce() -> G,
+) -> (RelayProcess, Vec<NewMessage>) {
+    let mut all = orders(first, "before-outage");
+    enqueue(db, &all).await;
+    let flags = [
+        "--max-attempts",
+        "2",
+        "--confirm-timeout",
+        "2s",
+        "--lease",
+        "20s",
+    ];
+    let args: Vec<&str> = args.iter().chain(&flags).copied().collect();
+    let mut relay = relay_warmed_up(db, &args, first).await;
+    let guard = fault();
+    let more = orders(during, "during-outage");
+    enqueue(db, &more).await;
+    all.extend(more);
+    nothing_dies_or_is_charged(db, &relay, Duration::from_secs(20)).await;
+    drop(guard);
+    let total = i64::try_from(all.len()).expect("count");
+    wait_until(
+        &relay,
+        Duration::from_secs(120),
+        "every row is sent",
+        || async { count(db, 1).await == total },
+    )
+    .await;
+    assert!(relay.running(), "{}", relay.log());
+    assert_eq!(count(db, 3).await, 0);
+    assert_eq!(max_attempts(db).await, 1, "no attempt was charged");
+    (relay, all)
+}
+
+/// SIGTERM, then a clean exit within 30 s.
+async fn stops_cleanly(mut relay: RelayProcess) {
+    relay.terminate();
+    let status = relay.exited_within(Duration::from_secs(30)).await;
+    assert!(
+        status.is_some_and(|s| s.success()),
+        "clean exit: {status:?}\n{}",
+        relay.log()
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn nats_poison_rows_die_alone_and_the_relay_keeps_running() {
     let _lock = faults::lock().await;
@@ -311,7 +437,7 @@ async fn nats_poison_rows_die_alone_and_the_relay_keeps_running() {
     let msgs = orders(15, "nats-poison");
     enqueue(&db, &msgs).await;
     let big = "x".repeat(1_200_000);
-    let cases: [(usize, String, &str); 5] = [
+    let cases: [PoisonCase; 5] = [
         (
             2,
             r#"headers = '{"größe": "x"}'"#.into(),
@@ -330,31 +456,9 @@ async fn nats_poison_rows_die_alone_and_the_relay_keeps_running() {
             "exceeds the broker limit",
         ),
     ];
-    for (i, set, _) in &cases {
-        poison(&db, msgs[*i].id, set).await;
-    }
     let args = nats_args(&stream);
-    let mut relay = RelayProcess::start(&db, &with(&args, &[]));
-    wait_until(
-        &relay,
-        Duration::from_secs(60),
-        "no row is pending",
-        || async { pending(&db).await == 0 },
-    )
-    .await;
-    assert!(relay.running(), "the relay still runs:\n{}", relay.log());
-    for (i, _, reason) in &cases {
-        let (status, _, error) = row(&db, msgs[*i].id).await;
-        assert_eq!(status, 3, "poison row {i} is dead");
-        let error = error.unwrap_or_default();
-        assert!(
-            error.contains(reason),
-            "row {i}: {error:?} should say {reason:?}"
-        );
-    }
+    let relay = poison_rows_die_alone(&db, &with(&args, &[]), &msgs, &cases).await;
     let poisoned: HashSet<usize> = cases.iter().map(|c| c.0).collect();
-    assert_eq!(count(&db, 1).await, 10, "every good row is sent");
-    assert_eq!(max_attempts(&db).await, 1, "nothing was charged twice");
     let stored = stream.ids().await;
     for (i, m) in msgs.iter().enumerate() {
         let want = usize::from(!poisoned.contains(&i));
@@ -364,13 +468,7 @@ async fn nats_poison_rows_die_alone_and_the_relay_keeps_running() {
             "message {i} in the stream"
         );
     }
-    relay.terminate();
-    let status = relay.exited_within(Duration::from_secs(30)).await;
-    assert!(
-        status.is_some_and(|s| s.success()),
-        "clean exit: {status:?}\n{}",
-        relay.log()
-    );
+    stops_cleanly(relay).await;
     stream.delete().await;
 }
 
@@ -387,7 +485,7 @@ async fn rabbit_poison_rows_die_alone_and_no_good_row_is_charged() {
     enqueue(&db, &msgs).await;
     let big = "x".repeat(100 * 1024);
     let long_name = "h".repeat(300);
-    let cases: [(usize, String, &str); 3] = [
+    let cases: [PoisonCase; 3] = [
         (3, r#"headers = '{"retries": 3}'"#.into(), "undecodable row"),
         (
             7,
@@ -400,35 +498,9 @@ async fn rabbit_poison_rows_die_alone_and_no_good_row_is_charged() {
             "406 PRECONDITION_FAILED for this message alone",
         ),
     ];
-    for (i, set, _) in &cases {
-        poison(&db, msgs[*i].id, set).await;
-    }
+    // No good row charged twice: the channel closed by one message charged no other.
     let args = rabbit_args(&fx);
-    let mut relay = RelayProcess::start(&db, &with(&args, &[]));
-    wait_until(
-        &relay,
-        Duration::from_secs(60),
-        "no row is pending",
-        || async { pending(&db).await == 0 },
-    )
-    .await;
-    assert!(relay.running(), "the relay still runs:\n{}", relay.log());
-    for (i, _, reason) in &cases {
-        let (status, attempts, error) = row(&db, msgs[*i].id).await;
-        assert_eq!(status, 3, "poison row {i} is dead");
-        assert!(attempts <= 1, "row {i}: {attempts} attempts");
-        let error = error.unwrap_or_default();
-        assert!(
-            error.contains(reason),
-            "row {i}: {error:?} should say {reason:?}"
-        );
-    }
-    assert_eq!(count(&db, 1).await, 27, "every good row is sent");
-    assert_eq!(
-        max_attempts(&db).await,
-        1,
-        "the channel closed by one message charged none of the others"
-    );
+    let relay = poison_rows_die_alone(&db, &with(&args, &[]), &msgs, &cases).await;
     let arrived = quiet(&counts).await;
     let poisoned: HashSet<usize> = cases.iter().map(|c| c.0).collect();
     for (i, m) in msgs.iter().enumerate() {
@@ -439,13 +511,7 @@ async fn rabbit_poison_rows_die_alone_and_no_good_row_is_charged() {
             assert!(n >= 1, "good message {i} never reached the queue");
         }
     }
-    relay.terminate();
-    let status = relay.exited_within(Duration::from_secs(30)).await;
-    assert!(
-        status.is_some_and(|s| s.success()),
-        "clean exit: {status:?}\n{}",
-        relay.log()
-    );
+    stops_cleanly(relay).await;
     fx.delete_exchange().await;
 }
 
@@ -460,27 +526,14 @@ async fn a_full_queue_dead_letters_nothing() {
     let msgs = orders(100, "full");
     enqueue(&db, &msgs).await;
     let args = rabbit_args(&fx);
-    let mut relay = RelayProcess::start(
+    // Ten fill the queue; the rest meet a full queue.
+    let mut relay = relay_warmed_up(
         &db,
         &with(&args, &["--max-attempts", "2", "--batch-size", "20"]),
-    );
-    wait_until(
-        &relay,
-        Duration::from_secs(30),
-        "the queue is full",
-        || async { count(&db, 1).await == 10 },
+        10,
     )
     .await;
-    let full_until = Instant::now() + Duration::from_secs(30);
-    while Instant::now() < full_until {
-        assert_eq!(count(&db, 3).await, 0, "a message died:\n{}", relay.log());
-        assert!(
-            max_attempts(&db).await <= 1,
-            "an attempt was charged:\n{}",
-            relay.log()
-        );
-        tokio::time::sleep(Duration::from_millis(500)).await;
-    }
+    nothing_dies_or_is_charged(&db, &relay, Duration::from_secs(30)).await;
     assert!(relay.running(), "{}", relay.log());
     let counts = fx.counter().await;
     wait_until(
@@ -512,62 +565,18 @@ async fn a_memory_alarm_dead_letters_nothing() {
     let db = fresh_outbox().await;
     let fx = relay_fixture(FieldTable::default()).await;
     let counts = fx.counter().await;
-    let first = orders(20, "before-alarm");
-    enqueue(&db, &first).await;
     let args = rabbit_args(&fx);
-    let mut relay = RelayProcess::start(
-        &db,
-        &with(
-            &args,
-            &[
-                "--max-attempts",
-                "2",
-                "--confirm-timeout",
-                "2s",
-                "--lease",
-                "20s",
-            ],
-        ),
-    );
-    wait_until(
-        &relay,
-        Duration::from_secs(30),
-        "the first rows are sent",
-        || async { count(&db, 1).await == 20 },
-    )
-    .await;
-    let alarm = RabbitMemoryAlarm::raise();
-    let during = orders(200, "during-alarm");
-    enqueue(&db, &during).await;
-    let until = Instant::now() + Duration::from_secs(20);
-    while Instant::now() < until {
-        assert_eq!(count(&db, 3).await, 0, "a message died:\n{}", relay.log());
-        assert!(
-            max_attempts(&db).await <= 1,
-            "an attempt was charged:\n{}",
-            relay.log()
-        );
-        tokio::time::sleep(Duration::from_millis(500)).await;
-    }
-    drop(alarm);
-    wait_until(
-        &relay,
-        Duration::from_secs(90),
-        "every row is sent",
-        || async { count(&db, 1).await == 220 },
-    )
-    .await;
-    assert!(relay.running());
-    assert_eq!(count(&db, 3).await, 0);
-    assert_eq!(max_attempts(&db).await, 1, "no attempt was charged");
+    let (relay, all) =
+        an_outage_charges_nothing(&db, &with(&args, &[]), 20, 200, RabbitMemoryAlarm::raise).await;
     let arrived = quiet(&counts).await;
-    for m in first.iter().chain(&during) {
+    for m in &all {
         assert!(
             arrived.get(&m.id).is_some_and(|n| *n >= 1),
             "message {} arrived",
             m.id
         );
     }
+    stops_cleanly(relay).await;
     fx.delete_exchange().await;
 }
 
@@ -579,59 +588,15 @@ async fn a_frozen_nats_server_dead_letters_nothing() {
     let _lock = faults::lock().await;
     let db = fresh_outbox().await;
     let stream = Stream::new().await;
-    let first = orders(100, "before-freeze");
-    enqueue(&db, &first).await;
     let args = nats_args(&stream);
-    let mut relay = RelayProcess::start(
-        &db,
-        &with(
-            &args,
-            &[
-                "--max-attempts",
-                "2",
-                "--confirm-timeout",
-                "2s",
-                "--lease",
-                "20s",
-            ],
-        ),
-    );
-    wait_until(
-        &relay,
-        Duration::from_secs(30),
-        "the first rows are sent",
-        || async { count(&db, 1).await == 100 },
-    )
-    .await;
-    let frozen = NatsFrozen::freeze();
-    let during = orders(2_000, "during-freeze");
-    enqueue(&db, &during).await;
-    let until = Instant::now() + Duration::from_secs(20);
-    while Instant::now() < until {
-        assert_eq!(count(&db, 3).await, 0, "a message died:\n{}", relay.log());
-        assert!(
-            max_attempts(&db).await <= 1,
-            "an attempt was charged:\n{}",
-            relay.log()
-        );
-        tokio::time::sleep(Duration::from_millis(500)).await;
-    }
-    frozen.thaw();
-    wait_until(
-        &relay,
-        Duration::from_secs(120),
-        "every row is sent",
-        || async { count(&db, 1).await == 2_100 },
-    )
-    .await;
-    assert!(relay.running());
-    assert_eq!(count(&db, 3).await, 0);
-    assert_eq!(max_attempts(&db).await, 1, "no attempt was charged");
+    let (relay, all) =
+        an_outage_charges_nothing(&db, &with(&args, &[]), 100, 2_000, NatsFrozen::freeze).await;
     let stored = stream.ids().await;
-    for m in first.iter().chain(&during) {
+    for m in &all {
         assert_eq!(stored.get(&m.id), Some(&1), "message {} stored once", m.id);
     }
-    assert_eq!(stored.len(), 2_100);
+    assert_eq!(stored.len(), all.len());
+    stops_cleanly(relay).await;
     stream.delete().await;
 }
 
@@ -696,7 +661,7 @@ async fn shutdown_behind_a_frozen_broker_releases_within_the_drain_timeout() {
     let first = orders(10, "before-shutdown");
     enqueue(&db, &first).await;
     let args = nats_args(&stream);
-    let mut relay = RelayProcess::start(
+    let mut relay = relay_warmed_up(
         &db,
         &with(
             &args,
@@ -711,12 +676,7 @@ async fn shutdown_behind_a_frozen_broker_releases_within_the_drain_timeout() {
                 "50",
             ],
         ),
-    );
-    wait_until(
-        &relay,
-        Duration::from_secs(30),
-        "the first rows are sent",
-        || async { count(&db, 1).await == 10 },
+        10,
     )
     .await;
     let frozen = NatsFrozen::freeze();

@@ -660,6 +660,76 @@ pub async fn dead_letters_and_replay<H: Harness>(h: &H) {
     );
 }
 
+/// The error filter of dead-letter listing and replay matches literal text,
+/// case-insensitively: `%`, `_`, `[` and `\` match only themselves.
+pub async fn dead_letter_error_filter_is_literal<H: Harness>(h: &H) {
+    let store = h.store();
+    let msgs = messages(6, "Literal");
+    h.enqueue(&msgs).await;
+    let claimed = claim_until(&*store, 6, Duration::from_secs(60), 6).await;
+    assert_eq!(claimed.len(), 6, "claimed every message");
+    let errors = [
+        "plain error",
+        "rate 100% reached",
+        "no_route",
+        "path C:\\temp",
+        "bracket [x] here",
+        "MiXeD Case",
+    ];
+    let dead: Vec<Completion> = claimed
+        .iter()
+        .zip(errors)
+        .map(|(m, error)| {
+            completion(
+                m.id,
+                m.claim_token.expect("token"),
+                CompletionOutcome::Dead {
+                    error: error.to_owned(),
+                },
+            )
+        })
+        .collect();
+    store.complete(&dead).await.expect("complete");
+    let id_of = |error: &str| {
+        claimed[errors
+            .iter()
+            .position(|e| *e == error)
+            .expect("known error")]
+        .id
+    };
+    for (filter, expected) in [
+        ("%", vec!["rate 100% reached"]),
+        ("100%", vec!["rate 100% reached"]),
+        ("_", vec!["no_route"]),
+        ("o_r", vec!["no_route"]),
+        // As a LIKE pattern `e_r` would match the `err` of "plain error".
+        ("e_r", vec![]),
+        ("\\", vec!["path C:\\temp"]),
+        ("[x]", vec!["bracket [x] here"]),
+        ("[a-z]", vec![]),
+        ("mixed case", vec!["MiXeD Case"]),
+    ] {
+        let filter_of = || MessageFilter::new().with_error_containing(filter);
+        let got: HashSet<Uuid> = store
+            .dead_letters(&filter_of(), 100)
+            .await
+            .expect("list")
+            .iter()
+            .map(|m| m.id)
+            .collect();
+        let want: HashSet<Uuid> = expected.iter().map(|e| id_of(e)).collect();
+        assert_eq!(got, want, "dead letters whose error contains {filter:?}");
+        let dry = store.replay(&filter_of(), true).await.expect("dry run");
+        assert_eq!(dry.matched, want.len() as u64, "replay matching {filter:?}");
+    }
+    let replayed = store
+        .replay(&MessageFilter::new().with_error_containing("_"), false)
+        .await
+        .expect("replay");
+    assert_eq!((replayed.matched, replayed.replayed), (1, 1));
+    assert_eq!(store.stats().await.expect("stats").dead, 5);
+}
+
 /// Stats count rows by status; purge removes only old Sent rows.
 pub async fn stats_and_purge<H: Harness>(h: &H) {
     let store = h.store();
@@ -1095,6 +1165,7 @@ macro_rules! store_conformance_tests {
                 retry_becomes_claimable_after_backoff,
                 expired_lease_is_reclaimed_and_stale_completion_fenced,
                 dead_letters_and_replay,
+                dead_letter_error_filter_is_literal,
                 stats_and_purge,
                 ordered_claim_takes_key_prefixes,
                 ordered_failing_key_waits_alone,
@@ -1129,6 +1200,7 @@ macro_rules! store_conformance_tests {
                 retry_becomes_claimable_after_backoff,
                 expired_lease_is_reclaimed_and_stale_completion_fenced,
                 dead_letters_and_replay,
+                dead_letter_error_filter_is_literal,
                 stats_and_purge,
                 ordered_claim_takes_key_prefixes,
                 ordered_failing_key_waits_alone,

@@ -66,6 +66,15 @@ pub enum InvalidMessage {
     /// The `traceparent` header is not a W3C Trace Context `traceparent`.
     #[error("traceparent {0:?} is not a valid W3C Trace Context traceparent")]
     TraceParent(String),
+    /// The payload's JSON text is longer than the store accepts (see
+    /// [`NewMessage::check_payload_size`](crate::NewMessage::check_payload_size)).
+    #[error("payload is {size} bytes of JSON, the maximum is {max}")]
+    PayloadTooLarge {
+        /// Length of the payload's JSON text, in bytes.
+        size: usize,
+        /// The store's limit, in bytes.
+        max: usize,
+    },
 }
 
 /// Errors of stores and the dispatcher.
@@ -223,30 +232,74 @@ pub enum LoneUserInfo {
 }
 
 /// `url` with the password of its user info replaced by `***`, so it can go into logs
-/// and error messages. Best effort on malformed URLs too: whatever sits between the
-/// first `:` of the user info and the last `@` of the authority is hidden.
+/// and error messages (a [`LoneUserInfo::Token`] user info without a password is hidden
+/// whole).
+///
+/// The URL is parsed with the `url` crate, whose output may normalise it (percent-encode
+/// characters a URL may not hold); a URL without a secret is returned unchanged.
+/// Passwords that are not percent-encoded can make a URL ambiguous: in
+/// `amqp://user:1234/ss@host` the password `1234/ss` reads as a port and a path. So
+/// whenever the parse fails, or the text between the scheme and the last `@` holds a `:`
+/// that the parse did not take for the start of a password, everything between the first
+/// `:` after the scheme and the last `@` is hidden instead (over-redaction is preferred
+/// to a leak). Text with no `scheme://` is treated the same way. One case cannot be
+/// told apart from a URL without user info: a token containing `/`, `?` or `#`
+/// (`nats://to/ken@host` reads as host `to`, path `/ken@host`) is shown.
 pub fn redact_url(url: &str, lone: LoneUserInfo) -> String {
-    let (prefix, rest, authority_len) = match url.find("://") {
-        Some(i) => {
-            let (prefix, rest) = url.split_at(i + 3);
-            (
-                prefix,
-                rest,
-                rest.find(['/', '?', '#']).unwrap_or(rest.len()),
-            )
-        }
-        // No recognisable scheme (`amqp//user:pw@host`): the whole text may hide a
-        // user info, so nothing is cut off before looking for the `@`.
-        None => ("", url, url.len()),
+    let Some((scheme, rest)) = split_scheme(url) else {
+        // No recognisable scheme (`amqp//user:pw@host`): the whole text may hide a user
+        // info.
+        return redact_textually("", url, lone);
     };
-    let Some(at) = rest[..authority_len].rfind('@') else {
+    let Some(last_at) = rest.rfind('@') else {
         return url.to_owned();
+    };
+    let before_at = &rest[..last_at];
+    // The parser ends the authority at the first of these: when none comes before the
+    // last `@`, its user info is exactly `before_at`.
+    let in_authority = !before_at.contains(['/', '?', '#', '\\']);
+    match url::Url::parse(url) {
+        Ok(mut parsed) if in_authority || !before_at.contains(':') => {
+            let hidden = if parsed.password().is_some() {
+                parsed.set_password(Some("***"))
+            } else if lone == LoneUserInfo::Token && !parsed.username().is_empty() {
+                parsed.set_username("***")
+            } else {
+                return url.to_owned();
+            };
+            match hidden {
+                Ok(()) => parsed.into(),
+                // A URL that cannot hold a user info (no host) but was given one.
+                Err(()) => redact_textually(&url[..scheme], rest, lone),
+            }
+        }
+        // Unparsable, or a `:` before an `@` that the parser put in a path, query or
+        // fragment: hide by position.
+        _ => redact_textually(&url[..scheme], rest, lone),
+    }
+}
+
+/// Splits `scheme://` off `url`: the byte length of `scheme://` and the rest, when the
+/// text before `://` is a scheme (`[A-Za-z][A-Za-z0-9+.-]*`).
+fn split_scheme(url: &str) -> Option<(usize, &str)> {
+    let i = url.find("://")?;
+    let mut chars = url[..i].chars();
+    let scheme_ok = chars.next().is_some_and(|c| c.is_ascii_alphabetic())
+        && chars.all(|c| c.is_ascii_alphanumeric() || matches!(c, '+' | '-' | '.'));
+    scheme_ok.then(|| (i + 3, &url[i + 3..]))
+}
+
+/// `prefix` + `rest` with whatever lies between the first `:` of `rest` and its last `@`
+/// hidden (or, without a `:`, everything before the last `@` for a token).
+fn redact_textually(prefix: &str, rest: &str, lone: LoneUserInfo) -> String {
+    let Some(at) = rest.rfind('@') else {
+        return format!("{prefix}{rest}");
     };
     let userinfo = &rest[..at];
     let shown = match (userinfo.find(':'), lone) {
         (Some(colon), _) => format!("{}:***", &userinfo[..colon]),
         (None, LoneUserInfo::Token) => "***".to_owned(),
-        (None, LoneUserInfo::UserName) => return url.to_owned(),
+        (None, LoneUserInfo::UserName) => return format!("{prefix}{rest}"),
     };
     format!("{prefix}{shown}{}", &rest[at..])
 }
@@ -279,5 +332,116 @@ mod tests {
             "nats://host/a@b",
             "an @ after the authority is not user info"
         );
+    }
+
+    /// Passwords as people type them, unencoded characters included.
+    #[test]
+    fn redaction_hides_passwords_with_url_delimiters() {
+        use LoneUserInfo::{Token, UserName};
+        for (url, secret) in [
+            ("amqp://user:pa/ss@host:5672/vhost", "pa/ss"),
+            ("amqp://user:pa?ss@host:5672/vhost", "pa?ss"),
+            ("amqp://user:pa#ss@host:5672/vhost", "pa#ss"),
+            ("amqp://user:pa@ss@host:5672/vhost", "pa@ss"),
+            ("amqp://user:pa:ss@host:5672/vhost", "pa:ss"),
+            // Digits then `/`: parses as host `user`, port 1234, path `/ss@host`.
+            ("amqp://user:1234/ss@host:5672/vhost", "1234/ss"),
+            ("amqp://user:1234/ss@host", "1234/ss"),
+            ("postgres://app:12/34?56#78@db:5432/app", "12/34?56#78"),
+            ("nats://app:s/3?c#r@et@127.0.0.1:4222", "s/3?c#r@et"),
+            ("http://user:pa\\ss@host/x", "pa\\ss"),
+        ] {
+            for lone in [UserName, Token] {
+                let shown = redact_url(url, lone);
+                assert!(!shown.contains(secret), "{url} -> {shown}");
+                assert!(shown.contains("***"), "{url} -> {shown}");
+            }
+        }
+        assert_eq!(
+            redact_url("amqp://user:1234/ss@host:5672/vhost", UserName),
+            "amqp://user:***@host:5672/vhost"
+        );
+        assert_eq!(
+            redact_url("amqp://user:pa/ss@host:5672/vhost", UserName),
+            "amqp://user:***@host:5672/vhost"
+        );
+        // Percent-encoded passwords: hidden whole, encoded or not.
+        for url in [
+            "amqp://user:p%2Fss%40w%3Ard@host/%2f",
+            "postgres://app:%E2%82%AC%20x@db/app",
+        ] {
+            let shown = redact_url(url, UserName);
+            assert!(shown.starts_with(&url[..url.find(':').map_or(0, |i| i + 3)]));
+            assert!(shown.contains(":***@"), "{url} -> {shown}");
+            assert!(!shown.contains("%2F") && !shown.contains("%E2"), "{shown}");
+        }
+        // An `@` in the query behind a real password: hidden up to the last `@`.
+        let shown = redact_url("amqp://u:pw@host/v?email=a@b", UserName);
+        assert!(!shown.contains("pw"), "{shown}");
+        // A text whose `://` comes after the user info is not a scheme.
+        assert_eq!(
+            redact_url("user:secret@host://x", UserName),
+            "user:***@host://x"
+        );
+        // A token with a `:` in it is a password (`nats://user:pass@`).
+        assert_eq!(
+            redact_url("nats://t0k:en@h:4222", Token),
+            "nats://t0k:***@h:4222"
+        );
+        // A token of a URL without a host.
+        assert!(!redact_url("nats://s3cr3t@", Token).contains("s3cr3t"));
+    }
+
+    #[test]
+    fn redaction_leaves_urls_without_secrets_alone() {
+        use LoneUserInfo::{Token, UserName};
+        for url in [
+            "amqp://127.0.0.1:5672/%2f",
+            "amqps://host/vhost?heartbeat=10&connection_timeout=5000",
+            "nats://127.0.0.1:4222",
+            "postgres://postgres@127.0.0.1:5432/test",
+            "postgres://127.0.0.1/test?user=x#frag",
+            "nats://host/a@b",
+            "amqp://Host.Example:5672/V%20host",
+        ] {
+            for lone in [UserName, Token] {
+                if lone == Token && url.contains("postgres@") {
+                    continue;
+                }
+                assert_eq!(redact_url(url, lone), url);
+            }
+        }
+        assert_eq!(
+            redact_url("postgres://postgres@127.0.0.1:5432/test", Token),
+            "postgres://***@127.0.0.1:5432/test",
+            "a lone user info is a token when the caller says so"
+        );
+    }
+
+    mod properties {
+        use proptest::prelude::*;
+
+        use super::super::{LoneUserInfo, redact_url};
+        use crate::proptest_support::config;
+
+        proptest! {
+            #![proptest_config(config())]
+
+            /// Whatever the password (any unicode, URL delimiters included), it never
+            /// shows in `scheme://user:PASSWORD@host:1234/vhost`, unless it is too short to
+            /// mean anything or also spelled by the rest of the URL.
+            #[test]
+            fn no_password_survives(
+                scheme in prop::sample::select(vec!["amqp", "amqps", "nats", "postgres", "http", "x-y.z+w"]),
+                password in "(\\PC|[/?#@:%\\\\ ]){0,24}",
+                lone in prop::sample::select(vec![LoneUserInfo::UserName, LoneUserInfo::Token]),
+            ) {
+                let url = format!("{scheme}://user:{password}@host:1234/vhost");
+                let shown = redact_url(&url, lone);
+                let rest = format!("{scheme}://user:@host:1234/vhost");
+                prop_assume!(password.chars().count() >= 3 && !rest.contains(&password));
+                prop_assert!(!shown.contains(&password), "{} -> {}", url, shown);
+            }
+        }
     }
 }

@@ -44,6 +44,8 @@ pub mod metrics;
 pub mod ordering;
 #[cfg(feature = "opentelemetry")]
 mod otel;
+#[cfg(any(test, feature = "proptest"))]
+pub mod proptest_support;
 pub mod publisher;
 pub mod retry;
 pub mod store;
@@ -61,8 +63,8 @@ pub use inbox::{
     InboxOutcome, StoredMessage, VersionTracking,
 };
 pub use message::{
-    Headers, MessageStatus, NewMessage, NewMessageBuilder, OutboxMessage, headers_from_json,
-    headers_from_json_lossy,
+    DEFAULT_MAX_PAYLOAD_BYTES, Headers, MessageStatus, NewMessage, NewMessageBuilder,
+    OutboxMessage, headers_from_json, headers_from_json_lossy,
 };
 pub use ordering::{BlockedKey, OnDead, OrderKey, Ordering};
 pub use publisher::{EventPublisher, PublishOutcome};

@@ -238,6 +238,10 @@ impl OutboxMessage {
 /// Maximum length, in bytes, of `event_type`, `aggregate_type`, keys and header names.
 pub const MAX_NAME_LEN: usize = 255;
 
+/// Default payload limit of the stores' `enqueue`: 1 MiB (1,048,576 bytes) of the
+/// payload's JSON text (see [`NewMessage::check_payload_size`]).
+pub const DEFAULT_MAX_PAYLOAD_BYTES: usize = 1024 * 1024;
+
 /// A message to enqueue: built with [`NewMessage::builder`], validated by
 /// [`NewMessageBuilder::build`], written by a store's `enqueue` inside the caller's
 /// transaction.
@@ -271,6 +275,20 @@ pub struct NewMessage {
 }
 
 impl NewMessage {
+    /// Checks that the payload's JSON text is at most `max` bytes long. Stores call it
+    /// for every message of a batch before they write any: a payload far beyond what a
+    /// broker takes would otherwise be stored, claimed and dead-lettered at publish.
+    ///
+    /// # Errors
+    /// [`InvalidMessage::PayloadTooLarge`] with the payload's length and `max`.
+    pub fn check_payload_size(&self, max: usize) -> Result<(), InvalidMessage> {
+        let size = self.payload.get().len();
+        if size > max {
+            return Err(InvalidMessage::PayloadTooLarge { size, max });
+        }
+        Ok(())
+    }
+
     /// Starts a builder for an event of `event_type` raised by aggregate
     /// `aggregate_type`/`aggregate_id`.
     pub fn builder(
@@ -531,6 +549,25 @@ mod tests {
     }
 
     #[test]
+    fn payload_size_is_checked_on_the_json_text() {
+        let message = NewMessage::builder("order", "1", "OrderPlaced")
+            .payload_json(r#"{"a": "\u00e9"}"#)
+            .build()
+            .expect("valid");
+        let size = message.payload.get().len();
+        assert_eq!(size, 15, "the text as written, escapes included");
+        assert_eq!(message.check_payload_size(size), Ok(()));
+        assert_eq!(
+            message.check_payload_size(size - 1),
+            Err(InvalidMessage::PayloadTooLarge {
+                size,
+                max: size - 1
+            })
+        );
+        assert_eq!(DEFAULT_MAX_PAYLOAD_BYTES, 1_048_576);
+    }
+
+    #[test]
     fn transitions_follow_the_design() {
         use MessageStatus::*;
         assert!(New.can_transition_to(Processing));
@@ -632,23 +669,9 @@ mod tests {
 #[cfg(test)]
 mod properties {
     use super::*;
+    use crate::proptest_support::{config, text};
     use proptest::prelude::*;
-    use proptest::test_runner::Config as ProptestConfig;
     use serde_json::Value;
-
-    fn config() -> ProptestConfig {
-        ProptestConfig {
-            cases: 256,
-            // Keep proptest's regression files out of the repository.
-            failure_persistence: None,
-            ..ProptestConfig::default()
-        }
-    }
-
-    /// Any text: every `char` (controls, NUL, surrogate-free non-BMP) is possible.
-    fn text(max_chars: usize) -> impl Strategy<Value = String> {
-        prop::collection::vec(any::<char>(), 0..=max_chars).prop_map(String::from_iter)
-    }
 
     /// Any JSON value, nested up to 4 levels, numbers of every kind (NaN and the
     /// infinities become `null`, as `serde_json` does).

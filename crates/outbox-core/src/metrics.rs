@@ -8,9 +8,9 @@
 //! | name | type | unit | labels | meaning |
 //! |---|---|---|---|---|
 //! | [`PUBLISHED_TOTAL`] | counter | messages | – | confirmed by the broker and recorded `Sent` |
-//! | [`PUBLISH_FAILURES_TOTAL`] | counter | messages | `kind`, `event_type` | publish attempts that failed, by [`kind`](KIND_TRANSIENT) |
-//! | [`RETRIED_TOTAL`] | counter | messages | `event_type` | scheduled for another attempt with backoff |
-//! | [`DEAD_TOTAL`] | counter | messages | `event_type` | moved to `Dead` (permanent failure or attempts exhausted) |
+//! | [`PUBLISH_FAILURES_TOTAL`] | counter | messages | `kind`, `event_type` (bounded) | publish attempts that failed, by [`kind`](KIND_TRANSIENT) |
+//! | [`RETRIED_TOTAL`] | counter | messages | `event_type` (bounded) | scheduled for another attempt with backoff |
+//! | [`DEAD_TOTAL`] | counter | messages | `event_type` (bounded) | moved to `Dead` (permanent failure or attempts exhausted) |
 //! | [`RELEASED_TOTAL`] | counter | messages | – | handed back without charge (outage, shutdown) |
 //! | [`FENCED_TOTAL`] | counter | messages | – | completions lost to a newer claim (stale lease) |
 //! | [`CLAIM_BATCH_SIZE`] | histogram | messages | – | size of each non-empty claimed batch |
@@ -28,9 +28,25 @@
 //!
 //! Commit-to-publish latency mixes two clocks (the row's `created_at` comes from the
 //! database); skew between them shifts it, and negative values are recorded as 0.
+//!
+//! # Bounded `event_type` labels
+//!
+//! The `event_type` label comes from message content, chosen by producers, and every
+//! distinct value is a time series of its own in the recorder and in Prometheus. So the
+//! values are bounded (see [`event_type_label`]): the first
+//! [`DEFAULT_MAX_EVENT_TYPE_LABELS`] (100) distinct values seen by the process keep their
+//! own label, and any further value, or a value longer than
+//! [`MAX_EVENT_TYPE_LABEL_BYTES`] (64) bytes or with a character outside
+//! `[A-Za-z0-9._:-]`, is reported as [`EVENT_TYPE_OTHER`] (`other`). The bound can be
+//! changed once, before the first label is recorded, with [`set_max_event_type_labels`].
+//! Poison rows, whose event type may be unreadable, are counted under
+//! [`EVENT_TYPE_POISON`] (`(poison)`).
 
+use std::collections::HashSet;
+use std::sync::{Arc, OnceLock, PoisonError, RwLock};
 use std::time::Duration;
 
+use ::metrics::SharedString;
 use chrono::{DateTime, Utc};
 
 use crate::error::ErrorKind;
@@ -79,6 +95,98 @@ pub const KIND_TRANSIENT: &str = "transient";
 pub const KIND_UNAVAILABLE: &str = "unavailable";
 /// `kind` value: cannot succeed (unroutable, too large, invalid); dead at once.
 pub const KIND_PERMANENT: &str = "permanent";
+
+/// `event_type` value of every value beyond the bound (see the [module docs](self)).
+pub const EVENT_TYPE_OTHER: &str = "other";
+/// `event_type` value of poison rows (undecodable, crash loops): their event type may be
+/// unreadable.
+pub const EVENT_TYPE_POISON: &str = "(poison)";
+/// Default of [`set_max_event_type_labels`]: distinct `event_type` values that keep a
+/// label of their own.
+pub const DEFAULT_MAX_EVENT_TYPE_LABELS: usize = 100;
+/// Longest `event_type` value, in bytes, that keeps a label of its own.
+pub const MAX_EVENT_TYPE_LABEL_BYTES: usize = 64;
+
+/// The process's `event_type` values, fixed at the first use.
+static EVENT_TYPE_LABELS: OnceLock<LabelSet> = OnceLock::new();
+
+/// Sets how many distinct `event_type` values keep a label of their own (default
+/// [`DEFAULT_MAX_EVENT_TYPE_LABELS`]); the rest are reported as [`EVENT_TYPE_OTHER`].
+/// Takes effect only once per process and only before the first `event_type` label is
+/// recorded: call it at start-up, before the dispatcher runs.
+///
+/// # Errors
+/// `Err` with the bound in force, changing nothing, when the bound is already fixed (set
+/// before, or fixed at its default by the first label recorded).
+pub fn set_max_event_type_labels(max: usize) -> Result<(), usize> {
+    EVENT_TYPE_LABELS
+        .set(LabelSet::new(max))
+        .map_err(|_| event_type_labels().max)
+}
+
+fn event_type_labels() -> &'static LabelSet {
+    EVENT_TYPE_LABELS.get_or_init(|| LabelSet::new(DEFAULT_MAX_EVENT_TYPE_LABELS))
+}
+
+/// The `event_type` label value recorded for a message of `event_type`: the value
+/// itself while it is one of the first distinct values of the process (see
+/// [`set_max_event_type_labels`]), at most [`MAX_EVENT_TYPE_LABEL_BYTES`] long and made
+/// of `[A-Za-z0-9._:-]`; otherwise [`EVENT_TYPE_OTHER`]. A known value costs a read lock
+/// and a reference count, no allocation.
+pub fn event_type_label(event_type: &str) -> SharedString {
+    event_type_labels().label(event_type)
+}
+
+/// Label values admitted first come, first served, up to `max` distinct ones.
+#[derive(Debug)]
+struct LabelSet {
+    max: usize,
+    seen: RwLock<HashSet<Arc<str>>>,
+}
+
+impl LabelSet {
+    fn new(max: usize) -> Self {
+        Self {
+            max,
+            seen: RwLock::new(HashSet::new()),
+        }
+    }
+
+    fn label(&self, value: &str) -> SharedString {
+        let other = || SharedString::const_str(EVENT_TYPE_OTHER);
+        if !is_plain_label(value) {
+            return other();
+        }
+        {
+            let seen = self.seen.read().unwrap_or_else(PoisonError::into_inner);
+            if let Some(known) = seen.get(value) {
+                return SharedString::from_shared(Arc::clone(known));
+            }
+            if seen.len() >= self.max {
+                return other();
+            }
+        }
+        let mut seen = self.seen.write().unwrap_or_else(PoisonError::into_inner);
+        if let Some(known) = seen.get(value) {
+            return SharedString::from_shared(Arc::clone(known));
+        }
+        if seen.len() >= self.max {
+            return other();
+        }
+        let admitted: Arc<str> = value.into();
+        seen.insert(Arc::clone(&admitted));
+        SharedString::from_shared(admitted)
+    }
+}
+
+/// Non-empty, at most [`MAX_EVENT_TYPE_LABEL_BYTES`], only `[A-Za-z0-9._:-]`.
+fn is_plain_label(value: &str) -> bool {
+    !value.is_empty()
+        && value.len() <= MAX_EVENT_TYPE_LABEL_BYTES
+        && value
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'_' | b':' | b'-'))
+}
 
 /// Registers descriptions and units of every relay metric with the installed
 /// recorder (optional: recording works without it, the exposition just lacks `# HELP`).
@@ -192,19 +300,26 @@ pub fn commit_to_publish<'a>(
     }
 }
 
-/// Records one failed publish attempt of a message of `event_type`.
+/// Records one failed publish attempt of a message of `event_type` (label bounded by
+/// [`event_type_label`]).
 pub fn publish_failed(kind: ErrorKind, event_type: &str) {
-    ::metrics::counter!(PUBLISH_FAILURES_TOTAL, LABEL_KIND => kind_label(kind), LABEL_EVENT_TYPE => event_type.to_owned()).increment(1);
+    ::metrics::counter!(PUBLISH_FAILURES_TOTAL, LABEL_KIND => kind_label(kind), LABEL_EVENT_TYPE => event_type_label(event_type)).increment(1);
 }
 
-/// Records a message scheduled for a retry.
+/// Records a message scheduled for a retry (label bounded by [`event_type_label`]).
 pub fn retried(event_type: &str) {
-    ::metrics::counter!(RETRIED_TOTAL, LABEL_EVENT_TYPE => event_type.to_owned()).increment(1);
+    ::metrics::counter!(RETRIED_TOTAL, LABEL_EVENT_TYPE => event_type_label(event_type))
+        .increment(1);
 }
 
-/// Records a message moved to `Dead`.
+/// Records a message moved to `Dead` (label bounded by [`event_type_label`]).
 pub fn dead(event_type: &str) {
-    ::metrics::counter!(DEAD_TOTAL, LABEL_EVENT_TYPE => event_type.to_owned()).increment(1);
+    ::metrics::counter!(DEAD_TOTAL, LABEL_EVENT_TYPE => event_type_label(event_type)).increment(1);
+}
+
+/// Records a poison row moved to `Dead`, under [`EVENT_TYPE_POISON`].
+pub fn dead_poison() {
+    ::metrics::counter!(DEAD_TOTAL, LABEL_EVENT_TYPE => EVENT_TYPE_POISON).increment(1);
 }
 
 /// Records the recorded outcomes of a batch: `published` Sent, `released` handed back,
@@ -227,4 +342,118 @@ pub fn set_table_gauges(stats: &OutboxStats) {
     ::metrics::gauge!(OLDEST_PENDING_AGE_SECONDS)
         .set(stats.oldest_pending_age.map_or(0.0, |d| d.as_secs_f64()));
     ::metrics::gauge!(DEAD_MESSAGES).set(stats.dead as f64);
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Mutex;
+
+    use ::metrics::{Counter, Gauge, Histogram, Key, KeyName, Metadata, Recorder, Unit};
+
+    use super::*;
+
+    #[test]
+    fn the_first_distinct_values_keep_their_label() {
+        let set = LabelSet::new(3);
+        assert_eq!(&*set.label("OrderPlaced"), "OrderPlaced");
+        assert_eq!(&*set.label("order.shipped:v2"), "order.shipped:v2");
+        // Rejected values take no slot.
+        for bad in ["", "a b", "x\ny", "é", "{{x}}", "a/b", &"a".repeat(65)] {
+            assert_eq!(&*set.label(bad), EVENT_TYPE_OTHER, "{bad:?}");
+        }
+        assert_eq!(&*set.label(&"a".repeat(64)), "a".repeat(64));
+        assert_eq!(
+            &*set.label("Another-One"),
+            EVENT_TYPE_OTHER,
+            "the set is full"
+        );
+        assert_eq!(
+            &*set.label("OrderPlaced"),
+            "OrderPlaced",
+            "known values stay"
+        );
+        assert_eq!(set.seen.read().map(|s| s.len()).unwrap_or_default(), 3);
+    }
+
+    #[test]
+    fn racing_threads_admit_at_most_the_bound() {
+        let set = Arc::new(LabelSet::new(10));
+        let threads: Vec<_> = (0..8)
+            .map(|t| {
+                let set = Arc::clone(&set);
+                std::thread::spawn(move || {
+                    (0..50)
+                        .map(|i| set.label(&format!("E{}", (i * 7 + t) % 40)).into_owned())
+                        .collect::<Vec<String>>()
+                })
+            })
+            .collect();
+        let labels: HashSet<String> = threads
+            .into_iter()
+            .flat_map(|t| t.join().unwrap_or_default())
+            .collect();
+        assert!(labels.contains(EVENT_TYPE_OTHER));
+        assert_eq!(
+            labels.len(),
+            11,
+            "10 admitted values and `other`: {labels:?}"
+        );
+    }
+
+    /// Counts the distinct label sets each counter is registered with.
+    #[derive(Default)]
+    struct Registrations(Mutex<HashSet<Key>>);
+
+    impl Recorder for Registrations {
+        fn describe_counter(&self, _: KeyName, _: Option<Unit>, _: SharedString) {}
+        fn describe_gauge(&self, _: KeyName, _: Option<Unit>, _: SharedString) {}
+        fn describe_histogram(&self, _: KeyName, _: Option<Unit>, _: SharedString) {}
+        fn register_counter(&self, key: &Key, _: &Metadata<'_>) -> Counter {
+            if let Ok(mut keys) = self.0.lock() {
+                keys.insert(key.clone());
+            }
+            Counter::noop()
+        }
+        fn register_gauge(&self, _: &Key, _: &Metadata<'_>) -> Gauge {
+            Gauge::noop()
+        }
+        fn register_histogram(&self, _: &Key, _: &Metadata<'_>) -> Histogram {
+            Histogram::noop()
+        }
+    }
+
+    #[test]
+    fn producer_chosen_event_types_cannot_grow_the_series_without_bound() {
+        let recorder = Registrations::default();
+        ::metrics::with_local_recorder(&recorder, || {
+            for i in 0..1_000 {
+                let event_type = format!("Generated{i}");
+                dead(&event_type);
+                retried(&event_type);
+                publish_failed(ErrorKind::Transient, &event_type);
+            }
+            dead("has spaces");
+            dead(&"x".repeat(200));
+            dead_poison();
+        });
+        let keys = recorder.0.lock().map(|k| k.clone()).unwrap_or_default();
+        let values = |name: &str| -> HashSet<String> {
+            keys.iter()
+                .filter(|k| k.name() == name)
+                .flat_map(|k| k.labels().filter(|l| l.key() == LABEL_EVENT_TYPE))
+                .map(|l| l.value().to_owned())
+                .collect()
+        };
+        let max = event_type_labels().max;
+        for name in [DEAD_TOTAL, RETRIED_TOTAL, PUBLISH_FAILURES_TOTAL] {
+            let values = values(name);
+            assert!(values.contains(EVENT_TYPE_OTHER), "{name}");
+            // Other tests of this binary may have taken some of the process's slots.
+            assert!(values.len() <= max + 2, "{name}: {} series", values.len());
+        }
+        assert!(values(DEAD_TOTAL).contains(EVENT_TYPE_POISON));
+        assert!(!values(DEAD_TOTAL).contains("has spaces"));
+        // The bound is fixed once labels have been recorded.
+        assert_eq!(set_max_event_type_labels(5), Err(max));
+    }
 }

@@ -17,7 +17,8 @@ use crate::ordering::{BlockedKey, OnDead};
 
 /// Checks a schema name before a backend splices it into SQL (the only identifier that
 /// is not a bind parameter): `[a-z_][a-z0-9_]{0,62}`, which fits PostgreSQL's 63-byte
-/// identifiers and SQL Server's and needs no quoting in either.
+/// identifiers and SQL Server's and holds no quote character. Backends MUST still quote
+/// it (`"name"`, `[name]`): reserved words such as `user` and `select` match too.
 ///
 /// # Errors
 /// [`OutboxError::Config`] naming the rule when `schema` breaks it.
@@ -310,7 +311,8 @@ pub struct MessageFilter {
     pub aggregate_id: Option<String>,
     /// Event type equals.
     pub event_type: Option<String>,
-    /// `last_error` contains this text (case-insensitive).
+    /// `last_error` contains this text, case-insensitive and literally: a store MUST
+    /// match `%`, `_`, `[` and `\` as themselves, never as `LIKE` wildcards or escapes.
     pub error_contains: Option<String>,
 }
 

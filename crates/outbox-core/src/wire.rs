@@ -434,18 +434,9 @@ mod tests {
 mod properties {
     use super::*;
     use crate::message::MessageStatus;
+    use crate::proptest_support::{any_time, config, text};
     use proptest::prelude::*;
-    use proptest::test_runner::Config as ProptestConfig;
     use serde_json::value::RawValue;
-
-    fn config() -> ProptestConfig {
-        ProptestConfig {
-            cases: 256,
-            // Keep proptest's regression files out of the repository.
-            failure_persistence: None,
-            ..ProptestConfig::default()
-        }
-    }
 
     /// Every attribute `decode` looks up, without the binding's prefix.
     const ATTRIBUTES: [&str; 12] = [
@@ -462,11 +453,6 @@ mod properties {
         CORRELATION_ID,
         CAUSATION_ID,
     ];
-
-    /// Any text: every `char` (controls, NUL, CR/LF, non-BMP) is possible.
-    fn text(max_chars: usize) -> impl Strategy<Value = String> {
-        prop::collection::vec(any::<char>(), 0..=max_chars).prop_map(String::from_iter)
-    }
 
     /// Header names: arbitrary text, empty, very long (ASCII or multi-byte), the names
     /// of our attributes under either binding, `Nats-*` in any case, 1-4 byte names.
@@ -510,17 +496,6 @@ mod properties {
     /// Strings shaped like a `traceparent`, valid or broken in one of many ways.
     fn traceparent_like() -> impl Strategy<Value = String> {
         "\\s{0,2}[0-9a-fA-F]{2}-[0-9a-fA-F]{31,33}-[0-9a-f]{15,17}-[0-9a-fA-F]{1,3}\\s{0,2}"
-    }
-
-    /// Any instant chrono can hold (years -262143 to 262142), leap seconds included.
-    fn any_time() -> impl Strategy<Value = DateTime<Utc>> {
-        (
-            DateTime::<Utc>::MIN_UTC.timestamp()..=DateTime::<Utc>::MAX_UTC.timestamp(),
-            0u32..2_000_000_000,
-        )
-            .prop_filter_map("not an instant", |(secs, nanos)| {
-                DateTime::from_timestamp(secs, nanos)
-            })
     }
 
     /// Instants of years 0 to 9999, which RFC 3339 can express.

@@ -1,16 +1,22 @@
 //! Configuration of the PostgreSQL backend.
 
+use std::fmt;
 use std::str::FromStr;
 use std::time::Duration;
 
-use outbox_core::{DEFAULT_CRASH_LOOP_LIMIT, OutboxError, SentRetention};
+use outbox_core::error::{LoneUserInfo, redact_url};
+use outbox_core::{
+    DEFAULT_CRASH_LOOP_LIMIT, DEFAULT_MAX_PAYLOAD_BYTES, OutboxError, SentRetention,
+};
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 
 /// Default schema holding the outbox and inbox tables.
 pub const DEFAULT_SCHEMA: &str = "outbox";
 
 /// Settings of [`PgOutbox`](crate::PgOutbox) and [`PgInbox`](crate::PgInbox).
-#[derive(Debug, Clone)]
+///
+/// `Debug` never shows the URL's password.
+#[derive(Clone)]
 pub struct PgConfig {
     url: Option<String>,
     schema: String,
@@ -18,6 +24,27 @@ pub struct PgConfig {
     acquire_timeout: Duration,
     sent_retention: SentRetention,
     crash_loop_limit: u32,
+    max_payload_bytes: usize,
+}
+
+impl fmt::Debug for PgConfig {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("PgConfig")
+            .field(
+                "url",
+                &self
+                    .url
+                    .as_deref()
+                    .map(|url| redact_url(url, LoneUserInfo::UserName)),
+            )
+            .field("schema", &self.schema)
+            .field("max_connections", &self.max_connections)
+            .field("acquire_timeout", &self.acquire_timeout)
+            .field("sent_retention", &self.sent_retention)
+            .field("crash_loop_limit", &self.crash_loop_limit)
+            .field("max_payload_bytes", &self.max_payload_bytes)
+            .finish()
+    }
 }
 
 impl Default for PgConfig {
@@ -29,6 +56,7 @@ impl Default for PgConfig {
             acquire_timeout: Duration::from_secs(10),
             sent_retention: SentRetention::Keep,
             crash_loop_limit: DEFAULT_CRASH_LOOP_LIMIT,
+            max_payload_bytes: DEFAULT_MAX_PAYLOAD_BYTES,
         }
     }
 }
@@ -44,12 +72,14 @@ impl PgConfig {
 
     /// Settings from the environment: `DATABASE_URL` (required), `OUTBOX_SCHEMA`
     /// (default `outbox`), `OUTBOX_SENT_RETENTION` (`keep` or `delete`, default
-    /// `keep`) and `OUTBOX_CRASH_LOOP_LIMIT` (claims, default 5).
+    /// `keep`), `OUTBOX_CRASH_LOOP_LIMIT` (claims, default 5) and
+    /// `OUTBOX_MAX_PAYLOAD_BYTES` (bytes, default 1,048,576).
     ///
     /// # Errors
     /// [`OutboxError::Config`] when `DATABASE_URL` is not set,
     /// `OUTBOX_SENT_RETENTION` is neither `keep` nor `delete`, or
-    /// `OUTBOX_CRASH_LOOP_LIMIT` is not a positive integer.
+    /// `OUTBOX_CRASH_LOOP_LIMIT` or `OUTBOX_MAX_PAYLOAD_BYTES` is not a positive
+    /// integer.
     pub fn from_env() -> Result<Self, OutboxError> {
         let url = std::env::var("DATABASE_URL")
             .map_err(|_| OutboxError::Config("DATABASE_URL is not set".into()))?;
@@ -68,6 +98,9 @@ impl PgConfig {
                     ))
                 })?,
             );
+        }
+        if let Ok(max) = std::env::var("OUTBOX_MAX_PAYLOAD_BYTES") {
+            config = config.with_max_payload_bytes(parse_max_payload_bytes(&max)?);
         }
         Ok(config)
     }
@@ -117,6 +150,22 @@ impl PgConfig {
     /// The crash-loop limit.
     pub fn crash_loop_limit(&self) -> u32 {
         self.crash_loop_limit
+    }
+
+    /// Longest payload [`PgOutbox::enqueue`](crate::PgOutbox::enqueue) accepts, in bytes
+    /// of its JSON text (default [`DEFAULT_MAX_PAYLOAD_BYTES`], 1 MiB; at least 1). A
+    /// longer one fails with [`InvalidMessage::PayloadTooLarge`](outbox_core::InvalidMessage::PayloadTooLarge)
+    /// and nothing of its batch is written. Keep it at or below what the broker takes
+    /// (RabbitMQ's `max_message_size`, NATS' `max_payload`, 1 MiB by default).
+    #[must_use]
+    pub fn with_max_payload_bytes(mut self, max: usize) -> Self {
+        self.max_payload_bytes = max.max(1);
+        self
+    }
+
+    /// The payload limit of enqueue, in bytes.
+    pub fn max_payload_bytes(&self) -> usize {
+        self.max_payload_bytes
     }
 
     /// The schema name.
@@ -176,6 +225,16 @@ pub fn parse_url(url: &str) -> Result<PgConnectOptions, OutboxError> {
         .map_err(|e| OutboxError::Config(format!("malformed database URL: {e}")))
 }
 
+/// The value of `OUTBOX_MAX_PAYLOAD_BYTES`: a positive integer, else a typed
+/// [`OutboxError::Config`].
+fn parse_max_payload_bytes(text: &str) -> Result<usize, OutboxError> {
+    text.trim().parse().ok().filter(|n| *n > 0).ok_or_else(|| {
+        OutboxError::Config(format!(
+            "OUTBOX_MAX_PAYLOAD_BYTES {text:?} is not a positive integer"
+        ))
+    })
+}
+
 pub(crate) use outbox_core::store::validate_schema;
 
 #[cfg(test)]
@@ -195,6 +254,45 @@ mod tests {
             &"a".repeat(64),
         ] {
             assert!(validate_schema(bad).is_err(), "{bad}");
+        }
+    }
+
+    #[test]
+    fn debug_never_shows_the_password() {
+        for url in [
+            "postgres://app:s3cret@db:5432/app",
+            "postgres://app:s3/cret@db:5432/app",
+            "postgresql://app:12/s3cret@db/app",
+        ] {
+            let shown = format!("{:?}", PgConfig::new(url).with_max_payload_bytes(10));
+            assert!(
+                !shown.contains("s3cret") && !shown.contains("s3/cret"),
+                "{shown}"
+            );
+            assert!(shown.contains("app:***@"), "{shown}");
+            assert!(shown.contains("max_payload_bytes: 10"), "{shown}");
+        }
+        assert!(format!("{:?}", PgConfig::default()).contains("url: None"));
+    }
+
+    #[test]
+    fn payload_limits_are_positive() {
+        assert_eq!(
+            PgConfig::default().max_payload_bytes(),
+            DEFAULT_MAX_PAYLOAD_BYTES
+        );
+        assert_eq!(
+            PgConfig::default()
+                .with_max_payload_bytes(0)
+                .max_payload_bytes(),
+            1
+        );
+        assert_eq!(parse_max_payload_bytes("2048").ok(), Some(2048));
+        for bad in ["0", "-1", "1MiB", ""] {
+            assert!(
+                matches!(parse_max_payload_bytes(bad), Err(OutboxError::Config(_))),
+                "{bad:?}"
+            );
         }
     }
 

@@ -9,8 +9,9 @@ use outbox_core::OutboxError;
 use sqlx::{AssertSqlSafe, PgPool};
 
 use crate::error::db;
+use crate::sql::quoted_schema;
 
-/// (version, description, SQL with `{schema}` placeholders).
+/// (version, description, SQL with `{schema}` placeholders, see [`render`]).
 const MIGRATIONS: &[(i32, &str, &str)] = &[
     (
         1,
@@ -56,6 +57,9 @@ pub const LATEST_VERSION: i32 = 6;
 /// database already has a newer version than this crate knows.
 pub async fn migrate(pool: &PgPool, schema: &str) -> Result<Vec<i32>, OutboxError> {
     crate::config::validate_schema(schema)?;
+    // Spliced as an identifier (quoted: `user` is a reserved word); the advisory-lock
+    // key below is a value and keeps the plain name.
+    let q = quoted_schema(schema);
     let mut applied = Vec::new();
     for &(version, description, sql) in MIGRATIONS {
         let mut tx = pool.begin().await.map_err(db("migrate"))?;
@@ -66,8 +70,8 @@ pub async fn migrate(pool: &PgPool, schema: &str) -> Result<Vec<i32>, OutboxErro
             .await
             .map_err(db("migrate"))?;
         sqlx::raw_sql(AssertSqlSafe(format!(
-            "CREATE SCHEMA IF NOT EXISTS {schema};
-             CREATE TABLE IF NOT EXISTS {schema}.outbox_schema_migrations (
+            "CREATE SCHEMA IF NOT EXISTS {q};
+             CREATE TABLE IF NOT EXISTS {q}.outbox_schema_migrations (
                  version integer PRIMARY KEY,
                  description text NOT NULL,
                  applied_at timestamptz NOT NULL DEFAULT now())"
@@ -76,7 +80,7 @@ pub async fn migrate(pool: &PgPool, schema: &str) -> Result<Vec<i32>, OutboxErro
         .await
         .map_err(db("migrate"))?;
         let newest: Option<i32> = sqlx::query_scalar(AssertSqlSafe(format!(
-            "SELECT max(version) FROM {schema}.outbox_schema_migrations"
+            "SELECT max(version) FROM {q}.outbox_schema_migrations"
         )))
         .fetch_one(&mut *tx)
         .await
@@ -90,12 +94,12 @@ pub async fn migrate(pool: &PgPool, schema: &str) -> Result<Vec<i32>, OutboxErro
         if newest.is_some_and(|v| v >= version) {
             continue;
         }
-        sqlx::raw_sql(AssertSqlSafe(sql.replace("{schema}", schema)))
+        sqlx::raw_sql(AssertSqlSafe(render(sql, schema)))
             .execute(&mut *tx)
             .await
             .map_err(db("migrate"))?;
         sqlx::query(AssertSqlSafe(format!(
-            "INSERT INTO {schema}.outbox_schema_migrations (version, description) VALUES ($1, $2)"
+            "INSERT INTO {q}.outbox_schema_migrations (version, description) VALUES ($1, $2)"
         )))
         .bind(version)
         .bind(description)
@@ -107,4 +111,33 @@ pub async fn migrate(pool: &PgPool, schema: &str) -> Result<Vec<i32>, OutboxErro
         applied.push(version);
     }
     Ok(applied)
+}
+
+/// A migration's SQL for `schema`: every `{schema}` placeholder (tables, and the
+/// schema-qualified index names of `DROP INDEX`) becomes the quoted schema name.
+fn render(sql: &str, schema: &str) -> String {
+    sql.replace("{schema}", &quoted_schema(schema))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn migrations_quote_the_schema_everywhere() {
+        for &(version, _, sql) in MIGRATIONS {
+            let rendered = render(sql, "user");
+            assert!(!rendered.contains("{schema}"), "migration {version}");
+            // Every schema-qualified name is quoted: no bare `user.` is left.
+            let bare = rendered
+                .match_indices("user.")
+                .filter(|&(i, _)| !rendered[..i].ends_with('"'))
+                .count();
+            assert_eq!(bare, 0, "migration {version}: {rendered}");
+        }
+        assert!(
+            render(MIGRATIONS[4].2, "user")
+                .contains("DROP INDEX IF EXISTS \"user\".outbox_messages_claim_new;")
+        );
+    }
 }

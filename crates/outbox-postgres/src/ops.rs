@@ -24,6 +24,7 @@ use sqlx::{AssertSqlSafe, Row};
 use uuid::Uuid;
 
 use crate::error::db;
+use crate::sql::{like_escape, quoted_schema};
 use crate::store::PgOutbox;
 
 /// Counts of one `(event_type, tenant_id)` group.
@@ -87,7 +88,8 @@ pub struct InboxDeadFilter {
     pub consumer: Option<String>,
     /// Event type equals.
     pub event_type: Option<String>,
-    /// Last error contains this text (case-insensitive).
+    /// Last error contains this text, case-insensitive and literally: `%`, `_` and `\`
+    /// match themselves (they are no `LIKE` wildcards).
     pub error_contains: Option<String>,
 }
 
@@ -151,14 +153,14 @@ const ARCHIVE_COLUMNS: &str = "id, seq, aggregate_type, aggregate_id, aggregate_
     created_at, attempts, last_error, sent_at";
 
 /// Filter over `inbox_failures f` (`$1` ids, `$2` from, `$3` to, `$4` consumer,
-/// `$5` event type, `$6` error text).
+/// `$5` event type, `$6` error text escaped by [`like_escape`]).
 const FAILURE_FILTER: &str = "f.dead_at IS NOT NULL
     AND ($1::uuid[] IS NULL OR f.message_id = ANY($1))
     AND ($2::timestamptz IS NULL OR f.dead_at >= $2)
     AND ($3::timestamptz IS NULL OR f.dead_at < $3)
     AND ($4::text IS NULL OR f.consumer = $4)
     AND ($5::text IS NULL OR f.event_type = $5)
-    AND ($6::text IS NULL OR f.last_error ILIKE '%' || $6 || '%')";
+    AND ($6::text IS NULL OR f.last_error ILIKE '%' || $6 || '%' ESCAPE E'\\\\')";
 
 /// Filter over `inbox_messages d`, same parameters as [`FAILURE_FILTER`].
 const DURABLE_FILTER: &str = "d.phase = 3
@@ -167,7 +169,7 @@ const DURABLE_FILTER: &str = "d.phase = 3
     AND ($3::timestamptz IS NULL OR d.received_at < $3)
     AND ($4::text IS NULL OR starts_with(coalesce(d.last_error, ''), $4 || ': '))
     AND ($5::text IS NULL OR d.event_type = $5)
-    AND ($6::text IS NULL OR d.last_error ILIKE '%' || $6 || '%')";
+    AND ($6::text IS NULL OR d.last_error ILIKE '%' || $6 || '%' ESCAPE E'\\\\')";
 
 fn count(n: i64) -> u64 {
     u64::try_from(n).unwrap_or(0)
@@ -184,7 +186,7 @@ impl PgOutbox {
     /// # Errors
     /// [`OutboxError::Database`] on database failure.
     pub async fn stats_by_group(&self) -> Result<Vec<GroupStats>, OutboxError> {
-        let s = self.schema();
+        let s = quoted_schema(self.schema());
         let rows = sqlx::query(AssertSqlSafe(format!(
             "SELECT event_type, tenant_id,
                     count(*) FILTER (WHERE status = 0), count(*) FILTER (WHERE status = 9),
@@ -223,7 +225,7 @@ impl PgOutbox {
     /// # Errors
     /// [`OutboxError::Database`] on database failure.
     pub async fn pending_stats(&self) -> Result<OutboxStats, OutboxError> {
-        let s = self.schema();
+        let s = quoted_schema(self.schema());
         let row = sqlx::query(AssertSqlSafe(format!(
             "SELECT (SELECT count(*) FROM {s}.outbox_messages WHERE phase = 0 AND status = 0),
                     (SELECT count(*) FROM {s}.outbox_messages WHERE phase = 0 AND status = 9),
@@ -266,7 +268,7 @@ impl PgOutbox {
         &self,
         ordered: Option<OnDead>,
     ) -> Result<Option<Duration>, OutboxError> {
-        let s = self.schema();
+        let s = quoted_schema(self.schema());
         let sql = match ordered {
             None => format!(
                 "SELECT extract(epoch FROM now() - min(visible_at))::float8
@@ -326,7 +328,7 @@ impl PgOutbox {
                 "reconcile window is empty: {from} is not before {to}"
             )));
         }
-        let s = self.schema();
+        let s = quoted_schema(self.schema());
         let rows = sqlx::query(AssertSqlSafe(format!(
             "WITH w AS (
                  SELECT id, (created_at AT TIME ZONE 'UTC')::date AS day, tenant_id, event_type
@@ -398,7 +400,7 @@ impl PgOutbox {
         older_than: Duration,
         batch_size: usize,
     ) -> Result<u64, OutboxError> {
-        let s = self.schema();
+        let s = quoted_schema(self.schema());
         let moved: i64 = sqlx::query_scalar(AssertSqlSafe(format!(
             "WITH moved AS (
                  DELETE FROM {s}.outbox_messages WHERE id IN (
@@ -432,7 +434,7 @@ impl PgOutbox {
         older_than: Duration,
         batch_size: usize,
     ) -> Result<u64, OutboxError> {
-        let s = self.schema();
+        let s = quoted_schema(self.schema());
         let moved: i64 = sqlx::query_scalar(AssertSqlSafe(format!(
             "WITH moved AS (
                  DELETE FROM {s}.inbox_records WHERE (message_id, consumer) IN (
@@ -465,7 +467,7 @@ impl PgOutbox {
         filter: &InboxDeadFilter,
         limit_rows: usize,
     ) -> Result<Vec<InboxDeadLetter>, OutboxError> {
-        let s = self.schema();
+        let s = quoted_schema(self.schema());
         let rows = bind_inbox_filter(
             sqlx::query(AssertSqlSafe(format!(
                 "(SELECT 0 AS kind, f.message_id, f.consumer, f.event_type, f.last_error,
@@ -529,7 +531,7 @@ impl PgOutbox {
         clear_only: bool,
     ) -> Result<InboxReplayReport, OutboxError> {
         let started = Instant::now();
-        let s = self.schema();
+        let s = quoted_schema(self.schema());
         let mut tx = self.pool().begin().await.map_err(db("inbox_replay"))?;
         let (matched, replayed) = if dry_run {
             let row = bind_inbox_filter(
@@ -617,5 +619,5 @@ fn bind_inbox_filter<'q>(
         .bind(f.to)
         .bind(f.consumer.as_deref())
         .bind(f.event_type.as_deref())
-        .bind(f.error_contains.as_deref())
+        .bind(f.error_contains.as_deref().map(like_escape))
 }

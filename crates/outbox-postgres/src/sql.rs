@@ -1,9 +1,18 @@
 //! SQL text of the backend, rendered once per schema. The schema name is validated
-//! before it is spliced; every value is a bind parameter.
+//! before it is spliced (double-quoted, so a reserved word such as `user` works); every
+//! value is a bind parameter.
 
 use std::sync::Arc;
 
 use sqlx::AssertSqlSafe;
+
+/// `"schema"`, for a schema name already checked by `validate_schema` (which admits no
+/// `"`). Quoting keeps a reserved word (`user`, `select`) an identifier; a lower-case
+/// name quoted means the same schema as unquoted. Only where the schema is an
+/// identifier: where it is a value (`nspname = $1`, advisory-lock keys) it stays as is.
+pub(crate) fn quoted_schema(schema: &str) -> String {
+    format!("\"{schema}\"")
+}
 
 /// Columns read back for an [`OutboxMessage`](outbox_core::OutboxMessage).
 const COLUMNS: &str = "m.id, m.seq, m.aggregate_type, m.aggregate_id, m.aggregate_version, \
@@ -13,7 +22,7 @@ const COLUMNS: &str = "m.id, m.seq, m.aggregate_type, m.aggregate_id, m.aggregat
 
 /// The optional-filter predicate shared by dead-letter listing and replay
 /// (`$1` ids, `$2` from, `$3` to, `$4` tenant, `$5` aggregate type, `$6` aggregate id,
-/// `$7` event type, `$8` error text).
+/// `$7` event type, `$8` error text, escaped by [`like_escape`]).
 const FILTER: &str = "m.phase = 3
     AND ($1::uuid[] IS NULL OR m.id = ANY($1))
     AND ($2::timestamptz IS NULL OR m.created_at >= $2)
@@ -22,7 +31,7 @@ const FILTER: &str = "m.phase = 3
     AND ($5::text IS NULL OR m.aggregate_type = $5)
     AND ($6::text IS NULL OR m.aggregate_id = $6)
     AND ($7::text IS NULL OR m.event_type = $7)
-    AND ($8::text IS NULL OR m.last_error ILIKE '%' || $8 || '%')";
+    AND ($8::text IS NULL OR m.last_error ILIKE '%' || $8 || '%' ESCAPE E'\\\\')";
 
 /// The claim statement shared by the outbox and the durable inbox (same columns and
 /// status codes): New and visible, or Processing with an expired lease, oldest
@@ -229,6 +238,21 @@ pub(crate) struct Queries {
     pub(crate) inbox_purge: Arc<str>,
 }
 
+/// `text` escaped for `ILIKE ... ESCAPE E'\\'`, so that an error filter matches its text
+/// literally: the wildcards `%` and `_` and the escape character `\` itself are
+/// preceded by `\`. (`E'\\'` is one backslash whatever `standard_conforming_strings`
+/// says.)
+pub(crate) fn like_escape(text: &str) -> String {
+    let mut escaped = String::with_capacity(text.len() + 2);
+    for c in text.chars() {
+        if matches!(c, '\\' | '%' | '_') {
+            escaped.push('\\');
+        }
+        escaped.push(c);
+    }
+    escaped
+}
+
 /// Wraps pre-rendered SQL for sqlx (cheap: an `Arc` clone).
 pub(crate) fn sql(text: &Arc<str>) -> AssertSqlSafe<Arc<str>> {
     AssertSqlSafe(Arc::clone(text))
@@ -236,8 +260,9 @@ pub(crate) fn sql(text: &Arc<str>) -> AssertSqlSafe<Arc<str>> {
 
 impl Queries {
     pub(crate) fn new(schema: &str) -> Self {
-        let t = format!("{schema}.outbox_messages");
-        let inbox = format!("{schema}.inbox_records");
+        let q = quoted_schema(schema);
+        let t = format!("{q}.outbox_messages");
+        let inbox = format!("{q}.inbox_records");
         let s = |text: String| -> Arc<str> { text.into() };
         Self {
             // One statement for any number of messages; WITH ORDINALITY keeps `seq` in
@@ -351,7 +376,7 @@ mod tests {
         }
         // Under SentRetention::Delete only a Sent completion deletes, fenced the same way.
         assert!(q.complete_deleting_sent.contains(
-            "DELETE FROM outbox.outbox_messages m USING u WHERE u.status = 1 AND m.id = u.id"
+            "DELETE FROM \"outbox\".outbox_messages m USING u WHERE u.status = 1 AND m.id = u.id"
         ));
         assert!(
             q.complete_deleting_sent
@@ -369,7 +394,7 @@ mod tests {
         // The run is locked and judged at its latest version.
         assert!(
             q.claim_ordered
-                .contains("AS ok FROM outbox.outbox_messages p")
+                .contains("AS ok FROM \"outbox\".outbox_messages p")
         );
         assert!(
             q.claim_ordered
@@ -379,6 +404,29 @@ mod tests {
         assert!(q.claim_ordered.contains("p.order_key > $5"));
         assert!(q.claim_ordered.contains("WHERE k <= $5"));
         assert!(!q.claim_ordered.contains("clock_timestamp"));
+    }
+
+    #[test]
+    fn schemas_are_quoted_and_error_filters_escaped() {
+        let q = Queries::new("user");
+        for text in [
+            &q.enqueue,
+            &q.claim,
+            &q.claim_ordered,
+            &q.dead_letters,
+            &q.replay,
+        ] {
+            assert!(text.contains("\"user\".outbox_messages"), "{text}");
+            assert!(!text.contains(" user."), "{text}");
+        }
+        assert!(q.inbox_claim.contains("INSERT INTO \"user\".inbox_records"));
+        let iq = InboxQueries::new("select");
+        for text in [&iq.version_get, &iq.failure, &iq.claim, &iq.complete] {
+            assert!(text.contains("\"select\"."), "{text}");
+        }
+        assert_eq!(like_escape(r"50%_a\b"), r"50\%\_a\\b");
+        assert_eq!(like_escape("plain"), "plain");
+        assert!(FILTER.contains(r"ILIKE '%' || $8 || '%' ESCAPE E'\\'"));
     }
 }
 
@@ -405,9 +453,10 @@ const INBOX_COLUMNS: &str = "m.id, m.event_type, m.source, m.aggregate_type, m.a
 
 impl InboxQueries {
     pub(crate) fn new(schema: &str) -> Self {
-        let v = format!("{schema}.inbox_versions");
-        let f = format!("{schema}.inbox_failures");
-        let t = format!("{schema}.inbox_messages");
+        let q = quoted_schema(schema);
+        let v = format!("{q}.inbox_versions");
+        let f = format!("{q}.inbox_failures");
+        let t = format!("{q}.inbox_messages");
         let s = |text: String| -> Arc<str> { text.into() };
         Self {
             version_ensure: s(format!(

@@ -8,9 +8,9 @@ use async_trait::async_trait;
 use chrono::{DateTime, Utc};
 use outbox_core::{
     BlockedKey, ClaimedBatch, CompleteReport, Completion, CompletionOutcome,
-    DEFAULT_CRASH_LOOP_LIMIT, EventSource, Headers, MessageFilter, MessageStatus, NewMessage,
-    OnDead, OutboxError, OutboxMessage, OutboxStats, OutboxStore, Poison, PoisonRow, ReplayReport,
-    SentRetention, sanitize_error,
+    DEFAULT_CRASH_LOOP_LIMIT, DEFAULT_MAX_PAYLOAD_BYTES, EventSource, Headers, MessageFilter,
+    MessageStatus, NewMessage, OnDead, OutboxError, OutboxMessage, OutboxStats, OutboxStore,
+    Poison, PoisonRow, ReplayReport, SentRetention, sanitize_error,
 };
 use serde_json::value::RawValue;
 use sqlx::postgres::{PgArguments, PgRow};
@@ -22,7 +22,7 @@ use uuid::Uuid;
 
 use crate::config::PgConfig;
 use crate::error::db;
-use crate::sql::{Queries, sql};
+use crate::sql::{Queries, like_escape, sql};
 
 /// The PostgreSQL outbox: a pool plus the SQL rendered for one schema. Cheap to clone.
 ///
@@ -38,11 +38,14 @@ pub struct PgOutbox {
     key_cursor: Arc<std::sync::Mutex<String>>,
     sent_retention: SentRetention,
     crash_loop_limit: u32,
+    max_payload_bytes: usize,
 }
 
 impl PgOutbox {
     /// An outbox over `pool` in `schema` (run [`migrate`](Self::migrate) first), keeping
-    /// sent rows ([`SentRetention::Keep`]; see [`with_sent_retention`](Self::with_sent_retention)).
+    /// sent rows ([`SentRetention::Keep`]; see [`with_sent_retention`](Self::with_sent_retention)),
+    /// taking payloads up to [`DEFAULT_MAX_PAYLOAD_BYTES`] (see
+    /// [`with_max_payload_bytes`](Self::with_max_payload_bytes)).
     ///
     /// # Errors
     /// [`OutboxError::Config`] for an invalid schema name.
@@ -55,12 +58,14 @@ impl PgOutbox {
             key_cursor: Arc::default(),
             sent_retention: SentRetention::Keep,
             crash_loop_limit: DEFAULT_CRASH_LOOP_LIMIT,
+            max_payload_bytes: DEFAULT_MAX_PAYLOAD_BYTES,
         })
     }
 
     /// Connects with `config` (see [`PgConfig::connect`]), with its schema,
-    /// [`sent_retention`](PgConfig::with_sent_retention) and
-    /// [`crash_loop_limit`](PgConfig::with_crash_loop_limit).
+    /// [`sent_retention`](PgConfig::with_sent_retention),
+    /// [`crash_loop_limit`](PgConfig::with_crash_loop_limit) and
+    /// [`max_payload_bytes`](PgConfig::with_max_payload_bytes).
     ///
     /// # Errors
     /// As [`PgConfig::connect`].
@@ -68,7 +73,24 @@ impl PgOutbox {
         let pool = config.connect().await?;
         Ok(Self::new(pool, config.schema())?
             .with_sent_retention(config.sent_retention())
-            .with_crash_loop_limit(config.crash_loop_limit()))
+            .with_crash_loop_limit(config.crash_loop_limit())
+            .with_max_payload_bytes(config.max_payload_bytes()))
+    }
+
+    /// The same outbox whose [`enqueue`](Self::enqueue) and
+    /// [`enqueue_batch`](Self::enqueue_batch) reject a payload longer than `max` bytes of
+    /// JSON text (default [`DEFAULT_MAX_PAYLOAD_BYTES`], 1 MiB; at least 1) with
+    /// [`InvalidMessage::PayloadTooLarge`](outbox_core::InvalidMessage::PayloadTooLarge),
+    /// before anything is written.
+    #[must_use]
+    pub fn with_max_payload_bytes(mut self, max: usize) -> Self {
+        self.max_payload_bytes = max.max(1);
+        self
+    }
+
+    /// The payload limit of enqueue, in bytes.
+    pub fn max_payload_bytes(&self) -> usize {
+        self.max_payload_bytes
     }
 
     /// The same outbox whose claims move a row to `Dead` as a suspected crash loop once
@@ -121,6 +143,9 @@ impl PgOutbox {
     /// Writes one message on `conn` (the caller's transaction). Returns its id.
     ///
     /// # Errors
+    /// [`OutboxError::InvalidMessage`] ([`InvalidMessage::PayloadTooLarge`](outbox_core::InvalidMessage::PayloadTooLarge))
+    /// when the payload is longer than [`max_payload_bytes`](Self::max_payload_bytes):
+    /// nothing is sent to the database and the transaction is untouched.
     /// [`OutboxError::Database`] when the insert fails (the caller's transaction is then
     /// aborted and should be rolled back).
     pub async fn enqueue(
@@ -137,6 +162,9 @@ impl PgOutbox {
     /// preserving their order in `seq`. Returns their ids.
     ///
     /// # Errors
+    /// [`OutboxError::InvalidMessage`] ([`InvalidMessage::PayloadTooLarge`](outbox_core::InvalidMessage::PayloadTooLarge))
+    /// when any payload is longer than [`max_payload_bytes`](Self::max_payload_bytes):
+    /// no message of the batch is written and the transaction is untouched.
     /// [`OutboxError::Database`] when the insert fails; nothing is written then.
     pub async fn enqueue_batch(
         &self,
@@ -145,6 +173,9 @@ impl PgOutbox {
     ) -> Result<Vec<Uuid>, OutboxError> {
         if messages.is_empty() {
             return Ok(Vec::new());
+        }
+        for m in messages {
+            m.check_payload_size(self.max_payload_bytes)?;
         }
         let n = messages.len();
         let mut ids = Vec::with_capacity(n);
@@ -236,7 +267,7 @@ impl PgOutbox {
             .bind(f.aggregate_type.as_deref())
             .bind(f.aggregate_id.as_deref())
             .bind(f.event_type.as_deref())
-            .bind(f.error_contains.as_deref())
+            .bind(f.error_contains.as_deref().map(like_escape))
     }
 }
 
@@ -564,21 +595,10 @@ impl OutboxStore for PgOutbox {
         dry_run: bool,
     ) -> Result<ReplayReport, OutboxError> {
         let started = Instant::now();
-        let matched: i64 = sqlx::query_scalar(sql(&self.q.replay_count))
-            .bind(if filter.ids.is_empty() {
-                None
-            } else {
-                Some(&filter.ids)
-            })
-            .bind(filter.from)
-            .bind(filter.to)
-            .bind(filter.tenant_id.as_deref())
-            .bind(filter.aggregate_type.as_deref())
-            .bind(filter.aggregate_id.as_deref())
-            .bind(filter.event_type.as_deref())
-            .bind(filter.error_contains.as_deref())
+        let matched: i64 = Self::bind_filter(sqlx::query(sql(&self.q.replay_count)), filter)
             .fetch_one(&self.pool)
             .await
+            .and_then(|row| row.try_get(0))
             .map_err(db("replay"))?;
         let replayed = if dry_run {
             0

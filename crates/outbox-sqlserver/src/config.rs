@@ -3,7 +3,9 @@
 use std::fmt;
 use std::time::Duration;
 
-use outbox_core::{DEFAULT_CRASH_LOOP_LIMIT, OutboxError, SentRetention};
+use outbox_core::{
+    DEFAULT_CRASH_LOOP_LIMIT, DEFAULT_MAX_PAYLOAD_BYTES, OutboxError, SentRetention,
+};
 
 use crate::connection::{MssqlConnectionManager, MssqlPool};
 
@@ -35,6 +37,7 @@ pub struct MssqlConfig {
     application_name: String,
     sent_retention: SentRetention,
     crash_loop_limit: u32,
+    max_payload_bytes: usize,
 }
 
 impl Default for MssqlConfig {
@@ -49,6 +52,7 @@ impl Default for MssqlConfig {
             application_name: "outbox-sqlserver".to_owned(),
             sent_retention: SentRetention::Keep,
             crash_loop_limit: DEFAULT_CRASH_LOOP_LIMIT,
+            max_payload_bytes: DEFAULT_MAX_PAYLOAD_BYTES,
         }
     }
 }
@@ -71,6 +75,7 @@ impl fmt::Debug for MssqlConfig {
             .field("application_name", &self.application_name)
             .field("sent_retention", &self.sent_retention)
             .field("crash_loop_limit", &self.crash_loop_limit)
+            .field("max_payload_bytes", &self.max_payload_bytes)
             .finish()
     }
 }
@@ -87,12 +92,13 @@ impl MssqlConfig {
 
     /// Settings from the environment: `MSSQL_URL` (required, a connection string),
     /// `OUTBOX_SCHEMA` (default `outbox`), `OUTBOX_SENT_RETENTION` (`keep` or `delete`,
-    /// default `keep`) and `OUTBOX_CRASH_LOOP_LIMIT` (claims, default 5).
+    /// default `keep`), `OUTBOX_CRASH_LOOP_LIMIT` (claims, default 5) and
+    /// `OUTBOX_MAX_PAYLOAD_BYTES` (bytes, default 1,048,576).
     ///
     /// # Errors
     /// [`OutboxError::Config`] when `MSSQL_URL` is not set, `OUTBOX_SENT_RETENTION` is
-    /// neither `keep` nor `delete`, or `OUTBOX_CRASH_LOOP_LIMIT` is not a positive
-    /// integer.
+    /// neither `keep` nor `delete`, or `OUTBOX_CRASH_LOOP_LIMIT` or
+    /// `OUTBOX_MAX_PAYLOAD_BYTES` is not a positive integer.
     pub fn from_env() -> Result<Self, OutboxError> {
         let url = std::env::var(MSSQL_URL_ENV)
             .map_err(|_| OutboxError::Config(format!("{MSSQL_URL_ENV} is not set")))?;
@@ -105,6 +111,9 @@ impl MssqlConfig {
         }
         if let Ok(limit) = std::env::var("OUTBOX_CRASH_LOOP_LIMIT") {
             config = config.with_crash_loop_limit(parse_crash_loop_limit(&limit)?);
+        }
+        if let Ok(max) = std::env::var("OUTBOX_MAX_PAYLOAD_BYTES") {
+            config = config.with_max_payload_bytes(parse_max_payload_bytes(&max)?);
         }
         Ok(config)
     }
@@ -175,6 +184,22 @@ impl MssqlConfig {
     pub fn with_crash_loop_limit(mut self, limit: u32) -> Self {
         self.crash_loop_limit = limit.max(1);
         self
+    }
+
+    /// Longest payload [`MssqlOutbox::enqueue`](crate::MssqlOutbox::enqueue) accepts, in
+    /// bytes of its JSON text (default [`DEFAULT_MAX_PAYLOAD_BYTES`], 1 MiB; 0 counts as
+    /// 1). A longer one fails with
+    /// [`InvalidMessage::PayloadTooLarge`](outbox_core::InvalidMessage::PayloadTooLarge)
+    /// and nothing of its batch is written. Keep it at or below what the broker takes.
+    #[must_use]
+    pub fn with_max_payload_bytes(mut self, max: usize) -> Self {
+        self.max_payload_bytes = max.max(1);
+        self
+    }
+
+    /// The payload limit of enqueue, in bytes.
+    pub fn max_payload_bytes(&self) -> usize {
+        self.max_payload_bytes
     }
 
     /// The schema name.
@@ -302,6 +327,16 @@ fn parse_crash_loop_limit(text: &str) -> Result<u32, OutboxError> {
     text.parse().ok().filter(|n| *n > 0).ok_or_else(|| {
         OutboxError::Config(format!(
             "OUTBOX_CRASH_LOOP_LIMIT {text:?} is not a positive integer"
+        ))
+    })
+}
+
+/// The value of `OUTBOX_MAX_PAYLOAD_BYTES`: a positive integer, else a typed
+/// [`OutboxError::Config`].
+fn parse_max_payload_bytes(text: &str) -> Result<usize, OutboxError> {
+    text.trim().parse().ok().filter(|n| *n > 0).ok_or_else(|| {
+        OutboxError::Config(format!(
+            "OUTBOX_MAX_PAYLOAD_BYTES {text:?} is not a positive integer"
         ))
     })
 }
@@ -444,11 +479,45 @@ mod tests {
     }
 
     #[test]
+    fn payload_limits_are_positive() {
+        assert_eq!(
+            MssqlConfig::default().max_payload_bytes(),
+            DEFAULT_MAX_PAYLOAD_BYTES
+        );
+        assert_eq!(
+            MssqlConfig::default()
+                .with_max_payload_bytes(0)
+                .max_payload_bytes(),
+            1
+        );
+        assert_eq!(parse_max_payload_bytes("2048").ok(), Some(2048));
+        for bad in ["0", "-1", "1MiB", ""] {
+            assert!(
+                matches!(parse_max_payload_bytes(bad), Err(OutboxError::Config(_))),
+                "{bad:?}"
+            );
+        }
+    }
+
+    #[test]
     fn debug_never_shows_the_password() {
         let config = MssqlConfig::new("server=tcp:h,1433;user=sa;password=hunter2");
         let shown = format!("{config:?}");
         assert!(!shown.contains("hunter2"), "{shown}");
         assert!(shown.contains("password=***"), "{shown}");
+        for text in [
+            "server=tcp:h,1433;user=sa;password=s3cret",
+            "Server=h;User ID=sa;Pwd={s3;cret};Database=x",
+            "jdbc:sqlserver://h:1433;user=sa;password=s3cret/?#@:x",
+            "server=h;password='s3cret",
+        ] {
+            let shown = format!("{:?}", MssqlConfig::new(text).with_max_payload_bytes(10));
+            assert!(
+                !shown.contains("s3cret") && !shown.contains("cret}"),
+                "{shown}"
+            );
+            assert!(shown.contains("max_payload_bytes: 10"), "{shown}");
+        }
     }
 
     #[test]

@@ -13,7 +13,7 @@ use crate::error::db;
 use crate::sql::quoted_schema;
 
 /// (version, description, SQL with `{schema}` placeholders and `GO` batch separators).
-const MIGRATIONS: &[(i32, &str, &str)] = &[
+pub(crate) const MIGRATIONS: &[(i32, &str, &str)] = &[
     (
         1,
         "outbox_messages and inbox_records",

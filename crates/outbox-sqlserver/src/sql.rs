@@ -1170,6 +1170,35 @@ mod tests {
     }
 
     #[test]
+    fn reserved_words_are_bracket_quoted_schemas() {
+        // `user` and `select` are reserved words in T-SQL: only `[user]` is the schema.
+        for schema in ["user", "select"] {
+            let q = Queries::new(schema);
+            let iq = InboxQueries::new(schema);
+            let quoted = format!("[{schema}].");
+            for (name, sql) in all_outbox(&q).into_iter().chain(all_inbox(&iq)) {
+                let bare = without_literals(sql);
+                assert!(bare.contains(&quoted), "{name}");
+                assert!(
+                    !bare.contains(&format!(" {schema}."))
+                        && !bare.contains(&format!("({schema}.")),
+                    "{name}: unquoted schema"
+                );
+            }
+            let batches: Vec<String> = crate::migrate::MIGRATIONS
+                .iter()
+                .flat_map(|(_, _, sql)| crate::migrate::batches(sql, schema))
+                .collect();
+            assert!(batches.iter().all(|b| !b.contains(&format!(" {schema}."))));
+            assert!(
+                batches
+                    .iter()
+                    .any(|b| b.contains(&format!("COL_LENGTH(N'[{schema}].outbox_messages'")))
+            );
+        }
+    }
+
+    #[test]
     fn order_key_expression_matches_the_migration() {
         let squash = |s: &str| s.split_whitespace().collect::<String>();
         let migration = squash(include_str!("../migrations/0003_ordering.sql"));

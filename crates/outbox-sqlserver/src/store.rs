@@ -9,9 +9,9 @@ use async_trait::async_trait;
 use chrono::{DateTime, NaiveDateTime, Utc};
 use outbox_core::{
     BlockedKey, ClaimedBatch, CompleteReport, Completion, CompletionOutcome,
-    DEFAULT_CRASH_LOOP_LIMIT, EventSource, Headers, MessageFilter, MessageStatus, NewMessage,
-    OnDead, OutboxError, OutboxMessage, OutboxStats, OutboxStore, Poison, PoisonRow, ReplayReport,
-    SentRetention, sanitize_error,
+    DEFAULT_CRASH_LOOP_LIMIT, DEFAULT_MAX_PAYLOAD_BYTES, EventSource, Headers, MessageFilter,
+    MessageStatus, NewMessage, OnDead, OutboxError, OutboxMessage, OutboxStats, OutboxStore,
+    Poison, PoisonRow, ReplayReport, SentRetention, sanitize_error,
 };
 use serde_json::value::RawValue;
 use tiberius::{FromSql, Row, ToSql};
@@ -41,11 +41,14 @@ pub struct MssqlOutbox {
     key_cursor: Arc<Mutex<Option<Vec<u8>>>>,
     sent_retention: SentRetention,
     crash_loop_limit: u32,
+    max_payload_bytes: usize,
 }
 
 impl MssqlOutbox {
     /// An outbox over `pool` in `schema` (run [`migrate`](Self::migrate) first), keeping
-    /// sent rows ([`SentRetention::Keep`]; see [`with_sent_retention`](Self::with_sent_retention)).
+    /// sent rows ([`SentRetention::Keep`]; see [`with_sent_retention`](Self::with_sent_retention)),
+    /// taking payloads up to [`DEFAULT_MAX_PAYLOAD_BYTES`] (see
+    /// [`with_max_payload_bytes`](Self::with_max_payload_bytes)).
     ///
     /// # Errors
     /// [`OutboxError::Config`] for an invalid schema name.
@@ -58,12 +61,14 @@ impl MssqlOutbox {
             key_cursor: Arc::default(),
             sent_retention: SentRetention::Keep,
             crash_loop_limit: DEFAULT_CRASH_LOOP_LIMIT,
+            max_payload_bytes: DEFAULT_MAX_PAYLOAD_BYTES,
         })
     }
 
     /// Connects with `config` (see [`MssqlConfig::connect`]), with its schema,
-    /// [`sent_retention`](MssqlConfig::with_sent_retention) and
-    /// [`crash_loop_limit`](MssqlConfig::with_crash_loop_limit).
+    /// [`sent_retention`](MssqlConfig::with_sent_retention),
+    /// [`crash_loop_limit`](MssqlConfig::with_crash_loop_limit) and
+    /// [`max_payload_bytes`](MssqlConfig::with_max_payload_bytes).
     ///
     /// # Errors
     /// As [`MssqlConfig::connect`].
@@ -71,7 +76,24 @@ impl MssqlOutbox {
         let pool = config.connect().await?;
         Ok(Self::new(pool, config.schema())?
             .with_sent_retention(config.sent_retention())
-            .with_crash_loop_limit(config.crash_loop_limit()))
+            .with_crash_loop_limit(config.crash_loop_limit())
+            .with_max_payload_bytes(config.max_payload_bytes()))
+    }
+
+    /// The same outbox whose [`enqueue`](Self::enqueue) and
+    /// [`enqueue_batch`](Self::enqueue_batch) reject a payload longer than `max` bytes of
+    /// JSON text (default [`DEFAULT_MAX_PAYLOAD_BYTES`], 1 MiB; 0 counts as 1) with
+    /// [`InvalidMessage::PayloadTooLarge`](outbox_core::InvalidMessage::PayloadTooLarge),
+    /// before anything is sent to the server.
+    #[must_use]
+    pub fn with_max_payload_bytes(mut self, max: usize) -> Self {
+        self.max_payload_bytes = max.max(1);
+        self
+    }
+
+    /// The payload limit of enqueue, in bytes.
+    pub fn max_payload_bytes(&self) -> usize {
+        self.max_payload_bytes
     }
 
     /// The same outbox whose claims move a row to `Dead` as a suspected crash loop once
@@ -147,6 +169,9 @@ impl MssqlOutbox {
     /// (`BEGIN TRAN` already run, or an [`MssqlTransaction`]). Returns its id.
     ///
     /// # Errors
+    /// [`OutboxError::InvalidMessage`] ([`InvalidMessage::PayloadTooLarge`](outbox_core::InvalidMessage::PayloadTooLarge))
+    /// when the payload is longer than [`max_payload_bytes`](Self::max_payload_bytes):
+    /// nothing is sent to the server and the transaction is untouched.
     /// [`OutboxError::Database`] when the insert fails (with `XACT_ABORT ON`, the
     /// session default on this crate's connections, the caller's transaction is then
     /// rolled back; otherwise roll it back yourself).
@@ -166,6 +191,9 @@ impl MssqlOutbox {
     /// message's delay, computed by the server.
     ///
     /// # Errors
+    /// [`OutboxError::InvalidMessage`] ([`InvalidMessage::PayloadTooLarge`](outbox_core::InvalidMessage::PayloadTooLarge))
+    /// when any payload is longer than [`max_payload_bytes`](Self::max_payload_bytes):
+    /// no message of the batch is written and the transaction is untouched.
     /// [`OutboxError::Database`] when the insert fails; nothing is written then.
     pub async fn enqueue_batch(
         &self,
@@ -176,7 +204,7 @@ impl MssqlOutbox {
             return Ok(Vec::new());
         }
         let n = messages.len();
-        let rows = encode_batch(messages)?;
+        let rows = encode_batch(messages, self.max_payload_bytes)?;
         client
             .execute(&*self.q.enqueue, &[&rows])
             .instrument(tracing::debug_span!("outbox.enqueue", messages = n))
@@ -208,8 +236,13 @@ impl MssqlOutbox {
     }
 }
 
-/// The JSON array `enqueue` sends as `@P1`.
-fn encode_batch(messages: &[NewMessage]) -> Result<String, OutboxError> {
+/// The JSON array `enqueue` sends as `@P1`, once every payload is known to be at most
+/// `max_payload_bytes` long (else the first one that is not, as
+/// [`InvalidMessage::PayloadTooLarge`](outbox_core::InvalidMessage::PayloadTooLarge)).
+fn encode_batch(messages: &[NewMessage], max_payload_bytes: usize) -> Result<String, OutboxError> {
+    for m in messages {
+        m.check_payload_size(max_payload_bytes)?;
+    }
     let rows: Vec<serde_json::Value> = messages
         .iter()
         .map(|m| {
@@ -720,7 +753,8 @@ mod tests {
             .payload(&serde_json::json!(7))
             .build()
             .expect("valid");
-        let text = encode_batch(&[a.clone(), b.clone()]).expect("encodes");
+        let text =
+            encode_batch(&[a.clone(), b.clone()], DEFAULT_MAX_PAYLOAD_BYTES).expect("encodes");
         let rows: Vec<serde_json::Value> = serde_json::from_str(&text).expect("json");
         assert_eq!(rows.len(), 2);
         assert_eq!(rows[0]["id"], a.id.to_string());
@@ -737,6 +771,41 @@ mod tests {
             "no client time unless stated"
         );
         assert_eq!(rows[0]["delay_ms"], 0);
+    }
+
+    /// `enqueue_batch` sends nothing when any payload of the batch is over the limit:
+    /// the statement's only parameter is never built.
+    #[test]
+    fn payloads_over_the_limit_stop_the_whole_batch() {
+        let message = |payload: &str| {
+            NewMessage::builder("order", "1", "Placed")
+                .payload_json(payload)
+                .build()
+                .expect("valid")
+        };
+        let max = DEFAULT_MAX_PAYLOAD_BYTES;
+        let string_of = |len: usize| format!("\"{}\"", "x".repeat(len - 2));
+        let small = message("{}");
+        let at_limit = message(&string_of(max));
+        let over = message(&string_of(max + 1));
+        let err = encode_batch(&[small.clone(), over], max).expect_err("over the limit");
+        assert!(
+            matches!(
+                err,
+                OutboxError::InvalidMessage(outbox_core::InvalidMessage::PayloadTooLarge { size, max: m })
+                    if size == max + 1 && m == max
+            ),
+            "{err:?}"
+        );
+        let text = encode_batch(&[small, at_limit], max).expect("at the limit");
+        let rows: Vec<serde_json::Value> = serde_json::from_str(&text).expect("json");
+        assert_eq!(rows[1]["payload"].as_str().map(str::len), Some(max));
+        assert!(matches!(
+            encode_batch(&[message(&string_of(17))], 16),
+            Err(OutboxError::InvalidMessage(
+                outbox_core::InvalidMessage::PayloadTooLarge { size: 17, max: 16 }
+            ))
+        ));
     }
 
     #[test]

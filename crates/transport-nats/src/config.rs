@@ -578,5 +578,22 @@ mod tests {
         assert!(!format!("{builder:?}").contains("hunter2"));
         let config = builder.build().expect("valid");
         assert!(!format!("{config:?}").contains("hunter2"));
+        for url in [
+            "nats://app:s3cret@host:4222",
+            "nats://s3cret@host:4222",
+            "nats://app:12/s3cret@host:4222",
+            "nats://a:x@h1:4222,nats://app:s3?cret@h2:4222",
+        ] {
+            let builder = NatsConfigBuilder::new(url);
+            let shown = format!("{builder:?}");
+            assert!(
+                !shown.contains("s3cret") && !shown.contains("s3?cret"),
+                "{shown}"
+            );
+            if let Ok(config) = builder.build() {
+                let shown = format!("{config:?}");
+                assert!(!shown.contains("s3cret"), "{shown}");
+            }
+        }
     }
 }

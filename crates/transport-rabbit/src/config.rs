@@ -486,5 +486,24 @@ mod tests {
         assert!(!format!("{builder:?}").contains("hunter2"));
         let config = builder.build().expect("valid");
         assert!(!format!("{config:?}").contains("hunter2"));
+        // Passwords with unencoded delimiters, digits-only ones included (which read as
+        // a port and a path).
+        for url in [
+            "amqp://guest:s3cret@host/%2f",
+            "amqp://guest:1234/s3cret@host:5672/%2f",
+            "amqps://guest:s3?cret#x@host/%2f",
+            "amqp://guest:s3cret@host/%2f?heartbeat=10",
+        ] {
+            let builder = RabbitConfigBuilder::new(url);
+            let shown = format!("{builder:?}");
+            assert!(
+                !shown.contains("s3cret") && !shown.contains("cret#x"),
+                "{shown}"
+            );
+            if let Ok(config) = builder.build() {
+                let shown = format!("{config:?}");
+                assert!(!shown.contains("s3cret"), "{shown}");
+            }
+        }
     }
 }

@@ -7,9 +7,6 @@ use crate::message::OutboxMessage;
 use crate::publisher::{EventPublisher, PublishOutcome};
 use crate::store::{Completion, CompletionOutcome, OutboxStore, Poison, PoisonRow};
 
-/// The `event_type` label of a poison row's metrics (its event type may be unreadable).
-const POISON_LABEL: &str = "(poison)";
-
 impl<S: OutboxStore, P: EventPublisher> Dispatcher<S, P> {
     /// The completions of a batch: `outcomes[i]` is the outcome of `claimed[i]` (`None`:
     /// not attempted, released without charge), and every poison row is `Dead`.
@@ -45,7 +42,7 @@ impl<S: OutboxStore, P: EventPublisher> Dispatcher<S, P> {
         for row in poison {
             report.dead += 1;
             report.poison += 1;
-            crate::metrics::dead(POISON_LABEL);
+            crate::metrics::dead_poison();
             match &row.poison {
                 Poison::Undecodable {
                     claim_token,

@@ -150,7 +150,10 @@ async fn fresh_outbox(tag: &str) -> anyhow::Result<PgOutbox> {
     let outbox = PgOutbox::connect(
         &PgConfig::new(common::database_url())
             .with_schema(&schema)
-            .with_max_connections(8),
+            .with_max_connections(8)
+            // `--payload-bytes` chooses the size; the broker's limit is the one that
+            // counts here, not enqueue's 1 MiB default.
+            .with_max_payload_bytes(usize::MAX),
     )
     .await?;
     outbox.migrate().await?;
