@@ -9,7 +9,7 @@ use outbox_core::wire::IncomingMessage;
 use outbox_core::{InboxStore, OutboxError};
 use tracing::{debug, error, warn};
 
-use crate::pipeline::{Pipeline, Step, run_handler};
+use crate::pipeline::{Pipeline, Step, UnlessDead, run_handler};
 
 /// Default deliveries of one message a handler may fail before it is dead-lettered.
 pub const DEFAULT_MAX_DELIVERIES: u32 = 5;
@@ -131,13 +131,14 @@ where
             return self.unhandled(msg).await;
         }
         for reg in handlers {
-            match self.store.is_dead(msg.id, &reg.consumer).await {
-                Ok(true) => continue,
-                Ok(false) => {}
-                Err(e) => return unavailable(msg, &e),
-            }
-            match run_handler(&*self.store, reg, msg, attempt, false).await {
-                Ok(Step::Applied | Step::AlreadyDone | Step::SkippedStale | Step::Gap { .. }) => {}
+            match run_handler(&*self.store, reg, msg, attempt, false, &UnlessDead).await {
+                Ok(
+                    Step::Applied
+                    | Step::AlreadyDone
+                    | Step::DeadLetter
+                    | Step::SkippedStale
+                    | Step::Gap { .. },
+                ) => {}
                 Ok(Step::Failed(e)) => {
                     let max = if e.is_permanent() {
                         1

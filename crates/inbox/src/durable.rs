@@ -16,7 +16,7 @@ use tokio_util::sync::CancellationToken;
 use tracing::{debug, error, info, warn};
 
 use crate::consumer::{UNHANDLED_CONSUMER, UnhandledPolicy};
-use crate::pipeline::{Pipeline, Step, run_handler};
+use crate::pipeline::{Pipeline, Plain, Step, run_handler};
 
 /// Stores each delivery in the durable inbox (`ON CONFLICT DO NOTHING` on its id) and
 /// acks it; a store failure defers the delivery ([`HandlerDecision::Defer`]: the
@@ -287,8 +287,8 @@ where
         }
         for reg in handlers {
             let hold_gaps = !window_passed || self.config.gap_policy == GapPolicy::DeadLetter;
-            match run_handler(&*self.store, reg, msg, attempt, hold_gaps).await {
-                Ok(Step::Applied | Step::AlreadyDone | Step::SkippedStale) => {}
+            match run_handler(&*self.store, reg, msg, attempt, hold_gaps, &Plain).await {
+                Ok(Step::Applied | Step::AlreadyDone | Step::DeadLetter | Step::SkippedStale) => {}
                 Ok(Step::Gap { expected, got }) => {
                     if window_passed {
                         crate::metrics::dead(&reg.consumer);

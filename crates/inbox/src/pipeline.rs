@@ -4,11 +4,13 @@
 use std::collections::HashMap;
 use std::sync::Arc;
 
+use async_trait::async_trait;
 use futures::FutureExt as _;
-use outbox_core::inbox::VersionTracking;
+use outbox_core::inbox::{ConsumerDeadLetters, InboxClaim, VersionTracking};
 use outbox_core::wire::IncomingMessage;
 use outbox_core::{InboxStore, OutboxError};
 use tracing::{Instrument as _, debug, info_span};
+use uuid::Uuid;
 
 use crate::handler::{Handler, HandlerContext, HandlerError, StalePolicy};
 
@@ -105,6 +107,55 @@ impl<S: InboxStore> Pipeline<S> {
     }
 }
 
+/// How a handler's transaction claims its inbox record.
+#[async_trait]
+pub(crate) trait Claims<S: InboxStore>: Sync {
+    async fn claim(
+        &self,
+        store: &S,
+        conn: &mut S::Connection,
+        message_id: Uuid,
+        consumer: &str,
+    ) -> Result<InboxClaim, OutboxError>;
+}
+
+/// [`InboxStore::try_claim`]: the durable inbox, which keeps its own dead state.
+pub(crate) struct Plain;
+
+#[async_trait]
+impl<S: InboxStore> Claims<S> for Plain {
+    async fn claim(
+        &self,
+        store: &S,
+        conn: &mut S::Connection,
+        message_id: Uuid,
+        consumer: &str,
+    ) -> Result<InboxClaim, OutboxError> {
+        Ok(if store.try_claim(conn, message_id, consumer).await? {
+            InboxClaim::Claimed
+        } else {
+            InboxClaim::Duplicate
+        })
+    }
+}
+
+/// [`ConsumerDeadLetters::claim_unless_dead`]: the idempotent consumer, one statement
+/// for the dead-letter check and the claim.
+pub(crate) struct UnlessDead;
+
+#[async_trait]
+impl<S: ConsumerDeadLetters> Claims<S> for UnlessDead {
+    async fn claim(
+        &self,
+        store: &S,
+        conn: &mut S::Connection,
+        message_id: Uuid,
+        consumer: &str,
+    ) -> Result<InboxClaim, OutboxError> {
+        store.claim_unless_dead(conn, message_id, consumer).await
+    }
+}
+
 /// What running one handler did.
 #[derive(Debug)]
 pub(crate) enum Step {
@@ -112,6 +163,8 @@ pub(crate) enum Step {
     Applied,
     /// This consumer had already handled the message (inbox record present).
     AlreadyDone,
+    /// The message is a consumer dead letter of this consumer: not run.
+    DeadLetter,
     /// The version was stale and the policy skips: recorded as handled, not run.
     SkippedStale,
     /// The version is ahead of the next expected one (a predecessor is missing).
@@ -131,17 +184,23 @@ fn version_key(msg: &IncomingMessage) -> Option<(&str, &str, i64)> {
     }
 }
 
-/// Runs `reg` on `msg` in its own transaction. `hold_gaps`: report a version gap
-/// instead of running the handler.
-pub(crate) async fn run_handler<S>(
+/// Runs `reg` on `msg` in its own transaction, claiming its inbox record the way
+/// `claims` says. `hold_gaps`: report a version gap instead of running the handler.
+///
+/// Round trips on the transaction's one connection, for an unversioned message: begin,
+/// claim, the handler's own statements, commit; a versioned one adds the locked version
+/// read and its update.
+pub(crate) async fn run_handler<S, C>(
     store: &S,
     reg: &Registered<S>,
     msg: &IncomingMessage,
     attempt: u32,
     hold_gaps: bool,
+    claims: &C,
 ) -> Result<Step, OutboxError>
 where
     S: InboxStore + VersionTracking,
+    C: Claims<S>,
 {
     let span = info_span!(
         "inbox.handle",
@@ -165,11 +224,19 @@ where
     async {
         let started = std::time::Instant::now();
         let mut tx = store.begin().await?;
-        if !store.try_claim(&mut tx, msg.id, &reg.consumer).await? {
-            store.rollback(tx).await?;
-            crate::metrics::duplicate(&reg.consumer);
-            debug!("duplicate: already handled by this consumer");
-            return Ok(Step::AlreadyDone);
+        match claims.claim(store, &mut tx, msg.id, &reg.consumer).await? {
+            InboxClaim::Claimed => {}
+            InboxClaim::Duplicate => {
+                store.rollback(tx).await?;
+                crate::metrics::duplicate(&reg.consumer);
+                debug!("duplicate: already handled by this consumer");
+                return Ok(Step::AlreadyDone);
+            }
+            InboxClaim::DeadLetter => {
+                store.rollback(tx).await?;
+                debug!("a consumer dead letter of this consumer: not run");
+                return Ok(Step::DeadLetter);
+            }
         }
         let mut ctx = HandlerContext {
             consumer: reg.consumer.clone(),

@@ -78,9 +78,45 @@ pub struct ConsumerDeadLetter {
     pub payload: Vec<u8>,
 }
 
+/// What claiming `(message_id, consumer)` inside the consumer's transaction found.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum InboxClaim {
+    /// First time: recorded on the transaction; run the handler.
+    Claimed,
+    /// Already recorded (a redelivery or a duplicate): skip, nothing was written.
+    Duplicate,
+    /// A consumer dead letter of this consumer: skip, nothing was written (a replay
+    /// clears the dead letter first).
+    DeadLetter,
+}
+
 /// Failure counting and consumer dead letters.
 #[async_trait]
 pub trait ConsumerDeadLetters: InboxStore {
+    /// Claims `(message_id, consumer)` on `conn` as [`InboxStore::try_claim`] does,
+    /// unless the message is a consumer dead letter of `consumer`. Stores SHOULD do both
+    /// in one statement on `conn` (PostgreSQL does): this is the idempotent consumer's
+    /// only inbox statement per message and handler. The default asks
+    /// [`is_dead`](Self::is_dead) first, then claims.
+    ///
+    /// # Errors
+    /// [`OutboxError::Database`].
+    async fn claim_unless_dead(
+        &self,
+        conn: &mut Self::Connection,
+        message_id: Uuid,
+        consumer: &str,
+    ) -> Result<InboxClaim, OutboxError> {
+        if self.is_dead(message_id, consumer).await? {
+            return Ok(InboxClaim::DeadLetter);
+        }
+        Ok(if self.try_claim(conn, message_id, consumer).await? {
+            InboxClaim::Claimed
+        } else {
+            InboxClaim::Duplicate
+        })
+    }
+
     /// Counts one failure of `consumer` on `msg` in its own transaction; when the count
     /// reaches `max_attempts` the message is recorded as a consumer dead letter (with
     /// its payload, error and count).

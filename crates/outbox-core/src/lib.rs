@@ -59,8 +59,8 @@ pub use dispatcher::{BatchReport, Dispatcher, DispatcherConfig, DispatcherStats,
 pub use domain::{DomainEvents, EventSource};
 pub use error::{BoxError, ErrorKind, InvalidMessage, OutboxError, PublishError};
 pub use inbox::{
-    ConsumerDeadLetter, ConsumerDeadLetters, DurableInbox, FailureCount, InboxCompletion,
-    InboxOutcome, StoredMessage, VersionTracking,
+    ConsumerDeadLetter, ConsumerDeadLetters, DurableInbox, FailureCount, InboxClaim,
+    InboxCompletion, InboxOutcome, StoredMessage, VersionTracking,
 };
 pub use message::{
     DEFAULT_MAX_PAYLOAD_BYTES, Headers, MessageStatus, NewMessage, NewMessageBuilder,

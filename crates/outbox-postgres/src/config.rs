@@ -191,7 +191,10 @@ impl PgConfig {
         Ok(())
     }
 
-    /// Opens a pool (connecting eagerly, so a wrong URL or a down server fails here).
+    /// Opens a pool (connecting eagerly, so a wrong URL or a down server fails here),
+    /// without sqlx's ping before each acquire (`test_before_acquire(false)`: a round
+    /// trip per transaction saved; a connection broken meanwhile fails its next statement,
+    /// which the relay retries and the inbox defers).
     ///
     /// # Errors
     /// [`OutboxError::Config`] for a missing or malformed URL or schema, or
@@ -205,6 +208,11 @@ impl PgConfig {
         PgPoolOptions::new()
             .max_connections(self.max_connections)
             .acquire_timeout(self.acquire_timeout)
+            // No ping before every acquire: it is one more round trip per transaction
+            // (the relay's claims and completions, the consumer's deliveries). A broken
+            // connection fails its first statement instead, which every caller here
+            // retries or defers; sqlx still pings a connection when it comes back.
+            .test_before_acquire(false)
             .connect_with(parse_url(url)?)
             .await
             .map_err(crate::error::db("connect"))

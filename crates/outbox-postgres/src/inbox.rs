@@ -6,8 +6,8 @@ use std::time::Duration;
 use async_trait::async_trait;
 use chrono::{DateTime, Utc};
 use outbox_core::inbox::{
-    ConsumerDeadLetter, ConsumerDeadLetters, DurableInbox, FailureCount, InboxCompletion,
-    InboxOutcome, StoredMessage, VersionTracking,
+    ConsumerDeadLetter, ConsumerDeadLetters, DurableInbox, FailureCount, InboxClaim,
+    InboxCompletion, InboxOutcome, StoredMessage, VersionTracking,
 };
 use outbox_core::wire::{IncomingMessage, TraceParent};
 use outbox_core::{CompleteReport, Headers, InboxStore, OutboxError};
@@ -21,6 +21,14 @@ use crate::sql::{InboxQueries, Queries, sql};
 
 /// Inbox records in `{schema}.inbox_records` (created by the same migrations as the
 /// outbox). Cheap to clone.
+///
+/// Per message and handler the idempotent consumer sends, on one pooled connection:
+/// `BEGIN`, one statement that checks for a consumer dead letter and claims the record
+/// ([`claim_unless_dead`](ConsumerDeadLetters::claim_unless_dead)), the handler's own
+/// statements, `COMMIT`; with version tracking, one statement that creates, locks and
+/// reads the aggregate's version row and one that raises it. sqlx adds a ping when the
+/// connection goes back to the pool, and another before each acquire unless the pool
+/// is built with `test_before_acquire(false)` (as [`PgConfig::connect`](crate::PgConfig::connect) does).
 ///
 /// [`try_claim`](InboxStore::try_claim) runs `INSERT ... ON CONFLICT DO NOTHING` on the
 /// caller's transaction: the record commits with the handler's effects or not at all. A
@@ -112,16 +120,9 @@ impl VersionTracking for PgInbox {
         aggregate_type: &str,
         aggregate_id: &str,
     ) -> Result<Option<i64>, OutboxError> {
-        // Make sure a row exists to lock, then lock it: two messages of one aggregate
-        // for one consumer are handled one after the other.
-        sqlx::query(sql(&self.iq.version_ensure))
-            .bind(consumer)
-            .bind(aggregate_type)
-            .bind(aggregate_id)
-            .execute(&mut *conn)
-            .await
-            .map_err(db("inbox_version"))?;
-        sqlx::query_scalar(sql(&self.iq.version_get))
+        // One statement creates the row if missing and locks it: two messages of one
+        // aggregate for one consumer are handled one after the other.
+        sqlx::query_scalar(sql(&self.iq.version_lock))
             .bind(consumer)
             .bind(aggregate_type)
             .bind(aggregate_id)
@@ -152,6 +153,31 @@ impl VersionTracking for PgInbox {
 
 #[async_trait]
 impl ConsumerDeadLetters for PgInbox {
+    /// One statement on `conn`: the dead-letter check and the claim together.
+    async fn claim_unless_dead(
+        &self,
+        conn: &mut PgConnection,
+        message_id: Uuid,
+        consumer: &str,
+    ) -> Result<InboxClaim, OutboxError> {
+        if consumer.is_empty() {
+            return Err(OutboxError::Config(
+                "consumer name must not be empty".into(),
+            ));
+        }
+        let (claimed, dead): (i64, bool) = sqlx::query_as(sql(&self.iq.claim_unless_dead))
+            .bind(message_id)
+            .bind(consumer)
+            .fetch_one(&mut *conn)
+            .await
+            .map_err(db("inbox_claim"))?;
+        Ok(match (claimed, dead) {
+            (1, _) => InboxClaim::Claimed,
+            (_, true) => InboxClaim::DeadLetter,
+            _ => InboxClaim::Duplicate,
+        })
+    }
+
     async fn record_failure(
         &self,
         msg: &IncomingMessage,

@@ -433,8 +433,8 @@ mod tests {
 /// SQL of the inbox capabilities (version tracking, failures, durable inbox).
 #[derive(Debug)]
 pub(crate) struct InboxQueries {
-    pub(crate) version_ensure: Arc<str>,
-    pub(crate) version_get: Arc<str>,
+    pub(crate) claim_unless_dead: Arc<str>,
+    pub(crate) version_lock: Arc<str>,
     pub(crate) version_set: Arc<str>,
     pub(crate) failure: Arc<str>,
     pub(crate) is_dead: Arc<str>,
@@ -457,15 +457,32 @@ impl InboxQueries {
         let v = format!("{q}.inbox_versions");
         let f = format!("{q}.inbox_failures");
         let t = format!("{q}.inbox_messages");
+        let r = format!("{q}.inbox_records");
         let s = |text: String| -> Arc<str> { text.into() };
         Self {
-            version_ensure: s(format!(
-                "INSERT INTO {v} (consumer, aggregate_type, aggregate_id) VALUES ($1, $2, $3)
-                 ON CONFLICT DO NOTHING"
+            // The idempotent consumer's one inbox statement per message and handler:
+            // skip a consumer dead letter, else claim. `claimed` is 1 for a new record;
+            // `dead` says why nothing was inserted when it is 0.
+            claim_unless_dead: s(format!(
+                "WITH dead AS (
+                     SELECT 1 FROM {f}
+                      WHERE message_id = $1 AND consumer = $2 AND dead_at IS NOT NULL
+                 ), claimed AS (
+                     INSERT INTO {r} (message_id, consumer)
+                     SELECT $1, $2 WHERE NOT EXISTS (SELECT 1 FROM dead)
+                     ON CONFLICT (message_id, consumer) DO NOTHING
+                     RETURNING 1
+                 )
+                 SELECT (SELECT count(*) FROM claimed) AS claimed, EXISTS (SELECT 1 FROM dead) AS dead"
             )),
-            version_get: s(format!(
-                "SELECT version FROM {v}
-                  WHERE consumer = $1 AND aggregate_type = $2 AND aggregate_id = $3 FOR UPDATE"
+            // The last applied version, its row created if missing and locked until the
+            // transaction ends, in one statement: `DO UPDATE` takes the row lock of an
+            // existing row (a no-op update), `RETURNING` gives its version either way.
+            version_lock: s(format!(
+                "INSERT INTO {v} AS x (consumer, aggregate_type, aggregate_id) VALUES ($1, $2, $3)
+                 ON CONFLICT (consumer, aggregate_type, aggregate_id)
+                    DO UPDATE SET version = x.version
+                 RETURNING x.version"
             )),
             version_set: s(format!(
                 "UPDATE {v} SET version = greatest(coalesce(version, $4), $4), updated_at = now()

@@ -88,3 +88,111 @@ impl PgLockout {
             .unwrap_or_else(|e| panic!("{sql}: {e}"));
     }
 }
+
+/// A TCP proxy in front of PostgreSQL that counts the client's round trips: every
+/// simple `Query` and every `Sync` (the end of an extended-protocol exchange) the client
+/// sends is one request answered by one `ReadyForQuery`. Connect through
+/// [`options`](Self::options) (`sslmode=disable`, so the protocol can be read).
+#[derive(Debug)]
+pub struct RoundTripCounter {
+    addr: std::net::SocketAddr,
+    count: std::sync::Arc<std::sync::atomic::AtomicU64>,
+}
+
+impl RoundTripCounter {
+    /// Listens on a free local port and forwards every connection to `upstream`
+    /// (`host:port`).
+    ///
+    /// # Panics
+    /// When it cannot listen.
+    pub async fn start(upstream: &str) -> Self {
+        use std::sync::atomic::AtomicU64;
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+            .await
+            .expect("listen");
+        let addr = listener.local_addr().expect("address");
+        let count = std::sync::Arc::new(AtomicU64::new(0));
+        let upstream = upstream.to_owned();
+        let counter = std::sync::Arc::clone(&count);
+        tokio::spawn(async move {
+            while let Ok((client, _)) = listener.accept().await {
+                let upstream = upstream.clone();
+                let counter = std::sync::Arc::clone(&counter);
+                tokio::spawn(async move {
+                    if let Ok(server) = tokio::net::TcpStream::connect(&upstream).await {
+                        let _ = client.set_nodelay(true);
+                        let _ = server.set_nodelay(true);
+                        proxy(client, server, counter).await;
+                    }
+                });
+            }
+        });
+        Self { addr, count }
+    }
+
+    /// Connect options of `base` pointed at the proxy, without TLS.
+    pub fn options(&self, base: &PgConnectOptions) -> PgConnectOptions {
+        base.clone()
+            .host(&self.addr.ip().to_string())
+            .port(self.addr.port())
+            .ssl_mode(sqlx::postgres::PgSslMode::Disable)
+    }
+
+    /// Round trips so far.
+    pub fn count(&self) -> u64 {
+        self.count.load(std::sync::atomic::Ordering::SeqCst)
+    }
+}
+
+async fn proxy(
+    client: tokio::net::TcpStream,
+    server: tokio::net::TcpStream,
+    count: std::sync::Arc<std::sync::atomic::AtomicU64>,
+) {
+    use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+    let (mut client_read, mut client_write) = client.into_split();
+    let (mut server_read, mut server_write) = server.into_split();
+    let upstream = async move {
+        // The startup message has no type byte; every later message is
+        // type (1) + length (4, itself included) + body.
+        let mut buf = Vec::new();
+        let mut started = false;
+        let mut chunk = [0u8; 16 * 1024];
+        loop {
+            let n = match client_read.read(&mut chunk).await {
+                Ok(0) | Err(_) => break,
+                Ok(n) => n,
+            };
+            if server_write.write_all(&chunk[..n]).await.is_err() {
+                break;
+            }
+            buf.extend_from_slice(&chunk[..n]);
+            loop {
+                let header = if started { 5 } else { 4 };
+                if buf.len() < header {
+                    break;
+                }
+                let len_at = usize::from(started);
+                let len = u32::from_be_bytes([
+                    buf[len_at],
+                    buf[len_at + 1],
+                    buf[len_at + 2],
+                    buf[len_at + 3],
+                ]) as usize;
+                let total = len + usize::from(started);
+                if buf.len() < total {
+                    break;
+                }
+                if started && matches!(buf[0], b'Q' | b'S') {
+                    count.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                }
+                started = true;
+                buf.drain(..total);
+            }
+        }
+    };
+    let downstream = async move {
+        let _ = tokio::io::copy(&mut server_read, &mut client_write).await;
+    };
+    tokio::join!(upstream, downstream);
+}
