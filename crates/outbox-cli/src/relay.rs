@@ -193,6 +193,9 @@ impl Relay {
             _ => None,
         };
         let dispatcher = Dispatcher::new(Arc::new(store.clone()), Arc::clone(&publisher), config);
+        // Push wake-up: a committed insert wakes the claimer at once; polling stays as
+        // the fallback.
+        let wake_listener = store.spawn_wake_listener(dispatcher.wake_handle(), shutdown.clone());
         let health = Health::new(settings.max_lag, settings.stuck_after, ordered);
 
         let listener = tokio::net::TcpListener::bind(settings.listen)
@@ -252,6 +255,7 @@ impl Relay {
                 // The relay is what the process is for: without it, stop serving.
                 token.cancel();
                 let _ = checker.await;
+                let _ = wake_listener.await;
                 match server.await {
                     Ok(Ok(())) => {}
                     Ok(Err(e)) => warn!(error = %e, "metrics endpoint failed"),

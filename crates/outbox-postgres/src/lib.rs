@@ -36,6 +36,7 @@
 mod config;
 mod error;
 mod inbox;
+mod listen;
 mod migrate;
 pub mod ops;
 mod sql;
@@ -43,5 +44,6 @@ mod store;
 
 pub use config::{DEFAULT_SCHEMA, PgConfig, parse_url};
 pub use inbox::PgInbox;
+pub use listen::NOTIFY_CHANNEL;
 pub use migrate::{LATEST_VERSION, migrate};
 pub use store::PgOutbox;

@@ -43,10 +43,15 @@ const MIGRATIONS: &[(i32, &str, &str)] = &[
         "crash-loop guard: unfinished_claims",
         include_str!("../migrations/0006_crash_loop_guard.sql"),
     ),
+    (
+        7,
+        "push wake-up: NOTIFY outbox after inserts",
+        include_str!("../migrations/0007_notify.sql"),
+    ),
 ];
 
 /// The highest migration version this crate knows.
-pub const LATEST_VERSION: i32 = 6;
+pub const LATEST_VERSION: i32 = 7;
 
 /// Creates `schema` if needed and applies every migration not yet applied. Returns the
 /// versions applied by this call.

@@ -228,7 +228,7 @@ async fn upgrade_from_migration_4_keeps_every_row_where_it_was() {
     )
     .await;
 
-    assert_eq!(outbox.migrate().await.expect("migrate"), vec![5, 6]);
+    assert_eq!(outbox.migrate().await.expect("migrate"), vec![5, 6, 7]);
 
     let stats = outbox.stats().await.expect("stats");
     assert_eq!(

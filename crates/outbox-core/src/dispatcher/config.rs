@@ -12,6 +12,7 @@ use crate::retry::RetryPolicies;
 pub struct DispatcherConfig {
     pub(super) batch_size: usize,
     pub(super) poll_interval: Duration,
+    pub(super) min_poll_interval: Duration,
     pub(super) lease: Duration,
     pub(super) concurrency: usize,
     pub(super) retry: RetryPolicies,
@@ -22,6 +23,9 @@ pub struct DispatcherConfig {
     pub(super) drain_timeout: Duration,
 }
 
+/// Default of [`DispatcherConfig::with_min_poll_interval`]: 10 milliseconds.
+pub const DEFAULT_MIN_POLL_INTERVAL: Duration = Duration::from_millis(10);
+
 /// Default of [`DispatcherConfig::with_drain_timeout`]: 10 seconds.
 pub const DEFAULT_DRAIN_TIMEOUT: Duration = Duration::from_secs(10);
 
@@ -30,6 +34,7 @@ impl Default for DispatcherConfig {
         Self {
             batch_size: 500,
             poll_interval: Duration::from_millis(500),
+            min_poll_interval: DEFAULT_MIN_POLL_INTERVAL,
             lease: Duration::from_secs(30),
             concurrency: 2,
             retry: RetryPolicies::default(),
@@ -43,7 +48,8 @@ impl Default for DispatcherConfig {
 }
 
 impl DispatcherConfig {
-    /// The defaults: batches of 500 messages, 500 ms poll interval, 30 s lease, 2 batches
+    /// The defaults: batches of 500 messages, adaptive polling from 10 ms up to 500 ms,
+    /// 30 s lease, 2 batches
     /// in flight, the default [`RetryPolicies`], circuit probes from 500 ms up to 30 s,
     /// unordered, a 10 s drain at shutdown.
     pub fn new() -> Self {
@@ -57,11 +63,24 @@ impl DispatcherConfig {
         self
     }
 
-    /// Wait between polls when the last batch was not full (default 500 ms).
-    /// [`WakeHandle::wake`](super::WakeHandle::wake) cuts the wait short.
+    /// The longest wait between polls when there is nothing to claim (default 500 ms).
+    /// Polling is adaptive: after a claim that found messages (but not a full batch) the
+    /// next poll comes after [`with_min_poll_interval`](Self::with_min_poll_interval),
+    /// and each poll that finds nothing doubles the wait up to this interval, so a busy
+    /// relay picks up new messages within milliseconds and an idle one polls at this
+    /// rate. [`WakeHandle::wake`](super::WakeHandle::wake) (for example from PostgreSQL's
+    /// push wake-up) cuts any wait short.
     #[must_use]
     pub fn with_poll_interval(mut self, d: Duration) -> Self {
         self.poll_interval = d;
+        self
+    }
+
+    /// The first wait after a claim that found messages (default 10 ms, never above
+    /// the poll interval); see [`with_poll_interval`](Self::with_poll_interval).
+    #[must_use]
+    pub fn with_min_poll_interval(mut self, d: Duration) -> Self {
+        self.min_poll_interval = d;
         self
     }
 
@@ -133,6 +152,17 @@ impl DispatcherConfig {
         self.ordering
     }
 
+    /// The wait before the next poll: after a claim that found `claimed` rows, given
+    /// the wait before it (`previous`): short again after activity, doubling while idle.
+    pub(super) fn next_poll_wait(&self, previous: Duration, claimed: usize) -> Duration {
+        let floor = self.min_poll_interval.min(self.poll_interval);
+        if claimed > 0 {
+            floor
+        } else {
+            previous.saturating_mul(2).clamp(floor, self.poll_interval)
+        }
+    }
+
     /// Messages per batch.
     pub fn batch_size(&self) -> usize {
         self.batch_size
@@ -169,6 +199,27 @@ impl DispatcherConfig {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn polling_is_short_after_activity_and_backs_off_when_idle() {
+        let config = DispatcherConfig::new();
+        let ms = |d: Duration| d.as_millis();
+        let mut wait = config.poll_interval;
+        assert_eq!(ms(config.next_poll_wait(wait, 3)), 10, "messages found");
+        wait = config.next_poll_wait(wait, 3);
+        let mut idle = Vec::new();
+        for _ in 0..8 {
+            wait = config.next_poll_wait(wait, 0);
+            idle.push(ms(wait));
+        }
+        assert_eq!(idle, [20, 40, 80, 160, 320, 500, 500, 500]);
+        let slow = DispatcherConfig::new().with_poll_interval(Duration::from_millis(5));
+        assert_eq!(
+            ms(slow.next_poll_wait(Duration::ZERO, 1)),
+            5,
+            "never above the interval"
+        );
+    }
 
     #[test]
     fn the_lease_must_cover_two_publishes() {

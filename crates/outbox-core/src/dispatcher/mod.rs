@@ -22,7 +22,7 @@ use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tracing::{Instrument as _, error, info, info_span, warn};
 
-pub use config::{DEFAULT_DRAIN_TIMEOUT, DispatcherConfig};
+pub use config::{DEFAULT_DRAIN_TIMEOUT, DEFAULT_MIN_POLL_INTERVAL, DispatcherConfig};
 pub use stats::{BatchReport, DispatcherStats};
 
 use crate::error::{ErrorKind, OutboxError, PublishError};
@@ -52,8 +52,9 @@ impl WakeHandle {
 /// `concurrency` publishers publish them (the publisher pipelines confirms), and a
 /// completer records every outcome, fenced by claim token, merging what is waiting into
 /// one statement. A full batch is followed at once by the next claim; otherwise the
-/// claimer waits `poll_interval` or a [`WakeHandle::wake`]. Several dispatchers, in one
-/// process or many, may share a database: claims never overlap.
+/// claimer waits (adaptively: 10 ms after a claim that found messages, doubling while
+/// claims find nothing, up to `poll_interval`) or until a [`WakeHandle::wake`]. Several
+/// dispatchers, in one process or many, may share a database: claims never overlap.
 ///
 /// What happens to a message, by what went wrong:
 /// - **poison row** (the store could not decode it, or its crash-loop guard caught it):
@@ -301,6 +302,7 @@ impl<S: OutboxStore, P: EventPublisher> Dispatcher<S, P> {
         stop: Stop,
     ) -> Result<(), OutboxError> {
         let mut store_backoff = Duration::ZERO;
+        let mut poll_wait = self.config.poll_interval;
         while !stop.is_stopping() {
             let step = if self.circuit.is_open() {
                 self.half_open(&done_tx, &stop).await
@@ -312,6 +314,7 @@ impl<S: OutboxStore, P: EventPublisher> Dispatcher<S, P> {
                 match self.claim(self.config.batch_size).await {
                     Ok(batch) => {
                         let full = batch.len() >= self.config.batch_size;
+                        poll_wait = self.config.next_poll_wait(poll_wait, batch.len());
                         if !batch.is_empty() {
                             self.count_claimed(&batch);
                             let claimed = Claimed {
@@ -325,8 +328,8 @@ impl<S: OutboxStore, P: EventPublisher> Dispatcher<S, P> {
                         if !full {
                             tokio::select! {
                                 () = stop.stopping() => {}
-                                () = &mut notified => {}
-                                () = tokio::time::sleep(self.config.poll_interval) => {}
+                                () = &mut notified => poll_wait = self.config.min_poll_interval,
+                                () = tokio::time::sleep(poll_wait) => {}
                             }
                         }
                         Ok(())

@@ -1,0 +1,191 @@
+//! Push wake-up on the real PostgreSQL and RabbitMQ: the notification trigger sends one
+//! `NOTIFY outbox` per transaction, a relay that polls only every minute publishes within
+//! moments of a commit, and keeps doing so after its listening connection is killed.
+
+mod common;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use common::rabbit::{eventually, fixture};
+use common::{database_url, enqueue_committed, fresh_outbox};
+use lapin::types::FieldTable;
+use outbox_core::{Dispatcher, DispatcherConfig, MessageStatus, NewMessage, OutboxStore};
+use outbox_postgres::{NOTIFY_CHANNEL, PgOutbox};
+use sqlx::postgres::{PgConnectOptions, PgListener, PgPoolOptions};
+use tokio_util::sync::CancellationToken;
+use transport_rabbit::{RabbitConfig, RabbitPublisher};
+
+fn orders(n: usize) -> Vec<NewMessage> {
+    (0..n)
+        .map(|i| {
+            NewMessage::builder("order", i.to_string(), "OrderPlaced")
+                .payload(&i)
+                .build()
+                .expect("valid")
+        })
+        .collect()
+}
+
+/// Notifications of `schema` on a listener, counted until two quiet seconds pass.
+async fn notifications_until_quiet(listener: &mut PgListener, schema: &str) -> usize {
+    let mut n = 0;
+    while let Ok(Ok(notification)) =
+        tokio::time::timeout(Duration::from_secs(2), listener.recv()).await
+    {
+        if notification.payload() == schema {
+            n += 1;
+        }
+    }
+    n
+}
+
+/// One notification per committed transaction that inserted rows, whatever the number
+/// of rows and statements; none for a statement that inserted nothing, or a rolled-back
+/// transaction.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_notification_per_transaction() {
+    let outbox = fresh_outbox().await;
+    let mut listener = PgListener::connect(&database_url())
+        .await
+        .expect("listener");
+    listener.listen(NOTIFY_CHANNEL).await.expect("LISTEN");
+
+    // 2,500 rows in three statements of one transaction.
+    enqueue_committed(&outbox, &orders(2_500)).await;
+    assert_eq!(
+        notifications_until_quiet(&mut listener, outbox.schema()).await,
+        1
+    );
+
+    let mut tx = outbox.pool().begin().await.expect("begin");
+    sqlx::query(sqlx::AssertSqlSafe(format!(
+        "INSERT INTO {}.outbox_messages (id, aggregate_type, aggregate_id, event_type, payload)
+         SELECT gen_random_uuid(), 'a', 'b', 'C', '{{}}' WHERE false",
+        outbox.schema()
+    )))
+    .execute(&mut *tx)
+    .await
+    .expect("insert nothing");
+    tx.commit().await.expect("commit");
+    let mut tx = outbox.pool().begin().await.expect("begin");
+    outbox
+        .enqueue_batch(&mut tx, &orders(3))
+        .await
+        .expect("enqueue");
+    tx.rollback().await.expect("rollback");
+    assert_eq!(
+        notifications_until_quiet(&mut listener, outbox.schema()).await,
+        0,
+        "no rows inserted, or nothing committed: no notification"
+    );
+}
+
+/// The backend of the connection listening for `application_name`, once it listens.
+async fn listening_backend(admin: &sqlx::PgPool, application_name: &str) -> Option<i32> {
+    sqlx::query_scalar(
+        "SELECT pid FROM pg_stat_activity WHERE application_name = $1 AND query LIKE 'LISTEN%'",
+    )
+    .bind(application_name)
+    .fetch_optional(admin)
+    .await
+    .expect("pg_stat_activity")
+}
+
+/// A relay polling only once a minute publishes a committed message within seconds:
+/// the notification wakes it. After its listening connection is terminated it
+/// reconnects by itself and the next message is just as fast.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_notification_wakes_a_slow_polling_relay_and_survives_a_lost_connection() {
+    let migrated = fresh_outbox().await;
+    let application_name = format!("wake-{}", uuid::Uuid::new_v4().simple());
+    let options: PgConnectOptions = database_url().parse().expect("database URL");
+    let pool = PgPoolOptions::new()
+        .max_connections(4)
+        .connect_with(options.application_name(&application_name))
+        .await
+        .expect("connect");
+    let outbox = Arc::new(PgOutbox::new(pool, migrated.schema()).expect("outbox"));
+    let fx = fixture(true, FieldTable::default()).await;
+    let publisher = RabbitPublisher::connect(
+        RabbitConfig::builder(common::rabbit::amqp_url())
+            .with_exchange(&fx.exchange)
+            .with_declare_exchange(false)
+            .build()
+            .expect("config"),
+    )
+    .await
+    .expect("publisher");
+    let dispatcher = Dispatcher::new(
+        Arc::clone(&outbox),
+        Arc::new(publisher),
+        DispatcherConfig::new().with_poll_interval(Duration::from_secs(60)),
+    );
+    let token = CancellationToken::new();
+    let listener = outbox.spawn_wake_listener(dispatcher.wake_handle(), token.clone());
+    let relay = {
+        let (d, t) = (dispatcher.clone(), token.clone());
+        tokio::spawn(async move { d.run(t).await })
+    };
+    let admin = migrated.pool();
+    assert!(
+        eventually(Duration::from_secs(10), || async {
+            listening_backend(admin, &application_name).await.is_some()
+        })
+        .await,
+        "the relay listens"
+    );
+    // The relay's first claims found nothing: it now waits up to a minute.
+    tokio::time::sleep(Duration::from_secs(2)).await;
+
+    let sent_within = async |ids: Vec<uuid::Uuid>| {
+        eventually(Duration::from_secs(10), || {
+            let ids = ids.clone();
+            let outbox = Arc::clone(&outbox);
+            async move {
+                for id in ids {
+                    let m = outbox.get(id).await.expect("get").expect("row");
+                    if m.status != MessageStatus::Sent {
+                        return false;
+                    }
+                }
+                true
+            }
+        })
+        .await
+    };
+    let first = orders(5);
+    enqueue_committed(&migrated, &first).await;
+    assert!(
+        sent_within(first.iter().map(|m| m.id).collect()).await,
+        "a notification woke the relay"
+    );
+
+    let pid = listening_backend(admin, &application_name)
+        .await
+        .expect("listening backend");
+    sqlx::query("SELECT pg_terminate_backend($1)")
+        .bind(pid)
+        .execute(admin)
+        .await
+        .expect("terminate the listener's connection");
+    assert!(
+        eventually(Duration::from_secs(30), || async {
+            listening_backend(admin, &application_name)
+                .await
+                .is_some_and(|new| new != pid)
+        })
+        .await,
+        "the listener reconnects by itself"
+    );
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let second = orders(5);
+    enqueue_committed(&migrated, &second).await;
+    assert!(
+        sent_within(second.iter().map(|m| m.id).collect()).await,
+        "the reconnected listener wakes the relay"
+    );
+    token.cancel();
+    relay.await.expect("join").expect("relay");
+    listener.await.expect("listener task");
+}
