@@ -421,7 +421,7 @@ mod tests {
         }
         assert!(q.inbox_claim.contains("INSERT INTO \"user\".inbox_records"));
         let iq = InboxQueries::new("select");
-        for text in [&iq.version_get, &iq.failure, &iq.claim, &iq.complete] {
+        for text in [&iq.version_lock, &iq.failure, &iq.claim, &iq.complete] {
             assert!(text.contains("\"select\"."), "{text}");
         }
         assert_eq!(like_escape(r"50%_a\b"), r"50\%\_a\\b");
