@@ -6,9 +6,12 @@
 //! * `cargo xtask itest [-- ARGS]` brings the services up, then runs every
 //!   test of the workspace (`cargo test --workspace --all-targets ARGS`), a
 //!   500-order demo run over RabbitMQ and one over NATS whose reconciliations must
-//!   be exact, then the doc tests.
+//!   be exact, the doc tests, and last a short chaos run over each broker.
 //! * `cargo xtask demo [-- ARGS]` runs the orders example against the services.
 //! * `cargo xtask bench [-- ARGS]` runs the orders benchmark.
+//! * `cargo xtask chaos [-- ARGS]` builds `outbox` and the chaos harness (release)
+//!   and runs it: relay and consumer processes killed, servers frozen and restarted,
+//!   and a verdict that counts every message.
 //! * `cargo xtask lint` checks formatting and runs clippy with warnings denied.
 //!
 //! Child processes get `DATABASE_URL`, `AMQP_URL` and `NATS_URL` pointing at
@@ -21,7 +24,7 @@ mod tidy;
 use std::ffi::OsString;
 use std::path::{Path, PathBuf};
 use std::process::{Command, ExitCode};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
 use clap::{Parser, Subcommand};
@@ -78,6 +81,17 @@ enum Cmd {
         #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
         args: Vec<OsString>,
     },
+    /// Ensure the services, build `outbox` and the chaos harness (release), then run
+    /// it: real relay and consumer processes killed, the broker and the database
+    /// frozen and restarted, and a verdict that counts every message.
+    ///
+    /// ARGS go to the harness, e.g. `cargo xtask chaos -- --transport nats
+    /// --duration 15m` (see `cargo xtask chaos -- --help`).
+    Chaos {
+        /// Extra arguments for the chaos harness.
+        #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
+        args: Vec<OsString>,
+    },
     /// Check formatting and run clippy with warnings denied.
     Lint,
 }
@@ -121,6 +135,31 @@ fn run(cli: Cli) -> Result<()> {
             doc.args(["test", "--workspace", "--doc"]);
             env_default(&mut doc, "RUST_BACKTRACE", "1");
             run_child(&mut doc)?;
+
+            // Last, so that no test touching the shared servers runs meanwhile: a short
+            // chaos run over each broker (every fault kind, at least 10 relay kills),
+            // whose verdict must pass.
+            let started = Instant::now();
+            build_chaos()?;
+            eprintln!(
+                "xtask: release build for the chaos runs took {:.0} s",
+                started.elapsed().as_secs_f64()
+            );
+            for (transport, duration) in CI_CHAOS_RUNS {
+                let started = Instant::now();
+                run_child(chaos_command().args([
+                    "--transport",
+                    transport,
+                    "--duration",
+                    duration,
+                    "--drain-timeout",
+                    "60s",
+                ]))?;
+                eprintln!(
+                    "xtask: chaos run over {transport} took {:.0} s",
+                    started.elapsed().as_secs_f64()
+                );
+            }
             // Repeated at the end, where a reader of the run looks.
             announce_sqlserver_skip();
             Ok(())
@@ -148,6 +187,13 @@ fn run(cli: Cli) -> Result<()> {
                 .args(&args);
             run_child(&mut bench)
         }
+        Cmd::Chaos { args } => {
+            services::ensure(timeout)?;
+            build_chaos()?;
+            let mut chaos = chaos_command();
+            chaos.args(&args);
+            exec_child(&mut chaos)
+        }
         Cmd::Lint => {
             // Run both so one invocation reports every problem.
             let fmt = run_child(cargo().args(["fmt", "--all", "--", "--check"]));
@@ -166,6 +212,56 @@ fn run(cli: Cli) -> Result<()> {
             }
         }
     }
+}
+
+/// The short chaos runs of `cargo xtask itest`: transport and fault phase (each run
+/// with its drain and verdict stays under 3 minutes).
+const CI_CHAOS_RUNS: [(&str, &str); 2] = [("rabbit", "100s"), ("nats", "90s")];
+
+/// Builds what a chaos run starts: the `outbox` relay and the harness with its
+/// consumer, in release mode.
+fn build_chaos() -> Result<()> {
+    run_child(cargo().args([
+        "build",
+        "--release",
+        "-p",
+        "outbox-cli",
+        "-p",
+        "orders-example",
+        "--bin",
+        "outbox",
+        "--bin",
+        "chaos",
+        "--bin",
+        "chaos-consumer",
+    ]))
+}
+
+/// The release build's chaos harness (it finds `outbox` and `chaos-consumer` next to
+/// itself), with the service URLs defaulted.
+fn chaos_command() -> Command {
+    let target = std::env::var_os("CARGO_TARGET_DIR")
+        .map_or_else(|| workspace_root().join("target"), PathBuf::from);
+    let mut cmd = Command::new(target.join("release").join("chaos"));
+    cmd.current_dir(workspace_root());
+    for (key, value) in ENV_DEFAULTS {
+        env_default(&mut cmd, key, value);
+    }
+    cmd
+}
+
+/// Replaces this process with `cmd` (Unix), so that a Ctrl-C reaches the harness alone
+/// and the shell waits until it has undone its faults; elsewhere runs it as a child.
+fn exec_child(cmd: &mut Command) -> Result<()> {
+    eprintln!("xtask: running `{}`", display(cmd));
+    #[cfg(unix)]
+    {
+        use std::os::unix::process::CommandExt as _;
+        let err = cmd.exec();
+        bail!("could not run `{}`: {err}", display(cmd));
+    }
+    #[cfg(not(unix))]
+    run_child(cmd)
 }
 
 /// SQL Server is opt-in (a large amd64-only image): without `MSSQL_URL` the
@@ -233,7 +329,10 @@ mod tests {
 
     fn args_of(argv: &[&str]) -> Vec<OsString> {
         match Cli::try_parse_from(argv).expect("parses").command {
-            Cmd::Itest { args } | Cmd::Demo { args } | Cmd::Bench { args } => args,
+            Cmd::Itest { args }
+            | Cmd::Demo { args }
+            | Cmd::Bench { args }
+            | Cmd::Chaos { args } => args,
             other => panic!("unexpected command {other:?}"),
         }
     }
@@ -253,6 +352,10 @@ mod tests {
             ["--orders", "10"]
         );
         assert_eq!(args_of(&["xtask", "bench"]), Vec::<OsString>::new());
+        assert_eq!(
+            args_of(&["xtask", "chaos", "--", "--transport", "nats"]),
+            ["--transport", "nats"]
+        );
     }
 
     #[test]

@@ -120,7 +120,7 @@ fn readme_documents_the_xtask_commands() {
     let Ok(readme) = fs::read_to_string(workspace_root().join("README.md")) else {
         return; // No README yet.
     };
-    for command in ["cargo xtask itest", "cargo xtask demo"] {
+    for command in ["cargo xtask itest", "cargo xtask demo", "cargo xtask chaos"] {
         assert!(
             readme.contains(command),
             "README.md must mention `{command}`"

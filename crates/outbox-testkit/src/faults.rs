@@ -1,11 +1,18 @@
-//! Faults injected into the shared servers, for the tests that need them: a RabbitMQ
-//! memory alarm, a RabbitMQ `max_message_size` lower than the publisher's, a RabbitMQ
-//! node stopped, and a NATS server frozen with `SIGSTOP`.
+//! Faults injected into the shared servers, for the tests and the chaos harness that
+//! need them: a RabbitMQ memory alarm, a RabbitMQ `max_message_size` lower than the
+//! publisher's, a RabbitMQ queue held at its maximum length with `reject-publish`, a
+//! RabbitMQ node stopped or frozen with `SIGSTOP`, a NATS server frozen or stopped, and
+//! PostgreSQL stopped.
 //!
 //! Every guard undoes its fault when dropped, also when the test panics. They must be
 //! taken under [`lock`]: one lock for the whole machine (an exclusive `flock` on a file
-//! in the temporary directory, which also excludes the other tests of this process), so
-//! two faults never overlap and a fault test never disturbs another one.
+//! in the temporary directory, which also excludes the other tests of this process and
+//! `cargo xtask chaos`), so two faults never overlap and a fault test never disturbs
+//! another one.
+//!
+//! Each guard has a `try_*` constructor that says why the fault cannot be injected on
+//! this machine ([`FaultUnavailable`]) instead of panicking, for callers that report
+//! such faults and go on (the chaos harness).
 //!
 //! Where the local servers are not installed but Docker Compose runs them (the
 //! project's `compose.yaml`), the same faults go through `docker compose`.
@@ -19,12 +26,17 @@ pub struct FaultLock {
     _file: std::fs::File,
 }
 
+/// The path of the machine-wide fault lock file.
+pub fn lock_path() -> std::path::PathBuf {
+    std::env::temp_dir().join("outbox-shared-server-faults.lock")
+}
+
 /// Takes the machine-wide fault lock, waiting for whoever holds it.
 ///
 /// # Panics
 /// When the lock file cannot be opened or locked.
 pub async fn lock() -> FaultLock {
-    let path = std::env::temp_dir().join("outbox-shared-server-faults.lock");
+    let path = lock_path();
     tokio::task::spawn_blocking(move || {
         let file = std::fs::OpenOptions::new()
             .create(true)
@@ -39,6 +51,33 @@ pub async fn lock() -> FaultLock {
     .await
     .expect("lock task")
 }
+
+/// A fault that cannot be injected on this machine, and why (a tool missing, no
+/// permission, a service not under this machine's control).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct FaultUnavailable {
+    /// The fault, e.g. `"RabbitMQ memory alarm"`.
+    pub fault: &'static str,
+    /// Why it cannot be injected.
+    pub reason: String,
+}
+
+impl FaultUnavailable {
+    fn new(fault: &'static str, reason: impl Into<String>) -> Self {
+        Self {
+            fault,
+            reason: reason.into(),
+        }
+    }
+}
+
+impl std::fmt::Display for FaultUnavailable {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}: {}", self.fault, self.reason)
+    }
+}
+
+impl std::error::Error for FaultUnavailable {}
 
 fn succeeds(cmd: &str, args: &[&str]) -> bool {
     Command::new(cmd)
@@ -55,18 +94,46 @@ fn output(cmd: &str, args: &[&str]) -> Option<String> {
         .then(|| String::from_utf8_lossy(&o.stdout).trim().to_owned())
 }
 
+/// Runs `cmd ARGS`; on failure says why (not found, or the exit status and stderr).
+fn run(cmd: &str, args: &[&str]) -> Result<String, String> {
+    match Command::new(cmd).args(args).output() {
+        Ok(o) if o.status.success() => Ok(String::from_utf8_lossy(&o.stdout).trim().to_owned()),
+        Ok(o) => {
+            let err = String::from_utf8_lossy(&o.stderr);
+            let err = err.trim();
+            let err = err.lines().last().unwrap_or_default();
+            Err(format!(
+                "`{cmd} {}` failed ({}): {err}",
+                args.join(" "),
+                o.status
+            ))
+        }
+        Err(e) => Err(format!("cannot run `{cmd}`: {e}")),
+    }
+}
+
+fn docker_engine() -> bool {
+    succeeds("docker", &["info"])
+}
+
 fn local_rabbitmqctl() -> bool {
     succeeds("rabbitmqctl", &["-q", "status"])
 }
 
 /// Runs `rabbitmqctl ARGS` on the local node, or in the compose service.
 fn rabbitmqctl(args: &[&str]) -> Option<String> {
+    rabbitmqctl_result(args).ok()
+}
+
+fn rabbitmqctl_result(args: &[&str]) -> Result<String, String> {
     if local_rabbitmqctl() {
-        output("rabbitmqctl", args)
-    } else {
+        run("rabbitmqctl", args)
+    } else if docker_engine() {
         let mut all = vec!["compose", "exec", "-T", "rabbitmq", "rabbitmqctl"];
         all.extend_from_slice(args);
-        output("docker", &all)
+        run("docker", &all)
+    } else {
+        Err("no local `rabbitmqctl` reaches the node and no Docker engine runs".to_owned())
     }
 }
 
@@ -78,9 +145,43 @@ fn wait_for(what: &str, limit: Duration, mut done: impl FnMut() -> bool) {
     }
 }
 
-fn memory_alarm_active() -> bool {
+fn port_answers(port: u16) -> bool {
+    std::net::TcpStream::connect_timeout(
+        &std::net::SocketAddr::from(([127, 0, 0, 1], port)),
+        Duration::from_secs(1),
+    )
+    .is_ok()
+}
+
+/// Whether RabbitMQ reports a memory alarm (`None` when `rabbitmqctl` cannot tell).
+pub fn rabbit_memory_alarm_active() -> Option<bool> {
     rabbitmqctl(&["-q", "eval", "rabbit_alarm:get_alarms()."])
-        .is_some_and(|alarms| alarms.contains("memory"))
+        .map(|alarms| alarms.contains("memory"))
+}
+
+fn memory_alarm_active() -> bool {
+    rabbit_memory_alarm_active().unwrap_or(false)
+}
+
+/// RabbitMQ's memory high watermark as the node reports it (e.g. `0.4`), or `None`
+/// when `rabbitmqctl` cannot tell.
+pub fn rabbit_memory_watermark() -> Option<String> {
+    rabbitmqctl(&[
+        "-q",
+        "eval",
+        "vm_memory_monitor:get_vm_memory_high_watermark().",
+    ])
+    .filter(|v| v.parse::<f64>().is_ok())
+}
+
+/// RabbitMQ's `max_message_size` in bytes, or `None` when `rabbitmqctl` cannot tell.
+pub fn rabbit_max_message_size() -> Option<u64> {
+    rabbitmqctl(&[
+        "-q",
+        "eval",
+        "{ok, N} = application:get_env(rabbit, max_message_size), N.",
+    ])
+    .and_then(|v| v.parse().ok())
 }
 
 /// A RabbitMQ memory alarm: the high watermark set to 0.0001 of the machine's memory,
@@ -97,24 +198,36 @@ impl RabbitMemoryAlarm {
     /// # Panics
     /// When `rabbitmqctl` does not work or the alarm does not come.
     pub fn raise() -> Self {
-        let previous = rabbitmqctl(&[
-            "-q",
-            "eval",
-            "vm_memory_monitor:get_vm_memory_high_watermark().",
-        ])
-        .filter(|v| v.parse::<f64>().is_ok())
-        .unwrap_or_else(|| "0.4".to_owned());
+        Self::try_raise().unwrap_or_else(|e| panic!("{e}"))
+    }
+
+    /// Raises the alarm and waits (up to 30 s) until the broker reports it.
+    ///
+    /// # Errors
+    /// [`FaultUnavailable`] when `rabbitmqctl` cannot reach the node or the alarm does
+    /// not come (the watermark is restored first).
+    pub fn try_raise() -> Result<Self, FaultUnavailable> {
+        const FAULT: &str = "RabbitMQ memory alarm";
+        let previous = rabbit_memory_watermark().unwrap_or_else(|| "0.4".to_owned());
+        rabbitmqctl_result(&["-q", "set_vm_memory_high_watermark", "0.0001"])
+            .map_err(|e| FaultUnavailable::new(FAULT, e))?;
         let alarm = Self { previous };
-        assert!(
-            rabbitmqctl(&["-q", "set_vm_memory_high_watermark", "0.0001"]).is_some(),
-            "rabbitmqctl set_vm_memory_high_watermark failed"
-        );
-        wait_for(
-            "the memory alarm is raised",
-            Duration::from_secs(30),
-            memory_alarm_active,
-        );
-        alarm
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while !memory_alarm_active() {
+            if Instant::now() > deadline {
+                return Err(FaultUnavailable::new(
+                    FAULT,
+                    "the watermark was lowered but no alarm came within 30 s",
+                ));
+            }
+            std::thread::sleep(Duration::from_millis(200));
+        }
+        Ok(alarm)
+    }
+
+    /// The watermark restored on drop.
+    pub fn previous_watermark(&self) -> &str {
+        &self.previous
     }
 
     fn clear(&self) {
@@ -135,7 +248,8 @@ impl Drop for RabbitMemoryAlarm {
 
 /// RabbitMQ's `max_message_size` set to `bytes` on the running node (channels opened
 /// afterwards enforce it: a larger publish closes its channel with `406
-/// PRECONDITION_FAILED`). Dropping it restores the previous value.
+/// PRECONDITION_FAILED`). It survives `stop_app`/`start_app`. Dropping it restores the
+/// previous value.
 #[derive(Debug)]
 pub struct RabbitMaxMessageSize {
     previous: String,
@@ -147,19 +261,20 @@ impl RabbitMaxMessageSize {
     /// # Panics
     /// When `rabbitmqctl` does not work.
     pub fn set(bytes: usize) -> Self {
-        let previous = rabbitmqctl(&[
-            "-q",
-            "eval",
-            "{ok, N} = application:get_env(rabbit, max_message_size), N.",
-        ])
-        .filter(|v| v.parse::<u64>().is_ok())
-        .unwrap_or_else(|| "134217728".to_owned());
+        Self::try_set(bytes).unwrap_or_else(|e| panic!("{e}"))
+    }
+
+    /// Sets the limit.
+    ///
+    /// # Errors
+    /// [`FaultUnavailable`] when `rabbitmqctl` cannot reach the node.
+    pub fn try_set(bytes: usize) -> Result<Self, FaultUnavailable> {
+        let previous =
+            rabbit_max_message_size().map_or_else(|| "134217728".to_owned(), |n| n.to_string());
         let set = format!("application:set_env(rabbit, max_message_size, {bytes}).");
-        assert!(
-            rabbitmqctl(&["-q", "eval", &set]).is_some(),
-            "rabbitmqctl eval application:set_env failed"
-        );
-        Self { previous }
+        rabbitmqctl_result(&["-q", "eval", &set])
+            .map_err(|e| FaultUnavailable::new("RabbitMQ max_message_size", e))?;
+        Ok(Self { previous })
     }
 }
 
@@ -171,6 +286,66 @@ impl Drop for RabbitMaxMessageSize {
         );
         let _ = rabbitmqctl(&["-q", "eval", &restore]);
     }
+}
+
+/// The policy name [`RabbitQueueFull`] sets (and clears).
+pub const QUEUE_FULL_POLICY: &str = "outbox-fault-queue-full";
+
+/// One RabbitMQ queue held at its maximum length: a policy
+/// ([`QUEUE_FULL_POLICY`]) with `max-length` 0 and `overflow` `reject-publish`. A
+/// classic queue then drops what it holds and refuses (`basic.nack`) every publish
+/// routed to it; a quorum queue keeps what it holds and refuses publishes only while
+/// it holds a message beyond the limit, so a quorum queue whose consumers keep it empty
+/// refuses almost nothing (on RabbitMQ 3.10: the first publish to an empty queue is
+/// accepted, the next ones refused). Dropping it clears the policy.
+#[derive(Debug)]
+pub struct RabbitQueueFull {
+    _private: (),
+}
+
+impl RabbitQueueFull {
+    /// Applies the policy to the queue named `queue` (exactly) in the default vhost.
+    ///
+    /// # Errors
+    /// [`FaultUnavailable`] when `rabbitmqctl` cannot reach the node.
+    pub fn try_set(queue: &str) -> Result<Self, FaultUnavailable> {
+        let pattern = format!("^{}$", regex_escape(queue));
+        rabbitmqctl_result(&[
+            "-q",
+            "set_policy",
+            "--apply-to",
+            "queues",
+            "--priority",
+            "100",
+            QUEUE_FULL_POLICY,
+            &pattern,
+            r#"{"max-length":0,"overflow":"reject-publish"}"#,
+        ])
+        .map_err(|e| FaultUnavailable::new("RabbitMQ queue full", e))?;
+        Ok(Self { _private: () })
+    }
+
+    /// Clears the policy left by an interrupted run, if any.
+    pub fn clear_leftover() {
+        let _ = rabbitmqctl(&["-q", "clear_policy", QUEUE_FULL_POLICY]);
+    }
+}
+
+impl Drop for RabbitQueueFull {
+    fn drop(&mut self) {
+        let _ = rabbitmqctl(&["-q", "clear_policy", QUEUE_FULL_POLICY]);
+    }
+}
+
+fn regex_escape(text: &str) -> String {
+    let mut out = String::with_capacity(text.len());
+    for c in text.chars() {
+        if "\\.+*?()|[]{}^$".contains(c) {
+            out.push('\\');
+        }
+        out.push(c);
+    }
+    out
 }
 
 /// The RabbitMQ node's application stopped (`rabbitmqctl stop_app`, or the compose
@@ -187,15 +362,29 @@ impl RabbitStopped {
     /// # Panics
     /// When neither `rabbitmqctl stop_app` nor `docker compose stop rabbitmq` works.
     pub fn stop() -> Self {
-        if succeeds("rabbitmqctl", &["-q", "stop_app"]) {
-            return Self { docker: false };
+        Self::try_stop().unwrap_or_else(|e| panic!("{e}"))
+    }
+
+    /// Stops the broker.
+    ///
+    /// # Errors
+    /// [`FaultUnavailable`] when neither `rabbitmqctl stop_app` nor `docker compose
+    /// stop rabbitmq` works.
+    pub fn try_stop() -> Result<Self, FaultUnavailable> {
+        let local = run("rabbitmqctl", &["-q", "stop_app"]);
+        if local.is_ok() {
+            return Ok(Self { docker: false });
         }
-        if succeeds("docker", &["info"]) && succeeds("docker", &["compose", "stop", "rabbitmq"]) {
-            return Self { docker: true };
+        if docker_engine() && succeeds("docker", &["compose", "stop", "rabbitmq"]) {
+            return Ok(Self { docker: true });
         }
-        panic!(
-            "cannot stop RabbitMQ: neither `rabbitmqctl stop_app` nor `docker compose stop rabbitmq` worked"
-        );
+        Err(FaultUnavailable::new(
+            "RabbitMQ restart",
+            format!(
+                "{}; and no Docker engine runs the compose service",
+                local.err().unwrap_or_default()
+            ),
+        ))
     }
 
     /// Starts the broker again now (dropping the guard does it too).
@@ -214,7 +403,7 @@ impl RabbitStopped {
         };
         assert!(ok, "failed to restart RabbitMQ");
         wait_for("RabbitMQ answers", Duration::from_secs(60), || {
-            std::net::TcpStream::connect("127.0.0.1:5672").is_ok()
+            port_answers(5672)
         });
     }
 }
@@ -225,18 +414,80 @@ impl Drop for RabbitStopped {
     }
 }
 
-/// The NATS server frozen with `SIGSTOP` (or `docker compose pause nats`): it keeps
-/// its connections open but answers nothing, as a server stalled by a long GC pause,
-/// a full disk or an overloaded host does. Dropping it sends `SIGCONT`.
+/// A server process frozen with `SIGSTOP` (or its compose service paused): it keeps
+/// its connections open but answers nothing, as a server stalled by a long GC pause, a
+/// full disk or an overloaded host does. Dropping it sends `SIGCONT` (or unpauses).
 #[derive(Debug)]
-pub struct NatsFrozen {
+struct Frozen {
     how: Freeze,
 }
 
 #[derive(Debug)]
 enum Freeze {
     Pid(String),
-    Docker,
+    Docker(&'static str),
+}
+
+impl Frozen {
+    fn try_freeze(
+        fault: &'static str,
+        process: &str,
+        service: &'static str,
+    ) -> Result<Self, FaultUnavailable> {
+        if let Some(pid) = output("pgrep", &["-x", process])
+            .and_then(|pids| pids.lines().next().map(str::to_owned))
+        {
+            run("kill", &["-STOP", &pid]).map_err(|e| FaultUnavailable::new(fault, e))?;
+            return Ok(Self {
+                how: Freeze::Pid(pid),
+            });
+        }
+        if docker_engine() && succeeds("docker", &["compose", "pause", service]) {
+            return Ok(Self {
+                how: Freeze::Docker(service),
+            });
+        }
+        Err(FaultUnavailable::new(
+            fault,
+            format!("no local `{process}` process, and `docker compose pause {service}` failed"),
+        ))
+    }
+
+    fn thaw(&self) -> bool {
+        match &self.how {
+            Freeze::Pid(pid) => succeeds("kill", &["-CONT", pid]),
+            Freeze::Docker(service) => succeeds("docker", &["compose", "unpause", service]),
+        }
+    }
+}
+
+/// Sends `SIGCONT` to every local process named `process` that is stopped (state `T`):
+/// undoes a freeze left by a run that was killed with `SIGKILL` before its guards ran.
+/// Returns how many it continued.
+pub fn continue_stopped(process: &str) -> usize {
+    let Some(pids) = output("pgrep", &["-x", process]) else {
+        return 0;
+    };
+    pids.lines()
+        .filter(|pid| {
+            std::fs::read_to_string(format!("/proc/{pid}/stat"))
+                .ok()
+                .and_then(|stat| {
+                    let close = stat.rfind(')')?;
+                    stat.get(close + 2..close + 3).map(|s| s == "T")
+                })
+                .unwrap_or(false)
+        })
+        .filter(|pid| succeeds("kill", &["-CONT", pid]))
+        .count()
+}
+
+/// The NATS server frozen with `SIGSTOP` (or `docker compose pause nats`): it keeps
+/// its connections open but answers nothing, as a server stalled by a long GC pause,
+/// a full disk or an overloaded host does. Dropping it sends `SIGCONT`.
+#[derive(Debug)]
+pub struct NatsFrozen {
+    frozen: Frozen,
 }
 
 impl NatsFrozen {
@@ -246,24 +497,16 @@ impl NatsFrozen {
     /// When no local `nats-server` process is found and `docker compose pause nats`
     /// fails.
     pub fn freeze() -> Self {
-        if let Some(pid) = output("pgrep", &["-x", "nats-server"])
-            .and_then(|pids| pids.lines().next().map(str::to_owned))
-        {
-            assert!(
-                succeeds("kill", &["-STOP", &pid]),
-                "kill -STOP {pid} failed"
-            );
-            return Self {
-                how: Freeze::Pid(pid),
-            };
-        }
-        assert!(
-            succeeds("docker", &["compose", "pause", "nats"]),
-            "no local nats-server process, and `docker compose pause nats` failed"
-        );
-        Self {
-            how: Freeze::Docker,
-        }
+        Self::try_freeze().unwrap_or_else(|e| panic!("{e}"))
+    }
+
+    /// Freezes the server.
+    ///
+    /// # Errors
+    /// [`FaultUnavailable`] when no local `nats-server` process can be stopped and
+    /// `docker compose pause nats` fails.
+    pub fn try_freeze() -> Result<Self, FaultUnavailable> {
+        Frozen::try_freeze("NATS freeze", "nats-server", "nats").map(|frozen| Self { frozen })
     }
 
     /// Continues the server now (dropping the guard does it too).
@@ -272,13 +515,238 @@ impl NatsFrozen {
 
 impl Drop for NatsFrozen {
     fn drop(&mut self) {
-        let ok = match &self.how {
-            Freeze::Pid(pid) => succeeds("kill", &["-CONT", pid]),
-            Freeze::Docker => succeeds("docker", &["compose", "unpause", "nats"]),
-        };
+        let ok = self.frozen.thaw();
         assert!(
             ok || std::thread::panicking(),
             "failed to continue the NATS server"
         );
+    }
+}
+
+/// The RabbitMQ node frozen with `SIGSTOP` on its Erlang VM (`beam.smp`), or `docker
+/// compose pause rabbitmq`: connections stay open, nothing is answered (no confirms, no
+/// deliveries, no heartbeats). Dropping it sends `SIGCONT`. `rabbitmqctl` hangs while
+/// the node is frozen: take no other RabbitMQ fault meanwhile.
+#[derive(Debug)]
+pub struct RabbitFrozen {
+    frozen: Frozen,
+}
+
+impl RabbitFrozen {
+    /// Freezes the node.
+    ///
+    /// # Errors
+    /// [`FaultUnavailable`] when no local `beam.smp` process can be stopped and `docker
+    /// compose pause rabbitmq` fails.
+    pub fn try_freeze() -> Result<Self, FaultUnavailable> {
+        Frozen::try_freeze("RabbitMQ freeze", "beam.smp", "rabbitmq").map(|frozen| Self { frozen })
+    }
+}
+
+impl Drop for RabbitFrozen {
+    fn drop(&mut self) {
+        let ok = self.frozen.thaw();
+        assert!(
+            ok || std::thread::panicking(),
+            "failed to continue the RabbitMQ node"
+        );
+    }
+}
+
+/// The NATS server stopped (`start-stop-daemon --stop`, or `docker compose stop nats`):
+/// every connection is closed and refused. Dropping it starts the server again with
+/// the command line it had (so its JetStream store directory and flags are the same)
+/// and waits until it answers. A file-storage stream survives; a memory one does not.
+#[derive(Debug)]
+pub struct NatsStopped {
+    how: NatsStart,
+}
+
+#[derive(Debug)]
+enum NatsStart {
+    /// The executable and its arguments, read from `/proc/PID/cmdline` before stopping.
+    Local(Vec<String>),
+    Docker,
+}
+
+impl NatsStopped {
+    /// Stops the server.
+    ///
+    /// # Errors
+    /// [`FaultUnavailable`] when no local `nats-server` runs (or its command line cannot
+    /// be read, or `start-stop-daemon` is missing) and `docker compose stop nats` fails.
+    pub fn try_stop() -> Result<Self, FaultUnavailable> {
+        const FAULT: &str = "NATS restart";
+        let local = output("pgrep", &["-x", "nats-server"])
+            .and_then(|pids| pids.lines().next().map(str::to_owned))
+            .and_then(|pid| std::fs::read(format!("/proc/{pid}/cmdline")).ok())
+            .map(|raw| {
+                raw.split(|b| *b == 0)
+                    .filter(|part| !part.is_empty())
+                    .map(|part| String::from_utf8_lossy(part).into_owned())
+                    .collect::<Vec<_>>()
+            })
+            .filter(|cmd| !cmd.is_empty());
+        if let Some(cmdline) = local {
+            let exe = cmdline[0].clone();
+            run(
+                "start-stop-daemon",
+                &[
+                    "--stop",
+                    "--oknodo",
+                    "--retry",
+                    "TERM/10/KILL/5",
+                    "--exec",
+                    &exe,
+                ],
+            )
+            .map_err(|e| FaultUnavailable::new(FAULT, e))?;
+            return Ok(Self {
+                how: NatsStart::Local(cmdline),
+            });
+        }
+        if docker_engine() && succeeds("docker", &["compose", "stop", "nats"]) {
+            return Ok(Self {
+                how: NatsStart::Docker,
+            });
+        }
+        Err(FaultUnavailable::new(
+            FAULT,
+            "no local nats-server process, and `docker compose stop nats` failed",
+        ))
+    }
+}
+
+impl Drop for NatsStopped {
+    fn drop(&mut self) {
+        let ok = match &self.how {
+            NatsStart::Docker => succeeds("docker", &["compose", "start", "nats"]),
+            NatsStart::Local(cmdline) => {
+                let mut args: Vec<&str> =
+                    vec!["--start", "--oknodo", "--background", "--exec", &cmdline[0]];
+                if cmdline.len() > 1 {
+                    args.push("--");
+                    args.extend(cmdline[1..].iter().map(String::as_str));
+                }
+                succeeds("start-stop-daemon", &args)
+            }
+        };
+        assert!(ok || std::thread::panicking(), "failed to start NATS again");
+        wait_for("NATS answers", Duration::from_secs(60), || {
+            port_answers(4222)
+        });
+    }
+}
+
+/// PostgreSQL stopped (`pg_ctlcluster --skip-systemctl-redirect VERSION main stop -m
+/// fast`, or `docker compose stop postgres`): every session is terminated and new ones
+/// are refused. Dropping it starts the server again and waits until it accepts
+/// connections. Stop, wait, drop: a restart with a downtime of the caller's choosing.
+#[derive(Debug)]
+pub struct PgStopped {
+    how: PgStart,
+}
+
+#[derive(Debug)]
+enum PgStart {
+    Local(String),
+    Docker,
+}
+
+impl PgStopped {
+    /// Stops the server (fast shutdown: sessions are terminated, transactions rolled
+    /// back).
+    ///
+    /// # Errors
+    /// [`FaultUnavailable`] when no local cluster can be stopped (`pg_ctlcluster`
+    /// missing, no cluster in `/etc/postgresql`, no permission) and `docker compose stop
+    /// postgres` fails.
+    pub fn try_stop() -> Result<Self, FaultUnavailable> {
+        const FAULT: &str = "PostgreSQL restart";
+        let local = postgres_version().and_then(|version| {
+            run(
+                "pg_ctlcluster",
+                &[
+                    "--skip-systemctl-redirect",
+                    &version,
+                    "main",
+                    "stop",
+                    "-m",
+                    "fast",
+                ],
+            )
+            .map(|_| version)
+        });
+        match local {
+            Ok(version) => Ok(Self {
+                how: PgStart::Local(version),
+            }),
+            Err(why) => {
+                if docker_engine() && succeeds("docker", &["compose", "stop", "postgres"]) {
+                    Ok(Self {
+                        how: PgStart::Docker,
+                    })
+                } else {
+                    Err(FaultUnavailable::new(
+                        FAULT,
+                        format!("{why}; and no Docker engine runs the compose service"),
+                    ))
+                }
+            }
+        }
+    }
+}
+
+/// The highest-numbered PostgreSQL cluster version configured in `/etc/postgresql`.
+fn postgres_version() -> Result<String, String> {
+    let dir = "/etc/postgresql";
+    let mut versions: Vec<String> = std::fs::read_dir(dir)
+        .map_err(|e| format!("cannot list {dir}: {e}"))?
+        .flatten()
+        .filter(|e| e.path().join("main").is_dir())
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .collect();
+    versions.sort_by_key(|v| {
+        v.split('.')
+            .map(|part| part.parse::<u32>().unwrap_or(0))
+            .collect::<Vec<_>>()
+    });
+    versions
+        .pop()
+        .ok_or_else(|| format!("no PostgreSQL cluster `main` configured in {dir}"))
+}
+
+impl Drop for PgStopped {
+    fn drop(&mut self) {
+        let ok = match &self.how {
+            PgStart::Local(version) => succeeds(
+                "pg_ctlcluster",
+                &["--skip-systemctl-redirect", version, "main", "start"],
+            ),
+            PgStart::Docker => succeeds("docker", &["compose", "start", "postgres"]),
+        };
+        assert!(
+            ok || std::thread::panicking(),
+            "failed to start PostgreSQL again"
+        );
+        wait_for("PostgreSQL answers", Duration::from_secs(60), || {
+            port_answers(5432)
+                && Command::new("pg_isready")
+                    .args(["-q", "-h", "127.0.0.1", "-p", "5432", "-t", "2"])
+                    .status()
+                    .map(|s| s.success())
+                    .unwrap_or(true)
+        });
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::regex_escape;
+
+    #[test]
+    fn queue_names_are_escaped_for_the_policy_pattern() {
+        assert_eq!(regex_escape("chaos.projection"), r"chaos\.projection");
+        assert_eq!(regex_escape("a_b-c"), "a_b-c");
     }
 }

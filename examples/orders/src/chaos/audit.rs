@@ -1,0 +1,119 @@
+//! The broker's side of the verdict, read without the outbox tables: how many times
+//! each message id reached the broker. RabbitMQ: the audit queue bound to the run's
+//! exchange with `#` (every routed publish lands there too), drained at the end.
+//! NATS: the stream itself, read from the first message to the last.
+
+use std::collections::HashMap;
+use std::time::Duration;
+
+use anyhow::Context as _;
+use futures::StreamExt as _;
+use lapin::options::{BasicConsumeOptions, QueueDeclareOptions};
+use lapin::types::FieldTable;
+use lapin::{Connection, ConnectionProperties};
+use transport_nats::async_nats;
+use transport_nats::async_nats::jetstream;
+use uuid::Uuid;
+
+use super::topology::{Names, Transport};
+use crate::common;
+
+/// Copies of each message id the broker holds.
+pub(crate) type Copies = HashMap<Uuid, u32>;
+
+/// What the broker holds, by message id, and how many copies had no usable id.
+pub(crate) async fn broker_copies(
+    transport: Transport,
+    names: &Names,
+) -> anyhow::Result<(Copies, u64)> {
+    match transport {
+        Transport::Rabbit => rabbit(names).await,
+        Transport::Nats => nats(names).await,
+    }
+}
+
+async fn rabbit(names: &Names) -> anyhow::Result<(Copies, u64)> {
+    let conn = Connection::connect(&common::amqp_url(), ConnectionProperties::default())
+        .await
+        .context("connect to RabbitMQ for the audit")?;
+    let ch = conn.create_channel().await?;
+    let queue = ch
+        .queue_declare(
+            names.audit_queue.as_str().into(),
+            QueueDeclareOptions {
+                passive: true,
+                ..QueueDeclareOptions::default()
+            },
+            FieldTable::default(),
+        )
+        .await
+        .context("the audit queue")?;
+    let total = u64::from(queue.message_count());
+    let mut consumer = ch
+        .basic_consume(
+            names.audit_queue.as_str().into(),
+            "chaos-audit".into(),
+            BasicConsumeOptions {
+                no_ack: true,
+                ..BasicConsumeOptions::default()
+            },
+            FieldTable::default(),
+        )
+        .await?;
+    let mut copies = Copies::new();
+    let mut without_id = 0;
+    let mut read = 0_u64;
+    while read < total {
+        let delivery = tokio::time::timeout(Duration::from_secs(30), consumer.next())
+            .await
+            .with_context(|| format!("the audit queue stopped after {read} of {total} messages"))?
+            .context("the audit consumer ended")??;
+        read += 1;
+        match delivery
+            .properties
+            .message_id()
+            .as_ref()
+            .and_then(|id| id.as_str().parse::<Uuid>().ok())
+        {
+            Some(id) => *copies.entry(id).or_default() += 1,
+            None => without_id += 1,
+        }
+    }
+    let _ = conn.close(200, "audited".into()).await;
+    Ok((copies, without_id))
+}
+
+async fn nats(names: &Names) -> anyhow::Result<(Copies, u64)> {
+    let client = async_nats::connect(common::nats_url())
+        .await
+        .context("connect to NATS for the audit")?;
+    let js = jetstream::new(client);
+    let mut stream = js.get_stream(&names.stream).await.context("the stream")?;
+    let total = stream.info().await?.state.messages;
+    let consumer = stream
+        .create_consumer(jetstream::consumer::pull::Config {
+            ack_policy: jetstream::consumer::AckPolicy::None,
+            ..Default::default()
+        })
+        .await?;
+    let mut messages = consumer.messages().await?;
+    let mut copies = Copies::new();
+    let mut without_id = 0;
+    for read in 0..total {
+        let message = tokio::time::timeout(Duration::from_secs(30), messages.next())
+            .await
+            .with_context(|| format!("the stream stopped after {read} of {total} messages"))?
+            .context("the stream reader ended")?
+            .map_err(|e| anyhow::anyhow!("reading the stream: {e}"))?;
+        match message
+            .headers
+            .as_ref()
+            .and_then(|h| h.get("Nats-Msg-Id"))
+            .and_then(|v| v.as_str().parse::<Uuid>().ok())
+        {
+            Some(id) => *copies.entry(id).or_default() += 1,
+            None => without_id += 1,
+        }
+    }
+    Ok((copies, without_id))
+}

@@ -1,0 +1,521 @@
+//! `cargo xtask chaos`: the whole pipeline under faults, with a verdict that counts
+//! every message.
+//!
+//! 1. **Set up** a fresh schema (outbox and inbox tables, `orders`, `effects`,
+//!    `deliveries`) and the broker side (RabbitMQ: exchange, the consumers' quorum
+//!    queue, an audit queue bound to `#`; NATS: a file-storage stream and a durable
+//!    consumer), under the machine-wide fault lock of `outbox_testkit::faults`.
+//! 2. **Run** `--relays` `outbox relay` processes (the release build's binary),
+//!    `--consumers` `chaos-consumer` processes, and `--producers` tasks writing orders
+//!    and their events at `--rate`, for `--duration`, while the [schedule] drawn from
+//!    `--seed` kills processes and injects server faults ([injector]) and poison rows
+//!    ([producers]).
+//! 3. **Drain**: producers stop, every fault is undone, killed processes are back;
+//!    wait (up to `--drain-timeout`) until the outbox has nothing pending, every order
+//!    has an effect and the broker holds nothing unacknowledged.
+//! 4. **Judge** ([verdict]): the orders against the effects, the dead letters against
+//!    the poison rows, and the broker's own copies ([audit]) against both; then remove
+//!    what the run created (kept on failure) and check the servers are as found
+//!    ([servers]).
+
+pub(crate) mod args;
+mod audit;
+mod injector;
+mod producers;
+mod schedule;
+pub(crate) mod servers;
+mod setup;
+mod supervisor;
+mod timeline;
+mod topology;
+mod verdict;
+
+use std::path::PathBuf;
+use std::process::Command;
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::time::{Duration, Instant};
+
+use anyhow::Context as _;
+use chrono::Utc;
+use lapin::options::QueueDeclareOptions;
+use lapin::types::FieldTable;
+use outbox_postgres::{PgConfig, PgOutbox};
+use outbox_testkit::faults::RabbitMaxMessageSize;
+use sqlx::postgres::PgPoolOptions;
+use sqlx::{AssertSqlSafe, PgPool};
+use tokio_util::sync::CancellationToken;
+use transport_nats::async_nats;
+
+use crate::common;
+use args::Args;
+use schedule::{FaultKind, Schedule, Settings};
+use supervisor::{Role, Supervisor};
+use timeline::Timeline;
+use topology::{ConsumerMode, HARNESS_APP, Names, RELAY_APP, Transport, database_url_as};
+
+/// The binaries the harness starts.
+struct Binaries {
+    outbox: PathBuf,
+    consumer: PathBuf,
+}
+
+impl Binaries {
+    /// `--outbox-bin` and `--consumer-bin`, or `outbox` and `chaos-consumer` next to
+    /// this executable (the release build's `target/release`).
+    fn find(args: &Args) -> anyhow::Result<Self> {
+        let dir = std::env::current_exe()
+            .context("where is this executable?")?
+            .parent()
+            .map(PathBuf::from)
+            .unwrap_or_default();
+        let pick = |given: &Option<PathBuf>, name: &str| -> anyhow::Result<PathBuf> {
+            let path = given.clone().unwrap_or_else(|| dir.join(name));
+            anyhow::ensure!(
+                path.is_file(),
+                "{} not found: build it with `cargo build --release -p outbox-cli -p orders-example` \
+                 (or run `cargo xtask chaos`, which does), or pass its path",
+                path.display()
+            );
+            Ok(path)
+        };
+        Ok(Self {
+            outbox: pick(&args.outbox_bin, "outbox")?,
+            consumer: pick(&args.consumer_bin, "chaos-consumer")?,
+        })
+    }
+}
+
+fn duration_arg(d: Duration) -> String {
+    humantime::format_duration(d).to_string()
+}
+
+fn relay_command(bins: &Binaries, args: &Args, names: &Names, crash_loop_limit: usize) -> Command {
+    let mut c = Command::new(&bins.outbox);
+    c.env_remove("OUTBOX_CONFIG")
+        .env("RUST_LOG", "warn,outbox_cli=info")
+        .args(["--database-url", &database_url_as(RELAY_APP)])
+        .args(["--schema", &names.schema, "relay"])
+        .args(["--listen", "127.0.0.1:0", "--poll-interval", "100ms"])
+        .args(["--batch-size", "100", "--drain-timeout", "2s"])
+        .args(["--lease", &duration_arg(args.lease)])
+        .args(["--confirm-timeout", &duration_arg(args.confirm_timeout)])
+        .args(["--crash-loop-limit", &crash_loop_limit.to_string()]);
+    match args.transport {
+        Transport::Rabbit => c
+            .args(["--transport", "rabbit", "--broker-url", &common::amqp_url()])
+            .args(["--exchange", &names.exchange]),
+        Transport::Nats => c
+            .args(["--transport", "nats", "--broker-url", &common::nats_url()])
+            .args(["--subject-prefix", &names.subject_prefix]),
+    };
+    c
+}
+
+fn consumer_command(bins: &Binaries, args: &Args, names: &Names, instance: usize) -> Command {
+    let mut c = Command::new(&bins.consumer);
+    c.env("RUST_LOG", "warn")
+        .args([
+            "--transport",
+            args.transport.name(),
+            "--schema",
+            &names.schema,
+        ])
+        .args([
+            "--inbox",
+            match args.consumer_mode() {
+                ConsumerMode::Idempotent => "idempotent",
+                ConsumerMode::Durable => "durable",
+                ConsumerMode::Direct => "direct",
+            },
+        ])
+        .args(["--instance", &instance.to_string()]);
+    c
+}
+
+/// The crash-loop limit of the chaos relays. A healthy row gains an unfinished claim
+/// only when the relay holding it is killed or loses its lease to a database fault, so
+/// with a limit above the number of such events in the run no healthy row can reach
+/// it, whatever the timing; the default (5) could be reached by a row caught in five
+/// of the run's dozens of kills.
+fn crash_loop_limit(schedule: &Schedule) -> usize {
+    (schedule.relay_kills()
+        + schedule.planned(FaultKind::PgRestart)
+        + schedule.planned(FaultKind::PgTerminate)
+        + 1)
+    .max(5)
+}
+
+fn print_schedule(schedule: &Schedule, transport: Transport, limit: usize) {
+    let at = |p: &schedule::Planned| {
+        if p.hold.is_zero() {
+            format!("{:.0}s", p.at.as_secs_f64())
+        } else {
+            format!("{:.0}s+{:.0}s", p.at.as_secs_f64(), p.hold.as_secs_f64())
+        }
+    };
+    println!(
+        "chaos: schedule: {} relay kills, {} consumer kills; relays get --crash-loop-limit {limit}",
+        schedule.relay_kills(),
+        schedule.planned(FaultKind::ConsumerKill)
+    );
+    for (lane, plan) in [
+        ("broker", &schedule.broker),
+        ("database", &schedule.database),
+        ("poison", &schedule.poison),
+    ] {
+        let items: Vec<String> = plan
+            .iter()
+            .map(|p| format!("{} {}", p.kind.label(transport), at(p)))
+            .collect();
+        println!("chaos:   {lane}: {}", items.join(", "));
+    }
+}
+
+/// Whether the broker still holds messages for the consumers (ready or unacked).
+async fn broker_busy(transport: Transport, names: &Names) -> anyhow::Result<u64> {
+    match transport {
+        Transport::Rabbit => {
+            // `rabbitmqctl` sees unacknowledged deliveries too; AMQP only ready ones.
+            let queue = names.queue.clone();
+            let listed = tokio::task::block_in_place(|| {
+                Command::new("rabbitmqctl")
+                    .args([
+                        "-q",
+                        "list_queues",
+                        "name",
+                        "messages",
+                        "--no-table-headers",
+                    ])
+                    .output()
+            });
+            if let Ok(out) = listed
+                && out.status.success()
+            {
+                let text = String::from_utf8_lossy(&out.stdout);
+                for l in text.lines() {
+                    let mut parts = l.split_whitespace();
+                    if parts.next() == Some(queue.as_str()) {
+                        return Ok(parts.next().and_then(|n| n.parse().ok()).unwrap_or(0));
+                    }
+                }
+            }
+            let conn = lapin::Connection::connect(
+                &common::amqp_url(),
+                lapin::ConnectionProperties::default(),
+            )
+            .await?;
+            let ch = conn.create_channel().await?;
+            let q = ch
+                .queue_declare(
+                    names.queue.as_str().into(),
+                    QueueDeclareOptions {
+                        passive: true,
+                        ..QueueDeclareOptions::default()
+                    },
+                    FieldTable::default(),
+                )
+                .await?;
+            let _ = conn.close(200, "checked".into()).await;
+            Ok(u64::from(q.message_count()))
+        }
+        Transport::Nats => {
+            let client = async_nats::connect(common::nats_url()).await?;
+            let js = async_nats::jetstream::new(client);
+            let mut consumer: async_nats::jetstream::consumer::PullConsumer = js
+                .get_consumer_from_stream(&names.durable, &names.stream)
+                .await?;
+            let info = consumer.info().await?;
+            Ok(info.num_pending + u64::try_from(info.num_ack_pending).unwrap_or(0))
+        }
+    }
+}
+
+/// What is still to do: outbox rows pending, orders without an effect, durable-inbox
+/// messages not processed, messages the broker holds for the consumers.
+async fn outstanding(
+    admin: &PgPool,
+    names: &Names,
+    transport: Transport,
+) -> anyhow::Result<(i64, i64, i64, u64)> {
+    let (pending, missing, inbox): (i64, i64, i64) = sqlx::query_as(AssertSqlSafe(format!(
+        "SELECT (SELECT count(*) FROM {o} WHERE status IN (0, 9)),
+                (SELECT count(*) FROM {orders} r
+                  WHERE NOT EXISTS (SELECT 1 FROM {e} e WHERE e.event_id = r.event_id)),
+                (SELECT count(*) FROM {i} WHERE status IN (0, 9))",
+        o = names.table("outbox_messages"),
+        orders = names.table("orders"),
+        e = names.table("effects"),
+        i = names.table("inbox_messages"),
+    )))
+    .fetch_one(admin)
+    .await?;
+    let busy = broker_busy(transport, names).await?;
+    Ok((pending, missing, inbox, busy))
+}
+
+/// Waits until nothing is outstanding (twice in a row, a second apart), up to
+/// `deadline`.
+async fn drain(
+    admin: &PgPool,
+    names: &Names,
+    transport: Transport,
+    timeline: &Timeline,
+    deadline: Duration,
+) -> Result<Duration, String> {
+    let started = Instant::now();
+    let mut quiet = 0;
+    let mut last = String::from("not checked yet");
+    let mut said = Instant::now();
+    loop {
+        match outstanding(admin, names, transport).await {
+            Ok((0, 0, 0, 0)) => {
+                quiet += 1;
+                if quiet >= 2 {
+                    return Ok(started.elapsed());
+                }
+            }
+            Ok((pending, missing, inbox, busy)) => {
+                quiet = 0;
+                last = format!(
+                    "{pending} outbox rows pending, {missing} orders without an effect, \
+                     {inbox} durable-inbox messages unprocessed, {busy} messages held by the broker"
+                );
+                if said.elapsed() > Duration::from_secs(10) {
+                    timeline.say(format!("draining: {last}"));
+                    said = Instant::now();
+                }
+            }
+            Err(e) => {
+                quiet = 0;
+                last = format!("cannot check: {e:#}");
+            }
+        }
+        if started.elapsed() > deadline {
+            return Err(format!(
+                "after {}: {last}",
+                humantime::format_duration(Duration::from_secs(deadline.as_secs()))
+            ));
+        }
+        tokio::time::sleep(Duration::from_secs(1)).await;
+    }
+}
+
+/// Runs the whole harness; returns whether the run passed. The servers' settings as
+/// found (`before`) are checked again at the end.
+pub(crate) async fn run(args: Args, seed: u64, before: servers::Snapshot) -> anyhow::Result<bool> {
+    let bins = Binaries::find(&args)?;
+    let names = Names::new(&args.schema());
+    let mode = args.consumer_mode();
+    let admin = PgPoolOptions::new()
+        .max_connections(4)
+        .acquire_timeout(Duration::from_secs(10))
+        .connect_with(topology::pg_options(HARNESS_APP)?)
+        .await
+        .context("connect to PostgreSQL (is it running? `cargo xtask services`)")?;
+    let outbox = PgOutbox::connect(
+        &PgConfig::new(database_url_as(HARNESS_APP))
+            .with_schema(&names.schema)
+            .with_max_connections(u32::try_from(args.producers).unwrap_or(8) + 2),
+    )
+    .await?;
+    setup::database(&admin, &outbox, &names).await?;
+    setup::broker(args.transport, &names).await?;
+    let timeline = Timeline::new();
+
+    // RabbitMQ's `max_message_size` lowered for the whole run (before the relays open
+    // their channels), so the oversized poison row is refused by the broker itself.
+    let size_limit = match args.transport {
+        Transport::Rabbit => match tokio::task::block_in_place(|| {
+            RabbitMaxMessageSize::try_set(producers::BROKER_LIMIT)
+        }) {
+            Ok(guard) => Some(guard),
+            Err(e) => {
+                timeline.not_injected(
+                    FaultKind::Poison,
+                    format!("payload over the broker's limit: {}", e.reason),
+                );
+                None
+            }
+        },
+        Transport::Nats => None,
+    };
+    let poison_kinds = producers::poison_kinds(args.transport, size_limit.is_some());
+
+    let schedule = Schedule::plan(
+        seed,
+        Settings {
+            transport: args.transport,
+            duration: args.duration,
+            relays: args.relays,
+            consumers: args.consumers,
+            fault_window: args.fault_window,
+        },
+    );
+    let limit = crash_loop_limit(&schedule);
+    print_schedule(&schedule, args.transport, limit);
+
+    let logs = std::env::temp_dir().join(format!("outbox-chaos-{}", names.schema));
+    let _ = std::fs::remove_dir_all(&logs);
+    std::fs::create_dir_all(&logs).with_context(|| format!("create {}", logs.display()))?;
+    println!("chaos: process logs in {}", logs.display());
+    let mut supervisor = Supervisor::new(
+        (0..args.relays)
+            .map(|_| relay_command(&bins, &args, &names, limit))
+            .collect(),
+        (0..args.consumers)
+            .map(|i| consumer_command(&bins, &args, &names, i))
+            .collect(),
+        &logs,
+        seed,
+    );
+    supervisor.start_all(Role::Consumer, &timeline)?;
+    supervisor.start_all(Role::Relay, &timeline)?;
+
+    // Producers.
+    let stop_producers = CancellationToken::new();
+    let stats = Arc::new(producers::ProducerStats::default());
+    let per_producer = f64::from(args.rate) / args.producers as f64;
+    let producer_tasks: Vec<_> = (0..args.producers)
+        .map(|_| {
+            tokio::spawn(producers::produce(
+                outbox.clone(),
+                names.clone(),
+                per_producer,
+                Arc::clone(&stats),
+                stop_producers.clone(),
+            ))
+        })
+        .collect();
+
+    let phase_start = Instant::now();
+    let phase_start_utc = Utc::now();
+    timeline.say(format!(
+        "fault phase: {} with {} producers at {} orders/s, {} relays, {} consumers ({})",
+        humantime::format_duration(args.duration),
+        args.producers,
+        args.rate,
+        args.relays,
+        args.consumers,
+        mode.name()
+    ));
+    let stop_supervisor = CancellationToken::new();
+    let never = CancellationToken::new();
+    let supervised = supervisor.run(
+        schedule.kills.clone(),
+        phase_start,
+        timeline.clone(),
+        stop_supervisor.clone(),
+    );
+    let rest = async {
+        let lane = |_: ()| injector::Lane {
+            transport: args.transport,
+            names: &names,
+            admin: &admin,
+            timeline: &timeline,
+            phase_start,
+            stop: &never,
+        };
+        let (broker_lane, database_lane) = (lane(()), lane(()));
+        let (_, _, poison_rows, ()) = tokio::join!(
+            broker_lane.run(&schedule.broker),
+            database_lane.run(&schedule.database),
+            producers::poison_lane(
+                &outbox,
+                &poison_kinds,
+                &schedule.poison,
+                phase_start,
+                &timeline,
+                &never,
+            ),
+            tokio::time::sleep_until(tokio::time::Instant::from_std(phase_start + args.duration)),
+        );
+        stop_producers.cancel();
+        for task in producer_tasks {
+            let _ = task.await;
+        }
+        let phase_end = Utc::now();
+        timeline.say(format!(
+            "fault phase over ({} orders committed): draining, at most {}",
+            stats.committed.load(Ordering::Relaxed),
+            humantime::format_duration(args.drain_timeout)
+        ));
+        let drained = drain(
+            &admin,
+            &names,
+            args.transport,
+            &timeline,
+            args.drain_timeout,
+        )
+        .await;
+        stop_supervisor.cancel();
+        (poison_rows, drained, phase_end)
+    };
+    let (supervisor, (poison_rows, drained, phase_end)) = tokio::join!(supervised, rest);
+    timeline.say("stopping the relays and consumers (SIGTERM)");
+    let processes = supervisor.stop_all(Duration::from_secs(20)).await;
+    let broker = audit::broker_copies(args.transport, &names)
+        .await
+        .map_err(|e| format!("{e:#}"));
+    tokio::task::block_in_place(move || drop(size_limit));
+
+    let inputs = verdict::Inputs {
+        transport: args.transport,
+        mode,
+        seed,
+        duration: args.duration,
+        drain: drained,
+        schedule,
+        records: timeline.records(),
+        processes,
+        producer_failures: stats.failed.load(Ordering::Relaxed),
+        poison: poison_rows,
+        broker,
+        phase: (phase_start_utc, phase_end),
+        relays: args.relays,
+        consumers: args.consumers,
+        crash_loop_limit: limit,
+        poison_kinds: poison_kinds.len(),
+    };
+    let mut failures = verdict::judge(&admin, &names, &inputs).await?;
+
+    if failures.is_empty() && !args.keep {
+        setup::remove_database(&admin, &names).await?;
+        setup::remove_broker(args.transport, &names).await?;
+        let _ = std::fs::remove_dir_all(&logs);
+    } else {
+        println!(
+            "\n  kept for inspection: schema {}, the broker's {}, logs in {} (the next run drops them)",
+            names.schema,
+            match args.transport {
+                Transport::Rabbit => format!(
+                    "exchange {} and queues {}, {} and {}",
+                    names.exchange, names.queue, names.audit_queue, names.overflow_queue
+                ),
+                Transport::Nats => format!("stream {}", names.stream),
+            },
+            logs.display()
+        );
+    }
+    admin.close().await;
+    outbox.pool().close().await;
+
+    let (lines, as_found) = tokio::task::block_in_place(|| servers::after(&before));
+    println!();
+    for l in lines {
+        println!("  servers: {l}");
+    }
+    if !as_found {
+        failures.push("the servers are not as the run found them".to_owned());
+    }
+    println!();
+    if failures.is_empty() {
+        println!("VERDICT: PASS (seed {seed})");
+    } else {
+        println!("VERDICT: FAIL (seed {seed})");
+        for f in &failures {
+            println!("  - {f}");
+        }
+    }
+    Ok(failures.is_empty())
+}

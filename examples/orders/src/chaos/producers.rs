@@ -1,0 +1,272 @@
+//! The producers (orders and their events, one transaction each, at a steady rate)
+//! and the poison lane (rows the relay must dead-letter alone).
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use outbox_core::NewMessage;
+use outbox_postgres::PgOutbox;
+use sqlx::AssertSqlSafe;
+use tokio_util::sync::CancellationToken;
+use uuid::Uuid;
+
+use super::schedule::{FaultKind, Planned};
+use super::timeline::Timeline;
+use super::topology::{EVENT_TYPE, Names, Transport};
+
+/// What the producers did.
+#[derive(Debug, Default)]
+pub(crate) struct ProducerStats {
+    /// Transactions committed (the orders table is the truth; this is what the
+    /// producers saw).
+    pub(crate) committed: AtomicU64,
+    /// Transactions that failed (a database fault): the order is skipped (or, when the
+    /// commit's answer was lost, it may be in the table: the table is what counts).
+    pub(crate) failed: AtomicU64,
+}
+
+/// One order and its event, in one transaction. The order row is written last with
+/// `clock_timestamp()`, the closest the database clock gets to the commit time, from
+/// which commit-to-consume latency is measured.
+async fn place_order(outbox: &PgOutbox, names: &Names, n: u64) -> anyhow::Result<()> {
+    let order_id = Uuid::now_v7();
+    let event = NewMessage::builder("order", order_id.to_string(), EVENT_TYPE)
+        .aggregate_version(1)
+        .payload(&serde_json::json!({
+            "order_id": order_id,
+            "customer": format!("customer-{}", n % 97),
+            "total_cents": 1_000 + (n * 37) % 50_000,
+        }))
+        .build()?;
+    let mut tx = outbox.pool().begin().await?;
+    outbox.enqueue(&mut tx, &event).await?;
+    sqlx::query(AssertSqlSafe(format!(
+        "INSERT INTO {} (id, event_id, created_at) VALUES ($1, $2, clock_timestamp())",
+        names.table("orders")
+    )))
+    .bind(order_id)
+    .bind(event.id)
+    .execute(&mut *tx)
+    .await?;
+    tx.commit().await?;
+    Ok(())
+}
+
+/// A producer writing `rate` orders per second until `stop`. A failed transaction is
+/// counted and the producer goes on at its pace (no burst to catch up).
+pub(crate) async fn produce(
+    outbox: PgOutbox,
+    names: Names,
+    rate: f64,
+    stats: Arc<ProducerStats>,
+    stop: CancellationToken,
+) {
+    let mut tick = tokio::time::interval(Duration::from_secs_f64(1.0 / rate));
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut n = 0_u64;
+    loop {
+        tokio::select! {
+            () = stop.cancelled() => return,
+            _ = tick.tick() => {}
+        }
+        n += 1;
+        match place_order(&outbox, &names, n).await {
+            Ok(()) => {
+                stats.committed.fetch_add(1, Ordering::Relaxed);
+            }
+            Err(e) => {
+                if stats
+                    .failed
+                    .fetch_add(1, Ordering::Relaxed)
+                    .is_multiple_of(100)
+                {
+                    tracing::warn!(error = %e, "a producer transaction failed");
+                }
+            }
+        }
+    }
+}
+
+/// A kind of poison row: what spoils it, and what the relay must say about it.
+#[derive(Debug, Clone)]
+pub(crate) struct PoisonKind {
+    pub(crate) name: &'static str,
+    /// SQL assignments that spoil a row.
+    pub(crate) set: String,
+    /// Text its `last_error` must contain.
+    pub(crate) reason: &'static str,
+}
+
+/// The largest payload RabbitMQ takes during a run (its `max_message_size`, lowered by
+/// the harness for the run; the relay's own limit stays at 16 MiB, so the broker is
+/// the one refusing), and NATS' default `max_payload`.
+pub(crate) const BROKER_LIMIT: usize = 1024 * 1024;
+
+/// The poison kinds the relay-fault tests isolate, for `transport`. `payload_limit`:
+/// whether the broker limit is in force (RabbitMQ's needs a `rabbitmqctl` here).
+pub(crate) fn poison_kinds(transport: Transport, payload_limit: bool) -> Vec<PoisonKind> {
+    let big = format!(
+        "payload = to_json(repeat('x', {}))",
+        BROKER_LIMIT + 200 * 1024
+    );
+    let mut kinds = vec![PoisonKind {
+        name: "headers not a JSON object of strings",
+        set: r#"headers = '{"retries": 3}'"#.to_owned(),
+        reason: "undecodable row",
+    }];
+    match transport {
+        Transport::Rabbit => {
+            kinds.push(PoisonKind {
+                name: "header name over 255 bytes",
+                set: format!(r#"headers = '{{"{}": "x"}}'"#, "h".repeat(300)),
+                reason: "AMQP allows at most 255",
+            });
+            if payload_limit {
+                kinds.push(PoisonKind {
+                    name: "payload over the broker's max_message_size",
+                    set: big,
+                    reason: "406 PRECONDITION_FAILED for this message alone",
+                });
+            }
+        }
+        Transport::Nats => {
+            kinds.push(PoisonKind {
+                name: "non-ASCII header name",
+                set: r#"headers = '{"größe": "x"}'"#.to_owned(),
+                reason: "not a NATS header name",
+            });
+            kinds.push(PoisonKind {
+                name: "payload over the server's max_payload",
+                set: big,
+                reason: "exceeds the broker limit",
+            });
+            kinds.push(PoisonKind {
+                name: "line break in a header value",
+                set: r#"headers = '{"note": "a\nb"}'"#.to_owned(),
+                reason: "line break",
+            });
+            kinds.push(PoisonKind {
+                name: "header reserved for JetStream",
+                set: r#"headers = '{"Nats-Expected-Stream": "other"}'"#.to_owned(),
+                reason: "reserved for JetStream",
+            });
+        }
+    }
+    kinds
+}
+
+/// A poison row written: its id and kind.
+#[derive(Debug, Clone)]
+pub(crate) struct PoisonRow {
+    pub(crate) id: Uuid,
+    pub(crate) kind: PoisonKind,
+}
+
+/// A valid event, to be spoiled by [`write_poison`].
+fn poison_event(kind: &PoisonKind) -> anyhow::Result<NewMessage> {
+    Ok(
+        NewMessage::builder("poison", Uuid::now_v7().to_string(), EVENT_TYPE)
+            .payload(&serde_json::json!({ "poison": kind.name }))
+            .build()?,
+    )
+}
+
+/// Writes `event` spoiled by `kind`: enqueued and spoiled in the same transaction (as a
+/// trigger, a migration or another language's producer might), so no relay ever sees
+/// it unspoiled. The payload bypasses `enqueue`'s size limit the same way.
+async fn write_poison(
+    outbox: &PgOutbox,
+    event: &NewMessage,
+    kind: &PoisonKind,
+) -> anyhow::Result<()> {
+    let mut tx = outbox.pool().begin().await?;
+    outbox.enqueue(&mut tx, event).await?;
+    let updated = sqlx::query(AssertSqlSafe(format!(
+        "UPDATE {}.outbox_messages SET {} WHERE id = $1",
+        outbox.schema(),
+        kind.set
+    )))
+    .bind(event.id)
+    .execute(&mut *tx)
+    .await?
+    .rows_affected();
+    anyhow::ensure!(updated == 1, "the poison row was not updated");
+    tx.commit().await?;
+    Ok(())
+}
+
+/// Whether row `id` is in the outbox (a commit whose answer was lost may have
+/// happened).
+async fn written(outbox: &PgOutbox, id: Uuid) -> bool {
+    sqlx::query_scalar::<_, bool>(AssertSqlSafe(format!(
+        "SELECT EXISTS (SELECT 1 FROM {}.outbox_messages WHERE id = $1)",
+        outbox.schema()
+    )))
+    .bind(id)
+    .fetch_one(outbox.pool())
+    .await
+    .unwrap_or(false)
+}
+
+/// The poison lane: at each planned time, one row of every kind. A row whose
+/// transaction fails (a database fault at that moment) is retried, with the same id,
+/// for up to 30 s.
+pub(crate) async fn poison_lane(
+    outbox: &PgOutbox,
+    kinds: &[PoisonKind],
+    plan: &[Planned],
+    phase_start: Instant,
+    timeline: &Timeline,
+    stop: &CancellationToken,
+) -> Vec<PoisonRow> {
+    let mut rows = Vec::new();
+    for batch in plan {
+        let at = tokio::time::Instant::from_std(phase_start + batch.at);
+        tokio::select! {
+            () = stop.cancelled() => return rows,
+            () = tokio::time::sleep_until(at) => {}
+        }
+        for kind in kinds {
+            let event = match poison_event(kind) {
+                Ok(event) => event,
+                Err(e) => {
+                    timeline.not_injected(FaultKind::Poison, format!("{}: {e}", kind.name));
+                    continue;
+                }
+            };
+            let id = event.id;
+            let deadline = Instant::now() + Duration::from_secs(30);
+            loop {
+                let result = match write_poison(outbox, &event, kind).await {
+                    Err(_) if written(outbox, id).await => Ok(()),
+                    other => other,
+                };
+                match result {
+                    Ok(()) => {
+                        let record = timeline.injected(FaultKind::Poison, kind.name);
+                        timeline.ended(record);
+                        rows.push(PoisonRow {
+                            id,
+                            kind: kind.clone(),
+                        });
+                        break;
+                    }
+                    Err(e) if Instant::now() < deadline => {
+                        tracing::debug!(error = %e, "poison row not written yet");
+                        tokio::time::sleep(Duration::from_millis(500)).await;
+                    }
+                    Err(e) => {
+                        timeline.not_injected(
+                            FaultKind::Poison,
+                            format!("{}: could not be written: {e}", kind.name),
+                        );
+                        break;
+                    }
+                }
+            }
+        }
+        timeline.say(format!("poison rows: {} written", kinds.len()));
+    }
+    rows
+}

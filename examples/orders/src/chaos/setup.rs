@@ -1,0 +1,159 @@
+//! The run's tables, queues and stream: created fresh before the run (an earlier run's
+//! are dropped first) and removed after it.
+
+use std::time::Duration;
+
+use anyhow::Context as _;
+use lapin::options::{QueueBindOptions, QueueDeclareOptions, QueueDeleteOptions};
+use lapin::types::FieldTable;
+use lapin::{Connection, ConnectionProperties};
+use outbox_postgres::PgOutbox;
+use sqlx::{AssertSqlSafe, PgPool};
+use transport_nats::async_nats::jetstream;
+use transport_nats::{NatsPublisher, StreamSetup, async_nats};
+
+use super::topology::{self, Names, Transport};
+use crate::common;
+
+/// Drops and recreates the schema: the outbox and inbox tables (migrations), `orders`,
+/// `effects` (no unique constraint: a double effect is a second row) and `deliveries`.
+pub(crate) async fn database(
+    admin: &PgPool,
+    outbox: &PgOutbox,
+    names: &Names,
+) -> anyhow::Result<()> {
+    let s = &names.schema;
+    sqlx::raw_sql(AssertSqlSafe(format!(
+        "DROP SCHEMA IF EXISTS {s} CASCADE; CREATE SCHEMA {s};"
+    )))
+    .execute(admin)
+    .await
+    .context("create the run's schema")?;
+    outbox.migrate().await.context("migrate the run's schema")?;
+    sqlx::raw_sql(AssertSqlSafe(format!(
+        "CREATE TABLE {s}.orders (
+             id uuid PRIMARY KEY,
+             event_id uuid NOT NULL UNIQUE,
+             created_at timestamptz NOT NULL);
+         CREATE TABLE {s}.effects (
+             event_id uuid NOT NULL,
+             order_id uuid NOT NULL,
+             consumer text NOT NULL,
+             applied_at timestamptz NOT NULL);
+         CREATE INDEX effects_event ON {s}.effects (event_id);
+         CREATE TABLE {s}.deliveries (
+             event_id uuid NOT NULL,
+             consumer text NOT NULL,
+             redelivered boolean NOT NULL,
+             at timestamptz NOT NULL DEFAULT clock_timestamp());"
+    )))
+    .execute(admin)
+    .await
+    .context("create the run's tables")?;
+    Ok(())
+}
+
+/// Declares the broker side before any process starts: RabbitMQ's exchange, the
+/// consumers' quorum queue, the audit queue and the overflow queue (held full by the
+/// queue-full fault); or the NATS stream and its durable consumer. What an earlier run left is deleted first.
+pub(crate) async fn broker(transport: Transport, names: &Names) -> anyhow::Result<()> {
+    remove_broker(transport, names).await?;
+    match transport {
+        Transport::Rabbit => {
+            topology::rabbit_consumer(names)?.declare().await.context(
+                "declare the exchange and the consumers' quorum queue (is RabbitMQ up?)",
+            )?;
+            let conn =
+                Connection::connect(&common::amqp_url(), ConnectionProperties::default()).await?;
+            let ch = conn.create_channel().await?;
+            for queue in [&names.audit_queue, &names.overflow_queue] {
+                ch.queue_declare(
+                    queue.as_str().into(),
+                    QueueDeclareOptions {
+                        durable: true,
+                        ..QueueDeclareOptions::default()
+                    },
+                    FieldTable::default(),
+                )
+                .await?;
+                ch.queue_bind(
+                    queue.as_str().into(),
+                    names.exchange.as_str().into(),
+                    "#".into(),
+                    QueueBindOptions::default(),
+                    FieldTable::default(),
+                )
+                .await?;
+            }
+            conn.close(200, "declared".into()).await?;
+        }
+        Transport::Nats => {
+            let config = topology::nats_config(names, "chaos-harness")?;
+            let publisher = NatsPublisher::connect(config.clone())
+                .await
+                .context("connect to NATS (is it running with JetStream?)")?;
+            publisher
+                .ensure_stream(
+                    &StreamSetup::for_config(&names.stream, &config)
+                        .with_duplicate_window(Duration::from_secs(120)),
+                )
+                .await?;
+            publisher.close().await;
+            topology::nats_consumer(names, "chaos-harness")?
+                .declare()
+                .await
+                .context("create the durable consumer")?;
+        }
+    }
+    Ok(())
+}
+
+/// Deletes the run's queues and exchange, or its stream.
+pub(crate) async fn remove_broker(transport: Transport, names: &Names) -> anyhow::Result<()> {
+    match transport {
+        Transport::Rabbit => {
+            let conn = Connection::connect(&common::amqp_url(), ConnectionProperties::default())
+                .await
+                .context("connect to RabbitMQ")?;
+            let ch = conn.create_channel().await?;
+            for queue in [&names.queue, &names.audit_queue, &names.overflow_queue] {
+                ch.queue_delete(queue.as_str().into(), QueueDeleteOptions::default())
+                    .await?;
+            }
+            ch.exchange_delete(
+                names.exchange.as_str().into(),
+                lapin::options::ExchangeDeleteOptions::default(),
+            )
+            .await?;
+            conn.close(200, "removed".into()).await?;
+        }
+        Transport::Nats => {
+            let client = async_nats::connect(common::nats_url())
+                .await
+                .context("connect to NATS")?;
+            let js = jetstream::new(client);
+            if let Err(e) = js.delete_stream(&names.stream).await {
+                let missing = matches!(
+                    e.kind(),
+                    jetstream::context::DeleteStreamErrorKind::JetStream(ref js)
+                        if js.error_code() == jetstream::ErrorCode::STREAM_NOT_FOUND
+                );
+                if !missing {
+                    return Err(e).context("delete the run's stream");
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Drops the run's schema.
+pub(crate) async fn remove_database(admin: &PgPool, names: &Names) -> anyhow::Result<()> {
+    sqlx::raw_sql(AssertSqlSafe(format!(
+        "DROP SCHEMA IF EXISTS {} CASCADE",
+        names.schema
+    )))
+    .execute(admin)
+    .await?;
+    Ok(())
+}

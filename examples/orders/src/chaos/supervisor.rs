@@ -1,0 +1,339 @@
+//! The relay and consumer processes: started, killed with `SIGKILL` on the schedule,
+//! started again after a pause, and started again too when one exits by itself (which
+//! is recorded: a relay started while PostgreSQL is down exits with code 1, as
+//! documented; a panic or a signal the harness did not send fails the run).
+
+use std::fs::File;
+use std::os::unix::process::{CommandExt as _, ExitStatusExt as _};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, ExitStatus, Stdio};
+use std::time::{Duration, Instant};
+
+use rand::rngs::StdRng;
+use rand::{RngExt as _, SeedableRng as _};
+use tokio_util::sync::CancellationToken;
+
+use super::schedule::{FaultKind, Planned, RESTART_PAUSE};
+use super::timeline::Timeline;
+
+/// What a process is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Role {
+    Relay,
+    Consumer,
+}
+
+impl Role {
+    fn name(self) -> &'static str {
+        match self {
+            Self::Relay => "relay",
+            Self::Consumer => "consumer",
+        }
+    }
+}
+
+/// One supervised process slot (relay 0, consumer 1, ...), across its incarnations.
+struct Slot {
+    role: Role,
+    index: usize,
+    command: Command,
+    log: PathBuf,
+    child: Option<Child>,
+    /// When to start it again (after a kill or an exit).
+    restart_at: Option<Instant>,
+    /// The timeline record of the kill being recovered from.
+    kill_record: Option<usize>,
+}
+
+impl Slot {
+    fn label(&self) -> String {
+        format!("{} {}", self.role.name(), self.index)
+    }
+
+    fn start(&mut self) -> std::io::Result<u32> {
+        let log = File::options().create(true).append(true).open(&self.log)?;
+        let child = self
+            .command
+            // Its own process group: a Ctrl-C at the terminal reaches the harness only,
+            // which then stops the processes itself.
+            .process_group(0)
+            .stdin(Stdio::null())
+            .stdout(log.try_clone()?)
+            .stderr(log)
+            .spawn()?;
+        let pid = child.id();
+        self.child = Some(child);
+        Ok(pid)
+    }
+}
+
+impl Drop for Slot {
+    fn drop(&mut self) {
+        if let Some(child) = &mut self.child {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+}
+
+/// Counts for the verdict.
+#[derive(Debug, Default, Clone)]
+pub(crate) struct ProcessReport {
+    pub(crate) relay_restarts: u32,
+    pub(crate) consumer_restarts: u32,
+    /// Exits the harness did not cause, as "relay 0: exit status: 1".
+    pub(crate) exits: Vec<String>,
+    /// Of those, the ones that fail the run (a panic, a signal).
+    pub(crate) crashes: Vec<String>,
+    /// Kills planned for a process that was not running, moved to another one.
+    pub(crate) retargeted: u32,
+}
+
+/// The supervised processes.
+pub(crate) struct Supervisor {
+    slots: Vec<Slot>,
+    report: ProcessReport,
+    rng: StdRng,
+}
+
+impl Supervisor {
+    /// `relays` relay commands and `consumers` consumer commands (not started yet),
+    /// logging to files in `logs`; `seed` draws the restart pauses.
+    pub(crate) fn new(
+        relays: Vec<Command>,
+        consumers: Vec<Command>,
+        logs: &Path,
+        seed: u64,
+    ) -> Self {
+        let slots = relays
+            .into_iter()
+            .enumerate()
+            .map(|(i, c)| (Role::Relay, i, c))
+            .chain(
+                consumers
+                    .into_iter()
+                    .enumerate()
+                    .map(|(i, c)| (Role::Consumer, i, c)),
+            )
+            .map(|(role, index, command)| Slot {
+                role,
+                index,
+                log: logs.join(format!("{}-{index}.log", role.name())),
+                command,
+                child: None,
+                restart_at: None,
+                kill_record: None,
+            })
+            .collect();
+        Self {
+            slots,
+            report: ProcessReport::default(),
+            rng: StdRng::seed_from_u64(seed ^ 0x05ee_d0fc_4a05),
+        }
+    }
+
+    /// Starts every process of `role`.
+    pub(crate) fn start_all(&mut self, role: Role, timeline: &Timeline) -> anyhow::Result<()> {
+        for slot in self.slots.iter_mut().filter(|s| s.role == role) {
+            let pid = slot.start()?;
+            timeline.say(format!("{} started (pid {pid})", slot.label()));
+        }
+        Ok(())
+    }
+
+    /// Runs the kill schedule (`kills`, offsets from `phase_start`) and restarts what
+    /// stops, until `stop`; then returns itself, processes still running.
+    pub(crate) async fn run(
+        mut self,
+        kills: Vec<Planned>,
+        phase_start: Instant,
+        timeline: Timeline,
+        stop: CancellationToken,
+    ) -> Self {
+        let mut kills = kills.into_iter().peekable();
+        let mut tick = tokio::time::interval(Duration::from_millis(50));
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Skip);
+        loop {
+            tokio::select! {
+                () = stop.cancelled() => break,
+                _ = tick.tick() => {}
+            }
+            let now = Instant::now();
+            while let Some(kill) = kills.next_if(|k| phase_start + k.at <= now) {
+                self.kill(kill, &timeline);
+            }
+            self.reap(&timeline);
+            self.restart_due(&timeline);
+        }
+        self
+    }
+
+    /// Kills the planned process, or another running one of its role if it is not
+    /// running.
+    fn kill(&mut self, plan: Planned, timeline: &Timeline) {
+        let role = match plan.kind {
+            FaultKind::RelayKill => Role::Relay,
+            _ => Role::Consumer,
+        };
+        let running: Vec<usize> = self
+            .slots
+            .iter()
+            .enumerate()
+            .filter(|(_, s)| s.role == role && s.child.is_some())
+            .map(|(i, _)| i)
+            .collect();
+        let planned = self
+            .slots
+            .iter()
+            .position(|s| s.role == role && s.index == plan.target);
+        let Some(at) = planned
+            .filter(|i| running.contains(i))
+            .or_else(|| running.first().copied())
+        else {
+            timeline.not_injected(plan.kind, format!("no {} was running", role.name()));
+            return;
+        };
+        if Some(at) != planned {
+            self.report.retargeted += 1;
+        }
+        let pause =
+            Duration::from_millis(self.rng.random_range(
+                RESTART_PAUSE.0.as_millis() as u64..=RESTART_PAUSE.1.as_millis() as u64,
+            ));
+        let slot = &mut self.slots[at];
+        let Some(mut child) = slot.child.take() else {
+            return;
+        };
+        let pid = child.id();
+        // If it exited just now, this is not a kill: leave it to `reap`.
+        if let Ok(Some(status)) = child.try_wait() {
+            slot.child = Some(child);
+            timeline.not_injected(
+                plan.kind,
+                format!("{} had just exited ({status})", slot.label()),
+            );
+            return;
+        }
+        let _ = child.kill();
+        let _ = child.wait();
+        let record = timeline.injected(plan.kind, format!("{} pid {pid}", slot.label()));
+        timeline.say(format!(
+            "kill -9 {} (pid {pid}); restart in {:.1}s",
+            slot.label(),
+            pause.as_secs_f64()
+        ));
+        slot.restart_at = Some(Instant::now() + pause);
+        slot.kill_record = Some(record);
+    }
+
+    /// Notices processes that exited by themselves and schedules their restart.
+    fn reap(&mut self, timeline: &Timeline) {
+        for slot in &mut self.slots {
+            let Some(child) = &mut slot.child else {
+                continue;
+            };
+            let Ok(Some(status)) = child.try_wait() else {
+                continue;
+            };
+            slot.child = None;
+            let what = format!("{}: {}", slot.label(), describe(status));
+            timeline.say(format!("{what} (not caused by the harness); restart in 1s"));
+            if is_crash(status) {
+                self.report.crashes.push(what.clone());
+            }
+            self.report.exits.push(what);
+            slot.restart_at = Some(Instant::now() + Duration::from_secs(1));
+        }
+    }
+
+    fn restart_due(&mut self, timeline: &Timeline) {
+        let now = Instant::now();
+        for slot in &mut self.slots {
+            if slot.restart_at.is_none_or(|at| at > now) {
+                continue;
+            }
+            slot.restart_at = None;
+            match slot.start() {
+                Ok(pid) => {
+                    match slot.role {
+                        Role::Relay => self.report.relay_restarts += 1,
+                        Role::Consumer => self.report.consumer_restarts += 1,
+                    }
+                    if let Some(record) = slot.kill_record.take() {
+                        timeline.ended(record);
+                    }
+                    timeline.say(format!("{} started again (pid {pid})", slot.label()));
+                }
+                Err(e) => {
+                    timeline.say(format!(
+                        "{} could not start: {e}; retry in 1s",
+                        slot.label()
+                    ));
+                    slot.restart_at = Some(now + Duration::from_secs(1));
+                }
+            }
+        }
+    }
+
+    /// Stops every process with SIGTERM, waiting up to `grace` before SIGKILL; returns
+    /// the report.
+    pub(crate) async fn stop_all(mut self, grace: Duration) -> ProcessReport {
+        for slot in &self.slots {
+            if let Some(child) = &slot.child {
+                let _ = Command::new("kill")
+                    .args(["-TERM", &child.id().to_string()])
+                    .status();
+            }
+        }
+        let deadline = Instant::now() + grace;
+        loop {
+            let mut running = false;
+            for slot in &mut self.slots {
+                if let Some(child) = &mut slot.child {
+                    match child.try_wait() {
+                        Ok(Some(status)) => {
+                            if !status.success() {
+                                let what =
+                                    format!("{} at shutdown: {}", slot.label(), describe(status));
+                                if is_crash(status) {
+                                    self.report.crashes.push(what.clone());
+                                }
+                                self.report.exits.push(what);
+                            }
+                            slot.child = None;
+                        }
+                        _ => running = true,
+                    }
+                }
+            }
+            if !running || Instant::now() > deadline {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        for slot in &mut self.slots {
+            if let Some(mut child) = slot.child.take() {
+                self.report.exits.push(format!(
+                    "{}: did not stop within {grace:?}, killed",
+                    slot.label()
+                ));
+                let _ = child.kill();
+                let _ = child.wait();
+            }
+        }
+        std::mem::take(&mut self.report)
+    }
+}
+
+fn describe(status: ExitStatus) -> String {
+    match (status.code(), status.signal()) {
+        (Some(code), _) => format!("exited with code {code}"),
+        (None, Some(signal)) => format!("killed by signal {signal}"),
+        _ => status.to_string(),
+    }
+}
+
+/// A panic (exit code 101) or a signal the harness did not send.
+fn is_crash(status: ExitStatus) -> bool {
+    status.code() == Some(101) || status.signal().is_some()
+}

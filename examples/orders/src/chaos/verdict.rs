@@ -1,0 +1,516 @@
+//! The verdict: every order counted against the effects table, the outbox's dead
+//! letters against the injected poison rows, the broker's copies (read without the
+//! outbox tables) against both, latency outside the fault windows, and the table that
+//! says it all.
+
+use std::collections::{BTreeMap, HashMap, HashSet};
+use std::time::Duration;
+
+use chrono::{DateTime, Utc};
+use sqlx::{AssertSqlSafe, PgPool};
+use uuid::Uuid;
+
+use super::audit::Copies;
+use super::producers::PoisonRow;
+use super::schedule::{FaultKind, Schedule};
+use super::supervisor::ProcessReport;
+use super::timeline::Record;
+use super::topology::{ConsumerMode, Names, Transport};
+use crate::common;
+
+/// Everything the verdict is drawn from besides the database.
+pub(crate) struct Inputs {
+    pub(crate) transport: Transport,
+    pub(crate) mode: ConsumerMode,
+    pub(crate) seed: u64,
+    pub(crate) duration: Duration,
+    /// How long the drain took, or why it did not finish.
+    pub(crate) drain: Result<Duration, String>,
+    pub(crate) schedule: Schedule,
+    pub(crate) records: Vec<Record>,
+    pub(crate) processes: ProcessReport,
+    /// Producer transactions that failed (database faults).
+    pub(crate) producer_failures: u64,
+    pub(crate) poison: Vec<PoisonRow>,
+    /// The broker's copies by id and the copies without an id, or why they could not
+    /// be read.
+    pub(crate) broker: Result<(Copies, u64), String>,
+    /// The fault phase.
+    pub(crate) phase: (DateTime<Utc>, DateTime<Utc>),
+    pub(crate) relays: usize,
+    pub(crate) consumers: usize,
+    pub(crate) crash_loop_limit: usize,
+    /// Poison rows per poison batch (one per kind).
+    pub(crate) poison_kinds: usize,
+}
+
+/// One order as the database has it: its event, when it was committed, how many
+/// effects it has and when the first was applied (seconds since the epoch).
+struct Order {
+    event_id: Uuid,
+    created: f64,
+    effects: i64,
+    applied: Option<f64>,
+}
+
+fn epoch(t: DateTime<Utc>) -> f64 {
+    t.timestamp_micros() as f64 / 1e6
+}
+
+fn secs(s: f64) -> String {
+    format!("{s:.1} s")
+}
+
+/// A line of the table: label padded, then the value.
+fn line(label: &str, value: impl std::fmt::Display) {
+    println!("  {label:<40} {value}");
+}
+
+async fn scalar(admin: &PgPool, sql: String) -> anyhow::Result<i64> {
+    Ok(sqlx::query_scalar::<_, i64>(AssertSqlSafe(sql))
+        .fetch_one(admin)
+        .await?)
+}
+
+/// Prints the verdict table; returns the reasons the run fails (empty: it passes).
+pub(crate) async fn judge(
+    admin: &PgPool,
+    names: &Names,
+    inputs: &Inputs,
+) -> anyhow::Result<Vec<String>> {
+    let t = |table: &str| names.table(table);
+    let mut failures = Vec::new();
+
+    let orders: Vec<Order> =
+        sqlx::query_as::<_, (Uuid, f64, i64, Option<f64>)>(AssertSqlSafe(format!(
+            "SELECT o.event_id, extract(epoch FROM o.created_at)::float8, count(e.event_id),
+                    extract(epoch FROM min(e.applied_at))::float8
+               FROM {} o LEFT JOIN {} e ON e.event_id = o.event_id
+              GROUP BY o.event_id, o.created_at",
+            t("orders"),
+            t("effects")
+        )))
+        .fetch_all(admin)
+        .await?
+        .into_iter()
+        .map(|(event_id, created, effects, applied)| Order {
+            event_id,
+            created,
+            effects,
+            applied,
+        })
+        .collect();
+    let written = orders.len();
+    let lost: Vec<&Order> = orders.iter().filter(|o| o.effects == 0).collect();
+    let doubled: Vec<&Order> = orders.iter().filter(|o| o.effects > 1).collect();
+    let extra_effects: i64 = doubled.iter().map(|o| o.effects - 1).sum();
+    let exactly_once = orders.iter().filter(|o| o.effects == 1).count();
+    let order_ids: HashSet<Uuid> = orders.iter().map(|o| o.event_id).collect();
+
+    let foreign_effects = scalar(
+        admin,
+        format!(
+            "SELECT count(*) FROM {} e WHERE NOT EXISTS (SELECT 1 FROM {} o WHERE o.event_id = e.event_id)",
+            t("effects"),
+            t("orders")
+        ),
+    )
+    .await?;
+    let dead: HashMap<Uuid, String> =
+        sqlx::query_as::<_, (Uuid, Option<String>)>(AssertSqlSafe(format!(
+            "SELECT id, last_error FROM {} WHERE status = 3",
+            t("outbox_messages")
+        )))
+        .fetch_all(admin)
+        .await?
+        .into_iter()
+        .map(|(id, e)| (id, e.unwrap_or_default()))
+        .collect();
+    let pending = scalar(
+        admin,
+        format!(
+            "SELECT count(*) FROM {} WHERE status IN (0, 9)",
+            t("outbox_messages")
+        ),
+    )
+    .await?;
+    let consumer_dead = scalar(
+        admin,
+        format!(
+            "SELECT (SELECT count(*) FROM {} WHERE dead_at IS NOT NULL)
+                  + (SELECT count(*) FROM {} WHERE status = 3)",
+            t("inbox_failures"),
+            t("inbox_messages")
+        ),
+    )
+    .await?;
+    let (deliveries, delivered_ids): (i64, i64) = sqlx::query_as(AssertSqlSafe(format!(
+        "SELECT count(*), count(DISTINCT event_id) FROM {}",
+        t("deliveries")
+    )))
+    .fetch_one(admin)
+    .await?;
+
+    // Poison rows: exactly the dead letters, never at the broker.
+    let poison_ids: HashSet<Uuid> = inputs.poison.iter().map(|p| p.id).collect();
+    let unexpected_dead: Vec<(&Uuid, &String)> = dead
+        .iter()
+        .filter(|(id, _)| !poison_ids.contains(id))
+        .collect();
+    let poison_alive: Vec<&PoisonRow> = inputs
+        .poison
+        .iter()
+        .filter(|p| !dead.contains_key(&p.id))
+        .collect();
+    let poison_other_reason: Vec<(&PoisonRow, &String)> = inputs
+        .poison
+        .iter()
+        .filter_map(|p| dead.get(&p.id).map(|e| (p, e)))
+        .filter(|(p, e)| !e.contains(p.kind.reason))
+        .collect();
+
+    // The broker's side.
+    let (broker_line, dup_line) = match &inputs.broker {
+        Ok((copies, without_id)) => {
+            let total: u64 = copies.values().map(|n| u64::from(*n)).sum::<u64>() + without_id;
+            let missing = orders
+                .iter()
+                .filter(|o| !copies.contains_key(&o.event_id))
+                .count();
+            let poison_published = poison_ids
+                .iter()
+                .filter(|id| copies.contains_key(id))
+                .count();
+            let unknown = copies
+                .keys()
+                .filter(|id| !order_ids.contains(id) && !poison_ids.contains(id))
+                .count()
+                + usize::try_from(*without_id).unwrap_or(usize::MAX);
+            let duplicates: u64 = copies
+                .values()
+                .map(|n| u64::from(n.saturating_sub(1)))
+                .sum();
+            if missing > 0 {
+                failures.push(format!("{missing} events never reached the broker"));
+            }
+            if poison_published > 0 {
+                failures.push(format!("{poison_published} poison rows reached the broker"));
+            }
+            if unknown > 0 {
+                failures.push(format!("{unknown} messages at the broker match no order"));
+            }
+            let what = match inputs.transport {
+                Transport::Rabbit => "audit queue",
+                Transport::Nats => "stream",
+            };
+            (
+                format!(
+                    "{} distinct ids in the {what} ({total} copies); missing {missing}, poison {poison_published}, unknown {unknown}",
+                    copies.len()
+                ),
+                match inputs.transport {
+                    Transport::Rabbit => format!(
+                        "{duplicates} (copies beyond the first, all routed to the consumers' queue)"
+                    ),
+                    Transport::Nats => format!(
+                        "{duplicates} stored (republishes inside the 2-minute window are dropped by the stream's Nats-Msg-Id deduplication and not counted)"
+                    ),
+                },
+            )
+        }
+        Err(e) => {
+            failures.push(format!("the broker could not be audited: {e}"));
+            (format!("NOT AUDITED: {e}"), "unknown".to_owned())
+        }
+    };
+
+    // Fault windows, each extended until the pipeline caught up with what was
+    // committed before the fault was undone.
+    let mut by_created: Vec<&Order> = orders.iter().collect();
+    by_created.sort_by(|a, b| a.created.total_cmp(&b.created));
+    let mut caught_up = Vec::with_capacity(by_created.len());
+    let mut latest = f64::MIN;
+    for o in &by_created {
+        latest = latest.max(o.applied.unwrap_or(f64::MAX));
+        caught_up.push(latest);
+    }
+    let catch_up = |t: f64| -> f64 {
+        let i = by_created.partition_point(|o| o.created <= t);
+        if i == 0 { t } else { caught_up[i - 1].max(t) }
+    };
+    let windows: Vec<(FaultKind, f64, f64, f64)> = inputs
+        .records
+        .iter()
+        .filter(|r| r.injected)
+        .map(|r| {
+            let start = epoch(r.start);
+            let end = r.end.map_or(start, epoch);
+            (r.kind, start, end, catch_up(end))
+        })
+        .collect();
+    let outside: Vec<f64> = orders
+        .iter()
+        .filter_map(|o| o.applied.map(|a| (o.created, a)))
+        .filter(|(c, a)| {
+            !windows
+                .iter()
+                .any(|(_, start, _, caught)| *c <= *caught && *a >= *start)
+        })
+        .map(|(c, a)| (a - c) * 1000.0)
+        .collect();
+    let mut applied: Vec<f64> = orders.iter().filter_map(|o| o.applied).collect();
+    applied.sort_by(f64::total_cmp);
+    let phase_start = epoch(inputs.phase.0);
+    let phase_end = epoch(inputs.phase.1);
+    let mut stall = (0.0_f64, phase_start);
+    let mut previous = phase_start;
+    for a in applied
+        .iter()
+        .copied()
+        .filter(|a| *a >= phase_start && *a <= phase_end)
+    {
+        if a - previous > stall.0 {
+            stall = (a - previous, previous);
+        }
+        previous = a;
+    }
+    let stall_causes: Vec<&str> = {
+        let (len, from) = stall;
+        let mut kinds: Vec<FaultKind> = windows
+            .iter()
+            .filter(|(_, start, _, caught)| *start <= from + len && *caught >= from)
+            .map(|(k, ..)| *k)
+            .collect();
+        kinds.sort();
+        kinds.dedup();
+        kinds.iter().map(|k| k.label(inputs.transport)).collect()
+    };
+
+    // The table.
+    println!();
+    println!(
+        "chaos verdict: {}, {}, seed {}, fault phase {}, {} relays, {} consumers, crash-loop limit {}",
+        inputs.transport.name(),
+        inputs.mode.name(),
+        inputs.seed,
+        humantime::format_duration(inputs.duration),
+        inputs.relays,
+        inputs.consumers,
+        inputs.crash_loop_limit
+    );
+    println!();
+    println!(
+        "  {:<30} {:>7} {:>8}  notes",
+        "fault", "planned", "injected"
+    );
+    let mut by_kind: BTreeMap<FaultKind, (usize, Vec<String>)> = BTreeMap::new();
+    for r in &inputs.records {
+        let entry = by_kind.entry(r.kind).or_default();
+        if r.injected {
+            entry.0 += 1;
+        } else {
+            entry.1.push(format!("not injected: {}", r.note));
+        }
+    }
+    for kind in FaultKind::all(inputs.transport) {
+        let planned = match kind {
+            FaultKind::Poison => inputs.schedule.planned(kind) * inputs.poison_kinds,
+            _ => inputs.schedule.planned(kind),
+        };
+        let (injected, mut notes) = by_kind.remove(&kind).unwrap_or_default();
+        if let Some((_, why)) = inputs.schedule.unscheduled.iter().find(|(k, _)| *k == kind) {
+            notes.push(why.clone());
+        }
+        notes.sort();
+        notes.dedup();
+        let held: Vec<f64> = inputs
+            .records
+            .iter()
+            .filter(|r| r.kind == kind && r.injected)
+            .filter_map(|r| r.end.map(|end| (end - r.start).as_seconds_f64()))
+            .collect();
+        if let (Some(least), Some(most)) = (
+            held.iter().copied().reduce(f64::min),
+            held.iter().copied().reduce(f64::max),
+        ) && most > 0.05
+        {
+            let what = match kind {
+                FaultKind::RelayKill | FaultKind::ConsumerKill => "down",
+                FaultKind::BrokerRestart | FaultKind::PgRestart => "down",
+                _ => "held",
+            };
+            notes.insert(0, format!("{what} {least:.1}-{most:.1} s"));
+        }
+        if kind == FaultKind::PgTerminate {
+            let connections: u64 = inputs
+                .records
+                .iter()
+                .filter(|r| r.kind == kind && r.injected)
+                .filter_map(|r| r.note.split_whitespace().next()?.parse::<u64>().ok())
+                .sum();
+            notes.push(format!("{connections} connections terminated in all"));
+        }
+        if kind == FaultKind::Poison {
+            let mut kinds: Vec<&str> = inputs.poison.iter().map(|p| p.kind.name).collect();
+            kinds.sort_unstable();
+            kinds.dedup();
+            notes.push(format!("kinds: {}", kinds.join("; ")));
+        }
+        println!(
+            "  {:<30} {:>7} {:>8}  {}",
+            kind.label(inputs.transport),
+            planned,
+            injected,
+            notes.join("; ")
+        );
+    }
+    println!();
+    line("orders written (committed)", written);
+    line("producer transactions failed", inputs.producer_failures);
+    line("events at the broker", &broker_line);
+    line("duplicates published", &dup_line);
+    line(
+        "events consumed (deliveries recorded)",
+        format!(
+            "{delivered_ids} distinct ids, {deliveries} deliveries ({} redeliveries or duplicates)",
+            deliveries - delivered_ids
+        ),
+    );
+    line(
+        "duplicates suppressed by the inbox",
+        match inputs.mode {
+            ConsumerMode::Direct => "none: no inbox".to_owned(),
+            _ => format!("{}", (deliveries - delivered_ids - extra_effects).max(0)),
+        },
+    );
+    line("applied exactly once", exactly_once);
+    line(
+        "dead letters (outbox)",
+        format!(
+            "{} ({} injected poison rows, {} unexpected, {} poison rows not dead)",
+            dead.len(),
+            inputs.poison.len(),
+            unexpected_dead.len(),
+            poison_alive.len()
+        ),
+    );
+    line("consumer dead letters", consumer_dead);
+    line("lost", lost.len());
+    line(
+        "double effects",
+        format!(
+            "{} events ({extra_effects} extra effect rows)",
+            doubled.len()
+        ),
+    );
+    line("effects of unknown events", foreign_effects);
+    line("still pending in the outbox", pending);
+    match common::percentiles(&outside) {
+        Some((p50, p99)) => {
+            let max = outside.iter().copied().fold(0.0, f64::max);
+            line(
+                "commit-to-consume outside fault windows",
+                format!(
+                    "p50 {}  p99 {}  max {}  ({} of {} events)",
+                    common::ms(p50),
+                    common::ms(p99),
+                    common::ms(Duration::from_secs_f64(max / 1000.0)),
+                    outside.len(),
+                    written
+                ),
+            );
+        }
+        None => line(
+            "commit-to-consume outside fault windows",
+            "no event outside",
+        ),
+    }
+    line(
+        "longest stall (no effect applied)",
+        format!(
+            "{} from {} into the run{}",
+            secs(stall.0),
+            secs(stall.1 - phase_start),
+            if stall_causes.is_empty() {
+                String::new()
+            } else {
+                format!(" (during {})", stall_causes.join(", "))
+            }
+        ),
+    );
+    let p = &inputs.processes;
+    line(
+        "relay restarts",
+        format!(
+            "{} (after kills and {} exits of their own)",
+            p.relay_restarts,
+            p.exits.iter().filter(|e| e.starts_with("relay")).count()
+        ),
+    );
+    line("consumer restarts", p.consumer_restarts);
+    if !p.exits.is_empty() {
+        line("exits not caused by the harness", p.exits.join("; "));
+    }
+    line(
+        "drain",
+        match &inputs.drain {
+            Ok(d) => format!("finished in {}", secs(d.as_secs_f64())),
+            Err(e) => format!("DID NOT FINISH: {e}"),
+        },
+    );
+    for (p, e) in &poison_other_reason {
+        println!(
+            "  note: poison row {} ({}) is dead for another reason than expected: {e}",
+            p.id, p.kind.name
+        );
+    }
+
+    if let Err(e) = &inputs.drain {
+        failures.push(format!("the drain did not finish: {e}"));
+    }
+    if written == 0 {
+        failures.push("no order was written".to_owned());
+    }
+    if !lost.is_empty() {
+        failures.push(format!(
+            "{} events lost (e.g. {})",
+            lost.len(),
+            sample(lost.iter().map(|o| o.event_id))
+        ));
+    }
+    if !doubled.is_empty() {
+        failures.push(format!(
+            "{} double effects (e.g. {})",
+            doubled.len(),
+            sample(doubled.iter().map(|o| o.event_id))
+        ));
+    }
+    if !unexpected_dead.is_empty() {
+        failures.push(format!(
+            "{} unexpected dead letters (e.g. {}: {})",
+            unexpected_dead.len(),
+            unexpected_dead[0].0,
+            unexpected_dead[0].1
+        ));
+    }
+    if !poison_alive.is_empty() {
+        failures.push(format!("{} poison rows are not dead", poison_alive.len()));
+    }
+    if consumer_dead > 0 {
+        failures.push(format!("{consumer_dead} consumer dead letters"));
+    }
+    if foreign_effects > 0 {
+        failures.push(format!("{foreign_effects} effects of events no order has"));
+    }
+    if !p.crashes.is_empty() {
+        failures.push(format!("processes crashed: {}", p.crashes.join("; ")));
+    }
+    Ok(failures)
+}
+
+fn sample(ids: impl Iterator<Item = Uuid>) -> String {
+    ids.take(3)
+        .map(|id| id.to_string())
+        .collect::<Vec<_>>()
+        .join(", ")
+}
