@@ -3,12 +3,13 @@
 use std::sync::Arc;
 
 use async_trait::async_trait;
-use outbox_core::consumer::{DeliveryHandler, HandlerDecision};
+use outbox_core::consumer::{BatchDeliveryHandler, DeliveryHandler, HandlerDecision};
 use outbox_core::inbox::{ConsumerDeadLetters, VersionTracking};
 use outbox_core::wire::IncomingMessage;
 use outbox_core::{InboxStore, OutboxError};
 use tracing::{debug, error, warn};
 
+use crate::batch::{Attempt, Item, attempt};
 use crate::pipeline::{Pipeline, Step, UnlessDead, run_handler};
 
 /// Default deliveries of one message a handler may fail before it is dead-lettered.
@@ -71,6 +72,29 @@ impl UnhandledPolicy {
 /// attempt, however long the outage. Messages whose event type has no handler follow
 /// the [`UnhandledPolicy`]. Version gaps are not held back in this mode (the broker
 /// decides delivery order); use the durable inbox for a reorder window.
+///
+/// # Batch mode
+///
+/// It is also a [`BatchDeliveryHandler`], for a transport's batched run mode
+/// (`RabbitConsumer::run_batched`, `NatsConsumer::run_batched`):
+/// [`process_batch`](Self::process_batch) handles many deliveries in **one**
+/// transaction, with the same guarantees: it claims every `(message, handler)` pair of
+/// the batch in one statement
+/// ([`claim_batch_unless_dead`](ConsumerDeadLetters::claim_batch_unless_dead)), locks
+/// the aggregates' version rows in one statement (sorted, so concurrent batches do not
+/// deadlock), runs the handlers in delivery order (each message's handlers in pipeline
+/// order; a handler may take its messages in one call, [`Handler::handle_batch`]),
+/// raises the versions in one statement and commits; then every message is acked.
+/// Inside a batch a message sees the versions the messages before it left (two versions
+/// of one aggregate: the second sees the first's), so the stale policy holds as in
+/// per-message mode. The handlers run without savepoints: when one fails or panics, the
+/// batch is rolled back, the messages before the failing one run again as a batch, the
+/// failing one runs alone through the per-message path (its failure counted per
+/// handler, requeued, and dead-lettered after `max_deliveries`, exactly as in
+/// per-message mode), then the rest. A database error of the inbox defers the messages
+/// not committed yet.
+///
+/// [`Handler::handle_batch`]: crate::Handler::handle_batch
 pub struct IdempotentConsumer<S: InboxStore> {
     store: Arc<S>,
     pipeline: Arc<Pipeline<S>>,
@@ -169,6 +193,72 @@ where
         HandlerDecision::Ack
     }
 
+    /// Handles `msgs` in one transaction (see [Batch mode](Self#batch-mode)) and says,
+    /// for each in order, how to answer the broker (the [`BatchDeliveryHandler`] entry
+    /// point, callable directly too). Messages no handler subscribes to follow the
+    /// [`UnhandledPolicy`] one by one.
+    pub async fn process_batch(&self, msgs: &[IncomingMessage]) -> Vec<HandlerDecision> {
+        let mut decisions = vec![HandlerDecision::Ack; msgs.len()];
+        let mut items = Vec::with_capacity(msgs.len());
+        let mut positions = Vec::with_capacity(msgs.len());
+        for (k, msg) in msgs.iter().enumerate() {
+            let regs = self.pipeline.handlers(&msg.event_type);
+            if regs.is_empty() {
+                decisions[k] = self.unhandled(msg).await;
+                continue;
+            }
+            items.push(Item {
+                msg,
+                regs,
+                attempt: msg
+                    .delivery_count
+                    .and_then(|c| u32::try_from(c).ok())
+                    .unwrap_or(1),
+                hold_gaps: false,
+            });
+            positions.push(k);
+        }
+        // `failed`: an item a failed attempt named; the items before it go as a batch
+        // first, then it alone. A single message goes alone at once (no batch to
+        // save, and a failure is then run once, not twice).
+        let (mut start, mut failed) = (0, None);
+        while start < items.len() {
+            let end = failed.unwrap_or(items.len());
+            if end - start <= 1 {
+                decisions[positions[start]] = self.process(items[start].msg).await;
+                if failed == Some(start) {
+                    failed = None;
+                }
+                start += 1;
+                continue;
+            }
+            match attempt(&*self.store, &items[start..end], &UnlessDead).await {
+                Attempt::Committed => start = end,
+                Attempt::Failed { item } => failed = Some(start + item),
+                Attempt::Store(e) if e.kind().is_retryable() => {
+                    warn!(error = %e, messages = items.len() - start, "inbox database unavailable: deferring the batch");
+                    for &k in &positions[start..] {
+                        decisions[k] = HandlerDecision::Defer;
+                    }
+                    break;
+                }
+                // Not an outage (a statement the database refuses, e.g. after a handler
+                // swallowed its own error), or (never here) a gap: each message alone,
+                // as in per-message mode.
+                other => {
+                    if let Attempt::Store(e) = &other {
+                        warn!(error = %e, "a batch failed on an inbox statement: handling its messages one by one");
+                    }
+                    for k in start..end {
+                        decisions[positions[k]] = self.process(items[k].msg).await;
+                    }
+                    start = end;
+                }
+            }
+        }
+        decisions
+    }
+
     async fn unhandled(&self, msg: &IncomingMessage) -> HandlerDecision {
         crate::metrics::unhandled(self.unhandled.as_str());
         match self.unhandled {
@@ -216,5 +306,15 @@ where
 {
     async fn handle(&self, msg: &IncomingMessage) -> HandlerDecision {
         self.process(msg).await
+    }
+}
+
+#[async_trait]
+impl<S> BatchDeliveryHandler for IdempotentConsumer<S>
+where
+    S: InboxStore + VersionTracking + ConsumerDeadLetters,
+{
+    async fn handle_batch(&self, msgs: &[IncomingMessage]) -> Vec<HandlerDecision> {
+        self.process_batch(msgs).await
     }
 }

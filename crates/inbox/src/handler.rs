@@ -64,6 +64,42 @@ impl<E: std::error::Error + Send + Sync + 'static> From<E> for HandlerError {
     }
 }
 
+/// A failure of [`Handler::handle_batch`]: which message of the batch failed, and why.
+#[derive(Debug)]
+pub struct BatchHandlerError {
+    index: usize,
+    error: HandlerError,
+}
+
+impl BatchHandlerError {
+    /// The message at `index` (in the slice given to `handle_batch`) failed with
+    /// `error`. An index past the end counts as the last message.
+    pub fn new(index: usize, error: HandlerError) -> Self {
+        Self { index, error }
+    }
+
+    /// The index, in the slice given to `handle_batch`, of the message that failed.
+    pub fn index(&self) -> usize {
+        self.index
+    }
+
+    /// Why it failed.
+    pub fn error(&self) -> &HandlerError {
+        &self.error
+    }
+
+    /// The failure, without the index.
+    pub fn into_error(self) -> HandlerError {
+        self.error
+    }
+}
+
+impl std::fmt::Display for BatchHandlerError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "message {} of the batch: {}", self.index, self.error)
+    }
+}
+
 /// What to do with a message whose aggregate version is not newer than the last one
 /// the handler applied.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -79,10 +115,24 @@ pub enum StalePolicy {
 /// A message handler. It runs inside a database transaction that also holds its inbox
 /// record, so its effects and "handled" commit together or not at all.
 ///
+/// In batch mode (a transport's `run_batched` with [`IdempotentConsumer`], or the
+/// [`InboxProcessor`]) that transaction holds a whole batch: the inbox records and
+/// effects of every message of the batch and every handler. The handlers' calls are
+/// not isolated from each other (no savepoints): when one fails, the whole batch is
+/// rolled back and run again without the failing message, which is then run alone, as
+/// in per-message mode. So a handler may run more than once for one delivery; its
+/// effects through `conn` still commit exactly once.
+///
 /// # Contract
 /// - It MUST make every effect through `conn` (or make external effects idempotent):
-///   the transaction is rolled back when it fails and the message is retried.
+///   the transaction is rolled back when it fails and the message is retried, and in
+///   batch mode when another message of the batch fails.
 /// - It MUST NOT commit or roll back `conn`.
+/// - It SHOULD NOT swallow an error of a statement on `conn`: PostgreSQL refuses every
+///   later statement of the transaction (`25P02`), which then fails the batch.
+///
+/// [`IdempotentConsumer`]: crate::IdempotentConsumer
+/// [`InboxProcessor`]: crate::InboxProcessor
 #[async_trait]
 pub trait Handler<S: InboxStore>: Send + Sync + 'static {
     /// Applies `msg`.
@@ -96,4 +146,36 @@ pub trait Handler<S: InboxStore>: Send + Sync + 'static {
         msg: &IncomingMessage,
         ctx: &HandlerContext,
     ) -> Result<(), HandlerError>;
+
+    /// Applies several messages at once, in batch mode: override it for set-based writes
+    /// (one `INSERT … SELECT FROM UNNEST` instead of a statement per message). The
+    /// default calls [`handle`](Self::handle) for each message, in order.
+    ///
+    /// `msgs` holds, in delivery order, the messages of the batch this handler has to
+    /// apply (its inbox record was just claimed on `conn`; duplicates, consumer dead
+    /// letters and stale versions skipped by [`StalePolicy::Skip`] are left out), each
+    /// with its context. A message's context is as if the messages before it in the
+    /// batch had been applied: two versions of one aggregate in one batch arrive in
+    /// order, and the second's [`HandlerContext::applied_version`] is the first's
+    /// version. The handlers of one message still run in pipeline order. A message that
+    /// fails is run alone afterwards, through [`handle`](Self::handle): both methods
+    /// MUST have the same effects.
+    ///
+    /// # Errors
+    /// A [`BatchHandlerError`] naming the message that failed (its index in `msgs`; if
+    /// it cannot tell, the first): the batch's transaction is rolled back, the messages
+    /// before that one are run again as a batch, that one alone (its failure counted,
+    /// retried or dead-lettered as in per-message mode), then the rest.
+    async fn handle_batch(
+        &self,
+        conn: &mut S::Connection,
+        msgs: &[(&IncomingMessage, HandlerContext)],
+    ) -> Result<(), BatchHandlerError> {
+        for (index, (msg, ctx)) in msgs.iter().enumerate() {
+            self.handle(conn, msg, ctx)
+                .await
+                .map_err(|error| BatchHandlerError::new(index, error))?;
+        }
+        Ok(())
+    }
 }

@@ -52,6 +52,7 @@
 //! `tracing-opentelemetry` layer installed, becomes the span's OpenTelemetry parent, so
 //! the handler joins the producer's trace.
 
+mod batch;
 mod consumer;
 mod durable;
 mod handler;
@@ -65,6 +66,6 @@ pub use consumer::{
     DEFAULT_MAX_DELIVERIES, IdempotentConsumer, UNHANDLED_CONSUMER, UnhandledPolicy,
 };
 pub use durable::{DurableReceiver, GapPolicy, InboxProcessor, ProcessReport, ProcessorConfig};
-pub use handler::{Handler, HandlerContext, HandlerError, StalePolicy};
+pub use handler::{BatchHandlerError, Handler, HandlerContext, HandlerError, StalePolicy};
 pub use pipeline::Pipeline;
 pub use retention::{PurgeReport, Retention};

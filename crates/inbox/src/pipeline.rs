@@ -107,7 +107,8 @@ impl<S: InboxStore> Pipeline<S> {
     }
 }
 
-/// How a handler's transaction claims its inbox record.
+/// How a handler's transaction claims its inbox record (and a batch's transaction all
+/// of its records).
 #[async_trait]
 pub(crate) trait Claims<S: InboxStore>: Sync {
     async fn claim(
@@ -117,6 +118,13 @@ pub(crate) trait Claims<S: InboxStore>: Sync {
         message_id: Uuid,
         consumer: &str,
     ) -> Result<InboxClaim, OutboxError>;
+
+    async fn claim_batch(
+        &self,
+        store: &S,
+        conn: &mut S::Connection,
+        pairs: &[(Uuid, &str)],
+    ) -> Result<Vec<InboxClaim>, OutboxError>;
 }
 
 /// [`InboxStore::try_claim`]: the durable inbox, which keeps its own dead state.
@@ -137,6 +145,26 @@ impl<S: InboxStore> Claims<S> for Plain {
             InboxClaim::Duplicate
         })
     }
+
+    async fn claim_batch(
+        &self,
+        store: &S,
+        conn: &mut S::Connection,
+        pairs: &[(Uuid, &str)],
+    ) -> Result<Vec<InboxClaim>, OutboxError> {
+        Ok(store
+            .try_claim_batch(conn, pairs)
+            .await?
+            .into_iter()
+            .map(|new| {
+                if new {
+                    InboxClaim::Claimed
+                } else {
+                    InboxClaim::Duplicate
+                }
+            })
+            .collect())
+    }
 }
 
 /// [`ConsumerDeadLetters::claim_unless_dead`]: the idempotent consumer, one statement
@@ -154,6 +182,49 @@ impl<S: ConsumerDeadLetters> Claims<S> for UnlessDead {
     ) -> Result<InboxClaim, OutboxError> {
         store.claim_unless_dead(conn, message_id, consumer).await
     }
+
+    async fn claim_batch(
+        &self,
+        store: &S,
+        conn: &mut S::Connection,
+        pairs: &[(Uuid, &str)],
+    ) -> Result<Vec<InboxClaim>, OutboxError> {
+        store.claim_batch_unless_dead(conn, pairs).await
+    }
+}
+
+/// The `inbox.handle` span of one handler run on `msg`, whose OpenTelemetry parent is
+/// the message's W3C trace context.
+pub(crate) fn handle_span(msg: &IncomingMessage, consumer: &str, attempt: u32) -> tracing::Span {
+    let span = info_span!(
+        "inbox.handle",
+        message_id = %msg.id,
+        event_type = %msg.event_type,
+        consumer = %consumer,
+        tenant = msg.tenant_id.as_deref().unwrap_or(""),
+        aggregate_type = msg.aggregate_type.as_deref().unwrap_or(""),
+        aggregate_id = msg.aggregate_id.as_deref().unwrap_or(""),
+        version = msg.aggregate_version.unwrap_or(0),
+        attempt,
+        trace_id = tracing::field::Empty,
+        parent_span_id = tracing::field::Empty,
+    );
+    if let Some(tp) = msg.traceparent {
+        span.record("trace_id", format!("{:032x}", tp.trace_id));
+        span.record("parent_span_id", format!("{:016x}", tp.parent_id));
+        #[cfg(feature = "opentelemetry")]
+        crate::otel::set_remote_parent(&span, tp, msg.tracestate.as_deref());
+    }
+    span
+}
+
+/// The text of a caught panic, for the failure it becomes.
+pub(crate) fn panic_text(panic: &(dyn std::any::Any + Send)) -> String {
+    panic
+        .downcast_ref::<&str>()
+        .map(|s| (*s).to_owned())
+        .or_else(|| panic.downcast_ref::<String>().cloned())
+        .unwrap_or_else(|| "a panic without a message".to_owned())
 }
 
 /// What running one handler did.
@@ -173,7 +244,8 @@ pub(crate) enum Step {
     Failed(HandlerError),
 }
 
-fn version_key(msg: &IncomingMessage) -> Option<(&str, &str, i64)> {
+/// The aggregate type, id and version of a versioned message (version above 0).
+pub(crate) fn version_key(msg: &IncomingMessage) -> Option<(&str, &str, i64)> {
     match (
         &msg.aggregate_type,
         &msg.aggregate_id,
@@ -202,25 +274,7 @@ where
     S: InboxStore + VersionTracking,
     C: Claims<S>,
 {
-    let span = info_span!(
-        "inbox.handle",
-        message_id = %msg.id,
-        event_type = %msg.event_type,
-        consumer = %reg.consumer,
-        tenant = msg.tenant_id.as_deref().unwrap_or(""),
-        aggregate_type = msg.aggregate_type.as_deref().unwrap_or(""),
-        aggregate_id = msg.aggregate_id.as_deref().unwrap_or(""),
-        version = msg.aggregate_version.unwrap_or(0),
-        attempt,
-        trace_id = tracing::field::Empty,
-        parent_span_id = tracing::field::Empty,
-    );
-    if let Some(tp) = msg.traceparent {
-        span.record("trace_id", format!("{:032x}", tp.trace_id));
-        span.record("parent_span_id", format!("{:016x}", tp.parent_id));
-        #[cfg(feature = "opentelemetry")]
-        crate::otel::set_remote_parent(&span, tp, msg.tracestate.as_deref());
-    }
+    let span = handle_span(msg, &reg.consumer, attempt);
     async {
         let started = std::time::Instant::now();
         let mut tx = store.begin().await?;
@@ -274,13 +328,9 @@ where
             .catch_unwind()
             .await
             .unwrap_or_else(|panic| {
-                let text = panic
-                    .downcast_ref::<&str>()
-                    .map(|s| (*s).to_owned())
-                    .or_else(|| panic.downcast_ref::<String>().cloned())
-                    .unwrap_or_else(|| "a panic without a message".to_owned());
                 Err(HandlerError::retryable(format!(
-                    "the handler panicked: {text}"
+                    "the handler panicked: {}",
+                    panic_text(&*panic)
                 )))
             });
         match handled {

@@ -1,7 +1,10 @@
 //! The consumer-side contract shared by every transport: a [`DeliveryHandler`] receives
 //! each decoded [`IncomingMessage`] and answers with a [`HandlerDecision`], which the
 //! transport turns into its protocol's acknowledgement (AMQP `basic.ack`/`basic.nack`,
-//! JetStream `+ACK`/`-NAK`/`+TERM`/`+WPI`).
+//! JetStream `+ACK`/`-NAK`/`+TERM`/`+WPI`). A [`BatchDeliveryHandler`] receives several
+//! deliveries at once (a transport's batched run mode) and answers one decision per
+//! message. [`handle_until_decided`] and [`handle_batch_until_decided`] are how every
+//! transport runs them (panics caught, [`HandlerDecision::Defer`] retried with backoff).
 
 use async_trait::async_trait;
 
@@ -119,6 +122,153 @@ where
     }
 }
 
+/// Handles a batch of decoded deliveries at once (a transport's batched run mode, e.g.
+/// `RabbitConsumer::run_batched`), so that a handler can do the work of many deliveries
+/// in one database transaction.
+///
+/// # Contract
+/// - It MUST return exactly one [`HandlerDecision`] per message of `msgs`, in the same
+///   order. A transport answers a missing decision with [`HandlerDecision::Requeue`] and
+///   ignores extra ones (both logged as errors: a handler bug).
+/// - It MUST finish the side effects of a message (commit) before returning `Ack` for
+///   it: the transport acknowledges after the return.
+/// - It MUST be idempotent or deduplicate on [`IncomingMessage::id`]: delivery is
+///   at-least-once, and one batch may even hold two deliveries of the same message.
+/// - It SHOULD answer [`HandlerDecision::Defer`] for each message its store cannot take
+///   now. The transport answers the other messages at once, keeps the deferred ones
+///   without spending a delivery (JetStream `+WPI`; AMQP: they stay unacknowledged) and
+///   hands just those to `handle_batch` again, as a smaller batch, after 1 s, 2 s, ... up
+///   to 15 s, as [`handle_until_decided`] does for one delivery.
+/// - It SHOULD NOT panic. Transports catch a panic, log it and requeue every message of
+///   that call (never reject them: nothing has recorded them).
+/// - `msgs` holds 1 to the transport's batch size messages, in delivery order.
+#[async_trait]
+pub trait BatchDeliveryHandler: Send + Sync + 'static {
+    /// Handles `msgs` and says, for each in order, how to answer the broker.
+    async fn handle_batch(&self, msgs: &[IncomingMessage]) -> Vec<HandlerDecision>;
+}
+
+#[async_trait]
+impl<H: BatchDeliveryHandler + ?Sized> BatchDeliveryHandler for std::sync::Arc<H> {
+    async fn handle_batch(&self, msgs: &[IncomingMessage]) -> Vec<HandlerDecision> {
+        (**self).handle_batch(msgs).await
+    }
+}
+
+/// Hands `msgs` to `handler` until every message is decided, the way every transport
+/// runs a batch; [`handle_until_decided`] for a [`BatchDeliveryHandler`]:
+///
+/// - the decisions other than [`HandlerDecision::Defer`] are passed to `answer` as soon
+///   as they are known, as `(index into msgs, decision)` pairs in `msgs` order;
+/// - a panic of the handler is caught and logged, and every message of that call is
+///   answered [`HandlerDecision::Requeue`] (never `Reject`); a handler that returns too
+///   few decisions gets `Requeue` for the missing ones, too many are ignored;
+/// - while some messages are deferred, `keep` is awaited with their indices (e.g.
+///   JetStream `+WPI` for each), then, after [`defer_delay`], only those messages are
+///   handed to the handler again, as a smaller batch;
+/// - when `shutdown` is cancelled during such a wait, the still deferred messages are
+///   answered `Defer` (the transport hands them back to the broker).
+///
+/// Returns once `answer` has been awaited for every message. An empty `msgs` returns at
+/// once without calling the handler.
+pub async fn handle_batch_until_decided<H, K, KF, A, AF>(
+    handler: &H,
+    msgs: Vec<IncomingMessage>,
+    shutdown: &tokio_util::sync::CancellationToken,
+    mut keep: K,
+    mut answer: A,
+) where
+    H: BatchDeliveryHandler + ?Sized,
+    K: FnMut(Vec<usize>) -> KF + Send,
+    KF: Future<Output = ()> + Send,
+    A: FnMut(Vec<(usize, HandlerDecision)>) -> AF + Send,
+    AF: Future<Output = ()> + Send,
+{
+    let mut index: Vec<usize> = (0..msgs.len()).collect();
+    let mut pending = msgs;
+    let mut deferred = 0u32;
+    while !pending.is_empty() {
+        let decisions = decide_batch(handler, &pending).await;
+        let mut decided = Vec::with_capacity(pending.len());
+        let mut held = Vec::with_capacity(pending.len());
+        for (k, decision) in decisions.into_iter().enumerate() {
+            if decision == HandlerDecision::Defer {
+                held.push(k);
+            } else {
+                decided.push((index[k], decision));
+            }
+        }
+        if !decided.is_empty() {
+            answer(decided).await;
+        }
+        if held.is_empty() {
+            if deferred > 0 {
+                tracing::info!(deferred, "the handler's store is back; batch handled");
+            }
+            return;
+        }
+        if held.len() < pending.len() {
+            let mut keep_it = vec![false; pending.len()];
+            for &k in &held {
+                keep_it[k] = true;
+            }
+            let mut flags = keep_it.iter();
+            pending.retain(|_| flags.next().copied().unwrap_or(false));
+            let mut flags = keep_it.iter();
+            index.retain(|_| flags.next().copied().unwrap_or(false));
+        }
+        deferred += 1;
+        if deferred == 1 {
+            tracing::warn!(
+                messages = pending.len(),
+                "the handler's store is unavailable: holding the deliveries and trying again"
+            );
+        }
+        keep(index.clone()).await;
+        tokio::select! {
+            () = shutdown.cancelled() => {
+                answer(index.iter().map(|&i| (i, HandlerDecision::Defer)).collect()).await;
+                return;
+            }
+            () = tokio::time::sleep(defer_delay(deferred)) => {}
+        }
+    }
+}
+
+/// One call of `handler` on `msgs`: a panic requeues them all, a wrong number of
+/// decisions is fixed up (missing ones requeued, extra ones dropped).
+async fn decide_batch<H: BatchDeliveryHandler + ?Sized>(
+    handler: &H,
+    msgs: &[IncomingMessage],
+) -> Vec<HandlerDecision> {
+    use futures::FutureExt as _;
+    match std::panic::AssertUnwindSafe(handler.handle_batch(msgs))
+        .catch_unwind()
+        .await
+    {
+        Ok(mut decisions) => {
+            if decisions.len() != msgs.len() {
+                tracing::error!(
+                    messages = msgs.len(),
+                    decisions = decisions.len(),
+                    "batch handler bug: not one decision per message; the missing ones are requeued"
+                );
+                decisions.resize(msgs.len(), HandlerDecision::Requeue);
+            }
+            decisions
+        }
+        Err(panic) => {
+            let text = panic
+                .downcast_ref::<&str>()
+                .map(|s| (*s).to_owned())
+                .or_else(|| panic.downcast_ref::<String>().cloned())
+                .unwrap_or_default();
+            tracing::error!(messages = msgs.len(), panic = %text, "batch handler panicked; its deliveries are requeued");
+            vec![HandlerDecision::Requeue; msgs.len()]
+        }
+    }
+}
+
 /// How long a transport waits before handing a deferred delivery
 /// ([`HandlerDecision::Defer`]) to the handler again, after its `n`-th `Defer` in a row
 /// (1-based): 1 s, doubling, capped at [`MAX_DEFER_DELAY`].
@@ -217,6 +367,160 @@ mod tests {
             HandlerDecision::Defer
         );
         assert!(forever.calls.load(SeqCst) > 5);
+    }
+
+    /// Defers the messages whose payload is `b"defer"` for their first `defers` calls;
+    /// panics when `panics`; returns one decision too few when `short`.
+    struct FlakyBatch {
+        defers: u32,
+        calls: std::sync::Mutex<Vec<Vec<uuid::Uuid>>>,
+        panics: bool,
+        short: bool,
+    }
+
+    impl FlakyBatch {
+        fn new(defers: u32) -> Self {
+            Self {
+                defers,
+                calls: std::sync::Mutex::new(Vec::new()),
+                panics: false,
+                short: false,
+            }
+        }
+    }
+
+    #[async_trait]
+    impl BatchDeliveryHandler for FlakyBatch {
+        async fn handle_batch(&self, msgs: &[IncomingMessage]) -> Vec<HandlerDecision> {
+            let round = {
+                let mut calls = self.calls.lock().expect("lock");
+                calls.push(msgs.iter().map(|m| m.id).collect());
+                u32::try_from(calls.len()).expect("few calls")
+            };
+            assert!(!self.panics, "batch handler bug (expected by the test)");
+            let mut decisions: Vec<HandlerDecision> = msgs
+                .iter()
+                .map(|m| {
+                    if m.payload == b"defer" && round <= self.defers {
+                        HandlerDecision::Defer
+                    } else if m.payload == b"reject" {
+                        HandlerDecision::Reject
+                    } else {
+                        HandlerDecision::Ack
+                    }
+                })
+                .collect();
+            if self.short {
+                decisions.pop();
+            }
+            decisions
+        }
+    }
+
+    fn msg_with(payload: &[u8]) -> IncomingMessage {
+        IncomingMessage::new(uuid::Uuid::now_v7(), "OrderPlaced", payload.to_vec())
+    }
+
+    type Answers = std::sync::Mutex<Vec<Vec<(usize, HandlerDecision)>>>;
+
+    #[tokio::test(start_paused = true)]
+    async fn a_batch_answers_the_decided_at_once_and_hands_only_the_deferred_again() {
+        let handler = FlakyBatch::new(2);
+        let msgs = vec![
+            msg_with(b"ok"),
+            msg_with(b"defer"),
+            msg_with(b"reject"),
+            msg_with(b"defer"),
+        ];
+        let ids: Vec<uuid::Uuid> = msgs.iter().map(|m| m.id).collect();
+        let answers = Answers::default();
+        let kept = std::sync::Mutex::new(Vec::new());
+        let started = tokio::time::Instant::now();
+        handle_batch_until_decided(
+            &handler,
+            msgs,
+            &tokio_util::sync::CancellationToken::new(),
+            |held| {
+                kept.lock().expect("lock").push(held);
+                async {}
+            },
+            |decided| {
+                answers.lock().expect("lock").push(decided);
+                async {}
+            },
+        )
+        .await;
+        assert_eq!(
+            *answers.lock().expect("lock"),
+            [
+                vec![(0, HandlerDecision::Ack), (2, HandlerDecision::Reject)],
+                vec![(1, HandlerDecision::Ack), (3, HandlerDecision::Ack)],
+            ],
+            "decided ones answered at once, by their index in the batch"
+        );
+        assert_eq!(*kept.lock().expect("lock"), [vec![1, 3], vec![1, 3]]);
+        assert_eq!(
+            *handler.calls.lock().expect("lock"),
+            [ids.clone(), vec![ids[1], ids[3]], vec![ids[1], ids[3]]],
+            "only the deferred messages are handed again"
+        );
+        assert_eq!(started.elapsed().as_secs(), 1 + 2, "backoff 1 s, 2 s");
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_batch_panic_requeues_all_a_short_answer_requeues_the_rest_and_shutdown_hands_back() {
+        let run = async |handler: &FlakyBatch, token: &tokio_util::sync::CancellationToken| {
+            let answers = Answers::default();
+            handle_batch_until_decided(
+                handler,
+                vec![msg_with(b"ok"), msg_with(b"defer"), msg_with(b"ok")],
+                token,
+                |_| async {},
+                |decided| {
+                    answers.lock().expect("lock").push(decided);
+                    async {}
+                },
+            )
+            .await;
+            answers.into_inner().expect("lock").concat()
+        };
+        let token = tokio_util::sync::CancellationToken::new();
+        let mut panics = FlakyBatch::new(0);
+        panics.panics = true;
+        assert_eq!(
+            run(&panics, &token).await,
+            [
+                (0, HandlerDecision::Requeue),
+                (1, HandlerDecision::Requeue),
+                (2, HandlerDecision::Requeue)
+            ]
+        );
+        let mut short = FlakyBatch::new(0);
+        short.short = true;
+        assert_eq!(
+            run(&short, &token).await,
+            [
+                (0, HandlerDecision::Ack),
+                (1, HandlerDecision::Ack),
+                (2, HandlerDecision::Requeue)
+            ]
+        );
+        let forever = FlakyBatch::new(u32::MAX);
+        let cancel = token.clone();
+        tokio::spawn(async move {
+            tokio::time::sleep(std::time::Duration::from_secs(100)).await;
+            cancel.cancel();
+        });
+        assert_eq!(
+            run(&forever, &token).await,
+            [
+                (0, HandlerDecision::Ack),
+                (2, HandlerDecision::Ack),
+                (1, HandlerDecision::Defer)
+            ],
+            "still deferred at shutdown: handed back"
+        );
+        assert!(forever.calls.lock().expect("lock").len() > 5);
     }
 
     #[test]

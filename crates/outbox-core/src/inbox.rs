@@ -7,6 +7,15 @@
 //! - [`DurableInbox`]: received messages stored first (and acked at once), then claimed
 //!   by processors with fenced leases, like the outbox.
 //!
+//! Each trait has batch methods for the batched consumers (one transaction for many
+//! deliveries): [`InboxStore::try_claim_batch`],
+//! [`ConsumerDeadLetters::claim_batch_unless_dead`],
+//! [`VersionTracking::applied_versions`] / [`record_versions`](VersionTracking::record_versions)
+//! and [`DurableInbox::store_batch`]. Their defaults call the per-message methods in a
+//! loop (in sorted order, so that concurrent batches do not deadlock), so a backend works
+//! in batch mode without them; a backend overrides them to send one statement per batch
+//! (PostgreSQL does).
+//!
 //! The `inbox` crate drives them; backends implement them.
 
 use std::time::Duration;
@@ -18,6 +27,32 @@ use uuid::Uuid;
 use crate::error::OutboxError;
 use crate::store::{CompleteReport, InboxStore};
 use crate::wire::IncomingMessage;
+
+/// The order in which batch methods take their locks: the indices of `items` sorted by
+/// value, each distinct value once (its first occurrence). E.g. `[3, 1, 3, 2, 1]` →
+/// `[1, 3, 0]`. Every default batch method of the inbox traits follows it, and backends
+/// overriding them should too, so that two transactions locking overlapping batches
+/// wait for each other instead of deadlocking.
+pub fn lock_order<T: Ord>(items: &[T]) -> Vec<usize> {
+    let mut order: Vec<usize> = (0..items.len()).collect();
+    // Stable: equal values keep their order, so the first occurrence comes first.
+    order.sort_by(|&a, &b| items[a].cmp(&items[b]));
+    order.dedup_by(|b, a| items[*a] == items[*b]);
+    order
+}
+
+/// One aggregate as one consumer's version tracking keys it: the row
+/// [`VersionTracking::applied_versions`] locks. Ordered field by field (consumer, then
+/// aggregate type, then id): the order in which a batch locks its rows.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct VersionKey<'a> {
+    /// Consumer (handler) name.
+    pub consumer: &'a str,
+    /// Aggregate type.
+    pub aggregate_type: &'a str,
+    /// Aggregate id.
+    pub aggregate_id: &'a str,
+}
 
 /// Last applied aggregate version per `(consumer, aggregate_type, aggregate_id)`.
 #[async_trait]
@@ -48,6 +83,60 @@ pub trait VersionTracking: InboxStore {
         aggregate_id: &str,
         version: i64,
     ) -> Result<(), OutboxError>;
+
+    /// [`applied_version`](Self::applied_version) for many keys on one transaction: one
+    /// result per key, in order (a key repeated in `keys` gets the same result each
+    /// time). Every key's record is created if missing and locked until the transaction
+    /// ends. Stores MUST lock the records in a deterministic order (the default: sorted
+    /// by [`VersionKey`]'s order), so that two batches sharing aggregates wait for each
+    /// other instead of deadlocking, and SHOULD do it in one statement (PostgreSQL does).
+    ///
+    /// # Errors
+    /// [`OutboxError::Database`].
+    async fn applied_versions(
+        &self,
+        conn: &mut Self::Connection,
+        keys: &[VersionKey<'_>],
+    ) -> Result<Vec<Option<i64>>, OutboxError> {
+        let mut versions = vec![None; keys.len()];
+        for i in lock_order(keys) {
+            let key = keys[i];
+            let applied = self
+                .applied_version(conn, key.consumer, key.aggregate_type, key.aggregate_id)
+                .await?;
+            for (slot, other) in versions.iter_mut().zip(keys) {
+                if *other == key {
+                    *slot = applied;
+                }
+            }
+        }
+        Ok(versions)
+    }
+
+    /// [`record_version`](Self::record_version) for many keys on one transaction (whose
+    /// records [`applied_versions`](Self::applied_versions) locked): each stored version
+    /// is raised to the largest version given for its key, never lowered. Stores SHOULD
+    /// do it in one statement (PostgreSQL does); the default records them one by one.
+    ///
+    /// # Errors
+    /// [`OutboxError::Database`].
+    async fn record_versions(
+        &self,
+        conn: &mut Self::Connection,
+        versions: &[(VersionKey<'_>, i64)],
+    ) -> Result<(), OutboxError> {
+        for (key, version) in versions {
+            self.record_version(
+                conn,
+                key.consumer,
+                key.aggregate_type,
+                key.aggregate_id,
+                *version,
+            )
+            .await?;
+        }
+        Ok(())
+    }
 }
 
 /// What a failure left behind.
@@ -115,6 +204,39 @@ pub trait ConsumerDeadLetters: InboxStore {
         } else {
             InboxClaim::Duplicate
         })
+    }
+
+    /// [`claim_unless_dead`](Self::claim_unless_dead) for many `(message_id, consumer)`
+    /// pairs on one transaction: one [`InboxClaim`] per pair, in order. A pair repeated
+    /// in `pairs` is claimed at most once, by its first occurrence (the others are
+    /// [`InboxClaim::Duplicate`], or [`InboxClaim::DeadLetter`] for a dead letter). As
+    /// with [`InboxStore::try_claim_batch`], stores MUST take the locks in a
+    /// deterministic order and SHOULD claim the whole batch in one statement
+    /// (PostgreSQL does: the batched idempotent consumer's only inbox statement per
+    /// batch). The default calls `claim_unless_dead` pair by pair, sorted by
+    /// `(message_id, consumer)`.
+    ///
+    /// # Errors
+    /// [`OutboxError::Database`]; nothing can be assumed claimed.
+    async fn claim_batch_unless_dead(
+        &self,
+        conn: &mut Self::Connection,
+        pairs: &[(Uuid, &str)],
+    ) -> Result<Vec<InboxClaim>, OutboxError> {
+        let mut claims = vec![InboxClaim::Duplicate; pairs.len()];
+        for i in lock_order(pairs) {
+            let (message_id, consumer) = pairs[i];
+            let claim = self.claim_unless_dead(conn, message_id, consumer).await?;
+            claims[i] = claim;
+            if claim == InboxClaim::DeadLetter {
+                for (slot, other) in claims.iter_mut().zip(pairs) {
+                    if *other == pairs[i] {
+                        *slot = InboxClaim::DeadLetter;
+                    }
+                }
+            }
+        }
+        Ok(claims)
     }
 
     /// Counts one failure of `consumer` on `msg` in its own transaction; when the count
@@ -229,6 +351,25 @@ pub trait DurableInbox: InboxStore {
     /// [`OutboxError::Database`]: the delivery must then not be acked.
     async fn store(&self, msg: &IncomingMessage) -> Result<bool, OutboxError>;
 
+    /// [`store`](Self::store) for many messages: one result per message, in order
+    /// (`true`: it was new). A message id repeated in `msgs` is stored once, by its first
+    /// occurrence. Stores MUST insert in a deterministic order (e.g. sorted by id), so that
+    /// two receivers storing overlapping batches do not deadlock, and SHOULD store the
+    /// batch in one statement (PostgreSQL does). The default stores the messages one by
+    /// one, sorted by id.
+    ///
+    /// # Errors
+    /// [`OutboxError::Database`]: none of the deliveries may then be acked. Some of them
+    /// may be stored already (with the default); their redeliveries are duplicates.
+    async fn store_batch(&self, msgs: &[IncomingMessage]) -> Result<Vec<bool>, OutboxError> {
+        let ids: Vec<Uuid> = msgs.iter().map(|m| m.id).collect();
+        let mut new = vec![false; msgs.len()];
+        for i in lock_order(&ids) {
+            new[i] = self.store(&msgs[i]).await?;
+        }
+        Ok(new)
+    }
+
     /// Claims up to `batch_size` stored messages (New and visible, or Processing with an
     /// expired lease), oldest first, skipping rows locked by other processors; sets a
     /// lease, a fresh claim token and `attempts + 1`.
@@ -259,4 +400,25 @@ pub trait DurableInbox: InboxStore {
         older_than: Duration,
         batch_size: usize,
     ) -> Result<u64, OutboxError>;
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn lock_order_keeps_first_occurrences_in_value_order() {
+        assert_eq!(lock_order(&[3, 1, 3, 2, 1]), [1, 3, 0]);
+        assert!(lock_order::<u8>(&[]).is_empty());
+        let a = VersionKey {
+            consumer: "a",
+            aggregate_type: "order",
+            aggregate_id: "2",
+        };
+        let b = VersionKey {
+            aggregate_id: "10",
+            ..a
+        };
+        assert_eq!(lock_order(&[a, b, a]), [1, 0], "\"10\" < \"2\" as text");
+    }
 }

@@ -11,7 +11,8 @@
 //!   message);
 //! - the [`Dispatcher`] (relay) with its [`RetryPolicy`] and circuit breaker;
 //! - the [`consumer`] contract every transport's consumer adapter drives
-//!   ([`DeliveryHandler`], [`HandlerDecision`]);
+//!   ([`DeliveryHandler`], its batched sibling [`BatchDeliveryHandler`],
+//!   [`HandlerDecision`]);
 //! - the [`wire`] format shared by the transports (CloudEvents binary mode, W3C Trace
 //!   Context);
 //! - the [`domain`] events helper;
@@ -54,13 +55,13 @@ pub mod wire;
 #[cfg(feature = "conformance")]
 pub mod conformance;
 
-pub use consumer::{DeliveryHandler, HandlerDecision};
+pub use consumer::{BatchDeliveryHandler, DeliveryHandler, HandlerDecision};
 pub use dispatcher::{BatchReport, Dispatcher, DispatcherConfig, DispatcherStats, WakeHandle};
 pub use domain::{DomainEvents, EventSource};
 pub use error::{BoxError, ErrorKind, InvalidMessage, OutboxError, PublishError};
 pub use inbox::{
     ConsumerDeadLetter, ConsumerDeadLetters, DurableInbox, FailureCount, InboxClaim,
-    InboxCompletion, InboxOutcome, StoredMessage, VersionTracking,
+    InboxCompletion, InboxOutcome, StoredMessage, VersionKey, VersionTracking,
 };
 pub use message::{
     DEFAULT_MAX_PAYLOAD_BYTES, Headers, MessageStatus, NewMessage, NewMessageBuilder,

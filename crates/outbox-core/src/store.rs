@@ -527,6 +527,29 @@ pub trait InboxStore: Send + Sync + 'static {
         consumer: &str,
     ) -> Result<bool, OutboxError>;
 
+    /// [`try_claim`](Self::try_claim) for many `(message_id, consumer)` pairs on one
+    /// transaction: one result per pair, in order (`true`: first time). A pair repeated
+    /// in `pairs` is claimed at most once, by its first occurrence. Stores MUST take the
+    /// pairs' locks in a deterministic order (e.g. sorted), so that two transactions
+    /// claiming overlapping batches wait for each other instead of deadlocking, and
+    /// SHOULD do it in one statement (PostgreSQL does). The default claims the pairs one
+    /// by one, sorted by `(message_id, consumer)`.
+    ///
+    /// # Errors
+    /// [`OutboxError::Database`] on database failure; nothing can be assumed claimed.
+    async fn try_claim_batch(
+        &self,
+        conn: &mut Self::Connection,
+        pairs: &[(Uuid, &str)],
+    ) -> Result<Vec<bool>, OutboxError> {
+        let mut claimed = vec![false; pairs.len()];
+        for i in crate::inbox::lock_order(pairs) {
+            let (message_id, consumer) = pairs[i];
+            claimed[i] = self.try_claim(conn, message_id, consumer).await?;
+        }
+        Ok(claimed)
+    }
+
     /// Deletes up to `batch_size` inbox records older than `older_than`; returns how
     /// many. A duplicate that arrives after its record was purged is processed again,
     /// so `older_than` must exceed the longest redelivery or replay horizon.

@@ -7,7 +7,7 @@ use async_trait::async_trait;
 use chrono::{DateTime, Utc};
 use outbox_core::inbox::{
     ConsumerDeadLetter, ConsumerDeadLetters, DurableInbox, FailureCount, InboxClaim,
-    InboxCompletion, InboxOutcome, StoredMessage, VersionTracking,
+    InboxCompletion, InboxOutcome, StoredMessage, VersionKey, VersionTracking, lock_order,
 };
 use outbox_core::wire::{IncomingMessage, TraceParent};
 use outbox_core::{CompleteReport, Headers, InboxStore, OutboxError};
@@ -29,6 +29,19 @@ use crate::sql::{InboxQueries, Queries, sql};
 /// reads the aggregate's version row and one that raises it. sqlx adds a ping when the
 /// connection goes back to the pool, and another before each acquire unless the pool
 /// is built with `test_before_acquire(false)` (as [`PgConfig::connect`](crate::PgConfig::connect) does).
+///
+/// The batched consumer (`IdempotentConsumer` as a `BatchDeliveryHandler`) sends, per
+/// batch: `BEGIN`, one statement claiming every `(message, handler)` pair of the batch
+/// with its dead-letter check
+/// ([`claim_batch_unless_dead`](ConsumerDeadLetters::claim_batch_unless_dead)), with
+/// version tracking one statement locking every aggregate's version row
+/// ([`applied_versions`](VersionTracking::applied_versions)), the handlers' own
+/// statements, with versions one statement raising them
+/// ([`record_versions`](VersionTracking::record_versions)), `COMMIT`: 3 (5 with
+/// versions) round trips of ours per batch plus the handlers' own. The durable
+/// receiver stores a batch in one statement ([`store_batch`](DurableInbox::store_batch)).
+/// Each batch statement takes its locks in sorted order (see
+/// [`lock_order`]), so concurrent batches wait for each other instead of deadlocking.
 ///
 /// [`try_claim`](InboxStore::try_claim) runs `INSERT ... ON CONFLICT DO NOTHING` on the
 /// caller's transaction: the record commits with the handler's effects or not at all. A
@@ -100,6 +113,32 @@ impl InboxStore for PgInbox {
         Ok(inserted == 1)
     }
 
+    /// One statement for the whole batch.
+    async fn try_claim_batch(
+        &self,
+        conn: &mut PgConnection,
+        pairs: &[(Uuid, &str)],
+    ) -> Result<Vec<bool>, OutboxError> {
+        let order = checked_order(pairs)?;
+        if order.is_empty() {
+            return Ok(Vec::new());
+        }
+        let (ids, consumers): (Vec<Uuid>, Vec<&str>) = order.iter().map(|&i| pairs[i]).unzip();
+        let inserted: Vec<(Uuid, String)> = sqlx::query_as(sql(&self.iq.claim_batch))
+            .bind(&ids)
+            .bind(&consumers)
+            .fetch_all(&mut *conn)
+            .await
+            .map_err(db("inbox_claim_batch"))?;
+        let inserted: std::collections::HashSet<(Uuid, &str)> =
+            inserted.iter().map(|(id, c)| (*id, c.as_str())).collect();
+        let mut claimed = vec![false; pairs.len()];
+        for &i in &order {
+            claimed[i] = inserted.contains(&pairs[i]);
+        }
+        Ok(claimed)
+    }
+
     async fn purge(&self, older_than: Duration, batch_size: usize) -> Result<u64, OutboxError> {
         Ok(sqlx::query(sql(&self.q.inbox_purge))
             .bind(older_than.as_secs_f64())
@@ -109,6 +148,17 @@ impl InboxStore for PgInbox {
             .map_err(db("inbox_purge"))?
             .rows_affected())
     }
+}
+
+/// The lock order of `pairs` ([`lock_order`]), after checking that no consumer name is
+/// empty.
+fn checked_order(pairs: &[(Uuid, &str)]) -> Result<Vec<usize>, OutboxError> {
+    if pairs.iter().any(|(_, consumer)| consumer.is_empty()) {
+        return Err(OutboxError::Config(
+            "consumer name must not be empty".into(),
+        ));
+    }
+    Ok(lock_order(pairs))
 }
 
 #[async_trait]
@@ -149,6 +199,83 @@ impl VersionTracking for PgInbox {
             .map_err(db("inbox_version"))?;
         Ok(())
     }
+
+    /// One statement locking every key's row, in [`lock_order`].
+    async fn applied_versions(
+        &self,
+        conn: &mut PgConnection,
+        keys: &[VersionKey<'_>],
+    ) -> Result<Vec<Option<i64>>, OutboxError> {
+        let order = lock_order(keys);
+        if order.is_empty() {
+            return Ok(Vec::new());
+        }
+        let mut consumers = Vec::with_capacity(order.len());
+        let mut types = Vec::with_capacity(order.len());
+        let mut ids = Vec::with_capacity(order.len());
+        for &i in &order {
+            consumers.push(keys[i].consumer);
+            types.push(keys[i].aggregate_type);
+            ids.push(keys[i].aggregate_id);
+        }
+        let rows: Vec<(String, String, String, Option<i64>)> =
+            sqlx::query_as(sql(&self.iq.version_lock_batch))
+                .bind(&consumers)
+                .bind(&types)
+                .bind(&ids)
+                .fetch_all(&mut *conn)
+                .await
+                .map_err(db("inbox_version_batch"))?;
+        let applied: std::collections::HashMap<(&str, &str, &str), Option<i64>> = rows
+            .iter()
+            .map(|(c, t, id, v)| ((c.as_str(), t.as_str(), id.as_str()), *v))
+            .collect();
+        Ok(keys
+            .iter()
+            .map(|k| {
+                applied
+                    .get(&(k.consumer, k.aggregate_type, k.aggregate_id))
+                    .copied()
+                    .flatten()
+            })
+            .collect())
+    }
+
+    /// One statement for every key (the largest version given per key).
+    async fn record_versions(
+        &self,
+        conn: &mut PgConnection,
+        versions: &[(VersionKey<'_>, i64)],
+    ) -> Result<(), OutboxError> {
+        let mut highest: std::collections::BTreeMap<VersionKey<'_>, i64> =
+            std::collections::BTreeMap::new();
+        for (key, version) in versions {
+            let v = highest.entry(*key).or_insert(*version);
+            *v = (*v).max(*version);
+        }
+        if highest.is_empty() {
+            return Ok(());
+        }
+        let mut consumers = Vec::with_capacity(highest.len());
+        let mut types = Vec::with_capacity(highest.len());
+        let mut ids = Vec::with_capacity(highest.len());
+        let mut values = Vec::with_capacity(highest.len());
+        for (key, version) in &highest {
+            consumers.push(key.consumer);
+            types.push(key.aggregate_type);
+            ids.push(key.aggregate_id);
+            values.push(*version);
+        }
+        sqlx::query(sql(&self.iq.version_set_batch))
+            .bind(&consumers)
+            .bind(&types)
+            .bind(&ids)
+            .bind(&values)
+            .execute(&mut *conn)
+            .await
+            .map_err(db("inbox_version_batch"))?;
+        Ok(())
+    }
 }
 
 #[async_trait]
@@ -176,6 +303,50 @@ impl ConsumerDeadLetters for PgInbox {
             (_, true) => InboxClaim::DeadLetter,
             _ => InboxClaim::Duplicate,
         })
+    }
+
+    /// One statement on `conn` for the whole batch: the dead-letter checks and the
+    /// claims together, in [`lock_order`].
+    async fn claim_batch_unless_dead(
+        &self,
+        conn: &mut PgConnection,
+        pairs: &[(Uuid, &str)],
+    ) -> Result<Vec<InboxClaim>, OutboxError> {
+        let order = checked_order(pairs)?;
+        if order.is_empty() {
+            return Ok(Vec::new());
+        }
+        let (ids, consumers): (Vec<Uuid>, Vec<&str>) = order.iter().map(|&i| pairs[i]).unzip();
+        let rows: Vec<(i64, bool, bool)> = sqlx::query_as(sql(&self.iq.claim_batch_unless_dead))
+            .bind(&ids)
+            .bind(&consumers)
+            .fetch_all(&mut *conn)
+            .await
+            .map_err(db("inbox_claim_batch"))?;
+        // A pair repeated in `pairs` is a duplicate of its first occurrence (or dead).
+        let mut claims = vec![InboxClaim::Duplicate; pairs.len()];
+        let mut by_pair = std::collections::HashMap::with_capacity(order.len());
+        for (ord, claimed, dead) in rows {
+            let Some(&i) = usize::try_from(ord - 1).ok().and_then(|k| order.get(k)) else {
+                continue;
+            };
+            let claim = match (claimed, dead) {
+                (true, _) => InboxClaim::Claimed,
+                (_, true) => InboxClaim::DeadLetter,
+                _ => InboxClaim::Duplicate,
+            };
+            claims[i] = claim;
+            by_pair.insert(pairs[i], (i, claim));
+        }
+        for (j, pair) in pairs.iter().enumerate() {
+            if let Some(&(first, claim)) = by_pair.get(pair)
+                && first != j
+                && claim == InboxClaim::DeadLetter
+            {
+                claims[j] = InboxClaim::DeadLetter;
+            }
+        }
+        Ok(claims)
     }
 
     async fn record_failure(
@@ -309,6 +480,75 @@ impl DurableInbox for PgInbox {
             .map_err(db("inbox_store"))?
             .rows_affected();
         Ok(inserted == 1)
+    }
+
+    /// One `INSERT … SELECT FROM UNNEST … ON CONFLICT DO NOTHING` for the batch, in id
+    /// order.
+    async fn store_batch(&self, msgs: &[IncomingMessage]) -> Result<Vec<bool>, OutboxError> {
+        let all_ids: Vec<Uuid> = msgs.iter().map(|m| m.id).collect();
+        let order = lock_order(&all_ids);
+        if order.is_empty() {
+            return Ok(Vec::new());
+        }
+        let n = order.len();
+        let mut ids = Vec::with_capacity(n);
+        let mut event_types = Vec::with_capacity(n);
+        let mut sources = Vec::with_capacity(n);
+        let mut aggregate_types = Vec::with_capacity(n);
+        let mut aggregate_ids = Vec::with_capacity(n);
+        let mut versions = Vec::with_capacity(n);
+        let mut tenants = Vec::with_capacity(n);
+        let mut partition_keys = Vec::with_capacity(n);
+        let mut correlation_ids = Vec::with_capacity(n);
+        let mut causation_ids = Vec::with_capacity(n);
+        let mut occurred = Vec::with_capacity(n);
+        let mut traceparents = Vec::with_capacity(n);
+        let mut tracestates = Vec::with_capacity(n);
+        let mut headers = Vec::with_capacity(n);
+        let mut payloads = Vec::with_capacity(n);
+        for &i in &order {
+            let msg = &msgs[i];
+            ids.push(msg.id);
+            event_types.push(msg.event_type.as_str());
+            sources.push(msg.source.as_deref());
+            aggregate_types.push(msg.aggregate_type.as_deref());
+            aggregate_ids.push(msg.aggregate_id.as_deref());
+            versions.push(msg.aggregate_version);
+            tenants.push(msg.tenant_id.as_deref());
+            partition_keys.push(msg.partition_key.as_deref());
+            correlation_ids.push(msg.correlation_id.as_deref());
+            causation_ids.push(msg.causation_id.as_deref());
+            occurred.push(msg.occurred_at);
+            traceparents.push(msg.traceparent.map(|t| t.to_string()));
+            tracestates.push(msg.tracestate.as_deref());
+            headers.push(serde_json::to_string(&msg.headers).unwrap_or_else(|_| "{}".into()));
+            payloads.push(msg.payload.as_slice());
+        }
+        let inserted: Vec<Uuid> = sqlx::query_scalar(sql(&self.iq.store_batch))
+            .bind(&ids)
+            .bind(&event_types)
+            .bind(&sources)
+            .bind(&aggregate_types)
+            .bind(&aggregate_ids)
+            .bind(&versions)
+            .bind(&tenants)
+            .bind(&partition_keys)
+            .bind(&correlation_ids)
+            .bind(&causation_ids)
+            .bind(&occurred)
+            .bind(&traceparents)
+            .bind(&tracestates)
+            .bind(&headers)
+            .bind(&payloads)
+            .fetch_all(&self.pool)
+            .await
+            .map_err(db("inbox_store_batch"))?;
+        let inserted: std::collections::HashSet<Uuid> = inserted.into_iter().collect();
+        let mut new = vec![false; msgs.len()];
+        for &i in &order {
+            new[i] = inserted.contains(&msgs[i].id);
+        }
+        Ok(new)
     }
 
     async fn claim(

@@ -407,6 +407,31 @@ mod tests {
     }
 
     #[test]
+    fn batch_statements_lock_in_the_callers_order() {
+        let iq = InboxQueries::new("outbox");
+        for text in [
+            &iq.claim_batch,
+            &iq.claim_batch_unless_dead,
+            &iq.version_lock_batch,
+            &iq.store_batch,
+        ] {
+            assert!(text.contains("WITH ORDINALITY"), "{text}");
+            assert!(text.contains("ORDER BY u.ord"), "{text}");
+        }
+        // A consumer dead letter is never claimed.
+        assert!(
+            iq.claim_batch_unless_dead
+                .contains("WHERE u.ord NOT IN (SELECT ord FROM dead)")
+        );
+        assert!(iq.claim_batch_unless_dead.contains("f.dead_at IS NOT NULL"));
+        // Versions only ever go up.
+        assert!(
+            iq.version_set_batch
+                .contains("greatest(coalesce(x.version, u.version), u.version)")
+        );
+    }
+
+    #[test]
     fn schemas_are_quoted_and_error_filters_escaped() {
         let q = Queries::new("user");
         for text in [
@@ -421,7 +446,17 @@ mod tests {
         }
         assert!(q.inbox_claim.contains("INSERT INTO \"user\".inbox_records"));
         let iq = InboxQueries::new("select");
-        for text in [&iq.version_lock, &iq.failure, &iq.claim, &iq.complete] {
+        for text in [
+            &iq.version_lock,
+            &iq.failure,
+            &iq.claim,
+            &iq.complete,
+            &iq.claim_batch,
+            &iq.claim_batch_unless_dead,
+            &iq.version_lock_batch,
+            &iq.version_set_batch,
+            &iq.store_batch,
+        ] {
             assert!(text.contains("\"select\"."), "{text}");
         }
         assert_eq!(like_escape(r"50%_a\b"), r"50\%\_a\\b");
@@ -434,8 +469,13 @@ mod tests {
 #[derive(Debug)]
 pub(crate) struct InboxQueries {
     pub(crate) claim_unless_dead: Arc<str>,
+    pub(crate) claim_batch: Arc<str>,
+    pub(crate) claim_batch_unless_dead: Arc<str>,
     pub(crate) version_lock: Arc<str>,
+    pub(crate) version_lock_batch: Arc<str>,
     pub(crate) version_set: Arc<str>,
+    pub(crate) version_set_batch: Arc<str>,
+    pub(crate) store_batch: Arc<str>,
     pub(crate) failure: Arc<str>,
     pub(crate) is_dead: Arc<str>,
     pub(crate) dead_letters: Arc<str>,
@@ -475,6 +515,42 @@ impl InboxQueries {
                  )
                  SELECT (SELECT count(*) FROM claimed) AS claimed, EXISTS (SELECT 1 FROM dead) AS dead"
             )),
+            // A batch's claims in one statement (`$1` message ids, `$2` consumers: distinct
+            // pairs, sorted by the caller). Rows are inserted in that order (`ORDER BY
+            // ord`), so two transactions claiming overlapping batches wait for each other
+            // on the first shared pair instead of deadlocking. Returns the pairs inserted.
+            claim_batch: s(format!(
+                "INSERT INTO {r} (message_id, consumer)
+                 SELECT u.message_id, u.consumer
+                   FROM UNNEST($1::uuid[], $2::text[]) WITH ORDINALITY AS u(message_id, consumer, ord)
+                  ORDER BY u.ord
+                 ON CONFLICT (message_id, consumer) DO NOTHING
+                 RETURNING message_id, consumer"
+            )),
+            // The batched idempotent consumer's one inbox statement per batch: for each
+            // pair (`$1` message ids, `$2` consumers: distinct, sorted by the caller),
+            // skip a consumer dead letter, else claim, in `ord` order as `claim_batch`.
+            // One row per pair: its `ord`, whether it was claimed, whether it is dead.
+            claim_batch_unless_dead: s(format!(
+                "WITH u AS (
+                     SELECT * FROM UNNEST($1::uuid[], $2::text[]) WITH ORDINALITY AS u(message_id, consumer, ord)
+                 ), dead AS (
+                     SELECT u.ord FROM u
+                       JOIN {f} f ON f.message_id = u.message_id AND f.consumer = u.consumer
+                      WHERE f.dead_at IS NOT NULL
+                 ), claimed AS (
+                     INSERT INTO {r} (message_id, consumer)
+                     SELECT u.message_id, u.consumer FROM u
+                      WHERE u.ord NOT IN (SELECT ord FROM dead)
+                      ORDER BY u.ord
+                     ON CONFLICT (message_id, consumer) DO NOTHING
+                     RETURNING message_id, consumer
+                 )
+                 SELECT u.ord, c.message_id IS NOT NULL AS claimed, d.ord IS NOT NULL AS dead
+                   FROM u
+                   LEFT JOIN claimed c ON c.message_id = u.message_id AND c.consumer = u.consumer
+                   LEFT JOIN dead d ON d.ord = u.ord"
+            )),
             // The last applied version, its row created if missing and locked until the
             // transaction ends, in one statement: `DO UPDATE` takes the row lock of an
             // existing row (a no-op update), `RETURNING` gives its version either way.
@@ -487,6 +563,29 @@ impl InboxQueries {
             version_set: s(format!(
                 "UPDATE {v} SET version = greatest(coalesce(version, $4), $4), updated_at = now()
                   WHERE consumer = $1 AND aggregate_type = $2 AND aggregate_id = $3"
+            )),
+            // `version_lock` for a batch's keys (`$1` consumers, `$2` aggregate types, `$3`
+            // aggregate ids: distinct, sorted by the caller), locked in that order so that
+            // two batches sharing aggregates cannot deadlock.
+            version_lock_batch: s(format!(
+                "INSERT INTO {v} AS x (consumer, aggregate_type, aggregate_id)
+                 SELECT u.consumer, u.aggregate_type, u.aggregate_id
+                   FROM UNNEST($1::text[], $2::text[], $3::text[])
+                        WITH ORDINALITY AS u(consumer, aggregate_type, aggregate_id, ord)
+                  ORDER BY u.ord
+                 ON CONFLICT (consumer, aggregate_type, aggregate_id)
+                    DO UPDATE SET version = x.version
+                 RETURNING x.consumer, x.aggregate_type, x.aggregate_id, x.version"
+            )),
+            // `version_set` for a batch's keys (distinct; rows locked by
+            // `version_lock_batch`).
+            version_set_batch: s(format!(
+                "UPDATE {v} x
+                    SET version = greatest(coalesce(x.version, u.version), u.version), updated_at = now()
+                   FROM UNNEST($1::text[], $2::text[], $3::text[], $4::int8[])
+                        AS u(consumer, aggregate_type, aggregate_id, version)
+                  WHERE x.consumer = u.consumer AND x.aggregate_type = u.aggregate_type
+                    AND x.aggregate_id = u.aggregate_id"
             )),
             // One failure more; dead (with the message kept) once attempts reach $5.
             failure: s(format!(
@@ -513,6 +612,26 @@ impl InboxQueries {
                      tracestate, headers, payload)
                  VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14::jsonb, $15)
                  ON CONFLICT (id) DO NOTHING"
+            )),
+            // `store` for a batch (distinct ids, sorted by the caller and inserted in that
+            // order, so that two receivers storing overlapping batches cannot deadlock).
+            // Returns the ids inserted.
+            store_batch: s(format!(
+                "INSERT INTO {t} (id, event_type, source, aggregate_type, aggregate_id, aggregate_version,
+                     tenant_id, partition_key, correlation_id, causation_id, occurred_at, traceparent,
+                     tracestate, headers, payload)
+                 SELECT u.id, u.event_type, u.source, u.aggregate_type, u.aggregate_id, u.aggregate_version,
+                     u.tenant_id, u.partition_key, u.correlation_id, u.causation_id, u.occurred_at,
+                     u.traceparent, u.tracestate, u.headers::jsonb, u.payload
+                   FROM UNNEST($1::uuid[], $2::text[], $3::text[], $4::text[], $5::text[], $6::int8[],
+                               $7::text[], $8::text[], $9::text[], $10::text[], $11::timestamptz[],
+                               $12::text[], $13::text[], $14::text[], $15::bytea[])
+                        WITH ORDINALITY AS u(id, event_type, source, aggregate_type, aggregate_id,
+                            aggregate_version, tenant_id, partition_key, correlation_id, causation_id,
+                            occurred_at, traceparent, tracestate, headers, payload, ord)
+                  ORDER BY u.ord
+                 ON CONFLICT (id) DO NOTHING
+                 RETURNING id"
             )),
             claim: s(claim_statement(&t, &format!("{INBOX_COLUMNS}, m.seq"), false)),
             // Outcome codes: 1 done, 0 retry, 3 dead, 10 defer (New without charge).

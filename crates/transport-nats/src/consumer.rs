@@ -38,6 +38,26 @@
 //!   answered, and the client is flushed; messages pulled but not started are
 //!   redelivered by the server after `ack_wait`.
 //!
+//! # Batched mode
+//!
+//! [`NatsConsumer::run_batched`] hands messages to a [`BatchDeliveryHandler`] in
+//! batches instead (the `inbox` crate's `IdempotentConsumer` applies a batch in one
+//! database transaction). Everything above holds per message, and:
+//!
+//! - A batch takes the messages already pulled, up to the batch size (default: the
+//!   concurrency), and waits at most the linger (default 3 ms) after its first message
+//!   for more. Up to `batches_in_flight` batches (default 2) are handled at once; the
+//!   next one is collected meanwhile. An undecodable message is terminated alone, at
+//!   once.
+//! - Each message is answered as soon as the handler has decided it (after the
+//!   handler's commit), the answers of a batch written together and flushed with the
+//!   client's next write, not awaited one by one. While some messages are deferred,
+//!   each gets a `+WPI` before every wait and only those are handed to the handler
+//!   again (after 1 s, 2 s, ... up to 15 s).
+//! - A panic of the handler naks every message of the batch (never a `+TERM`).
+//! - On shutdown the batches in flight finish and are answered; messages collected
+//!   for a batch not started yet are redelivered by the server after `ack_wait`.
+//!
 //! # Delivery limits and the inbox
 //!
 //! `max_deliver` counts every delivery of a message, acked or not. When the limit is
@@ -59,7 +79,9 @@ use async_nats::jetstream::consumer::{self, AckPolicy, DeliverPolicy};
 use async_nats::jetstream::{self, AckKind, ErrorCode};
 use futures::StreamExt;
 use futures::stream::FuturesUnordered;
-use outbox_core::consumer::{DeliveryHandler, HandlerDecision, handle_until_decided};
+use outbox_core::consumer::{
+    BatchDeliveryHandler, DeliveryHandler, HandlerDecision, handle_until_decided,
+};
 use outbox_core::wire::{Binding, DecodeError, IncomingMessage};
 use outbox_core::{ErrorKind, Headers};
 use tokio::time::timeout;
@@ -98,6 +120,15 @@ const PULL_EXPIRES: Duration = Duration::from_secs(30);
 /// Stream errors in a row, without a message in between, after which the consumer is
 /// set up again.
 const MAX_CONSECUTIVE_ERRORS: u32 = 5;
+/// Default of [`NatsConsumerBuilder::with_batch_linger`]: how long a batch waits for
+/// more messages after its first one (batched mode).
+pub const DEFAULT_BATCH_LINGER: Duration = Duration::from_millis(3);
+/// Longest accepted batch linger.
+pub const MAX_BATCH_LINGER: Duration = Duration::from_secs(1);
+/// Default of [`NatsConsumerBuilder::with_batches_in_flight`] (batched mode).
+pub const DEFAULT_BATCHES_IN_FLIGHT: usize = 2;
+/// Largest accepted number of batches in flight.
+pub const MAX_BATCHES_IN_FLIGHT: usize = 64;
 
 /// Settings of a [`NatsConsumer`] before validation. Every setter consumes and returns
 /// the builder; [`build`](Self::build) validates.
@@ -115,6 +146,9 @@ pub struct NatsConsumerBuilder {
     concurrency: usize,
     reconnect_initial: Duration,
     reconnect_max: Duration,
+    batch_size: Option<usize>,
+    batch_linger: Duration,
+    batches_in_flight: usize,
 }
 
 impl NatsConsumerBuilder {
@@ -132,6 +166,9 @@ impl NatsConsumerBuilder {
             concurrency: DEFAULT_CONCURRENCY,
             reconnect_initial: DEFAULT_RECONNECT_INITIAL,
             reconnect_max: DEFAULT_RECONNECT_MAX,
+            batch_size: None,
+            batch_linger: DEFAULT_BATCH_LINGER,
+            batches_in_flight: DEFAULT_BATCHES_IN_FLIGHT,
         }
     }
 
@@ -196,14 +233,43 @@ impl NatsConsumerBuilder {
         self
     }
 
+    /// Batched mode ([`NatsConsumer::run_batched`]): the largest number of messages
+    /// handed to the handler at once, 1 to the concurrency. Default: the concurrency
+    /// (100). `max_ack_pending` (the concurrency) bounds every message held, batches in
+    /// flight included: with a batch size equal to it, the next batch can only fill as
+    /// the one in flight is acknowledged; a smaller one (e.g. half of it with 2 batches
+    /// in flight) lets the server deliver the next batch while the database works on
+    /// the current one.
+    pub fn with_batch_size(mut self, size: usize) -> Self {
+        self.batch_size = Some(size);
+        self
+    }
+
+    /// Batched mode: how long a batch that is not full waits for more messages after
+    /// its first one (messages already received are always taken first). At most
+    /// [`MAX_BATCH_LINGER`]; zero hands over whatever has arrived. Default 3 ms.
+    pub fn with_batch_linger(mut self, linger: Duration) -> Self {
+        self.batch_linger = linger;
+        self
+    }
+
+    /// Batched mode: how many batches are handled at once, 1 to
+    /// [`MAX_BATCHES_IN_FLIGHT`], so that the server and the database overlap. Default 2.
+    pub fn with_batches_in_flight(mut self, n: usize) -> Self {
+        self.batches_in_flight = n;
+        self
+    }
+
     /// Validates the settings.
     ///
     /// # Errors
     /// [`NatsError::InvalidConfig`] when the stream or durable name is empty or contains
     /// whitespace, `.`, `*`, `>`, `/` or `\`; the filter subject is not a valid subject;
     /// `ack_wait` is zero; `max_deliver` is `Some(0)` or not above the number of backoff
-    /// steps; a backoff delay is zero; the concurrency is outside `1..=10_000`; or the
-    /// reconnect backoff is zero or its initial delay exceeds its cap.
+    /// steps; a backoff delay is zero; the concurrency is outside `1..=10_000`; the
+    /// reconnect backoff is zero or its initial delay exceeds its cap; the batch size is
+    /// 0 or above the concurrency, the batch linger above [`MAX_BATCH_LINGER`], or the
+    /// batches in flight outside `1..=64`.
     pub fn build(self) -> Result<NatsConsumer, NatsError> {
         check_name("stream", &self.stream)?;
         check_name("durable", &self.durable)?;
@@ -251,6 +317,31 @@ impl NatsConsumerBuilder {
                 "the initial delay must be greater than zero and at most the maximum",
             ));
         }
+        let batch_size = self.batch_size.unwrap_or(self.concurrency);
+        if batch_size == 0 || batch_size > self.concurrency {
+            return Err(invalid(
+                "batch_size",
+                format!(
+                    "must be between 1 and the concurrency ({}), got {batch_size}",
+                    self.concurrency
+                ),
+            ));
+        }
+        if self.batch_linger > MAX_BATCH_LINGER {
+            return Err(invalid(
+                "batch_linger",
+                format!("must be at most {MAX_BATCH_LINGER:?}"),
+            ));
+        }
+        if !(1..=MAX_BATCHES_IN_FLIGHT).contains(&self.batches_in_flight) {
+            return Err(invalid(
+                "batches_in_flight",
+                format!(
+                    "must be between 1 and {MAX_BATCHES_IN_FLIGHT}, got {}",
+                    self.batches_in_flight
+                ),
+            ));
+        }
         Ok(NatsConsumer {
             config: self.config,
             stream: self.stream,
@@ -263,6 +354,9 @@ impl NatsConsumerBuilder {
             concurrency: self.concurrency,
             reconnect_initial: self.reconnect_initial,
             reconnect_max: self.reconnect_max,
+            batch_size,
+            batch_linger: self.batch_linger,
+            batches_in_flight: self.batches_in_flight,
         })
     }
 }
@@ -328,6 +422,9 @@ pub struct NatsConsumer {
     concurrency: usize,
     reconnect_initial: Duration,
     reconnect_max: Duration,
+    batch_size: usize,
+    pub(crate) batch_linger: Duration,
+    pub(crate) batches_in_flight: usize,
 }
 
 /// Per-message settings the processing of a delivery needs.
@@ -359,6 +456,16 @@ impl NatsConsumer {
     /// The concurrency limit.
     pub fn concurrency(&self) -> usize {
         self.concurrency
+    }
+
+    /// The largest batch of [`run_batched`](Self::run_batched).
+    pub fn batch_size(&self) -> usize {
+        self.batch_size
+    }
+
+    /// The delays of the `-NAK` sent for [`HandlerDecision::Requeue`].
+    pub(crate) fn nak_delays(&self) -> &[Duration] {
+        &self.nak_delays
     }
 
     /// The JetStream consumer configuration this consumer creates or updates.
@@ -404,6 +511,50 @@ impl NatsConsumer {
         handler: H,
         shutdown: CancellationToken,
     ) -> Result<(), NatsError> {
+        let answering = Answering {
+            nak_delays: self.nak_delays.clone(),
+        };
+        self.keep_consuming(&shutdown, |js| {
+            self.consume_once(js, &handler, &answering, &shutdown)
+        })
+        .await
+    }
+
+    /// Consumes until `shutdown` is cancelled like [`run`](Self::run), but hands the
+    /// messages to `handler` in batches (see the [module docs](self#batched-mode)): up
+    /// to [`batch_size`](NatsConsumerBuilder::with_batch_size) messages, taken as they
+    /// come and for at most the [linger](NatsConsumerBuilder::with_batch_linger) after
+    /// the first, with up to
+    /// [`batches_in_flight`](NatsConsumerBuilder::with_batches_in_flight) batches
+    /// handled at once; each message is answered as soon as the handler has decided
+    /// it (the acks of a batch are pipelined, not awaited one by one).
+    ///
+    /// # Errors
+    /// As [`run`](Self::run).
+    pub async fn run_batched<H: BatchDeliveryHandler>(
+        &self,
+        handler: H,
+        shutdown: CancellationToken,
+    ) -> Result<(), NatsError> {
+        self.keep_consuming(&shutdown, |js| {
+            crate::batch::consume_batched_once(self, js, &handler, &shutdown)
+        })
+        .await
+    }
+
+    /// Connects (with backoff), then runs `once` (one pull subscription's worth of
+    /// consuming, which says whether it got as far as consuming) until it ends with a
+    /// shutdown or a permanent error, setting the consumer up again with backoff in
+    /// between; flushes and drains the client at the end.
+    async fn keep_consuming<F, Fut>(
+        &self,
+        shutdown: &CancellationToken,
+        mut once: F,
+    ) -> Result<(), NatsError>
+    where
+        F: FnMut(jetstream::Context) -> Fut,
+        Fut: Future<Output = (bool, Result<(), NatsError>)>,
+    {
         let mut delay = self.reconnect_initial;
         let client = loop {
             match self.config.connect_client().await {
@@ -423,19 +574,13 @@ impl NatsConsumer {
             }
         };
         let js = jetstream::new(client.clone());
-        let answering = Answering {
-            nak_delays: self.nak_delays.clone(),
-        };
         let mut delay = self.reconnect_initial;
         let result = loop {
             if shutdown.is_cancelled() {
                 break Ok(());
             }
-            let mut established = false;
-            match self
-                .consume_once(&js, &handler, &answering, &shutdown, &mut established)
-                .await
-            {
+            let (established, result) = once(js.clone()).await;
+            match result {
                 Ok(()) => break Ok(()),
                 Err(e) if e.kind() == ErrorKind::Permanent => {
                     error!(stream = %self.stream, consumer = %self.durable, error = %e, "NATS consumer stopped: retrying cannot help");
@@ -536,17 +681,13 @@ impl NatsConsumer {
         }
     }
 
-    /// One pull subscription's worth of consuming. `Ok(())` means shutdown.
-    async fn consume_once<H: DeliveryHandler>(
+    /// Creates or updates the durable consumer and starts its pull subscription.
+    pub(crate) async fn subscribe(
         &self,
         js: &jetstream::Context,
-        handler: &H,
-        answering: &Answering,
-        shutdown: &CancellationToken,
-        established: &mut bool,
-    ) -> Result<(), NatsError> {
+    ) -> Result<consumer::pull::Stream, NatsError> {
         let consumer = self.setup(js).await?;
-        let mut messages = consumer
+        let messages = consumer
             .stream()
             .max_messages_per_batch(self.concurrency)
             .heartbeat(PULL_HEARTBEAT)
@@ -556,14 +697,58 @@ impl NatsConsumer {
             .map_err(|e| {
                 self.consume_error("starting the pull subscription failed", Some(Box::new(e)))
             })?;
-        *established = true;
         info!(
             stream = %self.stream,
             consumer = %self.durable,
             concurrency = self.concurrency,
             "consuming from JetStream"
         );
+        Ok(messages)
+    }
 
+    /// What an error of the pull subscription means, `errors_in_a_row` counting it:
+    /// `Some` ends this subscription (it is set up again), `None` is a hiccup it gets
+    /// over by itself.
+    pub(crate) fn pull_error(
+        &self,
+        e: consumer::pull::MessagesError,
+        errors_in_a_row: &mut u32,
+    ) -> Option<NatsError> {
+        let terminal = matches!(
+            e.kind(),
+            MessagesErrorKind::ConsumerDeleted
+                | MessagesErrorKind::PushBasedConsumer
+                | MessagesErrorKind::RequestLimitExceeded
+        );
+        *errors_in_a_row += 1;
+        if terminal || *errors_in_a_row >= MAX_CONSECUTIVE_ERRORS {
+            return Some(self.consume_error(
+                format!("the pull subscription failed ({errors_in_a_row} errors in a row)"),
+                Some(Box::new(e)),
+            ));
+        }
+        debug!(error = %e, "pull subscription hiccup; it re-issues its pull");
+        None
+    }
+
+    /// The error of a pull subscription that ended.
+    pub(crate) fn ended_error(&self) -> NatsError {
+        self.consume_error("the pull subscription ended", None)
+    }
+
+    /// One pull subscription's worth of consuming, a handler per message. `Ok(())`
+    /// means shutdown; the `bool` whether consuming started.
+    async fn consume_once<H: DeliveryHandler>(
+        &self,
+        js: jetstream::Context,
+        handler: &H,
+        answering: &Answering,
+        shutdown: &CancellationToken,
+    ) -> (bool, Result<(), NatsError>) {
+        let mut messages = match self.subscribe(&js).await {
+            Ok(messages) => messages,
+            Err(e) => return (false, Err(e)),
+        };
         let mut in_flight = FuturesUnordered::new();
         let mut errors_in_a_row = 0u32;
         let ended = loop {
@@ -577,22 +762,11 @@ impl NatsConsumer {
                         in_flight.push(process(handler, message, answering, shutdown));
                     }
                     Some(Err(e)) => {
-                        let terminal = matches!(
-                            e.kind(),
-                            MessagesErrorKind::ConsumerDeleted
-                                | MessagesErrorKind::PushBasedConsumer
-                                | MessagesErrorKind::RequestLimitExceeded
-                        );
-                        errors_in_a_row += 1;
-                        if terminal || errors_in_a_row >= MAX_CONSECUTIVE_ERRORS {
-                            break Err(self.consume_error(
-                                format!("the pull subscription failed ({errors_in_a_row} errors in a row)"),
-                                Some(Box::new(e)),
-                            ));
+                        if let Some(e) = self.pull_error(e, &mut errors_in_a_row) {
+                            break Err(e);
                         }
-                        debug!(error = %e, "pull subscription hiccup; it re-issues its pull");
                     }
-                    None => break Err(self.consume_error("the pull subscription ended", None)),
+                    None => break Err(self.ended_error()),
                 },
             }
         };
@@ -603,7 +777,7 @@ impl NatsConsumer {
             debug!(in_flight = draining, "waiting for in-flight handlers");
         }
         while in_flight.next().await.is_some() {}
-        ended
+        (true, ended)
     }
 }
 
@@ -670,7 +844,7 @@ async fn process<H: DeliveryHandler>(
 /// `ce-*` headers) as delivery number `delivered`. Returns the `Nats-Msg-Id` too, for
 /// logging. Pure (a `jetstream::Message` needs a live client), so that it can be tested
 /// with arbitrary headers.
-fn decode_message(
+pub(crate) fn decode_message(
     headers: Option<&async_nats::HeaderMap>,
     payload: &[u8],
     delivered: u64,
@@ -689,7 +863,7 @@ fn decode_message(
 }
 
 /// The delay of the `-NAK` after delivery number `delivered` (1-based).
-fn nak_delay(delays: &[Duration], delivered: u64) -> Option<Duration> {
+pub(crate) fn nak_delay(delays: &[Duration], delivered: u64) -> Option<Duration> {
     let index = usize::try_from(delivered.saturating_sub(1)).unwrap_or(usize::MAX);
     delays.get(index).or_else(|| delays.last()).copied()
 }

@@ -14,7 +14,8 @@
 //!   acks, decodes each message into an
 //!   [`IncomingMessage`](outbox_core::wire::IncomingMessage) and acks, naks (with a
 //!   delay) or terminates it after a [`DeliveryHandler`] returns; the inbox crate's
-//!   idempotent consumer plugs in as that handler.
+//!   idempotent consumer plugs in as that handler. With [`NatsConsumer::run_batched`]
+//!   it hands a [`BatchDeliveryHandler`] the messages in batches instead.
 //! - [`StreamSetup`] creates or updates the stream the publisher writes to (subjects,
 //!   storage, duplicate window, retention, max age) and documents what a PubAck
 //!   promises about durability.
@@ -47,6 +48,7 @@
 //! # }
 //! ```
 
+mod batch;
 pub mod config;
 pub mod consumer;
 pub mod error;
@@ -56,7 +58,7 @@ pub mod stream;
 pub use config::{NatsConfig, NatsConfigBuilder};
 pub use consumer::{NatsConsumer, NatsConsumerBuilder};
 pub use error::{NatsError, redact_url};
-pub use outbox_core::consumer::{DeliveryHandler, HandlerDecision};
+pub use outbox_core::consumer::{BatchDeliveryHandler, DeliveryHandler, HandlerDecision};
 pub use publisher::NatsPublisher;
 pub use stream::{Retention, Storage, StreamInfo, StreamSetup};
 

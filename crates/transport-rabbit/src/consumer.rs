@@ -40,6 +40,28 @@
 //!   and are acknowledged, then the connection is closed; deliveries prefetched but not
 //!   started are returned to the queue by the broker.
 //!
+//! # Batched mode
+//!
+//! [`RabbitConsumer::run_batched`] hands deliveries to a [`BatchDeliveryHandler`] in
+//! batches instead (the `inbox` crate's `IdempotentConsumer` applies a batch in one
+//! database transaction). Everything above holds per delivery, and:
+//!
+//! - A batch takes the deliveries already received, up to the batch size (default: the
+//!   prefetch), and waits at most the linger (default 3 ms) after its first delivery for
+//!   more. Up to `batches_in_flight` batches (default 2) are handled at once; the next
+//!   one is collected meanwhile. An undecodable delivery is rejected alone, at once.
+//! - The broker is answered per message, as soon as the handler has decided: a
+//!   `Requeue` after the requeue delay, a `Defer` kept while only the deferred messages
+//!   are handed to the handler again (after 1 s, 2 s, ... up to 15 s). A batch whose
+//!   decisions are all `Ack` is acknowledged with **one** `basic.ack` with
+//!   `multiple = true` on its highest delivery tag, but only when every delivery
+//!   outstanding on the channel up to that tag belongs to the batch (another batch in
+//!   flight, a delivery waiting out its requeue delay or being rejected would be
+//!   acknowledged too): otherwise each delivery is acknowledged on its own.
+//! - A panic of the handler requeues every delivery of the batch (never a reject).
+//! - On shutdown the batches in flight finish and are answered; deliveries collected
+//!   for a batch not started yet are returned to the queue by the broker.
+//!
 //! [consumer acknowledgements]: https://www.rabbitmq.com/docs/confirms#consumer-acknowledgements
 
 use std::time::Duration;
@@ -53,7 +75,9 @@ use lapin::options::{
 };
 use lapin::types::{AMQPValue, DecimalValue, FieldTable, LongString, ShortString};
 use lapin::{BasicProperties, Channel, Connection};
-use outbox_core::consumer::{DeliveryHandler, HandlerDecision, handle_until_decided};
+use outbox_core::consumer::{
+    BatchDeliveryHandler, DeliveryHandler, HandlerDecision, handle_until_decided,
+};
 use outbox_core::wire::{Binding, DecodeError, IncomingMessage};
 use outbox_core::{ErrorKind, Headers};
 use tokio::time::timeout;
@@ -74,6 +98,16 @@ pub const DEFAULT_RECONNECT_MAX: Duration = Duration::from_secs(30);
 /// Default wait before a delivery the handler asked to requeue is returned to the queue.
 pub const DEFAULT_REQUEUE_DELAY: Duration = Duration::from_secs(1);
 
+/// Default of [`RabbitConsumerBuilder::with_batch_linger`]: how long a batch waits for
+/// more deliveries after its first one (batched mode).
+pub const DEFAULT_BATCH_LINGER: Duration = Duration::from_millis(3);
+/// Longest accepted batch linger.
+pub const MAX_BATCH_LINGER: Duration = Duration::from_secs(1);
+/// Default of [`RabbitConsumerBuilder::with_batches_in_flight`] (batched mode).
+pub const DEFAULT_BATCHES_IN_FLIGHT: usize = 2;
+/// Largest accepted number of batches in flight.
+pub const MAX_BATCHES_IN_FLIGHT: usize = 64;
+
 /// Settings of a [`RabbitConsumer`] before validation. Every setter consumes and
 /// returns the builder; [`build`](Self::build) validates.
 #[derive(Debug, Clone)]
@@ -90,6 +124,9 @@ pub struct RabbitConsumerBuilder {
     reconnect_initial: Duration,
     reconnect_max: Duration,
     requeue_delay: Duration,
+    batch_size: Option<u16>,
+    batch_linger: Duration,
+    batches_in_flight: usize,
 }
 
 impl RabbitConsumerBuilder {
@@ -107,6 +144,9 @@ impl RabbitConsumerBuilder {
             reconnect_initial: DEFAULT_RECONNECT_INITIAL,
             reconnect_max: DEFAULT_RECONNECT_MAX,
             requeue_delay: DEFAULT_REQUEUE_DELAY,
+            batch_size: None,
+            batch_linger: DEFAULT_BATCH_LINGER,
+            batches_in_flight: DEFAULT_BATCHES_IN_FLIGHT,
         }
     }
 
@@ -180,12 +220,41 @@ impl RabbitConsumerBuilder {
         self
     }
 
+    /// Batched mode ([`RabbitConsumer::run_batched`]): the largest number of deliveries
+    /// handed to the handler at once, 1 to the prefetch. Default: the prefetch (100).
+    /// The prefetch bounds every delivery held, batches in flight included: with a
+    /// batch size equal to the prefetch, the next batch can only fill as the one in
+    /// flight is acknowledged; a smaller one (e.g. half the prefetch with 2 batches in
+    /// flight) lets the broker deliver the next batch while the database works on the
+    /// current one.
+    pub fn with_batch_size(mut self, size: u16) -> Self {
+        self.batch_size = Some(size);
+        self
+    }
+
+    /// Batched mode: how long a batch that is not full waits for more deliveries after
+    /// its first one (deliveries already received are always taken first). At most
+    /// [`MAX_BATCH_LINGER`]; zero hands over whatever has arrived. Default 3 ms.
+    pub fn with_batch_linger(mut self, linger: Duration) -> Self {
+        self.batch_linger = linger;
+        self
+    }
+
+    /// Batched mode: how many batches are handled at once, 1 to
+    /// [`MAX_BATCHES_IN_FLIGHT`], so that the broker and the database overlap. Default 2.
+    pub fn with_batches_in_flight(mut self, n: usize) -> Self {
+        self.batches_in_flight = n;
+        self
+    }
+
     /// Validates the settings.
     ///
     /// # Errors
     /// [`RabbitError::InvalidConfig`] when the queue name is empty, a name, key or tag is
-    /// longer than 255 bytes or contains control characters, the prefetch is 0, or the
-    /// backoff is zero or its initial delay exceeds its cap.
+    /// longer than 255 bytes or contains control characters, the prefetch is 0, the
+    /// backoff is zero or its initial delay exceeds its cap, the batch size is 0 or
+    /// above the prefetch, the batch linger is above [`MAX_BATCH_LINGER`], or the batches
+    /// in flight are outside `1..=64`.
     pub fn build(self) -> Result<RabbitConsumer, RabbitError> {
         check_name("queue", &self.queue)?;
         for key in &self.binding_keys {
@@ -210,6 +279,31 @@ impl RabbitConsumerBuilder {
                     .to_owned(),
             });
         }
+        let batch_size = self.batch_size.unwrap_or(self.prefetch);
+        if batch_size == 0 || batch_size > self.prefetch {
+            return Err(RabbitError::InvalidConfig {
+                field: "batch_size",
+                reason: format!(
+                    "must be between 1 and the prefetch ({}), got {batch_size}",
+                    self.prefetch
+                ),
+            });
+        }
+        if self.batch_linger > MAX_BATCH_LINGER {
+            return Err(RabbitError::InvalidConfig {
+                field: "batch_linger",
+                reason: format!("must be at most {MAX_BATCH_LINGER:?}"),
+            });
+        }
+        if !(1..=MAX_BATCHES_IN_FLIGHT).contains(&self.batches_in_flight) {
+            return Err(RabbitError::InvalidConfig {
+                field: "batches_in_flight",
+                reason: format!(
+                    "must be between 1 and {MAX_BATCHES_IN_FLIGHT}, got {}",
+                    self.batches_in_flight
+                ),
+            });
+        }
         let mut queue_arguments = self.queue_arguments;
         if let Some(dlx) = self.dead_letter_exchange {
             queue_arguments.insert(
@@ -228,6 +322,9 @@ impl RabbitConsumerBuilder {
             reconnect_initial: self.reconnect_initial,
             reconnect_max: self.reconnect_max,
             requeue_delay: self.requeue_delay,
+            batch_size,
+            batch_linger: self.batch_linger,
+            batches_in_flight: self.batches_in_flight,
         })
     }
 }
@@ -298,7 +395,10 @@ pub struct RabbitConsumer {
     consumer_tag: String,
     reconnect_initial: Duration,
     reconnect_max: Duration,
-    requeue_delay: Duration,
+    pub(crate) requeue_delay: Duration,
+    pub(crate) batch_size: u16,
+    pub(crate) batch_linger: Duration,
+    pub(crate) batches_in_flight: usize,
 }
 
 impl RabbitConsumer {
@@ -315,6 +415,11 @@ impl RabbitConsumer {
     /// The prefetch count (and concurrency limit).
     pub fn prefetch(&self) -> u16 {
         self.prefetch
+    }
+
+    /// The largest batch of [`run_batched`](Self::run_batched).
+    pub fn batch_size(&self) -> u16 {
+        self.batch_size
     }
 
     /// Connects once, declares the exchange (when configured) and the queue, binds it,
@@ -343,16 +448,51 @@ impl RabbitConsumer {
         handler: H,
         shutdown: CancellationToken,
     ) -> Result<(), RabbitError> {
+        self.keep_consuming(&shutdown, || self.consume_once(&handler, &shutdown))
+            .await
+    }
+
+    /// Consumes until `shutdown` is cancelled like [`run`](Self::run), but hands the
+    /// deliveries to `handler` in batches (see the [module docs](self#batched-mode)):
+    /// up to [`batch_size`](RabbitConsumerBuilder::with_batch_size) deliveries, taken
+    /// as they come and for at most the
+    /// [linger](RabbitConsumerBuilder::with_batch_linger) after the first, with up to
+    /// [`batches_in_flight`](RabbitConsumerBuilder::with_batches_in_flight) batches
+    /// handled at once; a batch whose decisions are all `Ack` is acknowledged with one
+    /// `basic.ack` (`multiple = true`) when that acknowledges nothing else.
+    ///
+    /// # Errors
+    /// As [`run`](Self::run).
+    pub async fn run_batched<H: BatchDeliveryHandler>(
+        &self,
+        handler: H,
+        shutdown: CancellationToken,
+    ) -> Result<(), RabbitError> {
+        self.keep_consuming(&shutdown, || {
+            crate::batch::consume_batched_once(self, &handler, &shutdown)
+        })
+        .await
+    }
+
+    /// Runs `once` (one connection's worth of consuming, which says whether it got as
+    /// far as consuming) until it ends with a shutdown or a permanent error,
+    /// reconnecting with backoff in between.
+    async fn keep_consuming<F, Fut>(
+        &self,
+        shutdown: &CancellationToken,
+        mut once: F,
+    ) -> Result<(), RabbitError>
+    where
+        F: FnMut() -> Fut,
+        Fut: Future<Output = (bool, Result<(), RabbitError>)>,
+    {
         let mut delay = self.reconnect_initial;
         loop {
             if shutdown.is_cancelled() {
                 return Ok(());
             }
-            let mut established = false;
-            match self
-                .consume_once(&handler, &shutdown, &mut established)
-                .await
-            {
+            let (established, result) = once().await;
+            match result {
                 Ok(()) => return Ok(()),
                 Err(e) if e.kind() == ErrorKind::Permanent => {
                     error!(queue = %self.queue, error = %e, "RabbitMQ consumer stopped: retrying cannot help");
@@ -452,13 +592,8 @@ impl RabbitConsumer {
         Ok(channel)
     }
 
-    /// One connection's worth of consuming. `Ok(())` means shutdown.
-    async fn consume_once<H: DeliveryHandler>(
-        &self,
-        handler: &H,
-        shutdown: &CancellationToken,
-        established: &mut bool,
-    ) -> Result<(), RabbitError> {
+    /// Connects, declares, sets the prefetch and starts consuming.
+    pub(crate) async fn open(&self) -> Result<Session, RabbitError> {
         let connection = self.connect().await?;
         let setup = self
             .with_timeout(async {
@@ -482,57 +617,45 @@ impl RabbitConsumer {
                 Ok((channel, consumer))
             })
             .await;
-        let (channel, mut consumer) = match setup {
-            Ok(ok) => ok,
+        match setup {
+            Ok((channel, consumer)) => {
+                info!(
+                    queue = %self.queue,
+                    consumer_tag = %consumer.tag(),
+                    prefetch = self.prefetch,
+                    "consuming from RabbitMQ"
+                );
+                Ok(Session {
+                    connection,
+                    channel,
+                    consumer,
+                })
+            }
             Err(e) => {
                 close_connection(&connection, self.config.connect_timeout()).await;
-                return Err(e);
-            }
-        };
-        *established = true;
-        info!(
-            queue = %self.queue,
-            consumer_tag = %consumer.tag(),
-            prefetch = self.prefetch,
-            "consuming from RabbitMQ"
-        );
-
-        let limit = usize::from(self.prefetch);
-        let mut in_flight = FuturesUnordered::new();
-        let ended = loop {
-            tokio::select! {
-                biased;
-                () = shutdown.cancelled() => break Ok(()),
-                Some(()) = in_flight.next(), if !in_flight.is_empty() => {}
-                next = consumer.next(), if in_flight.len() < limit => match next {
-                    Some(Ok(delivery)) => in_flight.push(process(handler, delivery, self.requeue_delay, shutdown)),
-                    Some(Err(source)) => break Err(RabbitError::Consume {
-                        queue: self.queue.clone(),
-                        reason: "the delivery stream failed".to_owned(),
-                        source: Some(Box::new(source)),
-                    }),
-                    None => break Err(RabbitError::Consume {
-                        queue: self.queue.clone(),
-                        reason: "the consumer was cancelled (queue deleted, or the channel closed)".to_owned(),
-                        source: None,
-                    }),
-                },
-            }
-        };
-
-        if ended.is_ok() {
-            // Stop new deliveries; prefetched ones not yet started are requeued by the
-            // broker when the channel closes.
-            let cancel = channel.basic_cancel(consumer.tag(), BasicCancelOptions::default());
-            if let Ok(Err(e)) = timeout(self.config.connect_timeout(), cancel).await {
-                debug!(error = %e, "basic.cancel failed");
+                Err(e)
             }
         }
-        let draining = in_flight.len();
-        if draining > 0 {
-            debug!(in_flight = draining, "waiting for in-flight handlers");
+    }
+
+    /// Stops new deliveries (`basic.cancel`); prefetched ones not yet started are
+    /// requeued by the broker when the channel closes.
+    pub(crate) async fn cancel(&self, session: &Session) {
+        let cancel = session
+            .channel
+            .basic_cancel(session.consumer.tag(), BasicCancelOptions::default());
+        if let Ok(Err(e)) = timeout(self.config.connect_timeout(), cancel).await {
+            debug!(error = %e, "basic.cancel failed");
         }
-        while in_flight.next().await.is_some() {}
+    }
+
+    /// Closes the channel and the connection.
+    pub(crate) async fn close(&self, session: Session, shutdown: bool) {
+        let Session {
+            connection,
+            channel,
+            consumer,
+        } = session;
         drop(consumer);
         if channel.status().connected() {
             let _ = timeout(
@@ -542,11 +665,71 @@ impl RabbitConsumer {
             .await;
         }
         close_connection(&connection, self.config.connect_timeout()).await;
-        if ended.is_ok() {
+        if shutdown {
             info!(queue = %self.queue, "RabbitMQ consumer shut down");
         }
-        ended
     }
+
+    /// The error of a delivery stream that failed or ended.
+    pub(crate) fn stream_error(&self, failed: Option<lapin::Error>) -> RabbitError {
+        match failed {
+            Some(source) => RabbitError::Consume {
+                queue: self.queue.clone(),
+                reason: "the delivery stream failed".to_owned(),
+                source: Some(Box::new(source)),
+            },
+            None => RabbitError::Consume {
+                queue: self.queue.clone(),
+                reason: "the consumer was cancelled (queue deleted, or the channel closed)"
+                    .to_owned(),
+                source: None,
+            },
+        }
+    }
+
+    /// One connection's worth of consuming, a handler per delivery. `Ok(())` means
+    /// shutdown; the `bool` whether consuming started.
+    async fn consume_once<H: DeliveryHandler>(
+        &self,
+        handler: &H,
+        shutdown: &CancellationToken,
+    ) -> (bool, Result<(), RabbitError>) {
+        let mut session = match self.open().await {
+            Ok(session) => session,
+            Err(e) => return (false, Err(e)),
+        };
+        let limit = usize::from(self.prefetch);
+        let mut in_flight = FuturesUnordered::new();
+        let ended = loop {
+            tokio::select! {
+                biased;
+                () = shutdown.cancelled() => break Ok(()),
+                Some(()) = in_flight.next(), if !in_flight.is_empty() => {}
+                next = session.consumer.next(), if in_flight.len() < limit => match next {
+                    Some(Ok(delivery)) => in_flight.push(process(handler, delivery, self.requeue_delay, shutdown)),
+                    Some(Err(source)) => break Err(self.stream_error(Some(source))),
+                    None => break Err(self.stream_error(None)),
+                },
+            }
+        };
+        if ended.is_ok() {
+            self.cancel(&session).await;
+        }
+        let draining = in_flight.len();
+        if draining > 0 {
+            debug!(in_flight = draining, "waiting for in-flight handlers");
+        }
+        while in_flight.next().await.is_some() {}
+        self.close(session, ended.is_ok()).await;
+        (true, ended)
+    }
+}
+
+/// One consuming channel: its connection, the channel and the consumer on it.
+pub(crate) struct Session {
+    connection: Connection,
+    channel: Channel,
+    pub(crate) consumer: lapin::Consumer,
 }
 
 async fn close_connection(connection: &Connection, limit: Duration) {

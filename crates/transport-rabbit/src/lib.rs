@@ -11,7 +11,9 @@
 //!   `Unavailable`, which opens the dispatcher's circuit). It reconnects by itself.
 //! - [`RabbitConsumer`] consumes a queue bound to that exchange with manual acks,
 //!   decodes each delivery into an [`IncomingMessage`](outbox_core::wire::IncomingMessage)
-//!   and acks, requeues or rejects it after a [`DeliveryHandler`] returns.
+//!   and acks, requeues or rejects it after a [`DeliveryHandler`] returns; or, with
+//!   [`RabbitConsumer::run_batched`], hands a [`BatchDeliveryHandler`] the deliveries
+//!   in batches and acknowledges a whole batch with one `basic.ack` when it can.
 //! - [`RabbitConfigBuilder`] / [`RabbitConfig`]: the broker URL and settings shared by
 //!   both; [`RabbitError`]: typed errors with an [`ErrorKind`](outbox_core::ErrorKind).
 //!
@@ -39,6 +41,7 @@
 //!
 //! [publisher confirms]: https://www.rabbitmq.com/docs/confirms#publisher-confirms
 
+mod batch;
 pub mod config;
 pub mod consumer;
 pub mod error;
@@ -47,7 +50,7 @@ pub mod publisher;
 pub use config::{RabbitConfig, RabbitConfigBuilder};
 pub use consumer::{RabbitConsumer, RabbitConsumerBuilder};
 pub use error::{RabbitError, redact_url};
-pub use outbox_core::consumer::{DeliveryHandler, HandlerDecision};
+pub use outbox_core::consumer::{BatchDeliveryHandler, DeliveryHandler, HandlerDecision};
 pub use publisher::RabbitPublisher;
 
 /// The AMQP client this crate is built on, for its types (e.g.
