@@ -75,7 +75,8 @@ enum Cmd {
         #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
         args: Vec<OsString>,
     },
-    /// Ensure the services, then run the orders benchmark (release build).
+    /// Ensure the services, then run the orders benchmark (release build, with `outbox`
+    /// beside it for `--relay-process` and `--backlog`).
     Bench {
         /// Extra arguments for the bench binary.
         #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
@@ -145,16 +146,20 @@ fn run(cli: Cli) -> Result<()> {
                 "xtask: release build for the chaos runs took {:.0} s",
                 started.elapsed().as_secs_f64()
             );
-            for (transport, duration) in CI_CHAOS_RUNS {
+            for (transport, duration, extra) in CI_CHAOS_RUNS {
                 let started = Instant::now();
-                run_child(chaos_command().args([
-                    "--transport",
-                    transport,
-                    "--duration",
-                    duration,
-                    "--drain-timeout",
-                    "60s",
-                ]))?;
+                run_child(
+                    chaos_command()
+                        .args([
+                            "--transport",
+                            transport,
+                            "--duration",
+                            duration,
+                            "--drain-timeout",
+                            "60s",
+                        ])
+                        .args(extra),
+                )?;
                 eprintln!(
                     "xtask: chaos run over {transport} took {:.0} s",
                     started.elapsed().as_secs_f64()
@@ -173,6 +178,8 @@ fn run(cli: Cli) -> Result<()> {
         }
         Cmd::Bench { args } => {
             services::ensure(timeout)?;
+            // `--relay-process` and `--backlog` run the release `outbox` beside the bench.
+            run_child(cargo().args(["build", "--release", "-p", "outbox-cli", "--bin", "outbox"]))?;
             let mut bench = cargo();
             bench
                 .args([
@@ -214,9 +221,11 @@ fn run(cli: Cli) -> Result<()> {
     }
 }
 
-/// The short chaos runs of `cargo xtask itest`: transport and fault phase (each run
-/// with its drain and verdict stays under 3 minutes).
-const CI_CHAOS_RUNS: [(&str, &str); 2] = [("rabbit", "100s"), ("nats", "90s")];
+/// The short chaos runs of `cargo xtask itest`: transport, fault phase and extra
+/// arguments (each run with its drain and verdict stays under 3 minutes). The RabbitMQ
+/// run's consumers take one transaction per delivery, the NATS run's one per batch.
+const CI_CHAOS_RUNS: [(&str, &str, &[&str]); 2] =
+    [("rabbit", "100s", &[]), ("nats", "90s", &["--batched"])];
 
 /// Builds what a chaos run starts: the `outbox` relay and the harness with its
 /// consumer, in release mode.

@@ -94,7 +94,8 @@ impl RabbitError {
     ///
     /// - [`ErrorKind::Permanent`]: invalid URL or configuration, bad credentials or
     ///   missing permissions (`403 ACCESS_REFUSED`), an unknown virtual host,
-    ///   inequivalent topology (`406 PRECONDITION_FAILED`);
+    ///   inequivalent topology (`406 PRECONDITION_FAILED` on a declare; a 406 that closes
+    ///   a consuming channel is transient: the consumer reconnects);
     /// - [`ErrorKind::Unavailable`]: the broker cannot be reached or the connection was
     ///   lost (I/O errors, timeouts, `320 CONNECTION_FORCED`, missed heartbeats);
     /// - [`ErrorKind::Transient`]: anything else that may pass (e.g. `404 NOT_FOUND` for
@@ -110,9 +111,17 @@ impl RabbitError {
                 _ => ErrorKind::Unavailable,
             },
             Self::Channel { source, .. } | Self::Declare { source, .. } => classify(source),
-            Self::Consume { source, .. } => {
-                source.as_deref().map_or(ErrorKind::Unavailable, classify)
-            }
+            // A channel closed with 406 while consuming is not the topology's fault (that
+            // fails `queue.declare`): an answer the broker did not know, or its
+            // `consumer_timeout` for a delivery held too long. A new channel gets the
+            // unacknowledged deliveries again.
+            Self::Consume { source, .. } => source.as_deref().map_or(ErrorKind::Unavailable, |e| {
+                if is_precondition_failed(e) {
+                    ErrorKind::Transient
+                } else {
+                    classify(e)
+                }
+            }),
         }
     }
 }
@@ -173,6 +182,38 @@ mod tests {
         assert_eq!(redact_url("amqp://user@host"), "amqp://user@host");
         assert_eq!(redact_url("user:secret@host"), "user:***@host");
         assert_eq!(redact_url("not a url"), "not a url");
+    }
+
+    #[test]
+    fn a_406_that_closes_a_consuming_channel_is_transient_not_permanent() {
+        let soft = |e: AMQPSoftError| {
+            Box::new(lapin::Error::from(lapin::ErrorKind::ProtocolError(
+                lapin::protocol::AMQPError::new(
+                    AMQPErrorKind::Soft(e),
+                    "PRECONDITION_FAILED - unknown delivery tag 961".into(),
+                ),
+            )))
+        };
+        let consume = |e| RabbitError::Consume {
+            queue: "q".to_owned(),
+            reason: "the delivery stream failed".to_owned(),
+            source: Some(soft(e)),
+        };
+        assert_eq!(
+            consume(AMQPSoftError::PRECONDITIONFAILED).kind(),
+            ErrorKind::Transient
+        );
+        assert_eq!(
+            consume(AMQPSoftError::ACCESSREFUSED).kind(),
+            ErrorKind::Permanent
+        );
+        // On a declare, a 406 is inequivalent topology: permanent.
+        let declare = RabbitError::Declare {
+            operation: "queue.declare",
+            name: "q".to_owned(),
+            source: soft(AMQPSoftError::PRECONDITIONFAILED),
+        };
+        assert_eq!(declare.kind(), ErrorKind::Permanent);
     }
 
     #[test]

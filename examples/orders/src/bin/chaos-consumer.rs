@@ -10,6 +10,10 @@
 //! - `--inbox direct`: no inbox, the effect is written and then the delivery acked, so a
 //!   redelivery is a second effect (the harness must catch it).
 //!
+//! With `--batched` the transport hands deliveries over in batches (`run_batched`): the
+//! idempotent consumer applies a batch in one transaction and the durable receiver
+//! stores it with one statement, so a kill lands between a batch's commit and its acks.
+//!
 //! `effects` has no unique constraint on purpose: a double effect is a second row for
 //! the same event id, counted by the harness rather than prevented. Every delivery is
 //! also recorded in `deliveries` (best effort, before it is handled) so the harness can
@@ -31,7 +35,7 @@ use inbox::{
     DurableReceiver, Handler, HandlerContext, HandlerError, IdempotentConsumer, InboxProcessor,
     Pipeline, ProcessorConfig,
 };
-use outbox_core::consumer::{DeliveryHandler, HandlerDecision};
+use outbox_core::consumer::{BatchDeliveryHandler, DeliveryHandler, HandlerDecision};
 use outbox_core::wire::IncomingMessage;
 use outbox_postgres::PgInbox;
 use serde::Deserialize;
@@ -55,6 +59,9 @@ struct Args {
     /// This consumer's number, recorded with its deliveries and effects.
     #[arg(long, default_value_t = 0)]
     instance: u32,
+    /// Batched mode (`run_batched`); with `--inbox idempotent` or `durable` only.
+    #[arg(long)]
+    batched: bool,
 }
 
 /// The part of the event the effect needs.
@@ -159,6 +166,37 @@ impl<H: DeliveryHandler> DeliveryHandler for Recorded<H> {
     }
 }
 
+/// [`Recorded`] for a batch: the batch's deliveries in one best-effort statement, then
+/// `inner`.
+struct RecordedBatch<H> {
+    inner: H,
+    pool: PgPool,
+    deliveries: String,
+    consumer: String,
+}
+
+#[async_trait]
+impl<H: BatchDeliveryHandler> BatchDeliveryHandler for RecordedBatch<H> {
+    async fn handle_batch(&self, msgs: &[IncomingMessage]) -> Vec<HandlerDecision> {
+        let ids: Vec<uuid::Uuid> = msgs.iter().map(|m| m.id).collect();
+        let redelivered: Vec<bool> = msgs.iter().map(|m| m.redelivered).collect();
+        let recorded = sqlx::query(AssertSqlSafe(format!(
+            "INSERT INTO {} (event_id, consumer, redelivered)
+             SELECT u.id, $2, u.redelivered FROM UNNEST($1::uuid[], $3::bool[]) AS u(id, redelivered)",
+            self.deliveries
+        )))
+        .bind(&ids)
+        .bind(&self.consumer)
+        .bind(&redelivered)
+        .execute(&self.pool)
+        .await;
+        if let Err(e) = recorded {
+            tracing::debug!(messages = msgs.len(), error = %e, "deliveries not recorded");
+        }
+        self.inner.handle_batch(msgs).await
+    }
+}
+
 /// Either transport's consumer.
 enum Consumer {
     Rabbit(transport_rabbit::RabbitConsumer),
@@ -174,6 +212,18 @@ impl Consumer {
         match self {
             Self::Rabbit(c) => c.run(handler, shutdown).await?,
             Self::Nats(c) => c.run(handler, shutdown).await?,
+        }
+        Ok(())
+    }
+
+    async fn run_batched<H: BatchDeliveryHandler>(
+        &self,
+        handler: H,
+        shutdown: CancellationToken,
+    ) -> anyhow::Result<()> {
+        match self {
+            Self::Rabbit(c) => c.run_batched(handler, shutdown).await?,
+            Self::Nats(c) => c.run_batched(handler, shutdown).await?,
         }
         Ok(())
     }
@@ -232,21 +282,40 @@ async fn main() -> anyhow::Result<()> {
         deliveries: names.table("deliveries"),
         consumer: consumer_name.clone(),
     };
+    let record_batch = |inner: Arc<dyn BatchDeliveryHandler>| RecordedBatch {
+        inner,
+        pool: pool.clone(),
+        deliveries: names.table("deliveries"),
+        consumer: consumer_name.clone(),
+    };
+    anyhow::ensure!(
+        !(args.batched && args.inbox == ConsumerMode::Direct),
+        "--batched needs an inbox (not --inbox direct)"
+    );
     eprintln!(
-        "chaos-consumer {consumer_name}: {} over {}",
+        "chaos-consumer {consumer_name}: {}{} over {}",
         args.inbox.name(),
+        if args.batched { " (batched)" } else { "" },
         args.transport.name()
     );
     match args.inbox {
         ConsumerMode::Idempotent => {
-            let handler =
-                IdempotentConsumer::new(store, Pipeline::new().on(EVENT_TYPE, CONSUMER, effect()));
-            consumer
-                .run(
-                    record(Arc::new(handler) as Arc<dyn DeliveryHandler>),
-                    shutdown,
-                )
-                .await
+            let handler = Arc::new(IdempotentConsumer::new(
+                store,
+                Pipeline::new().on(EVENT_TYPE, CONSUMER, effect()),
+            ));
+            if args.batched {
+                consumer
+                    .run_batched(
+                        record_batch(handler as Arc<dyn BatchDeliveryHandler>),
+                        shutdown,
+                    )
+                    .await
+            } else {
+                consumer
+                    .run(record(handler as Arc<dyn DeliveryHandler>), shutdown)
+                    .await
+            }
         }
         ConsumerMode::Durable => {
             let processor = InboxProcessor::new(
@@ -258,12 +327,22 @@ async fn main() -> anyhow::Result<()> {
             );
             let token = shutdown.clone();
             let processing = tokio::spawn(async move { processor.run(token).await });
-            let receiving = consumer
-                .run(
-                    record(Arc::new(DurableReceiver::new(store)) as Arc<dyn DeliveryHandler>),
-                    shutdown.clone(),
-                )
-                .await;
+            let receiver = Arc::new(DurableReceiver::new(store));
+            let receiving = if args.batched {
+                consumer
+                    .run_batched(
+                        record_batch(receiver as Arc<dyn BatchDeliveryHandler>),
+                        shutdown.clone(),
+                    )
+                    .await
+            } else {
+                consumer
+                    .run(
+                        record(receiver as Arc<dyn DeliveryHandler>),
+                        shutdown.clone(),
+                    )
+                    .await
+            };
             shutdown.cancel();
             processing
                 .await

@@ -52,6 +52,12 @@ pub(crate) struct Args {
     /// run must then report double effects and fail (it shows the harness can fail).
     #[arg(long)]
     pub(crate) consumers_without_inbox: bool,
+    /// Consumers take deliveries in batches, one database transaction per batch
+    /// (`run_batched`: `IdempotentConsumer::process_batch`, or `DurableReceiver` storing
+    /// a batch with one statement), instead of one transaction per delivery. Not with
+    /// `--consumers-without-inbox`.
+    #[arg(long)]
+    pub(crate) batched: bool,
     /// How long the broker stays frozen, under a memory alarm, or with a full queue.
     #[arg(long, default_value = "20s", value_parser = humantime::parse_duration)]
     pub(crate) fault_window: Duration,
@@ -103,6 +109,10 @@ impl Args {
             "--lease {} must be at least twice 5 s + --confirm-timeout ({})",
             humantime::format_duration(self.lease),
             humantime::format_duration(publish * 2)
+        );
+        anyhow::ensure!(
+            !(self.batched && self.consumers_without_inbox),
+            "--batched needs an inbox: not with --consumers-without-inbox"
         );
         anyhow::ensure!(self.relays >= 1, "--relays must be at least 1");
         anyhow::ensure!(self.consumers >= 1, "--consumers must be at least 1");

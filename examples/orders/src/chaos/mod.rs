@@ -130,6 +130,9 @@ fn consumer_command(bins: &Binaries, args: &Args, names: &Names, instance: usize
             },
         ])
         .args(["--instance", &instance.to_string()]);
+    if args.batched {
+        c.arg("--batched");
+    }
     c
 }
 
@@ -462,6 +465,7 @@ pub(crate) async fn run(args: Args, seed: u64, before: servers::Snapshot) -> any
     let inputs = verdict::Inputs {
         transport: args.transport,
         mode,
+        batched: args.batched,
         seed,
         duration: args.duration,
         drain: drained,

@@ -1,7 +1,9 @@
 //! The relay and consumer processes: started, killed with `SIGKILL` on the schedule,
 //! started again after a pause, and started again too when one exits by itself (which
 //! is recorded: a relay started while PostgreSQL is down exits with code 1, as
-//! documented; a panic or a signal the harness did not send fails the run).
+//! documented; a panic, a signal the harness did not send, or a consumer that exits by
+//! itself fails the run: a consumer rides out every fault of the run by reconnecting,
+//! so its exit is a bug).
 
 use std::fs::File;
 use std::os::unix::process::{CommandExt as _, ExitStatusExt as _};
@@ -238,7 +240,7 @@ impl Supervisor {
             slot.child = None;
             let what = format!("{}: {}", slot.label(), describe(status));
             timeline.say(format!("{what} (not caused by the harness); restart in 1s"));
-            if is_crash(status) {
+            if is_crash(status) || slot.role == Role::Consumer {
                 self.report.crashes.push(what.clone());
             }
             self.report.exits.push(what);

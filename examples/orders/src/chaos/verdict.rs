@@ -22,6 +22,8 @@ use crate::common;
 pub(crate) struct Inputs {
     pub(crate) transport: Transport,
     pub(crate) mode: ConsumerMode,
+    /// The consumers ran in batches (`--batched`).
+    pub(crate) batched: bool,
     pub(crate) seed: u64,
     pub(crate) duration: Duration,
     /// How long the drain took, or why it did not finish.
@@ -289,9 +291,10 @@ pub(crate) async fn judge(
     // The table.
     println!();
     println!(
-        "chaos verdict: {}, {}, seed {}, fault phase {}, {} relays, {} consumers, crash-loop limit {}",
+        "chaos verdict: {}, {}{}, seed {}, fault phase {}, {} relays, {} consumers, crash-loop limit {}",
         inputs.transport.name(),
         inputs.mode.name(),
+        if inputs.batched { " (batched)" } else { "" },
         inputs.seed,
         humantime::format_duration(inputs.duration),
         inputs.relays,
