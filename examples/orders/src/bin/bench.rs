@@ -33,6 +33,10 @@
 
 #[path = "../common.rs"]
 mod common;
+#[path = "../consumer_bench.rs"]
+mod consumer_bench;
+#[path = "../relay_latency_bench.rs"]
+mod relay_latency_bench;
 
 use std::future::IntoFuture;
 use std::sync::Arc;
@@ -107,6 +111,24 @@ struct Args {
     /// 10, 1,000 and 10,000 distinct keys, beside the unordered relay on the same data.
     #[arg(long)]
     ordered: bool,
+    /// Measure the consumer side instead (RabbitMQ or NATS → inbox → PostgreSQL): the
+    /// raw consumer, the idempotent consumer per message and batched, with and without
+    /// versions, a set-based batch handler, and the durable receiver and processor (see
+    /// `consumer_bench.rs`). Uses `--messages`, `--payload-bytes`, `--rounds` and
+    /// `--batch-size` (publishing only).
+    #[arg(long)]
+    consumer: bool,
+    /// Measure `outbox relay` as its own process instead (default settings, the release
+    /// binary next to this one): its idle PostgreSQL transactions per second,
+    /// commit-to-publish at 20 and 500 msg/s, and what the notification trigger costs 4
+    /// concurrent producers (see `relay_latency_bench.rs`).
+    #[arg(long)]
+    relay_process: bool,
+    /// Measure a backlog of N pending rows instead: the relay's gauges and `outbox
+    /// stats` on it, and the relay draining `--messages` of it against a table of
+    /// `--messages` rows (`--rounds` rounds). Combines with `--relay-process`.
+    #[arg(long, value_name = "N")]
+    backlog: Option<usize>,
 }
 
 /// Confirms everything at once: isolates the store's claim + complete cost.
@@ -822,6 +844,9 @@ async fn main() -> anyhow::Result<()> {
         )
         .init();
     let args = Args::parse();
+    if args.consumer {
+        return consumer_bench::run(&args).await;
+    }
     let tag = uuid::Uuid::new_v4().simple().to_string()[..8].to_owned();
     let broker = Broker::setup(args.transport, &tag).await?;
     let result = match &broker {
@@ -940,6 +965,9 @@ async fn run<P: EventPublisher>(
 ) -> anyhow::Result<()> {
     if args.ordered {
         return run_ordered(args, broker, publisher).await;
+    }
+    if args.relay_process || args.backlog.is_some() {
+        return relay_latency_bench::run(args, broker, publisher).await;
     }
     let body = payload(args.payload_bytes);
     let n = args.messages;
