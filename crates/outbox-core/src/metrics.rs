@@ -18,13 +18,16 @@
 //! | [`CLAIM_WAIT_SECONDS`] | histogram | seconds | – | a publisher's wait for a claimed batch (beside the publish time: is a busy relay waiting on the database?) |
 //! | [`COMMIT_TO_PUBLISH_SECONDS`] | histogram | seconds | – | row `created_at` (database clock) to broker confirm (relay clock), per message |
 //! | [`CIRCUIT_OPEN`] | gauge | 0/1 | – | 1 while the broker is considered unreachable |
-//! | [`PENDING_MESSAGES`] | gauge | messages | – | `New` + `Processing` rows (queue depth) |
-//! | [`OLDEST_PENDING_AGE_SECONDS`] | gauge | seconds | – | age of the oldest pending row (queue lag) |
-//! | [`DEAD_MESSAGES`] | gauge | messages | – | rows in `Dead` now |
+//! | [`PENDING_MESSAGES`] | gauge | messages | – | `New` + `Processing` rows (queue depth); the `outbox` relay counts at most 10,000 (then: at least that many) |
+//! | [`OLDEST_PENDING_AGE_SECONDS`] | gauge | seconds | – | age of the oldest pending row (queue lag); the `outbox` relay's is exact below 10,000 pending, else the backlog head's |
+//! | [`DEAD_MESSAGES`] | gauge | messages | – | rows in `Dead` now; the `outbox` relay counts at most 10,000 |
 //!
 //! The dispatcher records the counters and histograms; the three table gauges need a
 //! query, so whoever owns the relay process sets them periodically from
-//! [`OutboxStore::stats`](crate::OutboxStore::stats) with [`set_table_gauges`].
+//! [`OutboxStore::stats`](crate::OutboxStore::stats) with [`set_table_gauges`]. The
+//! `outbox` relay uses a bounded variant (PostgreSQL's `PgOutbox::pending_stats`) that
+//! costs the same at any backlog: exact counts cost a visit per row, every few seconds
+//! per relay.
 //!
 //! Commit-to-publish latency mixes two clocks (the row's `created_at` comes from the
 //! database); skew between them shifts it, and negative values are recorded as 0.
@@ -249,14 +252,18 @@ pub fn describe() {
     describe_gauge!(
         PENDING_MESSAGES,
         Unit::Count,
-        "Outbox rows New or Processing"
+        "Outbox rows New or Processing (the outbox relay counts at most 10000: that value means at least 10000)"
     );
     describe_gauge!(
         OLDEST_PENDING_AGE_SECONDS,
         Unit::Seconds,
-        "Age of the oldest New or Processing row (queue lag)"
+        "Age of the oldest New or Processing row (queue lag); the outbox relay's is exact below 10000 pending rows, else the age of the oldest of the first 10000 in claim order"
     );
-    describe_gauge!(DEAD_MESSAGES, Unit::Count, "Outbox rows Dead");
+    describe_gauge!(
+        DEAD_MESSAGES,
+        Unit::Count,
+        "Outbox rows Dead (the outbox relay counts at most 10000: that value means at least 10000)"
+    );
 }
 
 /// The `kind` label value of an error kind.
@@ -336,7 +343,8 @@ pub fn circuit(open: bool) {
 }
 
 /// Sets the table gauges ([`PENDING_MESSAGES`], [`OLDEST_PENDING_AGE_SECONDS`],
-/// [`DEAD_MESSAGES`]) from a stats snapshot.
+/// [`DEAD_MESSAGES`]) from a stats snapshot, exact or bounded (the help texts describe
+/// the `outbox` relay's bounded one).
 pub fn set_table_gauges(stats: &OutboxStats) {
     ::metrics::gauge!(PENDING_MESSAGES).set((stats.new + stats.processing) as f64);
     ::metrics::gauge!(OLDEST_PENDING_AGE_SECONDS)

@@ -1,0 +1,646 @@
+//! `--relay-process` and `--backlog N`: the relay as users run it, and its cost at a
+//! large backlog.
+//!
+//! **`--relay-process`** runs `outbox relay` (the release binary next to this one) as a
+//! child process with default settings: only the database URL, the schema, the broker
+//! (URL, exchange or subject prefix) and the endpoint's address (`127.0.0.1:0`, so that
+//! it never collides) are given. This process is the producer. It measures:
+//! 1. the idle relay's PostgreSQL transactions per second: the database's
+//!    `xact_commit + xact_rollback` (`pg_stat_database`) over a window with the relay
+//!    idle, minus the same over an equal window before it started (the bench's own two
+//!    reads are in both);
+//! 2. commit-to-publish at 20 and 500 messages/s, one single-row transaction per message
+//!    on a fixed schedule, from a pool of connections (so a slow commit does not delay
+//!    the next one): `sent_at - created_at` (database clock, from the producer's
+//!    transaction start to the relay's recording of the broker's confirm);
+//! 3. what the notification trigger costs producers: 4 writers of single-row
+//!    transactions with the trigger and without it (`DISABLE TRIGGER`), in alternating
+//!    windows, while a connection LISTENs (the relay stopped, so its publishing takes no
+//!    CPU from the writers).
+//!
+//! **`--backlog N`** preloads N pending rows with one `INSERT … SELECT generate_series`,
+//! times the relay's periodic health-check queries (`pending_stats`, the gauges, and
+//! `oldest_claimable_wait`) beside the exact counts they replaced and `outbox stats`
+//! (a child process, exact), then drains `--messages` messages with the bench's relay
+//! (the same dispatcher and publisher as the throughput rounds) from the backlog and
+//! from a table of `--messages` rows, in rounds of alternating order.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering as AtomicOrdering};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context as _, bail};
+use outbox_core::{EventPublisher, NewMessage};
+use outbox_postgres::PgOutbox;
+use std::process::{Child, Command};
+
+use super::{Args, Broker, common};
+
+/// The producer rates of the latency phase, messages per second.
+const RATES: [u64; 2] = [20, 500];
+/// How long each rate is produced.
+const RATE_SECS: u64 = 10;
+/// The idle windows (baseline and relay): [`IDLE_WINDOWS`] of this length each, long
+/// against PostgreSQL's once-a-second flush of a backend's statistics; the median
+/// window counts, so that another client's burst in one window does not.
+const IDLE_WINDOW: Duration = Duration::from_secs(5);
+const IDLE_WINDOWS: usize = 4;
+/// Concurrent producers in the NOTIFY-cost phase, and the length of each window.
+const WRITERS: usize = 4;
+const WRITER_WINDOW: Duration = Duration::from_secs(5);
+
+/// Runs the phases `args` asks for.
+pub(crate) async fn run<P: EventPublisher>(
+    args: &Args,
+    broker: &Broker,
+    publisher: Arc<P>,
+) -> anyhow::Result<()> {
+    let body = super::payload(args.payload_bytes);
+    if args.relay_process {
+        relay_process(broker, &body).await?;
+    }
+    if let Some(n) = args.backlog {
+        backlog(args, broker, publisher, n, &body).await?;
+    }
+    Ok(())
+}
+
+/// The release build's `outbox`, next to this executable.
+fn outbox_bin() -> anyhow::Result<PathBuf> {
+    let path = std::env::current_exe()
+        .context("where is this executable?")?
+        .with_file_name("outbox");
+    anyhow::ensure!(
+        path.is_file(),
+        "{} not found: build it with `cargo build --release -p outbox-cli --bin outbox` \
+         (`cargo xtask bench` does)",
+        path.display()
+    );
+    Ok(path)
+}
+
+/// `outbox` with no configuration from the environment, the database at `url` and
+/// `schema`.
+fn outbox_command(url: &str, schema: &str) -> anyhow::Result<Command> {
+    let mut c = Command::new(outbox_bin()?);
+    for (key, _) in std::env::vars_os() {
+        if key.to_string_lossy().starts_with("OUTBOX_") {
+            c.env_remove(key);
+        }
+    }
+    c.env("RUST_LOG", "warn")
+        .args(["--database-url", url, "--schema", schema]);
+    Ok(c)
+}
+
+/// `outbox relay` with default settings but `extra`, publishing where the bench's
+/// broker listens.
+fn spawn_relay(outbox: &Db, broker: &Broker, extra: &[&str]) -> anyhow::Result<Child> {
+    let mut c = outbox_command(&outbox.url, outbox.schema())?;
+    c.args(["relay", "--listen", "127.0.0.1:0"]).args(extra);
+    match broker {
+        Broker::Rabbit { exchange, .. } => {
+            c.args(["--transport", "rabbit", "--broker-url", &common::amqp_url()])
+                .args(["--exchange", exchange]);
+        }
+        Broker::Nats { prefix, .. } => {
+            c.args(["--transport", "nats", "--broker-url", &common::nats_url()])
+                .args(["--subject-prefix", prefix]);
+        }
+    }
+    c.spawn().context("start `outbox relay`")
+}
+
+/// SIGTERM, then up to 20 s for the relay to drain and exit.
+async fn stop(mut child: Child) -> anyhow::Result<()> {
+    let _ = Command::new("kill")
+        .args(["-TERM", &child.id().to_string()])
+        .status();
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while child.try_wait()?.is_none() {
+        if Instant::now() > deadline {
+            eprintln!("note: the relay did not stop within 20 s of SIGTERM; killed");
+            child.kill()?;
+            child.wait()?;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    Ok(())
+}
+
+/// Transactions committed or rolled back in the bench's database so far.
+async fn xacts(outbox: &PgOutbox) -> anyhow::Result<i64> {
+    Ok(sqlx::query_scalar(
+        "SELECT (xact_commit + xact_rollback)::int8 FROM pg_stat_database
+          WHERE datname = current_database()",
+    )
+    .fetch_one(outbox.pool())
+    .await?)
+}
+
+/// Transactions per second in the database, and PostgreSQL's CPU seconds per second:
+/// the median of [`IDLE_WINDOWS`] windows of [`IDLE_WINDOW`] (by transactions), with
+/// every window's transactions per second.
+async fn xact_rate(outbox: &PgOutbox) -> anyhow::Result<(f64, f64, Vec<f64>)> {
+    let mut windows = Vec::new();
+    for _ in 0..IDLE_WINDOWS {
+        let (x0, c0) = (xacts(outbox).await?, common::CpuTimes::now());
+        tokio::time::sleep(IDLE_WINDOW).await;
+        let (x1, c1) = (xacts(outbox).await?, common::CpuTimes::now());
+        let secs = IDLE_WINDOW.as_secs_f64();
+        windows.push(((x1 - x0) as f64 / secs, c1.since(c0).database / secs));
+    }
+    let all = windows.iter().map(|w| w.0).collect();
+    windows.sort_by(|a, b| a.0.total_cmp(&b.0));
+    let (tps, cpu) = windows[windows.len() / 2];
+    Ok((tps, cpu, all))
+}
+
+fn message(aggregate: &str, i: u64, body: &str) -> anyhow::Result<NewMessage> {
+    Ok(NewMessage::builder(aggregate, i.to_string(), "BenchEvent")
+        .payload_json(body.to_owned())
+        .build()?)
+}
+
+/// One single-row transaction.
+async fn write_one(outbox: &PgOutbox, msg: &NewMessage) -> anyhow::Result<()> {
+    let mut tx = outbox.pool().begin().await?;
+    outbox.enqueue(&mut tx, msg).await?;
+    tx.commit().await?;
+    Ok(())
+}
+
+/// Messages of `aggregate` recorded Sent.
+async fn sent(outbox: &PgOutbox, aggregate: &str) -> anyhow::Result<i64> {
+    Ok(sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
+        "SELECT count(*) FROM {}.outbox_messages WHERE aggregate_type = $1 AND status = 1",
+        outbox.schema()
+    )))
+    .bind(aggregate)
+    .fetch_one(outbox.pool())
+    .await?)
+}
+
+async fn wait_sent(
+    outbox: &PgOutbox,
+    aggregate: &str,
+    n: u64,
+    within: Duration,
+) -> anyhow::Result<()> {
+    let deadline = Instant::now() + within;
+    loop {
+        let done = sent(outbox, aggregate).await?;
+        if done >= i64::try_from(n)? {
+            return Ok(());
+        }
+        if Instant::now() > deadline {
+            bail!("the relay published {done} of {n} `{aggregate}` messages within {within:?}");
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// Writes `rate` single-row transactions per second for `secs` seconds on a fixed
+/// schedule; returns how far behind schedule the last write started.
+async fn produce(
+    outbox: &PgOutbox,
+    aggregate: &str,
+    rate: u64,
+    secs: u64,
+    body: &str,
+) -> anyhow::Result<Duration> {
+    let total = rate * secs;
+    let start = tokio::time::Instant::now();
+    let mut writes = tokio::task::JoinSet::new();
+    let mut behind = Duration::ZERO;
+    for i in 0..total {
+        let at = start + Duration::from_secs_f64(i as f64 / rate as f64);
+        tokio::time::sleep_until(at).await;
+        behind = tokio::time::Instant::now() - at;
+        let (outbox, msg) = (outbox.clone(), message(aggregate, i, body)?);
+        writes.spawn(async move { write_one(&outbox, &msg).await });
+        while let Some(done) = writes.try_join_next() {
+            done??;
+        }
+    }
+    while let Some(done) = writes.join_next().await {
+        done??;
+    }
+    Ok(behind)
+}
+
+/// Commit-to-publish of the messages of `aggregate`: p50, p99, max (milliseconds in).
+async fn latencies(
+    outbox: &PgOutbox,
+    aggregate: &str,
+) -> anyhow::Result<(Duration, Duration, Duration)> {
+    let ms: Vec<f64> = sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
+        "SELECT extract(epoch FROM sent_at - created_at)::float8 * 1000
+           FROM {}.outbox_messages WHERE aggregate_type = $1 AND status = 1",
+        outbox.schema()
+    )))
+    .bind(aggregate)
+    .fetch_all(outbox.pool())
+    .await?;
+    let (p50, p99) = common::percentiles(&ms).context("no latencies")?;
+    let max = ms.iter().copied().fold(0.0_f64, f64::max);
+    Ok((p50, p99, Duration::from_secs_f64(max / 1000.0)))
+}
+
+/// The latency phase's outbox, in a database of its own: PostgreSQL counts
+/// transactions per database, so the idle relay's are counted apart from any other
+/// client's.
+struct Db {
+    outbox: PgOutbox,
+    url: String,
+    name: String,
+}
+
+impl std::ops::Deref for Db {
+    type Target = PgOutbox;
+    fn deref(&self) -> &PgOutbox {
+        &self.outbox
+    }
+}
+
+/// `DATABASE_URL` with the database `name`.
+fn url_with_database(name: &str) -> anyhow::Result<String> {
+    let url = common::database_url();
+    let (base, query) = url
+        .split_once('?')
+        .map_or((url.as_str(), None), |(b, q)| (b, Some(q)));
+    let (server, _) = base
+        .rsplit_once('/')
+        .context("DATABASE_URL has no database")?;
+    Ok(match query {
+        Some(q) => format!("{server}/{name}?{q}"),
+        None => format!("{server}/{name}"),
+    })
+}
+
+async fn create_db(admin: &sqlx::PgPool) -> anyhow::Result<Db> {
+    let name = format!(
+        "bench_proc_{}",
+        &uuid::Uuid::new_v4().simple().to_string()[..8]
+    );
+    sqlx::query(sqlx::AssertSqlSafe(format!("CREATE DATABASE {name}")))
+        .execute(admin)
+        .await?;
+    let url = url_with_database(&name)?;
+    let outbox = PgOutbox::connect(
+        &outbox_postgres::PgConfig::new(url.clone())
+            .with_schema("outbox")
+            .with_max_connections(8),
+    )
+    .await?;
+    outbox.migrate().await?;
+    // As in the other phases: no autovacuum in a random window. Autovacuum's own
+    // transactions count in the database's statistics too, and the new database's
+    // catalogs, just written by the migrations, are what it would visit first: vacuumed
+    // and analyzed now, it has nothing left to do there.
+    sqlx::query("ALTER TABLE outbox.outbox_messages SET (autovacuum_enabled = false)")
+        .execute(outbox.pool())
+        .await?;
+    sqlx::query("VACUUM (ANALYZE)")
+        .execute(outbox.pool())
+        .await?;
+    Ok(Db { outbox, url, name })
+}
+
+async fn relay_process(broker: &Broker, body: &str) -> anyhow::Result<()> {
+    let admin = sqlx::PgPool::connect(&common::database_url()).await?;
+    let db = create_db(&admin).await?;
+    println!(
+        "out-of-process relay: `outbox relay` (default settings) → {}, database {} of its own, this process producing single-row transactions of {} bytes",
+        broker.name(),
+        db.name,
+        body.len()
+    );
+    let result = relay_process_phases(&db, broker, body).await;
+    db.outbox.pool().close().await;
+    sqlx::query(sqlx::AssertSqlSafe(format!(
+        "DROP DATABASE {} WITH (FORCE)",
+        db.name
+    )))
+    .execute(&admin)
+    .await?;
+    result
+}
+
+async fn relay_process_phases(outbox: &Db, broker: &Broker, body: &str) -> anyhow::Result<()> {
+    super::quiesce(outbox).await;
+    let (base_tps, base_cpu, base_all) = xact_rate(outbox).await?;
+
+    let relay = spawn_relay(outbox, broker, &[])?;
+    // The relay is stopped whether the phases succeed or not.
+    let mut idle = 0.0;
+    let measured = async {
+        wait_ready(outbox, "probe", body).await?;
+        let (idle_tps, idle_cpu, idle_all) = xact_rate(outbox).await?;
+        idle = idle_tps - base_tps;
+        println!(
+            "idle relay: {:.2} PostgreSQL transactions/s: xact_commit + xact_rollback of its database, median of {IDLE_WINDOWS} windows of {} s with the relay idle ({:.2}/s; windows {:.2?}) minus the same before it started ({:.2}/s; windows {:.2?}); PostgreSQL CPU {:.1}% of a core with it, {:.1}% without",
+            idle_tps - base_tps,
+            IDLE_WINDOW.as_secs(),
+            idle_tps,
+            idle_all,
+            base_tps,
+            base_all,
+            100.0 * idle_cpu,
+            100.0 * base_cpu
+        );
+
+        for rate in RATES {
+            let aggregate = format!("rate{rate}");
+            let behind = produce(outbox, &aggregate, rate, RATE_SECS, body).await?;
+            wait_sent(
+                outbox,
+                &aggregate,
+                rate * RATE_SECS,
+                Duration::from_secs(60),
+            )
+            .await?;
+            let (p50, p99, max) = latencies(outbox, &aggregate).await?;
+            println!(
+                "commit-to-publish at {rate} msg/s for {RATE_SECS} s ({} single-row transactions; the last started {} behind schedule): p50 {} p99 {} max {}",
+                rate * RATE_SECS,
+                common::ms(behind),
+                common::ms(p50),
+                common::ms(p99),
+                common::ms(max)
+            );
+        }
+        anyhow::Ok(())
+    }
+    .await;
+    stop(relay).await?;
+    measured?;
+    if idle > 2.0 {
+        // Over the target of 2: what a longer fallback poll would give.
+        let relay = spawn_relay(outbox, broker, &["--poll-interval", "1s"])?;
+        let measured = async {
+            wait_ready(outbox, "probe1s", body).await?;
+            xact_rate(outbox).await
+        }
+        .await;
+        stop(relay).await?;
+        let (tps, _, windows) = measured?;
+        println!(
+            "idle relay with --poll-interval 1s (the only setting changed): {:.2} PostgreSQL transactions/s (windows {windows:.2?})",
+            tps - base_tps
+        );
+    }
+    notify_cost(outbox, body).await
+}
+
+/// Returns once the relay has published a first message (it connects to the broker
+/// lazily), and 6 s more: past its first health check, with its connections open.
+async fn wait_ready(outbox: &PgOutbox, aggregate: &str, body: &str) -> anyhow::Result<()> {
+    write_one(outbox, &message(aggregate, 0, body)?).await?;
+    wait_sent(outbox, aggregate, 1, Duration::from_secs(30)).await?;
+    tokio::time::sleep(Duration::from_secs(6)).await;
+    Ok(())
+}
+
+/// Single-row transactions per second from [`WRITERS`] concurrent writers over
+/// [`WRITER_WINDOW`].
+async fn writers_rate(outbox: &PgOutbox, body: &str) -> anyhow::Result<f64> {
+    let count = Arc::new(AtomicU64::new(0));
+    let started = Instant::now();
+    let deadline = started + WRITER_WINDOW;
+    let mut tasks = tokio::task::JoinSet::new();
+    for w in 0..WRITERS {
+        let (outbox, count, body) = (outbox.clone(), Arc::clone(&count), body.to_owned());
+        tasks.spawn(async move {
+            let mut i = 0;
+            while Instant::now() < deadline {
+                write_one(&outbox, &message(&format!("writer{w}"), i, &body)?).await?;
+                count.fetch_add(1, AtomicOrdering::Relaxed);
+                i += 1;
+            }
+            anyhow::Ok(())
+        });
+    }
+    while let Some(done) = tasks.join_next().await {
+        done??;
+    }
+    Ok(count.load(AtomicOrdering::Relaxed) as f64 / started.elapsed().as_secs_f64())
+}
+
+async fn notify_cost(outbox: &PgOutbox, body: &str) -> anyhow::Result<()> {
+    let table = format!("{}.outbox_messages", outbox.schema());
+    let mut listener = sqlx::postgres::PgListener::connect_with(outbox.pool()).await?;
+    listener.listen(outbox_postgres::NOTIFY_CHANNEL).await?;
+    let notified = Arc::new(AtomicU64::new(0));
+    let drain = {
+        let notified = Arc::clone(&notified);
+        tokio::spawn(async move {
+            while let Ok(Some(_)) = listener.try_recv().await {
+                notified.fetch_add(1, AtomicOrdering::Relaxed);
+            }
+        })
+    };
+    super::quiesce(outbox).await;
+    let (mut with, mut without) = (Vec::new(), Vec::new());
+    // Alternating windows (on, off, off, on, …), so that neither side always goes first.
+    for trigger_on in [true, false, false, true, true, false] {
+        let switch = if trigger_on { "ENABLE" } else { "DISABLE" };
+        sqlx::query(sqlx::AssertSqlSafe(format!(
+            "ALTER TABLE {table} {switch} TRIGGER outbox_messages_notify"
+        )))
+        .execute(outbox.pool())
+        .await?;
+        let rate = writers_rate(outbox, body).await?;
+        if trigger_on {
+            with.push(rate)
+        } else {
+            without.push(rate)
+        }
+    }
+    drain.abort();
+    let mean = |v: &[f64]| v.iter().sum::<f64>() / v.len() as f64;
+    let (on, off) = (mean(&with), mean(&without));
+    println!(
+        "producers, {WRITERS} concurrent writers of single-row transactions, {} windows of {} s each: {on:.0} tx/s with the notification trigger, {off:.0} tx/s without: ratio {:.3} (windows with {:?}, without {:?}; {} notifications received)",
+        with.len() + without.len(),
+        WRITER_WINDOW.as_secs(),
+        on / off,
+        with.iter().map(|r| r.round()).collect::<Vec<_>>(),
+        without.iter().map(|r| r.round()).collect::<Vec<_>>(),
+        notified.load(AtomicOrdering::Relaxed)
+    );
+    Ok(())
+}
+
+/// `n` pending rows in one statement, then `ANALYZE`.
+async fn preload_sql(outbox: &PgOutbox, n: usize, body: &str) -> anyhow::Result<()> {
+    let s = outbox.schema();
+    sqlx::query(sqlx::AssertSqlSafe(format!(
+        "INSERT INTO {s}.outbox_messages (id, aggregate_type, aggregate_id, event_type, payload)
+         SELECT gen_random_uuid(), 'bench', g::text, 'BenchEvent', $1::text::json
+           FROM generate_series(1, $2) g"
+    )))
+    .bind(body)
+    .bind(i64::try_from(n)?)
+    .execute(outbox.pool())
+    .await?;
+    sqlx::query(sqlx::AssertSqlSafe(format!("ANALYZE {s}.outbox_messages")))
+        .execute(outbox.pool())
+        .await?;
+    Ok(())
+}
+
+/// Runs `f` `times` times; returns the durations in order.
+async fn timed<F, Fut, T>(times: usize, mut f: F) -> anyhow::Result<Vec<Duration>>
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = anyhow::Result<T>>,
+{
+    let mut out = Vec::with_capacity(times);
+    for _ in 0..times {
+        let started = Instant::now();
+        f().await?;
+        out.push(started.elapsed());
+    }
+    Ok(out)
+}
+
+fn show(ds: &[Duration]) -> String {
+    ds.iter()
+        .map(|d| common::ms(*d))
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
+/// The gauges' query before they were bounded: exact counts through the partial
+/// indexes and the oldest pending `created_at` over every pending row.
+async fn exact_gauges(outbox: &PgOutbox) -> anyhow::Result<()> {
+    let s = outbox.schema();
+    sqlx::query(sqlx::AssertSqlSafe(format!(
+        "SELECT (SELECT count(*) FROM {s}.outbox_messages WHERE phase = 0 AND status = 0),
+                (SELECT count(*) FROM {s}.outbox_messages WHERE phase = 0 AND status = 9),
+                (SELECT count(*) FROM {s}.outbox_messages WHERE phase = 3),
+                extract(epoch FROM now() -
+                    (SELECT min(created_at) FROM {s}.outbox_messages WHERE phase = 0))::float8"
+    )))
+    .fetch_one(outbox.pool())
+    .await?;
+    Ok(())
+}
+
+async fn backlog<P: EventPublisher>(
+    args: &Args,
+    broker: &Broker,
+    publisher: Arc<P>,
+    n: usize,
+    body: &str,
+) -> anyhow::Result<()> {
+    let m = args.messages;
+    println!(
+        "backlog: {n} pending rows against {m}, messages of {} bytes, relay → {}, batch {}, {} batches in flight",
+        body.len(),
+        broker.name(),
+        args.batch_size,
+        args.concurrency
+    );
+    let big = super::fresh_outbox("backlog").await?;
+    let result = backlog_phases(args, broker, publisher, &big, n, body).await;
+    super::drop_schema(&big).await;
+    result
+}
+
+async fn backlog_phases<P: EventPublisher>(
+    args: &Args,
+    broker: &Broker,
+    publisher: Arc<P>,
+    big: &PgOutbox,
+    n: usize,
+    body: &str,
+) -> anyhow::Result<()> {
+    let m = args.messages;
+    let started = Instant::now();
+    preload_sql(big, n, body).await?;
+    println!(
+        "preloaded {n} rows (one INSERT … SELECT generate_series, then ANALYZE) in {:.1} s",
+        started.elapsed().as_secs_f64()
+    );
+    super::quiesce(big).await;
+
+    let gauges = timed(5, || async { Ok(big.pending_stats().await?) }).await?;
+    let stats = big.pending_stats().await?;
+    let claimable = timed(5, || async { Ok(big.oldest_claimable_wait(None).await?) }).await?;
+    let exact = timed(3, || exact_gauges(big)).await?;
+    let cli_stats = timed(3, || async {
+        let mut stats = outbox_command(&common::database_url(), big.schema())?;
+        stats.arg("stats").stdout(std::process::Stdio::null());
+        let status = tokio::task::spawn_blocking(move || stats.status()).await??;
+        anyhow::ensure!(status.success(), "`outbox stats` failed: {status}");
+        Ok(())
+    })
+    .await?;
+    println!(
+        "at {n} pending rows: the relay's gauges (pending_stats: pending {} , dead {}, oldest age {:?}) took {}; \
+         oldest_claimable_wait {}; the same gauges counted exactly (the query before they were bounded) {}; \
+         `outbox stats` (exact, a child process) {}",
+        stats.new + stats.processing,
+        stats.dead,
+        stats.oldest_pending_age.map(|d| d.as_secs()),
+        show(&gauges),
+        show(&claimable),
+        show(&exact),
+        show(&cli_stats)
+    );
+
+    let rounds = args.rounds.max(1);
+    let (mut small_runs, mut big_runs) = (Vec::new(), Vec::new());
+    for round in 0..rounds {
+        for big_first in [round % 2 == 1, round % 2 == 0] {
+            if big_first {
+                super::quiesce(big).await;
+                let run = super::run_dispatcher(big, Arc::clone(&publisher), args).await?;
+                big_runs.push(run.elapsed);
+            } else {
+                let small = super::fresh_outbox("backlog_small").await?;
+                let run = async {
+                    preload_sql(&small, m, body).await?;
+                    super::quiesce(&small).await;
+                    super::run_dispatcher(&small, Arc::clone(&publisher), args).await
+                }
+                .await;
+                super::drop_schema(&small).await;
+                small_runs.push(run?.elapsed);
+            }
+            broker.purge().await?;
+        }
+        println!(
+            "round {}: {m} of {m} rows {:.0}/s, {m} of the backlog {:.0}/s ({} first)",
+            round + 1,
+            super::rate(m, small_runs[round]),
+            super::rate(m, big_runs[round]),
+            if round % 2 == 1 {
+                "backlog"
+            } else {
+                "small table"
+            }
+        );
+    }
+    let median = |v: &mut Vec<Duration>| {
+        v.sort();
+        let k = v.len() / 2;
+        if v.len().is_multiple_of(2) {
+            (v[k - 1] + v[k]) / 2
+        } else {
+            v[k]
+        }
+    };
+    let (small, large) = (median(&mut small_runs), median(&mut big_runs));
+    println!(
+        "relay rate, medians of {rounds} rounds: {:.0} msg/s draining {m} of a {n}-row backlog, {:.0} msg/s draining a {m}-row table: ratio {:.2}",
+        super::rate(m, large),
+        super::rate(m, small),
+        small.as_secs_f64() / large.as_secs_f64()
+    );
+    Ok(())
+}
