@@ -17,92 +17,15 @@ use outbox_core::RetryPolicy;
 use outbox_core::consumer::{BatchDeliveryHandler, HandlerDecision};
 use outbox_core::inbox::{ConsumerDeadLetters, DurableInbox};
 use outbox_core::wire::IncomingMessage;
-use outbox_postgres::{PgConfig, PgInbox, PgOutbox};
-use sqlx::{AssertSqlSafe, PgConnection, PgPool};
+use outbox_postgres::PgInbox;
+use sqlx::{AssertSqlSafe, PgConnection};
 use uuid::Uuid;
 
 use HandlerDecision::{Ack, Defer, Requeue};
 
-fn database_url() -> String {
-    std::env::var("DATABASE_URL")
-        .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".into())
-}
+mod common;
 
-struct Db {
-    inbox: Arc<PgInbox>,
-    pool: PgPool,
-    schema: String,
-}
-
-/// A fresh schema with an `effects` table: one row per handler run that committed,
-/// `version` the message's version (or, for [`SeesVersion`], the applied version the
-/// handler was told).
-async fn db() -> Db {
-    let schema = format!("t_{}", Uuid::new_v4().simple());
-    let outbox = PgOutbox::connect(
-        &PgConfig::new(database_url())
-            .with_schema(&schema)
-            .with_max_connections(8),
-    )
-    .await
-    .expect("connect to PostgreSQL");
-    outbox.migrate().await.expect("migrate");
-    sqlx::raw_sql(AssertSqlSafe(format!(
-        "CREATE TABLE {schema}.effects (id bigserial PRIMARY KEY, message_id uuid NOT NULL, consumer text NOT NULL, version bigint, stale boolean NOT NULL)"
-    )))
-    .execute(outbox.pool())
-    .await
-    .expect("effects table");
-    Db {
-        inbox: Arc::new(PgInbox::new(outbox.pool().clone(), &schema).expect("inbox")),
-        pool: outbox.pool().clone(),
-        schema,
-    }
-}
-
-impl Db {
-    async fn effects(&self, consumer: &str) -> Vec<(Uuid, Option<i64>, bool)> {
-        sqlx::query_as(AssertSqlSafe(format!(
-            "SELECT message_id, version, stale FROM {}.effects WHERE consumer = $1 ORDER BY id",
-            self.schema
-        )))
-        .bind(consumer)
-        .fetch_all(&self.pool)
-        .await
-        .expect("effects")
-    }
-
-    async fn effects_of(&self, id: Uuid) -> usize {
-        self.effects_all()
-            .await
-            .iter()
-            .filter(|(m, _)| *m == id)
-            .count()
-    }
-
-    async fn effects_all(&self) -> Vec<(Uuid, String)> {
-        sqlx::query_as(AssertSqlSafe(format!(
-            "SELECT message_id, consumer FROM {}.effects ORDER BY id",
-            self.schema
-        )))
-        .fetch_all(&self.pool)
-        .await
-        .expect("effects")
-    }
-
-    /// `(attempts, dead)` of the failure record of `(id, consumer)`, if any.
-    async fn failures(&self, id: Uuid, consumer: &str) -> Option<(i32, bool)> {
-        sqlx::query_as(AssertSqlSafe(format!(
-            "SELECT attempts, dead_at IS NOT NULL FROM {}.inbox_failures WHERE message_id = $1 AND consumer = $2",
-            self.schema
-        )))
-        .bind(id)
-        .bind(consumer)
-        .fetch_optional(&self.pool)
-        .await
-        .expect("failures")
-    }
-}
+use common::{Db, database_url, db, message};
 
 /// Writes one effect row per message; fails (or panics on) the messages listed, each
 /// time; counts its calls per message; can sleep inside the transaction.
@@ -180,14 +103,6 @@ impl Handler<PgInbox> for Effect {
         }
         Ok(())
     }
-}
-
-fn message(event_type: &str, aggregate: &str, version: i64) -> IncomingMessage {
-    let mut m = IncomingMessage::new(Uuid::now_v7(), event_type, br#"{"ok":true}"#.to_vec());
-    m.aggregate_type = Some("order".into());
-    m.aggregate_id = Some(aggregate.into());
-    m.aggregate_version = Some(version);
-    m
 }
 
 /// `n` messages of fresh aggregates.
