@@ -46,12 +46,11 @@ use inbox::{
     BatchHandlerError, DurableReceiver, Handler, HandlerContext, HandlerError, IdempotentConsumer,
     InboxProcessor, Pipeline, ProcessorConfig,
 };
+use lapin::Connection;
 use lapin::options::{
-    ExchangeDeclareOptions, ExchangeDeleteOptions, QueueBindOptions, QueueDeclareOptions,
-    QueueDeleteOptions,
+    ExchangeDeleteOptions, QueueBindOptions, QueueDeclareOptions, QueueDeleteOptions,
 };
 use lapin::types::FieldTable;
-use lapin::{Connection, ConnectionProperties, ExchangeKind};
 use outbox_core::consumer::{BatchDeliveryHandler, DeliveryHandler, HandlerDecision};
 use outbox_core::wire::IncomingMessage;
 use outbox_core::{EventPublisher, NewMessage, OutboxMessage};
@@ -792,22 +791,7 @@ impl Bus {
         match transport {
             Transport::Rabbit => {
                 let exchange = format!("bench.consumer.{tag}");
-                let admin =
-                    Connection::connect(&common::amqp_url(), ConnectionProperties::default())
-                        .await
-                        .context("connect to RabbitMQ (is it running? `cargo xtask services`)")?;
-                let channel = admin.create_channel().await?;
-                channel
-                    .exchange_declare(
-                        exchange.as_str().into(),
-                        ExchangeKind::Topic,
-                        ExchangeDeclareOptions {
-                            durable: true,
-                            ..Default::default()
-                        },
-                        FieldTable::default(),
-                    )
-                    .await?;
+                let (admin, channel) = super::rabbit_admin_with_exchange(&exchange).await?;
                 let config = RabbitConfig::builder(common::amqp_url())
                     .with_exchange(&exchange)
                     .with_declare_exchange(false)

@@ -670,28 +670,36 @@ enum Broker {
     },
 }
 
+/// An admin connection to RabbitMQ and a channel on it, with the durable topic
+/// `exchange` declared (the relay and the bench's publishers publish to it).
+async fn rabbit_admin_with_exchange(
+    exchange: &str,
+) -> anyhow::Result<(Connection, lapin::Channel)> {
+    let admin = Connection::connect(&common::amqp_url(), ConnectionProperties::default())
+        .await
+        .context("connect to RabbitMQ (is it running? `cargo xtask services`)")?;
+    let channel = admin.create_channel().await?;
+    channel
+        .exchange_declare(
+            exchange.into(),
+            ExchangeKind::Topic,
+            ExchangeDeclareOptions {
+                durable: true,
+                ..Default::default()
+            },
+            FieldTable::default(),
+        )
+        .await?;
+    Ok((admin, channel))
+}
+
 impl Broker {
     async fn setup(transport: Transport, tag: &str) -> anyhow::Result<Self> {
         match transport {
             Transport::Rabbit => {
                 let exchange = format!("bench.{tag}");
                 let queue = format!("bench.{tag}.sink");
-                let admin =
-                    Connection::connect(&common::amqp_url(), ConnectionProperties::default())
-                        .await
-                        .context("connect to RabbitMQ (is it running? `cargo xtask services`)")?;
-                let channel = admin.create_channel().await?;
-                channel
-                    .exchange_declare(
-                        exchange.as_str().into(),
-                        ExchangeKind::Topic,
-                        ExchangeDeclareOptions {
-                            durable: true,
-                            ..Default::default()
-                        },
-                        FieldTable::default(),
-                    )
-                    .await?;
+                let (admin, channel) = rabbit_admin_with_exchange(&exchange).await?;
                 channel
                     .queue_declare(
                         queue.as_str().into(),
