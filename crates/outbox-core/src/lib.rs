@@ -6,7 +6,8 @@
 //!   [`OutboxMessage`] (a stored row) and the [`MessageStatus`] state machine
 //!   (New=0 → Processing=9 → Sent=1 / Dead=3);
 //! - the required traits: [`OutboxStore`] (claim, fenced completion, stats, dead
-//!   letters, replay, purge), [`InboxStore`] (consumer dedup inside the consumer's
+//!   letters, replay, purge), [`OutboxAdmin`] (the operator queries behind the
+//!   `outbox` binary), [`InboxStore`] (consumer dedup inside the consumer's
 //!   transaction) and [`EventPublisher`] (publish a batch, one [`PublishOutcome`] per
 //!   message);
 //! - the [`Dispatcher`] (relay) with its [`RetryPolicy`] and circuit breaker;
@@ -35,6 +36,7 @@
 //! # Ok::<(), outbox_core::OutboxError>(())
 //! ```
 
+pub mod admin;
 pub mod consumer;
 pub mod dispatcher;
 pub mod domain;
@@ -55,6 +57,10 @@ pub mod wire;
 #[cfg(feature = "conformance")]
 pub mod conformance;
 
+pub use admin::{
+    GroupStats, InboxDeadFilter, InboxDeadKind, InboxDeadLetter, InboxReplayReport, OutboxAdmin,
+    ReconcileRow,
+};
 pub use consumer::{BatchDeliveryHandler, DeliveryHandler, HandlerDecision};
 pub use dispatcher::{BatchReport, Dispatcher, DispatcherConfig, DispatcherStats, WakeHandle};
 pub use domain::{DomainEvents, EventSource};

@@ -18,138 +18,20 @@
 
 use std::time::{Duration, Instant};
 
-use chrono::{DateTime, NaiveDate, Utc};
-use outbox_core::{OnDead, OutboxError, OutboxStats};
+use chrono::{DateTime, Utc};
+use outbox_core::inbox::DurableInbox;
+use outbox_core::{InboxStore, OnDead, OutboxAdmin, OutboxError, OutboxStats};
 use sqlx::{AssertSqlSafe, Row};
-use uuid::Uuid;
 
 use crate::error::db;
 use crate::sql::{like_escape, quoted_schema};
+use crate::inbox::PgInbox;
 use crate::store::PgOutbox;
 
-/// How many pending (and dead) rows [`PgOutbox::pending_stats`], the relay's gauges,
-/// counts at most: beyond it the gauges say "at least this many".
-pub const PENDING_STATS_BOUND: i64 = 10_000;
-
-/// Counts of one `(event_type, tenant_id)` group.
-#[derive(Debug, Clone, PartialEq, serde::Serialize)]
-#[non_exhaustive]
-pub struct GroupStats {
-    /// Event type.
-    pub event_type: String,
-    /// Tenant (`None`: messages without a tenant).
-    pub tenant_id: Option<String>,
-    /// Rows `New`.
-    pub new: u64,
-    /// Rows `Processing`.
-    pub processing: u64,
-    /// Rows `Sent` (still in the table, i.e. not purged yet).
-    pub sent: u64,
-    /// Rows `Dead`.
-    pub dead: u64,
-    /// Age of the group's oldest `New`/`Processing` row, in seconds (database clock).
-    pub oldest_pending_age_secs: Option<f64>,
-}
-
-/// One reconciliation line: for a UTC day, tenant, event type and consumer, how many
-/// messages were written to the outbox and how many that consumer recorded as processed.
-#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
-#[non_exhaustive]
-pub struct ReconcileRow {
-    /// UTC day of the outbox row's `created_at`.
-    pub day: NaiveDate,
-    /// Tenant (`None`: no tenant).
-    pub tenant_id: Option<String>,
-    /// Event type.
-    pub event_type: String,
-    /// Consumer (handler) name.
-    pub consumer: String,
-    /// Outbox rows written (any status, not yet purged).
-    pub written: u64,
-    /// Of those, messages with an inbox record of `consumer` (handled, or skipped as a
-    /// stale version, which also counts as handled).
-    pub processed: u64,
-    /// Of those, consumer dead letters of `consumer`.
-    pub dead: u64,
-    /// `written - processed`: messages the consumer has not (yet) handled, dead letters
-    /// included. Zero after a clean run.
-    pub missing: i64,
-}
-
-/// Selects consumer-side dead letters. Empty fields match everything; set fields are
-/// combined with AND.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
-#[non_exhaustive]
-pub struct InboxDeadFilter {
-    /// Only these message ids.
-    pub ids: Vec<Uuid>,
-    /// Time `>= from` (consumer dead letters: `dead_at`; durable inbox: `received_at`).
-    pub from: Option<DateTime<Utc>>,
-    /// Time `< to` (same columns as `from`).
-    pub to: Option<DateTime<Utc>>,
-    /// Consumer name equals (durable inbox rows: `last_error` starts with
-    /// `"<consumer>: "`, which is how the processor names the failing handler).
-    pub consumer: Option<String>,
-    /// Event type equals.
-    pub event_type: Option<String>,
-    /// Last error contains this text, case-insensitive and literally: `%`, `_` and `\`
-    /// match themselves (they are no `LIKE` wildcards).
-    pub error_contains: Option<String>,
-}
-
-impl InboxDeadFilter {
-    /// A filter matching everything.
-    pub fn new() -> Self {
-        Self::default()
-    }
-}
-
-/// Where a consumer-side dead letter lives.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
-#[serde(rename_all = "snake_case")]
-pub enum InboxDeadKind {
-    /// An idempotent consumer gave up (`inbox_failures` row with `dead_at`).
-    Consumer,
-    /// A durable-inbox message went `Dead` (`inbox_messages.status = 3`).
-    Durable,
-}
-
-/// A consumer-side dead letter (no payload: listings never show payloads).
-#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
-#[non_exhaustive]
-pub struct InboxDeadLetter {
-    /// Which table it is in.
-    pub kind: InboxDeadKind,
-    /// Message id.
-    pub message_id: Uuid,
-    /// Consumer name (`None` for durable rows: the failing handler is named in
-    /// `last_error`).
-    pub consumer: Option<String>,
-    /// Event type.
-    pub event_type: String,
-    /// Last error.
-    pub last_error: Option<String>,
-    /// Failures or claims counted.
-    pub attempts: i32,
-    /// `dead_at` (consumer) or `received_at` (durable), database clock.
-    pub at: DateTime<Utc>,
-}
-
-/// What [`PgOutbox::replay_inbox_dead_letters`] did.
-#[derive(Debug, Clone, Default, PartialEq, serde::Serialize)]
-#[non_exhaustive]
-pub struct InboxReplayReport {
-    /// Dead letters matching the filter.
-    pub matched: u64,
-    /// Made processable again (0 on a dry run).
-    pub replayed: u64,
-    /// Matched but not replayable: consumer dead letters whose message is not in this
-    /// outbox (purged, or produced elsewhere) when not in `clear_only` mode, or rows
-    /// that changed meanwhile.
-    pub failed: u64,
-    /// Wall time, in seconds.
-    pub elapsed_secs: f64,
-}
+pub use outbox_core::admin::{
+    GroupStats, InboxDeadFilter, InboxDeadKind, InboxDeadLetter, InboxReplayReport,
+    PENDING_STATS_BOUND, ReconcileRow,
+};
 
 /// Columns of the outbox archive (migration 4).
 const ARCHIVE_COLUMNS: &str = "id, seq, aggregate_type, aggregate_id, aggregate_version, \
@@ -639,4 +521,96 @@ fn bind_inbox_filter<'q>(
         .bind(f.consumer.as_deref())
         .bind(f.event_type.as_deref())
         .bind(f.error_contains.as_deref().map(like_escape))
+}
+
+#[async_trait::async_trait]
+impl OutboxAdmin for PgOutbox {
+    fn backend(&self) -> &'static str {
+        "postgres"
+    }
+
+    fn schema(&self) -> &str {
+        PgOutbox::schema(self)
+    }
+
+    async fn migrate(&self) -> Result<Vec<i32>, OutboxError> {
+        PgOutbox::migrate(self).await
+    }
+
+    async fn stats_by_group(&self) -> Result<Vec<GroupStats>, OutboxError> {
+        PgOutbox::stats_by_group(self).await
+    }
+
+    async fn pending_stats(&self) -> Result<OutboxStats, OutboxError> {
+        PgOutbox::pending_stats(self).await
+    }
+
+    async fn oldest_claimable_wait(
+        &self,
+        ordered: Option<OnDead>,
+    ) -> Result<Option<Duration>, OutboxError> {
+        PgOutbox::oldest_claimable_wait(self, ordered).await
+    }
+
+    async fn reconcile(
+        &self,
+        from: DateTime<Utc>,
+        to: DateTime<Utc>,
+        consumers: &[String],
+    ) -> Result<Vec<ReconcileRow>, OutboxError> {
+        PgOutbox::reconcile(self, from, to, consumers).await
+    }
+
+    async fn archive_sent(
+        &self,
+        older_than: Duration,
+        batch_size: usize,
+    ) -> Result<u64, OutboxError> {
+        PgOutbox::archive_sent(self, older_than, batch_size).await
+    }
+
+    async fn purge_inbox_records(
+        &self,
+        older_than: Duration,
+        batch_size: usize,
+    ) -> Result<u64, OutboxError> {
+        PgInbox::new(self.pool().clone(), PgOutbox::schema(self))?
+            .purge(older_than, batch_size)
+            .await
+    }
+
+    async fn purge_inbox_processed(
+        &self,
+        older_than: Duration,
+        batch_size: usize,
+    ) -> Result<u64, OutboxError> {
+        PgInbox::new(self.pool().clone(), PgOutbox::schema(self))?
+            .purge_processed(older_than, batch_size)
+            .await
+    }
+
+    async fn archive_inbox_records(
+        &self,
+        older_than: Duration,
+        batch_size: usize,
+    ) -> Result<u64, OutboxError> {
+        PgOutbox::archive_inbox_records(self, older_than, batch_size).await
+    }
+
+    async fn inbox_dead_letters(
+        &self,
+        filter: &InboxDeadFilter,
+        limit: usize,
+    ) -> Result<Vec<InboxDeadLetter>, OutboxError> {
+        PgOutbox::inbox_dead_letters(self, filter, limit).await
+    }
+
+    async fn replay_inbox_dead_letters(
+        &self,
+        filter: &InboxDeadFilter,
+        dry_run: bool,
+        clear_only: bool,
+    ) -> Result<InboxReplayReport, OutboxError> {
+        PgOutbox::replay_inbox_dead_letters(self, filter, dry_run, clear_only).await
+    }
 }

@@ -1,0 +1,271 @@
+//! The operations capability every SQL backend implements: [`OutboxAdmin`], the
+//! queries behind the `outbox` binary's commands (stats, reconcile, dead letters of
+//! both sides, retention), and the backend-neutral types they return.
+//!
+//! [`OutboxStore`] holds what the relay needs (claim, complete) plus the outbox side's
+//! dead letters, replay and purge; [`OutboxAdmin`] adds what an operator needs. Both
+//! `outbox-postgres` (`PgOutbox`) and `outbox-sqlserver` (`MssqlOutbox`) implement it,
+//! so the binary runs every command on either database through `dyn OutboxAdmin`.
+//!
+//! The inbox queries read the inbox tables of the **same schema** as the outbox (the
+//! layout of the examples: producer and consumer share a database). These are admin
+//! queries: the breakdowns scan the table; run them against a replica when it is huge.
+//!
+//! The report structs are built by the backends, so their fields are public and
+//! exhaustive (a new field is a breaking change of this module); the filter
+//! ([`InboxDeadFilter`]) is `#[non_exhaustive]` and built with [`InboxDeadFilter::new`].
+
+use std::time::Duration;
+
+use async_trait::async_trait;
+use chrono::{DateTime, NaiveDate, Utc};
+use uuid::Uuid;
+
+use crate::{OnDead, OutboxError, OutboxStats, OutboxStore};
+
+/// How many pending (and dead) rows [`OutboxAdmin::pending_stats`], the relay's gauges,
+/// counts at most: beyond it the gauges say "at least this many".
+pub const PENDING_STATS_BOUND: i64 = 10_000;
+
+/// Counts of one `(event_type, tenant_id)` group.
+#[derive(Debug, Clone, PartialEq, serde::Serialize)]
+pub struct GroupStats {
+    /// Event type.
+    pub event_type: String,
+    /// Tenant (`None`: messages without a tenant).
+    pub tenant_id: Option<String>,
+    /// Rows `New`.
+    pub new: u64,
+    /// Rows `Processing`.
+    pub processing: u64,
+    /// Rows `Sent` (still in the table, i.e. not purged yet).
+    pub sent: u64,
+    /// Rows `Dead`.
+    pub dead: u64,
+    /// Age of the group's oldest `New`/`Processing` row, in seconds (database clock).
+    pub oldest_pending_age_secs: Option<f64>,
+}
+
+/// One reconciliation line: for a UTC day, tenant, event type and consumer, how many
+/// messages were written to the outbox and how many that consumer recorded as processed.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+pub struct ReconcileRow {
+    /// UTC day of the outbox row's `created_at`.
+    pub day: NaiveDate,
+    /// Tenant (`None`: no tenant).
+    pub tenant_id: Option<String>,
+    /// Event type.
+    pub event_type: String,
+    /// Consumer (handler) name.
+    pub consumer: String,
+    /// Outbox rows written (any status, not yet purged).
+    pub written: u64,
+    /// Of those, messages with an inbox record of `consumer` (handled, or skipped as a
+    /// stale version, which also counts as handled).
+    pub processed: u64,
+    /// Of those, consumer dead letters of `consumer`.
+    pub dead: u64,
+    /// `written - processed`: messages the consumer has not (yet) handled, dead letters
+    /// included. Zero after a clean run.
+    pub missing: i64,
+}
+
+/// Selects consumer-side dead letters. Empty fields match everything; set fields are
+/// combined with AND.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct InboxDeadFilter {
+    /// Only these message ids.
+    pub ids: Vec<Uuid>,
+    /// Time `>= from` (consumer dead letters: `dead_at`; durable inbox: `received_at`).
+    pub from: Option<DateTime<Utc>>,
+    /// Time `< to` (same columns as `from`).
+    pub to: Option<DateTime<Utc>>,
+    /// Consumer name equals (durable inbox rows: `last_error` starts with
+    /// `"<consumer>: "`, which is how the processor names the failing handler).
+    pub consumer: Option<String>,
+    /// Event type equals.
+    pub event_type: Option<String>,
+    /// Last error contains this text, case-insensitive and literally: `%`, `_` and `\`
+    /// match themselves (they are no `LIKE` wildcards).
+    pub error_contains: Option<String>,
+}
+
+impl InboxDeadFilter {
+    /// A filter matching everything.
+    pub fn new() -> Self {
+        Self::default()
+    }
+}
+
+/// Where a consumer-side dead letter lives.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum InboxDeadKind {
+    /// An idempotent consumer gave up (`inbox_failures` row with `dead_at`).
+    Consumer,
+    /// A durable-inbox message went `Dead` (`inbox_messages.status = 3`).
+    Durable,
+}
+
+/// A consumer-side dead letter (no payload: listings never show payloads).
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+pub struct InboxDeadLetter {
+    /// Which table it is in.
+    pub kind: InboxDeadKind,
+    /// Message id.
+    pub message_id: Uuid,
+    /// Consumer name (`None` for durable rows: the failing handler is named in
+    /// `last_error`).
+    pub consumer: Option<String>,
+    /// Event type.
+    pub event_type: String,
+    /// Last error.
+    pub last_error: Option<String>,
+    /// Failures or claims counted.
+    pub attempts: i32,
+    /// `dead_at` (consumer) or `received_at` (durable), database clock.
+    pub at: DateTime<Utc>,
+}
+
+/// What [`OutboxAdmin::replay_inbox_dead_letters`] did.
+#[derive(Debug, Clone, Default, PartialEq, serde::Serialize)]
+pub struct InboxReplayReport {
+    /// Dead letters matching the filter.
+    pub matched: u64,
+    /// Made processable again (0 on a dry run).
+    pub replayed: u64,
+    /// Matched but not replayable: consumer dead letters whose message is not in this
+    /// outbox (purged, or produced elsewhere) when not in `clear_only` mode, or rows
+    /// that changed meanwhile.
+    pub failed: u64,
+    /// Wall time, in seconds.
+    pub elapsed_secs: f64,
+}
+
+
+/// Operator queries of an outbox backend, over the outbox and inbox tables of one
+/// schema. Object safe: the `outbox` binary holds a `Box<dyn OutboxAdmin>` chosen by
+/// the database URL.
+///
+/// Every method returns [`OutboxError::Database`] on database failure, and changes
+/// nothing when it fails (each write is one statement or one transaction).
+#[async_trait]
+pub trait OutboxAdmin: OutboxStore {
+    /// The backend's name for messages and logs (`"postgres"`, `"sqlserver"`).
+    fn backend(&self) -> &'static str;
+
+    /// The schema this outbox lives in (unquoted).
+    fn schema(&self) -> &str;
+
+    /// Applies the pending migrations of this schema (idempotent, serialized between
+    /// concurrent callers by a database lock); returns the versions applied by this
+    /// call, oldest first (empty when up to date).
+    ///
+    /// # Errors
+    /// [`OutboxError::Database`]; [`OutboxError::Config`] when the database holds a
+    /// newer migration than this build knows.
+    async fn migrate(&self) -> Result<Vec<i32>, OutboxError>;
+
+    /// Counts by status and the oldest pending age, per `(event_type, tenant_id)`,
+    /// ordered by event type then tenant (no tenant first). Scans the table.
+    async fn stats_by_group(&self) -> Result<Vec<GroupStats>, OutboxError>;
+
+    /// The relay's periodic gauges: like [`OutboxStore::stats`] but **bounded**, so it
+    /// costs the same at a backlog of a million rows as at an empty table:
+    ///
+    /// - `new` and `processing` count the first [`PENDING_STATS_BOUND`] pending rows
+    ///   in claim order; when `new + processing` equals the bound, at least that many
+    ///   are pending;
+    /// - `dead` counts at most [`PENDING_STATS_BOUND`] rows;
+    /// - `oldest_pending_age` is the age (by `created_at`, database clock) of the
+    ///   oldest of those same rows;
+    /// - `sent` is not counted (left 0).
+    async fn pending_stats(&self) -> Result<OutboxStats, OutboxError>;
+
+    /// How long the oldest claimable message (`New` and visible) has been waiting, by
+    /// the database clock; `None` when nothing is claimable. With `ordered =
+    /// Some(on_dead)` (per-key mode) a message is claimable only when no earlier
+    /// message of its key is in flight, in a retry backoff or (under
+    /// [`OnDead::Block`]) `Dead`. Examines a bounded number of the oldest visible
+    /// messages so the cost stays flat under a large backlog.
+    async fn oldest_claimable_wait(
+        &self,
+        ordered: Option<OnDead>,
+    ) -> Result<Option<Duration>, OutboxError>;
+
+    /// Per UTC day, tenant, event type and consumer in `[from, to)`: messages written
+    /// to the outbox against those the consumer recorded as processed (and its dead
+    /// letters). A consumer is expected for an event type when it has an inbox record
+    /// or a consumer dead letter for at least one message of that type in the window,
+    /// or when it is named in `consumers` (which also restricts the output to those
+    /// consumers when not empty). Purged rows are not counted.
+    ///
+    /// # Errors
+    /// [`OutboxError::Config`] when `to <= from`.
+    async fn reconcile(
+        &self,
+        from: DateTime<Utc>,
+        to: DateTime<Utc>,
+        consumers: &[String],
+    ) -> Result<Vec<ReconcileRow>, OutboxError>;
+
+    /// Moves up to `batch_size` `Sent` rows whose `sent_at` is older than `older_than`
+    /// into the outbox archive table; returns how many moved. Call until it returns
+    /// less than `batch_size`. Rows locked by others are skipped.
+    async fn archive_sent(&self, older_than: Duration, batch_size: usize)
+    -> Result<u64, OutboxError>;
+
+    /// Deletes up to `batch_size` inbox records (the idempotent consumer's dedup rows)
+    /// older than `older_than`; returns how many went. A purged record no longer
+    /// absorbs duplicates of its message. Same as the backend's
+    /// [`InboxStore::purge`](crate::InboxStore::purge) on this schema.
+    async fn purge_inbox_records(
+        &self,
+        older_than: Duration,
+        batch_size: usize,
+    ) -> Result<u64, OutboxError>;
+
+    /// Deletes up to `batch_size` durable-inbox rows that finished (`Processed`) more
+    /// than `older_than` ago; returns how many went. Same as the backend's
+    /// [`DurableInbox::purge_processed`](crate::DurableInbox::purge_processed).
+    async fn purge_inbox_processed(
+        &self,
+        older_than: Duration,
+        batch_size: usize,
+    ) -> Result<u64, OutboxError>;
+
+    /// Moves up to `batch_size` inbox records older than `older_than` into the inbox
+    /// archive table; returns how many moved. The dedup caveat of
+    /// [`purge_inbox_records`](Self::purge_inbox_records) applies.
+    async fn archive_inbox_records(
+        &self,
+        older_than: Duration,
+        batch_size: usize,
+    ) -> Result<u64, OutboxError>;
+
+    /// Consumer-side dead letters matching `filter`: idempotent-consumer dead letters
+    /// then durable-inbox `Dead` rows, each oldest first, at most `limit` in all.
+    async fn inbox_dead_letters(
+        &self,
+        filter: &InboxDeadFilter,
+        limit: usize,
+    ) -> Result<Vec<InboxDeadLetter>, OutboxError>;
+
+    /// Makes consumer-side dead letters matching `filter` processable again, in one
+    /// transaction; with `dry_run` only counts them.
+    ///
+    /// - **Durable inbox** `Dead` rows go back to `New`, visible now, attempts 0; the
+    ///   handlers that had succeeded keep their records and do not run again.
+    /// - **Idempotent-consumer** dead letters: the message's outbox row (same id, same
+    ///   schema) goes back to `New` (from `Sent` or `Dead`) so the relay publishes it
+    ///   again, and the failure row is deleted. When the outbox row is gone the dead
+    ///   letter is counted as `failed` and kept, unless `clear_only` is set: then only
+    ///   the failure rows are deleted and the operator arranges the redelivery.
+    async fn replay_inbox_dead_letters(
+        &self,
+        filter: &InboxDeadFilter,
+        dry_run: bool,
+        clear_only: bool,
+    ) -> Result<InboxReplayReport, OutboxError>;
+}
