@@ -6,9 +6,12 @@
 //! statement that inserted rows, so producers in any language wake the relays.
 //! PostgreSQL sends a transaction's notifications when it commits and folds identical
 //! ones, so a transaction sends one notification per schema however many rows it wrote.
-//! Polling stays as the fallback at the dispatcher's poll interval; a notification lost
-//! while the listening connection was down costs at most one poll interval, and the
-//! listener wakes the relay once after every (re)connection to cover that gap.
+//! Polling stays as the fallback at the dispatcher's poll interval. While the listener
+//! cannot listen (its connection lost, reconnecting with backoff) it wakes the relay
+//! every [`OUTAGE_WAKE_INTERVAL`] instead, so a relay with a long fallback poll (the
+//! `outbox` binary's default on PostgreSQL is 2 s) still claims twice a second; and it
+//! wakes the relay once after every (re)connection, since notifications sent while it
+//! was not listening are gone.
 
 use std::time::Duration;
 
@@ -25,12 +28,17 @@ pub const NOTIFY_CHANNEL: &str = "outbox";
 /// Longest wait between two attempts to (re)connect the listener.
 const MAX_BACKOFF: Duration = Duration::from_secs(30);
 
+/// How often the listener wakes the relay while it cannot listen: the poll interval
+/// that push wake-up replaces (500 milliseconds).
+pub const OUTAGE_WAKE_INTERVAL: Duration = Duration::from_millis(500);
+
 impl PgOutbox {
     /// Starts a task that calls [`WakeHandle::wake`] whenever a transaction that inserted
     /// rows into this outbox's schema commits, until `shutdown` is cancelled. The task
     /// holds one connection of the pool while it listens, reconnects by itself (with
     /// backoff up to 30 s) when that connection is lost, and wakes once after every
-    /// (re)connection, since notifications sent while it was not listening are gone.
+    /// (re)connection, since notifications sent while it was not listening are gone;
+    /// while it cannot listen it wakes the relay every [`OUTAGE_WAKE_INTERVAL`].
     /// Needs migration 7 (the notification trigger); without it the relay simply
     /// polls.
     pub fn spawn_wake_listener(
@@ -58,9 +66,15 @@ async fn listen(pool: sqlx::PgPool, schema: String, wake: WakeHandle, shutdown: 
                 Ok(listener) => listener,
                 Err(e) => {
                     warn!(error = %e, retry_in_ms = backoff.as_millis() as u64, "cannot LISTEN for outbox notifications; polling meanwhile");
-                    tokio::select! {
-                        () = shutdown.cancelled() => return,
-                        () = tokio::time::sleep(backoff) => {}
+                    // Not listening: stand in for the notifications until reconnected.
+                    let retry_at = tokio::time::Instant::now() + backoff;
+                    while tokio::time::Instant::now() < retry_at {
+                        wake.wake();
+                        let next = (tokio::time::Instant::now() + OUTAGE_WAKE_INTERVAL).min(retry_at);
+                        tokio::select! {
+                            () = shutdown.cancelled() => return,
+                            () = tokio::time::sleep_until(next) => {}
+                        }
                     }
                     backoff = (backoff * 2).min(MAX_BACKOFF);
                     continue;

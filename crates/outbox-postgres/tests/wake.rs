@@ -189,3 +189,69 @@ async fn a_notification_wakes_a_slow_polling_relay_and_survives_a_lost_connectio
     relay.await.expect("join").expect("relay");
     listener.await.expect("listener task");
 }
+
+/// While the listener cannot listen (its role locked out: connections terminated, new
+/// ones refused, as in a failover) a relay whose fallback poll is a minute still
+/// publishes within seconds: the listener wakes it every 500 ms until it listens again.
+/// The relay's own store connects as another role and keeps working.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_listener_that_cannot_listen_stands_in_for_the_notifications() {
+    let migrated = fresh_outbox().await;
+    let admin = migrated.pool();
+    let options: PgConnectOptions = database_url().parse().expect("database URL");
+    let lockout =
+        outbox_testkit::pg::PgLockout::new(admin, &options, migrated.schema()).await;
+    let listen_pool = PgPoolOptions::new()
+        .max_connections(2)
+        .connect_with(lockout.connect_options())
+        .await
+        .expect("connect as the listener's role");
+    let listening = PgOutbox::new(listen_pool, migrated.schema()).expect("outbox");
+    let outbox = Arc::new(migrated.clone());
+    let fx = fixture(true, FieldTable::default()).await;
+    let publisher = RabbitPublisher::connect(
+        RabbitConfig::builder(common::rabbit::amqp_url())
+            .with_exchange(&fx.exchange)
+            .with_declare_exchange(false)
+            .build()
+            .expect("config"),
+    )
+    .await
+    .expect("publisher");
+    let dispatcher = Dispatcher::new(
+        Arc::clone(&outbox),
+        Arc::new(publisher),
+        DispatcherConfig::new().with_poll_interval(Duration::from_secs(60)),
+    );
+    let token = CancellationToken::new();
+    lockout.lock_out().await;
+    let listener = listening.spawn_wake_listener(dispatcher.wake_handle(), token.clone());
+    let relay = {
+        let (d, t) = (dispatcher.clone(), token.clone());
+        tokio::spawn(async move { d.run(t).await })
+    };
+    // The relay's first claims found nothing: its own poll now waits a minute.
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let batch = orders(5);
+    enqueue_committed(&migrated, &batch).await;
+    let sent = eventually(Duration::from_secs(10), || {
+        let ids: Vec<_> = batch.iter().map(|m| m.id).collect();
+        let outbox = Arc::clone(&outbox);
+        async move {
+            for id in ids {
+                let m = outbox.get(id).await.expect("get").expect("row");
+                if m.status != MessageStatus::Sent {
+                    return false;
+                }
+            }
+            true
+        }
+    })
+    .await;
+    lockout.let_in().await;
+    token.cancel();
+    relay.await.expect("join").expect("relay");
+    listener.await.expect("listener task");
+    lockout.drop_role().await;
+    assert!(sent, "the listener's stand-in wakes published the messages");
+}
