@@ -34,7 +34,7 @@ use tracing::{Instrument as _, debug, info_span};
 use uuid::Uuid;
 
 use crate::handler::{HandlerContext, StalePolicy};
-use crate::pipeline::{Claims, Registered, handle_span, panic_text, version_key};
+use crate::pipeline::{Claims, Registered, handle_span, panic_text, rollback_quietly, version_key};
 
 /// One message of a batch and the handlers to run on it.
 pub(crate) struct Item<'a, S: InboxStore> {
@@ -130,9 +130,7 @@ where
                 Err(e) => Attempt::Store(e),
             },
             Err(abort) => {
-                if let Err(e) = store.rollback(tx).await {
-                    debug!(error = %e, "rollback of a batch failed (the server rolls back anyway)");
-                }
+                rollback_quietly(store, tx, "batch abort").await;
                 abort
             }
         }

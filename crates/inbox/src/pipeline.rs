@@ -9,7 +9,7 @@ use futures::FutureExt as _;
 use outbox_core::inbox::{ConsumerDeadLetters, InboxClaim, VersionTracking};
 use outbox_core::wire::IncomingMessage;
 use outbox_core::{InboxStore, OutboxError};
-use tracing::{Instrument as _, debug, info_span};
+use tracing::{Instrument as _, debug, info_span, warn};
 use uuid::Uuid;
 
 use crate::handler::{Handler, HandlerContext, HandlerError, StalePolicy};
@@ -244,6 +244,18 @@ pub(crate) enum Step {
     Failed(HandlerError),
 }
 
+/// Rolls `tx` back after an outcome was already decided (`after`: a handler failure,
+/// a duplicate, ...), logging a failure at warn instead of returning it. Nothing of
+/// `tx` committed either way: a rollback fails when the connection broke (PostgreSQL,
+/// and the server then rolls back as the connection closes) or when the server already
+/// ended the transaction (SQL Server under `XACT_ABORT ON`), so the decided outcome
+/// stands.
+pub(crate) async fn rollback_quietly<S: InboxStore>(store: &S, tx: S::Transaction, after: &str) {
+    if let Err(e) = store.rollback(tx).await {
+        warn!(error = %e, after, "rollback failed; nothing was committed, the outcome stands");
+    }
+}
+
 /// The aggregate type, id and version of a versioned message (version above 0).
 pub(crate) fn version_key(msg: &IncomingMessage) -> Option<(&str, &str, i64)> {
     match (
@@ -281,13 +293,13 @@ where
         match claims.claim(store, &mut tx, msg.id, &reg.consumer).await? {
             InboxClaim::Claimed => {}
             InboxClaim::Duplicate => {
-                store.rollback(tx).await?;
+                rollback_quietly(store, tx, "duplicate").await;
                 crate::metrics::duplicate(&reg.consumer);
                 debug!("duplicate: already handled by this consumer");
                 return Ok(Step::AlreadyDone);
             }
             InboxClaim::DeadLetter => {
-                store.rollback(tx).await?;
+                rollback_quietly(store, tx, "dead letter").await;
                 debug!("a consumer dead letter of this consumer: not run");
                 return Ok(Step::DeadLetter);
             }
@@ -314,7 +326,7 @@ where
                     }
                     ctx.stale = true;
                 } else if hold_gaps && version > last + 1 {
-                    store.rollback(tx).await?;
+                    rollback_quietly(store, tx, "version gap").await;
                     return Ok(Step::Gap {
                         expected: last + 1,
                         got: version,
@@ -352,7 +364,11 @@ where
                 Ok(Step::Applied)
             }
             Err(e) => {
-                store.rollback(tx).await?;
+                // The handler's failure is the outcome, whatever the rollback says: a
+                // rollback error must not turn a poison message into a store outage
+                // that redelivers it forever instead of counting it towards its dead
+                // letter.
+                rollback_quietly(store, tx, "handler failure").await;
                 crate::metrics::failed(&reg.consumer);
                 Ok(Step::Failed(e))
             }

@@ -24,6 +24,13 @@ pub(crate) const SESSION_SETUP: &str = "SET ANSI_NULLS, ANSI_PADDING, ANSI_WARNI
     CONCAT_NULL_YIELDS_NULL, QUOTED_IDENTIFIER ON; SET NUMERIC_ROUNDABORT OFF; SET XACT_ABORT ON; \
     SET NOCOUNT OFF;";
 
+/// How [`MssqlTransaction::rollback`] ends a transaction: a T-SQL batch, not a TDS
+/// transaction-manager request, so that a transaction `XACT_ABORT` already rolled back
+/// (`@@TRANCOUNT` is 0) is a no-op instead of error 3903. The server reports the
+/// rollback, when there is one, with the same environment change as for the request, so
+/// the client's transaction state follows either way.
+pub(crate) const ROLLBACK_IF_OPEN: &str = "IF @@TRANCOUNT > 0 ROLLBACK TRANSACTION;";
+
 /// A pooled connection: the client plus a flag saying whether it may be reused.
 ///
 /// The flag is raised while this crate has a statement or a transaction in flight on
@@ -282,8 +289,8 @@ impl MssqlPool {
         Ok(results.into_iter().flatten().collect())
     }
 
-    /// Runs `sql` (which ends with `SELECT @@ROWCOUNT AS affected`) with `params`;
-    /// returns that count.
+    /// Runs `sql` (whose last row has a bigint column `affected`, the rows it changed)
+    /// with `params`; returns that count.
     pub(crate) async fn affected(
         &self,
         operation: &'static str,
@@ -341,16 +348,24 @@ impl MssqlTransaction {
         Ok(())
     }
 
-    /// Rolls back; the connection goes back to the pool.
+    /// Rolls back ([`ROLLBACK_IF_OPEN`]); the connection goes back to the pool.
+    ///
+    /// A transaction the server already ended is rolled back as far as the caller is
+    /// concerned, and this returns `Ok`: under `XACT_ABORT ON` (this crate's session
+    /// default) a failed statement, e.g. a handler's, has already rolled the whole
+    /// transaction back, and a plain `ROLLBACK` would then fail with error 3903 ("no
+    /// corresponding BEGIN TRANSACTION").
     ///
     /// # Errors
-    /// [`OutboxError::Database`] (e.g. when `XACT_ABORT` already rolled the transaction
-    /// back after a failed statement); the connection is then discarded, which rolls
-    /// back anything left.
+    /// [`OutboxError::Database`] when the statement itself fails (a broken connection);
+    /// the connection is then discarded, so the server rolls back anything left.
     pub async fn rollback(mut self) -> Result<(), OutboxError> {
         self.conn
             .client
-            .rollback_transaction()
+            .simple_query(ROLLBACK_IF_OPEN)
+            .await
+            .map_err(db("rollback"))?
+            .into_results()
             .await
             .map_err(db("rollback"))?;
         self.conn.settle();
@@ -368,5 +383,18 @@ impl Deref for MssqlTransaction {
 impl DerefMut for MssqlTransaction {
     fn deref_mut(&mut self) -> &mut MssqlClient {
         &mut self.conn.client
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn rollback_of_an_aborted_transaction_is_a_no_op() {
+        // Under XACT_ABORT ON the server has already rolled back after a failed
+        // statement; a bare ROLLBACK (or a TM rollback request) would fail with 3903.
+        assert_eq!(ROLLBACK_IF_OPEN, "IF @@TRANCOUNT > 0 ROLLBACK TRANSACTION;");
+        assert!(SESSION_SETUP.contains("SET XACT_ABORT ON;"));
     }
 }

@@ -24,13 +24,15 @@ use crate::store::{opt, req, row_id, time};
 /// outbox), plus version tracking, consumer dead letters and the durable inbox. Cheap to
 /// clone.
 ///
-/// [`try_claim`](InboxStore::try_claim) runs `MERGE ... WITH (HOLDLOCK)` on the caller's
-/// transaction: the record commits with the handler's effects or not at all. A plain
-/// `MERGE` is not safe here: under concurrency two sessions can both find no match and
-/// both insert (the second then fails with a key violation). `HOLDLOCK` takes a
-/// key-range lock from the match to the insert, so a concurrent claim of the same
-/// `(message_id, consumer)` waits for the first transaction and then sees its row: at
-/// most one of them returns `true` and commits.
+/// [`try_claim`](InboxStore::try_claim) inserts the record on the caller's transaction,
+/// so it commits with the handler's effects or not at all, taking only the lock of its
+/// own key (no `HOLDLOCK`, whose key-range locks, held for the whole handler, would make
+/// concurrent handlers of new messages wait for one another). A concurrent claim of the
+/// same `(message_id, consumer)` waits on the first transaction's lock of that key, then
+/// finds the row (a duplicate key, caught in the statement: `false`) or, if the first
+/// rolled back, inserts it: at most one of them returns `true` and commits.
+/// [`applied_version`](VersionTracking::applied_version) creates and locks the version
+/// record the same way. See `docs/sqlserver.md`.
 #[derive(Debug, Clone)]
 pub struct MssqlInbox {
     pool: MssqlPool,
@@ -62,14 +64,25 @@ fn limit(n: usize) -> i64 {
     i64::try_from(n).unwrap_or(i64::MAX)
 }
 
-fn non_empty_consumer(consumer: &str) -> Result<(), OutboxError> {
+/// The longest consumer name, in UTF-16 code units: the `consumer` columns are
+/// `nvarchar(255)`.
+const MAX_CONSUMER_LEN: usize = 255;
+
+/// A consumer name the tables can hold: not empty, at most [`MAX_CONSUMER_LEN`] UTF-16
+/// code units (a longer one would fail every claim with a truncation error).
+fn valid_consumer(consumer: &str) -> Result<(), OutboxError> {
     if consumer.is_empty() {
-        Err(OutboxError::Config(
+        return Err(OutboxError::Config(
             "consumer name must not be empty".into(),
-        ))
-    } else {
-        Ok(())
+        ));
     }
+    let len = consumer.encode_utf16().count();
+    if len > MAX_CONSUMER_LEN {
+        return Err(OutboxError::Config(format!(
+            "consumer name is {len} UTF-16 code units long; SQL Server's inbox tables hold at most {MAX_CONSUMER_LEN}"
+        )));
+    }
+    Ok(())
 }
 
 #[async_trait]
@@ -95,10 +108,11 @@ impl InboxStore for MssqlInbox {
         message_id: Uuid,
         consumer: &str,
     ) -> Result<bool, OutboxError> {
-        non_empty_consumer(consumer)?;
-        // Counted from OUTPUT rows, not the DONE token: the caller's session may run
-        // with SET NOCOUNT ON, which would make every claim look like a duplicate.
-        let inserted = conn
+        valid_consumer(consumer)?;
+        // Read from the statement's `claimed` row, not the DONE token: the caller's
+        // session may run with SET NOCOUNT ON, which would make every claim look like a
+        // duplicate.
+        let row = conn
             .query(&*self.q.inbox_claim, &[&message_id, &consumer])
             .await
             .map_err(db("inbox_claim"))?
@@ -107,8 +121,14 @@ impl InboxStore for MssqlInbox {
             .map_err(db("inbox_claim"))?
             .into_iter()
             .flatten()
-            .count();
-        Ok(inserted == 1)
+            .next();
+        let claimed = match row {
+            Some(row) => row
+                .try_get::<i32, _>("claimed")
+                .map_err(db("inbox_claim"))?,
+            None => None,
+        };
+        Ok(claimed == Some(1))
     }
 
     async fn purge(&self, older_than: Duration, batch_size: usize) -> Result<u64, OutboxError> {
@@ -131,6 +151,7 @@ impl VersionTracking for MssqlInbox {
         aggregate_type: &str,
         aggregate_id: &str,
     ) -> Result<Option<i64>, OutboxError> {
+        valid_consumer(consumer)?;
         let results = conn
             .query(
                 &*self.iq.version_get,
@@ -156,6 +177,7 @@ impl VersionTracking for MssqlInbox {
         aggregate_id: &str,
         version: i64,
     ) -> Result<(), OutboxError> {
+        valid_consumer(consumer)?;
         conn.execute(
             &*self.iq.version_set,
             &[&consumer, &aggregate_type, &aggregate_id, &version],
@@ -175,7 +197,7 @@ impl ConsumerDeadLetters for MssqlInbox {
         error: &str,
         max_attempts: u32,
     ) -> Result<FailureCount, OutboxError> {
-        non_empty_consumer(consumer)?;
+        valid_consumer(consumer)?;
         let headers = serde_json::to_string(&msg.headers).unwrap_or_else(|_| "{}".into());
         let max = i32::try_from(max_attempts).unwrap_or(i32::MAX);
         let rows = self
@@ -427,5 +449,27 @@ impl DurableInbox for MssqlInbox {
                 &[&millis(older_than), &limit(batch_size)],
             )
             .await
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn consumer_names_fit_the_tables() {
+        assert!(valid_consumer("projector").is_ok());
+        assert!(valid_consumer(&"c".repeat(MAX_CONSUMER_LEN)).is_ok());
+        // 255 characters of two UTF-8 bytes each: 510 bytes, still 255 code units.
+        assert!(valid_consumer(&"é".repeat(MAX_CONSUMER_LEN)).is_ok());
+        for bad in [String::new(), "c".repeat(MAX_CONSUMER_LEN + 1)] {
+            assert!(
+                matches!(valid_consumer(&bad), Err(OutboxError::Config(_))),
+                "{} characters",
+                bad.len()
+            );
+        }
+        // An astral character is two UTF-16 code units.
+        assert!(valid_consumer(&"𝄞".repeat(128)).is_err());
     }
 }

@@ -10,10 +10,10 @@
 //!   caller's transaction, and the [`OutboxStore`](outbox_core::OutboxStore) the
 //!   dispatcher uses: claims `WITH (ROWLOCK, UPDLOCK, READPAST)` in `(visible_at, seq)`
 //!   order, per-key ordered claims that lock each key's head, fenced leases, the
-//!   crash-loop guard ([`MssqlOutbox::with_crash_loop_limit`]), one-statement batch
-//!   completion, every time from `SYSUTCDATETIME()`;
-//! - [`MssqlInbox`]: the [`InboxStore`](outbox_core::InboxStore) (`MERGE ... WITH
-//!   (HOLDLOCK)` inside the consumer's transaction) and the inbox capabilities
+//!   crash-loop guard ([`MssqlOutbox::with_crash_loop_limit`]), one-round-trip batch
+//!   completion in statements of at most 1,000 rows, every time from `SYSUTCDATETIME()`;
+//! - [`MssqlInbox`]: the [`InboxStore`](outbox_core::InboxStore) (an insert that locks
+//!   only its own key inside the consumer's transaction) and the inbox capabilities
 //!   ([`VersionTracking`](outbox_core::VersionTracking),
 //!   [`ConsumerDeadLetters`](outbox_core::ConsumerDeadLetters),
 //!   [`DurableInbox`](outbox_core::DurableInbox));

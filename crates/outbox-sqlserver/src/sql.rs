@@ -56,6 +56,60 @@ pub(crate) fn version_key_expr(consumer: &str, aggregate_type: &str, aggregate_i
     )
 }
 
+/// [`version_key_expr`] over the parameters `@P1` (consumer), `@P2` (aggregate type) and
+/// `@P3` (aggregate id), each cast to `nvarchar(max)` first. tiberius declares a string
+/// of up to 4,000 bytes as `nvarchar(4000)`, and concatenating non-`max` strings yields
+/// at most 4,000 characters, silently cut: without the casts a key of more than 4,000
+/// characters in all would hash differently from the persisted `key_hash`, which is
+/// computed over the `nvarchar(max)` column `aggregate_id` and so never cut.
+pub(crate) fn version_key_params() -> String {
+    version_key_expr(
+        "CAST(@P1 AS nvarchar(max))",
+        "CAST(@P2 AS nvarchar(max))",
+        "CAST(@P3 AS nvarchar(max))",
+    )
+}
+
+/// Wraps `insert`, an `INSERT ... SELECT ... WHERE NOT EXISTS (... WITH (UPDLOCK,
+/// ROWLOCK))` on a table's primary key, run inside the caller's transaction, so that a
+/// duplicate key means "already there" instead of an error, then runs `after`. `@inserted`
+/// holds the rows inserted (0 or 1).
+///
+/// Only key locks are taken: the existence check locks the key if the row exists (an
+/// update lock, held to the end of the transaction) and nothing if it does not (no
+/// `HOLDLOCK`, so no key-range lock that would serialise every claim falling in the same
+/// gap). Two transactions that both find the key missing both insert; the second waits
+/// on the first's exclusive lock of the new key in the primary key, then fails with 2627
+/// if the first committed (caught: a duplicate) or inserts if it rolled back. The
+/// primary key makes a double claim impossible; the wait makes a lost claim impossible.
+///
+/// The duplicate-key error must not doom the caller's transaction: under the session's
+/// `XACT_ABORT ON` even a caught error leaves `XACT_STATE() = -1` and the transaction
+/// must be rolled back, so the batch turns `XACT_ABORT` off around the insert (a SET in
+/// an `sp_executesql` batch reverts when the batch ends; it is restored explicitly too),
+/// and with it off a key violation ends only its statement. Any other error, or a doomed
+/// transaction, is re-raised with `XACT_ABORT ON`, so it rolls back the transaction as
+/// every other failed statement of the session does.
+fn insert_unless_present(insert: &str, after: &str) -> String {
+    format!(
+        "SET XACT_ABORT OFF;
+DECLARE @inserted int = 0;
+BEGIN TRY
+    {insert};
+    SET @inserted = @@ROWCOUNT;
+END TRY
+BEGIN CATCH
+    IF ERROR_NUMBER() NOT IN (2601, 2627) OR XACT_STATE() = -1
+    BEGIN
+        SET XACT_ABORT ON;
+        THROW;
+    END;
+END CATCH;
+SET XACT_ABORT ON;
+{after}"
+    )
+}
+
 /// Columns read back for an [`OutboxMessage`](outbox_core::OutboxMessage), from the
 /// row alias or `inserted` pseudo-table `p`.
 fn columns(p: &str) -> String {
@@ -95,10 +149,86 @@ fn claimable(a: &str) -> String {
     )
 }
 
-/// Appended to statements whose caller needs the number of rows they changed: read
-/// from `@@ROWCOUNT`, not from the DONE token's count, which a session with
-/// `SET NOCOUNT ON` (e.g. through the server's `user options`) leaves empty.
-const AFFECTED: &str = "SELECT CAST(@@ROWCOUNT AS bigint) AS affected;";
+/// The most rows one statement of a bulk operation touches (completions, purges,
+/// replays). SQL Server escalates a statement's row locks to a table lock once it holds
+/// about 5,000 locks on one table or index reference; `READPAST` cannot skip a table
+/// lock, so an escalated completion or purge would block producers and other relays.
+/// Bulk operations therefore loop over chunks of at most this many rows inside one
+/// batch (one round trip): escalation is judged per statement, so the chunks of one
+/// transaction do not add up.
+pub(crate) const ROWS_PER_STATEMENT: i64 = 1000;
+const _: () = assert!(
+    ROWS_PER_STATEMENT <= 1000,
+    "far below the ~5,000 locks of escalation"
+);
+
+/// A purge or replay of up to `@P2` rows (`limit`, a bigint expression; `None`: until
+/// no row is left) in statements of at most [`ROWS_PER_STATEMENT`] rows, each its own
+/// autocommit transaction. `statement` deletes or updates `TOP (@step)` rows. Ends with
+/// `SELECT @done AS affected` (not `@@ROWCOUNT`, and not the DONE tokens, which `SET
+/// NOCOUNT ON` leaves empty).
+fn in_chunks(limit: Option<&str>, statement: &str) -> String {
+    let left = limit.unwrap_or("9223372036854775807");
+    format!(
+        "DECLARE @left bigint = {left}, @step bigint, @got bigint, @done bigint = 0;
+WHILE @left > 0
+BEGIN
+    SET @step = CASE WHEN @left < {ROWS_PER_STATEMENT} THEN @left ELSE {ROWS_PER_STATEMENT} END;
+    {statement}
+    SET @got = @@ROWCOUNT;
+    SET @done += @got;
+    SET @left -= @got;
+    IF @got < @step BREAK;
+END;
+SELECT @done AS affected;"
+    )
+}
+
+/// A batch of outcomes (`@P1`, a JSON array of objects with the `fields`, each a name
+/// and a T-SQL type, read from the JSON member of that name) applied in one
+/// transaction, in statements of at most [`ROWS_PER_STATEMENT`] rows: the array is read
+/// once into `@u` (`n` its index), then `body` runs for each chunk, with `{CHUNK}` a
+/// predicate on `u` selecting the chunk's rows. `@now` is the batch's
+/// `SYSUTCDATETIME()`.
+fn chunked_outcomes(fields: &[(&str, &str)], body: &str) -> String {
+    let declared: String = fields.iter().map(|(n, t)| format!(", {n} {t}")).collect();
+    let names = fields
+        .iter()
+        .map(|(n, _)| *n)
+        .collect::<Vec<_>>()
+        .join(", ");
+    let j_names = fields
+        .iter()
+        .map(|(n, _)| format!("j.{n}"))
+        .collect::<Vec<_>>()
+        .join(", ");
+    let with = fields
+        .iter()
+        .map(|(n, t)| format!("{n} {t} '$.{n}'"))
+        .collect::<Vec<_>>()
+        .join(", ");
+    let body = body.replace(
+        "{CHUNK}",
+        &format!("u.n >= @from AND u.n < @from + {ROWS_PER_STATEMENT}"),
+    );
+    format!(
+        "SET XACT_ABORT ON;
+DECLARE @now datetime2(7) = SYSUTCDATETIME();
+DECLARE @u TABLE (n int PRIMARY KEY{declared});
+INSERT INTO @u (n, {names})
+SELECT CAST(a.[key] AS int), {j_names}
+  FROM OPENJSON(@P1) AS a
+ CROSS APPLY OPENJSON(a.value) WITH ({with}) AS j;
+DECLARE @n int = (SELECT COUNT(*) FROM @u), @from int = 0;
+BEGIN TRANSACTION;
+WHILE @from < @n
+BEGIN
+    {body}
+    SET @from += {ROWS_PER_STATEMENT};
+END;
+COMMIT TRANSACTION;"
+    )
+}
 
 /// The optional-filter predicate shared by dead-letter listing and replay
 /// (`@P1` ids as a JSON array, `@P2` from, `@P3` to, `@P4` tenant, `@P5` aggregate type,
@@ -321,20 +451,21 @@ COMMIT TRANSACTION;"
     )
 }
 
-/// The completions of a batch (`@P1`, a JSON array of objects) as rows `u`.
-const COMPLETIONS: &str = "OPENJSON(@P1) WITH (
-                        id uniqueidentifier '$.id',
-                        token uniqueidentifier '$.token',
-                        status smallint '$.status',
-                        delay_ms bigint '$.delay_ms',
-                        error nvarchar(max) '$.error',
-                        release bit '$.release') AS u";
+/// The fields of one outbox completion in `@P1` (see [`chunked_outcomes`]).
+const COMPLETION_FIELDS: &[(&str, &str)] = &[
+    ("id", "uniqueidentifier"),
+    ("token", "uniqueidentifier"),
+    ("status", "smallint"),
+    ("delay_ms", "bigint"),
+    ("error", "nvarchar(max)"),
+    ("release", "bit"),
+];
 
 /// The fence of every completion: the row is Processing under the completion's token.
 const FENCE: &str = "m.claim_token = u.token AND m.status = 9";
 
-/// Records the completions of `@P1` (those matching `filter` too), fenced by [`FENCE`],
-/// with `@now` declared by the caller; outputs the ids applied. Every applied completion
+/// Records the completions of the chunk of `@u` (those matching `filter` too), fenced
+/// by [`FENCE`], with `@now` declared by the caller; outputs the ids applied. Every applied completion
 /// resets the row's count of claims without an outcome (the crash-loop guard).
 fn completion_update(table: &str, filter: &str) -> String {
     let retry_at = plus_ms("@now", "u.delay_ms");
@@ -355,9 +486,9 @@ fn completion_update(table: &str, filter: &str) -> String {
                         m.claim_token = NULL,
                         m.unfinished_claims = 0
                  OUTPUT inserted.id
-                   FROM {COMPLETIONS}
+                   FROM @u AS u
                   INNER LOOP JOIN {table} AS m WITH (ROWLOCK, FORCESEEK) ON m.id = u.id
-                  WHERE {filter}{FENCE};"
+                  WHERE {{CHUNK}} AND {filter}{FENCE};"
     )
 }
 
@@ -464,27 +595,22 @@ impl Queries {
             )),
             // Completion of a whole batch (`@P1`, a JSON array), each row fenced by its
             // claim token and by `status = 9` (Processing → * enforced in SQL), under
-            // SentRetention::Keep.
-            complete: s(format!(
-                "DECLARE @now datetime2(7) = SYSUTCDATETIME();
-                 {}",
-                completion_update(&t, "")
-            )),
+            // SentRetention::Keep; one transaction, chunks of ROWS_PER_STATEMENT rows.
+            complete: s(chunked_outcomes(COMPLETION_FIELDS, &completion_update(&t, ""))),
             // The same under SentRetention::Delete: the Sent completions delete their
             // rows, the others update as above; one transaction, so a failure (which
             // XACT_ABORT turns into a rollback) changes nothing.
-            complete_deleting_sent: s(format!(
-                "SET XACT_ABORT ON;
-                 DECLARE @now datetime2(7) = SYSUTCDATETIME();
-                 BEGIN TRANSACTION;
-                 DELETE m
+            complete_deleting_sent: s(chunked_outcomes(
+                COMPLETION_FIELDS,
+                &format!(
+                    "DELETE m
                  OUTPUT deleted.id
-                   FROM {COMPLETIONS}
+                   FROM @u AS u
                   INNER LOOP JOIN {t} AS m WITH (ROWLOCK, FORCESEEK) ON m.id = u.id
-                  WHERE u.status = 1 AND {FENCE};
-                 {}
-                 COMMIT TRANSACTION;",
-                completion_update(&t, "u.status <> 1 AND ")
+                  WHERE {{CHUNK}} AND u.status = 1 AND {FENCE};
+                 {}",
+                    completion_update(&t, "u.status <> 1 AND ")
+                ),
             )),
             get: s(format!("SELECT {cols_m} FROM {t} AS m WHERE m.id = @P1")),
             stats: s(format!(
@@ -507,43 +633,50 @@ impl Queries {
             // Dead → New only (`m.status = 3` leads FILTER). The count of claims
             // without an outcome starts again, or a row the crash-loop guard killed
             // would be killed again by its first claim.
-            replay: s(format!(
-                "UPDATE m
+            // In chunks (see ROWS_PER_STATEMENT): a replayed row is New, so it leaves
+            // FILTER (`m.status = 3`) and the next chunk takes the next rows.
+            replay: s(in_chunks(
+                None,
+                &format!(
+                    "UPDATE TOP (@step) m
                     SET m.status = 0, m.attempts = 0, m.visible_at = SYSUTCDATETIME(),
                         m.lease_until = NULL, m.claim_token = NULL, m.unfinished_claims = 0
                    FROM {t} AS m
-                  WHERE {FILTER} OPTION (RECOMPILE);
-                 {AFFECTED}"
+                  WHERE {FILTER} OPTION (RECOMPILE);"
+                ),
             )),
             // Small batches, skipping rows others hold, so retention never blocks the
             // relay. `@P1` age in ms, `@P2` batch size.
-            purge_sent: s(format!(
-                "WITH d AS (
-                     SELECT TOP (@P2) m.id FROM {t} AS m WITH (ROWLOCK, READPAST)
+            purge_sent: s(in_chunks(
+                Some("@P2"),
+                &format!(
+                    "WITH d AS (
+                     SELECT TOP (@step) m.id FROM {t} AS m WITH (ROWLOCK, READPAST)
                       WHERE m.status = 1 AND m.sent_at <= {sent_cutoff}
                       ORDER BY m.sent_at)
-                 DELETE FROM d;
-                 {AFFECTED}"
+                 DELETE FROM d;"
+                ),
             )),
-            // Plain MERGE is not atomic: two sessions can both see "not matched" and
-            // both insert (one then fails on the key). HOLDLOCK (serializable) keeps a
-            // key-range lock from the match to the insert, so a concurrent claim of the
-            // same pair waits for this transaction and then finds the row.
-            inbox_claim: s(format!(
-                "MERGE INTO {inbox} WITH (HOLDLOCK) AS r
-                 USING (SELECT @P1 AS message_id, @P2 AS consumer) AS s
-                    ON r.message_id = s.message_id AND r.consumer = s.consumer
-                 WHEN NOT MATCHED THEN
-                     INSERT (message_id, consumer) VALUES (s.message_id, s.consumer)
-                 OUTPUT inserted.message_id;"
+            // Key locks only, a duplicate key read as "already claimed": see
+            // `insert_unless_present`. Returns `claimed` 1 or 0.
+            inbox_claim: s(insert_unless_present(
+                &format!(
+                    "INSERT INTO {inbox} (message_id, consumer)
+    SELECT @P1, @P2
+     WHERE NOT EXISTS (SELECT 1 FROM {inbox} AS e WITH (UPDLOCK, ROWLOCK)
+                        WHERE e.message_id = @P1 AND e.consumer = @P2)"
+                ),
+                "SELECT CAST(@inserted AS int) AS claimed;",
             )),
-            inbox_purge: s(format!(
-                "WITH d AS (
-                     SELECT TOP (@P2) r.message_id FROM {inbox} AS r WITH (ROWLOCK, READPAST)
+            inbox_purge: s(in_chunks(
+                Some("@P2"),
+                &format!(
+                    "WITH d AS (
+                     SELECT TOP (@step) r.message_id FROM {inbox} AS r WITH (ROWLOCK, READPAST)
                       WHERE r.processed_at <= {sent_cutoff}
                       ORDER BY r.processed_at)
-                 DELETE FROM d;
-                 {AFFECTED}"
+                 DELETE FROM d;"
+                ),
             )),
         }
     }
@@ -602,23 +735,26 @@ impl InboxQueries {
         let f = format!("{q}.inbox_failures");
         let t = format!("{q}.inbox_messages");
         let s = |text: String| -> Arc<str> { text.into() };
-        let key = version_key_expr("@P1", "@P2", "@P3");
+        let key = version_key_params();
         let retry_at = plus_ms("@now", "u.delay_ms");
         let cutoff = minus_ms("SYSUTCDATETIME()", "@P1");
         Self {
-            // Make sure a row exists to lock (MERGE ... HOLDLOCK, race-free), then read
-            // it under an update lock held to the end of the caller's transaction: two
-            // messages of one aggregate for one consumer are handled one after the other.
-            version_get: s(format!(
-                "MERGE INTO {v} WITH (HOLDLOCK) AS x
-                 USING (SELECT @P1 AS consumer, @P2 AS aggregate_type, @P3 AS aggregate_id) AS s
-                    ON x.key_hash = {key}
-                 WHEN NOT MATCHED THEN
-                     INSERT (consumer, aggregate_type, aggregate_id)
-                     VALUES (s.consumer, s.aggregate_type, s.aggregate_id);
-                 SELECT x.version FROM {v} AS x WITH (UPDLOCK, ROWLOCK, HOLDLOCK)
-                  WHERE x.key_hash = {key}
-                    AND x.consumer = @P1 AND x.aggregate_type = @P2 AND x.aggregate_id = @P3;"
+            // Make sure a row exists to lock (`insert_unless_present`: key locks only,
+            // race-free), then read it under an update lock, which is held to the end of
+            // the caller's transaction: two messages of one aggregate for one consumer
+            // are handled one after the other, other aggregates are not held up.
+            version_get: s(insert_unless_present(
+                &format!(
+                    "INSERT INTO {v} (consumer, aggregate_type, aggregate_id)
+    SELECT @P1, @P2, @P3
+     WHERE NOT EXISTS (SELECT 1 FROM {v} AS e WITH (UPDLOCK, ROWLOCK)
+                        WHERE e.key_hash = {key})"
+                ),
+                &format!(
+                    "SELECT x.version FROM {v} AS x WITH (UPDLOCK, ROWLOCK)
+ WHERE x.key_hash = {key}
+   AND x.consumer = @P1 AND x.aggregate_type = @P2 AND x.aggregate_id = @P3;"
+                ),
             )),
             // Only ever raises the stored version.
             version_set: s(format!(
@@ -676,9 +812,16 @@ impl InboxQueries {
             // No crash-loop guard: `inbox_messages` has no `unfinished_claims`.
             claim: s(claim_statement(&t, &inbox_columns("inserted"), None)),
             // Outcome codes: 1 done, 0 retry, 3 dead, 10 defer (New without charge).
-            complete: s(format!(
-                "DECLARE @now datetime2(7) = SYSUTCDATETIME();
-                 UPDATE m
+            complete: s(chunked_outcomes(
+                &[
+                    ("id", "uniqueidentifier"),
+                    ("token", "uniqueidentifier"),
+                    ("kind", "smallint"),
+                    ("delay_ms", "bigint"),
+                    ("error", "nvarchar(max)"),
+                ],
+                &format!(
+                    "UPDATE m
                     SET m.status = CASE WHEN u.kind = 10 THEN 0 ELSE u.kind END,
                         m.attempts = CASE WHEN u.kind = 10
                                           THEN CASE WHEN m.attempts > 0 THEN m.attempts - 1 ELSE 0 END
@@ -690,22 +833,20 @@ impl InboxQueries {
                         m.lease_until = NULL,
                         m.claim_token = NULL
                  OUTPUT inserted.id
-                   FROM OPENJSON(@P1) WITH (
-                        id uniqueidentifier '$.id',
-                        token uniqueidentifier '$.token',
-                        kind smallint '$.kind',
-                        delay_ms bigint '$.delay_ms',
-                        error nvarchar(max) '$.error') AS u
+                   FROM @u AS u
                   INNER LOOP JOIN {t} AS m WITH (ROWLOCK, FORCESEEK) ON m.id = u.id
-                  WHERE m.claim_token = u.token AND m.status = 9;"
+                  WHERE {{CHUNK}} AND m.claim_token = u.token AND m.status = 9;"
+                ),
             )),
-            purge_processed: s(format!(
-                "WITH d AS (
-                     SELECT TOP (@P2) m.id FROM {t} AS m WITH (ROWLOCK, READPAST)
+            purge_processed: s(in_chunks(
+                Some("@P2"),
+                &format!(
+                    "WITH d AS (
+                     SELECT TOP (@step) m.id FROM {t} AS m WITH (ROWLOCK, READPAST)
                       WHERE m.status = 1 AND m.processed_at <= {cutoff}
                       ORDER BY m.processed_at)
-                 DELETE FROM d;
-                 {AFFECTED}"
+                 DELETE FROM d;"
+                ),
             )),
         }
     }
@@ -1050,29 +1191,142 @@ mod tests {
             ("inbox_purge", &*q.inbox_purge),
             ("purge_processed", &*iq.purge_processed),
         ] {
-            assert!(sql.trim_end().ends_with(AFFECTED), "{name}");
+            assert!(
+                sql.trim_end().ends_with("SELECT @done AS affected;"),
+                "{name}"
+            );
         }
-        assert!(q.inbox_claim.contains("OUTPUT inserted.message_id"));
+        assert!(
+            q.inbox_claim
+                .contains("SELECT CAST(@inserted AS int) AS claimed;")
+        );
         assert!(iq.store.contains("OUTPUT inserted.id"));
     }
 
     #[test]
-    fn the_inbox_claim_is_a_race_free_merge() {
+    fn claims_in_the_handlers_transaction_lock_only_their_own_key() {
         let q = Queries::new("outbox");
+        let iq = InboxQueries::new("outbox");
+        // What runs inside the consumer's transaction, held for the whole handler:
+        // no key-range locks (HOLDLOCK / SERIALIZABLE), no MERGE.
+        for (name, sql) in [
+            ("inbox_claim", &*q.inbox_claim),
+            ("version_get", &*iq.version_get),
+            ("version_set", &*iq.version_set),
+        ] {
+            let upper = sql.to_uppercase();
+            for banned in ["HOLDLOCK", "SERIALIZABLE", "MERGE", "TABLOCK", "PAGLOCK"] {
+                assert!(!upper.contains(banned), "{name} uses {banned}:\n{sql}");
+            }
+        }
+        assert!(q.inbox_claim.contains(
+            "INSERT INTO [outbox].inbox_records (message_id, consumer)\n    SELECT @P1, @P2\n     WHERE NOT EXISTS (SELECT 1 FROM [outbox].inbox_records AS e WITH (UPDLOCK, ROWLOCK)\n                        WHERE e.message_id = @P1 AND e.consumer = @P2);"
+        ));
         assert!(
             q.inbox_claim
-                .contains("MERGE INTO [outbox].inbox_records WITH (HOLDLOCK) AS r")
+                .trim_end()
+                .ends_with("SELECT CAST(@inserted AS int) AS claimed;")
         );
-        assert!(q.inbox_claim.contains("WHEN NOT MATCHED THEN"));
-        assert!(q.inbox_claim.trim_end().ends_with(';'), "MERGE needs its ;");
-        let iq = InboxQueries::new("outbox");
-        assert!(iq.version_get.contains("WITH (HOLDLOCK)"));
-        assert!(iq.version_get.contains("WITH (UPDLOCK, ROWLOCK, HOLDLOCK)"));
+        assert!(iq.version_get.contains(
+            "INSERT INTO [outbox].inbox_versions (consumer, aggregate_type, aggregate_id)\n    SELECT @P1, @P2, @P3\n     WHERE NOT EXISTS (SELECT 1 FROM [outbox].inbox_versions AS e WITH (UPDLOCK, ROWLOCK)"
+        ));
+        // The version record stays locked (an update lock lasts to the end of the
+        // transaction) while the handler runs.
+        assert!(iq.version_get.contains(
+            "SELECT x.version FROM [outbox].inbox_versions AS x WITH (UPDLOCK, ROWLOCK)"
+        ));
+        // The statements outside the handler's transaction keep their one-statement
+        // range locks (they commit at once).
         assert!(
             iq.failure
                 .contains("MERGE INTO [outbox].inbox_failures WITH (HOLDLOCK)")
         );
         assert!(iq.store.contains("WITH (UPDLOCK, HOLDLOCK)"));
+    }
+
+    #[test]
+    fn a_duplicate_key_does_not_doom_the_handlers_transaction() {
+        let q = Queries::new("outbox");
+        let iq = InboxQueries::new("outbox");
+        for (name, sql) in [
+            ("inbox_claim", &*q.inbox_claim),
+            ("version_get", &*iq.version_get),
+        ] {
+            let at = |needle: &str| {
+                sql.find(needle)
+                    .unwrap_or_else(|| panic!("{name} lacks {needle}:\n{sql}"))
+            };
+            // XACT_ABORT is off around the insert (a caught error would otherwise
+            // still doom the transaction), and on again before anything else runs.
+            assert!(sql.starts_with("SET XACT_ABORT OFF;\n"), "{name}");
+            let (try_, insert, catch) = (at("BEGIN TRY"), at("INSERT INTO"), at("BEGIN CATCH"));
+            assert!(
+                try_ < insert && insert < catch,
+                "{name}: the insert is in the TRY"
+            );
+            assert!(
+                sql.contains("SET @inserted = @@ROWCOUNT;\nEND TRY"),
+                "{name}"
+            );
+            // Only a duplicate key in a live transaction is swallowed; the rest is
+            // re-raised under XACT_ABORT ON.
+            assert!(sql.contains(
+                "IF ERROR_NUMBER() NOT IN (2601, 2627) OR XACT_STATE() = -1\n    BEGIN\n        SET XACT_ABORT ON;\n        THROW;\n    END;\nEND CATCH;\nSET XACT_ABORT ON;\n"
+            ), "{name}:\n{sql}");
+            assert_eq!(sql.matches("SET XACT_ABORT ON;").count(), 2, "{name}");
+            let select = sql.rfind("SELECT ").unwrap_or(0);
+            assert!(
+                at("END CATCH;\nSET XACT_ABORT ON;") < select,
+                "{name}: the read runs after"
+            );
+        }
+    }
+
+    #[test]
+    fn version_keys_hash_the_whole_text() {
+        let iq = InboxQueries::new("outbox");
+        // Every parameter is widened to nvarchar(max) before concatenation: tiberius
+        // declares strings up to 4,000 bytes as nvarchar(4000), and a concatenation of
+        // non-max strings is cut at 4,000 characters, which would no longer match the
+        // persisted key_hash (computed over the nvarchar(max) aggregate_id column).
+        let key = version_key_params();
+        for p in ["@P1", "@P2", "@P3"] {
+            assert!(
+                key.contains(&format!("CAST({p} AS nvarchar(max))")),
+                "{key}"
+            );
+            assert!(
+                !key.contains(&format!("+ {p} ")) && !key.contains(&format!("({p})")),
+                "bare {p}: {key}"
+            );
+        }
+        for (name, sql) in [
+            ("version_get", &*iq.version_get),
+            ("version_set", &*iq.version_set),
+        ] {
+            assert_eq!(
+                sql.matches(&*key).count(),
+                if name == "version_get" { 2 } else { 1 },
+                "{name}"
+            );
+            assert!(!sql.contains("N':' + @P3"), "{name}");
+        }
+        // The same expression as the column's, with the parameters in the columns' place.
+        assert_eq!(
+            key,
+            version_key_expr("consumer", "aggregate_type", "aggregate_id")
+                .replace(
+                    "DATALENGTH(consumer)",
+                    "DATALENGTH(CAST(@P1 AS nvarchar(max)))"
+                )
+                .replace("+ consumer +", "+ CAST(@P1 AS nvarchar(max)) +")
+                .replace(
+                    "DATALENGTH(aggregate_type)",
+                    "DATALENGTH(CAST(@P2 AS nvarchar(max)))"
+                )
+                .replace("+ aggregate_type +", "+ CAST(@P2 AS nvarchar(max)) +")
+                .replace("+ aggregate_id)", "+ CAST(@P3 AS nvarchar(max)))")
+        );
     }
 
     #[test]
@@ -1090,10 +1344,14 @@ mod tests {
         // way, and the delete and the update commit or roll back together.
         let d = &q.complete_deleting_sent;
         assert!(d.contains(
-            "DELETE m\n                 OUTPUT deleted.id\n                   FROM OPENJSON(@P1)"
+            "DELETE m\n                 OUTPUT deleted.id\n                   FROM @u AS u"
         ));
-        assert!(d.contains("WHERE u.status = 1 AND m.claim_token = u.token AND m.status = 9;"));
-        assert!(d.contains("WHERE u.status <> 1 AND m.claim_token = u.token AND m.status = 9;"));
+        assert!(d.contains(
+            "WHERE u.n >= @from AND u.n < @from + 1000 AND u.status = 1 AND m.claim_token = u.token AND m.status = 9;"
+        ));
+        assert!(d.contains(
+            "WHERE u.n >= @from AND u.n < @from + 1000 AND u.status <> 1 AND m.claim_token = u.token AND m.status = 9;"
+        ));
         assert_eq!(
             d.matches("INNER LOOP JOIN [outbox].outbox_messages AS m WITH (ROWLOCK, FORCESEEK)")
                 .count(),
@@ -1105,8 +1363,64 @@ mod tests {
         let iq = InboxQueries::new("outbox");
         assert!(
             iq.complete
-                .contains("WHERE m.claim_token = u.token AND m.status = 9;")
+                .contains("AND m.claim_token = u.token AND m.status = 9;")
         );
+    }
+
+    #[test]
+    fn bulk_statements_stay_below_the_lock_escalation_threshold() {
+        let q = Queries::new("outbox");
+        let iq = InboxQueries::new("outbox");
+        // Completions: read once into @u, applied chunk by chunk in one transaction.
+        for (name, sql) in [
+            ("complete", &*q.complete),
+            ("complete_deleting_sent", &*q.complete_deleting_sent),
+            ("inbox complete", &*iq.complete),
+        ] {
+            assert!(sql.contains("CROSS APPLY OPENJSON(a.value) WITH (id uniqueidentifier '$.id', token uniqueidentifier '$.token'"), "{name}");
+            assert!(sql.contains("DECLARE @n int = (SELECT COUNT(*) FROM @u), @from int = 0;\nBEGIN TRANSACTION;\nWHILE @from < @n\nBEGIN"), "{name}");
+            assert!(
+                sql.contains("SET @from += 1000;\nEND;\nCOMMIT TRANSACTION;"),
+                "{name}"
+            );
+            // Every statement touching the table joins only the chunk's rows of @u.
+            let touching = sql.matches("INNER LOOP JOIN").count();
+            assert!(touching >= 1, "{name}");
+            assert_eq!(
+                sql.matches("FROM @u AS u\n").count(),
+                touching,
+                "{name}: {sql}"
+            );
+            assert_eq!(
+                sql.matches("WHERE u.n >= @from AND u.n < @from + 1000 AND ")
+                    .count(),
+                touching,
+                "{name}"
+            );
+            assert!(
+                !sql.contains("FROM OPENJSON(@P1) WITH"),
+                "{name}: no unchunked join"
+            );
+        }
+        // Purges and the replay: TOP (@step), at most 1,000, until done or @P2 reached.
+        for (name, sql) in [
+            ("purge_sent", &*q.purge_sent),
+            ("inbox_purge", &*q.inbox_purge),
+            ("purge_processed", &*iq.purge_processed),
+            ("replay", &*q.replay),
+        ] {
+            assert!(
+                sql.contains("SET @step = CASE WHEN @left < 1000 THEN @left ELSE 1000 END;"),
+                "{name}"
+            );
+            assert!(sql.contains("TOP (@step)"), "{name}");
+            assert!(!sql.contains("TOP (@P2)"), "{name}: an unbounded statement");
+            assert!(sql.contains("IF @got < @step BREAK;"), "{name}");
+        }
+        for sql in [&*q.purge_sent, &*q.inbox_purge, &*iq.purge_processed] {
+            assert!(sql.starts_with("DECLARE @left bigint = @P2,"));
+        }
+        assert!(q.replay.contains("UPDATE TOP (@step) m"));
     }
 
     #[test]

@@ -74,7 +74,7 @@ async fn concurrent_claims_of_one_pair_let_one_win() {
         let inbox = inbox.clone();
         tokio::spawn(async move {
             let mut tx = inbox.begin().await.expect("begin");
-            // Waits on the first transaction's key-range lock (MERGE ... HOLDLOCK).
+            // Waits on the first transaction's lock of the key, then finds its row.
             let won = inbox.try_claim(&mut tx, id, "c").await.expect("claim");
             inbox.commit(tx).await.expect("commit");
             won
@@ -86,6 +86,125 @@ async fn concurrent_claims_of_one_pair_let_one_win() {
         .expect("the second claim finishes once the first commits")
         .expect("task");
     assert!(!won, "only one of two concurrent claims wins");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_claim_waiting_on_a_rolled_back_one_wins() {
+    let Some(inbox) = inbox("a_claim_waiting_on_a_rolled_back_one_wins").await else {
+        return;
+    };
+    let id = Uuid::now_v7();
+    let mut first = inbox.begin().await.expect("begin");
+    assert!(inbox.try_claim(&mut first, id, "c").await.expect("claim"));
+    let second = {
+        let inbox = inbox.clone();
+        tokio::spawn(async move {
+            let mut tx = inbox.begin().await.expect("begin");
+            let won = inbox.try_claim(&mut tx, id, "c").await.expect("claim");
+            // The transaction is still usable: the wait did not doom it.
+            inbox
+                .record_version(&mut tx, "c", "order", "1", 1)
+                .await
+                .expect("a statement after the claim");
+            inbox.commit(tx).await.expect("commit");
+            won
+        })
+    };
+    inbox.rollback(first).await.expect("rollback");
+    let won = tokio::time::timeout(Duration::from_secs(30), second)
+        .await
+        .expect("the second claim finishes once the first rolls back")
+        .expect("task");
+    assert!(won, "a claim is never lost to a rolled-back one");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_duplicate_claim_leaves_the_transaction_usable() {
+    let Some(inbox) = inbox("a_duplicate_claim_leaves_the_transaction_usable").await else {
+        return;
+    };
+    let id = Uuid::now_v7();
+    let mut first = inbox.begin().await.expect("begin");
+    assert!(inbox.try_claim(&mut first, id, "c").await.expect("claim"));
+    let second = {
+        let inbox = inbox.clone();
+        tokio::spawn(async move {
+            let mut tx = inbox.begin().await.expect("begin");
+            // Both found the key missing or this one waits on the first's lock; the
+            // duplicate key is caught in the statement either way.
+            let won = inbox.try_claim(&mut tx, id, "c").await.expect("claim");
+            let other = inbox
+                .try_claim(&mut tx, Uuid::now_v7(), "c")
+                .await
+                .expect("the transaction goes on after a duplicate");
+            inbox.commit(tx).await.expect("commit");
+            (won, other)
+        })
+    };
+    inbox.commit(first).await.expect("commit");
+    let (won, other) = tokio::time::timeout(Duration::from_secs(30), second)
+        .await
+        .expect("the second claim finishes once the first commits")
+        .expect("task");
+    assert!(!won, "the second claim of one pair is a duplicate");
+    assert!(other, "and its transaction claimed another message");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn version_keys_longer_than_4000_characters_match() {
+    let Some(inbox) = inbox("version_keys_longer_than_4000_characters_match").await else {
+        return;
+    };
+    // 3,990 + 20 characters: each parameter fits nvarchar(4000), their concatenation
+    // does not.
+    let id = "x".repeat(3_990);
+    let aggregate_type = "t".repeat(20);
+    for version in [1, 2] {
+        let mut tx = inbox.begin().await.expect("begin");
+        let applied = inbox
+            .applied_version(&mut tx, "c", &aggregate_type, &id)
+            .await
+            .expect("the second message finds the first one's record");
+        assert_eq!(applied, (version > 1).then_some(version - 1));
+        inbox
+            .record_version(&mut tx, "c", &aggregate_type, &id, version)
+            .await
+            .expect("record");
+        inbox.commit(tx).await.expect("commit");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rollback_after_an_aborting_error_succeeds() {
+    let Some(inbox) = inbox("rollback_after_an_aborting_error_succeeds").await else {
+        return;
+    };
+    let id = Uuid::now_v7();
+    let mut tx = inbox.begin().await.expect("begin");
+    assert!(inbox.try_claim(&mut tx, id, "c").await.expect("claim"));
+    // A handler's failing statement: under XACT_ABORT ON the server rolls the whole
+    // transaction back at once.
+    let failed = async {
+        tx.simple_query("SELECT CAST(N'not a number' AS int);")
+            .await?
+            .into_results()
+            .await
+    }
+    .await;
+    assert!(failed.is_err(), "the conversion fails (error 245)");
+    inbox
+        .rollback(tx)
+        .await
+        .expect("rolling back an already aborted transaction is done, not error 3903");
+    let mut tx = inbox.begin().await.expect("begin");
+    assert!(
+        inbox.try_claim(&mut tx, id, "c").await.expect("claim"),
+        "the aborted claim left nothing behind"
+    );
+    inbox
+        .rollback(tx)
+        .await
+        .expect("rollback of a live transaction");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
