@@ -4,7 +4,8 @@
 //! TLS, no OpenSSL) with a bb8 pool:
 //!
 //! - [`migrate()`]: versioned migrations into a configurable schema (default `outbox`),
-//!   versions 1 to 3 as in the PostgreSQL backend, 4 its 6 (the crash-loop guard);
+//!   versions 1 to 3 as in the PostgreSQL backend, 4 its 6 (the crash-loop guard), 5 its
+//!   4 (the archive tables);
 //! - [`MssqlOutbox`]: [`enqueue`](MssqlOutbox::enqueue) /
 //!   [`enqueue_batch`](MssqlOutbox::enqueue_batch) on the caller's client inside the
 //!   caller's transaction, and the [`OutboxStore`](outbox_core::OutboxStore) the
@@ -17,6 +18,9 @@
 //!   ([`VersionTracking`](outbox_core::VersionTracking),
 //!   [`ConsumerDeadLetters`](outbox_core::ConsumerDeadLetters),
 //!   [`DurableInbox`](outbox_core::DurableInbox));
+//! - [`ops`]: the operator queries of the `outbox` binary
+//!   ([`OutboxAdmin`](outbox_core::OutboxAdmin) for [`MssqlOutbox`]: grouped stats,
+//!   bounded gauges, reconcile, archiving, consumer-side dead letters and their replay);
 //! - [`MssqlTransaction`]: tiberius has no transaction object, so this is one: a pooled
 //!   connection with an open transaction that dereferences to the client.
 //!
@@ -60,6 +64,7 @@ mod connection;
 mod error;
 mod inbox;
 mod migrate;
+pub mod ops;
 mod sql;
 mod store;
 
@@ -71,4 +76,5 @@ pub use connection::{
 pub use error::ConnectError;
 pub use inbox::MssqlInbox;
 pub use migrate::{LATEST_VERSION, migrate};
+pub use ops::MAX_ROWS_PER_STATEMENT;
 pub use store::MssqlOutbox;

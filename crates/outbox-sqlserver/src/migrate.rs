@@ -34,12 +34,17 @@ pub(crate) const MIGRATIONS: &[(i32, &str, &str)] = &[
         "crash-loop guard: unfinished_claims",
         include_str!("../migrations/0004_crash_loop_guard.sql"),
     ),
+    (
+        5,
+        "archive tables: outbox_messages_archive, inbox_records_archive",
+        include_str!("../migrations/0005_archive.sql"),
+    ),
 ];
 
 /// The highest migration version this crate knows. Versions 1 to 3 match the PostgreSQL
-/// backend's; 4 is its 6 (the crash-loop guard: PostgreSQL's 4 and 5, archive tables and
-/// HOT claims, have no SQL Server counterpart).
-pub const LATEST_VERSION: i32 = 4;
+/// backend's; 4 is its 6 (the crash-loop guard) and 5 its 4 (the archive tables of
+/// `outbox purge --archive`); PostgreSQL's 5 (HOT claims) has no SQL Server counterpart.
+pub const LATEST_VERSION: i32 = 5;
 
 /// Takes the migration lock (waiting up to 60 s) and creates the schema when missing.
 /// `@P1` lock resource, `@P2` schema name (validated; quoted again with QUOTENAME).
@@ -228,6 +233,29 @@ mod tests {
             assert!(!sql.contains("GETDATE()"), "local time used");
             assert!(!sql.contains("SYSDATETIME()"), "local time used");
         }
+    }
+
+    #[test]
+    fn the_archive_tables_are_valid_output_into_targets() {
+        let archive = batches(MIGRATIONS[4].2, "t_1");
+        assert_eq!(archive.len(), 3, "two tables and an index");
+        let code: String = archive
+            .iter()
+            .flat_map(|b| b.lines())
+            .filter(|l| !l.trim_start().starts_with("--"))
+            .collect::<Vec<_>>()
+            .join("\n");
+        assert!(code.contains("CREATE TABLE [t_1].outbox_messages_archive ("));
+        assert!(code.contains("CREATE TABLE [t_1].inbox_records_archive ("));
+        assert!(code.contains("ON [t_1].outbox_messages_archive (created_at)"));
+        // ON CONFLICT DO NOTHING of the PostgreSQL archive moves.
+        assert_eq!(code.matches("WITH (IGNORE_DUP_KEY = ON)").count(), 2);
+        // DELETE ... OUTPUT INTO refuses targets with triggers, CHECK constraints or
+        // foreign keys.
+        for banned in ["CHECK", "FOREIGN KEY", "REFERENCES", "TRIGGER", "IDENTITY"] {
+            assert!(!code.contains(banned), "{banned} in an OUTPUT INTO target");
+        }
+        assert_eq!(code.matches("DEFAULT SYSUTCDATETIME()").count(), 2);
     }
 
     #[test]
