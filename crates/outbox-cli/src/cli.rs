@@ -178,7 +178,9 @@ pub struct RelayArgs {
     #[arg(long, env = "OUTBOX_BATCH_SIZE", value_name = "N")]
     pub batch_size: Option<usize>,
 
-    /// Wait between polls when a batch was not full, e.g. 500ms [default: 500ms].
+    /// Longest wait between polls when a batch was not full, e.g. 500ms [default: 2s on
+    /// PostgreSQL, whose commits wake the relay at once (LISTEN/NOTIFY), 500ms on SQL
+    /// Server].
     #[arg(long, env = "OUTBOX_POLL_INTERVAL", value_name = "DURATION")]
     pub poll_interval: Option<String>,
 

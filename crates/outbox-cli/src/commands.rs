@@ -4,12 +4,10 @@
 use std::time::{Duration, Instant};
 
 use chrono::{DateTime, Utc};
-use outbox_core::inbox::DurableInbox;
-use outbox_core::{InboxStore, MessageFilter, OutboxStore};
-use outbox_postgres::ops::{
-    GroupStats, InboxDeadFilter, InboxDeadLetter, InboxReplayReport, ReconcileRow,
+use outbox_core::{
+    GroupStats, InboxDeadFilter, InboxDeadLetter, InboxReplayReport, MessageFilter, OutboxAdmin,
+    ReconcileRow,
 };
-use outbox_postgres::{PgInbox, PgOutbox};
 use serde::Serialize;
 use uuid::Uuid;
 
@@ -71,7 +69,10 @@ pub struct BlockedKeyView {
 ///
 /// # Errors
 /// [`CliError::Store`].
-pub async fn stats(outbox: &PgOutbox, blocked_limit: usize) -> Result<StatsReport, CliError> {
+pub async fn stats(
+    outbox: &dyn OutboxAdmin,
+    blocked_limit: usize,
+) -> Result<StatsReport, CliError> {
     let t = outbox.stats().await?;
     let groups = outbox.stats_by_group().await?;
     let blocked_keys = outbox
@@ -107,7 +108,7 @@ pub async fn stats(outbox: &PgOutbox, blocked_limit: usize) -> Result<StatsRepor
 /// # Errors
 /// [`CliError::TimeWindow`], [`CliError::Store`].
 pub async fn reconcile(
-    outbox: &PgOutbox,
+    outbox: &dyn OutboxAdmin,
     since: Option<&str>,
     until: Option<&str>,
     consumers: &[String],
@@ -199,7 +200,7 @@ pub struct DeadView {
 /// # Errors
 /// [`CliError::Store`].
 pub async fn dead_list(
-    outbox: &PgOutbox,
+    outbox: &dyn OutboxAdmin,
     filter: &MessageFilter,
     limit: usize,
 ) -> Result<Vec<DeadView>, CliError> {
@@ -242,7 +243,7 @@ pub struct ReplayView {
 /// # Errors
 /// [`CliError::Invalid`] for an unfiltered replay without `all`, [`CliError::Store`].
 pub async fn dead_replay(
-    outbox: &PgOutbox,
+    outbox: &dyn OutboxAdmin,
     filter: &MessageFilter,
     dry_run: bool,
     all: bool,
@@ -268,7 +269,7 @@ pub async fn dead_replay(
 /// # Errors
 /// [`CliError::Store`].
 pub async fn inbox_dead_list(
-    outbox: &PgOutbox,
+    outbox: &dyn OutboxAdmin,
     filter: &InboxDeadFilter,
     limit: usize,
 ) -> Result<Vec<InboxDeadLetter>, CliError> {
@@ -280,7 +281,7 @@ pub async fn inbox_dead_list(
 /// # Errors
 /// [`CliError::Invalid`] for an unfiltered replay without `all`, [`CliError::Store`].
 pub async fn inbox_dead_replay(
-    outbox: &PgOutbox,
+    outbox: &dyn OutboxAdmin,
     filter: &InboxDeadFilter,
     dry_run: bool,
     all: bool,
@@ -343,7 +344,7 @@ impl PurgeScope {
 /// [`CliError::Invalid`] for a zero batch size, [`CliError::Store`]; what was removed
 /// before the error stays removed.
 pub async fn purge(
-    outbox: &PgOutbox,
+    outbox: &dyn OutboxAdmin,
     older_than: Duration,
     batch_size: usize,
     pause: Duration,
@@ -357,7 +358,6 @@ pub async fn purge(
         });
     }
     let started = Instant::now();
-    let inbox = PgInbox::new(outbox.pool().clone(), outbox.schema())?;
     let mut view = PurgeView {
         archived: archive,
         ..PurgeView::default()
@@ -383,7 +383,7 @@ pub async fn purge(
             let n = if archive {
                 outbox.archive_inbox_records(older_than, batch_size).await?
             } else {
-                inbox.purge(older_than, batch_size).await?
+                outbox.purge_inbox_records(older_than, batch_size).await?
             };
             view.batches += 1;
             view.inbox_records += n;
@@ -393,7 +393,7 @@ pub async fn purge(
             tokio::time::sleep(pause).await;
         }
         loop {
-            let n = inbox.purge_processed(older_than, batch_size).await?;
+            let n = outbox.purge_inbox_processed(older_than, batch_size).await?;
             view.batches += 1;
             view.inbox_processed += n;
             if n < full {

@@ -16,7 +16,11 @@ use outbox_core::{DispatcherConfig, RetryPolicies, RetryPolicy};
 use serde::Deserialize;
 
 use crate::cli::{Cli, LogFormat, OrderingMode, RelayArgs, SentRetentionMode, TransportKind};
+use crate::database::DatabaseKind;
 use crate::error::CliError;
+
+/// The default schema of both SQL backends.
+const DEFAULT_SCHEMA: &str = "outbox";
 
 /// Default address of `/metrics` and `/healthz`.
 pub const DEFAULT_LISTEN: &str = "127.0.0.1:9464";
@@ -166,33 +170,71 @@ impl DbSettings {
             .schema
             .clone()
             .or_else(|| file.schema.clone())
-            .unwrap_or_else(|| outbox_postgres::DEFAULT_SCHEMA.to_owned());
-        let config = outbox_postgres::PgConfig::new(&url).with_schema(&schema);
-        if let Err(e) = outbox_postgres::parse_url(&url) {
-            return Err(CliError::Invalid {
-                field: "database_url",
-                reason: strip_config_prefix(&e),
-            });
-        }
-        if let Err(e) = config.validate() {
+            .unwrap_or_else(|| DEFAULT_SCHEMA.to_owned());
+        let kind = DatabaseKind::of_url(&url)?.require()?;
+        if let Err(e) = outbox_core::store::validate_schema(&schema) {
             return Err(CliError::Invalid {
                 field: "schema",
                 reason: strip_config_prefix(&e),
             });
         }
-        Ok(Self { url, schema })
+        let settings = Self { url, schema };
+        match kind {
+            DatabaseKind::Postgres =>
+            {
+                #[cfg(feature = "postgres")]
+                if let Err(e) = outbox_postgres::parse_url(&settings.url) {
+                    return Err(CliError::Invalid {
+                        field: "database_url",
+                        reason: strip_config_prefix(&e),
+                    });
+                }
+            }
+            DatabaseKind::SqlServer =>
+            {
+                #[cfg(feature = "sqlserver")]
+                if let Err(e) = settings.mssql_config()?.validate() {
+                    return Err(CliError::Invalid {
+                        field: "database_url",
+                        reason: strip_config_prefix(&e),
+                    });
+                }
+            }
+        }
+        Ok(settings)
     }
 
-    /// The backend configuration.
+    /// The backend the URL names (checked to be compiled in by [`resolve`](Self::resolve)).
+    ///
+    /// # Errors
+    /// [`CliError::Invalid`] for an unrecognised URL.
+    pub fn kind(&self) -> Result<DatabaseKind, CliError> {
+        DatabaseKind::of_url(&self.url)
+    }
+
+    /// The PostgreSQL configuration.
+    #[cfg(feature = "postgres")]
     pub fn pg_config(&self) -> outbox_postgres::PgConfig {
         outbox_postgres::PgConfig::new(&self.url).with_schema(&self.schema)
     }
+
+    /// The SQL Server configuration (the URL turned into a connection string, see
+    /// [`crate::database`]).
+    ///
+    /// # Errors
+    /// [`CliError::Invalid`] for a malformed `mssql://` URL.
+    #[cfg(feature = "sqlserver")]
+    pub fn mssql_config(&self) -> Result<outbox_sqlserver::MssqlConfig, CliError> {
+        Ok(
+            outbox_sqlserver::MssqlConfig::new(crate::database::sqlserver_connection_string(
+                &self.url,
+            )?)
+            .with_schema(&self.schema),
+        )
+    }
 }
 
-/// `url`, a PostgreSQL URL, with its password replaced by `***` (for logs and `Debug`).
-pub fn redact_database_url(url: &str) -> String {
-    outbox_core::error::redact_url(url, outbox_core::error::LoneUserInfo::UserName)
-}
+pub use crate::database::redact_database_url;
 
 /// `url`, a broker URL of `transport`, with its password (and a NATS token) replaced by
 /// `***`. When the transport is not known yet the NATS rules apply: a user info without
@@ -200,10 +242,106 @@ pub fn redact_database_url(url: &str) -> String {
 /// server by server.
 pub fn redact_broker_url(transport: Option<TransportKind>, url: &str) -> String {
     match transport {
+        #[cfg(feature = "rabbit")]
         Some(TransportKind::Rabbit) => transport_rabbit::redact_url(url),
+        #[cfg(feature = "nats")]
         Some(TransportKind::Nats) | None => transport_nats::redact_url(url),
+        // A transport compiled out never connects; hide the whole user info.
+        #[allow(unreachable_patterns)] // reason: unreachable with both transports
+        _ => outbox_core::error::redact_url(url, outbox_core::error::LoneUserInfo::Token),
     }
 }
+
+impl TransportKind {
+    /// The broker's name in messages.
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Rabbit => "RabbitMQ",
+            Self::Nats => "NATS JetStream",
+        }
+    }
+
+    /// The cargo feature of `outbox-cli` that compiles the transport in.
+    pub fn feature(self) -> &'static str {
+        match self {
+            Self::Rabbit => "rabbit",
+            Self::Nats => "nats",
+        }
+    }
+
+    /// `Ok(self)` when this binary was built with the transport.
+    ///
+    /// # Errors
+    /// [`CliError::FeatureMissing`] naming the feature otherwise.
+    pub fn require(self) -> Result<Self, CliError> {
+        let compiled = match self {
+            Self::Rabbit => cfg!(feature = "rabbit"),
+            Self::Nats => cfg!(feature = "nats"),
+        };
+        if compiled {
+            Ok(self)
+        } else {
+            Err(self.missing())
+        }
+    }
+
+    /// The [`CliError::FeatureMissing`] that names this backend's feature.
+    pub fn missing(self) -> CliError {
+        CliError::FeatureMissing {
+            backend: self.name(),
+            feature: self.feature(),
+        }
+    }
+
+    /// The environment variable of the broker URL, and the local default URL.
+    fn url_defaults(self) -> (&'static str, &'static str) {
+        match self {
+            #[cfg(feature = "rabbit")]
+            Self::Rabbit => (
+                transport_rabbit::config::URL_ENV,
+                transport_rabbit::config::DEFAULT_URL,
+            ),
+            #[cfg(feature = "nats")]
+            Self::Nats => (
+                transport_nats::config::URL_ENV,
+                transport_nats::config::DEFAULT_URL,
+            ),
+            // Compiled out: `require` fails before the URL is used.
+            #[allow(unreachable_patterns)] // reason: unreachable with both transports
+            _ => ("OUTBOX_BROKER_URL", ""),
+        }
+    }
+
+    /// The transport's connect timeout.
+    fn connect_timeout(self) -> Duration {
+        match self {
+            #[cfg(feature = "rabbit")]
+            Self::Rabbit => transport_rabbit::config::DEFAULT_CONNECT_TIMEOUT,
+            #[cfg(feature = "nats")]
+            Self::Nats => transport_nats::config::DEFAULT_CONNECT_TIMEOUT,
+            #[allow(unreachable_patterns)] // reason: unreachable with both transports
+            _ => DEFAULT_CONNECT_TIMEOUT,
+        }
+    }
+}
+
+/// The relay's longest wait between polls when none is configured: 2 seconds on
+/// PostgreSQL, where polling is only the fallback of push wake-up (`LISTEN`; while the
+/// listener is down it wakes the relay every 500 ms), 500 milliseconds on SQL Server
+/// (polling only) and for an unrecognised URL.
+pub fn default_poll_interval(database: Option<DatabaseKind>) -> Duration {
+    match database {
+        Some(DatabaseKind::Postgres) => Duration::from_secs(2),
+        Some(DatabaseKind::SqlServer) | None => Duration::from_millis(500),
+    }
+}
+
+/// Default RabbitMQ exchange and NATS subject prefix (the transports' defaults).
+const DEFAULT_DESTINATION: &str = "outbox.events";
+/// Default confirm (RabbitMQ) / PubAck (NATS) timeout (the transports' defaults).
+const DEFAULT_CONFIRM_TIMEOUT: Duration = Duration::from_secs(10);
+/// Default broker connect timeout (the transports' defaults).
+const DEFAULT_CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
 
 impl fmt::Debug for FileConfig {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
@@ -363,8 +501,9 @@ pub struct RelaySettings {
     pub subject_prefix: String,
     /// Messages per claim.
     pub batch_size: usize,
-    /// Poll interval.
-    pub poll_interval: Duration,
+    /// Longest wait between polls; `None`: the database's default
+    /// ([`default_poll_interval`]).
+    pub poll_interval: Option<Duration>,
     /// Claim lease.
     pub lease: Duration,
     /// How long a batch waits for broker confirmations.
@@ -401,12 +540,12 @@ impl RelaySettings {
             db,
             transport,
             broker_url: broker_url.into(),
-            exchange: transport_rabbit::config::DEFAULT_EXCHANGE.to_owned(),
-            subject_prefix: transport_nats::config::DEFAULT_SUBJECT_PREFIX.to_owned(),
+            exchange: DEFAULT_DESTINATION.to_owned(),
+            subject_prefix: DEFAULT_DESTINATION.to_owned(),
             batch_size: 500,
-            poll_interval: Duration::from_millis(500),
+            poll_interval: None,
             lease: Duration::from_secs(30),
-            confirm_timeout: transport_rabbit::config::DEFAULT_CONFIRM_TIMEOUT,
+            confirm_timeout: DEFAULT_CONFIRM_TIMEOUT,
             drain_timeout: outbox_core::dispatcher::DEFAULT_DRAIN_TIMEOUT,
             crash_loop_limit: outbox_core::DEFAULT_CRASH_LOOP_LIMIT,
             max_attempts: 8,
@@ -437,20 +576,8 @@ impl RelaySettings {
             .broker_url
             .clone()
             .or_else(|| f.broker_url.clone())
-            .or_else(|| {
-                let var = match transport {
-                    TransportKind::Rabbit => transport_rabbit::config::URL_ENV,
-                    TransportKind::Nats => transport_nats::config::URL_ENV,
-                };
-                std::env::var(var).ok()
-            })
-            .unwrap_or_else(|| {
-                match transport {
-                    TransportKind::Rabbit => transport_rabbit::config::DEFAULT_URL,
-                    TransportKind::Nats => transport_nats::config::DEFAULT_URL,
-                }
-                .to_owned()
-            });
+            .or_else(|| std::env::var(transport.url_defaults().0).ok())
+            .unwrap_or_else(|| transport.url_defaults().1.to_owned());
         let mut s = Self::new(db, transport, broker_url);
         if let Some(x) = args.exchange.clone().or_else(|| f.exchange.clone()) {
             s.exchange = x;
@@ -479,7 +606,7 @@ impl RelaySettings {
                 .transpose()
         };
         if let Some(d) = dur("poll_interval", &args.poll_interval, &f.poll_interval)? {
-            s.poll_interval = d;
+            s.poll_interval = Some(d);
         }
         if let Some(d) = dur("lease", &args.lease, &f.lease)? {
             s.lease = nonzero("lease", d)?;
@@ -543,26 +670,27 @@ impl RelaySettings {
     /// The longest publish of one batch: the transport's connect timeout plus the
     /// confirm timeout (what the publisher reports as its publish timeout).
     pub fn publish_timeout(&self) -> Duration {
-        let connect = match self.transport {
-            TransportKind::Rabbit => transport_rabbit::config::DEFAULT_CONNECT_TIMEOUT,
-            TransportKind::Nats => transport_nats::config::DEFAULT_CONNECT_TIMEOUT,
-        };
-        connect + self.confirm_timeout
+        self.transport.connect_timeout() + self.confirm_timeout
     }
 
     /// Builds the transport configuration once to validate the broker URL, exchange and
     /// subject prefix before anything connects.
     ///
     /// # Errors
-    /// [`CliError::Rabbit`] / [`CliError::Nats`] with `InvalidUrl` / `InvalidConfig`.
+    /// [`CliError::FeatureMissing`] for a transport compiled out, [`CliError::Rabbit`]
+    /// / [`CliError::Nats`] with `InvalidUrl` / `InvalidConfig`.
     pub fn validate_transport(&self) -> Result<(), CliError> {
-        match self.transport {
+        match self.transport.require()? {
+            #[cfg(feature = "rabbit")]
             TransportKind::Rabbit => {
                 self.rabbit_config()?;
             }
+            #[cfg(feature = "nats")]
             TransportKind::Nats => {
                 self.nats_config()?;
             }
+            #[allow(unreachable_patterns)] // reason: unreachable with both transports
+            _ => {}
         }
         Ok(())
     }
@@ -571,6 +699,7 @@ impl RelaySettings {
     ///
     /// # Errors
     /// [`CliError::Rabbit`] for an invalid URL or exchange.
+    #[cfg(feature = "rabbit")]
     pub fn rabbit_config(&self) -> Result<transport_rabbit::RabbitConfig, CliError> {
         Ok(transport_rabbit::RabbitConfig::builder(&self.broker_url)
             .with_exchange(&self.exchange)
@@ -583,6 +712,7 @@ impl RelaySettings {
     ///
     /// # Errors
     /// [`CliError::Nats`] for an invalid URL or subject prefix.
+    #[cfg(feature = "nats")]
     pub fn nats_config(&self) -> Result<transport_nats::NatsConfig, CliError> {
         Ok(transport_nats::NatsConfig::builder(&self.broker_url)
             .with_subject_prefix(&self.subject_prefix)
@@ -605,7 +735,10 @@ impl RelaySettings {
     pub fn dispatcher_config(&self) -> DispatcherConfig {
         DispatcherConfig::new()
             .with_batch_size(self.batch_size)
-            .with_poll_interval(self.poll_interval)
+            .with_poll_interval(
+                self.poll_interval
+                    .unwrap_or_else(|| default_poll_interval(self.db.kind().ok())),
+            )
             .with_lease(self.lease)
             .with_concurrency(self.concurrency)
             .with_retry(self.retry_policies())
@@ -856,7 +989,7 @@ mod tests {
         assert_eq!(s.sent_retention, SentRetentionMode::Keep);
         assert_eq!(s.overrides["PaymentCaptured"].max_attempts(), 20);
         assert_eq!(s.overrides["EmailRequested"].max_attempts(), 3);
-        assert_eq!(s.poll_interval, Duration::from_millis(200));
+        assert_eq!(s.poll_interval, Some(Duration::from_millis(200)));
     }
 
     #[test]

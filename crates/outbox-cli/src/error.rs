@@ -63,10 +63,23 @@ pub enum CliError {
     /// The store failed (database unreachable, statement rejected, invalid schema).
     #[error(transparent)]
     Store(#[from] OutboxError),
+    /// The database URL or the transport names a backend this binary was built
+    /// without (its cargo feature is off).
+    #[error(
+        "{backend} support is not compiled into this binary: rebuild with `--features {feature}`"
+    )]
+    FeatureMissing {
+        /// The backend (`"SQL Server"`, `"NATS JetStream"`, ...).
+        backend: &'static str,
+        /// The cargo feature of `outbox-cli` that adds it.
+        feature: &'static str,
+    },
     /// The RabbitMQ transport could not be configured or reached.
+    #[cfg(feature = "rabbit")]
     #[error("RabbitMQ: {0}")]
     Rabbit(#[from] transport_rabbit::RabbitError),
     /// The NATS transport could not be configured or reached.
+    #[cfg(feature = "nats")]
     #[error("NATS: {0}")]
     Nats(#[from] transport_nats::NatsError),
     /// The metrics/health endpoint could not bind its address.
@@ -98,13 +111,16 @@ impl CliError {
             | Self::Missing { .. }
             | Self::Invalid { .. }
             | Self::EventTypeOverride { .. }
-            | Self::TimeWindow { .. } => true,
+            | Self::TimeWindow { .. }
+            | Self::FeatureMissing { .. } => true,
             Self::Store(OutboxError::Config(_)) => true,
+            #[cfg(feature = "rabbit")]
             Self::Rabbit(e) => matches!(
                 e,
                 transport_rabbit::RabbitError::InvalidUrl { .. }
                     | transport_rabbit::RabbitError::InvalidConfig { .. }
             ),
+            #[cfg(feature = "nats")]
             Self::Nats(e) => matches!(
                 e,
                 transport_nats::NatsError::InvalidUrl { .. }

@@ -17,8 +17,8 @@
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use outbox_core::OutboxAdmin;
 use outbox_core::{EventPublisher, OnDead};
-use outbox_postgres::PgOutbox;
 use serde::Serialize;
 use tokio_util::sync::CancellationToken;
 
@@ -169,9 +169,9 @@ impl Health {
 
     /// One check: table stats (also exported as gauges), the oldest claimable wait, a
     /// broker probe bounded by `probe_timeout`, and the dispatcher's circuit.
-    pub async fn check<P: EventPublisher>(
+    pub async fn check<S: OutboxAdmin + ?Sized, P: EventPublisher>(
         &self,
-        store: &PgOutbox,
+        store: &S,
         publisher: &P,
         circuit_open: bool,
         published: u64,
@@ -215,9 +215,9 @@ impl Health {
 
     /// Runs checks every `interval` until `shutdown`; `sample` supplies the
     /// dispatcher's circuit state and published count at each check.
-    pub async fn run_checker<P: EventPublisher>(
+    pub async fn run_checker<S: OutboxAdmin + ?Sized, P: EventPublisher>(
         &self,
-        store: PgOutbox,
+        store: Arc<S>,
         publisher: Arc<P>,
         interval: Duration,
         sample: impl Fn() -> (bool, u64) + Send,
@@ -227,7 +227,7 @@ impl Health {
             let (circuit_open, published) = sample();
             tokio::select! {
                 () = shutdown.cancelled() => return,
-                () = self.check(&store, &*publisher, circuit_open, published, interval.max(Duration::from_secs(1))) => {}
+                () = self.check(&*store, &*publisher, circuit_open, published, interval.max(Duration::from_secs(1))) => {}
             }
             tokio::select! {
                 () = shutdown.cancelled() => return,

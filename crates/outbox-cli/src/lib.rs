@@ -3,13 +3,19 @@
 //! The `outbox` operations binary, usable as a library (the binary is a thin
 //! `main.rs` over [`main_with_args`]):
 //!
-//! - `outbox relay`: the [`Dispatcher`](outbox_core::Dispatcher) over PostgreSQL and
-//!   RabbitMQ or NATS, configured by flags, environment variables and a TOML file
+//! - `outbox relay`: the [`Dispatcher`](outbox_core::Dispatcher) over PostgreSQL or SQL
+//!   Server and RabbitMQ or NATS, configured by flags, environment variables and a TOML file
 //!   ([`config`]); serves `/metrics` (Prometheus) and `/healthz` ([`health`]); text or
 //!   JSON logs; graceful shutdown on SIGINT/SIGTERM ([`relay::Relay`]);
 //! - `outbox migrate`, `outbox stats`, `outbox reconcile`;
 //! - `outbox dead list|replay`, `outbox inbox dead list|replay`;
 //! - `outbox purge` (delete or archive, in small batches).
+//!
+//! The database is chosen by the URL ([`database`]: `postgres://`, `sqlserver://`,
+//! `mssql://`, `jdbc:sqlserver://` or an ADO.NET string), the broker by `--transport`.
+//! Cargo features pick what is compiled in: `postgres`, `sqlserver`, `rabbit`, `nats`
+//! (all four by default; at least one database and one transport). A URL or
+//! transport whose feature is off fails with [`CliError::FeatureMissing`] naming it.
 //!
 //! Every failure is a typed [`CliError`]; bad input exits with code 2, runtime
 //! failures with 1. See `docs/operations.md` for examples of every command.
@@ -24,9 +30,15 @@
 //! # Ok(()) }
 //! ```
 
+#[cfg(not(any(feature = "postgres", feature = "sqlserver")))]
+compile_error!("outbox-cli needs a database feature: `postgres` and/or `sqlserver`");
+#[cfg(not(any(feature = "rabbit", feature = "nats")))]
+compile_error!("outbox-cli needs a transport feature: `rabbit` and/or `nats`");
+
 pub mod cli;
 pub mod commands;
 pub mod config;
+pub mod database;
 pub mod error;
 pub mod health;
 mod output;
@@ -37,7 +49,7 @@ use std::process::ExitCode;
 
 use chrono::Utc;
 use clap::Parser as _;
-use outbox_postgres::PgOutbox;
+use outbox_core::OutboxAdmin;
 use tokio_util::sync::CancellationToken;
 
 pub use cli::Cli;
@@ -136,15 +148,15 @@ pub async fn run(cli: Cli, out: &mut dyn Write) -> Result<(), CliError> {
     let now = Utc::now();
     // Validate the command's input before connecting.
     let prepared = prepare(&cli.command, now)?;
-    let outbox = PgOutbox::connect(&db.pg_config()).await?;
-    execute(&cli.command, prepared, &outbox, out).await
+    let outbox = database::connect_admin(&db.url, &db.schema).await?;
+    execute(&cli.command, prepared, &*outbox, out).await
 }
 
 /// Parsed arguments of a command (filters, durations), validated up front.
 enum Prepared {
     None,
     Filter(outbox_core::MessageFilter),
-    InboxFilter(outbox_postgres::ops::InboxDeadFilter),
+    InboxFilter(outbox_core::InboxDeadFilter),
     Purge {
         older_than: std::time::Duration,
         pause: std::time::Duration,
@@ -186,7 +198,7 @@ fn prepare(command: &Command, now: chrono::DateTime<Utc>) -> Result<Prepared, Cl
 async fn execute(
     command: &Command,
     prepared: Prepared,
-    outbox: &PgOutbox,
+    outbox: &dyn OutboxAdmin,
     out: &mut dyn Write,
 ) -> Result<(), CliError> {
     match (command, prepared) {

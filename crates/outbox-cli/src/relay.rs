@@ -12,18 +12,20 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::get;
 use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
 use outbox_core::{
-    Dispatcher, DispatcherStats, EventPublisher, OnDead, Ordering, OutboxMessage, PublishError,
-    PublishOutcome,
+    Dispatcher, DispatcherStats, EventPublisher, OnDead, Ordering, OutboxAdmin, OutboxMessage,
+    PublishError, PublishOutcome, WakeHandle,
 };
-use outbox_postgres::PgOutbox;
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
+#[cfg(feature = "nats")]
 use transport_nats::NatsPublisher;
+#[cfg(feature = "rabbit")]
 use transport_rabbit::RabbitPublisher;
 
 use crate::cli::{OrderingMode, TransportKind};
 use crate::config::RelaySettings;
+use crate::database::DatabaseKind;
 use crate::error::CliError;
 use crate::health::Health;
 
@@ -36,8 +38,10 @@ const CLOSE_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(2);
 #[allow(clippy::large_enum_variant)] // reason: one value per process, never moved in a loop
 pub enum AnyPublisher {
     /// RabbitMQ.
+    #[cfg(feature = "rabbit")]
     Rabbit(RabbitPublisher),
     /// NATS JetStream.
+    #[cfg(feature = "nats")]
     Nats(NatsPublisher),
 }
 
@@ -47,18 +51,24 @@ impl AnyPublisher {
     /// # Errors
     /// [`CliError::Rabbit`] / [`CliError::Nats`] for an invalid transport configuration.
     pub async fn new(settings: &RelaySettings) -> Result<Self, CliError> {
-        Ok(match settings.transport {
+        Ok(match settings.transport.require()? {
+            #[cfg(feature = "rabbit")]
             TransportKind::Rabbit => Self::Rabbit(RabbitPublisher::new(settings.rabbit_config()?)),
+            #[cfg(feature = "nats")]
             TransportKind::Nats => {
                 Self::Nats(NatsPublisher::connect_lazy(settings.nats_config()?).await?)
             }
+            #[allow(unreachable_patterns)] // reason: `require` failed for a compiled-out one
+            other => return Err(other.missing()),
         })
     }
 
     /// Closes the broker connection.
     pub async fn close(&self) {
         match self {
+            #[cfg(feature = "rabbit")]
             Self::Rabbit(p) => p.close().await,
+            #[cfg(feature = "nats")]
             Self::Nats(p) => p.close().await,
         }
     }
@@ -68,21 +78,27 @@ impl AnyPublisher {
 impl EventPublisher for AnyPublisher {
     async fn publish_batch(&self, messages: &[OutboxMessage]) -> Vec<PublishOutcome> {
         match self {
+            #[cfg(feature = "rabbit")]
             Self::Rabbit(p) => p.publish_batch(messages).await,
+            #[cfg(feature = "nats")]
             Self::Nats(p) => p.publish_batch(messages).await,
         }
     }
 
     async fn check_ready(&self) -> Result<(), PublishError> {
         match self {
+            #[cfg(feature = "rabbit")]
             Self::Rabbit(p) => p.check_ready().await,
+            #[cfg(feature = "nats")]
             Self::Nats(p) => p.check_ready().await,
         }
     }
 
     fn publish_timeout(&self) -> Option<std::time::Duration> {
         match self {
+            #[cfg(feature = "rabbit")]
             Self::Rabbit(p) => p.publish_timeout(),
+            #[cfg(feature = "nats")]
             Self::Nats(p) => p.publish_timeout(),
         }
     }
@@ -177,25 +193,66 @@ impl Relay {
         settings: &RelaySettings,
         shutdown: CancellationToken,
     ) -> Result<Self, CliError> {
+        let retention = settings.sent_retention.into();
+        match settings.db.kind()?.require()? {
+            #[cfg(feature = "postgres")]
+            DatabaseKind::Postgres => {
+                let store = outbox_postgres::PgOutbox::connect(
+                    &settings
+                        .db
+                        .pg_config()
+                        .with_sent_retention(retention)
+                        .with_crash_loop_limit(settings.crash_loop_limit),
+                )
+                .await?;
+                // Push wake-up: a committed insert wakes the claimer at once; polling
+                // stays as the fallback.
+                Self::start_on(settings, store, shutdown, |store, wake, token| {
+                    Some(store.spawn_wake_listener(wake, token))
+                })
+                .await
+            }
+            #[cfg(feature = "sqlserver")]
+            DatabaseKind::SqlServer => {
+                let store = outbox_sqlserver::MssqlOutbox::connect(
+                    &settings
+                        .db
+                        .mssql_config()?
+                        .with_sent_retention(retention)
+                        .with_crash_loop_limit(settings.crash_loop_limit),
+                )
+                .await?;
+                // No push on SQL Server: the dispatcher's adaptive polling.
+                Self::start_on(settings, store, shutdown, |_, _, _| None).await
+            }
+            #[allow(unreachable_patterns)] // reason: `require` failed for a compiled-out one
+            other => Err(other.missing()),
+        }
+    }
+
+    /// [`start`](Self::start) over a connected `store`; `wake_listener` may spawn a task
+    /// that wakes the dispatcher (PostgreSQL's LISTEN) and stops with the token.
+    async fn start_on<S, W>(
+        settings: &RelaySettings,
+        store: S,
+        shutdown: CancellationToken,
+        wake_listener: W,
+    ) -> Result<Self, CliError>
+    where
+        S: OutboxAdmin,
+        W: FnOnce(&S, WakeHandle, CancellationToken) -> Option<JoinHandle<()>>,
+    {
         let prometheus = prometheus()?;
-        let store = PgOutbox::connect(
-            &settings
-                .db
-                .pg_config()
-                .with_sent_retention(settings.sent_retention.into())
-                .with_crash_loop_limit(settings.crash_loop_limit),
-        )
-        .await?;
         let publisher = Arc::new(AnyPublisher::new(settings).await?);
         let config = dispatcher_config(settings);
         let ordered = match config.ordering() {
             Ordering::PerKey { on_dead } => Some(on_dead),
             _ => None,
         };
-        let dispatcher = Dispatcher::new(Arc::new(store.clone()), Arc::clone(&publisher), config);
-        // Push wake-up: a committed insert wakes the claimer at once; polling stays as
-        // the fallback.
-        let wake_listener = store.spawn_wake_listener(dispatcher.wake_handle(), shutdown.clone());
+        let store = Arc::new(store);
+        let backend = store.backend();
+        let dispatcher = Dispatcher::new(Arc::clone(&store), Arc::clone(&publisher), config);
+        let wake_listener = wake_listener(&store, dispatcher.wake_handle(), shutdown.clone());
         let health = Health::new(settings.max_lag, settings.stuck_after, ordered);
 
         let listener = tokio::net::TcpListener::bind(settings.listen)
@@ -223,6 +280,7 @@ impl Relay {
             let d = dispatcher.clone();
             let interval = settings.health_interval;
             let publisher = Arc::clone(&publisher);
+            let store = Arc::clone(&store);
             tokio::spawn(async move {
                 health
                     .run_checker(
@@ -237,6 +295,7 @@ impl Relay {
         };
         info!(
             listen = %addr,
+            database = backend,
             transport = ?settings.transport,
             broker = %redacted_broker(settings),
             schema = %settings.db.schema,
@@ -255,7 +314,9 @@ impl Relay {
                 // The relay is what the process is for: without it, stop serving.
                 token.cancel();
                 let _ = checker.await;
-                let _ = wake_listener.await;
+                if let Some(listener) = wake_listener {
+                    let _ = listener.await;
+                }
                 match server.await {
                     Ok(Ok(())) => {}
                     Ok(Err(e)) => warn!(error = %e, "metrics endpoint failed"),

@@ -36,7 +36,7 @@ fn settings(db: &PgOutbox, broker_url: &str, exchange: &str) -> RelaySettings {
     );
     s.exchange = exchange.to_owned();
     s.listen = SocketAddr::from(([127, 0, 0, 1], 0));
-    s.poll_interval = Duration::from_millis(50);
+    s.poll_interval = Some(Duration::from_millis(50));
     s.health_interval = Duration::from_millis(200);
     s.batch_size = 50;
     s

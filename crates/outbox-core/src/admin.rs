@@ -143,7 +143,6 @@ pub struct InboxReplayReport {
     pub elapsed_secs: f64,
 }
 
-
 /// Operator queries of an outbox backend, over the outbox and inbox tables of one
 /// schema. Object safe: the `outbox` binary holds a `Box<dyn OutboxAdmin>` chosen by
 /// the database URL.
@@ -213,8 +212,11 @@ pub trait OutboxAdmin: OutboxStore {
     /// Moves up to `batch_size` `Sent` rows whose `sent_at` is older than `older_than`
     /// into the outbox archive table; returns how many moved. Call until it returns
     /// less than `batch_size`. Rows locked by others are skipped.
-    async fn archive_sent(&self, older_than: Duration, batch_size: usize)
-    -> Result<u64, OutboxError>;
+    async fn archive_sent(
+        &self,
+        older_than: Duration,
+        batch_size: usize,
+    ) -> Result<u64, OutboxError>;
 
     /// Deletes up to `batch_size` inbox records (the idempotent consumer's dedup rows)
     /// older than `older_than`; returns how many went. A purged record no longer

@@ -24,8 +24,8 @@ use outbox_core::{InboxStore, OnDead, OutboxAdmin, OutboxError, OutboxStats};
 use sqlx::{AssertSqlSafe, Row};
 
 use crate::error::db;
-use crate::sql::{like_escape, quoted_schema};
 use crate::inbox::PgInbox;
+use crate::sql::{like_escape, quoted_schema};
 use crate::store::PgOutbox;
 
 pub use outbox_core::admin::{

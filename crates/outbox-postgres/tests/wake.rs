@@ -199,8 +199,7 @@ async fn a_listener_that_cannot_listen_stands_in_for_the_notifications() {
     let migrated = fresh_outbox().await;
     let admin = migrated.pool();
     let options: PgConnectOptions = database_url().parse().expect("database URL");
-    let lockout =
-        outbox_testkit::pg::PgLockout::new(admin, &options, migrated.schema()).await;
+    let lockout = outbox_testkit::pg::PgLockout::new(admin, &options, migrated.schema()).await;
     let listen_pool = PgPoolOptions::new()
         .max_connections(2)
         .connect_with(lockout.connect_options())
