@@ -13,12 +13,17 @@
 //!    its lease expires), and the consumer "crashes" after committing some deliveries
 //!    and before acking them (the broker redelivers them);
 //! 5. a **reconciliation** compares orders written, events published, projection rows,
-//!    duplicates suppressed, and commit-to-consume latency.
+//!    duplicates suppressed, and commit-to-consume latency;
+//! 6. **tracing**: each order is placed in its own `orders.place` span (an
+//!    OpenTelemetry trace, see [`telemetry`]); its event carries that trace as a W3C
+//!    `traceparent` header to the broker, and the consumer's `inbox.handle` span
+//!    continues it.
 //!
 //! Run it with `cargo xtask demo` (defaults need no configuration).
 
 mod common;
 mod projection;
+mod telemetry;
 mod transport;
 
 use projection::{CONSUMER, ConsumerCounters, Projector};
@@ -34,6 +39,7 @@ use outbox_postgres::{PgConfig, PgInbox, PgOutbox};
 use serde::{Deserialize, Serialize};
 use sqlx::{AssertSqlSafe, PgPool};
 use tokio_util::sync::CancellationToken;
+use tracing::Instrument as _;
 
 /// Orders demo: outbox → RabbitMQ or NATS JetStream → inbox → projection, then a
 /// reconciliation.
@@ -78,7 +84,8 @@ async fn setup_schema(pool: &PgPool, schema: &str) -> anyhow::Result<()> {
              id uuid PRIMARY KEY,
              customer text NOT NULL,
              total_cents bigint NOT NULL,
-             created_at timestamptz NOT NULL DEFAULT now());
+             created_at timestamptz NOT NULL DEFAULT now(),
+             trace_id text);
          CREATE TABLE {schema}.order_projection (
              order_id uuid PRIMARY KEY,
              customer text NOT NULL,
@@ -92,7 +99,9 @@ async fn setup_schema(pool: &PgPool, schema: &str) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// Places `count` orders, one transaction each: the order row and its event.
+/// Places `count` orders, one transaction each: the order row and its event. Each order
+/// is placed in its own `orders.place` span, a new trace whose id the order row keeps
+/// and whose context the event captures (its `traceparent` header).
 async fn produce(
     outbox: PgOutbox,
     schema: String,
@@ -106,21 +115,29 @@ async fn produce(
             customer: format!("customer-{}", i % 97),
             total_cents: 1_000 + (i as i64 * 37) % 50_000,
         };
-        let event = NewMessage::builder("order", order.order_id.to_string(), "OrderPlaced")
-            .aggregate_version(1)
-            .payload(&order)
-            .build()?;
-        let mut tx = outbox.pool().begin().await?;
-        sqlx::query(AssertSqlSafe(format!(
-            "INSERT INTO {schema}.orders (id, customer, total_cents) VALUES ($1, $2, $3)"
-        )))
-        .bind(order.order_id)
-        .bind(&order.customer)
-        .bind(order.total_cents)
-        .execute(&mut *tx)
+        let span = tracing::info_span!("orders.place", order_id = %order.order_id);
+        let trace_id = telemetry::trace_id(&span);
+        async {
+            let event = NewMessage::builder("order", order.order_id.to_string(), "OrderPlaced")
+                .aggregate_version(1)
+                .payload(&order)
+                .build()?;
+            let mut tx = outbox.pool().begin().await?;
+            sqlx::query(AssertSqlSafe(format!(
+                "INSERT INTO {schema}.orders (id, customer, total_cents, trace_id) VALUES ($1, $2, $3, $4)"
+            )))
+            .bind(order.order_id)
+            .bind(&order.customer)
+            .bind(order.total_cents)
+            .bind(trace_id)
+            .execute(&mut *tx)
+            .await?;
+            outbox.enqueue(&mut tx, &event).await?;
+            tx.commit().await?;
+            anyhow::Ok(())
+        }
+        .instrument(span)
         .await?;
-        outbox.enqueue(&mut tx, &event).await?;
-        tx.commit().await?;
         wake.wake();
     }
     Ok(())
@@ -128,12 +145,9 @@ async fn produce(
 
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
-    tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "warn".into()),
-        )
-        .init();
     let args = Args::parse();
+    let telemetry = telemetry::install()?;
+    println!("{}", telemetry.describe());
     let started = Instant::now();
 
     // PostgreSQL: the demo schema holds the business tables and the outbox/inbox tables.
@@ -347,6 +361,10 @@ async fn main() -> anyhow::Result<()> {
     println!(
         "  relay: {} published, {} batches, {} retried, {} fenced",
         relay_stats.published, relay_stats.batches, relay_stats.retried, relay_stats.fenced
+    );
+    println!(
+        "  spans                          {}",
+        telemetry.finish().await?
     );
     if let Some((p50, p99)) = common::percentiles(&latencies) {
         println!(
