@@ -17,7 +17,9 @@
 //! 6. **tracing**: each order is placed in its own `orders.place` span (an
 //!    OpenTelemetry trace, see [`telemetry`]); its event carries that trace as a W3C
 //!    `traceparent` header to the broker, and the consumer's `inbox.handle` span
-//!    continues it.
+//!    continues it. The reconciliation fails unless every delivery's header, as
+//!    delivered, is a valid `traceparent` and every projection continued the trace its
+//!    order was placed in.
 //!
 //! Run it with `cargo xtask demo` (defaults need no configuration).
 
@@ -92,7 +94,9 @@ async fn setup_schema(pool: &PgPool, schema: &str) -> anyhow::Result<()> {
              total_cents bigint NOT NULL,
              event_id uuid NOT NULL,
              projected_at timestamptz NOT NULL,
-             times_applied integer NOT NULL);"
+             times_applied integer NOT NULL,
+             delivered_trace_id text,
+             handler_trace_id text);"
     )))
     .execute(pool)
     .await?;
@@ -315,6 +319,19 @@ async fn main() -> anyhow::Result<()> {
         "SELECT count(*) FROM {schema}.inbox_records WHERE consumer = '{CONSUMER}'"
     ))
     .await?;
+    // The trace as placed (orders.trace_id), as delivered (the traceparent header the
+    // consumer received) and as continued (the handler's inbox.handle span).
+    let delivered_in_trace = one(format!(
+        "SELECT count(*) FROM {schema}.orders o JOIN {schema}.order_projection p ON p.order_id = o.id
+          WHERE o.trace_id IS NOT NULL AND p.delivered_trace_id = o.trace_id"
+    ))
+    .await?;
+    let continued = one(format!(
+        "SELECT count(*) FROM {schema}.orders o JOIN {schema}.order_projection p ON p.order_id = o.id
+          WHERE o.trace_id IS NOT NULL AND p.delivered_trace_id = o.trace_id
+            AND p.handler_trace_id = o.trace_id"
+    ))
+    .await?;
     let latencies: Vec<f64> = sqlx::query_scalar(AssertSqlSafe(format!(
         "SELECT extract(epoch FROM p.projected_at - m.created_at)::float8 * 1000
            FROM {schema}.order_projection p JOIN {schema}.outbox_messages m ON m.id = p.event_id"
@@ -362,6 +379,21 @@ async fn main() -> anyhow::Result<()> {
         "  relay: {} published, {} batches, {} retried, {} fenced",
         relay_stats.published, relay_stats.batches, relay_stats.retried, relay_stats.fenced
     );
+    let deliveries = c.deliveries.load(Ordering::Relaxed);
+    let traced = c.traced.load(Ordering::Relaxed);
+    let untraced = c.untraced.load(Ordering::Relaxed);
+    println!(
+        "  deliveries with traceparent    {traced} of {deliveries} ({untraced} missing or malformed)"
+    );
+    println!(
+        "  delivered in the order's trace {delivered_in_trace} (the traceparent's trace id is the order's)"
+    );
+    println!(
+        "  consumers continuing the trace {continued} (the handler's inbox.handle span is in it)"
+    );
+    if let Some((id, header)) = c.first_untraced.lock().ok().and_then(|f| f.clone()) {
+        println!("    first without a valid one    message {id}: traceparent {header:?}");
+    }
     println!(
         "  spans                          {}",
         telemetry.finish().await?
@@ -382,9 +414,15 @@ async fn main() -> anyhow::Result<()> {
         && missing == 0
         && mismatched == 0
         && inbox_rows == orders
-        && stored.is_none_or(|n| i64::try_from(n).is_ok_and(|n| n == events));
+        && stored.is_none_or(|n| i64::try_from(n).is_ok_and(|n| n == events))
+        && untraced == 0
+        && traced == deliveries
+        && delivered_in_trace == orders
+        && continued == orders;
     if ok {
-        println!("\nOK: every order has exactly one projection row.");
+        println!(
+            "\nOK: every order has exactly one projection row, and every delivery carried its order's trace."
+        );
         Ok(())
     } else {
         bail!("reconciliation failed: see the figures above")
