@@ -13,12 +13,19 @@
 //!    its lease expires), and the consumer "crashes" after committing some deliveries
 //!    and before acking them (the broker redelivers them);
 //! 5. a **reconciliation** compares orders written, events published, projection rows,
-//!    duplicates suppressed, and commit-to-consume latency.
+//!    duplicates suppressed, and commit-to-consume latency;
+//! 6. **tracing**: each order is placed in its own `orders.place` span (an
+//!    OpenTelemetry trace, see [`telemetry`]); its event carries that trace as a W3C
+//!    `traceparent` header to the broker, and the consumer's `inbox.handle` span
+//!    continues it. The reconciliation fails unless every delivery's header, as
+//!    delivered, is a valid `traceparent` and every projection continued the trace its
+//!    order was placed in.
 //!
 //! Run it with `cargo xtask demo` (defaults need no configuration).
 
 mod common;
 mod projection;
+mod telemetry;
 mod transport;
 
 use projection::{CONSUMER, ConsumerCounters, Projector};
@@ -34,6 +41,7 @@ use outbox_postgres::{PgConfig, PgInbox, PgOutbox};
 use serde::{Deserialize, Serialize};
 use sqlx::{AssertSqlSafe, PgPool};
 use tokio_util::sync::CancellationToken;
+use tracing::Instrument as _;
 
 /// Orders demo: outbox → RabbitMQ or NATS JetStream → inbox → projection, then a
 /// reconciliation.
@@ -78,21 +86,26 @@ async fn setup_schema(pool: &PgPool, schema: &str) -> anyhow::Result<()> {
              id uuid PRIMARY KEY,
              customer text NOT NULL,
              total_cents bigint NOT NULL,
-             created_at timestamptz NOT NULL DEFAULT now());
+             created_at timestamptz NOT NULL DEFAULT now(),
+             trace_id text);
          CREATE TABLE {schema}.order_projection (
              order_id uuid PRIMARY KEY,
              customer text NOT NULL,
              total_cents bigint NOT NULL,
              event_id uuid NOT NULL,
              projected_at timestamptz NOT NULL,
-             times_applied integer NOT NULL);"
+             times_applied integer NOT NULL,
+             delivered_trace_id text,
+             handler_trace_id text);"
     )))
     .execute(pool)
     .await?;
     Ok(())
 }
 
-/// Places `count` orders, one transaction each: the order row and its event.
+/// Places `count` orders, one transaction each: the order row and its event. Each order
+/// is placed in its own `orders.place` span, a new trace whose id the order row keeps
+/// and whose context the event captures (its `traceparent` header).
 async fn produce(
     outbox: PgOutbox,
     schema: String,
@@ -106,21 +119,29 @@ async fn produce(
             customer: format!("customer-{}", i % 97),
             total_cents: 1_000 + (i as i64 * 37) % 50_000,
         };
-        let event = NewMessage::builder("order", order.order_id.to_string(), "OrderPlaced")
-            .aggregate_version(1)
-            .payload(&order)
-            .build()?;
-        let mut tx = outbox.pool().begin().await?;
-        sqlx::query(AssertSqlSafe(format!(
-            "INSERT INTO {schema}.orders (id, customer, total_cents) VALUES ($1, $2, $3)"
-        )))
-        .bind(order.order_id)
-        .bind(&order.customer)
-        .bind(order.total_cents)
-        .execute(&mut *tx)
+        let span = tracing::info_span!("orders.place", order_id = %order.order_id);
+        let trace_id = telemetry::trace_id(&span);
+        async {
+            let event = NewMessage::builder("order", order.order_id.to_string(), "OrderPlaced")
+                .aggregate_version(1)
+                .payload(&order)
+                .build()?;
+            let mut tx = outbox.pool().begin().await?;
+            sqlx::query(AssertSqlSafe(format!(
+                "INSERT INTO {schema}.orders (id, customer, total_cents, trace_id) VALUES ($1, $2, $3, $4)"
+            )))
+            .bind(order.order_id)
+            .bind(&order.customer)
+            .bind(order.total_cents)
+            .bind(trace_id)
+            .execute(&mut *tx)
+            .await?;
+            outbox.enqueue(&mut tx, &event).await?;
+            tx.commit().await?;
+            anyhow::Ok(())
+        }
+        .instrument(span)
         .await?;
-        outbox.enqueue(&mut tx, &event).await?;
-        tx.commit().await?;
         wake.wake();
     }
     Ok(())
@@ -128,12 +149,9 @@ async fn produce(
 
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
-    tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "warn".into()),
-        )
-        .init();
     let args = Args::parse();
+    let telemetry = telemetry::install()?;
+    println!("{}", telemetry.describe());
     let started = Instant::now();
 
     // PostgreSQL: the demo schema holds the business tables and the outbox/inbox tables.
@@ -301,6 +319,19 @@ async fn main() -> anyhow::Result<()> {
         "SELECT count(*) FROM {schema}.inbox_records WHERE consumer = '{CONSUMER}'"
     ))
     .await?;
+    // The trace as placed (orders.trace_id), as delivered (the traceparent header the
+    // consumer received) and as continued (the handler's inbox.handle span).
+    let delivered_in_trace = one(format!(
+        "SELECT count(*) FROM {schema}.orders o JOIN {schema}.order_projection p ON p.order_id = o.id
+          WHERE o.trace_id IS NOT NULL AND p.delivered_trace_id = o.trace_id"
+    ))
+    .await?;
+    let continued = one(format!(
+        "SELECT count(*) FROM {schema}.orders o JOIN {schema}.order_projection p ON p.order_id = o.id
+          WHERE o.trace_id IS NOT NULL AND p.delivered_trace_id = o.trace_id
+            AND p.handler_trace_id = o.trace_id"
+    ))
+    .await?;
     let latencies: Vec<f64> = sqlx::query_scalar(AssertSqlSafe(format!(
         "SELECT extract(epoch FROM p.projected_at - m.created_at)::float8 * 1000
            FROM {schema}.order_projection p JOIN {schema}.outbox_messages m ON m.id = p.event_id"
@@ -348,6 +379,25 @@ async fn main() -> anyhow::Result<()> {
         "  relay: {} published, {} batches, {} retried, {} fenced",
         relay_stats.published, relay_stats.batches, relay_stats.retried, relay_stats.fenced
     );
+    let deliveries = c.deliveries.load(Ordering::Relaxed);
+    let traced = c.traced.load(Ordering::Relaxed);
+    let untraced = c.untraced.load(Ordering::Relaxed);
+    println!(
+        "  deliveries with traceparent    {traced} of {deliveries} ({untraced} missing or malformed)"
+    );
+    println!(
+        "  delivered in the order's trace {delivered_in_trace} (the traceparent's trace id is the order's)"
+    );
+    println!(
+        "  consumers continuing the trace {continued} (the handler's inbox.handle span is in it)"
+    );
+    if let Some((id, header)) = c.first_untraced.lock().ok().and_then(|f| f.clone()) {
+        println!("    first without a valid one    message {id}: traceparent {header:?}");
+    }
+    println!(
+        "  spans                          {}",
+        telemetry.finish().await?
+    );
     if let Some((p50, p99)) = common::percentiles(&latencies) {
         println!(
             "  commit-to-consume latency      p50 {}  p99 {}",
@@ -364,9 +414,15 @@ async fn main() -> anyhow::Result<()> {
         && missing == 0
         && mismatched == 0
         && inbox_rows == orders
-        && stored.is_none_or(|n| i64::try_from(n).is_ok_and(|n| n == events));
+        && stored.is_none_or(|n| i64::try_from(n).is_ok_and(|n| n == events))
+        && untraced == 0
+        && traced == deliveries
+        && delivered_in_trace == orders
+        && continued == orders;
     if ok {
-        println!("\nOK: every order has exactly one projection row.");
+        println!(
+            "\nOK: every order has exactly one projection row, and every delivery carried its order's trace."
+        );
         Ok(())
     } else {
         bail!("reconciliation failed: see the figures above")

@@ -1,5 +1,10 @@
 //! The demo's consumer: an `inbox` pipeline with one handler that upserts
 //! `order_projection`, wrapped to simulate consumer crashes between commit and ack.
+//!
+//! It also checks the trace context as delivered: every delivery's `traceparent` header
+//! (W3C Trace Context) is validated, and the projection row records the trace id that
+//! header carried and the trace id of the handler's own `inbox.handle` span, for the
+//! reconciliation to compare with the trace recorded when the order was placed.
 
 use std::collections::HashSet;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -8,7 +13,7 @@ use std::sync::{Arc, Mutex};
 use async_trait::async_trait;
 use inbox::{Handler, HandlerContext, HandlerError, IdempotentConsumer, Pipeline};
 use outbox_core::consumer::{DeliveryHandler, HandlerDecision};
-use outbox_core::wire::IncomingMessage;
+use outbox_core::wire::{IncomingMessage, TRACEPARENT, TraceParent};
 use outbox_postgres::PgInbox;
 use sqlx::{AssertSqlSafe, PgConnection};
 
@@ -23,6 +28,12 @@ pub(crate) struct ConsumerCounters {
     pub(crate) deliveries: AtomicU64,
     pub(crate) applied: AtomicU64,
     pub(crate) forced_redeliveries: AtomicU64,
+    /// Deliveries whose delivered `traceparent` header is a valid W3C traceparent.
+    pub(crate) traced: AtomicU64,
+    /// Deliveries without a `traceparent` header, or with a malformed one.
+    pub(crate) untraced: AtomicU64,
+    /// The first such delivery: message id and header value.
+    pub(crate) first_untraced: Mutex<Option<(uuid::Uuid, Option<String>)>>,
 }
 
 impl ConsumerCounters {
@@ -47,9 +58,15 @@ impl Handler<PgInbox> for Project {
         _ctx: &HandlerContext,
     ) -> Result<(), HandlerError> {
         let event: OrderPlaced = msg.json().map_err(HandlerError::permanent)?;
+        // The trace as delivered, and the one this handler runs in (the inbox's
+        // `inbox.handle` span, whose parent is the delivered traceparent).
+        let delivered_trace = delivered_traceparent(msg)
+            .and_then(|(_, tp)| tp)
+            .map(|tp| format!("{:032x}", tp.trace_id));
+        let handler_trace = crate::telemetry::trace_id(&tracing::Span::current());
         sqlx::query(AssertSqlSafe(format!(
-            "INSERT INTO {s}.order_projection (order_id, customer, total_cents, event_id, projected_at, times_applied)
-             VALUES ($1, $2, $3, $4, clock_timestamp(), 1)
+            "INSERT INTO {s}.order_projection (order_id, customer, total_cents, event_id, projected_at, times_applied, delivered_trace_id, handler_trace_id)
+             VALUES ($1, $2, $3, $4, clock_timestamp(), 1, $5, $6)
              ON CONFLICT (order_id) DO UPDATE SET times_applied = {s}.order_projection.times_applied + 1",
             s = self.schema
         )))
@@ -57,6 +74,8 @@ impl Handler<PgInbox> for Project {
         .bind(&event.customer)
         .bind(event.total_cents)
         .bind(msg.id)
+        .bind(delivered_trace)
+        .bind(handler_trace)
         .execute(&mut *conn)
         .await?;
         self.counters.applied.fetch_add(1, Ordering::Relaxed);
@@ -103,6 +122,17 @@ impl DeliveryHandler for Projector {
     async fn handle(&self, msg: &IncomingMessage) -> HandlerDecision {
         let n = self.counters.deliveries.fetch_add(1, Ordering::Relaxed) + 1;
         let id = msg.id;
+        match delivered_traceparent(msg) {
+            Some((_, Some(_))) => {
+                self.counters.traced.fetch_add(1, Ordering::Relaxed);
+            }
+            header => {
+                self.counters.untraced.fetch_add(1, Ordering::Relaxed);
+                if let Ok(mut first) = self.counters.first_untraced.lock() {
+                    first.get_or_insert((id, header.map(|(raw, _)| raw.to_owned())));
+                }
+            }
+        }
         let decision = self.inner.process(msg).await;
         if decision == HandlerDecision::Ack
             && self.redeliver_every > 0
@@ -120,4 +150,12 @@ impl DeliveryHandler for Projector {
         }
         decision
     }
+}
+
+/// The `traceparent` header exactly as the broker delivered it, and its parse (`None`
+/// when malformed or all-zero); `None` when the header is absent.
+fn delivered_traceparent(msg: &IncomingMessage) -> Option<(&str, Option<TraceParent>)> {
+    msg.headers
+        .get(TRACEPARENT)
+        .map(|raw| (raw.as_str(), TraceParent::parse(raw)))
 }
