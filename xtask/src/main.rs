@@ -3,8 +3,9 @@
 //! * `cargo xtask services` brings PostgreSQL, RabbitMQ and NATS up (Docker
 //!   Compose when a Docker engine is reachable, the locally installed servers
 //!   otherwise) and prints their status.
-//! * `cargo xtask itest [-- ARGS]` brings the services up, then runs every
-//!   test of the workspace (`cargo test --workspace --all-targets ARGS`), a
+//! * `cargo xtask itest [-- ARGS]` checks the facade's feature combinations (as
+//!   `cargo xtask features`; seconds with a warm cache), brings the services up, then
+//!   runs every test of the workspace (`cargo test --workspace --all-targets ARGS`), a
 //!   500-order demo run over RabbitMQ and one over NATS whose reconciliations must
 //!   be exact, the doc tests, and last a short chaos run over each broker.
 //! * `cargo xtask demo [-- ARGS]` runs the orders example against the services.
@@ -13,10 +14,14 @@
 //!   and runs it: relay and consumer processes killed, servers frozen and restarted,
 //!   and a verdict that counts every message.
 //! * `cargo xtask lint` checks formatting and runs clippy with warnings denied.
+//! * `cargo xtask features` checks that the `outbox` facade crate builds with each
+//!   feature combination a user can pick (none, each alone, each database × broker
+//!   pair, with and without `inbox`, all).
 //!
 //! Child processes get `DATABASE_URL`, `AMQP_URL` and `NATS_URL` pointing at
 //! the local services unless those variables are already set.
 
+mod features;
 mod services;
 #[cfg(test)]
 mod tidy;
@@ -59,7 +64,8 @@ struct Cli {
 enum Cmd {
     /// Ensure PostgreSQL, RabbitMQ and NATS are up and print their status.
     Services,
-    /// Ensure the services, then run all workspace tests and the doc tests.
+    /// Check the `outbox` facade's feature combinations, ensure the services, then run
+    /// all workspace tests and the doc tests.
     ///
     /// ARGS go to `cargo test --workspace --all-targets` unchanged; to reach
     /// the test harness use a second `--`, e.g.
@@ -95,6 +101,10 @@ enum Cmd {
     },
     /// Check formatting and run clippy with warnings denied.
     Lint,
+    /// `cargo check` the `outbox` facade crate with every feature combination a user
+    /// can pick: none, each feature alone, each database × broker pair with and without
+    /// `inbox`, and all features.
+    Features,
 }
 
 fn main() -> ExitCode {
@@ -113,6 +123,8 @@ fn run(cli: Cli) -> Result<()> {
     match cli.command {
         Cmd::Services => services::ensure(timeout),
         Cmd::Itest { args } => {
+            // First: a build break fails the run before any service is needed.
+            features::check()?;
             services::ensure(timeout)?;
             announce_sqlserver_skip();
             let mut tests = cargo();
@@ -201,6 +213,7 @@ fn run(cli: Cli) -> Result<()> {
             chaos.args(&args);
             exec_child(&mut chaos)
         }
+        Cmd::Features => features::check(),
         Cmd::Lint => {
             // Run both so one invocation reports every problem.
             let fmt = run_child(cargo().args(["fmt", "--all", "--", "--check"]));

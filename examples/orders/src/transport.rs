@@ -6,9 +6,8 @@
 use std::time::Duration;
 
 use anyhow::Context as _;
-use async_trait::async_trait;
+use outbox::AnyPublisher;
 use outbox_core::consumer::DeliveryHandler;
-use outbox_core::{EventPublisher, OutboxMessage, PublishError, PublishOutcome};
 use tokio_util::sync::CancellationToken;
 use transport_nats::{NatsConfig, NatsConsumer, NatsPublisher, StreamSetup, async_nats};
 use transport_rabbit::{RabbitConfig, RabbitConsumer, RabbitPublisher};
@@ -23,36 +22,6 @@ pub(crate) enum Transport {
     /// NATS JetStream: a file-storage stream with a duplicate window, a durable pull
     /// consumer.
     Nats,
-}
-
-/// The relay's publisher for either transport.
-pub(crate) enum Publisher {
-    Rabbit(Box<RabbitPublisher>),
-    Nats(Box<NatsPublisher>),
-}
-
-#[async_trait]
-impl EventPublisher for Publisher {
-    async fn publish_batch(&self, messages: &[OutboxMessage]) -> Vec<PublishOutcome> {
-        match self {
-            Self::Rabbit(p) => p.publish_batch(messages).await,
-            Self::Nats(p) => p.publish_batch(messages).await,
-        }
-    }
-
-    async fn check_ready(&self) -> Result<(), PublishError> {
-        match self {
-            Self::Rabbit(p) => p.check_ready().await,
-            Self::Nats(p) => p.check_ready().await,
-        }
-    }
-
-    fn publish_timeout(&self) -> Option<std::time::Duration> {
-        match self {
-            Self::Rabbit(p) => p.publish_timeout(),
-            Self::Nats(p) => p.publish_timeout(),
-        }
-    }
 }
 
 /// The projection's consumer for either transport.
@@ -78,7 +47,7 @@ impl Consumer {
 
 /// Publisher, consumer, and what the reconciliation needs to know about the broker.
 pub(crate) struct Wiring {
-    pub(crate) publisher: Publisher,
+    pub(crate) publisher: AnyPublisher,
     pub(crate) consumer: Consumer,
     pub(crate) broker: Broker,
 }
@@ -153,7 +122,7 @@ async fn wire_rabbit(schema: &str) -> anyhow::Result<Wiring> {
     // Declare and bind the queue before anything is published, so nothing is missed.
     consumer.declare().await?;
     Ok(Wiring {
-        publisher: Publisher::Rabbit(Box::new(publisher)),
+        publisher: publisher.into(),
         consumer: Consumer::Rabbit(consumer),
         broker: Broker { stream: None },
     })
@@ -197,7 +166,7 @@ async fn wire_nats(schema: &str) -> anyhow::Result<Wiring> {
         .build()?;
     consumer.declare().await?;
     Ok(Wiring {
-        publisher: Publisher::Nats(Box::new(publisher)),
+        publisher: publisher.into(),
         consumer: Consumer::Nats(consumer),
         broker: Broker {
             stream: Some((js, stream)),

@@ -1,0 +1,234 @@
+//! # outbox
+//!
+//! The transactional outbox and inbox toolkit in one dependency. Write events in the
+//! same database transaction as your business rows, relay them to a broker with
+//! confirmation (at-least-once), and consume them with exactly-once effects.
+//!
+//! The core (`outbox-core`: message model, [`Dispatcher`], [`OutboxStore`] /
+//! [`InboxStore`] / [`EventPublisher`] traits, retry policy, wire format) is always
+//! present and re-exported at the root, so `outbox::NewMessage` is
+//! `outbox_core::NewMessage`. Each database and broker is a cargo feature that adds
+//! one module, the backend crate re-exported as is:
+//!
+//! | feature | default | module | what it adds |
+//! |---|---|---|---|
+//! | `postgres` | yes | [`outbox::postgres`](crate::postgres) (`outbox-postgres`) | PostgreSQL store and inbox (sqlx): `FOR UPDATE SKIP LOCKED` claims with fenced leases |
+//! | `sqlserver` | | [`outbox::sqlserver`](crate::sqlserver) (`outbox-sqlserver`) | SQL Server store and inbox (tiberius): `READPAST/UPDLOCK/ROWLOCK` claims, `MERGE … WITH (HOLDLOCK)` inbox |
+//! | `rabbit` | yes | [`outbox::rabbit`](crate::rabbit) (`transport-rabbit`) | RabbitMQ publisher (AMQP 0-9-1 publisher confirms, mandatory returns) and consumer |
+//! | `nats` | | [`outbox::nats`](crate::nats) (`transport-nats`) | NATS JetStream publisher (awaits each PubAck; `Nats-Msg-Id` deduplication) and consumer |
+//! | `inbox` | | [`outbox::inbox`](crate::inbox) (`inbox`) | idempotent consumer, durable inbox processor, handler pipeline |
+//! | `opentelemetry` | yes | — | W3C trace context captured at enqueue and made the consumer span's parent (`tracing-opentelemetry`) |
+//!
+//! With `rabbit` or `nats`, [`AnyPublisher`] is one publisher type over the enabled
+//! brokers, for programs that choose theirs at run time (from a URL or a setting).
+//!
+//! ```toml
+//! [dependencies]
+//! outbox = { version = "0.1", features = ["nats", "inbox"] }            # PostgreSQL (default) + RabbitMQ (default) + NATS + inbox
+//! outbox = { version = "0.1", default-features = false, features = ["sqlserver", "nats"] }
+//! ```
+//!
+//! Features only add: enabling one never changes what another does. Without the
+//! `inbox` feature, `outbox::inbox` is the core's module of inbox traits; with it, it
+//! is the `inbox` crate (the traits stay at the root: [`InboxStore`],
+//! [`DurableInbox`], …). `opentelemetry` off takes effect only when no backend crate
+//! turns it on again: today every backend and transport depends on the core with its
+//! default features, `opentelemetry` included.
+//!
+//! ## PostgreSQL and RabbitMQ
+//!
+//! ```no_run
+//! # #[cfg(all(feature = "postgres", feature = "rabbit"))]
+//! # async fn demo(shutdown: tokio_util::sync::CancellationToken) -> Result<(), Box<dyn std::error::Error>> {
+//! use std::sync::Arc;
+//! use outbox::postgres::{PgConfig, PgOutbox};
+//! use outbox::rabbit::{RabbitConfig, RabbitPublisher};
+//! use outbox::{Dispatcher, DispatcherConfig, NewMessage};
+//!
+//! let store = PgOutbox::connect(&PgConfig::from_env()?).await?; // DATABASE_URL
+//! store.migrate().await?;
+//!
+//! // Producer: the business rows and their event commit together, or neither does.
+//! let mut tx = store.pool().begin().await?;
+//! // ... INSERT the order on &mut *tx ...
+//! let event = NewMessage::builder("order", "42", "OrderPlaced")
+//!     .payload(&serde_json::json!({ "order_id": 42 }))
+//!     .build()?;
+//! store.enqueue(&mut tx, &event).await?;
+//! tx.commit().await?;
+//!
+//! // Relay: a durable topic exchange, routing key = event type.
+//! let rabbit = RabbitConfig::builder("amqp://guest:guest@127.0.0.1:5672/%2f")
+//!     .with_exchange("orders.events")
+//!     .build()?;
+//! let publisher = RabbitPublisher::connect(rabbit).await?;
+//! Dispatcher::new(Arc::new(store), Arc::new(publisher), DispatcherConfig::new())
+//!     .run(shutdown)
+//!     .await?;
+//! # Ok(()) }
+//! ```
+//!
+//! ## PostgreSQL and NATS JetStream
+//!
+//! A stream must capture the subjects first: a publish no stream captures is
+//! dead-lettered as unroutable.
+//!
+//! ```no_run
+//! # #[cfg(all(feature = "postgres", feature = "nats"))]
+//! # async fn demo(shutdown: tokio_util::sync::CancellationToken) -> Result<(), Box<dyn std::error::Error>> {
+//! use std::sync::Arc;
+//! use outbox::nats::{NatsConfig, NatsPublisher, StreamSetup};
+//! use outbox::postgres::{PgConfig, PgOutbox};
+//! use outbox::{Dispatcher, DispatcherConfig, NewMessage};
+//!
+//! let store = PgOutbox::connect(&PgConfig::from_env()?).await?;
+//! store.migrate().await?;
+//!
+//! let mut tx = store.pool().begin().await?;
+//! let event = NewMessage::builder("order", "42", "OrderPlaced")
+//!     .payload(&serde_json::json!({ "order_id": 42 }))
+//!     .build()?;
+//! store.enqueue(&mut tx, &event).await?;
+//! tx.commit().await?;
+//!
+//! // Relay: subject = prefix.{routing key or event type}.
+//! let nats = NatsConfig::builder("nats://127.0.0.1:4222")
+//!     .with_subject_prefix("orders.events")
+//!     .build()?;
+//! let publisher = NatsPublisher::connect(nats.clone()).await?;
+//! publisher.ensure_stream(&StreamSetup::for_config("ORDERS", &nats)).await?; // orders.events.>
+//! Dispatcher::new(Arc::new(store), Arc::new(publisher), DispatcherConfig::new())
+//!     .run(shutdown)
+//!     .await?;
+//! # Ok(()) }
+//! ```
+//!
+//! ## SQL Server and RabbitMQ
+//!
+//! ```no_run
+//! # #[cfg(all(feature = "sqlserver", feature = "rabbit"))]
+//! # async fn demo(shutdown: tokio_util::sync::CancellationToken) -> Result<(), Box<dyn std::error::Error>> {
+//! use std::sync::Arc;
+//! use outbox::rabbit::{RabbitConfig, RabbitPublisher};
+//! use outbox::sqlserver::{MssqlConfig, MssqlOutbox};
+//! use outbox::{Dispatcher, DispatcherConfig, NewMessage};
+//!
+//! let store = MssqlOutbox::connect(&MssqlConfig::from_env()?).await?; // MSSQL_URL
+//! store.migrate().await?;
+//!
+//! // A pooled connection with an open transaction; it dereferences to the client.
+//! let mut tx = store.begin().await?;
+//! let event = NewMessage::builder("order", "42", "OrderPlaced")
+//!     .payload(&serde_json::json!({ "order_id": 42 }))
+//!     .build()?;
+//! store.enqueue(&mut tx, &event).await?;
+//! tx.commit().await?;
+//!
+//! let rabbit = RabbitConfig::builder("amqp://guest:guest@127.0.0.1:5672/%2f").build()?;
+//! let publisher = RabbitPublisher::connect(rabbit).await?;
+//! Dispatcher::new(Arc::new(store), Arc::new(publisher), DispatcherConfig::new())
+//!     .run(shutdown)
+//!     .await?;
+//! # Ok(()) }
+//! ```
+//!
+//! ## SQL Server and NATS JetStream
+//!
+//! ```no_run
+//! # #[cfg(all(feature = "sqlserver", feature = "nats"))]
+//! # async fn demo(shutdown: tokio_util::sync::CancellationToken) -> Result<(), Box<dyn std::error::Error>> {
+//! use std::sync::Arc;
+//! use outbox::nats::{NatsConfig, NatsPublisher, StreamSetup};
+//! use outbox::sqlserver::{MssqlConfig, MssqlOutbox};
+//! use outbox::{Dispatcher, DispatcherConfig, NewMessage};
+//!
+//! let store = MssqlOutbox::connect(&MssqlConfig::from_env()?).await?;
+//! store.migrate().await?;
+//!
+//! let mut tx = store.begin().await?;
+//! let event = NewMessage::builder("order", "42", "OrderPlaced")
+//!     .payload(&serde_json::json!({ "order_id": 42 }))
+//!     .build()?;
+//! store.enqueue(&mut tx, &event).await?;
+//! tx.commit().await?;
+//!
+//! let nats = NatsConfig::builder("nats://127.0.0.1:4222")
+//!     .with_subject_prefix("orders.events")
+//!     .build()?;
+//! let publisher = NatsPublisher::connect(nats.clone()).await?;
+//! publisher.ensure_stream(&StreamSetup::for_config("ORDERS", &nats)).await?;
+//! Dispatcher::new(Arc::new(store), Arc::new(publisher), DispatcherConfig::new())
+//!     .run(shutdown)
+//!     .await?;
+//! # Ok(()) }
+//! ```
+//!
+//! ## The broker chosen at run time
+//!
+//! ```no_run
+//! # #[cfg(all(feature = "postgres", any(feature = "rabbit", feature = "nats")))]
+//! # async fn demo(shutdown: tokio_util::sync::CancellationToken) -> Result<(), Box<dyn std::error::Error>> {
+//! use std::sync::Arc;
+//! use outbox::postgres::{PgConfig, PgOutbox};
+//! use outbox::{AnyPublisher, AnyPublisherConfig, Dispatcher, DispatcherConfig};
+//!
+//! let store = PgOutbox::connect(&PgConfig::from_env()?).await?;
+//! // amqp:// or amqps:// is RabbitMQ, nats:// or tls:// is NATS (default settings).
+//! let config = AnyPublisherConfig::from_url("nats://127.0.0.1:4222")?;
+//! // Lazy: the relay starts while the broker is down and reports it unready.
+//! let publisher = Arc::new(AnyPublisher::connect_lazy(config).await?);
+//! Dispatcher::new(Arc::new(store), Arc::clone(&publisher), DispatcherConfig::new())
+//!     .run(shutdown)
+//!     .await?;
+//! publisher.close().await;
+//! # Ok(()) }
+//! ```
+#![cfg_attr(docsrs, feature(doc_cfg))]
+#![cfg_attr(
+    not(all(
+        feature = "postgres",
+        feature = "sqlserver",
+        feature = "rabbit",
+        feature = "nats",
+        feature = "inbox"
+    )),
+    allow(
+        rustdoc::broken_intra_doc_links,
+        reason = "the docs link every feature's items; they are built with all features (docs.rs)"
+    )
+)]
+
+pub use outbox_core::*;
+
+#[cfg(feature = "postgres")]
+#[cfg_attr(docsrs, doc(cfg(feature = "postgres")))]
+#[doc(inline)]
+pub use outbox_postgres as postgres;
+
+#[cfg(feature = "sqlserver")]
+#[cfg_attr(docsrs, doc(cfg(feature = "sqlserver")))]
+#[doc(inline)]
+pub use outbox_sqlserver as sqlserver;
+
+#[cfg(feature = "rabbit")]
+#[cfg_attr(docsrs, doc(cfg(feature = "rabbit")))]
+#[doc(inline)]
+pub use transport_rabbit as rabbit;
+
+#[cfg(feature = "nats")]
+#[cfg_attr(docsrs, doc(cfg(feature = "nats")))]
+#[doc(inline)]
+pub use transport_nats as nats;
+
+// Shadows the core's `inbox` module of the glob above (its items are at the root too).
+#[cfg(feature = "inbox")]
+#[cfg_attr(docsrs, doc(cfg(feature = "inbox")))]
+#[doc(inline)]
+pub use ::inbox;
+
+#[cfg(any(feature = "rabbit", feature = "nats"))]
+mod any_publisher;
+
+#[cfg(any(feature = "rabbit", feature = "nats"))]
+#[cfg_attr(docsrs, doc(cfg(any(feature = "rabbit", feature = "nats"))))]
+pub use any_publisher::{AnyPublisher, AnyPublisherConfig, AnyPublisherError, TransportKind};
