@@ -1,5 +1,6 @@
 //! `cargo xtask features`: every feature combination of the `outbox` facade crate
-//! that a user can pick must build.
+//! that a user can pick must build, and so must the `outbox` binary (`outbox-cli`) with
+//! each database × broker pair.
 
 use std::time::Instant;
 
@@ -36,20 +37,32 @@ pub(crate) fn combinations() -> Vec<String> {
     combos
 }
 
-/// Runs `cargo check -p outbox --no-default-features --all-targets --features COMBO`
-/// for every combination (the unit tests' `cfg`s included), reporting every failing
+/// Every `(package, features)` checked: the facade's [`combinations`], then the
+/// `outbox` binary with one database and one broker (it needs at least one of each).
+pub(crate) fn jobs() -> Vec<(&'static str, String)> {
+    let mut jobs: Vec<_> = combinations().into_iter().map(|c| ("outbox", c)).collect();
+    for database in DATABASES {
+        for broker in BROKERS {
+            jobs.push(("outbox-cli", format!("{database},{broker}")));
+        }
+    }
+    jobs
+}
+
+/// Runs `cargo check -p PACKAGE --no-default-features --all-targets --features COMBO`
+/// for every [`jobs`] entry (the unit tests' `cfg`s included), reporting every failing
 /// one rather than stopping at the first.
 pub(crate) fn check() -> Result<()> {
     let started = Instant::now();
-    let combos = combinations();
+    let combos = jobs();
     let mut failed = Vec::new();
-    for combo in &combos {
+    for (package, combo) in &combos {
         let mut cmd = cargo();
         cmd.args([
             "check",
             "--quiet",
             "-p",
-            "outbox",
+            package,
             "--no-default-features",
             "--all-targets",
         ]);
@@ -60,18 +73,18 @@ pub(crate) fn check() -> Result<()> {
         eprintln!("xtask: running `{shown}`");
         match cmd.status() {
             Ok(status) if status.success() => {}
-            Ok(status) => failed.push(format!("[{combo}] ({status})")),
+            Ok(status) => failed.push(format!("{package} [{combo}] ({status})")),
             Err(e) => bail!("could not run `{shown}`: {e}"),
         }
     }
     eprintln!(
-        "xtask: {} feature combinations of `outbox` checked in {:.0} s",
+        "xtask: {} feature combinations of `outbox` and `outbox-cli` checked in {:.0} s",
         combos.len(),
         started.elapsed().as_secs_f64()
     );
     if !failed.is_empty() {
         bail!(
-            "`outbox` does not build with features {}",
+            "does not build with features: {}",
             failed.join(", ")
         );
     }

@@ -102,6 +102,21 @@ pub enum CliError {
     Task(String),
 }
 
+impl From<outbox::AnyPublisherError> for CliError {
+    fn from(e: outbox::AnyPublisherError) -> Self {
+        match e {
+            #[cfg(feature = "rabbit")]
+            outbox::AnyPublisherError::Rabbit(e) => Self::Rabbit(e),
+            #[cfg(feature = "nats")]
+            outbox::AnyPublisherError::Nats(e) => Self::Nats(e),
+            other => Self::Invalid {
+                field: "broker_url",
+                reason: other.to_string(),
+            },
+        }
+    }
+}
+
 impl CliError {
     /// Whether this is bad input (exit code 2) rather than a runtime failure (1).
     pub fn is_bad_input(&self) -> bool {

@@ -4,24 +4,16 @@
 use std::net::SocketAddr;
 use std::sync::{Arc, OnceLock};
 
-use async_trait::async_trait;
 use axum::Router;
 use axum::extract::State;
 use axum::http::{StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use axum::routing::get;
 use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
-use outbox_core::{
-    Dispatcher, DispatcherStats, EventPublisher, OnDead, Ordering, OutboxAdmin, OutboxMessage,
-    PublishError, PublishOutcome, WakeHandle,
-};
+use outbox_core::{Dispatcher, DispatcherStats, OnDead, Ordering, OutboxAdmin, WakeHandle};
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
-#[cfg(feature = "nats")]
-use transport_nats::NatsPublisher;
-#[cfg(feature = "rabbit")]
-use transport_rabbit::RabbitPublisher;
 
 use crate::cli::{OrderingMode, TransportKind};
 use crate::config::RelaySettings;
@@ -32,76 +24,26 @@ use crate::health::Health;
 /// How long closing the broker connection may take at exit.
 const CLOSE_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(2);
 
-/// The relay's publisher: RabbitMQ or NATS, chosen at run time. Both connect lazily, so
-/// the relay starts (and reports unhealthy) while the broker is down.
-#[derive(Debug)]
-#[allow(clippy::large_enum_variant)] // reason: one value per process, never moved in a loop
-pub enum AnyPublisher {
-    /// RabbitMQ.
-    #[cfg(feature = "rabbit")]
-    Rabbit(RabbitPublisher),
-    /// NATS JetStream.
-    #[cfg(feature = "nats")]
-    Nats(NatsPublisher),
-}
+/// The relay's publisher: RabbitMQ or NATS, chosen at run time (the `outbox` facade's,
+/// shared with the examples). Both connect lazily, so the relay starts (and reports
+/// unhealthy) while the broker is down.
+pub use outbox::AnyPublisher;
 
-impl AnyPublisher {
-    /// The publisher `settings` ask for, connecting lazily.
-    ///
-    /// # Errors
-    /// [`CliError::Rabbit`] / [`CliError::Nats`] for an invalid transport configuration.
-    pub async fn new(settings: &RelaySettings) -> Result<Self, CliError> {
-        Ok(match settings.transport.require()? {
-            #[cfg(feature = "rabbit")]
-            TransportKind::Rabbit => Self::Rabbit(RabbitPublisher::new(settings.rabbit_config()?)),
-            #[cfg(feature = "nats")]
-            TransportKind::Nats => {
-                Self::Nats(NatsPublisher::connect_lazy(settings.nats_config()?).await?)
-            }
-            #[allow(unreachable_patterns)] // reason: `require` failed for a compiled-out one
-            other => return Err(other.missing()),
-        })
-    }
-
-    /// Closes the broker connection.
-    pub async fn close(&self) {
-        match self {
-            #[cfg(feature = "rabbit")]
-            Self::Rabbit(p) => p.close().await,
-            #[cfg(feature = "nats")]
-            Self::Nats(p) => p.close().await,
-        }
-    }
-}
-
-#[async_trait]
-impl EventPublisher for AnyPublisher {
-    async fn publish_batch(&self, messages: &[OutboxMessage]) -> Vec<PublishOutcome> {
-        match self {
-            #[cfg(feature = "rabbit")]
-            Self::Rabbit(p) => p.publish_batch(messages).await,
-            #[cfg(feature = "nats")]
-            Self::Nats(p) => p.publish_batch(messages).await,
-        }
-    }
-
-    async fn check_ready(&self) -> Result<(), PublishError> {
-        match self {
-            #[cfg(feature = "rabbit")]
-            Self::Rabbit(p) => p.check_ready().await,
-            #[cfg(feature = "nats")]
-            Self::Nats(p) => p.check_ready().await,
-        }
-    }
-
-    fn publish_timeout(&self) -> Option<std::time::Duration> {
-        match self {
-            #[cfg(feature = "rabbit")]
-            Self::Rabbit(p) => p.publish_timeout(),
-            #[cfg(feature = "nats")]
-            Self::Nats(p) => p.publish_timeout(),
-        }
-    }
+/// The publisher `settings` ask for, connecting lazily.
+///
+/// # Errors
+/// [`CliError::FeatureMissing`] for a transport compiled out, [`CliError::Rabbit`] /
+/// [`CliError::Nats`] for an invalid transport configuration.
+pub async fn publisher(settings: &RelaySettings) -> Result<AnyPublisher, CliError> {
+    let config: outbox::AnyPublisherConfig = match settings.transport.require()? {
+        #[cfg(feature = "rabbit")]
+        TransportKind::Rabbit => settings.rabbit_config()?.into(),
+        #[cfg(feature = "nats")]
+        TransportKind::Nats => settings.nats_config()?.into(),
+        #[allow(unreachable_patterns)] // reason: `require` failed for a compiled-out one
+        other => return Err(other.missing()),
+    };
+    Ok(AnyPublisher::connect_lazy(config).await?)
 }
 
 /// Installs the process-wide Prometheus recorder once (later calls return the same
@@ -243,7 +185,7 @@ impl Relay {
         W: FnOnce(&S, WakeHandle, CancellationToken) -> Option<JoinHandle<()>>,
     {
         let prometheus = prometheus()?;
-        let publisher = Arc::new(AnyPublisher::new(settings).await?);
+        let publisher = Arc::new(publisher(settings).await?);
         let config = dispatcher_config(settings);
         let ordered = match config.ordering() {
             Ordering::PerKey { on_dead } => Some(on_dead),
