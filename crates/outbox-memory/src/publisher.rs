@@ -102,6 +102,7 @@ struct State {
     published_count: usize,
     offered: Vec<Uuid>,
     calls: usize,
+    call_sizes: Vec<usize>,
     ready_checks: usize,
 }
 
@@ -165,7 +166,7 @@ impl MemoryPublisher {
     }
 
     /// Whether messages are recorded for [`published`](Self::published) and
-    /// [`offered`](Self::offered) (default `true`). Without, only
+    /// [`offered`](Self::offered) and [`call_sizes`](Self::call_sizes) (default `true`). Without, only
     /// [`published_count`](Self::published_count) and [`calls`](Self::calls) are kept,
     /// so a benchmark pays no clone per message.
     #[must_use]
@@ -244,6 +245,12 @@ impl MemoryPublisher {
         self.state().calls
     }
 
+    /// The number of messages of every `publish_batch` call so far, in order (empty
+    /// without recording): a half-open trial is a call of one message.
+    pub fn call_sizes(&self) -> Vec<usize> {
+        self.state().call_sizes.clone()
+    }
+
     /// [`check_ready`](EventPublisher::check_ready) calls so far (the circuit's probes).
     pub fn ready_checks(&self) -> usize {
         self.state().ready_checks
@@ -273,6 +280,9 @@ impl EventPublisher for MemoryPublisher {
         let delay = {
             let mut state = self.state();
             state.calls += 1;
+            if state.record {
+                state.call_sizes.push(messages.len());
+            }
             state.delay
         };
         if !delay.is_zero() {
