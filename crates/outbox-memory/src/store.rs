@@ -812,3 +812,55 @@ impl OutboxStore for MemoryOutbox {
         Ok(seqs.len() as u64)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn a_manual_clock_drives_leases_and_delays() {
+        let clock = Clock::manual(Utc::now());
+        let store = MemoryOutbox::new().with_clock(clock.clone());
+        let later = NewMessage::builder("order", "1", "OrderPlaced")
+            .payload(&1)
+            .deliver_after(Duration::from_secs(5))
+            .build()
+            .expect("valid");
+        let id = store.enqueue(later).expect("enqueue");
+        let lease = Duration::from_secs(10);
+        assert!(store.claim(10, lease).await.expect("claim").is_empty());
+        assert!(clock.advance(Duration::from_secs(5)));
+        let first = store.claim(10, lease).await.expect("claim").messages;
+        assert_eq!(first.len(), 1, "visible once its delay has passed");
+        assert_eq!(first[0].lease_until, Some(after(clock.now(), lease)));
+        clock.advance(lease);
+        assert!(
+            store.claim(10, lease).await.expect("claim").is_empty(),
+            "a lease ending exactly now still holds"
+        );
+        clock.advance(Duration::from_millis(1));
+        let second = store.claim(10, lease).await.expect("claim").messages;
+        assert_eq!((second[0].id, second[0].attempts), (id, 2), "reclaimed");
+    }
+
+    #[test]
+    fn enqueue_rejects_oversized_payloads_and_duplicate_ids() {
+        let store = MemoryOutbox::new().with_max_payload_bytes(8);
+        let big = NewMessage::builder("order", "1", "OrderPlaced")
+            .payload(&"0123456789")
+            .build()
+            .expect("valid");
+        assert!(matches!(
+            store.enqueue(big),
+            Err(OutboxError::InvalidMessage(_))
+        ));
+        let small = NewMessage::builder("order", "1", "OrderPlaced")
+            .payload(&1)
+            .build()
+            .expect("valid");
+        store.enqueue(small.clone()).expect("enqueue");
+        let err = store.enqueue_batch([small]).expect_err("the id is taken");
+        assert!(matches!(err, OutboxError::Database { .. }), "{err}");
+        assert_eq!(store.len(), 1, "nothing of the failed batch is stored");
+    }
+}
