@@ -54,8 +54,9 @@ use lapin::{BasicProperties, Connection, ConnectionProperties, ExchangeKind};
 use outbox_core::{
     BlockedKey, ClaimedBatch, CompleteReport, Completion, Dispatcher, DispatcherConfig,
     EventPublisher, MessageFilter, NewMessage, OnDead, Ordering, OutboxError, OutboxMessage,
-    OutboxStats, OutboxStore, PublishOutcome, ReplayReport, SentRetention,
+    OutboxStats, OutboxStore, ReplayReport, SentRetention,
 };
+use outbox_memory::MemoryPublisher;
 use outbox_postgres::{PgConfig, PgOutbox};
 use tokio_util::sync::CancellationToken;
 use transport_nats::async_nats;
@@ -131,14 +132,10 @@ struct Args {
     backlog: Option<usize>,
 }
 
-/// Confirms everything at once: isolates the store's claim + complete cost.
-struct InstantPublisher;
-
-#[async_trait]
-impl EventPublisher for InstantPublisher {
-    async fn publish_batch(&self, messages: &[OutboxMessage]) -> Vec<PublishOutcome> {
-        messages.iter().map(|_| PublishOutcome::Published).collect()
-    }
+/// Confirms everything at once, recording nothing: isolates the store's claim +
+/// complete cost.
+fn instant_publisher() -> Arc<MemoryPublisher> {
+    Arc::new(MemoryPublisher::new().with_recording(false))
 }
 
 fn payload(bytes: usize) -> String {
@@ -311,7 +308,8 @@ async fn run_preclaimed<P: EventPublisher>(
 }
 
 /// Hands out messages claimed in advance and records completions nowhere: the
-/// dispatcher's and publisher's cost without the database's.
+/// dispatcher's and publisher's cost without the database's. (Not `outbox_memory`'s
+/// `MemoryOutbox`: its claims and completions cost about 2.5 µs a message, 7 times this.)
 struct PreclaimedStore(std::sync::Mutex<std::collections::VecDeque<OutboxMessage>>);
 
 #[async_trait]
@@ -920,7 +918,7 @@ async fn run_ordered<P: EventPublisher>(
             preload_keyed(&db, n, &body, keys).await?;
             quiesce(&db).await;
             store_runs.push(
-                run_dispatcher_with(&db, Arc::new(InstantPublisher), args, ordering)
+                run_dispatcher_with(&db, instant_publisher(), args, ordering)
                     .await?
                     .elapsed,
             );
@@ -1013,7 +1011,7 @@ async fn run<P: EventPublisher>(
         preload(&store_db, n, &body).await?;
         settled = settled.max(quiesce(&store_db).await);
         let cpu0 = cpu();
-        let store = run_dispatcher(&store_db, Arc::new(InstantPublisher), args).await?;
+        let store = run_dispatcher(&store_db, instant_publisher(), args).await?;
         let store_cpu = cpu().since(cpu0);
         drop_schema(&store_db).await;
 

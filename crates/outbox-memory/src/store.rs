@@ -1,0 +1,866 @@
+//! [`MemoryOutbox`]: the outbox table in memory, implementing [`OutboxStore`].
+
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::ops::Bound::{Excluded, Unbounded};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Duration;
+
+use async_trait::async_trait;
+use chrono::{DateTime, Utc};
+use outbox_core::{
+    BlockedKey, ClaimedBatch, CompleteReport, Completion, CompletionOutcome,
+    DEFAULT_CRASH_LOOP_LIMIT, DEFAULT_MAX_PAYLOAD_BYTES, ErrorKind, MessageFilter, MessageStatus,
+    NewMessage, OnDead, OutboxError, OutboxMessage, OutboxStats, OutboxStore, Poison, PoisonRow,
+    ReplayReport, SentRetention, headers_from_json, headers_from_json_lossy, sanitize_error,
+};
+use uuid::Uuid;
+
+use crate::clock::{Clock, after, before};
+
+/// The outbox table in memory: every [`OutboxStore`] property of the contract (the
+/// conformance suite checks them), with `enqueue` / `enqueue_batch` in place of the
+/// caller's transaction.
+///
+/// All operations take one mutex for the whole table, so each is atomic, as a SQL
+/// statement is: two claimers never take the same message, and a per-key claim never
+/// shares a key with another. Times come from the handle's [`Clock`].
+///
+/// Cheap to clone: clones share the table. [`with_sent_retention`](Self::with_sent_retention)
+/// gives another handle over the same table; give handles of one table one clock.
+///
+/// Not durable and not shared between processes: for tests, examples, and as a
+/// readable reference of the contract.
+#[derive(Debug, Clone)]
+pub struct MemoryOutbox {
+    table: Arc<Mutex<Table>>,
+    clock: Clock,
+    sent_retention: SentRetention,
+    crash_loop_limit: u32,
+    max_payload_bytes: usize,
+}
+
+impl Default for MemoryOutbox {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+/// One stored message with the store-side columns an [`OutboxMessage`] does not carry.
+#[derive(Debug)]
+struct Row {
+    msg: OutboxMessage,
+    /// Headers overwritten with JSON text that does not decode: the text and why.
+    bad_headers: Option<(String, String)>,
+    /// Claims since the last recorded outcome (the crash-loop guard's count).
+    unfinished_claims: u32,
+    /// When the message first failed (retry or dead), for `blocked_keys`.
+    first_failed_at: Option<DateTime<Utc>>,
+    /// The ordering key, encoded as PostgreSQL does.
+    key: String,
+}
+
+impl Row {
+    /// The message with its headers as an operator sees them (bad headers made lossy).
+    fn shown(&self) -> OutboxMessage {
+        let mut msg = self.msg.clone();
+        if let Some((text, _)) = &self.bad_headers {
+            msg.headers = match serde_json::from_str(text) {
+                Ok(value) => headers_from_json_lossy(value),
+                Err(_) => [("(headers)".to_owned(), text.clone())].into(),
+            };
+        }
+        msg
+    }
+}
+
+/// The ordering key of a message, encoded as PostgreSQL's `order_key` column:
+/// `p:<partition key>` or `a:<len(aggregate_type)>:<aggregate_type>:<aggregate_id>`.
+fn encode_key(msg: &OutboxMessage) -> String {
+    match &msg.partition_key {
+        Some(key) => format!("p:{key}"),
+        None => format!(
+            "a:{}:{}:{}",
+            msg.aggregate_type.len(),
+            msg.aggregate_type,
+            msg.aggregate_id
+        ),
+    }
+}
+
+/// Rows are in phase 0 (New or Processing: pending), 1 (Sent) or 3 (Dead).
+fn pending(status: MessageStatus) -> bool {
+    matches!(status, MessageStatus::New | MessageStatus::Processing)
+}
+
+/// What the claims walk, kept in step with every row change.
+#[derive(Debug, Default)]
+struct Index {
+    /// Pending rows by `(visible_at, seq)`: the claim's walk.
+    pending: BTreeSet<(DateTime<Utc>, i64)>,
+    /// Pending rows' `seq`s per key.
+    key_pending: BTreeMap<String, BTreeSet<i64>>,
+    /// Dead rows' `seq`s per key.
+    key_dead: HashMap<String, BTreeSet<i64>>,
+}
+
+fn set_insert<K: Ord>(map_entry: Option<&mut BTreeSet<K>>, value: K) -> Option<BTreeSet<K>> {
+    match map_entry {
+        Some(set) => {
+            set.insert(value);
+            None
+        }
+        None => Some(BTreeSet::from([value])),
+    }
+}
+
+impl Index {
+    fn insert(&mut self, status: MessageStatus, visible_at: DateTime<Utc>, seq: i64, key: &str) {
+        if pending(status) {
+            self.pending.insert((visible_at, seq));
+            if let Some(new) = set_insert(self.key_pending.get_mut(key), seq) {
+                self.key_pending.insert(key.to_owned(), new);
+            }
+        } else if status == MessageStatus::Dead
+            && let Some(new) = set_insert(self.key_dead.get_mut(key), seq)
+        {
+            self.key_dead.insert(key.to_owned(), new);
+        }
+    }
+
+    fn remove(&mut self, status: MessageStatus, visible_at: DateTime<Utc>, seq: i64, key: &str) {
+        if pending(status) {
+            self.pending.remove(&(visible_at, seq));
+            if let Some(set) = self.key_pending.get_mut(key) {
+                set.remove(&seq);
+                if set.is_empty() {
+                    self.key_pending.remove(key);
+                }
+            }
+        } else if status == MessageStatus::Dead
+            && let Some(set) = self.key_dead.get_mut(key)
+        {
+            set.remove(&seq);
+            if set.is_empty() {
+                self.key_dead.remove(key);
+            }
+        }
+    }
+}
+
+#[derive(Debug, Default)]
+struct Table {
+    rows: BTreeMap<i64, Row>,
+    ids: HashMap<Uuid, i64>,
+    index: Index,
+    next_seq: i64,
+    /// The last key of the previous ordered claim (round-robin cursor).
+    cursor: String,
+}
+
+/// What claiming one row came to.
+enum Taken {
+    Message(OutboxMessage),
+    Poison(PoisonRow),
+}
+
+impl Table {
+    /// Changes row `seq` with `f`, keeping the index in step.
+    fn update(&mut self, seq: i64, f: impl FnOnce(&mut Row)) {
+        let Self { rows, index, .. } = self;
+        let Some(row) = rows.get_mut(&seq) else {
+            return;
+        };
+        let before = (row.msg.status, row.msg.visible_at);
+        f(row);
+        if before != (row.msg.status, row.msg.visible_at) {
+            index.remove(before.0, before.1, seq, &row.key);
+            index.insert(row.msg.status, row.msg.visible_at, seq, &row.key);
+        }
+    }
+
+    fn delete(&mut self, seq: i64) {
+        if let Some(row) = self.rows.remove(&seq) {
+            self.ids.remove(&row.msg.id);
+            self.index
+                .remove(row.msg.status, row.msg.visible_at, seq, &row.key);
+        }
+    }
+
+    /// New and visible, or Processing with an expired lease.
+    fn claimable(&self, seq: i64, now: DateTime<Utc>) -> bool {
+        self.rows.get(&seq).is_some_and(|row| match row.msg.status {
+            MessageStatus::New => row.msg.visible_at <= now,
+            MessageStatus::Processing => row.msg.lease_until.is_none_or(|l| l < now),
+            _ => false,
+        })
+    }
+
+    /// Claims row `seq` under `token`, or moves it to Dead when the crash-loop guard
+    /// catches it.
+    fn take(
+        &mut self,
+        seq: i64,
+        now: DateTime<Utc>,
+        lease: Duration,
+        token: Uuid,
+        crash_loop_limit: u32,
+    ) -> Option<Taken> {
+        let claims = self.rows.get(&seq)?.unfinished_claims;
+        if claims >= crash_loop_limit {
+            self.update(seq, |row| {
+                row.msg.status = MessageStatus::Dead;
+                row.msg.lease_until = None;
+                row.msg.claim_token = None;
+                row.msg.last_error = Some(format!(
+                    "suspected crash loop: claimed {claims} times without an outcome (each relay holding it stopped, crashed or lost its lease before recording one); replay it once the cause is fixed"
+                ));
+                row.first_failed_at.get_or_insert(now);
+            });
+            let row = self.rows.get(&seq)?;
+            return Some(Taken::Poison(poison_row(row, Poison::CrashLoop { claims })));
+        }
+        self.update(seq, |row| {
+            row.msg.status = MessageStatus::Processing;
+            row.msg.lease_until = Some(after(now, lease));
+            row.msg.claim_token = Some(token);
+            row.msg.attempts = row.msg.attempts.saturating_add(1);
+            row.unfinished_claims += 1;
+        });
+        let row = self.rows.get(&seq)?;
+        Some(match &row.bad_headers {
+            Some((_, reason)) => Taken::Poison(poison_row(
+                row,
+                Poison::Undecodable {
+                    claim_token: token,
+                    reason: reason.clone(),
+                },
+            )),
+            None => Taken::Message(row.msg.clone()),
+        })
+    }
+
+    fn take_all(
+        &mut self,
+        mut seqs: Vec<i64>,
+        now: DateTime<Utc>,
+        lease: Duration,
+        crash_loop_limit: u32,
+    ) -> ClaimedBatch {
+        seqs.sort_unstable();
+        let token = Uuid::new_v4();
+        let mut messages = Vec::with_capacity(seqs.len());
+        let mut poison = Vec::new();
+        for seq in seqs {
+            match self.take(seq, now, lease, token, crash_loop_limit) {
+                Some(Taken::Message(m)) => messages.push(m),
+                Some(Taken::Poison(p)) => poison.push(p),
+                None => {}
+            }
+        }
+        ClaimedBatch::new(messages, poison)
+    }
+
+    /// The keys of an ordered claim, walked from after the cursor, wrapping around.
+    fn keys_from_cursor(&self) -> impl Iterator<Item = (&String, &BTreeSet<i64>)> {
+        let cursor = self.cursor.as_str();
+        self.index
+            .key_pending
+            .range::<str, _>((Excluded(cursor), Unbounded))
+            .chain(
+                self.index
+                    .key_pending
+                    .range::<str, _>((Unbounded, std::ops::Bound::Included(cursor))),
+            )
+    }
+
+    /// Whether a Dead row of `key` lies strictly between `from` and `to` (`seq`s).
+    fn dead_between(&self, key: &str, from: i64, to: i64) -> bool {
+        from < to
+            && self
+                .index
+                .key_dead
+                .get(key)
+                .is_some_and(|dead| dead.range(from + 1..to).next().is_some())
+    }
+
+    /// The rows an ordered claim takes, as PostgreSQL's statement picks them: up to
+    /// `batch_size` keys whose head is claimable (and, under Block, not behind a Dead
+    /// row), up to `batch_size / keys` rows of each key's run from its head (under
+    /// Block, stopping at the next Dead row), the claimable prefix of each run, and of
+    /// all of them the first `batch_size` by `seq`.
+    fn ordered_pick(&self, batch_size: usize, now: DateTime<Utc>, block: bool) -> Vec<i64> {
+        let mut heads: Vec<(&str, &BTreeSet<i64>, i64)> = Vec::new();
+        for (key, seqs) in self.keys_from_cursor() {
+            if heads.len() >= batch_size {
+                break;
+            }
+            let Some(&head) = seqs.first() else { continue };
+            let behind_dead = block
+                && self
+                    .index
+                    .key_dead
+                    .get(key.as_str())
+                    .is_some_and(|dead| dead.first().is_some_and(|&d| d < head));
+            if self.claimable(head, now) && !behind_dead {
+                heads.push((key, seqs, head));
+            }
+        }
+        if heads.is_empty() {
+            return Vec::new();
+        }
+        let per_key = (batch_size / heads.len()).max(1);
+        let mut picked = Vec::new();
+        for (key, seqs, head) in heads {
+            for &seq in seqs.range(head..).take(per_key) {
+                if (block && self.dead_between(key, head, seq)) || !self.claimable(seq, now) {
+                    break;
+                }
+                picked.push(seq);
+            }
+        }
+        picked.sort_unstable();
+        picked.truncate(batch_size);
+        picked
+    }
+}
+
+fn poison_row(row: &Row, poison: Poison) -> PoisonRow {
+    PoisonRow {
+        id: row.msg.id,
+        seq: row.msg.seq,
+        aggregate_type: row.msg.aggregate_type.clone(),
+        aggregate_id: row.msg.aggregate_id.clone(),
+        partition_key: row.msg.partition_key.clone(),
+        poison,
+    }
+}
+
+fn matches(filter: &MessageFilter, m: &OutboxMessage) -> bool {
+    let eq =
+        |want: &Option<String>, have: Option<&str>| want.as_deref().is_none_or(|w| have == Some(w));
+    m.status == MessageStatus::Dead
+        && (filter.ids.is_empty() || filter.ids.contains(&m.id))
+        && filter.from.is_none_or(|from| m.created_at >= from)
+        && filter.to.is_none_or(|to| m.created_at < to)
+        && eq(&filter.tenant_id, m.tenant_id.as_deref())
+        && eq(&filter.aggregate_type, Some(&m.aggregate_type))
+        && eq(&filter.aggregate_id, Some(&m.aggregate_id))
+        && eq(&filter.event_type, Some(&m.event_type))
+        && filter.error_contains.as_deref().is_none_or(|text| {
+            m.last_error
+                .as_deref()
+                .is_some_and(|e| e.to_lowercase().contains(&text.to_lowercase()))
+        })
+}
+
+impl MemoryOutbox {
+    /// An empty outbox with the defaults: a [`Clock::tokio`] clock,
+    /// [`SentRetention::Keep`], the crash-loop limit [`DEFAULT_CRASH_LOOP_LIMIT`] and a
+    /// payload limit of [`DEFAULT_MAX_PAYLOAD_BYTES`].
+    pub fn new() -> Self {
+        Self {
+            table: Arc::default(),
+            clock: Clock::default(),
+            sent_retention: SentRetention::Keep,
+            crash_loop_limit: DEFAULT_CRASH_LOOP_LIMIT,
+            max_payload_bytes: DEFAULT_MAX_PAYLOAD_BYTES,
+        }
+    }
+
+    /// Takes every time from `clock` (default [`Clock::tokio`]). Set it before
+    /// enqueueing: times already recorded are not moved.
+    #[must_use]
+    pub fn with_clock(mut self, clock: Clock) -> Self {
+        self.clock = clock;
+        self
+    }
+
+    /// A handle over the same table whose `Sent` completions follow `retention`
+    /// (default [`SentRetention::Keep`]).
+    #[must_use]
+    pub fn with_sent_retention(mut self, retention: SentRetention) -> Self {
+        self.sent_retention = retention;
+        self
+    }
+
+    /// Claims without an outcome after which a claim moves a row to `Dead` (default
+    /// [`DEFAULT_CRASH_LOOP_LIMIT`]; at least 1).
+    #[must_use]
+    pub fn with_crash_loop_limit(mut self, limit: u32) -> Self {
+        self.crash_loop_limit = limit.max(1);
+        self
+    }
+
+    /// The longest payload `enqueue` accepts, in bytes of JSON text (default
+    /// [`DEFAULT_MAX_PAYLOAD_BYTES`]).
+    #[must_use]
+    pub fn with_max_payload_bytes(mut self, max: usize) -> Self {
+        self.max_payload_bytes = max;
+        self
+    }
+
+    /// The clock the store takes its times from.
+    pub fn clock(&self) -> &Clock {
+        &self.clock
+    }
+
+    fn lock(&self, operation: &'static str) -> Result<MutexGuard<'_, Table>, OutboxError> {
+        self.table.lock().map_err(|_| OutboxError::Database {
+            kind: ErrorKind::Permanent,
+            operation,
+            source: "the in-memory table's lock is poisoned (a thread panicked holding it)".into(),
+        })
+    }
+
+    /// Stores one message, committed at once: `New`, `created_at = now`, visible after
+    /// its `deliver_after` delay, the next `seq`. Returns its id.
+    ///
+    /// # Errors
+    /// [`OutboxError::InvalidMessage`] when the payload is longer than the payload
+    /// limit; [`OutboxError::Database`] with [`ErrorKind::Permanent`] when the id is
+    /// already stored (a primary key violation). Nothing is stored then.
+    pub fn enqueue(&self, message: NewMessage) -> Result<Uuid, OutboxError> {
+        let ids = self.enqueue_batch([message])?;
+        Ok(ids[0])
+    }
+
+    /// Stores `messages` at once, in order (`seq` follows the iteration order).
+    /// Returns their ids.
+    ///
+    /// # Errors
+    /// As [`enqueue`](Self::enqueue), for any message of the batch: nothing of the
+    /// batch is stored then.
+    pub fn enqueue_batch(
+        &self,
+        messages: impl IntoIterator<Item = NewMessage>,
+    ) -> Result<Vec<Uuid>, OutboxError> {
+        let messages: Vec<NewMessage> = messages.into_iter().collect();
+        let mut fresh = std::collections::HashSet::with_capacity(messages.len());
+        for m in &messages {
+            m.check_payload_size(self.max_payload_bytes)?;
+            if !fresh.insert(m.id) {
+                return Err(duplicate(m.id));
+            }
+        }
+        let mut table = self.lock("enqueue")?;
+        if let Some(m) = messages.iter().find(|m| table.ids.contains_key(&m.id)) {
+            return Err(duplicate(m.id));
+        }
+        let now = self.clock.now();
+        let mut ids = Vec::with_capacity(messages.len());
+        for new in messages {
+            table.next_seq += 1;
+            let seq = table.next_seq;
+            let visible_at = after(now, new.deliver_after.unwrap_or_default());
+            let mut msg = OutboxMessage::claimed_from(new, now);
+            msg.seq = seq;
+            msg.visible_at = visible_at;
+            msg.attempts = 0;
+            msg.status = MessageStatus::New;
+            msg.claim_token = None;
+            let key = encode_key(&msg);
+            table.index.insert(msg.status, msg.visible_at, seq, &key);
+            table.ids.insert(msg.id, seq);
+            ids.push(msg.id);
+            table.rows.insert(
+                seq,
+                Row {
+                    msg,
+                    bad_headers: None,
+                    unfinished_claims: 0,
+                    first_failed_at: None,
+                    key,
+                },
+            );
+        }
+        Ok(ids)
+    }
+
+    /// Overwrites the stored headers of message `id` with the JSON text `json`, as a
+    /// trigger, a migration or another language's producer might write them: a fault
+    /// injection. Text that is not a JSON object of strings makes the row poison
+    /// ([`Poison::Undecodable`]) at its next claim. Returns whether the message exists.
+    pub fn set_headers_json(&self, id: Uuid, json: &str) -> bool {
+        let Ok(mut table) = self.lock("set_headers_json") else {
+            return false;
+        };
+        let Some(&seq) = table.ids.get(&id) else {
+            return false;
+        };
+        let decoded = serde_json::from_str(json)
+            .map_err(|e| format!("headers are not JSON: {e}"))
+            .and_then(headers_from_json);
+        table.update(seq, |row| match decoded {
+            Ok(headers) => {
+                row.msg.headers = headers;
+                row.bad_headers = None;
+            }
+            Err(reason) => row.bad_headers = Some((json.to_owned(), reason)),
+        });
+        true
+    }
+
+    /// Every stored message, in `seq` order (a snapshot, for assertions).
+    pub fn messages(&self) -> Vec<OutboxMessage> {
+        self.lock("messages")
+            .map(|t| t.rows.values().map(Row::shown).collect())
+            .unwrap_or_default()
+    }
+
+    /// Stored messages with status `status`, in `seq` order.
+    pub fn messages_with_status(&self, status: MessageStatus) -> Vec<OutboxMessage> {
+        self.lock("messages")
+            .map(|t| {
+                t.rows
+                    .values()
+                    .filter(|r| r.msg.status == status)
+                    .map(Row::shown)
+                    .collect()
+            })
+            .unwrap_or_default()
+    }
+
+    /// Number of stored messages, whatever their status.
+    pub fn len(&self) -> usize {
+        self.lock("len").map(|t| t.rows.len()).unwrap_or_default()
+    }
+
+    /// Whether no message is stored.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+fn duplicate(id: Uuid) -> OutboxError {
+    OutboxError::Database {
+        kind: ErrorKind::Permanent,
+        operation: "enqueue",
+        source: format!("duplicate message id {id}").into(),
+    }
+}
+
+#[async_trait]
+impl OutboxStore for MemoryOutbox {
+    async fn claim(&self, batch_size: usize, lease: Duration) -> Result<ClaimedBatch, OutboxError> {
+        let mut table = self.lock("claim")?;
+        let now = self.clock.now();
+        let picked: Vec<i64> = table
+            .index
+            .pending
+            .range(..=(now, i64::MAX))
+            .map(|&(_, seq)| seq)
+            .filter(|&seq| table.claimable(seq, now))
+            .take(batch_size)
+            .collect();
+        Ok(table.take_all(picked, now, lease, self.crash_loop_limit))
+    }
+
+    async fn claim_ordered(
+        &self,
+        batch_size: usize,
+        lease: Duration,
+        on_dead: OnDead,
+    ) -> Result<ClaimedBatch, OutboxError> {
+        let mut table = self.lock("claim_ordered")?;
+        let now = self.clock.now();
+        let picked = table.ordered_pick(batch_size, now, on_dead == OnDead::Block);
+        // The next ordered claim starts after the last key visited, as PostgreSQL's.
+        let cursor = table.cursor.clone();
+        let (mut after_cursor, mut wrapped): (Option<&str>, Option<&str>) = (None, None);
+        for seq in &picked {
+            let Some(row) = table.rows.get(seq) else {
+                continue;
+            };
+            let key = row.key.as_str();
+            let slot = if key > cursor.as_str() {
+                &mut after_cursor
+            } else {
+                &mut wrapped
+            };
+            if slot.is_none_or(|k| key > k) {
+                *slot = Some(key);
+            }
+        }
+        if let Some(last) = wrapped.or(after_cursor) {
+            table.cursor = last.to_owned();
+        }
+        Ok(table.take_all(picked, now, lease, self.crash_loop_limit))
+    }
+
+    async fn blocked_keys(&self, limit: usize) -> Result<Vec<BlockedKey>, OutboxError> {
+        let table = self.lock("blocked_keys")?;
+        let now = self.clock.now();
+        let mut keys: BTreeSet<&str> = table.index.key_dead.keys().map(String::as_str).collect();
+        for &(_, seq) in table
+            .index
+            .pending
+            .range((Excluded((now, i64::MAX)), Unbounded))
+        {
+            if let Some(row) = table.rows.get(&seq)
+                && row.msg.status == MessageStatus::New
+                && row.msg.attempts > 0
+            {
+                keys.insert(&row.key);
+            }
+        }
+        let mut blocked: Vec<(Option<DateTime<Utc>>, i64, BlockedKey)> = Vec::new();
+        for key in keys {
+            let first_pending = table
+                .index
+                .key_pending
+                .get(key)
+                .and_then(|s| s.first().copied());
+            let first_dead = table
+                .index
+                .key_dead
+                .get(key)
+                .and_then(|s| s.first().copied());
+            let Some(head) = first_pending.into_iter().chain(first_dead).min() else {
+                continue;
+            };
+            let Some(row) = table.rows.get(&head) else {
+                continue;
+            };
+            let m = &row.msg;
+            let is_blocked = m.status == MessageStatus::Dead
+                || (m.status == MessageStatus::New && m.attempts > 0 && m.visible_at > now);
+            if !is_blocked {
+                continue;
+            }
+            let waiting = table
+                .index
+                .key_pending
+                .get(key)
+                .map_or(0, |s| s.range(head + 1..).count() as u64);
+            blocked.push((
+                row.first_failed_at,
+                head,
+                BlockedKey::new(
+                    key.to_owned(),
+                    m.id,
+                    m.seq,
+                    m.status,
+                    m.attempts,
+                    m.last_error.clone(),
+                    row.first_failed_at,
+                    (m.status == MessageStatus::New).then_some(m.visible_at),
+                    waiting,
+                ),
+            ));
+        }
+        // Longest blocked first (NULLS LAST), then by seq.
+        blocked.sort_by_key(|(since, seq, _)| (since.is_none(), *since, *seq));
+        Ok(blocked
+            .into_iter()
+            .take(limit)
+            .map(|(_, _, key)| key)
+            .collect())
+    }
+
+    async fn complete(&self, completions: &[Completion]) -> Result<CompleteReport, OutboxError> {
+        let mut table = self.lock("complete")?;
+        let now = self.clock.now();
+        let mut report = CompleteReport::default();
+        for c in completions {
+            let seq = table.ids.get(&c.id).copied().filter(|seq| {
+                table.rows.get(seq).is_some_and(|row| {
+                    row.msg.status == MessageStatus::Processing
+                        && row.msg.claim_token == Some(c.claim_token)
+                })
+            });
+            let Some(seq) = seq else {
+                report.fenced.push(c.id);
+                continue;
+            };
+            report.applied += 1;
+            if c.outcome == CompletionOutcome::Sent && self.sent_retention == SentRetention::Delete
+            {
+                table.delete(seq);
+                continue;
+            }
+            table.update(seq, |row| {
+                let m = &mut row.msg;
+                m.lease_until = None;
+                m.claim_token = None;
+                m.sent_at = None;
+                row.unfinished_claims = 0;
+                match &c.outcome {
+                    CompletionOutcome::Sent => {
+                        m.status = MessageStatus::Sent;
+                        m.sent_at = Some(now);
+                    }
+                    CompletionOutcome::Retry { delay, error } => {
+                        m.status = MessageStatus::New;
+                        m.visible_at = after(now, *delay);
+                        m.last_error = Some(sanitize_error(error).into_owned());
+                        row.first_failed_at.get_or_insert(now);
+                    }
+                    CompletionOutcome::Dead { error } => {
+                        m.status = MessageStatus::Dead;
+                        m.last_error = Some(sanitize_error(error).into_owned());
+                        row.first_failed_at.get_or_insert(now);
+                    }
+                    CompletionOutcome::Release => {
+                        m.status = MessageStatus::New;
+                        m.attempts = (m.attempts - 1).max(0);
+                    }
+                }
+            });
+        }
+        Ok(report)
+    }
+
+    async fn get(&self, id: Uuid) -> Result<Option<OutboxMessage>, OutboxError> {
+        let table = self.lock("get")?;
+        Ok(table
+            .ids
+            .get(&id)
+            .and_then(|seq| table.rows.get(seq))
+            .map(Row::shown))
+    }
+
+    async fn stats(&self) -> Result<OutboxStats, OutboxError> {
+        let table = self.lock("stats")?;
+        let now = self.clock.now();
+        let mut stats = OutboxStats::default();
+        let mut oldest: Option<DateTime<Utc>> = None;
+        for row in table.rows.values() {
+            match row.msg.status {
+                MessageStatus::New => stats.new += 1,
+                MessageStatus::Processing => stats.processing += 1,
+                MessageStatus::Sent => stats.sent += 1,
+                MessageStatus::Dead => stats.dead += 1,
+            }
+            if pending(row.msg.status) {
+                oldest = Some(oldest.map_or(row.msg.created_at, |o| o.min(row.msg.created_at)));
+            }
+        }
+        stats.oldest_pending_age = oldest.map(|o| (now - o).to_std().unwrap_or_default());
+        Ok(stats)
+    }
+
+    async fn dead_letters(
+        &self,
+        filter: &MessageFilter,
+        limit: usize,
+    ) -> Result<Vec<OutboxMessage>, OutboxError> {
+        let table = self.lock("dead_letters")?;
+        let mut dead: Vec<&Row> = table
+            .rows
+            .values()
+            .filter(|row| matches(filter, &row.msg))
+            .collect();
+        dead.sort_by_key(|row| (row.msg.created_at, row.msg.seq));
+        Ok(dead.into_iter().take(limit).map(Row::shown).collect())
+    }
+
+    async fn replay(
+        &self,
+        filter: &MessageFilter,
+        dry_run: bool,
+    ) -> Result<ReplayReport, OutboxError> {
+        let started = std::time::Instant::now();
+        let mut table = self.lock("replay")?;
+        let now = self.clock.now();
+        let seqs: Vec<i64> = table
+            .rows
+            .iter()
+            .filter(|(_, row)| matches(filter, &row.msg))
+            .map(|(&seq, _)| seq)
+            .collect();
+        let matched = seqs.len() as u64;
+        if !dry_run {
+            for &seq in &seqs {
+                table.update(seq, |row| {
+                    row.msg.status = MessageStatus::New;
+                    row.msg.attempts = 0;
+                    row.msg.visible_at = now;
+                    row.msg.lease_until = None;
+                    row.msg.claim_token = None;
+                    row.unfinished_claims = 0;
+                });
+            }
+        }
+        Ok(ReplayReport {
+            matched,
+            replayed: if dry_run { 0 } else { matched },
+            failed: 0,
+            elapsed: started.elapsed(),
+        })
+    }
+
+    async fn purge_sent(
+        &self,
+        older_than: Duration,
+        batch_size: usize,
+    ) -> Result<u64, OutboxError> {
+        let mut table = self.lock("purge_sent")?;
+        let cutoff = before(self.clock.now(), older_than);
+        let seqs: Vec<i64> = table
+            .rows
+            .iter()
+            .filter(|(_, row)| {
+                row.msg.status == MessageStatus::Sent
+                    && row.msg.sent_at.is_some_and(|at| at <= cutoff)
+            })
+            .map(|(&seq, _)| seq)
+            .take(batch_size)
+            .collect();
+        for &seq in &seqs {
+            table.delete(seq);
+        }
+        Ok(seqs.len() as u64)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn a_manual_clock_drives_leases_and_delays() {
+        let clock = Clock::manual(Utc::now());
+        let store = MemoryOutbox::new().with_clock(clock.clone());
+        let later = NewMessage::builder("order", "1", "OrderPlaced")
+            .payload(&1)
+            .deliver_after(Duration::from_secs(5))
+            .build()
+            .expect("valid");
+        let id = store.enqueue(later).expect("enqueue");
+        let lease = Duration::from_secs(10);
+        assert!(store.claim(10, lease).await.expect("claim").is_empty());
+        assert!(clock.advance(Duration::from_secs(5)));
+        let first = store.claim(10, lease).await.expect("claim").messages;
+        assert_eq!(first.len(), 1, "visible once its delay has passed");
+        assert_eq!(first[0].lease_until, Some(after(clock.now(), lease)));
+        clock.advance(lease);
+        assert!(
+            store.claim(10, lease).await.expect("claim").is_empty(),
+            "a lease ending exactly now still holds"
+        );
+        clock.advance(Duration::from_millis(1));
+        let second = store.claim(10, lease).await.expect("claim").messages;
+        assert_eq!((second[0].id, second[0].attempts), (id, 2), "reclaimed");
+    }
+
+    #[test]
+    fn enqueue_rejects_oversized_payloads_and_duplicate_ids() {
+        let store = MemoryOutbox::new().with_max_payload_bytes(8);
+        let big = NewMessage::builder("order", "1", "OrderPlaced")
+            .payload(&"0123456789")
+            .build()
+            .expect("valid");
+        assert!(matches!(
+            store.enqueue(big),
+            Err(OutboxError::InvalidMessage(_))
+        ));
+        let small = NewMessage::builder("order", "1", "OrderPlaced")
+            .payload(&1)
+            .build()
+            .expect("valid");
+        store.enqueue(small.clone()).expect("enqueue");
+        let err = store.enqueue_batch([small]).expect_err("the id is taken");
+        assert!(matches!(err, OutboxError::Database { .. }), "{err}");
+        assert_eq!(store.len(), 1, "nothing of the failed batch is stored");
+    }
+}

@@ -1,0 +1,49 @@
+//! The outbox-core store conformance suite, run against [`MemoryOutbox`].
+
+use std::sync::Arc;
+
+use async_trait::async_trait;
+use outbox_core::conformance::Harness;
+use outbox_core::{NewMessage, SentRetention};
+use outbox_memory::MemoryOutbox;
+use uuid::Uuid;
+
+/// A fresh table per test.
+struct MemoryHarness {
+    store: MemoryOutbox,
+}
+
+#[async_trait]
+impl Harness for MemoryHarness {
+    type Store = MemoryOutbox;
+
+    fn store(&self) -> Arc<MemoryOutbox> {
+        Arc::new(self.store.clone())
+    }
+
+    fn store_deleting_sent(&self) -> Arc<MemoryOutbox> {
+        Arc::new(
+            self.store
+                .clone()
+                .with_sent_retention(SentRetention::Delete),
+        )
+    }
+
+    async fn enqueue(&self, messages: &[NewMessage]) {
+        self.store
+            .enqueue_batch(messages.iter().cloned())
+            .expect("enqueue");
+    }
+
+    async fn set_headers_json(&self, id: Uuid, json: &str) {
+        assert!(self.store.set_headers_json(id, json), "message {id} exists");
+    }
+}
+
+async fn harness() -> MemoryHarness {
+    MemoryHarness {
+        store: MemoryOutbox::new(),
+    }
+}
+
+outbox_core::store_conformance_tests!(harness);

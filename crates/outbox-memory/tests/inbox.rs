@@ -1,0 +1,225 @@
+//! [`MemoryInbox`]: claims commit or roll back with their transaction, concurrent
+//! claims of one pair wait for each other, and the optional capabilities.
+
+use std::time::Duration;
+
+use outbox_core::wire::IncomingMessage;
+use outbox_core::{ConsumerDeadLetters, InboxClaim, InboxStore, VersionKey, VersionTracking};
+use outbox_memory::MemoryInbox;
+use uuid::Uuid;
+
+#[tokio::test]
+async fn a_claim_commits_or_rolls_back_with_its_transaction() {
+    let inbox = MemoryInbox::new();
+    let id = Uuid::now_v7();
+
+    let mut tx = inbox.begin().await.expect("begin");
+    assert!(
+        inbox
+            .try_claim(&mut tx, id, "projection")
+            .await
+            .expect("claim")
+    );
+    assert!(
+        !inbox
+            .try_claim(&mut tx, id, "projection")
+            .await
+            .expect("claim"),
+        "a duplicate inside the same transaction"
+    );
+    assert!(
+        !inbox.contains(id, "projection"),
+        "not visible before commit"
+    );
+    inbox.rollback(tx).await.expect("rollback");
+    assert!(inbox.is_empty(), "the rollback discarded the claim");
+
+    let mut tx = inbox.begin().await.expect("begin");
+    assert!(
+        inbox
+            .try_claim(&mut tx, id, "projection")
+            .await
+            .expect("claim")
+    );
+    assert!(
+        inbox.try_claim(&mut tx, id, "audit").await.expect("claim"),
+        "another consumer claims its own record"
+    );
+    inbox.commit(tx).await.expect("commit");
+    assert!(inbox.contains(id, "projection") && inbox.contains(id, "audit"));
+
+    let mut tx = inbox.begin().await.expect("begin");
+    assert!(
+        !inbox
+            .try_claim(&mut tx, id, "projection")
+            .await
+            .expect("claim"),
+        "a redelivery is a duplicate"
+    );
+    drop(tx);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_second_claim_of_a_pair_waits_for_the_first_transaction() {
+    let inbox = MemoryInbox::new();
+    let id = Uuid::now_v7();
+    let mut first = inbox.begin().await.expect("begin");
+    assert!(inbox.try_claim(&mut first, id, "c").await.expect("claim"));
+
+    let contender = {
+        let inbox = inbox.clone();
+        tokio::spawn(async move {
+            let mut tx = inbox.begin().await.expect("begin");
+            let claimed = inbox.try_claim(&mut tx, id, "c").await.expect("claim");
+            inbox.commit(tx).await.expect("commit");
+            claimed
+        })
+    };
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    assert!(!contender.is_finished(), "it waits on the first one's lock");
+    inbox.commit(first).await.expect("commit");
+    assert!(
+        !contender.await.expect("task"),
+        "after the first commits, the second sees a duplicate"
+    );
+
+    // A transaction dropped without commit releases its lock and its claim.
+    let other = Uuid::now_v7();
+    let mut abandoned = inbox.begin().await.expect("begin");
+    assert!(
+        inbox
+            .try_claim(&mut abandoned, other, "c")
+            .await
+            .expect("claim")
+    );
+    let contender = {
+        let inbox = inbox.clone();
+        tokio::spawn(async move {
+            let mut tx = inbox.begin().await.expect("begin");
+            inbox.try_claim(&mut tx, other, "c").await.expect("claim")
+        })
+    };
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    drop(abandoned);
+    assert!(
+        contender.await.expect("task"),
+        "claimed once the first is gone"
+    );
+}
+
+#[tokio::test]
+async fn batch_claims_answer_per_pair_and_purge_removes_old_records() {
+    let inbox = MemoryInbox::new();
+    let (a, b) = (Uuid::now_v7(), Uuid::now_v7());
+    let mut tx = inbox.begin().await.expect("begin");
+    let got = inbox
+        .try_claim_batch(&mut tx, &[(a, "c"), (b, "c"), (a, "c")])
+        .await
+        .expect("claim");
+    assert_eq!(got, [true, true, false], "a repeated pair is claimed once");
+    inbox.commit(tx).await.expect("commit");
+    assert_eq!(
+        inbox
+            .purge(Duration::from_secs(3600), 10)
+            .await
+            .expect("purge"),
+        0
+    );
+    assert_eq!(
+        inbox.purge(Duration::ZERO, 1).await.expect("purge"),
+        1,
+        "in batches"
+    );
+    assert_eq!(inbox.purge(Duration::ZERO, 10).await.expect("purge"), 1);
+    assert!(inbox.is_empty());
+}
+
+#[tokio::test]
+async fn failures_become_consumer_dead_letters_at_the_limit() {
+    let inbox = MemoryInbox::new();
+    let msg = IncomingMessage::new(Uuid::now_v7(), "OrderPlaced", b"{}".to_vec());
+    for n in 1..=2 {
+        let count = inbox
+            .record_failure(&msg, "projection", "boom", 3)
+            .await
+            .expect("record");
+        assert_eq!((count.attempts, count.dead), (n, false));
+    }
+    let count = inbox
+        .record_failure(&msg, "projection", "boom\0", 3)
+        .await
+        .expect("record");
+    assert!(count.dead);
+    assert!(inbox.is_dead(msg.id, "projection").await.expect("is_dead"));
+    assert!(!inbox.is_dead(msg.id, "audit").await.expect("is_dead"));
+    let mut tx = inbox.begin().await.expect("begin");
+    assert_eq!(
+        inbox
+            .claim_unless_dead(&mut tx, msg.id, "projection")
+            .await
+            .expect("claim"),
+        InboxClaim::DeadLetter
+    );
+    drop(tx);
+    let dead = inbox
+        .consumer_dead_letters(Some("projection"), 10)
+        .await
+        .expect("list");
+    assert_eq!(dead.len(), 1);
+    assert_eq!(
+        (dead[0].attempts, dead[0].last_error.as_str()),
+        (3, "boom\\0")
+    );
+    assert_eq!(dead[0].payload, b"{}");
+}
+
+#[tokio::test]
+async fn versions_only_rise_and_commit_with_the_transaction() {
+    let inbox = MemoryInbox::new();
+    let key = VersionKey {
+        consumer: "projection",
+        aggregate_type: "order",
+        aggregate_id: "1",
+    };
+    let mut tx = inbox.begin().await.expect("begin");
+    assert_eq!(
+        inbox.applied_versions(&mut tx, &[key]).await.expect("read"),
+        [None]
+    );
+    inbox
+        .record_versions(&mut tx, &[(key, 3), (key, 2)])
+        .await
+        .expect("record");
+    assert_eq!(
+        inbox.applied_versions(&mut tx, &[key]).await.expect("read"),
+        [Some(3)]
+    );
+    inbox.rollback(tx).await.expect("rollback");
+
+    let mut tx = inbox.begin().await.expect("begin");
+    assert_eq!(
+        inbox.applied_versions(&mut tx, &[key]).await.expect("read"),
+        [None],
+        "rolled back"
+    );
+    inbox
+        .record_version(&mut tx, "projection", "order", "1", 5)
+        .await
+        .expect("record");
+    inbox.commit(tx).await.expect("commit");
+    let mut tx = inbox.begin().await.expect("begin");
+    inbox
+        .record_version(&mut tx, "projection", "order", "1", 4)
+        .await
+        .expect("record");
+    inbox.commit(tx).await.expect("commit");
+    let mut tx = inbox.begin().await.expect("begin");
+    assert_eq!(
+        inbox
+            .applied_version(&mut tx, "projection", "order", "1")
+            .await
+            .expect("read"),
+        Some(5),
+        "never lowered"
+    );
+}
