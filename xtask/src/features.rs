@@ -83,10 +83,7 @@ pub(crate) fn check() -> Result<()> {
         started.elapsed().as_secs_f64()
     );
     if !failed.is_empty() {
-        bail!(
-            "does not build with features: {}",
-            failed.join(", ")
-        );
+        bail!("does not build with features: {}", failed.join(", "));
     }
     Ok(())
 }
