@@ -83,6 +83,7 @@ where
             .or(file.log_format)
             .unwrap_or(LogFormat::Text),
     );
+    install_crypto_provider();
     let runtime = match tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()
@@ -94,6 +95,15 @@ where
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => report(&e),
     }
+}
+
+/// Makes `ring` the process's TLS crypto provider (rustls). With the `sqlserver`
+/// feature two providers are linked (tiberius's tokio-rustls brings aws-lc-rs, sqlx,
+/// lapin and async-nats use ring), and rustls refuses to pick one by itself: the first
+/// TLS connection (`amqps://`, `tls://`, PostgreSQL or SQL Server over TLS) would
+/// panic. Does nothing when a provider is installed already (embedding programs).
+pub fn install_crypto_provider() {
+    let _ = rustls::crypto::ring::default_provider().install_default();
 }
 
 fn report(e: &CliError) -> ExitCode {
@@ -500,4 +510,25 @@ fn print_stats(out: &mut dyn Write, r: &commands::StatsReport) -> Result<(), Cli
         )?;
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tls_tests {
+    /// With both providers linked (the default features), rustls cannot pick one by
+    /// itself; after [`super::install_crypto_provider`] it can.
+    #[test]
+    fn the_binary_picks_a_tls_provider() {
+        if cfg!(feature = "sqlserver") {
+            let built = std::panic::catch_unwind(|| {
+                let _ = rustls::ClientConfig::builder();
+            });
+            assert!(
+                built.is_err(),
+                "two providers linked: rustls must not choose"
+            );
+        }
+        super::install_crypto_provider();
+        let _ = rustls::ClientConfig::builder();
+        assert!(rustls::crypto::CryptoProvider::get_default().is_some());
+    }
 }

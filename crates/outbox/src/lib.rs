@@ -13,7 +13,7 @@
 //! | feature | default | module | what it adds |
 //! |---|---|---|---|
 //! | `postgres` | yes | [`outbox::postgres`](crate::postgres) (`outbox-postgres`) | PostgreSQL store and inbox (sqlx): `FOR UPDATE SKIP LOCKED` claims with fenced leases |
-//! | `sqlserver` | | [`outbox::sqlserver`](crate::sqlserver) (`outbox-sqlserver`) | SQL Server store and inbox (tiberius): `READPAST/UPDLOCK/ROWLOCK` claims, `MERGE … WITH (HOLDLOCK)` inbox |
+//! | `sqlserver` | | [`outbox::sqlserver`](crate::sqlserver) (`outbox-sqlserver`) | SQL Server store and inbox (tiberius): `READPAST/UPDLOCK/ROWLOCK` claims, an inbox claim that locks only its own key |
 //! | `rabbit` | yes | [`outbox::rabbit`](crate::rabbit) (`transport-rabbit`) | RabbitMQ publisher (AMQP 0-9-1 publisher confirms, mandatory returns) and consumer |
 //! | `nats` | | [`outbox::nats`](crate::nats) (`transport-nats`) | NATS JetStream publisher (awaits each PubAck; `Nats-Msg-Id` deduplication) and consumer |
 //! | `inbox` | | [`outbox::inbox`](crate::inbox) (`inbox`) | idempotent consumer, durable inbox processor, handler pipeline |
@@ -34,6 +34,12 @@
 //! [`DurableInbox`], …). `opentelemetry` off takes effect only when no backend crate
 //! turns it on again: today every backend and transport depends on the core with its
 //! default features, `opentelemetry` included.
+//!
+//! **TLS with `sqlserver`:** tiberius brings rustls's aws-lc-rs provider while sqlx,
+//! lapin and async-nats use ring; with both linked, rustls will not choose and the
+//! first TLS connection panics. A program enabling `sqlserver` with another backend
+//! installs one provider at start, as the `outbox` binary does:
+//! `rustls::crypto::ring::default_provider().install_default()`.
 //!
 //! ## PostgreSQL and RabbitMQ
 //!
