@@ -19,7 +19,8 @@
 //! - the [`domain`] events helper;
 //! - the [`metrics`] the dispatcher records (names, units, labels), through the
 //!   `metrics` facade;
-//! - with the `conformance` feature, the store conformance suite every backend runs.
+//! - with the `conformance` feature, the store conformance suite (`conformance`) and
+//!   the inbox conformance suite (`inbox_conformance`) every backend runs.
 //!
 //! Backends (`outbox-postgres`) write messages in the caller's transaction; transports
 //! (`transport-rabbit`) publish them.
@@ -56,6 +57,8 @@ pub mod wire;
 
 #[cfg(feature = "conformance")]
 pub mod conformance;
+#[cfg(feature = "conformance")]
+pub mod inbox_conformance;
 
 pub use admin::{
     GroupStats, InboxDeadFilter, InboxDeadKind, InboxDeadLetter, InboxReplayReport, OutboxAdmin,

@@ -1,0 +1,29 @@
+//! The outbox-core inbox conformance suite (claims, consumer dead letters, version
+//! tracking and the durable inbox), run against the real PostgreSQL, a fresh schema per
+//! property.
+
+mod common;
+
+use std::sync::Arc;
+
+use outbox_core::inbox_conformance::InboxHarness;
+use outbox_postgres::PgInbox;
+
+/// A [`PgInbox`] over a fresh, migrated schema.
+struct PgInboxHarness(Arc<PgInbox>);
+
+impl InboxHarness for PgInboxHarness {
+    type Inbox = PgInbox;
+
+    fn inbox(&self) -> Arc<PgInbox> {
+        Arc::clone(&self.0)
+    }
+}
+
+async fn harness() -> PgInboxHarness {
+    let outbox = common::fresh_outbox().await;
+    let inbox = PgInbox::new(outbox.pool().clone(), outbox.schema()).expect("inbox");
+    PgInboxHarness(Arc::new(inbox))
+}
+
+outbox_core::inbox_conformance_tests!(harness; dead_letters, versions, durable);
