@@ -261,7 +261,7 @@ pub async fn a_concurrent_claim_wins_over_a_rolled_back_one<H: InboxHarness>(h: 
 /// Many transactions racing to claim and commit one pair: exactly one wins, every time.
 pub async fn racing_claims_let_exactly_one_commit<H: InboxHarness>(h: &H) {
     let inbox = h.inbox();
-    for round in 0..10 {
+    for round in 0..20 {
         let id = Uuid::now_v7();
         let tasks: Vec<_> = (0..4)
             .map(|_| {
@@ -637,7 +637,8 @@ where
 
 /// The batch forms: `applied_versions` answers one version per key in order (a repeated
 /// key the same each time); `record_versions` raises each key to the largest version
-/// given for it and never lowers a stored one.
+/// given for it (read back by the same transaction) and never lowers a stored one; a
+/// rolled-back batch leaves nothing.
 pub async fn batch_versions_answer_per_key_and_keep_the_largest<H>(h: &H)
 where
     H: InboxHarness,
@@ -670,6 +671,14 @@ where
         .record_versions(&mut *tx, &[(k1, 3), (k2, 1), (k1, 7), (k1, 2)])
         .await
         .expect("record_versions");
+    assert_eq!(
+        inbox
+            .applied_versions(&mut *tx, &[k1, k2])
+            .await
+            .expect("applied_versions"),
+        [Some(7), Some(1)],
+        "the transaction reads the versions it recorded, the largest per key"
+    );
     inbox.commit(tx).await.expect("commit");
 
     let mut tx = inbox.begin().await.expect("begin");
@@ -687,6 +696,21 @@ where
             .expect("applied_versions"),
         [Some(2), Some(7), None, Some(2)],
         "the largest version per key, never lowered by a stale batch, in input order"
+    );
+    inbox
+        .record_versions(&mut *tx, &[(k3, 9)])
+        .await
+        .expect("record_versions");
+    inbox.rollback(tx).await.expect("rollback");
+
+    let mut tx = inbox.begin().await.expect("begin");
+    assert_eq!(
+        inbox
+            .applied_versions(&mut *tx, &[k3])
+            .await
+            .expect("applied_versions"),
+        [None],
+        "a rolled-back batch of versions is gone"
     );
     inbox.rollback(tx).await.expect("rollback");
 }

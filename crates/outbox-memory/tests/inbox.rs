@@ -4,7 +4,7 @@
 use std::time::Duration;
 
 use outbox_core::wire::IncomingMessage;
-use outbox_core::{ConsumerDeadLetters, InboxClaim, InboxStore, VersionKey, VersionTracking};
+use outbox_core::{ConsumerDeadLetters, InboxClaim, InboxStore};
 use outbox_memory::MemoryInbox;
 use uuid::Uuid;
 
@@ -108,33 +108,6 @@ async fn a_second_claim_of_a_pair_waits_for_the_first_transaction() {
 }
 
 #[tokio::test]
-async fn batch_claims_answer_per_pair_and_purge_removes_old_records() {
-    let inbox = MemoryInbox::new();
-    let (a, b) = (Uuid::now_v7(), Uuid::now_v7());
-    let mut tx = inbox.begin().await.expect("begin");
-    let got = inbox
-        .try_claim_batch(&mut tx, &[(a, "c"), (b, "c"), (a, "c")])
-        .await
-        .expect("claim");
-    assert_eq!(got, [true, true, false], "a repeated pair is claimed once");
-    inbox.commit(tx).await.expect("commit");
-    assert_eq!(
-        inbox
-            .purge(Duration::from_secs(3600), 10)
-            .await
-            .expect("purge"),
-        0
-    );
-    assert_eq!(
-        inbox.purge(Duration::ZERO, 1).await.expect("purge"),
-        1,
-        "in batches"
-    );
-    assert_eq!(inbox.purge(Duration::ZERO, 10).await.expect("purge"), 1);
-    assert!(inbox.is_empty());
-}
-
-#[tokio::test]
 async fn failures_become_consumer_dead_letters_at_the_limit() {
     let inbox = MemoryInbox::new();
     let msg = IncomingMessage::new(Uuid::now_v7(), "OrderPlaced", b"{}".to_vec());
@@ -171,55 +144,4 @@ async fn failures_become_consumer_dead_letters_at_the_limit() {
         (3, "boom\\0")
     );
     assert_eq!(dead[0].payload, b"{}");
-}
-
-#[tokio::test]
-async fn versions_only_rise_and_commit_with_the_transaction() {
-    let inbox = MemoryInbox::new();
-    let key = VersionKey {
-        consumer: "projection",
-        aggregate_type: "order",
-        aggregate_id: "1",
-    };
-    let mut tx = inbox.begin().await.expect("begin");
-    assert_eq!(
-        inbox.applied_versions(&mut tx, &[key]).await.expect("read"),
-        [None]
-    );
-    inbox
-        .record_versions(&mut tx, &[(key, 3), (key, 2)])
-        .await
-        .expect("record");
-    assert_eq!(
-        inbox.applied_versions(&mut tx, &[key]).await.expect("read"),
-        [Some(3)]
-    );
-    inbox.rollback(tx).await.expect("rollback");
-
-    let mut tx = inbox.begin().await.expect("begin");
-    assert_eq!(
-        inbox.applied_versions(&mut tx, &[key]).await.expect("read"),
-        [None],
-        "rolled back"
-    );
-    inbox
-        .record_version(&mut tx, "projection", "order", "1", 5)
-        .await
-        .expect("record");
-    inbox.commit(tx).await.expect("commit");
-    let mut tx = inbox.begin().await.expect("begin");
-    inbox
-        .record_version(&mut tx, "projection", "order", "1", 4)
-        .await
-        .expect("record");
-    inbox.commit(tx).await.expect("commit");
-    let mut tx = inbox.begin().await.expect("begin");
-    assert_eq!(
-        inbox
-            .applied_version(&mut tx, "projection", "order", "1")
-            .await
-            .expect("read"),
-        Some(5),
-        "never lowered"
-    );
 }
