@@ -15,7 +15,7 @@
 //!   own backoff, attempts, dead state and a reorder window for version gaps.
 //! - Stale versions: the last applied `aggregate_version` is tracked per consumer and
 //!   aggregate; a stale message is skipped or delivered flagged ([`StalePolicy`]).
-//! - [`Retention`]: purges in batches, and warns when the dedup window is shorter than
+//! - [`InboxRetention`]: purges in batches, and warns when the dedup window is shorter than
 //!   the redelivery or replay horizon.
 //! - [`metrics`]: what the consumers record (processed, duplicates, dead, handler and
 //!   end-to-end latency) through the `metrics` facade.
@@ -68,4 +68,4 @@ pub use consumer::{
 pub use durable::{DurableReceiver, GapPolicy, InboxProcessor, ProcessReport, ProcessorConfig};
 pub use handler::{BatchHandlerError, Handler, HandlerContext, HandlerError, StalePolicy};
 pub use pipeline::Pipeline;
-pub use retention::{PurgeReport, Retention};
+pub use retention::{InboxRetention, PurgeReport};

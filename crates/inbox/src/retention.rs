@@ -1,4 +1,4 @@
-//! Retention: purge inbox records older than the dedup window and processed
+//! Inbox retention: purge inbox records older than the dedup window and processed
 //! durable-inbox messages, in small batches.
 
 use std::time::Duration;
@@ -7,7 +7,7 @@ use outbox_core::inbox::DurableInbox;
 use outbox_core::{InboxStore, OutboxError};
 use tracing::warn;
 
-/// Retention settings.
+/// Inbox retention settings (named apart from the outbox's [`SentRetention`](outbox_core::SentRetention) and the NATS stream's `StreamRetention`).
 ///
 /// The **dedup window** is how long an inbox record `(message_id, consumer)` is kept.
 /// A duplicate that arrives after its record was purged is processed again, so the
@@ -15,13 +15,13 @@ use tracing::warn;
 /// redelivery, a relay's republish after a lease expiry, and any replay of dead
 /// letters or of a stream you may run.
 #[derive(Debug, Clone)]
-pub struct Retention {
+pub struct InboxRetention {
     dedup_window: Duration,
     processed_retention: Duration,
     batch_size: usize,
 }
 
-impl Default for Retention {
+impl Default for InboxRetention {
     fn default() -> Self {
         Self {
             dedup_window: Duration::from_secs(7 * 24 * 3600),
@@ -41,7 +41,7 @@ pub struct PurgeReport {
     pub processed_messages: u64,
 }
 
-impl Retention {
+impl InboxRetention {
     /// Defaults: a 7-day dedup window, processed durable-inbox messages kept 1 day,
     /// batches of 1,000 rows.
     pub fn new() -> Self {
@@ -133,7 +133,7 @@ mod tests {
 
     #[test]
     fn horizon_check_flags_short_windows() {
-        let r = Retention::new().with_dedup_window(Duration::from_secs(3600));
+        let r = InboxRetention::new().with_dedup_window(Duration::from_secs(3600));
         assert!(r.check_horizon(Duration::from_secs(60)));
         assert!(!r.check_horizon(Duration::from_secs(7200)));
     }

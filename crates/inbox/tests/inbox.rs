@@ -598,13 +598,13 @@ async fn retention_purges_old_records_and_processed_messages() {
         ProcessorConfig::new(),
     );
     p.run_once().await.expect("process");
-    let keep = inbox::Retention::new();
+    let keep = inbox::InboxRetention::new();
     assert_eq!(
         keep.purge(&*db.inbox).await.expect("purge"),
         inbox::PurgeReport::default(),
         "recent rows are kept"
     );
-    let purge_all = inbox::Retention::new()
+    let purge_all = inbox::InboxRetention::new()
         .with_dedup_window(Duration::ZERO)
         .with_processed_retention(Duration::ZERO)
         .with_batch_size(1);

@@ -25,6 +25,15 @@
 //! Backends (`outbox-postgres`) write messages in the caller's transaction; transports
 //! (`transport-rabbit`) publish them.
 //!
+//! **Words.** The *relay* is the role: the process that moves committed outbox rows to
+//! the broker (`outbox relay` runs one). [`Dispatcher`] is the type that does it inside
+//! that process (or inside your service): it claims batches and dispatches them to the
+//! publisher in waves. So "relay" names what runs and "dispatcher" the engine in it;
+//! the metrics and logs say `relay`, the API says `Dispatcher`. The three retention
+//! settings are named apart: [`SentRetention`] (what the outbox does with confirmed
+//! rows), `inbox::InboxRetention` (how long dedup records are kept) and
+//! `transport_nats::StreamRetention` (the JetStream stream's retention policy).
+//!
 //! ```
 //! use outbox_core::NewMessage;
 //!

@@ -80,6 +80,13 @@ fn json_kind(value: &serde_json::Value) -> &'static str {
 /// | `Processing` | `Dead`       | permanent failure or attempts exhausted           |
 /// | `Processing` | `Processing` | the lease expired and another dispatcher reclaimed|
 /// | `Dead`       | `New`        | replay                                            |
+///
+/// **Why 0, 1, 3 and 9.** The codes are stored in every row's `status` column and read
+/// by operators' SQL, dashboards and producers in other languages, so they are part of
+/// the product contract (`DESIGN.md`) and are never renumbered: they are names, not an
+/// order (nothing compares them with `<`). The values that are not used (2, 4 to 8)
+/// stay free, so a state added later gets a code of its own without rewriting stored
+/// rows. Queries select by the `phase` column, not by ranges of codes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
 #[repr(i16)]
 pub enum MessageStatus {

@@ -60,7 +60,7 @@ pub use consumer::{NatsConsumer, NatsConsumerBuilder};
 pub use error::{NatsError, redact_url};
 pub use outbox_core::consumer::{BatchDeliveryHandler, DeliveryHandler, HandlerDecision};
 pub use publisher::NatsPublisher;
-pub use stream::{Retention, Storage, StreamInfo, StreamSetup};
+pub use stream::{Storage, StreamInfo, StreamRetention, StreamSetup};
 
 /// The NATS client this crate is built on, for its types (e.g.
 /// [`jetstream::Context`](async_nats::jetstream::Context) from

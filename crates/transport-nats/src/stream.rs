@@ -56,7 +56,7 @@ pub enum Storage {
 /// When a stream may discard messages (JetStream retention policy).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 #[non_exhaustive]
-pub enum Retention {
+pub enum StreamRetention {
     /// Kept until a limit (age, count, bytes) removes them, whatever consumers did.
     /// Several consumers can each read everything.
     #[default]
@@ -73,7 +73,7 @@ pub enum Retention {
 ///
 /// ```no_run
 /// use std::time::Duration;
-/// use transport_nats::{NatsConfigBuilder, Retention, Storage, StreamSetup};
+/// use transport_nats::{NatsConfigBuilder, Storage, StreamRetention, StreamSetup};
 ///
 /// # async fn setup() -> Result<(), transport_nats::NatsError> {
 /// let config = NatsConfigBuilder::from_env()
@@ -82,7 +82,7 @@ pub enum Retention {
 /// let info = StreamSetup::for_config("ORDERS", &config) // subjects: orders.events.>
 ///     .with_storage(Storage::File)
 ///     .with_duplicate_window(Duration::from_secs(120))
-///     .with_retention(Retention::Limits)
+///     .with_retention(StreamRetention::Limits)
 ///     .with_max_age(Duration::from_secs(7 * 24 * 3600))
 ///     .apply(&config)
 ///     .await?;
@@ -97,7 +97,7 @@ pub struct StreamSetup {
     subjects: Vec<String>,
     storage: Storage,
     duplicate_window: Duration,
-    retention: Retention,
+    retention: StreamRetention,
     max_age: Duration,
     replicas: usize,
 }
@@ -112,7 +112,7 @@ impl StreamSetup {
             subjects: Vec::new(),
             storage: Storage::File,
             duplicate_window: DEFAULT_DUPLICATE_WINDOW,
-            retention: Retention::Limits,
+            retention: StreamRetention::Limits,
             max_age: Duration::ZERO,
             replicas: 1,
         }
@@ -157,9 +157,9 @@ impl StreamSetup {
         self
     }
 
-    /// The retention policy. Default [`Retention::Limits`]. Cannot be changed on an
+    /// The retention policy. Default [`StreamRetention::Limits`]. Cannot be changed on an
     /// existing stream.
-    pub fn with_retention(mut self, retention: Retention) -> Self {
+    pub fn with_retention(mut self, retention: StreamRetention) -> Self {
         self.retention = retention;
         self
     }
@@ -249,9 +249,9 @@ impl StreamSetup {
                 Storage::Memory => stream::StorageType::Memory,
             },
             retention: match self.retention {
-                Retention::Limits => stream::RetentionPolicy::Limits,
-                Retention::Interest => stream::RetentionPolicy::Interest,
-                Retention::WorkQueue => stream::RetentionPolicy::WorkQueue,
+                StreamRetention::Limits => stream::RetentionPolicy::Limits,
+                StreamRetention::Interest => stream::RetentionPolicy::Interest,
+                StreamRetention::WorkQueue => stream::RetentionPolicy::WorkQueue,
             },
             duplicate_window: self.duplicate_window,
             max_age: self.max_age,
