@@ -10,7 +10,7 @@
 //!   [`inbox_dead_replay`]);
 //! - `purge`: `outbox purge` ([`purge()`]).
 //!
-//! Each module's `validate` checks the arguments and returns a [`Validated`] value;
+//! Each module's `validate` checks the arguments and returns a `Validated` value;
 //! [`crate::run`] connects to the database only once that succeeded, then runs it.
 
 use std::io::Write;
