@@ -1,12 +1,23 @@
 //! The command line (clap). Every setting of `relay` can also come from an environment
 //! variable (shown in `--help`) or the config file; flags and environment variables
 //! win over the file, the file wins over the defaults.
+//!
+//! The top level ([`Cli`], [`Command`]) and the relay's settings live here; each admin
+//! command's arguments live next to its validation, run and output in its module under
+//! [`crate::commands`], and are re-exported here.
 
 use std::fmt;
 use std::path::PathBuf;
 
 use clap::{Args, Parser, Subcommand, ValueEnum};
 
+pub use crate::commands::dead::{DeadCommand, DeadListArgs, DeadReplayArgs, FilterArgs};
+pub use crate::commands::inbox_dead::{
+    InboxDeadCommand, InboxDeadListArgs, InboxDeadReplayArgs, InboxFilterArgs,
+};
+pub use crate::commands::purge::PurgeArgs;
+pub use crate::commands::reconcile::ReconcileArgs;
+pub use crate::commands::stats::StatsArgs;
 use crate::config::{redact_broker_url, redact_database_url};
 
 /// Operate a transactional outbox: run the relay, migrate, inspect, reconcile, replay
@@ -115,16 +126,6 @@ pub enum Command {
     Purge(PurgeArgs),
 }
 
-/// `outbox dead ...`
-#[derive(Debug, Subcommand)]
-pub enum DeadCommand {
-    /// List dead messages (oldest first; payloads are never shown).
-    List(DeadListArgs),
-    /// Move dead messages back to New, visible now, attempts reset; the relay publishes
-    /// them again and consumers' inboxes absorb duplicates.
-    Replay(DeadReplayArgs),
-}
-
 /// `outbox inbox ...`
 #[derive(Debug, Subcommand)]
 pub enum InboxCommand {
@@ -134,18 +135,6 @@ pub enum InboxCommand {
         #[command(subcommand)]
         command: InboxDeadCommand,
     },
-}
-
-/// `outbox inbox dead ...`
-#[derive(Debug, Subcommand)]
-pub enum InboxDeadCommand {
-    /// List consumer dead letters (idempotent-consumer failures and durable-inbox Dead
-    /// rows).
-    List(InboxDeadListArgs),
-    /// Make consumer dead letters processable again: durable-inbox rows go back to
-    /// New; for idempotent consumers the failure record is cleared and the message's
-    /// outbox row is set back to New so the relay delivers it again.
-    Replay(InboxDeadReplayArgs),
 }
 
 /// Settings of `outbox relay`. `Debug` hides the broker URL's password.
@@ -355,185 +344,4 @@ impl From<SentRetentionMode> for outbox_core::SentRetention {
             SentRetentionMode::Delete => Self::Delete,
         }
     }
-}
-
-/// `outbox stats`
-#[derive(Debug, Args)]
-pub struct StatsArgs {
-    /// Print JSON instead of tables.
-    #[arg(long)]
-    pub json: bool,
-    /// At most this many blocked keys.
-    #[arg(long, default_value_t = 20, value_name = "N")]
-    pub blocked_limit: usize,
-}
-
-/// `outbox reconcile`
-#[derive(Debug, Args)]
-pub struct ReconcileArgs {
-    /// Start of the window (RFC 3339 time, or a duration meaning that long ago, e.g.
-    /// 7d) [default: 7d].
-    #[arg(long, value_name = "TIME")]
-    pub since: Option<String>,
-    /// End of the window, exclusive (RFC 3339 time or duration ago) [default: now].
-    #[arg(long, value_name = "TIME")]
-    pub until: Option<String>,
-    /// Consumer expected to process every event type in the window (repeatable); also
-    /// restricts the output to the named consumers.
-    #[arg(long = "consumer", value_name = "NAME")]
-    pub consumers: Vec<String>,
-    /// Show only lines with a difference.
-    #[arg(long)]
-    pub only_differences: bool,
-    /// Print JSON instead of a table.
-    #[arg(long)]
-    pub json: bool,
-}
-
-/// Filters shared by `dead list` and `dead replay`.
-#[derive(Debug, Default, Args)]
-pub struct FilterArgs {
-    /// Only this message id (repeatable).
-    #[arg(long = "id", value_name = "UUID")]
-    pub ids: Vec<uuid::Uuid>,
-    /// created_at at or after (RFC 3339 time or a duration ago, e.g. 2h).
-    #[arg(long, value_name = "TIME")]
-    pub since: Option<String>,
-    /// created_at before (RFC 3339 time or a duration ago).
-    #[arg(long, value_name = "TIME")]
-    pub until: Option<String>,
-    /// Tenant equals.
-    #[arg(long, value_name = "TENANT")]
-    pub tenant: Option<String>,
-    /// Aggregate type equals.
-    #[arg(long, value_name = "TYPE")]
-    pub aggregate_type: Option<String>,
-    /// Aggregate id equals.
-    #[arg(long, value_name = "ID")]
-    pub aggregate_id: Option<String>,
-    /// Event type equals.
-    #[arg(long, value_name = "TYPE")]
-    pub event_type: Option<String>,
-    /// Last error contains this text (case-insensitive).
-    #[arg(long, value_name = "TEXT")]
-    pub error_contains: Option<String>,
-}
-
-/// `outbox dead list`
-#[derive(Debug, Args)]
-pub struct DeadListArgs {
-    /// Which messages.
-    #[command(flatten)]
-    pub filter: FilterArgs,
-    /// At most this many rows.
-    #[arg(long, default_value_t = 100, value_name = "N")]
-    pub limit: usize,
-    /// Print JSON instead of a table.
-    #[arg(long)]
-    pub json: bool,
-}
-
-/// `outbox dead replay`
-#[derive(Debug, Args)]
-pub struct DeadReplayArgs {
-    /// Which messages.
-    #[command(flatten)]
-    pub filter: FilterArgs,
-    /// Only count what would be replayed; change nothing.
-    #[arg(long)]
-    pub dry_run: bool,
-    /// Replay every dead message when no filter is given (a guard against accidents).
-    #[arg(long)]
-    pub all: bool,
-    /// Print the report as JSON.
-    #[arg(long)]
-    pub json: bool,
-}
-
-/// Filters of consumer dead letters.
-#[derive(Debug, Default, Args)]
-pub struct InboxFilterArgs {
-    /// Only this message id (repeatable).
-    #[arg(long = "id", value_name = "UUID")]
-    pub ids: Vec<uuid::Uuid>,
-    /// Dead at or after (durable inbox: received at or after); RFC 3339 or a duration ago.
-    #[arg(long, value_name = "TIME")]
-    pub since: Option<String>,
-    /// Dead before (durable inbox: received before); RFC 3339 or a duration ago.
-    #[arg(long, value_name = "TIME")]
-    pub until: Option<String>,
-    /// Consumer (handler) name equals.
-    #[arg(long, value_name = "NAME")]
-    pub consumer: Option<String>,
-    /// Event type equals.
-    #[arg(long, value_name = "TYPE")]
-    pub event_type: Option<String>,
-    /// Last error contains this text (case-insensitive).
-    #[arg(long, value_name = "TEXT")]
-    pub error_contains: Option<String>,
-}
-
-/// `outbox inbox dead list`
-#[derive(Debug, Args)]
-pub struct InboxDeadListArgs {
-    /// Which dead letters.
-    #[command(flatten)]
-    pub filter: InboxFilterArgs,
-    /// At most this many rows.
-    #[arg(long, default_value_t = 100, value_name = "N")]
-    pub limit: usize,
-    /// Print JSON instead of a table.
-    #[arg(long)]
-    pub json: bool,
-}
-
-/// `outbox inbox dead replay`
-#[derive(Debug, Args)]
-pub struct InboxDeadReplayArgs {
-    /// Which dead letters.
-    #[command(flatten)]
-    pub filter: InboxFilterArgs,
-    /// Only count what would be replayed; change nothing.
-    #[arg(long)]
-    pub dry_run: bool,
-    /// Replay every consumer dead letter when no filter is given.
-    #[arg(long)]
-    pub all: bool,
-    /// Idempotent consumers: only delete the failure records, do not requeue the
-    /// outbox rows (when the messages come from another database, redeliver them
-    /// yourself).
-    #[arg(long)]
-    pub clear_only: bool,
-    /// Print the report as JSON.
-    #[arg(long)]
-    pub json: bool,
-}
-
-/// `outbox purge`
-#[derive(Debug, Args)]
-pub struct PurgeArgs {
-    /// Remove sent outbox rows sent longer ago than this, and inbox records processed
-    /// longer ago (e.g. 7d). Must exceed the longest redelivery or replay horizon, or
-    /// late duplicates are processed again.
-    #[arg(long, value_name = "DURATION")]
-    pub older_than: String,
-    /// Rows per statement.
-    #[arg(long, default_value_t = 1000, value_name = "N")]
-    pub batch_size: usize,
-    /// Pause between batches, e.g. 50ms (eases load on a busy database).
-    #[arg(long, default_value = "0s", value_name = "DURATION")]
-    pub pause: String,
-    /// Move rows to outbox_messages_archive / inbox_records_archive instead of deleting
-    /// them.
-    #[arg(long)]
-    pub archive: bool,
-    /// Leave inbox records (and processed durable-inbox messages) alone.
-    #[arg(long)]
-    pub outbox_only: bool,
-    /// Leave the outbox alone.
-    #[arg(long, conflicts_with = "outbox_only")]
-    pub inbox_only: bool,
-    /// Print the report as JSON.
-    #[arg(long)]
-    pub json: bool,
 }

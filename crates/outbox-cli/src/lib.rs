@@ -49,15 +49,14 @@ use std::process::ExitCode;
 
 use chrono::Utc;
 use clap::Parser as _;
-use outbox_core::OutboxAdmin;
 use tokio_util::sync::CancellationToken;
 
 pub use cli::Cli;
 pub use error::CliError;
 
-use crate::cli::{Command, DeadCommand, InboxCommand, InboxDeadCommand, LogFormat};
-use crate::config::{DbSettings, FileConfig, RelaySettings, parse_duration};
-use crate::output::{json, opt, secs, short, table};
+use crate::cli::{Command, DeadCommand, InboxCommand, InboxDeadCommand, LogFormat, RelayArgs};
+use crate::commands::{Validated, dead, inbox_dead, migrate, purge, reconcile, stats};
+use crate::config::{DbSettings, FileConfig, RelaySettings};
 
 /// Parses `args`, sets up logging, runs the command on a multi-threaded runtime and
 /// maps the result to an exit code (0 ok, 1 runtime failure, 2 bad input; clap's own
@@ -146,370 +145,53 @@ fn load_file(cli: &Cli) -> Result<FileConfig, CliError> {
 /// Any [`CliError`]; input is validated before anything is changed.
 pub async fn run(cli: Cli, out: &mut dyn Write) -> Result<(), CliError> {
     let file = load_file(&cli)?;
-    if let Command::Relay(args) = &cli.command {
-        let settings = RelaySettings::resolve(&cli, args, &file)?;
-        let shutdown = CancellationToken::new();
-        let relay = relay::Relay::start(&settings, shutdown.clone()).await?;
-        tokio::spawn(relay::cancel_on_signal(shutdown));
-        relay.wait().await?;
-        return Ok(());
-    }
-    let db = DbSettings::resolve(&cli, &file)?;
     let now = Utc::now();
-    // Validate the command's input before connecting.
-    let prepared = prepare(&cli.command, now)?;
-    let outbox = database::connect_admin(&db.url, &db.schema).await?;
-    execute(&cli.command, prepared, &*outbox, out).await
-}
-
-/// Parsed arguments of a command (filters, durations), validated up front.
-enum Prepared {
-    None,
-    Filter(outbox_core::MessageFilter),
-    InboxFilter(outbox_core::InboxDeadFilter),
-    Purge {
-        older_than: std::time::Duration,
-        pause: std::time::Duration,
-    },
-}
-
-fn prepare(command: &Command, now: chrono::DateTime<Utc>) -> Result<Prepared, CliError> {
-    Ok(match command {
-        Command::Dead {
-            command: DeadCommand::List(a),
-        } => Prepared::Filter(commands::message_filter(&a.filter, now)?),
-        Command::Dead {
-            command: DeadCommand::Replay(a),
-        } => Prepared::Filter(commands::message_filter(&a.filter, now)?),
-        Command::Inbox {
-            command:
-                InboxCommand::Dead {
-                    command: InboxDeadCommand::List(a),
-                },
-        } => Prepared::InboxFilter(commands::inbox_filter(&a.filter, now)?),
-        Command::Inbox {
-            command:
-                InboxCommand::Dead {
-                    command: InboxDeadCommand::Replay(a),
-                },
-        } => Prepared::InboxFilter(commands::inbox_filter(&a.filter, now)?),
-        Command::Purge(a) => Prepared::Purge {
-            older_than: parse_duration("older_than", &a.older_than)?,
-            pause: parse_duration("pause", &a.pause)?,
+    // Each arm validates its command's input; `admin` connects only if that succeeded.
+    match &cli.command {
+        Command::Relay(args) => run_relay(&cli, args, &file).await,
+        Command::Migrate => admin(&cli, &file, migrate::validate(), out).await,
+        Command::Stats(a) => admin(&cli, &file, stats::validate(a), out).await,
+        Command::Reconcile(a) => admin(&cli, &file, reconcile::validate(a, now), out).await,
+        Command::Dead { command } => match command {
+            DeadCommand::List(a) => admin(&cli, &file, dead::validate_list(a, now), out).await,
+            DeadCommand::Replay(a) => admin(&cli, &file, dead::validate_replay(a, now), out).await,
         },
-        Command::Reconcile(a) => {
-            config::parse_window(a.since.as_deref(), a.until.as_deref(), now)?;
-            Prepared::None
-        }
-        _ => Prepared::None,
-    })
+        Command::Inbox {
+            command: InboxCommand::Dead { command },
+        } => match command {
+            InboxDeadCommand::List(a) => {
+                admin(&cli, &file, inbox_dead::validate_list(a, now), out).await
+            }
+            InboxDeadCommand::Replay(a) => {
+                admin(&cli, &file, inbox_dead::validate_replay(a, now), out).await
+            }
+        },
+        Command::Purge(a) => admin(&cli, &file, purge::validate(a), out).await,
+    }
 }
 
-async fn execute(
-    command: &Command,
-    prepared: Prepared,
-    outbox: &dyn OutboxAdmin,
+/// `outbox relay`: runs until SIGINT/SIGTERM.
+async fn run_relay(cli: &Cli, args: &RelayArgs, file: &FileConfig) -> Result<(), CliError> {
+    let settings = RelaySettings::resolve(cli, args, file)?;
+    let shutdown = CancellationToken::new();
+    let relay = relay::Relay::start(&settings, shutdown.clone()).await?;
+    tokio::spawn(relay::cancel_on_signal(shutdown));
+    relay.wait().await?;
+    Ok(())
+}
+
+/// An admin command: resolves the database settings, then takes the command's
+/// validation result, and only when both are good connects and runs it.
+async fn admin(
+    cli: &Cli,
+    file: &FileConfig,
+    command: Result<impl Validated, CliError>,
     out: &mut dyn Write,
 ) -> Result<(), CliError> {
-    match (command, prepared) {
-        (Command::Relay(_), _) => Ok(()),
-        (Command::Migrate, _) => {
-            let applied = outbox.migrate().await?;
-            if applied.is_empty() {
-                writeln!(out, "schema {} is up to date", outbox.schema())?;
-            } else {
-                writeln!(
-                    out,
-                    "schema {}: applied migrations {applied:?}",
-                    outbox.schema()
-                )?;
-            }
-            Ok(())
-        }
-        (Command::Stats(a), _) => {
-            let report = commands::stats(outbox, a.blocked_limit).await?;
-            if a.json {
-                return json(out, &report);
-            }
-            print_stats(out, &report)
-        }
-        (Command::Reconcile(a), _) => {
-            let rows = commands::reconcile(
-                outbox,
-                a.since.as_deref(),
-                a.until.as_deref(),
-                &a.consumers,
-                a.only_differences,
-            )
-            .await?;
-            if a.json {
-                return json(out, &rows);
-            }
-            let cells: Vec<Vec<String>> = rows
-                .iter()
-                .map(|r| {
-                    vec![
-                        r.day.to_string(),
-                        opt(r.tenant_id.as_deref()),
-                        r.event_type.clone(),
-                        r.consumer.clone(),
-                        r.written.to_string(),
-                        r.processed.to_string(),
-                        r.dead.to_string(),
-                        r.missing.to_string(),
-                    ]
-                })
-                .collect();
-            table(
-                out,
-                &[
-                    "DAY",
-                    "TENANT",
-                    "EVENT TYPE",
-                    "CONSUMER",
-                    "WRITTEN",
-                    "PROCESSED",
-                    "DEAD",
-                    "MISSING",
-                ],
-                &cells,
-            )?;
-            let missing: i64 = rows.iter().map(|r| r.missing).sum();
-            writeln!(out, "total difference: {missing}")?;
-            Ok(())
-        }
-        (
-            Command::Dead {
-                command: DeadCommand::List(a),
-            },
-            Prepared::Filter(filter),
-        ) => {
-            let rows = commands::dead_list(outbox, &filter, a.limit).await?;
-            if a.json {
-                return json(out, &rows);
-            }
-            let cells: Vec<Vec<String>> = rows
-                .iter()
-                .map(|m| {
-                    vec![
-                        m.id.to_string(),
-                        m.created_at.format("%Y-%m-%dT%H:%M:%SZ").to_string(),
-                        m.event_type.clone(),
-                        opt(m.tenant_id.as_deref()),
-                        format!(
-                            "{}/{}@{}",
-                            m.aggregate_type, m.aggregate_id, m.aggregate_version
-                        ),
-                        m.attempts.to_string(),
-                        short(m.last_error.as_deref(), 80),
-                    ]
-                })
-                .collect();
-            table(
-                out,
-                &[
-                    "ID",
-                    "CREATED",
-                    "EVENT TYPE",
-                    "TENANT",
-                    "AGGREGATE",
-                    "ATTEMPTS",
-                    "LAST ERROR",
-                ],
-                &cells,
-            )
-        }
-        (
-            Command::Dead {
-                command: DeadCommand::Replay(a),
-            },
-            Prepared::Filter(filter),
-        ) => {
-            let report = commands::dead_replay(outbox, &filter, a.dry_run, a.all).await?;
-            if a.json {
-                return json(out, &report);
-            }
-            writeln!(
-                out,
-                "{}matched {}, replayed {}, failed {}, elapsed {:.3}s",
-                if a.dry_run { "dry run: " } else { "" },
-                report.matched,
-                report.replayed,
-                report.failed,
-                report.elapsed_secs
-            )?;
-            Ok(())
-        }
-        (
-            Command::Inbox {
-                command:
-                    InboxCommand::Dead {
-                        command: InboxDeadCommand::List(a),
-                    },
-            },
-            Prepared::InboxFilter(filter),
-        ) => {
-            let rows = commands::inbox_dead_list(outbox, &filter, a.limit).await?;
-            if a.json {
-                return json(out, &rows);
-            }
-            let cells: Vec<Vec<String>> = rows
-                .iter()
-                .map(|d| {
-                    vec![
-                        format!("{:?}", d.kind).to_lowercase(),
-                        d.message_id.to_string(),
-                        opt(d.consumer.as_deref()),
-                        d.event_type.clone(),
-                        d.attempts.to_string(),
-                        d.at.format("%Y-%m-%dT%H:%M:%SZ").to_string(),
-                        short(d.last_error.as_deref(), 80),
-                    ]
-                })
-                .collect();
-            table(
-                out,
-                &[
-                    "KIND",
-                    "MESSAGE ID",
-                    "CONSUMER",
-                    "EVENT TYPE",
-                    "ATTEMPTS",
-                    "AT",
-                    "LAST ERROR",
-                ],
-                &cells,
-            )
-        }
-        (
-            Command::Inbox {
-                command:
-                    InboxCommand::Dead {
-                        command: InboxDeadCommand::Replay(a),
-                    },
-            },
-            Prepared::InboxFilter(filter),
-        ) => {
-            let report =
-                commands::inbox_dead_replay(outbox, &filter, a.dry_run, a.all, a.clear_only)
-                    .await?;
-            if a.json {
-                return json(out, &report);
-            }
-            writeln!(
-                out,
-                "{}matched {}, replayed {}, failed {}, elapsed {:.3}s",
-                if a.dry_run { "dry run: " } else { "" },
-                report.matched,
-                report.replayed,
-                report.failed,
-                report.elapsed_secs
-            )?;
-            Ok(())
-        }
-        (Command::Purge(a), Prepared::Purge { older_than, pause }) => {
-            let scope = commands::PurgeScope {
-                outbox: !a.inbox_only,
-                inbox: !a.outbox_only,
-            };
-            let report =
-                commands::purge(outbox, older_than, a.batch_size, pause, a.archive, scope).await?;
-            if a.json {
-                return json(out, &report);
-            }
-            writeln!(
-                out,
-                "{} {} sent outbox rows, {} inbox records; deleted {} processed durable-inbox messages; {} statements in {:.3}s",
-                if report.archived {
-                    "archived"
-                } else {
-                    "deleted"
-                },
-                report.outbox_sent,
-                report.inbox_records,
-                report.inbox_processed,
-                report.batches,
-                report.elapsed_secs
-            )?;
-            Ok(())
-        }
-        (_, _) => Err(CliError::Task("arguments were not prepared".into())),
-    }
-}
-
-fn print_stats(out: &mut dyn Write, r: &commands::StatsReport) -> Result<(), CliError> {
-    let t = &r.totals;
-    writeln!(
-        out,
-        "new {}  processing {}  sent {}  dead {}  oldest pending {}",
-        t.new,
-        t.processing,
-        t.sent,
-        t.dead,
-        secs(t.oldest_pending_age_secs)
-    )?;
-    writeln!(out)?;
-    let cells: Vec<Vec<String>> = r
-        .groups
-        .iter()
-        .map(|g| {
-            vec![
-                g.event_type.clone(),
-                opt(g.tenant_id.as_deref()),
-                g.new.to_string(),
-                g.processing.to_string(),
-                g.sent.to_string(),
-                g.dead.to_string(),
-                secs(g.oldest_pending_age_secs),
-            ]
-        })
-        .collect();
-    table(
-        out,
-        &[
-            "EVENT TYPE",
-            "TENANT",
-            "NEW",
-            "PROCESSING",
-            "SENT",
-            "DEAD",
-            "OLDEST PENDING",
-        ],
-        &cells,
-    )?;
-    if !r.blocked_keys.is_empty() {
-        writeln!(out)?;
-        writeln!(out, "blocked keys (ordered mode):")?;
-        let cells: Vec<Vec<String>> = r
-            .blocked_keys
-            .iter()
-            .map(|k| {
-                vec![
-                    k.key.clone(),
-                    k.head_id.to_string(),
-                    k.status.clone(),
-                    k.attempts.to_string(),
-                    k.waiting.to_string(),
-                    opt(k.blocked_since.map(|t| t.format("%Y-%m-%dT%H:%M:%SZ"))),
-                    short(k.last_error.as_deref(), 60),
-                ]
-            })
-            .collect();
-        table(
-            out,
-            &[
-                "KEY",
-                "HEAD",
-                "STATUS",
-                "ATTEMPTS",
-                "WAITING",
-                "SINCE",
-                "LAST ERROR",
-            ],
-            &cells,
-        )?;
-    }
-    Ok(())
+    let db = DbSettings::resolve(cli, file)?;
+    let command = command?;
+    let outbox = database::connect_admin(&db.url, &db.schema).await?;
+    command.run(&*outbox, out).await
 }
 
 #[cfg(test)]
