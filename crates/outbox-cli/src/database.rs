@@ -1,5 +1,5 @@
 //! Which database a URL names, and the admin capability
-//! ([`OutboxAdmin`](outbox_core::OutboxAdmin)) of each backend compiled in.
+//! ([`outbox_core::OutboxAdmin`]) of each backend compiled in.
 //!
 //! | URL or connection string | Backend | Cargo feature |
 //! |---|---|---|

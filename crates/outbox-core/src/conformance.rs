@@ -2,7 +2,7 @@
 //! every backend against itself (enable the `conformance` feature in dev-dependencies).
 //!
 //! A backend supplies a [`Harness`] (an isolated, migrated store, e.g. a fresh schema,
-//! plus a way to enqueue committed messages) and expands [`store_conformance_tests!`]:
+//! plus a way to enqueue committed messages) and expands [`store_conformance_tests!`](crate::store_conformance_tests):
 //!
 //! ```ignore
 //! async fn harness() -> MyHarness { /* fresh schema */ }

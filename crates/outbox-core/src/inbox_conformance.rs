@@ -4,7 +4,7 @@
 //! in dev-dependencies).
 //!
 //! A backend supplies an [`InboxHarness`] (an isolated inbox store, e.g. over a fresh
-//! schema) and expands [`inbox_conformance_tests!`] with the capabilities it implements:
+//! schema) and expands [`inbox_conformance_tests!`](crate::inbox_conformance_tests) with the capabilities it implements:
 //!
 //! ```ignore
 //! async fn harness() -> MyHarness { /* fresh schema */ }

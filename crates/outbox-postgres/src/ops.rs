@@ -7,7 +7,7 @@
 //! - [`PgOutbox::archive_sent`] / [`PgOutbox::archive_inbox_records`]: retention that
 //!   moves rows into the archive tables of migration 4 instead of deleting them (plain
 //!   deletion is [`OutboxStore::purge_sent`](outbox_core::OutboxStore::purge_sent) and
-//!   [`InboxStore::purge`](outbox_core::InboxStore::purge));
+//!   [`InboxStore::purge`]);
 //! - [`PgOutbox::inbox_dead_letters`] / [`PgOutbox::replay_inbox_dead_letters`]: the
 //!   consumer side's dead letters (idempotent-consumer failures and durable-inbox
 //!   `Dead` rows) and their replay.

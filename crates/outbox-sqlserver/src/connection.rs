@@ -348,7 +348,8 @@ impl MssqlTransaction {
         Ok(())
     }
 
-    /// Rolls back ([`ROLLBACK_IF_OPEN`]); the connection goes back to the pool.
+    /// Rolls back with `IF @@TRANCOUNT > 0 ROLLBACK TRANSACTION` (a no-op when `XACT_ABORT`
+    /// already ended the transaction); the connection goes back to the pool.
     ///
     /// A transaction the server already ended is rolled back as far as the caller is
     /// concerned, and this returns `Ok`: under `XACT_ABORT ON` (this crate's session

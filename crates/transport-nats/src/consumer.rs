@@ -485,7 +485,7 @@ impl NatsConsumer {
 
     /// Connects once, creates the durable consumer (or updates it to these settings),
     /// and disconnects. Call it before publishing when the consumer must exist first
-    /// (e.g. with [`Retention::Interest`](crate::Retention::Interest), where messages
+    /// (e.g. with [`StreamRetention::Interest`](crate::StreamRetention::Interest), where messages
     /// without an interested consumer are not kept).
     ///
     /// # Errors
