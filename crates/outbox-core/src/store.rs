@@ -515,8 +515,12 @@ pub trait InboxStore: Send + Sync + 'static {
     async fn rollback(&self, tx: Self::Transaction) -> Result<(), OutboxError>;
 
     /// Records `(message_id, consumer)` on `conn` (which should be inside a
-    /// transaction). Returns `true` if this is the first time, `false` for a duplicate.
-    /// Concurrent claims of the same pair MUST NOT both return `true` once committed.
+    /// transaction). Returns `true` if this is the first time, `false` for a duplicate:
+    /// a record committed earlier, or a claim of the same pair earlier in this same
+    /// transaction. Concurrent claims of the same pair MUST NOT both return `true` once
+    /// committed: the second waits for the first's transaction, and gets `false` if it
+    /// committed, `true` if it rolled back. A rolled-back claim leaves no record. (The
+    /// inbox conformance suite, `inbox_conformance_tests!`, checks all of it.)
     ///
     /// # Errors
     /// [`OutboxError::Database`] on database failure.
@@ -550,8 +554,8 @@ pub trait InboxStore: Send + Sync + 'static {
         Ok(claimed)
     }
 
-    /// Deletes up to `batch_size` inbox records older than `older_than`; returns how
-    /// many. A duplicate that arrives after its record was purged is processed again,
+    /// Deletes up to `batch_size` inbox records whose age is at least `older_than`
+    /// (so `Duration::ZERO` purges every committed record); returns how many. A duplicate that arrives after its record was purged is processed again,
     /// so `older_than` must exceed the longest redelivery or replay horizon.
     ///
     /// # Errors
