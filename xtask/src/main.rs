@@ -16,7 +16,8 @@
 //! * `cargo xtask lint` checks formatting and runs clippy with warnings denied.
 //! * `cargo xtask features` checks that the `outbox` facade crate builds with each
 //!   feature combination a user can pick (none, each alone, each database × broker
-//!   pair, with and without `inbox`, all).
+//!   pair, with and without `inbox`, all), and the `outbox` binary with each database
+//!   × broker pair.
 //!
 //! Child processes get `DATABASE_URL`, `AMQP_URL` and `NATS_URL` pointing at
 //! the local services unless those variables are already set.
@@ -103,7 +104,7 @@ enum Cmd {
     Lint,
     /// `cargo check` the `outbox` facade crate with every feature combination a user
     /// can pick: none, each feature alone, each database × broker pair with and without
-    /// `inbox`, and all features.
+    /// `inbox`, and all features; and `outbox-cli` with each database × broker pair.
     Features,
 }
 
