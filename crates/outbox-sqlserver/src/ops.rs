@@ -38,12 +38,14 @@ pub use outbox_core::admin::{
     PENDING_STATS_BOUND, ReconcileRow,
 };
 
-/// The most rows one archive statement moves. A `batch_size` above it is moved in
-/// several statements of at most this many rows inside one transaction: each statement
-/// then takes at most about 4,000 row and key locks (a row of `outbox_messages` has a
-/// key in up to four indexes), below the 5,000 locks on one table at which SQL Server
-/// escalates a statement's locks to a table lock, which would block the relay.
-pub const MAX_ROWS_PER_STATEMENT: usize = 1_000;
+/// The most rows one bulk statement touches (archive moves, completions, purges,
+/// replays: the crate's one bound, `sql::ROWS_PER_STATEMENT`). A `batch_size` above it
+/// is moved in several statements of at most this many rows inside one transaction:
+/// each statement then takes at most about 4,000 row and key locks (a row of
+/// `outbox_messages` has a key in up to four indexes), below the 5,000 locks on one
+/// table at which SQL Server escalates a statement's locks to a table lock, which would
+/// block the relay.
+pub const MAX_ROWS_PER_STATEMENT: usize = crate::sql::ROWS_PER_STATEMENT as usize;
 
 /// How many of the oldest visible messages [`MssqlOutbox::oldest_claimable_wait`]
 /// examines in per-key mode.
@@ -925,6 +927,7 @@ impl OutboxAdmin for MssqlOutbox {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::sql::without_literals;
 
     /// Every statement of this module, rendered for `schema`.
     fn all(schema: &str) -> Vec<(&'static str, String)> {
@@ -969,21 +972,6 @@ mod tests {
         found.sort_unstable();
         found.dedup();
         found
-    }
-
-    /// Strips the contents of N'...' / '...' literals, leaving the quotes.
-    fn without_literals(sql: &str) -> String {
-        let mut out = String::new();
-        let mut in_lit = false;
-        for c in sql.chars() {
-            if c == '\'' {
-                in_lit = !in_lit;
-                out.push(c);
-            } else if !in_lit {
-                out.push(c);
-            }
-        }
-        out
     }
 
     #[test]

@@ -865,6 +865,23 @@ pub(crate) fn like_escape(text: &str) -> String {
     out
 }
 
+/// Strips the contents of N'...' / '...' literals, leaving the quotes (for the unit
+/// tests of the rendered SQL here and in `ops`).
+#[cfg(test)]
+pub(crate) fn without_literals(sql: &str) -> String {
+    let mut out = String::new();
+    let mut in_lit = false;
+    for c in sql.chars() {
+        if c == '\'' {
+            in_lit = !in_lit;
+            out.push(c);
+        } else if !in_lit {
+            out.push(c);
+        }
+    }
+    out
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -911,21 +928,6 @@ mod tests {
         for (name, sql) in all_outbox(&q).into_iter().chain(all_inbox(&iq)) {
             println!("-- ===== {name}\n{sql}\nGO\n");
         }
-    }
-
-    /// Strips the contents of N'...' / '...' literals, leaving the quotes.
-    fn without_literals(sql: &str) -> String {
-        let mut out = String::new();
-        let mut in_lit = false;
-        for c in sql.chars() {
-            if c == '\'' {
-                in_lit = !in_lit;
-                out.push(c);
-            } else if !in_lit {
-                out.push(c);
-            }
-        }
-        out
     }
 
     #[test]
