@@ -7,7 +7,7 @@ mod common;
 use std::sync::Arc;
 use std::time::Duration;
 
-use common::rabbit::{eventually, fixture};
+use common::rabbit::{Fixture, eventually, fixture};
 use common::{database_url, enqueue_committed, fresh_outbox};
 use lapin::types::FieldTable;
 use outbox_core::{Dispatcher, DispatcherConfig, MessageStatus, NewMessage, OutboxStore};
@@ -81,6 +81,48 @@ async fn one_notification_per_transaction() {
     );
 }
 
+/// A dispatcher over `outbox` that polls only once a minute, publishing to an exchange
+/// of its own (the fixture keeps it, with a bound queue).
+async fn slow_polling_dispatcher(
+    outbox: &Arc<PgOutbox>,
+) -> (Dispatcher<PgOutbox, RabbitPublisher>, Fixture) {
+    let fx = fixture(true, FieldTable::default()).await;
+    let publisher = RabbitPublisher::connect(
+        RabbitConfig::builder(common::rabbit::amqp_url())
+            .with_exchange(&fx.exchange)
+            .with_declare_exchange(false)
+            .build()
+            .expect("config"),
+    )
+    .await
+    .expect("publisher");
+    let dispatcher = Dispatcher::new(
+        Arc::clone(outbox),
+        Arc::new(publisher),
+        DispatcherConfig::new().with_poll_interval(Duration::from_secs(60)),
+    );
+    (dispatcher, fx)
+}
+
+/// Whether every one of `messages` is `Sent` within 10 seconds.
+async fn sent_within_10s(outbox: &Arc<PgOutbox>, messages: &[NewMessage]) -> bool {
+    let ids: Vec<uuid::Uuid> = messages.iter().map(|m| m.id).collect();
+    eventually(Duration::from_secs(10), || {
+        let ids = ids.clone();
+        let outbox = Arc::clone(outbox);
+        async move {
+            for id in ids {
+                let m = outbox.get(id).await.expect("get").expect("row");
+                if m.status != MessageStatus::Sent {
+                    return false;
+                }
+            }
+            true
+        }
+    })
+    .await
+}
+
 /// The backend of the connection listening for `application_name`, once it listens.
 async fn listening_backend(admin: &sqlx::PgPool, application_name: &str) -> Option<i32> {
     sqlx::query_scalar(
@@ -106,21 +148,7 @@ async fn a_notification_wakes_a_slow_polling_relay_and_survives_a_lost_connectio
         .await
         .expect("connect");
     let outbox = Arc::new(PgOutbox::new(pool, migrated.schema()).expect("outbox"));
-    let fx = fixture(true, FieldTable::default()).await;
-    let publisher = RabbitPublisher::connect(
-        RabbitConfig::builder(common::rabbit::amqp_url())
-            .with_exchange(&fx.exchange)
-            .with_declare_exchange(false)
-            .build()
-            .expect("config"),
-    )
-    .await
-    .expect("publisher");
-    let dispatcher = Dispatcher::new(
-        Arc::clone(&outbox),
-        Arc::new(publisher),
-        DispatcherConfig::new().with_poll_interval(Duration::from_secs(60)),
-    );
+    let (dispatcher, _fx) = slow_polling_dispatcher(&outbox).await;
     let token = CancellationToken::new();
     let listener = outbox.spawn_wake_listener(dispatcher.wake_handle(), token.clone());
     let relay = {
@@ -138,26 +166,10 @@ async fn a_notification_wakes_a_slow_polling_relay_and_survives_a_lost_connectio
     // The relay's first claims found nothing: it now waits up to a minute.
     tokio::time::sleep(Duration::from_secs(2)).await;
 
-    let sent_within = async |ids: Vec<uuid::Uuid>| {
-        eventually(Duration::from_secs(10), || {
-            let ids = ids.clone();
-            let outbox = Arc::clone(&outbox);
-            async move {
-                for id in ids {
-                    let m = outbox.get(id).await.expect("get").expect("row");
-                    if m.status != MessageStatus::Sent {
-                        return false;
-                    }
-                }
-                true
-            }
-        })
-        .await
-    };
     let first = orders(5);
     enqueue_committed(&migrated, &first).await;
     assert!(
-        sent_within(first.iter().map(|m| m.id).collect()).await,
+        sent_within_10s(&outbox, &first).await,
         "a notification woke the relay"
     );
 
@@ -182,7 +194,7 @@ async fn a_notification_wakes_a_slow_polling_relay_and_survives_a_lost_connectio
     let second = orders(5);
     enqueue_committed(&migrated, &second).await;
     assert!(
-        sent_within(second.iter().map(|m| m.id).collect()).await,
+        sent_within_10s(&outbox, &second).await,
         "the reconnected listener wakes the relay"
     );
     token.cancel();
@@ -207,21 +219,7 @@ async fn a_listener_that_cannot_listen_stands_in_for_the_notifications() {
         .expect("connect as the listener's role");
     let listening = PgOutbox::new(listen_pool, migrated.schema()).expect("outbox");
     let outbox = Arc::new(migrated.clone());
-    let fx = fixture(true, FieldTable::default()).await;
-    let publisher = RabbitPublisher::connect(
-        RabbitConfig::builder(common::rabbit::amqp_url())
-            .with_exchange(&fx.exchange)
-            .with_declare_exchange(false)
-            .build()
-            .expect("config"),
-    )
-    .await
-    .expect("publisher");
-    let dispatcher = Dispatcher::new(
-        Arc::clone(&outbox),
-        Arc::new(publisher),
-        DispatcherConfig::new().with_poll_interval(Duration::from_secs(60)),
-    );
+    let (dispatcher, _fx) = slow_polling_dispatcher(&outbox).await;
     let token = CancellationToken::new();
     lockout.lock_out().await;
     let listener = listening.spawn_wake_listener(dispatcher.wake_handle(), token.clone());
@@ -233,20 +231,7 @@ async fn a_listener_that_cannot_listen_stands_in_for_the_notifications() {
     tokio::time::sleep(Duration::from_secs(2)).await;
     let batch = orders(5);
     enqueue_committed(&migrated, &batch).await;
-    let sent = eventually(Duration::from_secs(10), || {
-        let ids: Vec<_> = batch.iter().map(|m| m.id).collect();
-        let outbox = Arc::clone(&outbox);
-        async move {
-            for id in ids {
-                let m = outbox.get(id).await.expect("get").expect("row");
-                if m.status != MessageStatus::Sent {
-                    return false;
-                }
-            }
-            true
-        }
-    })
-    .await;
+    let sent = sent_within_10s(&outbox, &batch).await;
     lockout.let_in().await;
     token.cancel();
     relay.await.expect("join").expect("relay");
