@@ -145,7 +145,8 @@ impl FileConfig {
 /// Database settings shared by every command. `Debug` hides the URL's password.
 #[derive(Clone, PartialEq, Eq)]
 pub struct DbSettings {
-    /// PostgreSQL URL (validated).
+    /// Database URL or connection string (validated; it picks the backend, see
+    /// [`crate::database`]).
     pub url: String,
     /// Schema (validated).
     pub schema: String,

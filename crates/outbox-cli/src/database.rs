@@ -15,6 +15,7 @@
 
 use outbox_core::OutboxAdmin;
 
+use crate::config::DbSettings;
 use crate::error::CliError;
 
 /// A database backend of the `outbox` binary.
@@ -200,28 +201,24 @@ fn redact_ado(text: &str) -> String {
     }
 }
 
-/// Connects to the database of `url` in `schema`, as the admin capability every
-/// command uses (the relay builds its own store, with its settings).
+/// Connects to the database of `db` (its URL picks the backend) in its schema, as the
+/// admin capability every command uses (the relay builds its own store, with its
+/// settings, from the same [`DbSettings`] configurations).
 ///
 /// # Errors
 /// [`CliError::FeatureMissing`] when the backend is compiled out,
 /// [`CliError::Invalid`] for a malformed URL, [`CliError::Store`] when the database
 /// cannot be reached.
-pub async fn connect_admin(url: &str, schema: &str) -> Result<Box<dyn OutboxAdmin>, CliError> {
-    match DatabaseKind::of_url(url)?.require()? {
+pub async fn connect_admin(db: &DbSettings) -> Result<Box<dyn OutboxAdmin>, CliError> {
+    match db.kind()?.require()? {
         #[cfg(feature = "postgres")]
-        DatabaseKind::Postgres => {
-            let config = outbox_postgres::PgConfig::new(url).with_schema(schema);
-            Ok(Box::new(outbox_postgres::PgOutbox::connect(&config).await?))
-        }
+        DatabaseKind::Postgres => Ok(Box::new(
+            outbox_postgres::PgOutbox::connect(&db.pg_config()).await?,
+        )),
         #[cfg(feature = "sqlserver")]
-        DatabaseKind::SqlServer => {
-            let config = outbox_sqlserver::MssqlConfig::new(sqlserver_connection_string(url)?)
-                .with_schema(schema);
-            Ok(Box::new(
-                outbox_sqlserver::MssqlOutbox::connect(&config).await?,
-            ))
-        }
+        DatabaseKind::SqlServer => Ok(Box::new(
+            outbox_sqlserver::MssqlOutbox::connect(&db.mssql_config()?).await?,
+        )),
         #[allow(unreachable_patterns)] // reason: `require` failed for a compiled-out one
         other => Err(other.missing()),
     }

@@ -190,7 +190,7 @@ async fn admin(
 ) -> Result<(), CliError> {
     let db = DbSettings::resolve(cli, file)?;
     let command = command?;
-    let outbox = database::connect_admin(&db.url, &db.schema).await?;
+    let outbox = database::connect_admin(&db).await?;
     command.run(&*outbox, out).await
 }
 

@@ -56,7 +56,11 @@ async fn scenario(url: &str, backend: &dyn Backend) {
 
     let messages: Vec<NewMessage> = (0..5).map(message).collect();
     backend.enqueue(url, &schema, &messages).await;
-    let store: Box<dyn OutboxAdmin> = outbox_cli::database::connect_admin(url, &schema)
+    let db = outbox_cli::config::DbSettings {
+        url: url.to_owned(),
+        schema: schema.clone(),
+    };
+    let store: Box<dyn OutboxAdmin> = outbox_cli::database::connect_admin(&db)
         .await
         .expect("connect");
     let claimed = store
