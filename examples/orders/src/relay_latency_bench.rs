@@ -12,7 +12,11 @@
 //! 2. commit-to-publish at 20 and 500 messages/s, one single-row transaction per message
 //!    on a fixed schedule, from a pool of connections (so a slow commit does not delay
 //!    the next one): `sent_at - created_at` (database clock, from the producer's
-//!    transaction start to the relay's recording of the broker's confirm);
+//!    transaction start to the relay's recording of the broker's confirm),
+//!    split where the producer's commit returned (this host's wall clock): the
+//!    producer's transaction, and the relay's part after it; then the 500 msg/s rate
+//!    once more with the trigger disabled and the relay polling every 10 ms, which
+//!    leaves only what no wake-up can remove;
 //! 3. what the notification trigger costs producers: 4 writers of single-row
 //!    transactions with the trigger and without it (`DISABLE TRIGGER`), in alternating
 //!    windows, while a connection LISTENs (the relay stopped, so its publishing takes no
@@ -25,10 +29,11 @@
 //! (the same dispatcher and publisher as the throughput rounds) from the backlog and
 //! from a table of `--messages` rows, in rounds of alternating order.
 
+use std::collections::HashMap;
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering as AtomicOrdering};
-use std::time::{Duration, Instant};
+use std::time::{Duration, Instant, SystemTime};
 
 use anyhow::{Context as _, bail};
 use outbox_core::{EventPublisher, NewMessage};
@@ -203,50 +208,111 @@ async fn wait_sent(
 }
 
 /// Writes `rate` single-row transactions per second for `secs` seconds on a fixed
-/// schedule; returns how far behind schedule the last write started.
+/// schedule; returns how far behind schedule the last write started, and when each
+/// message's commit returned to this producer (wall clock, by aggregate id).
 async fn produce(
     outbox: &PgOutbox,
     aggregate: &str,
     rate: u64,
     secs: u64,
     body: &str,
-) -> anyhow::Result<Duration> {
+) -> anyhow::Result<(Duration, HashMap<u64, SystemTime>)> {
     let total = rate * secs;
     let start = tokio::time::Instant::now();
     let mut writes = tokio::task::JoinSet::new();
     let mut behind = Duration::ZERO;
+    let mut committed = HashMap::new();
     for i in 0..total {
         let at = start + Duration::from_secs_f64(i as f64 / rate as f64);
         tokio::time::sleep_until(at).await;
         behind = tokio::time::Instant::now() - at;
         let (outbox, msg) = (outbox.clone(), message(aggregate, i, body)?);
-        writes.spawn(async move { write_one(&outbox, &msg).await });
+        writes.spawn(async move {
+            write_one(&outbox, &msg).await?;
+            anyhow::Ok((i, SystemTime::now()))
+        });
         while let Some(done) = writes.try_join_next() {
-            done??;
+            let (i, at) = done??;
+            committed.insert(i, at);
         }
     }
     while let Some(done) = writes.join_next().await {
-        done??;
+        let (i, at) = done??;
+        committed.insert(i, at);
     }
-    Ok(behind)
+    Ok((behind, committed))
 }
 
-/// Commit-to-publish of the messages of `aggregate`: p50, p99, max (milliseconds in).
+/// p50, p99 and max of latencies in milliseconds.
+#[derive(Debug, Clone, Copy)]
+struct Spread {
+    p50: Duration,
+    p99: Duration,
+    max: Duration,
+}
+
+impl Spread {
+    fn of(ms: &[f64]) -> anyhow::Result<Self> {
+        let (p50, p99) = common::percentiles(ms).context("no latencies")?;
+        let max = ms.iter().copied().fold(0.0_f64, f64::max);
+        Ok(Self {
+            p50,
+            p99,
+            max: Duration::from_secs_f64(max.max(0.0) / 1000.0),
+        })
+    }
+}
+
+impl std::fmt::Display for Spread {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "p50 {} p99 {} max {}",
+            common::ms(self.p50),
+            common::ms(self.p99),
+            common::ms(self.max)
+        )
+    }
+}
+
+/// Commit-to-publish of the messages of `aggregate` (`sent_at - created_at`), and the
+/// same split where the producer's commit returned (`committed`, this host's wall
+/// clock, which is also the database's: one machine): the producer's transaction
+/// (`created_at` to its commit returning) and the relay's part (commit returned to the
+/// broker's confirm recorded).
 async fn latencies(
     outbox: &PgOutbox,
     aggregate: &str,
-) -> anyhow::Result<(Duration, Duration, Duration)> {
-    let ms: Vec<f64> = sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
-        "SELECT extract(epoch FROM sent_at - created_at)::float8 * 1000
+    committed: &HashMap<u64, SystemTime>,
+) -> anyhow::Result<(Spread, Spread, Spread)> {
+    let rows: Vec<(String, f64, f64)> = sqlx::query_as(sqlx::AssertSqlSafe(format!(
+        "SELECT aggregate_id, extract(epoch FROM created_at)::float8,
+                extract(epoch FROM sent_at)::float8
            FROM {}.outbox_messages WHERE aggregate_type = $1 AND status = 1",
         outbox.schema()
     )))
     .bind(aggregate)
     .fetch_all(outbox.pool())
     .await?;
-    let (p50, p99) = common::percentiles(&ms).context("no latencies")?;
-    let max = ms.iter().copied().fold(0.0_f64, f64::max);
-    Ok((p50, p99, Duration::from_secs_f64(max / 1000.0)))
+    let (mut total, mut producer, mut relay) = (Vec::new(), Vec::new(), Vec::new());
+    for (id, created, sent) in rows {
+        total.push((sent - created) * 1000.0);
+        let returned = id
+            .parse::<u64>()
+            .ok()
+            .and_then(|i| committed.get(&i))
+            .and_then(|at| at.duration_since(SystemTime::UNIX_EPOCH).ok());
+        if let Some(returned) = returned {
+            let returned = returned.as_secs_f64();
+            producer.push((returned - created) * 1000.0);
+            relay.push((sent - returned) * 1000.0);
+        }
+    }
+    Ok((
+        Spread::of(&total)?,
+        Spread::of(&producer)?,
+        Spread::of(&relay)?,
+    ))
 }
 
 /// The latency phase's outbox, in a database of its own: PostgreSQL counts
@@ -353,24 +419,7 @@ async fn relay_process_phases(outbox: &Db, broker: &Broker, body: &str) -> anyho
         );
 
         for rate in RATES {
-            let aggregate = format!("rate{rate}");
-            let behind = produce(outbox, &aggregate, rate, RATE_SECS, body).await?;
-            wait_sent(
-                outbox,
-                &aggregate,
-                rate * RATE_SECS,
-                Duration::from_secs(60),
-            )
-            .await?;
-            let (p50, p99, max) = latencies(outbox, &aggregate).await?;
-            println!(
-                "commit-to-publish at {rate} msg/s for {RATE_SECS} s ({} single-row transactions; the last started {} behind schedule): p50 {} p99 {} max {}",
-                rate * RATE_SECS,
-                common::ms(behind),
-                common::ms(p50),
-                common::ms(p99),
-                common::ms(max)
-            );
+            rate_phase(outbox, &format!("rate{rate}"), rate, body).await?;
         }
         anyhow::Ok(())
     }
@@ -392,7 +441,57 @@ async fn relay_process_phases(outbox: &Db, broker: &Broker, body: &str) -> anyho
             tps - base_tps
         );
     }
+    without_notifications(outbox, broker, body).await?;
     notify_cost(outbox, body).await
+}
+
+/// Produces `rate` messages/s of `aggregate` for [`RATE_SECS`], waits until the relay
+/// has published them all and prints their commit-to-publish, split where the
+/// producer's commit returned.
+async fn rate_phase(
+    outbox: &PgOutbox,
+    aggregate: &str,
+    rate: u64,
+    body: &str,
+) -> anyhow::Result<()> {
+    let (behind, committed) = produce(outbox, aggregate, rate, RATE_SECS, body).await?;
+    wait_sent(outbox, aggregate, rate * RATE_SECS, Duration::from_secs(60)).await?;
+    let (total, producer, relay) = latencies(outbox, aggregate, &committed).await?;
+    println!(
+        "commit-to-publish at {rate} msg/s for {RATE_SECS} s ({} single-row transactions; the last started {} behind schedule): {total}; of which the producer's transaction (start to its commit returning): {producer}; the relay (commit returned to confirm recorded): {relay}",
+        rate * RATE_SECS,
+        common::ms(behind),
+    );
+    Ok(())
+}
+
+/// The 500 msg/s phase once more without push wake-up: the notification trigger
+/// disabled and the relay polling every 10 ms. What is left of the latency is the
+/// producer's commit, the claim, the broker's confirm and the completion: the part no
+/// wake-up can remove.
+async fn without_notifications(outbox: &Db, broker: &Broker, body: &str) -> anyhow::Result<()> {
+    let trigger = |switch: &str| {
+        format!(
+            "ALTER TABLE {}.outbox_messages {switch} TRIGGER outbox_messages_notify",
+            outbox.schema()
+        )
+    };
+    sqlx::query(sqlx::AssertSqlSafe(trigger("DISABLE")))
+        .execute(outbox.pool())
+        .await?;
+    let relay = spawn_relay(outbox, broker, &["--poll-interval", "10ms"])?;
+    let rate = RATES[RATES.len() - 1];
+    let measured = async {
+        wait_ready(outbox, "probe_poll", body).await?;
+        println!("without notifications (trigger disabled, relay with --poll-interval 10ms):");
+        rate_phase(outbox, &format!("poll{rate}"), rate, body).await
+    }
+    .await;
+    stop(relay).await?;
+    sqlx::query(sqlx::AssertSqlSafe(trigger("ENABLE")))
+        .execute(outbox.pool())
+        .await?;
+    measured
 }
 
 /// Returns once the relay has published a first message (it connects to the broker
