@@ -56,11 +56,14 @@ pub trait Broker: Sized + Send + Sync + 'static {
     /// (RabbitMQ) the consumer receives it again.
     const DROPS_REPUBLISHED: bool;
 
-    /// A fresh destination with its consumer already recording; panics if the broker
-    /// is unreachable.
+    /// A fresh destination with its consumer already recording. The destination MUST
+    /// receive nothing but what this test's publishers send, so tests run in parallel;
+    /// the consumer MUST record every delivery in the order the broker hands them out
+    /// (the order it accepted them) and MUST NOT reorder or drop any. Panics if the
+    /// broker is unreachable.
     async fn setup() -> Self;
 
-    /// What the consumer received so far.
+    /// What the consumer received so far, in arrival order.
     fn arrivals(&self) -> &Arrivals;
 
     /// A new publisher (its own connection) writing to this destination.
