@@ -1,6 +1,7 @@
-//! Ordered delivery per partition key, end to end on the real PostgreSQL and RabbitMQ:
-//! the shared suite of `outbox-testkit` (a real consumer reads the broker and checks
-//! every key's order), run against this backend.
+//! Ordered delivery per partition key, end to end on the real PostgreSQL over each
+//! broker, RabbitMQ and NATS JetStream: the shared suite of `outbox-testkit` (a real
+//! consumer reads the broker and checks every key's order), run against this backend
+//! (`ordered_delivery::rabbit::*` and `ordered_delivery::nats::*`).
 
 mod common;
 

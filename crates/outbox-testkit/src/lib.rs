@@ -11,12 +11,14 @@
 //! - [`pg`]: a PostgreSQL outage for one consumer only (a role of its own, locked out
 //!   and let in again);
 //! - [`ordered`]: the ordered-delivery suite (dispatcher in `Ordering::PerKey` mode,
-//!   real broker, a consumer checking every key's order), generic over the
-//!   conformance [`Harness`](outbox_core::conformance::Harness), expanded by
-//!   [`ordered_delivery_tests!`].
+//!   a real broker, a consumer checking every key's order), generic over the
+//!   conformance [`Harness`](outbox_core::conformance::Harness) and the
+//!   [`Broker`](ordered::Broker), expanded by [`ordered_delivery_tests!`] over both
+//!   RabbitMQ and NATS JetStream.
 //!
 //! ```ignore
 //! async fn harness() -> MyHarness { /* fresh schema */ }
+//! // mod ordered_delivery { mod rabbit { .. } mod nats { .. } }
 //! outbox_testkit::ordered_delivery_tests!(harness);
 //! ```
 
