@@ -20,7 +20,9 @@
 //! - the [`metrics`] the dispatcher records (names, units, labels), through the
 //!   `metrics` facade;
 //! - with the `conformance` feature, the store conformance suite (`conformance`) and
-//!   the inbox conformance suite (`inbox_conformance`) every backend runs.
+//!   the inbox conformance suite (`inbox_conformance`) every backend runs, and the
+//!   transport conformance suite (`transport_conformance`) every transport runs against
+//!   its broker.
 //!
 //! Backends (`outbox-postgres`) write messages in the caller's transaction; transports
 //! (`transport-rabbit`) publish them.
@@ -68,6 +70,8 @@ pub mod wire;
 pub mod conformance;
 #[cfg(feature = "conformance")]
 pub mod inbox_conformance;
+#[cfg(feature = "conformance")]
+pub mod transport_conformance;
 
 pub use admin::{
     GroupStats, InboxDeadFilter, InboxDeadKind, InboxDeadLetter, InboxReplayReport, OutboxAdmin,
