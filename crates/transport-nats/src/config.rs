@@ -419,42 +419,6 @@ impl NatsConfig {
     pub fn connection_name(&self) -> &str {
         &self.connection_name
     }
-
-    /// Connect options for a client of this configuration: name, connect timeout, API
-    /// request timeout, unlimited reconnects (the default of async-nats, with its backoff
-    /// of up to 4 s between attempts).
-    pub(crate) fn connect_options(&self) -> async_nats::ConnectOptions {
-        async_nats::ConnectOptions::new()
-            .name(&self.connection_name)
-            .connection_timeout(self.connect_timeout)
-            .request_timeout(Some(self.connect_timeout))
-            .max_reconnects(None)
-    }
-
-    /// Connects a plain client (no event tracking), failing after the connect timeout.
-    pub(crate) async fn connect_client(&self) -> Result<async_nats::Client, NatsError> {
-        connect_with(self, self.connect_options()).await
-    }
-}
-
-/// Connects with `options`, failing after the connect timeout.
-pub(crate) async fn connect_with(
-    config: &NatsConfig,
-    options: async_nats::ConnectOptions,
-) -> Result<async_nats::Client, NatsError> {
-    let connecting = options.connect(config.servers().to_vec());
-    match tokio::time::timeout(config.connect_timeout(), connecting).await {
-        Ok(Ok(client)) => Ok(client),
-        Ok(Err(source)) => Err(NatsError::Connect {
-            url_redacted: config.url_redacted().to_owned(),
-            source: Box::new(source),
-        }),
-        Err(_) => Err(NatsError::Timeout {
-            operation: "connect",
-            url_redacted: config.url_redacted().to_owned(),
-            timeout: config.connect_timeout(),
-        }),
-    }
 }
 
 #[cfg(test)]

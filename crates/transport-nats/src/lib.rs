@@ -50,17 +50,21 @@
 
 mod batch;
 pub mod config;
+mod connection;
 pub mod consumer;
 pub mod error;
 pub mod publisher;
-pub mod stream;
+pub mod topology;
+
+/// The stream setup under its earlier name: [`topology`].
+pub use topology as stream;
 
 pub use config::{NatsConfig, NatsConfigBuilder};
 pub use consumer::{NatsConsumer, NatsConsumerBuilder};
 pub use error::{NatsError, redact_url};
 pub use outbox_core::consumer::{BatchDeliveryHandler, DeliveryHandler, HandlerDecision};
 pub use publisher::NatsPublisher;
-pub use stream::{Storage, StreamInfo, StreamRetention, StreamSetup};
+pub use topology::{Storage, StreamInfo, StreamRetention, StreamSetup};
 
 /// The NATS client this crate is built on, for its types (e.g.
 /// [`jetstream::Context`](async_nats::jetstream::Context) from

@@ -99,9 +99,10 @@ use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use tokio::time::{Instant, sleep_until, timeout, timeout_at};
 use tracing::{debug, info, warn};
 
-use crate::config::{NatsConfig, connect_with, subject_problem};
+use crate::config::{NatsConfig, subject_problem};
+use crate::connection::{connect_with, jetstream_ready};
 use crate::error::{NatsError, jetstream_error};
-use crate::stream::{StreamInfo, StreamSetup};
+use crate::topology::{StreamInfo, StreamSetup};
 
 /// The NATS header carrying the message id JetStream deduplicates on.
 pub const MSG_ID_HEADER: &str = "Nats-Msg-Id";
@@ -465,28 +466,6 @@ impl EventPublisher for NatsPublisher {
         jetstream_ready(&self.client, self.config.connect_timeout())
             .await
             .map_err(|reason| PublishError::unavailable(reason, None))
-    }
-}
-
-/// Asks the JetStream API for the account info (`$JS.API.INFO`) and checks the answer is
-/// not an error. `Err` carries a description.
-pub(crate) async fn jetstream_ready(
-    client: &async_nats::Client,
-    limit: Duration,
-) -> Result<(), String> {
-    let request = client.request("$JS.API.INFO", Bytes::new());
-    match timeout(limit, request).await {
-        Err(_) => Err(format!("JetStream did not answer within {limit:?}")),
-        Ok(Err(e)) => Err(format!("JetStream API request failed: {e}")),
-        Ok(Ok(reply)) => match serde_json::from_slice::<serde_json::Value>(&reply.payload) {
-            Ok(value) => match value.get("error") {
-                None => Ok(()),
-                Some(error) => Err(format!("JetStream answered with an error: {error}")),
-            },
-            Err(e) => Err(format!(
-                "JetStream answered something that is not JSON: {e}"
-            )),
-        },
     }
 }
 

@@ -69,10 +69,7 @@ use std::time::Duration;
 use futures::StreamExt;
 use futures::stream::FuturesUnordered;
 use lapin::message::Delivery;
-use lapin::options::{
-    BasicAckOptions, BasicCancelOptions, BasicConsumeOptions, BasicNackOptions, BasicQosOptions,
-    QueueBindOptions, QueueDeclareOptions,
-};
+use lapin::options::{BasicAckOptions, BasicCancelOptions, BasicConsumeOptions, BasicNackOptions};
 use lapin::types::{AMQPValue, DecimalValue, FieldTable, LongString, ShortString};
 use lapin::{BasicProperties, Channel, Connection};
 use outbox_core::consumer::{
@@ -85,8 +82,8 @@ use tokio_util::sync::CancellationToken;
 use tracing::{debug, error, info, warn};
 
 use crate::config::RabbitConfig;
+use crate::connection::close_connection;
 use crate::error::RabbitError;
-use crate::publisher::{declare_exchange, open_connection};
 
 /// Default number of unacknowledged deliveries (and concurrent handlers).
 pub const DEFAULT_PREFETCH: u16 = 100;
@@ -386,12 +383,12 @@ fn check_name(field: &'static str, value: &str) -> Result<(), RabbitError> {
 /// ```
 #[derive(Debug, Clone)]
 pub struct RabbitConsumer {
-    config: RabbitConfig,
-    queue: String,
-    prefetch: u16,
-    binding_keys: Vec<String>,
-    declare_queue: bool,
-    queue_arguments: FieldTable,
+    pub(crate) config: RabbitConfig,
+    pub(crate) queue: String,
+    pub(crate) prefetch: u16,
+    pub(crate) binding_keys: Vec<String>,
+    pub(crate) declare_queue: bool,
+    pub(crate) queue_arguments: FieldTable,
     consumer_tag: String,
     reconnect_initial: Duration,
     reconnect_max: Duration,
@@ -420,19 +417,6 @@ impl RabbitConsumer {
     /// The largest batch of [`run_batched`](Self::run_batched).
     pub fn batch_size(&self) -> u16 {
         self.batch_size
-    }
-
-    /// Connects once, declares the exchange (when configured) and the queue, binds it,
-    /// and disconnects. Call it before publishing when messages must not be missed
-    /// before [`run`](Self::run) starts.
-    ///
-    /// # Errors
-    /// A connection, channel or declaration error ([`RabbitError`]).
-    pub async fn declare(&self) -> Result<(), RabbitError> {
-        let connection = self.connect().await?;
-        let result = self.with_timeout(self.setup(&connection)).await;
-        close_connection(&connection, self.config.connect_timeout()).await;
-        result.map(drop)
     }
 
     /// Consumes until `shutdown` is cancelled, reconnecting with backoff after a lost
@@ -516,80 +500,6 @@ impl RabbitConsumer {
                 }
             }
         }
-    }
-
-    async fn connect(&self) -> Result<Connection, RabbitError> {
-        self.with_timeout(open_connection(&self.config)).await
-    }
-
-    async fn with_timeout<T>(
-        &self,
-        fut: impl Future<Output = Result<T, RabbitError>>,
-    ) -> Result<T, RabbitError> {
-        timeout(self.config.connect_timeout(), fut)
-            .await
-            .unwrap_or_else(|_| {
-                Err(RabbitError::ConnectTimeout {
-                    url_redacted: self.config.url_redacted().to_owned(),
-                    timeout: self.config.connect_timeout(),
-                })
-            })
-    }
-
-    /// Declares and binds on a new channel, sets the prefetch; returns the channel.
-    async fn setup(&self, connection: &Connection) -> Result<Channel, RabbitError> {
-        if self.config.declare_exchange() {
-            declare_exchange(connection, &self.config, false).await?;
-        }
-        let channel = connection
-            .create_channel()
-            .await
-            .map_err(|source| RabbitError::Channel {
-                operation: "channel.open",
-                source: Box::new(source),
-            })?;
-        let queue = ShortString::from(self.queue.as_str());
-        if self.declare_queue {
-            channel
-                .queue_declare(
-                    queue.clone(),
-                    QueueDeclareOptions {
-                        durable: true,
-                        ..QueueDeclareOptions::default()
-                    },
-                    self.queue_arguments.clone(),
-                )
-                .await
-                .map_err(|source| RabbitError::Declare {
-                    operation: "queue.declare",
-                    name: self.queue.clone(),
-                    source: Box::new(source),
-                })?;
-        }
-        for key in &self.binding_keys {
-            channel
-                .queue_bind(
-                    queue.clone(),
-                    ShortString::from(self.config.exchange()),
-                    ShortString::from(key.as_str()),
-                    QueueBindOptions::default(),
-                    FieldTable::default(),
-                )
-                .await
-                .map_err(|source| RabbitError::Declare {
-                    operation: "queue.bind",
-                    name: format!("{} -> {} ({key})", self.config.exchange(), self.queue),
-                    source: Box::new(source),
-                })?;
-        }
-        channel
-            .basic_qos(self.prefetch, BasicQosOptions::default())
-            .await
-            .map_err(|source| RabbitError::Channel {
-                operation: "basic.qos",
-                source: Box::new(source),
-            })?;
-        Ok(channel)
     }
 
     /// Connects, declares, sets the prefetch and starts consuming.
@@ -730,12 +640,6 @@ pub(crate) struct Session {
     connection: Connection,
     channel: Channel,
     pub(crate) consumer: lapin::Consumer,
-}
-
-async fn close_connection(connection: &Connection, limit: Duration) {
-    if connection.status().connected() {
-        let _ = timeout(limit, connection.close(200, "OK".into())).await;
-    }
 }
 
 /// Decodes, handles and answers one delivery. Never panics, never returns an error:

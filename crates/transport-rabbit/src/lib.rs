@@ -43,9 +43,11 @@
 
 mod batch;
 pub mod config;
+mod connection;
 pub mod consumer;
 pub mod error;
 pub mod publisher;
+mod topology;
 
 pub use config::{RabbitConfig, RabbitConfigBuilder};
 pub use consumer::{RabbitConsumer, RabbitConsumerBuilder};

@@ -57,25 +57,23 @@
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicUsize, Ordering};
 use std::task::Poll;
 
 use async_trait::async_trait;
 use futures::future::join_all;
-use lapin::options::{BasicPublishOptions, ConfirmSelectOptions, ExchangeDeclareOptions};
+use lapin::options::BasicPublishOptions;
 use lapin::types::{AMQPValue, FieldTable, LongString, ShortString};
-use lapin::{
-    BasicProperties, Channel, Confirmation, Connection, ConnectionProperties, ExchangeKind,
-    PublisherConfirm,
-};
+use lapin::{BasicProperties, Confirmation, PublisherConfirm};
 use outbox_core::wire::{Binding, CONTENT_TYPE_JSON, encode_headers};
 use outbox_core::{ErrorKind, EventPublisher, OutboxMessage, PublishError, PublishOutcome};
-use tokio::sync::{Mutex, MutexGuard};
+use tokio::sync::Mutex;
 use tokio::time::{Instant, timeout, timeout_at};
-use tracing::{debug, info, warn};
+use tracing::{debug, warn};
 
 use crate::config::RabbitConfig;
+use crate::connection::Session;
 use crate::error::{RabbitError, is_precondition_failed};
+use crate::topology::declare_exchange;
 
 /// AMQP 0-9-1 `delivery-mode` of a persistent message.
 const PERSISTENT: u8 = 2;
@@ -91,18 +89,8 @@ const MAX_SHORT_STRING: usize = 255;
 /// one connection.
 #[derive(Debug)]
 pub struct RabbitPublisher {
-    config: RabbitConfig,
-    session: Mutex<Option<Arc<Session>>>,
-}
-
-/// One connection and its publisher channels.
-#[derive(Debug)]
-struct Session {
-    connection: Connection,
-    /// Confirm-mode channels; `None` until (re)opened. A batch holds its slot's lock for
-    /// its whole duration, so confirms of one batch never mix with another's.
-    slots: Vec<Mutex<Option<Channel>>>,
-    next_slot: AtomicUsize,
+    pub(crate) config: RabbitConfig,
+    pub(crate) session: Mutex<Option<Arc<Session>>>,
 }
 
 impl RabbitPublisher {
@@ -137,60 +125,6 @@ impl RabbitPublisher {
         &self.config
     }
 
-    /// Declares the configured exchange (durable, type `topic`) now, whatever
-    /// [`with_declare_exchange`](crate::RabbitConfigBuilder::with_declare_exchange)
-    /// says. Idempotent.
-    ///
-    /// # Errors
-    /// A connection error as for [`connect`](Self::connect), or
-    /// [`RabbitError::Declare`] (e.g. `406 PRECONDITION_FAILED` when an exchange of that
-    /// name exists with another type or durability).
-    pub async fn declare_exchange(&self) -> Result<(), RabbitError> {
-        let current = self
-            .session
-            .lock()
-            .await
-            .as_ref()
-            .filter(|s| s.connection.status().connected())
-            .map(Arc::clone);
-        // Without a session, use a connection of its own: opening a session checks the
-        // exchange and would fail for the very exchange we are about to declare.
-        let declared = self
-            .with_connect_timeout(async {
-                match &current {
-                    Some(session) => {
-                        declare_exchange(&session.connection, &self.config, false).await
-                    }
-                    None => {
-                        let connection = open_connection(&self.config).await?;
-                        let declared = declare_exchange(&connection, &self.config, false).await;
-                        let _ = connection.close(200, "OK".into()).await;
-                        declared
-                    }
-                }
-            })
-            .await;
-        if let Some(session) = &current {
-            self.forget_if_lost(session).await;
-        }
-        declared
-    }
-
-    /// Runs `fut` under the connect timeout.
-    async fn with_connect_timeout<T>(
-        &self,
-        fut: impl Future<Output = Result<T, RabbitError>>,
-    ) -> Result<T, RabbitError> {
-        timeout(self.config.connect_timeout(), fut)
-            .await
-            .unwrap_or_else(|_| {
-                Err(RabbitError::ConnectTimeout {
-                    url_redacted: self.config.url_redacted().to_owned(),
-                    timeout: self.config.connect_timeout(),
-                })
-            })
-    }
-
     /// Closes the connection (AMQP `connection.close`, reply code 200) if one is open.
     /// The publisher stays usable: the next call reconnects.
     pub async fn close(&self) {
@@ -206,62 +140,6 @@ impl RabbitPublisher {
                 debug!(error = %e, "closing the RabbitMQ connection failed");
             }
         }
-    }
-
-    /// The current session, connecting when there is none or it was lost. Concurrent
-    /// callers wait for one connection attempt instead of starting their own.
-    async fn session(&self) -> Result<Arc<Session>, RabbitError> {
-        let mut current = self.session.lock().await;
-        if let Some(session) = current.as_ref() {
-            if session.connection.status().connected() {
-                return Ok(Arc::clone(session));
-            }
-            warn!(url = %self.config.url_redacted(), "RabbitMQ connection lost, reconnecting");
-            *current = None;
-        }
-        let session = Arc::new(
-            self.with_connect_timeout(Session::open(&self.config))
-                .await?,
-        );
-        info!(
-            url = %self.config.url_redacted(),
-            exchange = %self.config.exchange(),
-            channels = self.config.channels(),
-            "connected to RabbitMQ"
-        );
-        *current = Some(Arc::clone(&session));
-        Ok(session)
-    }
-
-    /// Drops `session` if its connection is gone, so the next call reconnects. A newer
-    /// session installed meanwhile by another call is left alone.
-    async fn forget_if_lost(&self, session: &Arc<Session>) {
-        if session.connection.status().connected() {
-            return;
-        }
-        let mut current = self.session.lock().await;
-        if current.as_ref().is_some_and(|s| Arc::ptr_eq(s, session)) {
-            *current = None;
-        }
-    }
-
-    /// A usable confirm channel in `slot`, (re)opening it when needed.
-    async fn channel_in(
-        &self,
-        session: &Session,
-        slot: &mut MutexGuard<'_, Option<Channel>>,
-    ) -> Result<Channel, RabbitError> {
-        if let Some(channel) = slot.as_ref()
-            && channel.status().connected()
-        {
-            return Ok(channel.clone());
-        }
-        **slot = None;
-        let channel = self
-            .with_connect_timeout(open_confirm_channel(&session.connection))
-            .await?;
-        **slot = Some(channel.clone());
-        Ok(channel)
     }
 
     /// Checks one message and turns it into what `basic.publish` needs, inside a
@@ -609,34 +487,6 @@ impl EventPublisher for RabbitPublisher {
     }
 }
 
-impl Session {
-    async fn open(config: &RabbitConfig) -> Result<Self, RabbitError> {
-        let connection = open_connection(config).await?;
-        declare_exchange(&connection, config, !config.declare_exchange()).await?;
-        let mut slots = Vec::with_capacity(config.channels());
-        for _ in 0..config.channels() {
-            slots.push(Mutex::new(Some(open_confirm_channel(&connection).await?)));
-        }
-        Ok(Self {
-            connection,
-            slots,
-            next_slot: AtomicUsize::new(0),
-        })
-    }
-
-    /// A free slot if there is one, else the next one in turn (waiting for it).
-    async fn take_slot(&self) -> MutexGuard<'_, Option<Channel>> {
-        let start = self.next_slot.fetch_add(1, Ordering::Relaxed);
-        let n = self.slots.len();
-        for k in 0..n {
-            if let Ok(guard) = self.slots[(start + k) % n].try_lock() {
-                return guard;
-            }
-        }
-        self.slots[start % n].lock().await
-    }
-}
-
 /// What `basic.publish` needs for one message.
 struct Prepared {
     routing_key: ShortString,
@@ -722,81 +572,6 @@ fn short_string(value: &str, what: &str) -> Result<ShortString, PublishError> {
         )));
     }
     ShortString::try_new(value).map_err(|e| PublishError::Invalid(format!("{what}: {e}")))
-}
-
-/// Opens a connection named after the configuration, without a timeout of its own.
-pub(crate) async fn open_connection(config: &RabbitConfig) -> Result<Connection, RabbitError> {
-    let mut uri = config.uri().clone();
-    if uri.query.connection_timeout.is_none() {
-        // Bounds the TCP connect inside the driver too (milliseconds).
-        uri.query.connection_timeout =
-            Some(u64::try_from(config.connect_timeout().as_millis()).unwrap_or(u64::MAX));
-    }
-    let properties = ConnectionProperties::default()
-        .with_connection_name(LongString::from(config.connection_name()));
-    Connection::connect_uri(uri, properties)
-        .await
-        .map_err(|source| RabbitError::Connect {
-            url_redacted: config.url_redacted().to_owned(),
-            source: Box::new(source),
-        })
-}
-
-/// Opens a channel in confirm mode.
-async fn open_confirm_channel(connection: &Connection) -> Result<Channel, RabbitError> {
-    let channel = connection
-        .create_channel()
-        .await
-        .map_err(|source| RabbitError::Channel {
-            operation: "channel.open",
-            source: Box::new(source),
-        })?;
-    channel
-        .confirm_select(ConfirmSelectOptions::default())
-        .await
-        .map_err(|source| RabbitError::Channel {
-            operation: "confirm.select",
-            source: Box::new(source),
-        })?;
-    Ok(channel)
-}
-
-/// Declares the exchange (durable topic) or, when `passive`, checks that it exists, on
-/// a short-lived channel (a failed declare closes its channel).
-pub(crate) async fn declare_exchange(
-    connection: &Connection,
-    config: &RabbitConfig,
-    passive: bool,
-) -> Result<(), RabbitError> {
-    let channel = connection
-        .create_channel()
-        .await
-        .map_err(|source| RabbitError::Channel {
-            operation: "channel.open",
-            source: Box::new(source),
-        })?;
-    let declared = channel
-        .exchange_declare(
-            ShortString::from(config.exchange()),
-            ExchangeKind::Topic,
-            ExchangeDeclareOptions {
-                passive,
-                durable: true,
-                ..ExchangeDeclareOptions::default()
-            },
-            FieldTable::default(),
-        )
-        .await
-        .map_err(|source| RabbitError::Declare {
-            operation: "exchange.declare",
-            name: config.exchange().to_owned(),
-            source: Box::new(source),
-        });
-    if declared.is_ok() {
-        // Best effort: the channel is closed on drop anyway.
-        let _ = channel.close(200, "OK".into()).await;
-    }
-    declared
 }
 
 #[cfg(test)]

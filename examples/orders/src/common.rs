@@ -1,28 +1,27 @@
 //! Helpers shared by the demo and the benchmark binaries.
-#![allow(dead_code)] // reason: each binary uses a different subset
 
 use std::time::Duration;
 
 use hdrhistogram::Histogram;
 
 /// `DATABASE_URL`, or the local default.
-pub(crate) fn database_url() -> String {
+pub fn database_url() -> String {
     std::env::var("DATABASE_URL")
         .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".into())
 }
 
 /// `AMQP_URL`, or the local default.
-pub(crate) fn amqp_url() -> String {
+pub fn amqp_url() -> String {
     std::env::var("AMQP_URL").unwrap_or_else(|_| "amqp://guest:guest@127.0.0.1:5672/%2f".into())
 }
 
 /// `NATS_URL`, or the local default.
-pub(crate) fn nats_url() -> String {
+pub fn nats_url() -> String {
     std::env::var("NATS_URL").unwrap_or_else(|_| "nats://127.0.0.1:4222".into())
 }
 
 /// p50 and p99 of latencies given in milliseconds.
-pub(crate) fn percentiles(latencies_ms: &[f64]) -> Option<(Duration, Duration)> {
+pub fn percentiles(latencies_ms: &[f64]) -> Option<(Duration, Duration)> {
     let mut h = Histogram::<u64>::new_with_bounds(1, 3_600_000_000, 3).ok()?;
     for &ms in latencies_ms {
         let us = (ms * 1000.0).max(1.0) as u64;
@@ -51,7 +50,7 @@ pub(crate) fn rss_bytes() -> u64 {
 }
 
 /// Formats a duration in milliseconds with one decimal.
-pub(crate) fn ms(d: Duration) -> String {
+pub fn ms(d: Duration) -> String {
     format!("{:.1} ms", d.as_secs_f64() * 1000.0)
 }
 

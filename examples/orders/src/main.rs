@@ -23,7 +23,6 @@
 //!
 //! Run it with `cargo xtask demo` (defaults need no configuration).
 
-mod common;
 mod projection;
 mod telemetry;
 mod transport;
@@ -36,6 +35,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context as _, bail};
 use clap::Parser;
+use orders_example::common;
 use outbox_core::{Dispatcher, DispatcherConfig, EventPublisher, NewMessage, OutboxStore};
 use outbox_postgres::{PgConfig, PgInbox, PgOutbox};
 use serde::{Deserialize, Serialize};

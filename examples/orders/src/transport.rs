@@ -12,7 +12,7 @@ use tokio_util::sync::CancellationToken;
 use transport_nats::{NatsConfig, NatsConsumer, NatsPublisher, StreamSetup, async_nats};
 use transport_rabbit::{RabbitConfig, RabbitConsumer, RabbitPublisher};
 
-use crate::common;
+use orders_example::common;
 
 /// The broker the demo runs over.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]

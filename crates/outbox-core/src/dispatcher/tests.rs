@@ -15,6 +15,7 @@ use super::*;
 use crate::error::{ErrorKind, OutboxError, PublishError};
 use crate::message::{MessageStatus, NewMessage, OutboxMessage};
 use crate::ordering::{BlockedKey, OnDead};
+use crate::publisher::PublishOutcome;
 use crate::store::{
     ClaimedBatch, CompleteReport, Completion, CompletionOutcome, MessageFilter, OutboxStats,
     OutboxStore, Poison, PoisonRow, ReplayReport,

@@ -23,7 +23,7 @@ pub(crate) enum InboxArg {
 /// the injected poison rows).
 #[derive(Debug, Parser)]
 #[command(name = "chaos")]
-pub(crate) struct Args {
+pub struct Args {
     /// The broker.
     #[arg(long, value_enum, default_value_t = Transport::Rabbit)]
     pub(crate) transport: Transport,

@@ -7,19 +7,21 @@
 //!    consumer), under the machine-wide fault lock of `outbox_testkit::faults`.
 //! 2. **Run** `--relays` `outbox relay` processes (the release build's binary),
 //!    `--consumers` `chaos-consumer` processes, and `--producers` tasks writing orders
-//!    and their events at `--rate`, for `--duration`, while the [schedule] drawn from
-//!    `--seed` kills processes and injects server faults ([injector]) and poison rows
-//!    ([producers]).
+//!    and their events at `--rate`, for `--duration`, while the `schedule` drawn from
+//!    `--seed` kills processes and injects server faults (`injector`) and poison rows
+//!    (`producers`).
 //! 3. **Drain**: producers stop, every fault is undone, killed processes are back;
 //!    wait (up to `--drain-timeout`) until the outbox has nothing pending, every order
 //!    has an effect and the broker holds nothing unacknowledged.
-//! 4. **Judge** ([verdict]): the orders against the effects, the dead letters against
-//!    the poison rows, and the broker's own copies ([audit]) against both; then remove
+//! 4. **Judge** (`verdict`): the orders against the effects, the dead letters against
+//!    the poison rows, and the broker's own copies (`audit`) against both; then remove
 //!    what the run created (kept on failure) and check the servers are as found
-//!    ([servers]).
+//!    (`servers`).
 
-pub(crate) mod args;
+pub mod args;
 mod audit;
+pub mod consumer;
+mod harness;
 mod injector;
 mod producers;
 mod schedule;
@@ -49,6 +51,7 @@ use transport_nats::async_nats;
 
 use crate::common;
 use args::Args;
+pub use harness::main;
 use schedule::{FaultKind, Schedule, Settings};
 use supervisor::{Role, Supervisor};
 use timeline::Timeline;

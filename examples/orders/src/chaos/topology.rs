@@ -1,7 +1,6 @@
 //! What the chaos harness and its consumer processes agree on: the transport, the
 //! consumer mode, the names of the tables, queues and stream, and how the consumers
-//! connect. Included by both binaries (`chaos` and `chaos-consumer`).
-#![allow(dead_code)] // reason: each binary uses a different subset
+//! connect. Used by both binaries (`chaos` and `chaos-consumer`).
 
 use std::time::Duration;
 

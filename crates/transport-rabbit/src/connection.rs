@@ -1,0 +1,195 @@
+//! Connecting to RabbitMQ: a connection named after the configuration (the driver's TCP
+//! connect bounded by the connect timeout), confirm-mode channels, and the publisher's
+//! session (one connection and its channel slots), dropped when lost and re-established
+//! by the next call.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::Duration;
+
+use lapin::options::ConfirmSelectOptions;
+use lapin::types::LongString;
+use lapin::{Channel, Connection, ConnectionProperties};
+use tokio::sync::{Mutex, MutexGuard};
+use tokio::time::timeout;
+use tracing::{info, warn};
+
+use crate::config::RabbitConfig;
+use crate::consumer::RabbitConsumer;
+use crate::error::RabbitError;
+use crate::publisher::RabbitPublisher;
+use crate::topology::declare_exchange;
+
+/// One connection and its publisher channels.
+#[derive(Debug)]
+pub(crate) struct Session {
+    pub(crate) connection: Connection,
+    /// Confirm-mode channels; `None` until (re)opened. A batch holds its slot's lock for
+    /// its whole duration, so confirms of one batch never mix with another's.
+    slots: Vec<Mutex<Option<Channel>>>,
+    next_slot: AtomicUsize,
+}
+
+impl RabbitPublisher {
+    /// Runs `fut` under the connect timeout.
+    pub(crate) async fn with_connect_timeout<T>(
+        &self,
+        fut: impl Future<Output = Result<T, RabbitError>>,
+    ) -> Result<T, RabbitError> {
+        timeout(self.config.connect_timeout(), fut)
+            .await
+            .unwrap_or_else(|_| {
+                Err(RabbitError::ConnectTimeout {
+                    url_redacted: self.config.url_redacted().to_owned(),
+                    timeout: self.config.connect_timeout(),
+                })
+            })
+    }
+
+    /// The current session, connecting when there is none or it was lost. Concurrent
+    /// callers wait for one connection attempt instead of starting their own.
+    pub(crate) async fn session(&self) -> Result<Arc<Session>, RabbitError> {
+        let mut current = self.session.lock().await;
+        if let Some(session) = current.as_ref() {
+            if session.connection.status().connected() {
+                return Ok(Arc::clone(session));
+            }
+            warn!(url = %self.config.url_redacted(), "RabbitMQ connection lost, reconnecting");
+            *current = None;
+        }
+        let session = Arc::new(
+            self.with_connect_timeout(Session::open(&self.config))
+                .await?,
+        );
+        info!(
+            url = %self.config.url_redacted(),
+            exchange = %self.config.exchange(),
+            channels = self.config.channels(),
+            "connected to RabbitMQ"
+        );
+        *current = Some(Arc::clone(&session));
+        Ok(session)
+    }
+
+    /// Drops `session` if its connection is gone, so the next call reconnects. A newer
+    /// session installed meanwhile by another call is left alone.
+    pub(crate) async fn forget_if_lost(&self, session: &Arc<Session>) {
+        if session.connection.status().connected() {
+            return;
+        }
+        let mut current = self.session.lock().await;
+        if current.as_ref().is_some_and(|s| Arc::ptr_eq(s, session)) {
+            *current = None;
+        }
+    }
+
+    /// A usable confirm channel in `slot`, (re)opening it when needed.
+    pub(crate) async fn channel_in(
+        &self,
+        session: &Session,
+        slot: &mut MutexGuard<'_, Option<Channel>>,
+    ) -> Result<Channel, RabbitError> {
+        if let Some(channel) = slot.as_ref()
+            && channel.status().connected()
+        {
+            return Ok(channel.clone());
+        }
+        **slot = None;
+        let channel = self
+            .with_connect_timeout(open_confirm_channel(&session.connection))
+            .await?;
+        **slot = Some(channel.clone());
+        Ok(channel)
+    }
+}
+
+impl Session {
+    async fn open(config: &RabbitConfig) -> Result<Self, RabbitError> {
+        let connection = open_connection(config).await?;
+        declare_exchange(&connection, config, !config.declare_exchange()).await?;
+        let mut slots = Vec::with_capacity(config.channels());
+        for _ in 0..config.channels() {
+            slots.push(Mutex::new(Some(open_confirm_channel(&connection).await?)));
+        }
+        Ok(Self {
+            connection,
+            slots,
+            next_slot: AtomicUsize::new(0),
+        })
+    }
+
+    /// A free slot if there is one, else the next one in turn (waiting for it).
+    pub(crate) async fn take_slot(&self) -> MutexGuard<'_, Option<Channel>> {
+        let start = self.next_slot.fetch_add(1, Ordering::Relaxed);
+        let n = self.slots.len();
+        for k in 0..n {
+            if let Ok(guard) = self.slots[(start + k) % n].try_lock() {
+                return guard;
+            }
+        }
+        self.slots[start % n].lock().await
+    }
+}
+
+impl RabbitConsumer {
+    pub(crate) async fn connect(&self) -> Result<Connection, RabbitError> {
+        self.with_timeout(open_connection(&self.config)).await
+    }
+
+    pub(crate) async fn with_timeout<T>(
+        &self,
+        fut: impl Future<Output = Result<T, RabbitError>>,
+    ) -> Result<T, RabbitError> {
+        timeout(self.config.connect_timeout(), fut)
+            .await
+            .unwrap_or_else(|_| {
+                Err(RabbitError::ConnectTimeout {
+                    url_redacted: self.config.url_redacted().to_owned(),
+                    timeout: self.config.connect_timeout(),
+                })
+            })
+    }
+}
+
+/// Opens a connection named after the configuration, without a timeout of its own.
+pub(crate) async fn open_connection(config: &RabbitConfig) -> Result<Connection, RabbitError> {
+    let mut uri = config.uri().clone();
+    if uri.query.connection_timeout.is_none() {
+        // Bounds the TCP connect inside the driver too (milliseconds).
+        uri.query.connection_timeout =
+            Some(u64::try_from(config.connect_timeout().as_millis()).unwrap_or(u64::MAX));
+    }
+    let properties = ConnectionProperties::default()
+        .with_connection_name(LongString::from(config.connection_name()));
+    Connection::connect_uri(uri, properties)
+        .await
+        .map_err(|source| RabbitError::Connect {
+            url_redacted: config.url_redacted().to_owned(),
+            source: Box::new(source),
+        })
+}
+
+/// Opens a channel in confirm mode.
+async fn open_confirm_channel(connection: &Connection) -> Result<Channel, RabbitError> {
+    let channel = connection
+        .create_channel()
+        .await
+        .map_err(|source| RabbitError::Channel {
+            operation: "channel.open",
+            source: Box::new(source),
+        })?;
+    channel
+        .confirm_select(ConfirmSelectOptions::default())
+        .await
+        .map_err(|source| RabbitError::Channel {
+            operation: "confirm.select",
+            source: Box::new(source),
+        })?;
+    Ok(channel)
+}
+
+pub(crate) async fn close_connection(connection: &Connection, limit: Duration) {
+    if connection.status().connected() {
+        let _ = timeout(limit, connection.close(200, "OK".into())).await;
+    }
+}

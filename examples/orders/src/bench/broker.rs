@@ -1,0 +1,214 @@
+//! The broker side of the benchmark: where the ceilings and the relay publish, and how
+//! to warm it up, empty it and remove it.
+
+use std::time::Duration;
+
+use anyhow::Context as _;
+use lapin::options::{
+    ExchangeDeclareOptions, ExchangeDeleteOptions, QueueBindOptions, QueueDeclareOptions,
+    QueueDeleteOptions,
+};
+use lapin::types::FieldTable;
+use lapin::{Connection, ConnectionProperties, ExchangeKind};
+use transport_nats::StreamSetup;
+use transport_nats::async_nats;
+use transport_nats::async_nats::jetstream;
+
+use super::ceilings::{nats_ceiling, rabbit_ceiling};
+use super::{Args, Transport};
+use crate::common;
+
+/// The broker side of the benchmark: where the ceiling and the relay publish, and how
+/// to empty and remove it.
+pub(super) enum Broker {
+    /// A durable topic exchange with one durable queue bound to everything.
+    Rabbit {
+        exchange: String,
+        queue: String,
+        admin: Connection,
+        channel: lapin::Channel,
+    },
+    /// A file-storage stream (2-minute duplicate window) capturing `bench.<tag>.>`.
+    Nats {
+        js: jetstream::Context,
+        stream: String,
+        prefix: String,
+    },
+}
+
+/// An admin connection to RabbitMQ and a channel on it, with the durable topic
+/// `exchange` declared (the relay and the bench's publishers publish to it).
+pub(super) async fn rabbit_admin_with_exchange(
+    exchange: &str,
+) -> anyhow::Result<(Connection, lapin::Channel)> {
+    let admin = Connection::connect(&common::amqp_url(), ConnectionProperties::default())
+        .await
+        .context("connect to RabbitMQ (is it running? `cargo xtask services`)")?;
+    let channel = admin.create_channel().await?;
+    channel
+        .exchange_declare(
+            exchange.into(),
+            ExchangeKind::Topic,
+            ExchangeDeclareOptions {
+                durable: true,
+                ..Default::default()
+            },
+            FieldTable::default(),
+        )
+        .await?;
+    Ok((admin, channel))
+}
+
+impl Broker {
+    pub(super) async fn setup(transport: Transport, tag: &str) -> anyhow::Result<Self> {
+        match transport {
+            Transport::Rabbit => {
+                let exchange = format!("bench.{tag}");
+                let queue = format!("bench.{tag}.sink");
+                let (admin, channel) = rabbit_admin_with_exchange(&exchange).await?;
+                channel
+                    .queue_declare(
+                        queue.as_str().into(),
+                        QueueDeclareOptions {
+                            durable: true,
+                            ..Default::default()
+                        },
+                        FieldTable::default(),
+                    )
+                    .await?;
+                channel
+                    .queue_bind(
+                        queue.as_str().into(),
+                        exchange.as_str().into(),
+                        "#".into(),
+                        QueueBindOptions::default(),
+                        FieldTable::default(),
+                    )
+                    .await?;
+                Ok(Self::Rabbit {
+                    exchange,
+                    queue,
+                    admin,
+                    channel,
+                })
+            }
+            Transport::Nats => {
+                let client = async_nats::connect(common::nats_url()).await.context(
+                    "connect to NATS (is it running with JetStream? `cargo xtask services`)",
+                )?;
+                let js = jetstream::new(client);
+                let stream = format!("BENCH_{tag}");
+                let prefix = format!("bench.{tag}");
+                StreamSetup::new(&stream)
+                    .with_subject(format!("{prefix}.>"))
+                    .apply_with(&js, Duration::from_secs(10))
+                    .await?;
+                Ok(Self::Nats { js, stream, prefix })
+            }
+        }
+    }
+
+    pub(super) fn name(&self) -> &'static str {
+        match self {
+            Self::Rabbit { .. } => "RabbitMQ",
+            Self::Nats { .. } => "NATS",
+        }
+    }
+
+    /// The process name of the broker, for CPU accounting.
+    pub(super) fn comm(&self) -> &'static str {
+        match self {
+            Self::Rabbit { .. } => "beam.smp",
+            Self::Nats { .. } => "nats-server",
+        }
+    }
+
+    pub(super) fn ceiling_label(&self) -> &'static str {
+        match self {
+            Self::Rabbit { .. } => "broker ceiling (raw lapin, pipelined confirms)",
+            Self::Nats { .. } => "broker ceiling (raw JetStream, pipelined PubAcks)",
+        }
+    }
+
+    pub(super) fn bare_label(&self) -> &'static str {
+        match self {
+            Self::Rabbit { .. } => "(reference) raw lapin, bodies without headers",
+            Self::Nats { .. } => "(reference) raw JetStream, bodies without headers",
+        }
+    }
+
+    /// An untimed publish of the phase's size, then a purge: every timed broker phase
+    /// starts on a broker that has just done the same work, as a running relay's broker
+    /// has, and on an empty sink. It narrows the effect of the phases' order within a
+    /// round but does not remove it (hence the balanced order of the rounds).
+    pub(super) async fn warm_up(&self, args: &Args, body: &[u8]) -> anyhow::Result<()> {
+        self.ceiling(args, body, false).await?;
+        self.purge().await
+    }
+
+    /// The raw broker rate; fails (instead of hanging) when the broker stops
+    /// confirming for 5 minutes.
+    pub(super) async fn ceiling(
+        &self,
+        args: &Args,
+        body: &[u8],
+        bare: bool,
+    ) -> anyhow::Result<Duration> {
+        let run = async {
+            match self {
+                Self::Rabbit { exchange, .. } => rabbit_ceiling(args, exchange, body, bare).await,
+                Self::Nats { js, prefix, .. } => {
+                    nats_ceiling(args, js, &format!("{prefix}.BenchEvent"), body, bare).await
+                }
+            }
+        };
+        tokio::time::timeout(Duration::from_secs(300), run)
+            .await
+            .context("the broker ceiling got no confirmations for 5 minutes (broker blocked? check its alarms)")?
+    }
+
+    /// Empties the queue or stream between phases; fails instead of hanging after a
+    /// minute.
+    pub(super) async fn purge(&self) -> anyhow::Result<()> {
+        tokio::time::timeout(Duration::from_secs(60), self.purge_now())
+            .await
+            .context("purging the bench sink took over a minute")?
+    }
+
+    pub(super) async fn purge_now(&self) -> anyhow::Result<()> {
+        match self {
+            Self::Rabbit { queue, channel, .. } => {
+                channel
+                    .queue_purge(queue.as_str().into(), Default::default())
+                    .await?;
+            }
+            Self::Nats { js, stream, .. } => {
+                js.get_stream(stream).await?.purge().await?;
+            }
+        }
+        Ok(())
+    }
+
+    pub(super) async fn cleanup(self) -> anyhow::Result<()> {
+        match self {
+            Self::Rabbit {
+                exchange,
+                queue,
+                admin,
+                channel,
+            } => {
+                channel
+                    .queue_delete(queue.as_str().into(), QueueDeleteOptions::default())
+                    .await?;
+                channel
+                    .exchange_delete(exchange.as_str().into(), ExchangeDeleteOptions::default())
+                    .await?;
+                admin.close(200, "bench done".into()).await.ok();
+            }
+            Self::Nats { js, stream, .. } => {
+                js.delete_stream(&stream).await?;
+            }
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,359 @@
+//! A consumer process of `cargo xtask chaos`: the real transport consumer
+//! (`RabbitConsumer` on the run's quorum queue, or `NatsConsumer` on its file-storage
+//! stream) applying each `OrderPlaced` event's effect, one row in `effects`, through the
+//! real inbox:
+//!
+//! - `--inbox idempotent`: `IdempotentConsumer` over `PgInbox` (inbox record and effect
+//!   in one transaction, then the ack);
+//! - `--inbox durable`: `DurableReceiver` stores and acks, an `InboxProcessor` in the
+//!   same process applies;
+//! - `--inbox direct`: no inbox, the effect is written and then the delivery acked, so a
+//!   redelivery is a second effect (the harness must catch it).
+//!
+//! With `--batched` the transport hands deliveries over in batches (`run_batched`): the
+//! idempotent consumer applies a batch in one transaction and the durable receiver
+//! stores it with one statement, so a kill lands between a batch's commit and its acks.
+//!
+//! `effects` has no unique constraint on purpose: a double effect is a second row for
+//! the same event id, counted by the harness rather than prevented. Every delivery is
+//! also recorded in `deliveries` (best effort, before it is handled) so the harness can
+//! count what the broker delivered. The harness kills this process with `SIGKILL` at
+//! random moments; `SIGTERM` or `SIGINT` stop it gracefully.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use super::topology::{self, CONSUMER, CONSUMER_APP, ConsumerMode, EVENT_TYPE, Names, Transport};
+use anyhow::Context as _;
+use async_trait::async_trait;
+use inbox::{
+    DurableReceiver, Handler, HandlerContext, HandlerError, IdempotentConsumer, InboxProcessor,
+    Pipeline, ProcessorConfig,
+};
+use outbox_core::consumer::{BatchDeliveryHandler, DeliveryHandler, HandlerDecision};
+use outbox_core::wire::IncomingMessage;
+use outbox_postgres::PgInbox;
+use serde::Deserialize;
+use sqlx::postgres::PgPoolOptions;
+use sqlx::{AssertSqlSafe, PgConnection, PgPool};
+use tokio_util::sync::CancellationToken;
+
+/// One consumer process of a chaos run.
+#[derive(Debug, clap::Parser)]
+pub struct Args {
+    /// The broker.
+    #[arg(long, value_enum)]
+    transport: Transport,
+    /// The run's schema (names of the tables, queues and stream derive from it).
+    #[arg(long)]
+    schema: String,
+    /// How effects are applied.
+    #[arg(long, value_enum, default_value_t = ConsumerMode::Idempotent)]
+    inbox: ConsumerMode,
+    /// This consumer's number, recorded with its deliveries and effects.
+    #[arg(long, default_value_t = 0)]
+    instance: u32,
+    /// Batched mode (`run_batched`); with `--inbox idempotent` or `durable` only.
+    #[arg(long)]
+    batched: bool,
+}
+
+/// The part of the event the effect needs.
+#[derive(Debug, Deserialize)]
+struct OrderPlaced {
+    order_id: uuid::Uuid,
+}
+
+/// Writes the effect row: the event id, its order, who applied it and when.
+async fn write_effect(
+    conn: &mut PgConnection,
+    effects: &str,
+    consumer: &str,
+    msg: &IncomingMessage,
+) -> Result<(), HandlerError> {
+    let event: OrderPlaced = msg.json().map_err(HandlerError::permanent)?;
+    sqlx::query(AssertSqlSafe(format!(
+        "INSERT INTO {effects} (event_id, order_id, consumer, applied_at)
+         VALUES ($1, $2, $3, clock_timestamp())"
+    )))
+    .bind(msg.id)
+    .bind(event.order_id)
+    .bind(consumer)
+    .execute(&mut *conn)
+    .await?;
+    Ok(())
+}
+
+/// The inbox handler: the effect, in the inbox's transaction.
+struct Effect {
+    effects: String,
+    consumer: String,
+}
+
+#[async_trait]
+impl Handler<PgInbox> for Effect {
+    async fn handle(
+        &self,
+        conn: &mut PgConnection,
+        msg: &IncomingMessage,
+        _ctx: &HandlerContext,
+    ) -> Result<(), HandlerError> {
+        write_effect(conn, &self.effects, &self.consumer, msg).await
+    }
+}
+
+/// No inbox: write the effect (autocommit), then ack. A database error defers the
+/// delivery (it is not the message's fault).
+struct Direct {
+    pool: PgPool,
+    effects: String,
+    consumer: String,
+}
+
+#[async_trait]
+impl DeliveryHandler for Direct {
+    async fn handle(&self, msg: &IncomingMessage) -> HandlerDecision {
+        let written = async {
+            let mut conn = self.pool.acquire().await?;
+            write_effect(&mut conn, &self.effects, &self.consumer, msg).await
+        }
+        .await;
+        match written {
+            Ok(()) => HandlerDecision::Ack,
+            Err(e) if e.is_permanent() => {
+                tracing::error!(id = %msg.id, error = %e, "cannot apply: rejected");
+                HandlerDecision::Reject
+            }
+            Err(e) => {
+                tracing::warn!(id = %msg.id, error = %e, "cannot apply now: deferred");
+                HandlerDecision::Defer
+            }
+        }
+    }
+}
+
+/// Records each delivery in `deliveries` (best effort: a database outage loses the
+/// record, not the delivery), then hands it to `inner`.
+struct Recorded<H> {
+    inner: H,
+    pool: PgPool,
+    deliveries: String,
+    consumer: String,
+}
+
+#[async_trait]
+impl<H: DeliveryHandler> DeliveryHandler for Recorded<H> {
+    async fn handle(&self, msg: &IncomingMessage) -> HandlerDecision {
+        let recorded = sqlx::query(AssertSqlSafe(format!(
+            "INSERT INTO {} (event_id, consumer, redelivered) VALUES ($1, $2, $3)",
+            self.deliveries
+        )))
+        .bind(msg.id)
+        .bind(&self.consumer)
+        .bind(msg.redelivered)
+        .execute(&self.pool)
+        .await;
+        if let Err(e) = recorded {
+            tracing::debug!(id = %msg.id, error = %e, "delivery not recorded");
+        }
+        self.inner.handle(msg).await
+    }
+}
+
+/// [`Recorded`] for a batch: the batch's deliveries in one best-effort statement, then
+/// `inner`.
+struct RecordedBatch<H> {
+    inner: H,
+    pool: PgPool,
+    deliveries: String,
+    consumer: String,
+}
+
+#[async_trait]
+impl<H: BatchDeliveryHandler> BatchDeliveryHandler for RecordedBatch<H> {
+    async fn handle_batch(&self, msgs: &[IncomingMessage]) -> Vec<HandlerDecision> {
+        let ids: Vec<uuid::Uuid> = msgs.iter().map(|m| m.id).collect();
+        let redelivered: Vec<bool> = msgs.iter().map(|m| m.redelivered).collect();
+        let recorded = sqlx::query(AssertSqlSafe(format!(
+            "INSERT INTO {} (event_id, consumer, redelivered)
+             SELECT u.id, $2, u.redelivered FROM UNNEST($1::uuid[], $3::bool[]) AS u(id, redelivered)",
+            self.deliveries
+        )))
+        .bind(&ids)
+        .bind(&self.consumer)
+        .bind(&redelivered)
+        .execute(&self.pool)
+        .await;
+        if let Err(e) = recorded {
+            tracing::debug!(messages = msgs.len(), error = %e, "deliveries not recorded");
+        }
+        self.inner.handle_batch(msgs).await
+    }
+}
+
+/// Either transport's consumer.
+enum Consumer {
+    Rabbit(transport_rabbit::RabbitConsumer),
+    Nats(transport_nats::NatsConsumer),
+}
+
+impl Consumer {
+    async fn run<H: DeliveryHandler>(
+        &self,
+        handler: H,
+        shutdown: CancellationToken,
+    ) -> anyhow::Result<()> {
+        match self {
+            Self::Rabbit(c) => c.run(handler, shutdown).await?,
+            Self::Nats(c) => c.run(handler, shutdown).await?,
+        }
+        Ok(())
+    }
+
+    async fn run_batched<H: BatchDeliveryHandler>(
+        &self,
+        handler: H,
+        shutdown: CancellationToken,
+    ) -> anyhow::Result<()> {
+        match self {
+            Self::Rabbit(c) => c.run_batched(handler, shutdown).await?,
+            Self::Nats(c) => c.run_batched(handler, shutdown).await?,
+        }
+        Ok(())
+    }
+}
+
+/// Cancels `token` at SIGTERM or SIGINT.
+fn stop_on_signals(token: CancellationToken) {
+    tokio::spawn(async move {
+        let term = async {
+            match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+                Ok(mut s) => {
+                    s.recv().await;
+                }
+                Err(_) => std::future::pending::<()>().await,
+            }
+        };
+        tokio::select! {
+            _ = tokio::signal::ctrl_c() => {}
+            () = term => {}
+        }
+        token.cancel();
+    });
+}
+
+/// The `chaos-consumer` binary: consumes until SIGTERM or SIGINT (see the
+/// [module docs](self)).
+///
+/// # Errors
+/// When the consumer stops for a reason retrying cannot fix, or `--batched` is given
+/// with `--inbox direct`.
+pub async fn main(args: Args) -> anyhow::Result<()> {
+    let names = Names::new(&args.schema);
+    let consumer_name = format!("consumer-{}", args.instance);
+    // A short acquire timeout: during a database outage a delivery is deferred soon
+    // rather than held for the default 30 s.
+    let pool = PgPoolOptions::new()
+        .max_connections(16)
+        .acquire_timeout(Duration::from_secs(5))
+        .connect_lazy_with(topology::pg_options(CONSUMER_APP)?);
+    let store = Arc::new(PgInbox::new(pool.clone(), &args.schema)?);
+    let consumer = match args.transport {
+        Transport::Rabbit => Consumer::Rabbit(topology::rabbit_consumer(&names)?),
+        Transport::Nats => Consumer::Nats(topology::nats_consumer(&names, &consumer_name)?),
+    };
+    let shutdown = CancellationToken::new();
+    stop_on_signals(shutdown.clone());
+    let effect = || Effect {
+        effects: names.table("effects"),
+        consumer: consumer_name.clone(),
+    };
+    let record = |inner: Arc<dyn DeliveryHandler>| Recorded {
+        inner,
+        pool: pool.clone(),
+        deliveries: names.table("deliveries"),
+        consumer: consumer_name.clone(),
+    };
+    let record_batch = |inner: Arc<dyn BatchDeliveryHandler>| RecordedBatch {
+        inner,
+        pool: pool.clone(),
+        deliveries: names.table("deliveries"),
+        consumer: consumer_name.clone(),
+    };
+    anyhow::ensure!(
+        !(args.batched && args.inbox == ConsumerMode::Direct),
+        "--batched needs an inbox (not --inbox direct)"
+    );
+    eprintln!(
+        "chaos-consumer {consumer_name}: {}{} over {}",
+        args.inbox.name(),
+        if args.batched { " (batched)" } else { "" },
+        args.transport.name()
+    );
+    match args.inbox {
+        ConsumerMode::Idempotent => {
+            let handler = Arc::new(IdempotentConsumer::new(
+                store,
+                Pipeline::new().on(EVENT_TYPE, CONSUMER, effect()),
+            ));
+            if args.batched {
+                consumer
+                    .run_batched(
+                        record_batch(handler as Arc<dyn BatchDeliveryHandler>),
+                        shutdown,
+                    )
+                    .await
+            } else {
+                consumer
+                    .run(record(handler as Arc<dyn DeliveryHandler>), shutdown)
+                    .await
+            }
+        }
+        ConsumerMode::Durable => {
+            let processor = InboxProcessor::new(
+                Arc::clone(&store),
+                Pipeline::new().on(EVENT_TYPE, CONSUMER, effect()),
+                ProcessorConfig::new()
+                    .with_poll_interval(Duration::from_millis(100))
+                    .with_lease(Duration::from_secs(30)),
+            );
+            let token = shutdown.clone();
+            let processing = tokio::spawn(async move { processor.run(token).await });
+            let receiver = Arc::new(DurableReceiver::new(store));
+            let receiving = if args.batched {
+                consumer
+                    .run_batched(
+                        record_batch(receiver as Arc<dyn BatchDeliveryHandler>),
+                        shutdown.clone(),
+                    )
+                    .await
+            } else {
+                consumer
+                    .run(
+                        record(receiver as Arc<dyn DeliveryHandler>),
+                        shutdown.clone(),
+                    )
+                    .await
+            };
+            shutdown.cancel();
+            processing
+                .await
+                .context("the inbox processor panicked")?
+                .context("inbox processor")?;
+            receiving
+        }
+        ConsumerMode::Direct => {
+            let handler = Direct {
+                pool: pool.clone(),
+                effects: names.table("effects"),
+                consumer: consumer_name.clone(),
+            };
+            consumer
+                .run(
+                    record(Arc::new(handler) as Arc<dyn DeliveryHandler>),
+                    shutdown,
+                )
+                .await
+        }
+    }
+}
