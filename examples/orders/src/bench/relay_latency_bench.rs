@@ -18,8 +18,9 @@
 //!    once more with the trigger disabled and the relay polling every 10 ms, which
 //!    leaves only what no wake-up can remove;
 //! 3. what the notification trigger costs producers: 4 writers of single-row
-//!    transactions with the trigger and without it (`DISABLE TRIGGER`), in alternating
-//!    windows, while a connection LISTENs (the relay stopped, so its publishing takes no
+//!    transactions with the trigger, without it (`DISABLE TRIGGER`) and with the same
+//!    trigger minus its `pg_notify` (so the notification's commit lock is told apart
+//!    from the trigger's own work), in alternating windows, while a connection LISTENs (the relay stopped, so its publishing takes no
 //!    CPU from the writers).
 //!
 //! **`--backlog N`** preloads N pending rows with one `INSERT … SELECT generate_series`,
@@ -48,9 +49,11 @@ const RATES: [u64; 2] = [20, 500];
 const RATE_SECS: u64 = 10;
 /// The idle windows (baseline and relay): [`IDLE_WINDOWS`] of this length each, long
 /// against PostgreSQL's once-a-second flush of a backend's statistics; the median
-/// window counts, so that another client's burst in one window does not.
+/// window counts, so that another client's burst in one window does not (an odd
+/// number of windows: with 4, one burst in the baseline's second window, seen in every
+/// run, was the upper median).
 const IDLE_WINDOW: Duration = Duration::from_secs(5);
-const IDLE_WINDOWS: usize = 4;
+const IDLE_WINDOWS: usize = 5;
 /// Concurrent producers in the NOTIFY-cost phase, and the length of each window.
 const WRITERS: usize = 4;
 const WRITER_WINDOW: Duration = Duration::from_secs(5);
@@ -529,7 +532,27 @@ async fn writers_rate(outbox: &PgOutbox, body: &str) -> anyhow::Result<f64> {
 }
 
 async fn notify_cost(outbox: &PgOutbox, body: &str) -> anyhow::Result<()> {
-    let table = format!("{}.outbox_messages", outbox.schema());
+    let schema = outbox.schema();
+    let table = format!("{schema}.outbox_messages");
+    // The same statement trigger minus its `pg_notify`: what the trigger costs apart
+    // from the notification's commit lock.
+    sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
+        "CREATE FUNCTION {schema}.outbox_messages_notify_probe() RETURNS trigger
+             LANGUAGE plpgsql AS $$
+         BEGIN
+             IF EXISTS (SELECT 1 FROM inserted) THEN
+                 PERFORM 1;
+             END IF;
+             RETURN NULL;
+         END $$;
+         CREATE TRIGGER outbox_messages_notify_probe
+             AFTER INSERT ON {table}
+             REFERENCING NEW TABLE AS inserted
+             FOR EACH STATEMENT EXECUTE FUNCTION {schema}.outbox_messages_notify_probe();
+         ALTER TABLE {table} DISABLE TRIGGER outbox_messages_notify_probe;"
+    )))
+    .execute(outbox.pool())
+    .await?;
     let mut listener = sqlx::postgres::PgListener::connect_with(outbox.pool()).await?;
     listener.listen(outbox_postgres::NOTIFY_CHANNEL).await?;
     let notified = Arc::new(AtomicU64::new(0));
@@ -542,32 +565,50 @@ async fn notify_cost(outbox: &PgOutbox, body: &str) -> anyhow::Result<()> {
         })
     };
     super::quiesce(outbox).await;
-    let (mut with, mut without) = (Vec::new(), Vec::new());
-    // Alternating windows (on, off, off, on, …), so that neither side always goes first.
-    for trigger_on in [true, false, false, true, true, false] {
-        let switch = if trigger_on { "ENABLE" } else { "DISABLE" };
-        sqlx::query(sqlx::AssertSqlSafe(format!(
-            "ALTER TABLE {table} {switch} TRIGGER outbox_messages_notify"
-        )))
-        .execute(outbox.pool())
-        .await?;
-        let rate = writers_rate(outbox, body).await?;
-        if trigger_on {
-            with.push(rate)
-        } else {
-            without.push(rate)
+    let switch = |trigger: &str, on: bool| {
+        let switch = if on { "ENABLE" } else { "DISABLE" };
+        format!("ALTER TABLE {table} {switch} TRIGGER {trigger}")
+    };
+    // Windows with the notification trigger, with the probe trigger alone and with
+    // neither, in an order that lets none of them always go first.
+    const NOTIFY: usize = 0;
+    const PROBE: usize = 1;
+    const NONE: usize = 2;
+    let mut rates: [Vec<f64>; 3] = Default::default();
+    for variant in [
+        NOTIFY, PROBE, NONE, NONE, PROBE, NOTIFY, PROBE, NOTIFY, NONE,
+    ] {
+        for statement in [
+            switch("outbox_messages_notify", variant == NOTIFY),
+            switch("outbox_messages_notify_probe", variant == PROBE),
+        ] {
+            sqlx::query(sqlx::AssertSqlSafe(statement))
+                .execute(outbox.pool())
+                .await?;
         }
+        rates[variant].push(writers_rate(outbox, body).await?);
     }
     drain.abort();
+    sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
+        "DROP TRIGGER outbox_messages_notify_probe ON {table};
+         DROP FUNCTION {schema}.outbox_messages_notify_probe();
+         {};",
+        switch("outbox_messages_notify", true)
+    )))
+    .execute(outbox.pool())
+    .await?;
     let mean = |v: &[f64]| v.iter().sum::<f64>() / v.len() as f64;
-    let (on, off) = (mean(&with), mean(&without));
+    let [on, probe, off] = [0, 1, 2].map(|v| mean(&rates[v]));
+    let windows = |v: &[f64]| v.iter().map(|r| r.round()).collect::<Vec<_>>();
     println!(
-        "producers, {WRITERS} concurrent writers of single-row transactions, {} windows of {} s each: {on:.0} tx/s with the notification trigger, {off:.0} tx/s without: ratio {:.3} (windows with {:?}, without {:?}; {} notifications received)",
-        with.len() + without.len(),
+        "producers, {WRITERS} concurrent writers of single-row transactions, {} windows of {} s each: {on:.0} tx/s with the notification trigger, {off:.0} tx/s without: ratio {:.3}; with the same trigger minus its pg_notify {probe:.0} tx/s: ratio {:.3} (windows with {:?}, without {:?}, minus pg_notify {:?}; {} notifications received)",
+        rates.iter().map(Vec::len).sum::<usize>(),
         WRITER_WINDOW.as_secs(),
         on / off,
-        with.iter().map(|r| r.round()).collect::<Vec<_>>(),
-        without.iter().map(|r| r.round()).collect::<Vec<_>>(),
+        probe / off,
+        windows(&rates[NOTIFY]),
+        windows(&rates[NONE]),
+        windows(&rates[PROBE]),
         notified.load(AtomicOrdering::Relaxed)
     );
     Ok(())
