@@ -155,11 +155,7 @@ pub async fn batches_are_answered_per_message<H: TransportHarness>(h: &H) {
         ids.iter().all(|id| handler.times(*id) >= 1)
     })
     .await;
-    running.stop().await;
-    eventually("nothing is left unacknowledged", || async {
-        h.unacknowledged().await == 0
-    })
-    .await;
+    running.stop_settled(h).await;
 
     let calls = handler.calls();
     assert_eq!(
@@ -218,11 +214,7 @@ pub async fn deferred_messages_are_held_and_handed_again_alone<H: TransportHarne
         || async { ids.iter().all(|id| handler.acked(*id)) },
     )
     .await;
-    running.stop().await;
-    eventually("nothing is left unacknowledged", || async {
-        h.unacknowledged().await == 0
-    })
-    .await;
+    running.stop_settled(h).await;
     let calls = handler.calls();
     assert_eq!(calls.len(), 4, "{calls:?}");
     assert_eq!(Scripted::ids(&calls[0]), ids, "one batch");
@@ -265,11 +257,7 @@ pub async fn a_panicking_batch_is_redelivered_and_undecodable_deliveries_rejecte
     })
     .await;
     assert!(running.is_running(), "the consumer survived the panic");
-    running.stop().await;
-    eventually("nothing is left unacknowledged", || async {
-        h.unacknowledged().await == 0
-    })
-    .await;
+    running.stop_settled(h).await;
     let calls = handler.calls();
     assert_eq!(
         Scripted::ids(&calls[0]),

@@ -201,11 +201,7 @@ pub async fn requeue_redelivers_after_the_delay_and_ack_removes<H: TransportHarn
         handler.finished().len() >= 2
     })
     .await;
-    running.stop().await;
-    eventually("nothing is left unacknowledged", || async {
-        h.unacknowledged().await == 0
-    })
-    .await;
+    running.stop_settled(h).await;
 
     let seen = handler.seen();
     assert_eq!(seen.len(), 2, "{seen:?}");
@@ -256,11 +252,7 @@ pub async fn reject_is_not_redelivered<H: TransportHarness>(h: &H) {
         handler.finished().len() >= 3
     })
     .await;
-    running.stop().await;
-    eventually("nothing is left unacknowledged", || async {
-        h.unacknowledged().await == 0
-    })
-    .await;
+    running.stop_settled(h).await;
     for m in &msgs {
         assert_eq!(handler.deliveries(m.id).len(), 1, "{} handled once", m.id);
     }
@@ -290,11 +282,7 @@ pub async fn undecodable_deliveries_are_rejected_and_block_nothing<H: TransportH
         handler.finished().len() >= 2
     })
     .await;
-    running.stop().await;
-    eventually("nothing is left unacknowledged", || async {
-        h.unacknowledged().await == 0
-    })
-    .await;
+    running.stop_settled(h).await;
     let seen = handler.seen();
     assert_eq!(seen.len(), 2, "only the decodable messages: {seen:?}");
     let raw = handler.deliveries(foreign);
@@ -323,11 +311,7 @@ pub async fn panicking_handler_is_redelivered_never_rejected<H: TransportHarness
     })
     .await;
     assert!(running.is_running(), "the consumer survived the panics");
-    running.stop().await;
-    eventually("nothing is left unacknowledged", || async {
-        h.unacknowledged().await == 0
-    })
-    .await;
+    running.stop_settled(h).await;
     let seen = handler.seen();
     assert_eq!(seen.len(), 3, "two panics, then handled: {seen:?}");
     assert_redelivery_marks::<H>(&seen);
@@ -378,15 +362,11 @@ pub async fn graceful_shutdown_finishes_in_flight_and_a_new_run_resumes<H: Trans
         second.finished().len() >= 6
     })
     .await;
-    running.stop().await;
+    running.stop_settled(h).await;
     let again = second.finished();
     assert_eq!(again.len(), 6, "{again:?}");
     assert!(
         again.iter().all(|id| !done.contains(id)),
         "nothing handled twice"
     );
-    eventually("nothing is left unacknowledged", || async {
-        h.unacknowledged().await == 0
-    })
-    .await;
 }

@@ -364,6 +364,16 @@ impl Running {
             Err(_) => panic!("the consumer did not stop within {DEADLINE:?}"),
         }
     }
+
+    /// [`stop`](Self::stop)s the consumer, then waits until the broker holds nothing
+    /// unacknowledged for `h`'s destination (every delivery answered for good).
+    async fn stop_settled<H: TransportHarness>(self, h: &H) {
+        self.stop().await;
+        eventually("nothing is left unacknowledged", || async {
+            h.unacknowledged().await == 0
+        })
+        .await;
+    }
 }
 
 /// One delivery as a handler saw it.
