@@ -143,9 +143,10 @@ impl Fixture {
             .expect("purge");
     }
 
-    /// Starts consuming the queue, counting deliveries per message id.
-    pub async fn counter(&self) -> Arc<Mutex<HashMap<String, usize>>> {
-        let counts = Arc::new(Mutex::new(HashMap::new()));
+    /// Starts consuming the queue with acks, handing every delivery's message id (empty
+    /// when it has none) and body to `on_delivery`, in the order the broker delivers
+    /// them, until the connection closes.
+    pub async fn consume(&self, mut on_delivery: impl FnMut(String, &[u8]) + Send + 'static) {
         let channel = self.conn.create_channel().await.expect("channel");
         let mut consumer = channel
             .basic_consume(
@@ -156,7 +157,6 @@ impl Fixture {
             )
             .await
             .expect("consume");
-        let sink = Arc::clone(&counts);
         tokio::spawn(async move {
             let _channel = channel;
             while let Some(Ok(delivery)) = consumer.next().await {
@@ -166,10 +166,18 @@ impl Fixture {
                     .as_ref()
                     .map(|s| s.to_string())
                     .unwrap_or_default();
-                *sink.lock().expect("lock").entry(id).or_insert(0) += 1;
+                on_delivery(id, &delivery.data);
                 let _ = delivery.ack(BasicAckOptions::default()).await;
             }
         });
+    }
+
+    /// Starts consuming the queue, counting deliveries per message id.
+    pub async fn counter(&self) -> Arc<Mutex<HashMap<String, usize>>> {
+        let counts = Arc::new(Mutex::new(HashMap::new()));
+        let sink = Arc::clone(&counts);
+        self.consume(move |id, _| *sink.lock().expect("lock").entry(id).or_insert(0) += 1)
+            .await;
         counts
     }
 }

@@ -8,7 +8,6 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use futures::StreamExt as _;
-use lapin::options::{BasicAckOptions, BasicConsumeOptions};
 use lapin::types::FieldTable;
 use outbox_core::EventPublisher;
 use tokio::task::JoinHandle;
@@ -88,32 +87,9 @@ impl Broker for Rabbit {
     async fn setup() -> Self {
         let fx = fixture(true, FieldTable::default()).await;
         let arrivals = Arrivals::default();
-        let channel = fx.conn.create_channel().await.expect("channel");
-        let mut consumer = channel
-            .basic_consume(
-                fx.queue.as_str().into(),
-                "".into(),
-                BasicConsumeOptions::default(),
-                FieldTable::default(),
-            )
-            .await
-            .expect("consume");
         let sink = Arc::clone(&arrivals);
-        tokio::spawn(async move {
-            let _channel = channel;
-            while let Some(Ok(delivery)) = consumer.next().await {
-                let id = delivery
-                    .properties
-                    .message_id()
-                    .as_ref()
-                    .map(|s| s.to_string())
-                    .unwrap_or_default();
-                sink.lock()
-                    .expect("lock")
-                    .push(Arrival::decode(id, &delivery.data));
-                let _ = delivery.ack(BasicAckOptions::default()).await;
-            }
-        });
+        fx.consume(move |id, body| sink.lock().expect("lock").push(Arrival::decode(id, body)))
+            .await;
         Self { fx, arrivals }
     }
 
