@@ -1,6 +1,7 @@
 //! `cargo xtask features`: every feature combination of the `outbox` facade crate
 //! that a user can pick must build, and so must the `outbox` binary (`outbox-cli`) with
-//! each database × broker pair.
+//! each database × broker pair; and the facade without its `opentelemetry` feature must
+//! not depend on OpenTelemetry.
 
 use std::time::Instant;
 
@@ -84,6 +85,40 @@ pub(crate) fn check() -> Result<()> {
     );
     if !failed.is_empty() {
         bail!("does not build with features: {}", failed.join(", "));
+    }
+    opentelemetry_stays_out()
+}
+
+/// Every facade feature but `opentelemetry` must leave the `opentelemetry` crate out of
+/// the dependency graph (`cargo tree -i` finds no such package), so that turning the
+/// feature off really saves what it says.
+fn opentelemetry_stays_out() -> Result<()> {
+    let features: Vec<&str> = FEATURES
+        .into_iter()
+        .filter(|f| *f != "opentelemetry")
+        .collect();
+    let mut cmd = cargo();
+    cmd.args([
+        "tree",
+        "-p",
+        "outbox",
+        "--no-default-features",
+        "-e",
+        "normal",
+    ])
+    .args(["--features", &features.join(",")])
+    .args(["-i", "opentelemetry"]);
+    let shown = display(&cmd);
+    eprintln!("xtask: running `{shown}` (must find no such package)");
+    let out = cmd
+        .output()
+        .map_err(|e| anyhow::anyhow!("could not run `{shown}`: {e}"))?;
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    if out.status.success() || !stderr.contains("did not match any packages") {
+        bail!(
+            "the facade without its `opentelemetry` feature still depends on opentelemetry:\n{}{stderr}",
+            String::from_utf8_lossy(&out.stdout)
+        );
     }
     Ok(())
 }
