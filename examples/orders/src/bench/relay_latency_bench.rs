@@ -20,8 +20,8 @@
 //! 3. what the notification trigger costs producers: 4 writers of single-row
 //!    transactions with the trigger, without it (`DISABLE TRIGGER`) and with the same
 //!    trigger minus its `pg_notify` (so the notification's commit lock is told apart
-//!    from the trigger's own work), in alternating windows, while a connection LISTENs (the relay stopped, so its publishing takes no
-//!    CPU from the writers).
+//!    from the trigger's own work), in alternating windows, while a connection LISTENs
+//!    (the relay stopped, so its publishing takes no CPU from the writers).
 //!
 //! **`--backlog N`** preloads N pending rows with one `INSERT … SELECT generate_series`,
 //! times the relay's periodic health-check queries (`pending_stats`, the gauges, and
@@ -246,7 +246,7 @@ async fn produce(
     Ok((behind, committed))
 }
 
-/// p50, p99 and max of latencies in milliseconds.
+/// p50, p99 and max of a set of latencies.
 #[derive(Debug, Clone, Copy)]
 struct Spread {
     p50: Duration,
