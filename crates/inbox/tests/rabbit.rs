@@ -252,6 +252,122 @@ async fn durable_inbox_fed_by_rabbitmq() {
     publisher.close().await;
 }
 
+/// A message as another producer may send it: our builder refuses control characters,
+/// theirs may not. PostgreSQL's `text` and `jsonb` cannot hold a NUL character.
+fn with_nul_characters(event_type: &str) -> OutboxMessage {
+    let mut msg = outbox_message(event_type);
+    msg.headers.insert("note".into(), "before\0after".into());
+    msg.aggregate_id = format!("{}\0x", msg.aggregate_id);
+    msg
+}
+
+/// A handler that keeps failing on such a message makes it a consumer dead letter (its
+/// NUL characters stored as `\0`) instead of deferring it forever because the dead
+/// letter cannot be written.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_poison_message_with_nul_characters_still_becomes_a_dead_letter() {
+    let Setup {
+        schema,
+        outbox: _outbox,
+        store,
+        consumer,
+        publisher,
+    } = setup(1).await;
+    let poison = with_nul_characters("Poison");
+    let published = publisher.publish_batch(std::slice::from_ref(&poison)).await;
+    assert!(published.iter().all(|o| o.is_published()), "{published:?}");
+
+    let handler = IdempotentConsumer::new(
+        Arc::clone(&store),
+        Pipeline::new().on("Poison", "projector", Projector(schema.clone())),
+    )
+    .with_max_deliveries(3);
+    let token = CancellationToken::new();
+    let run = {
+        let t = token.clone();
+        tokio::spawn(async move { consumer.run(handler, t).await })
+    };
+    wait_for("the dead letter", Duration::from_secs(30), async || {
+        store.is_dead(poison.id, "projector").await.expect("dead")
+    })
+    .await;
+    token.cancel();
+    run.await.expect("join").expect("consumer");
+    let dead = store
+        .consumer_dead_letters(Some("projector"), 10)
+        .await
+        .expect("dead letters");
+    assert_eq!(
+        dead.iter()
+            .map(|d| (d.message_id, d.attempts))
+            .collect::<Vec<_>>(),
+        [(poison.id, 3)]
+    );
+    publisher.close().await;
+}
+
+/// The durable inbox stores such a message (NUL characters as `\0`) and processes it,
+/// instead of deferring it, and the deliveries after it, forever.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_durable_inbox_stores_and_processes_a_message_with_nul_characters() {
+    let Setup {
+        schema,
+        outbox,
+        store,
+        consumer,
+        publisher,
+    } = setup(1).await;
+    let (odd, plain) = (
+        with_nul_characters("OrderPlaced"),
+        outbox_message("OrderPlaced"),
+    );
+    let published = publisher.publish_batch(&[odd.clone(), plain.clone()]).await;
+    assert!(published.iter().all(|o| o.is_published()), "{published:?}");
+
+    let token = CancellationToken::new();
+    let run = {
+        let t = token.clone();
+        let receiver = inbox::DurableReceiver::new(Arc::clone(&store));
+        tokio::spawn(async move { consumer.run(receiver, t).await })
+    };
+    let processor = inbox::InboxProcessor::new(
+        Arc::clone(&store),
+        Pipeline::new().on("OrderPlaced", "projector", Projector(schema.clone())),
+        inbox::ProcessorConfig::new(),
+    );
+    let effects = format!("SELECT count(*) FROM {schema}.effects");
+    wait_for(
+        "both messages processed",
+        Duration::from_secs(30),
+        async || {
+            processor.run_once().await.expect("process");
+            sqlx::query_scalar::<_, i64>(AssertSqlSafe(effects.clone()))
+                .fetch_one(outbox.pool())
+                .await
+                .expect("count")
+                == 2
+        },
+    )
+    .await;
+    token.cancel();
+    run.await.expect("join").expect("consumer");
+    let (id, note): (String, String) = sqlx::query_as(AssertSqlSafe(format!(
+        "SELECT aggregate_id, headers->>'note' FROM {schema}.inbox_messages WHERE id = $1"
+    )))
+    .bind(odd.id)
+    .fetch_one(outbox.pool())
+    .await
+    .expect("stored");
+    assert_eq!(
+        (id, note),
+        (
+            odd.aggregate_id.replace('\0', "\\0"),
+            "before\\0after".to_owned()
+        )
+    );
+    publisher.close().await;
+}
+
 /// Queue arguments that let RabbitMQ delete the test queue a minute after its last
 /// consumer left, even when the test fails half-way.
 fn expires_when_unused() -> lapin::types::FieldTable {
