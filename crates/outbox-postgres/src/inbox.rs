@@ -163,6 +163,44 @@ fn checked_order(pairs: &[(Uuid, &str)]) -> Result<Vec<usize>, OutboxError> {
     Ok(lock_order(pairs))
 }
 
+/// `text` as PostgreSQL's `text` and `jsonb` can hold it: every NUL character (SQLSTATE
+/// 22021 in `text`, "unsupported Unicode escape sequence" in `jsonb`) replaced by the two
+/// characters `\0`, as [`outbox_core::sanitize_error`] does for error texts. Our
+/// producers cannot send a NUL (the message builder refuses control characters), but
+/// another producer, or a SQL Server outbox (whose `nvarchar` holds one), can; such a
+/// message must not become one the consumer can neither store nor dead-letter. Version
+/// keys go through it too: an aggregate id with a NUL shares its version record with the
+/// same id spelled with a literal `\0` (an accepted collision; no other text changes).
+fn pg_text(text: &str) -> std::borrow::Cow<'_, str> {
+    if text.contains('\0') {
+        std::borrow::Cow::Owned(text.replace('\0', "\\0"))
+    } else {
+        std::borrow::Cow::Borrowed(text)
+    }
+}
+
+/// [`pg_text`] for an optional text.
+fn pg_opt_text(text: Option<&str>) -> Option<std::borrow::Cow<'_, str>> {
+    text.map(pg_text)
+}
+
+/// `headers` as the JSON text of a `jsonb` column, names and values through [`pg_text`].
+fn pg_headers(headers: &Headers) -> String {
+    let json = if headers
+        .iter()
+        .any(|(name, value)| name.contains('\0') || value.contains('\0'))
+    {
+        let clean: Headers = headers
+            .iter()
+            .map(|(name, value)| (pg_text(name).into_owned(), pg_text(value).into_owned()))
+            .collect();
+        serde_json::to_string(&clean)
+    } else {
+        serde_json::to_string(headers)
+    };
+    json.unwrap_or_else(|_| "{}".into())
+}
+
 #[async_trait]
 impl VersionTracking for PgInbox {
     async fn applied_version(
@@ -176,8 +214,8 @@ impl VersionTracking for PgInbox {
         // aggregate for one consumer are handled one after the other.
         sqlx::query_scalar(sql(&self.iq.version_lock))
             .bind(consumer)
-            .bind(aggregate_type)
-            .bind(aggregate_id)
+            .bind(pg_text(aggregate_type))
+            .bind(pg_text(aggregate_id))
             .fetch_one(&mut *conn)
             .await
             .map_err(db("inbox_version"))
@@ -193,8 +231,8 @@ impl VersionTracking for PgInbox {
     ) -> Result<(), OutboxError> {
         sqlx::query(sql(&self.iq.version_set))
             .bind(consumer)
-            .bind(aggregate_type)
-            .bind(aggregate_id)
+            .bind(pg_text(aggregate_type))
+            .bind(pg_text(aggregate_id))
             .bind(version)
             .execute(&mut *conn)
             .await
@@ -217,8 +255,8 @@ impl VersionTracking for PgInbox {
         let mut ids = Vec::with_capacity(order.len());
         for &i in &order {
             consumers.push(keys[i].consumer);
-            types.push(keys[i].aggregate_type);
-            ids.push(keys[i].aggregate_id);
+            types.push(pg_text(keys[i].aggregate_type));
+            ids.push(pg_text(keys[i].aggregate_id));
         }
         let rows: Vec<(String, String, String, Option<i64>)> =
             sqlx::query_as(sql(&self.iq.version_lock_batch))
@@ -235,8 +273,9 @@ impl VersionTracking for PgInbox {
         Ok(keys
             .iter()
             .map(|k| {
+                let (t, id) = (pg_text(k.aggregate_type), pg_text(k.aggregate_id));
                 applied
-                    .get(&(k.consumer, k.aggregate_type, k.aggregate_id))
+                    .get(&(k.consumer, t.as_ref(), id.as_ref()))
                     .copied()
                     .flatten()
             })
@@ -264,8 +303,8 @@ impl VersionTracking for PgInbox {
         let mut values = Vec::with_capacity(highest.len());
         for (key, version) in &highest {
             consumers.push(key.consumer);
-            types.push(key.aggregate_type);
-            ids.push(key.aggregate_id);
+            types.push(pg_text(key.aggregate_type));
+            ids.push(pg_text(key.aggregate_id));
             values.push(*version);
         }
         sqlx::query(sql(&self.iq.version_set_batch))
@@ -358,15 +397,14 @@ impl ConsumerDeadLetters for PgInbox {
         error: &str,
         max_attempts: u32,
     ) -> Result<FailureCount, OutboxError> {
-        let headers = serde_json::to_string(&msg.headers).unwrap_or_else(|_| "{}".into());
         let (attempts, dead): (i32, bool) = sqlx::query_as(sql(&self.iq.failure))
             .bind(msg.id)
             .bind(consumer)
-            .bind(&msg.event_type)
-            .bind(error)
+            .bind(pg_text(&msg.event_type))
+            .bind(outbox_core::sanitize_error(error))
             .bind(i32::try_from(max_attempts).unwrap_or(i32::MAX))
             .bind(&msg.payload)
-            .bind(headers)
+            .bind(pg_headers(&msg.headers))
             .fetch_one(&self.pool)
             .await
             .map_err(db("inbox_failure"))?;
@@ -460,22 +498,21 @@ fn decode_stored(row: &PgRow) -> Result<StoredMessage, OutboxError> {
 #[async_trait]
 impl DurableInbox for PgInbox {
     async fn store(&self, msg: &IncomingMessage) -> Result<bool, OutboxError> {
-        let headers = serde_json::to_string(&msg.headers).unwrap_or_else(|_| "{}".into());
         let inserted = sqlx::query(sql(&self.iq.store))
             .bind(msg.id)
-            .bind(&msg.event_type)
-            .bind(msg.source.as_deref())
-            .bind(msg.aggregate_type.as_deref())
-            .bind(msg.aggregate_id.as_deref())
+            .bind(pg_text(&msg.event_type))
+            .bind(pg_opt_text(msg.source.as_deref()))
+            .bind(pg_opt_text(msg.aggregate_type.as_deref()))
+            .bind(pg_opt_text(msg.aggregate_id.as_deref()))
             .bind(msg.aggregate_version)
-            .bind(msg.tenant_id.as_deref())
-            .bind(msg.partition_key.as_deref())
-            .bind(msg.correlation_id.as_deref())
-            .bind(msg.causation_id.as_deref())
+            .bind(pg_opt_text(msg.tenant_id.as_deref()))
+            .bind(pg_opt_text(msg.partition_key.as_deref()))
+            .bind(pg_opt_text(msg.correlation_id.as_deref()))
+            .bind(pg_opt_text(msg.causation_id.as_deref()))
             .bind(msg.occurred_at)
             .bind(msg.traceparent.map(|t| t.to_string()))
-            .bind(msg.tracestate.as_deref())
-            .bind(headers)
+            .bind(pg_opt_text(msg.tracestate.as_deref()))
+            .bind(pg_headers(&msg.headers))
             .bind(&msg.payload)
             .execute(&self.pool)
             .await
@@ -511,19 +548,19 @@ impl DurableInbox for PgInbox {
         for &i in &order {
             let msg = &msgs[i];
             ids.push(msg.id);
-            event_types.push(msg.event_type.as_str());
-            sources.push(msg.source.as_deref());
-            aggregate_types.push(msg.aggregate_type.as_deref());
-            aggregate_ids.push(msg.aggregate_id.as_deref());
+            event_types.push(pg_text(&msg.event_type));
+            sources.push(pg_opt_text(msg.source.as_deref()));
+            aggregate_types.push(pg_opt_text(msg.aggregate_type.as_deref()));
+            aggregate_ids.push(pg_opt_text(msg.aggregate_id.as_deref()));
             versions.push(msg.aggregate_version);
-            tenants.push(msg.tenant_id.as_deref());
-            partition_keys.push(msg.partition_key.as_deref());
-            correlation_ids.push(msg.correlation_id.as_deref());
-            causation_ids.push(msg.causation_id.as_deref());
+            tenants.push(pg_opt_text(msg.tenant_id.as_deref()));
+            partition_keys.push(pg_opt_text(msg.partition_key.as_deref()));
+            correlation_ids.push(pg_opt_text(msg.correlation_id.as_deref()));
+            causation_ids.push(pg_opt_text(msg.causation_id.as_deref()));
             occurred.push(msg.occurred_at);
             traceparents.push(msg.traceparent.map(|t| t.to_string()));
-            tracestates.push(msg.tracestate.as_deref());
-            headers.push(serde_json::to_string(&msg.headers).unwrap_or_else(|_| "{}".into()));
+            tracestates.push(pg_opt_text(msg.tracestate.as_deref()));
+            headers.push(pg_headers(&msg.headers));
             payloads.push(msg.payload.as_slice());
         }
         let inserted: Vec<Uuid> = sqlx::query_scalar(sql(&self.iq.store_batch))
@@ -631,5 +668,27 @@ impl DurableInbox for PgInbox {
             .await
             .map_err(db("inbox_purge_processed"))?
             .rows_affected())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn nul_characters_are_escaped_and_nothing_else_changes() {
+        assert!(matches!(
+            pg_text("plain \\0 text"),
+            std::borrow::Cow::Borrowed(_)
+        ));
+        assert_eq!(pg_text("a\0b\0"), "a\\0b\\0");
+        let mut headers = Headers::new();
+        headers.insert("plain".into(), "value".into());
+        assert_eq!(pg_headers(&headers), r#"{"plain":"value"}"#);
+        headers.insert("n\0ame".into(), "va\0lue".into());
+        let json: serde_json::Value = serde_json::from_str(&pg_headers(&headers)).expect("JSON");
+        assert_eq!(json["n\\0ame"], "va\\0lue");
+        assert_eq!(json["plain"], "value");
+        assert!(!pg_headers(&headers).contains("\\u0000"));
     }
 }
