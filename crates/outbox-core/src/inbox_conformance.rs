@@ -353,6 +353,16 @@ fn message(event_type: &str, n: usize) -> IncomingMessage {
     msg
 }
 
+/// A message as another producer may send it: a NUL character in its event type,
+/// aggregate id, a header name and value, which our builder refuses and PostgreSQL's
+/// `text` and `jsonb` cannot hold.
+fn message_with_nul_characters(n: usize) -> IncomingMessage {
+    let mut msg = message("Order\0Placed", n);
+    msg.aggregate_id = Some(format!("agg\0{n}"));
+    msg.headers.insert("no\0te".into(), "be\0fore".into());
+    msg
+}
+
 /// `record_failure` counts failures per `(message, consumer)` and reports the message
 /// dead once the count reaches `max_attempts`; `is_dead` says so for that consumer only;
 /// `consumer_dead_letters` lists dead letters oldest first, with payload, event type,
@@ -452,6 +462,33 @@ where
     );
 }
 
+/// A message with NUL characters (another producer's) can be dead-lettered: a store
+/// that cannot hold a NUL writes it escaped (PostgreSQL: `\0`) rather than failing, so
+/// the consumer never defers such a message forever.
+pub async fn a_message_with_nul_characters_can_be_dead_lettered<H>(h: &H)
+where
+    H: InboxHarness,
+    H::Inbox: ConsumerDeadLetters,
+{
+    let inbox = h.inbox();
+    let odd = message_with_nul_characters(1);
+    let count = inbox
+        .record_failure(&odd, "projector", "bo\0om", 1)
+        .await
+        .expect("record_failure of a message with NUL characters");
+    assert!(count.dead, "dead at the limit");
+    assert!(inbox.is_dead(odd.id, "projector").await.expect("is_dead"));
+    let listed = inbox
+        .consumer_dead_letters(Some("projector"), 10)
+        .await
+        .expect("consumer_dead_letters");
+    assert_eq!(listed.len(), 1, "the dead letter is listed");
+    assert_eq!(
+        listed[0].payload, odd.payload,
+        "the payload is kept as received"
+    );
+}
+
 /// `claim_unless_dead` answers `DeadLetter` for a dead letter of that consumer and
 /// writes nothing; otherwise it claims as `try_claim` does (`Claimed`, then
 /// `Duplicate`); the batch form answers per pair in order, a repeated pair claimed once.
@@ -537,6 +574,60 @@ where
     assert!(
         claim_rolled_back(&*inbox, dead.id, "projector").await,
         "refusing a dead letter wrote no inbox record"
+    );
+}
+
+/// Version keys with NUL characters (another producer's aggregate ids) are tracked like
+/// any other: recorded, read back, kept apart from the same id without the NUL.
+pub async fn versions_of_an_aggregate_id_with_nul_characters_are_tracked<H>(h: &H)
+where
+    H: InboxHarness,
+    H::Inbox: VersionTracking,
+{
+    let inbox = h.inbox();
+    let mut tx = inbox.begin().await.expect("begin");
+    assert_eq!(
+        inbox
+            .applied_version(&mut *tx, "projector", "ord\0er", "a\0b")
+            .await
+            .expect("applied_version with NUL characters"),
+        None,
+        "nothing applied yet"
+    );
+    inbox
+        .record_version(&mut *tx, "projector", "ord\0er", "a\0b", 7)
+        .await
+        .expect("record_version with NUL characters");
+    inbox.commit(tx).await.expect("commit");
+    let mut tx = inbox.begin().await.expect("begin");
+    let single = inbox
+        .applied_version(&mut *tx, "projector", "ord\0er", "a\0b")
+        .await
+        .expect("applied_version with NUL characters");
+    let batch = inbox
+        .applied_versions(
+            &mut *tx,
+            &[
+                VersionKey {
+                    consumer: "projector",
+                    aggregate_type: "ord\0er",
+                    aggregate_id: "a\0b",
+                },
+                VersionKey {
+                    consumer: "projector",
+                    aggregate_type: "order",
+                    aggregate_id: "ab",
+                },
+            ],
+        )
+        .await
+        .expect("applied_versions with NUL characters");
+    inbox.rollback(tx).await.expect("rollback");
+    assert_eq!(single, Some(7), "read back");
+    assert_eq!(
+        batch,
+        [Some(7), None],
+        "read back in a batch, apart from `ab`"
     );
 }
 
@@ -847,6 +938,42 @@ where
     assert_eq!(first.headers, m1.headers, "headers round-trip");
 }
 
+/// A message with NUL characters (another producer's) is stored, alone and in a batch,
+/// and claimed back: a store that cannot hold a NUL writes it escaped (PostgreSQL:
+/// `\0`) rather than failing, so the consumer never defers it, and the deliveries
+/// behind it, forever.
+pub async fn durable_store_takes_a_message_with_nul_characters<H>(h: &H)
+where
+    H: InboxHarness,
+    H::Inbox: DurableInbox,
+{
+    let inbox = h.inbox();
+    let (alone, batched, plain) = (
+        message_with_nul_characters(1),
+        message_with_nul_characters(2),
+        message("OrderPlaced", 3),
+    );
+    assert!(
+        inbox
+            .store(&alone)
+            .await
+            .expect("store with NUL characters")
+    );
+    assert_eq!(
+        inbox
+            .store_batch(&[batched.clone(), plain.clone()])
+            .await
+            .expect("store_batch with NUL characters"),
+        [true, true]
+    );
+    let claimed = claim_stored(&*inbox, 10, Duration::from_secs(60), 3).await;
+    let mut ids: Vec<Uuid> = claimed.iter().map(|m| m.message.id).collect();
+    ids.sort();
+    let mut want = vec![alone.id, batched.id, plain.id];
+    want.sort();
+    assert_eq!(ids, want, "all three are claimed back");
+}
+
 /// `claim` leases stored messages with a fresh token and `attempts + 1`; leased messages
 /// are not claimed again; a completion with a wrong token, or after the message was
 /// completed, is fenced; an expired lease is reclaimed with a new token and the old
@@ -1110,6 +1237,7 @@ macro_rules! inbox_conformance_tests {
     (@cap $mode:tt; dead_letters) => {
         $crate::inbox_conformance_tests!(@each $mode;
             failures_become_consumer_dead_letters_at_the_limit,
+            a_message_with_nul_characters_can_be_dead_lettered,
             claim_unless_dead_refuses_dead_letters,
         );
     };
@@ -1118,11 +1246,13 @@ macro_rules! inbox_conformance_tests {
             versions_only_rise_and_commit_with_the_transaction,
             batch_versions_answer_per_key_and_keep_the_largest,
             applied_version_orders_two_messages_of_one_aggregate,
+            versions_of_an_aggregate_id_with_nul_characters_are_tracked,
         );
     };
     (@cap $mode:tt; durable) => {
         $crate::inbox_conformance_tests!(@each $mode;
             durable_store_keeps_each_message_once,
+            durable_store_takes_a_message_with_nul_characters,
             durable_claims_are_leased_and_completions_fenced,
             durable_outcomes_retry_defer_and_end,
             durable_purge_processed_removes_only_old_done_messages,
