@@ -241,7 +241,10 @@ pub trait ConsumerDeadLetters: InboxStore {
 
     /// Counts one failure of `consumer` on `msg` in its own transaction; when the count
     /// reaches `max_attempts` the message is recorded as a consumer dead letter (with
-    /// its payload, error and count).
+    /// its payload, error and count). Stores MUST take any message (a text the database
+    /// cannot hold, such as a NUL character in PostgreSQL, is written escaped) and MAY
+    /// cut `error` as [`sanitize_error`](crate::sanitize_error) does: a failure that
+    /// cannot be recorded would leave the consumer deferring the message forever.
     ///
     /// # Errors
     /// [`OutboxError::Database`].
