@@ -348,7 +348,8 @@ pub struct InboxCompletion {
 #[async_trait]
 pub trait DurableInbox: InboxStore {
     /// Stores `msg` unless a message with its id is already stored. Returns whether it
-    /// was new.
+    /// was new. Stores MUST take any decodable message: a text the database cannot hold
+    /// (a NUL character in PostgreSQL) is stored escaped, and claimed back that way.
     ///
     /// # Errors
     /// [`OutboxError::Database`]: the delivery must then not be acked.
