@@ -16,7 +16,7 @@ use outbox_testkit::pg::PgLockout;
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 use sqlx::{AssertSqlSafe, PgConnection};
 use tokio_util::sync::CancellationToken;
-use transport_rabbit::{RabbitConfig, RabbitConsumer, RabbitPublisher};
+use transport_rabbit::{DeliveryHandler, RabbitConfig, RabbitConsumer, RabbitPublisher};
 use uuid::Uuid;
 
 fn env(key: &str, default: &str) -> String {
@@ -145,11 +145,7 @@ async fn duplicates_and_a_poison_message_through_rabbitmq() {
             .on("Poison", "projector", Projector(schema.clone())),
     )
     .with_max_deliveries(3);
-    let token = CancellationToken::new();
-    let run = {
-        let t = token.clone();
-        tokio::spawn(async move { consumer.run(handler, t).await })
-    };
+    let running = start(consumer, handler);
     let count = |id: Uuid| {
         let pool = outbox.pool().clone();
         let sql = format!("SELECT count(*) FROM {schema}.effects WHERE message_id = $1");
@@ -168,24 +164,14 @@ async fn duplicates_and_a_poison_message_through_rabbitmq() {
     {
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
-    token.cancel();
-    run.await.expect("join").expect("consumer");
+    running.stop().await;
     assert_eq!(count(dup.id).await, 1, "five deliveries, one effect");
     assert_eq!(
         count(after.id).await,
         1,
         "the message after the poison one was processed"
     );
-    let dead = store
-        .consumer_dead_letters(Some("projector"), 10)
-        .await
-        .expect("dead letters");
-    assert_eq!(
-        dead.iter()
-            .map(|d| (d.message_id, d.attempts))
-            .collect::<Vec<_>>(),
-        [(poison.id, 3)]
-    );
+    assert_eq!(projector_dead_letters(&store).await, [(poison.id, 3)]);
     publisher.close().await;
 }
 
@@ -208,12 +194,7 @@ async fn durable_inbox_fed_by_rabbitmq() {
             .all(|o| o.is_published())
     );
 
-    let token = CancellationToken::new();
-    let run = {
-        let t = token.clone();
-        let receiver = inbox::DurableReceiver::new(Arc::clone(&store));
-        tokio::spawn(async move { consumer.run(receiver, t).await })
-    };
+    let running = start(consumer, inbox::DurableReceiver::new(Arc::clone(&store)));
     let processor = inbox::InboxProcessor::new(
         Arc::clone(&store),
         Pipeline::new().on("OrderPlaced", "projector", Projector(schema.clone())),
@@ -234,8 +215,7 @@ async fn durable_inbox_fed_by_rabbitmq() {
         processor.run_once().await.expect("process");
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
-    token.cancel();
-    run.await.expect("join").expect("consumer");
+    running.stop().await;
     let stored: i64 = sqlx::query_scalar(AssertSqlSafe(format!(
         "SELECT count(*) FROM {schema}.inbox_messages"
     )))
@@ -282,27 +262,13 @@ async fn a_poison_message_with_nul_characters_still_becomes_a_dead_letter() {
         Pipeline::new().on("Poison", "projector", Projector(schema.clone())),
     )
     .with_max_deliveries(3);
-    let token = CancellationToken::new();
-    let run = {
-        let t = token.clone();
-        tokio::spawn(async move { consumer.run(handler, t).await })
-    };
+    let running = start(consumer, handler);
     wait_for("the dead letter", Duration::from_secs(30), async || {
         store.is_dead(poison.id, "projector").await.expect("dead")
     })
     .await;
-    token.cancel();
-    run.await.expect("join").expect("consumer");
-    let dead = store
-        .consumer_dead_letters(Some("projector"), 10)
-        .await
-        .expect("dead letters");
-    assert_eq!(
-        dead.iter()
-            .map(|d| (d.message_id, d.attempts))
-            .collect::<Vec<_>>(),
-        [(poison.id, 3)]
-    );
+    running.stop().await;
+    assert_eq!(projector_dead_letters(&store).await, [(poison.id, 3)]);
     publisher.close().await;
 }
 
@@ -324,12 +290,7 @@ async fn the_durable_inbox_stores_and_processes_a_message_with_nul_characters() 
     let published = publisher.publish_batch(&[odd.clone(), plain.clone()]).await;
     assert!(published.iter().all(|o| o.is_published()), "{published:?}");
 
-    let token = CancellationToken::new();
-    let run = {
-        let t = token.clone();
-        let receiver = inbox::DurableReceiver::new(Arc::clone(&store));
-        tokio::spawn(async move { consumer.run(receiver, t).await })
-    };
+    let running = start(consumer, inbox::DurableReceiver::new(Arc::clone(&store)));
     let processor = inbox::InboxProcessor::new(
         Arc::clone(&store),
         Pipeline::new().on("OrderPlaced", "projector", Projector(schema.clone())),
@@ -349,8 +310,7 @@ async fn the_durable_inbox_stores_and_processes_a_message_with_nul_characters() 
         },
     )
     .await;
-    token.cancel();
-    run.await.expect("join").expect("consumer");
+    running.stop().await;
     let (id, note): (String, String) = sqlx::query_as(AssertSqlSafe(format!(
         "SELECT aggregate_id, headers->>'note' FROM {schema}.inbox_messages WHERE id = $1"
     )))
@@ -491,15 +451,31 @@ impl Running {
     }
 }
 
+/// Runs `consumer` with `handler` in a task.
+fn start<H: DeliveryHandler>(consumer: RabbitConsumer, handler: H) -> Running {
+    let token = CancellationToken::new();
+    let t = token.clone();
+    Running {
+        token,
+        task: tokio::spawn(async move { consumer.run(handler, t).await }),
+    }
+}
+
+/// The `projector` consumer's dead letters as `(message id, attempts)`.
+async fn projector_dead_letters(store: &PgInbox) -> Vec<(Uuid, u32)> {
+    store
+        .consumer_dead_letters(Some("projector"), 10)
+        .await
+        .expect("dead letters")
+        .iter()
+        .map(|d| (d.message_id, d.attempts))
+        .collect()
+}
+
 impl Quorum {
     /// Runs the queue's consumer with `handler`.
     fn start(&self, handler: IdempotentConsumer<PgInbox>) -> Running {
-        let token = CancellationToken::new();
-        let (t, consumer) = (token.clone(), self.consumer.clone());
-        Running {
-            token,
-            task: tokio::spawn(async move { consumer.run(handler, t).await }),
-        }
+        start(self.consumer.clone(), handler)
     }
 
     /// Each of `messages` has exactly one effect, and no consumer dead letter exists.
