@@ -59,6 +59,35 @@ pub(super) async fn rabbit_admin_with_exchange(
     Ok((admin, channel))
 }
 
+/// Declares the durable queue `queue` and binds it to `exchange` with `key`.
+pub(super) async fn declare_bound_queue(
+    channel: &lapin::Channel,
+    queue: &str,
+    exchange: &str,
+    key: &str,
+) -> anyhow::Result<()> {
+    channel
+        .queue_declare(
+            queue.into(),
+            QueueDeclareOptions {
+                durable: true,
+                ..Default::default()
+            },
+            FieldTable::default(),
+        )
+        .await?;
+    channel
+        .queue_bind(
+            queue.into(),
+            exchange.into(),
+            key.into(),
+            QueueBindOptions::default(),
+            FieldTable::default(),
+        )
+        .await?;
+    Ok(())
+}
+
 impl Broker {
     pub(super) async fn setup(transport: Transport, tag: &str) -> anyhow::Result<Self> {
         match transport {
@@ -66,25 +95,7 @@ impl Broker {
                 let exchange = format!("bench.{tag}");
                 let queue = format!("bench.{tag}.sink");
                 let (admin, channel) = rabbit_admin_with_exchange(&exchange).await?;
-                channel
-                    .queue_declare(
-                        queue.as_str().into(),
-                        QueueDeclareOptions {
-                            durable: true,
-                            ..Default::default()
-                        },
-                        FieldTable::default(),
-                    )
-                    .await?;
-                channel
-                    .queue_bind(
-                        queue.as_str().into(),
-                        exchange.as_str().into(),
-                        "#".into(),
-                        QueueBindOptions::default(),
-                        FieldTable::default(),
-                    )
-                    .await?;
+                declare_bound_queue(&channel, &queue, &exchange, "#").await?;
                 Ok(Self::Rabbit {
                     exchange,
                     queue,

@@ -47,10 +47,7 @@ use inbox::{
     InboxProcessor, Pipeline, ProcessorConfig,
 };
 use lapin::Connection;
-use lapin::options::{
-    ExchangeDeleteOptions, QueueBindOptions, QueueDeclareOptions, QueueDeleteOptions,
-};
-use lapin::types::FieldTable;
+use lapin::options::{ExchangeDeleteOptions, QueueDeleteOptions};
 use outbox_core::consumer::{BatchDeliveryHandler, DeliveryHandler, HandlerDecision};
 use outbox_core::wire::IncomingMessage;
 use outbox_core::{EventPublisher, NewMessage, OutboxMessage};
@@ -849,25 +846,7 @@ impl Bus {
                 exchange, channel, ..
             } => {
                 let queue = format!("{exchange}.{key}");
-                channel
-                    .queue_declare(
-                        queue.as_str().into(),
-                        QueueDeclareOptions {
-                            durable: true,
-                            ..Default::default()
-                        },
-                        FieldTable::default(),
-                    )
-                    .await?;
-                channel
-                    .queue_bind(
-                        queue.as_str().into(),
-                        exchange.as_str().into(),
-                        key.into(),
-                        QueueBindOptions::default(),
-                        FieldTable::default(),
-                    )
-                    .await?;
+                super::broker::declare_bound_queue(channel, &queue, exchange, key).await?;
                 Ok(Source::Queue(queue))
             }
             Self::Nats { prefix, js, .. } => {
