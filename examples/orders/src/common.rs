@@ -152,3 +152,46 @@ pub(crate) async fn settle(max: Duration) -> Duration {
     }
     started.elapsed()
 }
+
+/// Either transport's consumer, for the demo and the chaos harness (a broker picked at
+/// run time).
+pub enum Consumer {
+    /// A RabbitMQ queue's consumer.
+    Rabbit(transport_rabbit::RabbitConsumer),
+    /// A JetStream durable consumer.
+    Nats(transport_nats::NatsConsumer),
+}
+
+impl Consumer {
+    /// Consumes until `shutdown`, handing every delivery to `handler`.
+    ///
+    /// # Errors
+    /// The transport's error that stopped it.
+    pub async fn run<H: outbox_core::consumer::DeliveryHandler>(
+        &self,
+        handler: H,
+        shutdown: tokio_util::sync::CancellationToken,
+    ) -> anyhow::Result<()> {
+        match self {
+            Self::Rabbit(c) => c.run(handler, shutdown).await?,
+            Self::Nats(c) => c.run(handler, shutdown).await?,
+        }
+        Ok(())
+    }
+
+    /// Consumes until `shutdown`, handing deliveries to `handler` in batches.
+    ///
+    /// # Errors
+    /// The transport's error that stopped it.
+    pub async fn run_batched<H: outbox_core::consumer::BatchDeliveryHandler>(
+        &self,
+        handler: H,
+        shutdown: tokio_util::sync::CancellationToken,
+    ) -> anyhow::Result<()> {
+        match self {
+            Self::Rabbit(c) => c.run_batched(handler, shutdown).await?,
+            Self::Nats(c) => c.run_batched(handler, shutdown).await?,
+        }
+        Ok(())
+    }
+}

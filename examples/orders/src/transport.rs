@@ -7,12 +7,10 @@ use std::time::Duration;
 
 use anyhow::Context as _;
 use outbox::AnyPublisher;
-use outbox_core::consumer::DeliveryHandler;
-use tokio_util::sync::CancellationToken;
 use transport_nats::{NatsConfig, NatsConsumer, NatsPublisher, StreamSetup, async_nats};
 use transport_rabbit::{RabbitConfig, RabbitConsumer, RabbitPublisher};
 
-use orders_example::common;
+use orders_example::common::{self, Consumer};
 
 /// The broker the demo runs over.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
@@ -22,27 +20,6 @@ pub(crate) enum Transport {
     /// NATS JetStream: a file-storage stream with a duplicate window, a durable pull
     /// consumer.
     Nats,
-}
-
-/// The projection's consumer for either transport.
-pub(crate) enum Consumer {
-    Rabbit(RabbitConsumer),
-    Nats(NatsConsumer),
-}
-
-impl Consumer {
-    /// Consumes until `shutdown`, handing every delivery to `handler`.
-    pub(crate) async fn run<H: DeliveryHandler>(
-        &self,
-        handler: H,
-        shutdown: CancellationToken,
-    ) -> anyhow::Result<()> {
-        match self {
-            Self::Rabbit(c) => c.run(handler, shutdown).await?,
-            Self::Nats(c) => c.run(handler, shutdown).await?,
-        }
-        Ok(())
-    }
 }
 
 /// Publisher, consumer, and what the reconciliation needs to know about the broker.

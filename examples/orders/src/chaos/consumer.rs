@@ -24,6 +24,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use super::topology::{self, CONSUMER, CONSUMER_APP, ConsumerMode, EVENT_TYPE, Names, Transport};
+use crate::common::Consumer;
 use anyhow::Context as _;
 use async_trait::async_trait;
 use inbox::{
@@ -188,38 +189,6 @@ impl<H: BatchDeliveryHandler> BatchDeliveryHandler for RecordedBatch<H> {
             tracing::debug!(messages = msgs.len(), error = %e, "deliveries not recorded");
         }
         self.inner.handle_batch(msgs).await
-    }
-}
-
-/// Either transport's consumer.
-enum Consumer {
-    Rabbit(transport_rabbit::RabbitConsumer),
-    Nats(transport_nats::NatsConsumer),
-}
-
-impl Consumer {
-    async fn run<H: DeliveryHandler>(
-        &self,
-        handler: H,
-        shutdown: CancellationToken,
-    ) -> anyhow::Result<()> {
-        match self {
-            Self::Rabbit(c) => c.run(handler, shutdown).await?,
-            Self::Nats(c) => c.run(handler, shutdown).await?,
-        }
-        Ok(())
-    }
-
-    async fn run_batched<H: BatchDeliveryHandler>(
-        &self,
-        handler: H,
-        shutdown: CancellationToken,
-    ) -> anyhow::Result<()> {
-        match self {
-            Self::Rabbit(c) => c.run_batched(handler, shutdown).await?,
-            Self::Nats(c) => c.run_batched(handler, shutdown).await?,
-        }
-        Ok(())
     }
 }
 
