@@ -34,7 +34,9 @@ use tracing::{Instrument as _, debug, info_span};
 use uuid::Uuid;
 
 use crate::handler::{HandlerContext, StalePolicy};
-use crate::pipeline::{Claims, Registered, handle_span, panic_text, rollback_quietly, version_key};
+use crate::pipeline::{
+    Claims, Registered, handle_span, panic_text, rollback_quietly, version_key, version_too_far,
+};
 
 /// One message of a batch and the handlers to run on it.
 pub(crate) struct Item<'a, S: InboxStore> {
@@ -45,6 +47,8 @@ pub(crate) struct Item<'a, S: InboxStore> {
     pub(crate) attempt: u32,
     /// Report a version gap instead of running the handler (the durable inbox).
     pub(crate) hold_gaps: bool,
+    /// The pipeline's [`with_max_version_jump`](crate::Pipeline::with_max_version_jump).
+    pub(crate) max_jump: Option<u64>,
 }
 
 /// A handler of an item whose version is ahead of the next expected one.
@@ -211,6 +215,11 @@ where
                     };
                     let last = applied.get(&key).copied().flatten();
                     ctx.applied_version = last;
+                    // Implausibly far ahead: it fails alone, in per-message mode, where
+                    // it becomes a dead letter.
+                    if version_too_far(version, last, item.max_jump).is_some() {
+                        return Err(Attempt::Failed { item: i });
+                    }
                     match last {
                         Some(last) if version <= last => {
                             if reg.stale == StalePolicy::Skip {

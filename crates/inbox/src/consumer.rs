@@ -5,11 +5,12 @@ use std::sync::Arc;
 use async_trait::async_trait;
 use outbox_core::consumer::{BatchDeliveryHandler, DeliveryHandler, HandlerDecision};
 use outbox_core::inbox::{ConsumerDeadLetters, VersionTracking};
-use outbox_core::wire::IncomingMessage;
+use outbox_core::wire::{IncomingMessage, UndecodableMessage};
 use outbox_core::{InboxStore, OutboxError};
 use tracing::{debug, error, warn};
 
 use crate::batch::{Attempt, Item, attempt};
+use crate::fault::StoreTrouble;
 use crate::pipeline::{Pipeline, Step, UnlessDead, run_handler};
 
 /// Default deliveries of one message a handler may fail before it is dead-lettered.
@@ -18,6 +19,15 @@ pub const DEFAULT_MAX_DELIVERIES: u32 = 5;
 /// The consumer name under which [`UnhandledPolicy::DeadLetter`] records a message whose
 /// event type no handler subscribes to.
 pub const UNHANDLED_CONSUMER: &str = "unhandled";
+
+/// The consumer name under which the consumers record a delivery the transport could
+/// not decode (another producer's message with no event type, a malformed
+/// `aggregateversion`, an attribute over its length limit, a CloudEvents id that is not
+/// a UUID beside a broker message id that is): a consumer dead letter holding its raw
+/// headers and body, listed by `outbox inbox dead list`. Only a delivery without any
+/// usable id is dropped (counted in
+/// [`UNDECODABLE_TOTAL`](crate::metrics::UNDECODABLE_TOTAL)).
+pub const UNDECODABLE_CONSUMER: &str = "undecodable";
 
 /// What a consumer does with a message whose event type no handler of its pipeline
 /// subscribes to (an event that arrives before its handler is deployed, a producer's
@@ -65,13 +75,27 @@ impl UnhandledPolicy {
 /// and the delivery is acked, so a poison message never blocks the queue.
 ///
 /// A handler that panics fails like one that returns an error (the panic message is
-/// the error). A database error of the inbox itself (the database is down, a connection
-/// is refused or terminated, no pooled connection came free in time) is never the
-/// message's fault: the answer is [`HandlerDecision::Defer`], and the transport holds
-/// the delivery and tries again until the database is back, spending no delivery
-/// attempt, however long the outage. Messages whose event type has no handler follow
-/// the [`UnhandledPolicy`]. Version gaps are not held back in this mode (the broker
-/// decides delivery order); use the durable inbox for a reorder window.
+/// the error). So does a handler that returns `Ok` on a transaction it left aborted (it
+/// caught a database error and went on): the store's commit reports it, and the
+/// failure says so. Data of the message or the handler that the database refuses
+/// ([`ErrorKind::InvalidData`](outbox_core::ErrorKind::InvalidData): a constraint
+/// checked at commit, an aggregate key over the index's size limit) is that message's
+/// failure too.
+///
+/// What is never the message's fault: the inbox database being down, a connection
+/// refused or terminated, no pooled connection free in time, a misconfiguration (a
+/// missing table, a refused permission), and a deadlock, statement timeout or
+/// terminated backend inside the handler. The answer is then
+/// [`HandlerDecision::Defer`]: the transport holds the delivery and tries again until
+/// the database is back, spending no delivery attempt and counting no failure, however
+/// long it lasts; the consumer counts each deferral in
+/// [`DEFERRED_TOTAL`](crate::metrics::DEFERRED_TOTAL) and logs at error level at most
+/// once a minute. Messages whose event type has no handler follow the
+/// [`UnhandledPolicy`]; a delivery the transport could not decode is recorded under
+/// [`UNDECODABLE_CONSUMER`]. A versioned message further past the last applied version
+/// than [`Pipeline::with_max_version_jump`] allows is dead-lettered at once. Version
+/// gaps are not held back in this mode (the broker decides delivery order); use the
+/// durable inbox for a reorder window.
 ///
 /// # Batch mode
 ///
@@ -100,6 +124,7 @@ pub struct IdempotentConsumer<S: InboxStore> {
     pipeline: Arc<Pipeline<S>>,
     max_deliveries: u32,
     unhandled: UnhandledPolicy,
+    trouble: StoreTrouble,
 }
 
 impl<S: InboxStore> std::fmt::Debug for IdempotentConsumer<S> {
@@ -124,6 +149,7 @@ where
             pipeline: Arc::new(pipeline),
             max_deliveries: DEFAULT_MAX_DELIVERIES,
             unhandled: UnhandledPolicy::Ack,
+            trouble: StoreTrouble::default(),
         }
     }
 
@@ -154,8 +180,19 @@ where
         if handlers.is_empty() {
             return self.unhandled(msg).await;
         }
+        let max_jump = self.pipeline.max_version_jump();
         for reg in handlers {
-            match run_handler(&*self.store, reg, msg, attempt, false, &UnlessDead).await {
+            match run_handler(
+                &*self.store,
+                reg,
+                msg,
+                attempt,
+                false,
+                max_jump,
+                &UnlessDead,
+            )
+            .await
+            {
                 Ok(
                     Step::Applied
                     | Step::AlreadyDone
@@ -184,12 +221,13 @@ where
                             return HandlerDecision::Requeue;
                         }
                         // Not counted: do not spend a delivery on it either.
-                        Err(db) => return unavailable(msg, &db),
+                        Err(db) => return self.unavailable(&db, 1),
                     }
                 }
-                Err(e) => return unavailable(msg, &e),
+                Err(e) => return self.unavailable(&e, 1),
             }
         }
+        self.trouble.ok();
         HandlerDecision::Ack
     }
 
@@ -215,6 +253,7 @@ where
                     .and_then(|c| u32::try_from(c).ok())
                     .unwrap_or(1),
                 hold_gaps: false,
+                max_jump: self.pipeline.max_version_jump(),
             });
             positions.push(k);
         }
@@ -233,21 +272,25 @@ where
                 continue;
             }
             match attempt(&*self.store, &items[start..end], &UnlessDead).await {
-                Attempt::Committed => start = end,
+                Attempt::Committed => {
+                    self.trouble.ok();
+                    start = end;
+                }
                 Attempt::Failed { item } => failed = Some(start + item),
                 Attempt::Store(e) if e.kind().is_retryable() => {
-                    warn!(error = %e, messages = items.len() - start, "inbox database unavailable: deferring the batch");
+                    self.trouble.deferred(&e, items.len() - start);
                     for &k in &positions[start..] {
                         decisions[k] = HandlerDecision::Defer;
                     }
                     break;
                 }
-                // Not an outage (a statement the database refuses, e.g. after a handler
-                // swallowed its own error), or (never here) a gap: each message alone,
-                // as in per-message mode.
+                // Not an outage (a transaction a handler left aborted, data the
+                // database refuses at commit, a misconfiguration), or (never here) a
+                // gap: each message alone, as in per-message mode, where the message at
+                // fault fails alone and a misconfiguration defers.
                 other => {
                     if let Attempt::Store(e) = &other {
-                        warn!(error = %e, "a batch failed on an inbox statement: handling its messages one by one");
+                        debug!(error = %e, "a batch failed on an inbox statement: handling its messages one by one");
                     }
                     for k in start..end {
                         decisions[positions[k]] = self.process(items[k].msg).await;
@@ -282,21 +325,57 @@ where
                         warn!(id = %msg.id, event_type = %msg.event_type, "no handler for this event type: recorded as a consumer dead letter");
                         HandlerDecision::Ack
                     }
-                    Err(e) => unavailable(msg, &e),
+                    Err(e) => self.unavailable(&e, 1),
                 }
             }
         }
     }
+
+    /// Records a delivery the transport could not decode as a consumer dead letter
+    /// under [`UNDECODABLE_CONSUMER`] (its raw headers and body) and acknowledges it;
+    /// drops one without a usable id (counted); defers while the store fails.
+    async fn undecodable(&self, msg: &UndecodableMessage) -> HandlerDecision {
+        record_undecodable(&*self.store, msg, &self.trouble).await
+    }
+
+    /// The inbox store failed on `messages` messages: they are not at fault, so no
+    /// delivery is spent on them.
+    fn unavailable(&self, error: &OutboxError, messages: usize) -> HandlerDecision {
+        self.trouble.deferred(error, messages);
+        HandlerDecision::Defer
+    }
 }
 
-/// The inbox store failed: the message is not at fault, so no delivery is spent on it.
-fn unavailable(msg: &IncomingMessage, error: &OutboxError) -> HandlerDecision {
-    if error.kind().is_retryable() {
-        warn!(id = %msg.id, error = %error, "inbox database unavailable: deferring the delivery");
-    } else {
-        error!(id = %msg.id, error = %error, "inbox database error: deferring the delivery until it is fixed");
+/// What the consumers do with an undecodable delivery: a consumer dead letter under
+/// [`UNDECODABLE_CONSUMER`] holding its raw headers and body, then `Ack`; `Reject`
+/// (dropped, counted) without a usable id; `Defer` while `store` fails.
+pub(crate) async fn record_undecodable<S: ConsumerDeadLetters>(
+    store: &S,
+    msg: &UndecodableMessage,
+    trouble: &StoreTrouble,
+) -> HandlerDecision {
+    let Some(received) = msg.as_received() else {
+        crate::metrics::undecodable("dropped");
+        warn!(error = %msg.error, "undecodable delivery without a usable id dropped: there is nothing to record it under");
+        return HandlerDecision::Reject;
+    };
+    let error = format!("undecodable delivery: {}", msg.error);
+    match store
+        .record_failure(&received, UNDECODABLE_CONSUMER, &error, 1)
+        .await
+    {
+        Ok(_) => {
+            trouble.ok();
+            crate::metrics::undecodable("dead_letter");
+            crate::metrics::dead(UNDECODABLE_CONSUMER);
+            warn!(id = %received.id, error = %msg.error, "undecodable delivery recorded as a consumer dead letter");
+            HandlerDecision::Ack
+        }
+        Err(e) => {
+            trouble.deferred(&e, 1);
+            HandlerDecision::Defer
+        }
     }
-    HandlerDecision::Defer
 }
 
 #[async_trait]
@@ -307,6 +386,10 @@ where
     async fn handle(&self, msg: &IncomingMessage) -> HandlerDecision {
         self.process(msg).await
     }
+
+    async fn handle_undecodable(&self, msg: &UndecodableMessage) -> HandlerDecision {
+        self.undecodable(msg).await
+    }
 }
 
 #[async_trait]
@@ -316,5 +399,9 @@ where
 {
     async fn handle_batch(&self, msgs: &[IncomingMessage]) -> Vec<HandlerDecision> {
         self.process_batch(msgs).await
+    }
+
+    async fn handle_undecodable(&self, msg: &UndecodableMessage) -> HandlerDecision {
+        self.undecodable(msg).await
     }
 }

@@ -8,63 +8,101 @@ use std::time::Duration;
 use async_trait::async_trait;
 use outbox_core::consumer::{BatchDeliveryHandler, DeliveryHandler, HandlerDecision};
 use outbox_core::inbox::{
-    DurableInbox, InboxCompletion, InboxOutcome, StoredMessage, VersionTracking,
+    ConsumerDeadLetters, DurableInbox, InboxCompletion, InboxOutcome, StoredMessage,
+    VersionTracking,
 };
-use outbox_core::wire::IncomingMessage;
-use outbox_core::{InboxStore, OutboxError, RetryPolicy};
+use outbox_core::wire::{IncomingMessage, UndecodableMessage};
+use outbox_core::{ErrorKind, InboxStore, OutboxError, RetryPolicy};
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, error, info, warn};
 
 use crate::batch::{Attempt, Gap, Item, attempt};
-use crate::consumer::{UNHANDLED_CONSUMER, UnhandledPolicy};
+use crate::consumer::{
+    UNDECODABLE_CONSUMER, UNHANDLED_CONSUMER, UnhandledPolicy, record_undecodable,
+};
+use crate::fault::StoreTrouble;
 use crate::pipeline::{Pipeline, Plain, Step, run_handler};
 
 /// Stores each delivery in the durable inbox (`ON CONFLICT DO NOTHING` on its id) and
 /// acks it; a store failure defers the delivery ([`HandlerDecision::Defer`]: the
-/// transport holds it and tries again, spending no delivery attempt). Plug it into a
+/// transport holds it and tries again, spending no delivery attempt), counted in
+/// [`DEFERRED_TOTAL`](crate::metrics::DEFERRED_TOTAL) and logged at error level at most
+/// once a minute. A delivery the database refuses to store for its own data
+/// ([`ErrorKind::InvalidData`](outbox_core::ErrorKind::InvalidData); stores should
+/// take any decodable message, so this is a store's shortfall) and a delivery the
+/// transport could not decode are recorded as consumer dead letters under
+/// [`UNDECODABLE_CONSUMER`] with their raw headers and body, then acked. Plug it into a
 /// transport consumer.
 ///
 /// It is also a [`BatchDeliveryHandler`] for a transport's batched run mode: a batch is
 /// stored with one statement ([`DurableInbox::store_batch`]) and acked. An outage of
 /// the store defers the whole batch; any other error of the batch statement (a message
 /// the database refuses) makes the receiver store the batch's messages one by one, so
-/// that only that message waits, as in per-message mode.
+/// that only that message is set aside, as in per-message mode.
 #[derive(Debug)]
 pub struct DurableReceiver<S> {
     store: Arc<S>,
+    trouble: StoreTrouble,
 }
 
-impl<S: DurableInbox> DurableReceiver<S> {
+impl<S: DurableInbox + ConsumerDeadLetters> DurableReceiver<S> {
     /// A receiver writing into `store`.
     pub fn new(store: Arc<S>) -> Self {
-        Self { store }
-    }
-}
-
-#[async_trait]
-impl<S: DurableInbox> DeliveryHandler for DurableReceiver<S> {
-    async fn handle(&self, msg: &IncomingMessage) -> HandlerDecision {
-        match self.store.store(msg).await {
-            Ok(new) => {
-                if !new {
-                    debug!(id = %msg.id, "duplicate delivery: already in the durable inbox");
-                }
-                HandlerDecision::Ack
-            }
-            // The message is not at fault: hold it until the database is back.
-            Err(e) => {
-                warn!(id = %msg.id, error = %e, "could not store the delivery: deferring it");
-                HandlerDecision::Defer
-            }
+        Self {
+            store,
+            trouble: StoreTrouble::default(),
         }
     }
 }
 
 #[async_trait]
-impl<S: DurableInbox> BatchDeliveryHandler for DurableReceiver<S> {
+impl<S: DurableInbox + ConsumerDeadLetters> DeliveryHandler for DurableReceiver<S> {
+    async fn handle(&self, msg: &IncomingMessage) -> HandlerDecision {
+        match self.store.store(msg).await {
+            Ok(new) => {
+                self.trouble.ok();
+                if !new {
+                    debug!(id = %msg.id, "duplicate delivery: already in the durable inbox");
+                }
+                HandlerDecision::Ack
+            }
+            Err(e) if e.kind() == ErrorKind::InvalidData => {
+                let error = format!("the durable inbox could not store the delivery: {e}");
+                match self
+                    .store
+                    .record_failure(msg, UNDECODABLE_CONSUMER, &error, 1)
+                    .await
+                {
+                    Ok(_) => {
+                        crate::metrics::dead(UNDECODABLE_CONSUMER);
+                        error!(id = %msg.id, error = %e, "the durable inbox could not store a delivery: recorded as a consumer dead letter");
+                        HandlerDecision::Ack
+                    }
+                    Err(e) => {
+                        self.trouble.deferred(&e, 1);
+                        HandlerDecision::Defer
+                    }
+                }
+            }
+            // The message is not at fault: hold it until the database is back.
+            Err(e) => {
+                self.trouble.deferred(&e, 1);
+                HandlerDecision::Defer
+            }
+        }
+    }
+
+    async fn handle_undecodable(&self, msg: &UndecodableMessage) -> HandlerDecision {
+        record_undecodable(&*self.store, msg, &self.trouble).await
+    }
+}
+
+#[async_trait]
+impl<S: DurableInbox + ConsumerDeadLetters> BatchDeliveryHandler for DurableReceiver<S> {
     async fn handle_batch(&self, msgs: &[IncomingMessage]) -> Vec<HandlerDecision> {
         match self.store.store_batch(msgs).await {
             Ok(new) => {
+                self.trouble.ok();
                 let duplicates = new.iter().filter(|n| !**n).count();
                 if duplicates > 0 {
                     debug!(
@@ -75,7 +113,7 @@ impl<S: DurableInbox> BatchDeliveryHandler for DurableReceiver<S> {
                 vec![HandlerDecision::Ack; msgs.len()]
             }
             Err(e) if e.kind().is_retryable() => {
-                warn!(messages = msgs.len(), error = %e, "could not store the batch: deferring it");
+                self.trouble.deferred(&e, msgs.len());
                 vec![HandlerDecision::Defer; msgs.len()]
             }
             Err(e) => {
@@ -87,6 +125,10 @@ impl<S: DurableInbox> BatchDeliveryHandler for DurableReceiver<S> {
                 decisions
             }
         }
+    }
+
+    async fn handle_undecodable(&self, msg: &UndecodableMessage) -> HandlerDecision {
+        record_undecodable(&*self.store, msg, &self.trouble).await
     }
 }
 
@@ -236,6 +278,7 @@ pub struct InboxProcessor<S: InboxStore> {
     store: Arc<S>,
     pipeline: Arc<Pipeline<S>>,
     config: ProcessorConfig,
+    trouble: StoreTrouble,
 }
 
 impl<S: InboxStore> std::fmt::Debug for InboxProcessor<S> {
@@ -275,6 +318,7 @@ where
             store,
             pipeline: Arc::new(pipeline),
             config,
+            trouble: StoreTrouble::default(),
         }
     }
 
@@ -348,6 +392,7 @@ where
                 regs,
                 attempt: u32::try_from(stored.attempts).unwrap_or(1),
                 hold_gaps: !window_passed || self.config.gap_policy == GapPolicy::DeadLetter,
+                max_jump: self.pipeline.max_version_jump(),
             });
             positions.push(k);
         }
@@ -368,6 +413,7 @@ where
             }
             match attempt(&*self.store, &items[start..end], &Plain).await {
                 Attempt::Committed => {
+                    self.trouble.ok();
                     for k in start..end {
                         let stored = &batch[positions[k]];
                         outcomes[positions[k]] = Some(match gaps[k] {
@@ -394,7 +440,7 @@ where
                     }
                 }
                 Attempt::Store(e) if e.kind().is_retryable() => {
-                    warn!(error = %e, messages = items.len() - start, "inbox store error, deferring the batch");
+                    self.trouble.deferred(&e, items.len() - start);
                     for &k in &positions[start..] {
                         outcomes[k] = Some(InboxOutcome::Defer {
                             delay: self.config.gap_recheck,
@@ -403,7 +449,7 @@ where
                     break;
                 }
                 Attempt::Store(e) => {
-                    warn!(error = %e, "a batch failed on an inbox statement: processing its messages one by one");
+                    debug!(error = %e, "a batch failed on an inbox statement: processing its messages one by one");
                     for k in start..end {
                         outcomes[positions[k]] = Some(self.process(&batch[positions[k]]).await);
                     }
@@ -472,9 +518,10 @@ where
                 },
             };
         }
+        let max_jump = self.pipeline.max_version_jump();
         for reg in handlers {
             let hold_gaps = !window_passed || self.config.gap_policy == GapPolicy::DeadLetter;
-            match run_handler(&*self.store, reg, msg, attempt, hold_gaps, &Plain).await {
+            match run_handler(&*self.store, reg, msg, attempt, hold_gaps, max_jump, &Plain).await {
                 Ok(Step::Applied | Step::AlreadyDone | Step::DeadLetter | Step::SkippedStale) => {}
                 Ok(Step::Gap { expected, got }) => {
                     return self.gap_outcome(stored, &reg.consumer, expected, got);
@@ -500,14 +547,16 @@ where
                         error,
                     };
                 }
+                // The database's trouble, not the message's: not charged.
                 Err(e) => {
-                    warn!(id = %msg.id, error = %e, "inbox store error, deferring");
+                    self.trouble.deferred(&e, 1);
                     return InboxOutcome::Defer {
                         delay: self.config.gap_recheck,
                     };
                 }
             }
         }
+        self.trouble.ok();
         InboxOutcome::Done
     }
 

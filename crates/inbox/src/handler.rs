@@ -50,6 +50,11 @@ impl HandlerError {
     pub fn is_permanent(&self) -> bool {
         self.permanent
     }
+
+    /// The error the failure wraps, for walking its `source()` chain.
+    pub(crate) fn source_error(&self) -> &(dyn std::error::Error + 'static) {
+        &*self.source
+    }
 }
 
 impl std::fmt::Display for HandlerError {
@@ -128,8 +133,21 @@ pub enum StalePolicy {
 ///   the transaction is rolled back when it fails and the message is retried, and in
 ///   batch mode when another message of the batch fails.
 /// - It MUST NOT commit or roll back `conn`.
-/// - It SHOULD NOT swallow an error of a statement on `conn`: PostgreSQL refuses every
-///   later statement of the transaction (`25P02`), which then fails the batch.
+/// - It MUST NOT swallow an error of a statement on `conn` and go on: the statement's
+///   failure aborts the transaction (PostgreSQL refuses every later statement,
+///   `25P02`, and answers `COMMIT` with `ROLLBACK`; SQL Server dooms it or rolls it
+///   back). If it does anyway, nothing of the transaction commits, and the store's
+///   commit reports it: the run counts as a failure of the handler ("the handler
+///   returned Ok, but its transaction was aborted …"), retried and in the end a dead
+///   letter, never an acknowledged delivery without effect or inbox record. To
+///   tolerate an expected error ("a unique violation means already applied"), run the
+///   statement inside a savepoint (`conn.begin()` on PostgreSQL gives a nested
+///   transaction) or use `INSERT … ON CONFLICT DO NOTHING`.
+/// - Its database hiccups (a deadlock, a statement timeout, a terminated connection:
+///   errors its store classifies as transient or unavailable, see
+///   [`InboxStore::classify`](outbox_core::InboxStore::classify)) are the database's
+///   fault, not the message's: returned as errors, they are retried without being
+///   counted against the message.
 ///
 /// [`IdempotentConsumer`]: crate::IdempotentConsumer
 /// [`InboxProcessor`]: crate::InboxProcessor

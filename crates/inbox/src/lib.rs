@@ -55,6 +55,7 @@
 mod batch;
 mod consumer;
 mod durable;
+mod fault;
 mod handler;
 pub mod metrics;
 #[cfg(feature = "opentelemetry")]
@@ -63,9 +64,10 @@ mod pipeline;
 mod retention;
 
 pub use consumer::{
-    DEFAULT_MAX_DELIVERIES, IdempotentConsumer, UNHANDLED_CONSUMER, UnhandledPolicy,
+    DEFAULT_MAX_DELIVERIES, IdempotentConsumer, UNDECODABLE_CONSUMER, UNHANDLED_CONSUMER,
+    UnhandledPolicy,
 };
 pub use durable::{DurableReceiver, GapPolicy, InboxProcessor, ProcessReport, ProcessorConfig};
 pub use handler::{BatchHandlerError, Handler, HandlerContext, HandlerError, StalePolicy};
-pub use pipeline::Pipeline;
+pub use pipeline::{DEFAULT_MAX_VERSION_JUMP, Pipeline};
 pub use retention::{InboxRetention, PurgeReport};

@@ -11,6 +11,8 @@
 //! | [`HANDLER_DURATION_SECONDS`] | histogram | seconds | `consumer` | one handler run, its transaction included (successful runs) |
 //! | [`END_TO_END_SECONDS`] | histogram | seconds | `consumer` | from the event's `occurred_at` (producer clock) to the handler's commit (consumer clock) |
 //! | [`UNHANDLED_TOTAL`] | counter | messages | `policy` | messages whose event type no handler subscribes to, by what the consumer's `UnhandledPolicy` did (`ack`, `dead_letter`, `requeue`) |
+//! | [`DEFERRED_TOTAL`] | counter | messages | `kind` | deliveries (or durable inbox messages) deferred, uncharged, because the inbox database failed: `unavailable` (an outage), `transient` (a deadlock, a timeout), `permanent` (a misconfiguration: a missing table, a refused permission) |
+//! | [`UNDECODABLE_TOTAL`] | counter | messages | `outcome` | deliveries the transport could not decode: `dead_letter` (recorded under [`UNDECODABLE_CONSUMER`](crate::UNDECODABLE_CONSUMER)), `dropped` (no usable id) |
 //!
 //! `consumer` is the handler's consumer name (bounded by the pipeline); `event_type`
 //! is bounded by the event types the pipeline subscribes to.
@@ -36,8 +38,17 @@ pub const END_TO_END_SECONDS: &str = "inbox_end_to_end_seconds";
 /// Counter: messages no handler subscribes to, by policy.
 pub const UNHANDLED_TOTAL: &str = "inbox_unhandled_total";
 
+/// Counter: messages deferred because the inbox database failed, by error kind.
+pub const DEFERRED_TOTAL: &str = "inbox_deferred_total";
+/// Counter: undecodable deliveries, by outcome.
+pub const UNDECODABLE_TOTAL: &str = "inbox_undecodable_total";
+
 /// Label: what the `UnhandledPolicy` did.
 pub const LABEL_POLICY: &str = "policy";
+/// Label: an error kind (`unavailable`, `transient`, `permanent`).
+pub const LABEL_KIND: &str = "kind";
+/// Label: what became of an undecodable delivery (`dead_letter`, `dropped`).
+pub const LABEL_OUTCOME: &str = "outcome";
 
 /// Label: the handler's consumer name.
 pub const LABEL_CONSUMER: &str = "consumer";
@@ -81,6 +92,16 @@ pub fn describe() {
         UNHANDLED_TOTAL,
         Unit::Count,
         "Messages whose event type no handler subscribes to, by policy (ack, dead_letter, requeue)"
+    );
+    describe_counter!(
+        DEFERRED_TOTAL,
+        Unit::Count,
+        "Messages deferred, uncharged, because the inbox database failed, by error kind"
+    );
+    describe_counter!(
+        UNDECODABLE_TOTAL,
+        Unit::Count,
+        "Undecodable deliveries, by outcome (dead_letter, dropped)"
     );
     describe_histogram!(
         END_TO_END_SECONDS,
@@ -130,4 +151,20 @@ pub(crate) fn dead(consumer: &str) {
 /// Records a message no handler subscribes to, handled by `policy`.
 pub(crate) fn unhandled(policy: &'static str) {
     ::metrics::counter!(UNHANDLED_TOTAL, LABEL_POLICY => policy).increment(1);
+}
+
+/// Records `messages` deferred because of a store error of `kind`.
+pub(crate) fn deferred(kind: outbox_core::ErrorKind, messages: usize) {
+    let kind = match kind {
+        outbox_core::ErrorKind::Unavailable => "unavailable",
+        outbox_core::ErrorKind::Transient => "transient",
+        _ => "permanent",
+    };
+    ::metrics::counter!(DEFERRED_TOTAL, LABEL_KIND => kind)
+        .increment(u64::try_from(messages).unwrap_or(u64::MAX));
+}
+
+/// Records an undecodable delivery and what became of it.
+pub(crate) fn undecodable(outcome: &'static str) {
+    ::metrics::counter!(UNDECODABLE_TOTAL, LABEL_OUTCOME => outcome).increment(1);
 }

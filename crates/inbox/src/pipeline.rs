@@ -8,7 +8,7 @@ use async_trait::async_trait;
 use futures::FutureExt as _;
 use outbox_core::inbox::{ConsumerDeadLetters, InboxClaim, VersionTracking};
 use outbox_core::wire::IncomingMessage;
-use outbox_core::{InboxStore, OutboxError};
+use outbox_core::{InboxStore, MAX_NAME_LEN, OutboxError};
 use tracing::{Instrument as _, debug, info_span, warn};
 use uuid::Uuid;
 
@@ -20,6 +20,9 @@ pub(crate) struct Registered<S: InboxStore> {
     pub(crate) stale: StalePolicy,
 }
 
+/// Default of [`Pipeline::with_max_version_jump`]: 1,000,000 versions.
+pub const DEFAULT_MAX_VERSION_JUMP: u64 = 1_000_000;
+
 /// Handlers by event type, each under its own consumer name.
 ///
 /// Several handlers may subscribe to one event type; they run in the order added, each
@@ -27,6 +30,7 @@ pub(crate) struct Registered<S: InboxStore> {
 /// retry re-runs only the handlers that have not succeeded yet.
 pub struct Pipeline<S: InboxStore> {
     routes: HashMap<String, Vec<Arc<Registered<S>>>>,
+    max_version_jump: Option<u64>,
 }
 
 impl<S: InboxStore> std::fmt::Debug for Pipeline<S> {
@@ -36,7 +40,10 @@ impl<S: InboxStore> std::fmt::Debug for Pipeline<S> {
             .iter()
             .map(|(k, v)| (k.as_str(), v.iter().map(|r| r.consumer.as_str()).collect()))
             .collect();
-        f.debug_struct("Pipeline").field("routes", &routes).finish()
+        f.debug_struct("Pipeline")
+            .field("routes", &routes)
+            .field("max_version_jump", &self.max_version_jump)
+            .finish()
     }
 }
 
@@ -44,6 +51,7 @@ impl<S: InboxStore> Default for Pipeline<S> {
     fn default() -> Self {
         Self {
             routes: HashMap::new(),
+            max_version_jump: Some(DEFAULT_MAX_VERSION_JUMP),
         }
     }
 }
@@ -59,7 +67,8 @@ impl<S: InboxStore> Pipeline<S> {
     /// added.
     ///
     /// # Panics
-    /// If `consumer` is empty or already subscribed to `event_type` (a programming error).
+    /// If `consumer` is empty, longer than [`MAX_NAME_LEN`] (255) bytes, or already
+    /// subscribed to `event_type` (a programming error).
     #[must_use]
     pub fn on(
         self,
@@ -84,6 +93,10 @@ impl<S: InboxStore> Pipeline<S> {
     ) -> Self {
         let consumer = consumer.into();
         assert!(!consumer.is_empty(), "consumer name must not be empty");
+        assert!(
+            consumer.len() <= MAX_NAME_LEN,
+            "consumer name {consumer:?} is longer than {MAX_NAME_LEN} bytes"
+        );
         let list = self.routes.entry(event_type.into()).or_default();
         assert!(
             list.iter().all(|r| r.consumer != consumer),
@@ -95,6 +108,30 @@ impl<S: InboxStore> Pipeline<S> {
             stale,
         }));
         self
+    }
+
+    /// The largest step an aggregate's version may take past the last version a
+    /// handler applied (from 0 for an aggregate it has not seen yet): a versioned
+    /// message further ahead is refused as implausible and becomes a consumer dead
+    /// letter (in the durable inbox, `Dead`) instead of being applied. Default
+    /// [`DEFAULT_MAX_VERSION_JUMP`] (1,000,000); `None` trusts every version.
+    ///
+    /// Versions are per-aggregate sequence numbers (1, 2, 3, ...): the stale check
+    /// skips every message not newer than the last applied one and the durable inbox
+    /// holds back a message ahead of a gap. So one message claiming a version of, say,
+    /// `i64::MAX` (another producer's bug) would otherwise become the aggregate's
+    /// version and silence every later event of it. Raise the bound for aggregates
+    /// whose consumers may start late on a very long history, or disable it when
+    /// versions are not sequence numbers (then also use
+    /// [`StalePolicy::Deliver`] and no reorder window).
+    #[must_use]
+    pub fn with_max_version_jump(mut self, max: Option<u64>) -> Self {
+        self.max_version_jump = max;
+        self
+    }
+
+    pub(crate) fn max_version_jump(&self) -> Option<u64> {
+        self.max_version_jump
     }
 
     pub(crate) fn handlers(&self, event_type: &str) -> &[Arc<Registered<S>>] {
@@ -268,18 +305,60 @@ pub(crate) fn version_key(msg: &IncomingMessage) -> Option<(&str, &str, i64)> {
     }
 }
 
+/// A versioned message's version further past the last applied one than the pipeline
+/// allows ([`Pipeline::with_max_version_jump`]).
+#[derive(Debug, thiserror::Error)]
+#[error(
+    "aggregate version {version} is {jump} past the last applied version {applied}, more than the pipeline allows ({max}): refused as implausible (Pipeline::with_max_version_jump)"
+)]
+pub(crate) struct VersionTooFarAhead {
+    version: i64,
+    applied: i64,
+    jump: u64,
+    max: u64,
+}
+
+/// The failure of a message whose `version` is more than `max` past `applied` (0 when
+/// none), if it is.
+pub(crate) fn version_too_far(
+    version: i64,
+    applied: Option<i64>,
+    max: Option<u64>,
+) -> Option<HandlerError> {
+    let max = max?;
+    let applied = applied.unwrap_or(0);
+    let jump = u64::try_from(version.checked_sub(applied)?).ok()?;
+    (jump > max).then(|| {
+        HandlerError::permanent(VersionTooFarAhead {
+            version,
+            applied,
+            jump,
+            max,
+        })
+    })
+}
+
 /// Runs `reg` on `msg` in its own transaction, claiming its inbox record the way
-/// `claims` says. `hold_gaps`: report a version gap instead of running the handler.
+/// `claims` says. `hold_gaps`: report a version gap instead of running the handler;
+/// `max_jump`: the pipeline's [`with_max_version_jump`](Pipeline::with_max_version_jump).
 ///
 /// Round trips on the transaction's one connection, for an unversioned message: begin,
-/// claim, the handler's own statements, commit; a versioned one adds the locked version
-/// read and its update.
+/// claim, the handler's own statements, the store's commit (PostgreSQL: a check that
+/// the transaction is not aborted, then `COMMIT`); a versioned one adds the locked
+/// version read and its update.
+///
+/// Whose fault a failure is decides the outcome (see the `fault` module): a failure of
+/// the handler, a transaction it left aborted, or data the database refuses
+/// ([`ErrorKind::InvalidData`](outbox_core::ErrorKind::InvalidData)) is
+/// [`Step::Failed`]; the database's trouble (an outage, a misconfiguration, or a
+/// deadlock or timeout inside the handler) is `Err`, never charged to the message.
 pub(crate) async fn run_handler<S, C>(
     store: &S,
     reg: &Registered<S>,
     msg: &IncomingMessage,
     attempt: u32,
     hold_gaps: bool,
+    max_jump: Option<u64>,
     claims: &C,
 ) -> Result<Step, OutboxError>
 where
@@ -290,6 +369,8 @@ where
     async {
         let started = std::time::Instant::now();
         let mut tx = store.begin().await?;
+        // On an error `tx` is dropped, which rolls it back (an explicit rollback on a
+        // failing connection would log a failure per delivery).
         match claims.claim(store, &mut tx, msg.id, &reg.consumer).await? {
             InboxClaim::Claimed => {}
             InboxClaim::Duplicate => {
@@ -312,10 +393,24 @@ where
         };
         let versioned = version_key(msg);
         if let Some((agg_type, agg_id, version)) = versioned {
-            let applied = store
+            let applied = match store
                 .applied_version(&mut tx, &reg.consumer, agg_type, agg_id)
-                .await?;
+                .await
+            {
+                Ok(applied) => applied,
+                Err(e) => {
+                    drop(tx);
+                    let failure = crate::fault::of_message_data(e)?;
+                    crate::metrics::failed(&reg.consumer);
+                    return Ok(Step::Failed(failure));
+                }
+            };
             ctx.applied_version = applied;
+            if let Some(failure) = version_too_far(version, applied, max_jump) {
+                rollback_quietly(store, tx, "version too far ahead").await;
+                crate::metrics::failed(&reg.consumer);
+                return Ok(Step::Failed(failure));
+            }
             if let Some(last) = applied {
                 if version <= last {
                     if reg.stale == StalePolicy::Skip {
@@ -347,14 +442,30 @@ where
             });
         match handled {
             Ok(()) => {
-                if let Some((agg_type, agg_id, version)) = versioned
-                    && !ctx.stale
-                {
-                    store
-                        .record_version(&mut tx, &reg.consumer, agg_type, agg_id, version)
-                        .await?;
+                let recorded = match versioned {
+                    Some((agg_type, agg_id, version)) if !ctx.stale => {
+                        store
+                            .record_version(&mut tx, &reg.consumer, agg_type, agg_id, version)
+                            .await
+                    }
+                    _ => Ok(()),
+                };
+                let finished = match recorded {
+                    Ok(()) => store.commit(tx).await,
+                    Err(e) => {
+                        drop(tx);
+                        Err(e)
+                    }
+                };
+                if let Err(e) = finished {
+                    // A transaction the handler left aborted, or data of the handler's
+                    // that the commit refused: the handler failed. Anything else is the
+                    // database's trouble.
+                    let failure = crate::fault::after_handler(e)?;
+                    warn!(error = %failure, "the handler returned Ok but its transaction did not commit");
+                    crate::metrics::failed(&reg.consumer);
+                    return Ok(Step::Failed(failure));
                 }
-                store.commit(tx).await?;
                 crate::metrics::processed(
                     &reg.consumer,
                     &msg.event_type,
@@ -369,6 +480,12 @@ where
                 // that redelivers it forever instead of counting it towards its dead
                 // letter.
                 rollback_quietly(store, tx, "handler failure").await;
+                // Unless the failure was the database's: a deadlock, a statement
+                // timeout, a terminated connection inside the handler.
+                if let Some(hiccup) = crate::fault::hiccup(store, &e) {
+                    debug!(error = %e, "the handler met the database's trouble: not charged");
+                    return Err(hiccup);
+                }
                 crate::metrics::failed(&reg.consumer);
                 Ok(Step::Failed(e))
             }

@@ -5,10 +5,15 @@
 //! deliveries at once (a transport's batched run mode) and answers one decision per
 //! message. [`handle_until_decided`] and [`handle_batch_until_decided`] are how every
 //! transport runs them (panics caught, [`HandlerDecision::Defer`] retried with backoff).
+//!
+//! A delivery the transport cannot decode (no usable id, no event type, a malformed or
+//! over-long attribute) goes to [`DeliveryHandler::handle_undecodable`] (or the batch
+//! handler's) as an [`UndecodableMessage`], through [`until_decided`], so a handler with
+//! a store can record it before the broker forgets it.
 
 use async_trait::async_trait;
 
-use crate::wire::IncomingMessage;
+use crate::wire::{IncomingMessage, UndecodableMessage};
 
 /// What to tell the broker about a delivery once the handler is done.
 ///
@@ -22,8 +27,9 @@ pub enum HandlerDecision {
     Requeue,
     /// Never processable: drop or dead-letter (AMQP `basic.nack` with `requeue = false`,
     /// to the queue's dead-letter exchange if any; JetStream `+TERM`). Only for a
-    /// delivery that cannot even be identified or decoded: a handler that gave up on a
-    /// message records it (a consumer dead letter) and answers [`Ack`](Self::Ack).
+    /// delivery that cannot even be identified: a handler that gave up on a message, or
+    /// on an undecodable delivery with a usable id, records it (a consumer dead letter)
+    /// and answers [`Ack`](Self::Ack).
     Reject,
     /// The handler's own store cannot take the message now (its database is down, or
     /// no connection came free in time): the message is not at fault, and no delivery
@@ -56,6 +62,32 @@ pub enum HandlerDecision {
 pub trait DeliveryHandler: Send + Sync + 'static {
     /// Handles `msg` and says how to answer the broker.
     async fn handle(&self, msg: &IncomingMessage) -> HandlerDecision;
+
+    /// Handles a delivery the transport could not decode, and says how to answer the
+    /// broker; see [`drop_undecodable`] for the default (it drops the delivery).
+    ///
+    /// A handler with a store SHOULD record a delivery that has a usable
+    /// [`id`](UndecodableMessage::id) before answering [`HandlerDecision::Ack`] (the
+    /// `inbox` crate's consumers record a consumer dead letter holding its raw headers
+    /// and body), answer [`HandlerDecision::Defer`] while its store cannot take it, and
+    /// answer [`HandlerDecision::Reject`] only for a delivery without a usable id.
+    /// Transports run it like [`handle`](Self::handle) (a panic requeues, `Defer` is
+    /// kept and retried, see [`until_decided`]).
+    async fn handle_undecodable(&self, msg: &UndecodableMessage) -> HandlerDecision {
+        drop_undecodable(msg)
+    }
+}
+
+/// The default answer to an undecodable delivery: logged at warn and
+/// [`HandlerDecision::Reject`]ed (AMQP `basic.nack` without requeue, to the queue's
+/// dead-letter exchange if any; JetStream `+TERM`), recorded nowhere.
+pub fn drop_undecodable(msg: &UndecodableMessage) -> HandlerDecision {
+    tracing::warn!(
+        id = msg.id.map(|id| id.to_string()).unwrap_or_default(),
+        error = %msg.error,
+        "undecodable delivery dropped: the handler records nothing of it"
+    );
+    HandlerDecision::Reject
 }
 
 #[async_trait]
@@ -63,36 +95,60 @@ impl<H: DeliveryHandler + ?Sized> DeliveryHandler for std::sync::Arc<H> {
     async fn handle(&self, msg: &IncomingMessage) -> HandlerDecision {
         (**self).handle(msg).await
     }
+
+    async fn handle_undecodable(&self, msg: &UndecodableMessage) -> HandlerDecision {
+        (**self).handle_undecodable(msg).await
+    }
 }
 
 /// Hands `msg` to `handler` until it decides something other than
-/// [`HandlerDecision::Defer`], the way every transport runs a delivery:
-///
-/// - a panic of the handler is caught, logged, and answered
-///   [`HandlerDecision::Requeue`] (never `Reject`: nothing has recorded the message);
-/// - while the handler answers `Defer`, `keep` is awaited (the transport's way of
-///   keeping the delivery, e.g. JetStream `+WPI`), then the next attempt waits
-///   [`defer_delay`] (1 s, doubling, at most 15 s);
-/// - when `shutdown` is cancelled during such a wait, the answer is `Defer` and the
-///   transport hands the delivery back to the broker.
+/// [`HandlerDecision::Defer`], the way every transport runs a delivery: [`until_decided`]
+/// with [`DeliveryHandler::handle`].
 pub async fn handle_until_decided<H, K, F>(
     handler: &H,
     msg: &IncomingMessage,
     shutdown: &tokio_util::sync::CancellationToken,
-    mut keep: K,
+    keep: K,
 ) -> HandlerDecision
 where
     H: DeliveryHandler + ?Sized,
     K: FnMut() -> F + Send,
     F: Future<Output = ()> + Send,
 {
+    until_decided(Some(msg.id), || handler.handle(msg), shutdown, keep).await
+}
+
+/// Asks `decide` (one handler call on one delivery, e.g. `|| handler.handle(&msg)` or
+/// `|| handler.handle_undecodable(&msg)`) until it answers something other than
+/// [`HandlerDecision::Defer`]:
+///
+/// - a panic of the handler is caught, logged, and answered
+///   [`HandlerDecision::Requeue`] (never `Reject`: nothing has recorded the message);
+/// - while the handler answers `Defer`, `keep` is awaited (the transport's way of
+///   keeping the delivery, e.g. JetStream `+WPI`), then the next attempt waits
+///   [`defer_delay`] (1 s, doubling, at most 15 s); the handler reports its store's
+///   trouble itself, so this logs at debug level only;
+/// - when `shutdown` is cancelled during such a wait, the answer is `Defer` and the
+///   transport hands the delivery back to the broker.
+///
+/// `id` (the delivery's id, if it has one) only labels the log lines.
+pub async fn until_decided<D, DF, K, F>(
+    id: Option<uuid::Uuid>,
+    mut decide: D,
+    shutdown: &tokio_util::sync::CancellationToken,
+    mut keep: K,
+) -> HandlerDecision
+where
+    D: FnMut() -> DF + Send,
+    DF: Future<Output = HandlerDecision> + Send,
+    K: FnMut() -> F + Send,
+    F: Future<Output = ()> + Send,
+{
     use futures::FutureExt as _;
+    let id = id.map(|id| id.to_string()).unwrap_or_default();
     let mut deferred = 0u32;
     loop {
-        let decision = match std::panic::AssertUnwindSafe(handler.handle(msg))
-            .catch_unwind()
-            .await
-        {
+        let decision = match std::panic::AssertUnwindSafe(decide()).catch_unwind().await {
             Ok(decision) => decision,
             Err(panic) => {
                 let text = panic
@@ -100,19 +156,26 @@ where
                     .map(|s| (*s).to_owned())
                     .or_else(|| panic.downcast_ref::<String>().cloned())
                     .unwrap_or_default();
-                tracing::error!(id = %msg.id, panic = %text, "delivery handler panicked; the delivery is requeued");
+                tracing::error!(id, panic = %text, "delivery handler panicked; the delivery is requeued");
                 return HandlerDecision::Requeue;
             }
         };
         if decision != HandlerDecision::Defer {
             if deferred > 0 {
-                tracing::info!(id = %msg.id, deferred, "the handler's store is back; delivery handled");
+                tracing::debug!(
+                    id,
+                    deferred,
+                    "the handler's store is back; delivery handled"
+                );
             }
             return decision;
         }
         deferred += 1;
         if deferred == 1 {
-            tracing::warn!(id = %msg.id, "the handler's store is unavailable: holding the delivery and trying again");
+            tracing::debug!(
+                id,
+                "the handler's store is unavailable: holding the delivery and trying again"
+            );
         }
         keep().await;
         tokio::select! {
@@ -146,12 +209,23 @@ where
 pub trait BatchDeliveryHandler: Send + Sync + 'static {
     /// Handles `msgs` and says, for each in order, how to answer the broker.
     async fn handle_batch(&self, msgs: &[IncomingMessage]) -> Vec<HandlerDecision>;
+
+    /// Handles one delivery the transport could not decode, alone (never in a batch),
+    /// as [`DeliveryHandler::handle_undecodable`] does; the default drops it
+    /// ([`drop_undecodable`]).
+    async fn handle_undecodable(&self, msg: &UndecodableMessage) -> HandlerDecision {
+        drop_undecodable(msg)
+    }
 }
 
 #[async_trait]
 impl<H: BatchDeliveryHandler + ?Sized> BatchDeliveryHandler for std::sync::Arc<H> {
     async fn handle_batch(&self, msgs: &[IncomingMessage]) -> Vec<HandlerDecision> {
         (**self).handle_batch(msgs).await
+    }
+
+    async fn handle_undecodable(&self, msg: &UndecodableMessage) -> HandlerDecision {
+        (**self).handle_undecodable(msg).await
     }
 }
 
@@ -203,7 +277,7 @@ pub async fn handle_batch_until_decided<H, K, KF, A, AF>(
         }
         if held.is_empty() {
             if deferred > 0 {
-                tracing::info!(deferred, "the handler's store is back; batch handled");
+                tracing::debug!(deferred, "the handler's store is back; batch handled");
             }
             return;
         }
@@ -219,7 +293,7 @@ pub async fn handle_batch_until_decided<H, K, KF, A, AF>(
         }
         deferred += 1;
         if deferred == 1 {
-            tracing::warn!(
+            tracing::debug!(
                 messages = pending.len(),
                 "the handler's store is unavailable: holding the deliveries and trying again"
             );

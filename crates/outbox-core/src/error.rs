@@ -18,8 +18,18 @@ pub enum ErrorKind {
     /// dispatcher opens its circuit and releases the messages instead of charging
     /// attempts.
     Unavailable,
-    /// Retrying cannot help (bad input, unroutable message, payload too large).
+    /// Retrying cannot help (bad input, unroutable message, payload too large, a
+    /// misconfiguration: a missing table, a refused permission).
     Permanent,
+    /// The database refused the data of this one operation: a value too long or out of
+    /// range, a constraint violated, an index entry over the size limit (PostgreSQL
+    /// SQLSTATE classes `22` data exception and `23` integrity constraint violation,
+    /// `54000` program limit exceeded; SQL Server errors such as 2627, 2628, 547, 8152).
+    /// The input's fault, not the database's: the same input fails again while other
+    /// input goes through. Not retryable. The inbox counts it as a failure of the
+    /// message that carried the data (retried, then a consumer dead letter), where an
+    /// outage or a misconfiguration would only defer the message.
+    InvalidData,
 }
 
 impl ErrorKind {
@@ -100,6 +110,20 @@ pub enum OutboxError {
         /// The driver's error.
         #[source]
         source: BoxError,
+    },
+    /// A statement, or the commit, ran on a transaction that an earlier failed statement
+    /// had already aborted: PostgreSQL refuses every statement after a failed one
+    /// (SQLSTATE `25P02`) and answers `COMMIT` with `ROLLBACK`; SQL Server dooms the
+    /// transaction (`XACT_STATE() = -1`) or, under `XACT_ABORT ON`, rolls it back at
+    /// once. Nothing of the transaction was or will be committed. In a consumer this
+    /// means the handler caught a database error and went on as if nothing happened:
+    /// the inbox treats it as that handler's failure, never as a commit.
+    #[error(
+        "the transaction was aborted by an earlier failed statement whose error was ignored; nothing of it was committed (during {operation})"
+    )]
+    TransactionAborted {
+        /// What was being done when the abort showed, e.g. `"inbox_commit"`.
+        operation: &'static str,
     },
     /// A stored row could not be decoded (e.g. a payload that is not JSON).
     #[error("row {id} could not be decoded: {reason}")]
@@ -233,7 +257,8 @@ pub enum LoneUserInfo {
 
 /// `url` with the password of its user info replaced by `***`, so it can go into logs
 /// and error messages (a [`LoneUserInfo::Token`] user info without a password is hidden
-/// whole).
+/// whole), and the value of a `password`, `sslpassword` or `token` query parameter too
+/// (`postgres://u@h/db?password=secret`, which libpq and sqlx accept).
 ///
 /// The URL is parsed with the `url` crate, whose output may normalise it (percent-encode
 /// characters a URL may not hold); a URL without a secret is returned unchanged.
@@ -246,6 +271,49 @@ pub enum LoneUserInfo {
 /// told apart from a URL without user info: a token containing `/`, `?` or `#`
 /// (`nats://to/ken@host` reads as host `to`, path `/ken@host`) is shown.
 pub fn redact_url(url: &str, lone: LoneUserInfo) -> String {
+    redact_query_secrets(&redact_user_info(url, lone))
+}
+
+/// Query parameters whose value is a secret (libpq's `password` and `sslpassword`, the
+/// `token` some brokers' URLs take), matched without regard to case.
+const SECRET_PARAMETERS: [&str; 3] = ["password", "sslpassword", "token"];
+
+/// `url` with the value of every [`SECRET_PARAMETERS`] query parameter replaced by
+/// `***` (`postgres://u@h/db?password=…` is as valid as a password in the user info).
+fn redact_query_secrets(url: &str) -> String {
+    let Some(query_at) = url.find('?') else {
+        return url.to_owned();
+    };
+    let (head, query) = url.split_at(query_at + 1);
+    let (query, fragment) = match query.find('#') {
+        Some(at) => query.split_at(at),
+        None => (query, ""),
+    };
+    let mut changed = false;
+    let parts: Vec<String> = query
+        .split('&')
+        .map(|part| match part.split_once('=') {
+            Some((name, value))
+                if !value.is_empty()
+                    && SECRET_PARAMETERS
+                        .iter()
+                        .any(|s| name.eq_ignore_ascii_case(s)) =>
+            {
+                changed = true;
+                format!("{name}=***")
+            }
+            _ => part.to_owned(),
+        })
+        .collect();
+    if changed {
+        format!("{head}{}{fragment}", parts.join("&"))
+    } else {
+        url.to_owned()
+    }
+}
+
+/// [`redact_url`] for the user info alone.
+fn redact_user_info(url: &str, lone: LoneUserInfo) -> String {
     let Some((scheme, rest)) = split_scheme(url) else {
         // No recognisable scheme (`amqp//user:pw@host`): the whole text may hide a user
         // info.
@@ -390,6 +458,34 @@ mod tests {
         );
         // A token of a URL without a host.
         assert!(!redact_url("nats://s3cr3t@", Token).contains("s3cr3t"));
+    }
+
+    #[test]
+    fn redaction_hides_secrets_in_the_query() {
+        use LoneUserInfo::UserName;
+        assert_eq!(
+            redact_url(
+                "postgres://app@db:5432/app?password=s3cret&sslmode=require",
+                UserName
+            ),
+            "postgres://app@db:5432/app?password=***&sslmode=require"
+        );
+        assert_eq!(
+            redact_url(
+                "postgres://app:pw@db/app?sslmode=verify-full&SSLPASSWORD=k3y#x",
+                UserName
+            ),
+            "postgres://app:***@db/app?sslmode=verify-full&SSLPASSWORD=***#x"
+        );
+        assert_eq!(
+            redact_url("nats://host:4222?token=t0k", UserName),
+            "nats://host:4222?token=***"
+        );
+        assert_eq!(
+            redact_url("postgres://db/app?user=me&password=", UserName),
+            "postgres://db/app?user=me&password=",
+            "nothing to hide"
+        );
     }
 
     #[test]

@@ -14,7 +14,9 @@
 //! The claim properties of [`InboxStore`] always run; `dead_letters`, `versions` and
 //! `durable` add the properties of [`ConsumerDeadLetters`], [`VersionTracking`] and
 //! [`DurableInbox`] (a backend without one leaves it out, as the memory backend leaves
-//! out `durable`). Each property panics with a message naming what failed.
+//! out `durable`), and `aborts` those of a transaction a failed statement aborted (an
+//! [`AbortingHarness`]: the SQL backends). Each property panics with a message naming
+//! what failed.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -36,6 +38,18 @@ pub trait InboxHarness: Send + Sync + 'static {
     /// The inbox store, isolated from every other test (a fresh schema, a fresh
     /// in-memory inbox). Every call returns a handle on the same records.
     fn inbox(&self) -> Arc<Self::Inbox>;
+}
+
+/// A backend whose transactions a failed statement can abort (every SQL backend): adds
+/// the `aborts` properties, which check that [`InboxStore::commit`] never reports a
+/// commit for a transaction that did not commit.
+#[async_trait::async_trait]
+pub trait AbortingHarness: InboxHarness {
+    /// Runs on `conn` (inside a transaction) a statement that fails, and ignores the
+    /// error, as a handler that catches a database error and goes on does; the
+    /// transaction must then be aborted (PostgreSQL: any failed statement; SQL Server:
+    /// one that dooms the transaction or ends it under `XACT_ABORT ON`).
+    async fn swallow_a_failed_statement(&self, conn: &mut <Self::Inbox as InboxStore>::Connection);
 }
 
 /// Claims `(message_id, consumer)` in a transaction of its own and commits it, returning
@@ -103,6 +117,33 @@ pub async fn claim_commits_or_rolls_back_with_its_transaction<H: InboxHarness>(h
     assert!(
         !claim_rolled_back(&*inbox, id, "projector").await,
         "the committed record stays a duplicate"
+    );
+}
+
+/// A transaction a failed statement aborted (its error caught and ignored, as a handler
+/// may do) is not committed, and its commit says so: [`OutboxError::TransactionAborted`]
+/// (`crate::OutboxError`), never `Ok`. Its claim left nothing behind.
+pub async fn a_commit_after_a_swallowed_error_is_reported_aborted<H: AbortingHarness>(h: &H) {
+    let inbox = h.inbox();
+    let id = Uuid::now_v7();
+    let mut tx = inbox.begin().await.expect("begin");
+    assert!(
+        inbox
+            .try_claim(&mut *tx, id, "projector")
+            .await
+            .expect("try_claim"),
+        "claimed"
+    );
+    h.swallow_a_failed_statement(&mut *tx).await;
+    match inbox.commit(tx).await {
+        Err(crate::OutboxError::TransactionAborted { .. }) => {}
+        other => {
+            panic!("the commit of an aborted transaction must be TransactionAborted, got {other:?}")
+        }
+    }
+    assert!(
+        claim_committed(&*inbox, id, "projector").await,
+        "nothing of the aborted transaction was committed: the pair is claimable again"
     );
 }
 
@@ -1216,7 +1257,7 @@ where
 /// after the `;` adds its properties: `dead_letters`
 /// ([`ConsumerDeadLetters`](crate::ConsumerDeadLetters)), `versions`
 /// ([`VersionTracking`](crate::VersionTracking)), `durable`
-/// ([`DurableInbox`](crate::inbox::DurableInbox)).
+/// ([`DurableInbox`](crate::inbox::DurableInbox)), `aborts` (an [`AbortingHarness`]).
 ///
 /// `inbox_conformance_tests!(optional $harness; caps...)` takes an `async fn(&str) ->
 /// Option<impl InboxHarness>` instead, called with the property's name: for a backend
@@ -1247,6 +1288,11 @@ macro_rules! inbox_conformance_tests {
             batch_versions_answer_per_key_and_keep_the_largest,
             applied_version_orders_two_messages_of_one_aggregate,
             versions_of_an_aggregate_id_with_nul_characters_are_tracked,
+        );
+    };
+    (@cap $mode:tt; aborts) => {
+        $crate::inbox_conformance_tests!(@each $mode;
+            a_commit_after_a_swallowed_error_is_reported_aborted,
         );
     };
     (@cap $mode:tt; durable) => {

@@ -245,6 +245,13 @@ impl OutboxMessage {
 /// Maximum length, in bytes, of `event_type`, `aggregate_type`, keys and header names.
 pub const MAX_NAME_LEN: usize = 255;
 
+/// Maximum length, in bytes, of `aggregate_id`: 1,024. Consumers key their version
+/// records on the aggregate id and an index entry has a size limit (PostgreSQL's btree:
+/// about 2,700 bytes for the whole key, consumer name and aggregate type included), so
+/// [`IncomingMessage::decode`](crate::wire::IncomingMessage::decode) refuses a longer
+/// CloudEvents `subject` and the builder refuses to make one.
+pub const MAX_AGGREGATE_ID_LEN: usize = 1024;
+
 /// Default payload limit of the stores' `enqueue`: 1 MiB (1,048,576 bytes) of the
 /// payload's JSON text (see [`NewMessage::check_payload_size`]).
 pub const DEFAULT_MAX_PAYLOAD_BYTES: usize = 1024 * 1024;
@@ -442,8 +449,9 @@ impl NewMessageBuilder {
     ///
     /// # Errors
     /// [`OutboxError::InvalidMessage`] when the event type or aggregate type is empty or
-    /// too long, the payload is missing or not valid JSON, a header name is empty or a
-    /// header contains control characters, or a key is empty.
+    /// longer than [`MAX_NAME_LEN`], the aggregate id is empty or longer than
+    /// [`MAX_AGGREGATE_ID_LEN`], the payload is missing or not valid JSON, a header name
+    /// is empty or a header contains control characters, or a key is empty.
     // `mut` is needed only for the trace-context capture.
     #[cfg_attr(not(feature = "opentelemetry"), allow(unused_mut))]
     pub fn build(mut self) -> Result<NewMessage, OutboxError> {
@@ -452,6 +460,14 @@ impl NewMessageBuilder {
         if self.aggregate_id.is_empty() {
             return Err(InvalidMessage::Empty {
                 field: "aggregate_id",
+            }
+            .into());
+        }
+        if self.aggregate_id.len() > MAX_AGGREGATE_ID_LEN {
+            return Err(InvalidMessage::TooLong {
+                field: "aggregate_id",
+                len: self.aggregate_id.len(),
+                max: MAX_AGGREGATE_ID_LEN,
             }
             .into());
         }
@@ -583,6 +599,26 @@ mod tests {
         assert!(!New.can_transition_to(Sent));
         assert!(!Sent.can_transition_to(New));
         assert!(!Dead.can_transition_to(Sent));
+    }
+
+    /// The builder makes nothing a consumer would refuse to decode.
+    #[test]
+    fn aggregate_ids_are_limited_like_the_consumers_limit_them() {
+        let at_limit = NewMessage::builder("order", "x".repeat(MAX_AGGREGATE_ID_LEN), "T")
+            .payload(&1)
+            .build();
+        assert!(at_limit.is_ok());
+        let over = NewMessage::builder("order", "x".repeat(MAX_AGGREGATE_ID_LEN + 1), "T")
+            .payload(&1)
+            .build();
+        assert!(matches!(
+            over,
+            Err(OutboxError::InvalidMessage(InvalidMessage::TooLong {
+                field: "aggregate_id",
+                len: 1025,
+                max: 1024
+            }))
+        ));
     }
 
     #[test]

@@ -10,7 +10,7 @@ use outbox_core::inbox::{
     InboxCompletion, InboxOutcome, StoredMessage, VersionKey, VersionTracking, lock_order,
 };
 use outbox_core::wire::{IncomingMessage, TraceParent};
-use outbox_core::{CompleteReport, Headers, InboxStore, OutboxError};
+use outbox_core::{CompleteReport, ErrorKind, Headers, InboxStore, OutboxError};
 use sqlx::postgres::PgRow;
 use sqlx::types::Json;
 use sqlx::{PgConnection, PgPool, Postgres, Row};
@@ -25,8 +25,9 @@ use crate::sql::{InboxQueries, Queries, sql};
 /// Per message and handler the idempotent consumer sends, on one pooled connection:
 /// `BEGIN`, one statement that checks for a consumer dead letter and claims the record
 /// ([`claim_unless_dead`](ConsumerDeadLetters::claim_unless_dead)), the handler's own
-/// statements, `COMMIT`; with version tracking, one statement that creates, locks and
-/// reads the aggregate's version row and one that raises it. sqlx adds a ping when the
+/// statements, `SELECT 1` (which fails on a transaction the handler left aborted: see
+/// [`commit`](InboxStore::commit)), `COMMIT`; with version tracking, one statement that
+/// creates, locks and reads the aggregate's version row and one that raises it. sqlx adds a ping when the
 /// connection goes back to the pool, and another before each acquire unless the pool
 /// is built with `test_before_acquire(false)` (as [`PgConfig::connect`](crate::PgConfig::connect) does).
 ///
@@ -37,10 +38,10 @@ use crate::sql::{InboxQueries, Queries, sql};
 /// version tracking one statement locking every aggregate's version row
 /// ([`applied_versions`](VersionTracking::applied_versions)), the handlers' own
 /// statements, with versions one statement raising them
-/// ([`record_versions`](VersionTracking::record_versions)), `COMMIT`: 3 (5 with
-/// versions) round trips of ours per batch plus the handlers' own, and sqlx's ping on
-/// release (measured by `cargo xtask bench -- --consumer`: 1.06 round trips per
-/// message in batches with a one-statement handler). The durable
+/// ([`record_versions`](VersionTracking::record_versions)), `SELECT 1`, `COMMIT`: 4
+/// (6 with versions) round trips of ours per batch plus the handlers' own, and sqlx's
+/// ping on release (counted by the inbox's `a_batch_of_100_takes_about_one_round_trip_per_message`:
+/// about 1.05 round trips per message in batches of 100 with a one-statement handler). The durable
 /// receiver stores a batch in one statement ([`store_batch`](DurableInbox::store_batch)).
 /// Each batch statement takes its locks in sorted order (see
 /// [`lock_order`]), so concurrent batches wait for each other instead of deadlocking.
@@ -86,7 +87,15 @@ impl InboxStore for PgInbox {
         self.pool.begin().await.map_err(db("inbox_begin"))
     }
 
-    async fn commit(&self, tx: Self::Transaction) -> Result<(), OutboxError> {
+    /// Checks first that `tx` is not aborted: PostgreSQL answers `COMMIT` on an aborted
+    /// transaction with the tag `ROLLBACK` rather than an error, and sqlx's `commit`
+    /// does not look at the tag. One `SELECT 1` (a round trip) fails with `25P02` on an
+    /// aborted transaction: [`OutboxError::TransactionAborted`].
+    async fn commit(&self, mut tx: Self::Transaction) -> Result<(), OutboxError> {
+        sqlx::raw_sql("SELECT 1")
+            .execute(&mut *tx)
+            .await
+            .map_err(db("inbox_commit"))?;
         tx.commit().await.map_err(db("inbox_commit"))
     }
 
@@ -139,6 +148,13 @@ impl InboxStore for PgInbox {
             claimed[i] = inserted.contains(&pairs[i]);
         }
         Ok(claimed)
+    }
+
+    /// A `sqlx::Error`'s kind, by its SQLSTATE (the crate's error classification).
+    fn classify(&self, error: &(dyn std::error::Error + 'static)) -> Option<ErrorKind> {
+        error
+            .downcast_ref::<sqlx::Error>()
+            .map(crate::error::classify)
     }
 
     async fn purge(&self, older_than: Duration, batch_size: usize) -> Result<u64, OutboxError> {

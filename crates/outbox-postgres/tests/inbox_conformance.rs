@@ -6,8 +6,10 @@ mod common;
 
 use std::sync::Arc;
 
-use outbox_core::inbox_conformance::InboxHarness;
+use async_trait::async_trait;
+use outbox_core::inbox_conformance::{AbortingHarness, InboxHarness};
 use outbox_postgres::PgInbox;
+use sqlx::PgConnection;
 
 /// A [`PgInbox`] over a fresh, migrated schema.
 struct PgInboxHarness(Arc<PgInbox>);
@@ -20,10 +22,18 @@ impl InboxHarness for PgInboxHarness {
     }
 }
 
+#[async_trait]
+impl AbortingHarness for PgInboxHarness {
+    async fn swallow_a_failed_statement(&self, conn: &mut PgConnection) {
+        let failed = sqlx::query("SELECT 1 / 0").execute(conn).await;
+        assert!(failed.is_err(), "the statement fails");
+    }
+}
+
 async fn harness() -> PgInboxHarness {
     let outbox = common::fresh_outbox().await;
     let inbox = PgInbox::new(outbox.pool().clone(), outbox.schema()).expect("inbox");
     PgInboxHarness(Arc::new(inbox))
 }
 
-outbox_core::inbox_conformance_tests!(harness; dead_letters, versions, durable);
+outbox_core::inbox_conformance_tests!(harness; dead_letters, versions, durable, aborts);

@@ -31,6 +31,38 @@ pub(crate) const SESSION_SETUP: &str = "SET ANSI_NULLS, ANSI_PADDING, ANSI_WARNI
 /// the client's transaction state follows either way.
 pub(crate) const ROLLBACK_IF_OPEN: &str = "IF @@TRANCOUNT > 0 ROLLBACK TRANSACTION;";
 
+/// How [`MssqlTransaction::commit`] ends a transaction: one T-SQL batch (a plain SQL
+/// batch, not `sp_executesql`, whose end would raise error 266 for a changed
+/// `@@TRANCOUNT`) that commits only a transaction that can commit and says what it
+/// found, in `state`:
+///
+/// - `1`: the transaction was live and is now committed; every level of it, should the
+///   caller have left a nested `BEGIN TRANSACTION` open (a nested level is only a
+///   counter: one `COMMIT` would leave the transaction open on a connection going back
+///   to the pool);
+/// - `0`: there was no transaction left to commit. Under `XACT_ABORT ON` (this crate's
+///   session setting) a failed statement rolls the whole transaction back at once, so
+///   this is a transaction an earlier statement's error aborted, whose error its caller
+///   caught and went on (or, rarer, one the caller ended itself with `ROLLBACK` or
+///   `COMMIT`);
+/// - `-1`: the transaction was doomed (an error caught inside `TRY ... CATCH`, or with
+///   `XACT_ABORT OFF` an error that dooms anyway) and can only be rolled back, which the
+///   batch does. The server rolls back a transaction still doomed when a batch ends
+///   (with error 3998 if no error was sent yet), so this is not expected at the start
+///   of a batch; it is handled anyway.
+///
+/// `SET XACT_ABORT ON` comes first: a caller may have turned it off on the session, and
+/// with it on a failing `COMMIT` ends the batch instead of going round the loop again.
+pub(crate) const COMMIT_IF_COMMITTABLE: &str = "SET XACT_ABORT ON;
+DECLARE @state int = XACT_STATE();
+IF @state = 1
+BEGIN
+    WHILE @@TRANCOUNT > 0 COMMIT TRANSACTION;
+END
+ELSE IF @state = -1
+    ROLLBACK TRANSACTION;
+SELECT @state AS state;";
+
 /// A pooled connection: the client plus a flag saying whether it may be reused.
 ///
 /// The flag is raised while this crate has a statement or a transaction in flight on
@@ -326,26 +358,75 @@ impl MssqlPool {
 ///
 /// End it with [`commit`](Self::commit) or [`rollback`](Self::rollback). Dropped
 /// without either, its connection is closed instead of being returned to the pool, and
-/// the server rolls the transaction back.
+/// the server rolls the transaction back. [`commit`](Self::commit) commits only a
+/// transaction that can still commit and reports one a failed statement aborted as
+/// [`OutboxError::TransactionAborted`].
 #[derive(Debug)]
 pub struct MssqlTransaction {
     conn: PooledConnection,
 }
 
 impl MssqlTransaction {
-    /// Commits; the connection goes back to the pool.
+    /// Commits, if the transaction can still commit; the connection goes back to the
+    /// pool.
+    ///
+    /// One plain batch reads `XACT_STATE()` and commits only a live transaction (every
+    /// level of it: a nested `BEGIN TRANSACTION` left open inside it is committed with
+    /// it), else rolls back a doomed one, and says which it found. A transaction an
+    /// earlier failed statement already aborted (under this crate's `XACT_ABORT ON`,
+    /// the server rolled it back at once; a doomed one is rolled back now) is reported
+    /// as [`OutboxError::TransactionAborted`]: none of its statements committed, and
+    /// the caller must not act as if they had (e.g. acknowledge a message).
+    ///
+    /// Statements sent after the abort, and before this commit, ran outside any
+    /// transaction (autocommit) and are not undone: with `XACT_ABORT ON` a failed
+    /// statement's error ends the transaction, so do not go on after one.
     ///
     /// # Errors
-    /// [`OutboxError::Database`]; the transaction's effects are then not durable (the
-    /// connection is discarded and the server rolls back).
-    pub async fn commit(mut self) -> Result<(), OutboxError> {
-        self.conn
+    /// [`OutboxError::TransactionAborted`] as above (the connection is clean and goes
+    /// back to the pool); [`OutboxError::Database`] when the commit itself fails; the
+    /// transaction's effects are then not durable (the connection is discarded and the
+    /// server rolls back).
+    pub async fn commit(self) -> Result<(), OutboxError> {
+        self.commit_as("commit").await
+    }
+
+    /// [`commit`](Self::commit), naming `operation` in its errors.
+    pub(crate) async fn commit_as(mut self, operation: &'static str) -> Result<(), OutboxError> {
+        let rows = self
+            .conn
             .client
-            .commit_transaction()
+            .simple_query(COMMIT_IF_COMMITTABLE)
             .await
-            .map_err(db("commit"))?;
-        self.conn.settle();
-        Ok(())
+            .map_err(db(operation))?
+            .into_results()
+            .await
+            .map_err(db(operation))?;
+        let state = rows
+            .into_iter()
+            .flatten()
+            .next()
+            .map(|row| row.try_get::<i32, _>("state"))
+            .transpose()
+            .map_err(db(operation))?
+            .flatten();
+        match state {
+            Some(1) => {
+                self.conn.settle();
+                Ok(())
+            }
+            // Rolled back already, or just now: no transaction is left open on the
+            // connection, so it may be reused.
+            Some(0 | -1) => {
+                self.conn.settle();
+                Err(OutboxError::TransactionAborted { operation })
+            }
+            // Not this batch's answer: the connection is discarded (still in flight),
+            // so the server rolls back whatever might be open.
+            _ => Err(db(operation)(tiberius::error::Error::Protocol(
+                format!("the commit batch returned state {state:?}, not 1, 0 or -1").into(),
+            ))),
+        }
     }
 
     /// Rolls back with `IF @@TRANCOUNT > 0 ROLLBACK TRANSACTION` (a no-op when `XACT_ABORT`
@@ -397,5 +478,32 @@ mod tests {
         // statement; a bare ROLLBACK (or a TM rollback request) would fail with 3903.
         assert_eq!(ROLLBACK_IF_OPEN, "IF @@TRANCOUNT > 0 ROLLBACK TRANSACTION;");
         assert!(SESSION_SETUP.contains("SET XACT_ABORT ON;"));
+    }
+
+    #[test]
+    fn commit_commits_only_a_committable_transaction_and_says_what_it_found() {
+        let lines: Vec<&str> = COMMIT_IF_COMMITTABLE.lines().map(str::trim).collect();
+        assert_eq!(
+            lines,
+            [
+                // A failing COMMIT ends the batch, whatever the caller set.
+                "SET XACT_ABORT ON;",
+                // Read once, before anything changes it.
+                "DECLARE @state int = XACT_STATE();",
+                // Live: commit, every nesting level (a nested level is only a counter).
+                "IF @state = 1",
+                "BEGIN",
+                "WHILE @@TRANCOUNT > 0 COMMIT TRANSACTION;",
+                "END",
+                // Doomed: it can only be rolled back. 0: XACT_ABORT already rolled it back.
+                "ELSE IF @state = -1",
+                "ROLLBACK TRANSACTION;",
+                // The caller maps 0 and -1 to TransactionAborted.
+                "SELECT @state AS state;",
+            ]
+        );
+        // No parameters: it runs as a plain batch (`simple_query`), not through
+        // sp_executesql, whose end would raise error 266 for the changed @@TRANCOUNT.
+        assert!(!COMMIT_IF_COMMITTABLE.contains("@P"));
     }
 }

@@ -7,11 +7,11 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use outbox_core::inbox::{
-    ConsumerDeadLetter, ConsumerDeadLetters, DurableInbox, FailureCount, InboxCompletion,
-    InboxOutcome, StoredMessage, VersionTracking,
+    ConsumerDeadLetter, ConsumerDeadLetters, DurableInbox, FailureCount, InboxClaim,
+    InboxCompletion, InboxOutcome, StoredMessage, VersionTracking, lock_order,
 };
 use outbox_core::wire::{IncomingMessage, TraceParent};
-use outbox_core::{CompleteReport, Headers, InboxStore, OutboxError};
+use outbox_core::{CompleteReport, ErrorKind, Headers, InboxStore, OutboxError};
 use tiberius::Row;
 use uuid::Uuid;
 
@@ -32,7 +32,16 @@ use crate::store::{opt, req, row_id, time};
 /// finds the row (a duplicate key, caught in the statement: `false`) or, if the first
 /// rolled back, inserts it: at most one of them returns `true` and commits.
 /// [`applied_version`](VersionTracking::applied_version) creates and locks the version
-/// record the same way. See `docs/sqlserver.md`.
+/// record the same way.
+///
+/// Per message and handler the idempotent consumer sends, on the one pooled connection
+/// of its transaction: the begin, one batch that checks for a consumer dead letter and
+/// claims ([`claim_unless_dead`](ConsumerDeadLetters::claim_unless_dead); the batched
+/// consumer claims a whole batch in one round trip), the handler's own statements, and
+/// one commit batch that commits only a transaction the handler's statements left
+/// committable ([`commit`](InboxStore::commit)). It never borrows a second connection
+/// while it holds one: deliveries beyond the pool's size wait for a connection to
+/// begin, not holders for one another. See `docs/sqlserver.md`.
 #[derive(Debug, Clone)]
 pub struct MssqlInbox {
     pool: MssqlPool,
@@ -94,8 +103,12 @@ impl InboxStore for MssqlInbox {
         self.pool.begin().await
     }
 
+    /// Commits only a transaction that can still commit, in one batch that reads
+    /// `XACT_STATE()` first (see [`MssqlTransaction::commit`]): a transaction a
+    /// handler's failed statement aborted (rolled back at once under `XACT_ABORT ON`, or
+    /// doomed) is [`OutboxError::TransactionAborted`], never a commit.
     async fn commit(&self, tx: MssqlTransaction) -> Result<(), OutboxError> {
-        tx.commit().await
+        tx.commit_as("inbox_commit").await
     }
 
     async fn rollback(&self, tx: MssqlTransaction) -> Result<(), OutboxError> {
@@ -129,6 +142,19 @@ impl InboxStore for MssqlInbox {
             None => None,
         };
         Ok(claimed == Some(1))
+    }
+
+    /// A tiberius error's kind, by its server error number (the crate's classification:
+    /// deadlocks and lock timeouts `Transient`, a lost connection `Unavailable`, the
+    /// statement's data refused `InvalidData`, the rest `Permanent`), and a pool or
+    /// connect error's kind ([`ConnectError::kind`](crate::ConnectError::kind)).
+    fn classify(&self, error: &(dyn std::error::Error + 'static)) -> Option<ErrorKind> {
+        if let Some(e) = error.downcast_ref::<tiberius::error::Error>() {
+            return Some(crate::error::classify(e));
+        }
+        error
+            .downcast_ref::<crate::ConnectError>()
+            .map(crate::ConnectError::kind)
     }
 
     async fn purge(&self, older_than: Duration, batch_size: usize) -> Result<u64, OutboxError> {
@@ -169,6 +195,12 @@ impl VersionTracking for MssqlInbox {
         }
     }
 
+    /// Raises the stored version, only inside a transaction that can still commit
+    /// (`XACT_STATE() = 1`): it runs after the handler, and after a handler's failed
+    /// statement `XACT_ABORT ON` has already rolled the transaction back, so the update
+    /// would run on its own and commit (the redelivered message would then be skipped
+    /// as stale). That is [`OutboxError::TransactionAborted`] instead; so is a call
+    /// outside any transaction.
     async fn record_version(
         &self,
         conn: &mut MssqlClient,
@@ -178,18 +210,155 @@ impl VersionTracking for MssqlInbox {
         version: i64,
     ) -> Result<(), OutboxError> {
         valid_consumer(consumer)?;
-        conn.execute(
-            &*self.iq.version_set,
-            &[&consumer, &aggregate_type, &aggregate_id, &version],
-        )
-        .await
-        .map_err(db("inbox_version"))?;
-        Ok(())
+        let state = conn
+            .query(
+                &*self.iq.version_set,
+                &[&consumer, &aggregate_type, &aggregate_id, &version],
+            )
+            .await
+            .map_err(db("inbox_version"))?
+            .into_row()
+            .await
+            .map_err(db("inbox_version"))?
+            .map(|row| row.try_get::<i32, _>("state"))
+            .transpose()
+            .map_err(db("inbox_version"))?
+            .flatten();
+        if state == Some(1) {
+            Ok(())
+        } else {
+            Err(OutboxError::TransactionAborted {
+                operation: "inbox_version",
+            })
+        }
     }
+}
+
+/// The `claimed` / `dead` columns of a claim row as an [`InboxClaim`].
+fn inbox_claim(row: &Row, operation: &'static str) -> Result<InboxClaim, OutboxError> {
+    let claimed = row.try_get::<i32, _>("claimed").map_err(db(operation))?;
+    let dead = row.try_get::<i32, _>("dead").map_err(db(operation))?;
+    Ok(match (claimed, dead) {
+        (Some(1), _) => InboxClaim::Claimed,
+        (_, Some(1)) => InboxClaim::DeadLetter,
+        _ => InboxClaim::Duplicate,
+    })
+}
+
+/// The distinct pairs of `pairs`, in `order` (their lock order), as the JSON array the
+/// batch claim reads: `[{"id": ..., "consumer": ...}, ...]`, array index = position in
+/// `order`.
+fn pairs_json(pairs: &[(Uuid, &str)], order: &[usize]) -> String {
+    serde_json::Value::Array(
+        order
+            .iter()
+            .map(|&i| serde_json::json!({ "id": pairs[i].0, "consumer": pairs[i].1 }))
+            .collect(),
+    )
+    .to_string()
+}
+
+/// One [`InboxClaim`] per pair of `pairs` from the batch claim's rows (`found`: the
+/// array index into `order`, and what the claim of that pair found). A pair repeated in
+/// `pairs` is a duplicate of its first occurrence, or a dead letter with it.
+///
+/// # Errors
+/// [`OutboxError::Decode`] when a pair got no row.
+fn spread_claims(
+    pairs: &[(Uuid, &str)],
+    order: &[usize],
+    found: &[(usize, InboxClaim)],
+) -> Result<Vec<InboxClaim>, OutboxError> {
+    let mut claims = vec![InboxClaim::Duplicate; pairs.len()];
+    let mut seen = vec![false; order.len()];
+    for &(ord, claim) in found {
+        let Some(&i) = order.get(ord) else { continue };
+        seen[ord] = true;
+        claims[i] = claim;
+        if claim == InboxClaim::DeadLetter {
+            for (slot, pair) in claims.iter_mut().zip(pairs) {
+                if *pair == pairs[i] {
+                    *slot = InboxClaim::DeadLetter;
+                }
+            }
+        }
+    }
+    if let Some(missing) = seen.iter().position(|seen| !seen) {
+        return Err(OutboxError::Decode {
+            id: pairs[order[missing]].0.to_string(),
+            reason: "the batch claim returned no row for this pair".into(),
+        });
+    }
+    Ok(claims)
 }
 
 #[async_trait]
 impl ConsumerDeadLetters for MssqlInbox {
+    /// One statement on `conn`: the dead-letter check and the claim together, so the
+    /// consumer never borrows a second pooled connection while its transaction holds
+    /// one (the default's [`is_dead`](ConsumerDeadLetters::is_dead) on the pool
+    /// waited, with every connection held by consumer transactions, until the acquire
+    /// timeout, and every delivery was deferred). Locks as
+    /// [`try_claim`](InboxStore::try_claim) does: its own key only.
+    async fn claim_unless_dead(
+        &self,
+        conn: &mut MssqlClient,
+        message_id: Uuid,
+        consumer: &str,
+    ) -> Result<InboxClaim, OutboxError> {
+        valid_consumer(consumer)?;
+        let row = conn
+            .query(&*self.iq.claim_unless_dead, &[&message_id, &consumer])
+            .await
+            .map_err(db("inbox_claim"))?
+            .into_row()
+            .await
+            .map_err(db("inbox_claim"))?
+            .ok_or_else(|| OutboxError::Decode {
+                id: message_id.to_string(),
+                reason: "the claim returned no row".into(),
+            })?;
+        inbox_claim(&row, "inbox_claim")
+    }
+
+    /// One round trip on `conn` for the whole batch: the pairs are claimed one by one
+    /// in [`lock_order`] inside one T-SQL batch, each as
+    /// [`claim_unless_dead`](ConsumerDeadLetters::claim_unless_dead) does.
+    async fn claim_batch_unless_dead(
+        &self,
+        conn: &mut MssqlClient,
+        pairs: &[(Uuid, &str)],
+    ) -> Result<Vec<InboxClaim>, OutboxError> {
+        for (_, consumer) in pairs {
+            valid_consumer(consumer)?;
+        }
+        let order = lock_order(pairs);
+        if order.is_empty() {
+            return Ok(Vec::new());
+        }
+        let rows = conn
+            .query(
+                &*self.iq.claim_batch_unless_dead,
+                &[&pairs_json(pairs, &order).as_str()],
+            )
+            .await
+            .map_err(db("inbox_claim_batch"))?
+            .into_results()
+            .await
+            .map_err(db("inbox_claim_batch"))?;
+        let mut found = Vec::with_capacity(order.len());
+        for row in rows.iter().flatten() {
+            let ord = row
+                .try_get::<i32, _>("ord")
+                .map_err(db("inbox_claim_batch"))?
+                .and_then(|ord| usize::try_from(ord).ok());
+            if let Some(ord) = ord {
+                found.push((ord, inbox_claim(row, "inbox_claim_batch")?));
+            }
+        }
+        spread_claims(pairs, &order, &found)
+    }
+
     async fn record_failure(
         &self,
         msg: &IncomingMessage,
@@ -455,6 +624,101 @@ impl DurableInbox for MssqlInbox {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// An inbox over a pool that never connects (nothing here talks to a server; bb8
+    /// needs a tokio runtime to build one).
+    fn offline_inbox() -> MssqlInbox {
+        let manager =
+            crate::MssqlConnectionManager::new(tiberius::Config::new(), Duration::from_secs(1));
+        let pool = MssqlPool::from_bb8(
+            bb8::Pool::builder().build_unchecked(manager),
+            Duration::from_secs(1),
+        );
+        MssqlInbox::new(pool, "outbox").expect("inbox")
+    }
+
+    #[tokio::test]
+    async fn classify_knows_tiberius_and_pool_errors_only() {
+        let inbox = offline_inbox();
+        let reset = tiberius::error::Error::Io {
+            kind: std::io::ErrorKind::ConnectionReset,
+            message: "reset".into(),
+        };
+        assert_eq!(inbox.classify(&reset), Some(ErrorKind::Unavailable));
+        let protocol = tiberius::error::Error::Protocol("bad token".into());
+        assert_eq!(inbox.classify(&protocol), Some(ErrorKind::Permanent));
+        let starved = crate::ConnectError::PoolTimeout(Duration::from_secs(10));
+        assert_eq!(inbox.classify(&starved), Some(ErrorKind::Unavailable));
+        // Not this driver's: the caller goes on down the source chain.
+        let other = std::io::Error::other("a handler's own error");
+        assert_eq!(inbox.classify(&other), None);
+        let wrapped = OutboxError::Database {
+            kind: ErrorKind::Transient,
+            operation: "x",
+            source: Box::new(reset),
+        };
+        assert_eq!(
+            inbox.classify(&wrapped),
+            None,
+            "looks at this one error only"
+        );
+    }
+
+    #[test]
+    fn a_batch_is_sent_in_lock_order_and_answered_per_pair() {
+        let (a, b) = (Uuid::from_u128(1), Uuid::from_u128(2));
+        let pairs = [(b, "x"), (a, "y"), (b, "x"), (a, "x"), (b, "w")];
+        let order = lock_order(&pairs);
+        assert_eq!(
+            order,
+            [3, 1, 4, 0],
+            "sorted by (message id, consumer), once each"
+        );
+        let json: serde_json::Value =
+            serde_json::from_str(&pairs_json(&pairs, &order)).expect("JSON");
+        assert_eq!(
+            json,
+            serde_json::json!([
+                { "id": a, "consumer": "x" },
+                { "id": a, "consumer": "y" },
+                { "id": b, "consumer": "w" },
+                { "id": b, "consumer": "x" },
+            ])
+        );
+        // Rows come back by array index, in any order.
+        let found = [
+            (3, InboxClaim::DeadLetter),
+            (0, InboxClaim::Claimed),
+            (2, InboxClaim::Duplicate),
+            (1, InboxClaim::Claimed),
+        ];
+        assert_eq!(
+            spread_claims(&pairs, &order, &found).expect("every pair answered"),
+            [
+                InboxClaim::DeadLetter,
+                InboxClaim::Claimed,
+                InboxClaim::DeadLetter, // the repeat of a dead letter is one too
+                InboxClaim::Claimed,
+                InboxClaim::Duplicate,
+            ]
+        );
+        // A repeat of a claimed pair is a duplicate of it.
+        let found = [
+            (3, InboxClaim::Claimed),
+            (0, InboxClaim::Claimed),
+            (2, InboxClaim::Claimed),
+            (1, InboxClaim::Claimed),
+        ];
+        let claims = spread_claims(&pairs, &order, &found).expect("answered");
+        assert_eq!(claims[0], InboxClaim::Claimed);
+        assert_eq!(claims[2], InboxClaim::Duplicate);
+        // A pair without an answer is an error, never a silent duplicate (which would
+        // be acked unprocessed).
+        assert!(matches!(
+            spread_claims(&pairs, &order, &found[..3]),
+            Err(OutboxError::Decode { .. })
+        ));
+    }
 
     #[test]
     fn consumer_names_fit_the_tables() {

@@ -7,8 +7,9 @@ mod common;
 
 use std::sync::Arc;
 
-use outbox_core::inbox_conformance::InboxHarness;
-use outbox_sqlserver::MssqlInbox;
+use async_trait::async_trait;
+use outbox_core::inbox_conformance::{AbortingHarness, InboxHarness};
+use outbox_sqlserver::{MssqlClient, MssqlInbox};
 
 /// An [`MssqlInbox`] over a fresh, migrated schema.
 struct MssqlInboxHarness(Arc<MssqlInbox>);
@@ -21,6 +22,19 @@ impl InboxHarness for MssqlInboxHarness {
     }
 }
 
+#[async_trait]
+impl AbortingHarness for MssqlInboxHarness {
+    /// A division by zero under the session's `XACT_ABORT ON`: the error rolls the whole
+    /// transaction back at once.
+    async fn swallow_a_failed_statement(&self, conn: &mut MssqlClient) {
+        let failed = match conn.simple_query("SELECT 1 / 0").await {
+            Ok(stream) => stream.into_results().await.map(drop),
+            Err(e) => Err(e),
+        };
+        assert!(failed.is_err(), "the statement fails");
+    }
+}
+
 /// A fresh schema on the SQL Server at `MSSQL_URL`, or `None` (after printing that
 /// `test` was skipped) when it is not set.
 async fn harness(test: &str) -> Option<MssqlInboxHarness> {
@@ -30,4 +44,4 @@ async fn harness(test: &str) -> Option<MssqlInboxHarness> {
     Some(MssqlInboxHarness(Arc::new(inbox)))
 }
 
-outbox_core::inbox_conformance_tests!(optional harness; dead_letters, versions, durable);
+outbox_core::inbox_conformance_tests!(optional harness; dead_letters, versions, durable, aborts);

@@ -22,9 +22,15 @@
 //!   counts no delivery) and the same message is handed to the handler again after 1 s,
 //!   2 s, ... up to 15 s, until it is decided, however long the outage; at shutdown a
 //!   still deferred message gets `-NAK`. Keep `ack_wait` above 15 s plus the handler's
-//!   longest wait for its database (the pool's acquire timeout).
-//! - A message that cannot be decoded (no id, an id that is not a UUID, no event type)
-//!   is logged and terminated: it never blocks the consumer.
+//!   longest wait for its database (the pool's acquire timeout); batched mode needs no
+//!   such margin (see below).
+//! - A message that cannot be decoded (no id, an id that is not a UUID, no event type,
+//!   a malformed or over-long attribute) goes to the handler's
+//!   [`handle_undecodable`](DeliveryHandler::handle_undecodable) as an
+//!   [`UndecodableMessage`] (its raw headers and body and the id it can be recorded
+//!   under) and is answered like any other message (the `inbox` crate's consumers
+//!   record a consumer dead letter and answer `Ack`; the default terminates it,
+//!   `+TERM`). It never blocks the consumer.
 //! - A handler that panics is caught and logged, and the message redelivered (`-NAK`):
 //!   it is never terminated (the `inbox` crate's handlers count their own panics as
 //!   failures and end a message that always panics as a consumer dead letter).
@@ -44,19 +50,30 @@
 //! batches instead (the `inbox` crate's `IdempotentConsumer` applies a batch in one
 //! database transaction). Everything above holds per message, and:
 //!
-//! - A batch takes the messages already pulled, up to the batch size (default: the
-//!   concurrency), and waits at most the linger (default 3 ms) after its first message
-//!   for more. Up to `batches_in_flight` batches (default 2) are handled at once; the
-//!   next one is collected meanwhile. An undecodable message is terminated alone, at
-//!   once.
+//! - Every delivery is taken off the pull subscription as soon as it arrives (none is
+//!   left in the client's buffer) and waits for a batch; `max_ack_pending` (the
+//!   concurrency) bounds how many are held. A batch takes the oldest waiting messages,
+//!   up to the batch size (default: the concurrency), and waits at most the linger
+//!   (default 3 ms) after the first of them for more. Up to `batches_in_flight`
+//!   batches (default 2) are handled at once; the others wait meanwhile. An
+//!   undecodable message goes to the handler's
+//!   [`handle_undecodable`](BatchDeliveryHandler::handle_undecodable) alone, at once.
+//! - Every message held, waiting for a batch or in one and not yet answered, gets a
+//!   `+WPI` every third of `ack_wait` (or of the shortest
+//!   [backoff](NatsConsumerBuilder::with_backoff) step, if shorter), so the server
+//!   neither redelivers it nor counts a delivery however long it is held: a database
+//!   outage of any length, a slow batch or busy batch slots spend no delivery attempt
+//!   and never reach `max_deliver`. In this mode `ack_wait` only bounds how long the
+//!   messages of a consumer that stopped answering (crashed, cut off) wait before
+//!   they are redelivered; a batch slower than `ack_wait` is not redelivered while it
+//!   runs.
 //! - Each message is answered as soon as the handler has decided it (after the
 //!   handler's commit), the answers of a batch written together and flushed with the
 //!   client's next write, not awaited one by one. While some messages are deferred,
-//!   each gets a `+WPI` before every wait and only those are handed to the handler
-//!   again (after 1 s, 2 s, ... up to 15 s).
+//!   only those are handed to the handler again (after 1 s, 2 s, ... up to 15 s).
 //! - A panic of the handler naks every message of the batch (never a `+TERM`).
-//! - On shutdown the batches in flight finish and are answered; messages collected
-//!   for a batch not started yet are redelivered by the server after `ack_wait`.
+//! - On shutdown the batches in flight finish and are answered; messages waiting for
+//!   a batch not started yet are redelivered by the server after `ack_wait`.
 //!
 //! # Delivery limits and the inbox
 //!
@@ -80,9 +97,9 @@ use async_nats::jetstream::{self, AckKind, ErrorCode};
 use futures::StreamExt;
 use futures::stream::FuturesUnordered;
 use outbox_core::consumer::{
-    BatchDeliveryHandler, DeliveryHandler, HandlerDecision, handle_until_decided,
+    BatchDeliveryHandler, DeliveryHandler, HandlerDecision, handle_until_decided, until_decided,
 };
-use outbox_core::wire::{Binding, DecodeError, IncomingMessage};
+use outbox_core::wire::{Binding, IncomingMessage, UndecodableMessage};
 use outbox_core::{ErrorKind, Headers};
 use tokio::time::timeout;
 use tokio_util::sync::CancellationToken;
@@ -181,7 +198,10 @@ impl NatsConsumerBuilder {
 
     /// How long the server waits for an answer to a delivery before delivering it again.
     /// Default 30 s; it must exceed the slowest handler (a slower one gets a duplicate,
-    /// which the inbox absorbs).
+    /// which the inbox absorbs). [`run_batched`](NatsConsumer::run_batched) keeps every
+    /// message it holds with `+WPI` every third of it instead, so there it only bounds
+    /// how long the messages of a consumer that stopped answering wait (see the
+    /// [module docs](self#batched-mode)).
     pub fn with_ack_wait(mut self, ack_wait: Duration) -> Self {
         self.ack_wait = ack_wait;
         self
@@ -461,6 +481,18 @@ impl NatsConsumer {
     /// The largest batch of [`run_batched`](Self::run_batched).
     pub fn batch_size(&self) -> usize {
         self.batch_size
+    }
+
+    /// How often batched mode sends `+WPI` for each message it holds: a third of the
+    /// shortest time the server waits for an answer (`ack_wait`, or a shorter
+    /// [backoff](NatsConsumerBuilder::with_backoff) step), at least 1 ms.
+    pub(crate) fn keep_alive_period(&self) -> Duration {
+        let shortest = self
+            .backoff
+            .iter()
+            .copied()
+            .fold(self.ack_wait, Duration::min);
+        (shortest / 3).max(Duration::from_millis(1))
     }
 
     /// The delays of the `-NAK` sent for [`HandlerDecision::Requeue`].
@@ -807,25 +839,29 @@ async fn process<H: DeliveryHandler>(
     };
     let (message_id, decoded) =
         decode_message(message.headers.as_ref(), &message.payload, delivered);
-    let decision = match decoded {
-        // "+WPI" (work in progress) before each wait restarts the server's ack_wait, so
-        // a deferred delivery is neither redelivered nor counted again.
-        Ok(msg) => {
-            handle_until_decided(handler, &msg, shutdown, || async {
-                if let Err(e) = message.ack_with(AckKind::Progress).await {
-                    debug!(stream_sequence, error = %e, "could not send +WPI");
-                }
-            })
-            .await
+    // "+WPI" (work in progress) before each wait restarts the server's ack_wait, so
+    // a deferred delivery is neither redelivered nor counted again.
+    let keep = || async {
+        if let Err(e) = message.ack_with(AckKind::Progress).await {
+            debug!(stream_sequence, error = %e, "could not send +WPI");
         }
-        Err(e) => {
-            warn!(
+    };
+    let decision = match decoded {
+        Ok(msg) => handle_until_decided(handler, &msg, shutdown, keep).await,
+        Err(undecodable) => {
+            debug!(
                 stream_sequence,
                 message_id = message_id.as_deref().unwrap_or(""),
-                error = %e,
-                "undecodable message terminated"
+                error = %undecodable.error,
+                "undecodable message handed to the handler"
             );
-            HandlerDecision::Reject
+            until_decided(
+                undecodable.id,
+                || handler.handle_undecodable(&undecodable),
+                shutdown,
+                keep,
+            )
+            .await
         }
     };
     let kind = match decision {
@@ -848,7 +884,10 @@ pub(crate) fn decode_message(
     headers: Option<&async_nats::HeaderMap>,
     payload: &[u8],
     delivered: u64,
-) -> (Option<String>, Result<IncomingMessage, DecodeError>) {
+) -> (
+    Option<String>,
+    Result<IncomingMessage, Box<UndecodableMessage>>,
+) {
     let headers = headers_to_strings(headers);
     let message_id = headers.get(MSG_ID_HEADER).cloned();
     let decoded = IncomingMessage::decode(

@@ -227,6 +227,16 @@ impl TransportHarness for Nats {
         2
     }
 
+    async fn publish_malformed(&self, id: Uuid) {
+        let mut headers = async_nats::HeaderMap::new();
+        headers.insert("Nats-Msg-Id", id.to_string().as_str());
+        headers.insert("ce-type", "RawEvent");
+        headers.insert("ce-aggregateversion", "1.0");
+        let body =
+            std::str::from_utf8(outbox_core::transport_conformance::MALFORMED_BODY).expect("UTF-8");
+        self.publish_raw(Some(headers), body).await;
+    }
+
     async fn publish_foreign(&self, id: Uuid, event_type: &str, version: i64) {
         let mut headers = async_nats::HeaderMap::new();
         headers.insert("Nats-Msg-Id", id.to_string().as_str());

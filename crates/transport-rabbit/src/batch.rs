@@ -10,16 +10,25 @@ use futures::future::join_all;
 use futures::stream::FuturesUnordered;
 use lapin::Acker;
 use lapin::message::Delivery;
-use lapin::options::{BasicAckOptions, BasicNackOptions};
+use lapin::options::BasicAckOptions;
 use lapin::types::ShortString;
-use outbox_core::consumer::{BatchDeliveryHandler, HandlerDecision, handle_batch_until_decided};
-use outbox_core::wire::IncomingMessage;
+use outbox_core::consumer::{
+    BatchDeliveryHandler, HandlerDecision, handle_batch_until_decided, until_decided,
+};
+use outbox_core::wire::{IncomingMessage, UndecodableMessage};
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, warn};
 
-use crate::consumer::{RabbitConsumer, decode_delivery};
+use crate::consumer::{RabbitConsumer, answer as answer_delivery, decode_delivery};
 use crate::error::RabbitError;
+
+/// How a delivery is answered: the requeue delay, and how long an answer may take.
+#[derive(Debug, Clone, Copy)]
+struct Timing {
+    requeue_delay: Duration,
+    answer_timeout: Duration,
+}
 
 /// A decoded delivery waiting in a batch.
 struct Held {
@@ -102,11 +111,15 @@ pub(crate) async fn consume_batched_once<H: BatchDeliveryHandler>(
         Err(e) => return (false, Err(e)),
     };
     let outstanding = Outstanding::default();
+    let timing = Timing {
+        requeue_delay: consumer.requeue_delay,
+        answer_timeout: consumer.config.connect_timeout(),
+    };
     let batch_size = usize::from(consumer.batch_size);
     let mut collecting: Vec<Held> = Vec::with_capacity(batch_size);
     let mut linger_until: Option<Instant> = None;
     let mut batches = FuturesUnordered::new();
-    let mut rejects = FuturesUnordered::new();
+    let mut undecodables = FuturesUnordered::new();
     let ended = loop {
         let launchable = !collecting.is_empty() && batches.len() < consumer.batches_in_flight;
         if launchable && collecting.len() >= batch_size {
@@ -115,7 +128,7 @@ pub(crate) async fn consume_batched_once<H: BatchDeliveryHandler>(
                 handler,
                 batch,
                 &outstanding,
-                consumer.requeue_delay,
+                timing,
                 shutdown,
             ));
             linger_until = None;
@@ -126,7 +139,7 @@ pub(crate) async fn consume_batched_once<H: BatchDeliveryHandler>(
             biased;
             () = shutdown.cancelled() => break Ok(()),
             Some(()) = batches.next(), if !batches.is_empty() => {}
-            Some(()) = rejects.next(), if !rejects.is_empty() => {}
+            Some(()) = undecodables.next(), if !undecodables.is_empty() => {}
             // Deliveries already received go into the batch before the linger counts.
             next = session.consumer.next(), if collecting.len() < batch_size => match next {
                 Some(Ok(delivery)) => {
@@ -139,15 +152,24 @@ pub(crate) async fn consume_batched_once<H: BatchDeliveryHandler>(
                             }
                             collecting.push(Held { tag: delivery_tag, acker, msg });
                         }
-                        Err(e) => {
+                        // Alone, at once: the handler may record it (or drop it).
+                        Err(undecodable) => {
                             let message_id = properties.message_id().as_ref().map(ShortString::as_str);
-                            warn!(
+                            debug!(
                                 delivery_tag,
                                 message_id = message_id.unwrap_or(""),
-                                error = %e,
-                                "undecodable delivery rejected without requeue"
+                                error = %undecodable.error,
+                                "undecodable delivery handed to the handler alone"
                             );
-                            rejects.push(reject(acker, delivery_tag, &outstanding));
+                            undecodables.push(undecodable_alone(
+                                handler,
+                                *undecodable,
+                                acker,
+                                delivery_tag,
+                                &outstanding,
+                                timing,
+                                shutdown,
+                            ));
                         }
                     }
                 }
@@ -156,7 +178,7 @@ pub(crate) async fn consume_batched_once<H: BatchDeliveryHandler>(
             },
             () = tokio::time::sleep_until(deadline), if launchable => {
                 let batch = std::mem::take(&mut collecting);
-                batches.push(process_batch(handler, batch, &outstanding, consumer.requeue_delay, shutdown));
+                batches.push(process_batch(handler, batch, &outstanding, timing, shutdown));
                 linger_until = None;
             }
         }
@@ -176,23 +198,39 @@ pub(crate) async fn consume_batched_once<H: BatchDeliveryHandler>(
         debug!(batches = draining, "waiting for in-flight batches");
     }
     while batches.next().await.is_some() {}
-    while rejects.next().await.is_some() {}
+    while undecodables.next().await.is_some() {}
     consumer.close(session, ended.is_ok()).await;
     (true, ended)
 }
 
-async fn reject(acker: Acker, tag: u64, outstanding: &Outstanding) {
-    outstanding.answering(tag);
-    let answered = acker
-        .nack(BasicNackOptions {
-            multiple: false,
-            requeue: false,
-        })
-        .await;
-    outstanding.answered(tag);
-    if let Err(e) = answered {
-        warn!(delivery_tag = tag, error = %e, "could not answer the broker; it will redeliver");
+/// Hands an undecodable delivery to the handler's
+/// [`handle_undecodable`](BatchDeliveryHandler::handle_undecodable) until decided, and
+/// answers it (a requeue after the requeue delay, cut short by shutdown).
+async fn undecodable_alone<H: BatchDeliveryHandler>(
+    handler: &H,
+    msg: UndecodableMessage,
+    acker: Acker,
+    tag: u64,
+    outstanding: &Outstanding,
+    timing: Timing,
+    shutdown: &CancellationToken,
+) {
+    // An unacknowledged delivery stays ours: nothing to do to keep it while deferred.
+    let decision = until_decided(
+        msg.id,
+        || handler.handle_undecodable(&msg),
+        shutdown,
+        || async {},
+    )
+    .await;
+    if decision == HandlerDecision::Requeue && !timing.requeue_delay.is_zero() {
+        tokio::select! {
+            () = shutdown.cancelled() => {}
+            () = tokio::time::sleep(timing.requeue_delay) => {}
+        }
     }
+    outstanding.answering(tag);
+    answer_one(tag, &acker, decision, outstanding, timing.answer_timeout).await;
 }
 
 /// Hands a batch to the handler until every delivery is decided, answering each as
@@ -201,7 +239,7 @@ async fn process_batch<H: BatchDeliveryHandler>(
     handler: &H,
     batch: Vec<Held>,
     outstanding: &Outstanding,
-    requeue_delay: Duration,
+    timing: Timing,
     shutdown: &CancellationToken,
 ) {
     let mut ackers = Vec::with_capacity(batch.len());
@@ -217,7 +255,7 @@ async fn process_batch<H: BatchDeliveryHandler>(
         msgs,
         shutdown,
         |_| async {},
-        move |decided| answer(ackers, decided, outstanding, requeue_delay, shutdown),
+        move |decided| answer(ackers, decided, outstanding, timing, shutdown),
     )
     .await;
 }
@@ -229,14 +267,25 @@ async fn answer(
     ackers: &[(u64, Acker)],
     decided: Vec<(usize, HandlerDecision)>,
     outstanding: &Outstanding,
-    requeue_delay: Duration,
+    timing: Timing,
     shutdown: &CancellationToken,
 ) {
     if decided.len() == ackers.len() && decided.iter().all(|(_, d)| *d == HandlerDecision::Ack) {
         let tags: Vec<u64> = ackers.iter().map(|(tag, _)| *tag).collect();
         if let Some(top) = outstanding.take_if_alone(&tags) {
             let (tag, acker) = &ackers[top];
-            let acked = acker.ack(BasicAckOptions { multiple: true }).await;
+            let acked = match tokio::time::timeout(
+                timing.answer_timeout,
+                acker.ack(BasicAckOptions { multiple: true }),
+            )
+            .await
+            {
+                Ok(acked) => acked.map_err(|e| e.to_string()),
+                Err(_) => Err(format!(
+                    "no answer from the channel within {:?}",
+                    timing.answer_timeout
+                )),
+            };
             for tag in &tags {
                 outstanding.answered(*tag);
             }
@@ -254,48 +303,36 @@ async fn answer(
     join_all(now.into_iter().map(|(i, d)| {
         let (tag, acker) = &ackers[i];
         outstanding.answering(*tag);
-        answer_one(*tag, acker, d, outstanding)
+        answer_one(*tag, acker, d, outstanding, timing.answer_timeout)
     }))
     .await;
     if later.is_empty() {
         return;
     }
-    if !requeue_delay.is_zero() {
+    if !timing.requeue_delay.is_zero() {
         tokio::select! {
             () = shutdown.cancelled() => {}
-            () = tokio::time::sleep(requeue_delay) => {}
+            () = tokio::time::sleep(timing.requeue_delay) => {}
         }
     }
     join_all(later.into_iter().map(|(i, d)| {
         let (tag, acker) = &ackers[i];
         outstanding.answering(*tag);
-        answer_one(*tag, acker, d, outstanding)
+        answer_one(*tag, acker, d, outstanding, timing.answer_timeout)
     }))
     .await;
 }
 
-/// Answers one delivery (marked in flight by the caller) and marks it answered.
-async fn answer_one(tag: u64, acker: &Acker, decision: HandlerDecision, outstanding: &Outstanding) {
-    let answered = match decision {
-        HandlerDecision::Ack => acker.ack(BasicAckOptions::default()).await,
-        // Requeue after its delay; Defer still deferred at shutdown: back to the queue.
-        HandlerDecision::Requeue | HandlerDecision::Defer => {
-            acker
-                .nack(BasicNackOptions {
-                    multiple: false,
-                    requeue: true,
-                })
-                .await
-        }
-        HandlerDecision::Reject => {
-            acker
-                .nack(BasicNackOptions {
-                    multiple: false,
-                    requeue: false,
-                })
-                .await
-        }
-    };
+/// Answers one delivery (marked in flight by the caller) and marks it answered, giving
+/// up after `limit` (see [`answer_delivery`]).
+async fn answer_one(
+    tag: u64,
+    acker: &Acker,
+    decision: HandlerDecision,
+    outstanding: &Outstanding,
+    limit: Duration,
+) {
+    let answered = answer_delivery(acker, decision, limit).await;
     outstanding.answered(tag);
     if let Err(e) = answered {
         warn!(delivery_tag = tag, ?decision, error = %e, "could not answer the broker; it will redeliver");

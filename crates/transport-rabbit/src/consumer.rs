@@ -12,9 +12,14 @@
 //!   **after** the handler returns, so a handler that commits its database transaction
 //!   before returning [`HandlerDecision::Ack`] never loses a message: a crash before the
 //!   ack means a redelivery, which the inbox deduplicates.
-//! - A delivery that cannot be decoded (no id, an id that is not a UUID, no event type)
-//!   is logged and rejected without requeue (`basic.nack`, `requeue = false`): it goes to
-//!   the queue's dead-letter exchange if it has one, and never blocks the queue.
+//! - A delivery that cannot be decoded (no id, an id that is not a UUID, no event type,
+//!   a malformed or over-long attribute) goes to the handler's
+//!   [`handle_undecodable`](DeliveryHandler::handle_undecodable) as an
+//!   [`UndecodableMessage`], its raw headers and body and the id it can be recorded
+//!   under; the answer is carried out like any other (the `inbox` crate's consumers
+//!   record a consumer dead letter and answer `Ack`; the default rejects it without
+//!   requeue, `basic.nack` with `requeue = false`, to the queue's dead-letter exchange
+//!   if it has one). It never blocks the queue.
 //! - [`HandlerDecision::Requeue`] waits the requeue delay (default 1 s,
 //!   [`RabbitConsumerBuilder::with_requeue_delay`]) before `basic.nack` with
 //!   `requeue = true`, so a failing message does not loop at full speed (AMQP 0-9-1 has
@@ -49,7 +54,8 @@
 //! - A batch takes the deliveries already received, up to the batch size (default: the
 //!   prefetch), and waits at most the linger (default 3 ms) after its first delivery for
 //!   more. Up to `batches_in_flight` batches (default 2) are handled at once; the next
-//!   one is collected meanwhile. An undecodable delivery is rejected alone, at once.
+//!   one is collected meanwhile. An undecodable delivery goes to the handler's
+//!   [`handle_undecodable`](BatchDeliveryHandler::handle_undecodable) alone, at once.
 //! - The broker is answered per message, as soon as the handler has decided: a
 //!   `Requeue` after the requeue delay, a `Defer` kept while only the deferred messages
 //!   are handed to the handler again (after 1 s, 2 s, ... up to 15 s). A batch whose
@@ -73,9 +79,9 @@ use lapin::options::{BasicAckOptions, BasicCancelOptions, BasicConsumeOptions, B
 use lapin::types::{AMQPValue, DecimalValue, FieldTable, LongString, ShortString};
 use lapin::{BasicProperties, Channel, Connection};
 use outbox_core::consumer::{
-    BatchDeliveryHandler, DeliveryHandler, HandlerDecision, handle_until_decided,
+    BatchDeliveryHandler, DeliveryHandler, HandlerDecision, handle_until_decided, until_decided,
 };
-use outbox_core::wire::{Binding, DecodeError, IncomingMessage};
+use outbox_core::wire::{Binding, IncomingMessage, UndecodableMessage};
 use outbox_core::{ErrorKind, Headers};
 use tokio::time::timeout;
 use tokio_util::sync::CancellationToken;
@@ -616,7 +622,7 @@ impl RabbitConsumer {
                 () = shutdown.cancelled() => break Ok(()),
                 Some(()) = in_flight.next(), if !in_flight.is_empty() => {}
                 next = session.consumer.next(), if in_flight.len() < limit => match next {
-                    Some(Ok(delivery)) => in_flight.push(process(handler, delivery, self.requeue_delay, shutdown)),
+                    Some(Ok(delivery)) => in_flight.push(process(handler, delivery, self.requeue_delay, self.config.connect_timeout(), shutdown)),
                     Some(Err(source)) => break Err(self.stream_error(Some(source))),
                     None => break Err(self.stream_error(None)),
                 },
@@ -649,6 +655,7 @@ async fn process<H: DeliveryHandler>(
     handler: &H,
     delivery: Delivery,
     requeue_delay: Duration,
+    answer_timeout: Duration,
     shutdown: &CancellationToken,
 ) {
     let Delivery {
@@ -660,56 +667,72 @@ async fn process<H: DeliveryHandler>(
         ..
     } = delivery;
     let message_id = properties.message_id().as_ref().map(ShortString::as_str);
+    // An unacknowledged delivery stays ours: nothing to do to keep it while the
+    // handler defers.
     let decision = match decode_delivery(&properties, data, redelivered) {
-        // An unacknowledged delivery stays ours: nothing to do to keep it while the
-        // handler defers.
         Ok(msg) => handle_until_decided(handler, &msg, shutdown, || async {}).await,
-        Err(e) => {
-            warn!(
+        Err(undecodable) => {
+            debug!(
                 delivery_tag,
                 message_id = message_id.unwrap_or(""),
-                error = %e,
-                "undecodable delivery rejected without requeue"
+                error = %undecodable.error,
+                "undecodable delivery handed to the handler"
             );
-            HandlerDecision::Reject
+            until_decided(
+                undecodable.id,
+                || handler.handle_undecodable(&undecodable),
+                shutdown,
+                || async {},
+            )
+            .await
         }
     };
-    let answered = match decision {
-        HandlerDecision::Ack => acker.ack(BasicAckOptions::default()).await,
-        HandlerDecision::Requeue => {
-            if !requeue_delay.is_zero() {
-                tokio::select! {
-                    () = shutdown.cancelled() => {}
-                    () = tokio::time::sleep(requeue_delay) => {}
-                }
-            }
-            acker
-                .nack(BasicNackOptions {
-                    multiple: false,
-                    requeue: true,
-                })
-                .await
+    if decision == HandlerDecision::Requeue && !requeue_delay.is_zero() {
+        tokio::select! {
+            () = shutdown.cancelled() => {}
+            () = tokio::time::sleep(requeue_delay) => {}
         }
-        // Still deferred at shutdown: back to the queue at once.
-        HandlerDecision::Defer => {
-            acker
-                .nack(BasicNackOptions {
-                    multiple: false,
-                    requeue: true,
-                })
-                .await
-        }
-        HandlerDecision::Reject => {
-            acker
-                .nack(BasicNackOptions {
-                    multiple: false,
-                    requeue: false,
-                })
-                .await
-        }
-    };
-    if let Err(e) = answered {
+    }
+    if let Err(e) = answer(&acker, decision, answer_timeout).await {
         warn!(delivery_tag, ?decision, error = %e, "could not answer the broker; it will redeliver");
+    }
+}
+
+/// Answers one delivery as `decision` says (`Ack` → `basic.ack`; `Requeue` and a
+/// `Defer` still pending at shutdown → `basic.nack` with requeue; `Reject` →
+/// `basic.nack` without), giving up after `limit`: an answer on a connection that
+/// died meanwhile must not hold the consumer (the broker redelivers what was not
+/// answered).
+pub(crate) async fn answer(
+    acker: &lapin::Acker,
+    decision: HandlerDecision,
+    limit: Duration,
+) -> Result<(), String> {
+    let answering = async {
+        match decision {
+            HandlerDecision::Ack => acker.ack(BasicAckOptions::default()).await,
+            HandlerDecision::Requeue | HandlerDecision::Defer => {
+                acker
+                    .nack(BasicNackOptions {
+                        multiple: false,
+                        requeue: true,
+                    })
+                    .await
+            }
+            HandlerDecision::Reject => {
+                acker
+                    .nack(BasicNackOptions {
+                        multiple: false,
+                        requeue: false,
+                    })
+                    .await
+            }
+        }
+    };
+    match timeout(limit, answering).await {
+        Ok(Ok(_)) => Ok(()),
+        Ok(Err(e)) => Err(e.to_string()),
+        Err(_) => Err(format!("no answer from the channel within {limit:?}")),
     }
 }
 
@@ -720,7 +743,7 @@ pub(crate) fn decode_delivery(
     properties: &BasicProperties,
     data: Vec<u8>,
     redelivered: bool,
-) -> Result<IncomingMessage, DecodeError> {
+) -> Result<IncomingMessage, Box<UndecodableMessage>> {
     IncomingMessage::decode(
         Binding::Amqp,
         properties.message_id().as_ref().map(ShortString::as_str),

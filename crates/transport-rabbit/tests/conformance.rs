@@ -274,6 +274,26 @@ impl TransportHarness for Rabbit {
         2
     }
 
+    async fn publish_malformed(&self, id: Uuid) {
+        let mut headers = FieldTable::default();
+        headers.insert(
+            "cloudEvents:type".into(),
+            AMQPValue::LongString("RawEvent".into()),
+        );
+        headers.insert(
+            "cloudEvents:aggregateversion".into(),
+            AMQPValue::LongString("1.0".into()),
+        );
+        self.publish_raw(
+            "RawEvent",
+            outbox_core::transport_conformance::MALFORMED_BODY,
+            BasicProperties::default()
+                .with_message_id(id.to_string().into())
+                .with_headers(headers),
+        )
+        .await;
+    }
+
     async fn publish_foreign(&self, id: Uuid, event_type: &str, version: i64) {
         // The id only in the property, the version as an integer header. (No short-string
         // header: RabbitMQ reads field type `s` as a 16-bit integer and fails the

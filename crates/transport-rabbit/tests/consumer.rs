@@ -150,3 +150,76 @@ async fn inequivalent_queue_is_a_permanent_error() {
     }
     cleanup(&channel, &[&exchange], &[&queue]).await;
 }
+
+/// Holds its first delivery until told to answer, then acks; acks every later one.
+#[derive(Clone, Default)]
+struct Holding {
+    seen: Arc<Mutex<Vec<Uuid>>>,
+    started: Arc<tokio::sync::Notify>,
+    release: Arc<tokio::sync::Notify>,
+}
+
+#[async_trait]
+impl DeliveryHandler for Holding {
+    async fn handle(&self, msg: &IncomingMessage) -> HandlerDecision {
+        let first = {
+            let mut seen = self.seen.lock().expect("lock");
+            seen.push(msg.id);
+            seen.len() == 1
+        };
+        if first {
+            self.started.notify_one();
+            self.release.notified().await;
+        }
+        HandlerDecision::Ack
+    }
+}
+
+/// The broker closes the consumer's connection while a handler holds a delivery: the
+/// handler's answer cannot reach the broker any more (it must not wait for it forever),
+/// the consumer reconnects, the broker delivers the message again, and the consumer
+/// still stops when asked.
+#[tokio::test]
+async fn a_delivery_in_flight_when_the_connection_closes_is_redelivered() {
+    let exchange = unique("consumer.inflight");
+    let queue = unique("consumer.inflight.q");
+    let name = unique("consumer.inflight.conn");
+    let publisher_config = build(config(&exchange));
+    let consumer_config = build(config(&exchange).with_connection_name(name.clone()));
+    let consumer = RabbitConsumer::builder(consumer_config, queue.clone())
+        .with_binding_key("#")
+        .with_queue_arguments(expiring(FieldTable::default()))
+        .with_reconnect_backoff(Duration::from_millis(100), Duration::from_secs(1))
+        .build()
+        .expect("valid consumer");
+    consumer.declare().await.expect("topology");
+    let publisher = publisher(&publisher_config).await;
+    let handler = Holding::default();
+    let shutdown = CancellationToken::new();
+    let task = {
+        let (handler, token) = (handler.clone(), shutdown.clone());
+        tokio::spawn(async move { consumer.run(handler, token).await })
+    };
+    let msg = message("Held", "1", "{}");
+    assert!(publisher.publish_batch(std::slice::from_ref(&msg)).await[0].is_published());
+    tokio::time::timeout(DEADLINE, handler.started.notified())
+        .await
+        .expect("the handler holds the delivery");
+    assert_eq!(force_close_connections(&name).await, 1);
+    handler.release.notify_one();
+    eventually(
+        "the message is delivered again after reconnecting",
+        || async { handler.seen.lock().expect("lock").len() >= 2 },
+    )
+    .await;
+    assert_eq!(handler.seen.lock().expect("lock").clone(), [msg.id, msg.id]);
+    shutdown.cancel();
+    tokio::time::timeout(DEADLINE, task)
+        .await
+        .expect("the consumer stops when asked")
+        .expect("no panic")
+        .expect("no error");
+    let raw = raw_connection().await;
+    let channel = raw_channel(&raw).await;
+    cleanup(&channel, &[&exchange], &[&queue]).await;
+}

@@ -9,8 +9,8 @@ use async_trait::async_trait;
 use uuid::Uuid;
 
 use super::{
-    ConsumerSettings, Running, TransportHarness, eventually, eventually_within, outbox_messages,
-    publish_all,
+    ConsumerSettings, Running, TransportHarness, eventually, eventually_within, outbox_message,
+    outbox_messages, publish_all,
 };
 use crate::consumer::{BatchDeliveryHandler, HandlerDecision};
 use crate::wire::IncomingMessage;
@@ -309,4 +309,34 @@ pub async fn shutdown_finishes_the_batches_in_flight<H: TransportHarness>(h: &H)
         h.unacknowledged().await == 6
     })
     .await;
+}
+
+/// [`an_identifiable_undecodable_delivery_reaches_the_handler`](super::an_identifiable_undecodable_delivery_reaches_the_handler)
+/// in batched mode: the malformed delivery goes to the batch handler's
+/// [`handle_undecodable`](BatchDeliveryHandler::handle_undecodable), alone, never in a
+/// batch; `Defer` keeps it, `Ack` removes it.
+pub async fn an_identifiable_undecodable_delivery_reaches_the_batch_handler<H: TransportHarness>(
+    h: &H,
+) {
+    let id = Uuid::now_v7();
+    h.publish_malformed(id).await;
+    let good = outbox_message("OrderPlaced", "1", "{}");
+    publish_all(&h.publisher().await, std::slice::from_ref(&good)).await;
+    let recorder = Arc::new(super::UndecodableRecorder::default());
+    let handler: Arc<dyn BatchDeliveryHandler> = Arc::clone(&recorder) as _;
+    let running =
+        Running::start(|shutdown| h.run_batched(&ConsumerSettings::default(), handler, shutdown));
+    eventually(
+        "the malformed delivery is acked after its Defer",
+        || async {
+            recorder.undecodable.lock().expect("lock").len() >= 2
+                && !recorder.decoded.lock().expect("lock").is_empty()
+        },
+    )
+    .await;
+    running.stop_settled(h).await;
+    super::assert_malformed_seen(&recorder, id, good.id);
+    if let Some(dead) = h.dead_lettered().await {
+        assert_eq!(dead, 0, "acked, not rejected");
+    }
 }

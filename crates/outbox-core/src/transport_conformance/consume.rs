@@ -262,7 +262,8 @@ pub async fn reject_is_not_redelivered<H: TransportHarness>(h: &H) {
 }
 
 /// Deliveries the consumer cannot decode (no id, an id that is not a UUID) never reach
-/// the handler and are rejected (dead-lettered where the broker can), without blocking
+/// the handler's `handle`, and a handler that does not override `handle_undecodable`
+/// gets them rejected (dead-lettered where the broker can), without blocking
 /// the deliveries behind them even one at a time; another producer's minimal delivery
 /// (broker message id, type, version) is decoded and handled.
 pub async fn undecodable_deliveries_are_rejected_and_block_nothing<H: TransportHarness>(h: &H) {
@@ -295,6 +296,35 @@ pub async fn undecodable_deliveries_are_rejected_and_block_nothing<H: TransportH
             dead, undecodable,
             "the undecodable deliveries are dead-lettered"
         );
+    }
+}
+
+/// A delivery the consumer cannot decode but can identify (a UUID broker message id, an
+/// `aggregateversion` that is not an integer) reaches the handler's
+/// [`handle_undecodable`](DeliveryHandler::handle_undecodable) with that id, its error,
+/// type and raw body, so the handler can record it; a `Defer` keeps it (handed to the
+/// handler again, not dropped), the `Ack` after it removes it, and nothing is
+/// dead-lettered.
+pub async fn an_identifiable_undecodable_delivery_reaches_the_handler<H: TransportHarness>(h: &H) {
+    let id = Uuid::now_v7();
+    h.publish_malformed(id).await;
+    let good = outbox_message("OrderPlaced", "1", "{}");
+    publish_all(&h.publisher().await, std::slice::from_ref(&good)).await;
+    let recorder = Arc::new(super::UndecodableRecorder::default());
+    let handler: Arc<dyn DeliveryHandler> = Arc::clone(&recorder) as _;
+    let running = Running::start(|shutdown| h.run(&ConsumerSettings::default(), handler, shutdown));
+    eventually(
+        "the malformed delivery is acked after its Defer",
+        || async {
+            recorder.undecodable.lock().expect("lock").len() >= 2
+                && !recorder.decoded.lock().expect("lock").is_empty()
+        },
+    )
+    .await;
+    running.stop_settled(h).await;
+    super::assert_malformed_seen(&recorder, id, good.id);
+    if let Some(dead) = h.dead_lettered().await {
+        assert_eq!(dead, 0, "acked, not rejected");
     }
 }
 

@@ -26,13 +26,17 @@
 //!   [`OutboxMessage`] to [`IncomingMessage`]; `Requeue` redelivers (flagged, counted
 //!   where the broker counts) after the requeue delay and `Ack` removes; shutdown cuts a
 //!   requeue delay short; `Reject` never redelivers; undecodable deliveries are rejected
-//!   without blocking the rest, while a foreign producer's minimal delivery is decoded;
+//!   without blocking the rest (by a handler that keeps the default
+//!   `handle_undecodable`), while a foreign producer's minimal delivery is decoded; an
+//!   undecodable delivery with a usable id reaches `handle_undecodable` with its id,
+//!   error and raw body, is kept while deferred and removed when acked;
 //!   a panicking handler's delivery is redelivered, never rejected; a graceful shutdown
 //!   finishes the handlers in flight and a new run resumes with the rest;
 //! - [`batch`]: the batched run mode answers per message, never for another batch in
 //!   flight; deferred messages are held (past the broker's redelivery timeout) and
 //!   handed again alone; a panicking batch is redelivered and an undecodable delivery
-//!   rejected alone; shutdown finishes the batches in flight.
+//!   rejected alone, or handed to the batch handler's `handle_undecodable` alone;
+//!   shutdown finishes the batches in flight.
 //!
 //! What one broker does and the other cannot (JetStream's duplicate window, AMQP
 //! dead-letter exchanges and connection-level faults, stream and queue setup, settings
@@ -232,6 +236,12 @@ pub trait TransportHarness: Send + Sync + 'static {
     /// any id or type, one whose id is not a UUID. Returns how many (2).
     async fn publish_undecodable(&self) -> u64;
 
+    /// Publishes, with a plain client, a delivery no consumer can decode but that can be
+    /// identified: broker message id `id` (AMQP `message-id`, `Nats-Msg-Id`),
+    /// CloudEvents `type` `RawEvent`, `aggregateversion` the text `1.0` (not an
+    /// integer), body [`MALFORMED_BODY`].
+    async fn publish_malformed(&self, id: Uuid);
+
     /// Publishes, with a plain client, what another producer might send: only the
     /// broker's message id `id`, the CloudEvents type `event_type` and the aggregate
     /// version `version`, in whichever header encoding such a producer would use (AMQP:
@@ -268,6 +278,101 @@ pub trait TransportHarness: Send + Sync + 'static {
     /// Removes what the harness created on the broker. Called after every property,
     /// passed or failed; the default does nothing.
     async fn cleanup(&self) {}
+}
+
+/// The body of [`TransportHarness::publish_malformed`]'s delivery.
+pub const MALFORMED_BODY: &[u8] = b"{\"raw\":true}";
+
+/// Records what reaches [`DeliveryHandler::handle_undecodable`] (and the batch
+/// handler's), answering `Defer` to the first delivery of each id and `Ack` after that;
+/// acks every decodable message.
+#[derive(Default)]
+pub(crate) struct UndecodableRecorder {
+    pub(crate) undecodable: std::sync::Mutex<Vec<crate::wire::UndecodableMessage>>,
+    pub(crate) decoded: std::sync::Mutex<Vec<Uuid>>,
+}
+
+impl UndecodableRecorder {
+    fn answer(&self, msg: &crate::wire::UndecodableMessage) -> crate::consumer::HandlerDecision {
+        let mut seen = self.undecodable.lock().expect("lock");
+        let before = seen.iter().filter(|m| m.id == msg.id).count();
+        seen.push(msg.clone());
+        if before == 0 {
+            crate::consumer::HandlerDecision::Defer
+        } else {
+            crate::consumer::HandlerDecision::Ack
+        }
+    }
+}
+
+#[async_trait]
+impl DeliveryHandler for UndecodableRecorder {
+    async fn handle(&self, msg: &IncomingMessage) -> crate::consumer::HandlerDecision {
+        self.decoded.lock().expect("lock").push(msg.id);
+        crate::consumer::HandlerDecision::Ack
+    }
+
+    async fn handle_undecodable(
+        &self,
+        msg: &crate::wire::UndecodableMessage,
+    ) -> crate::consumer::HandlerDecision {
+        self.answer(msg)
+    }
+}
+
+#[async_trait]
+impl BatchDeliveryHandler for UndecodableRecorder {
+    async fn handle_batch(
+        &self,
+        msgs: &[IncomingMessage],
+    ) -> Vec<crate::consumer::HandlerDecision> {
+        self.decoded
+            .lock()
+            .expect("lock")
+            .extend(msgs.iter().map(|m| m.id));
+        vec![crate::consumer::HandlerDecision::Ack; msgs.len()]
+    }
+
+    async fn handle_undecodable(
+        &self,
+        msg: &crate::wire::UndecodableMessage,
+    ) -> crate::consumer::HandlerDecision {
+        self.answer(msg)
+    }
+}
+
+/// Checks what [`UndecodableRecorder`] saw of the malformed delivery `id` (published by
+/// [`TransportHarness::publish_malformed`]): it reached `handle_undecodable` twice (the
+/// `Defer`, then the `Ack`), with its id, its error, its type and its raw body, and the
+/// decodable message `good` was handled.
+pub(crate) fn assert_malformed_seen(recorder: &UndecodableRecorder, id: Uuid, good: Uuid) {
+    let seen = recorder.undecodable.lock().expect("lock").clone();
+    assert_eq!(
+        seen.len(),
+        2,
+        "handed over, deferred once, then acked: {seen:?}"
+    );
+    for msg in &seen {
+        assert_eq!(msg.id, Some(id), "the broker message id is the usable id");
+        assert!(
+            matches!(
+                msg.error,
+                crate::wire::DecodeError::Malformed {
+                    attribute: "aggregateversion",
+                    ..
+                }
+            ),
+            "{:?}",
+            msg.error
+        );
+        assert_eq!(msg.event_type.as_deref(), Some("RawEvent"));
+        assert_eq!(msg.payload, MALFORMED_BODY, "the raw body");
+    }
+    assert_eq!(
+        *recorder.decoded.lock().expect("lock"),
+        [good],
+        "the decodable message went to handle, the malformed one never did"
+    );
 }
 
 /// An outbox row as a store hands it to a publisher: event type `event_type`,
@@ -417,11 +522,13 @@ macro_rules! transport_conformance_tests {
                 shutdown_cuts_a_requeue_delay_short,
                 reject_is_not_redelivered,
                 undecodable_deliveries_are_rejected_and_block_nothing,
+                an_identifiable_undecodable_delivery_reaches_the_handler,
                 panicking_handler_is_redelivered_never_rejected,
                 graceful_shutdown_finishes_in_flight_and_a_new_run_resumes,
                 batches_are_answered_per_message,
                 deferred_messages_are_held_and_handed_again_alone,
                 a_panicking_batch_is_redelivered_and_undecodable_deliveries_rejected,
+                an_identifiable_undecodable_delivery_reaches_the_batch_handler,
                 shutdown_finishes_the_batches_in_flight,
             );
         }
