@@ -174,10 +174,16 @@ pub struct RelayArgs {
     pub poll_interval: Option<String>,
 
     /// How long a claim is held before another relay may take it over; at least twice
-    /// the longest publish (5s to connect plus the confirm timeout), e.g. 30s
+    /// the longest publish (the connect timeout plus the confirm timeout), e.g. 30s
     /// [default: 30s].
     #[arg(long, env = "OUTBOX_LEASE", value_name = "DURATION")]
     pub lease: Option<String>,
+
+    /// How long connecting to the broker may take (TCP, TLS and the protocol's
+    /// handshake) before the broker is taken to be unavailable: the relay says so and
+    /// claims nothing until it can connect, e.g. 5s [default: 5s].
+    #[arg(long, env = "OUTBOX_CONNECT_TIMEOUT", value_name = "DURATION")]
+    pub connect_timeout: Option<String>,
 
     /// How long a batch waits for the broker's confirmations (RabbitMQ publisher
     /// confirms, JetStream PubAcks) before the broker is taken to be unavailable (the
@@ -193,9 +199,11 @@ pub struct RelayArgs {
     #[arg(long, env = "OUTBOX_DRAIN_TIMEOUT", value_name = "DURATION")]
     pub drain_timeout: Option<String>,
 
-    /// A row claimed this many times in a row without any outcome (each relay holding
-    /// it crashed, was killed or lost its lease) is moved to Dead as a suspected crash
-    /// loop at its next claim [default: 5].
+    /// A row claimed alone this many times in a row without any outcome (each relay
+    /// holding it, and only it, crashed, was killed or lost its lease) is moved to Dead
+    /// as a suspected crash loop at its next claim. A row whose claim ended without an
+    /// outcome is always claimed alone afterwards, so its batch-mates never count
+    /// [default: 5].
     #[arg(long, env = "OUTBOX_CRASH_LOOP_LIMIT", value_name = "N")]
     pub crash_loop_limit: Option<u32>,
 
@@ -263,6 +271,7 @@ impl fmt::Debug for RelayArgs {
             batch_size,
             poll_interval,
             lease,
+            connect_timeout,
             confirm_timeout,
             drain_timeout,
             crash_loop_limit,
@@ -289,6 +298,7 @@ impl fmt::Debug for RelayArgs {
             .field("batch_size", batch_size)
             .field("poll_interval", poll_interval)
             .field("lease", lease)
+            .field("connect_timeout", connect_timeout)
             .field("confirm_timeout", confirm_timeout)
             .field("drain_timeout", drain_timeout)
             .field("crash_loop_limit", crash_loop_limit)

@@ -41,6 +41,7 @@ pub const DEFAULT_LISTEN: &str = "127.0.0.1:9464";
 /// batch_size = 500
 /// poll_interval = "500ms"
 /// lease = "30s"
+/// connect_timeout = "5s"
 /// confirm_timeout = "10s"
 /// drain_timeout = "10s"
 /// crash_loop_limit = 5
@@ -88,6 +89,7 @@ pub struct FileRelay {
     pub batch_size: Option<usize>,
     pub poll_interval: Option<String>,
     pub lease: Option<String>,
+    pub connect_timeout: Option<String>,
     pub confirm_timeout: Option<String>,
     pub drain_timeout: Option<String>,
     pub crash_loop_limit: Option<u32>,
@@ -375,6 +377,7 @@ impl fmt::Debug for FileRelay {
             batch_size,
             poll_interval,
             lease,
+            connect_timeout,
             confirm_timeout,
             drain_timeout,
             crash_loop_limit,
@@ -401,6 +404,7 @@ impl fmt::Debug for FileRelay {
             .field("batch_size", batch_size)
             .field("poll_interval", poll_interval)
             .field("lease", lease)
+            .field("connect_timeout", connect_timeout)
             .field("confirm_timeout", confirm_timeout)
             .field("drain_timeout", drain_timeout)
             .field("crash_loop_limit", crash_loop_limit)
@@ -438,6 +442,7 @@ impl fmt::Debug for RelaySettings {
             batch_size,
             poll_interval,
             lease,
+            connect_timeout,
             confirm_timeout,
             drain_timeout,
             crash_loop_limit,
@@ -463,6 +468,7 @@ impl fmt::Debug for RelaySettings {
             .field("batch_size", batch_size)
             .field("poll_interval", poll_interval)
             .field("lease", lease)
+            .field("connect_timeout", connect_timeout)
             .field("confirm_timeout", confirm_timeout)
             .field("drain_timeout", drain_timeout)
             .field("crash_loop_limit", crash_loop_limit)
@@ -507,6 +513,8 @@ pub struct RelaySettings {
     pub poll_interval: Option<Duration>,
     /// Claim lease.
     pub lease: Duration,
+    /// How long connecting to the broker may take before it counts as unavailable.
+    pub connect_timeout: Duration,
     /// How long a batch waits for broker confirmations.
     pub confirm_timeout: Duration,
     /// Shutdown drain limit.
@@ -546,6 +554,7 @@ impl RelaySettings {
             batch_size: 500,
             poll_interval: None,
             lease: Duration::from_secs(30),
+            connect_timeout: transport.connect_timeout(),
             confirm_timeout: DEFAULT_CONFIRM_TIMEOUT,
             drain_timeout: outbox_core::dispatcher::DEFAULT_DRAIN_TIMEOUT,
             crash_loop_limit: outbox_core::DEFAULT_CRASH_LOOP_LIMIT,
@@ -612,6 +621,9 @@ impl RelaySettings {
         if let Some(d) = dur("lease", &args.lease, &f.lease)? {
             s.lease = nonzero("lease", d)?;
         }
+        if let Some(d) = dur("connect_timeout", &args.connect_timeout, &f.connect_timeout)? {
+            s.connect_timeout = nonzero("connect_timeout", d)?;
+        }
         if let Some(d) = dur("confirm_timeout", &args.confirm_timeout, &f.confirm_timeout)? {
             s.confirm_timeout = nonzero("confirm_timeout", d)?;
         }
@@ -668,10 +680,10 @@ impl RelaySettings {
         Ok(s)
     }
 
-    /// The longest publish of one batch: the transport's connect timeout plus the
-    /// confirm timeout (what the publisher reports as its publish timeout).
+    /// The longest publish of one batch: the connect timeout plus the confirm timeout
+    /// (what the publisher reports as its publish timeout).
     pub fn publish_timeout(&self) -> Duration {
-        self.transport.connect_timeout() + self.confirm_timeout
+        self.connect_timeout + self.confirm_timeout
     }
 
     /// Builds the transport configuration once to validate the broker URL, exchange and
@@ -705,6 +717,7 @@ impl RelaySettings {
         Ok(transport_rabbit::RabbitConfig::builder(&self.broker_url)
             .with_exchange(&self.exchange)
             .with_connection_name("outbox-relay")
+            .with_connect_timeout(self.connect_timeout)
             .with_confirm_timeout(self.confirm_timeout)
             .build()?)
     }
@@ -718,6 +731,7 @@ impl RelaySettings {
         Ok(transport_nats::NatsConfig::builder(&self.broker_url)
             .with_subject_prefix(&self.subject_prefix)
             .with_connection_name("outbox-relay")
+            .with_connect_timeout(self.connect_timeout)
             .with_ack_timeout(self.confirm_timeout)
             .build()?)
     }
@@ -1072,7 +1086,17 @@ mod tests {
         let mut nats = relay.clone();
         nats.transport = TransportKind::Nats;
         nats.broker_url = "nats://s3cret@nats:4222,nats://u:s3cret@n2:4222".into();
+        // A password as a query parameter, as libpq and sqlx take it.
+        let query = <Cli as clap::Parser>::parse_from([
+            "outbox",
+            "--database-url",
+            "postgres://app@db:5432/app?password=s3cret&sslmode=require",
+            "stats",
+        ]);
+        let query_db = DbSettings::resolve(&query, &FileConfig::default()).expect("db");
         let shown = [
+            format!("{query:?}"),
+            format!("{query_db:?}"),
             format!("{file:?}"),
             format!("{:?}", file.relay),
             format!("{nats_file:#?}"),
@@ -1092,12 +1116,17 @@ mod tests {
             assert!(text.contains("***"), "{text}");
         }
         // Every other field is still shown.
-        assert!(shown[0].contains("batch_size: Some(7)"), "{}", shown[0]);
-        assert!(shown[0].contains("app:***@db:5432/app"), "{}", shown[0]);
-        assert!(shown[4].contains("batch_size: Some(9)"), "{}", shown[4]);
-        assert!(shown[6].contains("schema: \"outbox\""), "{}", shown[6]);
-        assert!(shown[7].contains("batch_size: 9"), "{}", shown[7]);
-        assert!(shown[7].contains("guest:***@mq:5672"), "{}", shown[7]);
+        assert!(shown[2].contains("batch_size: Some(7)"), "{}", shown[2]);
+        assert!(shown[2].contains("app:***@db:5432/app"), "{}", shown[2]);
+        assert!(shown[6].contains("batch_size: Some(9)"), "{}", shown[6]);
+        assert!(shown[8].contains("schema: \"outbox\""), "{}", shown[8]);
+        assert!(shown[9].contains("batch_size: 9"), "{}", shown[9]);
+        assert!(shown[9].contains("guest:***@mq:5672"), "{}", shown[9]);
+        assert!(
+            shown[1].contains("password=***&sslmode=require"),
+            "{}",
+            shown[1]
+        );
     }
 
     #[test]

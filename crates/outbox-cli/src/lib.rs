@@ -43,6 +43,8 @@ pub mod error;
 pub mod health;
 mod output;
 pub mod relay;
+#[doc(hidden)]
+pub mod testing;
 
 use std::io::Write;
 use std::process::ExitCode;

@@ -46,9 +46,14 @@ pub async fn publisher(settings: &RelaySettings) -> Result<AnyPublisher, CliErro
     Ok(AnyPublisher::connect_lazy(config).await?)
 }
 
+/// How often the recorder's histogram samples are drained into their buckets, scraped
+/// or not.
+const METRICS_UPKEEP: std::time::Duration = std::time::Duration::from_secs(5);
+
 /// Installs the process-wide Prometheus recorder once (later calls return the same
-/// handle), with histogram buckets for the latency and batch-size series, and
-/// registers the descriptions of the relay and inbox metrics.
+/// handle), with histogram buckets for the latency and batch-size series, starts the
+/// thread that drains histogram samples every 5 s (so memory stays flat when nothing
+/// scrapes `/metrics`), and registers the descriptions of the relay and inbox metrics.
 ///
 /// # Errors
 /// [`CliError::Metrics`] when another recorder is already installed.
@@ -75,6 +80,20 @@ pub fn prometheus() -> Result<PrometheusHandle, CliError> {
                 .build_recorder();
             let handle = recorder.handle();
             metrics::set_global_recorder(recorder).map_err(|e| e.to_string())?;
+            // Histograms keep every sample until an upkeep drains them into their
+            // buckets; a scrape runs one, but nothing may scrape (issue 27: about 23
+            // bytes per message, unbounded). So drain every 5 s regardless, on a thread
+            // of its own: this may run before or outside any runtime.
+            let upkeep = handle.clone();
+            std::thread::Builder::new()
+                .name("metrics-upkeep".into())
+                .spawn(move || {
+                    loop {
+                        std::thread::sleep(METRICS_UPKEEP);
+                        upkeep.run_upkeep();
+                    }
+                })
+                .map_err(|e| format!("cannot start the metrics upkeep thread: {e}"))?;
             outbox_core::metrics::describe();
             inbox::metrics::describe();
             Ok(handle)
@@ -185,7 +204,7 @@ impl Relay {
         W: FnOnce(&S, WakeHandle, CancellationToken) -> Option<JoinHandle<()>>,
     {
         let prometheus = prometheus()?;
-        let publisher = Arc::new(publisher(settings).await?);
+        let publisher = Arc::new(crate::testing::Hooked::from_env(publisher(settings).await?));
         let config = dispatcher_config(settings);
         let ordered = match config.ordering() {
             Ordering::PerKey { on_dead } => Some(on_dead),
@@ -266,7 +285,7 @@ impl Relay {
                 }
                 // Best effort, and short: every message was confirmed or released
                 // already, and a frozen broker must not hold the exit past the drain.
-                if tokio::time::timeout(CLOSE_TIMEOUT, publisher.close())
+                if tokio::time::timeout(CLOSE_TIMEOUT, publisher.inner().close())
                     .await
                     .is_err()
                 {

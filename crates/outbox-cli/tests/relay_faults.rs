@@ -15,11 +15,10 @@
 mod common;
 
 use std::collections::{HashMap, HashSet};
-use std::path::PathBuf;
-use std::process::{Child, Command, ExitStatus, Stdio};
+
 use std::time::{Duration, Instant};
 
-use common::{amqp_url, database_url, enqueue, exec, fresh_outbox, scalar};
+use common::{RelayProcess, amqp_url, enqueue, exec, fresh_outbox, scalar, wait_until};
 use futures::StreamExt as _;
 use lapin::types::FieldTable;
 use outbox_core::NewMessage;
@@ -32,98 +31,6 @@ use transport_rabbit::lapin;
 use uuid::Uuid;
 
 const NATS_URL: &str = "nats://127.0.0.1:4222";
-
-/// A running `outbox relay`, its log in a file; killed on drop if still running.
-struct RelayProcess {
-    child: Child,
-    log: PathBuf,
-}
-
-impl RelayProcess {
-    /// `outbox relay` over `db`'s schema with `args` after the subcommand.
-    fn start(db: &PgOutbox, args: &[&str]) -> Self {
-        let log = std::env::temp_dir().join(format!("outbox-relay-{}.log", Uuid::new_v4()));
-        let file = std::fs::File::create(&log).expect("log file");
-        let bin = std::env::var_os("OUTBOX_RELAY_BIN")
-            .unwrap_or_else(|| env!("CARGO_BIN_EXE_outbox").into());
-        let child = Command::new(bin)
-            .args(["--database-url", &database_url(), "--schema", db.schema()])
-            .arg("relay")
-            .args(["--listen", "127.0.0.1:0", "--poll-interval", "50ms"])
-            .args(args)
-            .env_remove("OUTBOX_CONFIG")
-            .env("RUST_LOG", "info")
-            .stdout(Stdio::null())
-            .stderr(file)
-            .spawn()
-            .expect("start outbox relay");
-        Self { child, log }
-    }
-
-    fn running(&mut self) -> bool {
-        self.child.try_wait().expect("try_wait").is_none()
-    }
-
-    fn log(&self) -> String {
-        std::fs::read_to_string(&self.log).unwrap_or_default()
-    }
-
-    /// Sends SIGTERM.
-    fn terminate(&self) {
-        let pid = self.child.id().to_string();
-        assert!(
-            Command::new("kill")
-                .args(["-TERM", &pid])
-                .status()
-                .is_ok_and(|s| s.success()),
-            "kill -TERM {pid}"
-        );
-    }
-
-    /// Waits up to `limit` for the process to exit.
-    async fn exited_within(&mut self, limit: Duration) -> Option<ExitStatus> {
-        let deadline = Instant::now() + limit;
-        loop {
-            if let Some(status) = self.child.try_wait().expect("try_wait") {
-                return Some(status);
-            }
-            if Instant::now() > deadline {
-                return None;
-            }
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
-    }
-}
-
-impl Drop for RelayProcess {
-    fn drop(&mut self) {
-        if self.running() {
-            let _ = self.child.kill();
-            let _ = self.child.wait();
-        }
-        if !std::thread::panicking() {
-            let _ = std::fs::remove_file(&self.log);
-        }
-    }
-}
-
-/// Waits for `condition` (checked every 100 ms) up to `limit`; panics naming `what`,
-/// with the relay's log.
-async fn wait_until<F, Fut>(relay: &RelayProcess, limit: Duration, what: &str, mut condition: F)
-where
-    F: FnMut() -> Fut,
-    Fut: Future<Output = bool>,
-{
-    let deadline = Instant::now() + limit;
-    while !condition().await {
-        assert!(
-            Instant::now() < deadline,
-            "timed out waiting until {what}; relay log:\n{}",
-            relay.log()
-        );
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
-}
 
 /// Rows by status code.
 async fn count(db: &PgOutbox, status: i16) -> i64 {

@@ -190,39 +190,44 @@ pub async fn undecodable_rows_are_poison_alone<H: Harness>(h: &H) {
     );
 }
 
-/// The crash-loop guard: a row claimed [`DEFAULT_CRASH_LOOP_LIMIT`] times without any
-/// outcome (each claimer vanished and its lease ran out) is moved to `Dead` by the next
-/// claim and returned as [`Poison::CrashLoop`]; a row whose claims ended in an outcome
-/// (here a release each time) is claimed as usual; the vanished claimer's late
-/// completion is fenced.
-pub async fn crash_loop_guard_kills_a_row_claimed_without_outcome<H: Harness>(h: &H) {
+/// The crash-loop guard isolates, then kills only the crashing row. Four rows are
+/// claimed together and their claimer vanishes (its lease runs out). From then on each
+/// is a suspect: the first in claim order is claimed **alone**, never beside another
+/// row. The first row "crashes" every claimer that takes it: after
+/// [`DEFAULT_CRASH_LOOP_LIMIT`] claims alone without an outcome the next claim moves it
+/// to `Dead` and returns it as [`Poison::CrashLoop`], and nothing else. Its three
+/// batch-mates are then claimed alone once each and sent: none is dead. The vanished
+/// claimer's late completion is fenced; released rows (an outcome) are claimed in a
+/// batch as usual; a replayed row starts a new count.
+pub async fn crash_loop_guard_isolates_and_kills_only_the_crashing_row<H: Harness>(h: &H) {
     let store = h.store();
-    let msgs = messages(2, "CrashLoop");
+    let msgs = messages(4, "CrashLoop");
     h.enqueue(&msgs).await;
-    let lease = Duration::from_millis(1);
-    let mut last_token = None;
+    let vanish = Duration::from_millis(1);
+    let together = claim_until(&*store, 10, vanish, 4).await;
+    assert_eq!(together.len(), 4, "claimed together first");
+    let mut last_token = together[0].claim_token;
     for round in 0..DEFAULT_CRASH_LOOP_LIMIT {
         tokio::time::sleep(Duration::from_millis(20)).await;
-        let batch = claim_until(&*store, 10, lease, 2).await;
-        assert_eq!(batch.len(), 2, "round {round}: both rows are claimed");
-        let token = batch[0].claim_token.expect("token");
-        last_token = Some(token);
-        let released = store
-            .complete(&[completion(msgs[1].id, token, CompletionOutcome::Release)])
-            .await
-            .expect("release");
-        assert_eq!(released.applied, 1);
+        let batch = store.claim(10, vanish).await.expect("claim");
+        assert!(batch.poison.is_empty(), "round {round}: {:?}", batch.poison);
+        let ids: Vec<Uuid> = batch.messages.iter().map(|m| m.id).collect();
+        assert_eq!(
+            ids,
+            vec![msgs[0].id],
+            "round {round}: the first suspect is claimed alone"
+        );
+        last_token = batch.messages[0].claim_token;
     }
     tokio::time::sleep(Duration::from_millis(20)).await;
     let batch = store
         .claim(10, Duration::from_secs(60))
         .await
         .expect("claim");
-    let ids: Vec<Uuid> = batch.messages.iter().map(|m| m.id).collect();
-    assert_eq!(
-        ids,
-        vec![msgs[1].id],
-        "the released row is claimed as usual"
+    assert!(
+        batch.messages.is_empty(),
+        "the claim that kills returns nothing else: {:?}",
+        batch.messages
     );
     assert_eq!(
         batch
@@ -233,7 +238,7 @@ pub async fn crash_loop_guard_kills_a_row_claimed_without_outcome<H: Harness>(h:
         vec![(
             msgs[0].id,
             Poison::CrashLoop {
-                claims: DEFAULT_CRASH_LOOP_LIMIT
+                claims_alone: DEFAULT_CRASH_LOOP_LIMIT
             }
         )]
     );
@@ -246,6 +251,27 @@ pub async fn crash_loop_guard_kills_a_row_claimed_without_outcome<H: Harness>(h:
             .is_some_and(|e| e.starts_with("suspected crash loop")),
         "{:?}",
         dead.last_error
+    );
+    // The batch-mates, each alone once, then sent.
+    for (i, mate) in msgs[1..].iter().enumerate() {
+        let batch = store
+            .claim(10, Duration::from_secs(60))
+            .await
+            .expect("claim");
+        let ids: Vec<Uuid> = batch.messages.iter().map(|m| m.id).collect();
+        assert_eq!(ids, vec![mate.id], "batch-mate {i} alone, in claim order");
+        let token = batch.messages[0].claim_token.expect("token");
+        let sent = store
+            .complete(&[completion(mate.id, token, CompletionOutcome::Sent)])
+            .await
+            .expect("complete");
+        assert_eq!(sent.applied, 1);
+    }
+    let stats = store.stats().await.expect("stats");
+    assert_eq!(
+        (stats.sent, stats.dead),
+        (3, 1),
+        "only the crashing row is dead"
     );
     let late = store
         .complete(&[completion(
@@ -260,6 +286,31 @@ pub async fn crash_loop_guard_kills_a_row_claimed_without_outcome<H: Harness>(h:
         vec![msgs[0].id],
         "the vanished claimer is fenced"
     );
+
+    // Released rows are not suspects: claimed together again.
+    let more = messages(2, "Released");
+    h.enqueue(&more).await;
+    let first = claim_until(&*store, 10, Duration::from_secs(60), 2).await;
+    assert_eq!(first.len(), 2);
+    let released: Vec<Completion> = first
+        .iter()
+        .map(|m| {
+            completion(
+                m.id,
+                m.claim_token.expect("token"),
+                CompletionOutcome::Release,
+            )
+        })
+        .collect();
+    assert_eq!(store.complete(&released).await.expect("release").applied, 2);
+    let again = claim_until(&*store, 10, Duration::from_secs(60), 2).await;
+    assert_eq!(again.len(), 2, "released rows are claimed together");
+    let sent: Vec<Completion> = again
+        .iter()
+        .map(|m| completion(m.id, m.claim_token.expect("token"), CompletionOutcome::Sent))
+        .collect();
+    assert_eq!(store.complete(&sent).await.expect("complete").applied, 2);
+
     let replayed = store
         .replay(&MessageFilter::new().with_ids([msgs[0].id]), false)
         .await
@@ -273,7 +324,6 @@ pub async fn crash_loop_guard_kills_a_row_claimed_without_outcome<H: Harness>(h:
     );
 }
 
-/// An error text with a NUL character, or longer than [`MAX_ERROR_BYTES`], is stored
 /// sanitized (NUL as `\0`, cut at a character boundary) and never fails the completion.
 pub async fn error_texts_are_stored_sanitized<H: Harness>(h: &H) {
     let store = h.store();
@@ -456,8 +506,49 @@ pub async fn retry_becomes_claimable_after_backoff<H: Harness>(h: &H) {
     assert_ne!(again[0].claim_token, Some(t), "a fresh token per claim");
 }
 
-/// A message whose lease expired is reclaimed with a new token and attempts + 1; the
-/// stale holder's completion is fenced and changes nothing.
+/// A deferral hands a message back without charging its attempt, like a release, but
+/// holds it back for its delay (its destination cannot take it now): `New`, attempts as
+/// before the claim, `last_error` the reason, not claimable until the delay has passed,
+/// then claimed as usual.
+pub async fn defer_holds_a_row_back_without_charge<H: Harness>(h: &H) {
+    let store = h.store();
+    let msgs = messages(1, "Deferred");
+    h.enqueue(&msgs).await;
+    let claimed = claim_until(&*store, 10, Duration::from_secs(60), 1).await;
+    assert_eq!(claimed.len(), 1);
+    let token = claimed[0].claim_token.expect("token");
+    let report = store
+        .complete(&[completion(
+            msgs[0].id,
+            token,
+            CompletionOutcome::Defer {
+                delay: Duration::from_millis(1500),
+                error: "queue full".into(),
+            },
+        )])
+        .await
+        .expect("defer");
+    assert_eq!(report.applied, 1);
+    let row = store.get(msgs[0].id).await.expect("get").expect("row");
+    assert_eq!(row.status, MessageStatus::New);
+    assert_eq!(row.attempts, 0, "no attempt charged");
+    assert_eq!(row.last_error.as_deref(), Some("queue full"));
+    assert!(
+        store
+            .claim(10, Duration::from_secs(60))
+            .await
+            .expect("claim")
+            .is_empty(),
+        "held back for its delay"
+    );
+    let again = claim_until(&*store, 10, Duration::from_secs(60), 1).await;
+    assert_eq!(again.len(), 1, "claimable once the delay has passed");
+    assert_eq!(again[0].attempts, 1);
+}
+
+/// A message whose lease expired is reclaimed (alone: its claim ended without an
+/// outcome) with a new token and attempts + 1; the stale holder's completion is fenced
+/// and changes nothing.
 pub async fn expired_lease_is_reclaimed_and_stale_completion_fenced<H: Harness>(h: &H) {
     let store = h.store();
     h.enqueue(&messages(3, "Lease")).await;
@@ -469,11 +560,16 @@ pub async fn expired_lease_is_reclaimed_and_stale_completion_fenced<H: Harness>(
     assert_eq!(first.len(), 3);
     let stale = first[0].claim_token.expect("token");
 
-    let second = claim_until(&*store, 3, Duration::from_secs(60), 3).await;
-    assert_eq!(second.len(), 3, "expired leases are reclaimed");
+    // Reclaimed after the lease, each alone (a suspect: its claim had no outcome).
+    let second = claim_until(&*store, 3, Duration::from_secs(60), 1).await;
+    assert_eq!(
+        second.iter().map(|m| m.id).collect::<Vec<_>>(),
+        vec![first[0].id],
+        "an expired row is reclaimed, alone"
+    );
     let fresh = second[0].claim_token.expect("token");
     assert_ne!(stale, fresh);
-    assert!(second.iter().all(|m| m.attempts == 2));
+    assert_eq!(second[0].attempts, 2);
 
     let report = store
         .complete(&[completion(
@@ -1109,27 +1205,50 @@ pub async fn ordered_concurrent_claims_never_share_a_key<H: Harness>(h: &H) {
     assert_eq!(total, 600, "every message claimed exactly once");
 }
 
-/// A claimer that dies holding a run: after the lease the run is reclaimed whole, in
-/// order, and the dead claimer's late completion is fenced.
+/// A claimer that dies holding a run: after the lease the run is reclaimed in order,
+/// from its head, one row at a time (each is a suspect: its claim ended without an
+/// outcome), and the dead claimer's late completions are fenced.
 pub async fn ordered_expired_run_is_reclaimed_in_order<H: Harness>(h: &H) {
     let store = h.store();
-    h.enqueue(&keyed(&["x"], 3, "Ordered")).await;
+    let msgs = keyed(&["x"], 3, "Ordered");
+    h.enqueue(&msgs).await;
     let first = store
         .claim_ordered(10, Duration::from_secs(1), OnDead::Block)
         .await
         .expect("claim")
         .messages;
     assert_eq!(first.len(), 3);
+    // Another key's fresh messages wait while the suspects go one at a time.
+    h.enqueue(&keyed(&["y"], 2, "Ordered")).await;
     tokio::time::sleep(Duration::from_millis(1500)).await;
-    let second = store
+    let mut reclaimed = Vec::new();
+    for i in 0..3 {
+        let batch = store
+            .claim_ordered(10, Duration::from_secs(60), OnDead::Block)
+            .await
+            .expect("claim")
+            .messages;
+        assert_eq!(batch.len(), 1, "row {i} of the run is reclaimed alone");
+        assert_eq!(batch[0].attempts, 2);
+        let token = batch[0].claim_token.expect("token");
+        let sent = store
+            .complete(&[completion(batch[0].id, token, CompletionOutcome::Sent)])
+            .await
+            .expect("complete");
+        assert_eq!(sent.applied, 1);
+        reclaimed.push(batch[0].id);
+    }
+    assert_eq!(
+        reclaimed,
+        first.iter().map(|m| m.id).collect::<Vec<_>>(),
+        "in the key's order"
+    );
+    let rest = store
         .claim_ordered(10, Duration::from_secs(60), OnDead::Block)
         .await
         .expect("claim")
         .messages;
-    let mut next = std::collections::HashMap::new();
-    assert_key_prefixes(&second, &mut next);
-    assert_eq!(second.len(), 3, "the whole run is reclaimed");
-    assert!(second.iter().all(|m| m.attempts == 2));
+    assert_eq!(rest.len(), 2, "then the other key's messages, together");
     let stale: Vec<Completion> = first
         .iter()
         .map(|m| completion(m.id, m.claim_token.expect("token"), CompletionOutcome::Sent))
@@ -1157,13 +1276,14 @@ macro_rules! store_conformance_tests {
             $crate::store_conformance_tests!(@optional $harness;
                 claim_marks_processing,
                 undecodable_rows_are_poison_alone,
-                crash_loop_guard_kills_a_row_claimed_without_outcome,
+                crash_loop_guard_isolates_and_kills_only_the_crashing_row,
                 error_texts_are_stored_sanitized,
                 concurrent_claims_are_exclusive,
                 completion_applies_each_outcome,
                 sent_retention_delete_removes_only_confirmed_rows,
                 retry_becomes_claimable_after_backoff,
                 expired_lease_is_reclaimed_and_stale_completion_fenced,
+                defer_holds_a_row_back_without_charge,
                 dead_letters_and_replay,
                 dead_letter_error_filter_is_literal,
                 stats_and_purge,
@@ -1192,13 +1312,14 @@ macro_rules! store_conformance_tests {
             $crate::store_conformance_tests!(@each $harness;
                 claim_marks_processing,
                 undecodable_rows_are_poison_alone,
-                crash_loop_guard_kills_a_row_claimed_without_outcome,
+                crash_loop_guard_isolates_and_kills_only_the_crashing_row,
                 error_texts_are_stored_sanitized,
                 concurrent_claims_are_exclusive,
                 completion_applies_each_outcome,
                 sent_retention_delete_removes_only_confirmed_rows,
                 retry_becomes_claimable_after_backoff,
                 expired_lease_is_reclaimed_and_stale_completion_fenced,
+                defer_holds_a_row_back_without_charge,
                 dead_letters_and_replay,
                 dead_letter_error_filter_is_literal,
                 stats_and_purge,

@@ -86,8 +86,8 @@ pub use inbox::{
     InboxCompletion, InboxOutcome, StoredMessage, VersionKey, VersionTracking,
 };
 pub use message::{
-    DEFAULT_MAX_PAYLOAD_BYTES, Headers, MessageStatus, NewMessage, NewMessageBuilder,
-    OutboxMessage, headers_from_json, headers_from_json_lossy,
+    DEFAULT_MAX_PAYLOAD_BYTES, Headers, MAX_AGGREGATE_ID_LEN, MAX_NAME_LEN, MessageStatus,
+    NewMessage, NewMessageBuilder, OutboxMessage, headers_from_json, headers_from_json_lossy,
 };
 pub use ordering::{BlockedKey, OnDead, OrderKey, Ordering};
 pub use publisher::{EventPublisher, PublishOutcome};

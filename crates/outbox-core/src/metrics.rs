@@ -12,12 +12,14 @@
 //! | [`RETRIED_TOTAL`] | counter | messages | `event_type` (bounded) | scheduled for another attempt with backoff |
 //! | [`DEAD_TOTAL`] | counter | messages | `event_type` (bounded) | moved to `Dead` (permanent failure or attempts exhausted) |
 //! | [`RELEASED_TOTAL`] | counter | messages | – | handed back without charge (outage, shutdown) |
+//! | [`DEFERRED_TOTAL`] | counter | messages | `event_type` (bounded) | held back without charge because their destination refused messages (a full queue or stream) |
 //! | [`FENCED_TOTAL`] | counter | messages | – | completions lost to a newer claim (stale lease) |
 //! | [`CLAIM_BATCH_SIZE`] | histogram | messages | – | size of each non-empty claimed batch |
 //! | [`PUBLISH_DURATION_SECONDS`] | histogram | seconds | – | publish of one batch, all confirms included |
 //! | [`CLAIM_WAIT_SECONDS`] | histogram | seconds | – | a publisher's wait for a claimed batch (beside the publish time: is a busy relay waiting on the database?) |
 //! | [`COMMIT_TO_PUBLISH_SECONDS`] | histogram | seconds | – | row `created_at` (database clock) to broker confirm (relay clock), per message |
 //! | [`CIRCUIT_OPEN`] | gauge | 0/1 | – | 1 while the broker is considered unreachable |
+//! | [`DESTINATIONS_OPEN`] | gauge | destinations | – | destinations (routing keys) whose circuit is open: their messages are held back while the others flow |
 //! | [`PENDING_MESSAGES`] | gauge | messages | – | `New` + `Processing` rows (queue depth); the `outbox` relay counts at most 10,000 (then: at least that many) |
 //! | [`OLDEST_PENDING_AGE_SECONDS`] | gauge | seconds | – | age of the oldest pending row (queue lag); the `outbox` relay's is exact below 10,000 pending, else the backlog head's |
 //! | [`DEAD_MESSAGES`] | gauge | messages | – | rows in `Dead` now; the `outbox` relay counts at most 10,000 |
@@ -65,6 +67,9 @@ pub const RETRIED_TOTAL: &str = "outbox_retried_total";
 pub const DEAD_TOTAL: &str = "outbox_dead_total";
 /// Counter: messages released without charging an attempt.
 pub const RELEASED_TOTAL: &str = "outbox_released_total";
+/// Counter: messages held back without charge for their destination; label
+/// [`LABEL_EVENT_TYPE`].
+pub const DEFERRED_TOTAL: &str = "outbox_deferred_total";
 /// Counter: completions fenced out by a newer claim.
 pub const FENCED_TOTAL: &str = "outbox_fenced_total";
 /// Histogram (messages): size of each non-empty claimed batch.
@@ -80,6 +85,8 @@ pub const CLAIM_WAIT_SECONDS: &str = "outbox_claim_wait_seconds";
 pub const COMMIT_TO_PUBLISH_SECONDS: &str = "outbox_commit_to_publish_seconds";
 /// Gauge (0 or 1): whether the dispatcher's circuit is open.
 pub const CIRCUIT_OPEN: &str = "outbox_circuit_open";
+/// Gauge (destinations): routing keys whose circuit is open.
+pub const DESTINATIONS_OPEN: &str = "outbox_destinations_open";
 /// Gauge (messages): `New` + `Processing` rows.
 pub const PENDING_MESSAGES: &str = "outbox_pending_messages";
 /// Gauge (seconds): age of the oldest `New` or `Processing` row; 0 when none.
@@ -221,6 +228,16 @@ pub fn describe() {
         "Messages handed back without charging an attempt (outage, shutdown)"
     );
     describe_counter!(
+        DEFERRED_TOTAL,
+        Unit::Count,
+        "Messages held back without charge because their destination refused messages, by event type"
+    );
+    describe_gauge!(
+        DESTINATIONS_OPEN,
+        Unit::Count,
+        "Destinations (routing keys) whose circuit is open"
+    );
+    describe_counter!(
         FENCED_TOTAL,
         Unit::Count,
         "Completions that changed nothing because a newer claim took over"
@@ -270,7 +287,7 @@ pub fn describe() {
 pub fn kind_label(kind: ErrorKind) -> &'static str {
     match kind {
         ErrorKind::Unavailable => KIND_UNAVAILABLE,
-        ErrorKind::Permanent => KIND_PERMANENT,
+        ErrorKind::Permanent | ErrorKind::InvalidData => KIND_PERMANENT,
         _ => KIND_TRANSIENT,
     }
 }
@@ -335,6 +352,17 @@ pub fn completed(published: usize, released: usize, fenced: usize) {
     ::metrics::counter!(PUBLISHED_TOTAL).increment(published as u64);
     ::metrics::counter!(RELEASED_TOTAL).increment(released as u64);
     ::metrics::counter!(FENCED_TOTAL).increment(fenced as u64);
+}
+
+/// Records a message held back for its destination.
+pub fn deferred(event_type: &str) {
+    ::metrics::counter!(DEFERRED_TOTAL, LABEL_EVENT_TYPE => event_type_label(event_type))
+        .increment(1);
+}
+
+/// Records how many destinations have an open circuit.
+pub fn destinations_open(n: usize) {
+    ::metrics::gauge!(DESTINATIONS_OPEN).set(n as f64);
 }
 
 /// Records whether the circuit is open.

@@ -36,9 +36,22 @@ impl PublishOutcome {
         matches!(self, Self::Published)
     }
 
-    /// Whether this outcome says the broker is unreachable (circuit-opening).
+    /// Whether this outcome says the broker cannot take messages at all (unreachable,
+    /// no confirmation in time, blocked): the dispatcher's circuit opens. A refusal by
+    /// one destination ([`is_refused_by_destination`](Self::is_refused_by_destination))
+    /// is not one.
     pub fn is_outage(&self) -> bool {
         matches!(self, Self::Transient(e) if e.kind() == ErrorKind::Unavailable)
+            && !self.is_refused_by_destination()
+    }
+
+    /// Whether the broker refused this message for a reason of its own
+    /// ([`PublishError::Rejected`]: a queue full with `reject-publish`, a JetStream
+    /// stream full or without a leader): only its destination cannot take messages now.
+    /// The dispatcher holds back that destination's messages, without charge, while
+    /// the others flow.
+    pub fn is_refused_by_destination(&self) -> bool {
+        matches!(self, Self::Transient(PublishError::Rejected { .. }))
     }
 }
 
@@ -78,7 +91,12 @@ pub trait EventPublisher: Send + Sync + 'static {
     }
 
     /// Checks that the broker can be reached (reconnecting if needed). The dispatcher
-    /// calls it, with backoff, while its circuit is open. The default says yes.
+    /// calls it before its first claim and, with backoff, while its circuit is open: it
+    /// claims nothing while the answer is an error. Implementations SHOULD bound it by
+    /// their connect timeout; the dispatcher also gives up after the
+    /// [`publish_timeout`](Self::publish_timeout) (a broker that accepts connections
+    /// but never answers, e.g. a frozen one) and counts that as not ready. The default
+    /// says yes.
     ///
     /// # Errors
     /// A [`PublishError`] (usually `Unavailable`) while the broker cannot be used.

@@ -11,7 +11,7 @@ use async_trait::async_trait;
 use chrono::{DateTime, Utc};
 use uuid::Uuid;
 
-use crate::error::OutboxError;
+use crate::error::{ErrorKind, OutboxError};
 use crate::message::OutboxMessage;
 use crate::ordering::{BlockedKey, OnDead};
 
@@ -60,6 +60,16 @@ pub enum CompletionOutcome {
     /// Processing → New without charging the attempt (`attempts - 1`), visible at once:
     /// used when the broker is down or the dispatcher shuts down holding messages.
     Release,
+    /// Processing → New without charging the attempt (`attempts - 1`), visible after
+    /// `delay`, `last_error = error`: the message's destination cannot take it now (a
+    /// full queue or stream) while other destinations can, so the dispatcher holds it
+    /// back with that destination's backoff.
+    Defer {
+        /// How long it is held back.
+        delay: Duration,
+        /// Why, stored as `last_error`.
+        error: String,
+    },
 }
 
 /// What a store does with a message once the broker has confirmed it (a
@@ -126,8 +136,9 @@ impl std::str::FromStr for SentRetention {
     }
 }
 
-/// Default of the crash-loop guard: a row claimed this many times in a row without any
-/// outcome being recorded is moved to `Dead` at its next claim (see [`Poison::CrashLoop`]).
+/// Default of the crash-loop guard: a row claimed alone this many times in a row without
+/// any outcome being recorded is moved to `Dead` at its next claim (see
+/// [`Poison::CrashLoop`]).
 pub const DEFAULT_CRASH_LOOP_LIMIT: u32 = 5;
 
 /// Longest `last_error` a store writes, in bytes: longer texts are cut at a character
@@ -231,14 +242,16 @@ pub enum Poison {
         /// What could not be decoded.
         reason: String,
     },
-    /// The claim itself moved the row to `Dead`: it had been claimed `claims` times in a
-    /// row without any outcome being recorded (each relay holding it stopped, crashed or
-    /// lost its lease first), the mark of a row that crashes whatever relay publishes
-    /// it. The store's crash-loop limit ([`DEFAULT_CRASH_LOOP_LIMIT`] by default) sets
-    /// the count; `last_error` says "suspected crash loop". Nothing is left to complete.
+    /// The claim itself moved the row to `Dead`: it had been claimed **alone**
+    /// `claims_alone` times in a row without any outcome being recorded (each relay
+    /// holding it, and only it, stopped, crashed or lost its lease first), the mark of a
+    /// row that crashes whatever relay publishes it. The store's crash-loop limit
+    /// ([`DEFAULT_CRASH_LOOP_LIMIT`] by default) sets the count; `last_error` says
+    /// "suspected crash loop". Nothing is left to complete. See the crash-loop guard in
+    /// [`OutboxStore`]'s contract.
     CrashLoop {
-        /// Claims without an outcome before this one.
-        claims: u32,
+        /// Claims of the row alone that ended without an outcome, before this one.
+        claims_alone: u32,
     },
 }
 
@@ -246,9 +259,9 @@ impl std::fmt::Display for Poison {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
             Self::Undecodable { reason, .. } => write!(f, "undecodable row: {reason}"),
-            Self::CrashLoop { claims } => write!(
+            Self::CrashLoop { claims_alone } => write!(
                 f,
-                "suspected crash loop: claimed {claims} times without an outcome"
+                "suspected crash loop: claimed alone {claims_alone} times without an outcome"
             ),
         }
     }
@@ -378,12 +391,22 @@ pub struct ReplayReport {
 /// - A claim never fails because of one row's content: a claimed row that cannot be
 ///   decoded is returned as [`Poison::Undecodable`] (still `Processing` under the claim's
 ///   token) beside the rest of the batch.
-/// - The **crash-loop guard**: every claim counts one more claim without an outcome on
-///   the row, and every completion (any outcome, release included) resets the count. A
-///   row whose count has reached the store's crash-loop limit (default
-///   [`DEFAULT_CRASH_LOOP_LIMIT`]) is not claimed but moved to `Dead` by the claim, with
-///   a `last_error` starting "suspected crash loop", and returned as
-///   [`Poison::CrashLoop`].
+/// - The **crash-loop guard** isolates before it kills. A row whose previous claim
+///   ended without an outcome (it is `Processing` with an expired lease: its claimer
+///   stopped, crashed or lost its lease first) is a *suspect*. When the first claimable
+///   row in claim order is a suspect, the claim takes that row **alone** (a batch of
+///   one); otherwise it takes no suspect at all. Only claims alone count toward the
+///   store's crash-loop limit (default [`DEFAULT_CRASH_LOOP_LIMIT`]); every completion
+///   (any outcome, a release included) resets the counts. A suspect already claimed
+///   alone that many times without an outcome is not claimed but moved to `Dead` by the
+///   claim, with a `last_error` starting "suspected crash loop", and returned as
+///   [`Poison::CrashLoop`] (the claim returns nothing else). So the batch-mates of a row
+///   that crashes the relay, and what a relay held when it was killed or restarted,
+///   are each claimed alone once and published; only a row that crashes a relay on its
+///   own reaches the limit. In per-key order ([`claim_ordered`](Self::claim_ordered)) a
+///   suspect is claimed alone when it is the head of its key, and a key's run stops
+///   before a suspect. Stores keep both counts (every claim without an outcome, and
+///   those alone) for operators.
 /// - [`complete`](Self::complete) applies all completions in one round trip, each only
 ///   where the status is `Processing` and the `claim_token` matches; others are reported
 ///   as fenced and left unchanged. A `Sent` completion marks the row `Sent` with
@@ -503,8 +526,18 @@ pub trait InboxStore: Send + Sync + 'static {
 
     /// Commits `tx`.
     ///
+    /// A commit is only a commit when the database says so. Stores MUST return
+    /// [`OutboxError::TransactionAborted`] when `tx` was already aborted by a failed
+    /// statement whose error its user caught and ignored (PostgreSQL answers `COMMIT`
+    /// on such a transaction with the tag `ROLLBACK`, not an error; SQL Server dooms
+    /// it, `XACT_STATE() = -1`, or rolls it back at once under `XACT_ABORT ON`): the
+    /// inbox would otherwise acknowledge a delivery whose effects and inbox record were
+    /// rolled back.
+    ///
     /// # Errors
-    /// [`OutboxError::Database`]; the transaction's effects are then not durable.
+    /// [`OutboxError::TransactionAborted`] as above (nothing was committed);
+    /// [`OutboxError::Database`]: the transaction's effects are then not durable (a
+    /// constraint checked at commit fails with [`ErrorKind::InvalidData`]).
     async fn commit(&self, tx: Self::Transaction) -> Result<(), OutboxError>;
 
     /// Rolls `tx` back.
@@ -552,6 +585,18 @@ pub trait InboxStore: Send + Sync + 'static {
             claimed[i] = self.try_claim(conn, message_id, consumer).await?;
         }
         Ok(claimed)
+    }
+
+    /// The kind of `error` when it is an error of this store's database driver (e.g. a
+    /// `sqlx::Error` for PostgreSQL), else `None`. Looks at `error` alone; callers walk
+    /// its `source()` chain. The inbox asks it about a handler's error to tell the
+    /// database's hiccups ([`ErrorKind::Transient`]: a deadlock, a statement timeout;
+    /// [`ErrorKind::Unavailable`]: a lost connection), which are retried without
+    /// charging the message, from the handler's own failure. The default knows no
+    /// driver.
+    fn classify(&self, error: &(dyn std::error::Error + 'static)) -> Option<ErrorKind> {
+        let _ = error;
+        None
     }
 
     /// Deletes up to `batch_size` inbox records whose age is at least `older_than`

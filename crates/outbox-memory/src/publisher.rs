@@ -21,8 +21,9 @@ pub enum Scripted {
     /// No connection to the broker: `Transient(PublishError::Unavailable)`, an outage
     /// ([`ErrorKind::Unavailable`]: the dispatcher opens its circuit, charges nothing).
     Unavailable,
-    /// The broker refused it for a reason of its own (a full queue, an alarm):
-    /// `Transient(PublishError::Rejected)`, an outage.
+    /// The broker refused it for a reason of its own (a full queue or stream):
+    /// `Transient(PublishError::Rejected)`. The dispatcher holds back the messages of its
+    /// destination (its routing key), uncharged, while the others flow.
     Rejected,
     /// No confirmation in time: `Transient(PublishError::Timeout)`, an outage.
     Timeout,

@@ -51,8 +51,10 @@ struct Row {
     msg: OutboxMessage,
     /// Headers overwritten with JSON text that does not decode: the text and why.
     bad_headers: Option<(String, String)>,
-    /// Claims since the last recorded outcome (the crash-loop guard's count).
+    /// Claims since the last recorded outcome.
     unfinished_claims: u32,
+    /// Of those, claims of the row alone (as a suspect): the crash-loop guard's count.
+    unfinished_alone: u32,
     /// When the message first failed (retry or dead), for `blocked_keys`.
     first_failed_at: Option<DateTime<Utc>>,
     /// The ordering key, encoded as PostgreSQL does.
@@ -187,6 +189,26 @@ impl Table {
     }
 
     /// New and visible, or Processing with an expired lease.
+    /// Whether row `seq` is a suspect: Processing with an expired lease (its last claim
+    /// ended without an outcome).
+    fn suspect(&self, seq: i64) -> bool {
+        self.rows
+            .get(&seq)
+            .is_some_and(|row| row.msg.status == MessageStatus::Processing)
+    }
+
+    /// The crash-loop guard's isolation, on `picked` claimable rows in claim order: the
+    /// first alone when it is a suspect, else every row that is not one.
+    fn isolate(&self, picked: Vec<i64>) -> Vec<i64> {
+        match picked.first() {
+            Some(&first) if self.suspect(first) => vec![first],
+            _ => picked
+                .into_iter()
+                .filter(|&seq| !self.suspect(seq))
+                .collect(),
+        }
+    }
+
     fn claimable(&self, seq: i64, now: DateTime<Utc>) -> bool {
         self.rows.get(&seq).is_some_and(|row| match row.msg.status {
             MessageStatus::New => row.msg.visible_at <= now,
@@ -205,19 +227,24 @@ impl Table {
         token: Uuid,
         crash_loop_limit: u32,
     ) -> Option<Taken> {
-        let claims = self.rows.get(&seq)?.unfinished_claims;
-        if claims >= crash_loop_limit {
+        let alone = self.suspect(seq);
+        let (claims, claims_alone) = {
+            let row = self.rows.get(&seq)?;
+            (row.unfinished_claims, row.unfinished_alone)
+        };
+        if alone && claims_alone >= crash_loop_limit {
             self.update(seq, |row| {
                 row.msg.status = MessageStatus::Dead;
                 row.msg.lease_until = None;
                 row.msg.claim_token = None;
-                row.msg.last_error = Some(format!(
-                    "suspected crash loop: claimed {claims} times without an outcome (each relay holding it stopped, crashed or lost its lease before recording one); replay it once the cause is fixed"
-                ));
+                row.msg.last_error = Some(crash_loop_error(claims, claims_alone));
                 row.first_failed_at.get_or_insert(now);
             });
             let row = self.rows.get(&seq)?;
-            return Some(Taken::Poison(poison_row(row, Poison::CrashLoop { claims })));
+            return Some(Taken::Poison(poison_row(
+                row,
+                Poison::CrashLoop { claims_alone },
+            )));
         }
         self.update(seq, |row| {
             row.msg.status = MessageStatus::Processing;
@@ -225,6 +252,7 @@ impl Table {
             row.msg.claim_token = Some(token);
             row.msg.attempts = row.msg.attempts.saturating_add(1);
             row.unfinished_claims += 1;
+            row.unfinished_alone += u32::from(alone);
         });
         let row = self.rows.get(&seq)?;
         Some(match &row.bad_headers {
@@ -308,11 +336,23 @@ impl Table {
         if heads.is_empty() {
             return Vec::new();
         }
+        // A suspect head is claimed alone (the first in `seq` order).
+        if let Some(&(_, _, head)) = heads
+            .iter()
+            .filter(|&&(_, _, head)| self.suspect(head))
+            .min_by_key(|&&(_, _, head)| head)
+        {
+            return vec![head];
+        }
         let per_key = (batch_size / heads.len()).max(1);
         let mut picked = Vec::new();
         for (key, seqs, head) in heads {
             for &seq in seqs.range(head..).take(per_key) {
-                if (block && self.dead_between(key, head, seq)) || !self.claimable(seq, now) {
+                // A run stops before a suspect: it will be a head, claimed alone.
+                if (block && self.dead_between(key, head, seq))
+                    || !self.claimable(seq, now)
+                    || self.suspect(seq)
+                {
                     break;
                 }
                 picked.push(seq);
@@ -322,6 +362,13 @@ impl Table {
         picked.truncate(batch_size);
         picked
     }
+}
+
+/// The `last_error` of a row the crash-loop guard moved to Dead, as PostgreSQL words it.
+fn crash_loop_error(claims: u32, claims_alone: u32) -> String {
+    format!(
+        "suspected crash loop: claimed alone {claims_alone} times without an outcome ({claims} claims without an outcome in all; each relay holding it stopped, crashed or lost its lease before recording one); replay it once the cause is fixed"
+    )
 }
 
 fn poison_row(row: &Row, poison: Poison) -> PoisonRow {
@@ -468,6 +515,7 @@ impl MemoryOutbox {
                     msg,
                     bad_headers: None,
                     unfinished_claims: 0,
+                    unfinished_alone: 0,
                     first_failed_at: None,
                     key,
                 },
@@ -552,6 +600,7 @@ impl OutboxStore for MemoryOutbox {
             .filter(|&seq| table.claimable(seq, now))
             .take(batch_size)
             .collect();
+        let picked = table.isolate(picked);
         Ok(table.take_all(picked, now, lease, self.crash_loop_limit))
     }
 
@@ -684,6 +733,7 @@ impl OutboxStore for MemoryOutbox {
                 m.claim_token = None;
                 m.sent_at = None;
                 row.unfinished_claims = 0;
+                row.unfinished_alone = 0;
                 match &c.outcome {
                     CompletionOutcome::Sent => {
                         m.status = MessageStatus::Sent;
@@ -703,6 +753,13 @@ impl OutboxStore for MemoryOutbox {
                     CompletionOutcome::Release => {
                         m.status = MessageStatus::New;
                         m.attempts = (m.attempts - 1).max(0);
+                    }
+                    CompletionOutcome::Defer { delay, error } => {
+                        m.status = MessageStatus::New;
+                        m.attempts = (m.attempts - 1).max(0);
+                        m.visible_at = after(now, *delay);
+                        m.last_error = Some(sanitize_error(error).into_owned());
+                        row.first_failed_at.get_or_insert(now);
                     }
                 }
             });
@@ -778,6 +835,7 @@ impl OutboxStore for MemoryOutbox {
                     row.msg.lease_until = None;
                     row.msg.claim_token = None;
                     row.unfinished_claims = 0;
+                    row.unfinished_alone = 0;
                 });
             }
         }

@@ -293,19 +293,25 @@ async fn a_publisher_panic_kills_only_its_message() {
 async fn an_outage_opens_the_circuit_charges_nothing_and_a_trial_closes_it() {
     let store = MemoryOutbox::new();
     let publisher = MemoryPublisher::new();
-    store
-        .enqueue_batch((0..5).map(|i| message(&i.to_string(), "OrderPlaced")))
-        .expect("enqueue");
-    publisher.set_down(true);
     let d = dispatcher(
         &store,
         &publisher,
         DispatcherConfig::new().with_probe_backoff(Duration::from_secs(1), Duration::from_secs(8)),
     );
     let (token, run) = spawn(&d);
+    // Started while the broker was up; it goes down before the messages come.
+    wait_until("the start's readiness check", || {
+        publisher.ready_checks() >= 1
+    })
+    .await;
+    publisher.set_down(true);
+    store
+        .enqueue_batch((0..5).map(|i| message(&i.to_string(), "OrderPlaced")))
+        .expect("enqueue");
+    d.wake_handle().wake();
     wait_until("the circuit opens", || d.circuit_open()).await;
     // Probes go on (1 s, 2 s, 4 s, 8 s, 8 s ...) while the broker is down.
-    wait_until("five probes", || publisher.ready_checks() >= 5).await;
+    wait_until("five probes", || publisher.ready_checks() >= 6).await;
     assert!(d.circuit_open());
     let rows = store.messages();
     assert!(
@@ -333,8 +339,52 @@ async fn an_outage_opens_the_circuit_charges_nothing_and_a_trial_closes_it() {
     );
 }
 
+/// A relay started (or restarted) while the broker is down claims nothing: every row
+/// stays `New`, uncharged and unheld, until a probe finds the broker ready; then a
+/// trial of one, then the rest.
 #[tokio::test(start_paused = true)]
-async fn a_broker_that_refuses_messages_is_tried_one_message_at_a_time() {
+async fn a_dispatcher_started_while_the_broker_is_down_claims_nothing() {
+    let store = MemoryOutbox::new();
+    let publisher = MemoryPublisher::new();
+    store
+        .enqueue_batch((0..5).map(|i| message(&i.to_string(), "OrderPlaced")))
+        .expect("enqueue");
+    publisher.set_down(true);
+    let d = dispatcher(
+        &store,
+        &publisher,
+        DispatcherConfig::new().with_probe_backoff(Duration::from_secs(1), Duration::from_secs(8)),
+    );
+    let (token, run) = spawn(&d);
+    wait_until("three probes", || publisher.ready_checks() >= 3).await;
+    assert!(d.circuit_open(), "the circuit starts open");
+    assert_eq!(publisher.calls(), 0, "nothing published");
+    assert_eq!(d.stats().claimed, 0, "nothing claimed");
+    let rows = store.messages();
+    assert!(
+        rows.iter()
+            .all(|m| m.status == MessageStatus::New && m.attempts == 0 && m.claim_token.is_none()),
+        "untouched: {rows:?}"
+    );
+    publisher.set_down(false);
+    assert!(publisher.wait_published(5, Duration::from_secs(60)).await);
+    assert_eq!(
+        publisher.call_sizes(),
+        [1, 4],
+        "a trial of one, then the rest"
+    );
+    token.cancel();
+    run.await.expect("task").expect("run");
+    assert!(
+        store
+            .messages()
+            .iter()
+            .all(|m| m.status == MessageStatus::Sent && m.attempts == 1)
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_destination_that_refuses_messages_is_tried_one_message_at_a_time() {
     let store = MemoryOutbox::new();
     // check_ready succeeds (the connection is fine) but a full queue rejects messages.
     let publisher = MemoryPublisher::new();
@@ -360,10 +410,84 @@ async fn a_broker_that_refuses_messages_is_tried_one_message_at_a_time() {
     token.cancel();
     let stats = run.await.expect("task").expect("run");
     assert_eq!(
-        (stats.circuit_opened, stats.published, stats.dead),
-        (1, 4, 0)
+        (
+            stats.destination_circuits_opened,
+            stats.circuit_opened,
+            stats.published,
+            stats.dead
+        ),
+        (1, 0, 4, 0),
+        "the destination's circuit, not the broker's"
     );
     assert!(store.messages().iter().all(|m| m.attempts == 1));
+}
+
+/// One destination full (its messages refused), the other fine: the full one's
+/// messages are held back, uncharged, while every message of the other is published
+/// at once; when the full one takes messages again, its messages follow, none dead.
+#[tokio::test(start_paused = true)]
+async fn a_full_destination_holds_back_only_its_own_messages() {
+    let full = Arc::new(AtomicBool::new(true));
+    let store = MemoryOutbox::new();
+    let publisher = MemoryPublisher::new().with_rule({
+        let full = Arc::clone(&full);
+        move |m| (m.event_type == "ToFull" && full.load(SeqCst)).then_some(Scripted::Rejected)
+    });
+    let d = dispatcher(
+        &store,
+        &publisher,
+        DispatcherConfig::new()
+            .with_batch_size(20)
+            .with_probe_backoff(Duration::from_millis(500), Duration::from_secs(4)),
+    );
+    let (token, run) = spawn(&d);
+    for round in 0..10 {
+        store
+            .enqueue_batch((0..10).flat_map(|i| {
+                let id = format!("{round}-{i}");
+                [message(&id, "ToFull"), message(&id, "ToOther")]
+            }))
+            .expect("enqueue");
+        d.wake_handle().wake();
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        let late: Vec<_> = store
+            .messages()
+            .into_iter()
+            .filter(|m| m.event_type == "ToOther" && m.status != MessageStatus::Sent)
+            .collect();
+        assert!(
+            late.is_empty(),
+            "round {round}: the other destination's messages go within a second: {late:?}"
+        );
+    }
+    let to_full: Vec<_> = store
+        .messages()
+        .into_iter()
+        .filter(|m| m.event_type == "ToFull")
+        .collect();
+    assert!(
+        to_full
+            .iter()
+            .all(|m| m.status == MessageStatus::New && m.attempts == 0),
+        "held back, uncharged: {to_full:?}"
+    );
+    assert!(d.destination_circuit_open() && !d.circuit_open());
+    full.store(false, SeqCst);
+    assert!(
+        publisher
+            .wait_published(200, Duration::from_secs(120))
+            .await
+    );
+    token.cancel();
+    let stats = run.await.expect("task").expect("run");
+    assert_eq!((stats.dead, stats.retried, stats.circuit_opened), (0, 0, 0));
+    assert!(
+        store
+            .messages()
+            .iter()
+            .all(|m| m.status == MessageStatus::Sent && m.attempts == 1),
+        "each charged only for its successful attempt"
+    );
 }
 
 #[tokio::test(start_paused = true)]
@@ -601,4 +725,54 @@ async fn the_wake_handle_ends_the_poll_wait() {
     );
     token.cancel();
     run.await.expect("task").expect("run");
+}
+
+/// A half-open trial whose claim finds only poison rows records them dead and claims
+/// again for a message to try: it does not close the circuit on nothing. Here the broker
+/// answers probes but still cannot take messages: the trial fails and the circuit stays
+/// open (never closed and opened again by a normal batch), until a later trial passes.
+#[tokio::test(start_paused = true)]
+async fn a_trial_that_finds_only_poison_keeps_the_circuit_open() {
+    let store = MemoryOutbox::new();
+    let publisher = MemoryPublisher::new();
+    publisher.set_down(true);
+    let poison: Vec<Uuid> = (0..3)
+        .map(|i| {
+            let id = store
+                .enqueue(message(&format!("p{i}"), "OrderPlaced"))
+                .expect("enqueue");
+            assert!(store.set_headers_json(id, "[1, 2]"), "poison row");
+            id
+        })
+        .collect();
+    let good = store.enqueue(message("a", "OrderPlaced")).expect("enqueue");
+    let d = dispatcher(
+        &store,
+        &publisher,
+        DispatcherConfig::new().with_probe_backoff(Duration::from_secs(1), Duration::from_secs(8)),
+    );
+    let (token, run) = spawn(&d);
+    wait_until("the start's readiness check", || {
+        publisher.ready_checks() >= 1
+    })
+    .await;
+    // The broker answers probes again but its first two publishes fail.
+    publisher.script_calls([Scripted::Unavailable, Scripted::Unavailable]);
+    publisher.set_down(false);
+    assert!(publisher.wait_published(1, Duration::from_secs(60)).await);
+    token.cancel();
+    let stats = run.await.expect("task").expect("run");
+    for id in poison {
+        assert_eq!(row(&store, id).await.status, MessageStatus::Dead);
+    }
+    assert_eq!(row(&store, good).await.status, MessageStatus::Sent);
+    assert_eq!(
+        stats.circuit_opened, 0,
+        "the circuit never closed on a trial of poison alone, so never opened again: {stats:?}"
+    );
+    assert_eq!(
+        publisher.call_sizes(),
+        [1, 1, 1],
+        "trials of the one message"
+    );
 }

@@ -138,9 +138,11 @@ impl PgConfig {
         self
     }
 
-    /// Claims without an outcome after which the claim moves a row to `Dead` as a
+    /// Claims alone without an outcome after which the claim moves a row to `Dead` as a
     /// suspected crash loop (default [`DEFAULT_CRASH_LOOP_LIMIT`], at least 1): a row
-    /// that crashes every relay publishing it stops doing so after this many crashes.
+    /// that crashes every relay publishing it stops doing so after this many crashes
+    /// alone (a row whose claim ended without an outcome is claimed alone from then on,
+    /// so its batch-mates are never counted).
     #[must_use]
     pub fn with_crash_loop_limit(mut self, limit: u32) -> Self {
         self.crash_loop_limit = limit.max(1);

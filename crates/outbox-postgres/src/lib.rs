@@ -44,6 +44,6 @@ mod store;
 
 pub use config::{DEFAULT_SCHEMA, PgConfig, parse_url};
 pub use inbox::PgInbox;
-pub use listen::{NOTIFY_CHANNEL, OUTAGE_WAKE_INTERVAL};
+pub use listen::{KEEPALIVE_INTERVAL, NOTIFY_CHANNEL, OUTAGE_WAKE_INTERVAL};
 pub use migrate::{LATEST_VERSION, migrate};
 pub use store::PgOutbox;

@@ -48,10 +48,20 @@ const MIGRATIONS: &[(i32, &str, &str)] = &[
         "push wake-up: NOTIFY outbox after inserts",
         include_str!("../migrations/0007_notify.sql"),
     ),
+    (
+        8,
+        "crash-loop guard isolation: unfinished_alone",
+        include_str!("../migrations/0008_crash_loop_isolation.sql"),
+    ),
+    (
+        9,
+        "the notification trigger sends nothing while the NOTIFY queue is half full",
+        include_str!("../migrations/0009_notify_bound.sql"),
+    ),
 ];
 
 /// The highest migration version this crate knows.
-pub const LATEST_VERSION: i32 = 7;
+pub const LATEST_VERSION: i32 = 9;
 
 /// Creates `schema` if needed and applies every migration not yet applied. Returns the
 /// versions applied by this call.

@@ -458,7 +458,8 @@ impl PgOutbox {
                      ), requeued AS (
                          UPDATE {s}.outbox_messages m
                             SET status = 0, attempts = 0, visible_at = now(), lease_until = NULL,
-                                claim_token = NULL, sent_at = NULL, unfinished_claims = 0
+                                claim_token = NULL, sent_at = NULL, unfinished_claims = 0,
+                                unfinished_alone = 0
                           WHERE m.id IN (SELECT id FROM source WHERE status IN (1, 3)) AND NOT $7
                          RETURNING m.id
                      ), cleared AS (

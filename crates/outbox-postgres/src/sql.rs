@@ -49,20 +49,39 @@ const FILTER: &str = "m.phase = 3
 /// `$1` batch size, `$2` lease in seconds, `$3` claim token; with `guard`, `$4` the
 /// crash-loop limit (see [`claim_set`]).
 fn claim_statement(table: &str, returning: &str, guard: bool) -> String {
-    let set = if guard {
-        claim_set("$4")
-    } else {
-        PLAIN_CLAIM_SET.to_owned()
-    };
+    if !guard {
+        return format!(
+            "UPDATE {table} m
+                SET {PLAIN_CLAIM_SET}
+              WHERE m.id = ANY(ARRAY(
+                    SELECT c.id FROM {table} c
+                     WHERE c.phase = 0 AND c.visible_at <= now()
+                       AND (c.status = 0 OR c.lease_until < now())
+                     ORDER BY c.visible_at, c.seq LIMIT $1 FOR UPDATE SKIP LOCKED))
+             RETURNING {returning}"
+        );
+    }
+    // The crash-loop guard's isolation: of the claimable rows (locked in claim order),
+    // the first alone when it is a suspect (status 9: Processing with an expired lease,
+    // its last claim ended without an outcome), otherwise every one that is not.
     format!(
-        "UPDATE {table} m
+        "WITH candidates AS (
+             SELECT c.id, c.status, c.visible_at, c.seq FROM {table} c
+              WHERE c.phase = 0 AND c.visible_at <= now()
+                AND (c.status = 0 OR c.lease_until < now())
+              ORDER BY c.visible_at, c.seq LIMIT $1 FOR UPDATE SKIP LOCKED
+         ), first AS (
+             SELECT id, status FROM candidates ORDER BY visible_at, seq LIMIT 1
+         )
+         UPDATE {table} m
             SET {set}
           WHERE m.id = ANY(ARRAY(
-                SELECT c.id FROM {table} c
-                 WHERE c.phase = 0 AND c.visible_at <= now()
-                   AND (c.status = 0 OR c.lease_until < now())
-                 ORDER BY c.visible_at, c.seq LIMIT $1 FOR UPDATE SKIP LOCKED))
-         RETURNING {returning}"
+                SELECT id FROM first WHERE status = 9
+                UNION ALL
+                SELECT id FROM candidates
+                 WHERE status = 0 AND NOT EXISTS (SELECT 1 FROM first WHERE status = 9)))
+         RETURNING {returning}",
+        set = claim_set("$4")
     )
 }
 
@@ -74,23 +93,28 @@ const PLAIN_CLAIM_SET: &str = "status = 9,
                 attempts = m.attempts + 1";
 
 /// A claim's assignments with the crash-loop guard, `limit` being the parameter that
-/// holds the crash-loop limit. A row already claimed `limit` times without an outcome
-/// is moved to Dead instead of claimed, with a `last_error` that says so; any other row
-/// becomes Processing under the claim, one more claim without an outcome. Every branch
-/// leaves the indexed columns alone for a claimed row (its `phase` stays 0), so the
-/// claim is still a HOT update; only a row moved to Dead changes its index entries.
-/// `$2` lease in seconds, `$3` claim token.
+/// holds the crash-loop limit. A row claimed while it is a suspect (`m.status = 9`: the
+/// old value, Processing with an expired lease) is claimed alone (the statements make
+/// sure of it) and counts one more claim alone without an outcome; one already claimed
+/// alone `limit` times without an outcome is moved to Dead instead, with a `last_error`
+/// that says so. Any other row becomes Processing under the claim, one more claim
+/// without an outcome. Every branch leaves the indexed columns alone for a claimed row
+/// (its `phase` stays 0), so the claim is still a HOT update; only a row moved to Dead
+/// changes its index entries. `$2` lease in seconds, `$3` claim token.
 fn claim_set(limit: &str) -> String {
-    let dead = format!("m.unfinished_claims >= {limit}");
+    let dead = format!("(m.status = 9 AND m.unfinished_alone >= {limit})");
     format!(
         "status = CASE WHEN {dead} THEN 3 ELSE 9 END,
                 lease_until = CASE WHEN {dead} THEN NULL ELSE now() + make_interval(secs => $2) END,
                 claim_token = CASE WHEN {dead} THEN NULL ELSE $3 END,
                 attempts = CASE WHEN {dead} THEN m.attempts ELSE m.attempts + 1 END,
                 unfinished_claims = CASE WHEN {dead} THEN m.unfinished_claims ELSE m.unfinished_claims + 1 END,
+                unfinished_alone = CASE WHEN {dead} OR m.status <> 9 THEN m.unfinished_alone
+                                        ELSE m.unfinished_alone + 1 END,
                 last_error = CASE WHEN {dead}
-                    THEN 'suspected crash loop: claimed ' || m.unfinished_claims
-                         || ' times without an outcome (each relay holding it stopped, crashed or lost its lease before recording one); replay it once the cause is fixed'
+                    THEN 'suspected crash loop: claimed alone ' || m.unfinished_alone
+                         || ' times without an outcome (' || m.unfinished_claims
+                         || ' claims without an outcome in all; each relay holding it stopped, crashed or lost its lease before recording one); replay it once the cause is fixed'
                     ELSE m.last_error END,
                 first_failed_at = CASE WHEN {dead} THEN COALESCE(m.first_failed_at, now()) ELSE m.first_failed_at END"
     )
@@ -152,9 +176,11 @@ fn claim_ordered_statement(table: &str, returning: &str) -> String {
                     SELECT 1 FROM {table} d WHERE d.order_key = keys.k AND d.phase = 3 AND d.seq < h.seq))
               LIMIT $1
          ), locked AS (
-             SELECT p.id, p.order_key, p.seq FROM {table} p
+             SELECT p.id, p.order_key, p.seq, p.status FROM {table} p
               WHERE p.id = ANY(ARRAY(SELECT id FROM heads)) AND {CLAIMABLE}
               FOR UPDATE SKIP LOCKED
+         ), suspect AS (
+             SELECT id FROM locked WHERE status = 9 ORDER BY seq LIMIT 1
          ), run_rows AS (
              SELECT r.id FROM locked h CROSS JOIN LATERAL (
                  SELECT p.id FROM {table} p
@@ -165,8 +191,9 @@ fn claim_ordered_statement(table: &str, returning: &str) -> String {
                            AND d.seq > h.seq AND d.seq < p.seq))
                   ORDER BY p.seq
                   LIMIT greatest(1, $1 / greatest(1, (SELECT count(*) FROM locked)))) r
+              WHERE NOT EXISTS (SELECT 1 FROM suspect)
          ), run_locked AS (
-             SELECT p.id, p.seq, p.order_key, {CLAIMABLE} AS ok FROM {table} p
+             SELECT p.id, p.seq, p.order_key, {CLAIMABLE} AND p.status = 0 AS ok FROM {table} p
               WHERE p.id = ANY(ARRAY(SELECT id FROM run_rows))
               FOR UPDATE
          ), runs AS (
@@ -175,7 +202,10 @@ fn claim_ordered_statement(table: &str, returning: &str) -> String {
          )
          UPDATE {table} m
             SET {set}
-          WHERE m.id = ANY(ARRAY(SELECT id FROM runs WHERE free ORDER BY seq LIMIT $1))
+          WHERE m.id = ANY(ARRAY(
+                (SELECT id FROM suspect)
+                UNION ALL
+                (SELECT id FROM runs WHERE free ORDER BY seq LIMIT $1)))
          RETURNING {returning}, m.order_key",
         set = claim_set("$6")
     )
@@ -198,13 +228,14 @@ const FENCE: &str = "m.id = u.id AND m.claim_token = u.token AND m.status + 0 = 
 
 /// Records the completions `u` read from `source` (those matching `filter` too), fenced
 /// by [`FENCE`], returning the ids applied. A release (Processing → New, no charge)
-/// changes no indexed column: a HOT update when its page has room.
+/// changes no indexed column: a HOT update when its page has room. A deferral is a
+/// release with a delay (`release` and `delay_secs > 0`): it moves `visible_at`.
 fn completion_update(table: &str, source: &str, filter: &str) -> String {
     format!(
         "UPDATE {table} m
             SET status = u.status,
                 attempts = CASE WHEN u.release THEN greatest(m.attempts - 1, 0) ELSE m.attempts END,
-                visible_at = CASE WHEN u.status = 0 AND NOT u.release
+                visible_at = CASE WHEN u.status = 0 AND (NOT u.release OR u.delay_secs > 0)
                                   THEN now() + make_interval(secs => u.delay_secs)
                                   ELSE m.visible_at END,
                 last_error = COALESCE(u.error, m.last_error),
@@ -213,7 +244,8 @@ fn completion_update(table: &str, source: &str, filter: &str) -> String {
                 sent_at = CASE WHEN u.status = 1 THEN now() END,
                 lease_until = NULL,
                 claim_token = NULL,
-                unfinished_claims = 0
+                unfinished_claims = 0,
+                unfinished_alone = 0
            FROM {source}
           WHERE {filter}{FENCE}
          RETURNING m.id"
@@ -281,8 +313,8 @@ impl Queries {
                          occurred_at, delay_secs, ord)
                  ORDER BY u.ord"
             )),
-            claim: s(claim_statement(&t, &format!("{COLUMNS}, m.unfinished_claims"), true)),
-            claim_ordered: s(claim_ordered_statement(&t, &format!("{COLUMNS}, m.unfinished_claims"))),
+            claim: s(claim_statement(&t, &format!("{COLUMNS}, m.unfinished_claims, m.unfinished_alone"), true)),
+            claim_ordered: s(claim_ordered_statement(&t, &format!("{COLUMNS}, m.unfinished_claims, m.unfinished_alone"))),
             // Keys whose head (first unfinished row, Dead included) is Dead or waiting out
             // a retry backoff. Candidates: keys with a Dead row, and keys with a retried
             // New row not yet visible (the pending index's future range).
@@ -336,7 +368,7 @@ impl Queries {
             replay: s(format!(
                 "UPDATE {t} m
                     SET status = 0, attempts = 0, visible_at = now(), lease_until = NULL,
-                        claim_token = NULL, unfinished_claims = 0
+                        claim_token = NULL, unfinished_claims = 0, unfinished_alone = 0
                   WHERE {FILTER}"
             )),
             purge_sent: s(format!(

@@ -39,6 +39,7 @@ pub struct PgOutbox {
     sent_retention: SentRetention,
     crash_loop_limit: u32,
     max_payload_bytes: usize,
+    listener_keepalive: std::time::Duration,
 }
 
 impl PgOutbox {
@@ -59,7 +60,24 @@ impl PgOutbox {
             sent_retention: SentRetention::Keep,
             crash_loop_limit: DEFAULT_CRASH_LOOP_LIMIT,
             max_payload_bytes: DEFAULT_MAX_PAYLOAD_BYTES,
+            listener_keepalive: crate::listen::KEEPALIVE_INTERVAL,
         })
+    }
+
+    /// The same outbox whose [wake listener](Self::spawn_wake_listener) checks its
+    /// connection with a query after `quiet` without a word from it, and reconnects when
+    /// the query does not answer within 5 s (default
+    /// [`KEEPALIVE_INTERVAL`](crate::KEEPALIVE_INTERVAL), 30 s; at least 1 s).
+    #[must_use]
+    pub fn with_listener_keepalive(mut self, quiet: std::time::Duration) -> Self {
+        self.listener_keepalive = quiet.max(std::time::Duration::from_secs(1));
+        self
+    }
+
+    /// How long the wake listener may go without a word from its connection before it
+    /// checks it.
+    pub fn listener_keepalive(&self) -> std::time::Duration {
+        self.listener_keepalive
     }
 
     /// Connects with `config` (see [`PgConfig::connect`]), with its schema,
@@ -94,7 +112,7 @@ impl PgOutbox {
     }
 
     /// The same outbox whose claims move a row to `Dead` as a suspected crash loop once
-    /// it has been claimed `limit` times in a row without an outcome (default
+    /// it has been claimed alone `limit` times in a row without an outcome (default
     /// [`DEFAULT_CRASH_LOOP_LIMIT`], at least 1; see
     /// [`Poison::CrashLoop`]).
     #[must_use]
@@ -299,11 +317,11 @@ fn decode_claim(rows: &[PgRow], token: Uuid) -> Result<ClaimedBatch, OutboxError
     for row in rows {
         let status: i16 = row.try_get("status").map_err(db("claim"))?;
         if status == MessageStatus::Dead.code() {
-            let claims: i32 = row.try_get("unfinished_claims").map_err(db("claim"))?;
+            let alone: i32 = row.try_get("unfinished_alone").map_err(db("claim"))?;
             poison.push(poison_row(
                 row,
                 Poison::CrashLoop {
-                    claims: u32::try_from(claims).unwrap_or(0),
+                    claims_alone: u32::try_from(alone).unwrap_or(0),
                 },
             )?);
             continue;
@@ -515,6 +533,12 @@ impl OutboxStore for PgOutbox {
                     (MessageStatus::Dead, 0.0, Some(error.as_str()), false)
                 }
                 CompletionOutcome::Release => (MessageStatus::New, 0.0, None, true),
+                CompletionOutcome::Defer { delay, error } => (
+                    MessageStatus::New,
+                    delay.as_secs_f64(),
+                    Some(error.as_str()),
+                    true,
+                ),
             };
             statuses.push(status.code());
             delays.push(delay);

@@ -81,8 +81,51 @@ async fn one_notification_per_transaction() {
     );
 }
 
-/// A dispatcher over `outbox` that polls only once a minute, publishing to an exchange
-/// of its own (the fixture keeps it, with a bound queue).
+/// Once PostgreSQL's notification queue is half full (a listener that stopped reading
+/// lets it grow until NOTIFY, and with it the producer's commit, fails), the trigger
+/// sends nothing: commits go through, and only the wake-up is lost (the relays' poll
+/// remains). The queue's usage is stood in for by a function of the same name ahead of
+/// `pg_catalog` on the producer's `search_path` (filling the real 8 GB queue is not a
+/// test).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_half_full_notification_queue_sends_nothing_and_fails_no_commit() {
+    let outbox = fresh_outbox().await;
+    let fake = format!("usage_{}", uuid::Uuid::new_v4().simple());
+    let mut listener = PgListener::connect(&database_url())
+        .await
+        .expect("listener");
+    listener.listen(NOTIFY_CHANNEL).await.expect("LISTEN");
+    for (usage, expected) in [(0.9, 0), (0.1, 1)] {
+        let mut tx = outbox.pool().begin().await.expect("begin");
+        sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
+            "CREATE SCHEMA IF NOT EXISTS {fake};
+             CREATE OR REPLACE FUNCTION {fake}.pg_notification_queue_usage()
+                 RETURNS double precision LANGUAGE sql AS 'SELECT {usage}::float8';
+             SET LOCAL search_path = {fake}, pg_catalog, public;"
+        )))
+        .execute(&mut *tx)
+        .await
+        .expect("stand-in usage");
+        outbox
+            .enqueue_batch(&mut tx, &orders(3))
+            .await
+            .expect("the insert goes through");
+        tx.commit().await.expect("the commit goes through");
+        assert_eq!(
+            notifications_until_quiet(&mut listener, outbox.schema()).await,
+            expected,
+            "queue usage {usage}"
+        );
+    }
+    sqlx::raw_sql(sqlx::AssertSqlSafe(format!("DROP SCHEMA {fake} CASCADE")))
+        .execute(outbox.pool())
+        .await
+        .expect("drop");
+}
+
+/// A dispatcher over `outbox` that polls only once a minute, even right after a claim
+/// that found messages, publishing to an exchange of its own (the fixture keeps it,
+/// with a bound queue).
 async fn slow_polling_dispatcher(
     outbox: &Arc<PgOutbox>,
 ) -> (Dispatcher<PgOutbox, RabbitPublisher>, Fixture) {
@@ -99,7 +142,9 @@ async fn slow_polling_dispatcher(
     let dispatcher = Dispatcher::new(
         Arc::clone(outbox),
         Arc::new(publisher),
-        DispatcherConfig::new().with_poll_interval(Duration::from_secs(60)),
+        DispatcherConfig::new()
+            .with_poll_interval(Duration::from_secs(60))
+            .with_min_poll_interval(Duration::from_secs(60)),
     );
     (dispatcher, fx)
 }
@@ -238,4 +283,93 @@ async fn a_listener_that_cannot_listen_stands_in_for_the_notifications() {
     listener.await.expect("listener task");
     lockout.drop_role().await;
     assert!(sent, "the listener's stand-in wakes published the messages");
+}
+
+/// A relay whose listener connects through a proxy (only the listener: the relay's own
+/// store connects directly), polling only once a minute.
+async fn listening_through(
+    proxy: &outbox_testkit::pg::RoundTripCounter,
+    migrated: &PgOutbox,
+) -> PgOutbox {
+    let options: PgConnectOptions = database_url().parse().expect("database URL");
+    let pool = PgPoolOptions::new()
+        .max_connections(2)
+        .acquire_timeout(Duration::from_secs(3))
+        .connect_with(proxy.options(&options))
+        .await
+        .expect("connect through the proxy");
+    PgOutbox::new(pool, migrated.schema())
+        .expect("outbox")
+        .with_listener_keepalive(Duration::from_secs(2))
+}
+
+/// The listener's connection goes half-open (both ends still open, nothing passes, as
+/// when a peer or a middlebox vanishes without a word): the listener finds out within its
+/// keepalive (2 s here) and the 5 s its check may take, stands in for the notifications
+/// while it reconnects, and a relay polling once a minute still publishes within
+/// seconds.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_half_open_listener_connection_is_found_and_replaced() {
+    let migrated = fresh_outbox().await;
+    let proxy = outbox_testkit::pg::RoundTripCounter::start("127.0.0.1:5432").await;
+    let listening = listening_through(&proxy, &migrated).await;
+    let outbox = Arc::new(migrated.clone());
+    let (dispatcher, _fx) = slow_polling_dispatcher(&outbox).await;
+    let token = CancellationToken::new();
+    let listener = listening.spawn_wake_listener(dispatcher.wake_handle(), token.clone());
+    let relay = {
+        let (d, t) = (dispatcher.clone(), token.clone());
+        tokio::spawn(async move { d.run(t).await })
+    };
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let first = orders(5);
+    enqueue_committed(&migrated, &first).await;
+    assert!(
+        sent_within_10s(&outbox, &first).await,
+        "a notification woke the relay"
+    );
+
+    proxy.freeze_open_connections();
+    // Past the listener's stand-in wakes of its first connection and the relay's
+    // claims: the relay now waits a minute unless woken.
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let second = orders(5);
+    enqueue_committed(&migrated, &second).await;
+    assert!(
+        sent_within_10s(&outbox, &second).await,
+        "the half-open connection was found and the relay woken"
+    );
+    token.cancel();
+    relay.await.expect("join").expect("relay");
+    listener.await.expect("listener task");
+}
+
+/// `LISTEN` succeeds but no notification ever arrives (what a connection pooler in
+/// transaction mode, such as PgBouncer's, does in effect; here a proxy drops them): the
+/// listener's self-test finds out at start, it says so and stands in for the
+/// notifications, and a relay polling once a minute still publishes within seconds.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_listener_that_hears_nothing_says_so_and_stands_in() {
+    let migrated = fresh_outbox().await;
+    let proxy = outbox_testkit::pg::RoundTripCounter::start("127.0.0.1:5432").await;
+    proxy.drop_notifications(true);
+    let listening = listening_through(&proxy, &migrated).await;
+    let outbox = Arc::new(migrated.clone());
+    let (dispatcher, _fx) = slow_polling_dispatcher(&outbox).await;
+    let token = CancellationToken::new();
+    let listener = listening.spawn_wake_listener(dispatcher.wake_handle(), token.clone());
+    let relay = {
+        let (d, t) = (dispatcher.clone(), token.clone());
+        tokio::spawn(async move { d.run(t).await })
+    };
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let batch = orders(5);
+    enqueue_committed(&migrated, &batch).await;
+    assert!(
+        sent_within_10s(&outbox, &batch).await,
+        "the listener's stand-in wakes published the messages"
+    );
+    token.cancel();
+    relay.await.expect("join").expect("relay");
+    listener.await.expect("listener task");
 }

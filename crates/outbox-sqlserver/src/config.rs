@@ -176,10 +176,12 @@ impl MssqlConfig {
         self
     }
 
-    /// Claims without an outcome after which the claim moves a row to `Dead` as a
-    /// suspected crash loop (a count of claims, default [`DEFAULT_CRASH_LOOP_LIMIT`]; 0
-    /// counts as 1): a row that crashes every relay publishing it stops doing so after
-    /// this many crashes. See [`Poison::CrashLoop`](outbox_core::Poison::CrashLoop).
+    /// Claims alone without an outcome after which the claim moves a row to `Dead` as a
+    /// suspected crash loop (a count of claims of the row alone, default
+    /// [`DEFAULT_CRASH_LOOP_LIMIT`]; 0 counts as 1): a row that crashes every relay
+    /// publishing it stops doing so after this many crashes on its own; its batch-mates
+    /// are each claimed alone once and published. See
+    /// [`Poison::CrashLoop`](outbox_core::Poison::CrashLoop).
     #[must_use]
     pub fn with_crash_loop_limit(mut self, limit: u32) -> Self {
         self.crash_loop_limit = limit.max(1);

@@ -5,13 +5,14 @@
 //!
 //! - [`migrate()`]: versioned migrations into a configurable schema (default `outbox`),
 //!   versions 1 to 3 as in the PostgreSQL backend, 4 its 6 (the crash-loop guard), 5 its
-//!   4 (the archive tables);
+//!   4 (the archive tables), 6 its 8 (the crash-loop guard's count of claims alone);
 //! - [`MssqlOutbox`]: [`enqueue`](MssqlOutbox::enqueue) /
 //!   [`enqueue_batch`](MssqlOutbox::enqueue_batch) on the caller's client inside the
 //!   caller's transaction, and the [`OutboxStore`](outbox_core::OutboxStore) the
 //!   dispatcher uses: claims `WITH (ROWLOCK, UPDLOCK, READPAST)` in `(visible_at, seq)`
 //!   order, per-key ordered claims that lock each key's head, fenced leases, the
-//!   crash-loop guard ([`MssqlOutbox::with_crash_loop_limit`]), one-round-trip batch
+//!   crash-loop guard that claims a suspect alone before it kills it
+//!   ([`MssqlOutbox::with_crash_loop_limit`]), one-round-trip batch
 //!   completion in statements of at most 1,000 rows, every time from `SYSUTCDATETIME()`;
 //! - [`MssqlInbox`]: the [`InboxStore`](outbox_core::InboxStore) (an insert that locks
 //!   only its own key inside the consumer's transaction) and the inbox capabilities

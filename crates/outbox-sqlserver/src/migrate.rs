@@ -39,12 +39,18 @@ pub(crate) const MIGRATIONS: &[(i32, &str, &str)] = &[
         "archive tables: outbox_messages_archive, inbox_records_archive",
         include_str!("../migrations/0005_archive.sql"),
     ),
+    (
+        6,
+        "crash-loop guard isolation: unfinished_alone",
+        include_str!("../migrations/0006_crash_loop_isolation.sql"),
+    ),
 ];
 
 /// The highest migration version this crate knows. Versions 1 to 3 match the PostgreSQL
-/// backend's; 4 is its 6 (the crash-loop guard) and 5 its 4 (the archive tables of
-/// `outbox purge --archive`); PostgreSQL's 5 (HOT claims) has no SQL Server counterpart.
-pub const LATEST_VERSION: i32 = 5;
+/// backend's; 4 is its 6 (the crash-loop guard), 5 its 4 (the archive tables of
+/// `outbox purge --archive`) and 6 its 8 (the crash-loop guard's isolation); PostgreSQL's
+/// 5 (HOT claims) and 7 (NOTIFY) have no SQL Server counterpart.
+pub const LATEST_VERSION: i32 = 6;
 
 /// Takes the migration lock (waiting up to 60 s) and creates the schema when missing.
 /// `@P1` lock resource, `@P2` schema name (validated; quoted again with QUOTENAME).
@@ -228,6 +234,22 @@ mod tests {
             ),
             "{squashed}"
         );
+        // Its isolation's count of claims alone: the same shape, its own constraint name.
+        let isolation = batches(MIGRATIONS[5].2, "t_1");
+        assert_eq!(isolation.len(), 1, "one batch");
+        let squashed: String = isolation[0]
+            .lines()
+            .filter(|l| !l.trim_start().starts_with("--"))
+            .flat_map(str::split_whitespace)
+            .collect::<Vec<_>>()
+            .join(" ");
+        assert_eq!(
+            squashed,
+            "IF COL_LENGTH(N'[t_1].outbox_messages', N'unfinished_alone') IS NULL \
+             ALTER TABLE [t_1].outbox_messages ADD unfinished_alone int NOT NULL \
+             CONSTRAINT outbox_messages_unfinished_alone_df DEFAULT 0;"
+        );
+        assert_eq!(MIGRATIONS[5].0, 6);
         // Every time default is the server's UTC clock.
         for (_, _, sql) in MIGRATIONS {
             assert!(!sql.contains("GETDATE()"), "local time used");

@@ -417,7 +417,8 @@ IF @P8 = 0
 BEGIN
     UPDATE m
        SET m.status = 0, m.attempts = 0, m.visible_at = @now, m.lease_until = NULL,
-           m.claim_token = NULL, m.sent_at = NULL, m.unfinished_claims = 0
+           m.claim_token = NULL, m.sent_at = NULL, m.unfinished_claims = 0,
+           m.unfinished_alone = 0
       FROM {t} AS m
       JOIN @source AS src ON src.id = m.id
      WHERE src.status IN (1, 3) AND m.status IN (1, 3);
@@ -1291,7 +1292,7 @@ mod tests {
         assert!(sql.contains("FROM [outbox].outbox_messages AS m WITH (UPDLOCK, ROWLOCK) WHERE m.id IN (SELECT x.message_id FROM @target AS x);"));
         // Only Sent or Dead outbox rows go back to New, with a fresh claim history.
         assert!(sql.contains(
-            "SET m.status = 0, m.attempts = 0, m.visible_at = @now, m.lease_until = NULL, m.claim_token = NULL, m.sent_at = NULL, m.unfinished_claims = 0"
+            "SET m.status = 0, m.attempts = 0, m.visible_at = @now, m.lease_until = NULL, m.claim_token = NULL, m.sent_at = NULL, m.unfinished_claims = 0, m.unfinished_alone = 0"
         ));
         assert!(sql.contains("WHERE src.status IN (1, 3) AND m.status IN (1, 3);"));
         // A dead letter whose outbox row is gone is kept unless clear-only.

@@ -98,15 +98,56 @@ BEGIN TRY
     {insert};
     SET @inserted = @@ROWCOUNT;
 END TRY
-BEGIN CATCH
+{CATCH_DUPLICATE}
+SET XACT_ABORT ON;
+{after}"
+    )
+}
+
+/// The `CATCH` of [`insert_unless_present`] and [`claim_unless_dead`]: a duplicate key
+/// in a live transaction ends only its statement (`XACT_ABORT` is off); anything else,
+/// or a doomed transaction, is re-raised with `XACT_ABORT ON`, which rolls the
+/// transaction back.
+const CATCH_DUPLICATE: &str = "BEGIN CATCH
     IF ERROR_NUMBER() NOT IN (2601, 2627) OR XACT_STATE() = -1
     BEGIN
         SET XACT_ABORT ON;
         THROW;
     END;
-END CATCH;
-SET XACT_ABORT ON;
-{after}"
+END CATCH;";
+
+/// The idempotent consumer's claim of `(id, consumer)` (two T-SQL expressions: the
+/// parameters, or the loop variables of the batch) unless it is a consumer dead letter:
+/// sets `@dead` to 1 for a dead letter (nothing is written), else claims as `inbox_claim`
+/// does (see [`insert_unless_present`]) and sets `@inserted` to the rows inserted (1
+/// claimed, 0 duplicate). The caller declares both, at 0.
+///
+/// The dead-letter check is a plain read of `inbox_failures`' primary key: under read
+/// committed its shared lock, if any, lasts only the read (under
+/// `READ_COMMITTED_SNAPSHOT` it takes none), so the claim holds exactly the locks of
+/// `inbox_claim`: the update or exclusive lock of its own key in `inbox_records`, to
+/// the end of the transaction, and no key-range lock. It runs inside the `TRY` with
+/// `XACT_ABORT` off like the insert, so its errors (a lock timeout) are re-raised the
+/// same way.
+fn claim_unless_dead(inbox: &str, failures: &str, id: &str, consumer: &str) -> String {
+    format!(
+        "SET XACT_ABORT OFF;
+BEGIN TRY
+    IF EXISTS (SELECT 1 FROM {failures} AS d
+                WHERE d.message_id = {id} AND d.consumer = {consumer}
+                  AND d.dead_at IS NOT NULL)
+        SET @dead = 1;
+    ELSE
+    BEGIN
+        INSERT INTO {inbox} (message_id, consumer)
+        SELECT {id}, {consumer}
+         WHERE NOT EXISTS (SELECT 1 FROM {inbox} AS e WITH (UPDLOCK, ROWLOCK)
+                            WHERE e.message_id = {id} AND e.consumer = {consumer});
+        SET @inserted = @@ROWCOUNT;
+    END;
+END TRY
+{CATCH_DUPLICATE}
+SET XACT_ABORT ON;"
     )
 }
 
@@ -250,29 +291,18 @@ const FILTER: &str = "m.status = 3
 /// filtered index. The update re-checks claimability under the lock and returns the
 /// rows through `OUTPUT`. `@P1` batch size, `@P2` lease in ms, `@P3` claim token; with
 /// `guard` (the outbox, not the durable inbox), `guard` names the parameter holding the
-/// crash-loop limit (`@P4`, see [`claim_set`]).
+/// crash-loop limit (`@P4`, see [`claim_set`]) and the claim isolates suspects (see
+/// [`guarded_claim_statement`]).
 fn claim_statement(table: &str, output: &str, guard: Option<&str>) -> String {
-    let set = claim_set(guard);
+    if let Some(limit) = guard {
+        return guarded_claim_statement(table, output, limit);
+    }
+    let set = claim_set(None);
     let recheck = claimable("m");
-    // T-SQL allows ORDER BY in a UNION branch only inside a derived table with TOP.
+    let picked = picked_cte(table, /* with_status */ false);
     format!(
         "DECLARE @now datetime2(7) = SYSUTCDATETIME();
-WITH picked AS (
-    SELECT TOP (@P1) x.id FROM (
-        SELECT f.id, f.visible_at, f.seq FROM (
-            SELECT TOP (@P1) c.id, c.visible_at, c.seq
-              FROM {table} AS c WITH (ROWLOCK, UPDLOCK, READPAST)
-             WHERE c.status = 0 AND c.visible_at <= @now
-             ORDER BY c.visible_at, c.seq) AS f
-        UNION ALL
-        SELECT e.id, e.visible_at, e.seq FROM (
-            SELECT TOP (@P1) c.id, c.visible_at, c.seq
-              FROM {table} AS c WITH (ROWLOCK, UPDLOCK, READPAST)
-             WHERE c.status = 9 AND c.lease_until < @now
-             ORDER BY c.lease_until) AS e
-    ) AS x
-    ORDER BY x.visible_at, x.seq
-)
+WITH {picked}
 UPDATE m
    SET {set}
 OUTPUT {output}
@@ -282,15 +312,101 @@ OUTPUT {output}
     )
 }
 
+/// The CTE `picked` of a claim: up to `@P1` claimable rows, locked `WITH (ROWLOCK,
+/// UPDLOCK, READPAST)`, the first `@P1` in `(visible_at, seq)` order of the first `@P1`
+/// New and visible rows (in that order) and the first `@P1` expired leases (oldest lease
+/// first), each read on its filtered index. It yields `id`, and `with_status` also
+/// `status`, `visible_at` and `seq` (for the guarded claim's isolation). T-SQL allows
+/// ORDER BY in a UNION branch only inside a derived table with TOP.
+fn picked_cte(table: &str, with_status: bool) -> String {
+    let (status, outer) = if with_status {
+        (", c.status", ", x.status, x.visible_at, x.seq")
+    } else {
+        ("", "")
+    };
+    let f = status.replace("c.", "f.");
+    let e = status.replace("c.", "e.");
+    format!(
+        "picked AS (
+    SELECT TOP (@P1) x.id{outer} FROM (
+        SELECT f.id{f}, f.visible_at, f.seq FROM (
+            SELECT TOP (@P1) c.id{status}, c.visible_at, c.seq
+              FROM {table} AS c WITH (ROWLOCK, UPDLOCK, READPAST)
+             WHERE c.status = 0 AND c.visible_at <= @now
+             ORDER BY c.visible_at, c.seq) AS f
+        UNION ALL
+        SELECT e.id{e}, e.visible_at, e.seq FROM (
+            SELECT TOP (@P1) c.id{status}, c.visible_at, c.seq
+              FROM {table} AS c WITH (ROWLOCK, UPDLOCK, READPAST)
+             WHERE c.status = 9 AND c.lease_until < @now
+             ORDER BY c.lease_until) AS e
+    ) AS x
+    ORDER BY x.visible_at, x.seq
+)"
+    )
+}
+
+/// The outbox claim, with the crash-loop guard's isolation (`limit` the parameter holding
+/// the crash-loop limit). Still one statement: `picked` locks the candidates exactly as
+/// the durable inbox's claim does, with their status as read under the lock; `isolated`
+/// numbers them in claim order and gives every one the status of the first
+/// (`FIRST_VALUE`). The update takes the first alone when it is a suspect (status 9:
+/// Processing with an expired lease, its last claim ended without an outcome), otherwise
+/// only the candidates that are not suspects (status 0), and re-checks claimability.
+///
+/// `picked` is referenced once: a CTE is not materialized, and a second reference could
+/// be evaluated a second time and, with `READPAST` and `TOP`, see other rows than the
+/// first (a row committed or unlocked between the two reads), so the decision and the
+/// rows it applies to are computed in one pass (the window functions run over the
+/// `TOP` result; a predicate on their result cannot be pushed below them).
+///
+/// The isolation relies on `i.status` (read in `picked`) being the `m.status` the update
+/// finds: each candidate is update-locked by the read until the statement (its autocommit
+/// transaction) ends, and any change of its status needs an exclusive lock on the key
+/// the read locked (the status is the filter of the index the read seeks, `status = 0`
+/// or `status = 9`, and a column of the clustered row). The kill and the alone count read `m.status`, and the update
+/// re-checks claimability, so a row no longer claimable is never written. Candidates
+/// left out (New rows behind a suspect, suspects behind a New row) are only unlocked at
+/// the end, not changed.
+fn guarded_claim_statement(table: &str, output: &str, limit: &str) -> String {
+    let set = claim_set(Some(limit));
+    let recheck = claimable("m");
+    let picked = picked_cte(table, /* with_status */ true);
+    format!(
+        "DECLARE @now datetime2(7) = SYSUTCDATETIME();
+WITH {picked}, isolated AS (
+    SELECT p.id, p.status,
+           ROW_NUMBER() OVER (ORDER BY p.visible_at, p.seq) AS n,
+           FIRST_VALUE(p.status) OVER (ORDER BY p.visible_at, p.seq ROWS UNBOUNDED PRECEDING) AS first_status
+      FROM picked AS p
+)
+UPDATE m
+   SET {set}
+OUTPUT {output}
+  FROM isolated AS i
+ INNER LOOP JOIN {table} AS m WITH (ROWLOCK, FORCESEEK) ON m.id = i.id
+ WHERE ((i.first_status = 9 AND i.n = 1) OR (i.first_status = 0 AND i.status = 0))
+   AND {recheck};"
+    )
+}
+
 /// The `SET` list of a claim (`@now` declared by the statement, `@P2` lease in ms, `@P3`
 /// claim token). Without `guard` (the durable inbox): Processing under the claim, the
 /// lease, the token, `attempts + 1`. With `guard`, the parameter holding the crash-loop
-/// limit: a row already claimed `limit` times without an outcome is moved to Dead
-/// instead (no lease, no token, `attempts` and the count unchanged, a `last_error` that
-/// says so, `first_failed_at` set if it was not), any other row is claimed as above and
-/// counts one more claim without an outcome. Every completion resets the count (see
-/// [`completion_update`]). The assignments all read the row as it was before the update,
-/// so each `CASE` sees the same `unfinished_claims`.
+/// limit, the crash-loop guard: a row claimed while it is a suspect (`m.status = 9`, its
+/// status before this update: Processing with an expired lease) is claimed alone (the
+/// claim statements make sure of it) and counts one more claim alone without an outcome
+/// (`unfinished_alone + 1`); a suspect already claimed alone `limit` times without an
+/// outcome is moved to Dead instead (no lease, no token, `attempts` and both counts
+/// unchanged, a `last_error` that says so, `first_failed_at` set if it was not). Any
+/// other row (New) is claimed and counts one more claim without an outcome
+/// (`unfinished_claims + 1`), as every claimed row does. Every completion and replay
+/// resets both counts (see [`completion_update`]).
+///
+/// In a T-SQL `UPDATE` every expression of the `SET` list reads the row as it was before
+/// the update (`SET a = b, b = a` swaps), so `m.status` in the later `CASE`s is still the
+/// old status although `m.status` is assigned first, and each `CASE` sees the same
+/// `unfinished_alone`.
 fn claim_set(guard: Option<&str>) -> String {
     let lease = plus_ms("@now", "@P2");
     let Some(limit) = guard else {
@@ -301,7 +417,7 @@ fn claim_set(guard: Option<&str>) -> String {
        m.attempts = m.attempts + 1"
         );
     };
-    let dead = format!("m.unfinished_claims >= {limit}");
+    let dead = format!("(m.status = 9 AND m.unfinished_alone >= {limit})");
     format!(
         "m.status = CASE WHEN {dead} THEN 3 ELSE 9 END,
        m.lease_until = CASE WHEN {dead} THEN NULL ELSE {lease} END,
@@ -309,10 +425,14 @@ fn claim_set(guard: Option<&str>) -> String {
        m.attempts = CASE WHEN {dead} THEN m.attempts ELSE m.attempts + 1 END,
        m.unfinished_claims = CASE WHEN {dead} THEN m.unfinished_claims
                                   ELSE m.unfinished_claims + 1 END,
+       m.unfinished_alone = CASE WHEN {dead} OR m.status <> 9 THEN m.unfinished_alone
+                                 ELSE m.unfinished_alone + 1 END,
        m.last_error = CASE WHEN {dead}
-                           THEN N'suspected crash loop: claimed '
+                           THEN N'suspected crash loop: claimed alone '
+                                + CAST(m.unfinished_alone AS nvarchar(11))
+                                + N' times without an outcome ('
                                 + CAST(m.unfinished_claims AS nvarchar(11))
-                                + N' times without an outcome (each relay holding it stopped, crashed or lost its lease before recording one); replay it once the cause is fixed'
+                                + N' claims without an outcome in all; each relay holding it stopped, crashed or lost its lease before recording one); replay it once the cause is fixed'
                            ELSE m.last_error END,
        m.first_failed_at = CASE WHEN {dead} THEN COALESCE(m.first_failed_at, @now)
                                 ELSE m.first_failed_at END"
@@ -334,27 +454,34 @@ fn claim_set(guard: Option<&str>) -> String {
 ///    `block`, skip the key if a Dead row precedes the head; lock the head `WITH
 ///    (ROWLOCK, UPDLOCK, READPAST)` on the clustered row and re-check under the lock
 ///    that it is still claimable (a key whose head another claimer holds is skipped) and
-///    that nothing earlier became pending. The head lock is the key's mutex.
-/// 3. Runs, at most `ceil(@P1 / keys held)` rows per key: lock the key's claimable rows
-///    from the head on, in `seq` order; cut the run at the first pending row of the key
-///    (seen `WITH (NOLOCK)`) that is not among them, and under `block` at the key's next
-///    Dead row, so the run is consecutive even when a row was skipped as locked.
-/// 4. Fill the batch in waves (every run's first row, keys in walk order, then every
-///    run's second row, ...), at most `@P1`, so each key gets a prefix of its run;
-///    update those rows to Processing and `OUTPUT` them; return the last key visited
-///    as `next_cursor`; commit. Locks on rows that did not make the batch end with the
-///    transaction.
+///    that nothing earlier became pending. The head lock is the key's mutex. The head's
+///    id and status are read under that lock.
+/// 3. The crash-loop guard's isolation: if a held head is a suspect (status 9:
+///    Processing with an expired lease, its last claim ended without an outcome), the
+///    first such head in `seq` order is the whole batch, and steps 4 and 5 are skipped.
+/// 4. Otherwise runs, at most `ceil(@P1 / keys held)` rows per key (every head is New
+///    then): lock the key's New and visible rows from the head on, in `seq` order (the
+///    predicate keeps `status IN (0, 9)` beside `status = 0` so that it plainly matches
+///    the filter of the pending-key index); cut
+///    the run at the first pending row of the key (seen `WITH (NOLOCK)`) that is not
+///    among them, and under `block` at the key's next Dead row, so the run is
+///    consecutive even when a row was skipped as locked. A suspect is pending and never
+///    among them: a run stops before a suspect, which a later claim takes alone once it
+///    is its key's head.
+/// 5. Fill the batch in waves (every run's first row, keys in walk order, then every
+///    run's second row, ...), at most `@P1`, so each key gets a prefix of its run.
+/// 6. Update the batch's rows to Processing (the suspect through the guard, see
+///    [`claim_set`]) and `OUTPUT` them; return the last key visited as `next_cursor`;
+///    commit. Locks on rows that did not make the batch end with the transaction.
 ///
 /// Keys are ordered by `order_hash` (SHA-256), a fixed pseudo-random order; the all-zero
 /// hash serves as "before every key" and is never visited (no SHA-256 preimage is
 /// known). `@P1` batch size, `@P2` lease in ms, `@P3` claim token, `@P4` cursor
-/// (`binary(32)`, NULL at first), `@P5` the crash-loop limit (see [`claim_set`]: a row
-/// of a run may be moved to Dead instead of claimed; under `block` it then holds its
-/// key from the next claim on, and the dispatcher releases the rows of its key that this
-/// batch took after it).
+/// (`binary(32)`, NULL at first), `@P5` the crash-loop limit (see [`claim_set`]: a
+/// suspect head may be moved to Dead instead of claimed, alone in its batch; under
+/// `block` it then holds its key from the next claim on).
 fn claim_ordered_statement(table: &str, output: &str, block: bool) -> String {
     let set = claim_set(Some("@P5"));
-    let claimable_r = claimable("r");
     let claimable_h = claimable("h");
     let dead_before_head = if block {
         format!(
@@ -368,8 +495,8 @@ fn claim_ordered_statement(table: &str, output: &str, block: bool) -> String {
     let dead_stop = if block {
         format!(
             "SET @dead = (SELECT MIN(d.seq) FROM {table} AS d WITH (NOLOCK)
-                   WHERE d.order_hash = @k AND d.status = 3 AND d.seq > @head);
-    IF @dead IS NOT NULL AND (@stop IS NULL OR @dead < @stop) SET @stop = @dead;"
+                       WHERE d.order_hash = @k AND d.status = 3 AND d.seq > @head);
+        IF @dead IS NOT NULL AND (@stop IS NULL OR @dead < @stop) SET @stop = @dead;"
         )
     } else {
         "-- OnDead::Skip: the run goes on past Dead rows.".to_owned()
@@ -381,12 +508,14 @@ DECLARE @now datetime2(7) = SYSUTCDATETIME();
 DECLARE @cursor binary(32) = @P4;
 DECLARE @none binary(32) = 0x0000000000000000000000000000000000000000000000000000000000000000;
 DECLARE @all binary(32) = 0xFFFFFFFFFFFFFFFFFFFFFFFFFFFFFFFFFFFFFFFFFFFFFFFFFFFFFFFFFFFFFFFF;
-DECLARE @heads TABLE (n int IDENTITY(1, 1) PRIMARY KEY, order_hash binary(32) NOT NULL, head_seq bigint NOT NULL);
+DECLARE @heads TABLE (n int IDENTITY(1, 1) PRIMARY KEY, order_hash binary(32) NOT NULL, head_seq bigint NOT NULL,
+                      head_id uniqueidentifier NOT NULL, head_status smallint NOT NULL);
 DECLARE @run TABLE (seq bigint PRIMARY KEY, id uniqueidentifier NOT NULL);
 DECLARE @runs TABLE (rn bigint NOT NULL, n int NOT NULL, id uniqueidentifier NOT NULL, PRIMARY KEY (rn, n));
 DECLARE @claim TABLE (id uniqueidentifier PRIMARY KEY);
 DECLARE @k binary(32), @upper binary(32), @next binary(32), @last binary(32) = NULL;
-DECLARE @lap int, @head bigint, @got bigint, @stop bigint, @dead bigint;
+DECLARE @lap int, @head bigint, @got bigint, @got_id uniqueidentifier, @got_status smallint;
+DECLARE @stop bigint, @dead bigint, @suspect uniqueidentifier;
 DECLARE @held bigint = 0, @steps bigint = 0, @per bigint, @i int = 0, @n int;
 DECLARE @max_steps bigint = CASE WHEN @P1 > 1000000 THEN @P1 ELSE @P1 * 16 + 256 END;
 IF @cursor IS NULL
@@ -410,37 +539,46 @@ BEGIN
     SELECT @k = @next, @last = @next, @steps = @steps + 1;
     {dead_before_head}
     SET @got = NULL;
-    SELECT @got = h.seq
+    SELECT @got = h.seq, @got_id = h.id, @got_status = h.status
       FROM {table} AS h WITH (ROWLOCK, UPDLOCK, READPAST, INDEX(1))
      WHERE h.seq = @head AND h.order_hash = @k AND {claimable_h};
     IF @got IS NULL CONTINUE;
     IF EXISTS (SELECT 1 FROM {table} AS e WITH (NOLOCK)
                 WHERE e.order_hash = @k AND e.status IN (0, 9) AND e.seq < @head)
         CONTINUE;
-    INSERT INTO @heads (order_hash, head_seq) VALUES (@k, @head);
+    INSERT INTO @heads (order_hash, head_seq, head_id, head_status)
+    VALUES (@k, @head, @got_id, @got_status);
     SET @held += 1;
 END;
-SET @per = CASE WHEN @held = 0 THEN 0 ELSE (@P1 + @held - 1) / @held END;
-SELECT @n = COUNT(*) FROM @heads;
-WHILE @i < @n
+SET @suspect = (SELECT TOP (1) hs.head_id FROM @heads AS hs
+                 WHERE hs.head_status = 9 ORDER BY hs.head_seq);
+IF @suspect IS NOT NULL
+    INSERT INTO @claim (id) VALUES (@suspect);
+ELSE
 BEGIN
-    SET @i += 1;
-    SELECT @k = order_hash, @head = head_seq FROM @heads WHERE n = @i;
-    DELETE FROM @run;
-    INSERT INTO @run (seq, id)
-    SELECT TOP (@per) r.seq, r.id
-      FROM {table} AS r WITH (ROWLOCK, UPDLOCK, READPAST)
-     WHERE r.order_hash = @k AND r.status IN (0, 9) AND r.seq >= @head AND {claimable_r}
-     ORDER BY r.seq;
-    SET @stop = (SELECT MIN(s.seq) FROM {table} AS s WITH (NOLOCK)
-                  WHERE s.order_hash = @k AND s.status IN (0, 9) AND s.seq > @head
-                    AND NOT EXISTS (SELECT 1 FROM @run AS x WHERE x.seq = s.seq));
-    {dead_stop}
-    INSERT INTO @runs (rn, n, id)
-    SELECT ROW_NUMBER() OVER (ORDER BY seq), @i, id FROM @run
-     WHERE @stop IS NULL OR seq < @stop;
+    SET @per = CASE WHEN @held = 0 THEN 0 ELSE (@P1 + @held - 1) / @held END;
+    SELECT @n = COUNT(*) FROM @heads;
+    WHILE @i < @n
+    BEGIN
+        SET @i += 1;
+        SELECT @k = order_hash, @head = head_seq FROM @heads WHERE n = @i;
+        DELETE FROM @run;
+        INSERT INTO @run (seq, id)
+        SELECT TOP (@per) r.seq, r.id
+          FROM {table} AS r WITH (ROWLOCK, UPDLOCK, READPAST)
+         WHERE r.order_hash = @k AND r.status IN (0, 9) AND r.seq >= @head
+           AND r.status = 0 AND r.visible_at <= @now
+         ORDER BY r.seq;
+        SET @stop = (SELECT MIN(s.seq) FROM {table} AS s WITH (NOLOCK)
+                      WHERE s.order_hash = @k AND s.status IN (0, 9) AND s.seq > @head
+                        AND NOT EXISTS (SELECT 1 FROM @run AS x WHERE x.seq = s.seq));
+        {dead_stop}
+        INSERT INTO @runs (rn, n, id)
+        SELECT ROW_NUMBER() OVER (ORDER BY seq), @i, id FROM @run
+         WHERE @stop IS NULL OR seq < @stop;
+    END;
+    INSERT INTO @claim (id) SELECT TOP (@P1) id FROM @runs ORDER BY rn, n;
 END;
-INSERT INTO @claim (id) SELECT TOP (@P1) id FROM @runs ORDER BY rn, n;
 UPDATE m
    SET {set}
 OUTPUT {output}
@@ -465,8 +603,9 @@ const COMPLETION_FIELDS: &[(&str, &str)] = &[
 const FENCE: &str = "m.claim_token = u.token AND m.status = 9";
 
 /// Records the completions of the chunk of `@u` (those matching `filter` too), fenced
-/// by [`FENCE`], with `@now` declared by the caller; outputs the ids applied. Every applied completion
-/// resets the row's count of claims without an outcome (the crash-loop guard).
+/// by [`FENCE`], with `@now` declared by the caller; outputs the ids applied. Every
+/// applied completion resets the row's counts of claims without an outcome, all of them
+/// and those alone (the crash-loop guard).
 fn completion_update(table: &str, filter: &str) -> String {
     let retry_at = plus_ms("@now", "u.delay_ms");
     format!(
@@ -475,7 +614,7 @@ fn completion_update(table: &str, filter: &str) -> String {
                         m.attempts = CASE WHEN u.release = 1
                                           THEN CASE WHEN m.attempts > 0 THEN m.attempts - 1 ELSE 0 END
                                           ELSE m.attempts END,
-                        m.visible_at = CASE WHEN u.status = 0 AND u.release = 0
+                        m.visible_at = CASE WHEN u.status = 0 AND (u.release = 0 OR u.delay_ms > 0)
                                             THEN {retry_at} ELSE m.visible_at END,
                         m.last_error = COALESCE(u.error, m.last_error),
                         m.sent_at = CASE WHEN u.status = 1 THEN @now END,
@@ -484,7 +623,8 @@ fn completion_update(table: &str, filter: &str) -> String {
                                                  THEN @now ELSE m.first_failed_at END,
                         m.lease_until = NULL,
                         m.claim_token = NULL,
-                        m.unfinished_claims = 0
+                        m.unfinished_claims = 0,
+                        m.unfinished_alone = 0
                  OUTPUT inserted.id
                    FROM @u AS u
                   INNER LOOP JOIN {table} AS m WITH (ROWLOCK, FORCESEEK) ON m.id = u.id
@@ -521,9 +661,11 @@ impl Queries {
         let sent_cutoff = minus_ms("SYSUTCDATETIME()", "@P1");
         let cols_m = columns("m");
         let cols_out = columns("inserted");
-        // A claim also returns the count of claims without an outcome: with `status` 3
-        // it tells a row the crash-loop guard moved to Dead from a claimed one.
-        let claim_out = format!("{cols_out}, inserted.unfinished_claims");
+        // A claim also returns the counts of claims without an outcome (all of them, and
+        // those alone): `status` 3 tells a row the crash-loop guard moved to Dead from a
+        // claimed one, and `unfinished_alone` is its `Poison::CrashLoop { claims_alone }`.
+        let claim_out =
+            format!("{cols_out}, inserted.unfinished_claims, inserted.unfinished_alone");
         Self {
             // One statement for any number of messages: `@P1` is a JSON array of
             // objects. `ORDER BY` the array index makes IDENTITY assign `seq` in the
@@ -630,9 +772,9 @@ impl Queries {
             replay_count: s(format!(
                 "SELECT COUNT_BIG(*) FROM {t} AS m WHERE {FILTER} OPTION (RECOMPILE)"
             )),
-            // Dead → New only (`m.status = 3` leads FILTER). The count of claims
-            // without an outcome starts again, or a row the crash-loop guard killed
-            // would be killed again by its first claim.
+            // Dead → New only (`m.status = 3` leads FILTER). The counts of claims
+            // without an outcome start again, or a row the crash-loop guard killed
+            // would be killed again by its first claim alone.
             // In chunks (see ROWS_PER_STATEMENT): a replayed row is New, so it leaves
             // FILTER (`m.status = 3`) and the next chunk takes the next rows.
             replay: s(in_chunks(
@@ -640,7 +782,8 @@ impl Queries {
                 &format!(
                     "UPDATE TOP (@step) m
                     SET m.status = 0, m.attempts = 0, m.visible_at = SYSUTCDATETIME(),
-                        m.lease_until = NULL, m.claim_token = NULL, m.unfinished_claims = 0
+                        m.lease_until = NULL, m.claim_token = NULL, m.unfinished_claims = 0,
+                        m.unfinished_alone = 0
                    FROM {t} AS m
                   WHERE {FILTER} OPTION (RECOMPILE);"
                 ),
@@ -689,6 +832,8 @@ pub(crate) struct InboxQueries {
     pub(crate) version_set: Arc<str>,
     pub(crate) failure: Arc<str>,
     pub(crate) is_dead: Arc<str>,
+    pub(crate) claim_unless_dead: Arc<str>,
+    pub(crate) claim_batch_unless_dead: Arc<str>,
     pub(crate) dead_letters: Arc<str>,
     pub(crate) store: Arc<str>,
     pub(crate) claim: Arc<str>,
@@ -734,6 +879,7 @@ impl InboxQueries {
         let v = format!("{q}.inbox_versions");
         let f = format!("{q}.inbox_failures");
         let t = format!("{q}.inbox_messages");
+        let r = format!("{q}.inbox_records");
         let s = |text: String| -> Arc<str> { text.into() };
         let key = version_key_params();
         let retry_at = plus_ms("@now", "u.delay_ms");
@@ -756,15 +902,23 @@ impl InboxQueries {
    AND x.consumer = @P1 AND x.aggregate_type = @P2 AND x.aggregate_id = @P3;"
                 ),
             )),
-            // Only ever raises the stored version.
+            // Only ever raises the stored version, and only inside a transaction that
+            // can still commit: after a handler's failed statement `XACT_ABORT ON` has
+            // rolled the transaction back (the version row's lock and the inbox record
+            // with it), and this update would otherwise run on its own and commit, so
+            // the redelivered message would find its own version applied and be skipped
+            // as stale. Returns `state`, the `XACT_STATE()` it found (1: updated).
             version_set: s(format!(
-                "UPDATE x
+                "DECLARE @state int = XACT_STATE();
+IF @state = 1
+    UPDATE x
                     SET x.version = CASE WHEN x.version IS NULL OR x.version < @P4
                                          THEN @P4 ELSE x.version END,
                         x.updated_at = SYSUTCDATETIME()
                    FROM {v} AS x
                   WHERE x.key_hash = {key}
-                    AND x.consumer = @P1 AND x.aggregate_type = @P2 AND x.aggregate_id = @P3"
+                    AND x.consumer = @P1 AND x.aggregate_type = @P2 AND x.aggregate_id = @P3;
+SELECT @state AS state;"
             )),
             // One failure more; dead (with the message kept) once attempts reach @P5.
             failure: s(format!(
@@ -789,6 +943,50 @@ impl InboxQueries {
                 "SELECT CAST(CASE WHEN EXISTS (
                      SELECT 1 FROM {f} WHERE message_id = @P1 AND consumer = @P2
                         AND dead_at IS NOT NULL) THEN 1 ELSE 0 END AS bit)"
+            )),
+            // The idempotent consumer's one inbox statement per message and handler, on
+            // its transaction's connection (`@P1` message id, `@P2` consumer): the
+            // dead-letter check and the claim together, so that it never needs a second
+            // connection while it holds one (with every pooled connection held by a
+            // consumer transaction, a check on the pool would wait for itself). Returns
+            // `claimed` (1 or 0) and `dead` (1 for a consumer dead letter, nothing
+            // written).
+            claim_unless_dead: s(format!(
+                "DECLARE @inserted int = 0, @dead int = 0;
+{}
+SELECT CAST(@inserted AS int) AS claimed, CAST(@dead AS int) AS dead;",
+                claim_unless_dead(&r, &f, "@P1", "@P2")
+            )),
+            // The same for a batch (`@P1`: a JSON array of `{"id", "consumer"}`
+            // objects, distinct pairs in the caller's lock order): one round trip, the
+            // pairs claimed one statement at a time in array order, so two batches
+            // sharing pairs lock them in the same order and wait instead of
+            // deadlocking (a set-based INSERT would lock in whatever order its plan
+            // reads and sorts). One row per pair: `ord` (its array index), `claimed`,
+            // `dead`.
+            claim_batch_unless_dead: s(format!(
+                "DECLARE @pairs TABLE (ord int NOT NULL PRIMARY KEY, message_id uniqueidentifier NOT NULL,
+                       consumer nvarchar(255) NOT NULL, claimed int NOT NULL, dead int NOT NULL);
+INSERT INTO @pairs (ord, message_id, consumer, claimed, dead)
+SELECT CAST(a.[key] AS int), j.message_id, j.consumer, 0, 0
+  FROM OPENJSON(@P1) AS a
+ CROSS APPLY OPENJSON(a.value) WITH (
+       message_id uniqueidentifier '$.id',
+       consumer nvarchar(255) '$.consumer') AS j;
+DECLARE @i int = 0, @n int, @id uniqueidentifier, @consumer nvarchar(255),
+        @inserted int, @dead int;
+SELECT @n = COUNT(*) FROM @pairs;
+WHILE @i < @n
+BEGIN
+SELECT @id = p.message_id, @consumer = p.consumer FROM @pairs AS p WHERE p.ord = @i;
+SET @inserted = 0;
+SET @dead = 0;
+{}
+UPDATE @pairs SET claimed = @inserted, dead = @dead WHERE ord = @i;
+SET @i = @i + 1;
+END;
+SELECT ord, claimed, dead FROM @pairs ORDER BY ord;",
+                claim_unless_dead(&r, &f, "@id", "@consumer")
             )),
             dead_letters: s(format!(
                 "SELECT TOP (@P2) message_id, consumer, event_type, last_error, attempts, dead_at,
@@ -912,6 +1110,8 @@ mod tests {
             ("version_set", &*q.version_set),
             ("failure", &*q.failure),
             ("is_dead", &*q.is_dead),
+            ("claim_unless_dead", &*q.claim_unless_dead),
+            ("claim_batch_unless_dead", &*q.claim_batch_unless_dead),
             ("inbox_dead_letters", &*q.dead_letters),
             ("store", &*q.store),
             ("inbox_claim_stored", &*q.claim),
@@ -928,6 +1128,8 @@ mod tests {
         for (name, sql) in all_outbox(&q).into_iter().chain(all_inbox(&iq)) {
             println!("-- ===== {name}\n{sql}\nGO\n");
         }
+        let commit = crate::connection::COMMIT_IF_COMMITTABLE;
+        println!("-- ===== commit\n{commit}\nGO\n");
     }
 
     #[test]
@@ -962,7 +1164,7 @@ mod tests {
             );
             assert!(
                 sql.contains("m.claim_token = @P3")
-                    || sql.contains("m.claim_token = CASE WHEN m.unfinished_claims >= @P4 THEN NULL ELSE @P3 END"),
+                    || sql.contains("m.claim_token = CASE WHEN (m.status = 9 AND m.unfinished_alone >= @P4) THEN NULL ELSE @P3 END"),
                 "{name}"
             );
             assert!(
@@ -1066,41 +1268,64 @@ mod tests {
             ("claim_ordered_skip", &*q.claim_ordered_skip, "@P5"),
         ] {
             let update = claim_update(sql);
-            let dead = format!("CASE WHEN m.unfinished_claims >= {limit}");
-            // Every assignment takes the Dead branch on the same condition (SQL Server
-            // evaluates each against the row before the update).
-            assert_eq!(update.matches(&dead).count(), 7, "{name}: {update}");
+            // Killed: a suspect (the old status, Processing: every SET expression of a
+            // T-SQL UPDATE reads the row before the update) already claimed alone
+            // `limit` times without an outcome. A New row is never killed, whatever
+            // its counts.
+            let killed = format!("(m.status = 9 AND m.unfinished_alone >= {limit})");
+            let dead = format!("CASE WHEN {killed}");
+            // Every assignment takes the Dead branch on the same condition.
+            assert_eq!(update.matches(&dead).count(), 8, "{name}: {update}");
             assert_eq!(
-                update.matches("m.unfinished_claims >=").count(),
-                7,
+                update.matches("m.unfinished_alone >=").count(),
+                8,
                 "{name}: only the limit parameter is compared"
             );
+            assert!(
+                !update.contains("m.unfinished_claims >="),
+                "{name}: the count of all claims without an outcome kills nothing"
+            );
             for needle in [
-                format!("m.status = {dead} THEN 3 ELSE 9 END"),
+                format!("SET m.status = {dead} THEN 3 ELSE 9 END"),
                 format!(
                     "m.lease_until = {dead} THEN NULL ELSE {} END",
                     plus_ms("@now", "@P2")
                 ),
                 format!("m.claim_token = {dead} THEN NULL ELSE @P3 END"),
                 format!("m.attempts = {dead} THEN m.attempts ELSE m.attempts + 1 END"),
-                format!("m.unfinished_claims = {dead} THEN m.unfinished_claims"),
+                // Every claim counts one more claim without an outcome ...
+                format!("m.unfinished_claims = {dead} THEN m.unfinished_claims\n"),
                 "ELSE m.unfinished_claims + 1 END".to_owned(),
+                // ... and a suspect's (old status 9) one more claim alone.
+                format!("m.unfinished_alone = {dead} OR m.status <> 9 THEN m.unfinished_alone\n"),
+                "ELSE m.unfinished_alone + 1 END".to_owned(),
                 format!("m.last_error = {dead}"),
-                "THEN N'suspected crash loop: claimed '".to_owned(),
+                "THEN N'suspected crash loop: claimed alone '".to_owned(),
+                "+ CAST(m.unfinished_alone AS nvarchar(11))".to_owned(),
+                "+ N' times without an outcome ('".to_owned(),
                 "+ CAST(m.unfinished_claims AS nvarchar(11))".to_owned(),
-                "+ N' times without an outcome (each relay holding it stopped, crashed or lost its lease before recording one); replay it once the cause is fixed'".to_owned(),
+                "+ N' claims without an outcome in all; each relay holding it stopped, crashed or lost its lease before recording one); replay it once the cause is fixed'".to_owned(),
                 "ELSE m.last_error END".to_owned(),
                 format!("m.first_failed_at = {dead} THEN COALESCE(m.first_failed_at, @now)"),
                 "ELSE m.first_failed_at END".to_owned(),
             ] {
                 assert!(update.contains(&needle), "{name} lacks {needle}:\n{update}");
             }
+            // The status is assigned first: the later CASEs still read the old one
+            // (T-SQL's all-at-once UPDATE), so a suspect's alone count and its
+            // last_error agree with the Dead/claimed branch its status took.
+            let status_at = update.find("SET m.status = ").unwrap_or(usize::MAX);
+            let alone_at = update.find("m.unfinished_alone = ").unwrap_or(0);
+            assert!(status_at < alone_at, "{name}");
             // The store tells a crash-loop row (status 3) from a claimed one by the
-            // returned status and reads the count beside it.
+            // returned status and reads both counts beside it; `unfinished_alone` is
+            // `Poison::CrashLoop { claims_alone }` (unchanged by the kill).
             let output = &update[update.find("OUTPUT ").expect("OUTPUT")..];
             assert!(output.contains("inserted.status"), "{name}");
             assert!(
-                output.trim_end().ends_with(", inserted.unfinished_claims"),
+                output
+                    .trim_end()
+                    .ends_with(", inserted.unfinished_claims, inserted.unfinished_alone"),
                 "{name}: {output}"
             );
             // The limit is the next parameter after those the statement had.
@@ -1109,19 +1334,138 @@ mod tests {
         }
         // Crash-loop rows are only ever rows that were claimable: the plain claim's
         // update re-checks claimability under the lock, the ordered claim updates only
-        // rows its runs locked (UPDLOCK, held to the commit) as claimable.
+        // rows it locked (UPDLOCK, held to the commit) as claimable.
         assert!(q.claim.trim_end().ends_with(
-            "WHERE ((m.status = 0 AND m.visible_at <= @now) OR (m.status = 9 AND m.lease_until < @now));"
+            "AND ((m.status = 0 AND m.visible_at <= @now) OR (m.status = 9 AND m.lease_until < @now));"
         ));
         for sql in [&*q.claim_ordered_block, &*q.claim_ordered_skip] {
             assert!(sql.contains("ON m.id = c.id;\nSELECT @last AS next_cursor;"));
-            assert!(sql.contains("r.seq >= @head AND ((r.status = 0 AND r.visible_at <= @now)"));
+            assert!(sql.contains(
+                "WHERE h.seq = @head AND h.order_hash = @k AND ((h.status = 0 AND h.visible_at <= @now) OR (h.status = 9 AND h.lease_until < @now));"
+            ));
         }
         // The cursor stays @P4 of the ordered claim; the limit is @P5.
         assert!(
             q.claim_ordered_block
                 .contains("DECLARE @cursor binary(32) = @P4;")
         );
+    }
+
+    #[test]
+    fn the_outbox_claim_takes_a_first_suspect_alone_and_no_other_suspect() {
+        let q = Queries::new("outbox");
+        let sql = &*q.claim;
+        // The candidates carry their status, read under the claim's lock, through every
+        // level of the pick (both branches, the union, the TOP).
+        for needle in [
+            "SELECT TOP (@P1) x.id, x.status, x.visible_at, x.seq FROM (",
+            "SELECT f.id, f.status, f.visible_at, f.seq FROM (",
+            "SELECT e.id, e.status, e.visible_at, e.seq FROM (",
+        ] {
+            assert!(sql.contains(needle), "lacks {needle}:\n{sql}");
+        }
+        assert_eq!(
+            sql.matches("SELECT TOP (@P1) c.id, c.status, c.visible_at, c.seq\n              FROM [outbox].outbox_messages AS c WITH (ROWLOCK, UPDLOCK, READPAST)").count(),
+            2,
+            "{sql}"
+        );
+        // Numbered in claim order, each with the first candidate's status, in one pass
+        // over the picked rows: `picked` is referenced once (a CTE is not materialized;
+        // a second reference could read other rows past READPAST and TOP).
+        assert!(sql.contains(
+            "), isolated AS (
+    SELECT p.id, p.status,
+           ROW_NUMBER() OVER (ORDER BY p.visible_at, p.seq) AS n,
+           FIRST_VALUE(p.status) OVER (ORDER BY p.visible_at, p.seq ROWS UNBOUNDED PRECEDING) AS first_status
+      FROM picked AS p
+)"
+        ));
+        assert_eq!(sql.matches("picked").count(), 2, "defined and read once");
+        assert_eq!(sql.matches("isolated").count(), 2, "defined and read once");
+        // The same order as the pick's TOP: the first candidate is the first claimable
+        // row in claim order that no other claimer holds.
+        assert!(sql.contains("    ORDER BY x.visible_at, x.seq\n), isolated AS ("));
+        // The first alone when it is a suspect, else only the New candidates, each
+        // re-checked under the update's lock.
+        assert!(sql.contains(
+            "  FROM isolated AS i
+ INNER LOOP JOIN [outbox].outbox_messages AS m WITH (ROWLOCK, FORCESEEK) ON m.id = i.id
+ WHERE ((i.first_status = 9 AND i.n = 1) OR (i.first_status = 0 AND i.status = 0))
+   AND ((m.status = 0 AND m.visible_at <= @now) OR (m.status = 9 AND m.lease_until < @now));"
+        ));
+        // One statement (one autocommit transaction): the candidates' update locks last
+        // until the update is done.
+        assert_eq!(
+            without_literals(sql).matches(';').count(),
+            2,
+            "DECLARE and the claim:\n{sql}"
+        );
+        assert!(!sql.contains("BEGIN TRANSACTION"));
+        // The durable inbox's claim has no suspects: unchanged, no isolation.
+        let inbox = &*InboxQueries::new("outbox").claim;
+        for absent in ["isolated", "FIRST_VALUE", "x.status", "first_status"] {
+            assert!(!inbox.contains(absent), "inbox claim has {absent}");
+        }
+        assert!(inbox.contains(
+            "SELECT TOP (@P1) x.id FROM (\n        SELECT f.id, f.visible_at, f.seq FROM ("
+        ));
+        assert!(inbox.contains("  FROM picked AS p\n INNER LOOP JOIN [outbox].inbox_messages AS m WITH (ROWLOCK, FORCESEEK) ON m.id = p.id\n WHERE ((m.status = 0"));
+    }
+
+    #[test]
+    fn the_ordered_claim_takes_a_suspect_head_alone_and_stops_runs_before_suspects() {
+        let q = Queries::new("outbox");
+        for sql in [&*q.claim_ordered_block, &*q.claim_ordered_skip] {
+            // The head's id and status are read under the head's lock and kept.
+            assert!(sql.contains(
+                "    SELECT @got = h.seq, @got_id = h.id, @got_status = h.status
+      FROM [outbox].outbox_messages AS h WITH (ROWLOCK, UPDLOCK, READPAST, INDEX(1))"
+            ));
+            assert!(
+                sql.contains("head_id uniqueidentifier NOT NULL, head_status smallint NOT NULL);")
+            );
+            assert!(sql.contains(
+                "    INSERT INTO @heads (order_hash, head_seq, head_id, head_status)
+    VALUES (@k, @head, @got_id, @got_status);"
+            ));
+            // After the walk: the first suspect head in seq order is the whole batch;
+            // the runs are built only when no head is a suspect.
+            let suspect = "SET @suspect = (SELECT TOP (1) hs.head_id FROM @heads AS hs
+                 WHERE hs.head_status = 9 ORDER BY hs.head_seq);
+IF @suspect IS NOT NULL
+    INSERT INTO @claim (id) VALUES (@suspect);
+ELSE
+BEGIN
+    SET @per = ";
+            assert!(sql.contains(suspect), "{sql}");
+            let at = |needle: &str| sql.find(needle).unwrap_or_else(|| panic!("no {needle}"));
+            let walk_end = at("    SET @held += 1;\nEND;\n");
+            let decide = at("SET @suspect = ");
+            let runs = at("        INSERT INTO @run (seq, id)");
+            let waves = at(
+                "    INSERT INTO @claim (id) SELECT TOP (@P1) id FROM @runs ORDER BY rn, n;\nEND;\nUPDATE m",
+            );
+            let update = at("UPDATE m\n");
+            assert!(walk_end < decide && decide < runs && runs < waves && waves < update);
+            assert_eq!(sql.matches("INSERT INTO @claim").count(), 2);
+            // A run takes only New and visible rows (every head is one then) ...
+            assert!(sql.contains(
+                "         WHERE r.order_hash = @k AND r.status IN (0, 9) AND r.seq >= @head
+           AND r.status = 0 AND r.visible_at <= @now
+         ORDER BY r.seq;"
+            ));
+            assert!(!sql.contains("r.status = 9"), "no suspect in a run");
+            // ... and is cut at the first pending row it does not hold: a suspect is
+            // pending (status 9), so the run stops before it.
+            assert!(sql.contains(
+                "WHERE s.order_hash = @k AND s.status IN (0, 9) AND s.seq > @head
+                        AND NOT EXISTS (SELECT 1 FROM @run AS x WHERE x.seq = s.seq));"
+            ));
+            assert!(sql.contains("         WHERE @stop IS NULL OR seq < @stop;"));
+            // Still one batch in one transaction.
+            assert_eq!(sql.matches("BEGIN TRANSACTION;").count(), 1);
+            assert_eq!(sql.matches("COMMIT TRANSACTION;").count(), 1);
+        }
     }
 
     #[test]
@@ -1138,29 +1482,33 @@ mod tests {
             update.contains("m.claim_token = @P3,\n       m.attempts = m.attempts + 1\nOUTPUT ")
         );
         assert!(!iq.complete.contains("unfinished_claims"));
+        assert!(
+            !iq.claim.contains("unfinished_alone") && !iq.complete.contains("unfinished_alone")
+        );
     }
 
     #[test]
     fn completions_and_replays_reset_the_crash_loop_count() {
         let q = Queries::new("outbox");
-        assert_eq!(
-            q.complete.matches("m.unfinished_claims = 0").count(),
-            1,
-            "{}",
-            q.complete
-        );
+        let reset = "m.unfinished_claims = 0,\n                        m.unfinished_alone = 0\n                 OUTPUT inserted.id";
+        for count in ["m.unfinished_claims = 0", "m.unfinished_alone = 0"] {
+            assert_eq!(q.complete.matches(count).count(), 1, "{}", q.complete);
+            assert_eq!(q.complete_deleting_sent.matches(count).count(), 1);
+        }
+        assert!(q.complete.contains(reset), "{}", q.complete);
         // Under SentRetention::Delete the Sent rows are deleted; the other outcomes
-        // (retry, dead, release) reset the count.
+        // (retry, dead, release) reset both counts.
         let d = &q.complete_deleting_sent;
-        assert_eq!(d.matches("m.unfinished_claims = 0").count(), 1);
         let update = &d[d.find("UPDATE m").expect("update")..];
-        assert!(update.contains("m.claim_token = NULL,\n                        m.unfinished_claims = 0\n                 OUTPUT inserted.id"));
-        assert!(!d[..d.find("UPDATE m").unwrap_or(0)].contains("unfinished_claims"));
-        // A replayed row starts counting again, or the guard would kill it at once.
-        assert!(
-            q.replay
-                .contains("m.claim_token = NULL, m.unfinished_claims = 0")
-        );
+        assert!(update.contains(&format!(
+            "m.claim_token = NULL,\n                        {reset}"
+        )));
+        assert!(!d[..d.find("UPDATE m").unwrap_or(0)].contains("unfinished_"));
+        // A replayed row starts counting again, or the guard would kill it at its first
+        // claim alone.
+        assert!(q.replay.contains(
+            "m.claim_token = NULL, m.unfinished_claims = 0,\n                        m.unfinished_alone = 0\n"
+        ));
     }
 
     #[test]
@@ -1213,6 +1561,8 @@ mod tests {
         // no key-range locks (HOLDLOCK / SERIALIZABLE), no MERGE.
         for (name, sql) in [
             ("inbox_claim", &*q.inbox_claim),
+            ("claim_unless_dead", &*iq.claim_unless_dead),
+            ("claim_batch_unless_dead", &*iq.claim_batch_unless_dead),
             ("version_get", &*iq.version_get),
             ("version_set", &*iq.version_set),
         ] {
@@ -1282,6 +1632,148 @@ mod tests {
                 "{name}: the read runs after"
             );
         }
+    }
+
+    /// The claim of `inbox_claim` (the insert and its duplicate-key handling) with the
+    /// parameters spelled `id` and `consumer`.
+    fn the_claim_of_try_claim(id: &str, consumer: &str) -> String {
+        format!(
+            "INSERT INTO [outbox].inbox_records (message_id, consumer)
+        SELECT {id}, {consumer}
+         WHERE NOT EXISTS (SELECT 1 FROM [outbox].inbox_records AS e WITH (UPDLOCK, ROWLOCK)
+                            WHERE e.message_id = {id} AND e.consumer = {consumer});
+        SET @inserted = @@ROWCOUNT;
+    END;
+END TRY
+BEGIN CATCH
+    IF ERROR_NUMBER() NOT IN (2601, 2627) OR XACT_STATE() = -1
+    BEGIN
+        SET XACT_ABORT ON;
+        THROW;
+    END;
+END CATCH;
+SET XACT_ABORT ON;"
+        )
+    }
+
+    #[test]
+    fn the_dead_letter_check_and_the_claim_are_one_statement() {
+        let q = Queries::new("outbox");
+        let iq = InboxQueries::new("outbox");
+        let sql = &*iq.claim_unless_dead;
+        let at = |needle: &str| {
+            sql.find(needle)
+                .unwrap_or_else(|| panic!("lacks {needle}:\n{sql}"))
+        };
+        // Two parameters, the pair; nothing is read from the pool's other connections.
+        assert!(sql.contains("@P1") && sql.contains("@P2") && !sql.contains("@P3"));
+        assert!(sql.starts_with(
+            "DECLARE @inserted int = 0, @dead int = 0;\nSET XACT_ABORT OFF;\nBEGIN TRY\n"
+        ));
+        // A dead letter is a failure row of this pair with dead_at set, read by its
+        // primary key, without hints: no lock outlives the read, and an in-flight
+        // failure count of the same pair is waited for, not skipped.
+        assert!(sql.contains(
+            "    IF EXISTS (SELECT 1 FROM [outbox].inbox_failures AS d
+                WHERE d.message_id = @P1 AND d.consumer = @P2
+                  AND d.dead_at IS NOT NULL)
+        SET @dead = 1;
+    ELSE
+    BEGIN
+"
+        ));
+        assert!(!sql.contains("inbox_failures AS d WITH"), "{sql}");
+        // Then exactly try_claim's insert, locks and duplicate-key handling.
+        assert!(sql.contains(&the_claim_of_try_claim("@P1", "@P2")), "{sql}");
+        assert!(
+            q.inbox_claim.contains(
+                "WHERE NOT EXISTS (SELECT 1 FROM [outbox].inbox_records AS e WITH (UPDLOCK, ROWLOCK)\n                        WHERE e.message_id = @P1 AND e.consumer = @P2)"
+            ),
+            "the same lock hints as try_claim"
+        );
+        assert_eq!(sql.matches("INSERT INTO").count(), 1);
+        assert_eq!(sql.matches("WITH (").count(), 1, "one hinted table: {sql}");
+        // Order: XACT_ABORT off, the check, the insert, the catch, XACT_ABORT on, the
+        // answer.
+        let (off, check, insert, catch, on, answer) = (
+            at("SET XACT_ABORT OFF;"),
+            at("IF EXISTS"),
+            at("INSERT INTO"),
+            at("BEGIN CATCH"),
+            sql.rfind("SET XACT_ABORT ON;").unwrap_or(0),
+            at("SELECT CAST(@inserted"),
+        );
+        assert!(off < check && check < insert && insert < catch && catch < on && on < answer);
+        assert!(
+            sql.trim_end()
+                .ends_with("SELECT CAST(@inserted AS int) AS claimed, CAST(@dead AS int) AS dead;")
+        );
+    }
+
+    #[test]
+    fn a_batch_claims_pair_by_pair_in_the_callers_order() {
+        let iq = InboxQueries::new("outbox");
+        let sql = &*iq.claim_batch_unless_dead;
+        // One parameter: the pairs as a JSON array, in the caller's (sorted) order.
+        assert!(sql.contains("@P1") && !sql.contains("@P2"));
+        assert!(sql.contains(
+            "SELECT CAST(a.[key] AS int), j.message_id, j.consumer, 0, 0
+  FROM OPENJSON(@P1) AS a
+ CROSS APPLY OPENJSON(a.value) WITH (
+       message_id uniqueidentifier '$.id',
+       consumer nvarchar(255) '$.consumer') AS j;"
+        ));
+        // A loop over the array index, ascending, one pair per iteration: the locks are
+        // taken in the array's order, whatever plan a set-based insert would choose.
+        for needle in [
+            "(ord int NOT NULL PRIMARY KEY,",
+            "DECLARE @i int = 0, @n int,",
+            "SELECT @n = COUNT(*) FROM @pairs;",
+            "WHILE @i < @n\nBEGIN\n",
+            "SELECT @id = p.message_id, @consumer = p.consumer FROM @pairs AS p WHERE p.ord = @i;",
+            "SET @inserted = 0;\nSET @dead = 0;\nSET XACT_ABORT OFF;\nBEGIN TRY\n",
+            "UPDATE @pairs SET claimed = @inserted, dead = @dead WHERE ord = @i;\nSET @i = @i + 1;\nEND;\n",
+        ] {
+            assert!(sql.contains(needle), "lacks {needle}:\n{sql}");
+        }
+        // Each pair: the single claim's dead-letter check, insert and catch, on the
+        // loop's variables.
+        assert!(
+            sql.contains(&the_claim_of_try_claim("@id", "@consumer")),
+            "{sql}"
+        );
+        assert!(sql.contains("WHERE d.message_id = @id AND d.consumer = @consumer"));
+        assert_eq!(sql.matches("INSERT INTO [outbox].inbox_records").count(), 1);
+        let single = &*iq.claim_unless_dead;
+        let body = |sql: &str, id: &str, consumer: &str| -> String {
+            let from = sql.find("SET XACT_ABORT OFF;").unwrap_or(0);
+            let to = sql.rfind("SET XACT_ABORT ON;").unwrap_or(0);
+            sql[from..to]
+                .replace(id, "ID")
+                .replace(consumer, "CONSUMER")
+        };
+        assert_eq!(
+            body(sql, "@id", "@consumer"),
+            body(single, "@P1", "@P2"),
+            "the loop's body is the single claim"
+        );
+        assert!(
+            sql.trim_end()
+                .ends_with("SELECT ord, claimed, dead FROM @pairs ORDER BY ord;")
+        );
+    }
+
+    #[test]
+    fn a_version_is_recorded_only_in_a_transaction_that_can_commit() {
+        let iq = InboxQueries::new("outbox");
+        let sql = &*iq.version_set;
+        assert!(
+            sql.starts_with("DECLARE @state int = XACT_STATE();\nIF @state = 1\n    UPDATE x\n")
+        );
+        assert!(sql.trim_end().ends_with(
+            "AND x.consumer = @P1 AND x.aggregate_type = @P2 AND x.aggregate_id = @P3;\nSELECT @state AS state;"
+        ));
+        assert_eq!(sql.matches("UPDATE").count(), 1);
     }
 
     #[test]

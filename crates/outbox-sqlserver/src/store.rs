@@ -97,8 +97,10 @@ impl MssqlOutbox {
     }
 
     /// The same outbox whose claims move a row to `Dead` as a suspected crash loop once
-    /// it has been claimed `limit` times in a row without an outcome (a count of claims,
-    /// default [`DEFAULT_CRASH_LOOP_LIMIT`]; 0 counts as 1; see [`Poison::CrashLoop`]).
+    /// it has been claimed alone `limit` times in a row without an outcome (a count of
+    /// claims of the row alone, as a suspect: see the crash-loop guard in
+    /// [`OutboxStore`]'s contract; default [`DEFAULT_CRASH_LOOP_LIMIT`]; 0 counts as 1;
+    /// see [`Poison::CrashLoop`]).
     #[must_use]
     pub fn with_crash_loop_limit(mut self, limit: u32) -> Self {
         self.crash_loop_limit = limit.max(1);
@@ -293,6 +295,12 @@ fn encode_completions(completions: &[Completion]) -> String {
                     (MessageStatus::Dead, 0, Some(error.as_str()), false)
                 }
                 CompletionOutcome::Release => (MessageStatus::New, 0, None, true),
+                CompletionOutcome::Defer { delay, error } => (
+                    MessageStatus::New,
+                    millis(*delay),
+                    Some(error.as_str()),
+                    true,
+                ),
             };
             serde_json::json!({
                 "id": c.id,
@@ -421,7 +429,8 @@ fn limit(n: usize) -> i64 {
 }
 
 /// The rows of a claim under `token`: a row the claim moved to `Dead` (status 3, the
-/// crash-loop guard) is a [`Poison::CrashLoop`] and is not decoded; a row that does not
+/// crash-loop guard) is a [`Poison::CrashLoop`] with its count of claims alone
+/// (`unfinished_alone`, unchanged by the kill) and is not decoded; a row that does not
 /// decode is a [`Poison::Undecodable`] (it stays `Processing` under the claim for the
 /// dispatcher to complete as `Dead`); the rest are messages in `seq` order.
 fn claimed(rows: &[Row], token: Uuid) -> Result<ClaimedBatch, OutboxError> {
@@ -431,11 +440,11 @@ fn claimed(rows: &[Row], token: Uuid) -> Result<ClaimedBatch, OutboxError> {
         let id = row_id(row)?.to_string();
         let status: i16 = req(row, "status", &id)?;
         if status == MessageStatus::Dead.code() {
-            let claims: i32 = req(row, "unfinished_claims", &id)?;
+            let alone: i32 = req(row, "unfinished_alone", &id)?;
             poison.push(poison_row(
                 row,
                 Poison::CrashLoop {
-                    claims: u32::try_from(claims).unwrap_or(0),
+                    claims_alone: u32::try_from(alone).unwrap_or(0),
                 },
             )?);
             continue;

@@ -93,10 +93,22 @@ impl PgLockout {
 /// simple `Query` and every `Sync` (the end of an extended-protocol exchange) the client
 /// sends is one request answered by one `ReadyForQuery`. Connect through
 /// [`options`](Self::options) (`sslmode=disable`, so the protocol can be read).
+///
+/// [`freeze_open_connections`](Self::freeze_open_connections) makes the connections
+/// open at that moment half-open: both sockets stay open and nothing passes any more,
+/// either way, as when a peer or a middlebox vanishes without a word; connections made
+/// afterwards pass as usual. [`drop_notifications`](Self::drop_notifications) makes it
+/// drop every notification (`NotificationResponse`) the server sends, as a connection
+/// pooler in transaction mode does in effect: `LISTEN` succeeds and nothing arrives.
 #[derive(Debug)]
 pub struct RoundTripCounter {
     addr: std::net::SocketAddr,
     count: std::sync::Arc<std::sync::atomic::AtomicU64>,
+    /// Connections accepted so far (each one's number is its order).
+    opened: std::sync::Arc<std::sync::atomic::AtomicU64>,
+    /// Connections numbered up to this one are frozen (0: none).
+    frozen_up_to: std::sync::Arc<std::sync::atomic::AtomicU64>,
+    deaf: std::sync::Arc<std::sync::atomic::AtomicBool>,
 }
 
 impl RoundTripCounter {
@@ -112,22 +124,54 @@ impl RoundTripCounter {
             .expect("listen");
         let addr = listener.local_addr().expect("address");
         let count = std::sync::Arc::new(AtomicU64::new(0));
+        let opened = std::sync::Arc::new(AtomicU64::new(0));
+        let frozen_up_to = std::sync::Arc::new(AtomicU64::new(0));
         let upstream = upstream.to_owned();
         let counter = std::sync::Arc::clone(&count);
+        let deaf = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let (accepted, freeze) = (
+            std::sync::Arc::clone(&opened),
+            std::sync::Arc::clone(&frozen_up_to),
+        );
+        let deafness = std::sync::Arc::clone(&deaf);
         tokio::spawn(async move {
             while let Ok((client, _)) = listener.accept().await {
+                let number = accepted.fetch_add(1, std::sync::atomic::Ordering::SeqCst) + 1;
                 let upstream = upstream.clone();
                 let counter = std::sync::Arc::clone(&counter);
+                let frozen = Frozen {
+                    number,
+                    frozen_up_to: std::sync::Arc::clone(&freeze),
+                    deaf: std::sync::Arc::clone(&deafness),
+                };
                 tokio::spawn(async move {
                     if let Ok(server) = tokio::net::TcpStream::connect(&upstream).await {
                         let _ = client.set_nodelay(true);
                         let _ = server.set_nodelay(true);
-                        proxy(client, server, counter).await;
+                        proxy(client, server, counter, frozen).await;
                     }
                 });
             }
         });
-        Self { addr, count }
+        Self {
+            addr,
+            count,
+            opened,
+            frozen_up_to,
+            deaf,
+        }
+    }
+
+    /// Drops (`true`) or passes (`false`, the default) the server's notifications.
+    pub fn drop_notifications(&self, drop: bool) {
+        self.deaf.store(drop, std::sync::atomic::Ordering::SeqCst);
+    }
+
+    /// Makes every connection open now half-open (see the type's docs).
+    pub fn freeze_open_connections(&self) {
+        let opened = self.opened.load(std::sync::atomic::Ordering::SeqCst);
+        self.frozen_up_to
+            .store(opened, std::sync::atomic::Ordering::SeqCst);
     }
 
     /// Connect options of `base` pointed at the proxy, without TLS.
@@ -144,14 +188,33 @@ impl RoundTripCounter {
     }
 }
 
+/// Whether one proxied connection is frozen, and whether notifications are dropped.
+struct Frozen {
+    number: u64,
+    frozen_up_to: std::sync::Arc<std::sync::atomic::AtomicU64>,
+    deaf: std::sync::Arc<std::sync::atomic::AtomicBool>,
+}
+
+impl Frozen {
+    fn now(&self) -> bool {
+        self.number <= self.frozen_up_to.load(std::sync::atomic::Ordering::SeqCst)
+    }
+}
+
 async fn proxy(
     client: tokio::net::TcpStream,
     server: tokio::net::TcpStream,
     count: std::sync::Arc<std::sync::atomic::AtomicU64>,
+    frozen: Frozen,
 ) {
     use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
     let (mut client_read, mut client_write) = client.into_split();
     let (mut server_read, mut server_write) = server.into_split();
+    let frozen_down = Frozen {
+        number: frozen.number,
+        frozen_up_to: std::sync::Arc::clone(&frozen.frozen_up_to),
+        deaf: std::sync::Arc::clone(&frozen.deaf),
+    };
     let upstream = async move {
         // The startup message has no type byte; every later message is
         // type (1) + length (4, itself included) + body.
@@ -163,6 +226,10 @@ async fn proxy(
                 Ok(0) | Err(_) => break,
                 Ok(n) => n,
             };
+            if frozen.now() {
+                // Half-open: the sockets stay, nothing passes.
+                std::future::pending::<()>().await;
+            }
             if server_write.write_all(&chunk[..n]).await.is_err() {
                 break;
             }
@@ -192,7 +259,36 @@ async fn proxy(
         }
     };
     let downstream = async move {
-        let _ = tokio::io::copy(&mut server_read, &mut client_write).await;
+        // Every server message is type (1) + length (4, itself included) + body (no
+        // TLS, no SSL negotiation byte).
+        let mut buf: Vec<u8> = Vec::new();
+        let mut chunk = [0u8; 16 * 1024];
+        loop {
+            let n = match server_read.read(&mut chunk).await {
+                Ok(0) | Err(_) => break,
+                Ok(n) => n,
+            };
+            if frozen_down.now() {
+                std::future::pending::<()>().await;
+            }
+            buf.extend_from_slice(&chunk[..n]);
+            let mut out = Vec::with_capacity(buf.len());
+            while buf.len() >= 5 {
+                let len = u32::from_be_bytes([buf[1], buf[2], buf[3], buf[4]]) as usize;
+                if buf.len() < len + 1 {
+                    break;
+                }
+                let message: Vec<u8> = buf.drain(..len + 1).collect();
+                let dropped = message[0] == b'A'
+                    && frozen_down.deaf.load(std::sync::atomic::Ordering::SeqCst);
+                if !dropped {
+                    out.extend_from_slice(&message);
+                }
+            }
+            if !out.is_empty() && client_write.write_all(&out).await.is_err() {
+                break;
+            }
+        }
     };
     tokio::join!(upstream, downstream);
 }

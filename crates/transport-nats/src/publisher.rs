@@ -30,10 +30,11 @@
 //! | PubAck                                                  | `Published`                              |
 //! | PubAck with `duplicate: true` (same `Nats-Msg-Id` inside the stream's duplicate window) | `Published` (stored once, earlier) |
 //! | no responders, and no stream captures the subject       | `Permanent(Unroutable)`                  |
-//! | no responders, but a stream captures the subject now    | `Transient(Rejected)`: an outage, circuit opens |
+//! | no responders, but a stream captures the subject now    | `Transient(Rejected)`: its destination's circuit opens |
 //! | JetStream API does not answer, not connected, connection lost | `Transient(Unavailable)`: circuit opens |
 //! | JetStream error `10054` (over the stream's `max_msg_size`), or over the server's `max_payload` | `Permanent(Other)` |
-//! | other JetStream error (e.g. `10077` store failed, stream full with `discard: new`, no leader) | `Transient(Rejected)`: an outage, circuit opens |
+//! | JetStream error `10077` (store failed: stream full with `discard: new`), `10047`, `10023` (out of storage) | `Transient(Rejected)`: its destination's circuit opens, the other subjects flow |
+//! | other JetStream error (e.g. no leader) | `Transient(Rejected)`: its destination's circuit opens |
 //! | no PubAck within the deadline (a slow or frozen server, or the window stayed full) | `Transient(Timeout)`: an outage, circuit opens |
 //! | no PubAck within the deadline, connection lost meanwhile | `Transient(Unavailable)`: circuit opens |
 //!
@@ -609,6 +610,17 @@ impl Failure {
                         message: format!("the message exceeds the stream's max_msg_size: {e}"),
                         source: Some(Box::new(e)),
                     },
+                    // The stream cannot store it now (full with `discard: new`, out of
+                    // storage): code 503 like the outages below, but the stream's own
+                    // state, so only its subjects wait.
+                    Some((
+                        _,
+                        ErrorCode::STREAM_STORE_FAILED
+                        | ErrorCode::STORAGE_RESOURCES_EXCEEDED
+                        | ErrorCode::INSUFFICIENT_RESOURCES,
+                    )) => PublishError::Rejected {
+                        reason: format!("the stream cannot store the message now: {e}"),
+                    },
                     Some((503, _))
                     | Some((
                         _,
@@ -868,6 +880,7 @@ mod properties {
             false,
             Some(1),
         )
+        .map_err(|undecodable| undecodable.error)
     }
 
     proptest! {

@@ -24,7 +24,7 @@
 //! |-------------------------------------------------|--------------------------------------------|
 //! | `basic.ack`                                     | `Published`                                |
 //! | `basic.return` then `basic.ack` (mandatory, no queue bound) | `Permanent(Unroutable)`        |
-//! | `basic.nack` (a queue at `x-max-length` with `reject-publish`, a queue failure) | `Transient(Rejected)`: an outage, circuit opens |
+//! | `basic.nack` (a queue at `x-max-length` with `reject-publish`, a queue failure) | `Transient(Rejected)`: its routing key's circuit opens, the other routing keys flow |
 //! | no confirm requested (confirm mode off)         | `Permanent(ConfirmsNotEnabled)`            |
 //! | connection or channel lost, broker unreachable  | `Transient(Unavailable)`: circuit opens    |
 //! | connection blocked by a broker resource alarm   | `Transient(Unavailable)`: circuit opens    |

@@ -2,11 +2,15 @@
 #![allow(dead_code, unreachable_pub, unused_imports)] // reason: each test binary uses a different subset
 
 use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::process::{Child, Command, ExitStatus, Stdio};
+use std::time::{Duration, Instant};
 
 use outbox_core::NewMessage;
 use outbox_postgres::{PgConfig, PgOutbox};
 use sqlx::AssertSqlSafe;
 use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+use uuid::Uuid;
 
 pub fn database_url() -> String {
     std::env::var("DATABASE_URL")
@@ -90,3 +94,105 @@ pub async fn http_get(addr: SocketAddr, path: &str) -> (u16, String) {
 
 /// Polls `f` every 50 ms until it is true or a timeout passes (shared test support).
 pub use outbox_testkit::rabbit::eventually;
+
+/// A running `outbox relay`, its log in a file; killed on drop if still running.
+pub struct RelayProcess {
+    child: Child,
+    log: PathBuf,
+}
+
+impl RelayProcess {
+    /// `outbox relay` over `db`'s schema with `args` after the subcommand.
+    pub fn start(db: &PgOutbox, args: &[&str]) -> Self {
+        Self::start_with_env(db, args, &[])
+    }
+
+    /// [`start`](Self::start) with extra environment variables.
+    pub fn start_with_env(db: &PgOutbox, args: &[&str], env: &[(&str, &str)]) -> Self {
+        let log = std::env::temp_dir().join(format!("outbox-relay-{}.log", Uuid::new_v4()));
+        let file = std::fs::File::create(&log).expect("log file");
+        let bin = std::env::var_os("OUTBOX_RELAY_BIN")
+            .unwrap_or_else(|| env!("CARGO_BIN_EXE_outbox").into());
+        let child = Command::new(bin)
+            .args(["--database-url", &database_url(), "--schema", db.schema()])
+            .arg("relay")
+            .args(["--listen", "127.0.0.1:0", "--poll-interval", "50ms"])
+            .args(args)
+            .env_remove("OUTBOX_CONFIG")
+            .env("RUST_LOG", "info")
+            .envs(env.iter().copied())
+            .stdout(Stdio::null())
+            .stderr(file)
+            .spawn()
+            .expect("start outbox relay");
+        Self { child, log }
+    }
+
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
+    pub fn running(&mut self) -> bool {
+        self.child.try_wait().expect("try_wait").is_none()
+    }
+
+    pub fn log(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+
+    /// Sends SIGTERM.
+    pub fn terminate(&self) {
+        let pid = self.child.id().to_string();
+        assert!(
+            Command::new("kill")
+                .args(["-TERM", &pid])
+                .status()
+                .is_ok_and(|s| s.success()),
+            "kill -TERM {pid}"
+        );
+    }
+
+    /// Waits up to `limit` for the process to exit.
+    pub async fn exited_within(&mut self, limit: Duration) -> Option<ExitStatus> {
+        let deadline = Instant::now() + limit;
+        loop {
+            if let Some(status) = self.child.try_wait().expect("try_wait") {
+                return Some(status);
+            }
+            if Instant::now() > deadline {
+                return None;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+}
+
+impl Drop for RelayProcess {
+    fn drop(&mut self) {
+        if self.running() {
+            let _ = self.child.kill();
+            let _ = self.child.wait();
+        }
+        if !std::thread::panicking() {
+            let _ = std::fs::remove_file(&self.log);
+        }
+    }
+}
+
+/// Waits for `condition` (checked every 100 ms) up to `limit`; panics naming `what`,
+/// with the relay's log.
+pub async fn wait_until<F, Fut>(relay: &RelayProcess, limit: Duration, what: &str, mut condition: F)
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = bool>,
+{
+    let deadline = Instant::now() + limit;
+    while !condition().await {
+        assert!(
+            Instant::now() < deadline,
+            "timed out waiting until {what}; relay log:\n{}",
+            relay.log()
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}

@@ -12,10 +12,14 @@ use tracing::{Instrument as _, info, info_span, warn};
 use super::Dispatcher;
 use super::publisher_stage::Mode;
 use super::run::{Claimed, Finished, Stop};
-use crate::error::OutboxError;
+use crate::error::{OutboxError, PublishError};
 use crate::ordering::Ordering;
 use crate::publisher::EventPublisher;
 use crate::store::{ClaimedBatch, OutboxStore};
+
+/// How many claims of poison rows alone a half-open trial goes through looking for a
+/// message to try, before it waits for the next probe.
+const MAX_POISON_BEFORE_TRIAL: usize = 10;
 
 impl<S: OutboxStore, P: EventPublisher> Dispatcher<S, P> {
     /// Stage 1: claims batches while there is work, hands them to the publishers; while
@@ -28,6 +32,14 @@ impl<S: OutboxStore, P: EventPublisher> Dispatcher<S, P> {
     ) -> Result<(), OutboxError> {
         let mut store_backoff = Duration::ZERO;
         let mut poll_wait = self.config.poll_interval;
+        // Nothing is claimed that cannot be published: a relay (re)started while the
+        // broker is unreachable or frozen would otherwise hold rows it cannot publish
+        // until it is killed again, each time a claim without an outcome. Until the
+        // publisher is ready the circuit is open: probed with backoff, nothing claimed.
+        if let Err(e) = self.ready().await {
+            self.circuit.trip();
+            warn!(error = %e, "the broker cannot take messages yet: nothing is claimed until it can (probing with backoff)");
+        }
         while !stop.is_stopping() {
             let step = if self.circuit.is_open() {
                 self.half_open(&done_tx, &stop).await
@@ -92,14 +104,34 @@ impl<S: OutboxStore, P: EventPublisher> Dispatcher<S, P> {
             () = stop.stopping() => return Ok(()),
             () = tokio::time::sleep(delay) => {}
         }
-        if let Err(e) = self.publisher.check_ready().await {
+        if let Err(e) = self.ready().await {
             warn!(error = %e, waited_ms = delay.as_millis() as u64, "broker still unavailable");
             return Ok(());
         }
-        let batch = self.claim(1).await?;
-        if batch.is_empty() {
-            self.circuit.close().await;
-            info!("broker ready again (nothing to publish as a trial), circuit closed");
+        // The trial needs a message to publish: a claim that finds only poison rows
+        // (recorded dead here, as ever) proves nothing about the broker, so claim again.
+        let mut batch = self.claim(1).await?;
+        for _ in 0..MAX_POISON_BEFORE_TRIAL {
+            let only_poison = batch.messages.is_empty() && !batch.poison.is_empty();
+            if !only_poison {
+                break;
+            }
+            self.count_claimed(&batch);
+            let (completions, report) = self.decide(&[], Vec::new(), &batch.poison);
+            let finished = Finished {
+                completions,
+                report,
+                claimed_at: Instant::now(),
+            };
+            let _ = done_tx.send(finished).await;
+            batch = self.claim(1).await?;
+        }
+        if batch.messages.is_empty() {
+            if batch.poison.is_empty() {
+                self.circuit.close().await;
+                info!("broker ready again (nothing to publish as a trial), circuit closed");
+            }
+            // Only poison again: the circuit stays open until a message is tried.
             return Ok(());
         }
         self.count_claimed(&batch);
@@ -111,6 +143,19 @@ impl<S: OutboxStore, P: EventPublisher> Dispatcher<S, P> {
         // The completer is gone only when the run is over.
         let _ = done_tx.send(finished).await;
         Ok(())
+    }
+
+    /// The publisher's [`check_ready`](EventPublisher::check_ready), given up after its
+    /// publish timeout (30 s when it states none): a broker that accepts connections
+    /// and answers nothing is not ready.
+    async fn ready(&self) -> Result<(), PublishError> {
+        let limit = self
+            .publisher
+            .publish_timeout()
+            .unwrap_or(Duration::from_secs(30));
+        tokio::time::timeout(limit, self.publisher.check_ready())
+            .await
+            .unwrap_or(Err(PublishError::Timeout(limit)))
     }
 
     pub(super) async fn claim(&self, batch_size: usize) -> Result<ClaimedBatch, OutboxError> {

@@ -3,6 +3,7 @@
 use tracing::{debug, error, warn};
 
 use super::{BatchReport, Dispatcher};
+use crate::error::PublishError;
 use crate::message::OutboxMessage;
 use crate::publisher::{EventPublisher, PublishOutcome};
 use crate::store::{Completion, CompletionOutcome, OutboxStore, Poison, PoisonRow};
@@ -57,8 +58,8 @@ impl<S: OutboxStore, P: EventPublisher> Dispatcher<S, P> {
                         },
                     });
                 }
-                Poison::CrashLoop { claims } => {
-                    warn!(id = %row.id, claims, "poison row: claimed again and again without an outcome (suspected crash loop); the store moved it to dead");
+                Poison::CrashLoop { claims_alone } => {
+                    warn!(id = %row.id, claims_alone, "poison row: claimed alone again and again without an outcome (suspected crash loop); the store moved it to dead");
                 }
             }
         }
@@ -79,6 +80,20 @@ impl<S: OutboxStore, P: EventPublisher> Dispatcher<S, P> {
             Some(PublishOutcome::Published) => {
                 report.published += 1;
                 CompletionOutcome::Sent
+            }
+            Some(PublishOutcome::Transient(e @ PublishError::Rejected { .. })) => {
+                crate::metrics::publish_failed(crate::ErrorKind::Unavailable, &msg.event_type);
+                crate::metrics::deferred(&msg.event_type);
+                report.deferred += 1;
+                let delay = self
+                    .destinations
+                    .hold_for(super::destinations::destination(msg))
+                    .max(self.config.probe_initial);
+                debug!(id = %msg.id, event_type = %msg.event_type, delay_ms = delay.as_millis() as u64, error = %e, "its destination refused it: held back without charge");
+                CompletionOutcome::Defer {
+                    delay,
+                    error: e.to_string(),
+                }
             }
             Some(o @ PublishOutcome::Transient(_)) if o.is_outage() => {
                 crate::metrics::publish_failed(crate::ErrorKind::Unavailable, &msg.event_type);

@@ -12,6 +12,8 @@
 //! - `publish`: one publisher call under the publish timeout and isolated from panics;
 //! - `decide`: each message's outcome turned into its completion;
 //! - `circuit`: the circuit breaker (closed, open, half-open with a one-message trial);
+//! - `destinations`: one circuit per destination (routing key), so that a full queue or
+//!   stream holds back only its own messages;
 //! - `config`: [`DispatcherConfig`];
 //! - `stats`: [`DispatcherStats`] and [`BatchReport`].
 //!
@@ -22,6 +24,7 @@ mod claimer;
 mod completer;
 pub mod config;
 mod decide;
+mod destinations;
 mod publish;
 mod publisher_stage;
 mod run;
@@ -38,6 +41,7 @@ pub use stats::{BatchReport, DispatcherStats};
 use crate::publisher::EventPublisher;
 use crate::store::OutboxStore;
 use circuit::Circuit;
+use destinations::Destinations;
 use stats::Counters;
 
 /// Wakes a dispatcher that is waiting for its poll interval, e.g. right after a
@@ -71,12 +75,21 @@ impl WakeHandle {
 /// - **any other transient failure** of one message: `Processing → New` with backoff
 ///   from the event type's [`RetryPolicy`](crate::RetryPolicy); after `max_attempts`,
 ///   `Dead`;
+/// - **one destination refuses messages** (the broker's own refusal,
+///   [`PublishError::Rejected`](crate::PublishError::Rejected): a queue full with
+///   `reject-publish`, a JetStream stream full or without a leader): that
+///   **destination's circuit opens** (a destination is a routing key): its messages
+///   are held back without charging an attempt
+///   ([`CompletionOutcome::Defer`](crate::CompletionOutcome::Defer)) and one of them is
+///   tried alone after 500 ms, 1 s, ... up to the probe cap; every other destination
+///   keeps flowing at full rate;
 /// - **the broker cannot take messages** (unreachable, no confirmation in time, blocked
-///   by a resource alarm, a full queue or stream, a publisher call longer than its
-///   publish timeout): the **circuit opens**: unpublished messages are released without
-///   charging an attempt, claiming stops, the publisher is probed with exponential
-///   backoff, then one message is published alone as a trial, and claiming resumes when
-///   it succeeds. An outage of any length never dead-letters anything;
+///   by a resource alarm, a publisher call longer than its publish timeout): the
+///   **circuit opens**: unpublished messages are released without charging an
+///   attempt, claiming stops, the publisher is probed with exponential backoff, then
+///   one message is published alone as a trial, and claiming resumes when it succeeds.
+///   A relay also claims nothing until its publisher is ready. An outage of any length
+///   never dead-letters anything;
 /// - **database failure**: the pipeline backs off exponentially (up to 30 s) and
 ///   retries; completion of a published batch is retried until it lands or the lease
 ///   runs out (the message is then republished after reclaim: at-least-once). A
@@ -95,6 +108,7 @@ pub struct Dispatcher<S, P> {
     wake: Arc<Notify>,
     counters: Arc<Counters>,
     circuit: Arc<Circuit>,
+    destinations: Arc<Destinations>,
 }
 
 impl<S, P> Clone for Dispatcher<S, P> {
@@ -106,6 +120,7 @@ impl<S, P> Clone for Dispatcher<S, P> {
             wake: Arc::clone(&self.wake),
             counters: Arc::clone(&self.counters),
             circuit: Arc::clone(&self.circuit),
+            destinations: Arc::clone(&self.destinations),
         }
     }
 }
@@ -123,6 +138,7 @@ impl<S: OutboxStore, P: EventPublisher> Dispatcher<S, P> {
     /// A dispatcher over `store` and `publisher`.
     pub fn new(store: Arc<S>, publisher: Arc<P>, config: DispatcherConfig) -> Self {
         let circuit = Circuit::new(config.probe_initial, config.probe_max);
+        let destinations = Destinations::new(config.probe_initial, config.probe_max);
         Self {
             store,
             publisher,
@@ -130,6 +146,7 @@ impl<S: OutboxStore, P: EventPublisher> Dispatcher<S, P> {
             wake: Arc::new(Notify::new()),
             counters: Arc::new(Counters::default()),
             circuit: Arc::new(circuit),
+            destinations: Arc::new(destinations),
         }
     }
 
@@ -147,6 +164,12 @@ impl<S: OutboxStore, P: EventPublisher> Dispatcher<S, P> {
     /// publish has succeeded since).
     pub fn circuit_open(&self) -> bool {
         self.circuit.is_open()
+    }
+
+    /// Whether some destination's circuit is open (it refused messages and no trial of
+    /// it has been confirmed since): its messages are held back, the others flow.
+    pub fn destination_circuit_open(&self) -> bool {
+        self.destinations.any_open()
     }
 }
 

@@ -9,8 +9,11 @@ use tokio::sync::{Mutex, mpsc};
 use tracing::{Instrument as _, info, info_span, warn};
 
 use super::Dispatcher;
+use super::destinations::{Admit, destination};
 use super::run::{Claimed, Finished, Stop};
 use crate::error::PublishError;
+use crate::message::OutboxMessage;
+use crate::ordering::Ordering;
 use crate::publisher::{EventPublisher, PublishOutcome};
 use crate::store::{ClaimedBatch, OutboxStore};
 
@@ -115,23 +118,51 @@ impl<S: OutboxStore, P: EventPublisher> Dispatcher<S, P> {
                 })
                 .collect()
         } else {
+            // Messages of a destination whose circuit is open are held back, but for one
+            // trial when it is due; the rest go.
+            let admits = self.destinations.admit(&messages);
+            let go: Vec<usize> = self.admitted(&messages, &admits);
             let span = info_span!(
                 "outbox.publish",
-                messages = messages.len(),
+                messages = go.len(),
                 trial = mode == Mode::Trial
             );
-            tokio::select! {
-                outcomes = self.publish(&messages, &poison).instrument(span) => {
-                    crate::metrics::publish_duration(started.elapsed());
-                    outcomes
+            let publishing = async {
+                if go.len() == messages.len() {
+                    self.publish(&messages, &poison).await
+                } else if go.is_empty() {
+                    Vec::new()
+                } else {
+                    let subset: Vec<OutboxMessage> =
+                        go.iter().map(|&i| messages[i].clone()).collect();
+                    self.publish(&subset, &poison).await
+                }
+            };
+            let published = tokio::select! {
+                outcomes = publishing.instrument(span) => {
+                    if !go.is_empty() {
+                        crate::metrics::publish_duration(started.elapsed());
+                    }
+                    Some(outcomes)
                 }
                 () = stop.drain_expired() => {
                     warn!(
-                        messages = messages.len(),
+                        messages = go.len(),
                         "drain timeout: a publish still waiting for the broker is abandoned and its messages released"
                     );
-                    messages.iter().map(|_| None).collect()
+                    None
                 }
+            };
+            match published {
+                Some(outcomes) => {
+                    self.note_destinations(&messages, &go, &outcomes);
+                    let mut all: Vec<Option<PublishOutcome>> = held_outcomes(&messages, &admits);
+                    for (&i, outcome) in go.iter().zip(outcomes) {
+                        all[i] = outcome;
+                    }
+                    all
+                }
+                None => messages.iter().map(|_| None).collect(),
             }
         };
         crate::metrics::commit_to_publish(messages.iter().zip(&outcomes).map(|(m, o)| {
@@ -161,6 +192,89 @@ impl<S: OutboxStore, P: EventPublisher> Dispatcher<S, P> {
             completions,
             report,
             claimed_at,
+        }
+    }
+}
+
+/// The outcomes of messages not published because their destination's circuit is
+/// open: a refusal, so that they are held back without charge; `None` (released) for
+/// the ones published or behind one held back.
+fn held_outcomes(messages: &[OutboxMessage], admits: &[Admit]) -> Vec<Option<PublishOutcome>> {
+    messages
+        .iter()
+        .zip(admits)
+        .map(|(msg, admit)| match admit {
+            Admit::Hold(_) => Some(PublishOutcome::Transient(PublishError::Rejected {
+                reason: format!(
+                    "held back: destination {:?} refused messages and is tried again later",
+                    destination(msg)
+                ),
+            })),
+            Admit::Go | Admit::Trial => None,
+        })
+        .collect()
+}
+
+impl<S: OutboxStore, P: EventPublisher> Dispatcher<S, P> {
+    /// The indices of `messages` to publish now: those admitted by their destination,
+    /// except, in per-key order, a message behind a held-back one of its key (its key
+    /// waits for the held one, which is deferred; the message is released).
+    fn admitted(&self, messages: &[OutboxMessage], admits: &[Admit]) -> Vec<usize> {
+        let ordered = matches!(self.config.ordering, Ordering::PerKey { .. });
+        let mut held_keys = std::collections::HashSet::new();
+        let mut go = Vec::with_capacity(messages.len());
+        for (i, (msg, admit)) in messages.iter().zip(admits).enumerate() {
+            if ordered && held_keys.contains(&msg.order_key()) {
+                continue;
+            }
+            match admit {
+                Admit::Go | Admit::Trial => go.push(i),
+                Admit::Hold(_) => {
+                    if ordered {
+                        held_keys.insert(msg.order_key());
+                    }
+                }
+            }
+        }
+        go
+    }
+
+    /// Updates the destination circuits from what the broker said: a destination that
+    /// refused a message (a full queue or stream) opens, or keeps open with a longer
+    /// delay; one that took every message of the batch closes.
+    fn note_destinations(
+        &self,
+        messages: &[OutboxMessage],
+        published: &[usize],
+        outcomes: &[Option<PublishOutcome>],
+    ) {
+        let mut refused = std::collections::BTreeSet::new();
+        let mut accepted = std::collections::BTreeSet::new();
+        for (&i, outcome) in published.iter().zip(outcomes) {
+            let dest = destination(&messages[i]);
+            match outcome {
+                Some(o) if o.is_refused_by_destination() => {
+                    refused.insert(dest);
+                }
+                Some(PublishOutcome::Published) => {
+                    accepted.insert(dest);
+                }
+                _ => {}
+            }
+        }
+        for dest in &refused {
+            let (delay, opened) = self.destinations.refused(dest);
+            if opened {
+                self.counters
+                    .destination_circuits_opened
+                    .fetch_add(1, Relaxed);
+                warn!(destination = %dest, retry_ms = delay.as_millis() as u64, "a destination refuses messages (a full queue or stream): its messages are held back without charge, the others flow");
+            }
+        }
+        for dest in accepted.difference(&refused) {
+            if self.destinations.accepted(dest) {
+                info!(destination = %dest, "the destination takes messages again: its circuit is closed");
+            }
         }
     }
 }

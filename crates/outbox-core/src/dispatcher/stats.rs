@@ -23,10 +23,15 @@ pub struct DispatcherStats {
     pub poison: u64,
     /// Messages handed back without charging an attempt (outage or shutdown).
     pub released: u64,
+    /// Messages held back without charging an attempt because their destination
+    /// refused messages (a full queue or stream).
+    pub deferred: u64,
     /// Completions that changed nothing because another claim took over (stale lease).
     pub fenced: u64,
     /// Times the circuit opened because the broker could not take messages.
     pub circuit_opened: u64,
+    /// Times a destination's circuit opened because it refused messages.
+    pub destination_circuits_opened: u64,
     /// Time publishers spent publishing batches, awaiting the broker's confirmations
     /// included, in microseconds, summed over the concurrent publishers.
     pub publish_micros: u64,
@@ -46,8 +51,10 @@ pub(super) struct Counters {
     pub(super) dead: AtomicU64,
     pub(super) poison: AtomicU64,
     pub(super) released: AtomicU64,
+    pub(super) deferred: AtomicU64,
     pub(super) fenced: AtomicU64,
     pub(super) circuit_opened: AtomicU64,
+    pub(super) destination_circuits_opened: AtomicU64,
     pub(super) publish_micros: AtomicU64,
     pub(super) claim_wait_micros: AtomicU64,
 }
@@ -63,8 +70,10 @@ impl Counters {
             dead: get(&self.dead),
             poison: get(&self.poison),
             released: get(&self.released),
+            deferred: get(&self.deferred),
             fenced: get(&self.fenced),
             circuit_opened: get(&self.circuit_opened),
+            destination_circuits_opened: get(&self.destination_circuits_opened),
             publish_micros: get(&self.publish_micros),
             claim_wait_micros: get(&self.claim_wait_micros),
         }
@@ -77,6 +86,7 @@ impl Counters {
         self.dead.fetch_add(report.dead as u64, Relaxed);
         self.poison.fetch_add(report.poison as u64, Relaxed);
         self.released.fetch_add(report.released as u64, Relaxed);
+        self.deferred.fetch_add(report.deferred as u64, Relaxed);
         self.fenced.fetch_add(report.fenced as u64, Relaxed);
         crate::metrics::completed(report.published, report.released, report.fenced);
     }
@@ -98,6 +108,8 @@ pub struct BatchReport {
     pub poison: usize,
     /// Released without charge.
     pub released: usize,
+    /// Held back without charge for their destination.
+    pub deferred: usize,
     /// Completions fenced out.
     pub fenced: usize,
     /// Whether the broker could not take messages (the circuit opens).

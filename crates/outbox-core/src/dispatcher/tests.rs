@@ -128,6 +128,11 @@ impl OutboxStore for Rows {
                     m.status = MessageStatus::New;
                     m.attempts -= 1;
                 }
+                CompletionOutcome::Defer { error, .. } => {
+                    m.status = MessageStatus::New;
+                    m.attempts -= 1;
+                    m.last_error = Some(error.clone());
+                }
             }
         }
         Ok(report)
@@ -216,9 +221,10 @@ impl EventPublisher for Broker {
             Behaviour::OutageFor(n) if call < n => messages
                 .iter()
                 .map(|_| {
-                    PublishOutcome::Transient(PublishError::Rejected {
-                        reason: "basic.nack (queue full)".into(),
-                    })
+                    PublishOutcome::Transient(PublishError::unavailable(
+                        "connection.blocked (memory alarm)",
+                        None,
+                    ))
                 })
                 .collect(),
             Behaviour::OutageFor(_) => messages.iter().map(|_| PublishOutcome::Published).collect(),
@@ -319,7 +325,7 @@ fn poison_rows_are_dead_alone() {
             aggregate_type: "order".into(),
             aggregate_id: "o-8".into(),
             partition_key: None,
-            poison: Poison::CrashLoop { claims: 5 },
+            poison: Poison::CrashLoop { claims_alone: 5 },
         },
     ];
     let (completions, report) = d.decide(
