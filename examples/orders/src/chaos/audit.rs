@@ -99,12 +99,27 @@ async fn nats(names: &Names) -> anyhow::Result<(Copies, u64)> {
     let mut messages = consumer.messages().await?;
     let mut copies = Copies::new();
     let mut without_id = 0;
-    for read in 0..total {
-        let message = tokio::time::timeout(Duration::from_secs(30), messages.next())
+    // A missed idle heartbeat (the server or the machine busy for a moment) does not end
+    // the stream: read on, up to 10 of them.
+    let mut missed_heartbeats = 0;
+    let mut read = 0;
+    while read < total {
+        let message = match tokio::time::timeout(Duration::from_secs(30), messages.next())
             .await
             .with_context(|| format!("the stream stopped after {read} of {total} messages"))?
             .context("the stream reader ended")?
-            .map_err(|e| anyhow::anyhow!("reading the stream: {e}"))?;
+        {
+            Ok(message) => message,
+            Err(e)
+                if e.kind() == jetstream::consumer::pull::MessagesErrorKind::MissingHeartbeat
+                    && missed_heartbeats < 10 =>
+            {
+                missed_heartbeats += 1;
+                continue;
+            }
+            Err(e) => anyhow::bail!("reading the stream after {read} of {total} messages: {e}"),
+        };
+        read += 1;
         match message
             .headers
             .as_ref()

@@ -6,24 +6,41 @@
 //! - `--inbox idempotent`: `IdempotentConsumer` over `PgInbox` (inbox record and effect
 //!   in one transaction, then the ack);
 //! - `--inbox durable`: `DurableReceiver` stores and acks, an `InboxProcessor` in the
-//!   same process applies;
-//! - `--inbox direct`: no inbox, the effect is written and then the delivery acked, so a
-//!   redelivery is a second effect (the harness must catch it).
+//!   same process applies (3 attempts, about a second apart, so that a failing message
+//!   is decided within the harness's drain);
+//! - `--inbox direct`: no inbox, the effect is written in a transaction of its own,
+//!   committed with sqlx's plain `commit`, and then the delivery acked, so a redelivery
+//!   is a second effect and a swallowed error an ack without effect (the harness must
+//!   catch both).
 //!
 //! With `--batched` the transport hands deliveries over in batches (`run_batched`): the
 //! idempotent consumer applies a batch in one transaction and the durable receiver
 //! stores it with one statement, so a kill lands between a batch's commit and its acks.
 //!
+//! The handler misbehaves on purpose for the orders the producers mark (`"audit": true`
+//! in the event, and an `audit` row already written with the order): after the effect
+//! it inserts the order's audit row, and on the unique violation it does what many
+//! handlers do ("already there means already applied"): it ignores the error and returns
+//! `Ok`, on a transaction the failed statement aborted. The inbox must count that as the
+//! handler's failure, and the message must end as a consumer dead letter, never be
+//! acked as applied.
+//!
+//! Deliveries the transport cannot decode (the harness's foreign producer publishes
+//! such messages straight to the broker) go to the inbox's `handle_undecodable`, which
+//! records them as consumer dead letters under `undecodable`.
+//!
 //! `effects` has no unique constraint on purpose: a double effect is a second row for
-//! the same event id, counted by the harness rather than prevented. Every delivery is
-//! also recorded in `deliveries` (best effort, before it is handled) so the harness can
-//! count what the broker delivered. The harness kills this process with `SIGKILL` at
-//! random moments; `SIGTERM` or `SIGINT` stop it gracefully.
+//! the same event id, counted by the harness rather than prevented. Every decodable
+//! delivery is also recorded in `deliveries` (best effort, before it is handled) so the
+//! harness can count what the broker delivered. The process connects to PostgreSQL as
+//! the run's consumer role, which the harness locks out during the consumers' database
+//! outage. The harness kills this process with `SIGKILL` at random moments; `SIGTERM`
+//! or `SIGINT` stop it gracefully.
 
 use std::sync::Arc;
 use std::time::Duration;
 
-use super::topology::{self, CONSUMER, CONSUMER_APP, ConsumerMode, EVENT_TYPE, Names, Transport};
+use super::topology::{self, CONSUMER, ConsumerMode, EVENT_TYPE, Names, Transport};
 use crate::common::Consumer;
 use anyhow::Context as _;
 use async_trait::async_trait;
@@ -31,8 +48,9 @@ use inbox::{
     DurableReceiver, Handler, HandlerContext, HandlerError, IdempotentConsumer, InboxProcessor,
     Pipeline, ProcessorConfig,
 };
+use outbox_core::RetryPolicy;
 use outbox_core::consumer::{BatchDeliveryHandler, DeliveryHandler, HandlerDecision};
-use outbox_core::wire::IncomingMessage;
+use outbox_core::wire::{IncomingMessage, UndecodableMessage};
 use outbox_postgres::PgInbox;
 use serde::Deserialize;
 use sqlx::postgres::PgPoolOptions;
@@ -63,32 +81,57 @@ pub struct Args {
 #[derive(Debug, Deserialize)]
 struct OrderPlaced {
     order_id: uuid::Uuid,
+    /// The producer wrote the order's audit row already: the handler's own insert of it
+    /// fails, and the handler swallows the error.
+    #[serde(default)]
+    audit: bool,
 }
 
-/// Writes the effect row: the event id, its order, who applied it and when.
-async fn write_effect(
-    conn: &mut PgConnection,
-    effects: &str,
-    consumer: &str,
-    msg: &IncomingMessage,
-) -> Result<(), HandlerError> {
-    let event: OrderPlaced = msg.json().map_err(HandlerError::permanent)?;
-    sqlx::query(AssertSqlSafe(format!(
-        "INSERT INTO {effects} (event_id, order_id, consumer, applied_at)
-         VALUES ($1, $2, $3, clock_timestamp())"
-    )))
-    .bind(msg.id)
-    .bind(event.order_id)
-    .bind(consumer)
-    .execute(&mut *conn)
-    .await?;
-    Ok(())
-}
-
-/// The inbox handler: the effect, in the inbox's transaction.
+/// The effect: the effect row (the event id, its order, who applied it and when), then,
+/// for an order marked `audit`, its audit row, whose unique violation is swallowed
+/// ("already there means already applied"): the handler returns `Ok` on a transaction
+/// the failed insert aborted.
 struct Effect {
     effects: String,
+    audit: String,
     consumer: String,
+}
+
+impl Effect {
+    async fn apply(
+        &self,
+        conn: &mut PgConnection,
+        msg: &IncomingMessage,
+    ) -> Result<(), HandlerError> {
+        let event: OrderPlaced = msg.json().map_err(HandlerError::permanent)?;
+        sqlx::query(AssertSqlSafe(format!(
+            "INSERT INTO {} (event_id, order_id, consumer, applied_at)
+             VALUES ($1, $2, $3, clock_timestamp())",
+            self.effects
+        )))
+        .bind(msg.id)
+        .bind(event.order_id)
+        .bind(&self.consumer)
+        .execute(&mut *conn)
+        .await?;
+        if event.audit {
+            let audited = sqlx::query(AssertSqlSafe(format!(
+                "INSERT INTO {} (order_id, event_id) VALUES ($1, $2)",
+                self.audit
+            )))
+            .bind(event.order_id)
+            .bind(msg.id)
+            .execute(&mut *conn)
+            .await;
+            match audited {
+                Err(sqlx::Error::Database(e)) if e.is_unique_violation() => {}
+                other => {
+                    other?;
+                }
+            }
+        }
+        Ok(())
+    }
 }
 
 #[async_trait]
@@ -99,24 +142,26 @@ impl Handler<PgInbox> for Effect {
         msg: &IncomingMessage,
         _ctx: &HandlerContext,
     ) -> Result<(), HandlerError> {
-        write_effect(conn, &self.effects, &self.consumer, msg).await
+        self.apply(conn, msg).await
     }
 }
 
-/// No inbox: write the effect (autocommit), then ack. A database error defers the
-/// delivery (it is not the message's fault).
+/// No inbox: the effect in a transaction of its own, committed with sqlx's plain
+/// `commit` (which does not notice a transaction the swallowed error aborted), then
+/// ack. A database error defers the delivery (it is not the message's fault).
 struct Direct {
     pool: PgPool,
-    effects: String,
-    consumer: String,
+    effect: Effect,
 }
 
 #[async_trait]
 impl DeliveryHandler for Direct {
     async fn handle(&self, msg: &IncomingMessage) -> HandlerDecision {
         let written = async {
-            let mut conn = self.pool.acquire().await?;
-            write_effect(&mut conn, &self.effects, &self.consumer, msg).await
+            let mut tx = self.pool.begin().await?;
+            self.effect.apply(&mut tx, msg).await?;
+            tx.commit().await?;
+            Ok::<_, HandlerError>(())
         }
         .await;
         match written {
@@ -159,6 +204,10 @@ impl<H: DeliveryHandler> DeliveryHandler for Recorded<H> {
         }
         self.inner.handle(msg).await
     }
+
+    async fn handle_undecodable(&self, msg: &UndecodableMessage) -> HandlerDecision {
+        self.inner.handle_undecodable(msg).await
+    }
 }
 
 /// [`Recorded`] for a batch: the batch's deliveries in one best-effort statement, then
@@ -189,6 +238,10 @@ impl<H: BatchDeliveryHandler> BatchDeliveryHandler for RecordedBatch<H> {
             tracing::debug!(messages = msgs.len(), error = %e, "deliveries not recorded");
         }
         self.inner.handle_batch(msgs).await
+    }
+
+    async fn handle_undecodable(&self, msg: &UndecodableMessage) -> HandlerDecision {
+        self.inner.handle_undecodable(msg).await
     }
 }
 
@@ -225,16 +278,21 @@ pub async fn main(args: Args) -> anyhow::Result<()> {
     let pool = PgPoolOptions::new()
         .max_connections(16)
         .acquire_timeout(Duration::from_secs(5))
-        .connect_lazy_with(topology::pg_options(CONSUMER_APP)?);
+        .connect_lazy_with(topology::consumer_pg_options(&names)?);
     let store = Arc::new(PgInbox::new(pool.clone(), &args.schema)?);
     let consumer = match args.transport {
         Transport::Rabbit => Consumer::Rabbit(topology::rabbit_consumer(&names)?),
-        Transport::Nats => Consumer::Nats(topology::nats_consumer(&names, &consumer_name)?),
+        Transport::Nats => Consumer::Nats(topology::nats_consumer(
+            &names,
+            &consumer_name,
+            args.batched,
+        )?),
     };
     let shutdown = CancellationToken::new();
     stop_on_signals(shutdown.clone());
     let effect = || Effect {
         effects: names.table("effects"),
+        audit: names.table("audit"),
         consumer: consumer_name.clone(),
     };
     let record = |inner: Arc<dyn DeliveryHandler>| Recorded {
@@ -284,10 +342,25 @@ pub async fn main(args: Args) -> anyhow::Result<()> {
                 Pipeline::new().on(EVENT_TYPE, CONSUMER, effect()),
                 ProcessorConfig::new()
                     .with_poll_interval(Duration::from_millis(100))
-                    .with_lease(Duration::from_secs(30)),
+                    .with_lease(Duration::from_secs(30))
+                    .with_retry(
+                        RetryPolicy::new()
+                            .with_base(1.0)
+                            .with_cap(Duration::from_secs(1))
+                            .with_jitter(Duration::from_millis(500))
+                            .with_max_attempts(3),
+                    ),
             );
+            // The processor stops by itself only on a store error retrying cannot fix:
+            // then this process stops too (the harness counts a consumer's exit as a
+            // failure) rather than keep storing what nobody processes.
             let token = shutdown.clone();
-            let processing = tokio::spawn(async move { processor.run(token).await });
+            let stopped = shutdown.clone();
+            let processing = tokio::spawn(async move {
+                let result = processor.run(token).await;
+                stopped.cancel();
+                result
+            });
             let receiver = Arc::new(DurableReceiver::new(store));
             let receiving = if args.batched {
                 consumer
@@ -314,8 +387,7 @@ pub async fn main(args: Args) -> anyhow::Result<()> {
         ConsumerMode::Direct => {
             let handler = Direct {
                 pool: pool.clone(),
-                effects: names.table("effects"),
-                consumer: consumer_name.clone(),
+                effect: effect(),
             };
             consumer
                 .run(

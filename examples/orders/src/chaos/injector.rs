@@ -1,8 +1,20 @@
 //! The broker and database lanes: each planned fault injected with a guard of
-//! `outbox_testkit::faults`, held for its window and undone by dropping the guard, so it
-//! is undone also when the run fails, panics or is interrupted (the lane's future is
-//! dropped, and with it the guard). A fault that cannot be injected here is recorded as
-//! such, with why, and the run goes on.
+//! `outbox_testkit::faults` (or [`ConsumerLockout`]), held for its window and undone by
+//! dropping the guard, so it is undone also when the run fails, panics or is
+//! interrupted (the lane's future is dropped, and with it the guard). A fault that
+//! cannot be injected here is recorded as such, with why, and the run goes on.
+//!
+//! The consumers' database outage ([`ConsumerLockout`]) touches the consumers alone:
+//! they log in as a role of their own, whose connection limit drops to 0 (a new
+//! connection is refused with SQLSTATE 53300 `too_many_connections`, as when the
+//! server's connection slots are exhausted; sqlx's pool keeps trying until its acquire
+//! timeout) while its open connections are terminated (57P01, as in a failover). The
+//! relays, the producers and the harness go on. It lasts longer than the consumers'
+//! NATS `ack_wait` (`topology::nats_ack_wait`), so a consumer that held its deliveries
+//! without keeping them alive would see them redelivered, and a consumer that requeued
+//! them would run into the brokers' delivery limits (`topology::DELIVERY_LIMIT`). It is
+//! not `ALTER ROLE … NOLOGIN`: PostgreSQL refuses such a login with 28000, which the
+//! store takes for a misconfiguration (a permanent error), not an outage.
 
 use std::time::{Duration, Instant};
 
@@ -10,12 +22,12 @@ use outbox_testkit::faults::{
     FaultUnavailable, NatsFrozen, NatsStopped, PgStopped, RabbitFrozen, RabbitMemoryAlarm,
     RabbitQueueFull, RabbitStopped,
 };
-use sqlx::PgPool;
+use sqlx::{AssertSqlSafe, ConnectOptions as _, PgPool};
 use tokio_util::sync::CancellationToken;
 
 use super::schedule::{FaultKind, Planned};
 use super::timeline::Timeline;
-use super::topology::{CONSUMER_APP, Names, RELAY_APP, Transport};
+use super::topology::{self, CONSUMER_APP, HARNESS_APP, Names, RELAY_APP, Transport};
 
 /// A fault in force; dropping it undoes the fault.
 type Guard = Box<dyn Send>;
@@ -69,6 +81,7 @@ impl Lane<'_> {
             }
             match fault.kind {
                 FaultKind::PgTerminate => self.terminate().await,
+                FaultKind::ConsumerLockout => self.lock_out(fault.hold).await,
                 kind => self.hold(kind, fault.hold).await,
             }
         }
@@ -94,6 +107,35 @@ impl Lane<'_> {
         blocking(move || drop(guard));
         self.timeline.ended(record);
         self.timeline.say(format!("{label}: undone"));
+    }
+
+    /// Locks the consumers out of PostgreSQL for `hold` (see [`ConsumerLockout`]).
+    async fn lock_out(&self, hold: Duration) {
+        let kind = FaultKind::ConsumerLockout;
+        let (guard, terminated) =
+            match ConsumerLockout::lock_out(self.admin, &self.names.consumer_role).await {
+                Ok(locked) => locked,
+                Err(e) => {
+                    self.timeline
+                        .not_injected(kind, format!("the statements failed: {e}"));
+                    return;
+                }
+            };
+        let record = self
+            .timeline
+            .injected(kind, format!("{terminated} connections"));
+        self.timeline.say(format!(
+            "consumers' database outage: role {} locked out ({terminated} connections terminated) for {:.1}s",
+            self.names.consumer_role,
+            hold.as_secs_f64()
+        ));
+        tokio::select! {
+            () = self.stop.cancelled() => {}
+            () = tokio::time::sleep(hold) => {}
+        }
+        blocking(move || drop(guard));
+        self.timeline.ended(record);
+        self.timeline.say("consumers' database outage: undone");
     }
 
     /// Terminates the relays' and consumers' database connections.
@@ -123,6 +165,61 @@ impl Lane<'_> {
             Err(e) => self
                 .timeline
                 .not_injected(kind, format!("the statement failed: {e}")),
+        }
+    }
+}
+
+/// The consumers' role locked out of PostgreSQL (see the [module docs](self)); dropping
+/// it lets the role in again.
+pub(crate) struct ConsumerLockout {
+    role: String,
+}
+
+impl ConsumerLockout {
+    /// Sets `role`'s connection limit to 0 and terminates its connections; returns the
+    /// guard and how many connections were terminated.
+    async fn lock_out(admin: &PgPool, role: &str) -> Result<(Self, i64), sqlx::Error> {
+        sqlx::raw_sql(AssertSqlSafe(format!(
+            "ALTER ROLE {role} CONNECTION LIMIT 0"
+        )))
+        .execute(admin)
+        .await?;
+        let guard = Self {
+            role: role.to_owned(),
+        };
+        let terminated = sqlx::query_scalar::<_, i64>(AssertSqlSafe(format!(
+            "SELECT count(*) FROM (
+                SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE usename = '{role}') t"
+        )))
+        .fetch_one(admin)
+        .await?;
+        Ok((guard, terminated))
+    }
+}
+
+impl Drop for ConsumerLockout {
+    /// Lets the role in again, on a connection of its own made on a thread of its own,
+    /// so that it works wherever the guard is dropped (also when the run is aborted).
+    fn drop(&mut self) {
+        let sql = format!("ALTER ROLE {} CONNECTION LIMIT -1", self.role);
+        let undone = std::thread::spawn(move || -> anyhow::Result<()> {
+            let runtime = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()?;
+            runtime.block_on(async {
+                let mut conn = topology::pg_options(HARNESS_APP)?.connect().await?;
+                sqlx::raw_sql(AssertSqlSafe(sql)).execute(&mut conn).await?;
+                Ok(())
+            })
+        })
+        .join();
+        match undone {
+            Ok(Ok(())) => {}
+            Ok(Err(e)) => eprintln!(
+                "chaos: could not let role {} in again: {e:#} (the next run recreates it)",
+                self.role
+            ),
+            Err(_) => eprintln!("chaos: letting role {} in again panicked", self.role),
         }
     }
 }

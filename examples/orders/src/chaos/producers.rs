@@ -1,5 +1,6 @@
-//! The producers (orders and their events, one transaction each, at a steady rate)
-//! and the poison lane (rows the relay must dead-letter alone).
+//! The producers (orders and their events, one transaction each, at a steady rate;
+//! every [`SWALLOW_EVERY`]-th order of each producer marked for the consumers' swallowing
+//! handler) and the poison lane (rows the relay must dead-letter alone).
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -26,21 +27,46 @@ pub(crate) struct ProducerStats {
     pub(crate) failed: AtomicU64,
 }
 
-/// One order and its event, in one transaction. The order row is written last with
-/// `clock_timestamp()`, the closest the database clock gets to the commit time, from
-/// which commit-to-consume latency is measured.
+/// Every this many orders of each producer, one is marked for the swallowing handler
+/// (with 4 producers at 200 orders per second, 0.8 per second): the producer writes its
+/// audit row with it and sets `"audit": true` in the event, and the consumers' handler
+/// then trips over that row and swallows the error (see `consumer`). The marked orders
+/// are those with an `audit` row; each must end as a consumer dead letter, with no
+/// effect. Every other marked event is unversioned (version 0): then no inbox statement
+/// follows the handler and the store's commit alone must notice the aborted
+/// transaction; for a versioned one, recording the version after the handler fails
+/// first.
+pub(crate) const SWALLOW_EVERY: u64 = 250;
+
+/// One order and its event, in one transaction (with its audit row when it is marked,
+/// see [`SWALLOW_EVERY`]). The order row is written last with `clock_timestamp()`, the
+/// closest the database clock gets to the commit time, from which commit-to-consume
+/// latency is measured.
 async fn place_order(outbox: &PgOutbox, names: &Names, n: u64) -> anyhow::Result<()> {
     let order_id = Uuid::now_v7();
+    let audit = n.is_multiple_of(SWALLOW_EVERY);
+    let unversioned = audit && (n / SWALLOW_EVERY).is_multiple_of(2);
     let event = NewMessage::builder("order", order_id.to_string(), EVENT_TYPE)
-        .aggregate_version(1)
+        .aggregate_version(if unversioned { 0 } else { 1 })
         .payload(&serde_json::json!({
             "order_id": order_id,
             "customer": format!("customer-{}", n % 97),
             "total_cents": 1_000 + (n * 37) % 50_000,
+            "audit": audit,
         }))
         .build()?;
     let mut tx = outbox.pool().begin().await?;
     outbox.enqueue(&mut tx, &event).await?;
+    if audit {
+        sqlx::query(AssertSqlSafe(format!(
+            "INSERT INTO {} (order_id, event_id) VALUES ($1, $2)",
+            names.table("audit")
+        )))
+        .bind(order_id)
+        .bind(event.id)
+        .execute(&mut *tx)
+        .await?;
+    }
     sqlx::query(AssertSqlSafe(format!(
         "INSERT INTO {} (id, event_id, created_at) VALUES ($1, $2, clock_timestamp())",
         names.table("orders")

@@ -1,16 +1,22 @@
 //! The fault schedule, drawn from the seed: which faults, when, for how long, against
 //! which process. The same seed and settings give the same schedule.
 //!
-//! Four lanes run at once, each one fault at a time:
+//! Five lanes run at once, each one fault at a time:
 //! - **processes**: `kill -9` of a relay (at least 10 per run, spaced so that the
 //!   killed relay is back before the next kill) and of a consumer, each restarted after
 //!   a pause of 1 to 3 s;
 //! - **broker**: freeze, restart, and for RabbitMQ a memory alarm and a full queue, in
 //!   rounds (every kind once per round, shuffled), never two at once (`rabbitmqctl`
 //!   hangs while the node is frozen);
-//! - **database**: PostgreSQL restarted, and the relays' and consumers' connections
-//!   terminated, in rounds;
-//! - **poison**: batches of poison rows, one of each kind per batch.
+//! - **database**: PostgreSQL restarted, the relays' and consumers' connections
+//!   terminated, and the consumers locked out of PostgreSQL for longer than their NATS
+//!   `ack_wait`, in rounds;
+//! - **poison**: batches of poison rows, one of each kind per batch;
+//! - **foreign**: batches of another producer's messages published straight to the
+//!   broker, one of each kind per batch.
+//!
+//! The swallowing handler is no lane: the producers mark a fixed share of the orders
+//! (see `producers::SWALLOW_EVERY`).
 
 use std::time::Duration;
 
@@ -31,7 +37,10 @@ pub(crate) enum FaultKind {
     QueueFull,
     PgRestart,
     PgTerminate,
+    ConsumerLockout,
     Poison,
+    Foreign,
+    Swallow,
 }
 
 impl FaultKind {
@@ -46,7 +55,14 @@ impl FaultKind {
         if transport == Transport::Rabbit {
             kinds.extend([Self::MemoryAlarm, Self::QueueFull]);
         }
-        kinds.extend([Self::PgRestart, Self::PgTerminate, Self::Poison]);
+        kinds.extend([
+            Self::PgRestart,
+            Self::PgTerminate,
+            Self::ConsumerLockout,
+            Self::Poison,
+            Self::Foreign,
+            Self::Swallow,
+        ]);
         kinds
     }
 
@@ -63,7 +79,10 @@ impl FaultKind {
             (Self::QueueFull, _) => "queue full (reject-publish)",
             (Self::PgRestart, _) => "PostgreSQL restarted",
             (Self::PgTerminate, _) => "pg_terminate_backend",
+            (Self::ConsumerLockout, _) => "consumers' database outage",
             (Self::Poison, _) => "poison rows",
+            (Self::Foreign, _) => "foreign messages",
+            (Self::Swallow, _) => "handler swallows an error",
         }
     }
 }
@@ -88,6 +107,7 @@ pub(crate) struct Schedule {
     pub(crate) broker: Vec<Planned>,
     pub(crate) database: Vec<Planned>,
     pub(crate) poison: Vec<Planned>,
+    pub(crate) foreign: Vec<Planned>,
     /// Kinds that did not fit in the run at all, with why.
     pub(crate) unscheduled: Vec<(FaultKind, String)>,
 }
@@ -100,6 +120,8 @@ pub(crate) struct Settings {
     pub(crate) relays: usize,
     pub(crate) consumers: usize,
     pub(crate) fault_window: Duration,
+    /// The shortest consumers' database outage (it lasts up to 5 s more).
+    pub(crate) consumer_outage: Duration,
 }
 
 /// Quiet time at the start, before the first fault (the pipeline warms up).
@@ -126,6 +148,7 @@ impl Schedule {
             broker: Vec::new(),
             database: Vec::new(),
             poison: Vec::new(),
+            foreign: Vec::new(),
             unscheduled: Vec::new(),
         };
 
@@ -181,14 +204,20 @@ impl Schedule {
         // The database lane starts a little later, so its first fault rarely lands on
         // the broker lane's first one.
         let db_start = start + Duration::from_millis(rng.random_range(2_000..=8_000));
+        let outage = u64::try_from(s.consumer_outage.as_millis()).unwrap_or(u64::MAX);
         let (database, left_out) = rounds(
             &mut rng,
             db_start,
             end,
-            &[FaultKind::PgRestart, FaultKind::PgTerminate],
+            &[
+                FaultKind::PgRestart,
+                FaultKind::PgTerminate,
+                FaultKind::ConsumerLockout,
+            ],
             90,
             |kind, rng| match kind {
                 FaultKind::PgRestart => rng.random_range(2_000..=5_000),
+                FaultKind::ConsumerLockout => rng.random_range(outage..=outage + 5_000),
                 _ => 0,
             },
         );
@@ -204,6 +233,16 @@ impl Schedule {
             batches,
             Duration::from_secs(1),
             FaultKind::Poison,
+            1,
+        );
+        // Foreign messages: as many batches as poison rows.
+        schedule.foreign = spaced(
+            &mut rng,
+            start,
+            end,
+            batches,
+            Duration::from_secs(1),
+            FaultKind::Foreign,
             1,
         );
         schedule
@@ -224,6 +263,7 @@ impl Schedule {
             .chain(&self.broker)
             .chain(&self.database)
             .chain(&self.poison)
+            .chain(&self.foreign)
             .filter(|p| p.kind == kind)
             .count()
     }
@@ -326,6 +366,7 @@ mod tests {
             relays: 2,
             consumers: 2,
             fault_window: Duration::from_secs(20),
+            consumer_outage: Duration::from_secs(15),
         }
     }
 
@@ -340,14 +381,34 @@ mod tests {
 
     #[test]
     fn a_short_run_still_schedules_every_kind_and_ten_relay_kills() {
-        for (transport, secs) in [(Transport::Rabbit, 100), (Transport::Nats, 90)] {
+        // The CI runs, and NATS one message at a time (a 35 s outage: `ack_wait` 30 s).
+        for (transport, secs, outage) in [
+            (Transport::Rabbit, 100, 15),
+            (Transport::Nats, 90, 15),
+            (Transport::Nats, 90, 35),
+        ] {
             for seed in 0..50 {
-                let s = Schedule::plan(seed, settings(transport, secs));
+                let s = Schedule::plan(
+                    seed,
+                    Settings {
+                        consumer_outage: Duration::from_secs(outage),
+                        ..settings(transport, secs)
+                    },
+                );
                 assert!(s.unscheduled.is_empty(), "{seed}: {:?}", s.unscheduled);
                 assert!(s.relay_kills() >= 10, "{seed}");
                 for kind in FaultKind::all(transport) {
-                    assert!(s.planned(kind) >= 1, "{seed}: {kind:?}");
+                    // The swallowing handler is not scheduled: a share of the orders.
+                    if kind != FaultKind::Swallow {
+                        assert!(s.planned(kind) >= 1, "{seed}: {kind:?}");
+                    }
                 }
+                let lockout = s
+                    .database
+                    .iter()
+                    .find(|p| p.kind == FaultKind::ConsumerLockout)
+                    .expect("a lockout");
+                assert!(lockout.hold >= Duration::from_secs(outage), "{seed}");
             }
         }
     }

@@ -1,5 +1,5 @@
-//! The run's tables, queues and stream: created fresh before the run (an earlier run's
-//! are dropped first) and removed after it.
+//! The run's tables, queues and stream, and the consumers' login role: created fresh
+//! before the run (an earlier run's are dropped first) and removed after it.
 
 use std::time::Duration;
 
@@ -16,7 +16,10 @@ use super::topology::{self, Names, Transport};
 use crate::common;
 
 /// Drops and recreates the schema: the outbox and inbox tables (migrations), `orders`,
-/// `effects` (no unique constraint: a double effect is a second row) and `deliveries`.
+/// `effects` (no unique constraint: a double effect is a second row), `deliveries`,
+/// `audit` (the audit rows the producers write for the orders whose handler swallows an
+/// error: see `producers`) and `foreign_messages` (what the foreign producer published:
+/// see `foreign`); then the consumers' role, with every privilege on the schema's tables.
 pub(crate) async fn database(
     admin: &PgPool,
     outbox: &PgOutbox,
@@ -45,18 +48,73 @@ pub(crate) async fn database(
              event_id uuid NOT NULL,
              consumer text NOT NULL,
              redelivered boolean NOT NULL,
-             at timestamptz NOT NULL DEFAULT clock_timestamp());"
+             at timestamptz NOT NULL DEFAULT clock_timestamp());
+         CREATE TABLE {s}.audit (
+             order_id uuid PRIMARY KEY,
+             event_id uuid NOT NULL UNIQUE);
+         CREATE TABLE {s}.foreign_messages (
+             id uuid PRIMARY KEY,
+             kind text NOT NULL,
+             expect text NOT NULL CHECK (expect IN ('applied', 'dead letter')),
+             reason text NOT NULL,
+             confirmed boolean NOT NULL);"
     )))
     .execute(admin)
     .await
     .context("create the run's tables")?;
+    consumer_role(admin, names).await
+}
+
+/// Creates the consumers' login role afresh (an earlier run's is dropped first): not a
+/// superuser, so its connection limit holds (the lockout fault sets it to 0), with
+/// `DATABASE_URL`'s password if it has one, and every privilege on the schema's tables
+/// and sequences.
+async fn consumer_role(admin: &PgPool, names: &Names) -> anyhow::Result<()> {
+    remove_consumer_role(admin, names).await?;
+    let (s, role) = (&names.schema, &names.consumer_role);
+    let password = topology::database_password()
+        .map(|p| format!(" PASSWORD '{}'", p.replace('\'', "''")))
+        .unwrap_or_default();
+    sqlx::raw_sql(AssertSqlSafe(format!(
+        "CREATE ROLE {role} LOGIN{password};
+         GRANT USAGE ON SCHEMA {s} TO {role};
+         GRANT ALL ON ALL TABLES IN SCHEMA {s} TO {role};
+         GRANT ALL ON ALL SEQUENCES IN SCHEMA {s} TO {role};"
+    )))
+    .execute(admin)
+    .await
+    .with_context(|| format!("create the consumers' role {role}"))?;
+    Ok(())
+}
+
+/// Drops the consumers' role if it exists (its connections terminated, its privileges
+/// revoked).
+async fn remove_consumer_role(admin: &PgPool, names: &Names) -> anyhow::Result<()> {
+    let role = &names.consumer_role;
+    sqlx::raw_sql(AssertSqlSafe(format!(
+        "DO $$ BEGIN
+           IF EXISTS (SELECT 1 FROM pg_roles WHERE rolname = '{role}') THEN
+             PERFORM pg_terminate_backend(pid) FROM pg_stat_activity WHERE usename = '{role}';
+             EXECUTE 'DROP OWNED BY {role}';
+             EXECUTE 'DROP ROLE {role}';
+           END IF;
+         END $$"
+    )))
+    .execute(admin)
+    .await
+    .with_context(|| format!("drop the consumers' role {role}"))?;
     Ok(())
 }
 
 /// Declares the broker side before any process starts: RabbitMQ's exchange, the
 /// consumers' quorum queue, the audit queue and the overflow queue (held full by the
-/// queue-full fault); or the NATS stream and its durable consumer. What an earlier run left is deleted first.
-pub(crate) async fn broker(transport: Transport, names: &Names) -> anyhow::Result<()> {
+/// queue-full fault); or the NATS stream and its durable consumer (`batched`: the
+/// consumers' `ack_wait`). What an earlier run left is deleted first.
+pub(crate) async fn broker(
+    transport: Transport,
+    names: &Names,
+    batched: bool,
+) -> anyhow::Result<()> {
     remove_broker(transport, names).await?;
     match transport {
         Transport::Rabbit => {
@@ -99,7 +157,7 @@ pub(crate) async fn broker(transport: Transport, names: &Names) -> anyhow::Resul
                 )
                 .await?;
             publisher.close().await;
-            topology::nats_consumer(names, "chaos-harness")?
+            topology::nats_consumer(names, "chaos-harness", batched)?
                 .declare()
                 .await
                 .context("create the durable consumer")?;
@@ -147,7 +205,7 @@ pub(crate) async fn remove_broker(transport: Transport, names: &Names) -> anyhow
     Ok(())
 }
 
-/// Drops the run's schema.
+/// Drops the run's schema and the consumers' role.
 pub(crate) async fn remove_database(admin: &PgPool, names: &Names) -> anyhow::Result<()> {
     sqlx::raw_sql(AssertSqlSafe(format!(
         "DROP SCHEMA IF EXISTS {} CASCADE",
@@ -155,5 +213,5 @@ pub(crate) async fn remove_database(admin: &PgPool, names: &Names) -> anyhow::Re
     )))
     .execute(admin)
     .await?;
-    Ok(())
+    remove_consumer_role(admin, names).await
 }

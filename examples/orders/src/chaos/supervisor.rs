@@ -1,9 +1,22 @@
 //! The relay and consumer processes: started, killed with `SIGKILL` on the schedule,
-//! started again after a pause, and started again too when one exits by itself (which
-//! is recorded: a relay started while PostgreSQL is down exits with code 1, as
-//! documented; a panic, a signal the harness did not send, or a consumer that exits by
-//! itself fails the run: a consumer rides out every fault of the run by reconnecting,
-//! so its exit is a bug).
+//! started again after a pause, and started again too when one exits by itself. Such an
+//! exit is recorded ([`Exit`]) and fails the run unless the harness caused it.
+//!
+//! **What the harness causes** ([`explained_by`]): the exits it asks for by a signal
+//! (`SIGKILL` on the schedule, never recorded as an exit; `SIGTERM` at the end, after
+//! which a process must exit with code 0 within 20 s), and one documented reaction of
+//! the relay to a database fault the harness injected: a relay exits with code 1 (a
+//! runtime failure; never a panic, code 101, nor a signal) when a completion cannot be
+//! recorded in PostgreSQL within its lease, or when it cannot connect at start within
+//! its pool's acquire timeout (10 s). So a relay's exit with code 1 is explained when
+//! it comes while PostgreSQL is stopped or its connections are being terminated (a
+//! `PostgreSQL restarted` or `pg_terminate_backend` fault in the timeline), or at most
+//! one lease (`--lease`) plus that acquire timeout after such a fault ended. Nothing
+//! else explains an exit: not a broker fault (a relay rides those out behind its circuit
+//! breaker, with the database as its source of truth), not the consumers' database
+//! outage (it locks out the consumers' role alone), not a kill of another process, not
+//! poison rows. A consumer never exits by itself: it rides out every fault by
+//! reconnecting and deferring, so any exit of a consumer during the run is a bug.
 
 use std::fs::File;
 use std::os::unix::process::{CommandExt as _, ExitStatusExt as _};
@@ -11,12 +24,13 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, ExitStatus, Stdio};
 use std::time::{Duration, Instant};
 
+use chrono::{DateTime, Utc};
 use rand::rngs::StdRng;
 use rand::{RngExt as _, SeedableRng as _};
 use tokio_util::sync::CancellationToken;
 
 use super::schedule::{FaultKind, Planned, RESTART_PAUSE};
-use super::timeline::Timeline;
+use super::timeline::{Record, Timeline};
 
 /// What a process is.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -78,15 +92,96 @@ impl Drop for Slot {
     }
 }
 
+/// A process that ended without a `SIGKILL` of the harness: by itself during the run,
+/// or other than with code 0 after the final `SIGTERM`.
+#[derive(Debug, Clone)]
+pub(crate) struct Exit {
+    pub(crate) role: Role,
+    /// "relay 0".
+    pub(crate) label: String,
+    /// How it ended: "exited with code 1", "killed by signal 6", "did not stop within
+    /// 20s, killed".
+    pub(crate) how: String,
+    /// Its exit code, if it exited.
+    pub(crate) code: Option<i32>,
+    pub(crate) at: DateTime<Utc>,
+    /// After the final `SIGTERM`.
+    pub(crate) at_shutdown: bool,
+    /// The last line of its log, for the report.
+    pub(crate) last_line: String,
+}
+
+impl std::fmt::Display for Exit {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "{}{}: {}",
+            self.label,
+            if self.at_shutdown { " at shutdown" } else { "" },
+            self.how
+        )?;
+        if !self.last_line.is_empty() {
+            write!(f, " (its log ends: {})", self.last_line)?;
+        }
+        Ok(())
+    }
+}
+
+/// The relay's pool acquire timeout (`outbox relay`'s default): how long a relay
+/// starting while PostgreSQL is down keeps trying to connect before it exits.
+const RELAY_CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// The fault of `records` that explains `exit`, as "PostgreSQL restarted at 43.2 s"
+/// (offsets from `origin`), or `None` when the harness did not cause it (see the
+/// [module docs](self)). `lease` is the relays' `--lease`.
+pub(crate) fn explained_by(
+    exit: &Exit,
+    records: &[Record],
+    lease: Duration,
+    origin: DateTime<Utc>,
+) -> Option<String> {
+    if exit.role != Role::Relay || exit.at_shutdown || exit.code != Some(1) {
+        return None;
+    }
+    let grace = chrono::Duration::from_std(lease + RELAY_CONNECT_TIMEOUT).ok()?;
+    records
+        .iter()
+        .filter(|r| r.injected && matches!(r.kind, FaultKind::PgRestart | FaultKind::PgTerminate))
+        .find(|r| r.start <= exit.at && exit.at <= r.end.unwrap_or(r.start) + grace)
+        .map(|r| {
+            format!(
+                "{} at {:.1} s",
+                if r.kind == FaultKind::PgRestart {
+                    "PostgreSQL restarted"
+                } else {
+                    "pg_terminate_backend"
+                },
+                (r.start - origin).as_seconds_f64()
+            )
+        })
+}
+
+/// The last non-empty line of the log at `path` (at most 300 characters of it).
+fn last_line(path: &Path) -> String {
+    let text = std::fs::read(path).unwrap_or_default();
+    let tail = &text[text.len().saturating_sub(4096)..];
+    String::from_utf8_lossy(tail)
+        .lines()
+        .rev()
+        .map(str::trim)
+        .find(|l| !l.is_empty())
+        .map(|l| l.chars().take(300).collect())
+        .unwrap_or_default()
+}
+
 /// Counts for the verdict.
 #[derive(Debug, Default, Clone)]
 pub(crate) struct ProcessReport {
     pub(crate) relay_restarts: u32,
     pub(crate) consumer_restarts: u32,
-    /// Exits the harness did not cause, as "relay 0: exit status: 1".
-    pub(crate) exits: Vec<String>,
-    /// Of those, the ones that fail the run (a panic, a signal).
-    pub(crate) crashes: Vec<String>,
+    /// Every exit without a `SIGKILL` of the harness (see [`Exit`]); the verdict decides
+    /// which ones the harness caused ([`explained_by`]).
+    pub(crate) exits: Vec<Exit>,
     /// Kills planned for a process that was not running, moved to another one.
     pub(crate) retargeted: u32,
 }
@@ -238,12 +333,20 @@ impl Supervisor {
                 continue;
             };
             slot.child = None;
-            let what = format!("{}: {}", slot.label(), describe(status));
-            timeline.say(format!("{what} (not caused by the harness); restart in 1s"));
-            if is_crash(status) || slot.role == Role::Consumer {
-                self.report.crashes.push(what.clone());
-            }
-            self.report.exits.push(what);
+            let exit = Exit {
+                role: slot.role,
+                label: slot.label(),
+                how: describe(status),
+                code: status.code(),
+                at: Utc::now(),
+                at_shutdown: false,
+                last_line: last_line(&slot.log),
+            };
+            timeline.say(format!(
+                "{}: {} (not a kill of the harness); restart in 1s",
+                exit.label, exit.how
+            ));
+            self.report.exits.push(exit);
             slot.restart_at = Some(Instant::now() + Duration::from_secs(1));
         }
     }
@@ -295,12 +398,15 @@ impl Supervisor {
                     match child.try_wait() {
                         Ok(Some(status)) => {
                             if !status.success() {
-                                let what =
-                                    format!("{} at shutdown: {}", slot.label(), describe(status));
-                                if is_crash(status) {
-                                    self.report.crashes.push(what.clone());
-                                }
-                                self.report.exits.push(what);
+                                self.report.exits.push(Exit {
+                                    role: slot.role,
+                                    label: slot.label(),
+                                    how: describe(status),
+                                    code: status.code(),
+                                    at: Utc::now(),
+                                    at_shutdown: true,
+                                    last_line: last_line(&slot.log),
+                                });
                             }
                             slot.child = None;
                         }
@@ -315,12 +421,17 @@ impl Supervisor {
         }
         for slot in &mut self.slots {
             if let Some(mut child) = slot.child.take() {
-                self.report.exits.push(format!(
-                    "{}: did not stop within {grace:?}, killed",
-                    slot.label()
-                ));
                 let _ = child.kill();
                 let _ = child.wait();
+                self.report.exits.push(Exit {
+                    role: slot.role,
+                    label: slot.label(),
+                    how: format!("did not stop within {grace:?}, killed"),
+                    code: None,
+                    at: Utc::now(),
+                    at_shutdown: true,
+                    last_line: last_line(&slot.log),
+                });
             }
         }
         std::mem::take(&mut self.report)
@@ -333,9 +444,4 @@ fn describe(status: ExitStatus) -> String {
         (None, Some(signal)) => format!("killed by signal {signal}"),
         _ => status.to_string(),
     }
-}
-
-/// A panic (exit code 101) or a signal the harness did not send.
-fn is_crash(status: ExitStatus) -> bool {
-    status.code() == Some(101) || status.signal().is_some()
 }

@@ -64,6 +64,15 @@ pub(crate) const CONSUMER_APP: &str = "chaos-consumer";
 /// `application_name` of the harness's own connections (producers, verdict).
 pub(crate) const HARNESS_APP: &str = "chaos-harness";
 
+/// The quorum queue's `x-delivery-limit` and the NATS consumer's `max_deliver`: the
+/// default limit of RabbitMQ 4's quorum queues. Above what a message's honest
+/// redeliveries reach in a run (the inbox's 5 deliveries of a failing handler, plus one
+/// per consumer kill, broker restart or freeze that caught it in flight), far below
+/// what a database outage would spend if the consumers requeued deliveries while it
+/// lasts (one every 200 ms): a message over the limit is dropped by the broker (no
+/// dead-letter exchange, no further delivery) and the verdict counts it lost.
+pub(crate) const DELIVERY_LIMIT: u16 = 20;
+
 /// The names of everything one chaos run creates, all derived from its schema.
 #[derive(Debug, Clone)]
 pub(crate) struct Names {
@@ -84,6 +93,9 @@ pub(crate) struct Names {
     pub(crate) stream: String,
     /// NATS durable consumer shared by the consumer processes.
     pub(crate) durable: String,
+    /// PostgreSQL login role of the consumer processes (not a superuser, so that the
+    /// harness can lock it out alone: see `injector`).
+    pub(crate) consumer_role: String,
 }
 
 impl Names {
@@ -97,6 +109,7 @@ impl Names {
             subject_prefix: format!("{schema}.events"),
             stream: format!("{schema}_events"),
             durable: "projection".to_owned(),
+            consumer_role: format!("{schema}_consumer"),
         }
     }
 
@@ -119,14 +132,64 @@ pub(crate) fn pg_options(app: &str) -> anyhow::Result<PgConnectOptions> {
     Ok(outbox_postgres::parse_url(&common::database_url())?.application_name(app))
 }
 
-/// Queue arguments of the consumers' queue: a quorum queue.
+/// Connect options of the consumer processes: `DATABASE_URL` as the run's consumer
+/// role, with `application_name` = [`CONSUMER_APP`].
+pub(crate) fn consumer_pg_options(names: &Names) -> anyhow::Result<PgConnectOptions> {
+    Ok(pg_options(CONSUMER_APP)?.username(&names.consumer_role))
+}
+
+/// The password of `DATABASE_URL`'s user, if it has one (percent-decoded): the consumer
+/// role gets the same, so that the consumers can log in wherever the harness can.
+pub(crate) fn database_password() -> Option<String> {
+    let url = common::database_url();
+    let rest = url.split_once("://")?.1;
+    let userinfo = rest.split_once('@')?.0;
+    let password = userinfo.split_once(':')?.1;
+    let bytes = password.as_bytes();
+    let mut out = Vec::with_capacity(bytes.len());
+    let mut i = 0;
+    while i < bytes.len() {
+        let hex = bytes
+            .get(i + 1..i + 3)
+            .and_then(|h| std::str::from_utf8(h).ok())
+            .and_then(|h| u8::from_str_radix(h, 16).ok());
+        match (bytes[i], hex) {
+            (b'%', Some(b)) => {
+                out.push(b);
+                i += 3;
+            }
+            (b, _) => {
+                out.push(b);
+                i += 1;
+            }
+        }
+    }
+    String::from_utf8(out).ok()
+}
+
+/// Queue arguments of the consumers' queue: a quorum queue with a delivery limit
+/// ([`DELIVERY_LIMIT`]).
 pub(crate) fn quorum_queue() -> FieldTable {
     let mut args = FieldTable::default();
     args.insert(
         "x-queue-type".into(),
         AMQPValue::LongString("quorum".into()),
     );
+    args.insert(
+        "x-delivery-limit".into(),
+        AMQPValue::LongInt(i32::from(DELIVERY_LIMIT)),
+    );
     args
+}
+
+/// The consumers' NATS `ack_wait`. Batched consumers keep every message they hold alive
+/// with `+WPI` every third of it, so it only bounds how long a killed consumer's
+/// messages wait: 10 s, which the consumers' database outage outlasts. One message at a
+/// time, a deferred delivery is handed back after up to 15 s, and each try waits for
+/// the pool (5 s acquire timeout) twice (the delivery record, then the inbox): the
+/// default 30 s, above those 25 s.
+pub(crate) fn nats_ack_wait(batched: bool) -> Duration {
+    Duration::from_secs(if batched { 10 } else { 30 })
 }
 
 pub(crate) fn rabbit_config(names: &Names) -> anyhow::Result<RabbitConfig> {
@@ -152,15 +215,20 @@ pub(crate) fn rabbit_consumer(names: &Names) -> anyhow::Result<RabbitConsumer> {
         .build()?)
 }
 
-/// The consumers' NATS consumer: the durable pull consumer on [`EVENT_TYPE`]'s subject.
-/// `ack_wait` stays at its default (30 s): above the 15 s of a deferred delivery plus
-/// the pool's acquire timeout, as the transport asks.
-pub(crate) fn nats_consumer(names: &Names, connection: &str) -> anyhow::Result<NatsConsumer> {
+/// The consumers' NATS consumer: the durable pull consumer on [`EVENT_TYPE`]'s subject,
+/// with [`nats_ack_wait`] and `max_deliver` = [`DELIVERY_LIMIT`].
+pub(crate) fn nats_consumer(
+    names: &Names,
+    connection: &str,
+    batched: bool,
+) -> anyhow::Result<NatsConsumer> {
     let config = nats_config(names, connection)?;
     Ok(
         NatsConsumer::builder(config.clone(), &names.stream, &names.durable)
             .with_filter_subject(config.subject_for(EVENT_TYPE))
             .with_concurrency(64)
+            .with_ack_wait(nats_ack_wait(batched))
+            .with_max_deliver(Some(u32::from(DELIVERY_LIMIT)))
             .with_nak_delays(vec![Duration::from_millis(200)])
             .build()?,
     )

@@ -1,7 +1,11 @@
-//! The verdict: every order counted against the effects table, the outbox's dead
-//! letters against the injected poison rows, the broker's copies (read without the
-//! outbox tables) against both, latency outside the fault windows, and the table that
-//! says it all.
+//! The verdict: every order counted against the effects table and the consumer dead
+//! letters (`consumer_side`: the swallowing handler's orders, the foreign producer's
+//! messages), the outbox's dead letters against the injected poison rows, the broker's
+//! copies (read without the outbox tables) against all of them, every process exit
+//! against the faults that explain it (`supervisor::explained_by`), latency outside the
+//! fault windows, and the table that says it all.
+
+mod consumer_side;
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::time::Duration;
@@ -10,13 +14,16 @@ use chrono::{DateTime, Utc};
 use sqlx::{AssertSqlSafe, PgPool};
 use uuid::Uuid;
 
+use super::Drained;
 use super::audit::Copies;
-use super::producers::PoisonRow;
+use super::foreign::{self, Expect};
+use super::producers::{PoisonRow, SWALLOW_EVERY};
 use super::schedule::{FaultKind, Schedule};
-use super::supervisor::ProcessReport;
+use super::supervisor::{ProcessReport, Role, explained_by};
 use super::timeline::Record;
-use super::topology::{ConsumerMode, Names, Transport};
+use super::topology::{ConsumerMode, DELIVERY_LIMIT, Names, Transport};
 use crate::common;
+use consumer_side::sample;
 
 /// Everything the verdict is drawn from besides the database.
 pub(crate) struct Inputs {
@@ -26,14 +33,18 @@ pub(crate) struct Inputs {
     pub(crate) batched: bool,
     pub(crate) seed: u64,
     pub(crate) duration: Duration,
-    /// How long the drain took, or why it did not finish.
-    pub(crate) drain: Result<Duration, String>,
+    /// How the drain ended, or why it did not finish.
+    pub(crate) drain: Result<Drained, String>,
     pub(crate) schedule: Schedule,
     pub(crate) records: Vec<Record>,
     pub(crate) processes: ProcessReport,
     /// Producer transactions that failed (database faults).
     pub(crate) producer_failures: u64,
     pub(crate) poison: Vec<PoisonRow>,
+    /// The foreign producer's messages, and whether they could be recorded in the
+    /// run's `foreign_messages` table.
+    pub(crate) foreign: Vec<foreign::Sent>,
+    pub(crate) foreign_recorded: Result<(), String>,
     /// The broker's copies by id and the copies without an id, or why they could not
     /// be read.
     pub(crate) broker: Result<(Copies, u64), String>,
@@ -44,6 +55,10 @@ pub(crate) struct Inputs {
     pub(crate) crash_loop_limit: usize,
     /// Poison rows per poison batch (one per kind).
     pub(crate) poison_kinds: usize,
+    /// The relays' `--lease` (see `supervisor::explained_by`).
+    pub(crate) lease: Duration,
+    /// The consumers' NATS `ack_wait` (`None` over RabbitMQ).
+    pub(crate) outage_ack_wait: Option<Duration>,
 }
 
 /// One order as the database has it: its event, when it was committed, how many
@@ -82,6 +97,8 @@ pub(crate) async fn judge(
 ) -> anyhow::Result<Vec<String>> {
     let t = |table: &str| names.table(table);
     let mut failures = Vec::new();
+    let copies = inputs.broker.as_ref().ok().map(|(copies, _)| copies);
+    let side = consumer_side::judge(admin, names, inputs.mode, copies).await?;
 
     let orders: Vec<Order> =
         sqlx::query_as::<_, (Uuid, f64, i64, Option<f64>)>(AssertSqlSafe(format!(
@@ -103,18 +120,31 @@ pub(crate) async fn judge(
         })
         .collect();
     let written = orders.len();
-    let lost: Vec<&Order> = orders.iter().filter(|o| o.effects == 0).collect();
-    let doubled: Vec<&Order> = orders.iter().filter(|o| o.effects > 1).collect();
-    let extra_effects: i64 = doubled.iter().map(|o| o.effects - 1).sum();
-    let exactly_once = orders.iter().filter(|o| o.effects == 1).count();
     let order_ids: HashSet<Uuid> = orders.iter().map(|o| o.event_id).collect();
+    // The swallowing handler's orders are judged by `consumer_side`; the rest here.
+    let plain: Vec<&Order> = orders
+        .iter()
+        .filter(|o| !side.swallowing.contains(&o.event_id))
+        .collect();
+    let dead_ids: HashSet<Uuid> = side.unexpected_dead.iter().map(|d| d.0).collect();
+    let lost: Vec<&&Order> = plain
+        .iter()
+        .filter(|o| o.effects == 0 && !dead_ids.contains(&o.event_id))
+        .collect();
+    let doubled: Vec<&&Order> = plain.iter().filter(|o| o.effects > 1).collect();
+    let extra_effects: i64 = doubled.iter().map(|o| o.effects - 1).sum();
+    let exactly_once = plain.iter().filter(|o| o.effects == 1).count();
 
-    let foreign_effects = scalar(
+    let unknown_effects = scalar(
         admin,
         format!(
-            "SELECT count(*) FROM {} e WHERE NOT EXISTS (SELECT 1 FROM {} o WHERE o.event_id = e.event_id)",
+            "SELECT count(*) FROM {} e
+              WHERE NOT EXISTS (SELECT 1 FROM {} o WHERE o.event_id = e.event_id)
+                AND NOT EXISTS (SELECT 1 FROM {} x WHERE x.id = e.event_id AND x.expect = '{}')",
             t("effects"),
-            t("orders")
+            t("orders"),
+            t("foreign_messages"),
+            Expect::Applied.as_str()
         ),
     )
     .await?;
@@ -136,22 +166,23 @@ pub(crate) async fn judge(
         ),
     )
     .await?;
-    let consumer_dead = scalar(
-        admin,
-        format!(
-            "SELECT (SELECT count(*) FROM {} WHERE dead_at IS NOT NULL)
-                  + (SELECT count(*) FROM {} WHERE status = 3)",
-            t("inbox_failures"),
-            t("inbox_messages")
-        ),
-    )
-    .await?;
-    let (deliveries, delivered_ids): (i64, i64) = sqlx::query_as(AssertSqlSafe(format!(
-        "SELECT count(*), count(DISTINCT event_id) FROM {}",
-        t("deliveries")
+    let (deliveries, delivered_ids, swallowing_deliveries, swallowing_delivered): (
+        i64,
+        i64,
+        i64,
+        i64,
+    ) = sqlx::query_as(AssertSqlSafe(format!(
+        "SELECT count(*), count(DISTINCT event_id),
+                count(*) FILTER (WHERE a.event_id IS NOT NULL),
+                count(DISTINCT event_id) FILTER (WHERE a.event_id IS NOT NULL)
+           FROM {} d LEFT JOIN {} a USING (event_id)",
+        t("deliveries"),
+        t("audit")
     )))
     .fetch_one(admin)
     .await?;
+    // The swallowing handler's messages come back on purpose until they are dead.
+    let swallowing_redeliveries = swallowing_deliveries - swallowing_delivered;
 
     // Poison rows: exactly the dead letters, never at the broker.
     let poison_ids: HashSet<Uuid> = inputs.poison.iter().map(|p| p.id).collect();
@@ -171,26 +202,61 @@ pub(crate) async fn judge(
         .filter(|(p, e)| !e.contains(p.kind.reason))
         .collect();
 
+    // The foreign messages without any id: between the confirmed ones and every attempt
+    // may have reached the broker.
+    let anonymous: Vec<&foreign::Sent> = inputs.foreign.iter().filter(|s| s.id.is_none()).collect();
+    let anonymous_confirmed = anonymous.iter().filter(|s| s.confirmed).count() as u64;
+    let anonymous_attempts: u64 = anonymous.iter().map(|s| u64::from(s.attempts)).sum();
+    let confirmed_foreign: Vec<Uuid> = inputs
+        .foreign
+        .iter()
+        .filter(|s| s.confirmed)
+        .filter_map(|s| s.id)
+        .collect();
+
     // The broker's side.
+    let mut anonymous_copies = None;
     let (broker_line, dup_line) = match &inputs.broker {
         Ok((copies, without_id)) => {
+            anonymous_copies = Some(*without_id);
             let total: u64 = copies.values().map(|n| u64::from(*n)).sum::<u64>() + without_id;
             let missing = orders
                 .iter()
                 .filter(|o| !copies.contains_key(&o.event_id))
                 .count();
+            let foreign_missing = confirmed_foreign
+                .iter()
+                .filter(|id| !copies.contains_key(id))
+                .count();
             let poison_published = poison_ids
                 .iter()
                 .filter(|id| copies.contains_key(id))
                 .count();
+            let unknown_without_id =
+                if (anonymous_confirmed..=anonymous_attempts).contains(without_id) {
+                    0
+                } else {
+                    usize::try_from(*without_id).unwrap_or(usize::MAX)
+                };
             let unknown = copies
                 .keys()
-                .filter(|id| !order_ids.contains(id) && !poison_ids.contains(id))
+                .filter(|id| {
+                    !order_ids.contains(id)
+                        && !poison_ids.contains(id)
+                        && !side.foreign_ids.contains(id)
+                })
                 .count()
-                + usize::try_from(*without_id).unwrap_or(usize::MAX);
+                + unknown_without_id;
+            if foreign_missing > 0 {
+                failures.push(format!(
+                    "{foreign_missing} foreign messages the broker confirmed are not at the broker"
+                ));
+            }
+            // The relays' duplicates (the foreign producer's retries are its own).
             let duplicates: u64 = copies
-                .values()
-                .map(|n| u64::from(n.saturating_sub(1)))
+                .iter()
+                .filter(|(id, _)| !side.foreign_ids.contains(id))
+                .map(|(_, n)| u64::from(n.saturating_sub(1)))
                 .sum();
             if missing > 0 {
                 failures.push(format!("{missing} events never reached the broker"));
@@ -207,8 +273,12 @@ pub(crate) async fn judge(
             };
             (
                 format!(
-                    "{} distinct ids in the {what} ({total} copies); missing {missing}, poison {poison_published}, unknown {unknown}",
-                    copies.len()
+                    "{} distinct ids in the {what} ({total} copies; {} foreign, {without_id} without an id); missing {missing}, poison {poison_published}, unknown {unknown}",
+                    copies.len(),
+                    side.foreign_ids
+                        .iter()
+                        .filter(|id| copies.contains_key(id))
+                        .count()
                 ),
                 match inputs.transport {
                     Transport::Rabbit => format!(
@@ -228,7 +298,7 @@ pub(crate) async fn judge(
 
     // Fault windows, each extended until the pipeline caught up with what was
     // committed before the fault was undone.
-    let mut by_created: Vec<&Order> = orders.iter().collect();
+    let mut by_created: Vec<&Order> = plain.clone();
     by_created.sort_by(|a, b| a.created.total_cmp(&b.created));
     let mut caught_up = Vec::with_capacity(by_created.len());
     let mut latest = f64::MIN;
@@ -250,7 +320,7 @@ pub(crate) async fn judge(
             (r.kind, start, end, catch_up(end))
         })
         .collect();
-    let outside: Vec<f64> = orders
+    let outside: Vec<f64> = plain
         .iter()
         .filter_map(|o| o.applied.map(|a| (o.created, a)))
         .filter(|(c, a)| {
@@ -318,9 +388,15 @@ pub(crate) async fn judge(
     for kind in FaultKind::all(inputs.transport) {
         let planned = match kind {
             FaultKind::Poison => inputs.schedule.planned(kind) * inputs.poison_kinds,
+            FaultKind::Foreign => inputs.schedule.planned(kind) * foreign::kinds().len(),
+            // Not scheduled: a share of the orders, each one injected as it is written.
+            FaultKind::Swallow => side.swallowing.len(),
             _ => inputs.schedule.planned(kind),
         };
-        let (injected, mut notes) = by_kind.remove(&kind).unwrap_or_default();
+        let (mut injected, mut notes) = by_kind.remove(&kind).unwrap_or_default();
+        if kind == FaultKind::Swallow {
+            injected = side.swallowing.len();
+        }
         if let Some((_, why)) = inputs.schedule.unscheduled.iter().find(|(k, _)| *k == kind) {
             notes.push(why.clone());
         }
@@ -344,7 +420,7 @@ pub(crate) async fn judge(
             };
             notes.insert(0, format!("{what} {least:.1}-{most:.1} s"));
         }
-        if kind == FaultKind::PgTerminate {
+        if matches!(kind, FaultKind::PgTerminate | FaultKind::ConsumerLockout) {
             let connections: u64 = inputs
                 .records
                 .iter()
@@ -352,6 +428,26 @@ pub(crate) async fn judge(
                 .filter_map(|r| r.note.split_whitespace().next()?.parse::<u64>().ok())
                 .sum();
             notes.push(format!("{connections} connections terminated in all"));
+        }
+        if kind == FaultKind::ConsumerLockout {
+            notes.push(match inputs.outage_ack_wait {
+                Some(ack_wait) => format!(
+                    "consumers' role refused; ack_wait {} s, max_deliver {DELIVERY_LIMIT}",
+                    ack_wait.as_secs()
+                ),
+                None => format!("consumers' role refused; x-delivery-limit {DELIVERY_LIMIT}"),
+            });
+        }
+        if kind == FaultKind::Foreign {
+            notes.push(format!(
+                "{} kinds per batch, published straight to the broker",
+                foreign::kinds().len()
+            ));
+        }
+        if kind == FaultKind::Swallow {
+            notes.push(format!(
+                "every {SWALLOW_EVERY}th order of each producer: a unique violation caught and ignored"
+            ));
         }
         if kind == FaultKind::Poison {
             let mut kinds: Vec<&str> = inputs.poison.iter().map(|p| p.kind.name).collect();
@@ -383,10 +479,51 @@ pub(crate) async fn judge(
         "duplicates suppressed by the inbox",
         match inputs.mode {
             ConsumerMode::Direct => "none: no inbox".to_owned(),
-            _ => format!("{}", (deliveries - delivered_ids - extra_effects).max(0)),
+            _ => format!(
+                "{} (besides {swallowing_redeliveries} redeliveries of the swallowing handler's messages)",
+                (deliveries - delivered_ids - extra_effects - swallowing_redeliveries).max(0)
+            ),
         },
     );
-    line("applied exactly once", exactly_once);
+    line(
+        "applied exactly once",
+        format!(
+            "{exactly_once} of {} orders (the swallowing handler's aside)",
+            plain.len()
+        ),
+    );
+    line(
+        "swallowing handler's orders",
+        format!(
+            "{}: {} consumer dead letters naming the aborted transaction, {} acked without effect or record, {} applied, {} dead for another reason",
+            side.swallowing.len(),
+            side.swallowed_dead,
+            side.acked_without_record.len(),
+            side.swallowed_applied.len(),
+            side.swallowed_other.len()
+        ),
+    );
+    line(
+        "foreign messages with a usable id",
+        format!(
+            "{} ({} confirmed): {} applied once, {} undecodable dead letters, {} neither, {} otherwise, {} unconfirmed and never arrived",
+            side.foreign_sent,
+            side.foreign_confirmed,
+            side.foreign_applied,
+            side.foreign_dead,
+            side.foreign_lost.len(),
+            side.foreign_wrong.len(),
+            side.foreign_never_arrived
+        ),
+    );
+    line(
+        "foreign messages without any id",
+        format!(
+            "{} ({anonymous_confirmed} confirmed, {} at the broker): dropped by the consumers, counted in their metric only; none left on the broker",
+            anonymous.len(),
+            anonymous_copies.map_or_else(|| "unknown".to_owned(), |n| n.to_string())
+        ),
+    );
     line(
         "dead letters (outbox)",
         format!(
@@ -397,7 +534,16 @@ pub(crate) async fn judge(
             poison_alive.len()
         ),
     );
-    line("consumer dead letters", consumer_dead);
+    line(
+        "consumer dead letters",
+        format!(
+            "{} ({} swallowed errors, {} undecodable foreign messages, {} unexpected)",
+            side.dead_letters,
+            side.swallowed_dead + side.swallowed_other.len(),
+            side.foreign_dead,
+            side.unexpected_dead.len()
+        ),
+    );
     line("lost", lost.len());
     line(
         "double effects",
@@ -406,7 +552,7 @@ pub(crate) async fn judge(
             doubled.len()
         ),
     );
-    line("effects of unknown events", foreign_effects);
+    line("effects of unknown events", unknown_effects);
     line("still pending in the outbox", pending);
     match common::percentiles(&outside) {
         Some((p50, p99)) => {
@@ -442,25 +588,64 @@ pub(crate) async fn judge(
         ),
     );
     let p = &inputs.processes;
+    let mut explained = Vec::new();
+    let mut unexplained = Vec::new();
+    for exit in &p.exits {
+        match explained_by(exit, &inputs.records, inputs.lease, inputs.phase.0) {
+            Some(fault) => explained.push(format!("{} ({fault})", exit.label)),
+            None => unexplained.push(exit),
+        }
+    }
+    let relay_exits = p
+        .exits
+        .iter()
+        .filter(|e| e.role == Role::Relay && !e.at_shutdown)
+        .count();
     line(
         "relay restarts",
         format!(
-            "{} (after kills and {} exits of their own)",
+            "{} (after kills and {relay_exits} exits of their own{})",
             p.relay_restarts,
-            p.exits.iter().filter(|e| e.starts_with("relay")).count()
+            if explained.is_empty() {
+                String::new()
+            } else {
+                format!(", explained by database faults: {}", explained.join(", "))
+            }
         ),
     );
     line("consumer restarts", p.consumer_restarts);
-    if !p.exits.is_empty() {
-        line("exits not caused by the harness", p.exits.join("; "));
+    if !unexplained.is_empty() {
+        line(
+            "exits not caused by the harness",
+            unexplained
+                .iter()
+                .map(|e| e.to_string())
+                .collect::<Vec<_>>()
+                .join("; "),
+        );
     }
     line(
         "drain",
         match &inputs.drain {
-            Ok(d) => format!("finished in {}", secs(d.as_secs_f64())),
+            Ok(Drained {
+                took,
+                unsettled: None,
+            }) => format!("finished in {}", secs(took.as_secs_f64())),
+            Ok(Drained {
+                took,
+                unsettled: Some(what),
+            }) => format!(
+                "settled in {} with nothing left to deliver, but: {what}",
+                secs(took.as_secs_f64())
+            ),
             Err(e) => format!("DID NOT FINISH: {e}"),
         },
     );
+    for (id, kind, error) in &side.foreign_other_reason {
+        println!(
+            "  note: foreign message {id} ({kind}) is a dead letter for another reason than expected: {error}"
+        );
+    }
     for (p, e) in &poison_other_reason {
         println!(
             "  note: poison row {} ({}) is dead for another reason than expected: {e}",
@@ -499,21 +684,24 @@ pub(crate) async fn judge(
     if !poison_alive.is_empty() {
         failures.push(format!("{} poison rows are not dead", poison_alive.len()));
     }
-    if consumer_dead > 0 {
-        failures.push(format!("{consumer_dead} consumer dead letters"));
+    failures.extend(side.failures());
+    if let Err(e) = &inputs.foreign_recorded {
+        failures.push(format!("the foreign messages could not be recorded: {e}"));
     }
-    if foreign_effects > 0 {
-        failures.push(format!("{foreign_effects} effects of events no order has"));
+    if unknown_effects > 0 {
+        failures.push(format!(
+            "{unknown_effects} effects of events no order or foreign message has"
+        ));
     }
-    if !p.crashes.is_empty() {
-        failures.push(format!("processes crashed: {}", p.crashes.join("; ")));
+    if !unexplained.is_empty() {
+        failures.push(format!(
+            "processes ended in ways the harness did not cause: {}",
+            unexplained
+                .iter()
+                .map(|e| format!("{}: {}", e.label, e.how))
+                .collect::<Vec<_>>()
+                .join("; ")
+        ));
     }
     Ok(failures)
-}
-
-fn sample(ids: impl Iterator<Item = Uuid>) -> String {
-    ids.take(3)
-        .map(|id| id.to_string())
-        .collect::<Vec<_>>()
-        .join(", ")
 }
