@@ -1,7 +1,8 @@
 //! The broker's side of the verdict, read without the outbox tables: how many times
 //! each message id reached the broker. RabbitMQ: the audit queue bound to the run's
 //! exchange with `#` (every routed publish lands there too), drained at the end.
-//! NATS: the stream itself, read from the first message to the last.
+//! NATS: the streams themselves (the consumers' and the side events'), each read from
+//! the first message to the last.
 
 use std::collections::HashMap;
 use std::time::Duration;
@@ -88,8 +89,28 @@ async fn nats(names: &Names) -> anyhow::Result<(Copies, u64)> {
         .await
         .context("connect to NATS for the audit")?;
     let js = jetstream::new(client);
-    let mut stream = js.get_stream(&names.stream).await.context("the stream")?;
+    let mut copies = Copies::new();
+    let mut without_id = 0;
+    for stream in [&names.stream, &names.side_stream] {
+        without_id += read_stream(&js, stream, &mut copies)
+            .await
+            .with_context(|| format!("stream {stream}"))?;
+    }
+    Ok((copies, without_id))
+}
+
+/// Adds the copies of each message id in stream `name` to `copies`; returns how many
+/// of its messages had no usable id.
+async fn read_stream(
+    js: &jetstream::Context,
+    name: &str,
+    copies: &mut Copies,
+) -> anyhow::Result<u64> {
+    let mut stream = js.get_stream(name).await.context("the stream")?;
     let total = stream.info().await?.state.messages;
+    if total == 0 {
+        return Ok(0);
+    }
     let consumer = stream
         .create_consumer(jetstream::consumer::pull::Config {
             ack_policy: jetstream::consumer::AckPolicy::None,
@@ -97,7 +118,6 @@ async fn nats(names: &Names) -> anyhow::Result<(Copies, u64)> {
         })
         .await?;
     let mut messages = consumer.messages().await?;
-    let mut copies = Copies::new();
     let mut without_id = 0;
     // A missed idle heartbeat (the server or the machine busy for a moment) does not end
     // the stream: read on, up to 10 of them.
@@ -130,5 +150,5 @@ async fn nats(names: &Names) -> anyhow::Result<(Copies, u64)> {
             None => without_id += 1,
         }
     }
-    Ok((copies, without_id))
+    Ok(without_id)
 }

@@ -24,6 +24,7 @@ use outbox_testkit::faults::{
 };
 use sqlx::{AssertSqlSafe, ConnectOptions as _, PgPool};
 use tokio_util::sync::CancellationToken;
+use transport_nats::async_nats;
 
 use super::schedule::{FaultKind, Planned};
 use super::timeline::Timeline;
@@ -50,6 +51,12 @@ fn inject(kind: FaultKind, transport: Transport, names: &Names) -> Result<Guard,
         (FaultKind::BrokerRestart, Transport::Nats) => NatsStopped::try_stop().map(boxed),
         (FaultKind::MemoryAlarm, _) => RabbitMemoryAlarm::try_raise().map(boxed),
         (FaultKind::QueueFull, _) => RabbitQueueFull::try_set(&names.overflow_queue).map(boxed),
+        (FaultKind::DestinationFull, Transport::Rabbit) => {
+            RabbitQueueFull::try_set(&names.side_queue).map(boxed)
+        }
+        (FaultKind::DestinationFull, Transport::Nats) => {
+            NatsStreamFull::try_fill(&names.side_stream).map(boxed)
+        }
         (FaultKind::PgRestart, _) => PgStopped::try_stop().map(boxed),
         (kind, _) => Err(FaultUnavailable {
             fault: "lane",
@@ -165,6 +172,74 @@ impl Lane<'_> {
             Err(e) => self
                 .timeline
                 .not_injected(kind, format!("the statement failed: {e}")),
+        }
+    }
+}
+
+/// Runs `work` on a thread of its own with a runtime of its own, so that a guard can
+/// call the NATS client wherever it is made or dropped (also inside the harness's
+/// runtime, or when the run is aborted).
+fn on_own_runtime<T: Send + 'static>(
+    work: impl std::future::Future<Output = anyhow::Result<T>> + Send + 'static,
+) -> anyhow::Result<T> {
+    std::thread::spawn(move || -> anyhow::Result<T> {
+        tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()?
+            .block_on(work)
+    })
+    .join()
+    .map_err(|_| anyhow::anyhow!("the thread panicked"))?
+}
+
+/// Sets the `max_msgs` of stream `name` to `max` (`-1`: no limit), with `discard: new`
+/// (a publish over the limit is refused with JetStream error 10077 instead of dropping
+/// the oldest message).
+async fn set_max_messages(name: String, max: i64) -> anyhow::Result<()> {
+    let client = async_nats::connect(crate::common::nats_url()).await?;
+    let js = async_nats::jetstream::new(client);
+    let mut stream = js.get_stream(&name).await?;
+    let info = stream.info().await?;
+    let mut config = info.config.clone();
+    config.max_messages = if max >= 0 {
+        max.max(i64::try_from(info.state.messages).unwrap_or(i64::MAX))
+            .max(1)
+    } else {
+        -1
+    };
+    config.discard = async_nats::jetstream::stream::DiscardPolicy::New;
+    js.update_stream(config).await?;
+    Ok(())
+}
+
+/// One JetStream stream full: its `max_msgs` set to the messages it holds, with
+/// `discard: new`, so every further publish to its subject is refused (JetStream error
+/// 10077, as when a stream reaches its limits in production); dropping it lifts the
+/// limit.
+struct NatsStreamFull {
+    stream: String,
+}
+
+impl NatsStreamFull {
+    fn try_fill(stream: &str) -> Result<Self, FaultUnavailable> {
+        let name = stream.to_owned();
+        on_own_runtime(set_max_messages(name, 0)).map_err(|e| FaultUnavailable {
+            fault: "NATS stream full",
+            reason: format!("{e:#}"),
+        })?;
+        Ok(Self {
+            stream: stream.to_owned(),
+        })
+    }
+}
+
+impl Drop for NatsStreamFull {
+    fn drop(&mut self) {
+        if let Err(e) = on_own_runtime(set_max_messages(self.stream.clone(), -1)) {
+            eprintln!(
+                "chaos: could not lift the limit of stream {} again: {e:#} (the run's cleanup deletes it)",
+                self.stream
+            );
         }
     }
 }

@@ -2,10 +2,11 @@
 //! every message.
 //!
 //! 1. **Set up** a fresh schema (outbox and inbox tables, `orders`, `effects`,
-//!    `deliveries`, `audit`, `foreign_messages`), the consumers' login role, and the
-//!    broker side (RabbitMQ: exchange, the consumers' quorum queue, an audit queue bound
-//!    to `#`; NATS: a file-storage stream and a durable consumer), under the
-//!    machine-wide fault lock of `outbox_testkit::faults`.
+//!    `deliveries`, `audit`, `foreign_messages`, `side_events`), the consumers' login
+//!    role, and the broker side (RabbitMQ: exchange, the consumers' quorum queue, an
+//!    audit queue bound to `#`, the side events' queue; NATS: a file-storage stream for
+//!    the orders' events with a durable consumer, and one for the side events), under
+//!    the machine-wide fault lock of `outbox_testkit::faults`.
 //! 2. **Run** `--relays` `outbox relay` processes (the release build's binary),
 //!    `--consumers` `chaos-consumer` processes, and `--producers` tasks writing orders
 //!    and their events at `--rate` (a share of them marked for the consumers' swallowing

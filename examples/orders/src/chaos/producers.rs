@@ -1,6 +1,7 @@
 //! The producers (orders and their events, one transaction each, at a steady rate;
 //! every [`SWALLOW_EVERY`]-th order of each producer marked for the consumers' swallowing
-//! handler) and the poison lane (rows the relay must dead-letter alone).
+//! handler, every [`SIDE_EVERY`]-th with a side event for the second destination) and
+//! the poison lane (rows the relay must dead-letter alone).
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -14,7 +15,7 @@ use uuid::Uuid;
 
 use super::schedule::{FaultKind, Planned};
 use super::timeline::Timeline;
-use super::topology::{EVENT_TYPE, Names, Transport};
+use super::topology::{EVENT_TYPE, Names, SIDE_EVENT_TYPE, Transport};
 
 /// What the producers did.
 #[derive(Debug, Default)]
@@ -38,8 +39,15 @@ pub(crate) struct ProducerStats {
 /// first.
 pub(crate) const SWALLOW_EVERY: u64 = 250;
 
+/// Every this many orders of each producer, the order's transaction also enqueues a side
+/// event ([`SIDE_EVENT_TYPE`], recorded in `side_events`): the second destination, which
+/// the destination-full fault holds full while the orders' destination must keep
+/// flowing. No consumer reads it; the verdict checks every side event reached the broker
+/// and none is dead.
+pub(crate) const SIDE_EVERY: u64 = 4;
+
 /// One order and its event, in one transaction (with its audit row when it is marked,
-/// see [`SWALLOW_EVERY`]). The order row is written last with `clock_timestamp()`, the
+/// see [`SWALLOW_EVERY`], and a side event, see [`SIDE_EVERY`]). The order row is written last with `clock_timestamp()`, the
 /// closest the database clock gets to the commit time, from which commit-to-consume
 /// latency is measured.
 async fn place_order(outbox: &PgOutbox, names: &Names, n: u64) -> anyhow::Result<()> {
@@ -57,6 +65,19 @@ async fn place_order(outbox: &PgOutbox, names: &Names, n: u64) -> anyhow::Result
         .build()?;
     let mut tx = outbox.pool().begin().await?;
     outbox.enqueue(&mut tx, &event).await?;
+    if n.is_multiple_of(SIDE_EVERY) {
+        let side = NewMessage::builder("order", order_id.to_string(), SIDE_EVENT_TYPE)
+            .payload(&serde_json::json!({ "order_id": order_id }))
+            .build()?;
+        outbox.enqueue(&mut tx, &side).await?;
+        sqlx::query(AssertSqlSafe(format!(
+            "INSERT INTO {} (id, created_at) VALUES ($1, clock_timestamp())",
+            names.table("side_events")
+        )))
+        .bind(side.id)
+        .execute(&mut *tx)
+        .await?;
+    }
     if audit {
         sqlx::query(AssertSqlSafe(format!(
             "INSERT INTO {} (order_id, event_id) VALUES ($1, $2)",

@@ -5,9 +5,11 @@
 //! - **processes**: `kill -9` of a relay (at least 10 per run, spaced so that the
 //!   killed relay is back before the next kill) and of a consumer, each restarted after
 //!   a pause of 1 to 3 s;
-//! - **broker**: freeze, restart, and for RabbitMQ a memory alarm and a full queue, in
-//!   rounds (every kind once per round, shuffled), never two at once (`rabbitmqctl`
-//!   hangs while the node is frozen);
+//! - **broker**: freeze, restart, one destination full (the side events' queue or
+//!   stream refuses them for half a fault window while the orders' destination must
+//!   keep flowing), and for RabbitMQ a memory alarm and a full queue (every message
+//!   refused), in rounds (every kind once per round, shuffled), never two at once
+//!   (`rabbitmqctl` hangs while the node is frozen);
 //! - **database**: PostgreSQL restarted, the relays' and consumers' connections
 //!   terminated, and the consumers locked out of PostgreSQL for longer than their NATS
 //!   `ack_wait`, in rounds;
@@ -35,6 +37,7 @@ pub(crate) enum FaultKind {
     BrokerRestart,
     MemoryAlarm,
     QueueFull,
+    DestinationFull,
     PgRestart,
     PgTerminate,
     ConsumerLockout,
@@ -56,6 +59,7 @@ impl FaultKind {
             kinds.extend([Self::MemoryAlarm, Self::QueueFull]);
         }
         kinds.extend([
+            Self::DestinationFull,
             Self::PgRestart,
             Self::PgTerminate,
             Self::ConsumerLockout,
@@ -77,6 +81,8 @@ impl FaultKind {
             (Self::BrokerRestart, Transport::Nats) => "NATS restarted",
             (Self::MemoryAlarm, _) => "RabbitMQ memory alarm",
             (Self::QueueFull, _) => "queue full (reject-publish)",
+            (Self::DestinationFull, Transport::Rabbit) => "one destination's queue full",
+            (Self::DestinationFull, Transport::Nats) => "one destination's stream full",
             (Self::PgRestart, _) => "PostgreSQL restarted",
             (Self::PgTerminate, _) => "pg_terminate_backend",
             (Self::ConsumerLockout, _) => "consumers' database outage",
@@ -182,8 +188,13 @@ impl Schedule {
                 FaultKind::BrokerRestart,
                 FaultKind::MemoryAlarm,
                 FaultKind::QueueFull,
+                FaultKind::DestinationFull,
             ],
-            Transport::Nats => vec![FaultKind::BrokerFreeze, FaultKind::BrokerRestart],
+            Transport::Nats => vec![
+                FaultKind::BrokerFreeze,
+                FaultKind::BrokerRestart,
+                FaultKind::DestinationFull,
+            ],
         };
         let window = s.fault_window;
         let (broker, left_out) =
@@ -195,6 +206,11 @@ impl Schedule {
                 40,
                 |kind, rng| match kind {
                     FaultKind::BrokerRestart => rng.random_range(3_000..=6_000),
+                    // Long enough for a stall of the other destination to show, short
+                    // enough to fit a CI run beside the broker-wide faults.
+                    FaultKind::DestinationFull => {
+                        u64::try_from((window / 2).as_millis()).unwrap_or(u64::MAX)
+                    }
                     _ => u64::try_from(window.as_millis()).unwrap_or(u64::MAX),
                 },
             );

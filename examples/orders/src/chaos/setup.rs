@@ -12,14 +12,15 @@ use sqlx::{AssertSqlSafe, PgPool};
 use transport_nats::async_nats::jetstream;
 use transport_nats::{NatsPublisher, StreamSetup, async_nats};
 
-use super::topology::{self, Names, Transport};
+use super::topology::{self, EVENT_TYPE, Names, SIDE_EVENT_TYPE, Transport};
 use crate::common;
 
 /// Drops and recreates the schema: the outbox and inbox tables (migrations), `orders`,
 /// `effects` (no unique constraint: a double effect is a second row), `deliveries`,
 /// `audit` (the audit rows the producers write for the orders whose handler swallows an
 /// error: see `producers`) and `foreign_messages` (what the foreign producer published:
-/// see `foreign`); then the consumers' role, with every privilege on the schema's tables.
+/// see `foreign`) and `side_events` (the side events the producers wrote: see
+/// `producers`); then the consumers' role, with every privilege on the schema's tables.
 pub(crate) async fn database(
     admin: &PgPool,
     outbox: &PgOutbox,
@@ -57,7 +58,10 @@ pub(crate) async fn database(
              kind text NOT NULL,
              expect text NOT NULL CHECK (expect IN ('applied', 'dead letter')),
              reason text NOT NULL,
-             confirmed boolean NOT NULL);"
+             confirmed boolean NOT NULL);
+         CREATE TABLE {s}.side_events (
+             id uuid PRIMARY KEY,
+             created_at timestamptz NOT NULL);"
     )))
     .execute(admin)
     .await
@@ -107,9 +111,10 @@ async fn remove_consumer_role(admin: &PgPool, names: &Names) -> anyhow::Result<(
 }
 
 /// Declares the broker side before any process starts: RabbitMQ's exchange, the
-/// consumers' quorum queue, the audit queue and the overflow queue (held full by the
-/// queue-full fault); or the NATS stream and its durable consumer (`batched`: the
-/// consumers' `ack_wait`). What an earlier run left is deleted first.
+/// consumers' quorum queue, the audit queue, the overflow queue (held full by the
+/// queue-full fault) and the side queue (held full by the destination-full fault); or
+/// the NATS streams (the consumers' and the side events') and the durable consumer
+/// (`batched`: the consumers' `ack_wait`). What an earlier run left is deleted first.
 pub(crate) async fn broker(
     transport: Transport,
     names: &Names,
@@ -124,7 +129,11 @@ pub(crate) async fn broker(
             let conn =
                 Connection::connect(&common::amqp_url(), ConnectionProperties::default()).await?;
             let ch = conn.create_channel().await?;
-            for queue in [&names.audit_queue, &names.overflow_queue] {
+            for (queue, key) in [
+                (&names.audit_queue, "#"),
+                (&names.overflow_queue, "#"),
+                (&names.side_queue, SIDE_EVENT_TYPE),
+            ] {
                 ch.queue_declare(
                     queue.as_str().into(),
                     QueueDeclareOptions {
@@ -137,7 +146,7 @@ pub(crate) async fn broker(
                 ch.queue_bind(
                     queue.as_str().into(),
                     names.exchange.as_str().into(),
-                    "#".into(),
+                    key.into(),
                     QueueBindOptions::default(),
                     FieldTable::default(),
                 )
@@ -150,12 +159,19 @@ pub(crate) async fn broker(
             let publisher = NatsPublisher::connect(config.clone())
                 .await
                 .context("connect to NATS (is it running with JetStream?)")?;
-            publisher
-                .ensure_stream(
-                    &StreamSetup::for_config(&names.stream, &config)
-                        .with_duplicate_window(Duration::from_secs(120)),
-                )
-                .await?;
+            // One stream per destination: streams' subjects must not overlap.
+            for (stream, event_type) in [
+                (&names.stream, EVENT_TYPE),
+                (&names.side_stream, SIDE_EVENT_TYPE),
+            ] {
+                publisher
+                    .ensure_stream(
+                        &StreamSetup::new(stream.as_str())
+                            .with_subject(config.subject_for(event_type))
+                            .with_duplicate_window(Duration::from_secs(120)),
+                    )
+                    .await?;
+            }
             publisher.close().await;
             topology::nats_consumer(names, "chaos-harness", batched)?
                 .declare()
@@ -166,7 +182,7 @@ pub(crate) async fn broker(
     Ok(())
 }
 
-/// Deletes the run's queues and exchange, or its stream.
+/// Deletes the run's queues and exchange, or its streams.
 pub(crate) async fn remove_broker(transport: Transport, names: &Names) -> anyhow::Result<()> {
     match transport {
         Transport::Rabbit => {
@@ -174,7 +190,12 @@ pub(crate) async fn remove_broker(transport: Transport, names: &Names) -> anyhow
                 .await
                 .context("connect to RabbitMQ")?;
             let ch = conn.create_channel().await?;
-            for queue in [&names.queue, &names.audit_queue, &names.overflow_queue] {
+            for queue in [
+                &names.queue,
+                &names.audit_queue,
+                &names.overflow_queue,
+                &names.side_queue,
+            ] {
                 ch.queue_delete(queue.as_str().into(), QueueDeleteOptions::default())
                     .await?;
             }
@@ -190,14 +211,16 @@ pub(crate) async fn remove_broker(transport: Transport, names: &Names) -> anyhow
                 .await
                 .context("connect to NATS")?;
             let js = jetstream::new(client);
-            if let Err(e) = js.delete_stream(&names.stream).await {
-                let missing = matches!(
-                    e.kind(),
-                    jetstream::context::DeleteStreamErrorKind::JetStream(ref js)
-                        if js.error_code() == jetstream::ErrorCode::STREAM_NOT_FOUND
-                );
-                if !missing {
-                    return Err(e).context("delete the run's stream");
+            for stream in [&names.stream, &names.side_stream] {
+                if let Err(e) = js.delete_stream(stream).await {
+                    let missing = matches!(
+                        e.kind(),
+                        jetstream::context::DeleteStreamErrorKind::JetStream(ref js)
+                            if js.error_code() == jetstream::ErrorCode::STREAM_NOT_FOUND
+                    );
+                    if !missing {
+                        return Err(e).with_context(|| format!("delete the run's stream {stream}"));
+                    }
                 }
             }
         }

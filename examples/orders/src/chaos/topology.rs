@@ -55,6 +55,10 @@ impl ConsumerMode {
 
 /// The event type the producers write.
 pub(crate) const EVENT_TYPE: &str = "OrderPlaced";
+/// The event type of the side events: a second destination (its own RabbitMQ routing
+/// key and queue, its own NATS subject and stream) that no consumer reads, held full by
+/// the destination-full fault while [`EVENT_TYPE`]'s destination must keep flowing.
+pub(crate) const SIDE_EVENT_TYPE: &str = "OrderNoted";
 /// The inbox consumer name of the effect handler.
 pub(crate) const CONSUMER: &str = "chaos-effect";
 /// `application_name` of the relays' database connections.
@@ -87,10 +91,16 @@ pub(crate) struct Names {
     /// RabbitMQ queue held full during the queue-full fault (classic, durable, bound to
     /// `#`, never consumed; its content is of no interest).
     pub(crate) overflow_queue: String,
+    /// RabbitMQ queue of the side events (classic, durable, bound to
+    /// [`SIDE_EVENT_TYPE`], never consumed), held full by the destination-full fault.
+    pub(crate) side_queue: String,
     /// NATS subject prefix of the relays.
     pub(crate) subject_prefix: String,
-    /// NATS stream capturing `{subject_prefix}.>`.
+    /// NATS stream capturing [`EVENT_TYPE`]'s subject.
     pub(crate) stream: String,
+    /// NATS stream capturing [`SIDE_EVENT_TYPE`]'s subject, held full (`max_msgs`,
+    /// `discard: new`) by the destination-full fault.
+    pub(crate) side_stream: String,
     /// NATS durable consumer shared by the consumer processes.
     pub(crate) durable: String,
     /// PostgreSQL login role of the consumer processes (not a superuser, so that the
@@ -106,8 +116,10 @@ impl Names {
             queue: format!("{schema}.projection"),
             audit_queue: format!("{schema}.audit"),
             overflow_queue: format!("{schema}.overflow"),
+            side_queue: format!("{schema}.side"),
             subject_prefix: format!("{schema}.events"),
             stream: format!("{schema}_events"),
+            side_stream: format!("{schema}_side"),
             durable: "projection".to_owned(),
             consumer_role: format!("{schema}_consumer"),
         }

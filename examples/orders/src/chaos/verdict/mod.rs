@@ -3,7 +3,8 @@
 //! messages), the outbox's dead letters against the injected poison rows, the broker's
 //! copies (read without the outbox tables) against all of them, every process exit
 //! against the faults that explain it (`supervisor::explained_by`), latency outside the
-//! fault windows, and the table that says it all.
+//! fault windows and while only the side events' destination was full (the orders'
+//! destination must not notice), and the table that says it all.
 
 mod consumer_side;
 
@@ -17,11 +18,11 @@ use uuid::Uuid;
 use super::Drained;
 use super::audit::Copies;
 use super::foreign::{self, Expect};
-use super::producers::{PoisonRow, SWALLOW_EVERY};
+use super::producers::{PoisonRow, SIDE_EVERY, SWALLOW_EVERY};
 use super::schedule::{FaultKind, Schedule};
 use super::supervisor::{ProcessReport, Role, explained_by};
 use super::timeline::Record;
-use super::topology::{ConsumerMode, DELIVERY_LIMIT, Names, Transport};
+use super::topology::{ConsumerMode, DELIVERY_LIMIT, Names, SIDE_EVENT_TYPE, Transport};
 use crate::common;
 use consumer_side::sample;
 
@@ -120,6 +121,15 @@ pub(crate) async fn judge(
         })
         .collect();
     let written = orders.len();
+    // The side events (the second destination): every one must reach the broker.
+    let side_events: HashSet<Uuid> = sqlx::query_scalar::<_, Uuid>(AssertSqlSafe(format!(
+        "SELECT id FROM {}",
+        t("side_events")
+    )))
+    .fetch_all(admin)
+    .await?
+    .into_iter()
+    .collect();
     let order_ids: HashSet<Uuid> = orders.iter().map(|o| o.event_id).collect();
     // The swallowing handler's orders are judged by `consumer_side`; the rest here.
     let plain: Vec<&Order> = orders
@@ -224,6 +234,10 @@ pub(crate) async fn judge(
                 .iter()
                 .filter(|o| !copies.contains_key(&o.event_id))
                 .count();
+            let side_missing = side_events
+                .iter()
+                .filter(|id| !copies.contains_key(id))
+                .count();
             let foreign_missing = confirmed_foreign
                 .iter()
                 .filter(|id| !copies.contains_key(id))
@@ -242,6 +256,7 @@ pub(crate) async fn judge(
                 .keys()
                 .filter(|id| {
                     !order_ids.contains(id)
+                        && !side_events.contains(id)
                         && !poison_ids.contains(id)
                         && !side.foreign_ids.contains(id)
                 })
@@ -261,6 +276,11 @@ pub(crate) async fn judge(
             if missing > 0 {
                 failures.push(format!("{missing} events never reached the broker"));
             }
+            if side_missing > 0 {
+                failures.push(format!(
+                    "{side_missing} side events never reached the broker"
+                ));
+            }
             if poison_published > 0 {
                 failures.push(format!("{poison_published} poison rows reached the broker"));
             }
@@ -269,12 +289,16 @@ pub(crate) async fn judge(
             }
             let what = match inputs.transport {
                 Transport::Rabbit => "audit queue",
-                Transport::Nats => "stream",
+                Transport::Nats => "streams",
             };
             (
                 format!(
-                    "{} distinct ids in the {what} ({total} copies; {} foreign, {without_id} without an id); missing {missing}, poison {poison_published}, unknown {unknown}",
+                    "{} distinct ids in the {what} ({total} copies; {} side events, {} foreign, {without_id} without an id); missing {missing} orders' and {side_missing} side events, poison {poison_published}, unknown {unknown}",
                     copies.len(),
+                    side_events
+                        .iter()
+                        .filter(|id| copies.contains_key(id))
+                        .count(),
                     side.foreign_ids
                         .iter()
                         .filter(|id| copies.contains_key(id))
@@ -320,13 +344,29 @@ pub(crate) async fn judge(
             (r.kind, start, end, catch_up(end))
         })
         .collect();
+    // A full side destination is no fault for the orders: their latency outside the
+    // other faults' windows includes the time it was full, and is also shown alone.
+    let in_order_fault = |c: f64, a: f64| {
+        windows.iter().any(|(kind, start, _, caught)| {
+            *kind != FaultKind::DestinationFull && c <= *caught && a >= *start
+        })
+    };
     let outside: Vec<f64> = plain
         .iter()
         .filter_map(|o| o.applied.map(|a| (o.created, a)))
+        .filter(|(c, a)| !in_order_fault(*c, *a))
+        .map(|(c, a)| (a - c) * 1000.0)
+        .collect();
+    let side_full: Vec<(f64, f64)> = windows
+        .iter()
+        .filter(|(kind, ..)| *kind == FaultKind::DestinationFull)
+        .map(|(_, start, end, _)| (*start, *end))
+        .collect();
+    let while_side_full: Vec<f64> = plain
+        .iter()
+        .filter_map(|o| o.applied.map(|a| (o.created, a)))
         .filter(|(c, a)| {
-            !windows
-                .iter()
-                .any(|(_, start, _, caught)| *c <= *caught && *a >= *start)
+            side_full.iter().any(|(start, end)| c >= start && c <= end) && !in_order_fault(*c, *a)
         })
         .map(|(c, a)| (a - c) * 1000.0)
         .collect();
@@ -447,6 +487,12 @@ pub(crate) async fn judge(
         if kind == FaultKind::Swallow {
             notes.push(format!(
                 "every {SWALLOW_EVERY}th order of each producer: a unique violation caught and ignored"
+            ));
+        }
+        if kind == FaultKind::DestinationFull {
+            notes.push(format!(
+                "{} side events ({SIDE_EVENT_TYPE}, every {SIDE_EVERY}th order) refused while held; the orders' destination must keep flowing",
+                side_events.len()
             ));
         }
         if kind == FaultKind::Poison {
@@ -572,6 +618,42 @@ pub(crate) async fn judge(
         None => line(
             "commit-to-consume outside fault windows",
             "no event outside",
+        ),
+    }
+    // The orders' latency while only the side destination was full: within what it is
+    // outside every fault, or at most 2 s (a relay that treated the full destination as
+    // a broker outage would hold the orders back for the whole window).
+    let outside_p99 = common::percentiles(&outside).map(|(_, p99)| p99.as_secs_f64() * 1000.0);
+    let side_full_bound = outside_p99.map_or(2_000.0, |p99| (3.0 * p99).max(2_000.0));
+    match common::percentiles(&while_side_full) {
+        Some((p50, p99)) => {
+            let max = while_side_full.iter().copied().fold(0.0, f64::max);
+            line(
+                "commit-to-consume, side destination full",
+                format!(
+                    "p50 {}  p99 {}  max {}  ({} events; bound {})",
+                    common::ms(p50),
+                    common::ms(p99),
+                    common::ms(Duration::from_secs_f64(max / 1000.0)),
+                    while_side_full.len(),
+                    common::ms(Duration::from_secs_f64(side_full_bound / 1000.0)),
+                ),
+            );
+            if p99.as_secs_f64() * 1000.0 > side_full_bound {
+                failures.push(format!(
+                    "the orders' destination stalled while only the side destination was full: p99 {} over the bound {}",
+                    common::ms(p99),
+                    common::ms(Duration::from_secs_f64(side_full_bound / 1000.0))
+                ));
+            }
+        }
+        None => line(
+            "commit-to-consume, side destination full",
+            if side_full.is_empty() {
+                "the fault was not injected"
+            } else {
+                "no event outside other faults' windows"
+            },
         ),
     }
     line(
