@@ -357,16 +357,35 @@ pub(crate) async fn judge(
         .filter(|(c, a)| !in_order_fault(*c, *a))
         .map(|(c, a)| (a - c) * 1000.0)
         .collect();
+    // The orders committed while the side destination was full, those aside that were
+    // on their way while a broker-wide or database fault was in force. Process kills
+    // stay in: they come every few seconds, and a killed relay's batch waits for its
+    // lease whatever the destinations do, which is why the check below is on the median.
     let side_full: Vec<(f64, f64)> = windows
         .iter()
         .filter(|(kind, ..)| *kind == FaultKind::DestinationFull)
         .map(|(_, start, end, _)| (*start, *end))
         .collect();
+    let holds_every_order = |kind: FaultKind| {
+        matches!(
+            kind,
+            FaultKind::BrokerFreeze
+                | FaultKind::BrokerRestart
+                | FaultKind::MemoryAlarm
+                | FaultKind::QueueFull
+                | FaultKind::PgRestart
+                | FaultKind::PgTerminate
+                | FaultKind::ConsumerLockout
+        )
+    };
     let while_side_full: Vec<f64> = plain
         .iter()
         .filter_map(|o| o.applied.map(|a| (o.created, a)))
         .filter(|(c, a)| {
-            side_full.iter().any(|(start, end)| c >= start && c <= end) && !in_order_fault(*c, *a)
+            side_full.iter().any(|(start, end)| c >= start && c <= end)
+                && !windows.iter().any(|(kind, start, end, _)| {
+                    holds_every_order(*kind) && *c <= *end && *a >= *start
+                })
         })
         .map(|(c, a)| (a - c) * 1000.0)
         .collect();
@@ -491,7 +510,7 @@ pub(crate) async fn judge(
         }
         if kind == FaultKind::DestinationFull {
             notes.push(format!(
-                "{} side events ({SIDE_EVENT_TYPE}, every {SIDE_EVERY}th order) refused while held; the orders' destination must keep flowing",
+                "{} side events in all ({SIDE_EVENT_TYPE}, every {SIDE_EVERY}th order), refused while held; the orders must keep flowing",
                 side_events.len()
             ));
         }
@@ -620,18 +639,17 @@ pub(crate) async fn judge(
             "no event outside",
         ),
     }
-    // The orders' latency while only the side destination was full: within what it is
-    // outside every fault, or at most 2 s (a relay that treated the full destination as
-    // a broker outage would hold the orders back for the whole window).
-    let outside_p99 = common::percentiles(&outside).map(|(_, p99)| p99.as_secs_f64() * 1000.0);
-    let side_full_bound = outside_p99.map_or(2_000.0, |p99| (3.0 * p99).max(2_000.0));
+    // The orders' latency while only the side destination was full: a median under
+    // 1 s (a relay that treated the full destination as a broker outage would hold the
+    // orders back until the fault ends: a median of half the window, 5 s by default).
+    let side_full_bound = 1_000.0;
     match common::percentiles(&while_side_full) {
         Some((p50, p99)) => {
             let max = while_side_full.iter().copied().fold(0.0, f64::max);
             line(
                 "commit-to-consume, side destination full",
                 format!(
-                    "p50 {}  p99 {}  max {}  ({} events; bound {})",
+                    "p50 {}  p99 {}  max {}  ({} events; p50 bound {})",
                     common::ms(p50),
                     common::ms(p99),
                     common::ms(Duration::from_secs_f64(max / 1000.0)),
@@ -639,10 +657,10 @@ pub(crate) async fn judge(
                     common::ms(Duration::from_secs_f64(side_full_bound / 1000.0)),
                 ),
             );
-            if p99.as_secs_f64() * 1000.0 > side_full_bound {
+            if p50.as_secs_f64() * 1000.0 > side_full_bound {
                 failures.push(format!(
-                    "the orders' destination stalled while only the side destination was full: p99 {} over the bound {}",
-                    common::ms(p99),
+                    "the orders' destination stalled while only the side destination was full: p50 {} over the bound {}",
+                    common::ms(p50),
                     common::ms(Duration::from_secs_f64(side_full_bound / 1000.0))
                 ));
             }
@@ -652,7 +670,7 @@ pub(crate) async fn judge(
             if side_full.is_empty() {
                 "the fault was not injected"
             } else {
-                "no event outside other faults' windows"
+                "no order outside the broker's and the databases' faults"
             },
         ),
     }
