@@ -38,7 +38,13 @@ pub fn percentiles(latencies_ms: &[f64]) -> Option<(Duration, Duration)> {
 
 /// Resident set size of this process, in bytes (Linux; 0 elsewhere).
 pub(crate) fn rss_bytes() -> u64 {
-    std::fs::read_to_string("/proc/self/status")
+    rss_of("self")
+}
+
+/// Resident set size of process `pid` (`self` for this one), in bytes (Linux; 0
+/// elsewhere or when it is gone).
+pub(crate) fn rss_of(pid: &str) -> u64 {
+    std::fs::read_to_string(format!("/proc/{pid}/status"))
         .ok()
         .and_then(|s| {
             s.lines()

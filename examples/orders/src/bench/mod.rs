@@ -36,8 +36,8 @@
 //! - `ceilings`: the raw clients publishing what the relay publishes;
 //! - `broker`: the bench's exchange and queue or stream, warmed up, purged, removed;
 //! - `report`: the rounds, their medians and the figure of merit;
-//! - `consumer_bench` (`--consumer`) and `relay_latency_bench` (`--relay-process`,
-//!   `--backlog`): the benchmark's other measurements.
+//! - `consumer_bench` (`--consumer`), `relay_latency_bench` (`--relay-process`,
+//!   `--backlog`) and `soak` (`--soak`): the benchmark's other measurements.
 
 mod broker;
 mod ceilings;
@@ -45,6 +45,7 @@ mod consumer_bench;
 mod phases;
 mod relay_latency_bench;
 mod report;
+mod soak;
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -131,6 +132,11 @@ pub struct Args {
     /// `--messages` rows (`--rounds` rounds). Combines with `--relay-process`.
     #[arg(long, value_name = "N")]
     backlog: Option<usize>,
+    /// Measure the memory of `outbox relay` as its own process instead, while it relays
+    /// N messages (e.g. 500000) with nothing scraping `/metrics`: its RSS after a
+    /// warm-up and at the end (see `soak.rs`).
+    #[arg(long, value_name = "N")]
+    soak: Option<usize>,
 }
 
 /// The `bench` binary: runs the benchmark `args` asks for (see the
@@ -262,6 +268,9 @@ async fn run<P: EventPublisher>(
 ) -> anyhow::Result<()> {
     if args.ordered {
         return run_ordered(args, broker, publisher).await;
+    }
+    if let Some(n) = args.soak {
+        return soak::run(broker, &payload(args.payload_bytes), n).await;
     }
     if args.relay_process || args.backlog.is_some() {
         return relay_latency_bench::run(args, broker, publisher).await;

@@ -104,7 +104,7 @@ fn outbox_command(url: &str, schema: &str) -> anyhow::Result<Command> {
 
 /// `outbox relay` with default settings but `extra`, publishing where the bench's
 /// broker listens.
-fn spawn_relay(outbox: &Db, broker: &Broker, extra: &[&str]) -> anyhow::Result<Child> {
+pub(super) fn spawn_relay(outbox: &Db, broker: &Broker, extra: &[&str]) -> anyhow::Result<Child> {
     let mut c = outbox_command(&outbox.url, outbox.schema())?;
     c.args(["relay", "--listen", "127.0.0.1:0"]).args(extra);
     match broker {
@@ -121,7 +121,7 @@ fn spawn_relay(outbox: &Db, broker: &Broker, extra: &[&str]) -> anyhow::Result<C
 }
 
 /// SIGTERM, then up to 20 s for the relay to drain and exit.
-async fn stop(mut child: Child) -> anyhow::Result<()> {
+pub(super) async fn stop(mut child: Child) -> anyhow::Result<()> {
     let _ = Command::new("kill")
         .args(["-TERM", &child.id().to_string()])
         .status();
@@ -166,7 +166,7 @@ async fn xact_rate(outbox: &PgOutbox) -> anyhow::Result<(f64, f64, Vec<f64>)> {
     Ok((tps, cpu, all))
 }
 
-fn message(aggregate: &str, i: u64, body: &str) -> anyhow::Result<NewMessage> {
+pub(super) fn message(aggregate: &str, i: u64, body: &str) -> anyhow::Result<NewMessage> {
     Ok(NewMessage::builder(aggregate, i.to_string(), "BenchEvent")
         .payload_json(body.to_owned())
         .build()?)
@@ -321,10 +321,10 @@ async fn latencies(
 /// The latency phase's outbox, in a database of its own: PostgreSQL counts
 /// transactions per database, so the idle relay's are counted apart from any other
 /// client's.
-struct Db {
-    outbox: PgOutbox,
+pub(super) struct Db {
+    pub(super) outbox: PgOutbox,
     url: String,
-    name: String,
+    pub(super) name: String,
 }
 
 impl std::ops::Deref for Db {
@@ -349,7 +349,7 @@ fn url_with_database(name: &str) -> anyhow::Result<String> {
     })
 }
 
-async fn create_db(admin: &sqlx::PgPool) -> anyhow::Result<Db> {
+pub(super) async fn create_db(admin: &sqlx::PgPool) -> anyhow::Result<Db> {
     let name = format!(
         "bench_proc_{}",
         &uuid::Uuid::new_v4().simple().to_string()[..8]
