@@ -192,9 +192,10 @@ fn on_own_runtime<T: Send + 'static>(
     .map_err(|_| anyhow::anyhow!("the thread panicked"))?
 }
 
-/// Sets the `max_msgs` of stream `name` to `max` (`-1`: no limit), with `discard: new`
-/// (a publish over the limit is refused with JetStream error 10077 instead of dropping
-/// the oldest message).
+/// Sets the `max_msgs` of stream `name`: with `max` >= 0 to the largest of `max`, the
+/// messages it holds and 1 (so it is full now), with `max` < 0 to no limit; and
+/// `discard: new` (a publish over the limit is refused with JetStream error 10077
+/// instead of dropping the oldest message; without a limit it changes nothing).
 async fn set_max_messages(name: String, max: i64) -> anyhow::Result<()> {
     let client = async_nats::connect(crate::common::nats_url()).await?;
     let js = async_nats::jetstream::new(client);
