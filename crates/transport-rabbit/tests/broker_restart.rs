@@ -4,42 +4,14 @@
 
 mod common;
 
-use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use async_trait::async_trait;
 use lapin::types::FieldTable;
 use outbox_core::EventPublisher;
-use outbox_core::wire::IncomingMessage;
 use tokio_util::sync::CancellationToken;
-use transport_rabbit::{DeliveryHandler, HandlerDecision, RabbitConsumer, RabbitPublisher};
-use uuid::Uuid;
+use transport_rabbit::{RabbitConsumer, RabbitPublisher};
 
 use common::*;
-
-/// Holds its first delivery until told to answer, then acks; acks every later one.
-#[derive(Clone, Default)]
-struct Holding {
-    seen: Arc<Mutex<Vec<Uuid>>>,
-    started: Arc<tokio::sync::Notify>,
-    release: Arc<tokio::sync::Notify>,
-}
-
-#[async_trait]
-impl DeliveryHandler for Holding {
-    async fn handle(&self, msg: &IncomingMessage) -> HandlerDecision {
-        let first = {
-            let mut seen = self.seen.lock().expect("lock");
-            seen.push(msg.id);
-            seen.len() == 1
-        };
-        if first {
-            self.started.notify_one();
-            self.release.notified().await;
-        }
-        HandlerDecision::Ack
-    }
-}
 
 /// The broker goes away abruptly (stopped, then started again) while the handler holds a
 /// delivery: its answer meets a dead connection and must not hold the

@@ -151,30 +151,6 @@ async fn inequivalent_queue_is_a_permanent_error() {
     cleanup(&channel, &[&exchange], &[&queue]).await;
 }
 
-/// Holds its first delivery until told to answer, then acks; acks every later one.
-#[derive(Clone, Default)]
-struct Holding {
-    seen: Arc<Mutex<Vec<Uuid>>>,
-    started: Arc<tokio::sync::Notify>,
-    release: Arc<tokio::sync::Notify>,
-}
-
-#[async_trait]
-impl DeliveryHandler for Holding {
-    async fn handle(&self, msg: &IncomingMessage) -> HandlerDecision {
-        let first = {
-            let mut seen = self.seen.lock().expect("lock");
-            seen.push(msg.id);
-            seen.len() == 1
-        };
-        if first {
-            self.started.notify_one();
-            self.release.notified().await;
-        }
-        HandlerDecision::Ack
-    }
-}
-
 /// The broker closes the consumer's connection while a handler holds a delivery: the
 /// handler's answer cannot reach the broker any more (it must not wait for it forever),
 /// the consumer reconnects, the broker delivers the message again, and the consumer

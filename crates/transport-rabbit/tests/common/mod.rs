@@ -214,3 +214,30 @@ pub async fn force_close_connections(name: &str) -> usize {
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
 }
+
+/// Holds its first delivery until told to answer, then acks; acks every later one.
+#[derive(Clone, Default)]
+pub struct Holding {
+    pub seen: std::sync::Arc<std::sync::Mutex<Vec<Uuid>>>,
+    pub started: std::sync::Arc<tokio::sync::Notify>,
+    pub release: std::sync::Arc<tokio::sync::Notify>,
+}
+
+#[async_trait::async_trait]
+impl transport_rabbit::DeliveryHandler for Holding {
+    async fn handle(
+        &self,
+        msg: &outbox_core::wire::IncomingMessage,
+    ) -> transport_rabbit::HandlerDecision {
+        let first = {
+            let mut seen = self.seen.lock().expect("lock");
+            seen.push(msg.id);
+            seen.len() == 1
+        };
+        if first {
+            self.started.notify_one();
+            self.release.notified().await;
+        }
+        transport_rabbit::HandlerDecision::Ack
+    }
+}
