@@ -15,7 +15,7 @@ use outbox_cli::{Cli, CliError};
 use outbox_core::consumer::HandlerDecision;
 use outbox_core::inbox::{ConsumerDeadLetters, DurableInbox};
 use outbox_core::wire::IncomingMessage;
-use outbox_core::{NewMessage, OutboxStore};
+use outbox_core::{NewMessage, OutboxAdmin as _, OutboxStore};
 use outbox_postgres::{PgInbox, PgOutbox};
 use sqlx::{AssertSqlSafe, PgConnection};
 use uuid::Uuid;

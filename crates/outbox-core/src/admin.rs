@@ -128,6 +128,24 @@ pub struct InboxDeadLetter {
     pub at: DateTime<Utc>,
 }
 
+/// What [`OutboxAdmin::replay_inbox_dead_letters`] does with the dead letters its
+/// filter matches.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum InboxReplayMode {
+    /// Count them ([`InboxReplayReport::matched`]); change nothing.
+    DryRun,
+    /// Make them processable again: durable-inbox rows back to `New`; for
+    /// idempotent-consumer dead letters the message's outbox row back to `New` (the
+    /// relay publishes it again) and the failure row deleted. A dead letter whose outbox
+    /// row is gone is kept and counted as [`failed`](InboxReplayReport::failed).
+    Republish,
+    /// As [`Republish`](Self::Republish) for durable-inbox rows, but for
+    /// idempotent-consumer dead letters only delete the failure rows: the operator
+    /// arranges the redelivery (e.g. the message came from another database).
+    ClearOnly,
+}
+
 /// What [`OutboxAdmin::replay_inbox_dead_letters`] did.
 #[derive(Debug, Clone, Default, PartialEq, serde::Serialize)]
 pub struct InboxReplayReport {
@@ -136,7 +154,7 @@ pub struct InboxReplayReport {
     /// Made processable again (0 on a dry run).
     pub replayed: u64,
     /// Matched but not replayable: consumer dead letters whose message is not in this
-    /// outbox (purged, or produced elsewhere) when not in `clear_only` mode, or rows
+    /// outbox (purged, or produced elsewhere) in [`InboxReplayMode::Republish`], or rows
     /// that changed meanwhile.
     pub failed: u64,
     /// Wall time, in seconds.
@@ -255,19 +273,19 @@ pub trait OutboxAdmin: OutboxStore {
     ) -> Result<Vec<InboxDeadLetter>, OutboxError>;
 
     /// Makes consumer-side dead letters matching `filter` processable again, in one
-    /// transaction; with `dry_run` only counts them.
+    /// transaction, as `mode` says ([`InboxReplayMode::DryRun`] only counts them).
     ///
     /// - **Durable inbox** `Dead` rows go back to `New`, visible now, attempts 0; the
     ///   handlers that had succeeded keep their records and do not run again.
     /// - **Idempotent-consumer** dead letters: the message's outbox row (same id, same
     ///   schema) goes back to `New` (from `Sent` or `Dead`) so the relay publishes it
     ///   again, and the failure row is deleted. When the outbox row is gone the dead
-    ///   letter is counted as `failed` and kept, unless `clear_only` is set: then only
-    ///   the failure rows are deleted and the operator arranges the redelivery.
+    ///   letter is counted as `failed` and kept, unless the mode is
+    ///   [`InboxReplayMode::ClearOnly`]: then only the failure rows are deleted and the
+    ///   operator arranges the redelivery.
     async fn replay_inbox_dead_letters(
         &self,
         filter: &InboxDeadFilter,
-        dry_run: bool,
-        clear_only: bool,
+        mode: InboxReplayMode,
     ) -> Result<InboxReplayReport, OutboxError>;
 }

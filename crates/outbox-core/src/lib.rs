@@ -74,8 +74,8 @@ pub mod inbox_conformance;
 pub mod transport_conformance;
 
 pub use admin::{
-    GroupStats, InboxDeadFilter, InboxDeadKind, InboxDeadLetter, InboxReplayReport, OutboxAdmin,
-    ReconcileRow,
+    GroupStats, InboxDeadFilter, InboxDeadKind, InboxDeadLetter, InboxReplayMode,
+    InboxReplayReport, OutboxAdmin, ReconcileRow,
 };
 pub use consumer::{BatchDeliveryHandler, DeliveryHandler, HandlerDecision};
 pub use dispatcher::{BatchReport, Dispatcher, DispatcherConfig, DispatcherStats, WakeHandle};

@@ -38,7 +38,7 @@ mod error;
 mod inbox;
 mod listen;
 mod migrate;
-pub mod ops;
+mod ops;
 mod sql;
 mod store;
 

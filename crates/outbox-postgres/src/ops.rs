@@ -1,14 +1,14 @@
-//! Operator queries behind the `outbox` binary, as inherent methods of [`PgOutbox`]:
+//! Operator queries behind the `outbox` binary: the [`OutboxAdmin`] impl of [`PgOutbox`]:
 //!
-//! - [`PgOutbox::stats_by_group`]: counts by status and queue lag per event type and
+//! - [`OutboxAdmin::stats_by_group`]: counts by status and queue lag per event type and
 //!   tenant;
-//! - [`PgOutbox::reconcile`]: per day, tenant, event type and consumer, messages written
+//! - [`OutboxAdmin::reconcile`]: per day, tenant, event type and consumer, messages written
 //!   to the outbox vs recorded as processed in that consumer's inbox;
-//! - [`PgOutbox::archive_sent`] / [`PgOutbox::archive_inbox_records`]: retention that
+//! - [`OutboxAdmin::archive_sent`] / [`OutboxAdmin::archive_inbox_records`]: retention that
 //!   moves rows into the archive tables of migration 4 instead of deleting them (plain
 //!   deletion is [`OutboxStore::purge_sent`](outbox_core::OutboxStore::purge_sent) and
 //!   [`InboxStore::purge`]);
-//! - [`PgOutbox::inbox_dead_letters`] / [`PgOutbox::replay_inbox_dead_letters`]: the
+//! - [`OutboxAdmin::inbox_dead_letters`] / [`OutboxAdmin::replay_inbox_dead_letters`]: the
 //!   consumer side's dead letters (idempotent-consumer failures and durable-inbox
 //!   `Dead` rows) and their replay.
 //!
@@ -28,9 +28,9 @@ use crate::inbox::PgInbox;
 use crate::sql::{like_escape, quoted_schema};
 use crate::store::PgOutbox;
 
-pub use outbox_core::admin::{
-    GroupStats, InboxDeadFilter, InboxDeadKind, InboxDeadLetter, InboxReplayReport,
-    PENDING_STATS_BOUND, ReconcileRow,
+use outbox_core::admin::{
+    GroupStats, InboxDeadFilter, InboxDeadKind, InboxDeadLetter, InboxReplayMode,
+    InboxReplayReport, PENDING_STATS_BOUND, ReconcileRow,
 };
 
 /// Columns of the outbox archive (migration 4).
@@ -65,13 +65,39 @@ fn limit(n: usize) -> i64 {
     i64::try_from(n).unwrap_or(i64::MAX)
 }
 
-impl PgOutbox {
+fn bind_inbox_filter<'q>(
+    query: sqlx::query::Query<'q, sqlx::Postgres, sqlx::postgres::PgArguments>,
+    f: &'q InboxDeadFilter,
+) -> sqlx::query::Query<'q, sqlx::Postgres, sqlx::postgres::PgArguments> {
+    query
+        .bind(if f.ids.is_empty() { None } else { Some(&f.ids) })
+        .bind(f.from)
+        .bind(f.to)
+        .bind(f.consumer.as_deref())
+        .bind(f.event_type.as_deref())
+        .bind(f.error_contains.as_deref().map(like_escape))
+}
+
+#[async_trait::async_trait]
+impl OutboxAdmin for PgOutbox {
+    fn backend(&self) -> &'static str {
+        "postgres"
+    }
+
+    fn schema(&self) -> &str {
+        PgOutbox::schema(self)
+    }
+
+    async fn migrate(&self) -> Result<Vec<i32>, OutboxError> {
+        PgOutbox::migrate(self).await
+    }
+
     /// Counts by status and the oldest pending age, per `(event_type, tenant_id)`,
     /// ordered by event type then tenant. Scans the table.
     ///
     /// # Errors
     /// [`OutboxError::Database`] on database failure.
-    pub async fn stats_by_group(&self) -> Result<Vec<GroupStats>, OutboxError> {
+    async fn stats_by_group(&self) -> Result<Vec<GroupStats>, OutboxError> {
         let s = quoted_schema(self.schema());
         let rows = sqlx::query(AssertSqlSafe(format!(
             "SELECT event_type, tenant_id,
@@ -122,7 +148,7 @@ impl PgOutbox {
     ///
     /// # Errors
     /// [`OutboxError::Database`] on database failure.
-    pub async fn pending_stats(&self) -> Result<OutboxStats, OutboxError> {
+    async fn pending_stats(&self) -> Result<OutboxStats, OutboxError> {
         let s = quoted_schema(self.schema());
         let row = sqlx::query(AssertSqlSafe(format!(
             "SELECT count(*) FILTER (WHERE p.status = 0),
@@ -165,7 +191,7 @@ impl PgOutbox {
     ///
     /// # Errors
     /// [`OutboxError::Database`] on database failure.
-    pub async fn oldest_claimable_wait(
+    async fn oldest_claimable_wait(
         &self,
         ordered: Option<OnDead>,
     ) -> Result<Option<Duration>, OutboxError> {
@@ -218,7 +244,7 @@ impl PgOutbox {
     /// # Errors
     /// [`OutboxError::Config`] when `to <= from`, [`OutboxError::Database`] on database
     /// failure.
-    pub async fn reconcile(
+    async fn reconcile(
         &self,
         from: DateTime<Utc>,
         to: DateTime<Utc>,
@@ -296,7 +322,7 @@ impl PgOutbox {
     ///
     /// # Errors
     /// [`OutboxError::Database`] (e.g. migration 4 not applied).
-    pub async fn archive_sent(
+    async fn archive_sent(
         &self,
         older_than: Duration,
         batch_size: usize,
@@ -323,6 +349,26 @@ impl PgOutbox {
         Ok(count(moved))
     }
 
+    async fn purge_inbox_records(
+        &self,
+        older_than: Duration,
+        batch_size: usize,
+    ) -> Result<u64, OutboxError> {
+        PgInbox::new(self.pool().clone(), PgOutbox::schema(self))?
+            .purge(older_than, batch_size)
+            .await
+    }
+
+    async fn purge_inbox_processed(
+        &self,
+        older_than: Duration,
+        batch_size: usize,
+    ) -> Result<u64, OutboxError> {
+        PgInbox::new(self.pool().clone(), PgOutbox::schema(self))?
+            .purge_processed(older_than, batch_size)
+            .await
+    }
+
     /// Moves up to `batch_size` inbox records older than `older_than` into
     /// `inbox_records_archive`; returns how many moved. The dedup caveat of
     /// [`InboxStore::purge`](outbox_core::InboxStore::purge) applies: an archived
@@ -330,7 +376,7 @@ impl PgOutbox {
     ///
     /// # Errors
     /// [`OutboxError::Database`] (e.g. migration 4 not applied).
-    pub async fn archive_inbox_records(
+    async fn archive_inbox_records(
         &self,
         older_than: Duration,
         batch_size: usize,
@@ -363,7 +409,7 @@ impl PgOutbox {
     ///
     /// # Errors
     /// [`OutboxError::Database`] on database failure.
-    pub async fn inbox_dead_letters(
+    async fn inbox_dead_letters(
         &self,
         filter: &InboxDeadFilter,
         limit_rows: usize,
@@ -408,7 +454,7 @@ impl PgOutbox {
     }
 
     /// Makes consumer-side dead letters matching `filter` processable again, in one
-    /// transaction. With `dry_run` only counts them.
+    /// transaction. With [`InboxReplayMode::DryRun`] only counts them.
     ///
     /// - **Durable inbox** `Dead` rows go back to `New`, visible now, attempts 0. Their
     ///   handlers' inbox records stay, so only the handlers that had not succeeded run.
@@ -420,17 +466,18 @@ impl PgOutbox {
     ///   it to every subscriber; consumers that had handled it hold an inbox record and
     ///   ignore it. When the outbox row is gone (purged, or the message was produced in
     ///   another database) the dead letter is counted as `failed` and kept, unless
-    ///   `clear_only` is set: then only the failure rows are deleted, and the operator
+    ///   the mode is [`InboxReplayMode::ClearOnly`]: then only the failure rows are deleted, and the operator
     ///   arranges the redelivery.
     ///
     /// # Errors
     /// [`OutboxError::Database`] on database failure (nothing changes then).
-    pub async fn replay_inbox_dead_letters(
+    async fn replay_inbox_dead_letters(
         &self,
         filter: &InboxDeadFilter,
-        dry_run: bool,
-        clear_only: bool,
+        mode: InboxReplayMode,
     ) -> Result<InboxReplayReport, OutboxError> {
+        let dry_run = mode == InboxReplayMode::DryRun;
+        let clear_only = mode == InboxReplayMode::ClearOnly;
         let started = Instant::now();
         let s = quoted_schema(self.schema());
         let mut tx = self.pool().begin().await.map_err(db("inbox_replay"))?;
@@ -508,110 +555,5 @@ impl PgOutbox {
             },
             elapsed_secs: started.elapsed().as_secs_f64(),
         })
-    }
-}
-
-fn bind_inbox_filter<'q>(
-    query: sqlx::query::Query<'q, sqlx::Postgres, sqlx::postgres::PgArguments>,
-    f: &'q InboxDeadFilter,
-) -> sqlx::query::Query<'q, sqlx::Postgres, sqlx::postgres::PgArguments> {
-    query
-        .bind(if f.ids.is_empty() { None } else { Some(&f.ids) })
-        .bind(f.from)
-        .bind(f.to)
-        .bind(f.consumer.as_deref())
-        .bind(f.event_type.as_deref())
-        .bind(f.error_contains.as_deref().map(like_escape))
-}
-
-#[async_trait::async_trait]
-impl OutboxAdmin for PgOutbox {
-    fn backend(&self) -> &'static str {
-        "postgres"
-    }
-
-    fn schema(&self) -> &str {
-        PgOutbox::schema(self)
-    }
-
-    async fn migrate(&self) -> Result<Vec<i32>, OutboxError> {
-        PgOutbox::migrate(self).await
-    }
-
-    async fn stats_by_group(&self) -> Result<Vec<GroupStats>, OutboxError> {
-        PgOutbox::stats_by_group(self).await
-    }
-
-    async fn pending_stats(&self) -> Result<OutboxStats, OutboxError> {
-        PgOutbox::pending_stats(self).await
-    }
-
-    async fn oldest_claimable_wait(
-        &self,
-        ordered: Option<OnDead>,
-    ) -> Result<Option<Duration>, OutboxError> {
-        PgOutbox::oldest_claimable_wait(self, ordered).await
-    }
-
-    async fn reconcile(
-        &self,
-        from: DateTime<Utc>,
-        to: DateTime<Utc>,
-        consumers: &[String],
-    ) -> Result<Vec<ReconcileRow>, OutboxError> {
-        PgOutbox::reconcile(self, from, to, consumers).await
-    }
-
-    async fn archive_sent(
-        &self,
-        older_than: Duration,
-        batch_size: usize,
-    ) -> Result<u64, OutboxError> {
-        PgOutbox::archive_sent(self, older_than, batch_size).await
-    }
-
-    async fn purge_inbox_records(
-        &self,
-        older_than: Duration,
-        batch_size: usize,
-    ) -> Result<u64, OutboxError> {
-        PgInbox::new(self.pool().clone(), PgOutbox::schema(self))?
-            .purge(older_than, batch_size)
-            .await
-    }
-
-    async fn purge_inbox_processed(
-        &self,
-        older_than: Duration,
-        batch_size: usize,
-    ) -> Result<u64, OutboxError> {
-        PgInbox::new(self.pool().clone(), PgOutbox::schema(self))?
-            .purge_processed(older_than, batch_size)
-            .await
-    }
-
-    async fn archive_inbox_records(
-        &self,
-        older_than: Duration,
-        batch_size: usize,
-    ) -> Result<u64, OutboxError> {
-        PgOutbox::archive_inbox_records(self, older_than, batch_size).await
-    }
-
-    async fn inbox_dead_letters(
-        &self,
-        filter: &InboxDeadFilter,
-        limit: usize,
-    ) -> Result<Vec<InboxDeadLetter>, OutboxError> {
-        PgOutbox::inbox_dead_letters(self, filter, limit).await
-    }
-
-    async fn replay_inbox_dead_letters(
-        &self,
-        filter: &InboxDeadFilter,
-        dry_run: bool,
-        clear_only: bool,
-    ) -> Result<InboxReplayReport, OutboxError> {
-        PgOutbox::replay_inbox_dead_letters(self, filter, dry_run, clear_only).await
     }
 }

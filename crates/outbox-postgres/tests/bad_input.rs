@@ -13,7 +13,7 @@ use outbox_core::{
     Completion, CompletionOutcome, DEFAULT_MAX_PAYLOAD_BYTES, InboxStore, InvalidMessage,
     MessageFilter, NewMessage, OnDead, OutboxError, OutboxStore,
 };
-use outbox_postgres::ops::InboxDeadFilter;
+use outbox_core::{InboxDeadFilter, InboxReplayMode, OutboxAdmin as _};
 use outbox_postgres::{PgConfig, PgInbox, PgOutbox};
 use sqlx::AssertSqlSafe;
 use uuid::Uuid;
@@ -253,7 +253,7 @@ async fn reserved_words_are_valid_schema_names() {
             1
         );
         let report = outbox
-            .replay_inbox_dead_letters(&filter, false, false)
+            .replay_inbox_dead_letters(&filter, InboxReplayMode::Republish)
             .await
             .expect("inbox replay");
         assert_eq!((report.matched, report.replayed), (1, 1));
@@ -333,7 +333,7 @@ async fn inbox_error_filters_match_literal_text() {
             .collect();
         assert_eq!(got, want, "dead letters whose error contains {text:?}");
         let dry = outbox
-            .replay_inbox_dead_letters(&filter, true, false)
+            .replay_inbox_dead_letters(&filter, InboxReplayMode::DryRun)
             .await
             .expect("dry run");
         assert_eq!(dry.matched, want.len() as u64, "replay matching {text:?}");

@@ -8,7 +8,8 @@ use std::time::{Duration, Instant};
 
 use common::{database_url, enqueue_committed, fresh_outbox};
 use outbox_core::{
-    Completion, CompletionOutcome, MessageFilter, MessageStatus, NewMessage, OutboxStore,
+    Completion, CompletionOutcome, MessageFilter, MessageStatus, NewMessage, OutboxAdmin as _,
+    OutboxStore,
 };
 use outbox_postgres::{PgConfig, PgOutbox};
 

@@ -65,7 +65,7 @@ mod connection;
 mod error;
 mod inbox;
 mod migrate;
-pub mod ops;
+mod ops;
 mod sql;
 mod store;
 

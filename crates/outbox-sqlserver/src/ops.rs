@@ -1,15 +1,14 @@
 //! Operator queries behind the `outbox` binary on SQL Server: the
-//! [`OutboxAdmin`] capability of [`MssqlOutbox`], as inherent methods holding the T-SQL
-//! plus the trait impl at the end (the PostgreSQL backend's `ops.rs` is the reference;
+//! [`OutboxAdmin`] impl of [`MssqlOutbox`], holding the T-SQL (the PostgreSQL backend's `ops.rs` is the reference;
 //! each method here is its translation):
 //!
-//! - [`MssqlOutbox::stats_by_group`], [`MssqlOutbox::pending_stats`],
-//!   [`MssqlOutbox::oldest_claimable_wait`]: counts and queue lag;
-//! - [`MssqlOutbox::reconcile`]: per day, tenant, event type and consumer, messages
+//! - [`OutboxAdmin::stats_by_group`], [`OutboxAdmin::pending_stats`],
+//!   [`OutboxAdmin::oldest_claimable_wait`]: counts and queue lag;
+//! - [`OutboxAdmin::reconcile`]: per day, tenant, event type and consumer, messages
 //!   written to the outbox vs recorded as processed in that consumer's inbox;
-//! - [`MssqlOutbox::archive_sent`] / [`MssqlOutbox::archive_inbox_records`]: retention
+//! - [`OutboxAdmin::archive_sent`] / [`OutboxAdmin::archive_inbox_records`]: retention
 //!   that moves rows into the archive tables of migration 5;
-//! - [`MssqlOutbox::inbox_dead_letters`] / [`MssqlOutbox::replay_inbox_dead_letters`]:
+//! - [`OutboxAdmin::inbox_dead_letters`] / [`OutboxAdmin::replay_inbox_dead_letters`]:
 //!   the consumer side's dead letters and their replay.
 //!
 //! The inbox queries read the inbox tables of the **same schema** as the outbox. Text
@@ -33,9 +32,9 @@ use crate::inbox::MssqlInbox;
 use crate::sql::{like_escape, millis, minus_ms, quoted_schema};
 use crate::store::MssqlOutbox;
 
-pub use outbox_core::admin::{
-    GroupStats, InboxDeadFilter, InboxDeadKind, InboxDeadLetter, InboxReplayReport,
-    PENDING_STATS_BOUND, ReconcileRow,
+use outbox_core::admin::{
+    GroupStats, InboxDeadFilter, InboxDeadKind, InboxDeadLetter, InboxReplayMode,
+    InboxReplayReport, PENDING_STATS_BOUND, ReconcileRow,
 };
 
 /// The most rows one bulk statement touches (archive moves, completions, purges,
@@ -533,7 +532,20 @@ fn need<'a, T: tiberius::FromSql<'a>>(
         })
 }
 
-impl MssqlOutbox {
+#[async_trait]
+impl OutboxAdmin for MssqlOutbox {
+    fn backend(&self) -> &'static str {
+        "sqlserver"
+    }
+
+    fn schema(&self) -> &str {
+        MssqlOutbox::schema(self)
+    }
+
+    async fn migrate(&self) -> Result<Vec<i32>, OutboxError> {
+        MssqlOutbox::migrate(self).await
+    }
+
     /// Counts by status and the oldest pending age, per `(event_type, tenant_id)`,
     /// ordered by event type then tenant (no tenant first). Scans the table, with
     /// ordinary read-committed locking (like [`stats`](outbox_core::OutboxStore::stats)),
@@ -541,7 +553,7 @@ impl MssqlOutbox {
     ///
     /// # Errors
     /// [`OutboxError::Database`] on database failure.
-    pub async fn stats_by_group(&self) -> Result<Vec<GroupStats>, OutboxError> {
+    async fn stats_by_group(&self) -> Result<Vec<GroupStats>, OutboxError> {
         const OP: &str = "stats_by_group";
         let rows = self
             .pool()
@@ -575,7 +587,7 @@ impl MssqlOutbox {
     ///
     /// # Errors
     /// [`OutboxError::Database`] on database failure.
-    pub async fn pending_stats(&self) -> Result<OutboxStats, OutboxError> {
+    async fn pending_stats(&self) -> Result<OutboxStats, OutboxError> {
         const OP: &str = "pending_stats";
         let rows = self
             .pool()
@@ -607,7 +619,7 @@ impl MssqlOutbox {
     ///
     /// # Errors
     /// [`OutboxError::Database`] on database failure.
-    pub async fn oldest_claimable_wait(
+    async fn oldest_claimable_wait(
         &self,
         ordered: Option<OnDead>,
     ) -> Result<Option<Duration>, OutboxError> {
@@ -633,7 +645,7 @@ impl MssqlOutbox {
     /// # Errors
     /// [`OutboxError::Config`] when `to <= from`, [`OutboxError::Database`] on database
     /// failure.
-    pub async fn reconcile(
+    async fn reconcile(
         &self,
         from: DateTime<Utc>,
         to: DateTime<Utc>,
@@ -686,7 +698,7 @@ impl MssqlOutbox {
     ///
     /// # Errors
     /// [`OutboxError::Database`] (e.g. migration 5 not applied); nothing moved then.
-    pub async fn archive_sent(
+    async fn archive_sent(
         &self,
         older_than: Duration,
         batch_size: usize,
@@ -700,6 +712,28 @@ impl MssqlOutbox {
             .await
     }
 
+    /// [`InboxStore::purge`] of an [`MssqlInbox`] on this pool and schema.
+    async fn purge_inbox_records(
+        &self,
+        older_than: Duration,
+        batch_size: usize,
+    ) -> Result<u64, OutboxError> {
+        MssqlInbox::new(self.pool().clone(), MssqlOutbox::schema(self))?
+            .purge(older_than, batch_size)
+            .await
+    }
+
+    /// [`DurableInbox::purge_processed`] of an [`MssqlInbox`] on this pool and schema.
+    async fn purge_inbox_processed(
+        &self,
+        older_than: Duration,
+        batch_size: usize,
+    ) -> Result<u64, OutboxError> {
+        MssqlInbox::new(self.pool().clone(), MssqlOutbox::schema(self))?
+            .purge_processed(older_than, batch_size)
+            .await
+    }
+
     /// Moves up to `batch_size` inbox records older than `older_than` (by
     /// `processed_at`, milliseconds, server clock) into `inbox_records_archive`, oldest
     /// first; returns how many moved. Statements and locking as in
@@ -708,7 +742,7 @@ impl MssqlOutbox {
     ///
     /// # Errors
     /// [`OutboxError::Database`] (e.g. migration 5 not applied); nothing moved then.
-    pub async fn archive_inbox_records(
+    async fn archive_inbox_records(
         &self,
         older_than: Duration,
         batch_size: usize,
@@ -729,7 +763,7 @@ impl MssqlOutbox {
     ///
     /// # Errors
     /// [`OutboxError::Database`] on database failure.
-    pub async fn inbox_dead_letters(
+    async fn inbox_dead_letters(
         &self,
         filter: &InboxDeadFilter,
         limit_rows: usize,
@@ -763,23 +797,24 @@ impl MssqlOutbox {
     }
 
     /// Makes consumer-side dead letters matching `filter` processable again, in one
-    /// transaction (one T-SQL batch under `XACT_ABORT`); with `dry_run` only counts
+    /// transaction (one T-SQL batch under `XACT_ABORT`); with [`InboxReplayMode::DryRun`] only counts
     /// them. Same semantics as the PostgreSQL backend (see
     /// [`OutboxAdmin::replay_inbox_dead_letters`]): durable `Dead` rows go back to
     /// `New`; an idempotent-consumer dead letter sets its outbox row (same id) back to
     /// `New` from `Sent` or `Dead` and is deleted, or, when that row is gone, is kept
-    /// and counted as failed unless `clear_only` is set (then only the dead letters are
+    /// and counted as failed unless the mode is [`InboxReplayMode::ClearOnly`] (then only the dead letters are
     /// deleted). The dead letters and their outbox rows are update-locked from the
     /// first read to the commit.
     ///
     /// # Errors
     /// [`OutboxError::Database`] on database failure (nothing changes then).
-    pub async fn replay_inbox_dead_letters(
+    async fn replay_inbox_dead_letters(
         &self,
         filter: &InboxDeadFilter,
-        dry_run: bool,
-        clear_only: bool,
+        mode: InboxReplayMode,
     ) -> Result<InboxReplayReport, OutboxError> {
+        let dry_run = mode == InboxReplayMode::DryRun;
+        let clear_only = mode == InboxReplayMode::ClearOnly;
         const OP: &str = "inbox_replay";
         let started = Instant::now();
         let f = InboxFilterParams::new(filter)?;
@@ -828,100 +863,6 @@ impl MssqlOutbox {
             failed: matched.saturating_sub(replayed),
             elapsed_secs: started.elapsed().as_secs_f64(),
         })
-    }
-}
-
-#[async_trait]
-impl OutboxAdmin for MssqlOutbox {
-    fn backend(&self) -> &'static str {
-        "sqlserver"
-    }
-
-    fn schema(&self) -> &str {
-        MssqlOutbox::schema(self)
-    }
-
-    async fn migrate(&self) -> Result<Vec<i32>, OutboxError> {
-        MssqlOutbox::migrate(self).await
-    }
-
-    async fn stats_by_group(&self) -> Result<Vec<GroupStats>, OutboxError> {
-        MssqlOutbox::stats_by_group(self).await
-    }
-
-    async fn pending_stats(&self) -> Result<OutboxStats, OutboxError> {
-        MssqlOutbox::pending_stats(self).await
-    }
-
-    async fn oldest_claimable_wait(
-        &self,
-        ordered: Option<OnDead>,
-    ) -> Result<Option<Duration>, OutboxError> {
-        MssqlOutbox::oldest_claimable_wait(self, ordered).await
-    }
-
-    async fn reconcile(
-        &self,
-        from: DateTime<Utc>,
-        to: DateTime<Utc>,
-        consumers: &[String],
-    ) -> Result<Vec<ReconcileRow>, OutboxError> {
-        MssqlOutbox::reconcile(self, from, to, consumers).await
-    }
-
-    async fn archive_sent(
-        &self,
-        older_than: Duration,
-        batch_size: usize,
-    ) -> Result<u64, OutboxError> {
-        MssqlOutbox::archive_sent(self, older_than, batch_size).await
-    }
-
-    /// [`InboxStore::purge`] of an [`MssqlInbox`] on this pool and schema.
-    async fn purge_inbox_records(
-        &self,
-        older_than: Duration,
-        batch_size: usize,
-    ) -> Result<u64, OutboxError> {
-        MssqlInbox::new(self.pool().clone(), MssqlOutbox::schema(self))?
-            .purge(older_than, batch_size)
-            .await
-    }
-
-    /// [`DurableInbox::purge_processed`] of an [`MssqlInbox`] on this pool and schema.
-    async fn purge_inbox_processed(
-        &self,
-        older_than: Duration,
-        batch_size: usize,
-    ) -> Result<u64, OutboxError> {
-        MssqlInbox::new(self.pool().clone(), MssqlOutbox::schema(self))?
-            .purge_processed(older_than, batch_size)
-            .await
-    }
-
-    async fn archive_inbox_records(
-        &self,
-        older_than: Duration,
-        batch_size: usize,
-    ) -> Result<u64, OutboxError> {
-        MssqlOutbox::archive_inbox_records(self, older_than, batch_size).await
-    }
-
-    async fn inbox_dead_letters(
-        &self,
-        filter: &InboxDeadFilter,
-        limit: usize,
-    ) -> Result<Vec<InboxDeadLetter>, OutboxError> {
-        MssqlOutbox::inbox_dead_letters(self, filter, limit).await
-    }
-
-    async fn replay_inbox_dead_letters(
-        &self,
-        filter: &InboxDeadFilter,
-        dry_run: bool,
-        clear_only: bool,
-    ) -> Result<InboxReplayReport, OutboxError> {
-        MssqlOutbox::replay_inbox_dead_letters(self, filter, dry_run, clear_only).await
     }
 }
 

@@ -12,7 +12,7 @@ use outbox_core::wire::IncomingMessage;
 use outbox_core::{
     Completion, CompletionOutcome, InboxStore, NewMessage, OnDead, OutboxAdmin, OutboxStore,
 };
-use outbox_sqlserver::ops::InboxDeadFilter;
+use outbox_core::{InboxDeadFilter, InboxReplayMode};
 use outbox_sqlserver::{LATEST_VERSION, MssqlInbox, MssqlOutbox};
 use uuid::Uuid;
 
@@ -195,12 +195,12 @@ async fn every_admin_query_runs_once() {
         "{lines:?}"
     );
     let dry = admin
-        .replay_inbox_dead_letters(&filter, true, false)
+        .replay_inbox_dead_letters(&filter, InboxReplayMode::DryRun)
         .await
         .expect("dry run");
     assert_eq!((dry.matched, dry.replayed, dry.failed), (1, 0, 0));
     let report = admin
-        .replay_inbox_dead_letters(&filter, false, false)
+        .replay_inbox_dead_letters(&filter, InboxReplayMode::Republish)
         .await
         .expect("inbox replay");
     assert_eq!((report.matched, report.replayed, report.failed), (1, 1, 0));
@@ -403,7 +403,7 @@ async fn inbox_error_filters_match_literal_text() {
             .collect();
         assert_eq!(got, want, "dead letters whose error contains {text:?}");
         let dry = outbox
-            .replay_inbox_dead_letters(&filter, true, false)
+            .replay_inbox_dead_letters(&filter, InboxReplayMode::DryRun)
             .await
             .expect("dry run");
         assert_eq!(dry.matched, want.len() as u64, "replay matching {text:?}");
@@ -470,7 +470,7 @@ async fn inbox_replay_without_the_outbox_row_fails_unless_clear_only() {
     .await;
     let all = InboxDeadFilter::new();
     let report = outbox
-        .replay_inbox_dead_letters(&all, false, false)
+        .replay_inbox_dead_letters(&all, InboxReplayMode::Republish)
         .await
         .expect("replay");
     assert_eq!((report.matched, report.replayed, report.failed), (2, 1, 1));
@@ -482,7 +482,7 @@ async fn inbox_replay_without_the_outbox_row_fails_unless_clear_only() {
     assert_eq!(claimed[0].message.id, stored);
 
     let report = outbox
-        .replay_inbox_dead_letters(&all, false, true)
+        .replay_inbox_dead_letters(&all, InboxReplayMode::ClearOnly)
         .await
         .expect("clear only");
     assert_eq!((report.matched, report.replayed, report.failed), (1, 1, 0));

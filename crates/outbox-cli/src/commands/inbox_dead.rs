@@ -5,7 +5,9 @@ use std::io::Write;
 
 use chrono::{DateTime, Utc};
 use clap::{Args, Subcommand};
-use outbox_core::{InboxDeadFilter, InboxDeadLetter, InboxReplayReport, OutboxAdmin};
+use outbox_core::{
+    InboxDeadFilter, InboxDeadLetter, InboxReplayMode, InboxReplayReport, OutboxAdmin,
+};
 
 use super::Validated;
 use crate::config::parse_window;
@@ -83,6 +85,19 @@ pub struct InboxDeadReplayArgs {
     pub json: bool,
 }
 
+impl InboxDeadReplayArgs {
+    /// The replay mode the flags ask for: `--dry-run` wins over `--clear-only`.
+    pub fn mode(&self) -> InboxReplayMode {
+        if self.dry_run {
+            InboxReplayMode::DryRun
+        } else if self.clear_only {
+            InboxReplayMode::ClearOnly
+        } else {
+            InboxReplayMode::Republish
+        }
+    }
+}
+
 /// Builds the consumer dead-letter filter from flags.
 ///
 /// # Errors
@@ -121,19 +136,16 @@ pub async fn inbox_dead_list(
 pub async fn inbox_dead_replay(
     outbox: &dyn OutboxAdmin,
     filter: &InboxDeadFilter,
-    dry_run: bool,
+    mode: InboxReplayMode,
     all: bool,
-    clear_only: bool,
 ) -> Result<InboxReplayReport, CliError> {
-    if *filter == InboxDeadFilter::new() && !all && !dry_run {
+    if *filter == InboxDeadFilter::new() && !all && mode != InboxReplayMode::DryRun {
         return Err(CliError::Invalid {
             field: "filter",
             reason: "no filter given: pass --all to replay every consumer dead letter".into(),
         });
     }
-    Ok(outbox
-        .replay_inbox_dead_letters(filter, dry_run, clear_only)
-        .await?)
+    Ok(outbox.replay_inbox_dead_letters(filter, mode).await?)
 }
 
 /// `outbox inbox dead list` with its filter built.
@@ -212,8 +224,7 @@ pub(crate) fn validate_replay(
 impl Validated for InboxDeadReplay<'_> {
     async fn run(self, outbox: &dyn OutboxAdmin, out: &mut dyn Write) -> Result<(), CliError> {
         let a = self.args;
-        let report =
-            inbox_dead_replay(outbox, &self.filter, a.dry_run, a.all, a.clear_only).await?;
+        let report = inbox_dead_replay(outbox, &self.filter, a.mode(), a.all).await?;
         if a.json {
             return json(out, &report);
         }

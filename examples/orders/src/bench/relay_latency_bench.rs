@@ -37,7 +37,7 @@ use std::sync::atomic::{AtomicU64, Ordering as AtomicOrdering};
 use std::time::{Duration, Instant, SystemTime};
 
 use anyhow::{Context as _, bail};
-use outbox_core::{EventPublisher, NewMessage};
+use outbox_core::{EventPublisher, NewMessage, OutboxAdmin as _};
 use outbox_postgres::PgOutbox;
 use std::process::{Child, Command};
 
