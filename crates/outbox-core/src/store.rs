@@ -85,8 +85,8 @@ pub enum CompletionOutcome {
 ///   way MassTransit's and Wolverine's outboxes remove delivered messages: retention
 ///   with an age of zero. A delete is much cheaper for the database than an update (no
 ///   new row version, no index entries: on PostgreSQL the claim and completion of a
-///   message take about 8 µs inside the database instead of 15; the README's
-///   performance section has the relay's figures), and sent rows never accumulate, so
+///   message take about 8 µs inside the database instead of 15; docs/performance.md
+///   has the relay's figures), and sent rows never accumulate, so
 ///   no purge of them is needed. In exchange there is no record of
 ///   delivered messages in the outbox: `reconcile` sees only the rows still there
 ///   (pending and dead ones), `stats` counts no sent rows, and `get` returns `None`

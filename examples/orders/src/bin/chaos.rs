@@ -1,6 +1,6 @@
 //! `cargo xtask chaos`: the outbox → broker → inbox pipeline under real faults, and a
 //! verdict that counts every message. See `src/chaos/mod.rs` for what a run does, and
-//! the README's "Chaos" section for how to run it and what it showed.
+//! `docs/chaos.md` for how to run it and what it showed.
 //!
 //! The run holds the machine-wide fault lock of `outbox_testkit::faults` from start to
 //! end. Every fault is undone by a guard that runs on drop: when the run ends, fails,
