@@ -17,7 +17,7 @@ use outbox_core::RetryPolicy;
 use outbox_core::consumer::{BatchDeliveryHandler, HandlerDecision};
 use outbox_core::inbox::{ConsumerDeadLetters, DurableInbox};
 use outbox_core::wire::IncomingMessage;
-use outbox_postgres::PgInbox;
+use outbox_postgres::{PgConfig, PgInbox};
 use sqlx::{AssertSqlSafe, PgConnection};
 use uuid::Uuid;
 
@@ -595,7 +595,9 @@ async fn an_unreachable_inbox_defers_the_whole_batch() {
         .await
         .expect("connect");
     let held = pool.acquire().await.expect("the only connection");
-    let starved = Arc::new(PgInbox::new(pool.clone(), &db.schema).expect("inbox"));
+    let starved = Arc::new(
+        PgInbox::new(pool.clone(), &PgConfig::default().with_schema(&db.schema)).expect("inbox"),
+    );
     let consumer = IdempotentConsumer::new(
         Arc::clone(&starved),
         Pipeline::new().on("OrderPlaced", "projector", Effect::new(&db)),
@@ -645,7 +647,8 @@ async fn a_batch_of_100_takes_about_one_round_trip_per_message() {
         .connect_with(counter.options(&base))
         .await
         .expect("connect through the counter");
-    let inbox = Arc::new(PgInbox::new(pool, &db.schema).expect("inbox"));
+    let inbox =
+        Arc::new(PgInbox::new(pool, &PgConfig::default().with_schema(&db.schema)).expect("inbox"));
     let consumer = IdempotentConsumer::new(
         Arc::clone(&inbox),
         Pipeline::new().on("OrderPlaced", "projector", Effect::new(&db)),

@@ -81,7 +81,9 @@ async fn setup(prefetch: u16, batch_size: u16) -> Setup {
     .await
     .expect("tables");
     let pool = outbox.pool().clone();
-    let store = Arc::new(PgInbox::new(pool.clone(), &schema).expect("inbox"));
+    let store = Arc::new(
+        PgInbox::new(pool.clone(), &PgConfig::default().with_schema(&schema)).expect("inbox"),
+    );
     let exchange = format!("t.{}", Uuid::new_v4().simple());
     let config = RabbitConfig::builder(amqp_url())
         .with_exchange(&exchange)

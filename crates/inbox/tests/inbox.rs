@@ -13,7 +13,7 @@ use outbox_core::RetryPolicy;
 use outbox_core::consumer::{DeliveryHandler, HandlerDecision};
 use outbox_core::inbox::ConsumerDeadLetters;
 use outbox_core::wire::IncomingMessage;
-use outbox_postgres::PgInbox;
+use outbox_postgres::{PgConfig, PgInbox};
 use sqlx::{AssertSqlSafe, PgConnection};
 use uuid::Uuid;
 
@@ -739,7 +739,9 @@ async fn an_unreachable_inbox_defers_the_delivery() {
         .await
         .expect("connect");
     let held = pool.acquire().await.expect("the only connection");
-    let starved = Arc::new(PgInbox::new(pool.clone(), &db.schema).expect("inbox"));
+    let starved = Arc::new(
+        PgInbox::new(pool.clone(), &PgConfig::default().with_schema(&db.schema)).expect("inbox"),
+    );
     let consumer = IdempotentConsumer::new(
         Arc::clone(&starved),
         Pipeline::new().on("OrderPlaced", "projector", Effect::new(&db)),
@@ -784,7 +786,8 @@ async fn the_per_message_path_takes_five_round_trips() {
         .connect_with(counter.options(&base))
         .await
         .expect("connect through the counter");
-    let inbox = Arc::new(PgInbox::new(pool, &db.schema).expect("inbox"));
+    let inbox =
+        Arc::new(PgInbox::new(pool, &PgConfig::default().with_schema(&db.schema)).expect("inbox"));
     let consumer = IdempotentConsumer::new(
         Arc::clone(&inbox),
         Pipeline::new().on("OrderPlaced", "projector", Effect::new(&db)),

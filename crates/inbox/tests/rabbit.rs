@@ -90,7 +90,13 @@ async fn setup(prefetch: u16) -> Setup {
     .execute(outbox.pool())
     .await
     .expect("table");
-    let store = Arc::new(PgInbox::new(outbox.pool().clone(), &schema).expect("inbox"));
+    let store = Arc::new(
+        PgInbox::new(
+            outbox.pool().clone(),
+            &PgConfig::default().with_schema(&schema),
+        )
+        .expect("inbox"),
+    );
     let exchange = format!("t.{}", Uuid::new_v4().simple());
     let config = RabbitConfig::builder(env("AMQP_URL", "amqp://guest:guest@127.0.0.1:5672/%2f"))
         .with_exchange(&exchange)
@@ -402,7 +408,8 @@ async fn quorum(prefetch: u16, pool_size: u32, delivery_limit: i32) -> Quorum {
         .connect_with(lockout.connect_options())
         .await
         .expect("connect as the consumer's role");
-    let store = Arc::new(PgInbox::new(pool, &schema).expect("inbox"));
+    let store =
+        Arc::new(PgInbox::new(pool, &PgConfig::default().with_schema(&schema)).expect("inbox"));
     let exchange = format!("t.{}", Uuid::new_v4().simple());
     let queue = format!("{exchange}.q");
     let config = RabbitConfig::builder(env("AMQP_URL", "amqp://guest:guest@127.0.0.1:5672/%2f"))

@@ -44,7 +44,13 @@ async fn handler_span_joins_the_producers_trace() {
         .await
         .expect("PostgreSQL");
     outbox.migrate().await.expect("migrate");
-    let store = Arc::new(PgInbox::new(outbox.pool().clone(), &schema).expect("inbox"));
+    let store = Arc::new(
+        PgInbox::new(
+            outbox.pool().clone(),
+            &PgConfig::default().with_schema(&schema),
+        )
+        .expect("inbox"),
+    );
     let consumer =
         IdempotentConsumer::new(store, Pipeline::new().on("OrderPlaced", "projector", Noop));
 

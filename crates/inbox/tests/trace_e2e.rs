@@ -81,7 +81,7 @@ async fn the_consumer_span_joins_the_producers_trace() {
             .payload(&1)
             .build()
             .expect("valid");
-        let mut tx = outbox.pool().begin().await.expect("begin");
+        let mut tx = outbox.begin().await.expect("begin");
         outbox.enqueue(&mut tx, &msg).await.expect("enqueue");
         tx.commit().await.expect("commit");
     }
@@ -92,7 +92,13 @@ async fn the_consumer_span_joins_the_producers_trace() {
     let publisher = Arc::new(RabbitPublisher::connect(rabbit).await.expect("publisher"));
     let dispatcher = Dispatcher::new(Arc::new(outbox.clone()), publisher, DispatcherConfig::new());
     assert_eq!(dispatcher.run_batch().await.expect("relay").published, 1);
-    let store = Arc::new(PgInbox::new(outbox.pool().clone(), &schema).expect("inbox"));
+    let store = Arc::new(
+        PgInbox::new(
+            outbox.pool().clone(),
+            &PgConfig::default().with_schema(&schema),
+        )
+        .expect("inbox"),
+    );
     let token = CancellationToken::new();
     let handler =
         IdempotentConsumer::new(store, Pipeline::new().on("OrderPlaced", "projector", Noop));

@@ -509,7 +509,7 @@ impl Handler<PgInbox> for Projector {
 async fn inbox_dead_letters_list_and_replay() {
     let db = fresh_outbox().await;
     exec(&db, "CREATE TABLE {s}.effects (message_id uuid NOT NULL)").await;
-    let store = Arc::new(PgInbox::new(db.pool().clone(), db.schema()).expect("inbox"));
+    let store = Arc::new(db.inbox());
     let fail = Arc::new(AtomicBool::new(true));
     let consumer = IdempotentConsumer::new(
         Arc::clone(&store),

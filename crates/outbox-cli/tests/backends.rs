@@ -160,7 +160,7 @@ mod postgres {
             let outbox = PgOutbox::connect(&PgConfig::new(url).with_schema(schema))
                 .await
                 .expect("connect");
-            let mut tx = outbox.pool().begin().await.expect("begin");
+            let mut tx = outbox.begin().await.expect("begin");
             outbox
                 .enqueue_batch(&mut tx, messages)
                 .await
@@ -172,7 +172,11 @@ mod postgres {
             let outbox = PgOutbox::connect(&PgConfig::new(url).with_schema(schema))
                 .await
                 .expect("connect");
-            let inbox = PgInbox::new(outbox.pool().clone(), schema).expect("inbox");
+            let inbox = PgInbox::new(
+                outbox.pool().clone(),
+                &PgConfig::default().with_schema(schema),
+            )
+            .expect("inbox");
             let msg = IncomingMessage::new(id, "OrderPlaced", b"{}".to_vec());
             let count = inbox
                 .record_failure(&msg, "projector", "boom", 1)
@@ -219,7 +223,11 @@ mod sqlserver {
 
         async fn consumer_failure(&self, url: &str, schema: &str, id: Uuid) {
             let outbox = connect(url, schema).await;
-            let inbox = MssqlInbox::new(outbox.pool().clone(), schema).expect("inbox");
+            let inbox = MssqlInbox::new(
+                outbox.pool().clone(),
+                &MssqlConfig::default().with_schema(schema),
+            )
+            .expect("inbox");
             let msg = IncomingMessage::new(id, "OrderPlaced", b"{}".to_vec());
             let count = inbox
                 .record_failure(&msg, "projector", "boom", 1)

@@ -115,7 +115,7 @@ async fn relay_exports_metrics_and_a_replayed_message_stays_single() {
     let db = fresh_outbox().await;
     exec(&db, "CREATE TABLE {s}.effects (message_id uuid NOT NULL)").await;
     let (exchange, consumer) = order_placed_consumer().await;
-    let store = Arc::new(PgInbox::new(db.pool().clone(), db.schema()).expect("inbox"));
+    let store = Arc::new(db.inbox());
     let seen = Arc::new(Mutex::new(HashMap::new()));
     let traces = Arc::new(Mutex::new(HashMap::new()));
     let handler = Counting {

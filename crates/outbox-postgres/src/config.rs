@@ -25,6 +25,7 @@ pub struct PgConfig {
     sent_retention: SentRetention,
     crash_loop_limit: u32,
     max_payload_bytes: usize,
+    listener_keepalive: Duration,
 }
 
 impl fmt::Debug for PgConfig {
@@ -43,6 +44,7 @@ impl fmt::Debug for PgConfig {
             .field("sent_retention", &self.sent_retention)
             .field("crash_loop_limit", &self.crash_loop_limit)
             .field("max_payload_bytes", &self.max_payload_bytes)
+            .field("listener_keepalive", &self.listener_keepalive)
             .finish()
     }
 }
@@ -57,6 +59,7 @@ impl Default for PgConfig {
             sent_retention: SentRetention::Keep,
             crash_loop_limit: DEFAULT_CRASH_LOOP_LIMIT,
             max_payload_bytes: DEFAULT_MAX_PAYLOAD_BYTES,
+            listener_keepalive: crate::listen::KEEPALIVE_INTERVAL,
         }
     }
 }
@@ -168,6 +171,21 @@ impl PgConfig {
     /// The payload limit of enqueue, in bytes.
     pub fn max_payload_bytes(&self) -> usize {
         self.max_payload_bytes
+    }
+
+    /// How long the relay's [wake listener](crate::PgOutbox::spawn_wake_listener) may go
+    /// without a word from its connection before it checks the connection with a query,
+    /// reconnecting when the query does not answer within 5 s (default
+    /// [`KEEPALIVE_INTERVAL`](crate::KEEPALIVE_INTERVAL), 30 s; at least 1 s).
+    #[must_use]
+    pub fn with_listener_keepalive(mut self, quiet: Duration) -> Self {
+        self.listener_keepalive = quiet.max(Duration::from_secs(1));
+        self
+    }
+
+    /// The wake listener's keepalive interval.
+    pub fn listener_keepalive(&self) -> Duration {
+        self.listener_keepalive
     }
 
     /// The schema name.

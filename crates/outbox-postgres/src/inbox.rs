@@ -16,6 +16,7 @@ use sqlx::types::Json;
 use sqlx::{PgConnection, PgPool, Postgres, Row};
 use uuid::Uuid;
 
+use crate::config::PgConfig;
 use crate::error::db;
 use crate::sql::{InboxQueries, Queries, sql};
 
@@ -59,17 +60,34 @@ pub struct PgInbox {
 }
 
 impl PgInbox {
-    /// An inbox over `pool` in `schema` (migrated by [`crate::migrate()`]).
+    /// An inbox over `pool` in the schema of `config` (migrated by
+    /// [`crate::migrate()`] or [`PgOutbox::migrate`](crate::PgOutbox::migrate)); the
+    /// config's URL and pool settings are not used. Sharing a database with the
+    /// outbox? [`PgOutbox::inbox`](crate::PgOutbox::inbox) gives the same.
     ///
     /// # Errors
     /// [`OutboxError::Config`] for an invalid schema name.
-    pub fn new(pool: PgPool, schema: &str) -> Result<Self, OutboxError> {
-        crate::config::validate_schema(schema)?;
-        Ok(Self {
+    pub fn new(pool: PgPool, config: &PgConfig) -> Result<Self, OutboxError> {
+        crate::config::validate_schema(config.schema())?;
+        Ok(Self::with_queries(pool, config.schema()))
+    }
+
+    /// Connects with `config` (see [`PgConfig::connect`]).
+    ///
+    /// # Errors
+    /// As [`PgConfig::connect`].
+    pub async fn connect(config: &PgConfig) -> Result<Self, OutboxError> {
+        let pool = config.connect().await?;
+        Self::new(pool, config)
+    }
+
+    /// `schema` validated already.
+    pub(crate) fn with_queries(pool: PgPool, schema: &str) -> Self {
+        Self {
             pool,
             q: Arc::new(Queries::new(schema)),
             iq: Arc::new(InboxQueries::new(schema)),
-        })
+        }
     }
 
     /// The pool (handy for beginning the consumer's transaction).

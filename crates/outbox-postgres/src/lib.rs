@@ -21,7 +21,7 @@
 //! let outbox = PgOutbox::connect(&PgConfig::new("postgres://postgres@127.0.0.1/test")).await?;
 //! outbox.migrate().await?;
 //!
-//! let mut tx = outbox.pool().begin().await?;
+//! let mut tx = outbox.begin().await?;
 //! sqlx::query("INSERT INTO orders (id, total_cents) VALUES ($1, $2)")
 //!     .bind(42_i64).bind(1999_i64)
 //!     .execute(&mut *tx).await?;

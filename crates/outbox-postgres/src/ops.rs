@@ -24,7 +24,6 @@ use outbox_core::{InboxStore, OnDead, OutboxAdmin, OutboxError, OutboxStats};
 use sqlx::{AssertSqlSafe, Row};
 
 use crate::error::db;
-use crate::inbox::PgInbox;
 use crate::sql::{like_escape, quoted_schema};
 use crate::store::PgOutbox;
 
@@ -354,9 +353,7 @@ impl OutboxAdmin for PgOutbox {
         older_than: Duration,
         batch_size: usize,
     ) -> Result<u64, OutboxError> {
-        PgInbox::new(self.pool().clone(), PgOutbox::schema(self))?
-            .purge(older_than, batch_size)
-            .await
+        self.inbox().purge(older_than, batch_size).await
     }
 
     async fn purge_inbox_processed(
@@ -364,9 +361,7 @@ impl OutboxAdmin for PgOutbox {
         older_than: Duration,
         batch_size: usize,
     ) -> Result<u64, OutboxError> {
-        PgInbox::new(self.pool().clone(), PgOutbox::schema(self))?
-            .purge_processed(older_than, batch_size)
-            .await
+        self.inbox().purge_processed(older_than, batch_size).await
     }
 
     /// Moves up to `batch_size` inbox records older than `older_than` into

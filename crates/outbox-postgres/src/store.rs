@@ -7,10 +7,9 @@ use std::time::{Duration, Instant};
 use async_trait::async_trait;
 use chrono::{DateTime, Utc};
 use outbox_core::{
-    BlockedKey, ClaimedBatch, CompleteReport, Completion, CompletionOutcome,
-    DEFAULT_CRASH_LOOP_LIMIT, DEFAULT_MAX_PAYLOAD_BYTES, EventSource, Headers, MessageFilter,
-    MessageStatus, NewMessage, OnDead, OutboxError, OutboxMessage, OutboxStats, OutboxStore,
-    Poison, PoisonRow, ReplayReport, SentRetention, sanitize_error,
+    BlockedKey, ClaimedBatch, CompleteReport, Completion, CompletionOutcome, EventSource, Headers,
+    MessageFilter, MessageStatus, NewMessage, OnDead, OutboxError, OutboxMessage, OutboxStats,
+    OutboxStore, Poison, PoisonRow, ReplayReport, SentRetention, sanitize_error,
 };
 use serde_json::value::RawValue;
 use sqlx::postgres::{PgArguments, PgRow};
@@ -22,13 +21,14 @@ use uuid::Uuid;
 
 use crate::config::PgConfig;
 use crate::error::db;
+use crate::inbox::PgInbox;
 use crate::sql::{Queries, like_escape, sql};
 
 /// The PostgreSQL outbox: a pool plus the SQL rendered for one schema. Cheap to clone.
 ///
 /// Writes go through [`enqueue`](Self::enqueue) / [`enqueue_batch`](Self::enqueue_batch)
-/// on the caller's own connection or transaction (`&mut *tx`), so the events commit or
-/// roll back with the business rows. The relay side is the [`OutboxStore`] impl.
+/// on the caller's own transaction ([`begin`](Self::begin), or any `&mut PgConnection`
+/// of theirs), so the events commit or roll back with the business rows. The relay side is the [`OutboxStore`] impl.
 #[derive(Debug, Clone)]
 pub struct PgOutbox {
     pool: PgPool,
@@ -43,35 +43,54 @@ pub struct PgOutbox {
 }
 
 impl PgOutbox {
-    /// An outbox over `pool` in `schema` (run [`migrate`](Self::migrate) first), keeping
-    /// sent rows ([`SentRetention::Keep`]; see [`with_sent_retention`](Self::with_sent_retention)),
-    /// taking payloads up to [`DEFAULT_MAX_PAYLOAD_BYTES`] (see
-    /// [`with_max_payload_bytes`](Self::with_max_payload_bytes)).
+    /// An outbox over `pool` with the settings of `config`: its schema (run
+    /// [`migrate`](Self::migrate) first), [sent retention](PgConfig::with_sent_retention),
+    /// [crash-loop limit](PgConfig::with_crash_loop_limit),
+    /// [payload limit](PgConfig::with_max_payload_bytes) and
+    /// [listener keepalive](PgConfig::with_listener_keepalive); its URL and pool settings
+    /// are not used (the pool is yours). `PgConfig::default()` gives the defaults.
     ///
     /// # Errors
     /// [`OutboxError::Config`] for an invalid schema name.
-    pub fn new(pool: PgPool, schema: &str) -> Result<Self, OutboxError> {
+    pub fn new(pool: PgPool, config: &PgConfig) -> Result<Self, OutboxError> {
+        let schema = config.schema();
         crate::config::validate_schema(schema)?;
         Ok(Self {
             pool,
             schema: schema.into(),
             q: Arc::new(Queries::new(schema)),
             key_cursor: Arc::default(),
-            sent_retention: SentRetention::Keep,
-            crash_loop_limit: DEFAULT_CRASH_LOOP_LIMIT,
-            max_payload_bytes: DEFAULT_MAX_PAYLOAD_BYTES,
-            listener_keepalive: crate::listen::KEEPALIVE_INTERVAL,
+            sent_retention: config.sent_retention(),
+            crash_loop_limit: config.crash_loop_limit(),
+            max_payload_bytes: config.max_payload_bytes(),
+            listener_keepalive: config.listener_keepalive(),
         })
     }
 
-    /// The same outbox whose [wake listener](Self::spawn_wake_listener) checks its
-    /// connection with a query after `quiet` without a word from it, and reconnects when
-    /// the query does not answer within 5 s (default
-    /// [`KEEPALIVE_INTERVAL`](crate::KEEPALIVE_INTERVAL), 30 s; at least 1 s).
-    #[must_use]
-    pub fn with_listener_keepalive(mut self, quiet: std::time::Duration) -> Self {
-        self.listener_keepalive = quiet.max(std::time::Duration::from_secs(1));
-        self
+    /// Connects with `config` (see [`PgConfig::connect`]) and takes its settings, as
+    /// [`new`](Self::new).
+    ///
+    /// # Errors
+    /// As [`PgConfig::connect`].
+    pub async fn connect(config: &PgConfig) -> Result<Self, OutboxError> {
+        let pool = config.connect().await?;
+        Self::new(pool, config)
+    }
+
+    /// Begins a transaction on the pool: write the business rows and
+    /// [`enqueue`](Self::enqueue) the events on it (`&mut tx`), then commit (as
+    /// `MssqlOutbox::begin` on SQL Server).
+    ///
+    /// # Errors
+    /// [`OutboxError::Database`] when no connection can be had or `BEGIN` fails.
+    pub async fn begin(&self) -> Result<sqlx::Transaction<'static, Postgres>, OutboxError> {
+        self.pool.begin().await.map_err(db("begin"))
+    }
+
+    /// The inbox in this outbox's schema and pool (the layout where producer and
+    /// consumer share a database; otherwise build a [`PgInbox`] from its own config).
+    pub fn inbox(&self) -> PgInbox {
+        PgInbox::with_queries(self.pool.clone(), &self.schema)
     }
 
     /// How long the wake listener may go without a word from its connection before it
@@ -80,59 +99,15 @@ impl PgOutbox {
         self.listener_keepalive
     }
 
-    /// Connects with `config` (see [`PgConfig::connect`]), with its schema,
-    /// [`sent_retention`](PgConfig::with_sent_retention),
-    /// [`crash_loop_limit`](PgConfig::with_crash_loop_limit) and
-    /// [`max_payload_bytes`](PgConfig::with_max_payload_bytes).
-    ///
-    /// # Errors
-    /// As [`PgConfig::connect`].
-    pub async fn connect(config: &PgConfig) -> Result<Self, OutboxError> {
-        let pool = config.connect().await?;
-        Ok(Self::new(pool, config.schema())?
-            .with_sent_retention(config.sent_retention())
-            .with_crash_loop_limit(config.crash_loop_limit())
-            .with_max_payload_bytes(config.max_payload_bytes()))
-    }
-
-    /// The same outbox whose [`enqueue`](Self::enqueue) and
-    /// [`enqueue_batch`](Self::enqueue_batch) reject a payload longer than `max` bytes of
-    /// JSON text (default [`DEFAULT_MAX_PAYLOAD_BYTES`], 1 MiB; at least 1) with
-    /// [`InvalidMessage::PayloadTooLarge`](outbox_core::InvalidMessage::PayloadTooLarge),
-    /// before anything is written.
-    #[must_use]
-    pub fn with_max_payload_bytes(mut self, max: usize) -> Self {
-        self.max_payload_bytes = max.max(1);
-        self
-    }
-
     /// The payload limit of enqueue, in bytes.
     pub fn max_payload_bytes(&self) -> usize {
         self.max_payload_bytes
     }
 
-    /// The same outbox whose claims move a row to `Dead` as a suspected crash loop once
-    /// it has been claimed alone `limit` times in a row without an outcome (default
-    /// [`DEFAULT_CRASH_LOOP_LIMIT`], at least 1; see
+    /// Claims without an outcome after which a row is a suspected crash loop (see
     /// [`Poison::CrashLoop`]).
-    #[must_use]
-    pub fn with_crash_loop_limit(mut self, limit: u32) -> Self {
-        self.crash_loop_limit = limit.max(1);
-        self
-    }
-
-    /// Claims without an outcome after which a row is a suspected crash loop.
     pub fn crash_loop_limit(&self) -> u32 {
         self.crash_loop_limit
-    }
-
-    /// The same outbox (pool, schema, ordered-claim cursor) whose completions treat sent
-    /// messages as `retention` says: [`SentRetention::Keep`] (the default) marks them
-    /// `Sent`, [`SentRetention::Delete`] deletes them in the completion statement.
-    #[must_use]
-    pub fn with_sent_retention(mut self, retention: SentRetention) -> Self {
-        self.sent_retention = retention;
-        self
     }
 
     /// What completions do with sent messages.

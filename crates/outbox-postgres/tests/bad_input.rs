@@ -14,7 +14,7 @@ use outbox_core::{
     MessageFilter, NewMessage, OnDead, OutboxError, OutboxStore,
 };
 use outbox_core::{InboxDeadFilter, InboxReplayMode, OutboxAdmin as _};
-use outbox_postgres::{PgConfig, PgInbox, PgOutbox};
+use outbox_postgres::{PgConfig, PgOutbox};
 use sqlx::AssertSqlSafe;
 use uuid::Uuid;
 
@@ -109,7 +109,7 @@ async fn reserved_words_are_valid_schema_names() {
         assert!(outbox.migrate().await.expect("again").is_empty());
 
         let (a, b) = (event("1", "{}"), event("2", "{}"));
-        let mut tx = outbox.pool().begin().await.expect("begin");
+        let mut tx = outbox.begin().await.expect("begin");
         outbox
             .enqueue_batch(&mut tx, &[a.clone(), b.clone()])
             .await
@@ -194,7 +194,7 @@ async fn reserved_words_are_valid_schema_names() {
             0
         );
 
-        let inbox = PgInbox::new(outbox.pool().clone(), outbox.schema()).expect("inbox");
+        let inbox = outbox.inbox();
         let mut tx = inbox.begin().await.expect("begin");
         assert!(inbox.try_claim(&mut tx, a.id, "c").await.expect("claim"));
         assert_eq!(
@@ -350,7 +350,7 @@ async fn payloads_over_the_limit_are_refused_before_anything_is_written() {
     let max = DEFAULT_MAX_PAYLOAD_BYTES;
     let small = event("1", "{}");
     let over = event("2", &payload_of(max + 1));
-    let mut tx = outbox.pool().begin().await.expect("begin");
+    let mut tx = outbox.begin().await.expect("begin");
     let err = outbox
         .enqueue_batch(&mut tx, &[small.clone(), over])
         .await
@@ -369,7 +369,7 @@ async fn payloads_over_the_limit_are_refused_before_anything_is_written() {
     assert_eq!(count(&outbox, "outbox_messages").await, 0);
 
     let at_limit = event("3", &payload_of(max));
-    let mut tx = outbox.pool().begin().await.expect("begin");
+    let mut tx = outbox.begin().await.expect("begin");
     outbox
         .enqueue(&mut tx, &at_limit)
         .await
@@ -379,9 +379,15 @@ async fn payloads_over_the_limit_are_refused_before_anything_is_written() {
     let stored = outbox.get(at_limit.id).await.expect("get").expect("row");
     assert_eq!(stored.payload.get().len(), max);
 
-    // The limit is configurable, on the outbox and through the config.
-    let tight = outbox.clone().with_max_payload_bytes(16);
-    let mut tx = outbox.pool().begin().await.expect("begin");
+    // The limit is configurable through the config, with a pool of one's own or not.
+    let tight = PgOutbox::new(
+        outbox.pool().clone(),
+        &PgConfig::default()
+            .with_schema(outbox.schema())
+            .with_max_payload_bytes(16),
+    )
+    .expect("outbox");
+    let mut tx = outbox.begin().await.expect("begin");
     let err = tight
         .enqueue(&mut tx, &event("4", &payload_of(17)))
         .await

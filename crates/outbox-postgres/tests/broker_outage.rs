@@ -27,7 +27,7 @@ async fn enqueue(outbox: &outbox_postgres::PgOutbox, n: usize, tag: &str) {
                 .expect("valid")
         })
         .collect();
-    let mut tx = outbox.pool().begin().await.expect("begin");
+    let mut tx = outbox.begin().await.expect("begin");
     outbox.enqueue_batch(&mut tx, &msgs).await.expect("enqueue");
     tx.commit().await.expect("commit");
 }

@@ -94,7 +94,11 @@ async fn a_whole_backlog_claimed_at_once_is_updated_in_place() {
         .connect()
         .await
         .expect("connect");
-    let outbox = PgOutbox::new(pool.clone(), outbox.schema()).expect("outbox");
+    let outbox = PgOutbox::new(
+        pool.clone(),
+        &PgConfig::default().with_schema(outbox.schema()),
+    )
+    .expect("outbox");
     let body = format!(r#"{{"pad":"{}"}}"#, "x".repeat(246));
     let messages: Vec<NewMessage> = (0..500)
         .map(|i| {
@@ -183,7 +187,8 @@ async fn upgrade_from_migration_4_keeps_every_row_where_it_was() {
         .await
         .expect("connect");
     schema_at_migration_4(&pool, &schema).await;
-    let outbox = PgOutbox::new(pool.clone(), &schema).expect("outbox");
+    let outbox =
+        PgOutbox::new(pool.clone(), &PgConfig::default().with_schema(&schema)).expect("outbox");
 
     // Rows in every state, written the way the older build left them.
     let messages: Vec<NewMessage> = (0..5)

@@ -32,7 +32,7 @@ impl AbortingHarness for PgInboxHarness {
 
 async fn harness() -> PgInboxHarness {
     let outbox = common::fresh_outbox().await;
-    let inbox = PgInbox::new(outbox.pool().clone(), outbox.schema()).expect("inbox");
+    let inbox = outbox.inbox();
     PgInboxHarness(Arc::new(inbox))
 }
 

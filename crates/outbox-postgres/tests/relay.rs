@@ -33,7 +33,7 @@ async fn publisher(exchange: &str, max_payload: Option<usize>) -> Arc<RabbitPubl
 }
 
 async fn enqueue(outbox: &PgOutbox, msgs: &[NewMessage]) -> Vec<uuid::Uuid> {
-    let mut tx = outbox.pool().begin().await.expect("begin");
+    let mut tx = outbox.begin().await.expect("begin");
     let mut ids = Vec::new();
     for chunk in msgs.chunks(1000) {
         ids.extend(outbox.enqueue_batch(&mut tx, chunk).await.expect("enqueue"));

@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use common::fresh_outbox;
 use outbox_core::{DomainEvents, InboxStore, NewMessage, OutboxError, OutboxStore};
-use outbox_postgres::{PgConfig, PgInbox, PgOutbox};
+use outbox_postgres::{PgConfig, PgOutbox};
 
 fn event(n: i64) -> NewMessage {
     NewMessage::builder("order", n.to_string(), "OrderPlaced")
@@ -38,7 +38,7 @@ async fn rolled_back_transaction_leaves_no_event_and_commit_keeps_both() {
     .await
     .expect("create");
 
-    let mut tx = outbox.pool().begin().await.expect("begin");
+    let mut tx = outbox.begin().await.expect("begin");
     sqlx::query(sqlx::AssertSqlSafe(format!(
         "INSERT INTO {business} VALUES (1)"
     )))
@@ -53,7 +53,7 @@ async fn rolled_back_transaction_leaves_no_event_and_commit_keeps_both() {
         "rolled-back event must not exist"
     );
 
-    let mut tx = outbox.pool().begin().await.expect("begin");
+    let mut tx = outbox.begin().await.expect("begin");
     sqlx::query(sqlx::AssertSqlSafe(format!(
         "INSERT INTO {business} VALUES (2)"
     )))
@@ -95,7 +95,7 @@ async fn batch_enqueue_keeps_order_fields_and_payload_text() {
                 .expect("valid")
         })
         .collect();
-    let mut tx = outbox.pool().begin().await.expect("begin");
+    let mut tx = outbox.begin().await.expect("begin");
     let ids = outbox.enqueue_batch(&mut tx, &msgs).await.expect("enqueue");
     tx.commit().await.expect("commit");
     let claimed = outbox
@@ -129,7 +129,7 @@ async fn delayed_message_is_not_claimable_before_its_time() {
         .deliver_after(Duration::from_secs(3600))
         .build()
         .expect("valid");
-    let mut tx = outbox.pool().begin().await.expect("begin");
+    let mut tx = outbox.begin().await.expect("begin");
     outbox.enqueue(&mut tx, &later).await.expect("enqueue");
     outbox.enqueue(&mut tx, &event(2)).await.expect("enqueue");
     tx.commit().await.expect("commit");
@@ -148,7 +148,7 @@ async fn domain_events_are_drained_once_and_restored_on_failure() {
     let mut events = DomainEvents::new();
     events.raise(event(1));
     events.raise(event(2));
-    let mut tx = outbox.pool().begin().await.expect("begin");
+    let mut tx = outbox.begin().await.expect("begin");
     let ids = outbox
         .save_events(&mut tx, &mut events)
         .await
@@ -173,7 +173,7 @@ async fn domain_events_are_drained_once_and_restored_on_failure() {
         .build()
         .expect("valid");
     again.raise(dup);
-    let mut tx = outbox.pool().begin().await.expect("begin");
+    let mut tx = outbox.begin().await.expect("begin");
     let err = outbox
         .save_events(&mut tx, &mut again)
         .await
@@ -243,7 +243,7 @@ async fn bad_input_gets_typed_errors_and_writes_nothing() {
 #[tokio::test]
 async fn unknown_status_code_in_the_table_is_a_typed_error() {
     let outbox = fresh_outbox().await;
-    let mut tx = outbox.pool().begin().await.expect("begin");
+    let mut tx = outbox.begin().await.expect("begin");
     let id = outbox.enqueue(&mut tx, &event(1)).await.expect("enqueue");
     tx.commit().await.expect("commit");
     // Simulate a row written by a newer version with a status this one does not know.
@@ -280,10 +280,10 @@ async fn migrations_are_idempotent_and_concurrent_safe() {
 #[tokio::test]
 async fn inbox_suppresses_duplicates_and_rollback_releases_the_claim() {
     let outbox = fresh_outbox().await;
-    let inbox = PgInbox::new(outbox.pool().clone(), outbox.schema()).expect("inbox");
+    let inbox = outbox.inbox();
     let id = uuid::Uuid::now_v7();
 
-    let mut tx = inbox.pool().begin().await.expect("begin");
+    let mut tx = inbox.begin().await.expect("begin");
     assert!(
         inbox
             .try_claim(&mut tx, id, "projector")
@@ -304,7 +304,7 @@ async fn inbox_suppresses_duplicates_and_rollback_releases_the_claim() {
     tx.rollback().await.expect("rollback");
 
     // The rollback removed the record: the redelivery is processed.
-    let mut tx = inbox.pool().begin().await.expect("begin");
+    let mut tx = inbox.begin().await.expect("begin");
     assert!(
         inbox
             .try_claim(&mut tx, id, "projector")
@@ -312,7 +312,7 @@ async fn inbox_suppresses_duplicates_and_rollback_releases_the_claim() {
             .expect("claim")
     );
     tx.commit().await.expect("commit");
-    let mut tx = inbox.pool().begin().await.expect("begin");
+    let mut tx = inbox.begin().await.expect("begin");
     assert!(
         !inbox
             .try_claim(&mut tx, id, "projector")

@@ -11,7 +11,7 @@ use common::rabbit::{Fixture, eventually, fixture};
 use common::{database_url, enqueue_committed, fresh_outbox};
 use lapin::types::FieldTable;
 use outbox_core::{Dispatcher, DispatcherConfig, MessageStatus, NewMessage, OutboxStore};
-use outbox_postgres::{NOTIFY_CHANNEL, PgOutbox};
+use outbox_postgres::{NOTIFY_CHANNEL, PgConfig, PgOutbox};
 use sqlx::postgres::{PgConnectOptions, PgListener, PgPoolOptions};
 use tokio_util::sync::CancellationToken;
 use transport_rabbit::{RabbitConfig, RabbitPublisher};
@@ -58,7 +58,7 @@ async fn one_notification_per_transaction() {
         1
     );
 
-    let mut tx = outbox.pool().begin().await.expect("begin");
+    let mut tx = outbox.begin().await.expect("begin");
     sqlx::query(sqlx::AssertSqlSafe(format!(
         "INSERT INTO {}.outbox_messages (id, aggregate_type, aggregate_id, event_type, payload)
          SELECT gen_random_uuid(), 'a', 'b', 'C', '{{}}' WHERE false",
@@ -68,7 +68,7 @@ async fn one_notification_per_transaction() {
     .await
     .expect("insert nothing");
     tx.commit().await.expect("commit");
-    let mut tx = outbox.pool().begin().await.expect("begin");
+    let mut tx = outbox.begin().await.expect("begin");
     outbox
         .enqueue_batch(&mut tx, &orders(3))
         .await
@@ -96,7 +96,7 @@ async fn a_half_full_notification_queue_sends_nothing_and_fails_no_commit() {
         .expect("listener");
     listener.listen(NOTIFY_CHANNEL).await.expect("LISTEN");
     for (usage, expected) in [(0.9, 0), (0.1, 1)] {
-        let mut tx = outbox.pool().begin().await.expect("begin");
+        let mut tx = outbox.begin().await.expect("begin");
         sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
             "CREATE SCHEMA IF NOT EXISTS {fake};
              CREATE OR REPLACE FUNCTION {fake}.pg_notification_queue_usage()
@@ -192,7 +192,9 @@ async fn a_notification_wakes_a_slow_polling_relay_and_survives_a_lost_connectio
         .connect_with(options.application_name(&application_name))
         .await
         .expect("connect");
-    let outbox = Arc::new(PgOutbox::new(pool, migrated.schema()).expect("outbox"));
+    let outbox = Arc::new(
+        PgOutbox::new(pool, &PgConfig::default().with_schema(migrated.schema())).expect("outbox"),
+    );
     let (dispatcher, _fx) = slow_polling_dispatcher(&outbox).await;
     let token = CancellationToken::new();
     let listener = outbox.spawn_wake_listener(dispatcher.wake_handle(), token.clone());
@@ -262,7 +264,11 @@ async fn a_listener_that_cannot_listen_stands_in_for_the_notifications() {
         .connect_with(lockout.connect_options())
         .await
         .expect("connect as the listener's role");
-    let listening = PgOutbox::new(listen_pool, migrated.schema()).expect("outbox");
+    let listening = PgOutbox::new(
+        listen_pool,
+        &PgConfig::default().with_schema(migrated.schema()),
+    )
+    .expect("outbox");
     let outbox = Arc::new(migrated.clone());
     let (dispatcher, _fx) = slow_polling_dispatcher(&outbox).await;
     let token = CancellationToken::new();
@@ -298,9 +304,10 @@ async fn listening_through(
         .connect_with(proxy.options(&options))
         .await
         .expect("connect through the proxy");
-    PgOutbox::new(pool, migrated.schema())
-        .expect("outbox")
-        .with_listener_keepalive(Duration::from_secs(2))
+    let config = PgConfig::default()
+        .with_schema(migrated.schema())
+        .with_listener_keepalive(Duration::from_secs(2));
+    PgOutbox::new(pool, &config).expect("outbox")
 }
 
 /// The listener's connection goes half-open (both ends still open, nothing passes, as

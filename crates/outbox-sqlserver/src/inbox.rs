@@ -15,6 +15,7 @@ use outbox_core::{CompleteReport, ErrorKind, Headers, InboxStore, OutboxError};
 use tiberius::Row;
 use uuid::Uuid;
 
+use crate::config::MssqlConfig;
 use crate::connection::{MssqlClient, MssqlPool, MssqlTransaction};
 use crate::error::db;
 use crate::sql::{InboxQueries, Queries, millis};
@@ -50,17 +51,35 @@ pub struct MssqlInbox {
 }
 
 impl MssqlInbox {
-    /// An inbox over `pool` in `schema` (migrated by [`crate::migrate()`]).
+    /// An inbox over `pool` in the schema of `config` (migrated by
+    /// [`crate::migrate()`] or [`MssqlOutbox::migrate`](crate::MssqlOutbox::migrate));
+    /// the config's connection string and pool settings are not used. Sharing a
+    /// database with the outbox? [`MssqlOutbox::inbox`](crate::MssqlOutbox::inbox) gives
+    /// the same.
     ///
     /// # Errors
     /// [`OutboxError::Config`] for an invalid schema name.
-    pub fn new(pool: MssqlPool, schema: &str) -> Result<Self, OutboxError> {
-        crate::config::validate_schema(schema)?;
-        Ok(Self {
+    pub fn new(pool: MssqlPool, config: &MssqlConfig) -> Result<Self, OutboxError> {
+        crate::config::validate_schema(config.schema())?;
+        Ok(Self::with_queries(pool, config.schema()))
+    }
+
+    /// Connects with `config` (see [`MssqlConfig::connect`]).
+    ///
+    /// # Errors
+    /// As [`MssqlConfig::connect`].
+    pub async fn connect(config: &MssqlConfig) -> Result<Self, OutboxError> {
+        let pool = config.connect().await?;
+        Self::new(pool, config)
+    }
+
+    /// `schema` validated already.
+    pub(crate) fn with_queries(pool: MssqlPool, schema: &str) -> Self {
+        Self {
             pool,
             q: Arc::new(Queries::new(schema)),
             iq: Arc::new(InboxQueries::new(schema)),
-        })
+        }
     }
 
     /// The pool.
@@ -634,7 +653,7 @@ mod tests {
             bb8::Pool::builder().build_unchecked(manager),
             Duration::from_secs(1),
         );
-        MssqlInbox::new(pool, "outbox").expect("inbox")
+        MssqlInbox::new(pool, &MssqlConfig::default()).expect("inbox")
     }
 
     #[tokio::test]

@@ -28,7 +28,6 @@ use tiberius::{Row, ToSql};
 use uuid::Uuid;
 
 use crate::error::db;
-use crate::inbox::MssqlInbox;
 use crate::sql::{like_escape, millis, minus_ms, quoted_schema};
 use crate::store::MssqlOutbox;
 
@@ -718,9 +717,7 @@ impl OutboxAdmin for MssqlOutbox {
         older_than: Duration,
         batch_size: usize,
     ) -> Result<u64, OutboxError> {
-        MssqlInbox::new(self.pool().clone(), MssqlOutbox::schema(self))?
-            .purge(older_than, batch_size)
-            .await
+        self.inbox().purge(older_than, batch_size).await
     }
 
     /// [`DurableInbox::purge_processed`] of an [`MssqlInbox`] on this pool and schema.
@@ -729,9 +726,7 @@ impl OutboxAdmin for MssqlOutbox {
         older_than: Duration,
         batch_size: usize,
     ) -> Result<u64, OutboxError> {
-        MssqlInbox::new(self.pool().clone(), MssqlOutbox::schema(self))?
-            .purge_processed(older_than, batch_size)
-            .await
+        self.inbox().purge_processed(older_than, batch_size).await
     }
 
     /// Moves up to `batch_size` inbox records older than `older_than` (by

@@ -8,10 +8,9 @@ use std::time::{Duration, Instant};
 use async_trait::async_trait;
 use chrono::{DateTime, NaiveDateTime, Utc};
 use outbox_core::{
-    BlockedKey, ClaimedBatch, CompleteReport, Completion, CompletionOutcome,
-    DEFAULT_CRASH_LOOP_LIMIT, DEFAULT_MAX_PAYLOAD_BYTES, EventSource, Headers, MessageFilter,
-    MessageStatus, NewMessage, OnDead, OutboxError, OutboxMessage, OutboxStats, OutboxStore,
-    Poison, PoisonRow, ReplayReport, SentRetention, sanitize_error,
+    BlockedKey, ClaimedBatch, CompleteReport, Completion, CompletionOutcome, EventSource, Headers,
+    MessageFilter, MessageStatus, NewMessage, OnDead, OutboxError, OutboxMessage, OutboxStats,
+    OutboxStore, Poison, PoisonRow, ReplayReport, SentRetention, sanitize_error,
 };
 use serde_json::value::RawValue;
 use tiberius::{FromSql, Row, ToSql};
@@ -21,6 +20,7 @@ use uuid::Uuid;
 use crate::config::MssqlConfig;
 use crate::connection::{MssqlClient, MssqlPool, MssqlTransaction};
 use crate::error::db;
+use crate::inbox::MssqlInbox;
 use crate::sql::{Queries, like_escape, millis};
 
 /// The SQL Server outbox: a pool plus the SQL rendered for one schema. Cheap to clone.
@@ -45,50 +45,44 @@ pub struct MssqlOutbox {
 }
 
 impl MssqlOutbox {
-    /// An outbox over `pool` in `schema` (run [`migrate`](Self::migrate) first), keeping
-    /// sent rows ([`SentRetention::Keep`]; see [`with_sent_retention`](Self::with_sent_retention)),
-    /// taking payloads up to [`DEFAULT_MAX_PAYLOAD_BYTES`] (see
-    /// [`with_max_payload_bytes`](Self::with_max_payload_bytes)).
+    /// An outbox over `pool` with the settings of `config`: its schema (run
+    /// [`migrate`](Self::migrate) first),
+    /// [sent retention](MssqlConfig::with_sent_retention),
+    /// [crash-loop limit](MssqlConfig::with_crash_loop_limit) and
+    /// [payload limit](MssqlConfig::with_max_payload_bytes); its connection string and
+    /// pool settings are not used (the pool is yours).
     ///
     /// # Errors
     /// [`OutboxError::Config`] for an invalid schema name.
-    pub fn new(pool: MssqlPool, schema: &str) -> Result<Self, OutboxError> {
+    pub fn new(pool: MssqlPool, config: &MssqlConfig) -> Result<Self, OutboxError> {
+        let schema = config.schema();
         crate::config::validate_schema(schema)?;
         Ok(Self {
             pool,
             schema: schema.into(),
             q: Arc::new(Queries::new(schema)),
             key_cursor: Arc::default(),
-            sent_retention: SentRetention::Keep,
-            crash_loop_limit: DEFAULT_CRASH_LOOP_LIMIT,
-            max_payload_bytes: DEFAULT_MAX_PAYLOAD_BYTES,
+            sent_retention: config.sent_retention(),
+            crash_loop_limit: config.crash_loop_limit(),
+            max_payload_bytes: config.max_payload_bytes(),
         })
     }
 
-    /// Connects with `config` (see [`MssqlConfig::connect`]), with its schema,
-    /// [`sent_retention`](MssqlConfig::with_sent_retention),
-    /// [`crash_loop_limit`](MssqlConfig::with_crash_loop_limit) and
-    /// [`max_payload_bytes`](MssqlConfig::with_max_payload_bytes).
+    /// Connects with `config` (see [`MssqlConfig::connect`]) and takes its settings, as
+    /// [`new`](Self::new).
     ///
     /// # Errors
     /// As [`MssqlConfig::connect`].
     pub async fn connect(config: &MssqlConfig) -> Result<Self, OutboxError> {
         let pool = config.connect().await?;
-        Ok(Self::new(pool, config.schema())?
-            .with_sent_retention(config.sent_retention())
-            .with_crash_loop_limit(config.crash_loop_limit())
-            .with_max_payload_bytes(config.max_payload_bytes()))
+        Self::new(pool, config)
     }
 
-    /// The same outbox whose [`enqueue`](Self::enqueue) and
-    /// [`enqueue_batch`](Self::enqueue_batch) reject a payload longer than `max` bytes of
-    /// JSON text (default [`DEFAULT_MAX_PAYLOAD_BYTES`], 1 MiB; 0 counts as 1) with
-    /// [`InvalidMessage::PayloadTooLarge`](outbox_core::InvalidMessage::PayloadTooLarge),
-    /// before anything is sent to the server.
-    #[must_use]
-    pub fn with_max_payload_bytes(mut self, max: usize) -> Self {
-        self.max_payload_bytes = max.max(1);
-        self
+    /// The inbox in this outbox's schema and pool (the layout where producer and
+    /// consumer share a database; otherwise build an [`MssqlInbox`] from its own
+    /// config).
+    pub fn inbox(&self) -> MssqlInbox {
+        MssqlInbox::with_queries(self.pool.clone(), &self.schema)
     }
 
     /// The payload limit of enqueue, in bytes.
@@ -96,40 +90,21 @@ impl MssqlOutbox {
         self.max_payload_bytes
     }
 
-    /// The same outbox whose claims move a row to `Dead` as a suspected crash loop once
-    /// it has been claimed alone `limit` times in a row without an outcome (a count of
-    /// claims of the row alone, as a suspect: see the crash-loop guard in
-    /// [`OutboxStore`]'s contract; default [`DEFAULT_CRASH_LOOP_LIMIT`]; 0 counts as 1;
-    /// see [`Poison::CrashLoop`]).
-    #[must_use]
-    pub fn with_crash_loop_limit(mut self, limit: u32) -> Self {
-        self.crash_loop_limit = limit.max(1);
-        self
-    }
-
-    /// Claims without an outcome after which a row is a suspected crash loop.
+    /// Claims without an outcome after which a row is a suspected crash loop (see
+    /// [`Poison::CrashLoop`](outbox_core::Poison::CrashLoop)).
     pub fn crash_loop_limit(&self) -> u32 {
         self.crash_loop_limit
+    }
+
+    /// What completions do with sent messages.
+    pub fn sent_retention(&self) -> SentRetention {
+        self.sent_retention
     }
 
     /// The crash-loop limit as the claims' `int` parameter (limits beyond `i32::MAX`
     /// are never reached: the count is an `int` too).
     fn crash_loop_limit_param(&self) -> i32 {
         i32::try_from(self.crash_loop_limit).unwrap_or(i32::MAX)
-    }
-
-    /// The same outbox (pool, schema, ordered-claim cursor) whose completions treat sent
-    /// messages as `retention` says: [`SentRetention::Keep`] (the default) marks them
-    /// `Sent`, [`SentRetention::Delete`] deletes them in the completion's transaction.
-    #[must_use]
-    pub fn with_sent_retention(mut self, retention: SentRetention) -> Self {
-        self.sent_retention = retention;
-        self
-    }
-
-    /// What completions do with sent messages.
-    pub fn sent_retention(&self) -> SentRetention {
-        self.sent_retention
     }
 
     /// The completion statement of the configured retention.
@@ -749,6 +724,7 @@ impl OutboxStore for MssqlOutbox {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use outbox_core::DEFAULT_MAX_PAYLOAD_BYTES;
 
     #[test]
     fn batches_encode_as_json_rows_in_order() {

@@ -13,7 +13,7 @@ use outbox_core::{
     Completion, CompletionOutcome, InboxStore, NewMessage, OnDead, OutboxAdmin, OutboxStore,
 };
 use outbox_core::{InboxDeadFilter, InboxReplayMode};
-use outbox_sqlserver::{LATEST_VERSION, MssqlInbox, MssqlOutbox};
+use outbox_sqlserver::{LATEST_VERSION, MssqlOutbox};
 use uuid::Uuid;
 
 fn event(aggregate: &str, event_type: &str, tenant: Option<&str>) -> NewMessage {
@@ -149,7 +149,7 @@ async fn every_admin_query_runs_once() {
         0
     );
 
-    let inbox = MssqlInbox::new(outbox.pool().clone(), outbox.schema()).expect("inbox");
+    let inbox = outbox.inbox();
     let mut tx = inbox.begin().await.expect("begin");
     assert!(inbox.try_claim(&mut tx, a.id, "c").await.expect("claim"));
     inbox.commit(tx).await.expect("commit");
@@ -302,7 +302,7 @@ async fn groups_and_reconciliation_count_per_tenant_and_consumer() {
             .all(|g| g.new == 1 && g.oldest_pending_age_secs.is_some())
     );
 
-    let inbox = MssqlInbox::new(outbox.pool().clone(), outbox.schema()).expect("inbox");
+    let inbox = outbox.inbox();
     let mut tx = inbox.begin().await.expect("begin");
     assert!(
         inbox
@@ -454,7 +454,7 @@ async fn inbox_replay_without_the_outbox_row_fails_unless_clear_only() {
         return;
     };
     let outbox = common::fresh_outbox(&url).await;
-    let inbox = MssqlInbox::new(outbox.pool().clone(), outbox.schema()).expect("inbox");
+    let inbox = outbox.inbox();
     let foreign = IncomingMessage::new(Uuid::now_v7(), "OrderPlaced", b"{}".to_vec());
     inbox
         .record_failure(&foreign, "c", "boom", 1)

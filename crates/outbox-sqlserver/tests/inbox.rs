@@ -12,13 +12,13 @@ use std::time::Duration;
 use outbox_core::inbox::{ConsumerDeadLetters, VersionTracking};
 use outbox_core::wire::IncomingMessage;
 use outbox_core::{InboxStore, NewMessage, OutboxStore};
-use outbox_sqlserver::MssqlInbox;
+use outbox_sqlserver::{MssqlConfig, MssqlInbox};
 use uuid::Uuid;
 
 async fn inbox(test: &str) -> Option<MssqlInbox> {
     let url = common::mssql_url(test)?;
     let outbox = common::fresh_outbox(&url).await;
-    Some(MssqlInbox::new(outbox.pool().clone(), outbox.schema()).expect("inbox"))
+    Some(outbox.inbox())
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -255,7 +255,7 @@ async fn the_inbox_crate_consumer_applies_a_message_once() {
     .await
     .expect("create");
     drop(conn);
-    let store = Arc::new(MssqlInbox::new(outbox.pool().clone(), outbox.schema()).expect("inbox"));
+    let store = Arc::new(outbox.inbox());
     let consumer = inbox::IdempotentConsumer::new(
         Arc::clone(&store),
         inbox::Pipeline::new().on(
@@ -338,7 +338,7 @@ async fn the_inbox_crate_consumer_survives_faults() {
         return;
     };
     let outbox = common::fresh_outbox(&url).await;
-    let store = Arc::new(MssqlInbox::new(outbox.pool().clone(), outbox.schema()).expect("inbox"));
+    let store = Arc::new(outbox.inbox());
     let consumer = IdempotentConsumer::new(
         Arc::clone(&store),
         Pipeline::new().on("OrderPlaced", "projection", Panics),
@@ -378,7 +378,13 @@ async fn the_inbox_crate_consumer_survives_faults() {
         .await
         .expect("connect");
     let held = starved_pool.get().await.expect("the only connection");
-    let starved = Arc::new(MssqlInbox::new(starved_pool.clone(), outbox.schema()).expect("inbox"));
+    let starved = Arc::new(
+        MssqlInbox::new(
+            starved_pool.clone(),
+            &MssqlConfig::default().with_schema(outbox.schema()),
+        )
+        .expect("inbox"),
+    );
     let waiting = IdempotentConsumer::new(
         Arc::clone(&starved),
         Pipeline::new().on("OrderPlaced", "projection", Panics),
@@ -406,7 +412,7 @@ async fn small_pool(
         .connect()
         .await
         .expect("connect");
-    MssqlInbox::new(pool, outbox.schema()).expect("inbox")
+    MssqlInbox::new(pool, &MssqlConfig::default().with_schema(outbox.schema())).expect("inbox")
 }
 
 /// Makes `(id, consumer)` a consumer dead letter (one failure of at most one).

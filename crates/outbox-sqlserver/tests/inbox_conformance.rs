@@ -40,7 +40,7 @@ impl AbortingHarness for MssqlInboxHarness {
 async fn harness(test: &str) -> Option<MssqlInboxHarness> {
     let url = common::mssql_url(test)?;
     let outbox = common::fresh_outbox(&url).await;
-    let inbox = MssqlInbox::new(outbox.pool().clone(), outbox.schema()).expect("inbox");
+    let inbox = outbox.inbox();
     Some(MssqlInboxHarness(Arc::new(inbox)))
 }
 

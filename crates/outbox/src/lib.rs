@@ -55,7 +55,7 @@
 //! store.migrate().await?;
 //!
 //! // Producer: the business rows and their event commit together, or neither does.
-//! let mut tx = store.pool().begin().await?;
+//! let mut tx = store.begin().await?;
 //! // ... INSERT the order on &mut *tx ...
 //! let event = NewMessage::builder("order", "42", "OrderPlaced")
 //!     .payload(&serde_json::json!({ "order_id": 42 }))
@@ -90,7 +90,7 @@
 //! let store = PgOutbox::connect(&PgConfig::from_env()?).await?;
 //! store.migrate().await?;
 //!
-//! let mut tx = store.pool().begin().await?;
+//! let mut tx = store.begin().await?;
 //! let event = NewMessage::builder("order", "42", "OrderPlaced")
 //!     .payload(&serde_json::json!({ "order_id": 42 }))
 //!     .build()?;

@@ -81,7 +81,7 @@ struct InboxProjector {
 
 impl InboxProjector {
     async fn apply(&self, msg: &IncomingMessage) -> Result<bool, Box<dyn std::error::Error>> {
-        let mut tx = self.inbox.pool().begin().await?;
+        let mut tx = self.inbox.begin().await?;
         if !self.inbox.try_claim(&mut tx, msg.id, "projector").await? {
             tx.rollback().await?;
             return Ok(false);
@@ -140,7 +140,7 @@ async fn redelivered_messages_have_one_effect_through_the_inbox() {
     let outbox = fresh_outbox().await;
     effects_table(&outbox).await;
     let projector = Arc::new(InboxProjector {
-        inbox: PgInbox::new(outbox.pool().clone(), outbox.schema()).expect("inbox"),
+        inbox: outbox.inbox(),
         schema: outbox.schema().to_owned(),
         seen: Mutex::new(Vec::new()),
         duplicates: Mutex::new(0),

@@ -21,7 +21,7 @@ use inbox::{
 use outbox_core::inbox::ConsumerDeadLetters;
 use outbox_core::wire::IncomingMessage;
 use outbox_core::{EventPublisher, OutboxMessage};
-use outbox_postgres::{PgInbox, PgOutbox};
+use outbox_postgres::{PgConfig, PgInbox, PgOutbox};
 use outbox_testkit::pg::PgLockout;
 use sqlx::PgConnection;
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
@@ -74,7 +74,7 @@ async fn setup() -> (PgOutbox, Arc<PgInbox>) {
     .execute(outbox.pool())
     .await
     .expect("effects table");
-    let store = Arc::new(PgInbox::new(outbox.pool().clone(), outbox.schema()).expect("inbox"));
+    let store = Arc::new(outbox.inbox());
     (outbox, store)
 }
 
@@ -242,7 +242,9 @@ async fn a_database_outage_longer_than_the_delivery_budget_loses_nothing() {
         .connect_with(lockout.connect_options())
         .await
         .expect("connect as the consumer's role");
-    let store = Arc::new(PgInbox::new(pool, outbox.schema()).expect("inbox"));
+    let store = Arc::new(
+        PgInbox::new(pool, &PgConfig::default().with_schema(outbox.schema())).expect("inbox"),
+    );
     let handler = IdempotentConsumer::new(
         Arc::clone(&store),
         Pipeline::new().on(

@@ -82,7 +82,7 @@ async fn invalid_subject_is_dead_lettered_by_the_dispatcher() {
         .payload(&serde_json::json!({"ok": false}))
         .build()
         .expect("the builder accepts it; only NATS cannot publish it");
-    let mut tx = outbox.pool().begin().await.expect("begin");
+    let mut tx = outbox.begin().await.expect("begin");
     outbox
         .enqueue_batch(&mut tx, &[good.clone(), bad.clone()])
         .await

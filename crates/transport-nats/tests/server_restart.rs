@@ -139,7 +139,7 @@ async fn enqueue(outbox: &PgOutbox, n: usize, tag: &str) {
                 .expect("valid")
         })
         .collect();
-    let mut tx = outbox.pool().begin().await.expect("begin");
+    let mut tx = outbox.begin().await.expect("begin");
     outbox
         .enqueue_batch(&mut tx, &messages)
         .await

@@ -37,7 +37,7 @@ use anyhow::{Context as _, bail};
 use clap::Parser;
 use orders_example::common;
 use outbox_core::{Dispatcher, DispatcherConfig, EventPublisher, NewMessage, OutboxStore};
-use outbox_postgres::{PgConfig, PgInbox, PgOutbox};
+use outbox_postgres::{PgConfig, PgOutbox};
 use serde::{Deserialize, Serialize};
 use sqlx::{AssertSqlSafe, PgPool};
 use tokio_util::sync::CancellationToken;
@@ -126,7 +126,7 @@ async fn produce(
                 .aggregate_version(1)
                 .payload(&order)
                 .build()?;
-            let mut tx = outbox.pool().begin().await?;
+            let mut tx = outbox.begin().await?;
             sqlx::query(AssertSqlSafe(format!(
                 "INSERT INTO {schema}.orders (id, customer, total_cents, trace_id) VALUES ($1, $2, $3, $4)"
             )))
@@ -164,7 +164,7 @@ async fn main() -> anyhow::Result<()> {
     .context("connect to PostgreSQL (is it running? `cargo xtask services`)")?;
     setup_schema(outbox.pool(), &args.schema).await?;
     outbox.migrate().await?;
-    let inbox = PgInbox::new(outbox.pool().clone(), &args.schema)?;
+    let inbox = outbox.inbox();
 
     // The broker (RabbitMQ or NATS JetStream): publisher, and the projection's queue or
     // durable consumer, which exists before anything is published.

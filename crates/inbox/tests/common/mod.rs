@@ -40,7 +40,13 @@ pub(crate) async fn db() -> Db {
     .await
     .expect("effects table");
     Db {
-        inbox: Arc::new(PgInbox::new(outbox.pool().clone(), &schema).expect("inbox")),
+        inbox: Arc::new(
+            PgInbox::new(
+                outbox.pool().clone(),
+                &PgConfig::default().with_schema(&schema),
+            )
+            .expect("inbox"),
+        ),
         pool: outbox.pool().clone(),
         schema,
     }

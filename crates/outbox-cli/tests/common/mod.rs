@@ -60,7 +60,7 @@ pub fn message(event_type: &str, tenant: &str, aggregate: &str) -> NewMessage {
 }
 
 pub async fn enqueue(outbox: &PgOutbox, messages: &[NewMessage]) {
-    let mut tx = outbox.pool().begin().await.expect("begin");
+    let mut tx = outbox.begin().await.expect("begin");
     outbox
         .enqueue_batch(&mut tx, messages)
         .await

@@ -61,7 +61,7 @@ pub async fn fresh_outbox() -> PgOutbox {
 
 /// Enqueues `messages` in one transaction and commits it (one statement per 1,000).
 pub async fn enqueue_committed(outbox: &PgOutbox, messages: &[NewMessage]) {
-    let mut tx = outbox.pool().begin().await.expect("begin");
+    let mut tx = outbox.begin().await.expect("begin");
     for chunk in messages.chunks(1000) {
         outbox.enqueue_batch(&mut tx, chunk).await.expect("enqueue");
     }
@@ -79,7 +79,10 @@ impl Harness for PgHarness {
     }
 
     fn store_deleting_sent(&self) -> Arc<PgOutbox> {
-        Arc::new(PgOutbox::clone(&self.0).with_sent_retention(outbox_core::SentRetention::Delete))
+        let config = outbox_postgres::PgConfig::default()
+            .with_schema(self.0.schema())
+            .with_sent_retention(outbox_core::SentRetention::Delete);
+        Arc::new(PgOutbox::new(self.0.pool().clone(), &config).expect("outbox"))
     }
 
     async fn enqueue(&self, messages: &[NewMessage]) {

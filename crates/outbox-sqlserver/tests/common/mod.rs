@@ -104,9 +104,10 @@ impl Harness for MssqlHarness {
     }
 
     fn store_deleting_sent(&self) -> Arc<MssqlOutbox> {
-        Arc::new(
-            MssqlOutbox::clone(&self.0).with_sent_retention(outbox_core::SentRetention::Delete),
-        )
+        let config = outbox_sqlserver::MssqlConfig::default()
+            .with_schema(self.0.schema())
+            .with_sent_retention(outbox_core::SentRetention::Delete);
+        Arc::new(MssqlOutbox::new(self.0.pool().clone(), &config).expect("outbox"))
     }
 
     async fn enqueue(&self, messages: &[NewMessage]) {

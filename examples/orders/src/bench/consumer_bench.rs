@@ -51,7 +51,7 @@ use lapin::options::{ExchangeDeleteOptions, QueueDeleteOptions};
 use outbox_core::consumer::{BatchDeliveryHandler, DeliveryHandler, HandlerDecision};
 use outbox_core::wire::IncomingMessage;
 use outbox_core::{EventPublisher, NewMessage, OutboxMessage};
-use outbox_postgres::{PgInbox, PgOutbox};
+use outbox_postgres::{PgConfig, PgInbox, PgOutbox};
 use outbox_testkit::pg::RoundTripCounter;
 use sqlx::postgres::PgPoolOptions;
 use sqlx::{AssertSqlSafe, PgConnection, PgPool};
@@ -532,7 +532,10 @@ impl Database {
             .test_before_acquire(false)
             .connect_with(counter.options(base))
             .await?;
-        let inbox = Arc::new(PgInbox::new(pool.clone(), &schema)?);
+        let inbox = Arc::new(PgInbox::new(
+            pool.clone(),
+            &PgConfig::default().with_schema(&schema),
+        )?);
         Ok(Self {
             admin,
             pool,

@@ -61,8 +61,9 @@ use crate::common;
 // use them (`super::quiesce`, ...).
 use broker::{Broker, rabbit_admin_with_exchange};
 use phases::{
-    commit_to_publish, drop_schema, fresh_outbox, instant_publisher, payload, preload,
-    preload_keyed, quiesce, run_dispatcher, run_dispatcher_with, run_preclaimed, steady_latency,
+    commit_to_publish, drop_schema, fresh_outbox, fresh_outbox_keeping, instant_publisher, payload,
+    preload, preload_keyed, quiesce, run_dispatcher, run_dispatcher_with, run_preclaimed,
+    steady_latency,
 };
 use report::{Round, rate};
 
@@ -209,9 +210,7 @@ async fn run_ordered<P: EventPublisher>(
             Ordering::Unordered
         };
         for _ in 0..args.rounds.max(1) {
-            let db = fresh_outbox("ostore")
-                .await?
-                .with_sent_retention(args.sent_retention);
+            let db = fresh_outbox_keeping("ostore", args.sent_retention).await?;
             preload_keyed(&db, n, &body, keys).await?;
             quiesce(&db).await;
             store_runs.push(
@@ -220,9 +219,7 @@ async fn run_ordered<P: EventPublisher>(
                     .elapsed,
             );
             drop_schema(&db).await;
-            let db = fresh_outbox("orelay")
-                .await?
-                .with_sent_retention(args.sent_retention);
+            let db = fresh_outbox_keeping("orelay", args.sent_retention).await?;
             preload_keyed(&db, n, &body, keys).await?;
             quiesce(&db).await;
             relay_runs.push(
@@ -305,9 +302,7 @@ async fn run<P: EventPublisher>(
     let baseline_rss = common::rss_bytes();
     let mut settled = Duration::ZERO;
     for round in 0..args.rounds.max(1) {
-        let store_db = fresh_outbox("store")
-            .await?
-            .with_sent_retention(args.sent_retention);
+        let store_db = fresh_outbox_keeping("store", args.sent_retention).await?;
         preload(&store_db, n, &body).await?;
         settled = settled.max(quiesce(&store_db).await);
         let cpu0 = cpu();
@@ -315,9 +310,7 @@ async fn run<P: EventPublisher>(
         let store_cpu = cpu().since(cpu0);
         drop_schema(&store_db).await;
 
-        let relay_db = fresh_outbox("relay")
-            .await?
-            .with_sent_retention(args.sent_retention);
+        let relay_db = fresh_outbox_keeping("relay", args.sent_retention).await?;
         preload(&relay_db, n, &body).await?;
         let mut ceiling = None;
         let mut relay = None;

@@ -10,7 +10,7 @@ use async_trait::async_trait;
 use outbox_core::{
     BlockedKey, ClaimedBatch, CompleteReport, Completion, Dispatcher, DispatcherConfig,
     EventPublisher, MessageFilter, NewMessage, OnDead, Ordering, OutboxError, OutboxMessage,
-    OutboxStats, OutboxStore, ReplayReport,
+    OutboxStats, OutboxStore, ReplayReport, SentRetention,
 };
 use outbox_memory::MemoryPublisher;
 use outbox_postgres::{PgConfig, PgOutbox};
@@ -49,6 +49,14 @@ pub(super) async fn quiesce(outbox: &PgOutbox) -> Duration {
 }
 
 pub(super) async fn fresh_outbox(tag: &str) -> anyhow::Result<PgOutbox> {
+    fresh_outbox_keeping(tag, SentRetention::Keep).await
+}
+
+/// [`fresh_outbox`] whose completions treat sent rows as `retention` says.
+pub(super) async fn fresh_outbox_keeping(
+    tag: &str,
+    retention: SentRetention,
+) -> anyhow::Result<PgOutbox> {
     let schema = format!(
         "bench_{tag}_{}",
         &uuid::Uuid::new_v4().simple().to_string()[..8]
@@ -59,7 +67,8 @@ pub(super) async fn fresh_outbox(tag: &str) -> anyhow::Result<PgOutbox> {
             .with_max_connections(8)
             // `--payload-bytes` chooses the size; the broker's limit is the one that
             // counts here, not enqueue's 1 MiB default.
-            .with_max_payload_bytes(usize::MAX),
+            .with_max_payload_bytes(usize::MAX)
+            .with_sent_retention(retention),
     )
     .await?;
     outbox.migrate().await?;
@@ -85,7 +94,7 @@ pub(super) async fn preload_keyed(
     payload: &str,
     keys: Option<usize>,
 ) -> anyhow::Result<()> {
-    let mut tx = outbox.pool().begin().await?;
+    let mut tx = outbox.begin().await?;
     let mut batch = Vec::with_capacity(1000);
     for i in 0..n {
         let mut msg = NewMessage::builder("bench", i.to_string(), "BenchEvent")
@@ -324,7 +333,7 @@ pub(super) async fn steady_latency<P: EventPublisher>(
                     .build()
             })
             .collect::<Result<_, _>>()?;
-        let mut tx = outbox.pool().begin().await?;
+        let mut tx = outbox.begin().await?;
         outbox.enqueue_batch(&mut tx, &batch).await?;
         tx.commit().await?;
         wake.wake();

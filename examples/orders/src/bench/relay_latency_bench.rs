@@ -174,7 +174,7 @@ pub(super) fn message(aggregate: &str, i: u64, body: &str) -> anyhow::Result<New
 
 /// One single-row transaction.
 async fn write_one(outbox: &PgOutbox, msg: &NewMessage) -> anyhow::Result<()> {
-    let mut tx = outbox.pool().begin().await?;
+    let mut tx = outbox.begin().await?;
     outbox.enqueue(&mut tx, msg).await?;
     tx.commit().await?;
     Ok(())

@@ -92,7 +92,7 @@ async fn phases(
             let msgs: Vec<_> = (written..written + chunk)
                 .map(|i| message("soak", i as u64, body))
                 .collect::<anyhow::Result<_>>()?;
-            let mut tx = db.outbox.pool().begin().await?;
+            let mut tx = db.outbox.begin().await?;
             db.outbox.enqueue_batch(&mut tx, &msgs).await?;
             tx.commit().await?;
             written += chunk;

@@ -51,7 +51,7 @@ use inbox::{
 use outbox_core::RetryPolicy;
 use outbox_core::consumer::{BatchDeliveryHandler, DeliveryHandler, HandlerDecision};
 use outbox_core::wire::{IncomingMessage, UndecodableMessage};
-use outbox_postgres::PgInbox;
+use outbox_postgres::{PgConfig, PgInbox};
 use serde::Deserialize;
 use sqlx::postgres::PgPoolOptions;
 use sqlx::{AssertSqlSafe, PgConnection, PgPool};
@@ -279,7 +279,10 @@ pub async fn main(args: Args) -> anyhow::Result<()> {
         .max_connections(16)
         .acquire_timeout(Duration::from_secs(5))
         .connect_lazy_with(topology::consumer_pg_options(&names)?);
-    let store = Arc::new(PgInbox::new(pool.clone(), &args.schema)?);
+    let store = Arc::new(PgInbox::new(
+        pool.clone(),
+        &PgConfig::default().with_schema(&args.schema),
+    )?);
     let consumer = match args.transport {
         Transport::Rabbit => Consumer::Rabbit(topology::rabbit_consumer(&names)?),
         Transport::Nats => Consumer::Nats(topology::nats_consumer(

@@ -63,7 +63,7 @@ async fn place_order(outbox: &PgOutbox, names: &Names, n: u64) -> anyhow::Result
             "audit": audit,
         }))
         .build()?;
-    let mut tx = outbox.pool().begin().await?;
+    let mut tx = outbox.begin().await?;
     outbox.enqueue(&mut tx, &event).await?;
     if n.is_multiple_of(SIDE_EVERY) {
         let side = NewMessage::builder("order", order_id.to_string(), SIDE_EVENT_TYPE)
@@ -227,7 +227,7 @@ async fn write_poison(
     event: &NewMessage,
     kind: &PoisonKind,
 ) -> anyhow::Result<()> {
-    let mut tx = outbox.pool().begin().await?;
+    let mut tx = outbox.begin().await?;
     outbox.enqueue(&mut tx, event).await?;
     let updated = sqlx::query(AssertSqlSafe(format!(
         "UPDATE {}.outbox_messages SET {} WHERE id = $1",
