@@ -43,7 +43,7 @@ pub async fn publisher(settings: &RelaySettings) -> Result<AnyPublisher, CliErro
         #[allow(unreachable_patterns)] // reason: `require` failed for a compiled-out one
         other => return Err(other.missing()),
     };
-    Ok(AnyPublisher::connect_lazy(config).await?)
+    Ok(AnyPublisher::connect_lazy(config).await)
 }
 
 /// How often the recorder's histogram samples are drained into their buckets, scraped

@@ -203,6 +203,7 @@ impl OutboxMessage {
     /// `now`: `seq` 0, `attempts` 1, status `Processing`, `occurred_at` as given or
     /// `now`, a fresh claim token. For exercising a publisher without a store
     /// (benchmarks, transport tests).
+    #[doc(hidden)] // reason: a test and bench helper (transport suites, bench), not API
     pub fn claimed_from(msg: NewMessage, now: DateTime<Utc>) -> Self {
         Self {
             id: msg.id,

@@ -528,6 +528,7 @@ impl MemoryOutbox {
     /// trigger, a migration or another language's producer might write them: a fault
     /// injection. Text that is not a JSON object of strings makes the row poison
     /// ([`Poison::Undecodable`]) at its next claim. Returns whether the message exists.
+    #[doc(hidden)] // reason: a fault-injection hook for the shared store suites, not API
     pub fn set_headers_json(&self, id: Uuid, json: &str) -> bool {
         let Ok(mut table) = self.lock("set_headers_json") else {
             return false;

@@ -47,3 +47,8 @@ pub use inbox::PgInbox;
 pub use listen::{KEEPALIVE_INTERVAL, NOTIFY_CHANNEL, OUTAGE_WAKE_INTERVAL};
 pub use migrate::{LATEST_VERSION, migrate};
 pub use store::PgOutbox;
+
+/// The PostgreSQL driver this crate is built on, for its types (e.g.
+/// [`Transaction`](sqlx::Transaction) from [`PgOutbox::begin`], [`PgPool`](sqlx::PgPool)
+/// for [`PgOutbox::new`]), as the transports re-export `lapin` and `async-nats`.
+pub use sqlx;

@@ -262,24 +262,18 @@ impl AnyPublisher {
         })
     }
 
-    /// A publisher that connects on first use (RabbitMQ: [`RabbitPublisher::new`]) or in
-    /// the background (NATS: [`NatsPublisher::connect_lazy`]), so a relay starts while
-    /// the broker is down: until connected, batches come back
-    /// [`PublishOutcome::Transient`] with an `Unavailable` error and
-    /// [`check_ready`](EventPublisher::check_ready) fails.
-    ///
-    /// # Errors
-    /// None for RabbitMQ; for NATS, [`AnyPublisherError::Nats`] if the client rejects its
-    /// options (none in practice).
-    pub async fn connect_lazy(
-        config: impl Into<AnyPublisherConfig>,
-    ) -> Result<Self, AnyPublisherError> {
-        Ok(match config.into() {
+    /// A publisher that connects on first use (RabbitMQ:
+    /// [`RabbitPublisher::connect_lazy`]) or in the background (NATS:
+    /// [`NatsPublisher::connect_lazy`]), so a relay starts while the broker is down:
+    /// until connected, batches come back [`PublishOutcome::Transient`] with an
+    /// `Unavailable` error and [`check_ready`](EventPublisher::check_ready) fails.
+    pub async fn connect_lazy(config: impl Into<AnyPublisherConfig>) -> Self {
+        match config.into() {
             #[cfg(feature = "rabbit")]
-            AnyPublisherConfig::Rabbit(c) => Self::Rabbit(RabbitPublisher::new(c)),
+            AnyPublisherConfig::Rabbit(c) => Self::Rabbit(RabbitPublisher::connect_lazy(c).await),
             #[cfg(feature = "nats")]
-            AnyPublisherConfig::Nats(c) => Self::Nats(NatsPublisher::connect_lazy(c).await?),
-        })
+            AnyPublisherConfig::Nats(c) => Self::Nats(NatsPublisher::connect_lazy(c).await),
+        }
     }
 
     /// The broker this publisher talks to.
@@ -461,10 +455,10 @@ mod tests {
         let config = RabbitConfig::builder("amqp://guest:guest@127.0.0.1:1/%2f")
             .build()
             .expect("valid");
-        let timeout = RabbitPublisher::new(config.clone()).publish_timeout();
-        let publisher = AnyPublisher::connect_lazy(config)
+        let timeout = RabbitPublisher::connect_lazy(config.clone())
             .await
-            .expect("lazy never fails");
+            .publish_timeout();
+        let publisher = AnyPublisher::connect_lazy(config).await;
         assert_eq!(publisher.kind(), TransportKind::Rabbit);
         assert_eq!(publisher.name(), "rabbit");
         assert!(publisher.as_rabbit().is_some());

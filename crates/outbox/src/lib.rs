@@ -28,12 +28,13 @@
 //! outbox = { version = "0.1", default-features = false, features = ["sqlserver", "nats"] }
 //! ```
 //!
-//! Features only add: enabling one never changes what another does. Without the
-//! `inbox` feature, `outbox::inbox` is the core's module of inbox traits; with it, it
-//! is the `inbox` crate (the traits stay at the root: [`InboxStore`],
-//! [`DurableInbox`], …). `opentelemetry` off takes effect only when no backend crate
-//! turns it on again: today every backend and transport depends on the core with its
-//! default features, `opentelemetry` included.
+//! Features only add: enabling one never changes what another does. `outbox::inbox`
+//! always holds the core's inbox traits ([`InboxStore`], [`DurableInbox`], …, also at
+//! the root); the `inbox` feature adds the `inbox` crate's consumer, handler pipeline
+//! and durable processor to the same module. With `opentelemetry` off no trace context
+//! is captured or restored: the backends and transports depend on the core without
+//! that feature, so only the facade's feature (or your own dependency on `outbox-core`
+//! or `inbox` with default features) turns it on.
 //!
 //! **TLS with `sqlserver`:** tiberius brings rustls's aws-lc-rs provider while sqlx,
 //! lapin and async-nats use ring; with both linked, rustls will not choose and the
@@ -182,7 +183,7 @@
 //! // amqp:// or amqps:// is RabbitMQ, nats:// or tls:// is NATS (default settings).
 //! let config = AnyPublisherConfig::from_url("nats://127.0.0.1:4222")?;
 //! // Lazy: the relay starts while the broker is down and reports it unready.
-//! let publisher = Arc::new(AnyPublisher::connect_lazy(config).await?);
+//! let publisher = Arc::new(AnyPublisher::connect_lazy(config).await);
 //! Dispatcher::new(Arc::new(store), Arc::clone(&publisher), DispatcherConfig::new())
 //!     .run(shutdown)
 //!     .await?;
@@ -226,11 +227,26 @@ pub use transport_rabbit as rabbit;
 #[doc(inline)]
 pub use transport_nats as nats;
 
-// Shadows the core's `inbox` module of the glob above (its items are at the root too).
-#[cfg(feature = "inbox")]
-#[cfg_attr(docsrs, doc(cfg(feature = "inbox")))]
-#[doc(inline)]
-pub use ::inbox;
+/// The consumer side. Always: the core's inbox traits and types
+/// ([`InboxStore`](crate::InboxStore) and its capabilities [`DurableInbox`],
+/// [`VersionTracking`], [`ConsumerDeadLetters`], …, also at the root). With the `inbox`
+/// feature, also the `inbox` crate: [`IdempotentConsumer`](inbox::IdempotentConsumer),
+/// [`Handler`](inbox::Handler), [`Pipeline`](inbox::Pipeline), the durable
+/// [`InboxProcessor`](inbox::InboxProcessor) and their metrics. A feature only adds
+/// names here; none changes meaning.
+pub mod inbox {
+    #[doc(inline)]
+    pub use outbox_core::inbox::*;
+
+    #[cfg(feature = "inbox")]
+    #[cfg_attr(docsrs, doc(cfg(feature = "inbox")))]
+    #[doc(inline)]
+    pub use ::inbox::*;
+}
+
+/// A message as received from a broker, decoded from its wire form (both transports
+/// hand these to a [`DeliveryHandler`]).
+pub use outbox_core::wire::IncomingMessage;
 
 #[cfg(any(feature = "rabbit", feature = "nats"))]
 mod any_publisher;

@@ -141,13 +141,13 @@ impl NatsConfigBuilder {
         self
     }
 
-    /// A payload limit, in bytes, below the server's. Default `None`: the server's
+    /// A payload limit, in bytes, below the server's. Default: none, the server's
     /// `max_payload` (from its `INFO`, 1 MiB unless configured) is the only limit. A
     /// message whose payload plus headers exceed the limit is not sent and gets
     /// [`PublishError::PayloadTooLarge`](outbox_core::PublishError::PayloadTooLarge)
     /// (permanent).
-    pub fn with_max_payload_bytes(mut self, max: Option<usize>) -> Self {
-        self.max_payload_bytes = max;
+    pub fn with_max_payload_bytes(mut self, max: usize) -> Self {
+        self.max_payload_bytes = Some(max);
         self
     }
 
@@ -513,10 +513,7 @@ mod tests {
             field(base().with_connect_timeout(Duration::ZERO)),
             "connect_timeout"
         );
-        assert_eq!(
-            field(base().with_max_payload_bytes(Some(0))),
-            "max_payload_bytes"
-        );
+        assert_eq!(field(base().with_max_payload_bytes(0)), "max_payload_bytes");
         assert_eq!(field(base().with_source(Some(String::new()))), "source");
         assert_eq!(field(base().with_source(Some("a\nb".into()))), "source");
         assert_eq!(field(base().with_connection_name("")), "connection_name");

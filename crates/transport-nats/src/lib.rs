@@ -56,9 +56,6 @@ pub mod error;
 pub mod publisher;
 pub mod topology;
 
-/// The stream setup under its earlier name: [`topology`].
-pub use topology as stream;
-
 pub use config::{NatsConfig, NatsConfigBuilder};
 pub use consumer::{NatsConsumer, NatsConsumerBuilder};
 pub use error::{NatsError, redact_url};

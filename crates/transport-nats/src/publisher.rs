@@ -141,13 +141,16 @@ impl NatsPublisher {
 
     /// A publisher that connects in the background and keeps trying until it succeeds:
     /// use it when the relay must start while the server is down. Until the first
-    /// connection, batches report `Unavailable` and `check_ready` fails.
-    ///
-    /// # Errors
-    /// None in practice; the signature leaves room for option validation by the
-    /// client.
-    pub async fn connect_lazy(config: NatsConfig) -> Result<Self, NatsError> {
-        Self::open(config, true).await
+    /// connection, batches report `Unavailable` and `check_ready` fails. The same call
+    /// as `RabbitPublisher::connect_lazy`.
+    pub async fn connect_lazy(config: NatsConfig) -> Self {
+        match Self::open(config, true).await {
+            Ok(publisher) => publisher,
+            // With `retry_on_initial_connect` the client only builds its server pool
+            // here, which fails for an empty list or a mix of WebSocket and plain URLs:
+            // `NatsConfig::build` admits neither (one or more nats:// or tls:// URLs).
+            Err(e) => unreachable!("a lazy connect does not fail with a built config: {e}"),
+        }
     }
 
     async fn open(config: NatsConfig, lazy: bool) -> Result<Self, NatsError> {

@@ -97,8 +97,13 @@ impl RabbitPublisher {
     /// A publisher that connects lazily, on the first
     /// [`publish_batch`](EventPublisher::publish_batch) or
     /// [`check_ready`](EventPublisher::check_ready). Use this when the relay must start
-    /// even while the broker is down.
-    pub fn new(config: RabbitConfig) -> Self {
+    /// even while the broker is down. The same call as `NatsPublisher::connect_lazy`
+    /// (async for that reason; nothing here waits).
+    pub async fn connect_lazy(config: RabbitConfig) -> Self {
+        Self::lazy(config)
+    }
+
+    fn lazy(config: RabbitConfig) -> Self {
         Self {
             config,
             session: Mutex::new(None),
@@ -115,7 +120,7 @@ impl RabbitPublisher {
     /// timeout, [`RabbitError::Channel`] or [`RabbitError::Declare`] when the channels or
     /// the exchange cannot be set up.
     pub async fn connect(config: RabbitConfig) -> Result<Self, RabbitError> {
-        let publisher = Self::new(config);
+        let publisher = Self::lazy(config);
         publisher.session().await?;
         Ok(publisher)
     }
@@ -716,7 +721,7 @@ mod properties {
     }
 
     fn publisher(max: usize, source: Option<String>) -> RabbitPublisher {
-        RabbitPublisher::new(
+        RabbitPublisher::lazy(
             RabbitConfig::builder(DEFAULT_URL)
                 .with_max_payload_bytes(max)
                 .with_source(source)

@@ -219,7 +219,7 @@ impl TransportHarness for Rabbit {
     }
 
     async fn unreachable_publisher(&self) -> RabbitPublisher {
-        RabbitPublisher::new(build(self.unreachable()))
+        RabbitPublisher::connect_lazy(build(self.unreachable())).await
     }
 
     async fn stored(&self) -> u64 {

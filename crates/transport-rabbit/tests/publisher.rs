@@ -214,7 +214,7 @@ async fn passive_exchange_check_and_declare_on_demand() {
         "{error:?}"
     );
 
-    let publisher = RabbitPublisher::new(config);
+    let publisher = RabbitPublisher::connect_lazy(config).await;
     assert!(matches!(
         publisher.check_ready().await,
         Err(PublishError::Unavailable { .. })
