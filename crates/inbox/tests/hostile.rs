@@ -14,6 +14,7 @@
 //!   (the database's hiccups, not the message's fault);
 //! - an aggregate version of `i64::MAX`, which must not silence the aggregate.
 
+use outbox_core::Consumer as _;
 use std::collections::HashSet;
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::{Arc, Mutex};

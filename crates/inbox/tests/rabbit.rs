@@ -3,6 +3,7 @@
 //! a quorum queue's delivery limit, a handler that always panics, a pool much smaller
 //! than the prefetch), none of which may lose a message or spend its deliveries.
 
+use outbox_core::Consumer as _;
 use std::sync::Arc;
 use std::time::Duration;
 

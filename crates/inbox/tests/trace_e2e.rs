@@ -2,6 +2,7 @@
 //! enqueue, travels in the outbox row, is published by the relay as a W3C `traceparent`
 //! header over the real RabbitMQ, and becomes the parent of the consumer's handler span.
 
+use outbox_core::Consumer as _;
 use std::sync::Arc;
 use std::time::Duration;
 

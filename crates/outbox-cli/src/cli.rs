@@ -315,15 +315,8 @@ impl fmt::Debug for RelayArgs {
     }
 }
 
-/// The broker.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum, serde::Deserialize, serde::Serialize)]
-#[serde(rename_all = "lowercase")]
-pub enum TransportKind {
-    /// RabbitMQ (AMQP 0-9-1 with publisher confirms).
-    Rabbit,
-    /// NATS JetStream (PubAck).
-    Nats,
-}
+/// The broker (`--transport rabbit|nats`): the core's one [`TransportKind`].
+pub use outbox_core::TransportKind;
 
 /// Publish order of the relay.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum, serde::Deserialize, serde::Serialize)]

@@ -15,9 +15,10 @@ use chrono::{DateTime, Utc};
 use outbox_core::{DispatcherConfig, RetryPolicies, RetryPolicy};
 use serde::Deserialize;
 
-use crate::cli::{Cli, LogFormat, OrderingMode, RelayArgs, SentRetentionMode, TransportKind};
+use crate::cli::{Cli, LogFormat, OrderingMode, RelayArgs, SentRetentionMode};
 use crate::database::DatabaseKind;
 use crate::error::CliError;
+pub use outbox_core::TransportKind;
 
 /// The default schema of both SQL backends.
 const DEFAULT_SCHEMA: &str = "outbox";
@@ -255,9 +256,29 @@ pub fn redact_broker_url(transport: Option<TransportKind>, url: &str) -> String 
     }
 }
 
-impl TransportKind {
+/// What the binary knows of a [`TransportKind`] beyond the core: its product name,
+/// its cargo feature and whether this build has it.
+pub(crate) trait TransportExt: Sized {
     /// The broker's name in messages.
-    pub fn name(self) -> &'static str {
+    fn product_name(self) -> &'static str;
+    /// The cargo feature of `outbox-cli` that compiles the transport in.
+    fn feature(self) -> &'static str;
+    /// `Ok(self)` when this binary was built with the transport.
+    ///
+    /// # Errors
+    /// [`CliError::FeatureMissing`] naming the feature otherwise.
+    fn require(self) -> Result<Self, CliError>;
+    /// The [`CliError::FeatureMissing`] that names this transport's feature.
+    fn missing(self) -> CliError;
+    /// The environment variable of the broker URL, and the local default URL.
+    fn url_defaults(self) -> (&'static str, &'static str);
+    /// The transport's default connect timeout.
+    fn connect_timeout(self) -> Duration;
+}
+
+impl TransportExt for TransportKind {
+    /// The broker's name in messages.
+    fn product_name(self) -> &'static str {
         match self {
             Self::Rabbit => "RabbitMQ",
             Self::Nats => "NATS JetStream",
@@ -265,7 +286,7 @@ impl TransportKind {
     }
 
     /// The cargo feature of `outbox-cli` that compiles the transport in.
-    pub fn feature(self) -> &'static str {
+    fn feature(self) -> &'static str {
         match self {
             Self::Rabbit => "rabbit",
             Self::Nats => "nats",
@@ -276,7 +297,7 @@ impl TransportKind {
     ///
     /// # Errors
     /// [`CliError::FeatureMissing`] naming the feature otherwise.
-    pub fn require(self) -> Result<Self, CliError> {
+    fn require(self) -> Result<Self, CliError> {
         let compiled = match self {
             Self::Rabbit => cfg!(feature = "rabbit"),
             Self::Nats => cfg!(feature = "nats"),
@@ -289,9 +310,9 @@ impl TransportKind {
     }
 
     /// The [`CliError::FeatureMissing`] that names this backend's feature.
-    pub fn missing(self) -> CliError {
+    fn missing(self) -> CliError {
         CliError::FeatureMissing {
-            backend: self.name(),
+            backend: self.product_name(),
             feature: self.feature(),
         }
     }

@@ -17,6 +17,7 @@ use tracing::{info, warn};
 
 use crate::cli::{OrderingMode, TransportKind};
 use crate::config::RelaySettings;
+use crate::config::TransportExt as _;
 use crate::database::DatabaseKind;
 use crate::error::CliError;
 use crate::health::Health;

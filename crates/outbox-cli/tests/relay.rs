@@ -3,6 +3,7 @@
 
 mod common;
 
+use outbox_core::Consumer as _;
 use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};

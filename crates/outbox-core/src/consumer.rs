@@ -605,3 +605,97 @@ mod tests {
         assert_eq!(defer_delay(200), MAX_DEFER_DELAY);
     }
 }
+
+/// A broker: the transport a publisher or [`Consumer`] talks to.
+///
+/// One type for programs, command lines and configuration files alike: it parses from
+/// and prints as its lower-case name (`"rabbit"`, `"nats"`; serde and [`FromStr`](std::str::FromStr)),
+/// and with the `clap` feature it is a `clap::ValueEnum` (`--transport rabbit`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
+#[cfg_attr(feature = "clap", derive(clap::ValueEnum))]
+#[serde(rename_all = "lowercase")]
+pub enum TransportKind {
+    /// RabbitMQ: AMQP 0-9-1 with publisher confirms (the `transport-rabbit` crate).
+    Rabbit,
+    /// NATS JetStream: PubAck and `Nats-Msg-Id` deduplication (the `transport-nats`
+    /// crate).
+    Nats,
+}
+
+impl TransportKind {
+    /// Every kind, in declaration order.
+    pub const ALL: [Self; 2] = [Self::Rabbit, Self::Nats];
+
+    /// The lower-case name used in settings, logs and metrics labels: `"rabbit"` or
+    /// `"nats"`.
+    pub const fn name(self) -> &'static str {
+        match self {
+            Self::Rabbit => "rabbit",
+            Self::Nats => "nats",
+        }
+    }
+}
+
+impl std::fmt::Display for TransportKind {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// A transport name that is neither `rabbit` nor `nats`.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("unknown transport {0:?}: expected \"rabbit\" or \"nats\"")]
+pub struct UnknownTransport(pub String);
+
+impl std::str::FromStr for TransportKind {
+    type Err = UnknownTransport;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        Self::ALL
+            .into_iter()
+            .find(|kind| kind.name() == s)
+            .ok_or_else(|| UnknownTransport(s.to_owned()))
+    }
+}
+
+/// A broker consumer: hands each delivery to a [`DeliveryHandler`] (or batches to a
+/// [`BatchDeliveryHandler`]) and settles it with the broker as the handler decides,
+/// until a shutdown. Implemented by `RabbitConsumer` (a queue) and `NatsConsumer` (a
+/// JetStream durable pull consumer), and by the facade's `AnyConsumer` over both, so a
+/// program can pick its broker at run time as it does with `AnyPublisher`.
+///
+/// Both methods reconnect with backoff after a lost connection and return `Ok(())`
+/// once `shutdown` is cancelled and the deliveries in hand are settled (a drain); they
+/// return an error only for what retrying cannot fix (bad credentials, a queue or
+/// consumer the broker refuses).
+#[async_trait]
+pub trait Consumer: Send + Sync {
+    /// What stops the consumer.
+    type Error: std::error::Error + Send + Sync + 'static;
+
+    /// The broker.
+    fn kind(&self) -> TransportKind;
+
+    /// Consumes until `shutdown` is cancelled, one delivery at a time per handler call
+    /// (the transport may run several calls at once: RabbitMQ's prefetch, NATS'
+    /// concurrency).
+    ///
+    /// # Errors
+    /// Only errors retrying cannot fix; see the transport.
+    async fn run<H: DeliveryHandler>(
+        &self,
+        handler: H,
+        shutdown: tokio_util::sync::CancellationToken,
+    ) -> Result<(), Self::Error>;
+
+    /// Consumes until `shutdown` is cancelled, handing deliveries to `handler` in
+    /// batches (size, linger and batches in flight as the consumer was built).
+    ///
+    /// # Errors
+    /// As [`run`](Self::run).
+    async fn run_batched<H: BatchDeliveryHandler>(
+        &self,
+        handler: H,
+        shutdown: tokio_util::sync::CancellationToken,
+    ) -> Result<(), Self::Error>;
+}

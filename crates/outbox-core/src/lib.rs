@@ -77,7 +77,10 @@ pub use admin::{
     GroupStats, InboxDeadFilter, InboxDeadKind, InboxDeadLetter, InboxReplayMode,
     InboxReplayReport, OutboxAdmin, ReconcileRow,
 };
-pub use consumer::{BatchDeliveryHandler, DeliveryHandler, HandlerDecision};
+pub use consumer::{
+    BatchDeliveryHandler, Consumer, DeliveryHandler, HandlerDecision, TransportKind,
+    UnknownTransport,
+};
 pub use dispatcher::{BatchReport, Dispatcher, DispatcherConfig, DispatcherStats, WakeHandle};
 pub use domain::{DomainEvents, EventSource};
 pub use error::{BoxError, ErrorKind, InvalidMessage, OutboxError, PublishError};

@@ -2,55 +2,21 @@
 //! for programs that choose the broker at run time (the `outbox` relay binary, the
 //! orders example).
 
-use std::fmt;
 use std::time::Duration;
 
 use async_trait::async_trait;
-use outbox_core::{ErrorKind, EventPublisher, OutboxMessage, PublishError, PublishOutcome};
+use outbox_core::{
+    ErrorKind, EventPublisher, OutboxMessage, PublishError, PublishOutcome, TransportKind,
+};
 #[cfg(feature = "nats")]
 use transport_nats::{NatsConfig, NatsError, NatsPublisher};
 #[cfg(feature = "rabbit")]
 use transport_rabbit::{RabbitConfig, RabbitError, RabbitPublisher};
 
 /// URL schemes of RabbitMQ (AMQP 0-9-1, plain and TLS).
-const RABBIT_SCHEMES: [&str; 2] = ["amqp", "amqps"];
+pub(crate) const RABBIT_SCHEMES: [&str; 2] = ["amqp", "amqps"];
 /// URL schemes of NATS (plain and TLS; async-nats is built without WebSocket support).
-const NATS_SCHEMES: [&str; 2] = ["nats", "tls"];
-
-/// A broker this crate was built with: one variant per enabled transport feature.
-///
-/// `#[non_exhaustive]` because features add variants: a match written where only
-/// `rabbit` is enabled must still compile when another crate of the build enables
-/// `nats`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-#[non_exhaustive]
-pub enum TransportKind {
-    /// RabbitMQ (feature `rabbit`).
-    #[cfg(feature = "rabbit")]
-    Rabbit,
-    /// NATS JetStream (feature `nats`).
-    #[cfg(feature = "nats")]
-    Nats,
-}
-
-impl TransportKind {
-    /// The lower-case name used in settings, logs and metrics labels: `"rabbit"` or
-    /// `"nats"` (the feature's name).
-    pub const fn name(self) -> &'static str {
-        match self {
-            #[cfg(feature = "rabbit")]
-            Self::Rabbit => "rabbit",
-            #[cfg(feature = "nats")]
-            Self::Nats => "nats",
-        }
-    }
-}
-
-impl fmt::Display for TransportKind {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(self.name())
-    }
-}
+pub(crate) const NATS_SCHEMES: [&str; 2] = ["nats", "tls"];
 
 /// The configuration of an [`AnyPublisher`]: one transport's own configuration.
 ///
@@ -143,7 +109,7 @@ fn nats_from_url(url: &str) -> Result<AnyPublisherConfig, AnyPublisherError> {
 
 /// A URL of no known transport, redacted the strictest way (a lone user info is taken
 /// for a token and hidden).
-fn redact_unknown(url: &str) -> String {
+pub(crate) fn redact_unknown(url: &str) -> String {
     outbox_core::error::redact_url(url, outbox_core::error::LoneUserInfo::Token)
 }
 

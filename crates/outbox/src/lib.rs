@@ -253,4 +253,11 @@ mod any_publisher;
 
 #[cfg(any(feature = "rabbit", feature = "nats"))]
 #[cfg_attr(docsrs, doc(cfg(any(feature = "rabbit", feature = "nats"))))]
-pub use any_publisher::{AnyPublisher, AnyPublisherConfig, AnyPublisherError, TransportKind};
+pub use any_publisher::{AnyPublisher, AnyPublisherConfig, AnyPublisherError};
+
+#[cfg(any(feature = "rabbit", feature = "nats"))]
+mod any_consumer;
+
+#[cfg(any(feature = "rabbit", feature = "nats"))]
+#[cfg_attr(docsrs, doc(cfg(any(feature = "rabbit", feature = "nats"))))]
+pub use any_consumer::{AnyConsumer, AnyConsumerError};

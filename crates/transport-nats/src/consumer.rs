@@ -94,13 +94,14 @@ use std::time::Duration;
 use async_nats::jetstream::consumer::pull::MessagesErrorKind;
 use async_nats::jetstream::consumer::{self, AckPolicy, DeliverPolicy};
 use async_nats::jetstream::{self, AckKind, ErrorCode};
+use async_trait::async_trait;
 use futures::StreamExt;
 use futures::stream::FuturesUnordered;
 use outbox_core::consumer::{
     BatchDeliveryHandler, DeliveryHandler, HandlerDecision, handle_until_decided, until_decided,
 };
 use outbox_core::wire::{Binding, IncomingMessage, UndecodableMessage};
-use outbox_core::{ErrorKind, Headers};
+use outbox_core::{Consumer, ErrorKind, Headers, TransportKind};
 use tokio::time::timeout;
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, error, info, warn};
@@ -453,6 +454,58 @@ struct Answering {
     nak_delays: Vec<Duration>,
 }
 
+#[async_trait]
+impl Consumer for NatsConsumer {
+    type Error = NatsError;
+
+    fn kind(&self) -> TransportKind {
+        TransportKind::Nats
+    }
+
+    /// Consumes until `shutdown` is cancelled, reconnecting and setting the consumer up
+    /// again with backoff after failures.
+    ///
+    /// # Errors
+    /// Only errors retrying cannot fix: an authorization violation at connect time, a
+    /// consumer configuration the server refuses (e.g. a filter subject outside the
+    /// stream's subjects). Returns `Ok(())` after a graceful shutdown.
+    async fn run<H: DeliveryHandler>(
+        &self,
+        handler: H,
+        shutdown: CancellationToken,
+    ) -> Result<(), Self::Error> {
+        let answering = Answering {
+            nak_delays: self.nak_delays.clone(),
+        };
+        self.keep_consuming(&shutdown, |js| {
+            self.consume_once(js, &handler, &answering, &shutdown)
+        })
+        .await
+    }
+
+    /// Consumes until `shutdown` is cancelled like [`run`](Self::run), but hands the
+    /// messages to `handler` in batches (see the [module docs](self#batched-mode)): up
+    /// to [`batch_size`](NatsConsumerBuilder::with_batch_size) messages, taken as they
+    /// come and for at most the [linger](NatsConsumerBuilder::with_batch_linger) after
+    /// the first, with up to
+    /// [`batches_in_flight`](NatsConsumerBuilder::with_batches_in_flight) batches
+    /// handled at once; each message is answered as soon as the handler has decided
+    /// it (the acks of a batch are pipelined, not awaited one by one).
+    ///
+    /// # Errors
+    /// As [`run`](Self::run).
+    async fn run_batched<H: BatchDeliveryHandler>(
+        &self,
+        handler: H,
+        shutdown: CancellationToken,
+    ) -> Result<(), Self::Error> {
+        self.keep_consuming(&shutdown, |js| {
+            crate::batch::consume_batched_once(self, js, &handler, &shutdown)
+        })
+        .await
+    }
+}
+
 impl NatsConsumer {
     /// Starts a [`NatsConsumerBuilder`] for the durable consumer `durable` of `stream`.
     pub fn builder(
@@ -529,49 +582,6 @@ impl NatsConsumer {
         let result = self.setup(&js).await.map(drop);
         let _ = timeout(self.config.connect_timeout(), client.drain()).await;
         result
-    }
-
-    /// Consumes until `shutdown` is cancelled, reconnecting and setting the consumer up
-    /// again with backoff after failures.
-    ///
-    /// # Errors
-    /// Only errors retrying cannot fix: an authorization violation at connect time, a
-    /// consumer configuration the server refuses (e.g. a filter subject outside the
-    /// stream's subjects). Returns `Ok(())` after a graceful shutdown.
-    pub async fn run<H: DeliveryHandler>(
-        &self,
-        handler: H,
-        shutdown: CancellationToken,
-    ) -> Result<(), NatsError> {
-        let answering = Answering {
-            nak_delays: self.nak_delays.clone(),
-        };
-        self.keep_consuming(&shutdown, |js| {
-            self.consume_once(js, &handler, &answering, &shutdown)
-        })
-        .await
-    }
-
-    /// Consumes until `shutdown` is cancelled like [`run`](Self::run), but hands the
-    /// messages to `handler` in batches (see the [module docs](self#batched-mode)): up
-    /// to [`batch_size`](NatsConsumerBuilder::with_batch_size) messages, taken as they
-    /// come and for at most the [linger](NatsConsumerBuilder::with_batch_linger) after
-    /// the first, with up to
-    /// [`batches_in_flight`](NatsConsumerBuilder::with_batches_in_flight) batches
-    /// handled at once; each message is answered as soon as the handler has decided
-    /// it (the acks of a batch are pipelined, not awaited one by one).
-    ///
-    /// # Errors
-    /// As [`run`](Self::run).
-    pub async fn run_batched<H: BatchDeliveryHandler>(
-        &self,
-        handler: H,
-        shutdown: CancellationToken,
-    ) -> Result<(), NatsError> {
-        self.keep_consuming(&shutdown, |js| {
-            crate::batch::consume_batched_once(self, js, &handler, &shutdown)
-        })
-        .await
     }
 
     /// Connects (with backoff), then runs `once` (one pull subscription's worth of

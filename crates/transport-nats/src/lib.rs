@@ -59,7 +59,9 @@ pub mod topology;
 pub use config::{NatsConfig, NatsConfigBuilder};
 pub use consumer::{NatsConsumer, NatsConsumerBuilder};
 pub use error::{NatsError, redact_url};
-pub use outbox_core::consumer::{BatchDeliveryHandler, DeliveryHandler, HandlerDecision};
+pub use outbox_core::consumer::{
+    BatchDeliveryHandler, Consumer, DeliveryHandler, HandlerDecision, TransportKind,
+};
 pub use publisher::NatsPublisher;
 pub use topology::{Storage, StreamInfo, StreamRetention, StreamSetup};
 

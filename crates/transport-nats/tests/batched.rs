@@ -7,6 +7,7 @@
 
 mod common;
 
+use outbox_core::Consumer as _;
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;

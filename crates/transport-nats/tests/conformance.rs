@@ -5,6 +5,7 @@
 
 mod common;
 
+use outbox_core::Consumer as _;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 

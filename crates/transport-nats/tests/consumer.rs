@@ -6,6 +6,7 @@
 
 mod common;
 
+use outbox_core::Consumer as _;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 

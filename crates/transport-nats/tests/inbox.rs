@@ -10,6 +10,7 @@
 
 mod common;
 
+use outbox_core::Consumer as _;
 use std::sync::Arc;
 use std::time::Duration;
 

@@ -11,6 +11,7 @@
 
 mod common;
 
+use outbox_core::Consumer as _;
 use std::collections::HashSet;
 use std::process::Command;
 use std::sync::{Arc, Mutex};

@@ -72,6 +72,7 @@
 
 use std::time::Duration;
 
+use async_trait::async_trait;
 use futures::StreamExt;
 use futures::stream::FuturesUnordered;
 use lapin::message::Delivery;
@@ -82,7 +83,7 @@ use outbox_core::consumer::{
     BatchDeliveryHandler, DeliveryHandler, HandlerDecision, handle_until_decided, until_decided,
 };
 use outbox_core::wire::{Binding, IncomingMessage, UndecodableMessage};
-use outbox_core::{ErrorKind, Headers};
+use outbox_core::{Consumer, ErrorKind, Headers, TransportKind};
 use tokio::time::timeout;
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, error, info, warn};
@@ -404,6 +405,54 @@ pub struct RabbitConsumer {
     pub(crate) batches_in_flight: usize,
 }
 
+#[async_trait]
+impl Consumer for RabbitConsumer {
+    type Error = RabbitError;
+
+    fn kind(&self) -> TransportKind {
+        TransportKind::Rabbit
+    }
+
+    /// Consumes until `shutdown` is cancelled, reconnecting with backoff after a lost
+    /// connection.
+    ///
+    /// # Errors
+    /// Only errors retrying cannot fix, at any (re)connection: bad credentials or
+    /// permissions (`403 ACCESS_REFUSED`), an unknown virtual host, a queue or exchange
+    /// declared with other arguments (`406 PRECONDITION_FAILED`). Returns `Ok(())` after
+    /// a graceful shutdown.
+    async fn run<H: DeliveryHandler>(
+        &self,
+        handler: H,
+        shutdown: CancellationToken,
+    ) -> Result<(), Self::Error> {
+        self.keep_consuming(&shutdown, || self.consume_once(&handler, &shutdown))
+            .await
+    }
+
+    /// Consumes until `shutdown` is cancelled like [`run`](Self::run), but hands the
+    /// deliveries to `handler` in batches (see the [module docs](self#batched-mode)):
+    /// up to [`batch_size`](RabbitConsumerBuilder::with_batch_size) deliveries, taken
+    /// as they come and for at most the
+    /// [linger](RabbitConsumerBuilder::with_batch_linger) after the first, with up to
+    /// [`batches_in_flight`](RabbitConsumerBuilder::with_batches_in_flight) batches
+    /// handled at once; a batch whose decisions are all `Ack` is acknowledged with one
+    /// `basic.ack` (`multiple = true`) when that acknowledges nothing else.
+    ///
+    /// # Errors
+    /// As [`run`](Self::run).
+    async fn run_batched<H: BatchDeliveryHandler>(
+        &self,
+        handler: H,
+        shutdown: CancellationToken,
+    ) -> Result<(), Self::Error> {
+        self.keep_consuming(&shutdown, || {
+            crate::batch::consume_batched_once(self, &handler, &shutdown)
+        })
+        .await
+    }
+}
+
 impl RabbitConsumer {
     /// Starts a [`RabbitConsumerBuilder`] for `queue`.
     pub fn builder(config: RabbitConfig, queue: impl Into<String>) -> RabbitConsumerBuilder {
@@ -423,45 +472,6 @@ impl RabbitConsumer {
     /// The largest batch of [`run_batched`](Self::run_batched).
     pub fn batch_size(&self) -> u16 {
         self.batch_size
-    }
-
-    /// Consumes until `shutdown` is cancelled, reconnecting with backoff after a lost
-    /// connection.
-    ///
-    /// # Errors
-    /// Only errors retrying cannot fix, at any (re)connection: bad credentials or
-    /// permissions (`403 ACCESS_REFUSED`), an unknown virtual host, a queue or exchange
-    /// declared with other arguments (`406 PRECONDITION_FAILED`). Returns `Ok(())` after
-    /// a graceful shutdown.
-    pub async fn run<H: DeliveryHandler>(
-        &self,
-        handler: H,
-        shutdown: CancellationToken,
-    ) -> Result<(), RabbitError> {
-        self.keep_consuming(&shutdown, || self.consume_once(&handler, &shutdown))
-            .await
-    }
-
-    /// Consumes until `shutdown` is cancelled like [`run`](Self::run), but hands the
-    /// deliveries to `handler` in batches (see the [module docs](self#batched-mode)):
-    /// up to [`batch_size`](RabbitConsumerBuilder::with_batch_size) deliveries, taken
-    /// as they come and for at most the
-    /// [linger](RabbitConsumerBuilder::with_batch_linger) after the first, with up to
-    /// [`batches_in_flight`](RabbitConsumerBuilder::with_batches_in_flight) batches
-    /// handled at once; a batch whose decisions are all `Ack` is acknowledged with one
-    /// `basic.ack` (`multiple = true`) when that acknowledges nothing else.
-    ///
-    /// # Errors
-    /// As [`run`](Self::run).
-    pub async fn run_batched<H: BatchDeliveryHandler>(
-        &self,
-        handler: H,
-        shutdown: CancellationToken,
-    ) -> Result<(), RabbitError> {
-        self.keep_consuming(&shutdown, || {
-            crate::batch::consume_batched_once(self, &handler, &shutdown)
-        })
-        .await
     }
 
     /// Runs `once` (one connection's worth of consuming, which says whether it got as

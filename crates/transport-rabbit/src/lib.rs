@@ -52,7 +52,9 @@ mod topology;
 pub use config::{RabbitConfig, RabbitConfigBuilder};
 pub use consumer::{RabbitConsumer, RabbitConsumerBuilder};
 pub use error::{RabbitError, redact_url};
-pub use outbox_core::consumer::{BatchDeliveryHandler, DeliveryHandler, HandlerDecision};
+pub use outbox_core::consumer::{
+    BatchDeliveryHandler, Consumer, DeliveryHandler, HandlerDecision, TransportKind,
+};
 pub use publisher::RabbitPublisher;
 
 /// The AMQP client this crate is built on, for its types (e.g.

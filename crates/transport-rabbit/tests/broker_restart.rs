@@ -4,6 +4,7 @@
 
 mod common;
 
+use outbox_core::Consumer as _;
 use std::time::Duration;
 
 use lapin::types::FieldTable;

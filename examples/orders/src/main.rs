@@ -27,6 +27,7 @@ mod projection;
 mod telemetry;
 mod transport;
 
+use outbox::Consumer as _;
 use projection::{CONSUMER, ConsumerCounters, Projector};
 
 use std::sync::Arc;
@@ -64,8 +65,8 @@ struct Args {
     #[arg(long, default_value = "orders_demo")]
     schema: String,
     /// The broker: RabbitMQ or NATS JetStream.
-    #[arg(long, value_enum, default_value_t = transport::Transport::Rabbit)]
-    transport: transport::Transport,
+    #[arg(long, value_enum, default_value_t = transport::TransportKind::Rabbit)]
+    transport: transport::TransportKind,
     /// Seconds to wait for every order to be projected.
     #[arg(long, default_value_t = 120)]
     timeout_secs: u64,

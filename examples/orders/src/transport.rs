@@ -1,8 +1,9 @@
-//! Transport selection for the demo: RabbitMQ (default) or NATS JetStream. Everything
+//! TransportKind selection for the demo: RabbitMQ (default) or NATS JetStream. Everything
 //! transport-specific lives here (connection, topology, publisher and consumer
 //! construction); the producers, the relay, the projection handler and the
 //! reconciliation are the same for both.
 
+pub(crate) use outbox_core::TransportKind;
 use std::time::Duration;
 
 use anyhow::Context as _;
@@ -10,22 +11,13 @@ use outbox::AnyPublisher;
 use transport_nats::{NatsConfig, NatsConsumer, NatsPublisher, StreamSetup, async_nats};
 use transport_rabbit::{RabbitConfig, RabbitConsumer, RabbitPublisher};
 
-use orders_example::common::{self, Consumer};
-
-/// The broker the demo runs over.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
-pub(crate) enum Transport {
-    /// RabbitMQ: durable topic exchange, publisher confirms, a durable queue.
-    Rabbit,
-    /// NATS JetStream: a file-storage stream with a duplicate window, a durable pull
-    /// consumer.
-    Nats,
-}
+use orders_example::common;
+use outbox::AnyConsumer;
 
 /// Publisher, consumer, and what the reconciliation needs to know about the broker.
 pub(crate) struct Wiring {
     pub(crate) publisher: AnyPublisher,
-    pub(crate) consumer: Consumer,
+    pub(crate) consumer: AnyConsumer,
     pub(crate) broker: Broker,
 }
 
@@ -62,10 +54,10 @@ impl Broker {
 /// `schema`) and builds the publisher and the projection's consumer. The consumer's
 /// queue or durable consumer exists when this returns, so nothing published afterwards
 /// is missed.
-pub(crate) async fn wire(transport: Transport, schema: &str) -> anyhow::Result<Wiring> {
+pub(crate) async fn wire(transport: TransportKind, schema: &str) -> anyhow::Result<Wiring> {
     match transport {
-        Transport::Rabbit => wire_rabbit(schema).await,
-        Transport::Nats => wire_nats(schema).await,
+        TransportKind::Rabbit => wire_rabbit(schema).await,
+        TransportKind::Nats => wire_nats(schema).await,
     }
 }
 
@@ -100,7 +92,7 @@ async fn wire_rabbit(schema: &str) -> anyhow::Result<Wiring> {
     consumer.declare().await?;
     Ok(Wiring {
         publisher: publisher.into(),
-        consumer: Consumer::Rabbit(consumer),
+        consumer: consumer.into(),
         broker: Broker { stream: None },
     })
 }
@@ -144,7 +136,7 @@ async fn wire_nats(schema: &str) -> anyhow::Result<Wiring> {
     consumer.declare().await?;
     Ok(Wiring {
         publisher: publisher.into(),
-        consumer: Consumer::Nats(consumer),
+        consumer: consumer.into(),
         broker: Broker {
             stream: Some((js, stream)),
         },

@@ -15,7 +15,7 @@ use transport_nats::async_nats;
 use transport_nats::async_nats::jetstream;
 
 use super::ceilings::{nats_ceiling, rabbit_ceiling};
-use super::{Args, Transport};
+use super::{Args, TransportKind};
 use crate::common;
 
 /// The broker side of the benchmark: where the ceiling and the relay publish, and how
@@ -89,9 +89,9 @@ pub(super) async fn declare_bound_queue(
 }
 
 impl Broker {
-    pub(super) async fn setup(transport: Transport, tag: &str) -> anyhow::Result<Self> {
+    pub(super) async fn setup(transport: TransportKind, tag: &str) -> anyhow::Result<Self> {
         match transport {
-            Transport::Rabbit => {
+            TransportKind::Rabbit => {
                 let exchange = format!("bench.{tag}");
                 let queue = format!("bench.{tag}.sink");
                 let (admin, channel) = rabbit_admin_with_exchange(&exchange).await?;
@@ -103,7 +103,7 @@ impl Broker {
                     channel,
                 })
             }
-            Transport::Nats => {
+            TransportKind::Nats => {
                 let client = async_nats::connect(common::nats_url()).await.context(
                     "connect to NATS (is it running with JetStream? `cargo xtask services`)",
                 )?;

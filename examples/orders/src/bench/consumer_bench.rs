@@ -34,6 +34,7 @@
 //! proxy's own CPU is in this process's figure and it adds one local hop to each round
 //! trip (the same for every database phase).
 
+use outbox_core::Consumer as _;
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
@@ -62,7 +63,7 @@ use transport_nats::{NatsConfig, NatsConfigBuilder, NatsConsumer, NatsPublisher,
 use transport_rabbit::{RabbitConfig, RabbitConsumer, RabbitPublisher};
 use uuid::Uuid;
 
-use super::{Args, Transport, common, drop_schema, fresh_outbox, payload, quiesce, rate};
+use super::{Args, TransportKind, common, drop_schema, fresh_outbox, payload, quiesce, rate};
 
 /// The inbox consumer name of the projection handler.
 const CONSUMER: &str = "projection";
@@ -161,11 +162,11 @@ async fn run_rounds(args: &Args, bus: &Bus) -> anyhow::Result<()> {
     let body = payload(args.payload_bytes);
     let rounds = args.rounds.max(1);
     let (prefetch, batching) = match args.transport {
-        Transport::Rabbit => (
+        TransportKind::Rabbit => (
             "prefetch 100",
             "batch = prefetch (100), linger 3 ms, 2 batches in flight",
         ),
-        Transport::Nats => (
+        TransportKind::Nats => (
             "concurrency (max_ack_pending) 100",
             "batch = concurrency (100), linger 3 ms, 2 batches in flight",
         ),
@@ -787,9 +788,9 @@ enum Bus {
 }
 
 impl Bus {
-    async fn setup(transport: Transport, tag: &str) -> anyhow::Result<Self> {
+    async fn setup(transport: TransportKind, tag: &str) -> anyhow::Result<Self> {
         match transport {
-            Transport::Rabbit => {
+            TransportKind::Rabbit => {
                 let exchange = format!("bench.consumer.{tag}");
                 let (admin, channel) = super::rabbit_admin_with_exchange(&exchange).await?;
                 let config = RabbitConfig::builder(common::amqp_url())
@@ -805,7 +806,7 @@ impl Bus {
                     channel,
                 })
             }
-            Transport::Nats => {
+            TransportKind::Nats => {
                 let client = async_nats::connect(common::nats_url()).await.context(
                     "connect to NATS (is it running with JetStream? `cargo xtask services`)",
                 )?;

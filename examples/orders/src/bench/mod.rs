@@ -47,6 +47,7 @@ mod relay_latency_bench;
 mod report;
 mod soak;
 
+pub(crate) use outbox_core::TransportKind;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -67,22 +68,13 @@ use phases::{
 };
 use report::{Round, rate};
 
-/// The broker the relay publishes to.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
-enum Transport {
-    /// RabbitMQ (lapin): publisher confirms.
-    Rabbit,
-    /// NATS JetStream (async-nats): PubAcks, `Nats-Msg-Id` deduplication.
-    Nats,
-}
-
 /// Relay benchmark: PostgreSQL → RabbitMQ or NATS JetStream, with both ceilings measured
 /// in the same run.
 #[derive(Debug, Parser)]
 pub struct Args {
     /// The broker.
-    #[arg(long, value_enum, default_value_t = Transport::Rabbit)]
-    transport: Transport,
+    #[arg(long, value_enum, default_value_t = TransportKind::Rabbit)]
+    transport: TransportKind,
     /// Messages per phase.
     #[arg(long, default_value_t = 20_000)]
     messages: usize,

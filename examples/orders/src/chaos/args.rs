@@ -5,7 +5,7 @@ use std::time::Duration;
 
 use clap::Parser;
 
-use super::topology::{ConsumerMode, Transport};
+use super::topology::{ConsumerMode, TransportKind};
 
 /// The durable inbox or the idempotent consumer.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
@@ -25,8 +25,8 @@ pub(crate) enum InboxArg {
 #[command(name = "chaos")]
 pub struct Args {
     /// The broker.
-    #[arg(long, value_enum, default_value_t = Transport::Rabbit)]
-    pub(crate) transport: Transport,
+    #[arg(long, value_enum, default_value_t = TransportKind::Rabbit)]
+    pub(crate) transport: TransportKind,
     /// Length of the fault phase (producers write, faults are injected), e.g. 90s, 15m.
     #[arg(long, default_value = "120s", value_parser = humantime::parse_duration)]
     pub(crate) duration: Duration,

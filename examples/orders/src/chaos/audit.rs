@@ -16,7 +16,7 @@ use transport_nats::async_nats;
 use transport_nats::async_nats::jetstream;
 use uuid::Uuid;
 
-use super::topology::{Names, Transport};
+use super::topology::{Names, TransportKind};
 use crate::common;
 
 /// Copies of each message id the broker holds.
@@ -24,12 +24,12 @@ pub(crate) type Copies = HashMap<Uuid, u32>;
 
 /// What the broker holds, by message id, and how many copies had no usable id.
 pub(crate) async fn broker_copies(
-    transport: Transport,
+    transport: TransportKind,
     names: &Names,
 ) -> anyhow::Result<(Copies, u64)> {
     match transport {
-        Transport::Rabbit => rabbit(names).await,
-        Transport::Nats => nats(names).await,
+        TransportKind::Rabbit => rabbit(names).await,
+        TransportKind::Nats => nats(names).await,
     }
 }
 

@@ -37,17 +37,18 @@
 //! outage. The harness kills this process with `SIGKILL` at random moments; `SIGTERM`
 //! or `SIGINT` stop it gracefully.
 
+use outbox_core::Consumer as _;
 use std::sync::Arc;
 use std::time::Duration;
 
-use super::topology::{self, CONSUMER, ConsumerMode, EVENT_TYPE, Names, Transport};
-use crate::common::Consumer;
+use super::topology::{self, CONSUMER, ConsumerMode, EVENT_TYPE, Names, TransportKind};
 use anyhow::Context as _;
 use async_trait::async_trait;
 use inbox::{
     DurableReceiver, Handler, HandlerContext, HandlerError, IdempotentConsumer, InboxProcessor,
     Pipeline, ProcessorConfig,
 };
+use outbox::AnyConsumer;
 use outbox_core::RetryPolicy;
 use outbox_core::consumer::{BatchDeliveryHandler, DeliveryHandler, HandlerDecision};
 use outbox_core::wire::{IncomingMessage, UndecodableMessage};
@@ -62,7 +63,7 @@ use tokio_util::sync::CancellationToken;
 pub struct Args {
     /// The broker.
     #[arg(long, value_enum)]
-    transport: Transport,
+    transport: TransportKind,
     /// The run's schema (names of the tables, queues and stream derive from it).
     #[arg(long)]
     schema: String,
@@ -284,8 +285,8 @@ pub async fn main(args: Args) -> anyhow::Result<()> {
         &PgConfig::default().with_schema(&args.schema),
     )?);
     let consumer = match args.transport {
-        Transport::Rabbit => Consumer::Rabbit(topology::rabbit_consumer(&names)?),
-        Transport::Nats => Consumer::Nats(topology::nats_consumer(
+        TransportKind::Rabbit => AnyConsumer::Rabbit(topology::rabbit_consumer(&names)?),
+        TransportKind::Nats => AnyConsumer::Nats(topology::nats_consumer(
             &names,
             &consumer_name,
             args.batched,
@@ -332,12 +333,13 @@ pub async fn main(args: Args) -> anyhow::Result<()> {
                         record_batch(handler as Arc<dyn BatchDeliveryHandler>),
                         shutdown,
                     )
-                    .await
+                    .await?;
             } else {
                 consumer
                     .run(record(handler as Arc<dyn DeliveryHandler>), shutdown)
-                    .await
+                    .await?;
             }
+            Ok(())
         }
         ConsumerMode::Durable => {
             let processor = InboxProcessor::new(
@@ -385,7 +387,7 @@ pub async fn main(args: Args) -> anyhow::Result<()> {
                 .await
                 .context("the inbox processor panicked")?
                 .context("inbox processor")?;
-            receiving
+            Ok(receiving?)
         }
         ConsumerMode::Direct => {
             let handler = Direct {
@@ -397,7 +399,8 @@ pub async fn main(args: Args) -> anyhow::Result<()> {
                     record(Arc::new(handler) as Arc<dyn DeliveryHandler>),
                     shutdown,
                 )
-                .await
+                .await?;
+            Ok(())
         }
     }
 }

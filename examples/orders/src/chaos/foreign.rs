@@ -29,7 +29,7 @@ use uuid::Uuid;
 
 use super::schedule::{FaultKind, Planned};
 use super::timeline::Timeline;
-use super::topology::{self, EVENT_TYPE, Names, Transport};
+use super::topology::{self, EVENT_TYPE, Names, TransportKind};
 use crate::common;
 
 /// What must become of a foreign message.
@@ -228,13 +228,13 @@ const PUBLISH_TIMEOUT: Duration = Duration::from_secs(10);
 const GIVE_UP_AFTER: Duration = Duration::from_secs(60);
 
 impl Publisher {
-    fn new(transport: Transport, names: &Names) -> anyhow::Result<Self> {
+    fn new(transport: TransportKind, names: &Names) -> anyhow::Result<Self> {
         Ok(match transport {
-            Transport::Rabbit => Self::Rabbit {
+            TransportKind::Rabbit => Self::Rabbit {
                 exchange: names.exchange.clone(),
                 channel: None,
             },
-            Transport::Nats => Self::Nats {
+            TransportKind::Nats => Self::Nats {
                 subject: topology::nats_config(names, "chaos-foreign")?.subject_for(EVENT_TYPE),
                 context: None,
             },
@@ -348,7 +348,7 @@ impl Publisher {
 /// task of its own: the other lanes' blocking fault commands (`rabbitmqctl` can take
 /// seconds) do not hold it up.
 pub(crate) async fn lane(
-    transport: Transport,
+    transport: TransportKind,
     names: Names,
     plan: Vec<Planned>,
     phase_start: Instant,

@@ -28,7 +28,7 @@ use transport_nats::async_nats;
 
 use super::schedule::{FaultKind, Planned};
 use super::timeline::Timeline;
-use super::topology::{self, CONSUMER_APP, HARNESS_APP, Names, RELAY_APP, Transport};
+use super::topology::{self, CONSUMER_APP, HARNESS_APP, Names, RELAY_APP, TransportKind};
 
 /// A fault in force; dropping it undoes the fault.
 type Guard = Box<dyn Send>;
@@ -43,18 +43,22 @@ fn boxed<G: Send + 'static>(guard: G) -> Guard {
     Box::new(guard)
 }
 
-fn inject(kind: FaultKind, transport: Transport, names: &Names) -> Result<Guard, FaultUnavailable> {
+fn inject(
+    kind: FaultKind,
+    transport: TransportKind,
+    names: &Names,
+) -> Result<Guard, FaultUnavailable> {
     match (kind, transport) {
-        (FaultKind::BrokerFreeze, Transport::Rabbit) => RabbitFrozen::try_freeze().map(boxed),
-        (FaultKind::BrokerFreeze, Transport::Nats) => NatsFrozen::try_freeze().map(boxed),
-        (FaultKind::BrokerRestart, Transport::Rabbit) => RabbitStopped::try_stop().map(boxed),
-        (FaultKind::BrokerRestart, Transport::Nats) => NatsStopped::try_stop().map(boxed),
+        (FaultKind::BrokerFreeze, TransportKind::Rabbit) => RabbitFrozen::try_freeze().map(boxed),
+        (FaultKind::BrokerFreeze, TransportKind::Nats) => NatsFrozen::try_freeze().map(boxed),
+        (FaultKind::BrokerRestart, TransportKind::Rabbit) => RabbitStopped::try_stop().map(boxed),
+        (FaultKind::BrokerRestart, TransportKind::Nats) => NatsStopped::try_stop().map(boxed),
         (FaultKind::MemoryAlarm, _) => RabbitMemoryAlarm::try_raise().map(boxed),
         (FaultKind::QueueFull, _) => RabbitQueueFull::try_set(&names.overflow_queue).map(boxed),
-        (FaultKind::DestinationFull, Transport::Rabbit) => {
+        (FaultKind::DestinationFull, TransportKind::Rabbit) => {
             RabbitQueueFull::try_set(&names.side_queue).map(boxed)
         }
-        (FaultKind::DestinationFull, Transport::Nats) => {
+        (FaultKind::DestinationFull, TransportKind::Nats) => {
             NatsStreamFull::try_fill(&names.side_stream).map(boxed)
         }
         (FaultKind::PgRestart, _) => PgStopped::try_stop().map(boxed),
@@ -67,7 +71,7 @@ fn inject(kind: FaultKind, transport: Transport, names: &Names) -> Result<Guard,
 
 /// Everything a lane needs.
 pub(crate) struct Lane<'a> {
-    pub(crate) transport: Transport,
+    pub(crate) transport: TransportKind,
     pub(crate) names: &'a Names,
     /// The harness's pool (for `pg_terminate_backend`).
     pub(crate) admin: &'a PgPool,

@@ -64,15 +64,15 @@ pub use harness::main;
 use schedule::{FaultKind, Schedule, Settings};
 use supervisor::{Role, Supervisor};
 use timeline::Timeline;
-use topology::{ConsumerMode, HARNESS_APP, Names, RELAY_APP, Transport, database_url_as};
+use topology::{ConsumerMode, HARNESS_APP, Names, RELAY_APP, TransportKind, database_url_as};
 
 /// The shortest consumers' database outage of a run (it lasts up to 5 s more): over NATS
 /// 5 s longer than the consumers' `ack_wait`; over RabbitMQ, whose limit on a held
 /// delivery (`consumer_timeout`, 30 minutes) no run reaches, 15 s.
-fn consumer_outage(transport: Transport, batched: bool) -> Duration {
+fn consumer_outage(transport: TransportKind, batched: bool) -> Duration {
     match transport {
-        Transport::Nats => topology::nats_ack_wait(batched) + Duration::from_secs(5),
-        Transport::Rabbit => Duration::from_secs(15),
+        TransportKind::Nats => topology::nats_ack_wait(batched) + Duration::from_secs(5),
+        TransportKind::Rabbit => Duration::from_secs(15),
     }
 }
 
@@ -124,10 +124,10 @@ fn relay_command(bins: &Binaries, args: &Args, names: &Names, crash_loop_limit: 
         .args(["--confirm-timeout", &duration_arg(args.confirm_timeout)])
         .args(["--crash-loop-limit", &crash_loop_limit.to_string()]);
     match args.transport {
-        Transport::Rabbit => c
+        TransportKind::Rabbit => c
             .args(["--transport", "rabbit", "--broker-url", &common::amqp_url()])
             .args(["--exchange", &names.exchange]),
-        Transport::Nats => c
+        TransportKind::Nats => c
             .args(["--transport", "nats", "--broker-url", &common::nats_url()])
             .args(["--subject-prefix", &names.subject_prefix]),
     };
@@ -168,7 +168,7 @@ fn crash_loop_limit(_schedule: &Schedule) -> usize {
     outbox_core::DEFAULT_CRASH_LOOP_LIMIT as usize
 }
 
-fn print_schedule(schedule: &Schedule, transport: Transport, limit: usize) {
+fn print_schedule(schedule: &Schedule, transport: TransportKind, limit: usize) {
     let at = |p: &schedule::Planned| {
         if p.hold.is_zero() {
             format!("{:.0}s", p.at.as_secs_f64())
@@ -196,9 +196,9 @@ fn print_schedule(schedule: &Schedule, transport: Transport, limit: usize) {
 }
 
 /// Whether the broker still holds messages for the consumers (ready or unacked).
-async fn broker_busy(transport: Transport, names: &Names) -> anyhow::Result<u64> {
+async fn broker_busy(transport: TransportKind, names: &Names) -> anyhow::Result<u64> {
     match transport {
-        Transport::Rabbit => {
+        TransportKind::Rabbit => {
             // `rabbitmqctl` sees unacknowledged deliveries too; AMQP only ready ones.
             let queue = names.queue.clone();
             let listed = tokio::task::block_in_place(|| {
@@ -242,7 +242,7 @@ async fn broker_busy(transport: Transport, names: &Names) -> anyhow::Result<u64>
             let _ = conn.close(200, "checked".into()).await;
             Ok(u64::from(q.message_count()))
         }
-        Transport::Nats => {
+        TransportKind::Nats => {
             let client = async_nats::connect(common::nats_url()).await?;
             let js = async_nats::jetstream::new(client);
             let mut consumer: async_nats::jetstream::consumer::PullConsumer = js
@@ -295,7 +295,7 @@ impl std::fmt::Display for Outstanding {
 async fn outstanding(
     admin: &PgPool,
     names: &Names,
-    transport: Transport,
+    transport: TransportKind,
 ) -> anyhow::Result<Outstanding> {
     let settled = |id: &str| {
         format!(
@@ -350,7 +350,7 @@ const QUIET: Duration = Duration::from_secs(10);
 async fn drain(
     admin: &PgPool,
     names: &Names,
-    transport: Transport,
+    transport: TransportKind,
     timeline: &Timeline,
     deadline: Duration,
 ) -> Result<Drained, String> {
@@ -435,7 +435,7 @@ pub(crate) async fn run(args: Args, seed: u64, before: servers::Snapshot) -> any
     // RabbitMQ's `max_message_size` lowered for the whole run (before the relays open
     // their channels), so the oversized poison row is refused by the broker itself.
     let size_limit = match args.transport {
-        Transport::Rabbit => match tokio::task::block_in_place(|| {
+        TransportKind::Rabbit => match tokio::task::block_in_place(|| {
             RabbitMaxMessageSize::try_set(producers::BROKER_LIMIT)
         }) {
             Ok(guard) => Some(guard),
@@ -447,7 +447,7 @@ pub(crate) async fn run(args: Args, seed: u64, before: servers::Snapshot) -> any
                 None
             }
         },
-        Transport::Nats => None,
+        TransportKind::Nats => None,
     };
     let poison_kinds = producers::poison_kinds(args.transport, size_limit.is_some());
 
@@ -620,8 +620,8 @@ pub(crate) async fn run(args: Args, seed: u64, before: servers::Snapshot) -> any
         poison_kinds: poison_kinds.len(),
         lease: args.lease,
         outage_ack_wait: match args.transport {
-            Transport::Nats => Some(topology::nats_ack_wait(args.batched)),
-            Transport::Rabbit => None,
+            TransportKind::Nats => Some(topology::nats_ack_wait(args.batched)),
+            TransportKind::Rabbit => None,
         },
     };
     let mut failures = verdict::judge(&admin, &names, &inputs).await?;
@@ -635,11 +635,11 @@ pub(crate) async fn run(args: Args, seed: u64, before: servers::Snapshot) -> any
             "\n  kept for inspection: schema {}, the broker's {}, logs in {} (the next run drops them)",
             names.schema,
             match args.transport {
-                Transport::Rabbit => format!(
+                TransportKind::Rabbit => format!(
                     "exchange {} and queues {}, {} and {}",
                     names.exchange, names.queue, names.audit_queue, names.overflow_queue
                 ),
-                Transport::Nats => format!("stream {}", names.stream),
+                TransportKind::Nats => format!("stream {}", names.stream),
             },
             logs.display()
         );

@@ -15,7 +15,7 @@ use uuid::Uuid;
 
 use super::schedule::{FaultKind, Planned};
 use super::timeline::Timeline;
-use super::topology::{EVENT_TYPE, Names, SIDE_EVENT_TYPE, Transport};
+use super::topology::{EVENT_TYPE, Names, SIDE_EVENT_TYPE, TransportKind};
 
 /// What the producers did.
 #[derive(Debug, Default)]
@@ -152,7 +152,7 @@ pub(crate) const BROKER_LIMIT: usize = 1024 * 1024;
 
 /// The poison kinds the relay-fault tests isolate, for `transport`. `payload_limit`:
 /// whether the broker limit is in force (RabbitMQ's needs a `rabbitmqctl` here).
-pub(crate) fn poison_kinds(transport: Transport, payload_limit: bool) -> Vec<PoisonKind> {
+pub(crate) fn poison_kinds(transport: TransportKind, payload_limit: bool) -> Vec<PoisonKind> {
     let big = format!(
         "payload = to_json(repeat('x', {}))",
         BROKER_LIMIT + 200 * 1024
@@ -163,7 +163,7 @@ pub(crate) fn poison_kinds(transport: Transport, payload_limit: bool) -> Vec<Poi
         reason: "undecodable row",
     }];
     match transport {
-        Transport::Rabbit => {
+        TransportKind::Rabbit => {
             kinds.push(PoisonKind {
                 name: "header name over 255 bytes",
                 set: format!(r#"headers = '{{"{}": "x"}}'"#, "h".repeat(300)),
@@ -177,7 +177,7 @@ pub(crate) fn poison_kinds(transport: Transport, payload_limit: bool) -> Vec<Poi
                 });
             }
         }
-        Transport::Nats => {
+        TransportKind::Nats => {
             kinds.push(PoisonKind {
                 name: "non-ASCII header name",
                 set: r#"headers = '{"größe": "x"}'"#.to_owned(),

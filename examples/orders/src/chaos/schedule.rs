@@ -26,7 +26,7 @@ use rand::rngs::StdRng;
 use rand::seq::SliceRandom as _;
 use rand::{RngExt as _, SeedableRng as _};
 
-use super::topology::Transport;
+use super::topology::TransportKind;
 
 /// A kind of fault, as the verdict table lists them.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -48,14 +48,14 @@ pub(crate) enum FaultKind {
 
 impl FaultKind {
     /// Every kind that applies to `transport`, in table order.
-    pub(crate) fn all(transport: Transport) -> Vec<Self> {
+    pub(crate) fn all(transport: TransportKind) -> Vec<Self> {
         let mut kinds = vec![
             Self::RelayKill,
             Self::ConsumerKill,
             Self::BrokerFreeze,
             Self::BrokerRestart,
         ];
-        if transport == Transport::Rabbit {
+        if transport == TransportKind::Rabbit {
             kinds.extend([Self::MemoryAlarm, Self::QueueFull]);
         }
         kinds.extend([
@@ -71,18 +71,18 @@ impl FaultKind {
     }
 
     /// The table's name of the kind.
-    pub(crate) fn label(self, transport: Transport) -> &'static str {
+    pub(crate) fn label(self, transport: TransportKind) -> &'static str {
         match (self, transport) {
             (Self::RelayKill, _) => "relay kill -9",
             (Self::ConsumerKill, _) => "consumer kill -9",
-            (Self::BrokerFreeze, Transport::Rabbit) => "RabbitMQ frozen (SIGSTOP)",
-            (Self::BrokerFreeze, Transport::Nats) => "NATS frozen (SIGSTOP)",
-            (Self::BrokerRestart, Transport::Rabbit) => "RabbitMQ restarted",
-            (Self::BrokerRestart, Transport::Nats) => "NATS restarted",
+            (Self::BrokerFreeze, TransportKind::Rabbit) => "RabbitMQ frozen (SIGSTOP)",
+            (Self::BrokerFreeze, TransportKind::Nats) => "NATS frozen (SIGSTOP)",
+            (Self::BrokerRestart, TransportKind::Rabbit) => "RabbitMQ restarted",
+            (Self::BrokerRestart, TransportKind::Nats) => "NATS restarted",
             (Self::MemoryAlarm, _) => "RabbitMQ memory alarm",
             (Self::QueueFull, _) => "queue full (reject-publish)",
-            (Self::DestinationFull, Transport::Rabbit) => "one destination's queue full",
-            (Self::DestinationFull, Transport::Nats) => "one destination's stream full",
+            (Self::DestinationFull, TransportKind::Rabbit) => "one destination's queue full",
+            (Self::DestinationFull, TransportKind::Nats) => "one destination's stream full",
             (Self::PgRestart, _) => "PostgreSQL restarted",
             (Self::PgTerminate, _) => "pg_terminate_backend",
             (Self::ConsumerLockout, _) => "consumers' database outage",
@@ -121,7 +121,7 @@ pub(crate) struct Schedule {
 /// What the schedule depends on besides the seed.
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct Settings {
-    pub(crate) transport: Transport,
+    pub(crate) transport: TransportKind,
     pub(crate) duration: Duration,
     pub(crate) relays: usize,
     pub(crate) consumers: usize,
@@ -183,14 +183,14 @@ impl Schedule {
         schedule.kills = kills;
 
         let broker_kinds: Vec<FaultKind> = match s.transport {
-            Transport::Rabbit => vec![
+            TransportKind::Rabbit => vec![
                 FaultKind::BrokerFreeze,
                 FaultKind::BrokerRestart,
                 FaultKind::MemoryAlarm,
                 FaultKind::QueueFull,
                 FaultKind::DestinationFull,
             ],
-            Transport::Nats => vec![
+            TransportKind::Nats => vec![
                 FaultKind::BrokerFreeze,
                 FaultKind::BrokerRestart,
                 FaultKind::DestinationFull,
@@ -375,7 +375,7 @@ fn rounds(
 mod tests {
     use super::*;
 
-    fn settings(transport: Transport, secs: u64) -> Settings {
+    fn settings(transport: TransportKind, secs: u64) -> Settings {
         Settings {
             transport,
             duration: Duration::from_secs(secs),
@@ -388,10 +388,10 @@ mod tests {
 
     #[test]
     fn the_same_seed_gives_the_same_schedule() {
-        let a = Schedule::plan(7, settings(Transport::Rabbit, 900));
-        let b = Schedule::plan(7, settings(Transport::Rabbit, 900));
+        let a = Schedule::plan(7, settings(TransportKind::Rabbit, 900));
+        let b = Schedule::plan(7, settings(TransportKind::Rabbit, 900));
         assert_eq!(format!("{a:?}"), format!("{b:?}"));
-        let c = Schedule::plan(8, settings(Transport::Rabbit, 900));
+        let c = Schedule::plan(8, settings(TransportKind::Rabbit, 900));
         assert_ne!(format!("{a:?}"), format!("{c:?}"));
     }
 
@@ -399,9 +399,9 @@ mod tests {
     fn a_short_run_still_schedules_every_kind_and_ten_relay_kills() {
         // The CI runs, and NATS one message at a time (a 35 s outage: `ack_wait` 30 s).
         for (transport, secs, outage) in [
-            (Transport::Rabbit, 100, 15),
-            (Transport::Nats, 90, 15),
-            (Transport::Nats, 90, 35),
+            (TransportKind::Rabbit, 100, 15),
+            (TransportKind::Nats, 90, 15),
+            (TransportKind::Nats, 90, 35),
         ] {
             for seed in 0..50 {
                 let s = Schedule::plan(
@@ -432,7 +432,7 @@ mod tests {
     #[test]
     fn relay_kills_are_spaced_and_lanes_do_not_overlap() {
         for seed in 0..50 {
-            let s = Schedule::plan(seed, settings(Transport::Rabbit, 900));
+            let s = Schedule::plan(seed, settings(TransportKind::Rabbit, 900));
             let kills: Vec<_> = s
                 .kills
                 .iter()

@@ -12,7 +12,7 @@ use sqlx::{AssertSqlSafe, PgPool};
 use transport_nats::async_nats::jetstream;
 use transport_nats::{NatsPublisher, StreamSetup, async_nats};
 
-use super::topology::{self, EVENT_TYPE, Names, SIDE_EVENT_TYPE, Transport};
+use super::topology::{self, EVENT_TYPE, Names, SIDE_EVENT_TYPE, TransportKind};
 use crate::common;
 
 /// Drops and recreates the schema: the outbox and inbox tables (migrations), `orders`,
@@ -116,13 +116,13 @@ async fn remove_consumer_role(admin: &PgPool, names: &Names) -> anyhow::Result<(
 /// the NATS streams (the consumers' and the side events') and the durable consumer
 /// (`batched`: the consumers' `ack_wait`). What an earlier run left is deleted first.
 pub(crate) async fn broker(
-    transport: Transport,
+    transport: TransportKind,
     names: &Names,
     batched: bool,
 ) -> anyhow::Result<()> {
     remove_broker(transport, names).await?;
     match transport {
-        Transport::Rabbit => {
+        TransportKind::Rabbit => {
             topology::rabbit_consumer(names)?.declare().await.context(
                 "declare the exchange and the consumers' quorum queue (is RabbitMQ up?)",
             )?;
@@ -154,7 +154,7 @@ pub(crate) async fn broker(
             }
             conn.close(200, "declared".into()).await?;
         }
-        Transport::Nats => {
+        TransportKind::Nats => {
             let config = topology::nats_config(names, "chaos-harness")?;
             let publisher = NatsPublisher::connect(config.clone())
                 .await
@@ -183,9 +183,9 @@ pub(crate) async fn broker(
 }
 
 /// Deletes the run's queues and exchange, or its streams.
-pub(crate) async fn remove_broker(transport: Transport, names: &Names) -> anyhow::Result<()> {
+pub(crate) async fn remove_broker(transport: TransportKind, names: &Names) -> anyhow::Result<()> {
     match transport {
-        Transport::Rabbit => {
+        TransportKind::Rabbit => {
             let conn = Connection::connect(&common::amqp_url(), ConnectionProperties::default())
                 .await
                 .context("connect to RabbitMQ")?;
@@ -206,7 +206,7 @@ pub(crate) async fn remove_broker(transport: Transport, names: &Names) -> anyhow
             .await?;
             conn.close(200, "removed".into()).await?;
         }
-        Transport::Nats => {
+        TransportKind::Nats => {
             let client = async_nats::connect(common::nats_url())
                 .await
                 .context("connect to NATS")?;

@@ -2,6 +2,7 @@
 //! consumer mode, the names of the tables, queues and stream, and how the consumers
 //! connect. Used by both binaries (`chaos` and `chaos-consumer`).
 
+pub(crate) use outbox_core::TransportKind;
 use std::time::Duration;
 
 use lapin::types::{AMQPValue, FieldTable};
@@ -10,25 +11,6 @@ use transport_nats::{NatsConfig, NatsConfigBuilder, NatsConsumer};
 use transport_rabbit::{RabbitConfig, RabbitConsumer};
 
 use crate::common;
-
-/// The broker of a chaos run.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
-pub(crate) enum Transport {
-    /// RabbitMQ: a durable topic exchange, the consumers' quorum queue, an audit queue.
-    Rabbit,
-    /// NATS JetStream: a file-storage stream, a durable pull consumer shared by the
-    /// consumer processes.
-    Nats,
-}
-
-impl Transport {
-    pub(crate) fn name(self) -> &'static str {
-        match self {
-            Self::Rabbit => "rabbit",
-            Self::Nats => "nats",
-        }
-    }
-}
 
 /// How a consumer process applies an event's effect.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]

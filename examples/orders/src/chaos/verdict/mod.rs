@@ -23,14 +23,14 @@ use super::schedule::{FaultKind, Schedule};
 use super::supervisor::{ProcessReport, Role, explained_by};
 use super::timeline::Record;
 use super::topology::{
-    ConsumerMode, DELIVERY_LIMIT, EVENT_TYPE, Names, SIDE_EVENT_TYPE, Transport,
+    ConsumerMode, DELIVERY_LIMIT, EVENT_TYPE, Names, SIDE_EVENT_TYPE, TransportKind,
 };
 use crate::common;
 use consumer_side::sample;
 
 /// Everything the verdict is drawn from besides the database.
 pub(crate) struct Inputs {
-    pub(crate) transport: Transport,
+    pub(crate) transport: TransportKind,
     pub(crate) mode: ConsumerMode,
     /// The consumers ran in batches (`--batched`).
     pub(crate) batched: bool,
@@ -308,8 +308,8 @@ pub(crate) async fn judge(
                 failures.push(format!("{unknown} messages at the broker match no order"));
             }
             let what = match inputs.transport {
-                Transport::Rabbit => "audit queue",
-                Transport::Nats => "streams",
+                TransportKind::Rabbit => "audit queue",
+                TransportKind::Nats => "streams",
             };
             (
                 format!(
@@ -325,10 +325,10 @@ pub(crate) async fn judge(
                         .count()
                 ),
                 match inputs.transport {
-                    Transport::Rabbit => format!(
+                    TransportKind::Rabbit => format!(
                         "{duplicates} (copies beyond the first, all routed to the consumers' queue)"
                     ),
-                    Transport::Nats => format!(
+                    TransportKind::Nats => format!(
                         "{duplicates} stored (republishes inside the 2-minute window are dropped by the stream's Nats-Msg-Id deduplication and not counted)"
                     ),
                 },
