@@ -676,6 +676,17 @@ pub trait Consumer: Send + Sync {
     /// The broker.
     fn kind(&self) -> TransportKind;
 
+    /// Creates what the consumer reads from, if missing, and returns: RabbitMQ declares
+    /// the exchange and the queue and binds them; NATS creates the durable consumer on
+    /// its stream (which must exist). Call it before the first publish when no message
+    /// may be published before the consumer exists (a RabbitMQ exchange without a bound
+    /// queue refuses a `mandatory` publish; the relay dead-letters it as unroutable).
+    /// Idempotent; [`run`](Self::run) does the same at each (re)connection.
+    ///
+    /// # Errors
+    /// A connection or declaration error; see the transport.
+    async fn declare(&self) -> Result<(), Self::Error>;
+
     /// Consumes until `shutdown` is cancelled, one delivery at a time per handler call
     /// (the transport may run several calls at once: RabbitMQ's prefetch, NATS'
     /// concurrency).

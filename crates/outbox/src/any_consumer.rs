@@ -150,6 +150,15 @@ impl Consumer for AnyConsumer {
         }
     }
 
+    async fn declare(&self) -> Result<(), AnyConsumerError> {
+        match self {
+            #[cfg(feature = "rabbit")]
+            Self::Rabbit(c) => Consumer::declare(c).await.map_err(RabbitError::into),
+            #[cfg(feature = "nats")]
+            Self::Nats(c) => Consumer::declare(c).await.map_err(NatsError::into),
+        }
+    }
+
     async fn run<H: DeliveryHandler>(
         &self,
         handler: H,

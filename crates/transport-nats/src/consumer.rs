@@ -406,7 +406,7 @@ fn check_name(field: &'static str, value: &str) -> Result<(), NatsError> {
 /// use async_trait::async_trait;
 /// use outbox_core::wire::IncomingMessage;
 /// use tokio_util::sync::CancellationToken;
-/// use transport_nats::{DeliveryHandler, HandlerDecision, NatsConfigBuilder, NatsConsumer};
+/// use transport_nats::{Consumer as _, DeliveryHandler, HandlerDecision, NatsConfigBuilder, NatsConsumer};
 ///
 /// struct Projection;
 ///
@@ -460,6 +460,10 @@ impl Consumer for NatsConsumer {
 
     fn kind(&self) -> TransportKind {
         TransportKind::Nats
+    }
+
+    async fn declare(&self) -> Result<(), NatsError> {
+        NatsConsumer::declare(self).await
     }
 
     /// Consumes until `shutdown` is cancelled, reconnecting and setting the consumer up

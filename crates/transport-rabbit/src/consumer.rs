@@ -366,7 +366,9 @@ fn check_name(field: &'static str, value: &str) -> Result<(), RabbitError> {
 /// use async_trait::async_trait;
 /// use outbox_core::wire::IncomingMessage;
 /// use tokio_util::sync::CancellationToken;
-/// use transport_rabbit::{DeliveryHandler, HandlerDecision, RabbitConfigBuilder, RabbitConsumer};
+/// use transport_rabbit::{
+///     Consumer as _, DeliveryHandler, HandlerDecision, RabbitConfigBuilder, RabbitConsumer,
+/// };
 ///
 /// struct Projection;
 ///
@@ -411,6 +413,10 @@ impl Consumer for RabbitConsumer {
 
     fn kind(&self) -> TransportKind {
         TransportKind::Rabbit
+    }
+
+    async fn declare(&self) -> Result<(), RabbitError> {
+        RabbitConsumer::declare(self).await
     }
 
     /// Consumes until `shutdown` is cancelled, reconnecting with backoff after a lost
