@@ -121,8 +121,9 @@ pub async fn claim_commits_or_rolls_back_with_its_transaction<H: InboxHarness>(h
 }
 
 /// A transaction a failed statement aborted (its error caught and ignored, as a handler
-/// may do) is not committed, and its commit says so: [`OutboxError::TransactionAborted`]
-/// (`crate::OutboxError`), never `Ok`. Its claim left nothing behind.
+/// may do) is not committed, and its commit says so:
+/// [`OutboxError::TransactionAborted`](crate::OutboxError::TransactionAborted), never
+/// `Ok`. Its claim left nothing behind.
 pub async fn a_commit_after_a_swallowed_error_is_reported_aborted<H: AbortingHarness>(h: &H) {
     let inbox = h.inbox();
     let id = Uuid::now_v7();
