@@ -51,6 +51,7 @@
 //! `parent_span_id`) and, with the default `opentelemetry` feature and a
 //! `tracing-opentelemetry` layer installed, becomes the span's OpenTelemetry parent, so
 //! the handler joins the producer's trace.
+#![cfg_attr(docsrs, feature(doc_cfg))]
 
 mod batch;
 mod consumer;

@@ -29,6 +29,7 @@
 //! outbox_cli::run(cli, &mut std::io::stdout()).await?;
 //! # Ok(()) }
 //! ```
+#![cfg_attr(docsrs, feature(doc_cfg))]
 
 #[cfg(not(any(feature = "postgres", feature = "sqlserver")))]
 compile_error!("outbox-cli needs a database feature: `postgres` and/or `sqlserver`");

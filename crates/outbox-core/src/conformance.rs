@@ -1261,19 +1261,31 @@ pub async fn ordered_expired_run_is_reclaimed_in_order<H: Harness>(h: &H) {
     );
 }
 
-/// Expands to one `#[tokio::test]` per conformance property. `$harness` is the path of
-/// an `async fn() -> impl Harness` that returns a fresh, isolated harness.
+/// Expands to one `#[tokio::test]` per conformance property, in a module
+/// `store_conformance`. `$harness` is the path of an `async fn() -> impl Harness` that
+/// returns a fresh, isolated harness.
 ///
-/// `store_conformance_tests!(optional $harness)` takes an `async fn(&str) ->
-/// Option<impl Harness>` instead, called with the property's name: for a backend whose
-/// server may be absent (SQL Server without `MSSQL_URL`), `None` skips that property;
-/// the function should say so (each test passes without asserting anything then).
+/// Attributes written before the harness are put on every test, e.g.
+/// `store_conformance_tests!(#[ignore = "needs MSSQL_URL"] harness)` for a backend whose
+/// server may be absent: without it the tests are reported as ignored (not as passed),
+/// and `cargo test -- --ignored` runs them where the server is.
 #[macro_export]
 macro_rules! store_conformance_tests {
-    (optional $harness:path) => {
+    (@each $attrs:tt $harness:path; $($name:ident),* $(,)?) => {
+        $( $crate::store_conformance_tests!(@one $attrs $harness; $name); )*
+    };
+    (@one [$(#[$attr:meta])*] $harness:path; $name:ident) => {
+        #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+        $(#[$attr])*
+        async fn $name() {
+            let h = $harness().await;
+            $crate::conformance::$name(&h).await;
+        }
+    };
+    ($(#[$attr:meta])* $harness:path) => {
         mod store_conformance {
             use super::*;
-            $crate::store_conformance_tests!(@optional $harness;
+            $crate::store_conformance_tests!(@each [$(#[$attr])*] $harness;
                 claim_marks_processing,
                 undecodable_rows_are_poison_alone,
                 crash_loop_guard_isolates_and_kills_only_the_crashing_row,
@@ -1295,50 +1307,5 @@ macro_rules! store_conformance_tests {
                 ordered_expired_run_is_reclaimed_in_order,
             );
         }
-    };
-    (@optional $harness:path; $($name:ident),* $(,)?) => {
-        $(
-            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-            async fn $name() {
-                if let Some(h) = $harness(stringify!($name)).await {
-                    $crate::conformance::$name(&h).await;
-                }
-            }
-        )*
-    };
-    ($harness:path) => {
-        mod store_conformance {
-            use super::*;
-            $crate::store_conformance_tests!(@each $harness;
-                claim_marks_processing,
-                undecodable_rows_are_poison_alone,
-                crash_loop_guard_isolates_and_kills_only_the_crashing_row,
-                error_texts_are_stored_sanitized,
-                concurrent_claims_are_exclusive,
-                completion_applies_each_outcome,
-                sent_retention_delete_removes_only_confirmed_rows,
-                retry_becomes_claimable_after_backoff,
-                expired_lease_is_reclaimed_and_stale_completion_fenced,
-                defer_holds_a_row_back_without_charge,
-                dead_letters_and_replay,
-                dead_letter_error_filter_is_literal,
-                stats_and_purge,
-                ordered_claim_takes_key_prefixes,
-                ordered_failing_key_waits_alone,
-                ordered_dead_head_blocks_or_skips,
-                ordered_delayed_message_holds_its_key,
-                ordered_concurrent_claims_never_share_a_key,
-                ordered_expired_run_is_reclaimed_in_order,
-            );
-        }
-    };
-    (@each $harness:path; $($name:ident),* $(,)?) => {
-        $(
-            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-            async fn $name() {
-                let h = $harness().await;
-                $crate::conformance::$name(&h).await;
-            }
-        )*
     };
 }

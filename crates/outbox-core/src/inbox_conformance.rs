@@ -121,8 +121,9 @@ pub async fn claim_commits_or_rolls_back_with_its_transaction<H: InboxHarness>(h
 }
 
 /// A transaction a failed statement aborted (its error caught and ignored, as a handler
-/// may do) is not committed, and its commit says so: [`OutboxError::TransactionAborted`]
-/// (`crate::OutboxError`), never `Ok`. Its claim left nothing behind.
+/// may do) is not committed, and its commit says so:
+/// [`OutboxError::TransactionAborted`](crate::OutboxError::TransactionAborted), never
+/// `Ok`. Its claim left nothing behind.
 pub async fn a_commit_after_a_swallowed_error_is_reported_aborted<H: AbortingHarness>(h: &H) {
     let inbox = h.inbox();
     let id = Uuid::now_v7();
@@ -1259,9 +1260,10 @@ where
 /// ([`VersionTracking`](crate::VersionTracking)), `durable`
 /// ([`DurableInbox`](crate::inbox::DurableInbox)), `aborts` (an [`AbortingHarness`]).
 ///
-/// `inbox_conformance_tests!(optional $harness; caps...)` takes an `async fn(&str) ->
-/// Option<impl InboxHarness>` instead, called with the property's name: for a backend
-/// whose server may be absent, `None` skips that property (the function should say so).
+/// Attributes written before the harness are put on every test, e.g.
+/// `inbox_conformance_tests!(#[ignore = "needs MSSQL_URL"] harness; caps...)` for a
+/// backend whose server may be absent: without it the tests are reported as ignored (not
+/// as passed), and `cargo test -- --ignored` runs them where the server is.
 #[macro_export]
 macro_rules! inbox_conformance_tests {
     (@cap $mode:tt; claims) => {
@@ -1304,37 +1306,24 @@ macro_rules! inbox_conformance_tests {
             durable_purge_processed_removes_only_old_done_messages,
         );
     };
-    (@each (optional $harness:path); $($name:ident),* $(,)?) => {
-        $(
-            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-            async fn $name() {
-                if let Some(h) = $harness(stringify!($name)).await {
-                    $crate::inbox_conformance::$name(&h).await;
-                }
-            }
-        )*
+    (@each $mode:tt; $($name:ident),* $(,)?) => {
+        $( $crate::inbox_conformance_tests!(@one $mode; $name); )*
     };
-    (@each (required $harness:path); $($name:ident),* $(,)?) => {
-        $(
-            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-            async fn $name() {
-                let h = $harness().await;
-                $crate::inbox_conformance::$name(&h).await;
-            }
-        )*
-    };
-    (optional $harness:path $(; $($cap:ident),* $(,)?)?) => {
-        mod inbox_conformance {
-            use super::*;
-            $crate::inbox_conformance_tests!(@cap (optional $harness); claims);
-            $($( $crate::inbox_conformance_tests!(@cap (optional $harness); $cap); )*)?
+    (@one ([$(#[$attr:meta])*] $harness:path); $name:ident) => {
+        #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+        $(#[$attr])*
+        async fn $name() {
+            let h = $harness().await;
+            $crate::inbox_conformance::$name(&h).await;
         }
     };
-    ($harness:path $(; $($cap:ident),* $(,)?)?) => {
+    (@caps $mode:tt; $($cap:ident),*) => {
+        $( $crate::inbox_conformance_tests!(@cap $mode; $cap); )*
+    };
+    ($(#[$attr:meta])* $harness:path $(; $($cap:ident),* $(,)?)?) => {
         mod inbox_conformance {
             use super::*;
-            $crate::inbox_conformance_tests!(@cap (required $harness); claims);
-            $($( $crate::inbox_conformance_tests!(@cap (required $harness); $cap); )*)?
+            $crate::inbox_conformance_tests!(@caps ([$(#[$attr])*] $harness); claims $($(, $cap)*)?);
         }
     };
 }

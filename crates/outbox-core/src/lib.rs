@@ -47,6 +47,7 @@
 //! assert_eq!(event.event_type, "OrderPlaced");
 //! # Ok::<(), outbox_core::OutboxError>(())
 //! ```
+#![cfg_attr(docsrs, feature(doc_cfg))]
 
 pub mod admin;
 pub mod consumer;

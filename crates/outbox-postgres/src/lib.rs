@@ -32,6 +32,7 @@
 //! tx.commit().await?; // the order and its event commit together, or neither does
 //! # Ok(()) }
 //! ```
+#![cfg_attr(docsrs, feature(doc_cfg))]
 
 mod config;
 mod error;

@@ -30,8 +30,8 @@
 //!
 //! Exercised against: unit tests of the generated SQL only; this crate has never run
 //! against a real SQL Server in this project's CI. `tests/conformance.rs` runs the
-//! shared store conformance suite when `MSSQL_URL` is set and says it was skipped when
-//! it is not. See `docs/sqlserver.md` in the repository for setup and guarantees.
+//! shared store conformance suite when `MSSQL_URL` is set (its tests are ignored
+//! otherwise). See `docs/sqlserver.md` in the repository for setup and guarantees.
 //!
 //! ```no_run
 //! use outbox_core::NewMessage;
@@ -59,6 +59,7 @@
 //! tx.commit().await?; // the order and its event commit together, or neither does
 //! # Ok(()) }
 //! ```
+#![cfg_attr(docsrs, feature(doc_cfg))]
 
 mod config;
 mod connection;

@@ -1,6 +1,6 @@
 //! The operator queries ([`OutboxAdmin`] for `MssqlOutbox`) against a real SQL Server
-//! when `MSSQL_URL` is set, mirroring the PostgreSQL backend's tests of the same
-//! queries; each test prints that it was skipped otherwise.
+//! (ignored unless run with `--ignored` and `MSSQL_URL` set), mirroring the PostgreSQL
+//! backend's tests of the same queries.
 
 mod common;
 
@@ -82,10 +82,9 @@ async fn finish(outbox: &MssqlOutbox, sent: &[Uuid], error: &str) {
 /// Every method once on a fresh schema, through `dyn OutboxAdmin` as the binary calls
 /// them (the flow of the PostgreSQL backend's reserved-word test).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs MSSQL_URL"]
 async fn every_admin_query_runs_once() {
-    let Some(url) = common::mssql_url("every_admin_query_runs_once") else {
-        return;
-    };
+    let url = common::mssql_url();
     let outbox = common::fresh_outbox(&url).await;
     let admin: &dyn OutboxAdmin = &outbox;
     assert_eq!(admin.backend(), "sqlserver");
@@ -230,10 +229,9 @@ async fn every_admin_query_runs_once() {
 /// moves in several statements of one call, and the caller's "less than the batch means
 /// done" loop still holds; rows not yet due stay.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs MSSQL_URL"]
 async fn archive_batches_above_the_cap_move_in_one_call() {
-    let Some(url) = common::mssql_url("archive_batches_above_the_cap_move_in_one_call") else {
-        return;
-    };
+    let url = common::mssql_url();
     let outbox = common::fresh_outbox(&url).await;
     let messages: Vec<NewMessage> = (0..2_500)
         .map(|i| event(&i.to_string(), "OrderPlaced", None))
@@ -269,11 +267,9 @@ async fn archive_batches_above_the_cap_move_in_one_call() {
 /// Grouped stats per event type and tenant, no tenant first; reconcile per consumer
 /// with named consumers.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs MSSQL_URL"]
 async fn groups_and_reconciliation_count_per_tenant_and_consumer() {
-    let Some(url) = common::mssql_url("groups_and_reconciliation_count_per_tenant_and_consumer")
-    else {
-        return;
-    };
+    let url = common::mssql_url();
     let outbox = common::fresh_outbox(&url).await;
     let placed_none = event("1", "OrderPlaced", None);
     let placed_t1 = event("2", "OrderPlaced", Some("t1"));
@@ -345,10 +341,9 @@ async fn groups_and_reconciliation_count_per_tenant_and_consumer() {
 /// The consumer-side error filters match literal text, case-insensitively, in both
 /// tables (`[` is a LIKE class in T-SQL and must match itself too).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs MSSQL_URL"]
 async fn inbox_error_filters_match_literal_text() {
-    let Some(url) = common::mssql_url("inbox_error_filters_match_literal_text") else {
-        return;
-    };
+    let url = common::mssql_url();
     let outbox = common::fresh_outbox(&url).await;
     let errors = [
         "plain error",
@@ -447,12 +442,9 @@ async fn inbox_error_filters_match_literal_text() {
 /// Replay of consumer dead letters whose outbox row is gone: kept and counted failed,
 /// unless clear-only deletes them; durable Dead rows go back to New.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs MSSQL_URL"]
 async fn inbox_replay_without_the_outbox_row_fails_unless_clear_only() {
-    let Some(url) =
-        common::mssql_url("inbox_replay_without_the_outbox_row_fails_unless_clear_only")
-    else {
-        return;
-    };
+    let url = common::mssql_url();
     let outbox = common::fresh_outbox(&url).await;
     let inbox = outbox.inbox();
     let foreign = IncomingMessage::new(Uuid::now_v7(), "OrderPlaced", b"{}".to_vec());

@@ -2,8 +2,7 @@
 //! `inbox_conformance.rs` does not state: waits and errors that must leave the
 //! transaction usable, commits of transactions a swallowed error aborted, claims while
 //! every pooled connection is held, long keys, the `inbox` crate's consumer), against a
-//! real SQL Server when `MSSQL_URL` is set; each test prints that it was skipped
-//! otherwise.
+//! real SQL Server: ignored unless run with `--ignored` and `MSSQL_URL` set.
 
 mod common;
 
@@ -15,17 +14,15 @@ use outbox_core::{InboxStore, NewMessage, OutboxStore};
 use outbox_sqlserver::{MssqlConfig, MssqlInbox};
 use uuid::Uuid;
 
-async fn inbox(test: &str) -> Option<MssqlInbox> {
-    let url = common::mssql_url(test)?;
-    let outbox = common::fresh_outbox(&url).await;
-    Some(outbox.inbox())
+async fn inbox() -> MssqlInbox {
+    let outbox = common::fresh_outbox(&common::mssql_url()).await;
+    outbox.inbox()
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs MSSQL_URL"]
 async fn a_claim_waiting_on_a_rolled_back_one_wins() {
-    let Some(inbox) = inbox("a_claim_waiting_on_a_rolled_back_one_wins").await else {
-        return;
-    };
+    let inbox = inbox().await;
     let id = Uuid::now_v7();
     let mut first = inbox.begin().await.expect("begin");
     assert!(inbox.try_claim(&mut first, id, "c").await.expect("claim"));
@@ -52,10 +49,9 @@ async fn a_claim_waiting_on_a_rolled_back_one_wins() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs MSSQL_URL"]
 async fn a_duplicate_claim_leaves_the_transaction_usable() {
-    let Some(inbox) = inbox("a_duplicate_claim_leaves_the_transaction_usable").await else {
-        return;
-    };
+    let inbox = inbox().await;
     let id = Uuid::now_v7();
     let mut first = inbox.begin().await.expect("begin");
     assert!(inbox.try_claim(&mut first, id, "c").await.expect("claim"));
@@ -84,10 +80,9 @@ async fn a_duplicate_claim_leaves_the_transaction_usable() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs MSSQL_URL"]
 async fn version_keys_longer_than_4000_characters_match() {
-    let Some(inbox) = inbox("version_keys_longer_than_4000_characters_match").await else {
-        return;
-    };
+    let inbox = inbox().await;
     // 3,990 + 20 characters: each parameter fits nvarchar(4000), their concatenation
     // does not.
     let id = "x".repeat(3_990);
@@ -108,10 +103,9 @@ async fn version_keys_longer_than_4000_characters_match() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs MSSQL_URL"]
 async fn rollback_after_an_aborting_error_succeeds() {
-    let Some(inbox) = inbox("rollback_after_an_aborting_error_succeeds").await else {
-        return;
-    };
+    let inbox = inbox().await;
     let id = Uuid::now_v7();
     let mut tx = inbox.begin().await.expect("begin");
     assert!(inbox.try_claim(&mut tx, id, "c").await.expect("claim"));
@@ -141,10 +135,9 @@ async fn rollback_after_an_aborting_error_succeeds() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs MSSQL_URL"]
 async fn versions_only_rise() {
-    let Some(inbox) = inbox("versions_only_rise").await else {
-        return;
-    };
+    let inbox = inbox().await;
     let long_id = "x".repeat(2000);
     let mut tx = inbox.begin().await.expect("begin");
     assert_eq!(
@@ -182,10 +175,9 @@ async fn versions_only_rise() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs MSSQL_URL"]
 async fn a_dropped_transaction_rolls_back_its_enqueue() {
-    let Some(url) = common::mssql_url("a_dropped_transaction_rolls_back_its_enqueue") else {
-        return;
-    };
+    let url = common::mssql_url();
     let outbox = common::fresh_outbox(&url).await;
     let event = NewMessage::builder("order", "1", "Placed")
         .payload(&serde_json::json!({}))
@@ -235,14 +227,13 @@ impl inbox::Handler<MssqlInbox> for Project {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs MSSQL_URL"]
 async fn the_inbox_crate_consumer_applies_a_message_once() {
     use std::sync::Arc;
 
     use outbox_core::HandlerDecision;
 
-    let Some(url) = common::mssql_url("the_inbox_crate_consumer_applies_a_message_once") else {
-        return;
-    };
+    let url = common::mssql_url();
     let outbox = common::fresh_outbox(&url).await;
     let table = format!("[{}].projection", outbox.schema());
     let mut conn = outbox.pool().get().await.expect("conn");
@@ -311,6 +302,7 @@ async fn the_inbox_crate_consumer_applies_a_message_once() {
 /// under `unhandled` with `UnhandledPolicy::DeadLetter`; an inbox whose pool cannot
 /// hand out a connection answers `Defer`, not `Requeue`, and counts nothing.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs MSSQL_URL"]
 async fn the_inbox_crate_consumer_survives_faults() {
     use std::sync::Arc;
 
@@ -334,9 +326,7 @@ async fn the_inbox_crate_consumer_survives_faults() {
         }
     }
 
-    let Some(url) = common::mssql_url("the_inbox_crate_consumer_survives_faults") else {
-        return;
-    };
+    let url = common::mssql_url();
     let outbox = common::fresh_outbox(&url).await;
     let store = Arc::new(outbox.inbox());
     let consumer = IdempotentConsumer::new(
@@ -431,12 +421,11 @@ async fn kill(inbox: &MssqlInbox, id: Uuid, consumer: &str) {
 /// only another holder could free, until the acquire timeout, and every delivery was
 /// deferred.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs MSSQL_URL"]
 async fn claims_never_wait_for_a_second_connection() {
     use outbox_core::inbox::InboxClaim;
 
-    let Some(url) = common::mssql_url("claims_never_wait_for_a_second_connection") else {
-        return;
-    };
+    let url = common::mssql_url();
     let outbox = common::fresh_outbox(&url).await;
     let inbox = small_pool(&url, &outbox, 2).await;
     let (dead, done) = (Uuid::now_v7(), Uuid::now_v7());
@@ -562,14 +551,13 @@ impl inbox::Handler<MssqlInbox> for SlowProject {
 /// The symptom of issue 26 item 7 through the `inbox` crate: an `IdempotentConsumer`
 /// handling more deliveries at once than its pool has connections acks them all.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs MSSQL_URL"]
 async fn a_consumer_busier_than_its_pool_acks_every_delivery() {
     use std::sync::Arc;
 
     use outbox_core::HandlerDecision;
 
-    let Some(url) = common::mssql_url("a_consumer_busier_than_its_pool_acks_every_delivery") else {
-        return;
-    };
+    let url = common::mssql_url();
     let outbox = common::fresh_outbox(&url).await;
     let table = format!("[{}].projection", outbox.schema());
     let mut conn = outbox.pool().get().await.expect("conn");
@@ -632,13 +620,11 @@ async fn swallow(tx: &mut outbox_sqlserver::MssqlTransaction, sql: &str) -> bool
 /// a transaction a swallowed error aborted is `TransactionAborted`, and nothing of it
 /// committed; a statement-level error with `XACT_ABORT OFF` did not abort it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs MSSQL_URL"]
 async fn commit_reports_a_transaction_a_swallowed_error_aborted() {
     use outbox_core::OutboxError;
 
-    let Some(url) = common::mssql_url("commit_reports_a_transaction_a_swallowed_error_aborted")
-    else {
-        return;
-    };
+    let url = common::mssql_url();
     let outbox = common::fresh_outbox(&url).await;
     // One connection: every transaction below reuses the previous one's.
     let inbox = small_pool(&url, &outbox, 1).await;
@@ -746,12 +732,11 @@ async fn commit_reports_a_transaction_a_swallowed_error_aborted() {
 /// run on its own and commit: the redelivered message would then find its own version
 /// applied and be skipped as stale. It is refused instead.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs MSSQL_URL"]
 async fn a_version_is_not_recorded_after_the_transaction_aborted() {
     use outbox_core::OutboxError;
 
-    let Some(inbox) = inbox("a_version_is_not_recorded_after_the_transaction_aborted").await else {
-        return;
-    };
+    let inbox = inbox().await;
     let mut tx = inbox.begin().await.expect("begin");
     assert_eq!(
         inbox

@@ -455,16 +455,15 @@ pub async fn dispatcher_killed_mid_batch_does_not_break_any_keys_order<B: Broker
 /// `mod ordered_delivery { mod rabbit { .. } mod nats { .. } }` (so `cargo test nats`
 /// picks one broker). `$harness` is the path of an `async fn() -> impl Harness`
 /// returning a fresh, isolated store; the tests also need the RabbitMQ at `AMQP_URL`
-/// and the NATS server (JetStream enabled) at `NATS_URL`. With `optional $harness`, an
-/// `async fn(&str) -> Option<impl Harness>` called with the test's name (e.g.
-/// `nats::on_dead_skip_lets_the_key_continue`), where `None` skips the test before
-/// anything is created on a broker (see `outbox_core::store_conformance_tests!`).
+/// and the NATS server (JetStream enabled) at `NATS_URL`. Attributes written before the
+/// harness are put on every test, e.g. `ordered_delivery_tests!(#[ignore = "needs
+/// MSSQL_URL"] harness)` (see `outbox_core::store_conformance_tests!`).
 #[macro_export]
 macro_rules! ordered_delivery_tests {
-    (@broker $mode:ident $harness:path; $module:ident, $broker:ident) => {
+    (@broker $attrs:tt $harness:path; $module:ident, $broker:ident) => {
         mod $module {
             use super::*;
-            $crate::ordered_delivery_tests!(@$mode $harness; $module, $broker;
+            $crate::ordered_delivery_tests!(@each $attrs $harness; $broker;
                 four_dispatchers_keep_100_keys_in_order_over_20000_messages,
                 transient_failure_delays_only_its_key_and_order_holds,
                 on_dead_block_stops_the_key_until_replay,
@@ -473,38 +472,22 @@ macro_rules! ordered_delivery_tests {
             );
         }
     };
-    (@optional $harness:path; $module:ident, $broker:ident; $($name:ident),* $(,)?) => {
-        $(
-            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-            async fn $name() {
-                let test = concat!(stringify!($module), "::", stringify!($name));
-                if let Some(h) = $harness(test).await {
-                    $crate::ordered::$name::<$crate::ordered::$broker, _>(&h).await;
-                }
-            }
-        )*
+    (@each $attrs:tt $harness:path; $broker:ident; $($name:ident),* $(,)?) => {
+        $( $crate::ordered_delivery_tests!(@one $attrs $harness; $broker; $name); )*
     };
-    (@each $harness:path; $module:ident, $broker:ident; $($name:ident),* $(,)?) => {
-        $(
-            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-            async fn $name() {
-                let h = $harness().await;
-                $crate::ordered::$name::<$crate::ordered::$broker, _>(&h).await;
-            }
-        )*
-    };
-    (optional $harness:path) => {
-        mod ordered_delivery {
-            use super::*;
-            $crate::ordered_delivery_tests!(@broker optional $harness; rabbit, Rabbit);
-            $crate::ordered_delivery_tests!(@broker optional $harness; nats, Nats);
+    (@one [$(#[$attr:meta])*] $harness:path; $broker:ident; $name:ident) => {
+        #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+        $(#[$attr])*
+        async fn $name() {
+            let h = $harness().await;
+            $crate::ordered::$name::<$crate::ordered::$broker, _>(&h).await;
         }
     };
-    ($harness:path) => {
+    ($(#[$attr:meta])* $harness:path) => {
         mod ordered_delivery {
             use super::*;
-            $crate::ordered_delivery_tests!(@broker each $harness; rabbit, Rabbit);
-            $crate::ordered_delivery_tests!(@broker each $harness; nats, Nats);
+            $crate::ordered_delivery_tests!(@broker [$(#[$attr])*] $harness; rabbit, Rabbit);
+            $crate::ordered_delivery_tests!(@broker [$(#[$attr])*] $harness; nats, Nats);
         }
     };
 }

@@ -40,6 +40,7 @@
 //! ```
 //!
 //! [publisher confirms]: https://www.rabbitmq.com/docs/confirms#publisher-confirms
+#![cfg_attr(docsrs, feature(doc_cfg))]
 
 mod batch;
 pub mod config;

@@ -1,8 +1,10 @@
 //! Shared helpers: every test gets its own schema in the SQL Server named by
-//! `MSSQL_URL`; without it, tests report that they were skipped and return.
+//! `MSSQL_URL`. The tests that need it are `#[ignore = "needs MSSQL_URL"]`, so that a
+//! run without SQL Server reports them as ignored rather than passed; `cargo test -p
+//! outbox-sqlserver -- --ignored` (which `cargo xtask itest` runs when `MSSQL_URL` is
+//! set) runs them.
 #![allow(dead_code, unreachable_pub)] // reason: each test binary uses a different subset
 
-use std::io::Write as _;
 use std::sync::Arc;
 
 use async_trait::async_trait;
@@ -10,26 +12,17 @@ use outbox_core::NewMessage;
 use outbox_core::conformance::Harness;
 use outbox_sqlserver::{MssqlConfig, MssqlOutbox, MssqlPool};
 
-/// The skip notice, written straight to the process's stderr (not through `eprintln!`,
-/// which the test harness captures for passing tests), so it shows in every run.
-pub fn skip_notice(test: &str) {
-    let _ = writeln!(
-        std::io::stderr(),
-        "SQL Server suite SKIPPED: MSSQL_URL is not set, so `{test}` ran nothing against \
-         SQL Server (start one with `docker compose up -d mssql` and export \
-         MSSQL_URL='server=tcp:127.0.0.1,1433;user=sa;password=Outbox_Passw0rd!;TrustServerCertificate=true'; \
-         see docs/sqlserver.md)"
-    );
-}
-
-/// `MSSQL_URL`, or `None` (after printing the skip notice for `test`).
-pub fn mssql_url(test: &str) -> Option<String> {
+/// `MSSQL_URL`. Panics when it is not set: the caller is an ignored test that was asked
+/// for explicitly (`--ignored`, `--include-ignored`), and passing without a server would
+/// be the dishonest count the `#[ignore]` is there to avoid.
+pub fn mssql_url() -> String {
     match std::env::var("MSSQL_URL") {
-        Ok(url) if !url.is_empty() => Some(url),
-        _ => {
-            skip_notice(test);
-            None
-        }
+        Ok(url) if !url.is_empty() => url,
+        _ => panic!(
+            "needs MSSQL_URL: start SQL Server with `docker compose up -d mssql` and export \
+             MSSQL_URL='server=tcp:127.0.0.1,1433;user=sa;password=Outbox_Passw0rd!;TrustServerCertificate=true' \
+             (see docs/sqlserver.md)"
+        ),
     }
 }
 
@@ -128,9 +121,7 @@ impl Harness for MssqlHarness {
     }
 }
 
-/// The harness of the shared suites: a fresh schema on the SQL Server at `MSSQL_URL`,
-/// or `None` (after printing that `test` was skipped) when it is not set.
-pub async fn harness(test: &str) -> Option<MssqlHarness> {
-    let url = mssql_url(test)?;
-    Some(MssqlHarness(Arc::new(fresh_outbox(&url).await)))
+/// The harness of the shared suites: a fresh schema on the SQL Server at `MSSQL_URL`.
+pub async fn harness() -> MssqlHarness {
+    MssqlHarness(Arc::new(fresh_outbox(&mssql_url()).await))
 }
