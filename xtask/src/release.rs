@@ -52,8 +52,9 @@ const DOC_CFG: &str = "#![cfg_attr(docsrs, feature(doc_cfg))]";
 const MAX_CRATE_BYTES: u64 = 1024 * 1024;
 
 /// Names of ours that other owners already hold on crates.io (their versions were in
-/// the index when cargo resolved our packages: `inbox` 0.0.1, `outbox-core` 0.1.0 to
-/// 0.6.0, `outbox-postgres` 0.1.0 to 0.3.0). Publishing needs other names; until then
+/// the index when cargo resolved our packages in November 2026: `inbox` 0.0.1,
+/// `outbox-core` 0.1.0 to 0.6.0, `outbox-postgres` 0.1.0 to 0.3.0; the other six names
+/// were not). Publishing needs other names; until then
 /// a package that depends on them resolves the foreign crate whenever its versions
 /// match, which the lockfile check tolerates for these names alone.
 const NAMES_TAKEN_ON_CRATES_IO: [&str; 3] = ["inbox", "outbox-core", "outbox-postgres"];
@@ -474,8 +475,13 @@ fn toolchain<'a>(toolchains: &'a [String], channel: &str) -> Option<&'a str> {
     toolchains
         .iter()
         .find(|t| {
-            t.strip_prefix(channel)
-                .is_some_and(|rest| rest.starts_with('-') || rest.starts_with(".0-"))
+            t.strip_prefix(channel).is_some_and(|rest| {
+                // `1.94-x86_64-...` or `1.94.1-x86_64-...`, not `1.940-...`.
+                rest.starts_with('-')
+                    || rest
+                        .strip_prefix('.')
+                        .is_some_and(|r| r.starts_with(|c: char| c.is_ascii_digit()))
+            })
         })
         .map(String::as_str)
 }
@@ -498,7 +504,7 @@ fn cargo_on(toolchain: Option<&str>) -> Command {
 fn msrv(ws: &Workspace, order: &[String], toolchains: &[String], r: &mut Report) -> Result<()> {
     if let Some(t) = toolchain(toolchains, &ws.msrv) {
         return run(cargo_on(Some(t))
-            .args(["check", "--all-features", "--all-targets"])
+            .args(["check", "--all-features"])
             .args(ws.package_args(order)));
     }
     r.not_checked.push(format!(
@@ -760,6 +766,11 @@ mod tests {
         );
         assert_eq!(toolchain(&installed, "1.9"), None);
         assert_eq!(toolchain(&installed, "1.94"), None);
+        let patch = ["1.94.1-x86_64-unknown-linux-gnu".to_owned()];
+        assert_eq!(
+            toolchain(&patch, "1.94"),
+            Some("1.94.1-x86_64-unknown-linux-gnu")
+        );
     }
 
     #[test]
