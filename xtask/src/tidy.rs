@@ -106,6 +106,53 @@ fn no_crate_level_lint_lists_in_crates() {
     );
 }
 
+/// A test is ignored only because it needs SQL Server (`cargo xtask itest` runs those
+/// with `--ignored` when `MSSQL_URL` is set) or because it is one of
+/// [`sqlserver::OTHER_IGNORED`](crate::sqlserver::OTHER_IGNORED), which that pass skips.
+#[test]
+fn tests_are_ignored_only_for_sql_server() {
+    use crate::sqlserver::{IGNORE_REASON, OTHER_IGNORED};
+
+    let root = workspace_root();
+    let wanted = format!("#[ignore=\"{IGNORE_REASON}\"]").replace(' ', "");
+    let mut offenders = Vec::new();
+    let mut found = 0;
+    for path in ["crates", "examples"]
+        .iter()
+        .flat_map(|dir| files_under(&root.join(dir)))
+        .filter(|path| path.extension().is_some_and(|ext| ext == "rs"))
+    {
+        let text = fs::read_to_string(&path).unwrap_or_default();
+        let lines: Vec<&str> = text.lines().collect();
+        for (number, line) in lines.iter().enumerate() {
+            let compact: String = line.chars().filter(|c| !c.is_whitespace()).collect();
+            if compact.starts_with("//") || !compact.contains("#[ignore") {
+                continue;
+            }
+            found += 1;
+            if compact.contains(&wanted) {
+                continue;
+            }
+            // The function it is on, within the next few lines.
+            let function = lines[number..lines.len().min(number + 4)]
+                .iter()
+                .find_map(|l| l.split("fn ").nth(1))
+                .and_then(|rest| rest.split('(').next())
+                .unwrap_or_default();
+            if !OTHER_IGNORED.contains(&function) {
+                let shown = path.strip_prefix(&root).unwrap_or(&path).display();
+                offenders.push(format!("{shown}:{}", number + 1));
+            }
+        }
+    }
+    assert!(found > 0, "the SQL Server tests are marked #[ignore]");
+    assert!(
+        offenders.is_empty(),
+        "ignore a test only with #[ignore = \"{IGNORE_REASON}\"] (or list it in \
+         sqlserver::OTHER_IGNORED, which `cargo xtask itest` skips): {offenders:?}"
+    );
+}
+
 #[test]
 fn ci_runs_the_documented_test_command() {
     let ci = fs::read_to_string(workspace_root().join(".ci/run")).expect(".ci/run exists");
