@@ -12,6 +12,8 @@ use transport_nats::{NatsConfig, NatsConsumer, NatsError};
 use transport_rabbit::{RabbitConfig, RabbitConsumer, RabbitError};
 
 use crate::AnyPublisherError;
+#[cfg(not(all(feature = "rabbit", feature = "nats")))]
+use crate::any_publisher::transport_disabled;
 use crate::any_publisher::{NATS_SCHEMES, RABBIT_SCHEMES, redact_unknown};
 
 /// One consumer over the enabled brokers, a [`Consumer`] by delegation: the same
@@ -101,10 +103,7 @@ fn rabbit(url: &str, name: &str) -> Result<AnyConsumer, AnyConsumerError> {
 
 #[cfg(not(feature = "rabbit"))]
 fn rabbit(url: &str, _name: &str) -> Result<AnyConsumer, AnyConsumerError> {
-    Err(AnyPublisherError::TransportDisabled {
-        url_redacted: redact_unknown(url),
-        feature: "rabbit",
-    })
+    Err(transport_disabled(url, "rabbit"))
 }
 
 #[cfg(feature = "nats")]
@@ -117,10 +116,7 @@ fn nats(url: &str, stream: &str, name: &str) -> Result<AnyConsumer, AnyConsumerE
 
 #[cfg(not(feature = "nats"))]
 fn nats(url: &str, _stream: &str, _name: &str) -> Result<AnyConsumer, AnyConsumerError> {
-    Err(AnyPublisherError::TransportDisabled {
-        url_redacted: redact_unknown(url),
-        feature: "nats",
-    })
+    Err(transport_disabled(url, "nats"))
 }
 
 #[cfg(feature = "rabbit")]

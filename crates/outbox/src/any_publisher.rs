@@ -88,10 +88,7 @@ fn rabbit_from_url(url: &str) -> Result<AnyPublisherConfig, AnyPublisherError> {
 
 #[cfg(not(feature = "rabbit"))]
 fn rabbit_from_url(url: &str) -> Result<AnyPublisherConfig, AnyPublisherError> {
-    Err(AnyPublisherError::TransportDisabled {
-        url_redacted: redact_unknown(url),
-        feature: "rabbit",
-    })
+    Err(transport_disabled(url, "rabbit"))
 }
 
 #[cfg(feature = "nats")]
@@ -101,10 +98,16 @@ fn nats_from_url(url: &str) -> Result<AnyPublisherConfig, AnyPublisherError> {
 
 #[cfg(not(feature = "nats"))]
 fn nats_from_url(url: &str) -> Result<AnyPublisherConfig, AnyPublisherError> {
-    Err(AnyPublisherError::TransportDisabled {
+    Err(transport_disabled(url, "nats"))
+}
+
+/// The error for a URL whose transport `feature` is compiled out.
+#[cfg(not(all(feature = "rabbit", feature = "nats")))]
+pub(crate) fn transport_disabled(url: &str, feature: &'static str) -> AnyPublisherError {
+    AnyPublisherError::TransportDisabled {
         url_redacted: redact_unknown(url),
-        feature: "nats",
-    })
+        feature,
+    }
 }
 
 /// A URL of no known transport, redacted the strictest way (a lone user info is taken
