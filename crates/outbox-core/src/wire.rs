@@ -35,6 +35,7 @@ use std::collections::BTreeMap;
 use chrono::{DateTime, SecondsFormat, Utc};
 use uuid::Uuid;
 
+use crate::error::InvalidMessage;
 use crate::message::{Headers, MAX_AGGREGATE_ID_LEN, MAX_NAME_LEN, OutboxMessage};
 
 /// CloudEvents `specversion` we emit.
@@ -115,6 +116,49 @@ pub fn encode_headers(
         out.push((wire_name, value.clone()));
     }
     out
+}
+
+/// Checks that `msg` is within the limits [`IncomingMessage::decode`] applies, so that
+/// what a relay publishes can be decoded by every consumer: `event_type`,
+/// `aggregate_type`, `tenant_id`, `partition_key` and every header name at most
+/// [`MAX_NAME_LEN`] bytes, `aggregate_id` at most [`MAX_AGGREGATE_ID_LEN`] bytes.
+/// [`NewMessageBuilder::build`](crate::NewMessageBuilder::build) enforces the same
+/// limits; a row written around it (plain SQL, another producer) may not meet them,
+/// and the transports' publishers refuse such a row as
+/// [`PublishError::Invalid`](crate::PublishError::Invalid) (a dead letter at the
+/// source) instead of publishing a message no consumer can decode.
+///
+/// # Errors
+/// [`InvalidMessage::TooLong`] naming the first field over its limit (`event_type`,
+/// `aggregate_type`, `aggregate_id`, `tenant_id`, `partition_key` or `header name`).
+pub fn check_limits(msg: &OutboxMessage) -> Result<(), InvalidMessage> {
+    let fields = [
+        ("event_type", Some(&msg.event_type), MAX_NAME_LEN),
+        ("aggregate_type", Some(&msg.aggregate_type), MAX_NAME_LEN),
+        (
+            "aggregate_id",
+            Some(&msg.aggregate_id),
+            MAX_AGGREGATE_ID_LEN,
+        ),
+        ("tenant_id", msg.tenant_id.as_ref(), MAX_NAME_LEN),
+        ("partition_key", msg.partition_key.as_ref(), MAX_NAME_LEN),
+    ];
+    let names = msg
+        .headers
+        .keys()
+        .map(|name| ("header name", Some(name), MAX_NAME_LEN));
+    for (field, value, max) in fields.into_iter().chain(names) {
+        if let Some(value) = value
+            && value.len() > max
+        {
+            return Err(InvalidMessage::TooLong {
+                field,
+                len: value.len(),
+                max,
+            });
+        }
+    }
+    Ok(())
 }
 
 /// A message as received by a consumer, decoded from the wire format.
@@ -691,6 +735,50 @@ mod tests {
             value.len() <= MAX_QUOTED_BYTES + '…'.len_utf8() && value.ends_with('…'),
             "{value}"
         );
+    }
+
+    /// A row over a limit is refused before publishing, and exactly the rows under the
+    /// limits encode to headers that decode.
+    #[test]
+    fn check_limits_matches_what_decodes() {
+        type Set = fn(&mut OutboxMessage, String);
+        let cases: [(&str, usize, Set); 6] = [
+            ("event_type", MAX_NAME_LEN, |m, v| m.event_type = v),
+            ("aggregate_type", MAX_NAME_LEN, |m, v| m.aggregate_type = v),
+            ("aggregate_id", MAX_AGGREGATE_ID_LEN, |m, v| {
+                m.aggregate_id = v
+            }),
+            ("tenant_id", MAX_NAME_LEN, |m, v| m.tenant_id = Some(v)),
+            ("partition_key", MAX_NAME_LEN, |m, v| {
+                m.partition_key = Some(v)
+            }),
+            ("header name", MAX_NAME_LEN, |m, v| {
+                m.headers.insert(v, "v".into());
+            }),
+        ];
+        let decodes = |msg: &OutboxMessage| {
+            let headers = encode_headers(msg, Binding::Nats, None)
+                .into_iter()
+                .collect();
+            IncomingMessage::decode(Binding::Nats, None, headers, vec![], false, None).is_ok()
+        };
+        for (field, max, set) in cases {
+            let mut at_limit = sample();
+            set(&mut at_limit, "x".repeat(max));
+            assert_eq!(check_limits(&at_limit), Ok(()), "{field} at its limit");
+            assert!(decodes(&at_limit), "{field} at its limit");
+            let mut over = sample();
+            set(&mut over, "x".repeat(max + 1));
+            assert_eq!(
+                check_limits(&over),
+                Err(InvalidMessage::TooLong {
+                    field,
+                    len: max + 1,
+                    max
+                })
+            );
+            assert!(!decodes(&over), "{field} over its limit");
+        }
     }
 
     #[test]

@@ -94,7 +94,7 @@ use async_trait::async_trait;
 use bytes::Bytes;
 use futures::StreamExt;
 use futures::stream::FuturesUnordered;
-use outbox_core::wire::{Binding, CONTENT_TYPE_JSON, encode_headers};
+use outbox_core::wire::{Binding, CONTENT_TYPE_JSON, check_limits, encode_headers};
 use outbox_core::{ErrorKind, EventPublisher, OutboxMessage, PublishError, PublishOutcome};
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use tokio::time::{Instant, sleep_until, timeout, timeout_at};
@@ -498,6 +498,8 @@ fn prepare(config: &NatsConfig, msg: &OutboxMessage, max: usize) -> Result<Prepa
             config.subject_prefix()
         )));
     }
+    // What a consumer would refuse to decode is refused here, at the source.
+    check_limits(msg).map_err(|e| PublishError::Invalid(e.to_string()))?;
     let mut headers = HeaderMap::new();
     let mut names: Vec<String> = Vec::with_capacity(12 + msg.headers.len());
     let mut push = |headers: &mut HeaderMap, name: &str, value: &str| {
@@ -760,9 +762,10 @@ mod properties {
     /// Text of the attributes that become header values (aggregate, tenant, ...).
     fn field_text() -> impl Strategy<Value = String> {
         prop_oneof![
-            3 => "[ -~]{0,20}",
-            2 => "[^\r\n]{0,20}",
-            1 => text(20),
+            6 => "[ -~]{0,20}",
+            4 => "[^\r\n]{0,20}",
+            2 => text(20),
+            1 => (250usize..260).prop_map(|n| "n".repeat(n)),
         ]
     }
 
@@ -892,8 +895,9 @@ mod properties {
         /// Guards against `prepare` panicking on a row's content (the `name[..5]` slice
         /// on a multi-byte header name did): arbitrary header names and values,
         /// routing keys and event types, payloads around `max`. The verdict is `Ok`,
-        /// `Invalid` or `PayloadTooLarge`; an invalid subject is always `Invalid`, a
-        /// message whose every part is expressible never is; `Ok` fits `max`, has the
+        /// `Invalid` or `PayloadTooLarge`; an invalid subject or a field over the limits
+        /// consumers decode is always `Invalid`, a message whose every part is
+        /// expressible and within those limits never is; `Ok` fits `max`, has the
         /// configured subject and decodes on the consumer side to the same id and type.
         #[test]
         fn prepare_never_panics(
@@ -919,7 +923,9 @@ mod properties {
                 Err(PublishError::Invalid(reason)) => {
                     prop_assert!(!reason.is_empty());
                     prop_assert!(
-                        subject_problem(&subject).is_some() || !expressible(&msg, &config),
+                        subject_problem(&subject).is_some()
+                            || !expressible(&msg, &config)
+                            || check_limits(&msg).is_err(),
                         "an expressible message was rejected: {}", reason
                     );
                 }
@@ -929,7 +935,7 @@ mod properties {
                 }
                 Err(other) => prop_assert!(false, "unexpected error {other:?}"),
             }
-            if subject_problem(&subject).is_some() {
+            if subject_problem(&subject).is_some() || check_limits(&msg).is_err() {
                 prop_assert!(matches!(prepare(&config, &msg, max), Err(PublishError::Invalid(_))));
             }
         }

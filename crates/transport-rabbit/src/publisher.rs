@@ -64,7 +64,7 @@ use futures::future::join_all;
 use lapin::options::BasicPublishOptions;
 use lapin::types::{AMQPValue, FieldTable, LongString, ShortString};
 use lapin::{BasicProperties, Confirmation, PublisherConfirm};
-use outbox_core::wire::{Binding, CONTENT_TYPE_JSON, encode_headers};
+use outbox_core::wire::{Binding, CONTENT_TYPE_JSON, check_limits, encode_headers};
 use outbox_core::{ErrorKind, EventPublisher, OutboxMessage, PublishError, PublishOutcome};
 use tokio::sync::Mutex;
 use tokio::time::{Instant, timeout, timeout_at};
@@ -167,6 +167,8 @@ impl RabbitPublisher {
         if size > max {
             return Err(PublishError::PayloadTooLarge { size, max });
         }
+        // What a consumer would refuse to decode is refused here, at the source.
+        check_limits(msg).map_err(|e| PublishError::Invalid(e.to_string()))?;
         let routing_key = short_string(msg.effective_routing_key(), "routing key")?;
         let kind = short_string(&msg.event_type, "event type (AMQP `type` property)")?;
         let message_id = ShortString::from(msg.id.to_string());
@@ -612,8 +614,8 @@ mod tests {
 mod properties {
     use super::*;
     use crate::config::DEFAULT_URL;
-    use outbox_core::MessageStatus;
     use outbox_core::proptest_support::{any_time, config, payload, text};
+    use outbox_core::{MAX_AGGREGATE_ID_LEN, MAX_NAME_LEN, MessageStatus};
     use proptest::prelude::*;
     use uuid::Uuid;
 
@@ -667,16 +669,27 @@ mod properties {
         ]
     }
 
+    /// Aggregate types, tenants and partition keys: mostly short, some around and over
+    /// the 255-byte limit consumers decode.
+    fn name() -> impl Strategy<Value = String> {
+        prop_oneof![6 => text(20), 1 => near_short_string_limit()]
+    }
+
+    /// Aggregate ids: mostly short, some around the 1,024-byte limit.
+    fn aggregate_id() -> impl Strategy<Value = String> {
+        prop_oneof![6 => text(20), 1 => (1020usize..1030).prop_map(|n| "a".repeat(n))]
+    }
+
     /// A row with arbitrary content, and a payload limit with a payload a few bytes
     /// under, at or over it (or of any size that fits).
     fn message_and_limit() -> impl Strategy<Value = (OutboxMessage, usize)> {
         (
-            (any::<u128>(), text(20), text(20), any::<i64>(), key()),
+            (any::<u128>(), name(), aggregate_id(), any::<i64>(), key()),
             (
                 prop::collection::btree_map(header_name(), header_value(), 0..8),
-                prop::option::of(text(10)),
+                prop::option::of(name()),
                 prop::option::of(key()),
-                prop::option::of(text(10)),
+                prop::option::of(name()),
                 any_time(),
             ),
             (
@@ -746,7 +759,8 @@ mod properties {
         /// 800 bytes and values, routing keys and event types around and over 255
         /// bytes, multi-byte chars, payloads around `max_payload_bytes`, any
         /// `occurred_at`. The verdict is exactly: payload over the limit →
-        /// `PayloadTooLarge`, a routing key, event type or header name over 255 bytes →
+        /// `PayloadTooLarge`, a routing key, event type, aggregate type, tenant,
+        /// partition key or header name over 255 bytes or an aggregate id over 1,024 →
         /// `Invalid`, else `Ok`. An `Ok` carries the key and properties the module docs
         /// promise, its `header_frame_size` is the size of the frame lapin writes, and
         /// the consumer decodes it to the same id, type and version.
@@ -759,6 +773,10 @@ mod properties {
             let size = msg.payload.get().len();
             let too_long = msg.effective_routing_key().len() > MAX_SHORT_STRING
                 || msg.event_type.len() > MAX_SHORT_STRING
+                || msg.aggregate_type.len() > MAX_NAME_LEN
+                || msg.aggregate_id.len() > MAX_AGGREGATE_ID_LEN
+                || msg.tenant_id.as_ref().is_some_and(|t| t.len() > MAX_NAME_LEN)
+                || msg.partition_key.as_ref().is_some_and(|k| k.len() > MAX_NAME_LEN)
                 || msg.headers.keys().any(|name| name.len() > MAX_SHORT_STRING);
             match publisher.prepare(&msg) {
                 Err(PublishError::PayloadTooLarge { size: got, max: limit }) => {
