@@ -27,7 +27,7 @@ use lapin::types::{AMQPValue, FieldTable};
 use lapin::{BasicProperties, Connection, ConnectionProperties};
 use outbox_core::inbox::{ConsumerDeadLetter, ConsumerDeadLetters};
 use outbox_core::wire::IncomingMessage;
-use outbox_core::{EventPublisher, NewMessage, OutboxMessage};
+use outbox_core::{BatchSettings, EventPublisher, NewMessage, OutboxMessage};
 use outbox_postgres::{PgConfig, PgInbox, PgOutbox};
 use sqlx::{AssertSqlSafe, PgConnection, PgPool};
 use tokio_util::sync::CancellationToken;
@@ -59,7 +59,7 @@ struct Setup {
     _foreign_conn: Connection,
 }
 
-async fn setup(prefetch: u16, batch_size: u16) -> Setup {
+async fn setup(prefetch: u16, batch_size: usize) -> Setup {
     let schema = format!("t_{}", Uuid::new_v4().simple());
     let outbox = PgOutbox::connect(
         &PgConfig::new(env(
@@ -96,7 +96,7 @@ async fn setup(prefetch: u16, batch_size: u16) -> Setup {
         .with_binding_key("#")
         .with_queue_arguments(args)
         .with_prefetch(prefetch)
-        .with_batch_size(batch_size)
+        .with_batch(BatchSettings::new().with_size(batch_size))
         .with_requeue_delay(Duration::from_millis(50))
         .build()
         .expect("consumer");

@@ -598,6 +598,33 @@ mod tests {
     }
 
     #[test]
+    fn batch_settings_are_checked_against_the_window() {
+        use std::time::Duration;
+        let field = |b: BatchSettings| b.check(10).expect_err("invalid").field;
+        assert_eq!(
+            BatchSettings::new().check(10),
+            Ok(10),
+            "default: the window"
+        );
+        assert_eq!(BatchSettings::new().with_size(10).check(10), Ok(10));
+        assert_eq!(field(BatchSettings::new().with_size(0)), "batch_size");
+        assert_eq!(field(BatchSettings::new().with_size(11)), "batch_size");
+        let at_most = BatchSettings::new().with_linger(BatchSettings::MAX_LINGER);
+        assert_eq!(at_most.check(10), Ok(10));
+        let above = BatchSettings::new().with_linger(Duration::from_millis(1001));
+        assert_eq!(field(above), "batch_linger");
+        assert_eq!(
+            field(BatchSettings::new().with_in_flight(0)),
+            "batches_in_flight"
+        );
+        assert_eq!(
+            field(BatchSettings::new().with_in_flight(65)),
+            "batches_in_flight"
+        );
+        assert_eq!(BatchSettings::new().with_in_flight(64).check(10), Ok(10));
+    }
+
+    #[test]
     fn defer_delays_double_up_to_the_cap() {
         let secs: Vec<u64> = (1..=7).map(|n| defer_delay(n).as_secs()).collect();
         assert_eq!(secs, [1, 2, 4, 8, 15, 15, 15]);
@@ -700,7 +727,7 @@ pub trait Consumer: Send + Sync {
     ) -> Result<(), Self::Error>;
 
     /// Consumes until `shutdown` is cancelled, handing deliveries to `handler` in
-    /// batches (size, linger and batches in flight as the consumer was built).
+    /// batches (the [`BatchSettings`] the consumer was built with).
     ///
     /// # Errors
     /// As [`run`](Self::run).
@@ -709,4 +736,152 @@ pub trait Consumer: Send + Sync {
         handler: H,
         shutdown: tokio_util::sync::CancellationToken,
     ) -> Result<(), Self::Error>;
+}
+
+/// How a consumer's batched mode ([`Consumer::run_batched`]) groups deliveries: the
+/// same type and limits for every transport, given to `RabbitConsumerBuilder::with_batch`
+/// and `NatsConsumerBuilder::with_batch`.
+///
+/// A batch is handed over when it holds [`size`](Self::with_size) deliveries, or when
+/// [`linger`](Self::with_linger) has passed since its first one (deliveries already
+/// received are always taken first); up to [`in_flight`](Self::with_in_flight) batches
+/// are handled at once, so that the broker and the database overlap. The consumer's
+/// window (RabbitMQ's prefetch, JetStream's `max_ack_pending`, i.e. the NATS consumer's
+/// concurrency) bounds every delivery held, batches in flight included: with a batch
+/// size equal to the window the next batch can only fill as the one in flight is
+/// acknowledged; half the window with 2 batches in flight lets the broker deliver the
+/// next batch while the database works on the current one.
+///
+/// ```
+/// use std::time::Duration;
+/// use outbox_core::BatchSettings;
+///
+/// let batch = BatchSettings::new().with_size(50).with_linger(Duration::from_millis(5));
+/// assert_eq!(batch.check(100), Ok(50));
+/// assert!(batch.check(10).is_err(), "50 is above a window of 10");
+/// ```
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[must_use]
+pub struct BatchSettings {
+    size: Option<usize>,
+    linger: std::time::Duration,
+    in_flight: usize,
+}
+
+impl BatchSettings {
+    /// Default [linger](Self::with_linger): 3 ms.
+    pub const DEFAULT_LINGER: std::time::Duration = std::time::Duration::from_millis(3);
+    /// Longest accepted linger: 1 s.
+    pub const MAX_LINGER: std::time::Duration = std::time::Duration::from_secs(1);
+    /// Default number of [batches in flight](Self::with_in_flight): 2.
+    pub const DEFAULT_IN_FLIGHT: usize = 2;
+    /// Largest accepted number of batches in flight: 64.
+    pub const MAX_IN_FLIGHT: usize = 64;
+
+    /// The defaults: batches as large as the consumer's window, a 3 ms linger, 2
+    /// batches in flight.
+    pub const fn new() -> Self {
+        Self {
+            size: None,
+            linger: Self::DEFAULT_LINGER,
+            in_flight: Self::DEFAULT_IN_FLIGHT,
+        }
+    }
+
+    /// The largest number of deliveries handed to the handler at once (one transaction
+    /// with the `inbox` crate's consumers), 1 to the consumer's window. Default: the
+    /// window (RabbitMQ's prefetch, the NATS consumer's concurrency; 100 by default).
+    pub const fn with_size(mut self, messages: usize) -> Self {
+        self.size = Some(messages);
+        self
+    }
+
+    /// How long a batch that is not full waits for more deliveries after its first one;
+    /// zero hands over whatever has arrived. At most [`MAX_LINGER`](Self::MAX_LINGER).
+    /// Default 3 ms.
+    pub const fn with_linger(mut self, linger: std::time::Duration) -> Self {
+        self.linger = linger;
+        self
+    }
+
+    /// How many batches are handled at once, 1 to [`MAX_IN_FLIGHT`](Self::MAX_IN_FLIGHT).
+    /// Default 2.
+    pub const fn with_in_flight(mut self, batches: usize) -> Self {
+        self.in_flight = batches;
+        self
+    }
+
+    /// The batch size asked for; `None` means the consumer's window.
+    pub const fn size(&self) -> Option<usize> {
+        self.size
+    }
+
+    /// The linger.
+    pub const fn linger(&self) -> std::time::Duration {
+        self.linger
+    }
+
+    /// The number of batches handled at once.
+    pub const fn in_flight(&self) -> usize {
+        self.in_flight
+    }
+
+    /// Checks the settings against a consumer's `window` (its prefetch or concurrency)
+    /// and returns the batch size to use (the size asked for, or the window).
+    ///
+    /// # Errors
+    /// [`InvalidBatchSettings`] naming the field (`batch_size`, `batch_linger`,
+    /// `batches_in_flight`) when the size is 0 or above the window, the linger above
+    /// [`MAX_LINGER`](Self::MAX_LINGER), or the batches in flight outside
+    /// `1..=`[`MAX_IN_FLIGHT`](Self::MAX_IN_FLIGHT).
+    pub fn check(&self, window: usize) -> Result<usize, InvalidBatchSettings> {
+        let size = self.size.unwrap_or(window);
+        if size == 0 || size > window {
+            return Err(InvalidBatchSettings {
+                field: "batch_size",
+                reason: format!(
+                    "must be between 1 and the consumer's window ({window}), got {size}"
+                ),
+            });
+        }
+        if self.linger > Self::MAX_LINGER {
+            return Err(InvalidBatchSettings {
+                field: "batch_linger",
+                reason: format!(
+                    "must be at most {:?}, got {:?}",
+                    Self::MAX_LINGER,
+                    self.linger
+                ),
+            });
+        }
+        if !(1..=Self::MAX_IN_FLIGHT).contains(&self.in_flight) {
+            return Err(InvalidBatchSettings {
+                field: "batches_in_flight",
+                reason: format!(
+                    "must be between 1 and {}, got {}",
+                    Self::MAX_IN_FLIGHT,
+                    self.in_flight
+                ),
+            });
+        }
+        Ok(size)
+    }
+}
+
+impl Default for BatchSettings {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+/// [`BatchSettings`] a consumer cannot use; the transports report it as their own
+/// `InvalidConfig` error with the same field and reason.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("invalid {field}: {reason}")]
+#[non_exhaustive]
+pub struct InvalidBatchSettings {
+    /// `batch_size`, `batch_linger` or `batches_in_flight`.
+    pub field: &'static str,
+    /// What is wrong, with the limit and the value given.
+    pub reason: String,
 }

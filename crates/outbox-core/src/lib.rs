@@ -79,8 +79,8 @@ pub use admin::{
     InboxReplayReport, OutboxAdmin, ReconcileRow,
 };
 pub use consumer::{
-    BatchDeliveryHandler, Consumer, DeliveryHandler, HandlerDecision, TransportKind,
-    UnknownTransport,
+    BatchDeliveryHandler, BatchSettings, Consumer, DeliveryHandler, HandlerDecision,
+    InvalidBatchSettings, TransportKind, UnknownTransport,
 };
 pub use dispatcher::{BatchReport, Dispatcher, DispatcherConfig, DispatcherStats, WakeHandle};
 pub use domain::{DomainEvents, EventSource};

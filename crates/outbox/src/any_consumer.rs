@@ -52,7 +52,7 @@ impl AnyConsumer {
     /// # Errors
     /// [`AnyPublisherError::UnsupportedScheme`],
     /// [`AnyPublisherError::TransportDisabled`], or the transport's own error for a URL
-    /// or name it rejects ([`ErrorKind::Permanent`]). Nothing connects here: the
+    /// or name it rejects ([`ErrorKind::Permanent`](outbox_core::ErrorKind::Permanent)). Nothing connects here: the
     /// consumer connects when it runs.
     pub fn from_url(url: &str, stream: &str, name: &str) -> Result<Self, AnyConsumerError> {
         match url.split_once("://").map(|(scheme, _)| scheme) {

@@ -61,15 +61,15 @@ pub(crate) async fn consume_batched_once<H: BatchDeliveryHandler>(
     let mut undecodables = FuturesUnordered::new();
     let mut errors_in_a_row = 0u32;
     let ended = loop {
-        let launchable = !waiting.is_empty() && batches.len() < consumer.batches_in_flight;
+        let launchable = !waiting.is_empty() && batches.len() < consumer.batch.in_flight();
         if launchable && waiting.len() >= batch_size {
             let batch = waiting.drain(..batch_size).collect();
             batches.push(process_batch(consumer, handler, batch, shutdown));
             continue;
         }
-        let linger_until = waiting
-            .front()
-            .map_or_else(Instant::now, |first| first.received + consumer.batch_linger);
+        let linger_until = waiting.front().map_or_else(Instant::now, |first| {
+            first.received + consumer.batch.linger()
+        });
         tokio::select! {
             biased;
             () = shutdown.cancelled() => break Ok(()),

@@ -101,7 +101,7 @@ use outbox_core::consumer::{
     BatchDeliveryHandler, DeliveryHandler, HandlerDecision, handle_until_decided, until_decided,
 };
 use outbox_core::wire::{Binding, IncomingMessage, UndecodableMessage};
-use outbox_core::{Consumer, ErrorKind, Headers, TransportKind};
+use outbox_core::{BatchSettings, Consumer, ErrorKind, Headers, TransportKind};
 use tokio::time::timeout;
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, error, info, warn};
@@ -138,15 +138,6 @@ const PULL_EXPIRES: Duration = Duration::from_secs(30);
 /// Stream errors in a row, without a message in between, after which the consumer is
 /// set up again.
 const MAX_CONSECUTIVE_ERRORS: u32 = 5;
-/// Default of [`NatsConsumerBuilder::with_batch_linger`]: how long a batch waits for
-/// more messages after its first one (batched mode).
-pub const DEFAULT_BATCH_LINGER: Duration = Duration::from_millis(3);
-/// Longest accepted batch linger.
-pub const MAX_BATCH_LINGER: Duration = Duration::from_secs(1);
-/// Default of [`NatsConsumerBuilder::with_batches_in_flight`] (batched mode).
-pub const DEFAULT_BATCHES_IN_FLIGHT: usize = 2;
-/// Largest accepted number of batches in flight.
-pub const MAX_BATCHES_IN_FLIGHT: usize = 64;
 
 /// Settings of a [`NatsConsumer`] before validation. Every setter consumes and returns
 /// the builder; [`build`](Self::build) validates.
@@ -164,9 +155,7 @@ pub struct NatsConsumerBuilder {
     concurrency: usize,
     reconnect_initial: Duration,
     reconnect_max: Duration,
-    batch_size: Option<usize>,
-    batch_linger: Duration,
-    batches_in_flight: usize,
+    batch: BatchSettings,
 }
 
 impl NatsConsumerBuilder {
@@ -184,9 +173,7 @@ impl NatsConsumerBuilder {
             concurrency: DEFAULT_CONCURRENCY,
             reconnect_initial: DEFAULT_RECONNECT_INITIAL,
             reconnect_max: DEFAULT_RECONNECT_MAX,
-            batch_size: None,
-            batch_linger: DEFAULT_BATCH_LINGER,
-            batches_in_flight: DEFAULT_BATCHES_IN_FLIGHT,
+            batch: BatchSettings::new(),
         }
     }
 
@@ -254,30 +241,11 @@ impl NatsConsumerBuilder {
         self
     }
 
-    /// Batched mode ([`NatsConsumer::run_batched`]): the largest number of messages
-    /// handed to the handler at once, 1 to the concurrency. Default: the concurrency
-    /// (100). `max_ack_pending` (the concurrency) bounds every message held, batches in
-    /// flight included: with a batch size equal to it, the next batch can only fill as
-    /// the one in flight is acknowledged; a smaller one (e.g. half of it with 2 batches
-    /// in flight) lets the server deliver the next batch while the database works on
-    /// the current one.
-    pub fn with_batch_size(mut self, size: usize) -> Self {
-        self.batch_size = Some(size);
-        self
-    }
-
-    /// Batched mode: how long a batch that is not full waits for more messages after
-    /// its first one (messages already received are always taken first). At most
-    /// [`MAX_BATCH_LINGER`]; zero hands over whatever has arrived. Default 3 ms.
-    pub fn with_batch_linger(mut self, linger: Duration) -> Self {
-        self.batch_linger = linger;
-        self
-    }
-
-    /// Batched mode: how many batches are handled at once, 1 to
-    /// [`MAX_BATCHES_IN_FLIGHT`], so that the server and the database overlap. Default 2.
-    pub fn with_batches_in_flight(mut self, n: usize) -> Self {
-        self.batches_in_flight = n;
+    /// Batched mode ([`Consumer::run_batched`]): batch size, linger and batches in
+    /// flight. The batch size is at most the concurrency (the default size). Default
+    /// [`BatchSettings::new`].
+    pub fn with_batch(mut self, batch: BatchSettings) -> Self {
+        self.batch = batch;
         self
     }
 
@@ -288,9 +256,9 @@ impl NatsConsumerBuilder {
     /// whitespace, `.`, `*`, `>`, `/` or `\`; the filter subject is not a valid subject;
     /// `ack_wait` is zero; `max_deliver` is `Some(0)` or not above the number of backoff
     /// steps; a backoff delay is zero; the concurrency is outside `1..=10_000`; the
-    /// reconnect backoff is zero or its initial delay exceeds its cap; the batch size is
-    /// 0 or above the concurrency, the batch linger above [`MAX_BATCH_LINGER`], or the
-    /// batches in flight outside `1..=64`.
+    /// reconnect backoff is zero or its initial delay exceeds its cap; or the
+    /// [batch settings](BatchSettings::check) do not fit the concurrency (fields
+    /// `batch_size`, `batch_linger`, `batches_in_flight`).
     pub fn build(self) -> Result<NatsConsumer, NatsError> {
         check_name("stream", &self.stream)?;
         check_name("durable", &self.durable)?;
@@ -338,31 +306,10 @@ impl NatsConsumerBuilder {
                 "the initial delay must be greater than zero and at most the maximum",
             ));
         }
-        let batch_size = self.batch_size.unwrap_or(self.concurrency);
-        if batch_size == 0 || batch_size > self.concurrency {
-            return Err(invalid(
-                "batch_size",
-                format!(
-                    "must be between 1 and the concurrency ({}), got {batch_size}",
-                    self.concurrency
-                ),
-            ));
-        }
-        if self.batch_linger > MAX_BATCH_LINGER {
-            return Err(invalid(
-                "batch_linger",
-                format!("must be at most {MAX_BATCH_LINGER:?}"),
-            ));
-        }
-        if !(1..=MAX_BATCHES_IN_FLIGHT).contains(&self.batches_in_flight) {
-            return Err(invalid(
-                "batches_in_flight",
-                format!(
-                    "must be between 1 and {MAX_BATCHES_IN_FLIGHT}, got {}",
-                    self.batches_in_flight
-                ),
-            ));
-        }
+        let batch_size = self
+            .batch
+            .check(self.concurrency)
+            .map_err(|e| invalid(e.field, e.reason))?;
         Ok(NatsConsumer {
             config: self.config,
             stream: self.stream,
@@ -376,8 +323,7 @@ impl NatsConsumerBuilder {
             reconnect_initial: self.reconnect_initial,
             reconnect_max: self.reconnect_max,
             batch_size,
-            batch_linger: self.batch_linger,
-            batches_in_flight: self.batches_in_flight,
+            batch: self.batch,
         })
     }
 }
@@ -444,8 +390,9 @@ pub struct NatsConsumer {
     reconnect_initial: Duration,
     reconnect_max: Duration,
     batch_size: usize,
-    pub(crate) batch_linger: Duration,
-    pub(crate) batches_in_flight: usize,
+    /// Batched mode's linger and batches in flight (`batch_size` is its size resolved
+    /// against the window).
+    pub(crate) batch: BatchSettings,
 }
 
 /// Per-message settings the processing of a delivery needs.
@@ -489,11 +436,10 @@ impl Consumer for NatsConsumer {
 
     /// Consumes until `shutdown` is cancelled like [`run`](Self::run), but hands the
     /// messages to `handler` in batches (see the [module docs](self#batched-mode)): up
-    /// to [`batch_size`](NatsConsumerBuilder::with_batch_size) messages, taken as they
-    /// come and for at most the [linger](NatsConsumerBuilder::with_batch_linger) after
-    /// the first, with up to
-    /// [`batches_in_flight`](NatsConsumerBuilder::with_batches_in_flight) batches
-    /// handled at once; each message is answered as soon as the handler has decided
+    /// to the [batch size](BatchSettings::with_size) messages, taken as they come and
+    /// for at most the [linger](BatchSettings::with_linger) after the first, with up to
+    /// [that many](BatchSettings::with_in_flight) batches handled at once (set with
+    /// [`NatsConsumerBuilder::with_batch`]); each message is answered as soon as the handler has decided
     /// it (the acks of a batch are pipelined, not awaited one by one).
     ///
     /// # Errors

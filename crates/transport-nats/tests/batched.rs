@@ -15,7 +15,7 @@ use std::time::Duration;
 use async_trait::async_trait;
 use futures::FutureExt as _;
 use outbox_core::wire::IncomingMessage;
-use outbox_core::{EventPublisher, OutboxMessage};
+use outbox_core::{BatchSettings, EventPublisher, OutboxMessage};
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use transport_nats::{
@@ -26,7 +26,7 @@ use uuid::Uuid;
 
 use common::*;
 
-/// Batch settings are validated.
+/// Batch settings are checked against the concurrency.
 #[test]
 fn batch_settings_are_validated() {
     let config = transport_nats::NatsConfigBuilder::new(url())
@@ -37,15 +37,11 @@ fn batch_settings_are_validated() {
         Err(NatsError::InvalidConfig { field, .. }) => field,
         other => panic!("expected InvalidConfig, got {other:?}"),
     };
-    assert_eq!(field(builder().with_batch_size(0)), "batch_size");
-    assert_eq!(field(builder().with_batch_size(11)), "batch_size");
+    // The limits are BatchSettings::check's (outbox-core's unit tests); the window here
+    // is the concurrency.
     assert_eq!(
-        field(builder().with_batch_linger(Duration::from_secs(2))),
-        "batch_linger"
-    );
-    assert_eq!(
-        field(builder().with_batches_in_flight(65)),
-        "batches_in_flight"
+        field(builder().with_batch(BatchSettings::new().with_size(11))),
+        "batch_size"
     );
     assert_eq!(
         builder().build().expect("valid").batch_size(),
@@ -129,8 +125,7 @@ async fn an_outage_longer_than_ack_wait_spends_no_delivery() {
             .with_ack_wait(ACK_WAIT)
             .with_max_deliver(Some(3))
             .with_concurrency(12)
-            .with_batch_size(3)
-            .with_batches_in_flight(2)
+            .with_batch(BatchSettings::new().with_size(3).with_in_flight(2))
             .with_reconnect_backoff(Duration::from_millis(100), Duration::from_secs(1))
             .build()
             .expect("valid consumer");

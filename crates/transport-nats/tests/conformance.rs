@@ -66,12 +66,8 @@ impl Nats {
         let mut builder = NatsConsumer::builder(self.fx.build(), &self.fx.stream, DURABLE)
             .with_nak_delays(vec![settings.requeue_delay])
             .with_concurrency(settings.concurrency)
-            .with_batch_linger(settings.batch_linger)
-            .with_batches_in_flight(settings.batches_in_flight)
+            .with_batch(settings.batch)
             .with_reconnect_backoff(Duration::from_millis(100), Duration::from_secs(1));
-        if let Some(size) = settings.batch_size {
-            builder = builder.with_batch_size(size);
-        }
         if let Some(ack_wait) = settings.ack_wait {
             builder = builder.with_ack_wait(ack_wait);
         }

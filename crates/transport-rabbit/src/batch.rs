@@ -115,13 +115,13 @@ pub(crate) async fn consume_batched_once<H: BatchDeliveryHandler>(
         requeue_delay: consumer.requeue_delay,
         answer_timeout: consumer.config.connect_timeout(),
     };
-    let batch_size = usize::from(consumer.batch_size);
+    let batch_size = consumer.batch_size;
     let mut collecting: Vec<Held> = Vec::with_capacity(batch_size);
     let mut linger_until: Option<Instant> = None;
     let mut batches = FuturesUnordered::new();
     let mut undecodables = FuturesUnordered::new();
     let ended = loop {
-        let launchable = !collecting.is_empty() && batches.len() < consumer.batches_in_flight;
+        let launchable = !collecting.is_empty() && batches.len() < consumer.batch.in_flight();
         if launchable && collecting.len() >= batch_size {
             let batch = std::mem::take(&mut collecting);
             batches.push(process_batch(
@@ -148,7 +148,7 @@ pub(crate) async fn consume_batched_once<H: BatchDeliveryHandler>(
                     match decode_delivery(&properties, data, redelivered) {
                         Ok(msg) => {
                             if collecting.is_empty() {
-                                linger_until = Some(Instant::now() + consumer.batch_linger);
+                                linger_until = Some(Instant::now() + consumer.batch.linger());
                             }
                             collecting.push(Held { tag: delivery_tag, acker, msg });
                         }

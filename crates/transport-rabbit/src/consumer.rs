@@ -83,7 +83,7 @@ use outbox_core::consumer::{
     BatchDeliveryHandler, DeliveryHandler, HandlerDecision, handle_until_decided, until_decided,
 };
 use outbox_core::wire::{Binding, IncomingMessage, UndecodableMessage};
-use outbox_core::{Consumer, ErrorKind, Headers, TransportKind};
+use outbox_core::{BatchSettings, Consumer, ErrorKind, Headers, TransportKind};
 use tokio::time::timeout;
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, error, info, warn};
@@ -102,16 +102,6 @@ pub const DEFAULT_RECONNECT_MAX: Duration = Duration::from_secs(30);
 /// Default wait before a delivery the handler asked to requeue is returned to the queue.
 pub const DEFAULT_REQUEUE_DELAY: Duration = Duration::from_secs(1);
 
-/// Default of [`RabbitConsumerBuilder::with_batch_linger`]: how long a batch waits for
-/// more deliveries after its first one (batched mode).
-pub const DEFAULT_BATCH_LINGER: Duration = Duration::from_millis(3);
-/// Longest accepted batch linger.
-pub const MAX_BATCH_LINGER: Duration = Duration::from_secs(1);
-/// Default of [`RabbitConsumerBuilder::with_batches_in_flight`] (batched mode).
-pub const DEFAULT_BATCHES_IN_FLIGHT: usize = 2;
-/// Largest accepted number of batches in flight.
-pub const MAX_BATCHES_IN_FLIGHT: usize = 64;
-
 /// Settings of a [`RabbitConsumer`] before validation. Every setter consumes and
 /// returns the builder; [`build`](Self::build) validates.
 #[derive(Debug, Clone)]
@@ -128,9 +118,7 @@ pub struct RabbitConsumerBuilder {
     reconnect_initial: Duration,
     reconnect_max: Duration,
     requeue_delay: Duration,
-    batch_size: Option<u16>,
-    batch_linger: Duration,
-    batches_in_flight: usize,
+    batch: BatchSettings,
 }
 
 impl RabbitConsumerBuilder {
@@ -148,9 +136,7 @@ impl RabbitConsumerBuilder {
             reconnect_initial: DEFAULT_RECONNECT_INITIAL,
             reconnect_max: DEFAULT_RECONNECT_MAX,
             requeue_delay: DEFAULT_REQUEUE_DELAY,
-            batch_size: None,
-            batch_linger: DEFAULT_BATCH_LINGER,
-            batches_in_flight: DEFAULT_BATCHES_IN_FLIGHT,
+            batch: BatchSettings::new(),
         }
     }
 
@@ -224,30 +210,11 @@ impl RabbitConsumerBuilder {
         self
     }
 
-    /// Batched mode ([`RabbitConsumer::run_batched`]): the largest number of deliveries
-    /// handed to the handler at once, 1 to the prefetch. Default: the prefetch (100).
-    /// The prefetch bounds every delivery held, batches in flight included: with a
-    /// batch size equal to the prefetch, the next batch can only fill as the one in
-    /// flight is acknowledged; a smaller one (e.g. half the prefetch with 2 batches in
-    /// flight) lets the broker deliver the next batch while the database works on the
-    /// current one.
-    pub fn with_batch_size(mut self, size: u16) -> Self {
-        self.batch_size = Some(size);
-        self
-    }
-
-    /// Batched mode: how long a batch that is not full waits for more deliveries after
-    /// its first one (deliveries already received are always taken first). At most
-    /// [`MAX_BATCH_LINGER`]; zero hands over whatever has arrived. Default 3 ms.
-    pub fn with_batch_linger(mut self, linger: Duration) -> Self {
-        self.batch_linger = linger;
-        self
-    }
-
-    /// Batched mode: how many batches are handled at once, 1 to
-    /// [`MAX_BATCHES_IN_FLIGHT`], so that the broker and the database overlap. Default 2.
-    pub fn with_batches_in_flight(mut self, n: usize) -> Self {
-        self.batches_in_flight = n;
+    /// Batched mode ([`Consumer::run_batched`]): batch size, linger and batches in
+    /// flight. The batch size is at most the prefetch (the default size). Default
+    /// [`BatchSettings::new`].
+    pub fn with_batch(mut self, batch: BatchSettings) -> Self {
+        self.batch = batch;
         self
     }
 
@@ -256,9 +223,9 @@ impl RabbitConsumerBuilder {
     /// # Errors
     /// [`RabbitError::InvalidConfig`] when the queue name is empty, a name, key or tag is
     /// longer than 255 bytes or contains control characters, the prefetch is 0, the
-    /// backoff is zero or its initial delay exceeds its cap, the batch size is 0 or
-    /// above the prefetch, the batch linger is above [`MAX_BATCH_LINGER`], or the batches
-    /// in flight are outside `1..=64`.
+    /// backoff is zero or its initial delay exceeds its cap, or the
+    /// [batch settings](BatchSettings::check) do not fit the prefetch (fields
+    /// `batch_size`, `batch_linger`, `batches_in_flight`).
     pub fn build(self) -> Result<RabbitConsumer, RabbitError> {
         check_name("queue", &self.queue)?;
         for key in &self.binding_keys {
@@ -283,31 +250,12 @@ impl RabbitConsumerBuilder {
                     .to_owned(),
             });
         }
-        let batch_size = self.batch_size.unwrap_or(self.prefetch);
-        if batch_size == 0 || batch_size > self.prefetch {
-            return Err(RabbitError::InvalidConfig {
-                field: "batch_size",
-                reason: format!(
-                    "must be between 1 and the prefetch ({}), got {batch_size}",
-                    self.prefetch
-                ),
-            });
-        }
-        if self.batch_linger > MAX_BATCH_LINGER {
-            return Err(RabbitError::InvalidConfig {
-                field: "batch_linger",
-                reason: format!("must be at most {MAX_BATCH_LINGER:?}"),
-            });
-        }
-        if !(1..=MAX_BATCHES_IN_FLIGHT).contains(&self.batches_in_flight) {
-            return Err(RabbitError::InvalidConfig {
-                field: "batches_in_flight",
-                reason: format!(
-                    "must be between 1 and {MAX_BATCHES_IN_FLIGHT}, got {}",
-                    self.batches_in_flight
-                ),
-            });
-        }
+        let batch_size = self.batch.check(usize::from(self.prefetch)).map_err(|e| {
+            RabbitError::InvalidConfig {
+                field: e.field,
+                reason: e.reason,
+            }
+        })?;
         let mut queue_arguments = self.queue_arguments;
         if let Some(dlx) = self.dead_letter_exchange {
             queue_arguments.insert(
@@ -327,8 +275,7 @@ impl RabbitConsumerBuilder {
             reconnect_max: self.reconnect_max,
             requeue_delay: self.requeue_delay,
             batch_size,
-            batch_linger: self.batch_linger,
-            batches_in_flight: self.batches_in_flight,
+            batch: self.batch,
         })
     }
 }
@@ -402,9 +349,10 @@ pub struct RabbitConsumer {
     reconnect_initial: Duration,
     reconnect_max: Duration,
     pub(crate) requeue_delay: Duration,
-    pub(crate) batch_size: u16,
-    pub(crate) batch_linger: Duration,
-    pub(crate) batches_in_flight: usize,
+    pub(crate) batch_size: usize,
+    /// Batched mode's linger and batches in flight (`batch_size` is its size resolved
+    /// against the window).
+    pub(crate) batch: BatchSettings,
 }
 
 #[async_trait]
@@ -438,11 +386,10 @@ impl Consumer for RabbitConsumer {
 
     /// Consumes until `shutdown` is cancelled like [`run`](Self::run), but hands the
     /// deliveries to `handler` in batches (see the [module docs](self#batched-mode)):
-    /// up to [`batch_size`](RabbitConsumerBuilder::with_batch_size) deliveries, taken
-    /// as they come and for at most the
-    /// [linger](RabbitConsumerBuilder::with_batch_linger) after the first, with up to
-    /// [`batches_in_flight`](RabbitConsumerBuilder::with_batches_in_flight) batches
-    /// handled at once; a batch whose decisions are all `Ack` is acknowledged with one
+    /// up to the [batch size](BatchSettings::with_size) deliveries, taken as they come
+    /// and for at most the [linger](BatchSettings::with_linger) after the first, with up
+    /// to [that many](BatchSettings::with_in_flight) batches handled at once (set with
+    /// [`RabbitConsumerBuilder::with_batch`]); a batch whose decisions are all `Ack` is acknowledged with one
     /// `basic.ack` (`multiple = true`) when that acknowledges nothing else.
     ///
     /// # Errors
@@ -475,8 +422,8 @@ impl RabbitConsumer {
         self.prefetch
     }
 
-    /// The largest batch of [`run_batched`](Self::run_batched).
-    pub fn batch_size(&self) -> u16 {
+    /// The largest batch of [`run_batched`](Self::run_batched), in deliveries.
+    pub fn batch_size(&self) -> usize {
         self.batch_size
     }
 

@@ -87,20 +87,16 @@ impl Rabbit {
     }
 
     fn consumer(&self, settings: &ConsumerSettings) -> RabbitConsumer {
-        let mut builder =
-            RabbitConsumer::builder(build(config(&self.exchange)), self.queue.clone())
-                .with_binding_key("#")
-                .with_dead_letter_exchange(self.dlx.clone())
-                .with_queue_arguments(expiring(FieldTable::default()))
-                .with_prefetch(u16::try_from(settings.concurrency).expect("a prefetch"))
-                .with_requeue_delay(settings.requeue_delay)
-                .with_batch_linger(settings.batch_linger)
-                .with_batches_in_flight(settings.batches_in_flight)
-                .with_reconnect_backoff(Duration::from_millis(100), Duration::from_secs(1));
-        if let Some(size) = settings.batch_size {
-            builder = builder.with_batch_size(u16::try_from(size).expect("a batch size"));
-        }
-        builder.build().expect("valid consumer")
+        RabbitConsumer::builder(build(config(&self.exchange)), self.queue.clone())
+            .with_binding_key("#")
+            .with_dead_letter_exchange(self.dlx.clone())
+            .with_queue_arguments(expiring(FieldTable::default()))
+            .with_prefetch(u16::try_from(settings.concurrency).expect("a prefetch"))
+            .with_requeue_delay(settings.requeue_delay)
+            .with_batch(settings.batch)
+            .with_reconnect_backoff(Duration::from_millis(100), Duration::from_secs(1))
+            .build()
+            .expect("valid consumer")
     }
 
     async fn publish_raw(&self, routing_key: &str, body: &[u8], properties: BasicProperties) {

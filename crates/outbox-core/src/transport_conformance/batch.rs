@@ -9,10 +9,10 @@ use async_trait::async_trait;
 use uuid::Uuid;
 
 use super::{
-    ConsumerSettings, Running, TransportHarness, eventually, eventually_within, outbox_message,
-    outbox_messages, publish_all,
+    ConsumerSettings, Running, TransportHarness, eventually, eventually_within, outbox_messages,
+    publish_all,
 };
-use crate::consumer::{BatchDeliveryHandler, HandlerDecision};
+use crate::consumer::{BatchDeliveryHandler, BatchSettings, HandlerDecision};
 use crate::wire::IncomingMessage;
 
 /// One call of the handler: each message's id, `redelivered` flag and delivery count.
@@ -142,9 +142,10 @@ pub async fn batches_are_answered_per_message<H: TransportHarness>(h: &H) {
             .with(ids[2], Script::First(1, HandlerDecision::Requeue))
             .with(ids[3], Script::First(1, HandlerDecision::Reject)),
     );
+    let defaults = ConsumerSettings::default();
     let settings = ConsumerSettings {
-        batch_size: Some(5),
-        ..ConsumerSettings::default()
+        batch: defaults.batch.with_size(5),
+        ..defaults
     };
     let running = start(h, &settings, &handler);
     eventually("the requeued messages are handled again", || async {
@@ -296,8 +297,9 @@ pub async fn shutdown_finishes_the_batches_in_flight<H: TransportHarness>(h: &H)
     let handler = Arc::new(handler);
     let settings = ConsumerSettings {
         concurrency: 4,
-        batch_size: Some(2),
-        batch_linger: Duration::from_millis(100),
+        batch: BatchSettings::new()
+            .with_size(2)
+            .with_linger(Duration::from_millis(100)),
         ..ConsumerSettings::default()
     };
     let running = start(h, &settings, &handler);
@@ -318,25 +320,9 @@ pub async fn shutdown_finishes_the_batches_in_flight<H: TransportHarness>(h: &H)
 pub async fn an_identifiable_undecodable_delivery_reaches_the_batch_handler<H: TransportHarness>(
     h: &H,
 ) {
-    let id = Uuid::now_v7();
-    h.publish_malformed(id).await;
-    let good = outbox_message("OrderPlaced", "1", "{}");
-    publish_all(&h.publisher().await, std::slice::from_ref(&good)).await;
-    let recorder = Arc::new(super::UndecodableRecorder::default());
-    let handler: Arc<dyn BatchDeliveryHandler> = Arc::clone(&recorder) as _;
-    let running =
-        Running::start(|shutdown| h.run_batched(&ConsumerSettings::default(), handler, shutdown));
-    eventually(
-        "the malformed delivery is acked after its Defer",
-        || async {
-            recorder.undecodable.lock().expect("lock").len() >= 2
-                && !recorder.decoded.lock().expect("lock").is_empty()
-        },
-    )
+    super::undecodable_is_recorded_and_acked(h, |recorder, shutdown| {
+        let handler: Arc<dyn BatchDeliveryHandler> = recorder;
+        h.run_batched(&ConsumerSettings::default(), handler, shutdown)
+    })
     .await;
-    running.stop_settled(h).await;
-    super::assert_malformed_seen(&recorder, id, good.id);
-    if let Some(dead) = h.dead_lettered().await {
-        assert_eq!(dead, 0, "acked, not rejected");
-    }
 }

@@ -306,26 +306,11 @@ pub async fn undecodable_deliveries_are_rejected_and_block_nothing<H: TransportH
 /// handler again, not dropped), the `Ack` after it removes it, and nothing is
 /// dead-lettered.
 pub async fn an_identifiable_undecodable_delivery_reaches_the_handler<H: TransportHarness>(h: &H) {
-    let id = Uuid::now_v7();
-    h.publish_malformed(id).await;
-    let good = outbox_message("OrderPlaced", "1", "{}");
-    publish_all(&h.publisher().await, std::slice::from_ref(&good)).await;
-    let recorder = Arc::new(super::UndecodableRecorder::default());
-    let handler: Arc<dyn DeliveryHandler> = Arc::clone(&recorder) as _;
-    let running = Running::start(|shutdown| h.run(&ConsumerSettings::default(), handler, shutdown));
-    eventually(
-        "the malformed delivery is acked after its Defer",
-        || async {
-            recorder.undecodable.lock().expect("lock").len() >= 2
-                && !recorder.decoded.lock().expect("lock").is_empty()
-        },
-    )
+    super::undecodable_is_recorded_and_acked(h, |recorder, shutdown| {
+        let handler: Arc<dyn DeliveryHandler> = recorder;
+        h.run(&ConsumerSettings::default(), handler, shutdown)
+    })
     .await;
-    running.stop_settled(h).await;
-    super::assert_malformed_seen(&recorder, id, good.id);
-    if let Some(dead) = h.dead_lettered().await {
-        assert_eq!(dead, 0, "acked, not rejected");
-    }
 }
 
 /// A handler that panics does not take the consumer down, and its delivery is never

@@ -56,7 +56,7 @@ use async_trait::async_trait;
 use tokio_util::sync::CancellationToken;
 use uuid::Uuid;
 
-use crate::consumer::{BatchDeliveryHandler, DeliveryHandler};
+use crate::consumer::{BatchDeliveryHandler, BatchSettings, DeliveryHandler};
 use crate::error::{BoxError, ErrorKind};
 use crate::message::{Headers, NewMessage, OutboxMessage};
 use crate::publisher::EventPublisher;
@@ -88,13 +88,9 @@ pub struct ConsumerSettings {
     /// How long a requeued delivery stays away (AMQP: the consumer's requeue delay
     /// before its `basic.nack`; JetStream: the `-NAK` delay). Default 50 ms.
     pub requeue_delay: Duration,
-    /// Batched mode: messages per batch; `None`: the transport's default (the
-    /// concurrency).
-    pub batch_size: Option<usize>,
-    /// Batched mode: how long a batch that is not full waits for more. Default 200 ms.
-    pub batch_linger: Duration,
-    /// Batched mode: batches handled at once. Default 2.
-    pub batches_in_flight: usize,
+    /// Batched mode: handed to the consumer builder's `with_batch` as it is. Default:
+    /// [`BatchSettings::new`] with a 200 ms linger.
+    pub batch: BatchSettings,
     /// The broker's redelivery timeout for an unanswered delivery where a consumer
     /// sets one (JetStream `ack_wait`); `None`: the transport's default. AMQP has none
     /// per consumer (a delivery stays unacknowledged until its channel closes) and
@@ -107,9 +103,7 @@ impl Default for ConsumerSettings {
         Self {
             concurrency: 10,
             requeue_delay: Duration::from_millis(50),
-            batch_size: None,
-            batch_linger: Duration::from_millis(200),
-            batches_in_flight: 2,
+            batch: BatchSettings::new().with_linger(Duration::from_millis(200)),
             ack_wait: None,
         }
     }
@@ -341,11 +335,42 @@ impl BatchDeliveryHandler for UndecodableRecorder {
     }
 }
 
+/// The scenario of the properties `an_identifiable_undecodable_delivery_reaches_the_handler`
+/// and `…_the_batch_handler`: publishes a malformed but identifiable delivery
+/// ([`TransportHarness::publish_malformed`]) and a decodable message, runs the consumer
+/// `run` starts with an [`UndecodableRecorder`] as its handler, waits until the malformed
+/// delivery was deferred, handed over again and acked and the decodable one handled,
+/// stops, checks what the recorder saw and that nothing was dead-lettered.
+pub(crate) async fn undecodable_is_recorded_and_acked<H: TransportHarness>(
+    h: &H,
+    run: impl FnOnce(Arc<UndecodableRecorder>, CancellationToken) -> ConsumerRun,
+) {
+    let id = Uuid::now_v7();
+    h.publish_malformed(id).await;
+    let good = outbox_message("OrderPlaced", "1", "{}");
+    publish_all(&h.publisher().await, std::slice::from_ref(&good)).await;
+    let recorder = Arc::new(UndecodableRecorder::default());
+    let running = Running::start(|shutdown| run(Arc::clone(&recorder), shutdown));
+    eventually(
+        "the malformed delivery is acked after its Defer",
+        || async {
+            recorder.undecodable.lock().expect("lock").len() >= 2
+                && !recorder.decoded.lock().expect("lock").is_empty()
+        },
+    )
+    .await;
+    running.stop_settled(h).await;
+    assert_malformed_seen(&recorder, id, good.id);
+    if let Some(dead) = h.dead_lettered().await {
+        assert_eq!(dead, 0, "acked, not rejected");
+    }
+}
+
 /// Checks what [`UndecodableRecorder`] saw of the malformed delivery `id` (published by
 /// [`TransportHarness::publish_malformed`]): it reached `handle_undecodable` twice (the
 /// `Defer`, then the `Ack`), with its id, its error, its type and its raw body, and the
 /// decodable message `good` was handled.
-pub(crate) fn assert_malformed_seen(recorder: &UndecodableRecorder, id: Uuid, good: Uuid) {
+fn assert_malformed_seen(recorder: &UndecodableRecorder, id: Uuid, good: Uuid) {
     let seen = recorder.undecodable.lock().expect("lock").clone();
     assert_eq!(
         seen.len(),
