@@ -11,13 +11,11 @@ use std::path::PathBuf;
 
 use clap::{Args, Parser, Subcommand, ValueEnum};
 
-pub use crate::commands::dead::{DeadCommand, DeadListArgs, DeadReplayArgs, FilterArgs};
-pub use crate::commands::inbox_dead::{
-    InboxDeadCommand, InboxDeadListArgs, InboxDeadReplayArgs, InboxFilterArgs,
-};
-pub use crate::commands::purge::PurgeArgs;
-pub use crate::commands::reconcile::ReconcileArgs;
-pub use crate::commands::stats::StatsArgs;
+pub(crate) use crate::commands::dead::DeadCommand;
+pub(crate) use crate::commands::inbox_dead::InboxDeadCommand;
+pub(crate) use crate::commands::purge::PurgeArgs;
+pub(crate) use crate::commands::reconcile::ReconcileArgs;
+pub(crate) use crate::commands::stats::StatsArgs;
 use crate::config::{redact_broker_url, redact_database_url};
 
 /// Operate a transactional outbox: run the relay, migrate, inspect, reconcile, replay
@@ -35,7 +33,7 @@ pub struct Cli {
         env = "OUTBOX_CONFIG",
         value_name = "FILE"
     )]
-    pub config: Option<PathBuf>,
+    pub(crate) config: Option<PathBuf>,
 
     /// PostgreSQL URL, e.g. postgres://user:password@host:5432/db.
     #[arg(
@@ -45,20 +43,20 @@ pub struct Cli {
         value_name = "URL",
         hide_env_values = true
     )]
-    pub database_url: Option<String>,
+    pub(crate) database_url: Option<String>,
 
     /// Schema holding the outbox and inbox tables [default: outbox].
     #[arg(long, global = true, env = "OUTBOX_SCHEMA", value_name = "NAME")]
-    pub schema: Option<String>,
+    pub(crate) schema: Option<String>,
 
     /// Log format on stderr [default: text]. The level comes from RUST_LOG
     /// (default `info`).
     #[arg(long, global = true, env = "OUTBOX_LOG_FORMAT", value_enum)]
-    pub log_format: Option<LogFormat>,
+    pub(crate) log_format: Option<LogFormat>,
 
     /// What to do.
     #[command(subcommand)]
-    pub command: Command,
+    pub(crate) command: Command,
 }
 
 impl fmt::Debug for Cli {
@@ -96,7 +94,7 @@ pub enum LogFormat {
 
 /// The subcommands.
 #[derive(Debug, Subcommand)]
-pub enum Command {
+pub(crate) enum Command {
     /// Run the relay: publish committed outbox messages to the broker until SIGINT or
     /// SIGTERM; serve /metrics and /healthz.
     Relay(RelayArgs),
@@ -128,7 +126,7 @@ pub enum Command {
 
 /// `outbox inbox ...`
 #[derive(Debug, Subcommand)]
-pub enum InboxCommand {
+pub(crate) enum InboxCommand {
     /// Consumer dead letters: list or replay.
     Dead {
         /// list or replay.
@@ -316,7 +314,7 @@ impl fmt::Debug for RelayArgs {
 }
 
 /// The broker (`--transport rabbit|nats`): the core's one [`TransportKind`].
-pub use outbox_core::TransportKind;
+pub(crate) use outbox_core::TransportKind;
 
 /// Publish order of the relay.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum, serde::Deserialize, serde::Serialize)]

@@ -18,13 +18,16 @@ use serde::Deserialize;
 use crate::cli::{Cli, LogFormat, OrderingMode, RelayArgs, SentRetentionMode};
 use crate::database::DatabaseKind;
 use crate::error::CliError;
-pub use outbox_core::TransportKind;
+pub(crate) use outbox_core::TransportKind;
 
 /// The default schema of both SQL backends.
 const DEFAULT_SCHEMA: &str = "outbox";
 
 /// Default address of `/metrics` and `/healthz`.
-pub const DEFAULT_LISTEN: &str = "127.0.0.1:9464";
+const DEFAULT_LISTEN: SocketAddr = SocketAddr::V4(std::net::SocketAddrV4::new(
+    std::net::Ipv4Addr::LOCALHOST,
+    9464,
+));
 
 /// The config file. Every key is optional; unknown keys are an error (a typo must not
 /// be silently ignored).
@@ -148,8 +151,7 @@ impl FileConfig {
 /// Database settings shared by every command. `Debug` hides the URL's password.
 #[derive(Clone, PartialEq, Eq)]
 pub struct DbSettings {
-    /// Database URL or connection string (validated; it picks the backend, see
-    /// [`crate::database`]).
+    /// Database URL or connection string (validated; it picks the backend).
     pub url: String,
     /// Schema (validated).
     pub schema: String,
@@ -238,13 +240,13 @@ impl DbSettings {
     }
 }
 
-pub use crate::database::redact_database_url;
+pub(crate) use crate::database::redact_database_url;
 
 /// `url`, a broker URL of `transport`, with its password (and a NATS token) replaced by
 /// `***`. When the transport is not known yet the NATS rules apply: a user info without
 /// a password is hidden as a token too, and a comma-separated server list is redacted
 /// server by server.
-pub fn redact_broker_url(transport: Option<TransportKind>, url: &str) -> String {
+pub(crate) fn redact_broker_url(transport: Option<TransportKind>, url: &str) -> String {
     match transport {
         #[cfg(feature = "rabbit")]
         Some(TransportKind::Rabbit) => transport_rabbit::redact_url(url),
@@ -353,7 +355,7 @@ impl TransportExt for TransportKind {
 /// PostgreSQL, where polling is only the fallback of push wake-up (`LISTEN`; while the
 /// listener is down it wakes the relay every 500 ms), 500 milliseconds on SQL Server
 /// (polling only) and for an unrecognised URL.
-pub fn default_poll_interval(database: Option<DatabaseKind>) -> Duration {
+pub(crate) fn default_poll_interval(database: Option<DatabaseKind>) -> Duration {
     match database {
         Some(DatabaseKind::Postgres) => Duration::from_secs(2),
         Some(DatabaseKind::SqlServer) | None => Duration::from_millis(500),
@@ -529,8 +531,8 @@ pub struct RelaySettings {
     pub subject_prefix: String,
     /// Messages per claim.
     pub batch_size: usize,
-    /// Longest wait between polls; `None`: the database's default
-    /// ([`default_poll_interval`]).
+    /// Longest wait between polls; `None`: the database's default (2 s on PostgreSQL,
+    /// where push wake-up comes first; 500 ms on SQL Server).
     pub poll_interval: Option<Duration>,
     /// Claim lease.
     pub lease: Duration,
@@ -584,7 +586,7 @@ impl RelaySettings {
             overrides: BTreeMap::new(),
             ordering: OrderingMode::Unordered,
             sent_retention: SentRetentionMode::Keep,
-            listen: SocketAddr::from(([127, 0, 0, 1], 9464)),
+            listen: DEFAULT_LISTEN,
             max_lag: Duration::from_secs(300),
             stuck_after: Duration::from_secs(120),
             health_interval: Duration::from_secs(5),
@@ -808,7 +810,7 @@ fn nonzero(field: &'static str, d: Duration) -> Result<Duration, CliError> {
 ///
 /// # Errors
 /// [`CliError::Invalid`] naming `field`.
-pub fn parse_duration(field: &'static str, text: &str) -> Result<Duration, CliError> {
+pub(crate) fn parse_duration(field: &'static str, text: &str) -> Result<Duration, CliError> {
     humantime::parse_duration(text.trim()).map_err(|e| CliError::Invalid {
         field,
         reason: format!("{text:?} is not a duration like 500ms, 30s, 5m or 7d: {e}"),
@@ -820,7 +822,11 @@ pub fn parse_duration(field: &'static str, text: &str) -> Result<Duration, CliEr
 ///
 /// # Errors
 /// [`CliError::TimeWindow`] naming the flag.
-pub fn parse_time(flag: &str, text: &str, now: DateTime<Utc>) -> Result<DateTime<Utc>, CliError> {
+pub(crate) fn parse_time(
+    flag: &str,
+    text: &str,
+    now: DateTime<Utc>,
+) -> Result<DateTime<Utc>, CliError> {
     let text = text.trim();
     if let Ok(t) = DateTime::parse_from_rfc3339(text) {
         return Ok(t.with_timezone(&Utc));
@@ -840,13 +846,13 @@ pub fn parse_time(flag: &str, text: &str, now: DateTime<Utc>) -> Result<DateTime
 }
 
 /// A time window `[from, to)`; either bound may be open.
-pub type Window = (Option<DateTime<Utc>>, Option<DateTime<Utc>>);
+pub(crate) type Window = (Option<DateTime<Utc>>, Option<DateTime<Utc>>);
 
 /// Parses `--since`/`--until` into a window; both optional.
 ///
 /// # Errors
 /// [`CliError::TimeWindow`] for an unparsable bound or `since >= until`.
-pub fn parse_window(
+pub(crate) fn parse_window(
     since: Option<&str>,
     until: Option<&str>,
     now: DateTime<Utc>,
@@ -868,7 +874,7 @@ pub fn parse_window(
 ///
 /// # Errors
 /// [`CliError::EventTypeOverride`] saying what is wrong.
-pub fn parse_override(
+pub(crate) fn parse_override(
     text: &str,
     default_max_attempts: u32,
 ) -> Result<(String, RetryPolicy), CliError> {

@@ -167,7 +167,7 @@ pub fn sqlserver_connection_string(url: &str) -> Result<String, CliError> {
 }
 
 /// `url` with its password replaced by `***`, whichever backend it names.
-pub fn redact_database_url(url: &str) -> String {
+pub(crate) fn redact_database_url(url: &str) -> String {
     match DatabaseKind::of_url(url) {
         Ok(DatabaseKind::SqlServer) if !url.contains("://") || url.contains(';') => redact_ado(url),
         _ => outbox_core::error::redact_url(url, outbox_core::error::LoneUserInfo::UserName),

@@ -1,17 +1,19 @@
 //! # outbox-cli
 //!
-//! The `outbox` operations binary, usable as a library (the binary is a thin
-//! `main.rs` over [`main_with_args`]):
+//! The `outbox` operations binary. Its interface is the command line (`outbox --help`,
+//! `docs/operations.md`); as a library it offers only what runs that command line in
+//! another program: [`Cli`] (clap), [`run`], [`main_with_args`] (the binary is a thin
+//! `main.rs` over it) and [`CliError`].
 //!
 //! - `outbox relay`: the [`Dispatcher`](outbox_core::Dispatcher) over PostgreSQL or SQL
-//!   Server and RabbitMQ or NATS, configured by flags, environment variables and a TOML file
-//!   ([`config`]); serves `/metrics` (Prometheus) and `/healthz` ([`health`]); text or
-//!   JSON logs; graceful shutdown on SIGINT/SIGTERM ([`relay::Relay`]);
+//!   Server and RabbitMQ or NATS, configured by flags, environment variables and a TOML file;
+//!   serves `/metrics` (Prometheus) and `/healthz`; text or JSON logs; graceful shutdown
+//!   on SIGINT/SIGTERM;
 //! - `outbox migrate`, `outbox stats`, `outbox reconcile`;
 //! - `outbox dead list|replay`, `outbox inbox dead list|replay`;
 //! - `outbox purge` (delete or archive, in small batches).
 //!
-//! The database is chosen by the URL ([`database`]: `postgres://`, `sqlserver://`,
+//! The database is chosen by the URL (`postgres://`, `sqlserver://`,
 //! `mssql://`, `jdbc:sqlserver://` or an ADO.NET string), the broker by `--transport`.
 //! Cargo features pick what is compiled in: `postgres`, `sqlserver`, `rabbit`, `nats`
 //! (all four by default; at least one database and one transport). A URL or
@@ -36,14 +38,14 @@ compile_error!("outbox-cli needs a database feature: `postgres` and/or `sqlserve
 #[cfg(not(any(feature = "rabbit", feature = "nats")))]
 compile_error!("outbox-cli needs a transport feature: `rabbit` and/or `nats`");
 
-pub mod cli;
-pub mod commands;
-pub mod config;
-pub mod database;
-pub mod error;
-pub mod health;
+mod cli;
+mod commands;
+mod config;
+mod database;
+mod error;
+mod health;
 mod output;
-pub mod relay;
+mod relay;
 #[doc(hidden)]
 pub mod testing;
 
@@ -104,7 +106,7 @@ where
 /// lapin and async-nats use ring), and rustls refuses to pick one by itself: the first
 /// TLS connection (`amqps://`, `tls://`, PostgreSQL or SQL Server over TLS) would
 /// panic. Does nothing when a provider is installed already (embedding programs).
-pub fn install_crypto_provider() {
+pub(crate) fn install_crypto_provider() {
     let _ = rustls::crypto::ring::default_provider().install_default();
 }
 
@@ -117,7 +119,7 @@ fn report(e: &CliError) -> ExitCode {
 /// Installs the tracing subscriber: `format` on stderr (colours only on a terminal),
 /// level from `RUST_LOG` (default `info`; PostgreSQL notices at `warn`; lapin's
 /// returned-message warnings, which include the payload, off). Does nothing when one is installed already.
-pub fn init_logging(format: LogFormat) {
+pub(crate) fn init_logging(format: LogFormat) {
     use std::io::IsTerminal as _;
     use tracing_subscriber::EnvFilter;
     // sqlx logs every server NOTICE (e.g. "schema already exists") at info; lapin logs

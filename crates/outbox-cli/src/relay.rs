@@ -28,14 +28,14 @@ const CLOSE_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(2);
 /// The relay's publisher: RabbitMQ or NATS, chosen at run time (the `outbox` facade's,
 /// shared with the examples). Both connect lazily, so the relay starts (and reports
 /// unhealthy) while the broker is down.
-pub use outbox::AnyPublisher;
+pub(crate) use outbox::AnyPublisher;
 
 /// The publisher `settings` ask for, connecting lazily.
 ///
 /// # Errors
 /// [`CliError::FeatureMissing`] for a transport compiled out, [`CliError::Rabbit`] /
 /// [`CliError::Nats`] for an invalid transport configuration.
-pub async fn publisher(settings: &RelaySettings) -> Result<AnyPublisher, CliError> {
+pub(crate) async fn publisher(settings: &RelaySettings) -> Result<AnyPublisher, CliError> {
     let config: outbox::AnyPublisherConfig = match settings.transport.require()? {
         #[cfg(feature = "rabbit")]
         TransportKind::Rabbit => settings.rabbit_config()?.into(),
@@ -58,7 +58,7 @@ const METRICS_UPKEEP: std::time::Duration = std::time::Duration::from_secs(5);
 ///
 /// # Errors
 /// [`CliError::Metrics`] when another recorder is already installed.
-pub fn prometheus() -> Result<PrometheusHandle, CliError> {
+pub(crate) fn prometheus() -> Result<PrometheusHandle, CliError> {
     static HANDLE: OnceLock<Result<PrometheusHandle, String>> = OnceLock::new();
     HANDLE
         .get_or_init(|| {
@@ -104,7 +104,7 @@ pub fn prometheus() -> Result<PrometheusHandle, CliError> {
 }
 
 /// The `/metrics` and `/healthz` routes.
-pub fn router(health: Health, prometheus: PrometheusHandle) -> Router {
+pub(crate) fn router(health: Health, prometheus: PrometheusHandle) -> Router {
     Router::new()
         .route("/metrics", get(metrics_endpoint))
         .route("/healthz", get(healthz_endpoint))
@@ -350,7 +350,7 @@ fn dispatcher_config(settings: &RelaySettings) -> outbox_core::DispatcherConfig 
 }
 
 /// Waits for SIGINT or SIGTERM (SIGINT only on non-Unix), then cancels `token`.
-pub async fn cancel_on_signal(token: CancellationToken) {
+pub(crate) async fn cancel_on_signal(token: CancellationToken) {
     #[cfg(unix)]
     {
         use tokio::signal::unix::{SignalKind, signal};

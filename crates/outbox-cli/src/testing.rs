@@ -60,3 +60,14 @@ impl<P: EventPublisher> EventPublisher for Hooked<P> {
         self.inner.check_ready().await
     }
 }
+
+/// The binary's internals that this crate's integration tests drive directly (a relay
+/// started in the test process, the settings it resolves, the admin connection, the
+/// health checks). Not a stable API: the binary's interface is its command line.
+pub mod internals {
+    pub use crate::cli::SentRetentionMode;
+    pub use crate::config::{DbSettings, RelaySettings};
+    pub use crate::database::{connect_admin, sqlserver_connection_string};
+    pub use crate::health::Health;
+    pub use crate::relay::Relay;
+}

@@ -901,7 +901,7 @@ impl outbox_core::EventPublisher for Reachable {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn health_reports_a_stuck_relay_and_queue_lag() {
-    use outbox_cli::health::Health;
+    use outbox_cli::testing::internals::Health;
     use std::time::Duration;
     let db = fresh_outbox().await;
     let health = Health::new(Duration::from_secs(300), Duration::from_secs(60), None);

@@ -56,11 +56,11 @@ async fn scenario(url: &str, backend: &dyn Backend) {
 
     let messages: Vec<NewMessage> = (0..5).map(message).collect();
     backend.enqueue(url, &schema, &messages).await;
-    let db = outbox_cli::config::DbSettings {
+    let db = outbox_cli::testing::internals::DbSettings {
         url: url.to_owned(),
         schema: schema.clone(),
     };
-    let store: Box<dyn OutboxAdmin> = outbox_cli::database::connect_admin(&db)
+    let store: Box<dyn OutboxAdmin> = outbox_cli::testing::internals::connect_admin(&db)
         .await
         .expect("connect");
     let claimed = store
@@ -201,7 +201,7 @@ mod sqlserver {
     struct Mssql;
 
     async fn connect(url: &str, schema: &str) -> MssqlOutbox {
-        let conn = outbox_cli::database::sqlserver_connection_string(url).expect("url");
+        let conn = outbox_cli::testing::internals::sqlserver_connection_string(url).expect("url");
         MssqlOutbox::connect(&MssqlConfig::new(conn).with_schema(schema))
             .await
             .expect("connect")

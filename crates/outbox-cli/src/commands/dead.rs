@@ -15,7 +15,7 @@ use crate::output::{json, opt, short, table};
 
 /// `outbox dead ...`
 #[derive(Debug, Subcommand)]
-pub enum DeadCommand {
+pub(crate) enum DeadCommand {
     /// List dead messages (oldest first; payloads are never shown).
     List(DeadListArgs),
     /// Move dead messages back to New, visible now, attempts reset; the relay publishes
@@ -25,7 +25,7 @@ pub enum DeadCommand {
 
 /// Filters shared by `dead list` and `dead replay`.
 #[derive(Debug, Default, Args)]
-pub struct FilterArgs {
+pub(crate) struct FilterArgs {
     /// Only this message id (repeatable).
     #[arg(long = "id", value_name = "UUID")]
     pub ids: Vec<uuid::Uuid>,
@@ -54,7 +54,7 @@ pub struct FilterArgs {
 
 /// `outbox dead list`
 #[derive(Debug, Args)]
-pub struct DeadListArgs {
+pub(crate) struct DeadListArgs {
     /// Which messages.
     #[command(flatten)]
     pub filter: FilterArgs,
@@ -68,7 +68,7 @@ pub struct DeadListArgs {
 
 /// `outbox dead replay`
 #[derive(Debug, Args)]
-pub struct DeadReplayArgs {
+pub(crate) struct DeadReplayArgs {
     /// Which messages.
     #[command(flatten)]
     pub filter: FilterArgs,
@@ -87,7 +87,10 @@ pub struct DeadReplayArgs {
 ///
 /// # Errors
 /// [`CliError::TimeWindow`].
-pub fn message_filter(args: &FilterArgs, now: DateTime<Utc>) -> Result<MessageFilter, CliError> {
+pub(crate) fn message_filter(
+    args: &FilterArgs,
+    now: DateTime<Utc>,
+) -> Result<MessageFilter, CliError> {
     let (from, to) = parse_window(args.since.as_deref(), args.until.as_deref(), now)?;
     let mut f = MessageFilter::new().with_ids(args.ids.iter().copied());
     f.from = from;
@@ -101,14 +104,14 @@ pub fn message_filter(args: &FilterArgs, now: DateTime<Utc>) -> Result<MessageFi
 }
 
 /// Whether a filter selects everything (replay then needs `--all`).
-pub fn is_unfiltered(f: &MessageFilter) -> bool {
+pub(crate) fn is_unfiltered(f: &MessageFilter) -> bool {
     *f == MessageFilter::new()
 }
 
 /// A dead outbox message as listed (never the payload).
 #[derive(Debug, Clone, Serialize, PartialEq, Eq)]
 #[non_exhaustive]
-pub struct DeadView {
+pub(crate) struct DeadView {
     /// Message id.
     pub id: Uuid,
     /// When it was written (database clock).
@@ -133,7 +136,7 @@ pub struct DeadView {
 ///
 /// # Errors
 /// [`CliError::Store`].
-pub async fn dead_list(
+pub(crate) async fn dead_list(
     outbox: &dyn OutboxAdmin,
     filter: &MessageFilter,
     limit: usize,
@@ -159,7 +162,7 @@ pub async fn dead_list(
 /// A replay report as printed.
 #[derive(Debug, Clone, Serialize, PartialEq)]
 #[non_exhaustive]
-pub struct ReplayView {
+pub(crate) struct ReplayView {
     /// Whether nothing was changed.
     pub dry_run: bool,
     /// Dead letters matching the filter.
@@ -176,7 +179,7 @@ pub struct ReplayView {
 ///
 /// # Errors
 /// [`CliError::Invalid`] for an unfiltered replay without `all`, [`CliError::Store`].
-pub async fn dead_replay(
+pub(crate) async fn dead_replay(
     outbox: &dyn OutboxAdmin,
     filter: &MessageFilter,
     dry_run: bool,

@@ -16,7 +16,7 @@ use crate::output::{json, opt, short, table};
 
 /// `outbox inbox dead ...`
 #[derive(Debug, Subcommand)]
-pub enum InboxDeadCommand {
+pub(crate) enum InboxDeadCommand {
     /// List consumer dead letters (idempotent-consumer failures and durable-inbox Dead
     /// rows).
     List(InboxDeadListArgs),
@@ -28,7 +28,7 @@ pub enum InboxDeadCommand {
 
 /// Filters of consumer dead letters.
 #[derive(Debug, Default, Args)]
-pub struct InboxFilterArgs {
+pub(crate) struct InboxFilterArgs {
     /// Only this message id (repeatable).
     #[arg(long = "id", value_name = "UUID")]
     pub ids: Vec<uuid::Uuid>,
@@ -51,7 +51,7 @@ pub struct InboxFilterArgs {
 
 /// `outbox inbox dead list`
 #[derive(Debug, Args)]
-pub struct InboxDeadListArgs {
+pub(crate) struct InboxDeadListArgs {
     /// Which dead letters.
     #[command(flatten)]
     pub filter: InboxFilterArgs,
@@ -65,7 +65,7 @@ pub struct InboxDeadListArgs {
 
 /// `outbox inbox dead replay`
 #[derive(Debug, Args)]
-pub struct InboxDeadReplayArgs {
+pub(crate) struct InboxDeadReplayArgs {
     /// Which dead letters.
     #[command(flatten)]
     pub filter: InboxFilterArgs,
@@ -87,7 +87,7 @@ pub struct InboxDeadReplayArgs {
 
 impl InboxDeadReplayArgs {
     /// The replay mode the flags ask for: `--dry-run` wins over `--clear-only`.
-    pub fn mode(&self) -> InboxReplayMode {
+    pub(crate) fn mode(&self) -> InboxReplayMode {
         if self.dry_run {
             InboxReplayMode::DryRun
         } else if self.clear_only {
@@ -102,7 +102,7 @@ impl InboxDeadReplayArgs {
 ///
 /// # Errors
 /// [`CliError::TimeWindow`].
-pub fn inbox_filter(
+pub(crate) fn inbox_filter(
     args: &InboxFilterArgs,
     now: DateTime<Utc>,
 ) -> Result<InboxDeadFilter, CliError> {
@@ -121,7 +121,7 @@ pub fn inbox_filter(
 ///
 /// # Errors
 /// [`CliError::Store`].
-pub async fn inbox_dead_list(
+pub(crate) async fn inbox_dead_list(
     outbox: &dyn OutboxAdmin,
     filter: &InboxDeadFilter,
     limit: usize,
@@ -133,7 +133,7 @@ pub async fn inbox_dead_list(
 ///
 /// # Errors
 /// [`CliError::Invalid`] for an unfiltered replay without `all`, [`CliError::Store`].
-pub async fn inbox_dead_replay(
+pub(crate) async fn inbox_dead_replay(
     outbox: &dyn OutboxAdmin,
     filter: &InboxDeadFilter,
     mode: InboxReplayMode,

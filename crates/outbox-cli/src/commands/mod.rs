@@ -26,11 +26,9 @@ pub(crate) mod purge;
 pub(crate) mod reconcile;
 pub(crate) mod stats;
 
-pub use dead::{DeadView, ReplayView, dead_list, dead_replay, is_unfiltered, message_filter};
-pub use inbox_dead::{inbox_dead_list, inbox_dead_replay, inbox_filter};
-pub use purge::{PurgeScope, PurgeView, purge};
-pub use reconcile::reconcile;
-pub use stats::{BlockedKeyView, StatsReport, Totals, stats};
+pub(crate) use purge::purge;
+pub(crate) use reconcile::reconcile;
+pub(crate) use stats::stats;
 
 /// A command whose arguments were validated: all that is left is to run it against
 /// the database.

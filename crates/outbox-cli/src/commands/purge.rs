@@ -15,7 +15,7 @@ use crate::output::json;
 
 /// `outbox purge`
 #[derive(Debug, Args)]
-pub struct PurgeArgs {
+pub(crate) struct PurgeArgs {
     /// Remove sent outbox rows sent longer ago than this, and inbox records processed
     /// longer ago (e.g. 7d). Must exceed the longest redelivery or replay horizon, or
     /// late duplicates are processed again.
@@ -45,7 +45,7 @@ pub struct PurgeArgs {
 /// What `outbox purge` removed.
 #[derive(Debug, Clone, Default, Serialize, PartialEq)]
 #[non_exhaustive]
-pub struct PurgeView {
+pub(crate) struct PurgeView {
     /// Whether rows were archived rather than deleted.
     pub archived: bool,
     /// Sent outbox rows removed.
@@ -62,22 +62,11 @@ pub struct PurgeView {
 
 /// What `outbox purge` should touch.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-#[non_exhaustive]
-pub struct PurgeScope {
+pub(crate) struct PurgeScope {
     /// Sent outbox rows.
     pub outbox: bool,
     /// Inbox records and processed durable-inbox messages.
     pub inbox: bool,
-}
-
-impl PurgeScope {
-    /// Both.
-    pub fn all() -> Self {
-        Self {
-            outbox: true,
-            inbox: true,
-        }
-    }
 }
 
 /// `outbox purge`: removes rows older than `older_than`, `batch_size` per statement
@@ -87,7 +76,7 @@ impl PurgeScope {
 /// # Errors
 /// [`CliError::Invalid`] for a zero batch size, [`CliError::Store`]; what was removed
 /// before the error stays removed.
-pub async fn purge(
+pub(crate) async fn purge(
     outbox: &dyn OutboxAdmin,
     older_than: Duration,
     batch_size: usize,

@@ -14,7 +14,7 @@ use crate::output::{json, opt, table};
 
 /// `outbox reconcile`
 #[derive(Debug, Args)]
-pub struct ReconcileArgs {
+pub(crate) struct ReconcileArgs {
     /// Start of the window (RFC 3339 time, or a duration meaning that long ago, e.g.
     /// 7d) [default: 7d].
     #[arg(long, value_name = "TIME")]
@@ -38,7 +38,7 @@ pub struct ReconcileArgs {
 ///
 /// # Errors
 /// [`CliError::TimeWindow`], [`CliError::Store`].
-pub async fn reconcile(
+pub(crate) async fn reconcile(
     outbox: &dyn OutboxAdmin,
     since: Option<&str>,
     until: Option<&str>,

@@ -14,7 +14,7 @@ use crate::output::{json, opt, secs, short, table};
 
 /// `outbox stats`
 #[derive(Debug, Args)]
-pub struct StatsArgs {
+pub(crate) struct StatsArgs {
     /// Print JSON instead of tables.
     #[arg(long)]
     pub json: bool,
@@ -26,7 +26,7 @@ pub struct StatsArgs {
 /// `outbox stats`: totals, per group and blocked keys.
 #[derive(Debug, Clone, Serialize, PartialEq)]
 #[non_exhaustive]
-pub struct StatsReport {
+pub(crate) struct StatsReport {
     /// Whole-table counts.
     pub totals: Totals,
     /// Per event type and tenant.
@@ -38,7 +38,7 @@ pub struct StatsReport {
 /// Whole-table counts.
 #[derive(Debug, Clone, Serialize, PartialEq)]
 #[non_exhaustive]
-pub struct Totals {
+pub(crate) struct Totals {
     /// New.
     pub new: u64,
     /// Processing.
@@ -54,7 +54,7 @@ pub struct Totals {
 /// A blocked key as printed.
 #[derive(Debug, Clone, Serialize, PartialEq, Eq)]
 #[non_exhaustive]
-pub struct BlockedKeyView {
+pub(crate) struct BlockedKeyView {
     /// The key (store encoding).
     pub key: String,
     /// Head message id.
@@ -77,7 +77,7 @@ pub struct BlockedKeyView {
 ///
 /// # Errors
 /// [`CliError::Store`].
-pub async fn stats(
+pub(crate) async fn stats(
     outbox: &dyn OutboxAdmin,
     blocked_limit: usize,
 ) -> Result<StatsReport, CliError> {
