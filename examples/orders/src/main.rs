@@ -36,7 +36,6 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context as _, bail};
 use clap::Parser;
-use orders_example::common;
 use outbox_core::{Dispatcher, DispatcherConfig, EventPublisher, NewMessage, OutboxStore};
 use outbox_postgres::{PgConfig, PgOutbox};
 use serde::{Deserialize, Serialize};
@@ -70,6 +69,33 @@ struct Args {
     /// Seconds to wait for every order to be projected.
     #[arg(long, default_value_t = 120)]
     timeout_secs: u64,
+    /// PostgreSQL.
+    #[arg(
+        long,
+        env = "DATABASE_URL",
+        default_value = "postgres://postgres@127.0.0.1:5432/test"
+    )]
+    database_url: String,
+    /// RabbitMQ, with `--transport rabbit`.
+    #[arg(
+        long,
+        env = "AMQP_URL",
+        default_value = "amqp://guest:guest@127.0.0.1:5672/%2f"
+    )]
+    amqp_url: String,
+    /// NATS with JetStream, with `--transport nats`.
+    #[arg(long, env = "NATS_URL", default_value = "nats://127.0.0.1:4222")]
+    nats_url: String,
+}
+
+impl Args {
+    /// The URL of the broker picked by `--transport`.
+    fn broker_url(&self) -> &str {
+        match self.transport {
+            transport::TransportKind::Rabbit => &self.amqp_url,
+            transport::TransportKind::Nats => &self.nats_url,
+        }
+    }
 }
 
 #[derive(Debug, Serialize, Deserialize)]
@@ -157,7 +183,7 @@ async fn main() -> anyhow::Result<()> {
 
     // PostgreSQL: the demo schema holds the business tables and the outbox/inbox tables.
     let outbox = PgOutbox::connect(
-        &PgConfig::new(common::database_url())
+        &PgConfig::new(&args.database_url)
             .with_schema(&args.schema)
             .with_max_connections(16),
     )
@@ -173,7 +199,7 @@ async fn main() -> anyhow::Result<()> {
         publisher,
         consumer,
         broker,
-    } = transport::wire(args.transport, &args.schema).await?;
+    } = transport::wire(args.transport, args.broker_url(), &args.schema).await?;
     let publisher = Arc::new(publisher);
 
     let counters = Arc::new(ConsumerCounters::default());
@@ -333,11 +359,14 @@ async fn main() -> anyhow::Result<()> {
             AND p.handler_trace_id = o.trace_id"
     ))
     .await?;
-    let latencies: Vec<f64> = sqlx::query_scalar(AssertSqlSafe(format!(
-        "SELECT extract(epoch FROM p.projected_at - m.created_at)::float8 * 1000
-           FROM {schema}.order_projection p JOIN {schema}.outbox_messages m ON m.id = p.event_id"
+    // Commit-to-consume latency in milliseconds: p50 and p99 (NULL without rows).
+    let (p50, p99): (Option<f64>, Option<f64>) = sqlx::query_as(AssertSqlSafe(format!(
+        "SELECT percentile_cont(0.5) WITHIN GROUP (ORDER BY ms), percentile_cont(0.99) WITHIN GROUP (ORDER BY ms)
+           FROM (SELECT extract(epoch FROM p.projected_at - m.created_at)::float8 * 1000 AS ms
+                   FROM {schema}.order_projection p
+                   JOIN {schema}.outbox_messages m ON m.id = p.event_id) AS latency"
     )))
-    .fetch_all(outbox.pool())
+    .fetch_one(outbox.pool())
     .await?;
 
     let c = &counters;
@@ -399,12 +428,8 @@ async fn main() -> anyhow::Result<()> {
         "  spans                          {}",
         telemetry.finish().await?
     );
-    if let Some((p50, p99)) = common::percentiles(&latencies) {
-        println!(
-            "  commit-to-consume latency      p50 {}  p99 {}",
-            common::ms(p50),
-            common::ms(p99)
-        );
+    if let (Some(p50), Some(p99)) = (p50, p99) {
+        println!("  commit-to-consume latency      p50 {p50:.1} ms  p99 {p99:.1} ms");
     }
     let ok = orders as usize == args.orders
         && events == orders

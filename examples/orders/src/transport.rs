@@ -7,12 +7,10 @@ pub(crate) use outbox_core::TransportKind;
 use std::time::Duration;
 
 use anyhow::Context as _;
+use outbox::AnyConsumer;
 use outbox::AnyPublisher;
 use transport_nats::{NatsConfig, NatsConsumer, NatsPublisher, StreamSetup, async_nats};
 use transport_rabbit::{RabbitConfig, RabbitConsumer, RabbitPublisher};
-
-use orders_example::common;
-use outbox::AnyConsumer;
 
 /// Publisher, consumer, and what the reconciliation needs to know about the broker.
 pub(crate) struct Wiring {
@@ -54,18 +52,22 @@ impl Broker {
 /// `schema`) and builds the publisher and the projection's consumer. The consumer's
 /// queue or durable consumer exists when this returns, so nothing published afterwards
 /// is missed.
-pub(crate) async fn wire(transport: TransportKind, schema: &str) -> anyhow::Result<Wiring> {
+pub(crate) async fn wire(
+    transport: TransportKind,
+    broker_url: &str,
+    schema: &str,
+) -> anyhow::Result<Wiring> {
     match transport {
-        TransportKind::Rabbit => wire_rabbit(schema).await,
-        TransportKind::Nats => wire_nats(schema).await,
+        TransportKind::Rabbit => wire_rabbit(broker_url, schema).await,
+        TransportKind::Nats => wire_nats(broker_url, schema).await,
     }
 }
 
 /// A durable topic exchange and the projection's queue bound to `OrderPlaced`.
-async fn wire_rabbit(schema: &str) -> anyhow::Result<Wiring> {
+async fn wire_rabbit(amqp_url: &str, schema: &str) -> anyhow::Result<Wiring> {
     let exchange = format!("{schema}.events");
     let queue = format!("{schema}.projection");
-    let rabbit = RabbitConfig::builder(common::amqp_url())
+    let rabbit = RabbitConfig::builder(amqp_url)
         .with_exchange(&exchange)
         .build()?;
     let publisher = RabbitPublisher::connect(rabbit.clone())
@@ -74,8 +76,7 @@ async fn wire_rabbit(schema: &str) -> anyhow::Result<Wiring> {
     // Start from an empty queue: delete what an earlier run may have left behind.
     {
         let conn =
-            lapin::Connection::connect(&common::amqp_url(), lapin::ConnectionProperties::default())
-                .await?;
+            lapin::Connection::connect(amqp_url, lapin::ConnectionProperties::default()).await?;
         let ch = conn.create_channel().await?;
         ch.queue_delete(
             queue.as_str().into(),
@@ -100,8 +101,8 @@ async fn wire_rabbit(schema: &str) -> anyhow::Result<Wiring> {
 /// A file-storage stream `{schema}_events` capturing `{schema}.events.>` with a
 /// 2-minute duplicate window, and a durable pull consumer `projection` of
 /// `OrderPlaced`.
-async fn wire_nats(schema: &str) -> anyhow::Result<Wiring> {
-    let config: NatsConfig = transport_nats::NatsConfigBuilder::new(common::nats_url())
+async fn wire_nats(nats_url: &str, schema: &str) -> anyhow::Result<Wiring> {
+    let config: NatsConfig = transport_nats::NatsConfigBuilder::new(nats_url)
         .with_subject_prefix(format!("{schema}.events"))
         .with_connection_name(format!("{schema}-demo"))
         .build()?;

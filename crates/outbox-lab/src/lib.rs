@@ -1,6 +1,6 @@
-//! The orders example's library: the benchmark and the chaos harness, and what they share
-//! with the demo. The `bench`, `chaos` and `chaos-consumer` binaries are each a thin
-//! `main` over one of its modules:
+//! The project's measuring and breaking tools (not published; the orders demo in
+//! `examples/orders` is the main job, these are not). The `bench`, `chaos` and
+//! `chaos-consumer` binaries are each a thin `main` over one of its modules:
 //!
 //! - [`bench`](mod@bench): `cargo xtask bench`, relay and consumer throughput against ceilings
 //!   measured in the same run;

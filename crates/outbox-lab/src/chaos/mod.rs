@@ -95,7 +95,7 @@ impl Binaries {
             let path = given.clone().unwrap_or_else(|| dir.join(name));
             anyhow::ensure!(
                 path.is_file(),
-                "{} not found: build it with `cargo build --release -p outbox-cli -p orders-example` \
+                "{} not found: build it with `cargo build --release -p outbox-cli -p outbox-lab` \
                  (or run `cargo xtask chaos`, which does), or pass its path",
                 path.display()
             );

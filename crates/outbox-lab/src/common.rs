@@ -1,4 +1,5 @@
-//! Helpers shared by the demo and the benchmark binaries.
+//! Helpers shared by the benchmark and the chaos harness: service URLs, percentiles, CPU
+//! and memory figures, waiting for idle cores.
 
 use std::time::Duration;
 

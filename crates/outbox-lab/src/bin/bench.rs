@@ -1,9 +1,9 @@
 //! `cargo xtask bench`: relay throughput PostgreSQL → RabbitMQ or NATS JetStream next to
 //! the broker and store ceilings measured in the same run, or with `--consumer` the
-//! consumer side. The benchmark lives in the `orders_example::bench` module.
+//! consumer side. The benchmark lives in the `outbox_lab::bench` module.
 
 use clap::Parser as _;
-use orders_example::bench::{self, Args};
+use outbox_lab::bench::{self, Args};
 
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {

@@ -11,7 +11,7 @@
 use std::process::ExitCode;
 
 use clap::Parser as _;
-use orders_example::chaos::{self, args::Args};
+use outbox_lab::chaos::{self, args::Args};
 
 #[tokio::main(flavor = "multi_thread", worker_threads = 4)]
 async fn main() -> ExitCode {
