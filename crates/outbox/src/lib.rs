@@ -19,8 +19,9 @@
 //! | `inbox` | | [`outbox::inbox`](crate::inbox) (`inbox`) | idempotent consumer, durable inbox processor, handler pipeline |
 //! | `opentelemetry` | yes | — | W3C trace context captured at enqueue and made the consumer span's parent (`tracing-opentelemetry`) |
 //!
-//! With `rabbit` or `nats`, [`AnyPublisher`] is one publisher type over the enabled
-//! brokers, for programs that choose theirs at run time (from a URL or a setting).
+//! With `rabbit` or `nats`, [`AnyPublisher`] and [`AnyConsumer`] are one publisher and
+//! one consumer type over the enabled brokers, for programs that choose theirs at run
+//! time (from a URL or a setting).
 //!
 //! ```toml
 //! [dependencies]
@@ -190,6 +191,49 @@
 //! publisher.close().await;
 //! # Ok(()) }
 //! ```
+//!
+//! ## Consuming with exactly-once effects
+//!
+//! With `inbox`: the handler's effect and the inbox record of `(message, handler)`
+//! commit in one transaction, then the delivery is acknowledged; a redelivery finds
+//! the record and is acknowledged without running the handler again. [`AnyConsumer`]
+//! picks the broker from the URL as [`AnyPublisherConfig::from_url`] does; a
+//! transport's own builder (`outbox::rabbit::RabbitConsumer::builder`,
+//! `outbox::nats::NatsConsumer::builder`) sets the rest (prefetch, quorum queues,
+//! [`BatchSettings`] for [`Consumer::run_batched`], …).
+//!
+//! ```no_run
+//! # #[cfg(all(feature = "postgres", feature = "inbox", any(feature = "rabbit", feature = "nats")))]
+//! # async fn demo(shutdown: tokio_util::sync::CancellationToken) -> Result<(), Box<dyn std::error::Error>> {
+//! use std::sync::Arc;
+//! use outbox::inbox::{Handler, HandlerContext, HandlerError, IdempotentConsumer, Pipeline};
+//! use outbox::postgres::sqlx::{self, PgConnection};
+//! use outbox::postgres::{PgConfig, PgInbox};
+//! use outbox::{AnyConsumer, Consumer as _, IncomingMessage};
+//!
+//! struct Project;
+//!
+//! #[async_trait::async_trait]
+//! impl Handler<PgInbox> for Project {
+//!     async fn handle(&self, conn: &mut PgConnection, msg: &IncomingMessage, _: &HandlerContext)
+//!         -> Result<(), HandlerError> {
+//!         // On the inbox's transaction: the effect commits with the record, or neither.
+//!         sqlx::query("INSERT INTO projected (id) VALUES ($1)").bind(msg.id).execute(conn).await?;
+//!         Ok(())
+//!     }
+//! }
+//!
+//! let inbox = PgInbox::connect(&PgConfig::from_env()?).await?;
+//! // RabbitMQ: the queue `projection` on the exchange `outbox.events`; NATS: the durable
+//! // consumer `projection` on the stream `OUTBOX`.
+//! let consumer = AnyConsumer::from_url("amqp://guest:guest@127.0.0.1:5672/%2f", "OUTBOX", "projection")?;
+//! let pipeline = Pipeline::new().on("OrderPlaced", "projection", Project);
+//! consumer.run(IdempotentConsumer::new(Arc::new(inbox), pipeline), shutdown).await?;
+//! # Ok(()) }
+//! ```
+//!
+//! More, each a program to run: `crates/outbox/examples` (publish in a transaction, a
+//! relay, exactly-once and batched consumers, per-key ordering, SQL Server).
 #![cfg_attr(docsrs, feature(doc_cfg))]
 #![cfg_attr(
     not(all(
@@ -228,7 +272,7 @@ pub use transport_rabbit as rabbit;
 pub use transport_nats as nats;
 
 /// The consumer side. Always: the core's inbox traits and types
-/// ([`InboxStore`](crate::InboxStore) and its capabilities [`DurableInbox`],
+/// ([`InboxStore`] and its capabilities [`DurableInbox`],
 /// [`VersionTracking`], [`ConsumerDeadLetters`], …, also at the root). With the `inbox`
 /// feature, also the `inbox` crate: [`IdempotentConsumer`](inbox::IdempotentConsumer),
 /// [`Handler`](inbox::Handler), [`Pipeline`](inbox::Pipeline), the durable
