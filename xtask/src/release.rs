@@ -2,7 +2,7 @@
 //! without publishing anything.
 //!
 //! * Manifests: every publishable crate (`publish` not `false`: each of `crates/*` but
-//!   `outbox-testkit`) carries `MIT OR Apache-2.0` with both license files, the
+//!   `outbox-testkit` and `outbox-lab`) carries `MIT OR Apache-2.0` with both license files, the
 //!   workspace's `rust-version`, a description, a repository and docs.rs metadata
 //!   (`all-features`, `--cfg docsrs`, `doc_cfg`); the examples and xtask are
 //!   `publish = false`; no published crate needs an unpublished one; a `CHANGELOG.md`
@@ -804,7 +804,11 @@ mod tests {
                 }
             }
         }
-        assert!(!order.iter().any(|n| n == "outbox-testkit" || n == "xtask"));
+        assert!(
+            !order
+                .iter()
+                .any(|n| n == "outbox-testkit" || n == "outbox-lab" || n == "xtask")
+        );
         assert_eq!(order.first().map(String::as_str), Some("outbox-core"));
     }
 }

@@ -12,14 +12,14 @@
 //!   dispatcher uses: claims `WITH (ROWLOCK, UPDLOCK, READPAST)` in `(visible_at, seq)`
 //!   order, per-key ordered claims that lock each key's head, fenced leases, the
 //!   crash-loop guard that claims a suspect alone before it kills it
-//!   ([`MssqlOutbox::with_crash_loop_limit`]), one-round-trip batch
+//!   ([`MssqlConfig::with_crash_loop_limit`]), one-round-trip batch
 //!   completion in statements of at most 1,000 rows, every time from `SYSUTCDATETIME()`;
 //! - [`MssqlInbox`]: the [`InboxStore`](outbox_core::InboxStore) (an insert that locks
 //!   only its own key inside the consumer's transaction) and the inbox capabilities
 //!   ([`VersionTracking`](outbox_core::VersionTracking),
 //!   [`ConsumerDeadLetters`](outbox_core::ConsumerDeadLetters),
 //!   [`DurableInbox`](outbox_core::DurableInbox));
-//! - [`ops`]: the operator queries of the `outbox` binary
+//! - the operator queries of the `outbox` binary
 //!   ([`OutboxAdmin`](outbox_core::OutboxAdmin) for [`MssqlOutbox`]: grouped stats,
 //!   bounded gauges, reconcile, archiving, consumer-side dead letters and their replay);
 //! - [`MssqlTransaction`]: tiberius has no transaction object, so this is one: a pooled

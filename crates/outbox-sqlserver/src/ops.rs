@@ -711,7 +711,7 @@ impl OutboxAdmin for MssqlOutbox {
             .await
     }
 
-    /// [`InboxStore::purge`] of an [`MssqlInbox`] on this pool and schema.
+    /// [`InboxStore::purge`] of an [`MssqlInbox`](crate::MssqlInbox) on this pool and schema.
     async fn purge_inbox_records(
         &self,
         older_than: Duration,
@@ -720,7 +720,7 @@ impl OutboxAdmin for MssqlOutbox {
         self.inbox().purge(older_than, batch_size).await
     }
 
-    /// [`DurableInbox::purge_processed`] of an [`MssqlInbox`] on this pool and schema.
+    /// [`DurableInbox::purge_processed`] of an [`MssqlInbox`](crate::MssqlInbox) on this pool and schema.
     async fn purge_inbox_processed(
         &self,
         older_than: Duration,
