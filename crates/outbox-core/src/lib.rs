@@ -101,3 +101,7 @@ pub use store::{
     InboxStore, MessageFilter, OutboxStats, OutboxStore, Poison, PoisonRow, ReplayReport,
     SentRetention, sanitize_error,
 };
+/// The shutdown signal every `run` of this workspace takes (tokio-util's), re-exported
+/// so that a program names the very version the relay and the consumers were built
+/// with.
+pub use tokio_util::sync::CancellationToken;

@@ -3,44 +3,36 @@
 //! RabbitMQ, `nats://…` for NATS JetStream: only the URL changes).
 //!
 //! `cargo run -p outbox --example quick_start --features nats,inbox`
+#![cfg_attr(rustfmt, rustfmt::skip)] // the README shows it line for line
 use std::sync::Arc;
 
 use outbox::inbox::{Handler, HandlerContext, HandlerError, IdempotentConsumer, Pipeline};
-use outbox::postgres::{PgConfig, PgInbox, PgOutbox, sqlx::PgConnection};
-use outbox::{AnyConsumer, AnyPublisher, AnyPublisherConfig, Consumer as _, Dispatcher};
-use outbox::{DispatcherConfig, IncomingMessage, NewMessage};
-use tokio_util::sync::CancellationToken;
+use outbox::postgres::{PgConfig, PgInbox, PgOutbox, sqlx::{self, PgConnection}};
+use outbox::{AnyConsumer, AnyPublisher, AnyPublisherConfig, CancellationToken, Consumer as _, Dispatcher, DispatcherConfig, IncomingMessage, NewMessage};
 
-#[rustfmt::skip]
 struct Project; // the effect: one row per order, in the inbox's transaction
-#[rustfmt::skip]
 #[async_trait::async_trait]
 impl Handler<PgInbox> for Project {
     async fn handle(&self, conn: &mut PgConnection, msg: &IncomingMessage, _: &HandlerContext) -> Result<(), HandlerError> {
-        outbox::postgres::sqlx::query("INSERT INTO projected (id) VALUES ($1)").bind(msg.id).execute(conn).await?;
+        sqlx::query("INSERT INTO projected (id) VALUES ($1)").bind(msg.id).execute(conn).await?;
         Ok(())
     }
 }
 
-#[rustfmt::skip]
 #[tokio::main]
 async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let (broker, shutdown) = (std::env::var("BROKER_URL")?, CancellationToken::new());
     let store = PgOutbox::connect(&PgConfig::from_env()?).await?; // DATABASE_URL
     store.migrate().await?;
-    outbox::postgres::sqlx::query("CREATE TABLE IF NOT EXISTS projected (id uuid PRIMARY KEY)").execute(store.pool()).await?;
-
+    sqlx::query("CREATE TABLE IF NOT EXISTS projected (id uuid PRIMARY KEY)").execute(store.pool()).await?;
     let mut tx = store.begin().await?; // business rows and their event commit together
     store.enqueue(&mut tx, &NewMessage::builder("order", "42", "OrderPlaced").payload(&serde_json::json!({ "id": 42 })).build()?).await?;
     tx.commit().await?;
 
-    let publisher = AnyPublisher::connect(AnyPublisherConfig::from_url(&broker)?).await?;
-    if let Some(nats) = publisher.as_nats() { // JetStream: a stream must capture the subjects
-        nats.ensure_stream(&outbox::nats::StreamSetup::for_config("OUTBOX", nats.config())).await?;
-    }
     let consumer = AnyConsumer::from_url(&broker, "OUTBOX", "projection")?;
-    consumer.declare().await?; // the queue or durable exists before the first publish
+    consumer.declare().await?; // its queue (RabbitMQ) or stream and durable (NATS) exist before the first publish
     let handler = IdempotentConsumer::new(Arc::new(store.inbox()), Pipeline::new().on("OrderPlaced", "projection", Project));
+    let publisher = AnyPublisher::connect(AnyPublisherConfig::from_url(&broker)?).await?;
     let relay = Dispatcher::new(Arc::new(store), Arc::new(publisher), DispatcherConfig::new());
     let (relayed, consumed) = tokio::join!(relay.run(shutdown.clone()), consumer.run(handler, shutdown.clone()));
     relayed?; consumed?; // runs until cancelled: wire `shutdown` to SIGTERM

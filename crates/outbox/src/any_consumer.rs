@@ -7,7 +7,7 @@ use outbox_core::TransportKind;
 use outbox_core::consumer::{BatchDeliveryHandler, Consumer, DeliveryHandler};
 use tokio_util::sync::CancellationToken;
 #[cfg(feature = "nats")]
-use transport_nats::{NatsConfig, NatsConsumer, NatsError};
+use transport_nats::{NatsConfig, NatsConsumer, NatsError, StreamSetup};
 #[cfg(feature = "rabbit")]
 use transport_rabbit::{RabbitConfig, RabbitConsumer, RabbitError};
 
@@ -46,8 +46,11 @@ impl AnyConsumer {
     ///   with `#` (every routing key) to the exchange `outbox.events` (the
     ///   [`RabbitConfig`] default the publisher declares). `stream` is not used.
     /// - `nats://`, `tls://`: the durable pull consumer `name` on the JetStream stream
-    ///   `stream` (create it first, e.g. with `NatsPublisher::ensure_stream` and
-    ///   `StreamSetup::for_config`), created if missing.
+    ///   `stream`, both created if missing; a missing stream is created as
+    ///   `StreamSetup::for_config(stream, …)` describes it (capturing `outbox.events.>`,
+    ///   the subjects the publisher's default configuration uses; file storage, one
+    ///   replica), an existing one is left as it is
+    ///   ([`NatsConsumerBuilder::with_stream_setup`](crate::nats::NatsConsumerBuilder::with_stream_setup)).
     ///
     /// # Errors
     /// [`AnyPublisherError::UnsupportedScheme`],
@@ -109,8 +112,11 @@ fn rabbit(url: &str, _name: &str) -> Result<AnyConsumer, AnyConsumerError> {
 #[cfg(feature = "nats")]
 fn nats(url: &str, stream: &str, name: &str) -> Result<AnyConsumer, AnyConsumerError> {
     let config = NatsConfig::builder(url).build()?;
+    let setup = StreamSetup::for_config(stream, &config);
     Ok(AnyConsumer::Nats(
-        NatsConsumer::builder(config, stream, name).build()?,
+        NatsConsumer::builder(config, stream, name)
+            .with_stream_setup(setup)
+            .build()?,
     ))
 }
 

@@ -225,7 +225,7 @@
 //!
 //! let inbox = PgInbox::connect(&PgConfig::from_env()?).await?;
 //! // RabbitMQ: the queue `projection` on the exchange `outbox.events`; NATS: the durable
-//! // consumer `projection` on the stream `OUTBOX`.
+//! // consumer `projection` on the stream `OUTBOX`. Each created when missing.
 //! let consumer = AnyConsumer::from_url("amqp://guest:guest@127.0.0.1:5672/%2f", "OUTBOX", "projection")?;
 //! let pipeline = Pipeline::new().on("OrderPlaced", "projection", Project);
 //! consumer.run(IdempotentConsumer::new(Arc::new(inbox), pipeline), shutdown).await?;

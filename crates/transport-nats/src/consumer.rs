@@ -109,6 +109,7 @@ use tracing::{debug, error, info, warn};
 use crate::config::{NatsConfig, invalid};
 use crate::error::{NatsError, classify_api};
 use crate::publisher::MSG_ID_HEADER;
+use crate::topology::StreamSetup;
 
 /// Default number of handlers running at once (and the consumer's `max_ack_pending`).
 pub const DEFAULT_CONCURRENCY: usize = 100;
@@ -156,6 +157,7 @@ pub struct NatsConsumerBuilder {
     reconnect_initial: Duration,
     reconnect_max: Duration,
     batch: BatchSettings,
+    stream_setup: Option<StreamSetup>,
 }
 
 impl NatsConsumerBuilder {
@@ -174,6 +176,7 @@ impl NatsConsumerBuilder {
             reconnect_initial: DEFAULT_RECONNECT_INITIAL,
             reconnect_max: DEFAULT_RECONNECT_MAX,
             batch: BatchSettings::new(),
+            stream_setup: None,
         }
     }
 
@@ -249,10 +252,23 @@ impl NatsConsumerBuilder {
         self
     }
 
+    /// The stream to create, when it does not exist yet, before the durable consumer is
+    /// created (by [`declare`](NatsConsumer::declare) and at every (re)start of
+    /// [`run`](Consumer::run)), as a RabbitMQ consumer declares its exchange and queue.
+    /// An existing stream is left as it is: its settings belong to whoever created it
+    /// (the relay's [`NatsPublisher::ensure_stream`](crate::NatsPublisher::ensure_stream),
+    /// `outbox streams`, an operator). `setup` must name the consumer's stream. Default:
+    /// none, the stream must exist (a missing one is waited for, as an outage).
+    pub fn with_stream_setup(mut self, setup: StreamSetup) -> Self {
+        self.stream_setup = Some(setup);
+        self
+    }
+
     /// Validates the settings.
     ///
     /// # Errors
-    /// [`NatsError::InvalidConfig`] when the stream or durable name is empty or contains
+    /// [`NatsError::InvalidConfig`] when the [stream setup](Self::with_stream_setup)
+    /// names another stream or is invalid, the stream or durable name is empty or contains
     /// whitespace, `.`, `*`, `>`, `/` or `\`; the filter subject is not a valid subject;
     /// `ack_wait` is zero; `max_deliver` is `Some(0)` or not above the number of backoff
     /// steps; a backoff delay is zero; the concurrency is outside `1..=10_000`; the
@@ -310,6 +326,19 @@ impl NatsConsumerBuilder {
             .batch
             .check(self.concurrency)
             .map_err(|e| invalid(e.field, e.reason))?;
+        if let Some(setup) = &self.stream_setup {
+            if setup.name() != self.stream {
+                return Err(invalid(
+                    "stream_setup",
+                    format!(
+                        "names the stream {:?}, the consumer reads {:?}",
+                        setup.name(),
+                        self.stream
+                    ),
+                ));
+            }
+            setup.check()?;
+        }
         Ok(NatsConsumer {
             config: self.config,
             stream: self.stream,
@@ -324,6 +353,7 @@ impl NatsConsumerBuilder {
             reconnect_max: self.reconnect_max,
             batch_size,
             batch: self.batch,
+            stream_setup: self.stream_setup,
         })
     }
 }
@@ -393,6 +423,7 @@ pub struct NatsConsumer {
     /// Batched mode's linger and batches in flight (`batch_size` is its size resolved
     /// against the window).
     pub(crate) batch: BatchSettings,
+    stream_setup: Option<StreamSetup>,
 }
 
 /// Per-message settings the processing of a delivery needs.
@@ -612,7 +643,15 @@ impl NatsConsumer {
         js: &jetstream::Context,
     ) -> Result<consumer::Consumer<consumer::pull::Config>, NatsError> {
         let limit = self.config.connect_timeout();
-        let stream = match timeout(limit, js.get_stream(&self.stream)).await {
+        let found = match &self.stream_setup {
+            Some(setup) => {
+                return self
+                    .create_durable(setup.get_or_create(js, limit).await?)
+                    .await;
+            }
+            None => timeout(limit, js.get_stream(&self.stream)).await,
+        };
+        let stream = match found {
             Ok(Ok(stream)) => stream,
             Ok(Err(e)) => {
                 use async_nats::jetstream::context::GetStreamErrorKind as K;
@@ -634,6 +673,15 @@ impl NatsConsumer {
             }
             Err(_) => return Err(self.timeout("stream.info")),
         };
+        self.create_durable(stream).await
+    }
+
+    /// Creates the durable consumer on `stream`, or updates it to these settings.
+    async fn create_durable(
+        &self,
+        stream: jetstream::stream::Stream,
+    ) -> Result<consumer::Consumer<consumer::pull::Config>, NatsError> {
+        let limit = self.config.connect_timeout();
         match timeout(limit, stream.create_consumer(self.consumer_config())).await {
             Ok(Ok(consumer)) => Ok(consumer),
             Ok(Err(e)) => {

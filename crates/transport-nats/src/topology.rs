@@ -186,6 +186,14 @@ impl StreamSetup {
         &self.subjects
     }
 
+    /// Checks the settings without contacting the server.
+    ///
+    /// # Errors
+    /// [`NatsError::InvalidConfig`] as for [`apply`](Self::apply).
+    pub(crate) fn check(&self) -> Result<(), NatsError> {
+        self.validate().map(drop)
+    }
+
     fn validate(&self) -> Result<stream::Config, NatsError> {
         if self.name.is_empty()
             || self
@@ -296,6 +304,34 @@ impl StreamSetup {
     ) -> Result<StreamInfo, NatsError> {
         let stream_config = self.validate()?;
         create_or_update(js, stream_config, limit, "the NATS server").await
+    }
+}
+
+impl StreamSetup {
+    /// The stream over `js`: created with these settings when it does not exist, else
+    /// as it is (its settings untouched: the relay or an operator owns them). What a
+    /// consumer built [`with_stream_setup`](crate::NatsConsumerBuilder::with_stream_setup)
+    /// does before creating its durable.
+    pub(crate) async fn get_or_create(
+        &self,
+        js: &jetstream::Context,
+        limit: Duration,
+    ) -> Result<stream::Stream, NatsError> {
+        let config = self.validate()?;
+        match timeout(limit, js.get_or_create_stream(config)).await {
+            Ok(Ok(stream)) => Ok(stream),
+            Ok(Err(e)) => Err(NatsError::Stream {
+                operation: "stream.get_or_create",
+                stream: self.name.clone(),
+                kind: classify_create_stream(&e),
+                source: Box::new(e),
+            }),
+            Err(_) => Err(NatsError::Timeout {
+                operation: "stream.get_or_create",
+                url_redacted: "the NATS server".to_owned(),
+                timeout: limit,
+            }),
+        }
     }
 }
 

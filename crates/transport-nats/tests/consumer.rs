@@ -294,3 +294,67 @@ async fn invalid_consumer_settings_are_a_permanent_error() {
     }
     fx.cleanup().await;
 }
+
+/// A consumer built `with_stream_setup` creates its missing stream before its durable,
+/// as a RabbitMQ consumer declares its queue: what the relay then publishes is captured
+/// and consumed. An existing stream keeps its own settings, and a setup naming another
+/// stream is refused before anything connects.
+#[tokio::test]
+async fn a_stream_setup_creates_the_missing_stream_and_leaves_an_existing_one() {
+    let fx = Fixture::unconfigured().await;
+    let config = fx.build();
+    let setup = || transport_nats::StreamSetup::for_config(&fx.stream, &config);
+    let creator = consumer(&fx, "creator")
+        .with_stream_setup(setup().with_max_age(Duration::from_secs(3600)))
+        .build()
+        .expect("valid");
+    creator
+        .declare()
+        .await
+        .expect("creates the stream and the durable");
+    let mut stream = fx
+        .js
+        .get_stream(&fx.stream)
+        .await
+        .expect("the stream exists");
+    let info = stream.info().await.expect("stream info");
+    assert_eq!(info.config.subjects, vec![format!("{}.>", fx.prefix)]);
+    assert_eq!(info.config.max_age, Duration::from_secs(3600));
+
+    // Created again by another consumer with other settings: left as it is.
+    let second = consumer(&fx, "second")
+        .with_stream_setup(setup().with_max_age(Duration::from_secs(600)))
+        .build()
+        .expect("valid");
+    second.declare().await.expect("the existing stream is used");
+    let info = stream.info().await.expect("stream info");
+    assert_eq!(
+        info.config.max_age,
+        Duration::from_secs(3600),
+        "settings untouched"
+    );
+
+    // Published after the declare, consumed by the durable it created.
+    let handler = Poisoned::default();
+    let seen = Arc::clone(&handler.seen);
+    let running = start(creator, handler);
+    let messages: Vec<_> = (0..3)
+        .map(|i| message("Created", &i.to_string(), "{}"))
+        .collect();
+    publish(&fx, &messages).await;
+    eventually("the three messages are consumed", || {
+        let n = seen.lock().expect("lock").len();
+        async move { n == 3 }
+    })
+    .await;
+    running.stop().await;
+
+    let misnamed = consumer(&fx, "misnamed")
+        .with_stream_setup(transport_nats::StreamSetup::for_config("OTHER", &config))
+        .build();
+    match misnamed {
+        Err(NatsError::InvalidConfig { field, .. }) => assert_eq!(field, "stream_setup"),
+        other => panic!("expected InvalidConfig for stream_setup, got {other:?}"),
+    }
+    fx.cleanup().await;
+}
