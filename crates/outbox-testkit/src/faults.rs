@@ -153,6 +153,119 @@ fn port_answers(port: u16) -> bool {
     .is_ok()
 }
 
+/// The port of the shared NATS server (`nats://127.0.0.1:4222`).
+pub const NATS_PORT: u16 = 4222;
+
+/// The AMQP port of the shared RabbitMQ node (`amqp://127.0.0.1:5672`).
+pub const AMQP_PORT: u16 = 5672;
+
+/// The PID of the local process listening on TCP `port` (any address, IPv4 or IPv6),
+/// read from `/proc/net/tcp`, `/proc/net/tcp6` and the processes' open sockets. Faults
+/// target a server by its port, never by its executable's name: with a cluster's nodes
+/// running beside the shared server, `pgrep -x nats-server` would find several, and
+/// the first one is not necessarily the server meant.
+pub fn pid_listening_on(port: u16) -> Option<u32> {
+    let inodes: Vec<String> = ["/proc/net/tcp", "/proc/net/tcp6"]
+        .iter()
+        .filter_map(|table| std::fs::read_to_string(table).ok())
+        .flat_map(|table| {
+            table
+                .lines()
+                .skip(1)
+                .filter_map(|line| {
+                    // sl local_address rem_address st ... uid timeout inode
+                    let fields: Vec<&str> = line.split_whitespace().collect();
+                    let local_port = fields.get(1)?.rsplit(':').next()?;
+                    let listening = fields.get(3)? == &"0A";
+                    (listening && u16::from_str_radix(local_port, 16).ok()? == port)
+                        .then(|| fields.get(9).map(|inode| format!("socket:[{inode}]")))
+                        .flatten()
+                })
+                .collect::<Vec<_>>()
+        })
+        .collect();
+    if inodes.is_empty() {
+        return None;
+    }
+    std::fs::read_dir("/proc")
+        .ok()?
+        .flatten()
+        .filter_map(|entry| entry.file_name().to_str()?.parse::<u32>().ok())
+        .find(|pid| {
+            std::fs::read_dir(format!("/proc/{pid}/fd"))
+                .into_iter()
+                .flatten()
+                .flatten()
+                .filter_map(|fd| std::fs::read_link(fd.path()).ok())
+                .any(|target| {
+                    inodes
+                        .iter()
+                        .any(|inode| target.as_os_str() == inode.as_str())
+                })
+        })
+}
+
+/// The command line of process `pid` (executable first) and its working directory.
+fn command_line(pid: u32) -> Option<(Vec<String>, std::path::PathBuf)> {
+    let raw = std::fs::read(format!("/proc/{pid}/cmdline")).ok()?;
+    let cmdline: Vec<String> = raw
+        .split(|b| *b == 0)
+        .filter(|part| !part.is_empty())
+        .map(|part| String::from_utf8_lossy(part).into_owned())
+        .collect();
+    let cwd = std::fs::read_link(format!("/proc/{pid}/cwd")).ok()?;
+    (!cmdline.is_empty()).then_some((cmdline, cwd))
+}
+
+fn alive(pid: u32) -> bool {
+    std::path::Path::new(&format!("/proc/{pid}")).exists()
+        && !std::fs::read_to_string(format!("/proc/{pid}/stat"))
+            .ok()
+            .and_then(|stat| {
+                let close = stat.rfind(')')?;
+                stat.get(close + 2..close + 3).map(|state| state == "Z")
+            })
+            .unwrap_or(false)
+}
+
+/// Stops process `pid` with `SIGTERM`, then `SIGKILL` after `grace`, and waits until it
+/// is gone.
+fn terminate(pid: u32, grace: Duration) -> Result<(), String> {
+    let pid_text = pid.to_string();
+    run("kill", &["-TERM", &pid_text])?;
+    let deadline = Instant::now() + grace;
+    while alive(pid) && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    if alive(pid) {
+        let _ = run("kill", &["-KILL", &pid_text]);
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while alive(pid) && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+    if alive(pid) {
+        Err(format!("process {pid} is still running after SIGKILL"))
+    } else {
+        Ok(())
+    }
+}
+
+/// Starts `cmdline` in `cwd` in a session of its own (`setsid -f`), detached from the
+/// caller: it outlives the test that restarted it, as the server it replaces did.
+fn start_detached(cmdline: &[String], cwd: &std::path::Path) -> bool {
+    Command::new("setsid")
+        .arg("-f")
+        .args(cmdline)
+        .current_dir(cwd)
+        .stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .status()
+        .map(|s| s.success())
+        .unwrap_or(false)
+}
+
 /// Whether RabbitMQ reports a memory alarm (`None` when `rabbitmqctl` cannot tell).
 pub fn rabbit_memory_alarm_active() -> Option<bool> {
     rabbitmqctl(&["-q", "eval", "rabbit_alarm:get_alarms()."])
@@ -429,27 +542,36 @@ enum Freeze {
 }
 
 impl Frozen {
+    /// Freezes the local process listening on `port`, else the compose `service` (only
+    /// for the shared server's port: cluster nodes are always local).
     fn try_freeze(
         fault: &'static str,
-        process: &str,
-        service: &'static str,
+        port: u16,
+        service: Option<&'static str>,
     ) -> Result<Self, FaultUnavailable> {
-        if let Some(pid) = output("pgrep", &["-x", process])
-            .and_then(|pids| pids.lines().next().map(str::to_owned))
-        {
+        if let Some(pid) = pid_listening_on(port) {
+            let pid = pid.to_string();
             run("kill", &["-STOP", &pid]).map_err(|e| FaultUnavailable::new(fault, e))?;
             return Ok(Self {
                 how: Freeze::Pid(pid),
             });
         }
-        if docker_engine() && succeeds("docker", &["compose", "pause", service]) {
+        if let Some(service) = service
+            && docker_engine()
+            && succeeds("docker", &["compose", "pause", service])
+        {
             return Ok(Self {
                 how: Freeze::Docker(service),
             });
         }
         Err(FaultUnavailable::new(
             fault,
-            format!("no local `{process}` process, and `docker compose pause {service}` failed"),
+            format!(
+                "no local process listens on port {port}{}",
+                service.map_or_else(String::new, |service| format!(
+                    ", and `docker compose pause {service}` failed"
+                ))
+            ),
         ))
     }
 
@@ -462,7 +584,8 @@ impl Frozen {
 }
 
 /// Sends `SIGCONT` to every local process named `process` that is stopped (state `T`):
-/// undoes a freeze left by a run that was killed with `SIGKILL` before its guards ran.
+/// undoes a freeze left by a run that was killed with `SIGKILL` before its guards ran
+/// (by name on purpose: whichever node such a run froze, none should stay frozen).
 /// Returns how many it continued.
 pub fn continue_stopped(process: &str) -> usize {
     let Some(pids) = output("pgrep", &["-x", process]) else {
@@ -494,19 +617,28 @@ impl NatsFrozen {
     /// Freezes the server.
     ///
     /// # Panics
-    /// When no local `nats-server` process is found and `docker compose pause nats`
+    /// When no local process listens on [`NATS_PORT`] and `docker compose pause nats`
     /// fails.
     pub fn freeze() -> Self {
         Self::try_freeze().unwrap_or_else(|e| panic!("{e}"))
     }
 
-    /// Freezes the server.
+    /// Freezes the shared server (the process listening on [`NATS_PORT`]).
     ///
     /// # Errors
-    /// [`FaultUnavailable`] when no local `nats-server` process can be stopped and
-    /// `docker compose pause nats` fails.
+    /// [`FaultUnavailable`] when no local process listens on [`NATS_PORT`] and `docker
+    /// compose pause nats` fails.
     pub fn try_freeze() -> Result<Self, FaultUnavailable> {
-        Frozen::try_freeze("NATS freeze", "nats-server", "nats").map(|frozen| Self { frozen })
+        Frozen::try_freeze("NATS freeze", NATS_PORT, Some("nats")).map(|frozen| Self { frozen })
+    }
+
+    /// Freezes the NATS server listening for clients on `port` (a cluster node of
+    /// `cargo xtask services --cluster`, say), and no other.
+    ///
+    /// # Errors
+    /// [`FaultUnavailable`] when no local process listens on `port`.
+    pub fn try_freeze_port(port: u16) -> Result<Self, FaultUnavailable> {
+        Frozen::try_freeze("NATS freeze", port, None).map(|frozen| Self { frozen })
     }
 
     /// Continues the server now (dropping the guard does it too).
@@ -533,13 +665,23 @@ pub struct RabbitFrozen {
 }
 
 impl RabbitFrozen {
-    /// Freezes the node.
+    /// Freezes the shared node (the process listening on [`AMQP_PORT`]).
     ///
     /// # Errors
-    /// [`FaultUnavailable`] when no local `beam.smp` process can be stopped and `docker
+    /// [`FaultUnavailable`] when no local process listens on [`AMQP_PORT`] and `docker
     /// compose pause rabbitmq` fails.
     pub fn try_freeze() -> Result<Self, FaultUnavailable> {
-        Frozen::try_freeze("RabbitMQ freeze", "beam.smp", "rabbitmq").map(|frozen| Self { frozen })
+        Frozen::try_freeze("RabbitMQ freeze", AMQP_PORT, Some("rabbitmq"))
+            .map(|frozen| Self { frozen })
+    }
+
+    /// Freezes the RabbitMQ node (its Erlang VM) listening for AMQP on `port` (a
+    /// cluster node of `cargo xtask services --cluster`, say), and no other.
+    ///
+    /// # Errors
+    /// [`FaultUnavailable`] when no local process listens on `port`.
+    pub fn try_freeze_port(port: u16) -> Result<Self, FaultUnavailable> {
+        Frozen::try_freeze("RabbitMQ freeze", port, None).map(|frozen| Self { frozen })
     }
 }
 
@@ -553,67 +695,70 @@ impl Drop for RabbitFrozen {
     }
 }
 
-/// The NATS server stopped (`start-stop-daemon --stop`, or `docker compose stop nats`):
-/// every connection is closed and refused. Dropping it starts the server again with
-/// the command line it had (so its JetStream store directory and flags are the same)
-/// and waits until it answers. A file-storage stream survives; a memory one does not.
+/// A NATS server stopped (`SIGTERM` to the process listening on its client port, or
+/// `docker compose stop nats`): every connection is closed and refused. Dropping it
+/// starts the server again with the command line and working directory it had (so its
+/// JetStream store directory, cluster routes and flags are the same) and waits until it
+/// answers. A file-storage stream survives; a memory one does not. Only that server is
+/// touched: other `nats-server` processes (a cluster's nodes) keep running.
 #[derive(Debug)]
 pub struct NatsStopped {
     how: NatsStart,
+    port: u16,
 }
 
 #[derive(Debug)]
 enum NatsStart {
-    /// The executable and its arguments, read from `/proc/PID/cmdline` before stopping.
-    Local(Vec<String>),
+    /// The executable and its arguments, and its working directory, read from
+    /// `/proc/PID` before stopping.
+    Local(Vec<String>, std::path::PathBuf),
     Docker,
 }
 
 impl NatsStopped {
-    /// Stops the server.
+    /// Stops the shared server (the one listening on [`NATS_PORT`]).
     ///
     /// # Errors
-    /// [`FaultUnavailable`] when no local `nats-server` runs (or its command line cannot
-    /// be read, or `start-stop-daemon` is missing) and `docker compose stop nats` fails.
+    /// [`FaultUnavailable`] when no local process listens on [`NATS_PORT`] (or its
+    /// command line cannot be read, or it does not stop) and `docker compose stop nats`
+    /// fails.
     pub fn try_stop() -> Result<Self, FaultUnavailable> {
+        match Self::try_stop_port(NATS_PORT) {
+            Ok(stopped) => Ok(stopped),
+            Err(local) => {
+                if docker_engine() && succeeds("docker", &["compose", "stop", "nats"]) {
+                    Ok(Self {
+                        how: NatsStart::Docker,
+                        port: NATS_PORT,
+                    })
+                } else {
+                    Err(FaultUnavailable::new(
+                        local.fault,
+                        format!("{}, and `docker compose stop nats` failed", local.reason),
+                    ))
+                }
+            }
+        }
+    }
+
+    /// Stops the local NATS server listening for clients on `port`, and no other.
+    ///
+    /// # Errors
+    /// [`FaultUnavailable`] when no local process listens on `port`, its command line
+    /// cannot be read, or it does not stop.
+    pub fn try_stop_port(port: u16) -> Result<Self, FaultUnavailable> {
         const FAULT: &str = "NATS restart";
-        let local = output("pgrep", &["-x", "nats-server"])
-            .and_then(|pids| pids.lines().next().map(str::to_owned))
-            .and_then(|pid| std::fs::read(format!("/proc/{pid}/cmdline")).ok())
-            .map(|raw| {
-                raw.split(|b| *b == 0)
-                    .filter(|part| !part.is_empty())
-                    .map(|part| String::from_utf8_lossy(part).into_owned())
-                    .collect::<Vec<_>>()
-            })
-            .filter(|cmd| !cmd.is_empty());
-        if let Some(cmdline) = local {
-            let exe = cmdline[0].clone();
-            run(
-                "start-stop-daemon",
-                &[
-                    "--stop",
-                    "--oknodo",
-                    "--retry",
-                    "TERM/10/KILL/5",
-                    "--exec",
-                    &exe,
-                ],
-            )
-            .map_err(|e| FaultUnavailable::new(FAULT, e))?;
-            return Ok(Self {
-                how: NatsStart::Local(cmdline),
-            });
-        }
-        if docker_engine() && succeeds("docker", &["compose", "stop", "nats"]) {
-            return Ok(Self {
-                how: NatsStart::Docker,
-            });
-        }
-        Err(FaultUnavailable::new(
-            FAULT,
-            "no local nats-server process, and `docker compose stop nats` failed",
-        ))
+        let pid = pid_listening_on(port).ok_or_else(|| {
+            FaultUnavailable::new(FAULT, format!("no local process listens on port {port}"))
+        })?;
+        let (cmdline, cwd) = command_line(pid).ok_or_else(|| {
+            FaultUnavailable::new(FAULT, format!("cannot read the command line of {pid}"))
+        })?;
+        terminate(pid, Duration::from_secs(10)).map_err(|e| FaultUnavailable::new(FAULT, e))?;
+        Ok(Self {
+            how: NatsStart::Local(cmdline, cwd),
+            port,
+        })
     }
 }
 
@@ -621,19 +766,12 @@ impl Drop for NatsStopped {
     fn drop(&mut self) {
         let ok = match &self.how {
             NatsStart::Docker => succeeds("docker", &["compose", "start", "nats"]),
-            NatsStart::Local(cmdline) => {
-                let mut args: Vec<&str> =
-                    vec!["--start", "--oknodo", "--background", "--exec", &cmdline[0]];
-                if cmdline.len() > 1 {
-                    args.push("--");
-                    args.extend(cmdline[1..].iter().map(String::as_str));
-                }
-                succeeds("start-stop-daemon", &args)
-            }
+            NatsStart::Local(cmdline, cwd) => start_detached(cmdline, cwd),
         };
         assert!(ok || std::thread::panicking(), "failed to start NATS again");
+        let port = self.port;
         wait_for("NATS answers", Duration::from_secs(60), || {
-            port_answers(4222)
+            port_answers(port)
         });
     }
 }
@@ -742,7 +880,18 @@ impl Drop for PgStopped {
 
 #[cfg(test)]
 mod tests {
-    use super::regex_escape;
+    use super::{pid_listening_on, regex_escape};
+
+    /// The server on a port is found by the port: here a listener of this test
+    /// process, and no process for a port nobody listens on.
+    #[test]
+    fn the_process_listening_on_a_port_is_found() {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+        let port = listener.local_addr().expect("address").port();
+        assert_eq!(pid_listening_on(port), Some(std::process::id()));
+        drop(listener);
+        assert_eq!(pid_listening_on(port), None);
+    }
 
     #[test]
     fn queue_names_are_escaped_for_the_policy_pattern() {

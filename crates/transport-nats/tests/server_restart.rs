@@ -5,15 +5,14 @@
 //! This binary stops the shared NATS server (under the machine-wide fault lock of
 //! `outbox_testkit::faults`), so it holds a single test (cargo runs test
 //! binaries one after another). The outage length is `NATS_OUTAGE_SECS` (default 5).
-//! The local server is stopped and started with `start-stop-daemon` (as `cargo xtask
-//! services` starts it); with Docker, the compose service `nats` is stopped and started
-//! instead.
+//! The server is stopped with `outbox_testkit::faults::NatsStopped`: the process
+//! listening on port 4222 and no other `nats-server` (a cluster's nodes keep running),
+//! started again with its own command line; with Docker, the compose service `nats`.
 
 mod common;
 
 use outbox_core::Consumer as _;
 use std::collections::HashSet;
-use std::process::Command;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -21,6 +20,7 @@ use async_trait::async_trait;
 use outbox_core::wire::IncomingMessage;
 use outbox_core::{Dispatcher, DispatcherConfig, NewMessage, OutboxStore};
 use outbox_postgres::PgOutbox;
+use outbox_testkit::faults::NatsStopped;
 use tokio_util::sync::CancellationToken;
 use transport_nats::{
     DeliveryHandler, HandlerDecision, NatsConfigBuilder, NatsConsumer, NatsPublisher,
@@ -28,92 +28,6 @@ use transport_nats::{
 use uuid::Uuid;
 
 use common::*;
-
-const SERVER: &str = "/usr/sbin/nats-server";
-const SERVER_ARGS: [&str; 8] = [
-    "-a",
-    "127.0.0.1",
-    "-p",
-    "4222",
-    "-js",
-    "-sd",
-    "/var/lib/nats-server",
-    "-l",
-];
-const SERVER_LOG: &str = "/var/log/nats-server.log";
-
-fn run(cmd: &str, args: &[&str]) -> bool {
-    Command::new(cmd)
-        .args(args)
-        .status()
-        .map(|s| s.success())
-        .unwrap_or(false)
-}
-
-/// Stops the NATS server and starts it again on [`Outage::end`], or on drop if the test
-/// panics.
-struct Outage {
-    docker: bool,
-    ended: bool,
-}
-
-impl Outage {
-    fn begin() -> Self {
-        if std::path::Path::new(SERVER).exists()
-            && run(
-                "start-stop-daemon",
-                &[
-                    "--stop",
-                    "--oknodo",
-                    "--retry",
-                    "TERM/10/KILL/5",
-                    "--exec",
-                    SERVER,
-                ],
-            )
-        {
-            return Self {
-                docker: false,
-                ended: false,
-            };
-        }
-        if run("docker", &["info"]) && run("docker", &["compose", "stop", "nats"]) {
-            return Self {
-                docker: true,
-                ended: false,
-            };
-        }
-        panic!("cannot stop NATS: neither start-stop-daemon nor `docker compose stop nats` worked");
-    }
-
-    fn end(&mut self) {
-        self.ended = true;
-        let ok = if self.docker {
-            run("docker", &["compose", "start", "nats"])
-        } else {
-            let mut args = vec![
-                "--start",
-                "--oknodo",
-                "--background",
-                "--exec",
-                SERVER,
-                "--",
-            ];
-            args.extend(SERVER_ARGS);
-            args.push(SERVER_LOG);
-            run("start-stop-daemon", &args)
-        };
-        assert!(ok, "failed to start NATS again");
-    }
-}
-
-impl Drop for Outage {
-    fn drop(&mut self) {
-        if !self.ended {
-            self.end();
-        }
-    }
-}
 
 /// Records the distinct ids it receives and acks everything.
 #[derive(Clone, Default)]
@@ -216,7 +130,7 @@ async fn relay_and_consumer_resume_after_a_server_restart_and_nothing_is_lost() 
     })
     .await;
 
-    let mut outage = Outage::begin();
+    let outage = NatsStopped::try_stop().expect("stop the NATS server");
     eventually("the server is down", server_is_down).await;
     eprintln!(
         "NATS stopped after {} messages were published",
@@ -233,7 +147,7 @@ async fn relay_and_consumer_resume_after_a_server_restart_and_nothing_is_lost() 
     // The outage itself (not an assertion: the server stays down this long).
     tokio::time::sleep(Duration::from_secs(outage_secs)).await;
     let stats_down = dispatcher.stats();
-    outage.end();
+    drop(outage); // starts the server again and waits until it answers
     eventually("the server is up", || async { !server_is_down().await }).await;
     eprintln!("NATS started again; relay during the outage: {stats_down:?}");
 
