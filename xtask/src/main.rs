@@ -29,6 +29,7 @@
 //! Child processes get `DATABASE_URL`, `AMQP_URL` and `NATS_URL` pointing at
 //! the local services unless those variables are already set.
 
+mod cluster;
 mod features;
 mod release;
 mod services;
@@ -73,7 +74,18 @@ struct Cli {
 #[derive(Debug, Subcommand)]
 enum Cmd {
     /// Ensure PostgreSQL, RabbitMQ and NATS are up and print their status.
-    Services,
+    ///
+    /// With `--cluster`, also a 3-node RabbitMQ cluster (AMQP 5681-5683) and a 3-node
+    /// NATS JetStream cluster (4231-4233) of the project's own, data under
+    /// `target/cluster/`; `--cluster --stop` stops them.
+    Services {
+        /// Also start the 3-node RabbitMQ and NATS clusters.
+        #[arg(long)]
+        cluster: bool,
+        /// With `--cluster`: stop the clusters' nodes instead (data kept).
+        #[arg(long, requires = "cluster")]
+        stop: bool,
+    },
     /// Check the `outbox` facade's feature combinations, ensure the services, then run all workspace tests and the doc tests.
     ///
     /// ARGS go to `cargo test --workspace --all-targets` unchanged; to reach
@@ -138,7 +150,17 @@ fn main() -> ExitCode {
 fn run(cli: Cli) -> Result<()> {
     let timeout = Duration::from_secs(cli.service_timeout);
     match cli.command {
-        Cmd::Services => services::ensure(timeout),
+        Cmd::Services {
+            cluster: true,
+            stop: true,
+        } => cluster::down(),
+        Cmd::Services { cluster, stop: _ } => {
+            services::ensure(timeout)?;
+            if cluster {
+                cluster::up(timeout)?;
+            }
+            Ok(())
+        }
         Cmd::Itest { args } => {
             // First: a build break fails the run before any service is needed.
             features::check()?;

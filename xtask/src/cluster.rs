@@ -1,0 +1,399 @@
+//! `cargo xtask services --cluster`: a 3-node RabbitMQ cluster and a 3-node NATS
+//! JetStream cluster on this machine, from the installed servers, beside the shared
+//! single-node services (which are never touched).
+//!
+//! Every node is a process of the project's own, so tests may kill, freeze and restart
+//! them freely: they find a node by its port (`outbox_testkit::faults`), never by the
+//! executable's name. Data, logs and configuration live under `target/cluster/`;
+//! `--cluster --stop` stops the nodes and keeps the data (delete the directory for a
+//! fresh cluster).
+//!
+//! | node | RabbitMQ (AMQP / Erlang distribution) | NATS (client / route / monitoring) |
+//! |------|---------------------------------------|-------------------------------------|
+//! | 1    | 5681 / 25681, `outbox-rabbit-1@localhost` | 4231 / 6231 / 8231, `outbox-nats-1` |
+//! | 2    | 5682 / 25682, `outbox-rabbit-2@localhost` | 4232 / 6232 / 8232, `outbox-nats-2` |
+//! | 3    | 5683 / 25683, `outbox-rabbit-3@localhost` | 4233 / 6233 / 8233, `outbox-nats-3` |
+//!
+//! RabbitMQ nodes 2 and 3 join node 1 with `rabbitmqctl join_cluster`; they share an
+//! Erlang cookie kept in `target/cluster/rabbitmq/.erlang.cookie` (the nodes and
+//! `rabbitmqctl` run with `HOME` there). The NATS nodes form one cluster through
+//! explicit routes, with JetStream on every node (the meta group needs a leader before
+//! streams can be created, which readiness waits for).
+
+use std::fs;
+use std::io::{Read, Write};
+use std::net::{SocketAddr, TcpStream};
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::thread;
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result, bail};
+
+use crate::workspace_root;
+
+/// Nodes per cluster.
+pub(crate) const NODES: u16 = 3;
+
+/// AMQP URLs of the RabbitMQ cluster's nodes, comma-separated (`AMQP_CLUSTER_URLS`).
+pub(crate) fn amqp_urls() -> String {
+    (1..=NODES)
+        .map(|i| format!("amqp://guest:guest@127.0.0.1:{}/%2f", rabbit_port(i)))
+        .collect::<Vec<_>>()
+        .join(",")
+}
+
+/// NATS URLs of the cluster's nodes, comma-separated (`NATS_CLUSTER_URL`).
+pub(crate) fn nats_urls() -> String {
+    (1..=NODES)
+        .map(|i| format!("nats://127.0.0.1:{}", nats_port(i)))
+        .collect::<Vec<_>>()
+        .join(",")
+}
+
+const fn rabbit_port(node: u16) -> u16 {
+    5680 + node
+}
+
+const fn rabbit_dist_port(node: u16) -> u16 {
+    25680 + node
+}
+
+fn rabbit_node(node: u16) -> String {
+    format!("outbox-rabbit-{node}@localhost")
+}
+
+const fn nats_port(node: u16) -> u16 {
+    4230 + node
+}
+
+const fn nats_route_port(node: u16) -> u16 {
+    6230 + node
+}
+
+const fn nats_http_port(node: u16) -> u16 {
+    8230 + node
+}
+
+fn cluster_dir() -> PathBuf {
+    workspace_root().join("target").join("cluster")
+}
+
+fn rabbit_home() -> PathBuf {
+    cluster_dir().join("rabbitmq")
+}
+
+/// The RabbitMQ scripts themselves, not Debian's wrappers in `/usr/sbin` (which switch
+/// to the `rabbitmq` user and its cookie).
+fn rabbit_script(name: &str) -> PathBuf {
+    let direct = Path::new("/usr/lib/rabbitmq/bin").join(name);
+    if direct.exists() {
+        direct
+    } else {
+        PathBuf::from(name)
+    }
+}
+
+/// `rabbitmqctl -n NODE ARGS` with the cluster's cookie.
+fn rabbitmqctl(node: u16, args: &[&str]) -> Command {
+    let mut cmd = Command::new(rabbit_script("rabbitmqctl"));
+    cmd.env("HOME", rabbit_home())
+        .args(["-n", &rabbit_node(node)])
+        .args(args)
+        .stdin(Stdio::null());
+    cmd
+}
+
+fn run_quiet(mut cmd: Command, what: &str) -> Result<String> {
+    let output = cmd
+        .output()
+        .with_context(|| format!("could not run {what}"))?;
+    if output.status.success() {
+        Ok(String::from_utf8_lossy(&output.stdout).into_owned())
+    } else {
+        bail!(
+            "{what} failed ({}): {}",
+            output.status,
+            String::from_utf8_lossy(&output.stderr).trim()
+        )
+    }
+}
+
+fn port_answers(port: u16) -> bool {
+    TcpStream::connect_timeout(
+        &SocketAddr::from(([127, 0, 0, 1], port)),
+        Duration::from_secs(1),
+    )
+    .is_ok()
+}
+
+fn wait(what: &str, deadline: Instant, mut done: impl FnMut() -> bool) -> Result<()> {
+    while !done() {
+        if Instant::now() >= deadline {
+            bail!("timed out waiting until {what}");
+        }
+        thread::sleep(Duration::from_millis(500));
+    }
+    Ok(())
+}
+
+/// Starts whatever node of the two clusters is not running, joins the RabbitMQ
+/// nodes, and waits until both clusters serve clients (RabbitMQ: every node running
+/// in one cluster; NATS: every node answering and a JetStream meta leader elected).
+pub(crate) fn up(timeout: Duration) -> Result<()> {
+    let deadline = Instant::now() + timeout;
+    nats_up(deadline)?;
+    rabbit_up(deadline)?;
+    println!("cluster: RabbitMQ {}", amqp_urls());
+    println!("cluster: NATS {}", nats_urls());
+    Ok(())
+}
+
+/// Stops every node of the two clusters (data kept under `target/cluster/`).
+pub(crate) fn down() -> Result<()> {
+    for node in 1..=NODES {
+        if port_answers(rabbit_port(node)) || port_answers(rabbit_dist_port(node)) {
+            run_quiet(
+                rabbitmqctl(node, &["stop"]),
+                &format!("stopping {}", rabbit_node(node)),
+            )?;
+            println!("cluster: {} stopped", rabbit_node(node));
+        }
+    }
+    for node in 1..=NODES {
+        let pid_file = nats_dir(node).join("nats.pid");
+        let Ok(pid) = fs::read_to_string(&pid_file) else {
+            continue;
+        };
+        let pid = pid.trim().to_owned();
+        if Command::new("kill")
+            .args(["-CONT", &pid])
+            .status()
+            .is_ok_and(|s| s.success())
+        {
+            let _ = Command::new("kill").args(["-TERM", &pid]).status();
+            let gone = Instant::now() + Duration::from_secs(15);
+            wait(&format!("outbox-nats-{node} stops"), gone, || {
+                !Path::new(&format!("/proc/{pid}")).exists()
+            })?;
+            println!("cluster: outbox-nats-{node} stopped");
+        }
+        let _ = fs::remove_file(pid_file);
+    }
+    Ok(())
+}
+
+fn nats_dir(node: u16) -> PathBuf {
+    cluster_dir().join("nats").join(node.to_string())
+}
+
+fn nats_up(deadline: Instant) -> Result<()> {
+    let routes = (1..=NODES)
+        .map(|i| format!("nats-route://127.0.0.1:{}", nats_route_port(i)))
+        .collect::<Vec<_>>()
+        .join(", ");
+    for node in 1..=NODES {
+        if port_answers(nats_port(node)) {
+            continue;
+        }
+        let dir = nats_dir(node);
+        fs::create_dir_all(dir.join("jetstream"))
+            .with_context(|| format!("could not create {}", dir.display()))?;
+        // nats-server 2.9 has no `sync_interval` (2.10+): see docs/clusters.md.
+        let config = format!(
+            "server_name: outbox-nats-{node}\n\
+             listen: 127.0.0.1:{port}\n\
+             http: 127.0.0.1:{http}\n\
+             jetstream {{ store_dir: \"{store}\" }}\n\
+             cluster {{\n  name: outbox\n  listen: 127.0.0.1:{route}\n  routes: [{routes}]\n}}\n",
+            port = nats_port(node),
+            http = nats_http_port(node),
+            route = nats_route_port(node),
+            store = dir.join("jetstream").display(),
+        );
+        let conf = dir.join("nats.conf");
+        fs::write(&conf, config).with_context(|| format!("could not write {}", conf.display()))?;
+        let log = dir.join("nats.log");
+        let pid = dir.join("nats.pid");
+        let mut cmd = Command::new("setsid");
+        cmd.arg("-f")
+            .arg(nats_server()?)
+            .arg("-c")
+            .arg(&conf)
+            .arg("-l")
+            .arg(&log)
+            .arg("-P")
+            .arg(&pid)
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null());
+        run_quiet(cmd, &format!("starting outbox-nats-{node}"))?;
+        println!(
+            "cluster: outbox-nats-{node} started (log {})",
+            log.display()
+        );
+    }
+    for node in 1..=NODES {
+        wait(&format!("outbox-nats-{node} answers"), deadline, || {
+            port_answers(nats_port(node))
+        })?;
+    }
+    wait("the JetStream cluster has a meta leader", deadline, || {
+        (1..=NODES).all(|node| meta_leader(node).is_some())
+    })?;
+    println!(
+        "cluster: NATS ready, JetStream meta leader {}",
+        meta_leader(1).unwrap_or_default()
+    );
+    Ok(())
+}
+
+fn nats_server() -> Result<PathBuf> {
+    [
+        "/usr/sbin/nats-server",
+        "/usr/bin/nats-server",
+        "/usr/local/bin/nats-server",
+    ]
+    .into_iter()
+    .map(PathBuf::from)
+    .find(|path| path.exists())
+    .context("no nats-server executable installed")
+}
+
+/// The JetStream meta leader node `node` knows of, from its monitoring endpoint
+/// (`/jsz`, field `meta_cluster.leader`).
+fn meta_leader(node: u16) -> Option<String> {
+    let body = http_get(nats_http_port(node), "/jsz")?;
+    let json: serde_json::Value = serde_json::from_str(&body).ok()?;
+    json.pointer("/meta_cluster/leader")
+        .and_then(serde_json::Value::as_str)
+        .filter(|leader| !leader.is_empty())
+        .map(str::to_owned)
+}
+
+/// The body of `GET path` on `127.0.0.1:port` (HTTP/1.0, so the server closes).
+fn http_get(port: u16, path: &str) -> Option<String> {
+    let mut stream = TcpStream::connect_timeout(
+        &SocketAddr::from(([127, 0, 0, 1], port)),
+        Duration::from_secs(2),
+    )
+    .ok()?;
+    stream.set_read_timeout(Some(Duration::from_secs(2))).ok()?;
+    write!(stream, "GET {path} HTTP/1.0\r\nHost: 127.0.0.1\r\n\r\n").ok()?;
+    let mut response = String::new();
+    stream.read_to_string(&mut response).ok()?;
+    let (head, body) = response.split_once("\r\n\r\n")?;
+    head.starts_with("HTTP/1.").then(|| body.to_owned())
+}
+
+fn rabbit_up(deadline: Instant) -> Result<()> {
+    let home = rabbit_home();
+    fs::create_dir_all(&home).with_context(|| format!("could not create {}", home.display()))?;
+    let cookie = home.join(".erlang.cookie");
+    if !cookie.exists() {
+        fs::write(&cookie, "OUTBOXRSCLUSTERCOOKIE")
+            .with_context(|| format!("could not write {}", cookie.display()))?;
+        set_mode(&cookie, 0o400)?;
+    }
+    fs::write(home.join("enabled_plugins"), "[].\n").context("enabled_plugins")?;
+    for node in 1..=NODES {
+        if port_answers(rabbit_dist_port(node)) {
+            continue;
+        }
+        let dir = home.join(node.to_string());
+        fs::create_dir_all(&dir).with_context(|| format!("could not create {}", dir.display()))?;
+        let conf = dir.join("rabbitmq.conf");
+        fs::write(
+            &conf,
+            format!(
+                "listeners.tcp.local = 127.0.0.1:{}\n\
+                 # Quorum queues: a member lost for good is replaced by hand (docs/clusters.md).\n\
+                 cluster_partition_handling = pause_minority\n",
+                rabbit_port(node)
+            ),
+        )
+        .with_context(|| format!("could not write {}", conf.display()))?;
+        let mut cmd = Command::new(rabbit_script("rabbitmq-server"));
+        cmd.arg("-detached")
+            .env("HOME", &home)
+            .env("RABBITMQ_NODENAME", rabbit_node(node))
+            .env("RABBITMQ_NODE_PORT", rabbit_port(node).to_string())
+            .env("RABBITMQ_DIST_PORT", rabbit_dist_port(node).to_string())
+            .env("RABBITMQ_MNESIA_BASE", dir.join("mnesia"))
+            .env("RABBITMQ_LOG_BASE", dir.join("log"))
+            .env("RABBITMQ_CONFIG_FILE", &conf)
+            .env(
+                "RABBITMQ_ENABLED_PLUGINS_FILE",
+                home.join("enabled_plugins"),
+            )
+            .env("RABBITMQ_PID_FILE", dir.join("rabbitmq.pid"))
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null());
+        run_quiet(cmd, &format!("starting {}", rabbit_node(node)))?;
+        println!(
+            "cluster: {} started (log {})",
+            rabbit_node(node),
+            dir.join("log").display()
+        );
+    }
+    for node in 1..=NODES {
+        let left = deadline
+            .saturating_duration_since(Instant::now())
+            .as_secs()
+            .max(1);
+        run_quiet(
+            rabbitmqctl(node, &["-t", &left.to_string(), "await_startup"]),
+            &format!("waiting for {}", rabbit_node(node)),
+        )?;
+    }
+    for node in 2..=NODES {
+        let status = run_quiet(
+            rabbitmqctl(node, &["cluster_status", "--formatter", "json"]),
+            &format!("cluster_status of {}", rabbit_node(node)),
+        )?;
+        if status.contains(&rabbit_node(1)) {
+            continue;
+        }
+        for args in [
+            vec!["stop_app"],
+            vec!["join_cluster", &rabbit_node(1)],
+            vec!["start_app"],
+        ] {
+            run_quiet(
+                rabbitmqctl(node, &args),
+                &format!("{} {}", rabbit_node(node), args.join(" ")),
+            )?;
+        }
+        println!("cluster: {} joined {}", rabbit_node(node), rabbit_node(1));
+    }
+    wait("every RabbitMQ node runs in one cluster", deadline, || {
+        running_nodes(1).is_some_and(|nodes| nodes == usize::from(NODES))
+            && (1..=NODES).all(|node| port_answers(rabbit_port(node)))
+    })?;
+    println!("cluster: RabbitMQ ready, {NODES} nodes running");
+    Ok(())
+}
+
+/// How many nodes `node` sees running in its cluster.
+fn running_nodes(node: u16) -> Option<usize> {
+    let status = run_quiet(
+        rabbitmqctl(node, &["cluster_status", "--formatter", "json"]),
+        "cluster_status",
+    )
+    .ok()?;
+    let json: serde_json::Value = serde_json::from_str(&status).ok()?;
+    json.get("running_nodes")?.as_array().map(Vec::len)
+}
+
+#[cfg(unix)]
+fn set_mode(path: &Path, mode: u32) -> Result<()> {
+    use std::os::unix::fs::PermissionsExt;
+    fs::set_permissions(path, fs::Permissions::from_mode(mode))
+        .with_context(|| format!("could not chmod {}", path.display()))
+}
+
+#[cfg(not(unix))]
+fn set_mode(_path: &Path, _mode: u32) -> Result<()> {
+    Ok(())
+}
