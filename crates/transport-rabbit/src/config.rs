@@ -19,6 +19,8 @@
 use std::fmt;
 use std::net::IpAddr;
 use std::str::FromStr;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
 use lapin::types::MAX_SHORT_STRING_LENGTH;
@@ -81,6 +83,12 @@ impl RabbitConfigBuilder {
     /// Settings for the broker at `url` (`amqp://user:pass@host:port/vhost` or
     /// `amqps://...`; the default virtual host `/` is written `%2f`), with every other
     /// setting at its default.
+    ///
+    /// A cluster's nodes are given as several URLs separated by commas
+    /// (`amqp://u:p@node1:5672/%2f,amqp://u:p@node2:5672/%2f`): the publisher and the
+    /// consumer connect to one of them, and on every (re)connection try them in turn,
+    /// starting after the node used last, each within the connect timeout, so a lost,
+    /// stopped or frozen node costs at most one timeout before the next is tried.
     pub fn new(url: impl Into<String>) -> Self {
         Self {
             url: url.into(),
@@ -185,8 +193,19 @@ impl RabbitConfigBuilder {
     ///   is zero, the channel count is outside `1..=256`, or the source or connection
     ///   name is empty.
     pub fn build(self) -> Result<RabbitConfig, RabbitError> {
-        let url_redacted = redact_url(&self.url);
-        let uri = parse_uri(&self.url, &url_redacted)?;
+        let nodes = self
+            .url
+            .split(',')
+            .map(|url| {
+                let url_redacted = redact_url(url.trim());
+                parse_uri(url, &url_redacted).map(|uri| Node { uri, url_redacted })
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        let url_redacted = nodes
+            .iter()
+            .map(|node| node.url_redacted.as_str())
+            .collect::<Vec<_>>()
+            .join(",");
         if self.exchange.is_empty() {
             return Err(invalid(
                 "exchange",
@@ -239,7 +258,8 @@ impl RabbitConfigBuilder {
             return Err(invalid("connection_name", "must not be empty"));
         }
         Ok(RabbitConfig {
-            uri,
+            nodes: Arc::new(nodes),
+            next_node: Arc::new(AtomicUsize::new(0)),
             url_redacted,
             exchange: self.exchange,
             declare_exchange: self.declare_exchange,
@@ -303,11 +323,20 @@ fn ip_host(url: &str) -> Option<IpAddr> {
     host.parse().ok()
 }
 
+/// One node of the broker: its parsed URI (with the password) and its URL redacted.
+#[derive(Clone)]
+pub(crate) struct Node {
+    pub(crate) uri: AMQPUri,
+    pub(crate) url_redacted: String,
+}
+
 /// Validated settings of the RabbitMQ transport: build them with
-/// [`RabbitConfigBuilder`]. Cheap to clone. `Debug` shows the URL redacted.
+/// [`RabbitConfigBuilder`]. Cheap to clone; clones share the position of the node to
+/// try next. `Debug` shows the URLs redacted.
 #[derive(Clone)]
 pub struct RabbitConfig {
-    uri: AMQPUri,
+    nodes: Arc<Vec<Node>>,
+    next_node: Arc<AtomicUsize>,
     url_redacted: String,
     exchange: String,
     declare_exchange: bool,
@@ -341,12 +370,37 @@ impl RabbitConfig {
         RabbitConfigBuilder::new(url)
     }
 
-    /// The parsed broker URI (it contains the password: do not log it).
+    /// The parsed URI of the first node (it contains the password: do not log it).
+    #[cfg(test)]
     pub(crate) fn uri(&self) -> &AMQPUri {
-        &self.uri
+        &self.nodes[0].uri
     }
 
-    /// The broker URL with its password replaced by `***`.
+    /// The nodes in the order to try them now: starting after the node a connection
+    /// was last made to, round the list.
+    pub(crate) fn nodes_in_turn(&self) -> impl Iterator<Item = (usize, &Node)> {
+        let n = self.nodes.len();
+        let start = self.next_node.load(Ordering::Relaxed) % n;
+        (0..n).map(move |k| {
+            let i = (start + k) % n;
+            (i, &self.nodes[i])
+        })
+    }
+
+    /// Records that a connection was made to node `index`: the next connection starts
+    /// with the node after it, so reconnecting after that node is lost does not wait on
+    /// it first, and several connections spread over the cluster.
+    pub(crate) fn connected_to(&self, index: usize) {
+        self.next_node.store(index + 1, Ordering::Relaxed);
+    }
+
+    /// How many nodes the configuration lists (1 for a single broker).
+    pub fn node_count(&self) -> usize {
+        self.nodes.len()
+    }
+
+    /// The broker URL, or the cluster's URLs separated by commas, with every password
+    /// replaced by `***`.
     pub fn url_redacted(&self) -> &str {
         &self.url_redacted
     }
@@ -366,9 +420,16 @@ impl RabbitConfig {
         self.confirm_timeout
     }
 
-    /// How long connecting may take.
+    /// How long connecting to one node may take.
     pub fn connect_timeout(&self) -> Duration {
         self.connect_timeout
+    }
+
+    /// How long connecting may take in all: the connect timeout once per node, plus
+    /// one more for the setup on the node reached (exchange, channels).
+    pub fn connect_budget(&self) -> Duration {
+        self.connect_timeout
+            .saturating_mul(u32::try_from(self.nodes.len() + 1).unwrap_or(u32::MAX))
     }
 
     /// The largest payload published, in bytes.
@@ -423,6 +484,43 @@ mod tests {
         ] {
             let config = RabbitConfigBuilder::new(url).build().expect("valid");
             assert_eq!(config.uri().authority.host, host, "{url}");
+        }
+    }
+
+    /// A cluster's nodes, comma-separated: each parsed and redacted, tried in turn
+    /// starting after the node connected to last.
+    #[test]
+    fn several_nodes_are_tried_in_turn() {
+        let config = RabbitConfigBuilder::new(
+            "amqp://u:s3cret@n1:5672/%2f, amqp://u:s3cret@n2:5673/%2f,amqp://u:s3cret@n3/%2f",
+        )
+        .build()
+        .expect("valid");
+        assert_eq!(config.node_count(), 3);
+        assert_eq!(
+            config.url_redacted(),
+            "amqp://u:***@n1:5672/%2f,amqp://u:***@n2:5673/%2f,amqp://u:***@n3/%2f"
+        );
+        assert!(!format!("{config:?}").contains("s3cret"));
+        let order = |c: &RabbitConfig| -> Vec<String> {
+            c.nodes_in_turn()
+                .map(|(_, node)| node.uri.authority.host.clone())
+                .collect()
+        };
+        assert_eq!(order(&config), ["n1", "n2", "n3"]);
+        config.connected_to(1);
+        let clone = config.clone();
+        assert_eq!(order(&clone), ["n3", "n1", "n2"], "clones share the turn");
+        config.connected_to(2);
+        assert_eq!(order(&config), ["n1", "n2", "n3"]);
+        assert_eq!(config.connect_budget(), DEFAULT_CONNECT_TIMEOUT * 4);
+
+        // One bad node fails the whole list, without its password.
+        match RabbitConfigBuilder::new("amqp://u:s3cret@n1/%2f,http://u:hunter2@n2/").build() {
+            Err(e @ RabbitError::InvalidUrl { .. }) => {
+                assert!(!format!("{e} {e:?}").contains("hunter2"), "{e}");
+            }
+            other => panic!("expected InvalidUrl, got {other:?}"),
         }
     }
 

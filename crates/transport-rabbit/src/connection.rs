@@ -36,12 +36,12 @@ impl RabbitPublisher {
         &self,
         fut: impl Future<Output = Result<T, RabbitError>>,
     ) -> Result<T, RabbitError> {
-        timeout(self.config.connect_timeout(), fut)
+        timeout(self.config.connect_budget(), fut)
             .await
             .unwrap_or_else(|_| {
                 Err(RabbitError::ConnectTimeout {
                     url_redacted: self.config.url_redacted().to_owned(),
-                    timeout: self.config.connect_timeout(),
+                    timeout: self.config.connect_budget(),
                 })
             })
     }
@@ -140,33 +140,61 @@ impl RabbitConsumer {
         &self,
         fut: impl Future<Output = Result<T, RabbitError>>,
     ) -> Result<T, RabbitError> {
-        timeout(self.config.connect_timeout(), fut)
+        timeout(self.config.connect_budget(), fut)
             .await
             .unwrap_or_else(|_| {
                 Err(RabbitError::ConnectTimeout {
                     url_redacted: self.config.url_redacted().to_owned(),
-                    timeout: self.config.connect_timeout(),
+                    timeout: self.config.connect_budget(),
                 })
             })
     }
 }
 
-/// Opens a connection named after the configuration, without a timeout of its own.
+/// Opens a connection named after the configuration to the first node that accepts
+/// one, trying the nodes in turn ([`RabbitConfig::nodes_in_turn`]), each within the
+/// connect timeout: a node that refuses, is unreachable or does not answer (frozen)
+/// costs at most that long. Callers bound the whole by
+/// [`connect_budget`](RabbitConfig::connect_budget).
+///
+/// A refusal that is not an outage (bad credentials, an unknown virtual host: a
+/// [`Permanent`](outbox_core::ErrorKind::Permanent) error) is returned at once: every
+/// node of a cluster shares users and virtual hosts.
 pub(crate) async fn open_connection(config: &RabbitConfig) -> Result<Connection, RabbitError> {
-    let mut uri = config.uri().clone();
-    if uri.query.connection_timeout.is_none() {
-        // Bounds the TCP connect inside the driver too (milliseconds).
-        uri.query.connection_timeout =
-            Some(u64::try_from(config.connect_timeout().as_millis()).unwrap_or(u64::MAX));
+    let limit = config.connect_timeout();
+    let mut last = None;
+    for (index, node) in config.nodes_in_turn() {
+        let mut uri = node.uri.clone();
+        if uri.query.connection_timeout.is_none() {
+            // Bounds the TCP connect inside the driver too (milliseconds).
+            uri.query.connection_timeout =
+                Some(u64::try_from(limit.as_millis()).unwrap_or(u64::MAX));
+        }
+        let properties = ConnectionProperties::default()
+            .with_connection_name(LongString::from(config.connection_name()));
+        let error = match timeout(limit, Connection::connect_uri(uri, properties)).await {
+            Ok(Ok(connection)) => {
+                config.connected_to(index);
+                return Ok(connection);
+            }
+            Ok(Err(source)) => RabbitError::Connect {
+                url_redacted: node.url_redacted.clone(),
+                source: Box::new(source),
+            },
+            Err(_) => RabbitError::ConnectTimeout {
+                url_redacted: node.url_redacted.clone(),
+                timeout: limit,
+            },
+        };
+        if error.kind() == outbox_core::ErrorKind::Permanent {
+            return Err(error);
+        }
+        if config.node_count() > 1 {
+            warn!(node = %node.url_redacted, error = %error, "RabbitMQ node unavailable, trying the next");
+        }
+        last = Some(error);
     }
-    let properties = ConnectionProperties::default()
-        .with_connection_name(LongString::from(config.connection_name()));
-    Connection::connect_uri(uri, properties)
-        .await
-        .map_err(|source| RabbitError::Connect {
-            url_redacted: config.url_redacted().to_owned(),
-            source: Box::new(source),
-        })
+    Err(last.expect("a configuration has at least one node"))
 }
 
 /// Opens a channel in confirm mode.
