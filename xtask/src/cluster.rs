@@ -137,6 +137,37 @@ fn wait(what: &str, deadline: Instant, mut done: impl FnMut() -> bool) -> Result
     Ok(())
 }
 
+/// Whether every node of both clusters answers on its client port.
+pub(crate) fn running() -> bool {
+    (1..=NODES).all(|node| port_answers(rabbit_port(node)) && port_answers(nats_port(node)))
+}
+
+/// The clusters for a run of `cargo xtask itest`: started when they do not run, and
+/// stopped again when the guard is dropped (a failed run included) only if this run
+/// started them, so a developer's running clusters stay up.
+pub(crate) struct ForRun {
+    started: bool,
+}
+
+impl ForRun {
+    pub(crate) fn up(timeout: Duration) -> Result<Self> {
+        let started = !running();
+        let guard = Self { started };
+        up(timeout)?;
+        Ok(guard)
+    }
+}
+
+impl Drop for ForRun {
+    fn drop(&mut self) {
+        if self.started {
+            if let Err(e) = down() {
+                eprintln!("xtask: could not stop the clusters: {e:#}");
+            }
+        }
+    }
+}
+
 /// Starts whatever node of the two clusters is not running, joins the RabbitMQ
 /// nodes, and waits until both clusters serve clients (RabbitMQ: every node running
 /// in one cluster; NATS: every node answering and a JetStream meta leader elected).
@@ -214,20 +245,18 @@ fn nats_up(deadline: Instant) -> Result<()> {
         let conf = dir.join("nats.conf");
         fs::write(&conf, config).with_context(|| format!("could not write {}", conf.display()))?;
         let log = dir.join("nats.log");
-        let pid = dir.join("nats.pid");
-        let mut cmd = Command::new("setsid");
-        cmd.arg("-f")
-            .arg(nats_server()?)
-            .arg("-c")
-            .arg(&conf)
-            .arg("-l")
-            .arg(&log)
-            .arg("-P")
-            .arg(&pid)
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(Stdio::null());
-        run_quiet(cmd, &format!("starting outbox-nats-{node}"))?;
+        let script = write_start_script(
+            &dir,
+            &[],
+            &format!(
+                "setsid -f {} -c {} -l {} -P {} </dev/null >/dev/null 2>&1",
+                nats_server()?.display(),
+                conf.display(),
+                log.display(),
+                dir.join("nats.pid").display()
+            ),
+        )?;
+        run_quiet(start(&script), &format!("starting outbox-nats-{node}"))?;
         println!(
             "cluster: outbox-nats-{node} started (log {})",
             log.display()
@@ -313,24 +342,29 @@ fn rabbit_up(deadline: Instant) -> Result<()> {
             ),
         )
         .with_context(|| format!("could not write {}", conf.display()))?;
-        let mut cmd = Command::new(rabbit_script("rabbitmq-server"));
-        cmd.arg("-detached")
-            .env("HOME", &home)
-            .env("RABBITMQ_NODENAME", rabbit_node(node))
-            .env("RABBITMQ_NODE_PORT", rabbit_port(node).to_string())
-            .env("RABBITMQ_DIST_PORT", rabbit_dist_port(node).to_string())
-            .env("RABBITMQ_MNESIA_BASE", dir.join("mnesia"))
-            .env("RABBITMQ_LOG_BASE", dir.join("log"))
-            .env("RABBITMQ_CONFIG_FILE", &conf)
-            .env(
-                "RABBITMQ_ENABLED_PLUGINS_FILE",
-                home.join("enabled_plugins"),
-            )
-            .env("RABBITMQ_PID_FILE", dir.join("rabbitmq.pid"))
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(Stdio::null());
-        run_quiet(cmd, &format!("starting {}", rabbit_node(node)))?;
+        let path = |p: PathBuf| p.display().to_string();
+        let script = write_start_script(
+            &dir,
+            &[
+                ("HOME", path(home.clone())),
+                ("RABBITMQ_NODENAME", rabbit_node(node)),
+                ("RABBITMQ_NODE_PORT", rabbit_port(node).to_string()),
+                ("RABBITMQ_DIST_PORT", rabbit_dist_port(node).to_string()),
+                ("RABBITMQ_MNESIA_BASE", path(dir.join("mnesia"))),
+                ("RABBITMQ_LOG_BASE", path(dir.join("log"))),
+                ("RABBITMQ_CONFIG_FILE", path(conf.clone())),
+                (
+                    "RABBITMQ_ENABLED_PLUGINS_FILE",
+                    path(home.join("enabled_plugins")),
+                ),
+                ("RABBITMQ_PID_FILE", path(dir.join("rabbitmq.pid"))),
+            ],
+            &format!(
+                "{} -detached </dev/null >/dev/null 2>&1",
+                rabbit_script("rabbitmq-server").display()
+            ),
+        )?;
+        run_quiet(start(&script), &format!("starting {}", rabbit_node(node)))?;
         println!(
             "cluster: {} started (log {})",
             rabbit_node(node),
@@ -338,6 +372,11 @@ fn rabbit_up(deadline: Instant) -> Result<()> {
         );
     }
     for node in 1..=NODES {
+        // `await_startup` fails at once while the node is not yet registered with epmd:
+        // its distribution port opens first.
+        wait(&format!("{} listens", rabbit_node(node)), deadline, || {
+            port_answers(rabbit_dist_port(node))
+        })?;
         let left = deadline
             .saturating_duration_since(Instant::now())
             .as_secs()
@@ -384,6 +423,30 @@ fn running_nodes(node: u16) -> Option<usize> {
     .ok()?;
     let json: serde_json::Value = serde_json::from_str(&status).ok()?;
     json.get("running_nodes")?.as_array().map(Vec::len)
+}
+
+/// Writes `DIR/start.sh`, which starts the node in the background: the one way a node
+/// is started, here and by the tests that kill one and bring it back
+/// (`outbox_testkit::cluster`).
+fn write_start_script(dir: &Path, env: &[(&str, String)], command: &str) -> Result<PathBuf> {
+    let mut script = String::from("#!/bin/sh\n# Written by `cargo xtask services --cluster`.\n");
+    for (name, value) in env {
+        script.push_str(&format!("export {name}='{value}'\n"));
+    }
+    script.push_str(&format!("exec {command}\n"));
+    let path = dir.join("start.sh");
+    fs::write(&path, script).with_context(|| format!("could not write {}", path.display()))?;
+    set_mode(&path, 0o755)?;
+    Ok(path)
+}
+
+fn start(script: &Path) -> Command {
+    let mut cmd = Command::new("sh");
+    cmd.arg(script)
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::null());
+    cmd
 }
 
 #[cfg(unix)]

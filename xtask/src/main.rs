@@ -5,7 +5,9 @@
 //!   otherwise) and prints their status.
 //! * `cargo xtask itest [-- ARGS]` checks the facade's feature combinations (as
 //!   `cargo xtask features`; seconds with a warm cache) and what publishing needs (as
-//!   `cargo xtask release-check`), brings the services up, then runs every test of the
+//!   `cargo xtask release-check`), brings the services up and the broker clusters (as
+//!   `cargo xtask services --cluster`, stopped again at the end if it started them),
+//!   then runs every test of the
 //!   workspace (`cargo test --workspace --all-targets ARGS`; with `MSSQL_URL` set, a
 //!   second pass runs the SQL Server tests, `#[ignore = "needs MSSQL_URL"]`, with
 //!   `--ignored`), a 500-order demo run over RabbitMQ and one over NATS whose
@@ -169,6 +171,8 @@ fn run(cli: Cli) -> Result<()> {
             // the placeholder repository URL) are reported, not failed on (`--strict`).
             release::check(false)?;
             services::ensure(timeout)?;
+            // The broker clusters' tests (`tests/cluster.rs`) run in the main pass.
+            let _clusters = cluster::ForRun::up(timeout)?;
             sqlserver::announce_skip(None);
             let mut tests = cargo();
             tests

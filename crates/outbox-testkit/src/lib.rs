@@ -22,6 +22,7 @@
 //! outbox_testkit::ordered_delivery_tests!(harness);
 //! ```
 
+pub mod cluster;
 pub mod faults;
 pub mod ordered;
 pub mod pg;
