@@ -395,9 +395,16 @@ impl NatsConfig {
         self.ack_timeout
     }
 
-    /// How long connecting or a JetStream API request may take.
+    /// How long connecting to one server or a JetStream API request may take.
     pub fn connect_timeout(&self) -> Duration {
         self.connect_timeout
+    }
+
+    /// How long the first connection may take in all: the connect timeout once per
+    /// server listed (each may be down or cut off), plus one.
+    pub fn connect_budget(&self) -> Duration {
+        self.connect_timeout
+            .saturating_mul(u32::try_from(self.servers().len() + 1).unwrap_or(u32::MAX))
     }
 
     /// Publishes awaiting their PubAck at once, per publisher.

@@ -97,9 +97,34 @@ impl RabbitPublisher {
         **slot = None;
         let channel = self
             .with_connect_timeout(open_confirm_channel(&session.connection))
-            .await?;
+            .await;
+        if let Err(RabbitError::ConnectTimeout { .. }) = channel {
+            // The connection looks open but its node does not answer (frozen, or cut
+            // off without a reset): give it up now instead of waiting for the missed
+            // heartbeats, so the next call connects, to another node of a cluster.
+            warn!(url = %self.config.url_redacted(), "RabbitMQ did not open a channel in time; dropping the connection");
+            self.forget(session).await;
+        }
+        let channel = channel?;
         **slot = Some(channel.clone());
         Ok(channel)
+    }
+
+    /// Drops `session` so that the next call reconnects (a newer session installed
+    /// meanwhile by another call is left alone), and closes its connection in the
+    /// background: a node that does not answer never confirms the close.
+    async fn forget(&self, session: &Session) {
+        let mut current = self.session.lock().await;
+        if current
+            .as_ref()
+            .is_some_and(|s| std::ptr::eq(Arc::as_ptr(s), session))
+            && let Some(dropped) = current.take()
+        {
+            let limit = self.config.connect_timeout();
+            tokio::spawn(async move {
+                let _ = timeout(limit, dropped.connection.close(200, "unresponsive".into())).await;
+            });
+        }
     }
 }
 
@@ -169,6 +194,9 @@ pub(crate) async fn open_connection(config: &RabbitConfig) -> Result<Connection,
             // Bounds the TCP connect inside the driver too (milliseconds).
             uri.query.connection_timeout =
                 Some(u64::try_from(limit.as_millis()).unwrap_or(u64::MAX));
+        }
+        if uri.query.heartbeat.is_none() {
+            uri.query.heartbeat = Some(crate::config::DEFAULT_HEARTBEAT_SECS);
         }
         let properties = ConnectionProperties::default()
             .with_connection_name(LongString::from(config.connection_name()));

@@ -3,7 +3,8 @@
 //!
 //! # Contract
 //!
-//! - The queue is declared durable (unless turned off) and bound to the configured
+//! - The queue is declared durable, as a replicated quorum queue by default
+//!   ([`QueueType`]; unless declaring is turned off), and bound to the configured
 //!   exchange with the given binding keys; `basic.qos` limits unacknowledged deliveries
 //!   to the prefetch count; `basic.consume` runs with `no_ack = false` (AMQP 0-9-1
 //!   manual acknowledgement, see RabbitMQ's [consumer acknowledgements]).
@@ -102,6 +103,43 @@ pub const DEFAULT_RECONNECT_MAX: Duration = Duration::from_secs(30);
 /// Default wait before a delivery the handler asked to requeue is returned to the queue.
 pub const DEFAULT_REQUEUE_DELAY: Duration = Duration::from_secs(1);
 
+/// The type of the queue a [`RabbitConsumer`] declares (`x-queue-type`).
+///
+/// [`Quorum`](Self::Quorum), the default, is the type for data that must survive the
+/// loss of a node: a queue replicated over the cluster with Raft, which confirms a
+/// publish only once a majority of its replicas wrote it to disk, and moves its leader
+/// to another node when one is lost (<https://www.rabbitmq.com/docs/quorum-queues>).
+/// [`Classic`](Self::Classic) keeps a queue on one node only (not replicated: its node
+/// lost, the queue is unavailable, or lost with the node's disk).
+///
+/// A quorum queue counts each return of a delivery to the queue (a `Requeue`, a
+/// channel closed with unacknowledged deliveries) toward its `x-delivery-limit`, and
+/// drops or dead-letters a message past it. This crate's consumers never spend a
+/// delivery on an outage (`Defer` keeps the delivery, see the module docs), and the
+/// `inbox` crate records a message that keeps failing as a consumer dead letter after
+/// its own attempts; leave the delivery limit unset (RabbitMQ 3.x: unlimited) or set it
+/// well above those attempts (RabbitMQ 4.0 sets 20 by default), so that the broker never
+/// ends a message the inbox has not recorded. See `docs/clusters.md`.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum QueueType {
+    /// A replicated quorum queue (`x-queue-type: quorum`). The default.
+    #[default]
+    Quorum,
+    /// A classic queue on one node (`x-queue-type: classic`).
+    Classic,
+}
+
+impl QueueType {
+    /// The `x-queue-type` argument's value.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Quorum => "quorum",
+            Self::Classic => "classic",
+        }
+    }
+}
+
 /// Settings of a [`RabbitConsumer`] before validation. Every setter consumes and
 /// returns the builder; [`build`](Self::build) validates.
 #[derive(Debug, Clone)]
@@ -113,6 +151,7 @@ pub struct RabbitConsumerBuilder {
     binding_keys: Vec<String>,
     declare_queue: bool,
     dead_letter_exchange: Option<String>,
+    queue_type: QueueType,
     queue_arguments: FieldTable,
     consumer_tag: Option<String>,
     reconnect_initial: Duration,
@@ -131,6 +170,7 @@ impl RabbitConsumerBuilder {
             binding_keys: Vec::new(),
             declare_queue: true,
             dead_letter_exchange: None,
+            queue_type: QueueType::Quorum,
             queue_arguments: FieldTable::default(),
             consumer_tag: None,
             reconnect_initial: DEFAULT_RECONNECT_INITIAL,
@@ -180,7 +220,17 @@ impl RabbitConsumerBuilder {
         self
     }
 
-    /// Extra `queue.declare` arguments (e.g. `x-queue-type` = `quorum`). Default none.
+    /// The type of the queue declared (`x-queue-type`). Default [`QueueType::Quorum`].
+    /// Only applies when the queue is declared, and must match the type of an existing
+    /// queue (RabbitMQ refuses a declaration with another type:
+    /// `406 PRECONDITION_FAILED`).
+    pub fn with_queue_type(mut self, queue_type: QueueType) -> Self {
+        self.queue_type = queue_type;
+        self
+    }
+
+    /// Extra `queue.declare` arguments (e.g. `x-expires`, `x-delivery-limit`). Default
+    /// none. An `x-queue-type` here wins over [`with_queue_type`](Self::with_queue_type).
     pub fn with_queue_arguments(mut self, arguments: FieldTable) -> Self {
         self.queue_arguments = arguments;
         self
@@ -257,6 +307,13 @@ impl RabbitConsumerBuilder {
             }
         })?;
         let mut queue_arguments = self.queue_arguments;
+        let queue_type = ShortString::from("x-queue-type");
+        if !queue_arguments.inner().contains_key(&queue_type) {
+            queue_arguments.insert(
+                queue_type,
+                AMQPValue::LongString(LongString::from(self.queue_type.as_str())),
+            );
+        }
         if let Some(dlx) = self.dead_letter_exchange {
             queue_arguments.insert(
                 ShortString::from("x-dead-letter-exchange"),

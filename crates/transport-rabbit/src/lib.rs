@@ -51,7 +51,7 @@ pub mod publisher;
 mod topology;
 
 pub use config::{RabbitConfig, RabbitConfigBuilder};
-pub use consumer::{RabbitConsumer, RabbitConsumerBuilder};
+pub use consumer::{QueueType, RabbitConsumer, RabbitConsumerBuilder};
 pub use error::{RabbitError, redact_url};
 pub use outbox_core::consumer::{
     BatchDeliveryHandler, Consumer, DeliveryHandler, HandlerDecision, TransportKind,
