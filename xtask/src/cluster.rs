@@ -2,23 +2,34 @@
 //! JetStream cluster on this machine, from the installed servers, beside the shared
 //! single-node services (which are never touched).
 //!
-//! Every node is a process of the project's own, so tests may kill, freeze and restart
-//! them freely: they find a node by its port (`outbox_testkit::faults`), never by the
-//! executable's name. Data, logs and configuration live under `target/cluster/`;
-//! `--cluster --stop` stops the nodes and keeps the data (delete the directory for a
-//! fresh cluster).
+//! Each node pair (RabbitMQ node N and NATS node N) runs in a network namespace of its
+//! own, `outbox-node-N`, with the address `10.77.0.N`; the namespaces are joined by
+//! veth pairs to the bridge `obx-br` (`10.77.0.254`, in this machine's own namespace),
+//! so that a test can cut one node off (`ip link set eth0 down` inside its namespace, a
+//! real network partition) without touching any other interface or address. Every node
+//! is a process of the project's own, so tests may kill, freeze and restart them freely:
+//! they find a node by its PID file, never by the executable's name. Data, logs,
+//! configuration and each node's start script live under `target/cluster/`;
+//! `--cluster --stop` stops the nodes, removes the namespaces and the bridge, and keeps
+//! the data (delete the directory for a fresh cluster).
 //!
-//! | node | RabbitMQ (AMQP / Erlang distribution) | NATS (client / route / monitoring) |
-//! |------|---------------------------------------|-------------------------------------|
-//! | 1    | 5681 / 25681, `outbox-rabbit-1@localhost` | 4231 / 6231 / 8231, `outbox-nats-1` |
-//! | 2    | 5682 / 25682, `outbox-rabbit-2@localhost` | 4232 / 6232 / 8232, `outbox-nats-2` |
-//! | 3    | 5683 / 25683, `outbox-rabbit-3@localhost` | 4233 / 6233 / 8233, `outbox-nats-3` |
+//! | node | address | RabbitMQ (AMQP / Erlang distribution) | NATS (client / route / monitoring) |
+//! |------|---------|---------------------------------------|-------------------------------------|
+//! | 1 | 10.77.0.1 | 5681 / 25681, `outbox-rabbit-1@10.77.0.1` | 4231 / 6231 / 8231, `outbox-nats-1` |
+//! | 2 | 10.77.0.2 | 5682 / 25682, `outbox-rabbit-2@10.77.0.2` | 4232 / 6232 / 8232, `outbox-nats-2` |
+//! | 3 | 10.77.0.3 | 5683 / 25683, `outbox-rabbit-3@10.77.0.3` | 4233 / 6233 / 8233, `outbox-nats-3` |
 //!
-//! RabbitMQ nodes 2 and 3 join node 1 with `rabbitmqctl join_cluster`; they share an
-//! Erlang cookie kept in `target/cluster/rabbitmq/.erlang.cookie` (the nodes and
-//! `rabbitmqctl` run with `HOME` there). The NATS nodes form one cluster through
-//! explicit routes, with JetStream on every node (the meta group needs a leader before
-//! streams can be created, which readiness waits for).
+//! RabbitMQ nodes use long names (their host is their address) and an environment file
+//! of their own (Debian's `/etc/rabbitmq/rabbitmq-env.conf` pins epmd and the
+//! distribution to 127.0.0.1); nodes 2 and 3 join node 1 with `rabbitmqctl
+//! join_cluster`; they share an Erlang cookie kept in `target/cluster/rabbitmq/`
+//! (the nodes and `rabbitmqctl` run with `HOME` there). `net_ticktime` is 10 s (60 s by
+//! default) so that a partition is noticed within seconds; `pause_minority` pauses the
+//! cut-off node. The NATS nodes form one cluster through explicit routes, with
+//! JetStream on every node (the meta group needs a leader before streams can be
+//! created, which readiness waits for).
+//!
+//! Namespaces need root (`CAP_NET_ADMIN`); where that is missing the command says so.
 
 use std::fs;
 use std::io::{Read, Write};
@@ -35,18 +46,39 @@ use crate::workspace_root;
 /// Nodes per cluster.
 pub(crate) const NODES: u16 = 3;
 
-/// AMQP URLs of the RabbitMQ cluster's nodes, comma-separated (`AMQP_CLUSTER_URLS`).
+/// The bridge joining the nodes' namespaces, in this machine's own namespace.
+const BRIDGE: &str = "obx-br";
+
+/// The bridge's address: where the nodes see this machine's processes come from.
+const BRIDGE_ADDRESS: &str = "10.77.0.254/24";
+
+/// Node `node`'s address in its namespace.
+fn node_ip(node: u16) -> String {
+    format!("10.77.0.{node}")
+}
+
+/// Node `node`'s network namespace.
+fn netns(node: u16) -> String {
+    format!("outbox-node-{node}")
+}
+
+/// This machine's end of node `node`'s veth pair (the other end is `eth0` inside).
+fn veth(node: u16) -> String {
+    format!("obx-v{node}")
+}
+
+/// AMQP URLs of the RabbitMQ cluster's nodes, comma-separated.
 pub(crate) fn amqp_urls() -> String {
     (1..=NODES)
-        .map(|i| format!("amqp://guest:guest@127.0.0.1:{}/%2f", rabbit_port(i)))
+        .map(|i| format!("amqp://guest:guest@{}:{}/%2f", node_ip(i), rabbit_port(i)))
         .collect::<Vec<_>>()
         .join(",")
 }
 
-/// NATS URLs of the cluster's nodes, comma-separated (`NATS_CLUSTER_URL`).
+/// NATS URLs of the cluster's nodes, comma-separated.
 pub(crate) fn nats_urls() -> String {
     (1..=NODES)
-        .map(|i| format!("nats://127.0.0.1:{}", nats_port(i)))
+        .map(|i| format!("nats://{}:{}", node_ip(i), nats_port(i)))
         .collect::<Vec<_>>()
         .join(",")
 }
@@ -60,7 +92,7 @@ const fn rabbit_dist_port(node: u16) -> u16 {
 }
 
 fn rabbit_node(node: u16) -> String {
-    format!("outbox-rabbit-{node}@localhost")
+    format!("outbox-rabbit-{node}@{}", node_ip(node))
 }
 
 const fn nats_port(node: u16) -> u16 {
@@ -83,6 +115,12 @@ fn rabbit_home() -> PathBuf {
     cluster_dir().join("rabbitmq")
 }
 
+/// The environment file every RabbitMQ script of the cluster reads instead of
+/// Debian's, which pins epmd and the distribution to 127.0.0.1.
+fn rabbit_env_file() -> PathBuf {
+    rabbit_home().join("rabbitmq-env.conf")
+}
+
 /// The RabbitMQ scripts themselves, not Debian's wrappers in `/usr/sbin` (which switch
 /// to the `rabbitmq` user and its cookie).
 fn rabbit_script(name: &str) -> PathBuf {
@@ -94,11 +132,12 @@ fn rabbit_script(name: &str) -> PathBuf {
     }
 }
 
-/// `rabbitmqctl -n NODE ARGS` with the cluster's cookie.
+/// `rabbitmqctl --longnames -n NODE ARGS` with the cluster's cookie and environment.
 fn rabbitmqctl(node: u16, args: &[&str]) -> Command {
     let mut cmd = Command::new(rabbit_script("rabbitmqctl"));
     cmd.env("HOME", rabbit_home())
-        .args(["-n", &rabbit_node(node)])
+        .env("RABBITMQ_CONF_ENV_FILE", rabbit_env_file())
+        .args(["--longnames", "-n", &rabbit_node(node)])
         .args(args)
         .stdin(Stdio::null());
     cmd
@@ -119,12 +158,107 @@ fn run_quiet(mut cmd: Command, what: &str) -> Result<String> {
     }
 }
 
-fn port_answers(port: u16) -> bool {
-    TcpStream::connect_timeout(
-        &SocketAddr::from(([127, 0, 0, 1], port)),
-        Duration::from_secs(1),
-    )
-    .is_ok()
+/// `ip ARGS`, failing with its standard error.
+fn ip(args: &[&str]) -> Result<()> {
+    let mut cmd = Command::new("ip");
+    cmd.args(args).stdin(Stdio::null());
+    run_quiet(cmd, &format!("ip {}", args.join(" "))).map(drop)
+}
+
+/// `ip netns exec NS ip ARGS`.
+fn ip_in(node: u16, args: &[&str]) -> Result<()> {
+    let ns = netns(node);
+    let mut all = vec!["netns", "exec", ns.as_str(), "ip"];
+    all.extend_from_slice(args);
+    ip(&all)
+}
+
+fn netns_exists(node: u16) -> bool {
+    Path::new("/run/netns").join(netns(node)).exists()
+}
+
+fn link_exists(name: &str) -> bool {
+    Path::new("/sys/class/net").join(name).exists()
+}
+
+/// The bridge and one namespace per node, each joined to the bridge by a veth pair;
+/// what exists already is kept, and a node cut off by a test that did not undo it is
+/// joined again.
+fn network_up() -> Result<()> {
+    if !link_exists(BRIDGE) {
+        ip(&["link", "add", BRIDGE, "type", "bridge"]).context(
+            "could not create the cluster's bridge: network namespaces need root \
+             (CAP_NET_ADMIN); run as root, or run the clusters elsewhere with Docker \
+             Compose (`docker compose --profile cluster up -d`, see docs/clusters.md)",
+        )?;
+        ip(&["addr", "add", BRIDGE_ADDRESS, "dev", BRIDGE])?;
+    }
+    ip(&["link", "set", BRIDGE, "up"])?;
+    for node in 1..=NODES {
+        if !netns_exists(node) {
+            ip(&["netns", "add", &netns(node)])?;
+        }
+        if !link_exists(&veth(node)) {
+            ip(&[
+                "link",
+                "add",
+                &veth(node),
+                "type",
+                "veth",
+                "peer",
+                "name",
+                "eth0",
+                "netns",
+                &netns(node),
+            ])?;
+            ip_in(
+                node,
+                &[
+                    "addr",
+                    "add",
+                    &format!("{}/24", node_ip(node)),
+                    "dev",
+                    "eth0",
+                ],
+            )?;
+        }
+        ip(&["link", "set", &veth(node), "master", BRIDGE, "up"])?;
+        ip_in(node, &["link", "set", "eth0", "up"])?;
+        ip_in(node, &["link", "set", "lo", "up"])?;
+    }
+    Ok(())
+}
+
+/// Ends whatever still runs in the namespaces (epmd), deletes them (their veth pairs
+/// go with them) and the bridge.
+fn network_down() -> Result<()> {
+    for node in 1..=NODES {
+        if !netns_exists(node) {
+            continue;
+        }
+        if let Ok(pids) = Command::new("ip")
+            .args(["netns", "pids", &netns(node)])
+            .output()
+        {
+            for pid in String::from_utf8_lossy(&pids.stdout).split_whitespace() {
+                let _ = Command::new("kill").args(["-CONT", pid]).status();
+                let _ = Command::new("kill").args(["-KILL", pid]).status();
+            }
+        }
+        ip(&["netns", "del", &netns(node)])?;
+    }
+    if link_exists(BRIDGE) {
+        ip(&["link", "del", BRIDGE])?;
+    }
+    println!("cluster: namespaces and bridge removed");
+    Ok(())
+}
+
+fn answers(node: u16, port: u16) -> bool {
+    let Ok(address) = node_ip(node).parse() else {
+        return false;
+    };
+    TcpStream::connect_timeout(&SocketAddr::new(address, port), Duration::from_secs(1)).is_ok()
 }
 
 fn wait(what: &str, deadline: Instant, mut done: impl FnMut() -> bool) -> Result<()> {
@@ -139,7 +273,7 @@ fn wait(what: &str, deadline: Instant, mut done: impl FnMut() -> bool) -> Result
 
 /// Whether every node of both clusters answers on its client port.
 pub(crate) fn running() -> bool {
-    (1..=NODES).all(|node| port_answers(rabbit_port(node)) && port_answers(nats_port(node)))
+    (1..=NODES).all(|node| answers(node, rabbit_port(node)) && answers(node, nats_port(node)))
 }
 
 /// The clusters for a run of `cargo xtask itest`: started when they do not run, and
@@ -160,19 +294,21 @@ impl ForRun {
 
 impl Drop for ForRun {
     fn drop(&mut self) {
-        if self.started {
-            if let Err(e) = down() {
-                eprintln!("xtask: could not stop the clusters: {e:#}");
-            }
+        if self.started
+            && let Err(e) = down()
+        {
+            eprintln!("xtask: could not stop the clusters: {e:#}");
         }
     }
 }
 
-/// Starts whatever node of the two clusters is not running, joins the RabbitMQ
-/// nodes, and waits until both clusters serve clients (RabbitMQ: every node running
-/// in one cluster; NATS: every node answering and a JetStream meta leader elected).
+/// Builds the network, starts whatever node of the two clusters is not running, joins
+/// the RabbitMQ nodes, and waits until both clusters serve clients (RabbitMQ: every
+/// node running in one cluster; NATS: every node answering and a JetStream meta leader
+/// elected).
 pub(crate) fn up(timeout: Duration) -> Result<()> {
     let deadline = Instant::now() + timeout;
+    network_up()?;
     nats_up(deadline)?;
     rabbit_up(deadline)?;
     println!("cluster: RabbitMQ {}", amqp_urls());
@@ -180,15 +316,21 @@ pub(crate) fn up(timeout: Duration) -> Result<()> {
     Ok(())
 }
 
-/// Stops every node of the two clusters (data kept under `target/cluster/`).
+/// Stops every node of the two clusters (data kept under `target/cluster/`), then
+/// removes the namespaces and the bridge.
 pub(crate) fn down() -> Result<()> {
     for node in 1..=NODES {
-        if port_answers(rabbit_port(node)) || port_answers(rabbit_dist_port(node)) {
-            run_quiet(
-                rabbitmqctl(node, &["stop"]),
+        // A frozen node (a test's SIGSTOP left behind) must run to stop.
+        continue_pid_file(&rabbit_dir(node).join("rabbitmq.pid"));
+        if netns_exists(node) && answers(node, rabbit_dist_port(node)) {
+            match run_quiet(
+                rabbitmqctl(node, &["-t", "30", "stop"]),
                 &format!("stopping {}", rabbit_node(node)),
-            )?;
-            println!("cluster: {} stopped", rabbit_node(node));
+            ) {
+                Ok(_) => println!("cluster: {} stopped", rabbit_node(node)),
+                // Cut off or unresponsive: killed with its namespace below.
+                Err(e) => eprintln!("cluster: {e:#}; it is killed"),
+            }
         }
     }
     for node in 1..=NODES {
@@ -197,11 +339,7 @@ pub(crate) fn down() -> Result<()> {
             continue;
         };
         let pid = pid.trim().to_owned();
-        if Command::new("kill")
-            .args(["-CONT", &pid])
-            .status()
-            .is_ok_and(|s| s.success())
-        {
+        if continue_pid_file(&pid_file) {
             let _ = Command::new("kill").args(["-TERM", &pid]).status();
             let gone = Instant::now() + Duration::from_secs(15);
             wait(&format!("outbox-nats-{node} stops"), gone, || {
@@ -211,20 +349,35 @@ pub(crate) fn down() -> Result<()> {
         }
         let _ = fs::remove_file(pid_file);
     }
-    Ok(())
+    network_down()
+}
+
+/// Sends `SIGCONT` to the process of a PID file; whether it exists.
+fn continue_pid_file(pid_file: &Path) -> bool {
+    fs::read_to_string(pid_file).is_ok_and(|pid| {
+        Command::new("kill")
+            .args(["-CONT", pid.trim()])
+            .stderr(Stdio::null())
+            .status()
+            .is_ok_and(|s| s.success())
+    })
 }
 
 fn nats_dir(node: u16) -> PathBuf {
     cluster_dir().join("nats").join(node.to_string())
 }
 
+fn rabbit_dir(node: u16) -> PathBuf {
+    rabbit_home().join(node.to_string())
+}
+
 fn nats_up(deadline: Instant) -> Result<()> {
     let routes = (1..=NODES)
-        .map(|i| format!("nats-route://127.0.0.1:{}", nats_route_port(i)))
+        .map(|i| format!("nats-route://{}:{}", node_ip(i), nats_route_port(i)))
         .collect::<Vec<_>>()
         .join(", ");
     for node in 1..=NODES {
-        if port_answers(nats_port(node)) {
+        if answers(node, nats_port(node)) {
             continue;
         }
         let dir = nats_dir(node);
@@ -233,10 +386,11 @@ fn nats_up(deadline: Instant) -> Result<()> {
         // nats-server 2.9 has no `sync_interval` (2.10+): see docs/clusters.md.
         let config = format!(
             "server_name: outbox-nats-{node}\n\
-             listen: 127.0.0.1:{port}\n\
-             http: 127.0.0.1:{http}\n\
+             listen: {ip}:{port}\n\
+             http: {ip}:{http}\n\
              jetstream {{ store_dir: \"{store}\" }}\n\
-             cluster {{\n  name: outbox\n  listen: 127.0.0.1:{route}\n  routes: [{routes}]\n}}\n",
+             cluster {{\n  name: outbox\n  listen: {ip}:{route}\n  routes: [{routes}]\n}}\n",
+            ip = node_ip(node),
             port = nats_port(node),
             http = nats_http_port(node),
             route = nats_route_port(node),
@@ -247,6 +401,7 @@ fn nats_up(deadline: Instant) -> Result<()> {
         let log = dir.join("nats.log");
         let script = write_start_script(
             &dir,
+            node,
             &[],
             &format!(
                 "setsid -f {} -c {} -l {} -P {} </dev/null >/dev/null 2>&1",
@@ -262,12 +417,10 @@ fn nats_up(deadline: Instant) -> Result<()> {
             log.display()
         );
     }
-    for node in 1..=NODES {
-        wait(&format!("outbox-nats-{node} answers"), deadline, || {
-            port_answers(nats_port(node))
-        })?;
-    }
-    wait("the JetStream cluster has a meta leader", deadline, || {
+    wait("every NATS node answers", deadline, || {
+        (1..=NODES).all(|node| answers(node, nats_port(node)))
+    })?;
+    wait("the JetStream meta group has a leader", deadline, || {
         (1..=NODES).all(|node| meta_leader(node).is_some())
     })?;
     println!(
@@ -292,7 +445,7 @@ fn nats_server() -> Result<PathBuf> {
 /// The JetStream meta leader node `node` knows of, from its monitoring endpoint
 /// (`/jsz`, field `meta_cluster.leader`).
 fn meta_leader(node: u16) -> Option<String> {
-    let body = http_get(nats_http_port(node), "/jsz")?;
+    let body = http_get(node, nats_http_port(node), "/jsz")?;
     let json: serde_json::Value = serde_json::from_str(&body).ok()?;
     json.pointer("/meta_cluster/leader")
         .and_then(serde_json::Value::as_str)
@@ -300,15 +453,17 @@ fn meta_leader(node: u16) -> Option<String> {
         .map(str::to_owned)
 }
 
-/// The body of `GET path` on `127.0.0.1:port` (HTTP/1.0, so the server closes).
-fn http_get(port: u16, path: &str) -> Option<String> {
-    let mut stream = TcpStream::connect_timeout(
-        &SocketAddr::from(([127, 0, 0, 1], port)),
-        Duration::from_secs(2),
+/// The body of `GET path` on node `node`'s `port` (HTTP/1.0, so the server closes).
+fn http_get(node: u16, port: u16, path: &str) -> Option<String> {
+    let address = SocketAddr::new(node_ip(node).parse().ok()?, port);
+    let mut stream = TcpStream::connect_timeout(&address, Duration::from_secs(2)).ok()?;
+    stream.set_read_timeout(Some(Duration::from_secs(2))).ok()?;
+    write!(
+        stream,
+        "GET {path} HTTP/1.0\r\nHost: {}\r\n\r\n",
+        node_ip(node)
     )
     .ok()?;
-    stream.set_read_timeout(Some(Duration::from_secs(2))).ok()?;
-    write!(stream, "GET {path} HTTP/1.0\r\nHost: 127.0.0.1\r\n\r\n").ok()?;
     let mut response = String::new();
     stream.read_to_string(&mut response).ok()?;
     let (head, body) = response.split_once("\r\n\r\n")?;
@@ -325,34 +480,58 @@ fn rabbit_up(deadline: Instant) -> Result<()> {
         set_mode(&cookie, 0o400)?;
     }
     fs::write(home.join("enabled_plugins"), "[].\n").context("enabled_plugins")?;
+    fs::write(
+        rabbit_env_file(),
+        "# Written by `cargo xtask services --cluster`: read instead of\n\
+         # /etc/rabbitmq/rabbitmq-env.conf, which binds epmd and the distribution to\n\
+         # 127.0.0.1. Everything is set in the environment of each node's start.sh.\n",
+    )
+    .context("rabbitmq-env.conf")?;
     for node in 1..=NODES {
-        if port_answers(rabbit_dist_port(node)) {
+        if answers(node, rabbit_dist_port(node)) {
             continue;
         }
-        let dir = home.join(node.to_string());
+        let dir = rabbit_dir(node);
         fs::create_dir_all(&dir).with_context(|| format!("could not create {}", dir.display()))?;
         let conf = dir.join("rabbitmq.conf");
         fs::write(
             &conf,
             format!(
-                "listeners.tcp.local = 127.0.0.1:{}\n\
-                 # Quorum queues: a member lost for good is replaced by hand (docs/clusters.md).\n\
+                "listeners.tcp.1 = {}:{}\n\
+                 # guest may connect from the bridge (the nodes see no loopback client).\n\
+                 loopback_users = none\n\
+                 # A cut-off node pauses itself (docs/clusters.md).\n\
                  cluster_partition_handling = pause_minority\n",
+                node_ip(node),
                 rabbit_port(node)
             ),
         )
         .with_context(|| format!("could not write {}", conf.display()))?;
+        let advanced = dir.join("advanced.config");
+        // A lost peer is noticed after 10 s instead of 60 s (net_ticktime). RabbitMQ
+        // is not compatible with global's prevent_overlapping_partitions, which OTP 25
+        // turns on: a paused node then hangs when the partition heals
+        // (rabbitmq/rabbitmq-server#5483).
+        fs::write(
+            &advanced,
+            "[{kernel, [{net_ticktime, 10}, {prevent_overlapping_partitions, false}]}].\n",
+        )
+        .with_context(|| format!("could not write {}", advanced.display()))?;
         let path = |p: PathBuf| p.display().to_string();
         let script = write_start_script(
             &dir,
+            node,
             &[
                 ("HOME", path(home.clone())),
+                ("RABBITMQ_CONF_ENV_FILE", path(rabbit_env_file())),
+                ("RABBITMQ_USE_LONGNAME", "true".to_owned()),
                 ("RABBITMQ_NODENAME", rabbit_node(node)),
                 ("RABBITMQ_NODE_PORT", rabbit_port(node).to_string()),
                 ("RABBITMQ_DIST_PORT", rabbit_dist_port(node).to_string()),
                 ("RABBITMQ_MNESIA_BASE", path(dir.join("mnesia"))),
                 ("RABBITMQ_LOG_BASE", path(dir.join("log"))),
                 ("RABBITMQ_CONFIG_FILE", path(conf.clone())),
+                ("RABBITMQ_ADVANCED_CONFIG_FILE", path(advanced.clone())),
                 (
                     "RABBITMQ_ENABLED_PLUGINS_FILE",
                     path(home.join("enabled_plugins")),
@@ -375,7 +554,7 @@ fn rabbit_up(deadline: Instant) -> Result<()> {
         // `await_startup` fails at once while the node is not yet registered with epmd:
         // its distribution port opens first.
         wait(&format!("{} listens", rabbit_node(node)), deadline, || {
-            port_answers(rabbit_dist_port(node))
+            answers(node, rabbit_dist_port(node))
         })?;
         let left = deadline
             .saturating_duration_since(Instant::now())
@@ -408,7 +587,7 @@ fn rabbit_up(deadline: Instant) -> Result<()> {
     }
     wait("every RabbitMQ node runs in one cluster", deadline, || {
         running_nodes(1).is_some_and(|nodes| nodes == usize::from(NODES))
-            && (1..=NODES).all(|node| port_answers(rabbit_port(node)))
+            && (1..=NODES).all(|node| answers(node, rabbit_port(node)))
     })?;
     println!("cluster: RabbitMQ ready, {NODES} nodes running");
     Ok(())
@@ -425,15 +604,20 @@ fn running_nodes(node: u16) -> Option<usize> {
     json.get("running_nodes")?.as_array().map(Vec::len)
 }
 
-/// Writes `DIR/start.sh`, which starts the node in the background: the one way a node
-/// is started, here and by the tests that kill one and bring it back
-/// (`outbox_testkit::cluster`).
-fn write_start_script(dir: &Path, env: &[(&str, String)], command: &str) -> Result<PathBuf> {
+/// Writes `DIR/start.sh`, which starts the node in the background inside its network
+/// namespace: the one way a node is started, here and by the tests that kill one and
+/// bring it back (`outbox_testkit::cluster`).
+fn write_start_script(
+    dir: &Path,
+    node: u16,
+    env: &[(&str, String)],
+    command: &str,
+) -> Result<PathBuf> {
     let mut script = String::from("#!/bin/sh\n# Written by `cargo xtask services --cluster`.\n");
     for (name, value) in env {
         script.push_str(&format!("export {name}='{value}'\n"));
     }
-    script.push_str(&format!("exec {command}\n"));
+    script.push_str(&format!("exec ip netns exec {} {command}\n", netns(node)));
     let path = dir.join("start.sh");
     fs::write(&path, script).with_context(|| format!("could not write {}", path.display()))?;
     set_mode(&path, 0o755)?;

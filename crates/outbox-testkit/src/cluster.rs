@@ -1,19 +1,22 @@
 //! The 3-node RabbitMQ and NATS JetStream clusters of `cargo xtask services
-//! --cluster`, for the tests that run on them: their URLs, whether they run, and node
-//! faults injected for real (a node killed with `SIGKILL` and started again with its
-//! own start script, a node frozen with `SIGSTOP`).
+//! --cluster`, for the tests and the chaos harness that run on them: their URLs,
+//! whether they run, which node leads a queue or a stream, which node a process is
+//! connected to, and node faults injected for real: a node killed with `SIGKILL` and
+//! started again with its own start script ([`NodeKilled`]), a node frozen with
+//! `SIGSTOP` ([`NodeFrozen`]), and a node cut off from the network
+//! ([`NodePartitioned`]: its namespace's link set down, a real partition).
 //!
-//! The nodes are the project's own processes (data under `target/cluster/`, or
-//! `OUTBOX_CLUSTER_DIR`), found by their ports, so a fault never touches the shared
-//! single-node servers. Take the machine-wide [`faults::lock`](crate::faults::lock)
-//! around a fault as for the shared servers: the chaos harness and other fault tests
-//! must not overlap.
+//! Node N (RabbitMQ and NATS alike) runs in the network namespace `outbox-node-N` at
+//! `10.77.0.N`, reached from this machine's namespace through a bridge. The nodes are
+//! the project's own processes (data under `target/cluster/`, or `OUTBOX_CLUSTER_DIR`),
+//! found by their PID files, so a fault never touches the shared single-node servers.
+//! Take the machine-wide [`faults::lock`](crate::faults::lock) around a fault as for the
+//! shared servers: the chaos harness and other fault tests must not overlap.
 
-use std::path::PathBuf;
+use std::net::{IpAddr, Ipv4Addr, SocketAddr, TcpStream};
+use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
-
-use crate::faults::pid_listening_on;
 
 /// Nodes per cluster.
 pub const NODES: usize = 3;
@@ -23,6 +26,18 @@ pub const RABBIT_PORTS: [u16; NODES] = [5681, 5682, 5683];
 
 /// The NATS nodes' client ports (node 1, 2, 3).
 pub const NATS_PORTS: [u16; NODES] = [4231, 4232, 4233];
+
+/// The NATS nodes' monitoring ports (node 1, 2, 3).
+const NATS_HTTP_PORTS: [u16; NODES] = [8231, 8232, 8233];
+
+/// The address of node `node` (1 to 3): `10.77.0.N`.
+///
+/// # Panics
+/// When `node` is not 1 to 3.
+pub fn node_ip(node: usize) -> IpAddr {
+    assert!((1..=NODES).contains(&node), "no node {node}");
+    IpAddr::V4(Ipv4Addr::new(10, 77, 0, u8::try_from(node).unwrap_or(0)))
+}
 
 /// Where `cargo xtask services --cluster` keeps the nodes' data, configuration and
 /// start scripts: `OUTBOX_CLUSTER_DIR`, else `target/cluster` in the workspace.
@@ -38,9 +53,9 @@ pub fn dir() -> PathBuf {
     )
 }
 
-fn answers(port: u16) -> bool {
-    std::net::TcpStream::connect_timeout(
-        &std::net::SocketAddr::from(([127, 0, 0, 1], port)),
+fn answers(node: usize, port: u16) -> bool {
+    TcpStream::connect_timeout(
+        &SocketAddr::new(node_ip(node), port),
         Duration::from_secs(1),
     )
     .is_ok()
@@ -48,10 +63,8 @@ fn answers(port: u16) -> bool {
 
 /// Whether every node of both clusters answers on its client port.
 pub fn running() -> bool {
-    RABBIT_PORTS
-        .iter()
-        .chain(&NATS_PORTS)
-        .all(|port| answers(*port))
+    (1..=NODES)
+        .all(|node| answers(node, RABBIT_PORTS[node - 1]) && answers(node, NATS_PORTS[node - 1]))
 }
 
 /// Panics with the command that starts the clusters when they do not run.
@@ -61,14 +74,16 @@ pub fn running() -> bool {
 pub fn require() {
     assert!(
         running(),
-        "the clusters are not running: start them with `cargo xtask services --cluster`"
+        "the clusters are not running: start them with `cargo xtask services --cluster` \
+         (`cargo xtask itest` does)"
     );
 }
 
 /// The AMQP URL of RabbitMQ node `node` (1 to 3).
 pub fn rabbit_url(node: usize) -> String {
     format!(
-        "amqp://guest:guest@127.0.0.1:{}/%2f",
+        "amqp://guest:guest@{}:{}/%2f",
+        node_ip(node),
         RABBIT_PORTS[node - 1]
     )
 }
@@ -79,22 +94,23 @@ pub fn rabbit_urls() -> String {
     (1..=NODES).map(rabbit_url).collect::<Vec<_>>().join(",")
 }
 
-/// The URLs of every NATS node, comma-separated.
+/// The URL of NATS node `node` (1 to 3).
+pub fn nats_url(node: usize) -> String {
+    format!("nats://{}:{}", node_ip(node), NATS_PORTS[node - 1])
+}
+
+/// The URLs of every NATS node, comma-separated (what `NatsConfigBuilder` takes).
 pub fn nats_urls() -> String {
-    NATS_PORTS
-        .iter()
-        .map(|port| format!("nats://127.0.0.1:{port}"))
-        .collect::<Vec<_>>()
-        .join(",")
+    (1..=NODES).map(nats_url).collect::<Vec<_>>().join(",")
 }
 
-/// The Erlang node name of RabbitMQ node `node`.
+/// The Erlang node name of RabbitMQ node `node` (a long name: its host is its address).
 pub fn rabbit_node(node: usize) -> String {
-    format!("outbox-rabbit-{node}@localhost")
+    format!("outbox-rabbit-{node}@{}", node_ip(node))
 }
 
-/// `rabbitmqctl -n NODE ARGS` with the cluster's Erlang cookie; its standard output,
-/// or why it failed.
+/// `rabbitmqctl --longnames -n NODE ARGS` with the cluster's Erlang cookie and
+/// environment file; its standard output, or why it failed.
 ///
 /// # Errors
 /// The command's exit status and standard error.
@@ -105,9 +121,11 @@ pub fn rabbitmqctl(node: usize, args: &[&str]) -> Result<String, String> {
     } else {
         PathBuf::from("rabbitmqctl")
     };
+    let home = dir().join("rabbitmq");
     let output = Command::new(program)
-        .env("HOME", dir().join("rabbitmq"))
-        .args(["-n", &rabbit_node(node)])
+        .env("HOME", &home)
+        .env("RABBITMQ_CONF_ENV_FILE", home.join("rabbitmq-env.conf"))
+        .args(["--longnames", "-n", &rabbit_node(node)])
         .args(args)
         .stdin(Stdio::null())
         .output()
@@ -125,35 +143,48 @@ pub fn rabbitmqctl(node: usize, args: &[&str]) -> Result<String, String> {
     }
 }
 
-/// The node (1 to 3) holding the leader of quorum queue `queue`, asked of any node
-/// that answers.
+/// The node (1 to 3) holding the leader of quorum queue `queue`: the node that lists
+/// it among its local queues (`list_queues --local`; a listing over the whole cluster
+/// can time out for a while after a partition heals).
 pub fn quorum_leader(queue: &str) -> Option<usize> {
-    (1..=NODES).find_map(|asked| {
-        let text = rabbitmqctl(
-            asked,
+    (1..=NODES).find(|node| {
+        rabbitmqctl(
+            *node,
             &[
+                "-t",
+                "10",
+                "-q",
                 "list_queues",
                 "name",
-                "leader",
-                "--formatter",
-                "json",
-                "--online",
+                "--local",
+                "--no-table-headers",
             ],
         )
-        .ok()?;
-        let rows: serde_json::Value = serde_json::from_str(&text).ok()?;
-        let leader = rows.as_array()?.iter().find(|row| row["name"] == queue)?["leader"]
-            .as_str()?
-            .to_owned();
-        (1..=NODES).find(|node| rabbit_node(*node) == leader)
+        .is_ok_and(|text| text.lines().any(|line| line.trim() == queue))
     })
 }
 
-/// The server name (`outbox-nats-N`) of the leader of JetStream stream `stream`, read
-/// from a node's monitoring endpoint (`/jsz?streams=true`), as the node index.
+/// Whether every RabbitMQ node sees all nodes running and no partition
+/// (`cluster_status`).
+pub fn rabbit_cluster_whole() -> bool {
+    (1..=NODES).all(|node| {
+        rabbitmqctl(node, &["-t", "10", "cluster_status", "--formatter", "json"])
+            .ok()
+            .and_then(|text| serde_json::from_str::<serde_json::Value>(&text).ok())
+            .is_some_and(|status| {
+                status["running_nodes"].as_array().map(Vec::len) == Some(NODES)
+                    && status["partitions"]
+                        .as_object()
+                        .is_none_or(serde_json::Map::is_empty)
+            })
+    })
+}
+
+/// The node (1 to 3) holding the leader of JetStream stream `stream`, read from a
+/// node's monitoring endpoint (`/jsz?streams=true`).
 pub fn stream_leader(stream: &str) -> Option<usize> {
     (1..=NODES).find_map(|asked| {
-        let body = http_get(8230 + u16::try_from(asked).ok()?, "/jsz?streams=true")?;
+        let body = http_get(asked, NATS_HTTP_PORTS[asked - 1], "/jsz?streams=true")?;
         let json: serde_json::Value = serde_json::from_str(&body).ok()?;
         let leader = json["account_details"]
             .as_array()?
@@ -166,15 +197,53 @@ pub fn stream_leader(stream: &str) -> Option<usize> {
     })
 }
 
-fn http_get(port: u16, path: &str) -> Option<String> {
+/// Whether every NATS node has routes to the two others and knows a JetStream meta
+/// leader (`/routez`, `/jsz`).
+pub fn nats_cluster_whole() -> bool {
+    (1..=NODES).all(|node| {
+        let port = NATS_HTTP_PORTS[node - 1];
+        let json = |path| {
+            http_get(node, port, path)
+                .and_then(|body| serde_json::from_str::<serde_json::Value>(&body).ok())
+        };
+        json("/routez").is_some_and(|r| r["num_routes"].as_u64() >= Some(2))
+            && json("/jsz").is_some_and(|j| {
+                j["meta_cluster"]["leader"]
+                    .as_str()
+                    .is_some_and(|leader| !leader.is_empty())
+            })
+    })
+}
+
+/// The node (1 to 3) that `leader` names, waiting up to `limit` for one to be known
+/// (a leader is elected after a create or a loss).
+pub async fn wait_for_leader(limit: Duration, leader: impl Fn() -> Option<usize>) -> Option<usize> {
+    let deadline = Instant::now() + limit;
+    loop {
+        if let Some(node) = leader() {
+            return Some(node);
+        }
+        if Instant::now() >= deadline {
+            return None;
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
+fn http_get(node: usize, port: u16, path: &str) -> Option<String> {
     use std::io::{Read, Write};
-    let mut stream = std::net::TcpStream::connect_timeout(
-        &std::net::SocketAddr::from(([127, 0, 0, 1], port)),
+    let mut stream = TcpStream::connect_timeout(
+        &SocketAddr::new(node_ip(node), port),
         Duration::from_secs(2),
     )
     .ok()?;
     stream.set_read_timeout(Some(Duration::from_secs(2))).ok()?;
-    write!(stream, "GET {path} HTTP/1.0\r\nHost: 127.0.0.1\r\n\r\n").ok()?;
+    write!(
+        stream,
+        "GET {path} HTTP/1.0\r\nHost: {}\r\n\r\n",
+        node_ip(node)
+    )
+    .ok()?;
     let mut response = String::new();
     stream.read_to_string(&mut response).ok()?;
     response
@@ -182,10 +251,25 @@ fn http_get(port: u16, path: &str) -> Option<String> {
         .map(|(_, body)| body.to_owned())
 }
 
-/// The node (1 to 3) of `broker`'s cluster that process `pid` holds a TCP connection
-/// to, if any (from `/proc/net/tcp` and the process's open sockets): which node a
-/// relay or a consumer is connected to.
+/// The node (1 to 3) of `broker`'s cluster that process `pid` holds an established TCP
+/// connection to, if any (the lowest when several): which node a relay or a consumer
+/// is connected to. See [`connected_nodes`].
 pub fn connected_node(pid: u32, broker: Broker) -> Option<usize> {
+    connected_nodes(pid, broker).first().copied()
+}
+
+/// The nodes (1 to 3, ascending) of `broker`'s cluster that process `pid` holds an
+/// established TCP connection to (from `/proc/PID/net/tcp` and the process's open
+/// sockets). A connection to a node cut off by a partition may still count as
+/// established until the process gives it up.
+pub fn connected_nodes(pid: u32, broker: Broker) -> Vec<usize> {
+    let mut nodes = connections(pid, broker).unwrap_or_default();
+    nodes.sort_unstable();
+    nodes.dedup();
+    nodes
+}
+
+fn connections(pid: u32, broker: Broker) -> Option<Vec<usize>> {
     let sockets: Vec<String> = std::fs::read_dir(format!("/proc/{pid}/fd"))
         .ok()?
         .flatten()
@@ -194,16 +278,24 @@ pub fn connected_node(pid: u32, broker: Broker) -> Option<usize> {
         .filter(|target| target.starts_with("socket:["))
         .collect();
     let table = std::fs::read_to_string(format!("/proc/{pid}/net/tcp")).ok()?;
-    table.lines().skip(1).find_map(|line| {
+    let nodes = table.lines().skip(1).filter_map(|line| {
         // sl local_address rem_address st ... inode
         let fields: Vec<&str> = line.split_whitespace().collect();
-        let remote = u16::from_str_radix(fields.get(2)?.rsplit(':').next()?, 16).ok()?;
+        let (address, port) = fields.get(2)?.split_once(':')?;
+        let remote = (
+            // /proc/net/tcp writes the IPv4 address as a little-endian hex word.
+            IpAddr::V4(Ipv4Addr::from(
+                u32::from_str_radix(address, 16).ok()?.swap_bytes(),
+            )),
+            u16::from_str_radix(port, 16).ok()?,
+        );
         let established = fields.get(3)? == &"01";
         let inode = format!("socket:[{}]", fields.get(9)?);
         (established && sockets.contains(&inode))
-            .then(|| (1..=NODES).find(|node| broker.port(*node) == remote))
+            .then(|| (1..=NODES).find(|node| (node_ip(*node), broker.port(*node)) == remote))
             .flatten()
-    })
+    });
+    Some(nodes.collect())
 }
 
 /// Which cluster a node belongs to.
@@ -216,20 +308,57 @@ pub enum Broker {
 }
 
 impl Broker {
-    fn port(self, node: usize) -> u16 {
+    /// The client port of node `node` (1 to 3).
+    pub fn port(self, node: usize) -> u16 {
         match self {
             Self::Rabbit => RABBIT_PORTS[node - 1],
             Self::Nats => NATS_PORTS[node - 1],
         }
     }
 
-    fn start_script(self, node: usize) -> PathBuf {
+    fn node_dir(self, node: usize) -> PathBuf {
         let sub = match self {
             Self::Rabbit => "rabbitmq",
             Self::Nats => "nats",
         };
-        dir().join(sub).join(node.to_string()).join("start.sh")
+        dir().join(sub).join(node.to_string())
     }
+
+    /// The PID of node `node`'s server process, from its PID file.
+    pub fn pid(self, node: usize) -> Option<u32> {
+        let file = match self {
+            Self::Rabbit => "rabbitmq.pid",
+            Self::Nats => "nats.pid",
+        };
+        std::fs::read_to_string(self.node_dir(node).join(file))
+            .ok()?
+            .trim()
+            .parse()
+            .ok()
+            .filter(|pid| Path::new(&format!("/proc/{pid}")).exists())
+    }
+
+    /// Waits until node `node` serves clients again (RabbitMQ: `rabbitmqctl
+    /// await_startup` after its port answers), up to `limit`; whether it does.
+    fn wait_serving(self, node: usize, limit: Duration) -> bool {
+        let deadline = Instant::now() + limit;
+        while !answers(node, self.port(node)) {
+            if Instant::now() >= deadline {
+                return false;
+            }
+            std::thread::sleep(Duration::from_millis(200));
+        }
+        self != Self::Rabbit
+            || rabbitmqctl(node, &["-t", &limit.as_secs().to_string(), "await_startup"]).is_ok()
+    }
+}
+
+fn signal(pid: u32, signal: &str) -> bool {
+    Command::new("kill")
+        .args([signal, &pid.to_string()])
+        .stderr(Stdio::null())
+        .status()
+        .is_ok_and(|s| s.success())
 }
 
 /// A cluster node killed with `SIGKILL` (no shutdown, as a crashed host): dropping the
@@ -245,18 +374,14 @@ impl NodeKilled {
     /// Kills node `node` (1 to 3) of `broker`'s cluster.
     ///
     /// # Panics
-    /// When no process listens on the node's port or it survives `SIGKILL`.
+    /// When the node has no running process or it survives `SIGKILL`.
     pub fn kill(broker: Broker, node: usize) -> Self {
-        let port = broker.port(node);
-        let pid = pid_listening_on(port)
-            .unwrap_or_else(|| panic!("no {broker:?} node {node} listens on port {port}"));
-        let killed = Command::new("kill")
-            .args(["-KILL", &pid.to_string()])
-            .status()
-            .is_ok_and(|s| s.success());
-        assert!(killed, "kill -9 {pid}");
+        let pid = broker
+            .pid(node)
+            .unwrap_or_else(|| panic!("{broker:?} node {node} does not run"));
+        assert!(signal(pid, "-KILL"), "kill -9 {pid}");
         let deadline = Instant::now() + Duration::from_secs(10);
-        while std::path::Path::new(&format!("/proc/{pid}")).exists() && Instant::now() < deadline {
+        while Path::new(&format!("/proc/{pid}")).exists() && Instant::now() < deadline {
             std::thread::sleep(Duration::from_millis(50));
         }
         Self { broker, node }
@@ -268,7 +393,7 @@ impl NodeKilled {
 
 impl Drop for NodeKilled {
     fn drop(&mut self) {
-        let script = self.broker.start_script(self.node);
+        let script = self.broker.node_dir(self.node).join("start.sh");
         let started = Command::new("sh")
             .arg(&script)
             .stdin(Stdio::null())
@@ -281,20 +406,118 @@ impl Drop for NodeKilled {
             "failed to start {} again",
             script.display()
         );
-        let port = self.broker.port(self.node);
-        let deadline = Instant::now() + Duration::from_secs(90);
-        while !answers(port) {
+        let back = self.broker.wait_serving(self.node, Duration::from_secs(90));
+        assert!(
+            back || std::thread::panicking(),
+            "{:?} node {} did not come back",
+            self.broker,
+            self.node
+        );
+    }
+}
+
+/// A cluster node frozen with `SIGSTOP` (a stalled host: connections stay open, nothing
+/// answers); dropping the guard sends `SIGCONT`.
+#[derive(Debug)]
+pub struct NodeFrozen {
+    pid: u32,
+}
+
+impl NodeFrozen {
+    /// Freezes node `node` (1 to 3) of `broker`'s cluster.
+    ///
+    /// # Panics
+    /// When the node has no running process or cannot be stopped.
+    pub fn freeze(broker: Broker, node: usize) -> Self {
+        let pid = broker
+            .pid(node)
+            .unwrap_or_else(|| panic!("{broker:?} node {node} does not run"));
+        assert!(signal(pid, "-STOP"), "kill -STOP {pid}");
+        Self { pid }
+    }
+
+    /// Lets the node run again now (dropping the guard does it too).
+    pub fn thaw(self) {}
+}
+
+impl Drop for NodeFrozen {
+    fn drop(&mut self) {
+        let thawed = signal(self.pid, "-CONT");
+        assert!(
+            thawed || std::thread::panicking(),
+            "kill -CONT {}",
+            self.pid
+        );
+    }
+}
+
+/// Node `node` (its RabbitMQ and its NATS server) cut off from the network: the link
+/// of its namespace set down (`ip link set eth0 down` inside `outbox-node-N`), so
+/// that nothing reaches it or leaves it, clients and the other nodes alike, and open
+/// connections hang without a reset. Dropping the guard sets the link up again and
+/// waits until both servers serve clients (a paused RabbitMQ node resumes by itself).
+#[derive(Debug)]
+pub struct NodePartitioned {
+    node: usize,
+}
+
+fn set_link(node: usize, state: &str) -> Result<(), String> {
+    let output = Command::new("ip")
+        .args(["netns", "exec", &format!("outbox-node-{node}")])
+        .args(["ip", "link", "set", "eth0", state])
+        .stdin(Stdio::null())
+        .output()
+        .map_err(|e| format!("cannot run ip: {e}"))?;
+    if output.status.success() {
+        Ok(())
+    } else {
+        Err(String::from_utf8_lossy(&output.stderr).trim().to_owned())
+    }
+}
+
+impl NodePartitioned {
+    /// Cuts node `node` (1 to 3) off.
+    ///
+    /// # Panics
+    /// When the link cannot be set down (no namespace, or no `CAP_NET_ADMIN`).
+    pub fn isolate(node: usize) -> Self {
+        set_link(node, "down").unwrap_or_else(|e| panic!("cannot cut node {node} off: {e}"));
+        Self { node }
+    }
+
+    /// Heals the partition now (dropping the guard does it too).
+    pub fn heal(self) {}
+}
+
+impl Drop for NodePartitioned {
+    fn drop(&mut self) {
+        let healed = set_link(self.node, "up");
+        assert!(
+            healed.is_ok() || std::thread::panicking(),
+            "cannot join node {} again: {healed:?}",
+            self.node
+        );
+        for broker in [Broker::Nats, Broker::Rabbit] {
+            let back = broker.wait_serving(self.node, Duration::from_secs(120));
+            assert!(
+                back || std::thread::panicking(),
+                "{broker:?} node {} did not serve again after the partition healed",
+                self.node
+            );
+        }
+        // The paused RabbitMQ node restarts its application when it sees the majority
+        // again, and the NATS routes come back: wait until both clusters are whole.
+        let deadline = Instant::now() + Duration::from_secs(120);
+        while !(rabbit_cluster_whole() && nats_cluster_whole()) {
             if Instant::now() >= deadline {
                 assert!(
                     std::thread::panicking(),
-                    "node on port {port} did not come back"
+                    "the clusters are not whole again after node {} rejoined",
+                    self.node
                 );
                 return;
             }
-            std::thread::sleep(Duration::from_millis(200));
-        }
-        if self.broker == Broker::Rabbit {
-            let _ = rabbitmqctl(self.node, &["-t", "90", "await_startup"]);
+            std::thread::sleep(Duration::from_millis(500));
         }
     }
 }
