@@ -2,22 +2,22 @@
 //! JetStream cluster on this machine, from the installed servers, beside the shared
 //! single-node services (which are never touched).
 //!
-//! Each node pair (RabbitMQ node N and NATS node N) runs in a network namespace of its
-//! own, `outbox-node-N`, with the address `10.77.0.N`; the namespaces are joined by
-//! veth pairs to the bridge `obx-br` (`10.77.0.254`, in this machine's own namespace),
-//! so that a test can cut one node off (`ip link set eth0 down` inside its namespace, a
-//! real network partition) without touching any other interface or address. Every node
-//! is a process of the project's own, so tests may kill, freeze and restart them freely:
-//! they find a node by its PID file, never by the executable's name. Data, logs,
-//! configuration and each node's start script live under `target/cluster/`;
-//! `--cluster --stop` stops the nodes, removes the namespaces and the bridge, and keeps
-//! the data (delete the directory for a fresh cluster).
+//! Every node runs in a network namespace of its own (`outbox-rabbit-N`, `outbox-nats-N`)
+//! with an address of its own (RabbitMQ `10.77.0.N`, NATS `10.77.0.1N`); the namespaces
+//! are joined by veth pairs to the bridge `obx-br` (`10.77.0.254`, in this machine's own
+//! namespace), so that a test can cut one node off (`ip link set eth0 down` inside its
+//! namespace, a real network partition) without touching any other node, interface or
+//! address. Every node is a process of the project's own, so tests may kill, freeze and
+//! restart them freely: they find a node by its PID file, never by the executable's
+//! name. Data, logs, configuration and each node's start script live under
+//! `target/cluster/`; `--cluster --stop` stops the nodes, removes the namespaces and the
+//! bridge, and keeps the data (delete the directory for a fresh cluster).
 //!
-//! | node | address | RabbitMQ (AMQP / Erlang distribution) | NATS (client / route / monitoring) |
-//! |------|---------|---------------------------------------|-------------------------------------|
-//! | 1 | 10.77.0.1 | 5681 / 25681, `outbox-rabbit-1@10.77.0.1` | 4231 / 6231 / 8231, `outbox-nats-1` |
-//! | 2 | 10.77.0.2 | 5682 / 25682, `outbox-rabbit-2@10.77.0.2` | 4232 / 6232 / 8232, `outbox-nats-2` |
-//! | 3 | 10.77.0.3 | 5683 / 25683, `outbox-rabbit-3@10.77.0.3` | 4233 / 6233 / 8233, `outbox-nats-3` |
+//! | node | RabbitMQ: address, AMQP / Erlang distribution | NATS: address, client / route / monitoring |
+//! |------|-----------------------------------------------|---------------------------------------------|
+//! | 1 | 10.77.0.1, 5681 / 25681, `outbox-rabbit-1@10.77.0.1` | 10.77.0.11, 4231 / 6231 / 8231, `outbox-nats-1` |
+//! | 2 | 10.77.0.2, 5682 / 25682, `outbox-rabbit-2@10.77.0.2` | 10.77.0.12, 4232 / 6232 / 8232, `outbox-nats-2` |
+//! | 3 | 10.77.0.3, 5683 / 25683, `outbox-rabbit-3@10.77.0.3` | 10.77.0.13, 4233 / 6233 / 8233, `outbox-nats-3` |
 //!
 //! RabbitMQ nodes use long names (their host is their address) and an environment file
 //! of their own (Debian's `/etc/rabbitmq/rabbitmq-env.conf` pins epmd and the
@@ -52,25 +52,51 @@ const BRIDGE: &str = "obx-br";
 /// The bridge's address: where the nodes see this machine's processes come from.
 const BRIDGE_ADDRESS: &str = "10.77.0.254/24";
 
-/// Node `node`'s address in its namespace.
-fn node_ip(node: u16) -> String {
-    format!("10.77.0.{node}")
+/// The two clusters.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Broker {
+    Rabbit,
+    Nats,
 }
 
-/// Node `node`'s network namespace.
-fn netns(node: u16) -> String {
-    format!("outbox-node-{node}")
-}
+const BROKERS: [Broker; 2] = [Broker::Rabbit, Broker::Nats];
 
-/// This machine's end of node `node`'s veth pair (the other end is `eth0` inside).
-fn veth(node: u16) -> String {
-    format!("obx-v{node}")
+impl Broker {
+    /// Node `node`'s address in its namespace: RabbitMQ `10.77.0.N`, NATS `10.77.0.1N`.
+    fn ip(self, node: u16) -> String {
+        match self {
+            Self::Rabbit => format!("10.77.0.{node}"),
+            Self::Nats => format!("10.77.0.1{node}"),
+        }
+    }
+
+    /// Node `node`'s network namespace.
+    fn netns(self, node: u16) -> String {
+        match self {
+            Self::Rabbit => format!("outbox-rabbit-{node}"),
+            Self::Nats => format!("outbox-nats-{node}"),
+        }
+    }
+
+    /// This machine's end of node `node`'s veth pair (the other end is `eth0` inside).
+    fn veth(self, node: u16) -> String {
+        match self {
+            Self::Rabbit => format!("obx-r{node}"),
+            Self::Nats => format!("obx-n{node}"),
+        }
+    }
 }
 
 /// AMQP URLs of the RabbitMQ cluster's nodes, comma-separated.
 pub(crate) fn amqp_urls() -> String {
     (1..=NODES)
-        .map(|i| format!("amqp://guest:guest@{}:{}/%2f", node_ip(i), rabbit_port(i)))
+        .map(|i| {
+            format!(
+                "amqp://guest:guest@{}:{}/%2f",
+                Broker::Rabbit.ip(i),
+                rabbit_port(i)
+            )
+        })
         .collect::<Vec<_>>()
         .join(",")
 }
@@ -78,7 +104,7 @@ pub(crate) fn amqp_urls() -> String {
 /// NATS URLs of the cluster's nodes, comma-separated.
 pub(crate) fn nats_urls() -> String {
     (1..=NODES)
-        .map(|i| format!("nats://{}:{}", node_ip(i), nats_port(i)))
+        .map(|i| format!("nats://{}:{}", Broker::Nats.ip(i), nats_port(i)))
         .collect::<Vec<_>>()
         .join(",")
 }
@@ -92,7 +118,7 @@ const fn rabbit_dist_port(node: u16) -> u16 {
 }
 
 fn rabbit_node(node: u16) -> String {
-    format!("outbox-rabbit-{node}@{}", node_ip(node))
+    format!("outbox-rabbit-{node}@{}", Broker::Rabbit.ip(node))
 }
 
 const fn nats_port(node: u16) -> u16 {
@@ -165,16 +191,16 @@ fn ip(args: &[&str]) -> Result<()> {
     run_quiet(cmd, &format!("ip {}", args.join(" "))).map(drop)
 }
 
-/// `ip netns exec NS ip ARGS`.
-fn ip_in(node: u16, args: &[&str]) -> Result<()> {
-    let ns = netns(node);
+/// `ip netns exec NS ip ARGS` in node `node`'s namespace.
+fn ip_in(broker: Broker, node: u16, args: &[&str]) -> Result<()> {
+    let ns = broker.netns(node);
     let mut all = vec!["netns", "exec", ns.as_str(), "ip"];
     all.extend_from_slice(args);
     ip(&all)
 }
 
-fn netns_exists(node: u16) -> bool {
-    Path::new("/run/netns").join(netns(node)).exists()
+fn netns_exists(broker: Broker, node: u16) -> bool {
+    Path::new("/run/netns").join(broker.netns(node)).exists()
 }
 
 fn link_exists(name: &str) -> bool {
@@ -194,58 +220,63 @@ fn network_up() -> Result<()> {
         ip(&["addr", "add", BRIDGE_ADDRESS, "dev", BRIDGE])?;
     }
     ip(&["link", "set", BRIDGE, "up"])?;
-    for node in 1..=NODES {
-        if !netns_exists(node) {
-            ip(&["netns", "add", &netns(node)])?;
-        }
-        if !link_exists(&veth(node)) {
-            ip(&[
-                "link",
-                "add",
-                &veth(node),
-                "type",
-                "veth",
-                "peer",
-                "name",
-                "eth0",
-                "netns",
-                &netns(node),
-            ])?;
-            ip_in(
-                node,
-                &[
-                    "addr",
+    for broker in BROKERS {
+        for node in 1..=NODES {
+            if !netns_exists(broker, node) {
+                ip(&["netns", "add", &broker.netns(node)])?;
+            }
+            if !link_exists(&broker.veth(node)) {
+                ip(&[
+                    "link",
                     "add",
-                    &format!("{}/24", node_ip(node)),
-                    "dev",
+                    &broker.veth(node),
+                    "type",
+                    "veth",
+                    "peer",
+                    "name",
                     "eth0",
-                ],
-            )?;
+                    "netns",
+                    &broker.netns(node),
+                ])?;
+                ip_in(
+                    broker,
+                    node,
+                    &[
+                        "addr",
+                        "add",
+                        &format!("{}/24", broker.ip(node)),
+                        "dev",
+                        "eth0",
+                    ],
+                )?;
+            }
+            ip(&["link", "set", &broker.veth(node), "master", BRIDGE, "up"])?;
+            ip_in(broker, node, &["link", "set", "eth0", "up"])?;
+            ip_in(broker, node, &["link", "set", "lo", "up"])?;
         }
-        ip(&["link", "set", &veth(node), "master", BRIDGE, "up"])?;
-        ip_in(node, &["link", "set", "eth0", "up"])?;
-        ip_in(node, &["link", "set", "lo", "up"])?;
     }
     Ok(())
 }
 
-/// Ends whatever still runs in the namespaces (epmd), deletes them (their veth pairs
-/// go with them) and the bridge.
+/// Ends whatever still runs in the namespaces (epmd, a node that did not stop), deletes
+/// them (their veth pairs go with them) and the bridge.
 fn network_down() -> Result<()> {
-    for node in 1..=NODES {
-        if !netns_exists(node) {
-            continue;
-        }
-        if let Ok(pids) = Command::new("ip")
-            .args(["netns", "pids", &netns(node)])
-            .output()
-        {
-            for pid in String::from_utf8_lossy(&pids.stdout).split_whitespace() {
-                let _ = Command::new("kill").args(["-CONT", pid]).status();
-                let _ = Command::new("kill").args(["-KILL", pid]).status();
+    for broker in BROKERS {
+        for node in 1..=NODES {
+            if !netns_exists(broker, node) {
+                continue;
             }
+            if let Ok(pids) = Command::new("ip")
+                .args(["netns", "pids", &broker.netns(node)])
+                .output()
+            {
+                for pid in String::from_utf8_lossy(&pids.stdout).split_whitespace() {
+                    let _ = Command::new("kill").args(["-CONT", pid]).status();
+                    let _ = Command::new("kill").args(["-KILL", pid]).status();
+                }
+            }
+            ip(&["netns", "del", &broker.netns(node)])?;
         }
-        ip(&["netns", "del", &netns(node)])?;
     }
     if link_exists(BRIDGE) {
         ip(&["link", "del", BRIDGE])?;
@@ -254,8 +285,8 @@ fn network_down() -> Result<()> {
     Ok(())
 }
 
-fn answers(node: u16, port: u16) -> bool {
-    let Ok(address) = node_ip(node).parse() else {
+fn answers(broker: Broker, node: u16, port: u16) -> bool {
+    let Ok(address) = broker.ip(node).parse() else {
         return false;
     };
     TcpStream::connect_timeout(&SocketAddr::new(address, port), Duration::from_secs(1)).is_ok()
@@ -273,7 +304,10 @@ fn wait(what: &str, deadline: Instant, mut done: impl FnMut() -> bool) -> Result
 
 /// Whether every node of both clusters answers on its client port.
 pub(crate) fn running() -> bool {
-    (1..=NODES).all(|node| answers(node, rabbit_port(node)) && answers(node, nats_port(node)))
+    (1..=NODES).all(|node| {
+        answers(Broker::Rabbit, node, rabbit_port(node))
+            && answers(Broker::Nats, node, nats_port(node))
+    })
 }
 
 /// The clusters for a run of `cargo xtask itest`: started when they do not run, and
@@ -322,7 +356,9 @@ pub(crate) fn down() -> Result<()> {
     for node in 1..=NODES {
         // A frozen node (a test's SIGSTOP left behind) must run to stop.
         continue_pid_file(&rabbit_dir(node).join("rabbitmq.pid"));
-        if netns_exists(node) && answers(node, rabbit_dist_port(node)) {
+        if netns_exists(Broker::Rabbit, node)
+            && answers(Broker::Rabbit, node, rabbit_dist_port(node))
+        {
             match run_quiet(
                 rabbitmqctl(node, &["-t", "30", "stop"]),
                 &format!("stopping {}", rabbit_node(node)),
@@ -373,11 +409,11 @@ fn rabbit_dir(node: u16) -> PathBuf {
 
 fn nats_up(deadline: Instant) -> Result<()> {
     let routes = (1..=NODES)
-        .map(|i| format!("nats-route://{}:{}", node_ip(i), nats_route_port(i)))
+        .map(|i| format!("nats-route://{}:{}", Broker::Nats.ip(i), nats_route_port(i)))
         .collect::<Vec<_>>()
         .join(", ");
     for node in 1..=NODES {
-        if answers(node, nats_port(node)) {
+        if answers(Broker::Nats, node, nats_port(node)) {
             continue;
         }
         let dir = nats_dir(node);
@@ -390,7 +426,7 @@ fn nats_up(deadline: Instant) -> Result<()> {
              http: {ip}:{http}\n\
              jetstream {{ store_dir: \"{store}\" }}\n\
              cluster {{\n  name: outbox\n  listen: {ip}:{route}\n  routes: [{routes}]\n}}\n",
-            ip = node_ip(node),
+            ip = Broker::Nats.ip(node),
             port = nats_port(node),
             http = nats_http_port(node),
             route = nats_route_port(node),
@@ -401,7 +437,7 @@ fn nats_up(deadline: Instant) -> Result<()> {
         let log = dir.join("nats.log");
         let script = write_start_script(
             &dir,
-            node,
+            &Broker::Nats.netns(node),
             &[],
             &format!(
                 "setsid -f {} -c {} -l {} -P {} </dev/null >/dev/null 2>&1",
@@ -418,7 +454,7 @@ fn nats_up(deadline: Instant) -> Result<()> {
         );
     }
     wait("every NATS node answers", deadline, || {
-        (1..=NODES).all(|node| answers(node, nats_port(node)))
+        (1..=NODES).all(|node| answers(Broker::Nats, node, nats_port(node)))
     })?;
     wait("the JetStream meta group has a leader", deadline, || {
         (1..=NODES).all(|node| meta_leader(node).is_some())
@@ -453,15 +489,15 @@ fn meta_leader(node: u16) -> Option<String> {
         .map(str::to_owned)
 }
 
-/// The body of `GET path` on node `node`'s `port` (HTTP/1.0, so the server closes).
+/// The body of `GET path` on NATS node `node`'s `port` (HTTP/1.0, so the server closes).
 fn http_get(node: u16, port: u16, path: &str) -> Option<String> {
-    let address = SocketAddr::new(node_ip(node).parse().ok()?, port);
+    let address = SocketAddr::new(Broker::Nats.ip(node).parse().ok()?, port);
     let mut stream = TcpStream::connect_timeout(&address, Duration::from_secs(2)).ok()?;
     stream.set_read_timeout(Some(Duration::from_secs(2))).ok()?;
     write!(
         stream,
         "GET {path} HTTP/1.0\r\nHost: {}\r\n\r\n",
-        node_ip(node)
+        Broker::Nats.ip(node)
     )
     .ok()?;
     let mut response = String::new();
@@ -488,7 +524,7 @@ fn rabbit_up(deadline: Instant) -> Result<()> {
     )
     .context("rabbitmq-env.conf")?;
     for node in 1..=NODES {
-        if answers(node, rabbit_dist_port(node)) {
+        if answers(Broker::Rabbit, node, rabbit_dist_port(node)) {
             continue;
         }
         let dir = rabbit_dir(node);
@@ -502,7 +538,7 @@ fn rabbit_up(deadline: Instant) -> Result<()> {
                  loopback_users = none\n\
                  # A cut-off node pauses itself (docs/clusters.md).\n\
                  cluster_partition_handling = pause_minority\n",
-                node_ip(node),
+                Broker::Rabbit.ip(node),
                 rabbit_port(node)
             ),
         )
@@ -520,7 +556,7 @@ fn rabbit_up(deadline: Instant) -> Result<()> {
         let path = |p: PathBuf| p.display().to_string();
         let script = write_start_script(
             &dir,
-            node,
+            &Broker::Rabbit.netns(node),
             &[
                 ("HOME", path(home.clone())),
                 ("RABBITMQ_CONF_ENV_FILE", path(rabbit_env_file())),
@@ -554,7 +590,7 @@ fn rabbit_up(deadline: Instant) -> Result<()> {
         // `await_startup` fails at once while the node is not yet registered with epmd:
         // its distribution port opens first.
         wait(&format!("{} listens", rabbit_node(node)), deadline, || {
-            answers(node, rabbit_dist_port(node))
+            answers(Broker::Rabbit, node, rabbit_dist_port(node))
         })?;
         let left = deadline
             .saturating_duration_since(Instant::now())
@@ -587,7 +623,7 @@ fn rabbit_up(deadline: Instant) -> Result<()> {
     }
     wait("every RabbitMQ node runs in one cluster", deadline, || {
         running_nodes(1).is_some_and(|nodes| nodes == usize::from(NODES))
-            && (1..=NODES).all(|node| answers(node, rabbit_port(node)))
+            && (1..=NODES).all(|node| answers(Broker::Rabbit, node, rabbit_port(node)))
     })?;
     println!("cluster: RabbitMQ ready, {NODES} nodes running");
     Ok(())
@@ -609,7 +645,7 @@ fn running_nodes(node: u16) -> Option<usize> {
 /// bring it back (`outbox_testkit::cluster`).
 fn write_start_script(
     dir: &Path,
-    node: u16,
+    netns: &str,
     env: &[(&str, String)],
     command: &str,
 ) -> Result<PathBuf> {
@@ -617,7 +653,7 @@ fn write_start_script(
     for (name, value) in env {
         script.push_str(&format!("export {name}='{value}'\n"));
     }
-    script.push_str(&format!("exec ip netns exec {} {command}\n", netns(node)));
+    script.push_str(&format!("exec ip netns exec {netns} {command}\n"));
     let path = dir.join("start.sh");
     fs::write(&path, script).with_context(|| format!("could not write {}", path.display()))?;
     set_mode(&path, 0o755)?;

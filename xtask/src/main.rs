@@ -240,22 +240,37 @@ fn run(cli: Cli) -> Result<()> {
             services::ensure(timeout)?;
             // `--relay-process` and `--backlog` run the release `outbox` beside the bench.
             run_child(cargo().args(["build", "--release", "-p", "outbox-cli", "--bin", "outbox"]))?;
-            let mut bench = cargo();
-            bench
-                .args([
-                    "run",
-                    "--release",
-                    "-p",
-                    "outbox-lab",
-                    "--bin",
-                    "bench",
-                    "--",
-                ])
-                .args(&args);
-            run_child(&mut bench)
+            let bench = |args: &[OsString]| {
+                let mut bench = cargo();
+                bench
+                    .args([
+                        "run",
+                        "--release",
+                        "-p",
+                        "outbox-lab",
+                        "--bin",
+                        "bench",
+                        "--",
+                    ])
+                    .args(args);
+                run_child(&mut bench)
+            };
+            if args.iter().any(|a| a == "--cluster") {
+                // The same measurement on the single servers first, then on the
+                // clusters: one run shows what the replication costs.
+                cluster::up(timeout)?;
+                let single: Vec<OsString> =
+                    args.iter().filter(|a| *a != "--cluster").cloned().collect();
+                eprintln!("xtask: bench on the single servers, then on the clusters");
+                bench(&single)?;
+            }
+            bench(&args)
         }
         Cmd::Chaos { args } => {
             services::ensure(timeout)?;
+            if args.iter().any(|a| a == "--cluster") {
+                cluster::up(timeout)?;
+            }
             build_chaos()?;
             let mut chaos = chaos_command();
             chaos.args(&args);

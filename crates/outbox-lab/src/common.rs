@@ -4,6 +4,7 @@
 use std::time::Duration;
 
 use hdrhistogram::Histogram;
+use transport_nats::async_nats;
 
 /// `DATABASE_URL`, or the local default.
 pub fn database_url() -> String {
@@ -11,14 +12,84 @@ pub fn database_url() -> String {
         .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".into())
 }
 
-/// `AMQP_URL`, or the local default.
-pub fn amqp_url() -> String {
-    std::env::var("AMQP_URL").unwrap_or_else(|_| "amqp://guest:guest@127.0.0.1:5672/%2f".into())
+/// The brokers' URLs set by [`use_cluster`], over the environment's.
+static BROKERS: std::sync::OnceLock<(String, String)> = std::sync::OnceLock::new();
+
+/// Makes [`amqp_url`] and [`nats_url`] return the URL lists of the 3-node clusters of
+/// `cargo xtask services --cluster` for the rest of this process, and [`on_cluster`]
+/// true. Child processes get them through [`broker_env`].
+pub fn use_cluster() {
+    let _ = BROKERS.set((
+        outbox_testkit::cluster::rabbit_urls(),
+        outbox_testkit::cluster::nats_urls(),
+    ));
 }
 
-/// `NATS_URL`, or the local default.
+/// Whether this process runs on the clusters ([`use_cluster`]): queues are then quorum
+/// queues and streams have 3 replicas.
+pub fn on_cluster() -> bool {
+    BROKERS.get().is_some()
+}
+
+/// The RabbitMQ URL, or a cluster's URLs separated by commas: what [`use_cluster`] set,
+/// else `AMQP_URL`, else the local default.
+pub fn amqp_url() -> String {
+    BROKERS.get().map_or_else(
+        || {
+            std::env::var("AMQP_URL")
+                .unwrap_or_else(|_| "amqp://guest:guest@127.0.0.1:5672/%2f".into())
+        },
+        |(amqp, _)| amqp.clone(),
+    )
+}
+
+/// The NATS URL, or a cluster's URLs separated by commas: what [`use_cluster`] set,
+/// else `NATS_URL`, else the local default.
 pub fn nats_url() -> String {
-    std::env::var("NATS_URL").unwrap_or_else(|_| "nats://127.0.0.1:4222".into())
+    BROKERS.get().map_or_else(
+        || std::env::var("NATS_URL").unwrap_or_else(|_| "nats://127.0.0.1:4222".into()),
+        |(_, nats)| nats.clone(),
+    )
+}
+
+/// `AMQP_URL` and `NATS_URL` for a child process, as this process uses them.
+pub fn broker_env() -> [(&'static str, String); 2] {
+    [("AMQP_URL", amqp_url()), ("NATS_URL", nats_url())]
+}
+
+/// A plain AMQP connection to the first node of [`amqp_url`] that accepts one, each
+/// tried for at most 5 s.
+///
+/// # Errors
+/// Every node's error when none accepts.
+pub async fn amqp_connect() -> anyhow::Result<lapin::Connection> {
+    let mut errors = Vec::new();
+    for url in amqp_url().split(',').map(str::trim) {
+        let attempt = tokio::time::timeout(
+            Duration::from_secs(5),
+            lapin::Connection::connect(url, lapin::ConnectionProperties::default()),
+        )
+        .await;
+        let redacted = transport_rabbit::redact_url(url);
+        match attempt {
+            Ok(Ok(conn)) => return Ok(conn),
+            Ok(Err(e)) => errors.push(format!("{redacted}: {e}")),
+            Err(_) => errors.push(format!("{redacted}: no answer within 5 s")),
+        }
+    }
+    anyhow::bail!(
+        "no RabbitMQ node accepted a connection: {}",
+        errors.join("; ")
+    )
+}
+
+/// A plain NATS client over the servers of [`nats_url`].
+///
+/// # Errors
+/// When no server accepts a connection.
+pub async fn nats_connect() -> Result<async_nats::Client, async_nats::ConnectError> {
+    let servers: Vec<String> = nats_url().split(',').map(|s| s.trim().to_owned()).collect();
+    async_nats::connect(servers).await
 }
 
 /// p50 and p99 of latencies given in milliseconds.

@@ -6,12 +6,20 @@
 //! `SIGSTOP` ([`NodeFrozen`]), and a node cut off from the network
 //! ([`NodePartitioned`]: its namespace's link set down, a real partition).
 //!
-//! Node N (RabbitMQ and NATS alike) runs in the network namespace `outbox-node-N` at
-//! `10.77.0.N`, reached from this machine's namespace through a bridge. The nodes are
-//! the project's own processes (data under `target/cluster/`, or `OUTBOX_CLUSTER_DIR`),
-//! found by their PID files, so a fault never touches the shared single-node servers.
-//! Take the machine-wide [`faults::lock`](crate::faults::lock) around a fault as for the
+//! Every node runs in a network namespace of its own (`outbox-rabbit-N` at
+//! `10.77.0.N`, `outbox-nats-N` at `10.77.0.1N`), reached from this machine's namespace
+//! through a bridge. The nodes are the project's own processes (data under
+//! `target/cluster/`, or `OUTBOX_CLUSTER_DIR`), found by their PID files, so a fault
+//! never touches the shared single-node servers, nor the other broker's cluster. Take
+//! the machine-wide [`faults::lock`](crate::faults::lock) around a fault as for the
 //! shared servers: the chaos harness and other fault tests must not overlap.
+//!
+//! Dropping a guard undoes its fault and waits until the cluster is whole again; where
+//! a broker does not heal by itself within a minute it restores the struck node the
+//! way an operator would (RabbitMQ: its application restarted, after a freeze longer
+//! than `net_ticktime` left a partition recorded; NATS: the server restarted, after a
+//! partition left two nodes each taking itself for the JetStream meta leader, seen
+//! with nats-server 2.9.10).
 
 use std::net::{IpAddr, Ipv4Addr, SocketAddr, TcpStream};
 use std::path::{Path, PathBuf};
@@ -30,13 +38,23 @@ pub const NATS_PORTS: [u16; NODES] = [4231, 4232, 4233];
 /// The NATS nodes' monitoring ports (node 1, 2, 3).
 const NATS_HTTP_PORTS: [u16; NODES] = [8231, 8232, 8233];
 
-/// The address of node `node` (1 to 3): `10.77.0.N`.
+/// The address of `broker`'s node `node` (1 to 3): RabbitMQ `10.77.0.N`, NATS
+/// `10.77.0.1N`.
 ///
 /// # Panics
 /// When `node` is not 1 to 3.
-pub fn node_ip(node: usize) -> IpAddr {
+pub fn node_ip(broker: Broker, node: usize) -> IpAddr {
     assert!((1..=NODES).contains(&node), "no node {node}");
-    IpAddr::V4(Ipv4Addr::new(10, 77, 0, u8::try_from(node).unwrap_or(0)))
+    let n = u8::try_from(node).unwrap_or(0);
+    IpAddr::V4(Ipv4Addr::new(
+        10,
+        77,
+        0,
+        match broker {
+            Broker::Rabbit => n,
+            Broker::Nats => 10 + n,
+        },
+    ))
 }
 
 /// Where `cargo xtask services --cluster` keeps the nodes' data, configuration and
@@ -53,9 +71,9 @@ pub fn dir() -> PathBuf {
     )
 }
 
-fn answers(node: usize, port: u16) -> bool {
+fn answers(broker: Broker, node: usize) -> bool {
     TcpStream::connect_timeout(
-        &SocketAddr::new(node_ip(node), port),
+        &SocketAddr::new(node_ip(broker, node), broker.port(node)),
         Duration::from_secs(1),
     )
     .is_ok()
@@ -63,8 +81,7 @@ fn answers(node: usize, port: u16) -> bool {
 
 /// Whether every node of both clusters answers on its client port.
 pub fn running() -> bool {
-    (1..=NODES)
-        .all(|node| answers(node, RABBIT_PORTS[node - 1]) && answers(node, NATS_PORTS[node - 1]))
+    (1..=NODES).all(|node| answers(Broker::Rabbit, node) && answers(Broker::Nats, node))
 }
 
 /// Panics with the command that starts the clusters when they do not run.
@@ -83,7 +100,7 @@ pub fn require() {
 pub fn rabbit_url(node: usize) -> String {
     format!(
         "amqp://guest:guest@{}:{}/%2f",
-        node_ip(node),
+        node_ip(Broker::Rabbit, node),
         RABBIT_PORTS[node - 1]
     )
 }
@@ -96,7 +113,11 @@ pub fn rabbit_urls() -> String {
 
 /// The URL of NATS node `node` (1 to 3).
 pub fn nats_url(node: usize) -> String {
-    format!("nats://{}:{}", node_ip(node), NATS_PORTS[node - 1])
+    format!(
+        "nats://{}:{}",
+        node_ip(Broker::Nats, node),
+        NATS_PORTS[node - 1]
+    )
 }
 
 /// The URLs of every NATS node, comma-separated (what `NatsConfigBuilder` takes).
@@ -106,7 +127,7 @@ pub fn nats_urls() -> String {
 
 /// The Erlang node name of RabbitMQ node `node` (a long name: its host is its address).
 pub fn rabbit_node(node: usize) -> String {
-    format!("outbox-rabbit-{node}@{}", node_ip(node))
+    format!("outbox-rabbit-{node}@{}", node_ip(Broker::Rabbit, node))
 }
 
 /// `rabbitmqctl --longnames -n NODE ARGS` with the cluster's Erlang cookie and
@@ -197,22 +218,80 @@ pub fn stream_leader(stream: &str) -> Option<usize> {
     })
 }
 
-/// Whether every NATS node has routes to the two others and knows a JetStream meta
-/// leader (`/routez`, `/jsz`).
+/// Whether every NATS node has routes to the two others and all three name the same
+/// JetStream meta leader (`/routez`, `/jsz`).
 pub fn nats_cluster_whole() -> bool {
-    (1..=NODES).all(|node| {
+    let mut leaders = Vec::new();
+    for node in 1..=NODES {
         let port = NATS_HTTP_PORTS[node - 1];
         let json = |path| {
             http_get(node, port, path)
                 .and_then(|body| serde_json::from_str::<serde_json::Value>(&body).ok())
         };
-        json("/routez").is_some_and(|r| r["num_routes"].as_u64() >= Some(2))
-            && json("/jsz").is_some_and(|j| {
-                j["meta_cluster"]["leader"]
-                    .as_str()
-                    .is_some_and(|leader| !leader.is_empty())
-            })
-    })
+        let routes = json("/routez").and_then(|r| r["num_routes"].as_u64());
+        if routes.unwrap_or(0) < 2 {
+            return false;
+        }
+        match json("/jsz").and_then(|j| j["meta_cluster"]["leader"].as_str().map(str::to_owned)) {
+            Some(leader) if !leader.is_empty() => leaders.push(leader),
+            _ => return false,
+        }
+    }
+    leaders.windows(2).all(|pair| pair[0] == pair[1])
+}
+
+/// Whether `broker`'s cluster is whole: every node sees the others, no partition
+/// recorded, one meta leader.
+pub fn whole(broker: Broker) -> bool {
+    match broker {
+        Broker::Rabbit => rabbit_cluster_whole(),
+        Broker::Nats => nats_cluster_whole(),
+    }
+}
+
+fn wait_for(limit: Duration, mut done: impl FnMut() -> bool) -> bool {
+    let deadline = Instant::now() + limit;
+    loop {
+        if done() {
+            return true;
+        }
+        if Instant::now() >= deadline {
+            return false;
+        }
+        std::thread::sleep(Duration::from_millis(500));
+    }
+}
+
+/// Waits until `broker`'s cluster is whole after a fault on node `node`; where it does
+/// not heal by itself within a minute, restores that node as an operator would
+/// (RabbitMQ: `stop_app` and `start_app`, which clears a recorded partition; NATS: the
+/// server restarted) and waits two minutes more. Whether the cluster is whole.
+pub fn make_whole(broker: Broker, node: usize) -> bool {
+    if wait_for(Duration::from_secs(60), || whole(broker)) {
+        return true;
+    }
+    eprintln!(
+        "cluster: {broker:?} is not whole a minute after the fault on node {node}; restarting that node"
+    );
+    match broker {
+        Broker::Rabbit => {
+            let _ = rabbitmqctl(node, &["-t", "60", "stop_app"]);
+            let _ = rabbitmqctl(node, &["-t", "120", "start_app"]);
+        }
+        Broker::Nats => {
+            if let Some(pid) = broker.pid(node) {
+                signal(pid, "-TERM");
+                if !wait_for(Duration::from_secs(15), || {
+                    !Path::new(&format!("/proc/{pid}")).exists()
+                }) {
+                    signal(pid, "-KILL");
+                }
+            }
+            broker.start(node);
+            broker.wait_serving(node, Duration::from_secs(60));
+        }
+    }
+    wait_for(Duration::from_secs(120), || whole(broker))
 }
 
 /// The node (1 to 3) that `leader` names, waiting up to `limit` for one to be known
@@ -232,18 +311,11 @@ pub async fn wait_for_leader(limit: Duration, leader: impl Fn() -> Option<usize>
 
 fn http_get(node: usize, port: u16, path: &str) -> Option<String> {
     use std::io::{Read, Write};
-    let mut stream = TcpStream::connect_timeout(
-        &SocketAddr::new(node_ip(node), port),
-        Duration::from_secs(2),
-    )
-    .ok()?;
+    let ip = node_ip(Broker::Nats, node);
+    let mut stream =
+        TcpStream::connect_timeout(&SocketAddr::new(ip, port), Duration::from_secs(2)).ok()?;
     stream.set_read_timeout(Some(Duration::from_secs(2))).ok()?;
-    write!(
-        stream,
-        "GET {path} HTTP/1.0\r\nHost: {}\r\n\r\n",
-        node_ip(node)
-    )
-    .ok()?;
+    write!(stream, "GET {path} HTTP/1.0\r\nHost: {ip}\r\n\r\n").ok()?;
     let mut response = String::new();
     stream.read_to_string(&mut response).ok()?;
     response
@@ -292,7 +364,9 @@ fn connections(pid: u32, broker: Broker) -> Option<Vec<usize>> {
         let established = fields.get(3)? == &"01";
         let inode = format!("socket:[{}]", fields.get(9)?);
         (established && sockets.contains(&inode))
-            .then(|| (1..=NODES).find(|node| (node_ip(*node), broker.port(*node)) == remote))
+            .then(|| {
+                (1..=NODES).find(|node| (node_ip(broker, *node), broker.port(*node)) == remote)
+            })
             .flatten()
     });
     Some(nodes.collect())
@@ -338,11 +412,23 @@ impl Broker {
             .filter(|pid| Path::new(&format!("/proc/{pid}")).exists())
     }
 
+    /// Starts node `node` with its start script (in the background); whether the script
+    /// ran.
+    fn start(self, node: usize) -> bool {
+        Command::new("sh")
+            .arg(self.node_dir(node).join("start.sh"))
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .status()
+            .is_ok_and(|s| s.success())
+    }
+
     /// Waits until node `node` serves clients again (RabbitMQ: `rabbitmqctl
     /// await_startup` after its port answers), up to `limit`; whether it does.
     fn wait_serving(self, node: usize, limit: Duration) -> bool {
         let deadline = Instant::now() + limit;
-        while !answers(node, self.port(node)) {
+        while !answers(self, node) {
             if Instant::now() >= deadline {
                 return false;
             }
@@ -393,23 +479,18 @@ impl NodeKilled {
 
 impl Drop for NodeKilled {
     fn drop(&mut self) {
-        let script = self.broker.node_dir(self.node).join("start.sh");
-        let started = Command::new("sh")
-            .arg(&script)
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .status()
-            .is_ok_and(|s| s.success());
+        let started = self.broker.start(self.node);
         assert!(
             started || std::thread::panicking(),
-            "failed to start {} again",
-            script.display()
+            "failed to start {:?} node {} again",
+            self.broker,
+            self.node
         );
-        let back = self.broker.wait_serving(self.node, Duration::from_secs(90));
+        let back = self.broker.wait_serving(self.node, Duration::from_secs(90))
+            && make_whole(self.broker, self.node);
         assert!(
             back || std::thread::panicking(),
-            "{:?} node {} did not come back",
+            "{:?} node {} did not come back into a whole cluster",
             self.broker,
             self.node
         );
@@ -420,6 +501,8 @@ impl Drop for NodeKilled {
 /// answers); dropping the guard sends `SIGCONT`.
 #[derive(Debug)]
 pub struct NodeFrozen {
+    broker: Broker,
+    node: usize,
     pid: u32,
 }
 
@@ -433,7 +516,7 @@ impl NodeFrozen {
             .pid(node)
             .unwrap_or_else(|| panic!("{broker:?} node {node} does not run"));
         assert!(signal(pid, "-STOP"), "kill -STOP {pid}");
-        Self { pid }
+        Self { broker, node, pid }
     }
 
     /// Lets the node run again now (dropping the guard does it too).
@@ -441,6 +524,7 @@ impl NodeFrozen {
 }
 
 impl Drop for NodeFrozen {
+    /// Thaws the node and waits until the cluster is whole ([`make_whole`]).
     fn drop(&mut self) {
         let thawed = signal(self.pid, "-CONT");
         assert!(
@@ -448,22 +532,35 @@ impl Drop for NodeFrozen {
             "kill -CONT {}",
             self.pid
         );
+        let whole = make_whole(self.broker, self.node);
+        assert!(
+            whole || std::thread::panicking(),
+            "the {:?} cluster is not whole after node {} was thawed",
+            self.broker,
+            self.node
+        );
     }
 }
 
-/// Node `node` (its RabbitMQ and its NATS server) cut off from the network: the link
-/// of its namespace set down (`ip link set eth0 down` inside `outbox-node-N`), so
-/// that nothing reaches it or leaves it, clients and the other nodes alike, and open
+/// `broker`'s node `node` cut off from the network: the link of its namespace set down
+/// (`ip link set eth0 down` inside `outbox-rabbit-N` or `outbox-nats-N`), so that
+/// nothing reaches it or leaves it, clients and the other nodes alike, and open
 /// connections hang without a reset. Dropping the guard sets the link up again and
-/// waits until both servers serve clients (a paused RabbitMQ node resumes by itself).
+/// waits until the node serves clients and the cluster is whole ([`make_whole`]; a
+/// paused RabbitMQ node resumes by itself).
 #[derive(Debug)]
 pub struct NodePartitioned {
+    broker: Broker,
     node: usize,
 }
 
-fn set_link(node: usize, state: &str) -> Result<(), String> {
+fn set_link(broker: Broker, node: usize, state: &str) -> Result<(), String> {
+    let netns = match broker {
+        Broker::Rabbit => format!("outbox-rabbit-{node}"),
+        Broker::Nats => format!("outbox-nats-{node}"),
+    };
     let output = Command::new("ip")
-        .args(["netns", "exec", &format!("outbox-node-{node}")])
+        .args(["netns", "exec", &netns])
         .args(["ip", "link", "set", "eth0", state])
         .stdin(Stdio::null())
         .output()
@@ -476,13 +573,14 @@ fn set_link(node: usize, state: &str) -> Result<(), String> {
 }
 
 impl NodePartitioned {
-    /// Cuts node `node` (1 to 3) off.
+    /// Cuts `broker`'s node `node` (1 to 3) off.
     ///
     /// # Panics
     /// When the link cannot be set down (no namespace, or no `CAP_NET_ADMIN`).
-    pub fn isolate(node: usize) -> Self {
-        set_link(node, "down").unwrap_or_else(|e| panic!("cannot cut node {node} off: {e}"));
-        Self { node }
+    pub fn isolate(broker: Broker, node: usize) -> Self {
+        set_link(broker, node, "down")
+            .unwrap_or_else(|e| panic!("cannot cut {broker:?} node {node} off: {e}"));
+        Self { broker, node }
     }
 
     /// Heals the partition now (dropping the guard does it too).
@@ -491,33 +589,22 @@ impl NodePartitioned {
 
 impl Drop for NodePartitioned {
     fn drop(&mut self) {
-        let healed = set_link(self.node, "up");
+        let healed = set_link(self.broker, self.node, "up");
         assert!(
             healed.is_ok() || std::thread::panicking(),
-            "cannot join node {} again: {healed:?}",
+            "cannot join {:?} node {} again: {healed:?}",
+            self.broker,
             self.node
         );
-        for broker in [Broker::Nats, Broker::Rabbit] {
-            let back = broker.wait_serving(self.node, Duration::from_secs(120));
-            assert!(
-                back || std::thread::panicking(),
-                "{broker:?} node {} did not serve again after the partition healed",
-                self.node
-            );
-        }
-        // The paused RabbitMQ node restarts its application when it sees the majority
-        // again, and the NATS routes come back: wait until both clusters are whole.
-        let deadline = Instant::now() + Duration::from_secs(120);
-        while !(rabbit_cluster_whole() && nats_cluster_whole()) {
-            if Instant::now() >= deadline {
-                assert!(
-                    std::thread::panicking(),
-                    "the clusters are not whole again after node {} rejoined",
-                    self.node
-                );
-                return;
-            }
-            std::thread::sleep(Duration::from_millis(500));
-        }
+        let back = self
+            .broker
+            .wait_serving(self.node, Duration::from_secs(120))
+            && make_whole(self.broker, self.node);
+        assert!(
+            back || std::thread::panicking(),
+            "the {:?} cluster is not whole after node {} rejoined",
+            self.broker,
+            self.node
+        );
     }
 }

@@ -213,7 +213,7 @@ async fn ride_out_faults<C: Consumer + Send + Sync + 'static>(
         .reach(MESSAGES + MESSAGES / 6, "the second run is under way")
         .await;
     let on = consumer_node(broker).await;
-    let cut = NodePartitioned::isolate(on);
+    let cut = NodePartitioned::isolate(broker, on);
     let cut_at = Instant::now();
     let (before, _) = effects.tally().await;
     effects
@@ -326,9 +326,12 @@ async fn nats_consumer_rides_out_node_loss_and_partition_exactly_once() {
 
     let servers: Vec<String> = cluster::nats_urls().split(',').map(str::to_owned).collect();
     let client = async_nats::connect(servers).await.expect("connect");
-    async_nats::jetstream::new(client)
-        .delete_stream(&stream)
-        .await
-        .expect("delete the stream");
+    let js = async_nats::jetstream::new(client);
+    // The JetStream API may time out for a moment after the cluster healed.
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while let Err(e) = js.delete_stream(&stream).await {
+        assert!(Instant::now() < deadline, "delete the stream: {e}");
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
     effects.drop_schema().await;
 }

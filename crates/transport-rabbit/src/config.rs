@@ -91,10 +91,13 @@ impl RabbitConfigBuilder {
     /// setting at its default.
     ///
     /// A cluster's nodes are given as several URLs separated by commas
-    /// (`amqp://u:p@node1:5672/%2f,amqp://u:p@node2:5672/%2f`): the publisher and the
-    /// consumer connect to one of them, and on every (re)connection try them in turn,
-    /// starting after the node used last, each within the connect timeout, so a lost,
-    /// stopped or frozen node costs at most one timeout before the next is tried.
+    /// (`amqp://u:p@node1:5672/%2f,amqp://u:p@node2:5672/%2f`; a comma inside a password
+    /// is written `%2C`): the publisher and the consumer connect to one of them, and on
+    /// every (re)connection try them in turn, starting after the node used or tried
+    /// last. Connecting stays bounded by the connect timeout in all: each of `n` nodes
+    /// gets `connect_timeout / (n + 1)` (at least 1 s, at most the connect timeout), so a
+    /// lost, stopped, frozen or cut-off node costs that share before the next is tried,
+    /// and one share is left for the setup on the node reached.
     ///
     /// A URL without `?heartbeat=` proposes [`DEFAULT_HEARTBEAT_SECS`] (10 s).
     pub fn new(url: impl Into<String>) -> Self {
@@ -395,11 +398,25 @@ impl RabbitConfig {
         })
     }
 
-    /// Records that a connection was made to node `index`: the next connection starts
-    /// with the node after it, so reconnecting after that node is lost does not wait on
-    /// it first, and several connections spread over the cluster.
-    pub(crate) fn connected_to(&self, index: usize) {
+    /// Records that a connection was made to, or failed on, node `index`: the next
+    /// attempt starts with the node after it, so reconnecting after that node is lost
+    /// does not wait on it first, an attempt cut short by the connect timeout goes on
+    /// where it stopped, and several connections spread over the cluster.
+    pub(crate) fn tried(&self, index: usize) {
         self.next_node.store(index + 1, Ordering::Relaxed);
+    }
+
+    /// How long connecting to one node may take: the connect timeout alone for a single
+    /// node; for `n` nodes `connect_timeout / (n + 1)`, at least 1 s and at most the
+    /// connect timeout.
+    pub(crate) fn node_connect_timeout(&self) -> Duration {
+        let n = self.nodes.len();
+        if n <= 1 {
+            return self.connect_timeout;
+        }
+        (self.connect_timeout / u32::try_from(n + 1).unwrap_or(u32::MAX))
+            .max(Duration::from_secs(1))
+            .min(self.connect_timeout)
     }
 
     /// How many nodes the configuration lists (1 for a single broker).
@@ -428,16 +445,10 @@ impl RabbitConfig {
         self.confirm_timeout
     }
 
-    /// How long connecting to one node may take.
+    /// How long connecting may take in all, the setup on the node reached (exchange,
+    /// channels) included, over however many nodes are listed.
     pub fn connect_timeout(&self) -> Duration {
         self.connect_timeout
-    }
-
-    /// How long connecting may take in all: the connect timeout once per node, plus
-    /// one more for the setup on the node reached (exchange, channels).
-    pub fn connect_budget(&self) -> Duration {
-        self.connect_timeout
-            .saturating_mul(u32::try_from(self.nodes.len() + 1).unwrap_or(u32::MAX))
     }
 
     /// The largest payload published, in bytes.
@@ -516,12 +527,23 @@ mod tests {
                 .collect()
         };
         assert_eq!(order(&config), ["n1", "n2", "n3"]);
-        config.connected_to(1);
+        config.tried(1);
         let clone = config.clone();
         assert_eq!(order(&clone), ["n3", "n1", "n2"], "clones share the turn");
-        config.connected_to(2);
+        config.tried(2);
         assert_eq!(order(&config), ["n1", "n2", "n3"]);
-        assert_eq!(config.connect_budget(), DEFAULT_CONNECT_TIMEOUT * 4);
+        // 5 s over 3 nodes and the setup: 1.25 s each; never below 1 s.
+        assert_eq!(config.connect_timeout(), DEFAULT_CONNECT_TIMEOUT);
+        assert_eq!(config.node_connect_timeout(), Duration::from_millis(1_250));
+        let short = RabbitConfigBuilder::new("amqp://n1/%2f,amqp://n2/%2f")
+            .with_connect_timeout(Duration::from_secs(2))
+            .build()
+            .expect("valid");
+        assert_eq!(short.node_connect_timeout(), Duration::from_secs(1));
+        let single = RabbitConfigBuilder::new("amqp://n1/%2f")
+            .build()
+            .expect("valid");
+        assert_eq!(single.node_connect_timeout(), DEFAULT_CONNECT_TIMEOUT);
 
         // One bad node fails the whole list, without its password.
         match RabbitConfigBuilder::new("amqp://u:s3cret@n1/%2f,http://u:hunter2@n2/").build() {

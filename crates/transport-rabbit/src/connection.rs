@@ -36,12 +36,12 @@ impl RabbitPublisher {
         &self,
         fut: impl Future<Output = Result<T, RabbitError>>,
     ) -> Result<T, RabbitError> {
-        timeout(self.config.connect_budget(), fut)
+        timeout(self.config.connect_timeout(), fut)
             .await
             .unwrap_or_else(|_| {
                 Err(RabbitError::ConnectTimeout {
                     url_redacted: self.config.url_redacted().to_owned(),
-                    timeout: self.config.connect_budget(),
+                    timeout: self.config.connect_timeout(),
                 })
             })
     }
@@ -165,28 +165,29 @@ impl RabbitConsumer {
         &self,
         fut: impl Future<Output = Result<T, RabbitError>>,
     ) -> Result<T, RabbitError> {
-        timeout(self.config.connect_budget(), fut)
+        timeout(self.config.connect_timeout(), fut)
             .await
             .unwrap_or_else(|_| {
                 Err(RabbitError::ConnectTimeout {
                     url_redacted: self.config.url_redacted().to_owned(),
-                    timeout: self.config.connect_budget(),
+                    timeout: self.config.connect_timeout(),
                 })
             })
     }
 }
 
 /// Opens a connection named after the configuration to the first node that accepts
-/// one, trying the nodes in turn ([`RabbitConfig::nodes_in_turn`]), each within the
-/// connect timeout: a node that refuses, is unreachable or does not answer (frozen)
-/// costs at most that long. Callers bound the whole by
-/// [`connect_budget`](RabbitConfig::connect_budget).
+/// one, trying the nodes in turn ([`RabbitConfig::nodes_in_turn`]), each within its
+/// share of the connect timeout ([`RabbitConfig::node_connect_timeout`]): a node that
+/// refuses, is unreachable or does not answer (frozen, cut off) costs at most that
+/// long. Callers bound the whole by the connect timeout; a node tried is remembered,
+/// so an attempt cut short goes on with the next node.
 ///
 /// A refusal that is not an outage (bad credentials, an unknown virtual host: a
 /// [`Permanent`](outbox_core::ErrorKind::Permanent) error) is returned at once: every
 /// node of a cluster shares users and virtual hosts.
 pub(crate) async fn open_connection(config: &RabbitConfig) -> Result<Connection, RabbitError> {
-    let limit = config.connect_timeout();
+    let limit = config.node_connect_timeout();
     let mut last = None;
     for (index, node) in config.nodes_in_turn() {
         let mut uri = node.uri.clone();
@@ -202,7 +203,7 @@ pub(crate) async fn open_connection(config: &RabbitConfig) -> Result<Connection,
             .with_connection_name(LongString::from(config.connection_name()));
         let error = match timeout(limit, Connection::connect_uri(uri, properties)).await {
             Ok(Ok(connection)) => {
-                config.connected_to(index);
+                config.tried(index);
                 return Ok(connection);
             }
             Ok(Err(source)) => RabbitError::Connect {
@@ -214,6 +215,7 @@ pub(crate) async fn open_connection(config: &RabbitConfig) -> Result<Connection,
                 timeout: limit,
             },
         };
+        config.tried(index);
         if error.kind() == outbox_core::ErrorKind::Permanent {
             return Err(error);
         }

@@ -157,11 +157,15 @@ pub(crate) fn is_precondition_failed(error: &lapin::Error) -> bool {
     )
 }
 
-/// `url` with the password of its user info replaced by `***`. Works on malformed URLs
-/// too (best effort): whatever sits between the first `:` of the user info and the last
-/// `@` of the authority is hidden.
+/// `url` with the password of its user info replaced by `***`, node by node for a
+/// cluster's URLs separated by commas (a comma inside a password is written `%2C`).
+/// Works on malformed URLs too (best effort): whatever sits between the first `:` of
+/// the user info and the last `@` of the authority is hidden.
 pub fn redact_url(url: &str) -> String {
-    outbox_core::error::redact_url(url, outbox_core::error::LoneUserInfo::UserName)
+    url.split(',')
+        .map(|one| outbox_core::error::redact_url(one, outbox_core::error::LoneUserInfo::UserName))
+        .collect::<Vec<_>>()
+        .join(",")
 }
 
 #[cfg(test)]
@@ -181,6 +185,10 @@ mod tests {
         assert_eq!(redact_url("amqp://host:5672/%2f"), "amqp://host:5672/%2f");
         assert_eq!(redact_url("amqp://user@host"), "amqp://user@host");
         assert_eq!(redact_url("user:secret@host"), "user:***@host");
+        assert_eq!(
+            redact_url("amqp://a:s1@n1:5672/%2f,amqp://a:s2@n2:5672/%2f"),
+            "amqp://a:***@n1:5672/%2f,amqp://a:***@n2:5672/%2f"
+        );
         assert_eq!(redact_url("not a url"), "not a url");
     }
 

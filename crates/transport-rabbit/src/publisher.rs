@@ -15,9 +15,8 @@
 //! 3. Then all confirms are awaited together, under one deadline of
 //!    [`confirm_timeout`](crate::RabbitConfigBuilder::with_confirm_timeout) counted from
 //!    when the channel was ready (reconnecting first takes at most the
-//!    [`connect_budget`](crate::RabbitConfig::connect_budget): the
-//!    [`connect_timeout`](crate::RabbitConfigBuilder::with_connect_timeout) per node of
-//!    a cluster tried, and one for the setup; the sum is the publisher's
+//!    [`connect_timeout`](crate::RabbitConfigBuilder::with_connect_timeout), over
+//!    however many nodes of a cluster are tried; the sum is the publisher's
 //!    [`EventPublisher::publish_timeout`]).
 //!
 //! Each message gets exactly one [`PublishOutcome`], in input order:
@@ -461,15 +460,15 @@ impl EventPublisher for RabbitPublisher {
             .collect()
     }
 
-    /// The connect budget plus the confirm timeout: a batch's connection and channel
-    /// are (re)opened under the [connect budget](RabbitConfig::connect_budget) (the
-    /// connect timeout per node tried, and one for the setup), then its messages are sent and their
+    /// The connect timeout plus the confirm timeout: a batch's connection and channel
+    /// are (re)opened under the connect timeout (over however many nodes of a cluster
+    /// are tried), then its messages are sent and their
     /// confirms awaited under one deadline of the confirm timeout (a 406 isolation
     /// included). Give the publisher at
     /// least as many [`channels`](crate::RabbitConfigBuilder::with_channels) as the
     /// dispatcher has concurrent publishes, or a batch may first wait for a channel.
     fn publish_timeout(&self) -> Option<std::time::Duration> {
-        Some(self.config.connect_budget() + self.config.confirm_timeout())
+        Some(self.config.connect_timeout() + self.config.confirm_timeout())
     }
 
     /// Connects if needed and succeeds only with a usable confirm-mode channel and an

@@ -9,9 +9,8 @@ use lapin::options::{
     QueueDeleteOptions,
 };
 use lapin::types::FieldTable;
-use lapin::{Connection, ConnectionProperties, ExchangeKind};
+use lapin::{Connection, ExchangeKind};
 use transport_nats::StreamSetup;
-use transport_nats::async_nats;
 use transport_nats::async_nats::jetstream;
 
 use super::ceilings::{nats_ceiling, rabbit_ceiling};
@@ -41,7 +40,7 @@ pub(super) enum Broker {
 pub(super) async fn rabbit_admin_with_exchange(
     exchange: &str,
 ) -> anyhow::Result<(Connection, lapin::Channel)> {
-    let admin = Connection::connect(&common::amqp_url(), ConnectionProperties::default())
+    let admin = common::amqp_connect()
         .await
         .context("connect to RabbitMQ (is it running? `cargo xtask services`)")?;
     let channel = admin.create_channel().await?;
@@ -59,13 +58,21 @@ pub(super) async fn rabbit_admin_with_exchange(
     Ok((admin, channel))
 }
 
-/// Declares the durable queue `queue` and binds it to `exchange` with `key`.
+/// Declares the durable queue `queue` and binds it to `exchange` with `key`: a classic
+/// queue, or on the clusters ([`common::on_cluster`]) a quorum queue.
 pub(super) async fn declare_bound_queue(
     channel: &lapin::Channel,
     queue: &str,
     exchange: &str,
     key: &str,
 ) -> anyhow::Result<()> {
+    let mut arguments = FieldTable::default();
+    if common::on_cluster() {
+        arguments.insert(
+            "x-queue-type".into(),
+            lapin::types::AMQPValue::LongString("quorum".into()),
+        );
+    }
     channel
         .queue_declare(
             queue.into(),
@@ -73,7 +80,7 @@ pub(super) async fn declare_bound_queue(
                 durable: true,
                 ..Default::default()
             },
-            FieldTable::default(),
+            arguments,
         )
         .await?;
     channel
@@ -86,6 +93,11 @@ pub(super) async fn declare_bound_queue(
         )
         .await?;
     Ok(())
+}
+
+/// A stream's replicas: 3 on the clusters ([`common::on_cluster`]), else 1.
+pub(super) fn replicas() -> usize {
+    if common::on_cluster() { 3 } else { 1 }
 }
 
 impl Broker {
@@ -104,7 +116,7 @@ impl Broker {
                 })
             }
             TransportKind::Nats => {
-                let client = async_nats::connect(common::nats_url()).await.context(
+                let client = common::nats_connect().await.context(
                     "connect to NATS (is it running with JetStream? `cargo xtask services`)",
                 )?;
                 let js = jetstream::new(client);
@@ -112,6 +124,7 @@ impl Broker {
                 let prefix = format!("bench.{tag}");
                 StreamSetup::new(&stream)
                     .with_subject(format!("{prefix}.>"))
+                    .with_replicas(replicas())
                     .apply_with(&js, Duration::from_secs(10))
                     .await?;
                 Ok(Self::Nats { js, stream, prefix })

@@ -5,9 +5,9 @@
 use std::future::IntoFuture;
 use std::time::{Duration, Instant};
 
+use lapin::BasicProperties;
 use lapin::options::{BasicPublishOptions, ConfirmSelectOptions};
 use lapin::types::{AMQPValue, FieldTable};
-use lapin::{BasicProperties, Connection, ConnectionProperties};
 use outbox_core::{NewMessage, OutboxMessage};
 use transport_nats::async_nats;
 use transport_nats::async_nats::jetstream;
@@ -48,7 +48,7 @@ pub(super) async fn rabbit_ceiling(
     body: &[u8],
     bare: bool,
 ) -> anyhow::Result<Duration> {
-    let conn = Connection::connect(&common::amqp_url(), ConnectionProperties::default()).await?;
+    let conn = common::amqp_connect().await?;
     let per_channel = args.messages.div_ceil(args.concurrency);
     let started = Instant::now();
     let mut tasks = Vec::new();

@@ -57,7 +57,6 @@ use outbox_testkit::pg::RoundTripCounter;
 use sqlx::postgres::PgPoolOptions;
 use sqlx::{AssertSqlSafe, PgConnection, PgPool};
 use tokio_util::sync::CancellationToken;
-use transport_nats::async_nats;
 use transport_nats::async_nats::jetstream;
 use transport_nats::{NatsConfig, NatsConfigBuilder, NatsConsumer, NatsPublisher, StreamSetup};
 use transport_rabbit::{RabbitConfig, RabbitConsumer, RabbitPublisher};
@@ -769,6 +768,7 @@ enum Source {
 }
 
 /// The broker side: the relay's publisher, and the phases' queues or streams.
+#[allow(clippy::large_enum_variant)] // reason: one value per run, never moved in a loop
 enum Bus {
     /// A durable topic exchange; each phase's queue is bound with its own key.
     Rabbit {
@@ -807,7 +807,7 @@ impl Bus {
                 })
             }
             TransportKind::Nats => {
-                let client = async_nats::connect(common::nats_url()).await.context(
+                let client = common::nats_connect().await.context(
                     "connect to NATS (is it running with JetStream? `cargo xtask services`)",
                 )?;
                 let prefix = format!("benchc.{tag}");
@@ -858,6 +858,7 @@ impl Bus {
                 let subject = format!("{prefix}.{key}");
                 StreamSetup::new(&stream)
                     .with_subject(&subject)
+                    .with_replicas(super::broker::replicas())
                     .apply_with(js, Duration::from_secs(10))
                     .await?;
                 Ok(Source::Stream { stream, subject })

@@ -107,6 +107,12 @@ pub struct Args {
     /// 10, 1,000 and 10,000 distinct keys, beside the unordered relay on the same data.
     #[arg(long)]
     ordered: bool,
+    /// Run on the 3-node clusters of `cargo xtask services --cluster` instead of the
+    /// single servers: every node's URL, quorum queues instead of classic ones, streams
+    /// with 3 replicas. `cargo xtask bench -- --cluster` runs the same measurement on the
+    /// single servers first, so one run shows what the replication costs.
+    #[arg(long)]
+    cluster: bool,
     /// Measure the consumer side instead (RabbitMQ or NATS → inbox → PostgreSQL): the
     /// raw consumer, the idempotent consumer per message and batched, with and without
     /// versions, a set-based batch handler, and the durable receiver and processor (see
@@ -140,6 +146,18 @@ pub struct Args {
 /// messages, a relay that does not finish within 10 minutes) or a broker stops
 /// confirming.
 pub async fn main(args: Args) -> anyhow::Result<()> {
+    if args.cluster {
+        anyhow::ensure!(
+            outbox_testkit::cluster::running(),
+            "the clusters are not running: start them with `cargo xtask services --cluster`"
+        );
+        common::use_cluster();
+        println!(
+            "on the 3-node clusters (quorum queues, R3 streams): {} and {}",
+            common::amqp_url(),
+            common::nats_url()
+        );
+    }
     if args.consumer {
         return consumer_bench::run(&args).await;
     }

@@ -83,6 +83,13 @@ pub struct Args {
     /// always kept when the run fails).
     #[arg(long)]
     pub(crate) keep: bool,
+    /// Run on the 3-node clusters of `cargo xtask services --cluster`: relays and
+    /// consumers get every node's URL, the streams have 3 replicas (the consumers'
+    /// queue is a quorum queue either way), and the broker lane kills the node holding
+    /// the queue's or stream's leader, freezes a node and cuts a node off the network
+    /// instead of freezing, restarting and alarming the single server.
+    #[arg(long)]
+    pub(crate) cluster: bool,
 }
 
 impl Args {

@@ -11,8 +11,6 @@ use anyhow::Context as _;
 use futures::StreamExt as _;
 use lapin::options::{BasicConsumeOptions, QueueDeclareOptions};
 use lapin::types::FieldTable;
-use lapin::{Connection, ConnectionProperties};
-use transport_nats::async_nats;
 use transport_nats::async_nats::jetstream;
 use uuid::Uuid;
 
@@ -34,7 +32,7 @@ pub(crate) async fn broker_copies(
 }
 
 async fn rabbit(names: &Names) -> anyhow::Result<(Copies, u64)> {
-    let conn = Connection::connect(&common::amqp_url(), ConnectionProperties::default())
+    let conn = common::amqp_connect()
         .await
         .context("connect to RabbitMQ for the audit")?;
     let ch = conn.create_channel().await?;
@@ -85,7 +83,7 @@ async fn rabbit(names: &Names) -> anyhow::Result<(Copies, u64)> {
 }
 
 async fn nats(names: &Names) -> anyhow::Result<(Copies, u64)> {
-    let client = async_nats::connect(common::nats_url())
+    let client = common::nats_connect()
         .await
         .context("connect to NATS for the audit")?;
     let js = jetstream::new(client);

@@ -21,7 +21,7 @@ use std::time::{Duration, Instant};
 use anyhow::Context as _;
 use lapin::options::{BasicPublishOptions, ConfirmSelectOptions};
 use lapin::types::{AMQPValue, FieldTable};
-use lapin::{BasicProperties, Channel, Connection, ConnectionProperties};
+use lapin::{BasicProperties, Channel, Connection};
 use sqlx::{AssertSqlSafe, PgPool};
 use tokio_util::sync::CancellationToken;
 use transport_nats::async_nats;
@@ -272,9 +272,7 @@ impl Publisher {
         match self {
             Self::Rabbit { exchange, channel } => {
                 if channel.is_none() {
-                    let conn =
-                        Connection::connect(&common::amqp_url(), ConnectionProperties::default())
-                            .await?;
+                    let conn = common::amqp_connect().await?;
                     let ch = conn.create_channel().await?;
                     ch.confirm_select(ConfirmSelectOptions::default()).await?;
                     *channel = Some((conn, ch));
@@ -317,7 +315,7 @@ impl Publisher {
             }
             Self::Nats { subject, context } => {
                 if context.is_none() {
-                    let client = async_nats::connect(common::nats_url()).await?;
+                    let client = common::nats_connect().await?;
                     *context = Some(async_nats::jetstream::new(client));
                 }
                 let Some(js) = context.as_ref() else {

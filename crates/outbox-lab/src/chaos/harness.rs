@@ -41,7 +41,17 @@ pub async fn main(args: Args) -> ExitCode {
         outbox_testkit::faults::lock_path().display()
     );
     let _lock = outbox_testkit::faults::lock().await;
-    let before = match tokio::task::spawn_blocking(servers::before).await {
+    if args.cluster {
+        // Relays, consumers and the harness's own connections: every node.
+        crate::common::use_cluster();
+        println!(
+            "chaos: on the clusters: {} and {}",
+            crate::common::amqp_url(),
+            crate::common::nats_url()
+        );
+    }
+    let cluster = args.cluster;
+    let before = match tokio::task::spawn_blocking(move || servers::before(cluster)).await {
         Ok(Ok(before)) => before,
         Ok(Err(e)) => {
             eprintln!("chaos: {e:#}");
@@ -59,12 +69,12 @@ pub async fn main(args: Args) -> ExitCode {
             Ok(Ok(false)) => ExitCode::FAILURE,
             Ok(Err(e)) => {
                 eprintln!("chaos: the run could not go on: {e:#}");
-                report_servers(&before).await;
+                report_servers(&before, cluster).await;
                 ExitCode::from(2)
             }
             Err(e) => {
                 eprintln!("chaos: the run panicked: {e}");
-                report_servers(&before).await;
+                report_servers(&before, cluster).await;
                 ExitCode::from(2)
             }
         },
@@ -72,7 +82,7 @@ pub async fn main(args: Args) -> ExitCode {
             eprintln!("chaos: {signal}: undoing the fault in force and stopping the processes");
             run.abort();
             let _ = run.await;
-            report_servers(&before).await;
+            report_servers(&before, cluster).await;
             eprintln!("chaos: interrupted (seed {seed}); no verdict");
             ExitCode::from(130)
         }
@@ -80,9 +90,11 @@ pub async fn main(args: Args) -> ExitCode {
 }
 
 /// Prints whether the servers are as the run found them.
-async fn report_servers(before: &servers::Snapshot) {
+async fn report_servers(before: &servers::Snapshot, cluster: bool) {
     let before = before.clone();
-    if let Ok((lines, _)) = tokio::task::spawn_blocking(move || servers::after(&before)).await {
+    if let Ok((lines, _)) =
+        tokio::task::spawn_blocking(move || servers::after(&before, cluster)).await
+    {
         for l in lines {
             eprintln!("chaos: servers: {l}");
         }

@@ -18,6 +18,7 @@
 
 use std::time::{Duration, Instant};
 
+use outbox_testkit::cluster::{self, Broker, NodeFrozen, NodeKilled, NodePartitioned};
 use outbox_testkit::faults::{
     FaultUnavailable, NatsFrozen, NatsStopped, PgStopped, RabbitFrozen, RabbitMemoryAlarm,
     RabbitQueueFull, RabbitStopped,
@@ -43,12 +44,64 @@ fn boxed<G: Send + 'static>(guard: G) -> Guard {
     Box::new(guard)
 }
 
+/// The node (1 to 3) a node fault strikes: for a kill the node holding the leader of
+/// the consumers' queue or stream (the planned node when no leader is known), else the
+/// planned one.
+fn node_for(kind: FaultKind, transport: TransportKind, names: &Names, planned: usize) -> usize {
+    let leader = match (kind, transport) {
+        (FaultKind::NodeKill, TransportKind::Rabbit) => cluster::quorum_leader(&names.queue),
+        (FaultKind::NodeKill, TransportKind::Nats) => cluster::stream_leader(&names.stream),
+        _ => None,
+    };
+    leader.unwrap_or(planned % cluster::NODES + 1)
+}
+
+fn broker_of(transport: TransportKind) -> Broker {
+    match transport {
+        TransportKind::Rabbit => Broker::Rabbit,
+        TransportKind::Nats => Broker::Nats,
+    }
+}
+
+/// Runs `fault` and turns a panic (a node that does not run, a link that cannot be
+/// set down) into a fault not injected.
+fn node_fault<G: Send + 'static>(
+    what: &'static str,
+    fault: impl FnOnce() -> G + std::panic::UnwindSafe,
+) -> Result<Guard, FaultUnavailable> {
+    std::panic::catch_unwind(fault)
+        .map(boxed)
+        .map_err(|panic| FaultUnavailable {
+            fault: what,
+            reason: panic
+                .downcast_ref::<String>()
+                .cloned()
+                .or_else(|| panic.downcast_ref::<&str>().map(|s| (*s).to_owned()))
+                .unwrap_or_else(|| "it panicked".to_owned()),
+        })
+}
+
 fn inject(
     kind: FaultKind,
     transport: TransportKind,
     names: &Names,
+    target: usize,
 ) -> Result<Guard, FaultUnavailable> {
+    let node = || node_for(kind, transport, names, target);
     match (kind, transport) {
+        (FaultKind::NodeKill, _) => {
+            let (broker, node) = (broker_of(transport), node());
+            node_fault("node kill", move || NodeKilled::kill(broker, node))
+        }
+        (FaultKind::NodeFreeze, _) => {
+            let (broker, node) = (broker_of(transport), node());
+            node_fault("node freeze", move || NodeFrozen::freeze(broker, node))
+        }
+        (FaultKind::NodePartition, _) => {
+            let node = node();
+            let broker = broker_of(transport);
+            node_fault("partition", move || NodePartitioned::isolate(broker, node))
+        }
         (FaultKind::BrokerFreeze, TransportKind::Rabbit) => RabbitFrozen::try_freeze().map(boxed),
         (FaultKind::BrokerFreeze, TransportKind::Nats) => NatsFrozen::try_freeze().map(boxed),
         (FaultKind::BrokerRestart, TransportKind::Rabbit) => RabbitStopped::try_stop().map(boxed),
@@ -93,14 +146,14 @@ impl Lane<'_> {
             match fault.kind {
                 FaultKind::PgTerminate => self.terminate().await,
                 FaultKind::ConsumerLockout => self.lock_out(fault.hold).await,
-                kind => self.hold(kind, fault.hold).await,
+                kind => self.hold(kind, fault.hold, fault.target).await,
             }
         }
     }
 
-    async fn hold(&self, kind: FaultKind, hold: Duration) {
+    async fn hold(&self, kind: FaultKind, hold: Duration, target: usize) {
         let label = kind.label(self.transport);
-        let guard = blocking(|| inject(kind, self.transport, self.names));
+        let guard = blocking(|| inject(kind, self.transport, self.names, target));
         let guard = match guard {
             Ok(guard) => guard,
             Err(e) => {
@@ -201,7 +254,7 @@ fn on_own_runtime<T: Send + 'static>(
 /// `discard: new` (a publish over the limit is refused with JetStream error 10077
 /// instead of dropping the oldest message; without a limit it changes nothing).
 async fn set_max_messages(name: String, max: i64) -> anyhow::Result<()> {
-    let client = async_nats::connect(crate::common::nats_url()).await?;
+    let client = crate::common::nats_connect().await?;
     let js = async_nats::jetstream::new(client);
     let mut stream = js.get_stream(&name).await?;
     let info = stream.info().await?;

@@ -137,6 +137,7 @@ fn relay_command(bins: &Binaries, args: &Args, names: &Names, crash_loop_limit: 
 fn consumer_command(bins: &Binaries, args: &Args, names: &Names, instance: usize) -> Command {
     let mut c = Command::new(&bins.consumer);
     c.env("RUST_LOG", "warn")
+        .envs(common::broker_env())
         .args([
             "--transport",
             args.transport.name(),
@@ -196,26 +197,40 @@ fn print_schedule(schedule: &Schedule, transport: TransportKind, limit: usize) {
 }
 
 /// Whether the broker still holds messages for the consumers (ready or unacked).
-async fn broker_busy(transport: TransportKind, names: &Names) -> anyhow::Result<u64> {
+async fn broker_busy(
+    transport: TransportKind,
+    cluster: bool,
+    names: &Names,
+) -> anyhow::Result<u64> {
     match transport {
         TransportKind::Rabbit => {
             // `rabbitmqctl` sees unacknowledged deliveries too; AMQP only ready ones.
             let queue = names.queue.clone();
+            let args = [
+                "-q",
+                "list_queues",
+                "name",
+                "messages",
+                "--no-table-headers",
+            ];
             let listed = tokio::task::block_in_place(|| {
-                Command::new("rabbitmqctl")
-                    .args([
-                        "-q",
-                        "list_queues",
-                        "name",
-                        "messages",
-                        "--no-table-headers",
-                    ])
-                    .output()
+                if cluster {
+                    // Any node that answers; a listing can time out after a partition.
+                    (1..=outbox_testkit::cluster::NODES).find_map(|node| {
+                        let mut with_timeout = vec!["-t", "10"];
+                        with_timeout.extend(args);
+                        outbox_testkit::cluster::rabbitmqctl(node, &with_timeout).ok()
+                    })
+                } else {
+                    Command::new("rabbitmqctl")
+                        .args(args)
+                        .output()
+                        .ok()
+                        .filter(|out| out.status.success())
+                        .map(|out| String::from_utf8_lossy(&out.stdout).into_owned())
+                }
             });
-            if let Ok(out) = listed
-                && out.status.success()
-            {
-                let text = String::from_utf8_lossy(&out.stdout);
+            if let Some(text) = listed {
                 for l in text.lines() {
                     let mut parts = l.split_whitespace();
                     if parts.next() == Some(queue.as_str()) {
@@ -223,11 +238,7 @@ async fn broker_busy(transport: TransportKind, names: &Names) -> anyhow::Result<
                     }
                 }
             }
-            let conn = lapin::Connection::connect(
-                &common::amqp_url(),
-                lapin::ConnectionProperties::default(),
-            )
-            .await?;
+            let conn = common::amqp_connect().await?;
             let ch = conn.create_channel().await?;
             let q = ch
                 .queue_declare(
@@ -243,7 +254,7 @@ async fn broker_busy(transport: TransportKind, names: &Names) -> anyhow::Result<
             Ok(u64::from(q.message_count()))
         }
         TransportKind::Nats => {
-            let client = async_nats::connect(common::nats_url()).await?;
+            let client = common::nats_connect().await?;
             let js = async_nats::jetstream::new(client);
             let mut consumer: async_nats::jetstream::consumer::PullConsumer = js
                 .get_consumer_from_stream(&names.durable, &names.stream)
@@ -296,6 +307,7 @@ async fn outstanding(
     admin: &PgPool,
     names: &Names,
     transport: TransportKind,
+    cluster: bool,
 ) -> anyhow::Result<Outstanding> {
     let settled = |id: &str| {
         format!(
@@ -322,7 +334,7 @@ async fn outstanding(
         )))
         .fetch_one(admin)
         .await?;
-    let busy = broker_busy(transport, names).await?;
+    let busy = broker_busy(transport, cluster, names).await?;
     Ok(Outstanding {
         pending,
         orders,
@@ -351,6 +363,7 @@ async fn drain(
     admin: &PgPool,
     names: &Names,
     transport: TransportKind,
+    cluster: bool,
     timeline: &Timeline,
     deadline: Duration,
 ) -> Result<Drained, String> {
@@ -360,7 +373,7 @@ async fn drain(
     let mut last = String::from("not checked yet");
     let mut said = Instant::now();
     loop {
-        match outstanding(admin, names, transport).await {
+        match outstanding(admin, names, transport, cluster).await {
             Ok(o) if o.done() => {
                 quiet += 1;
                 if quiet >= 2 {
@@ -429,12 +442,14 @@ pub(crate) async fn run(args: Args, seed: u64, before: servers::Snapshot) -> any
     )
     .await?;
     setup::database(&admin, &outbox, &names).await?;
-    setup::broker(args.transport, &names, args.batched).await?;
+    setup::broker(args.transport, &names, args.batched, args.cluster).await?;
     let timeline = Timeline::new();
 
     // RabbitMQ's `max_message_size` lowered for the whole run (before the relays open
     // their channels), so the oversized poison row is refused by the broker itself.
     let size_limit = match args.transport {
+        // The clusters' nodes are left at their defaults.
+        TransportKind::Rabbit if args.cluster => None,
         TransportKind::Rabbit => match tokio::task::block_in_place(|| {
             RabbitMaxMessageSize::try_set(producers::BROKER_LIMIT)
         }) {
@@ -455,6 +470,7 @@ pub(crate) async fn run(args: Args, seed: u64, before: servers::Snapshot) -> any
         seed,
         Settings {
             transport: args.transport,
+            cluster: args.cluster,
             duration: args.duration,
             relays: args.relays,
             consumers: args.consumers,
@@ -581,6 +597,7 @@ pub(crate) async fn run(args: Args, seed: u64, before: servers::Snapshot) -> any
             &admin,
             &names,
             args.transport,
+            args.cluster,
             &timeline,
             args.drain_timeout,
         )
@@ -600,6 +617,7 @@ pub(crate) async fn run(args: Args, seed: u64, before: servers::Snapshot) -> any
 
     let inputs = verdict::Inputs {
         transport: args.transport,
+        cluster: args.cluster,
         mode,
         batched: args.batched,
         seed,
@@ -647,7 +665,7 @@ pub(crate) async fn run(args: Args, seed: u64, before: servers::Snapshot) -> any
     admin.close().await;
     outbox.pool().close().await;
 
-    let (lines, as_found) = tokio::task::block_in_place(|| servers::after(&before));
+    let (lines, as_found) = tokio::task::block_in_place(|| servers::after(&before, args.cluster));
     println!();
     for l in lines {
         println!("  servers: {l}");

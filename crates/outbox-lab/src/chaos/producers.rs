@@ -167,7 +167,9 @@ pub(crate) fn poison_kinds(transport: TransportKind, payload_limit: bool) -> Vec
             kinds.push(PoisonKind {
                 name: "header name over 255 bytes",
                 set: format!(r#"headers = '{{"{}": "x"}}'"#, "h".repeat(300)),
-                reason: "AMQP allows at most 255",
+                // Refused before the wire by the limits consumers decode
+                // (`outbox_core::wire::check_limits`).
+                reason: "header name is 300 bytes long, the maximum is 255",
             });
             if payload_limit {
                 kinds.push(PoisonKind {

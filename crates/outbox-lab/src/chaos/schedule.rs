@@ -9,7 +9,9 @@
 //!   stream refuses them for half a fault window while the orders' destination must
 //!   keep flowing), and for RabbitMQ a memory alarm and a full queue (every message
 //!   refused), in rounds (every kind once per round, shuffled), never two at once
-//!   (`rabbitmqctl` hangs while the node is frozen);
+//!   (`rabbitmqctl` hangs while the node is frozen); on the clusters (`--cluster`)
+//!   instead: the node holding the queue's or stream's leader killed and started again,
+//!   a node frozen, a node cut off the network;
 //! - **database**: PostgreSQL restarted, the relays' and consumers' connections
 //!   terminated, and the consumers locked out of PostgreSQL for longer than their NATS
 //!   `ack_wait`, in rounds;
@@ -35,6 +37,9 @@ pub(crate) enum FaultKind {
     ConsumerKill,
     BrokerFreeze,
     BrokerRestart,
+    NodeKill,
+    NodeFreeze,
+    NodePartition,
     MemoryAlarm,
     QueueFull,
     DestinationFull,
@@ -47,19 +52,20 @@ pub(crate) enum FaultKind {
 }
 
 impl FaultKind {
-    /// Every kind that applies to `transport`, in table order.
-    pub(crate) fn all(transport: TransportKind) -> Vec<Self> {
-        let mut kinds = vec![
-            Self::RelayKill,
-            Self::ConsumerKill,
-            Self::BrokerFreeze,
-            Self::BrokerRestart,
-        ];
-        if transport == TransportKind::Rabbit {
-            kinds.extend([Self::MemoryAlarm, Self::QueueFull]);
+    /// Every kind that applies to `transport` on a single server or (`cluster`) on the
+    /// clusters, in table order.
+    pub(crate) fn all(transport: TransportKind, cluster: bool) -> Vec<Self> {
+        let mut kinds = vec![Self::RelayKill, Self::ConsumerKill];
+        if cluster {
+            kinds.extend(Self::CLUSTER_BROKER);
+        } else {
+            kinds.extend([Self::BrokerFreeze, Self::BrokerRestart]);
+            if transport == TransportKind::Rabbit {
+                kinds.extend([Self::MemoryAlarm, Self::QueueFull]);
+            }
+            kinds.push(Self::DestinationFull);
         }
         kinds.extend([
-            Self::DestinationFull,
             Self::PgRestart,
             Self::PgTerminate,
             Self::ConsumerLockout,
@@ -70,9 +76,17 @@ impl FaultKind {
         kinds
     }
 
+    /// The broker lane's kinds on the clusters.
+    const CLUSTER_BROKER: [Self; 3] = [Self::NodeKill, Self::NodeFreeze, Self::NodePartition];
+
     /// The table's name of the kind.
     pub(crate) fn label(self, transport: TransportKind) -> &'static str {
         match (self, transport) {
+            (Self::NodeKill, TransportKind::Rabbit) => "RabbitMQ leader's node kill -9",
+            (Self::NodeKill, TransportKind::Nats) => "NATS leader's node kill -9",
+            (Self::NodeFreeze, TransportKind::Rabbit) => "RabbitMQ node frozen",
+            (Self::NodeFreeze, TransportKind::Nats) => "NATS node frozen",
+            (Self::NodePartition, _) => "node cut off (partition)",
             (Self::RelayKill, _) => "relay kill -9",
             (Self::ConsumerKill, _) => "consumer kill -9",
             (Self::BrokerFreeze, TransportKind::Rabbit) => "RabbitMQ frozen (SIGSTOP)",
@@ -102,7 +116,8 @@ pub(crate) struct Planned {
     /// How long the fault is held (the down time of a restart; zero for an instant
     /// fault).
     pub(crate) hold: Duration,
-    /// For a kill: which process (relay or consumer index); otherwise 0.
+    /// For a kill: which process (relay or consumer index); for a node fault, which
+    /// node (0 to 2) where the fault does not pick its own; otherwise 0.
     pub(crate) target: usize,
 }
 
@@ -122,6 +137,8 @@ pub(crate) struct Schedule {
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct Settings {
     pub(crate) transport: TransportKind,
+    /// On the 3-node clusters: node faults in the broker lane.
+    pub(crate) cluster: bool,
     pub(crate) duration: Duration,
     pub(crate) relays: usize,
     pub(crate) consumers: usize,
@@ -183,6 +200,7 @@ impl Schedule {
         schedule.kills = kills;
 
         let broker_kinds: Vec<FaultKind> = match s.transport {
+            _ if s.cluster => FaultKind::CLUSTER_BROKER.to_vec(),
             TransportKind::Rabbit => vec![
                 FaultKind::BrokerFreeze,
                 FaultKind::BrokerRestart,
@@ -205,7 +223,9 @@ impl Schedule {
                 &broker_kinds,
                 40,
                 |kind, rng| match kind {
-                    FaultKind::BrokerRestart => rng.random_range(3_000..=6_000),
+                    FaultKind::BrokerRestart | FaultKind::NodeKill => {
+                        rng.random_range(3_000..=6_000)
+                    }
                     // Long enough for a stall of the other destination to show, short
                     // enough to fit a CI run beside the broker-wide faults.
                     FaultKind::DestinationFull => {
@@ -214,7 +234,19 @@ impl Schedule {
                     _ => u64::try_from(window.as_millis()).unwrap_or(u64::MAX),
                 },
             );
-        schedule.broker = broker;
+        // The node of a node fault (a single server's runs draw nothing more, so their
+        // seeds keep their schedules).
+        schedule.broker = if s.cluster {
+            broker
+                .into_iter()
+                .map(|p| Planned {
+                    target: rng.random_range(0..3),
+                    ..p
+                })
+                .collect()
+        } else {
+            broker
+        };
         schedule.unscheduled.extend(left_out);
 
         // The database lane starts a little later, so its first fault rarely lands on
@@ -378,6 +410,7 @@ mod tests {
     fn settings(transport: TransportKind, secs: u64) -> Settings {
         Settings {
             transport,
+            cluster: false,
             duration: Duration::from_secs(secs),
             relays: 2,
             consumers: 2,
@@ -413,7 +446,7 @@ mod tests {
                 );
                 assert!(s.unscheduled.is_empty(), "{seed}: {:?}", s.unscheduled);
                 assert!(s.relay_kills() >= 10, "{seed}");
-                for kind in FaultKind::all(transport) {
+                for kind in FaultKind::all(transport, false) {
                     // The swallowing handler is not scheduled: a share of the orders.
                     if kind != FaultKind::Swallow {
                         assert!(s.planned(kind) >= 1, "{seed}: {kind:?}");
@@ -425,6 +458,31 @@ mod tests {
                     .find(|p| p.kind == FaultKind::ConsumerLockout)
                     .expect("a lockout");
                 assert!(lockout.hold >= Duration::from_secs(outage), "{seed}");
+            }
+        }
+    }
+
+    #[test]
+    fn a_cluster_run_schedules_node_faults_instead_of_server_faults() {
+        for transport in [TransportKind::Rabbit, TransportKind::Nats] {
+            for seed in 0..20 {
+                let s = Schedule::plan(
+                    seed,
+                    Settings {
+                        cluster: true,
+                        ..settings(transport, 600)
+                    },
+                );
+                assert!(s.unscheduled.is_empty(), "{seed}: {:?}", s.unscheduled);
+                for kind in FaultKind::all(transport, true) {
+                    if kind != FaultKind::Swallow {
+                        assert!(s.planned(kind) >= 1, "{seed}: {kind:?}");
+                    }
+                }
+                for kind in [FaultKind::BrokerFreeze, FaultKind::BrokerRestart] {
+                    assert_eq!(s.planned(kind), 0, "{seed}: {kind:?}");
+                }
+                assert!(s.broker.iter().all(|p| p.target < 3), "{seed}");
             }
         }
     }

@@ -1,6 +1,7 @@
 //! The servers as the run found them, and the check that it leaves them so: each
 //! answers on its port, RabbitMQ has no alarm, the same memory watermark and
-//! `max_message_size`, and no queue-full policy; no server process is left stopped.
+//! `max_message_size`, and no queue-full policy; no server process is left stopped; on
+//! the clusters, every node answers and sees the others.
 
 use std::net::{SocketAddr, TcpStream};
 use std::process::Command;
@@ -30,7 +31,7 @@ fn answers(port: u16) -> bool {
 /// process, the queue-full policy), then reads RabbitMQ's settings. Fails when RabbitMQ
 /// is under a memory alarm already: the run could not tell its own alarm from it, nor
 /// restore the watermark it should.
-pub(crate) fn before() -> anyhow::Result<Snapshot> {
+pub(crate) fn before(cluster: bool) -> anyhow::Result<Snapshot> {
     for process in ["beam.smp", "nats-server"] {
         let n = faults::continue_stopped(process);
         if n > 0 {
@@ -40,6 +41,12 @@ pub(crate) fn before() -> anyhow::Result<Snapshot> {
         }
     }
     RabbitQueueFull::clear_leftover();
+    if cluster {
+        anyhow::ensure!(
+            outbox_testkit::cluster::running(),
+            "the clusters are not running: start them with `cargo xtask services --cluster`"
+        );
+    }
     if rabbit_memory_alarm_active() == Some(true) {
         anyhow::bail!(
             "RabbitMQ reports a memory alarm before the run (watermark {:?}); restore it first \
@@ -55,7 +62,7 @@ pub(crate) fn before() -> anyhow::Result<Snapshot> {
 
 /// Checks the servers against `before`, waiting up to 60 s for them to answer; returns
 /// one line per server and whether all are as found.
-pub(crate) fn after(before: &Snapshot) -> (Vec<String>, bool) {
+pub(crate) fn after(before: &Snapshot, cluster: bool) -> (Vec<String>, bool) {
     let deadline = Instant::now() + Duration::from_secs(60);
     let ports = [("PostgreSQL", 5432), ("RabbitMQ", 5672), ("NATS", 4222)];
     while Instant::now() < deadline && !ports.iter().all(|(_, p)| answers(*p)) {
@@ -69,6 +76,25 @@ pub(crate) fn after(before: &Snapshot) -> (Vec<String>, bool) {
         lines.push(format!(
             "{name}: {}",
             if up { "answers" } else { "DOES NOT ANSWER" }
+        ));
+    }
+    if cluster {
+        use outbox_testkit::cluster::{nats_cluster_whole, rabbit_cluster_whole, running};
+        // A node killed, frozen or cut off last comes back within two minutes.
+        let deadline = Instant::now() + Duration::from_secs(120);
+        let whole = || running() && rabbit_cluster_whole() && nats_cluster_whole();
+        while Instant::now() < deadline && !whole() {
+            std::thread::sleep(Duration::from_secs(1));
+        }
+        let whole = whole();
+        ok &= whole;
+        lines.push(format!(
+            "clusters: {}",
+            if whole {
+                "every node answers, both clusters whole"
+            } else {
+                "NOT WHOLE (a node does not answer or does not see the others)"
+            }
         ));
     }
     let now = Snapshot {

@@ -6,11 +6,10 @@ use std::time::Duration;
 use anyhow::Context as _;
 use lapin::options::{QueueBindOptions, QueueDeclareOptions, QueueDeleteOptions};
 use lapin::types::FieldTable;
-use lapin::{Connection, ConnectionProperties};
 use outbox_postgres::PgOutbox;
 use sqlx::{AssertSqlSafe, PgPool};
 use transport_nats::async_nats::jetstream;
-use transport_nats::{NatsPublisher, StreamSetup, async_nats};
+use transport_nats::{NatsPublisher, StreamSetup};
 
 use super::topology::{self, EVENT_TYPE, Names, SIDE_EVENT_TYPE, TransportKind};
 use crate::common;
@@ -113,12 +112,14 @@ async fn remove_consumer_role(admin: &PgPool, names: &Names) -> anyhow::Result<(
 /// Declares the broker side before any process starts: RabbitMQ's exchange, the
 /// consumers' quorum queue, the audit queue, the overflow queue (held full by the
 /// queue-full fault) and the side queue (held full by the destination-full fault); or
-/// the NATS streams (the consumers' and the side events') and the durable consumer
-/// (`batched`: the consumers' `ack_wait`). What an earlier run left is deleted first.
+/// the NATS streams (the consumers' and the side events'; 3 replicas on the `cluster`)
+/// and the durable consumer (`batched`: the consumers' `ack_wait`). What an earlier run
+/// left is deleted first.
 pub(crate) async fn broker(
     transport: TransportKind,
     names: &Names,
     batched: bool,
+    cluster: bool,
 ) -> anyhow::Result<()> {
     remove_broker(transport, names).await?;
     match transport {
@@ -126,9 +127,17 @@ pub(crate) async fn broker(
             topology::rabbit_consumer(names)?.declare().await.context(
                 "declare the exchange and the consumers' quorum queue (is RabbitMQ up?)",
             )?;
-            let conn =
-                Connection::connect(&common::amqp_url(), ConnectionProperties::default()).await?;
+            let conn = common::amqp_connect().await?;
             let ch = conn.create_channel().await?;
+            // On the clusters every queue is a quorum queue: a classic queue lives on one
+            // node, and while that node is down what only it would take is unroutable.
+            let mut arguments = FieldTable::default();
+            if cluster {
+                arguments.insert(
+                    "x-queue-type".into(),
+                    lapin::types::AMQPValue::LongString("quorum".into()),
+                );
+            }
             for (queue, key) in [
                 (&names.audit_queue, "#"),
                 (&names.overflow_queue, "#"),
@@ -140,7 +149,7 @@ pub(crate) async fn broker(
                         durable: true,
                         ..QueueDeclareOptions::default()
                     },
-                    FieldTable::default(),
+                    arguments.clone(),
                 )
                 .await?;
                 ch.queue_bind(
@@ -168,7 +177,8 @@ pub(crate) async fn broker(
                     .ensure_stream(
                         &StreamSetup::new(stream.as_str())
                             .with_subject(config.subject_for(event_type))
-                            .with_duplicate_window(Duration::from_secs(120)),
+                            .with_duplicate_window(Duration::from_secs(120))
+                            .with_replicas(if cluster { 3 } else { 1 }),
                     )
                     .await?;
             }
@@ -186,7 +196,7 @@ pub(crate) async fn broker(
 pub(crate) async fn remove_broker(transport: TransportKind, names: &Names) -> anyhow::Result<()> {
     match transport {
         TransportKind::Rabbit => {
-            let conn = Connection::connect(&common::amqp_url(), ConnectionProperties::default())
+            let conn = common::amqp_connect()
                 .await
                 .context("connect to RabbitMQ")?;
             let ch = conn.create_channel().await?;
@@ -207,9 +217,7 @@ pub(crate) async fn remove_broker(transport: TransportKind, names: &Names) -> an
             conn.close(200, "removed".into()).await?;
         }
         TransportKind::Nats => {
-            let client = async_nats::connect(common::nats_url())
-                .await
-                .context("connect to NATS")?;
+            let client = common::nats_connect().await.context("connect to NATS")?;
             let js = jetstream::new(client);
             for stream in [&names.stream, &names.side_stream] {
                 if let Err(e) = js.delete_stream(stream).await {

@@ -31,6 +31,8 @@ use consumer_side::sample;
 /// Everything the verdict is drawn from besides the database.
 pub(crate) struct Inputs {
     pub(crate) transport: TransportKind,
+    /// The run was on the clusters.
+    pub(crate) cluster: bool,
     pub(crate) mode: ConsumerMode,
     /// The consumers ran in batches (`--batched`).
     pub(crate) batched: bool,
@@ -474,7 +476,7 @@ pub(crate) async fn judge(
             entry.1.push(format!("not injected: {}", r.note));
         }
     }
-    for kind in FaultKind::all(inputs.transport) {
+    for kind in FaultKind::all(inputs.transport, inputs.cluster) {
         let planned = match kind {
             FaultKind::Poison => inputs.schedule.planned(kind) * inputs.poison_kinds,
             FaultKind::Foreign => inputs.schedule.planned(kind) * foreign::kinds().len(),
@@ -504,7 +506,7 @@ pub(crate) async fn judge(
         {
             let what = match kind {
                 FaultKind::RelayKill | FaultKind::ConsumerKill => "down",
-                FaultKind::BrokerRestart | FaultKind::PgRestart => "down",
+                FaultKind::BrokerRestart | FaultKind::PgRestart | FaultKind::NodeKill => "down",
                 _ => "held",
             };
             notes.insert(0, format!("{what} {least:.1}-{most:.1} s"));
