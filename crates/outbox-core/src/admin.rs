@@ -14,6 +14,11 @@
 //! The report structs are built by the backends, so their fields are public and
 //! exhaustive (a new field is a breaking change of this module); the filter
 //! ([`InboxDeadFilter`]) is `#[non_exhaustive]` and built with [`InboxDeadFilter::new`].
+//!
+//! The browsing queries of the `outbox dashboard` ([`OutboxAdmin::list_messages`],
+//! [`OutboxAdmin::count_messages`], [`OutboxAdmin::sent_per_minute`]) are built for a
+//! table of millions of rows: listings are keyset-paged ([`MessageCursor`]) along an
+//! index of the listed state, counts are bounded.
 
 use std::time::Duration;
 
@@ -21,7 +26,7 @@ use async_trait::async_trait;
 use chrono::{DateTime, NaiveDate, Utc};
 use uuid::Uuid;
 
-use crate::{OnDead, OutboxError, OutboxStats, OutboxStore};
+use crate::{MessageFilter, MessageStatus, OnDead, OutboxError, OutboxStats, OutboxStore};
 
 /// How many pending (and dead) rows [`OutboxAdmin::pending_stats`], the relay's gauges,
 /// counts at most: beyond it the gauges say "at least this many".
@@ -161,6 +166,124 @@ pub struct InboxReplayReport {
     pub elapsed_secs: f64,
 }
 
+/// Which outbox rows [`OutboxAdmin::list_messages`] walks, and in which order. Each
+/// order follows an index the backends keep for that state, with `seq` breaking ties.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum MessageState {
+    /// `New` and `Processing` rows, in claim order: `(visible_at, seq)` ascending (the
+    /// next message the relay takes comes first).
+    Pending,
+    /// `Dead` rows, newest first: `(created_at, seq)` descending.
+    Dead,
+    /// `Sent` rows still in the table, most recently sent first: `(sent_at, seq)`
+    /// descending (none under `SentRetention::Delete`).
+    Sent,
+}
+
+impl MessageState {
+    /// The state's name in URLs and reports: `pending`, `dead` or `sent`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Pending => "pending",
+            Self::Dead => "dead",
+            Self::Sent => "sent",
+        }
+    }
+
+    /// Parses [`as_str`](Self::as_str)'s names.
+    pub fn from_name(name: &str) -> Option<Self> {
+        match name {
+            "pending" => Some(Self::Pending),
+            "dead" => Some(Self::Dead),
+            "sent" => Some(Self::Sent),
+            _ => None,
+        }
+    }
+}
+
+/// A position in a listing of [`OutboxAdmin::list_messages`]: the sort key of the last
+/// row of the previous page (`at` is `visible_at`, `created_at` or `sent_at` by
+/// [`MessageState`]). The next page starts strictly after it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct MessageCursor {
+    /// The row's time of the state's order, as the database stored it.
+    pub at: DateTime<Utc>,
+    /// The row's `seq`.
+    pub seq: i64,
+}
+
+/// A listed outbox message: what a listing shows, without payload or headers (read
+/// one message with [`OutboxStore::get`] for those).
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+pub struct MessageSummary {
+    /// Message id.
+    pub id: Uuid,
+    /// Insertion order.
+    pub seq: i64,
+    /// Status.
+    pub status: MessageStatus,
+    /// Event type.
+    pub event_type: String,
+    /// Aggregate type.
+    pub aggregate_type: String,
+    /// Aggregate id.
+    pub aggregate_id: String,
+    /// Tenant.
+    pub tenant_id: Option<String>,
+    /// When the row was written (database clock).
+    pub created_at: DateTime<Utc>,
+    /// Not claimable before (database clock).
+    pub visible_at: DateTime<Utc>,
+    /// When the broker confirmed it (database clock).
+    pub sent_at: Option<DateTime<Utc>>,
+    /// Claims so far.
+    pub attempts: i32,
+    /// The last failure.
+    pub last_error: Option<String>,
+}
+
+impl MessageSummary {
+    /// The cursor that continues a listing of `state` after this row.
+    pub fn cursor(&self, state: MessageState) -> MessageCursor {
+        let at = match state {
+            MessageState::Pending => self.visible_at,
+            MessageState::Dead => self.created_at,
+            MessageState::Sent => self.sent_at.unwrap_or(self.created_at),
+        };
+        MessageCursor { at, seq: self.seq }
+    }
+}
+
+/// Messages sent per minute over a recent window ([`OutboxAdmin::sent_per_minute`]).
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+pub struct SentPerMinute {
+    /// The database clock when counted: the end of the window.
+    pub until: DateTime<Utc>,
+    /// One count per minute of the window, oldest first: `counts[i]` holds the rows
+    /// whose `sent_at` is in `(until - (n - i) min, until - (n - i - 1) min]`, so the
+    /// last one is the minute just ended.
+    pub counts: Vec<u64>,
+}
+
+impl SentPerMinute {
+    /// Buckets rows by their age in whole minutes (`ages[k] = (minutes_ago, count)`,
+    /// `minutes_ago` 0 for the last minute), for the backends: ages outside
+    /// `0..minutes` are clamped into it (a clock step can make one negative).
+    pub fn from_ages(until: DateTime<Utc>, minutes: usize, ages: &[(i64, u64)]) -> Self {
+        let mut counts = vec![0u64; minutes];
+        if minutes > 0 {
+            for &(ago, n) in ages {
+                let ago = usize::try_from(ago.max(0))
+                    .unwrap_or(usize::MAX)
+                    .min(minutes - 1);
+                counts[minutes - 1 - ago] += n;
+            }
+        }
+        Self { until, counts }
+    }
+}
+
 /// Operator queries of an outbox backend, over the outbox and inbox tables of one
 /// schema. Object safe: the `outbox` binary holds a `Box<dyn OutboxAdmin>` chosen by
 /// the database URL.
@@ -288,4 +411,78 @@ pub trait OutboxAdmin: OutboxStore {
         filter: &InboxDeadFilter,
         mode: InboxReplayMode,
     ) -> Result<InboxReplayReport, OutboxError>;
+
+    /// One page of the outbox rows in `state` matching `filter` (its `ids`, time window
+    /// on `created_at`, tenant, aggregate, event type and error text, as for
+    /// [`OutboxStore::dead_letters`]), in the state's order ([`MessageState`]),
+    /// starting strictly after `after` (`None`: the first page), at most `limit` rows.
+    ///
+    /// Implementations MUST page by key (`WHERE (at, seq) > cursor ORDER BY at, seq`,
+    /// or `<` for the descending states), never by offset, and SHOULD walk an index
+    /// of the state so that any page of an unfiltered listing costs the same at a
+    /// million rows as at ten. Filters are applied to the rows walked: a selective filter
+    /// over a large state scans more of it.
+    ///
+    /// # Errors
+    /// [`OutboxError::Database`] on database failure.
+    async fn list_messages(
+        &self,
+        state: MessageState,
+        filter: &MessageFilter,
+        after: Option<MessageCursor>,
+        limit: usize,
+    ) -> Result<Vec<MessageSummary>, OutboxError>;
+
+    /// How many rows in `state` match `filter`, counting at most `bound` (a result
+    /// equal to `bound` means "at least that many"). Implementations MUST stop at the
+    /// bound (`LIMIT`/`TOP` in a subquery), so the cost is bounded like
+    /// [`pending_stats`](Self::pending_stats)'.
+    ///
+    /// # Errors
+    /// [`OutboxError::Database`] on database failure.
+    async fn count_messages(
+        &self,
+        state: MessageState,
+        filter: &MessageFilter,
+        bound: u64,
+    ) -> Result<u64, OutboxError>;
+
+    /// Rows that went `Sent` per minute over the last `minutes` minutes, by `sent_at`
+    /// and the database clock ([`SentPerMinute`]). Only rows still in the table are
+    /// seen: under `SentRetention::Delete`, or after a purge, they are not. The cost
+    /// grows with the rows sent in the window (implementations SHOULD read them through
+    /// the sent index).
+    ///
+    /// # Errors
+    /// [`OutboxError::Database`] on database failure.
+    async fn sent_per_minute(&self, minutes: u32) -> Result<SentPerMinute, OutboxError>;
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sent_per_minute_buckets_oldest_first_and_clamps() {
+        let until = Utc::now();
+        let s = SentPerMinute::from_ages(until, 3, &[(0, 5), (2, 1), (7, 2), (-1, 1)]);
+        assert_eq!(s.counts, vec![3, 0, 6]);
+        assert!(
+            SentPerMinute::from_ages(until, 0, &[(0, 1)])
+                .counts
+                .is_empty()
+        );
+    }
+
+    #[test]
+    fn states_round_trip_their_names() {
+        for state in [
+            MessageState::Pending,
+            MessageState::Dead,
+            MessageState::Sent,
+        ] {
+            assert_eq!(MessageState::from_name(state.as_str()), Some(state));
+        }
+        assert_eq!(MessageState::from_name("new"), None);
+    }
 }

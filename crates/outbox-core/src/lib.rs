@@ -76,7 +76,8 @@ pub mod transport_conformance;
 
 pub use admin::{
     GroupStats, InboxDeadFilter, InboxDeadKind, InboxDeadLetter, InboxReplayMode,
-    InboxReplayReport, OutboxAdmin, ReconcileRow,
+    InboxReplayReport, MessageCursor, MessageState, MessageSummary, OutboxAdmin, ReconcileRow,
+    SentPerMinute,
 };
 pub use consumer::{
     BatchDeliveryHandler, BatchSettings, Consumer, DeliveryHandler, HandlerDecision,

@@ -20,7 +20,9 @@ use std::time::{Duration, Instant};
 
 use chrono::{DateTime, Utc};
 use outbox_core::inbox::DurableInbox;
-use outbox_core::{InboxStore, OnDead, OutboxAdmin, OutboxError, OutboxStats};
+use outbox_core::{
+    InboxStore, MessageFilter, MessageStatus, OnDead, OutboxAdmin, OutboxError, OutboxStats,
+};
 use sqlx::{AssertSqlSafe, Row};
 
 use crate::error::db;
@@ -29,7 +31,8 @@ use crate::store::PgOutbox;
 
 use outbox_core::admin::{
     GroupStats, InboxDeadFilter, InboxDeadKind, InboxDeadLetter, InboxReplayMode,
-    InboxReplayReport, PENDING_STATS_BOUND, ReconcileRow,
+    InboxReplayReport, MessageCursor, MessageState, MessageSummary, PENDING_STATS_BOUND,
+    ReconcileRow, SentPerMinute,
 };
 
 /// Columns of the outbox archive (migration 4).
@@ -55,6 +58,78 @@ const DURABLE_FILTER: &str = "d.phase = 3
     AND ($4::text IS NULL OR starts_with(coalesce(d.last_error, ''), $4 || ': '))
     AND ($5::text IS NULL OR d.event_type = $5)
     AND ($6::text IS NULL OR d.last_error ILIKE '%' || $6 || '%' ESCAPE E'\\\\')";
+
+/// The optional filter of the message listings, after the state's predicate (`$1` ids,
+/// `$2` from, `$3` to, `$4` tenant, `$5` aggregate type, `$6` aggregate id, `$7` event
+/// type, `$8` error text escaped by [`like_escape`]): the dead-letter filter of
+/// `sql.rs` for any state.
+const LIST_FILTER: &str = "($1::uuid[] IS NULL OR m.id = ANY($1))
+    AND ($2::timestamptz IS NULL OR m.created_at >= $2)
+    AND ($3::timestamptz IS NULL OR m.created_at < $3)
+    AND ($4::text IS NULL OR m.tenant_id = $4)
+    AND ($5::text IS NULL OR m.aggregate_type = $5)
+    AND ($6::text IS NULL OR m.aggregate_id = $6)
+    AND ($7::text IS NULL OR m.event_type = $7)
+    AND ($8::text IS NULL OR m.last_error ILIKE '%' || $8 || '%' ESCAPE E'\\\\')";
+
+/// Columns of a [`MessageSummary`].
+const SUMMARY_COLUMNS: &str = "m.id, m.seq, m.status, m.event_type, m.aggregate_type, \
+    m.aggregate_id, m.tenant_id, m.created_at, m.visible_at, m.sent_at, m.attempts, m.last_error";
+
+/// The state's partial-index predicate, order column and direction (`>` ascending,
+/// `<` descending).
+fn state_order(state: MessageState) -> (&'static str, &'static str, &'static str) {
+    match state {
+        MessageState::Pending => ("m.phase = 0", "m.visible_at", ">"),
+        MessageState::Dead => ("m.phase = 3", "m.created_at", "<"),
+        MessageState::Sent => ("m.phase = 1", "m.sent_at", "<"),
+    }
+}
+
+/// One page of a listing (`$1`-`$8` the filter, `$9` the limit, with a cursor `$10`
+/// time and `$11` seq). Two texts, with and without the cursor, rather than
+/// `$10 IS NULL OR ...`: the row comparison must be an index condition in every plan,
+/// a generic one included, so that a late page does not scan the pages before it.
+fn list_messages_sql(schema: &str, state: MessageState, with_cursor: bool) -> String {
+    let s = quoted_schema(schema);
+    let (phase, at, cmp) = state_order(state);
+    let dir = if cmp == ">" { "" } else { " DESC" };
+    let cursor = if with_cursor {
+        format!(" AND ({at}, m.seq) {cmp} ($10, $11)")
+    } else {
+        String::new()
+    };
+    format!(
+        "SELECT {SUMMARY_COLUMNS} FROM {s}.outbox_messages m
+          WHERE {phase} AND {LIST_FILTER}{cursor}
+          ORDER BY {at}{dir}, m.seq{dir} LIMIT $9"
+    )
+}
+
+/// The bounded count (`$1`-`$8` the filter, `$9` the bound).
+fn count_messages_sql(schema: &str, state: MessageState) -> String {
+    let s = quoted_schema(schema);
+    let (phase, _, _) = state_order(state);
+    format!(
+        "SELECT count(*) FROM (SELECT 1 FROM {s}.outbox_messages m
+          WHERE {phase} AND {LIST_FILTER} LIMIT $9) c"
+    )
+}
+
+fn bind_message_filter<'q>(
+    query: sqlx::query::Query<'q, sqlx::Postgres, sqlx::postgres::PgArguments>,
+    f: &'q MessageFilter,
+) -> sqlx::query::Query<'q, sqlx::Postgres, sqlx::postgres::PgArguments> {
+    query
+        .bind(if f.ids.is_empty() { None } else { Some(&f.ids) })
+        .bind(f.from)
+        .bind(f.to)
+        .bind(f.tenant_id.as_deref())
+        .bind(f.aggregate_type.as_deref())
+        .bind(f.aggregate_id.as_deref())
+        .bind(f.event_type.as_deref())
+        .bind(f.error_contains.as_deref().map(like_escape))
+}
 
 fn count(n: i64) -> u64 {
     u64::try_from(n).unwrap_or(0)
@@ -550,5 +625,139 @@ impl OutboxAdmin for PgOutbox {
             },
             elapsed_secs: started.elapsed().as_secs_f64(),
         })
+    }
+
+    /// One page of `state` in its order (see [`MessageState`]), keyset-paged along the
+    /// state's partial index: `outbox_messages_pending (visible_at, seq)`,
+    /// `outbox_messages_dead (created_at)` and `outbox_messages_sent (sent_at)`.
+    ///
+    /// # Errors
+    /// [`OutboxError::Database`] on database failure.
+    async fn list_messages(
+        &self,
+        state: MessageState,
+        filter: &MessageFilter,
+        after: Option<MessageCursor>,
+        limit_rows: usize,
+    ) -> Result<Vec<MessageSummary>, OutboxError> {
+        const OP: &str = "list_messages";
+        let sql = list_messages_sql(self.schema(), state, after.is_some());
+        let mut query =
+            bind_message_filter(sqlx::query(AssertSqlSafe(sql)), filter).bind(limit(limit_rows));
+        if let Some(c) = after {
+            query = query.bind(c.at).bind(c.seq);
+        }
+        let rows = query.fetch_all(self.pool()).await.map_err(db(OP))?;
+        rows.iter()
+            .map(|r| {
+                let status: i16 = r.try_get(2).map_err(db(OP))?;
+                Ok(MessageSummary {
+                    id: r.try_get(0).map_err(db(OP))?,
+                    seq: r.try_get(1).map_err(db(OP))?,
+                    status: MessageStatus::from_code(status)?,
+                    event_type: r.try_get(3).map_err(db(OP))?,
+                    aggregate_type: r.try_get(4).map_err(db(OP))?,
+                    aggregate_id: r.try_get(5).map_err(db(OP))?,
+                    tenant_id: r.try_get(6).map_err(db(OP))?,
+                    created_at: r.try_get(7).map_err(db(OP))?,
+                    visible_at: r.try_get(8).map_err(db(OP))?,
+                    sent_at: r.try_get(9).map_err(db(OP))?,
+                    attempts: r.try_get(10).map_err(db(OP))?,
+                    last_error: r.try_get(11).map_err(db(OP))?,
+                })
+            })
+            .collect()
+    }
+
+    /// Counts at most `bound` rows of `state` matching `filter` (a `LIMIT` in a
+    /// subquery over the state's partial index).
+    ///
+    /// # Errors
+    /// [`OutboxError::Database`] on database failure.
+    async fn count_messages(
+        &self,
+        state: MessageState,
+        filter: &MessageFilter,
+        bound: u64,
+    ) -> Result<u64, OutboxError> {
+        let n: i64 = bind_message_filter(
+            sqlx::query(AssertSqlSafe(count_messages_sql(self.schema(), state))),
+            filter,
+        )
+        .bind(i64::try_from(bound).unwrap_or(i64::MAX))
+        .fetch_one(self.pool())
+        .await
+        .and_then(|r| r.try_get(0))
+        .map_err(db("count_messages"))?;
+        Ok(count(n))
+    }
+
+    /// Sent rows per minute over the last `minutes` minutes, through the sent index.
+    ///
+    /// # Errors
+    /// [`OutboxError::Database`] on database failure.
+    async fn sent_per_minute(&self, minutes: u32) -> Result<SentPerMinute, OutboxError> {
+        const OP: &str = "sent_per_minute";
+        let s = quoted_schema(self.schema());
+        let rows = sqlx::query(AssertSqlSafe(format!(
+            "SELECT n.now, a.ago, a.sent
+               FROM (SELECT now() AS now) n
+               LEFT JOIN LATERAL (
+                    SELECT floor(extract(epoch FROM n.now - m.sent_at) / 60)::int8 AS ago,
+                           count(*) AS sent
+                      FROM {s}.outbox_messages m
+                     WHERE m.phase = 1 AND m.sent_at > n.now - make_interval(mins => $1)
+                     GROUP BY 1) a ON true"
+        )))
+        .bind(i32::try_from(minutes).unwrap_or(i32::MAX))
+        .fetch_all(self.pool())
+        .await
+        .map_err(db(OP))?;
+        let mut until = None;
+        let mut ages = Vec::with_capacity(rows.len());
+        for r in &rows {
+            until = Some(r.try_get::<DateTime<Utc>, _>(0).map_err(db(OP))?);
+            let ago: Option<i64> = r.try_get(1).map_err(db(OP))?;
+            let sent: Option<i64> = r.try_get(2).map_err(db(OP))?;
+            if let (Some(ago), Some(sent)) = (ago, sent) {
+                ages.push((ago, count(sent)));
+            }
+        }
+        Ok(SentPerMinute::from_ages(
+            until.unwrap_or_else(Utc::now),
+            minutes as usize,
+            &ages,
+        ))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn squash(sql: &str) -> String {
+        sql.split_whitespace().collect::<Vec<_>>().join(" ")
+    }
+
+    #[test]
+    fn listings_page_by_key_along_each_state_index() {
+        let pending = squash(&list_messages_sql("outbox", MessageState::Pending, true));
+        assert!(pending.contains("WHERE m.phase = 0 AND ($1::uuid[] IS NULL"));
+        assert!(pending.contains(
+            "AND (m.visible_at, m.seq) > ($10, $11) ORDER BY m.visible_at, m.seq LIMIT $9"
+        ));
+        let dead = squash(&list_messages_sql("outbox", MessageState::Dead, true));
+        assert!(dead.contains(
+            "AND (m.created_at, m.seq) < ($10, $11) ORDER BY m.created_at DESC, m.seq DESC LIMIT $9"
+        ));
+        let sent = squash(&list_messages_sql("outbox", MessageState::Sent, false));
+        assert!(sent.contains("WHERE m.phase = 1 AND"));
+        assert!(sent.ends_with("ORDER BY m.sent_at DESC, m.seq DESC LIMIT $9"));
+        assert!(!sent.contains("$10"), "no cursor on the first page");
+        let count = squash(&count_messages_sql("outbox", MessageState::Dead));
+        assert!(count.starts_with(
+            "SELECT count(*) FROM (SELECT 1 FROM \"outbox\".outbox_messages m WHERE m.phase = 3 AND"
+        ));
+        assert!(count.ends_with("LIMIT $9) c"));
     }
 }

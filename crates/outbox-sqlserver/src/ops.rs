@@ -23,17 +23,20 @@ use std::time::{Duration, Instant};
 use async_trait::async_trait;
 use chrono::{DateTime, NaiveDate, NaiveDateTime, Utc};
 use outbox_core::inbox::DurableInbox;
-use outbox_core::{InboxStore, OnDead, OutboxAdmin, OutboxError, OutboxStats};
+use outbox_core::{
+    InboxStore, MessageFilter, MessageStatus, OnDead, OutboxAdmin, OutboxError, OutboxStats,
+};
 use tiberius::{Row, ToSql};
 use uuid::Uuid;
 
 use crate::error::db;
 use crate::sql::{like_escape, millis, minus_ms, quoted_schema};
-use crate::store::MssqlOutbox;
+use crate::store::{FilterParams, MssqlOutbox};
 
 use outbox_core::admin::{
     GroupStats, InboxDeadFilter, InboxDeadKind, InboxDeadLetter, InboxReplayMode,
-    InboxReplayReport, PENDING_STATS_BOUND, ReconcileRow,
+    InboxReplayReport, MessageCursor, MessageState, MessageSummary, PENDING_STATS_BOUND,
+    ReconcileRow, SentPerMinute,
 };
 
 /// The most rows one bulk statement touches (archive moves, completions, purges,
@@ -437,6 +440,136 @@ OPTION (RECOMPILE);
 SET @durable = @@ROWCOUNT;
 COMMIT TRANSACTION;
 SELECT @matched + @durable AS matched, @cleared + @durable AS replayed, @requeued AS requeued;"
+    )
+}
+
+/// The optional filter of the message listings over `m` (`@P1` ids as a JSON array,
+/// `@P2` from, `@P3` to, `@P4` tenant, `@P5` aggregate type, `@P6` aggregate id, `@P7`
+/// event type, `@P8` error text escaped by [`like_escape`]): the dead-letter filter of
+/// `sql.rs` without its status, bound by the store's `FilterParams`.
+const LIST_FILTER: &str =
+    "(@P1 IS NULL OR m.id IN (SELECT CAST(j.value AS uniqueidentifier) FROM OPENJSON(@P1) AS j))
+    AND (@P2 IS NULL OR m.created_at >= @P2)
+    AND (@P3 IS NULL OR m.created_at < @P3)
+    AND (@P4 IS NULL OR m.tenant_id = @P4)
+    AND (@P5 IS NULL OR m.aggregate_type = @P5)
+    AND (@P6 IS NULL OR m.aggregate_id = @P6)
+    AND (@P7 IS NULL OR m.event_type = @P7)
+    AND (@P8 IS NULL OR UPPER(m.last_error) LIKE N'%' + UPPER(@P8) + N'%' ESCAPE N'\\')";
+
+/// Columns of a [`MessageSummary`] (the listing's branches select them from `c`).
+const SUMMARY_COLUMNS: &[&str] = &[
+    "id",
+    "seq",
+    "status",
+    "event_type",
+    "aggregate_type",
+    "aggregate_id",
+    "tenant_id",
+    "created_at",
+    "visible_at",
+    "sent_at",
+    "attempts",
+    "last_error",
+];
+
+/// `alias.column, ...` of [`SUMMARY_COLUMNS`].
+fn summary_columns(alias: &str) -> String {
+    SUMMARY_COLUMNS
+        .iter()
+        .map(|c| format!("{alias}.{c}"))
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
+/// One listing branch over one filtered index: rows of `status` (`status_pred` on `c`)
+/// matching the filter and after the cursor (`@P10` time, `@P11` seq, when
+/// `with_cursor`), `TOP (@P9)` in `(at, seq)` order (`cmp` `>` ascending, `<`
+/// descending). The cursor is spelled as `at > @P10 OR (at = @P10 AND seq > @P11)`:
+/// T-SQL has no row comparison.
+fn list_branch(t: &str, status_pred: &str, at: &str, cmp: &str, with_cursor: bool) -> String {
+    let dir = if cmp == ">" { "" } else { " DESC" };
+    let cursor = if with_cursor {
+        format!(" AND (m.{at} {cmp} @P10 OR (m.{at} = @P10 AND m.seq {cmp} @P11))")
+    } else {
+        String::new()
+    };
+    format!(
+        "SELECT TOP (@P9) {} FROM {t} AS m WITH (READPAST)
+          WHERE {status_pred} AND {LIST_FILTER}{cursor}
+          ORDER BY m.{at}{dir}, m.seq{dir}",
+        summary_columns("m")
+    )
+}
+
+/// One page of a listing (`@P1`-`@P8` the filter, `@P9` the limit, `@P10`/`@P11` the
+/// cursor when `with_cursor`). Each status is read through its filtered index: Pending
+/// merges `status = 0` (`claim_new (visible_at, seq)`) and `status = 9` (few rows, found
+/// through `claim_expired`) by `(visible_at, seq)`, as `pending_stats` does; Dead walks
+/// `dead (created_at)` and Sent `sent (sent_at)` backwards. `READPAST`: a listing never
+/// waits on a lock (rows being claimed or enqueued at that instant are not shown).
+/// `OPTION (RECOMPILE)`: catch-all filters.
+fn list_messages_sql(schema: &str, state: MessageState, with_cursor: bool) -> String {
+    let t = format!("{}.outbox_messages", quoted_schema(schema));
+    let cols = summary_columns("x");
+    match state {
+        MessageState::Pending => format!(
+            "SELECT TOP (@P9) {cols} FROM (
+    SELECT n.* FROM ({}) AS n
+    UNION ALL
+    SELECT p.* FROM ({}) AS p
+) AS x
+ ORDER BY x.visible_at, x.seq
+OPTION (RECOMPILE)",
+            list_branch(&t, "m.status = 0", "visible_at", ">", with_cursor),
+            list_branch(&t, "m.status = 9", "visible_at", ">", with_cursor),
+        ),
+        MessageState::Dead => format!(
+            "SELECT {cols} FROM ({}) AS x
+ ORDER BY x.created_at DESC, x.seq DESC
+OPTION (RECOMPILE)",
+            list_branch(&t, "m.status = 3", "created_at", "<", with_cursor)
+        ),
+        MessageState::Sent => format!(
+            "SELECT {cols} FROM ({}) AS x
+ ORDER BY x.sent_at DESC, x.seq DESC
+OPTION (RECOMPILE)",
+            list_branch(&t, "m.status = 1", "sent_at", "<", with_cursor)
+        ),
+    }
+}
+
+/// The bounded count (`@P1`-`@P8` the filter, `@P9` the bound), `READPAST` like the
+/// listing.
+fn count_messages_sql(schema: &str, state: MessageState) -> String {
+    let t = format!("{}.outbox_messages", quoted_schema(schema));
+    let status = match state {
+        MessageState::Pending => "m.status IN (0, 9)",
+        MessageState::Dead => "m.status = 3",
+        MessageState::Sent => "m.status = 1",
+    };
+    format!(
+        "SELECT COUNT_BIG(*) AS n FROM (
+    SELECT TOP (@P9) m.seq FROM {t} AS m WITH (READPAST)
+     WHERE {status} AND {LIST_FILTER}) AS c
+OPTION (RECOMPILE)"
+    )
+}
+
+/// Sent rows per whole minute of age over the last `@P1` minutes (`sent` index), with
+/// the server clock: one row per minute that has any, or one row with NULLs.
+fn sent_per_minute_sql(schema: &str) -> String {
+    let t = format!("{}.outbox_messages", quoted_schema(schema));
+    format!(
+        "DECLARE @now datetime2(7) = SYSUTCDATETIME();
+SELECT @now AS now, a.ago, a.sent
+  FROM (SELECT 1 AS one) AS o
+  LEFT JOIN (
+    SELECT DATEDIFF_BIG(millisecond, m.sent_at, @now) / 60000 AS ago, COUNT_BIG(*) AS sent
+      FROM {t} AS m WITH (READPAST)
+     WHERE m.status = 1 AND m.sent_at > DATEADD(minute, -@P1, @now)
+     GROUP BY DATEDIFF_BIG(millisecond, m.sent_at, @now) / 60000
+  ) AS a ON 1 = 1"
     )
 }
 
@@ -859,6 +992,114 @@ impl OutboxAdmin for MssqlOutbox {
             elapsed_secs: started.elapsed().as_secs_f64(),
         })
     }
+
+    /// One page of `state` in its order (see [`MessageState`]), keyset-paged along the
+    /// state's filtered indexes, read `READPAST` (see `list_messages_sql`).
+    ///
+    /// # Errors
+    /// [`OutboxError::Database`] on database failure.
+    async fn list_messages(
+        &self,
+        state: MessageState,
+        filter: &MessageFilter,
+        after: Option<MessageCursor>,
+        limit_rows: usize,
+    ) -> Result<Vec<MessageSummary>, OutboxError> {
+        const OP: &str = "list_messages";
+        let f = FilterParams::new(filter)?;
+        let n = limit(limit_rows);
+        let cursor = after.map(|c| (c.at.naive_utc(), c.seq));
+        let mut params: Vec<&dyn ToSql> = f.params().to_vec();
+        params.push(&n);
+        if let Some((at, seq)) = &cursor {
+            params.push(at);
+            params.push(seq);
+        }
+        let sql = list_messages_sql(self.schema(), state, cursor.is_some());
+        let rows = self.pool().rows(OP, &sql, &params).await?;
+        rows.iter()
+            .map(|r| {
+                let text = |i: usize| -> Result<Option<String>, OutboxError> {
+                    Ok(r.try_get::<&str, _>(i).map_err(db(OP))?.map(str::to_owned))
+                };
+                let time = |i: usize| -> Result<Option<DateTime<Utc>>, OutboxError> {
+                    Ok(r.try_get::<NaiveDateTime, _>(i)
+                        .map_err(db(OP))?
+                        .map(|t| t.and_utc()))
+                };
+                Ok(MessageSummary {
+                    id: need(r, 0, OP)?,
+                    seq: need(r, 1, OP)?,
+                    status: MessageStatus::from_code(need(r, 2, OP)?)?,
+                    event_type: need::<&str>(r, 3, OP)?.to_owned(),
+                    aggregate_type: need::<&str>(r, 4, OP)?.to_owned(),
+                    aggregate_id: need::<&str>(r, 5, OP)?.to_owned(),
+                    tenant_id: text(6)?,
+                    created_at: need::<NaiveDateTime>(r, 7, OP)?.and_utc(),
+                    visible_at: need::<NaiveDateTime>(r, 8, OP)?.and_utc(),
+                    sent_at: time(9)?,
+                    attempts: need(r, 10, OP)?,
+                    last_error: text(11)?,
+                })
+            })
+            .collect()
+    }
+
+    /// Counts at most `bound` rows of `state` matching `filter` (`TOP` in a derived
+    /// table), read `READPAST`.
+    ///
+    /// # Errors
+    /// [`OutboxError::Database`] on database failure.
+    async fn count_messages(
+        &self,
+        state: MessageState,
+        filter: &MessageFilter,
+        bound: u64,
+    ) -> Result<u64, OutboxError> {
+        const OP: &str = "count_messages";
+        let f = FilterParams::new(filter)?;
+        let bound = i64::try_from(bound).unwrap_or(i64::MAX);
+        let mut params: Vec<&dyn ToSql> = f.params().to_vec();
+        params.push(&bound);
+        let rows = self
+            .pool()
+            .rows(OP, &count_messages_sql(self.schema(), state), &params)
+            .await?;
+        Ok(rows
+            .last()
+            .map(|r| count_at(r, 0, OP))
+            .transpose()?
+            .unwrap_or(0))
+    }
+
+    /// Sent rows per minute over the last `minutes` minutes (server clock, the `sent`
+    /// index).
+    ///
+    /// # Errors
+    /// [`OutboxError::Database`] on database failure.
+    async fn sent_per_minute(&self, minutes: u32) -> Result<SentPerMinute, OutboxError> {
+        const OP: &str = "sent_per_minute";
+        let window = i32::try_from(minutes).unwrap_or(i32::MAX);
+        let rows = self
+            .pool()
+            .rows(OP, &sent_per_minute_sql(self.schema()), &[&window])
+            .await?;
+        let mut until = None;
+        let mut ages = Vec::with_capacity(rows.len());
+        for r in &rows {
+            until = Some(need::<NaiveDateTime>(r, 0, OP)?.and_utc());
+            let ago: Option<i64> = r.try_get(1).map_err(db(OP))?;
+            let sent: Option<i64> = r.try_get(2).map_err(db(OP))?;
+            if let (Some(ago), Some(sent)) = (ago, sent) {
+                ages.push((ago, count(sent)));
+            }
+        }
+        Ok(SentPerMinute::from_ages(
+            until.unwrap_or_else(Utc::now),
+            minutes as usize,
+            &ages,
+        ))
+    }
 }
 
 #[cfg(test)]
@@ -886,6 +1127,28 @@ mod tests {
             ("inbox_dead_letters", inbox_dead_letters_sql(schema)),
             ("inbox_replay_count", inbox_replay_count_sql(schema)),
             ("inbox_replay", inbox_replay_sql(schema)),
+            (
+                "list_pending",
+                list_messages_sql(schema, MessageState::Pending, false),
+            ),
+            (
+                "list_pending_after",
+                list_messages_sql(schema, MessageState::Pending, true),
+            ),
+            (
+                "list_dead_after",
+                list_messages_sql(schema, MessageState::Dead, true),
+            ),
+            (
+                "list_sent",
+                list_messages_sql(schema, MessageState::Sent, false),
+            ),
+            (
+                "count_pending",
+                count_messages_sql(schema, MessageState::Pending),
+            ),
+            ("count_dead", count_messages_sql(schema, MessageState::Dead)),
+            ("sent_per_minute", sent_per_minute_sql(schema)),
         ]
     }
 
@@ -968,6 +1231,13 @@ mod tests {
             ("inbox_dead_letters", &[1, 2, 3, 4, 5, 6, 7, 8]),
             ("inbox_replay_count", &[1, 2, 3, 4, 5, 6, 7]),
             ("inbox_replay", &[1, 2, 3, 4, 5, 6, 7, 8]),
+            ("list_pending", &[1, 2, 3, 4, 5, 6, 7, 8, 9]),
+            ("list_pending_after", &[1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11]),
+            ("list_dead_after", &[1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11]),
+            ("list_sent", &[1, 2, 3, 4, 5, 6, 7, 8, 9]),
+            ("count_pending", &[1, 2, 3, 4, 5, 6, 7, 8, 9]),
+            ("count_dead", &[1, 2, 3, 4, 5, 6, 7, 8, 9]),
+            ("sent_per_minute", &[1]),
         ];
         let sqls = all("outbox");
         for (name, want) in expected {
@@ -1261,5 +1531,54 @@ mod tests {
         );
         assert_eq!(ms_duration(1500), Duration::from_millis(1500));
         assert_eq!(limit(usize::MAX), i64::MAX);
+    }
+
+    #[test]
+    fn listings_page_by_key_through_each_filtered_index() {
+        let pending = squash(&list_messages_sql("outbox", MessageState::Pending, true));
+        // Two branches, each over its own filtered index, merged in claim order.
+        assert!(pending.starts_with("SELECT TOP (@P9) x.id, x.seq, x.status"));
+        assert!(pending.contains("WHERE m.status = 0 AND (@P1 IS NULL"));
+        assert!(pending.contains("WHERE m.status = 9 AND (@P1 IS NULL"));
+        assert_eq!(
+            pending
+                .matches("AND (m.visible_at > @P10 OR (m.visible_at = @P10 AND m.seq > @P11)) ORDER BY m.visible_at, m.seq")
+                .count(),
+            2,
+            "{pending}"
+        );
+        assert!(pending.contains(") AS n UNION ALL SELECT p.* FROM ("));
+        assert!(pending.ends_with("ORDER BY x.visible_at, x.seq OPTION (RECOMPILE)"));
+        let dead = squash(&list_messages_sql("outbox", MessageState::Dead, true));
+        assert!(dead.contains("WHERE m.status = 3 AND"));
+        assert!(dead.contains(
+            "AND (m.created_at < @P10 OR (m.created_at = @P10 AND m.seq < @P11)) ORDER BY m.created_at DESC, m.seq DESC) AS x"
+        ));
+        assert!(dead.ends_with("ORDER BY x.created_at DESC, x.seq DESC OPTION (RECOMPILE)"));
+        let sent = squash(&list_messages_sql("outbox", MessageState::Sent, false));
+        assert!(sent.contains("WHERE m.status = 1 AND"));
+        assert!(sent.contains("ORDER BY m.sent_at DESC, m.seq DESC) AS x"));
+        assert!(!sent.contains("@P10"), "no cursor on the first page");
+        for sql in [&pending, &dead, &sent] {
+            assert!(sql.contains("FROM [outbox].outbox_messages AS m WITH (READPAST)"));
+            assert!(sql.contains(
+                "(@P8 IS NULL OR UPPER(m.last_error) LIKE N'%' + UPPER(@P8) + N'%' ESCAPE N'\\')"
+            ));
+            // Each branch selects the summary columns by name, so UNION ALL lines up.
+            assert!(sql.contains(&summary_columns("m")));
+        }
+        let count = squash(&count_messages_sql("outbox", MessageState::Pending));
+        assert!(count.starts_with(
+            "SELECT COUNT_BIG(*) AS n FROM ( SELECT TOP (@P9) m.seq FROM [outbox].outbox_messages AS m WITH (READPAST) WHERE m.status IN (0, 9) AND"
+        ));
+        assert!(count.ends_with(") AS c OPTION (RECOMPILE)"));
+        let sent = squash(&sent_per_minute_sql("outbox"));
+        assert!(sent.starts_with("DECLARE @now datetime2(7) = SYSUTCDATETIME();"));
+        assert!(sent.contains("WHERE m.status = 1 AND m.sent_at > DATEADD(minute, -@P1, @now)"));
+        assert!(sent.contains("GROUP BY DATEDIFF_BIG(millisecond, m.sent_at, @now) / 60000"));
+        assert!(
+            sent.contains("LEFT JOIN ("),
+            "one row even when nothing was sent"
+        );
     }
 }
