@@ -11,6 +11,7 @@ use std::path::PathBuf;
 
 use clap::{Args, Parser, Subcommand, ValueEnum};
 
+pub(crate) use crate::commands::dashboard::DashboardArgs;
 pub(crate) use crate::commands::dead::DeadCommand;
 pub(crate) use crate::commands::inbox_dead::InboxDeadCommand;
 pub(crate) use crate::commands::purge::PurgeArgs;
@@ -122,6 +123,10 @@ pub(crate) enum Command {
     /// Delete (or archive) sent outbox rows and inbox records older than a retention,
     /// in small batches that never block the relay.
     Purge(PurgeArgs),
+    /// Serve the operations dashboard in the browser (overview, messages by state, dead
+    /// letters, replay with a dry run and confirmation) until SIGINT or SIGTERM.
+    /// Read-only unless --allow-replay; loopback unless OUTBOX_DASHBOARD_TOKEN is set.
+    Dashboard(DashboardArgs),
 }
 
 /// `outbox inbox ...`
