@@ -227,13 +227,23 @@ impl Relay {
             addr: settings.listen,
             source,
         })?;
+        let mut app = router(health.clone(), prometheus);
+        if let Some(pages) = &settings.dashboard {
+            pages.check_address(settings.listen)?;
+            let admin: Arc<dyn OutboxAdmin> = store.clone();
+            app = app.merge(crate::commands::dashboard::router(
+                crate::commands::dashboard::Dashboard::new(admin, pages, Some(health.clone())),
+            ));
+        }
         let server = {
             let token = shutdown.clone();
-            let app = router(health.clone(), prometheus);
             tokio::spawn(async move {
-                axum::serve(listener, app)
-                    .with_graceful_shutdown(token.cancelled_owned())
-                    .await
+                axum::serve(
+                    listener,
+                    app.into_make_service_with_connect_info::<SocketAddr>(),
+                )
+                .with_graceful_shutdown(token.cancelled_owned())
+                .await
             })
         };
         let checker = {
@@ -263,6 +273,7 @@ impl Relay {
             schema = %settings.db.schema,
             ordering = ?settings.ordering,
             sent_retention = ?settings.sent_retention,
+            dashboard = settings.dashboard.is_some(),
             "relay started"
         );
         let task = {

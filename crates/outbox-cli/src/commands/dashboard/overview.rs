@@ -40,7 +40,7 @@ pub(crate) async fn page(State(d): State<Dashboard>) -> Result<Markup, PageError
                 (card("Consumer dead letters", &bounded(inbox_dead.len() as u64, INBOX_BOUND as u64), "/inbox", !inbox_dead.is_empty()))
             }
             div.panel.chart {
-                h2 { "Sent per minute, last hour" }
+                h2 { "Sent per minute, last hour" span.muted { " · peak " (thousands(series.counts.iter().copied().max().unwrap_or(0))) "/min" } }
                 (chart(&series))
                 div.legend {
                     span { "−60 min" }
@@ -79,7 +79,6 @@ fn chart(series: &SentPerMinute) -> Markup {
         svg viewBox=(format!("0 0 {W} {}", H + 14.0)) preserveAspectRatio="none" role="img"
             aria-label="messages sent per minute over the last hour" {
             line.axis x1="0" y1=(H) x2=(W) y2=(H) {}
-            text x="2" y="10" { (thousands(max)) "/min" }
             @for (i, count) in series.counts.iter().enumerate() {
                 @let h = (*count as f64 / max as f64) * (H - 14.0);
                 @let minutes_ago = (n - 1 - i) as i64;

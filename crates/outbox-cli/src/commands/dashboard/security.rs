@@ -167,6 +167,12 @@ pub(crate) async fn guard(State(d): State<Dashboard>, mut req: Request, next: Ne
         }
     };
     if req.method() != Method::GET && req.method() != Method::HEAD && !same_origin(headers) {
+        tracing::warn!(
+            origin = ?headers.get(header::ORIGIN),
+            sec_fetch_site = ?headers.get("sec-fetch-site"),
+            host = ?headers.get(header::HOST),
+            "dashboard: cross-site request refused"
+        );
         return with_headers(
             refuse(StatusCode::FORBIDDEN, "cross-site request refused"),
             started,
@@ -192,9 +198,11 @@ fn with_headers(mut response: Response, started: Instant) -> Response {
         HeaderValue::from_static("nosniff"),
     );
     h.insert(header::X_FRAME_OPTIONS, HeaderValue::from_static("DENY"));
+    // `same-origin`, not `no-referrer`: under `no-referrer` a browser sends
+    // `Origin: null` with the dashboard's own form posts, which the origin check refuses.
     h.insert(
         header::REFERRER_POLICY,
-        HeaderValue::from_static("no-referrer"),
+        HeaderValue::from_static("same-origin"),
     );
     h.insert(header::CACHE_CONTROL, HeaderValue::from_static("no-store"));
     let ms = started.elapsed().as_secs_f64() * 1000.0;
