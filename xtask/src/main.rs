@@ -5,7 +5,8 @@
 //!   otherwise) and prints their status.
 //! * `cargo xtask itest [-- ARGS]` checks the facade's feature combinations (as
 //!   `cargo xtask features`; seconds with a warm cache) and what publishing needs (as
-//!   `cargo xtask release-check`), brings the services up, then runs every test of the
+//!   `cargo xtask release-check`), brings the services up, installs Chromium and
+//!   chromedriver for the dashboard's browser tests when missing (apt-get), then runs every test of the
 //!   workspace (`cargo test --workspace --all-targets ARGS`; with `MSSQL_URL` set, a
 //!   second pass runs the SQL Server tests, `#[ignore = "needs MSSQL_URL"]`, with
 //!   `--ignored`), a 500-order demo run over RabbitMQ and one over NATS whose
@@ -29,6 +30,7 @@
 //! Child processes get `DATABASE_URL`, `AMQP_URL` and `NATS_URL` pointing at
 //! the local services unless those variables are already set.
 
+mod browser;
 mod cluster;
 mod features;
 mod release;
@@ -169,6 +171,8 @@ fn run(cli: Cli) -> Result<()> {
             // the placeholder repository URL) are reported, not failed on (`--strict`).
             release::check(false)?;
             services::ensure(timeout)?;
+            // The dashboard's browser tests drive Debian's Chromium.
+            browser::ensure()?;
             sqlserver::announce_skip(None);
             let mut tests = cargo();
             tests
