@@ -9,73 +9,13 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 
 use clap::Parser as _;
-use common::{enqueue, exec, fresh_outbox, scalar};
+use common::{Resp, enqueue, exec, fresh_outbox, request, scalar};
 use outbox_cli::testing::internals::{DashboardSettings, RunningDashboard};
 use outbox_cli::{Cli, CliError};
 use outbox_core::{NewMessage, OutboxAdmin};
 use outbox_postgres::{PgConfig, PgOutbox};
-use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
 use tokio_util::sync::CancellationToken;
 use uuid::Uuid;
-
-/// An HTTP response: status, headers (names lower-case) and body.
-struct Resp {
-    status: u16,
-    headers: Vec<(String, String)>,
-    body: String,
-}
-
-impl Resp {
-    fn header(&self, name: &str) -> Option<&str> {
-        self.headers
-            .iter()
-            .find(|(k, _)| k == name)
-            .map(|(_, v)| v.as_str())
-    }
-}
-
-/// One HTTP/1.1 request with `headers` (a `Host` is added unless given) and a form body.
-async fn request(
-    addr: SocketAddr,
-    method: &str,
-    path: &str,
-    headers: &[(&str, &str)],
-    form: Option<&str>,
-) -> Resp {
-    let mut stream = tokio::net::TcpStream::connect(addr).await.expect("connect");
-    let mut head = format!("{method} {path} HTTP/1.1\r\nConnection: close\r\n");
-    if !headers.iter().any(|(k, _)| k.eq_ignore_ascii_case("host")) {
-        head.push_str(&format!("Host: {addr}\r\n"));
-    }
-    for (k, v) in headers {
-        head.push_str(&format!("{k}: {v}\r\n"));
-    }
-    let body = form.unwrap_or("");
-    if form.is_some() {
-        head.push_str("Content-Type: application/x-www-form-urlencoded\r\n");
-    }
-    head.push_str(&format!("Content-Length: {}\r\n\r\n{body}", body.len()));
-    stream.write_all(head.as_bytes()).await.expect("write");
-    let mut raw = Vec::new();
-    stream.read_to_end(&mut raw).await.expect("read");
-    let text = String::from_utf8_lossy(&raw).into_owned();
-    let (head, body) = text.split_once("\r\n\r\n").expect("a response");
-    let mut lines = head.lines();
-    let status = lines
-        .next()
-        .and_then(|l| l.split_whitespace().nth(1))
-        .and_then(|s| s.parse().ok())
-        .expect("status line");
-    let headers = lines
-        .filter_map(|l| l.split_once(':'))
-        .map(|(k, v)| (k.trim().to_ascii_lowercase(), v.trim().to_owned()))
-        .collect();
-    Resp {
-        status,
-        headers,
-        body: body.to_owned(),
-    }
-}
 
 async fn get(addr: SocketAddr, path: &str) -> Resp {
     request(addr, "GET", path, &[], None).await

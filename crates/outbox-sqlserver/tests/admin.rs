@@ -481,3 +481,111 @@ async fn inbox_replay_without_the_outbox_row_fails_unless_clear_only() {
     assert!(!inbox.is_dead(foreign.id, "c").await.expect("cleared"));
     assert_eq!(count(&outbox, "inbox_failures").await, 0);
 }
+
+/// The dashboard's browsing queries, as `tests/browse.rs` of the PostgreSQL backend:
+/// keyset pages of each state, the bounded count, sent per minute.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs MSSQL_URL"]
+async fn listings_page_by_key_count_with_a_bound_and_bucket_sent_rows() {
+    use outbox_core::{MessageFilter, MessageState};
+    let url = common::mssql_url();
+    let outbox = common::fresh_outbox(&url).await;
+    let messages: Vec<NewMessage> = (0..25)
+        .map(|n| {
+            event(
+                &n.to_string(),
+                if n < 20 {
+                    "OrderPlaced"
+                } else {
+                    "OrderShipped"
+                },
+                Some(if n % 2 == 0 { "acme" } else { "globex" }),
+            )
+        })
+        .collect();
+    enqueue(&outbox, &messages).await;
+    exec(
+        &outbox,
+        "UPDATE {s}.outbox_messages SET status = 3, last_error = N'Unroutable: NO_ROUTE 100%'
+          WHERE seq IN (SELECT TOP (5) seq FROM {s}.outbox_messages ORDER BY seq);
+         UPDATE {s}.outbox_messages SET status = 1, sent_at = SYSUTCDATETIME()
+          WHERE seq IN (SELECT seq FROM {s}.outbox_messages ORDER BY seq OFFSET 5 ROWS FETCH NEXT 2 ROWS ONLY);
+         UPDATE {s}.outbox_messages SET status = 1, sent_at = DATEADD(second, -190, SYSUTCDATETIME())
+          WHERE seq IN (SELECT seq FROM {s}.outbox_messages ORDER BY seq OFFSET 7 ROWS FETCH NEXT 2 ROWS ONLY);",
+        &[],
+    )
+    .await;
+    let all = MessageFilter::new();
+    let mut seen = Vec::new();
+    let mut after = None;
+    loop {
+        let page = outbox
+            .list_messages(MessageState::Pending, &all, after, 5)
+            .await
+            .expect("page");
+        let Some(last) = page.last() else { break };
+        after = Some(last.cursor(MessageState::Pending));
+        seen.extend(page.iter().map(|m| m.seq));
+    }
+    assert_eq!(seen.len(), 16);
+    assert!(
+        seen.windows(2).all(|w| w[0] < w[1]),
+        "claim order: {seen:?}"
+    );
+    let dead = outbox
+        .list_messages(
+            MessageState::Dead,
+            &MessageFilter::new().with_error_containing("no_route 100%"),
+            None,
+            10,
+        )
+        .await
+        .expect("dead");
+    assert_eq!(dead.len(), 5);
+    assert!(dead.windows(2).all(|w| w[0].seq > w[1].seq), "newest first");
+    let second = outbox
+        .list_messages(
+            MessageState::Dead,
+            &all,
+            Some(dead[1].cursor(MessageState::Dead)),
+            10,
+        )
+        .await
+        .expect("dead page 2");
+    assert_eq!(
+        second.iter().map(|m| m.id).collect::<Vec<_>>(),
+        dead[2..].iter().map(|m| m.id).collect::<Vec<_>>()
+    );
+    let shipped = MessageFilter::new()
+        .with_event_type("OrderShipped")
+        .with_tenant("acme");
+    assert_eq!(
+        outbox
+            .list_messages(MessageState::Pending, &shipped, None, 100)
+            .await
+            .expect("filtered")
+            .len(),
+        3
+    );
+    let n = |state, filter, bound| {
+        let outbox = &outbox;
+        async move {
+            outbox
+                .count_messages(state, filter, bound)
+                .await
+                .expect("count")
+        }
+    };
+    assert_eq!(n(MessageState::Pending, &all, 1000).await, 16);
+    assert_eq!(n(MessageState::Pending, &all, 10).await, 10);
+    assert_eq!(n(MessageState::Sent, &all, 10).await, 4);
+    let series = outbox.sent_per_minute(60).await.expect("series");
+    assert_eq!(series.counts.len(), 60);
+    assert_eq!(series.counts[59], 2, "{:?}", series.counts);
+    assert_eq!(series.counts[56], 2, "{:?}", series.counts);
+    let sent = outbox
+        .list_messages(MessageState::Sent, &all, None, 10)
+        .await
+        .expect("sent");
+    assert_eq!(sent.len(), 4);
+}
