@@ -63,10 +63,10 @@ async fn every_page_at_a_million_pending_and_ten_thousand_dead() {
          SELECT gen_random_uuid(), 'order', 's' || g, 'Event1', '{}', 1, now() - (g % 3600) * interval '1 second'
            FROM generate_series(1, 60000) g",
     ).await;
-    exec(&db, &format!(
-        "INSERT INTO \"{{s}}\".inbox_failures (message_id, consumer, event_type, attempts, last_error, dead_at)
-         SELECT gen_random_uuid(), 'projection', 'Event' || (g % 10), 5, 'handler failed', now() FROM generate_series(1, 500) g"
-    )).await;
+    exec(&db,
+        "INSERT INTO \"{s}\".inbox_failures (message_id, consumer, event_type, attempts, last_error, dead_at)
+         SELECT gen_random_uuid(), 'projection', 'Event' || (g % 10), 5, 'handler failed', now() FROM generate_series(1, 500) g",
+    ).await;
     // PostgreSQL here runs with autovacuum off: statistics and the visibility map by hand.
     // One statement each: VACUUM cannot run in the implicit transaction of a batch.
     for table in ["outbox_messages", "inbox_failures"] {

@@ -135,9 +135,12 @@ pub(crate) async fn list(
     Ok(layout::page(&d, state.as_str(), state_label(state), body))
 }
 
+/// Which time of a row a listing shows.
+type TimeOf = fn(&MessageSummary) -> Option<DateTime<Utc>>;
+
 fn table(state: MessageState, rows: &[MessageSummary]) -> Markup {
     let dead = state == MessageState::Dead;
-    let (time_label, when): (&str, fn(&MessageSummary) -> Option<DateTime<Utc>>) = match state {
+    let (time_label, when): (&str, TimeOf) = match state {
         MessageState::Pending => ("Visible at", |m| Some(m.visible_at)),
         MessageState::Dead => ("Created", |m| Some(m.created_at)),
         MessageState::Sent => ("Sent at", |m| m.sent_at),
