@@ -255,6 +255,31 @@ impl MessageSummary {
     }
 }
 
+/// What the dashboard passes as `scan` to [`OutboxAdmin::list_messages`] and
+/// [`OutboxAdmin::count_messages`]: filtered listings and counts examine at most this
+/// many rows of a state per call.
+pub const DEFAULT_SCAN_BOUND: u64 = 100_000;
+
+/// One page of [`OutboxAdmin::list_messages`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct MessagePage {
+    /// The matching rows, in the state's order.
+    pub rows: Vec<MessageSummary>,
+    /// Where the next page starts: after the last row when the page is full, after the
+    /// last row examined when the scan bound came first; `None` when nothing follows.
+    pub next: Option<MessageCursor>,
+}
+
+/// What [`OutboxAdmin::count_messages`] counted.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct MessageCount {
+    /// Matching rows counted.
+    pub matching: u64,
+    /// Whether that is all of them: neither the count's bound nor the scan bound was
+    /// reached. When `false`, at least `matching` rows match.
+    pub exact: bool,
+}
+
 /// Messages sent per minute over a recent window ([`OutboxAdmin::sent_per_minute`]).
 #[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
 pub struct SentPerMinute {
@@ -415,13 +440,20 @@ pub trait OutboxAdmin: OutboxStore {
     /// One page of the outbox rows in `state` matching `filter` (its `ids`, time window
     /// on `created_at`, tenant, aggregate, event type and error text, as for
     /// [`OutboxStore::dead_letters`]), in the state's order ([`MessageState`]),
-    /// starting strictly after `after` (`None`: the first page), at most `limit` rows.
+    /// starting strictly after `after` (`None`: the first page), at most `limit` rows,
+    /// and the cursor that continues it ([`MessagePage::next`]).
     ///
     /// Implementations MUST page by key (`WHERE (at, seq) > cursor ORDER BY at, seq`,
     /// or `<` for the descending states), never by offset, and SHOULD walk an index
-    /// of the state so that any page of an unfiltered listing costs the same at a
-    /// million rows as at ten. Filters are applied to the rows walked: a selective filter
-    /// over a large state scans more of it.
+    /// of the state, so that any page costs the same at a million rows as at ten.
+    ///
+    /// With a filter set (any field of `filter`), implementations MUST examine at most
+    /// `scan` rows of the state after `after` (the *horizon*: the key of the `scan`-th
+    /// row, found on the index), so that a filter few rows match costs no more than
+    /// `scan` rows per call: when fewer than `limit` rows match before the horizon,
+    /// `next` is the horizon and the caller continues from there. An empty filter
+    /// examines only the rows it returns. `next` is `None` once the state has no rows
+    /// after those examined.
     ///
     /// # Errors
     /// [`OutboxError::Database`] on database failure.
@@ -431,12 +463,14 @@ pub trait OutboxAdmin: OutboxStore {
         filter: &MessageFilter,
         after: Option<MessageCursor>,
         limit: usize,
-    ) -> Result<Vec<MessageSummary>, OutboxError>;
+        scan: u64,
+    ) -> Result<MessagePage, OutboxError>;
 
-    /// How many rows in `state` match `filter`, counting at most `bound` (a result
-    /// equal to `bound` means "at least that many"). Implementations MUST stop at the
-    /// bound (`LIMIT`/`TOP` in a subquery), so the cost is bounded like
-    /// [`pending_stats`](Self::pending_stats)'.
+    /// How many rows in `state` match `filter`, bounded twice so that the cost is
+    /// bounded like [`pending_stats`](Self::pending_stats)': implementations MUST stop
+    /// counting at `bound` matching rows, and, with a filter set, MUST examine only the
+    /// first `scan` rows of the state in its order. [`MessageCount::exact`] says
+    /// whether neither bound was reached.
     ///
     /// # Errors
     /// [`OutboxError::Database`] on database failure.
@@ -445,7 +479,8 @@ pub trait OutboxAdmin: OutboxStore {
         state: MessageState,
         filter: &MessageFilter,
         bound: u64,
-    ) -> Result<u64, OutboxError>;
+        scan: u64,
+    ) -> Result<MessageCount, OutboxError>;
 
     /// Rows that went `Sent` per minute over the last `minutes` minutes, by `sent_at`
     /// and the database clock ([`SentPerMinute`]). Only rows still in the table are

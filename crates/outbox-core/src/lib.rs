@@ -76,8 +76,8 @@ pub mod transport_conformance;
 
 pub use admin::{
     GroupStats, InboxDeadFilter, InboxDeadKind, InboxDeadLetter, InboxReplayMode,
-    InboxReplayReport, MessageCursor, MessageState, MessageSummary, OutboxAdmin, ReconcileRow,
-    SentPerMinute,
+    InboxReplayReport, MessageCount, MessageCursor, MessagePage, MessageState, MessageSummary,
+    OutboxAdmin, ReconcileRow, SentPerMinute,
 };
 pub use consumer::{
     BatchDeliveryHandler, BatchSettings, Consumer, DeliveryHandler, HandlerDecision,

@@ -31,8 +31,8 @@ use crate::store::PgOutbox;
 
 use outbox_core::admin::{
     GroupStats, InboxDeadFilter, InboxDeadKind, InboxDeadLetter, InboxReplayMode,
-    InboxReplayReport, MessageCursor, MessageState, MessageSummary, PENDING_STATS_BOUND,
-    ReconcileRow, SentPerMinute,
+    InboxReplayReport, MessageCount, MessageCursor, MessagePage, MessageState, MessageSummary,
+    PENDING_STATS_BOUND, ReconcileRow, SentPerMinute,
 };
 
 /// Columns of the outbox archive (migration 4).
@@ -86,33 +86,75 @@ fn state_order(state: MessageState) -> (&'static str, &'static str, &'static str
     }
 }
 
-/// One page of a listing (`$1`-`$8` the filter, `$9` the limit, with a cursor `$10`
-/// time and `$11` seq). Two texts, with and without the cursor, rather than
-/// `$10 IS NULL OR ...`: the row comparison must be an index condition in every plan,
-/// a generic one included, so that a late page does not scan the pages before it.
-fn list_messages_sql(schema: &str, state: MessageState, with_cursor: bool) -> String {
+/// One page of a listing (`$1`-`$8` the filter, `$9` the limit; with a cursor, its
+/// time and seq next (`$10`, `$11`); with a horizon, its time and seq after those).
+/// The texts differ by cursor and horizon rather than `$10 IS NULL OR ...`: the row
+/// comparisons must be index conditions in every plan, a generic one included, so that
+/// a late page does not scan the pages before it.
+fn list_messages_sql(
+    schema: &str,
+    state: MessageState,
+    with_cursor: bool,
+    with_horizon: bool,
+) -> String {
     let s = quoted_schema(schema);
     let (phase, at, cmp) = state_order(state);
     let dir = if cmp == ">" { "" } else { " DESC" };
-    let cursor = if with_cursor {
-        format!(" AND ({at}, m.seq) {cmp} ($10, $11)")
-    } else {
-        String::new()
-    };
+    let mut bounds = String::new();
+    let mut n = 10;
+    if with_cursor {
+        bounds.push_str(&format!(" AND ({at}, m.seq) {cmp} (${n}, ${})", n + 1));
+        n += 2;
+    }
+    if with_horizon {
+        let up_to = if cmp == ">" { "<=" } else { ">=" };
+        bounds.push_str(&format!(" AND ({at}, m.seq) {up_to} (${n}, ${})", n + 1));
+    }
     format!(
         "SELECT {SUMMARY_COLUMNS} FROM {s}.outbox_messages m
-          WHERE {phase} AND {LIST_FILTER}{cursor}
+          WHERE {phase} AND {LIST_FILTER}{bounds}
           ORDER BY {at}{dir}, m.seq{dir} LIMIT $9"
     )
 }
 
-/// The bounded count (`$1`-`$8` the filter, `$9` the bound).
-fn count_messages_sql(schema: &str, state: MessageState) -> String {
+/// The horizon of a filtered listing: the order key of the row `OFFSET` rows after the
+/// cursor (`$1` time and `$2` seq with a cursor, then the offset; else `$1` the
+/// offset), on the state's index; no row when the state ends before.
+fn horizon_sql(schema: &str, state: MessageState, with_cursor: bool) -> String {
     let s = quoted_schema(schema);
-    let (phase, _, _) = state_order(state);
+    let (phase, at, cmp) = state_order(state);
+    let dir = if cmp == ">" { "" } else { " DESC" };
+    let (cursor, offset) = if with_cursor {
+        (format!(" AND ({at}, m.seq) {cmp} ($1, $2)"), "$3")
+    } else {
+        (String::new(), "$1")
+    };
     format!(
-        "SELECT count(*) FROM (SELECT 1 FROM {s}.outbox_messages m
-          WHERE {phase} AND {LIST_FILTER} LIMIT $9) c"
+        "SELECT {at}, m.seq FROM {s}.outbox_messages m WHERE {phase}{cursor}
+          ORDER BY {at}{dir}, m.seq{dir} OFFSET {offset} LIMIT 1"
+    )
+}
+
+/// The bounded count (`$1`-`$8` the filter, `$9` the bound): unfiltered, the rows of
+/// the state up to the bound (no filter column is read); filtered, the matching rows
+/// among the first `$9` (the scan bound) of the state in its order, and how many were
+/// examined.
+fn count_messages_sql(schema: &str, state: MessageState, filtered: bool) -> String {
+    let s = quoted_schema(schema);
+    let (phase, at, cmp) = state_order(state);
+    if !filtered {
+        return format!(
+            "SELECT count(*), count(*) FROM (SELECT 1 FROM {s}.outbox_messages m
+              WHERE {phase} AND {LIST_FILTER} LIMIT $9) c"
+        );
+    }
+    let dir = if cmp == ">" { "" } else { " DESC" };
+    format!(
+        "SELECT count(*) FILTER (WHERE {LIST_FILTER}), count(*) FROM (
+             SELECT m.id, m.created_at, m.tenant_id, m.aggregate_type, m.aggregate_id,
+                    m.event_type, m.last_error
+               FROM {s}.outbox_messages m WHERE {phase}
+              ORDER BY {at}{dir}, m.seq{dir} LIMIT $9) m"
     )
 }
 
@@ -629,7 +671,8 @@ impl OutboxAdmin for PgOutbox {
 
     /// One page of `state` in its order (see [`MessageState`]), keyset-paged along the
     /// state's partial index: `outbox_messages_pending (visible_at, seq)`,
-    /// `outbox_messages_dead (created_at)` and `outbox_messages_sent (sent_at)`.
+    /// `outbox_messages_dead (created_at)` and `outbox_messages_sent (sent_at)`. A
+    /// filtered page first finds its horizon, `scan` rows on, on the same index.
     ///
     /// # Errors
     /// [`OutboxError::Database`] on database failure.
@@ -639,16 +682,34 @@ impl OutboxAdmin for PgOutbox {
         filter: &MessageFilter,
         after: Option<MessageCursor>,
         limit_rows: usize,
-    ) -> Result<Vec<MessageSummary>, OutboxError> {
+        scan: u64,
+    ) -> Result<MessagePage, OutboxError> {
         const OP: &str = "list_messages";
-        let sql = list_messages_sql(self.schema(), state, after.is_some());
-        let mut query =
-            bind_message_filter(sqlx::query(AssertSqlSafe(sql)), filter).bind(limit(limit_rows));
-        if let Some(c) = after {
+        let horizon = if *filter == MessageFilter::new() {
+            None
+        } else {
+            let offset = i64::try_from(scan.saturating_sub(1)).unwrap_or(i64::MAX);
+            let sql = horizon_sql(self.schema(), state, after.is_some());
+            let mut query = sqlx::query_as::<_, (DateTime<Utc>, i64)>(AssertSqlSafe(sql));
+            if let Some(c) = after {
+                query = query.bind(c.at).bind(c.seq);
+            }
+            query
+                .bind(offset)
+                .fetch_optional(self.pool())
+                .await
+                .map_err(db(OP))?
+                .map(|(at, seq)| MessageCursor { at, seq })
+        };
+        let sql = list_messages_sql(self.schema(), state, after.is_some(), horizon.is_some());
+        let mut query = bind_message_filter(sqlx::query(AssertSqlSafe(sql)), filter)
+            .bind(limit(limit_rows.saturating_add(1)));
+        for c in [after, horizon].into_iter().flatten() {
             query = query.bind(c.at).bind(c.seq);
         }
         let rows = query.fetch_all(self.pool()).await.map_err(db(OP))?;
-        rows.iter()
+        let mut rows = rows
+            .iter()
             .map(|r| {
                 let status: i16 = r.try_get(2).map_err(db(OP))?;
                 Ok(MessageSummary {
@@ -666,11 +727,19 @@ impl OutboxAdmin for PgOutbox {
                     last_error: r.try_get(11).map_err(db(OP))?,
                 })
             })
-            .collect()
+            .collect::<Result<Vec<_>, OutboxError>>()?;
+        let next = if rows.len() > limit_rows {
+            rows.truncate(limit_rows);
+            rows.last().map(|m| m.cursor(state))
+        } else {
+            horizon
+        };
+        Ok(MessagePage { rows, next })
     }
 
-    /// Counts at most `bound` rows of `state` matching `filter` (a `LIMIT` in a
-    /// subquery over the state's partial index).
+    /// Counts at most `bound` rows of `state` matching `filter`: unfiltered, a `LIMIT`
+    /// in a subquery over the state's partial index; filtered, among the first `scan`
+    /// rows of that index.
     ///
     /// # Errors
     /// [`OutboxError::Database`] on database failure.
@@ -679,17 +748,28 @@ impl OutboxAdmin for PgOutbox {
         state: MessageState,
         filter: &MessageFilter,
         bound: u64,
-    ) -> Result<u64, OutboxError> {
-        let n: i64 = bind_message_filter(
-            sqlx::query(AssertSqlSafe(count_messages_sql(self.schema(), state))),
+        scan: u64,
+    ) -> Result<MessageCount, OutboxError> {
+        let filtered = *filter != MessageFilter::new();
+        let stop = if filtered { scan } else { bound };
+        let (matching, examined): (i64, i64) = bind_message_filter(
+            sqlx::query(AssertSqlSafe(count_messages_sql(
+                self.schema(),
+                state,
+                filtered,
+            ))),
             filter,
         )
-        .bind(i64::try_from(bound).unwrap_or(i64::MAX))
+        .bind(i64::try_from(stop).unwrap_or(i64::MAX))
         .fetch_one(self.pool())
         .await
-        .and_then(|r| r.try_get(0))
+        .and_then(|r| Ok((r.try_get(0)?, r.try_get(1)?)))
         .map_err(db("count_messages"))?;
-        Ok(count(n))
+        let (matching, examined) = (count(matching), count(examined));
+        Ok(MessageCount {
+            matching: matching.min(bound),
+            exact: matching < bound && examined < stop,
+        })
     }
 
     /// Sent rows per minute over the last `minutes` minutes, through the sent index.
@@ -741,23 +821,61 @@ mod tests {
 
     #[test]
     fn listings_page_by_key_along_each_state_index() {
-        let pending = squash(&list_messages_sql("outbox", MessageState::Pending, true));
+        let pending = squash(&list_messages_sql(
+            "outbox",
+            MessageState::Pending,
+            true,
+            true,
+        ));
         assert!(pending.contains("WHERE m.phase = 0 AND ($1::uuid[] IS NULL"));
         assert!(pending.contains(
-            "AND (m.visible_at, m.seq) > ($10, $11) ORDER BY m.visible_at, m.seq LIMIT $9"
+            "AND (m.visible_at, m.seq) > ($10, $11) AND (m.visible_at, m.seq) <= ($12, $13) ORDER BY m.visible_at, m.seq LIMIT $9"
         ));
-        let dead = squash(&list_messages_sql("outbox", MessageState::Dead, true));
+        let horizon_only = squash(&list_messages_sql(
+            "outbox",
+            MessageState::Pending,
+            false,
+            true,
+        ));
+        assert!(horizon_only.contains("AND (m.visible_at, m.seq) <= ($10, $11) ORDER BY"));
+        let dead = squash(&list_messages_sql(
+            "outbox",
+            MessageState::Dead,
+            true,
+            false,
+        ));
         assert!(dead.contains(
             "AND (m.created_at, m.seq) < ($10, $11) ORDER BY m.created_at DESC, m.seq DESC LIMIT $9"
         ));
-        let sent = squash(&list_messages_sql("outbox", MessageState::Sent, false));
+        let dead_h = squash(&list_messages_sql(
+            "outbox",
+            MessageState::Dead,
+            false,
+            true,
+        ));
+        assert!(dead_h.contains("AND (m.created_at, m.seq) >= ($10, $11) ORDER BY"));
+        let sent = squash(&list_messages_sql(
+            "outbox",
+            MessageState::Sent,
+            false,
+            false,
+        ));
         assert!(sent.contains("WHERE m.phase = 1 AND"));
         assert!(sent.ends_with("ORDER BY m.sent_at DESC, m.seq DESC LIMIT $9"));
         assert!(!sent.contains("$10"), "no cursor on the first page");
-        let count = squash(&count_messages_sql("outbox", MessageState::Dead));
+        let horizon = squash(&horizon_sql("outbox", MessageState::Pending, true));
+        assert!(horizon.contains(
+            "WHERE m.phase = 0 AND (m.visible_at, m.seq) > ($1, $2) ORDER BY m.visible_at, m.seq OFFSET $3 LIMIT 1"
+        ));
+        let horizon = squash(&horizon_sql("outbox", MessageState::Sent, false));
+        assert!(horizon.ends_with("ORDER BY m.sent_at DESC, m.seq DESC OFFSET $1 LIMIT 1"));
+        let count = squash(&count_messages_sql("outbox", MessageState::Dead, false));
         assert!(count.starts_with(
-            "SELECT count(*) FROM (SELECT 1 FROM \"outbox\".outbox_messages m WHERE m.phase = 3 AND"
+            "SELECT count(*), count(*) FROM (SELECT 1 FROM \"outbox\".outbox_messages m WHERE m.phase = 3 AND"
         ));
         assert!(count.ends_with("LIMIT $9) c"));
+        let scanned = squash(&count_messages_sql("outbox", MessageState::Pending, true));
+        assert!(scanned.starts_with("SELECT count(*) FILTER (WHERE ($1::uuid[] IS NULL"));
+        assert!(scanned.ends_with("WHERE m.phase = 0 ORDER BY m.visible_at, m.seq LIMIT $9) m"));
     }
 }

@@ -7,6 +7,9 @@ use std::collections::BTreeSet;
 
 use common::{enqueue_committed, fresh_outbox};
 use outbox_core::{MessageFilter, MessageState, NewMessage, OutboxAdmin as _};
+
+/// The scan bound of these tests' listings (large: the scan bound has its own test).
+const SCAN: u64 = 100_000;
 use uuid::Uuid;
 
 fn event(n: i64, event_type: &str) -> NewMessage {
@@ -60,13 +63,15 @@ async fn listings_page_by_key_count_with_a_bound_and_bucket_sent_rows() {
     let mut after = None;
     loop {
         let page = db
-            .list_messages(MessageState::Pending, &all, after, 5)
+            .list_messages(MessageState::Pending, &all, after, 5, SCAN)
             .await
             .expect("page");
-        assert!(page.len() <= 5);
-        let Some(last) = page.last() else { break };
-        after = Some(last.cursor(MessageState::Pending));
-        seen.extend(page.iter().map(|m| m.seq));
+        assert!(page.rows.len() <= 5);
+        seen.extend(page.rows.iter().map(|m| m.seq));
+        match page.next {
+            Some(next) => after = Some(next),
+            None => break,
+        }
     }
     assert_eq!(seen.len(), 16);
     assert!(
@@ -81,9 +86,11 @@ async fn listings_page_by_key_count_with_a_bound_and_bucket_sent_rows() {
             &MessageFilter::new().with_error_containing("no_route 100%"),
             None,
             10,
+            SCAN,
         )
         .await
-        .expect("dead");
+        .expect("dead")
+        .rows;
     assert_eq!(dead.len(), 5);
     assert!(dead.windows(2).all(|w| w[0].seq > w[1].seq));
     let second = db
@@ -92,9 +99,11 @@ async fn listings_page_by_key_count_with_a_bound_and_bucket_sent_rows() {
             &all,
             Some(dead[1].cursor(MessageState::Dead)),
             10,
+            SCAN,
         )
         .await
-        .expect("dead page 2");
+        .expect("dead page 2")
+        .rows;
     assert_eq!(
         second.iter().map(|m| m.id).collect::<Vec<Uuid>>(),
         dead[2..].iter().map(|m| m.id).collect::<Vec<_>>()
@@ -105,19 +114,21 @@ async fn listings_page_by_key_count_with_a_bound_and_bucket_sent_rows() {
             &MessageFilter::new().with_error_containing("no_route 1000"),
             None,
             10,
+            SCAN,
         )
         .await
         .expect("dead");
-    assert!(none.is_empty());
+    assert!(none.rows.is_empty() && none.next.is_none());
 
     // Filters by event type and tenant; counts stop at the bound.
     let shipped = MessageFilter::new()
         .with_event_type("OrderShipped")
         .with_tenant("acme");
     let rows = db
-        .list_messages(MessageState::Pending, &shipped, None, 100)
+        .list_messages(MessageState::Pending, &shipped, None, 100, SCAN)
         .await
-        .expect("filtered");
+        .expect("filtered")
+        .rows;
     let want: BTreeSet<i64> = [20, 22, 24].into();
     assert_eq!(
         rows.iter()
@@ -125,30 +136,58 @@ async fn listings_page_by_key_count_with_a_bound_and_bucket_sent_rows() {
             .collect::<BTreeSet<_>>(),
         want
     );
-    assert_eq!(
-        db.count_messages(MessageState::Pending, &all, 1000)
+    let count = |state, filter, bound| {
+        let db = &db;
+        async move {
+            let c = db
+                .count_messages(state, filter, bound, SCAN)
+                .await
+                .expect("count");
+            (c.matching, c.exact)
+        }
+    };
+    assert_eq!(count(MessageState::Pending, &all, 1000).await, (16, true));
+    assert_eq!(count(MessageState::Pending, &all, 10).await, (10, false));
+    assert_eq!(count(MessageState::Sent, &all, 10).await, (4, true));
+    assert_eq!(count(MessageState::Pending, &shipped, 10).await, (3, true));
+
+    // The scan bound: a filter only the last rows match, 4 rows examined per call. The
+    // pages come back short, each continuing from the last row examined, and together
+    // hold every match once.
+    let late = MessageFilter::new().with_event_type("OrderShipped");
+    let mut found = Vec::new();
+    let mut after = None;
+    let mut calls = 0;
+    loop {
+        calls += 1;
+        let page = db
+            .list_messages(MessageState::Pending, &late, after, 10, 4)
             .await
-            .expect("count"),
-        16
-    );
+            .expect("bounded page");
+        assert!(page.rows.iter().all(|m| m.event_type == "OrderShipped"));
+        found.extend(page.rows.iter().map(|m| m.seq));
+        match page.next {
+            Some(next) => after = Some(next),
+            None => break,
+        }
+    }
+    assert_eq!(found.len(), 5, "{found:?}");
+    // 16 pending rows, 4 examined per call; the fifth call finds the end.
+    assert_eq!(calls, 5);
+    let counted = db
+        .count_messages(MessageState::Pending, &late, 1000, 4)
+        .await
+        .expect("count");
     assert_eq!(
-        db.count_messages(MessageState::Pending, &all, 10)
-            .await
-            .expect("count"),
-        10
+        (counted.matching, counted.exact),
+        (0, false),
+        "only the first 4 rows examined"
     );
-    assert_eq!(
-        db.count_messages(MessageState::Sent, &all, 10)
-            .await
-            .expect("count"),
-        4
-    );
-    assert_eq!(
-        db.count_messages(MessageState::Pending, &shipped, 10)
-            .await
-            .expect("count"),
-        3
-    );
+    let counted = db
+        .count_messages(MessageState::Pending, &late, 1000, 100)
+        .await
+        .expect("count");
+    assert_eq!((counted.matching, counted.exact), (5, true));
 
     // Sent: two in the minute just ended, two three minutes before.
     let series = db.sent_per_minute(60).await.expect("series");
@@ -157,9 +196,10 @@ async fn listings_page_by_key_count_with_a_bound_and_bucket_sent_rows() {
     assert_eq!(series.counts[56], 2, "{:?}", series.counts);
     assert_eq!(series.counts.iter().sum::<u64>(), 4);
     let sent = db
-        .list_messages(MessageState::Sent, &all, None, 10)
+        .list_messages(MessageState::Sent, &all, None, 10, SCAN)
         .await
-        .expect("sent");
+        .expect("sent")
+        .rows;
     assert_eq!(sent.len(), 4);
     assert!(sent[0].sent_at >= sent[3].sent_at, "most recent first");
 

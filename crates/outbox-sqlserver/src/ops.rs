@@ -35,8 +35,8 @@ use crate::store::{FilterParams, MssqlOutbox};
 
 use outbox_core::admin::{
     GroupStats, InboxDeadFilter, InboxDeadKind, InboxDeadLetter, InboxReplayMode,
-    InboxReplayReport, MessageCursor, MessageState, MessageSummary, PENDING_STATS_BOUND,
-    ReconcileRow, SentPerMinute,
+    InboxReplayReport, MessageCount, MessageCursor, MessagePage, MessageState, MessageSummary,
+    PENDING_STATS_BOUND, ReconcileRow, SentPerMinute,
 };
 
 /// The most rows one bulk statement touches (archive moves, completions, purges,
@@ -482,77 +482,176 @@ fn summary_columns(alias: &str) -> String {
         .join(", ")
 }
 
-/// One listing branch over one filtered index: rows of `status` (`status_pred` on `c`)
-/// matching the filter and after the cursor (`@P10` time, `@P11` seq, when
-/// `with_cursor`), `TOP (@P9)` in `(at, seq)` order (`cmp` `>` ascending, `<`
-/// descending). The cursor is spelled as `at > @P10 OR (at = @P10 AND seq > @P11)`:
-/// T-SQL has no row comparison.
-fn list_branch(t: &str, status_pred: &str, at: &str, cmp: &str, with_cursor: bool) -> String {
-    let dir = if cmp == ">" { "" } else { " DESC" };
-    let cursor = if with_cursor {
-        format!(" AND (m.{at} {cmp} @P10 OR (m.{at} = @P10 AND m.seq {cmp} @P11))")
-    } else {
-        String::new()
-    };
-    format!(
-        "SELECT TOP (@P9) {} FROM {t} AS m WITH (READPAST)
-          WHERE {status_pred} AND {LIST_FILTER}{cursor}
-          ORDER BY m.{at}{dir}, m.seq{dir}",
-        summary_columns("m")
-    )
+/// The key bounds of a listing branch over `m`: after the cursor (`@P{c}` time,
+/// `@P{c+1}` seq), up to the horizon inclusive (`@P{h}`, `@P{h+1}`), in the direction
+/// `cmp` (`>` ascending, `<` descending). T-SQL has no row comparison, so
+/// `(at, seq) > (t, s)` is spelled `at > t OR (at = t AND seq > s)`.
+fn key_bounds(at: &str, cmp: &str, cursor: Option<usize>, horizon: Option<usize>) -> String {
+    let mut out = String::new();
+    if let Some(c) = cursor {
+        out.push_str(&format!(
+            " AND (m.{at} {cmp} @P{c} OR (m.{at} = @P{c} AND m.seq {cmp} @P{}))",
+            c + 1
+        ));
+    }
+    if let Some(h) = horizon {
+        let (strict, upto) = if cmp == ">" { ("<", "<=") } else { (">", ">=") };
+        out.push_str(&format!(
+            " AND (m.{at} {strict} @P{h} OR (m.{at} = @P{h} AND m.seq {upto} @P{}))",
+            h + 1
+        ));
+    }
+    out
 }
 
-/// One page of a listing (`@P1`-`@P8` the filter, `@P9` the limit, `@P10`/`@P11` the
-/// cursor when `with_cursor`). Each status is read through its filtered index: Pending
-/// merges `status = 0` (`claim_new (visible_at, seq)`) and `status = 9` (few rows, found
-/// through `claim_expired`) by `(visible_at, seq)`, as `pending_stats` does; Dead walks
-/// `dead (created_at)` and Sent `sent (sent_at)` backwards. `READPAST`: a listing never
-/// waits on a lock (rows being claimed or enqueued at that instant are not shown).
-/// `OPTION (RECOMPILE)`: catch-all filters.
-fn list_messages_sql(schema: &str, state: MessageState, with_cursor: bool) -> String {
-    let t = format!("{}.outbox_messages", quoted_schema(schema));
-    let cols = summary_columns("x");
+/// The state's status predicates (one per filtered index), order column and
+/// direction.
+fn state_order(state: MessageState) -> (&'static [&'static str], &'static str, &'static str) {
     match state {
-        MessageState::Pending => format!(
-            "SELECT TOP (@P9) {cols} FROM (
-    SELECT n.* FROM ({}) AS n
-    UNION ALL
-    SELECT p.* FROM ({}) AS p
-) AS x
- ORDER BY x.visible_at, x.seq
-OPTION (RECOMPILE)",
-            list_branch(&t, "m.status = 0", "visible_at", ">", with_cursor),
-            list_branch(&t, "m.status = 9", "visible_at", ">", with_cursor),
-        ),
-        MessageState::Dead => format!(
-            "SELECT {cols} FROM ({}) AS x
- ORDER BY x.created_at DESC, x.seq DESC
-OPTION (RECOMPILE)",
-            list_branch(&t, "m.status = 3", "created_at", "<", with_cursor)
-        ),
-        MessageState::Sent => format!(
-            "SELECT {cols} FROM ({}) AS x
- ORDER BY x.sent_at DESC, x.seq DESC
-OPTION (RECOMPILE)",
-            list_branch(&t, "m.status = 1", "sent_at", "<", with_cursor)
-        ),
+        MessageState::Pending => (&["m.status = 0", "m.status = 9"], "visible_at", ">"),
+        MessageState::Dead => (&["m.status = 3"], "created_at", "<"),
+        MessageState::Sent => (&["m.status = 1"], "sent_at", "<"),
     }
 }
 
-/// The bounded count (`@P1`-`@P8` the filter, `@P9` the bound), `READPAST` like the
-/// listing.
-fn count_messages_sql(schema: &str, state: MessageState) -> String {
-    let t = format!("{}.outbox_messages", quoted_schema(schema));
-    let status = match state {
-        MessageState::Pending => "m.status IN (0, 9)",
-        MessageState::Dead => "m.status = 3",
-        MessageState::Sent => "m.status = 1",
+/// `cols` of the first `top` rows of `state` in its order that pass `pred` (after the
+/// `bounds`), as a derived table's body: each status through its filtered index, two
+/// branches (New, Processing) merged for Pending as `pending_stats` does. `READPAST`:
+/// never waits on a lock (rows being claimed or enqueued at that instant are passed).
+fn window(t: &str, state: MessageState, cols: &str, pred: &str, bounds: &str, top: &str) -> String {
+    let (statuses, at, cmp) = state_order(state);
+    let dir = if cmp == ">" { "" } else { " DESC" };
+    let branch = |status: &str| {
+        format!(
+            "SELECT TOP ({top}) {cols} FROM {t} AS m WITH (READPAST)
+          WHERE {status}{pred}{bounds}
+          ORDER BY m.{at}{dir}, m.seq{dir}"
+        )
     };
+    let all_cols: Vec<&str> = cols
+        .split(", ")
+        .map(|c| c.trim_start_matches("m."))
+        .collect();
+    let x_cols = all_cols
+        .iter()
+        .map(|c| format!("x.{c}"))
+        .collect::<Vec<_>>()
+        .join(", ");
+    let merged = statuses
+        .iter()
+        .enumerate()
+        .map(|(i, status)| format!("SELECT b{i}.* FROM ({}) AS b{i}", branch(status)))
+        .collect::<Vec<_>>()
+        .join("\n    UNION ALL\n    ");
     format!(
-        "SELECT COUNT_BIG(*) AS n FROM (
-    SELECT TOP (@P9) m.seq FROM {t} AS m WITH (READPAST)
-     WHERE {status} AND {LIST_FILTER}) AS c
-OPTION (RECOMPILE)"
+        "SELECT TOP ({top}) {x_cols} FROM (
+    {merged}
+) AS x
+ ORDER BY x.{at}{dir}, x.seq{dir}"
+    )
+}
+
+/// One page of a listing (`@P1`-`@P8` the filter, `@P9` the limit; with a cursor its
+/// time and seq at `@P10`, `@P11`; with a horizon its time and seq next). The state's
+/// order comes from the outer `ORDER BY`. `OPTION (RECOMPILE)`: catch-all filters.
+fn list_messages_sql(
+    schema: &str,
+    state: MessageState,
+    with_cursor: bool,
+    with_horizon: bool,
+) -> String {
+    let t = format!("{}.outbox_messages", quoted_schema(schema));
+    let (_, at, cmp) = state_order(state);
+    let cursor = with_cursor.then_some(10);
+    let horizon = with_horizon.then_some(if with_cursor { 12 } else { 10 });
+    let bounds = key_bounds(at, cmp, cursor, horizon);
+    format!(
+        "{}
+OPTION (RECOMPILE)",
+        window(
+            &t,
+            state,
+            &summary_columns("m"),
+            &format!(" AND {LIST_FILTER}"),
+            &bounds,
+            "@P9"
+        )
+    )
+}
+
+/// The horizon of a filtered listing: the order key (`at`, `seq`) of the `@P{k+1}`-th
+/// row (an offset, the scan bound less one) after the cursor (`@P1`, `@P2` when
+/// `with_cursor`), with `@P{k}` the scan bound as the branches' `TOP`; no row when the
+/// state ends before.
+fn horizon_sql(schema: &str, state: MessageState, with_cursor: bool) -> String {
+    let t = format!("{}.outbox_messages", quoted_schema(schema));
+    let (_, at, cmp) = state_order(state);
+    let dir = if cmp == ">" { "" } else { " DESC" };
+    let bounds = key_bounds(at, cmp, with_cursor.then_some(1), None);
+    let k = if with_cursor { 3 } else { 1 };
+    format!(
+        "SELECT w.{at} AS at, w.seq FROM (
+{}
+) AS w
+ ORDER BY w.{at}{dir}, w.seq{dir}
+OFFSET @P{} ROWS FETCH NEXT 1 ROWS ONLY",
+        window(
+            &t,
+            state,
+            &format!("m.{at}, m.seq"),
+            "",
+            &bounds,
+            &format!("@P{k}")
+        ),
+        k + 1
+    )
+}
+
+/// The bounded count (`@P1`-`@P8` the filter, `@P9` the bound or the scan):
+/// unfiltered, the rows of the state up to the bound; filtered, the matching rows among
+/// the first `@P9` of the state in its order, and how many were examined (the window
+/// is read twice: T-SQL cannot aggregate over a subquery, which the id filter is).
+fn count_messages_sql(schema: &str, state: MessageState, filtered: bool) -> String {
+    let t = format!("{}.outbox_messages", quoted_schema(schema));
+    let (_, at, _) = state_order(state);
+    if !filtered {
+        return format!(
+            "SELECT COUNT_BIG(*) AS n, COUNT_BIG(*) AS examined FROM (
+{}
+) AS c
+OPTION (RECOMPILE)",
+            window(
+                &t,
+                state,
+                &format!("m.seq, m.{at}"),
+                &format!(" AND {LIST_FILTER}"),
+                "",
+                "@P9"
+            )
+        );
+    }
+    // The filter's columns, the order key once (created_at is both for Dead).
+    let mut cols = vec!["m.id".to_owned(), "m.seq".to_owned(), format!("m.{at}")];
+    for c in [
+        "created_at",
+        "tenant_id",
+        "aggregate_type",
+        "aggregate_id",
+        "event_type",
+        "last_error",
+    ] {
+        if c != at {
+            cols.push(format!("m.{c}"));
+        }
+    }
+    format!(
+        "WITH w AS (
+{}
+)
+SELECT (SELECT COUNT_BIG(*) FROM w AS m WHERE {LIST_FILTER}) AS n,
+       (SELECT COUNT_BIG(*) FROM w) AS examined
+OPTION (RECOMPILE)",
+        window(&t, state, &cols.join(", "), "", "", "@P9")
     )
 }
 
@@ -994,7 +1093,8 @@ impl OutboxAdmin for MssqlOutbox {
     }
 
     /// One page of `state` in its order (see [`MessageState`]), keyset-paged along the
-    /// state's filtered indexes, read `READPAST` (see `list_messages_sql`).
+    /// state's filtered indexes, read `READPAST` (see `list_messages_sql`); a filtered
+    /// page first finds its horizon, `scan` rows on, on the same indexes.
     ///
     /// # Errors
     /// [`OutboxError::Database`] on database failure.
@@ -1004,20 +1104,42 @@ impl OutboxAdmin for MssqlOutbox {
         filter: &MessageFilter,
         after: Option<MessageCursor>,
         limit_rows: usize,
-    ) -> Result<Vec<MessageSummary>, OutboxError> {
+        scan: u64,
+    ) -> Result<MessagePage, OutboxError> {
         const OP: &str = "list_messages";
-        let f = FilterParams::new(filter)?;
-        let n = limit(limit_rows);
         let cursor = after.map(|c| (c.at.naive_utc(), c.seq));
+        let horizon = if *filter == MessageFilter::new() {
+            None
+        } else {
+            let top = i64::try_from(scan.max(1)).unwrap_or(i64::MAX);
+            let offset = top - 1;
+            let mut params: Vec<&dyn ToSql> = Vec::new();
+            if let Some((at, seq)) = &cursor {
+                params.push(at);
+                params.push(seq);
+            }
+            params.push(&top);
+            params.push(&offset);
+            let sql = horizon_sql(self.schema(), state, cursor.is_some());
+            let rows = self.pool().rows(OP, &sql, &params).await?;
+            rows.last()
+                .map(|r| -> Result<_, OutboxError> {
+                    Ok((need::<NaiveDateTime>(r, 0, OP)?, need::<i64>(r, 1, OP)?))
+                })
+                .transpose()?
+        };
+        let f = FilterParams::new(filter)?;
+        let n = limit(limit_rows.saturating_add(1));
         let mut params: Vec<&dyn ToSql> = f.params().to_vec();
         params.push(&n);
-        if let Some((at, seq)) = &cursor {
+        for (at, seq) in [&cursor, &horizon].into_iter().flatten() {
             params.push(at);
             params.push(seq);
         }
-        let sql = list_messages_sql(self.schema(), state, cursor.is_some());
+        let sql = list_messages_sql(self.schema(), state, cursor.is_some(), horizon.is_some());
         let rows = self.pool().rows(OP, &sql, &params).await?;
-        rows.iter()
+        let mut rows = rows
+            .iter()
             .map(|r| {
                 let text = |i: usize| -> Result<Option<String>, OutboxError> {
                     Ok(r.try_get::<&str, _>(i).map_err(db(OP))?.map(str::to_owned))
@@ -1042,11 +1164,21 @@ impl OutboxAdmin for MssqlOutbox {
                     last_error: text(11)?,
                 })
             })
-            .collect()
+            .collect::<Result<Vec<_>, OutboxError>>()?;
+        let next = if rows.len() > limit_rows {
+            rows.truncate(limit_rows);
+            rows.last().map(|m| m.cursor(state))
+        } else {
+            horizon.map(|(at, seq)| MessageCursor {
+                at: at.and_utc(),
+                seq,
+            })
+        };
+        Ok(MessagePage { rows, next })
     }
 
     /// Counts at most `bound` rows of `state` matching `filter` (`TOP` in a derived
-    /// table), read `READPAST`.
+    /// table); filtered, among the first `scan` rows of the state. Read `READPAST`.
     ///
     /// # Errors
     /// [`OutboxError::Database`] on database failure.
@@ -1055,21 +1187,31 @@ impl OutboxAdmin for MssqlOutbox {
         state: MessageState,
         filter: &MessageFilter,
         bound: u64,
-    ) -> Result<u64, OutboxError> {
+        scan: u64,
+    ) -> Result<MessageCount, OutboxError> {
         const OP: &str = "count_messages";
+        let filtered = *filter != MessageFilter::new();
+        let stop = if filtered { scan } else { bound };
         let f = FilterParams::new(filter)?;
-        let bound = i64::try_from(bound).unwrap_or(i64::MAX);
+        let top = i64::try_from(stop).unwrap_or(i64::MAX);
         let mut params: Vec<&dyn ToSql> = f.params().to_vec();
-        params.push(&bound);
+        params.push(&top);
         let rows = self
             .pool()
-            .rows(OP, &count_messages_sql(self.schema(), state), &params)
+            .rows(
+                OP,
+                &count_messages_sql(self.schema(), state, filtered),
+                &params,
+            )
             .await?;
-        Ok(rows
-            .last()
-            .map(|r| count_at(r, 0, OP))
-            .transpose()?
-            .unwrap_or(0))
+        let (matching, examined) = match rows.last() {
+            Some(r) => (count_at(r, 0, OP)?, count_at(r, 1, OP)?),
+            None => (0, 0),
+        };
+        Ok(MessageCount {
+            matching: matching.min(bound),
+            exact: matching < bound && examined < stop,
+        })
     }
 
     /// Sent rows per minute over the last `minutes` minutes (server clock, the `sent`
@@ -1129,25 +1271,44 @@ mod tests {
             ("inbox_replay", inbox_replay_sql(schema)),
             (
                 "list_pending",
-                list_messages_sql(schema, MessageState::Pending, false),
+                list_messages_sql(schema, MessageState::Pending, false, false),
             ),
             (
-                "list_pending_after",
-                list_messages_sql(schema, MessageState::Pending, true),
+                "list_pending_after_to_horizon",
+                list_messages_sql(schema, MessageState::Pending, true, true),
+            ),
+            (
+                "list_pending_to_horizon",
+                list_messages_sql(schema, MessageState::Pending, false, true),
             ),
             (
                 "list_dead_after",
-                list_messages_sql(schema, MessageState::Dead, true),
+                list_messages_sql(schema, MessageState::Dead, true, false),
             ),
             (
                 "list_sent",
-                list_messages_sql(schema, MessageState::Sent, false),
+                list_messages_sql(schema, MessageState::Sent, false, false),
+            ),
+            (
+                "horizon_pending_after",
+                horizon_sql(schema, MessageState::Pending, true),
+            ),
+            (
+                "horizon_dead",
+                horizon_sql(schema, MessageState::Dead, false),
             ),
             (
                 "count_pending",
-                count_messages_sql(schema, MessageState::Pending),
+                count_messages_sql(schema, MessageState::Pending, false),
             ),
-            ("count_dead", count_messages_sql(schema, MessageState::Dead)),
+            (
+                "count_pending_scanned",
+                count_messages_sql(schema, MessageState::Pending, true),
+            ),
+            (
+                "count_dead_scanned",
+                count_messages_sql(schema, MessageState::Dead, true),
+            ),
             ("sent_per_minute", sent_per_minute_sql(schema)),
         ]
     }
@@ -1232,11 +1393,21 @@ mod tests {
             ("inbox_replay_count", &[1, 2, 3, 4, 5, 6, 7]),
             ("inbox_replay", &[1, 2, 3, 4, 5, 6, 7, 8]),
             ("list_pending", &[1, 2, 3, 4, 5, 6, 7, 8, 9]),
-            ("list_pending_after", &[1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11]),
+            (
+                "list_pending_after_to_horizon",
+                &[1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13],
+            ),
+            (
+                "list_pending_to_horizon",
+                &[1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11],
+            ),
             ("list_dead_after", &[1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11]),
             ("list_sent", &[1, 2, 3, 4, 5, 6, 7, 8, 9]),
+            ("horizon_pending_after", &[1, 2, 3, 4]),
+            ("horizon_dead", &[1, 2]),
             ("count_pending", &[1, 2, 3, 4, 5, 6, 7, 8, 9]),
-            ("count_dead", &[1, 2, 3, 4, 5, 6, 7, 8, 9]),
+            ("count_pending_scanned", &[1, 2, 3, 4, 5, 6, 7, 8, 9]),
+            ("count_dead_scanned", &[1, 2, 3, 4, 5, 6, 7, 8, 9]),
             ("sent_per_minute", &[1]),
         ];
         let sqls = all("outbox");
@@ -1535,29 +1706,54 @@ mod tests {
 
     #[test]
     fn listings_page_by_key_through_each_filtered_index() {
-        let pending = squash(&list_messages_sql("outbox", MessageState::Pending, true));
+        let pending = squash(&list_messages_sql(
+            "outbox",
+            MessageState::Pending,
+            true,
+            true,
+        ));
         // Two branches, each over its own filtered index, merged in claim order.
         assert!(pending.starts_with("SELECT TOP (@P9) x.id, x.seq, x.status"));
         assert!(pending.contains("WHERE m.status = 0 AND (@P1 IS NULL"));
         assert!(pending.contains("WHERE m.status = 9 AND (@P1 IS NULL"));
         assert_eq!(
             pending
-                .matches("AND (m.visible_at > @P10 OR (m.visible_at = @P10 AND m.seq > @P11)) ORDER BY m.visible_at, m.seq")
+                .matches("AND (m.visible_at > @P10 OR (m.visible_at = @P10 AND m.seq > @P11)) AND (m.visible_at < @P12 OR (m.visible_at = @P12 AND m.seq <= @P13)) ORDER BY m.visible_at, m.seq")
                 .count(),
             2,
             "{pending}"
         );
-        assert!(pending.contains(") AS n UNION ALL SELECT p.* FROM ("));
-        assert!(pending.ends_with("ORDER BY x.visible_at, x.seq OPTION (RECOMPILE)"));
-        let dead = squash(&list_messages_sql("outbox", MessageState::Dead, true));
+        assert!(pending.contains(") AS b0 UNION ALL SELECT b1.* FROM ("));
+        assert!(pending.ends_with(") AS x ORDER BY x.visible_at, x.seq OPTION (RECOMPILE)"));
+        let to_horizon = squash(&list_messages_sql(
+            "outbox",
+            MessageState::Pending,
+            false,
+            true,
+        ));
+        assert!(to_horizon.contains(
+            "AND (m.visible_at < @P10 OR (m.visible_at = @P10 AND m.seq <= @P11)) ORDER BY"
+        ));
+        let dead = squash(&list_messages_sql(
+            "outbox",
+            MessageState::Dead,
+            true,
+            false,
+        ));
         assert!(dead.contains("WHERE m.status = 3 AND"));
+        assert!(!dead.contains("UNION ALL"), "one filtered index");
         assert!(dead.contains(
-            "AND (m.created_at < @P10 OR (m.created_at = @P10 AND m.seq < @P11)) ORDER BY m.created_at DESC, m.seq DESC) AS x"
+            "AND (m.created_at < @P10 OR (m.created_at = @P10 AND m.seq < @P11)) ORDER BY m.created_at DESC, m.seq DESC) AS b0"
         ));
         assert!(dead.ends_with("ORDER BY x.created_at DESC, x.seq DESC OPTION (RECOMPILE)"));
-        let sent = squash(&list_messages_sql("outbox", MessageState::Sent, false));
+        let sent = squash(&list_messages_sql(
+            "outbox",
+            MessageState::Sent,
+            false,
+            false,
+        ));
         assert!(sent.contains("WHERE m.status = 1 AND"));
-        assert!(sent.contains("ORDER BY m.sent_at DESC, m.seq DESC) AS x"));
+        assert!(sent.contains("ORDER BY m.sent_at DESC, m.seq DESC) AS b0"));
         assert!(!sent.contains("@P10"), "no cursor on the first page");
         for sql in [&pending, &dead, &sent] {
             assert!(sql.contains("FROM [outbox].outbox_messages AS m WITH (READPAST)"));
@@ -1566,12 +1762,37 @@ mod tests {
             ));
             // Each branch selects the summary columns by name, so UNION ALL lines up.
             assert!(sql.contains(&summary_columns("m")));
+            assert!(sql.contains(&summary_columns("x")));
         }
-        let count = squash(&count_messages_sql("outbox", MessageState::Pending));
-        assert!(count.starts_with(
-            "SELECT COUNT_BIG(*) AS n FROM ( SELECT TOP (@P9) m.seq FROM [outbox].outbox_messages AS m WITH (READPAST) WHERE m.status IN (0, 9) AND"
+        // The horizon: the scan bound's row on the same indexes, keys only.
+        let horizon = squash(&horizon_sql("outbox", MessageState::Pending, true));
+        assert!(horizon.starts_with(
+            "SELECT w.visible_at AS at, w.seq FROM ( SELECT TOP (@P3) x.visible_at, x.seq"
         ));
-        assert!(count.ends_with(") AS c OPTION (RECOMPILE)"));
+        assert!(horizon.contains(
+            "SELECT TOP (@P3) m.visible_at, m.seq FROM [outbox].outbox_messages AS m WITH (READPAST) WHERE m.status = 0 AND (m.visible_at > @P1 OR (m.visible_at = @P1 AND m.seq > @P2))"
+        ));
+        assert!(
+            horizon
+                .ends_with("ORDER BY w.visible_at, w.seq OFFSET @P4 ROWS FETCH NEXT 1 ROWS ONLY")
+        );
+        let horizon = squash(&horizon_sql("outbox", MessageState::Dead, false));
+        assert!(horizon.contains("SELECT TOP (@P1) m.created_at, m.seq"));
+        assert!(horizon.ends_with("OFFSET @P2 ROWS FETCH NEXT 1 ROWS ONLY"));
+        // Counts: bounded by TOP; filtered ones over the first @P9 rows, read twice.
+        let count = squash(&count_messages_sql("outbox", MessageState::Pending, false));
+        assert!(count.starts_with("SELECT COUNT_BIG(*) AS n, COUNT_BIG(*) AS examined FROM ( SELECT TOP (@P9) x.seq, x.visible_at"));
+        assert!(count.contains("WHERE m.status = 0 AND (@P1 IS NULL"));
+        let scanned = squash(&count_messages_sql("outbox", MessageState::Dead, true));
+        assert!(scanned.starts_with(
+            "WITH w AS ( SELECT TOP (@P9) x.id, x.seq, x.created_at, x.tenant_id, x.aggregate_type, x.aggregate_id, x.event_type, x.last_error FROM ("
+        ));
+        assert!(scanned.contains("WHERE m.status = 3 ORDER BY m.created_at DESC, m.seq DESC"));
+        assert!(
+            scanned
+                .contains("SELECT (SELECT COUNT_BIG(*) FROM w AS m WHERE (@P1 IS NULL OR m.id IN")
+        );
+        assert!(scanned.ends_with("(SELECT COUNT_BIG(*) FROM w) AS examined OPTION (RECOMPILE)"));
         let sent = squash(&sent_per_minute_sql("outbox"));
         assert!(sent.starts_with("DECLARE @now datetime2(7) = SYSUTCDATETIME();"));
         assert!(sent.contains("WHERE m.status = 1 AND m.sent_at > DATEADD(minute, -@P1, @now)"));

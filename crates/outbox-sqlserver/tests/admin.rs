@@ -488,6 +488,7 @@ async fn inbox_replay_without_the_outbox_row_fails_unless_clear_only() {
 #[ignore = "needs MSSQL_URL"]
 async fn listings_page_by_key_count_with_a_bound_and_bucket_sent_rows() {
     use outbox_core::{MessageFilter, MessageState};
+    const SCAN: u64 = 100_000;
     let url = common::mssql_url();
     let outbox = common::fresh_outbox(&url).await;
     let messages: Vec<NewMessage> = (0..25)
@@ -520,12 +521,14 @@ async fn listings_page_by_key_count_with_a_bound_and_bucket_sent_rows() {
     let mut after = None;
     loop {
         let page = outbox
-            .list_messages(MessageState::Pending, &all, after, 5)
+            .list_messages(MessageState::Pending, &all, after, 5, SCAN)
             .await
             .expect("page");
-        let Some(last) = page.last() else { break };
-        after = Some(last.cursor(MessageState::Pending));
-        seen.extend(page.iter().map(|m| m.seq));
+        seen.extend(page.rows.iter().map(|m| m.seq));
+        match page.next {
+            Some(next) => after = Some(next),
+            None => break,
+        }
     }
     assert_eq!(seen.len(), 16);
     assert!(
@@ -538,9 +541,11 @@ async fn listings_page_by_key_count_with_a_bound_and_bucket_sent_rows() {
             &MessageFilter::new().with_error_containing("no_route 100%"),
             None,
             10,
+            SCAN,
         )
         .await
-        .expect("dead");
+        .expect("dead")
+        .rows;
     assert_eq!(dead.len(), 5);
     assert!(dead.windows(2).all(|w| w[0].seq > w[1].seq), "newest first");
     let second = outbox
@@ -549,9 +554,11 @@ async fn listings_page_by_key_count_with_a_bound_and_bucket_sent_rows() {
             &all,
             Some(dead[1].cursor(MessageState::Dead)),
             10,
+            SCAN,
         )
         .await
-        .expect("dead page 2");
+        .expect("dead page 2")
+        .rows;
     assert_eq!(
         second.iter().map(|m| m.id).collect::<Vec<_>>(),
         dead[2..].iter().map(|m| m.id).collect::<Vec<_>>()
@@ -561,31 +568,56 @@ async fn listings_page_by_key_count_with_a_bound_and_bucket_sent_rows() {
         .with_tenant("acme");
     assert_eq!(
         outbox
-            .list_messages(MessageState::Pending, &shipped, None, 100)
+            .list_messages(MessageState::Pending, &shipped, None, 100, SCAN)
             .await
             .expect("filtered")
+            .rows
             .len(),
         3
     );
     let n = |state, filter, bound| {
         let outbox = &outbox;
         async move {
-            outbox
-                .count_messages(state, filter, bound)
+            let c = outbox
+                .count_messages(state, filter, bound, SCAN)
                 .await
-                .expect("count")
+                .expect("count");
+            (c.matching, c.exact)
         }
     };
-    assert_eq!(n(MessageState::Pending, &all, 1000).await, 16);
-    assert_eq!(n(MessageState::Pending, &all, 10).await, 10);
-    assert_eq!(n(MessageState::Sent, &all, 10).await, 4);
+    assert_eq!(n(MessageState::Pending, &all, 1000).await, (16, true));
+    assert_eq!(n(MessageState::Pending, &all, 10).await, (10, false));
+    assert_eq!(n(MessageState::Sent, &all, 10).await, (4, true));
+    assert_eq!(n(MessageState::Pending, &shipped, 10).await, (3, true));
+    // The scan bound: 4 rows examined per call, pages continue from the last one.
+    let late = MessageFilter::new().with_event_type("OrderShipped");
+    let (mut found, mut after, mut calls) = (0, None, 0);
+    loop {
+        calls += 1;
+        let page = outbox
+            .list_messages(MessageState::Pending, &late, after, 10, 4)
+            .await
+            .expect("bounded page");
+        found += page.rows.len();
+        match page.next {
+            Some(next) => after = Some(next),
+            None => break,
+        }
+    }
+    assert_eq!((found, calls), (5, 5));
+    let c = outbox
+        .count_messages(MessageState::Pending, &late, 1000, 4)
+        .await
+        .expect("count");
+    assert_eq!((c.matching, c.exact), (0, false));
     let series = outbox.sent_per_minute(60).await.expect("series");
     assert_eq!(series.counts.len(), 60);
     assert_eq!(series.counts[59], 2, "{:?}", series.counts);
     assert_eq!(series.counts[56], 2, "{:?}", series.counts);
     let sent = outbox
-        .list_messages(MessageState::Sent, &all, None, 10)
+        .list_messages(MessageState::Sent, &all, None, 10, SCAN)
         .await
-        .expect("sent");
+        .expect("sent")
+        .rows;
     assert_eq!(sent.len(), 4);
 }

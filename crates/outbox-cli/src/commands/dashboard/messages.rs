@@ -5,11 +5,12 @@
 use axum::extract::{Path, Query, State};
 use chrono::{DateTime, Utc};
 use maud::{Markup, html};
+use outbox_core::admin::DEFAULT_SCAN_BOUND;
 use outbox_core::{MessageCursor, MessageState, MessageStatus, MessageSummary};
 use uuid::Uuid;
 
 use super::filter::Fields;
-use super::layout::{self, bounded, short, status, time};
+use super::layout::{self, bounded, short, status, thousands, time};
 use super::{Dashboard, PageError};
 
 /// Rows per page.
@@ -83,19 +84,19 @@ pub(crate) async fn list(
     let fields = Fields::from_pairs(&pairs);
     let filter = fields.message_filter(Utc::now())?;
     let after = value(&pairs, "after").map(parse_cursor).transpose()?;
-    let (mut rows, matching) = tokio::try_join!(
-        d.admin.list_messages(state, &filter, after, PAGE + 1),
-        d.admin.count_messages(state, &filter, COUNT_BOUND),
+    let (page, matching) = tokio::try_join!(
+        d.admin
+            .list_messages(state, &filter, after, PAGE, DEFAULT_SCAN_BOUND),
+        d.admin
+            .count_messages(state, &filter, COUNT_BOUND, DEFAULT_SCAN_BOUND),
     )?;
-    let more = rows.len() > PAGE;
-    rows.truncate(PAGE);
-    let next = rows.last().filter(|_| more).map(|last| {
+    let rows = page.rows;
+    // A short page with more to come: the scan bound stopped it.
+    let scan_stopped = rows.len() < PAGE && page.next.is_some();
+    let next = page.next.map(|c| {
         fields.link(
             "/messages",
-            &[
-                ("state", state.as_str()),
-                ("after", &cursor_text(last.cursor(state))),
-            ],
+            &[("state", state.as_str()), ("after", &cursor_text(c))],
         )
     });
     let dead = state == MessageState::Dead;
@@ -108,7 +109,12 @@ pub(crate) async fn list(
         }
         (fields.form("/messages", &FILTERS, &[("state", state.as_str())]))
         p.muted #count {
-            (bounded(matching, COUNT_BOUND)) " matching"
+            @if matching.exact { (thousands(matching.matching)) " matching" }
+            @else if matching.matching >= COUNT_BOUND { (bounded(matching.matching, COUNT_BOUND)) " matching" }
+            @else {
+                "≥ " (thousands(matching.matching)) " matching (counted among the first "
+                (thousands(DEFAULT_SCAN_BOUND)) " rows of this state)"
+            }
             @if after.is_some() { " · a later page" }
         }
         @if dead && !rows.is_empty() {
@@ -129,7 +135,14 @@ pub(crate) async fn list(
             @if after.is_some() {
                 a href=(fields.link("/messages", &[("state", state.as_str())])) { "« First page" }
             }
-            @if let Some(next) = next { a #next-page href=(next) { "Next page »" } }
+            @if let Some(next) = next {
+                @if scan_stopped {
+                    span { "No more matches among the next " (thousands(DEFAULT_SCAN_BOUND)) " rows examined." }
+                    a #next-page href=(next) { "Search on »" }
+                } @else {
+                    a #next-page href=(next) { "Next page »" }
+                }
+            }
         }
     };
     Ok(layout::page(&d, state.as_str(), state_label(state), body))
