@@ -260,6 +260,7 @@ impl Relay {
                         publisher,
                         interval,
                         move || (d.circuit_open(), d.stats().published),
+                        Some(heartbeat()),
                         token,
                     )
                     .await;
@@ -358,6 +359,23 @@ fn dispatcher_config(settings: &RelaySettings) -> outbox_core::DispatcherConfig 
         },
     };
     settings.dispatcher_config().with_ordering(ordering)
+}
+
+/// This process's heartbeat: a fresh relay id, the host name (the kernel's, else
+/// `$HOSTNAME`, else `unknown`), the process id and the binary's version.
+fn heartbeat() -> outbox_core::RelayHeartbeat {
+    let host = std::fs::read_to_string("/proc/sys/kernel/hostname")
+        .ok()
+        .map(|h| h.trim().to_owned())
+        .filter(|h| !h.is_empty())
+        .or_else(|| std::env::var("HOSTNAME").ok())
+        .unwrap_or_else(|| "unknown".to_owned());
+    outbox_core::RelayHeartbeat::new(
+        uuid::Uuid::now_v7(),
+        host,
+        std::process::id(),
+        env!("CARGO_PKG_VERSION"),
+    )
 }
 
 /// Waits for SIGINT or SIGTERM (SIGINT only on non-Unix), then cancels `token`.

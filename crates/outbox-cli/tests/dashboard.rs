@@ -149,7 +149,7 @@ async fn pages_render_filter_and_page_by_key() {
         "Dead",
         "Sent per minute",
         "read-only",
-        "outbox relay --dashboard",
+        "No relay has reported a heartbeat",
     ] {
         assert!(overview.body.contains(text), "overview lacks {text:?}");
     }

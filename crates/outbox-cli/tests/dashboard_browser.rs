@@ -324,6 +324,9 @@ async fn an_operator_filters_dead_letters_replays_one_and_sees_it_sent() {
     let overview = b.text("#overview").await;
     assert!(overview.contains("Sent per minute"), "{overview}");
     b.wait_for_text("#overview", "closed", true).await;
+    // The relay's heartbeat: it lists itself, by process id.
+    b.wait_for_text("#relays", &std::process::id().to_string(), true)
+        .await;
     b.shot("overview").await;
 
     // Dead letters, filtered by error text.

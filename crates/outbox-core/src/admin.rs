@@ -280,6 +280,79 @@ pub struct MessageCount {
     pub exact: bool,
 }
 
+/// What a relay reports about itself at each of its health checks
+/// ([`OutboxAdmin::record_heartbeat`]), so that operators see every relay from the
+/// database: which run, since when, their circuit and health.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct RelayHeartbeat {
+    /// The relay process's id, fresh at each start.
+    pub relay_id: Uuid,
+    /// The host it runs on.
+    pub host: String,
+    /// Its process id.
+    pub pid: u32,
+    /// Its version (the `outbox` binary's).
+    pub version: String,
+    /// Whether its circuit is open (not claiming, probing the broker).
+    pub circuit_open: bool,
+    /// Whether its health check passes.
+    pub healthy: bool,
+    /// Messages it published since it started.
+    pub published: u64,
+    /// Why it is unhealthy (empty when healthy), at most 1,000 characters.
+    pub detail: String,
+}
+
+impl RelayHeartbeat {
+    /// The heartbeat of relay `relay_id` on `host`, process `pid`, `version`: healthy,
+    /// circuit closed, nothing published yet.
+    pub fn new(
+        relay_id: Uuid,
+        host: impl Into<String>,
+        pid: u32,
+        version: impl Into<String>,
+    ) -> Self {
+        Self {
+            relay_id,
+            host: host.into(),
+            pid,
+            version: version.into(),
+            circuit_open: false,
+            healthy: true,
+            published: 0,
+            detail: String::new(),
+        }
+    }
+}
+
+/// A relay as the database last heard of it ([`OutboxAdmin::relays_seen`]).
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+pub struct RelaySeen {
+    /// The relay process's id.
+    pub relay_id: Uuid,
+    /// Its host.
+    pub host: String,
+    /// Its process id.
+    pub pid: i64,
+    /// Its version.
+    pub version: String,
+    /// Its first heartbeat (database clock).
+    pub started_at: DateTime<Utc>,
+    /// Its last heartbeat (database clock).
+    pub last_seen_at: DateTime<Utc>,
+    /// How long ago that was, by the database clock.
+    pub silent_for: Duration,
+    /// Whether its circuit was open then.
+    pub circuit_open: bool,
+    /// Whether it was healthy then.
+    pub healthy: bool,
+    /// Messages it had published then.
+    pub published: u64,
+    /// Why it was unhealthy.
+    pub detail: String,
+}
+
 /// Messages sent per minute over a recent window ([`OutboxAdmin::sent_per_minute`]).
 #[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
 pub struct SentPerMinute {
@@ -491,6 +564,28 @@ pub trait OutboxAdmin: OutboxStore {
     /// # Errors
     /// [`OutboxError::Database`] on database failure.
     async fn sent_per_minute(&self, minutes: u32) -> Result<SentPerMinute, OutboxError>;
+
+    /// Records `beat` in the schema's `outbox_relays` table: inserts the relay's row
+    /// (`started_at` and `last_seen_at` the database clock) or updates it
+    /// (`last_seen_at` and the reported state), and deletes the rows of relays not
+    /// heard of for a day. The relay calls it at each health check (every 5 seconds by
+    /// default): one row per relay process, one small write per check.
+    ///
+    /// # Errors
+    /// [`OutboxError::Database`] on database failure (e.g. the migration that adds the
+    /// table not applied yet).
+    async fn record_heartbeat(&self, beat: &RelayHeartbeat) -> Result<(), OutboxError>;
+
+    /// The relays heard of within `within` (by `last_seen_at`, database clock), most
+    /// recently heard first, at most `limit`.
+    ///
+    /// # Errors
+    /// [`OutboxError::Database`] on database failure.
+    async fn relays_seen(
+        &self,
+        within: Duration,
+        limit: usize,
+    ) -> Result<Vec<RelaySeen>, OutboxError>;
 }
 
 #[cfg(test)]

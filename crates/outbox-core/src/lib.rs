@@ -77,7 +77,7 @@ pub mod transport_conformance;
 pub use admin::{
     GroupStats, InboxDeadFilter, InboxDeadKind, InboxDeadLetter, InboxReplayMode,
     InboxReplayReport, MessageCount, MessageCursor, MessagePage, MessageState, MessageSummary,
-    OutboxAdmin, ReconcileRow, SentPerMinute,
+    OutboxAdmin, ReconcileRow, RelayHeartbeat, RelaySeen, SentPerMinute,
 };
 pub use consumer::{
     BatchDeliveryHandler, BatchSettings, Consumer, DeliveryHandler, HandlerDecision,

@@ -32,7 +32,7 @@ use crate::store::PgOutbox;
 use outbox_core::admin::{
     GroupStats, InboxDeadFilter, InboxDeadKind, InboxDeadLetter, InboxReplayMode,
     InboxReplayReport, MessageCount, MessageCursor, MessagePage, MessageState, MessageSummary,
-    PENDING_STATS_BOUND, ReconcileRow, SentPerMinute,
+    PENDING_STATS_BOUND, ReconcileRow, RelayHeartbeat, RelaySeen, SentPerMinute,
 };
 
 /// Columns of the outbox archive (migration 4).
@@ -808,6 +808,85 @@ impl OutboxAdmin for PgOutbox {
             minutes as usize,
             &ages,
         ))
+    }
+
+    /// Upserts the relay's row of `outbox_relays` (migration 10) and deletes those not
+    /// heard of for a day, in one statement.
+    ///
+    /// # Errors
+    /// [`OutboxError::Database`] (e.g. migration 10 not applied).
+    async fn record_heartbeat(&self, beat: &RelayHeartbeat) -> Result<(), OutboxError> {
+        let s = quoted_schema(self.schema());
+        sqlx::query(AssertSqlSafe(format!(
+            "WITH gone AS (
+                 DELETE FROM {s}.outbox_relays
+                  WHERE last_seen_at < now() - interval '1 day' AND relay_id <> $1
+             )
+             INSERT INTO {s}.outbox_relays AS r
+                    (relay_id, host, pid, version, circuit_open, healthy, published, detail)
+             VALUES ($1, $2, $3, $4, $5, $6, $7, $8)
+             ON CONFLICT (relay_id) DO UPDATE
+                SET last_seen_at = now(), circuit_open = EXCLUDED.circuit_open,
+                    healthy = EXCLUDED.healthy, published = EXCLUDED.published,
+                    detail = EXCLUDED.detail"
+        )))
+        .bind(beat.relay_id)
+        .bind(&beat.host)
+        .bind(i64::from(beat.pid))
+        .bind(&beat.version)
+        .bind(beat.circuit_open)
+        .bind(beat.healthy)
+        .bind(i64::try_from(beat.published).unwrap_or(i64::MAX))
+        .bind(beat.detail.chars().take(1000).collect::<String>())
+        .execute(self.pool())
+        .await
+        .map_err(db("record_heartbeat"))?;
+        Ok(())
+    }
+
+    /// The relays of `outbox_relays` heard of within `within`, most recent first.
+    ///
+    /// # Errors
+    /// [`OutboxError::Database`] (e.g. migration 10 not applied).
+    async fn relays_seen(
+        &self,
+        within: Duration,
+        limit_rows: usize,
+    ) -> Result<Vec<RelaySeen>, OutboxError> {
+        const OP: &str = "relays_seen";
+        let s = quoted_schema(self.schema());
+        let rows = sqlx::query(AssertSqlSafe(format!(
+            "SELECT relay_id, host, pid, version, started_at, last_seen_at,
+                    extract(epoch FROM now() - last_seen_at)::float8, circuit_open, healthy,
+                    published, detail
+               FROM {s}.outbox_relays
+              WHERE last_seen_at >= now() - make_interval(secs => $1)
+              ORDER BY last_seen_at DESC, relay_id LIMIT $2"
+        )))
+        .bind(within.as_secs_f64())
+        .bind(limit(limit_rows))
+        .fetch_all(self.pool())
+        .await
+        .map_err(db(OP))?;
+        rows.iter()
+            .map(|r| {
+                let silent: f64 = r.try_get(6)?;
+                Ok(RelaySeen {
+                    relay_id: r.try_get(0)?,
+                    host: r.try_get(1)?,
+                    pid: r.try_get(2)?,
+                    version: r.try_get(3)?,
+                    started_at: r.try_get(4)?,
+                    last_seen_at: r.try_get(5)?,
+                    silent_for: Duration::from_secs_f64(silent.max(0.0)),
+                    circuit_open: r.try_get(7)?,
+                    healthy: r.try_get(8)?,
+                    published: count(r.try_get(9)?),
+                    detail: r.try_get(10)?,
+                })
+            })
+            .collect::<Result<_, sqlx::Error>>()
+            .map_err(db(OP))
     }
 }
 

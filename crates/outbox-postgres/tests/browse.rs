@@ -6,7 +6,7 @@ mod common;
 use std::collections::BTreeSet;
 
 use common::{enqueue_committed, fresh_outbox};
-use outbox_core::{MessageFilter, MessageState, NewMessage, OutboxAdmin as _};
+use outbox_core::{MessageFilter, MessageState, NewMessage, OutboxAdmin as _, RelayHeartbeat};
 
 /// The scan bound of these tests' listings (large: the scan bound has its own test).
 const SCAN: u64 = 100_000;
@@ -202,6 +202,43 @@ async fn listings_page_by_key_count_with_a_bound_and_bucket_sent_rows() {
         .rows;
     assert_eq!(sent.len(), 4);
     assert!(sent[0].sent_at >= sent[3].sent_at, "most recent first");
+
+    // Heartbeats: one row per relay, updated in place, listed most recent first.
+    let mut beat = RelayHeartbeat::new(Uuid::now_v7(), "host-a", 4242, "0.1.0");
+    db.record_heartbeat(&beat).await.expect("first beat");
+    beat.circuit_open = true;
+    beat.healthy = false;
+    beat.published = 17;
+    beat.detail = "broker unreachable: circuit open".into();
+    db.record_heartbeat(&beat).await.expect("second beat");
+    let other = RelayHeartbeat::new(Uuid::now_v7(), "host-b", 7, "0.1.0");
+    db.record_heartbeat(&other).await.expect("other beat");
+    let seen = db
+        .relays_seen(std::time::Duration::from_secs(60), 10)
+        .await
+        .expect("relays");
+    assert_eq!(seen.len(), 2);
+    assert_eq!(
+        seen[0].relay_id, other.relay_id,
+        "most recently heard first"
+    );
+    let a = &seen[1];
+    assert_eq!((a.host.as_str(), a.pid, a.published), ("host-a", 4242, 17));
+    assert!(a.circuit_open && !a.healthy && a.detail.contains("circuit open"));
+    assert!(a.started_at <= a.last_seen_at && a.silent_for.as_secs() < 60);
+    // A relay not heard of for a day is deleted by the next heartbeat of another.
+    run(format!(
+        "UPDATE \"{s}\".outbox_relays SET last_seen_at = now() - interval '25 hours' WHERE host = 'host-a'"
+    ))
+    .await;
+    db.record_heartbeat(&other).await.expect("beat");
+    let left: i64 = sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
+        "SELECT count(*) FROM \"{s}\".outbox_relays"
+    )))
+    .fetch_one(db.pool())
+    .await
+    .expect("count");
+    assert_eq!(left, 1);
 
     sqlx::raw_sql(sqlx::AssertSqlSafe(format!("DROP SCHEMA \"{s}\" CASCADE")))
         .execute(db.pool())

@@ -36,7 +36,7 @@ use crate::store::{FilterParams, MssqlOutbox};
 use outbox_core::admin::{
     GroupStats, InboxDeadFilter, InboxDeadKind, InboxDeadLetter, InboxReplayMode,
     InboxReplayReport, MessageCount, MessageCursor, MessagePage, MessageState, MessageSummary,
-    PENDING_STATS_BOUND, ReconcileRow, SentPerMinute,
+    PENDING_STATS_BOUND, ReconcileRow, RelayHeartbeat, RelaySeen, SentPerMinute,
 };
 
 /// The most rows one bulk statement touches (archive moves, completions, purges,
@@ -672,6 +672,41 @@ SELECT @now AS now, a.ago, a.sent
     )
 }
 
+/// The relay's heartbeat (`@P1` relay id, `@P2` host, `@P3` pid, `@P4` version, `@P5`
+/// circuit open, `@P6` healthy, `@P7` published, `@P8` detail): deletes the rows of
+/// relays not heard of for a day, updates the relay's row, inserts it when there was
+/// none (one process writes one row: no concurrent insert of the same id).
+fn record_heartbeat_sql(schema: &str) -> String {
+    let t = format!("{}.outbox_relays", quoted_schema(schema));
+    format!(
+        "SET NOCOUNT ON;
+DECLARE @now datetime2(7) = SYSUTCDATETIME();
+DELETE FROM {t} WHERE last_seen_at < DATEADD(day, -1, @now) AND relay_id <> @P1;
+UPDATE {t}
+   SET last_seen_at = @now, circuit_open = @P5, healthy = @P6, published = @P7, detail = @P8
+ WHERE relay_id = @P1;
+IF @@ROWCOUNT = 0
+    INSERT INTO {t} (relay_id, host, pid, version, started_at, last_seen_at, circuit_open,
+                     healthy, published, detail)
+    VALUES (@P1, @P2, @P3, @P4, @now, @now, @P5, @P6, @P7, @P8);"
+    )
+}
+
+/// The relays heard of within `@P1` ms, most recent first, `@P2` at most.
+fn relays_seen_sql(schema: &str) -> String {
+    let t = format!("{}.outbox_relays", quoted_schema(schema));
+    let since = minus_ms("@now", "@P1");
+    format!(
+        "DECLARE @now datetime2(7) = SYSUTCDATETIME();
+SELECT TOP (@P2) relay_id, host, pid, version, started_at, last_seen_at,
+       DATEDIFF_BIG(millisecond, last_seen_at, @now) AS silent_ms, circuit_open, healthy,
+       published, detail
+  FROM {t}
+ WHERE last_seen_at >= {since}
+ ORDER BY last_seen_at DESC, relay_id"
+    )
+}
+
 fn count(n: i64) -> u64 {
     u64::try_from(n).unwrap_or(0)
 }
@@ -1242,6 +1277,71 @@ impl OutboxAdmin for MssqlOutbox {
             &ages,
         ))
     }
+
+    /// Records the relay's heartbeat in `outbox_relays` (migration 7), deleting the
+    /// rows of relays not heard of for a day.
+    ///
+    /// # Errors
+    /// [`OutboxError::Database`] (e.g. migration 7 not applied).
+    async fn record_heartbeat(&self, beat: &RelayHeartbeat) -> Result<(), OutboxError> {
+        let pid = i64::from(beat.pid);
+        let published = i64::try_from(beat.published).unwrap_or(i64::MAX);
+        let detail: String = beat.detail.chars().take(1000).collect();
+        self.pool()
+            .rows(
+                "record_heartbeat",
+                &record_heartbeat_sql(self.schema()),
+                &[
+                    &beat.relay_id,
+                    &beat.host.as_str(),
+                    &pid,
+                    &beat.version.as_str(),
+                    &beat.circuit_open,
+                    &beat.healthy,
+                    &published,
+                    &detail.as_str(),
+                ],
+            )
+            .await?;
+        Ok(())
+    }
+
+    /// The relays of `outbox_relays` heard of within `within`, most recent first.
+    ///
+    /// # Errors
+    /// [`OutboxError::Database`] (e.g. migration 7 not applied).
+    async fn relays_seen(
+        &self,
+        within: Duration,
+        limit_rows: usize,
+    ) -> Result<Vec<RelaySeen>, OutboxError> {
+        const OP: &str = "relays_seen";
+        let rows = self
+            .pool()
+            .rows(
+                OP,
+                &relays_seen_sql(self.schema()),
+                &[&millis(within), &limit(limit_rows)],
+            )
+            .await?;
+        rows.iter()
+            .map(|r| {
+                Ok(RelaySeen {
+                    relay_id: need(r, 0, OP)?,
+                    host: need::<&str>(r, 1, OP)?.to_owned(),
+                    pid: need(r, 2, OP)?,
+                    version: need::<&str>(r, 3, OP)?.to_owned(),
+                    started_at: need::<NaiveDateTime>(r, 4, OP)?.and_utc(),
+                    last_seen_at: need::<NaiveDateTime>(r, 5, OP)?.and_utc(),
+                    silent_for: ms_duration(need(r, 6, OP)?),
+                    circuit_open: need(r, 7, OP)?,
+                    healthy: need(r, 8, OP)?,
+                    published: count(need(r, 9, OP)?),
+                    detail: need::<&str>(r, 10, OP)?.to_owned(),
+                })
+            })
+            .collect()
+    }
 }
 
 #[cfg(test)]
@@ -1310,6 +1410,8 @@ mod tests {
                 count_messages_sql(schema, MessageState::Dead, true),
             ),
             ("sent_per_minute", sent_per_minute_sql(schema)),
+            ("record_heartbeat", record_heartbeat_sql(schema)),
+            ("relays_seen", relays_seen_sql(schema)),
         ]
     }
 
@@ -1409,6 +1511,8 @@ mod tests {
             ("count_pending_scanned", &[1, 2, 3, 4, 5, 6, 7, 8, 9]),
             ("count_dead_scanned", &[1, 2, 3, 4, 5, 6, 7, 8, 9]),
             ("sent_per_minute", &[1]),
+            ("record_heartbeat", &[1, 2, 3, 4, 5, 6, 7, 8]),
+            ("relays_seen", &[1, 2]),
         ];
         let sqls = all("outbox");
         for (name, want) in expected {
@@ -1801,5 +1905,24 @@ mod tests {
             sent.contains("LEFT JOIN ("),
             "one row even when nothing was sent"
         );
+    }
+
+    #[test]
+    fn heartbeats_upsert_one_row_per_relay_and_age_out_after_a_day() {
+        let beat = squash(&record_heartbeat_sql("outbox"));
+        assert!(beat.contains(
+            "DELETE FROM [outbox].outbox_relays WHERE last_seen_at < DATEADD(day, -1, @now) AND relay_id <> @P1;"
+        ));
+        assert!(beat.contains(
+            "UPDATE [outbox].outbox_relays SET last_seen_at = @now, circuit_open = @P5, healthy = @P6, published = @P7, detail = @P8 WHERE relay_id = @P1; IF @@ROWCOUNT = 0 INSERT INTO [outbox].outbox_relays"
+        ));
+        assert!(beat.ends_with("VALUES (@P1, @P2, @P3, @P4, @now, @now, @P5, @P6, @P7, @P8);"));
+        let seen = squash(&relays_seen_sql("outbox"));
+        assert!(seen.contains("SELECT TOP (@P2) relay_id, host, pid, version"));
+        assert!(seen.contains(&format!(
+            "WHERE last_seen_at >= {}",
+            minus_ms("@now", "@P1")
+        )));
+        assert!(seen.ends_with("ORDER BY last_seen_at DESC, relay_id"));
     }
 }

@@ -90,7 +90,7 @@ async fn every_admin_query_runs_once() {
     assert_eq!(admin.backend(), "sqlserver");
     assert_eq!(admin.schema(), outbox.schema());
     assert!(admin.migrate().await.expect("migrate again").is_empty());
-    assert_eq!(LATEST_VERSION, 6);
+    assert_eq!(LATEST_VERSION, 7);
 
     let (a, b) = (
         event("1", "OrderPlaced", None),
@@ -620,4 +620,29 @@ async fn listings_page_by_key_count_with_a_bound_and_bucket_sent_rows() {
         .expect("sent")
         .rows;
     assert_eq!(sent.len(), 4);
+}
+
+/// Relay heartbeats (migration 7), as `tests/browse.rs` of the PostgreSQL backend.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs MSSQL_URL"]
+async fn heartbeats_keep_one_row_per_relay() {
+    use outbox_core::RelayHeartbeat;
+    let url = common::mssql_url();
+    let outbox = common::fresh_outbox(&url).await;
+    let mut beat = RelayHeartbeat::new(Uuid::now_v7(), "host-a", 4242, "0.1.0");
+    outbox.record_heartbeat(&beat).await.expect("first beat");
+    beat.circuit_open = true;
+    beat.healthy = false;
+    beat.published = 17;
+    beat.detail = "broker unreachable: circuit open".into();
+    outbox.record_heartbeat(&beat).await.expect("second beat");
+    let seen = outbox
+        .relays_seen(Duration::from_secs(60), 10)
+        .await
+        .expect("relays");
+    assert_eq!(seen.len(), 1);
+    let a = &seen[0];
+    assert_eq!((a.host.as_str(), a.pid, a.published), ("host-a", 4242, 17));
+    assert!(a.circuit_open && !a.healthy && a.detail.contains("circuit open"));
+    assert_eq!(count(&outbox, "outbox_relays").await, 1);
 }

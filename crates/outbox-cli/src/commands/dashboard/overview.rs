@@ -16,15 +16,24 @@ use super::{Dashboard, PageError};
 const INBOX_BOUND: usize = 1_000;
 /// Minutes of the sent chart.
 const CHART_MINUTES: u32 = 60;
+/// Relays listed: those heard of within this long.
+const RELAYS_WITHIN: std::time::Duration = std::time::Duration::from_secs(3600);
+/// Relays listed at most.
+const RELAYS_SHOWN: usize = 50;
+/// A relay whose last heartbeat is older than this is shown as silent (six health
+/// checks at the default interval).
+const SILENT_AFTER: std::time::Duration = std::time::Duration::from_secs(30);
 
 /// `GET /`
 pub(crate) async fn page(State(d): State<Dashboard>) -> Result<Markup, PageError> {
     let everything = InboxDeadFilter::new();
-    let (stats, series, inbox_dead) = tokio::try_join!(
+    let (stats, series, inbox_dead, relays) = tokio::join!(
         d.admin.pending_stats(),
         d.admin.sent_per_minute(CHART_MINUTES),
         d.admin.inbox_dead_letters(&everything, INBOX_BOUND),
-    )?;
+        d.admin.relays_seen(RELAYS_WITHIN, RELAYS_SHOWN),
+    );
+    let (stats, series, inbox_dead) = (stats?, series?, inbox_dead?);
     let bound = u64::try_from(PENDING_STATS_BOUND).unwrap_or(u64::MAX);
     let pending = stats.new + stats.processing;
     let sent_hour: u64 = series.counts.iter().sum();
@@ -48,8 +57,12 @@ pub(crate) async fn page(State(d): State<Dashboard>) -> Result<Markup, PageError
                     span { "now" }
                 }
             }
-            h2 { "Relay" }
-            (relay(&d))
+            h2 { "Relays" }
+            (relays_seen(relays))
+            @if d.health.is_some() {
+                h2 { "This relay" }
+                (relay(&d))
+            }
             p.muted {
                 "Counts stop at " (thousands(bound)) " (the relay's gauges), so the page costs the same at a million rows. "
                 "Database clock at " (layout::time(Some(series.until))) "."
@@ -92,18 +105,60 @@ fn chart(series: &SentPerMinute) -> Markup {
     }
 }
 
-/// The relay's health when it mounts the pages; otherwise what is not visible.
-fn relay(d: &Dashboard) -> Markup {
-    let Some(health) = &d.health else {
-        return html! {
-            div.panel {
-                p {
-                    "This dashboard runs on its own: relays are not visible from the database. "
-                    "Serve the pages from the relay (" code { "outbox relay --dashboard" } ") to see its circuit, "
-                    "broker probe and health here; each relay's " code { "/healthz" } " reports the same."
+/// The relays heard of in the last hour, from their heartbeats.
+fn relays_seen(relays: Result<Vec<outbox_core::RelaySeen>, outbox_core::OutboxError>) -> Markup {
+    let relays = match relays {
+        Ok(r) => r,
+        Err(e) => {
+            return html! {
+                div.panel {
+                    p.error { "Relay heartbeats cannot be read (run " code { "outbox migrate" } "?): " (e) }
+                }
+            };
+        }
+    };
+    html! {
+        @if relays.is_empty() {
+            div.panel { p.muted #relays { "No relay has reported a heartbeat in the last hour." } }
+        } @else {
+            table #relays {
+                thead {
+                    tr {
+                        th { "Host" } th { "Pid" } th { "Version" } th { "Started" } th { "Last heartbeat" }
+                        th { "Circuit" } th { "Health" } th { "Published" }
+                    }
+                }
+                tbody {
+                    @for r in &relays {
+                        tr {
+                            td { (r.host) }
+                            td { (r.pid) }
+                            td { (r.version) }
+                            td.mono { (layout::time(Some(r.started_at))) }
+                            td {
+                                (age(Some(r.silent_for))) " ago"
+                                @if r.silent_for > SILENT_AFTER { " " span.badge.bad { "silent" } }
+                            }
+                            td {
+                                @if r.circuit_open { span.badge.bad { "open" } } @else { span.badge.ok { "closed" } }
+                            }
+                            td {
+                                @if r.healthy { span.badge.ok { "ok" } }
+                                @else { span.badge.bad title=(r.detail) { "unhealthy" } " " span.error { (layout::short(Some(&r.detail), 80)) } }
+                            }
+                            td { (thousands(r.published)) }
+                        }
+                    }
                 }
             }
-        };
+        }
+    }
+}
+
+/// The health of the relay serving the pages (`outbox relay --dashboard`).
+fn relay(d: &Dashboard) -> Markup {
+    let Some(health) = &d.health else {
+        return html! {};
     };
     let r = health.report();
     html! {
