@@ -258,7 +258,7 @@ impl MessageSummary {
 /// What the dashboard passes as `scan` to [`OutboxAdmin::list_messages`] and
 /// [`OutboxAdmin::count_messages`]: filtered listings and counts examine at most this
 /// many rows of a state per call.
-pub const DEFAULT_SCAN_BOUND: u64 = 100_000;
+pub const DEFAULT_SCAN_BOUND: u64 = 25_000;
 
 /// One page of [`OutboxAdmin::list_messages`].
 #[derive(Debug, Clone, PartialEq, Eq)]

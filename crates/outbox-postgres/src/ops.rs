@@ -87,32 +87,40 @@ fn state_order(state: MessageState) -> (&'static str, &'static str, &'static str
 }
 
 /// One page of a listing (`$1`-`$8` the filter, `$9` the limit; with a cursor, its
-/// time and seq next (`$10`, `$11`); with a horizon, its time and seq after those).
-/// The texts differ by cursor and horizon rather than `$10 IS NULL OR ...`: the row
-/// comparisons must be index conditions in every plan, a generic one included, so that
-/// a late page does not scan the pages before it.
+/// time and seq next (`$10`, `$11`); when `scanned`, the scan bound after those).
+/// The texts differ by cursor rather than `$10 IS NULL OR ...`: the row comparison
+/// must be an index condition in every plan, a generic one included, so that a late
+/// page does not scan the pages before it. A `scanned` (filtered) page applies the
+/// filter to a window of the first rows in the index's order (`LIMIT` in a subquery,
+/// below which the planner cannot push the filter): whatever the planner estimates for
+/// a filter, it walks the index and examines at most the scan bound.
 fn list_messages_sql(
     schema: &str,
     state: MessageState,
     with_cursor: bool,
-    with_horizon: bool,
+    scanned: bool,
 ) -> String {
     let s = quoted_schema(schema);
     let (phase, at, cmp) = state_order(state);
     let dir = if cmp == ">" { "" } else { " DESC" };
-    let mut bounds = String::new();
-    let mut n = 10;
-    if with_cursor {
-        bounds.push_str(&format!(" AND ({at}, m.seq) {cmp} (${n}, ${})", n + 1));
-        n += 2;
+    let cursor = if with_cursor {
+        format!(" AND ({at}, m.seq) {cmp} ($10, $11)")
+    } else {
+        String::new()
+    };
+    if !scanned {
+        return format!(
+            "SELECT {SUMMARY_COLUMNS} FROM {s}.outbox_messages m
+              WHERE {phase} AND {LIST_FILTER}{cursor}
+              ORDER BY {at}{dir}, m.seq{dir} LIMIT $9"
+        );
     }
-    if with_horizon {
-        let up_to = if cmp == ">" { "<=" } else { ">=" };
-        bounds.push_str(&format!(" AND ({at}, m.seq) {up_to} (${n}, ${})", n + 1));
-    }
+    let scan = if with_cursor { "$12" } else { "$10" };
     format!(
-        "SELECT {SUMMARY_COLUMNS} FROM {s}.outbox_messages m
-          WHERE {phase} AND {LIST_FILTER}{bounds}
+        "SELECT {SUMMARY_COLUMNS} FROM (
+             SELECT m.* FROM {s}.outbox_messages m WHERE {phase}{cursor}
+              ORDER BY {at}{dir}, m.seq{dir} LIMIT {scan}) m
+          WHERE {LIST_FILTER}
           ORDER BY {at}{dir}, m.seq{dir} LIMIT $9"
     )
 }
@@ -672,7 +680,8 @@ impl OutboxAdmin for PgOutbox {
     /// One page of `state` in its order (see [`MessageState`]), keyset-paged along the
     /// state's partial index: `outbox_messages_pending (visible_at, seq)`,
     /// `outbox_messages_dead (created_at)` and `outbox_messages_sent (sent_at)`. A
-    /// filtered page first finds its horizon, `scan` rows on, on the same index.
+    /// filtered page applies its filter to a window of `scan` rows of that index; a short
+    /// page then finds where the window ended, its `next`.
     ///
     /// # Errors
     /// [`OutboxError::Database`] on database failure.
@@ -685,27 +694,16 @@ impl OutboxAdmin for PgOutbox {
         scan: u64,
     ) -> Result<MessagePage, OutboxError> {
         const OP: &str = "list_messages";
-        let horizon = if *filter == MessageFilter::new() {
-            None
-        } else {
-            let offset = i64::try_from(scan.saturating_sub(1)).unwrap_or(i64::MAX);
-            let sql = horizon_sql(self.schema(), state, after.is_some());
-            let mut query = sqlx::query_as::<_, (DateTime<Utc>, i64)>(AssertSqlSafe(sql));
-            if let Some(c) = after {
-                query = query.bind(c.at).bind(c.seq);
-            }
-            query
-                .bind(offset)
-                .fetch_optional(self.pool())
-                .await
-                .map_err(db(OP))?
-                .map(|(at, seq)| MessageCursor { at, seq })
-        };
-        let sql = list_messages_sql(self.schema(), state, after.is_some(), horizon.is_some());
+        let scanned = *filter != MessageFilter::new();
+        let scan = i64::try_from(scan.max(1)).unwrap_or(i64::MAX);
+        let sql = list_messages_sql(self.schema(), state, after.is_some(), scanned);
         let mut query = bind_message_filter(sqlx::query(AssertSqlSafe(sql)), filter)
             .bind(limit(limit_rows.saturating_add(1)));
-        for c in [after, horizon].into_iter().flatten() {
+        if let Some(c) = after {
             query = query.bind(c.at).bind(c.seq);
+        }
+        if scanned {
+            query = query.bind(scan);
         }
         let rows = query.fetch_all(self.pool()).await.map_err(db(OP))?;
         let mut rows = rows
@@ -731,8 +729,22 @@ impl OutboxAdmin for PgOutbox {
         let next = if rows.len() > limit_rows {
             rows.truncate(limit_rows);
             rows.last().map(|m| m.cursor(state))
+        } else if scanned {
+            // A short page: continue after the last row examined (the window's last),
+            // if the window was full.
+            let sql = horizon_sql(self.schema(), state, after.is_some());
+            let mut query = sqlx::query_as::<_, (DateTime<Utc>, i64)>(AssertSqlSafe(sql));
+            if let Some(c) = after {
+                query = query.bind(c.at).bind(c.seq);
+            }
+            query
+                .bind(scan - 1)
+                .fetch_optional(self.pool())
+                .await
+                .map_err(db(OP))?
+                .map(|(at, seq)| MessageCursor { at, seq })
         } else {
-            horizon
+            None
         };
         Ok(MessagePage { rows, next })
     }
@@ -904,19 +916,32 @@ mod tests {
             "outbox",
             MessageState::Pending,
             true,
-            true,
+            false,
         ));
         assert!(pending.contains("WHERE m.phase = 0 AND ($1::uuid[] IS NULL"));
         assert!(pending.contains(
-            "AND (m.visible_at, m.seq) > ($10, $11) AND (m.visible_at, m.seq) <= ($12, $13) ORDER BY m.visible_at, m.seq LIMIT $9"
+            "AND (m.visible_at, m.seq) > ($10, $11) ORDER BY m.visible_at, m.seq LIMIT $9"
         ));
-        let horizon_only = squash(&list_messages_sql(
+        // Filtered: the filter over a window of the index, the scan bound its LIMIT.
+        let scanned = squash(&list_messages_sql(
             "outbox",
             MessageState::Pending,
+            true,
+            true,
+        ));
+        assert!(scanned.contains(
+            "FROM ( SELECT m.* FROM \"outbox\".outbox_messages m WHERE m.phase = 0 AND (m.visible_at, m.seq) > ($10, $11) ORDER BY m.visible_at, m.seq LIMIT $12) m WHERE ($1::uuid[] IS NULL"
+        ));
+        assert!(scanned.ends_with("ORDER BY m.visible_at, m.seq LIMIT $9"));
+        let first = squash(&list_messages_sql(
+            "outbox",
+            MessageState::Dead,
             false,
             true,
         ));
-        assert!(horizon_only.contains("AND (m.visible_at, m.seq) <= ($10, $11) ORDER BY"));
+        assert!(
+            first.contains("WHERE m.phase = 3 ORDER BY m.created_at DESC, m.seq DESC LIMIT $10) m")
+        );
         let dead = squash(&list_messages_sql(
             "outbox",
             MessageState::Dead,
@@ -926,13 +951,6 @@ mod tests {
         assert!(dead.contains(
             "AND (m.created_at, m.seq) < ($10, $11) ORDER BY m.created_at DESC, m.seq DESC LIMIT $9"
         ));
-        let dead_h = squash(&list_messages_sql(
-            "outbox",
-            MessageState::Dead,
-            false,
-            true,
-        ));
-        assert!(dead_h.contains("AND (m.created_at, m.seq) >= ($10, $11) ORDER BY"));
         let sent = squash(&list_messages_sql(
             "outbox",
             MessageState::Sent,
