@@ -7,7 +7,8 @@
 //!   `cargo xtask features`; seconds with a warm cache) and what publishing needs (as
 //!   `cargo xtask release-check`), brings the services up and the broker clusters (as
 //!   `cargo xtask services --cluster`, stopped again at the end if it started them),
-//!   then runs every test of the
+//!   installs Chromium and chromedriver for the dashboard's browser tests when missing
+//!   (apt-get), then runs every test of the
 //!   workspace (`cargo test --workspace --all-targets ARGS`; with `MSSQL_URL` set, a
 //!   second pass runs the SQL Server tests, `#[ignore = "needs MSSQL_URL"]`, with
 //!   `--ignored`), a 500-order demo run over RabbitMQ and one over NATS whose
@@ -31,6 +32,7 @@
 //! Child processes get `DATABASE_URL`, `AMQP_URL` and `NATS_URL` pointing at
 //! the local services unless those variables are already set.
 
+mod browser;
 mod cluster;
 mod features;
 mod release;
@@ -173,6 +175,8 @@ fn run(cli: Cli) -> Result<()> {
             services::ensure(timeout)?;
             // The broker clusters' tests (`tests/cluster.rs`) run in the main pass.
             let _clusters = cluster::ForRun::up(timeout)?;
+            // The dashboard's browser tests drive Debian's Chromium.
+            browser::ensure()?;
             sqlserver::announce_skip(None);
             let mut tests = cargo();
             tests

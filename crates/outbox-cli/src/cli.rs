@@ -11,6 +11,7 @@ use std::path::PathBuf;
 
 use clap::{Args, Parser, Subcommand, ValueEnum};
 
+pub(crate) use crate::commands::dashboard::DashboardArgs;
 pub(crate) use crate::commands::dead::DeadCommand;
 pub(crate) use crate::commands::inbox_dead::InboxDeadCommand;
 pub(crate) use crate::commands::purge::PurgeArgs;
@@ -122,6 +123,10 @@ pub(crate) enum Command {
     /// Delete (or archive) sent outbox rows and inbox records older than a retention,
     /// in small batches that never block the relay.
     Purge(PurgeArgs),
+    /// Serve the operations dashboard in the browser (overview, messages by state, dead
+    /// letters, replay with a dry run and confirmation) until SIGINT or SIGTERM.
+    /// Read-only unless --allow-replay; loopback unless OUTBOX_DASHBOARD_TOKEN is set.
+    Dashboard(DashboardArgs),
 }
 
 /// `outbox inbox ...`
@@ -243,6 +248,16 @@ pub struct RelayArgs {
     #[arg(long, env = "OUTBOX_LISTEN", value_name = "ADDR")]
     pub listen: Option<String>,
 
+    /// Serve the operations dashboard's pages on the same address (read-only unless
+    /// --allow-replay). On an address that is not loopback it needs
+    /// OUTBOX_DASHBOARD_TOKEN; /metrics and /healthz stay unauthenticated.
+    #[arg(long, env = "OUTBOX_DASHBOARD")]
+    pub dashboard: bool,
+
+    /// With --dashboard: allow replaying dead letters from it.
+    #[arg(long, env = "OUTBOX_DASHBOARD_ALLOW_REPLAY")]
+    pub allow_replay: bool,
+
     /// /healthz fails when the oldest pending message is older than this, e.g. 5m
     /// [default: 5m].
     #[arg(long, env = "OUTBOX_MAX_LAG", value_name = "DURATION")]
@@ -279,6 +294,8 @@ impl fmt::Debug for RelayArgs {
             ordering,
             sent_retention,
             listen,
+            dashboard,
+            allow_replay,
             max_lag,
             stuck_after,
             health_interval,
@@ -306,6 +323,8 @@ impl fmt::Debug for RelayArgs {
             .field("ordering", ordering)
             .field("sent_retention", sent_retention)
             .field("listen", listen)
+            .field("dashboard", dashboard)
+            .field("allow_replay", allow_replay)
             .field("max_lag", max_lag)
             .field("stuck_after", stuck_after)
             .field("health_interval", health_interval)

@@ -54,6 +54,8 @@ const DEFAULT_LISTEN: SocketAddr = SocketAddr::V4(std::net::SocketAddrV4::new(
 /// ordering = "per-key"            # unordered | per-key | per-key-skip
 /// sent_retention = "keep"         # keep | delete
 /// listen = "0.0.0.0:9464"
+/// dashboard = true                # serve the dashboard's pages on `listen` too
+/// allow_replay = false            # replay from the dashboard (dry run + confirmation)
 /// max_lag = "5m"
 /// stuck_after = "2m"
 /// health_interval = "5s"
@@ -102,6 +104,8 @@ pub struct FileRelay {
     pub ordering: Option<OrderingMode>,
     pub sent_retention: Option<SentRetentionMode>,
     pub listen: Option<String>,
+    pub dashboard: Option<bool>,
+    pub allow_replay: Option<bool>,
     pub max_lag: Option<String>,
     pub stuck_after: Option<String>,
     pub health_interval: Option<String>,
@@ -409,6 +413,8 @@ impl fmt::Debug for FileRelay {
             ordering,
             sent_retention,
             listen,
+            dashboard,
+            allow_replay,
             max_lag,
             stuck_after,
             health_interval,
@@ -436,6 +442,8 @@ impl fmt::Debug for FileRelay {
             .field("ordering", ordering)
             .field("sent_retention", sent_retention)
             .field("listen", listen)
+            .field("dashboard", dashboard)
+            .field("allow_replay", allow_replay)
             .field("max_lag", max_lag)
             .field("stuck_after", stuck_after)
             .field("health_interval", health_interval)
@@ -475,6 +483,7 @@ impl fmt::Debug for RelaySettings {
             ordering,
             sent_retention,
             listen,
+            dashboard,
             max_lag,
             stuck_after,
             health_interval,
@@ -501,6 +510,7 @@ impl fmt::Debug for RelaySettings {
             .field("ordering", ordering)
             .field("sent_retention", sent_retention)
             .field("listen", listen)
+            .field("dashboard", dashboard)
             .field("max_lag", max_lag)
             .field("stuck_after", stuck_after)
             .field("health_interval", health_interval)
@@ -556,6 +566,8 @@ pub struct RelaySettings {
     pub sent_retention: SentRetentionMode,
     /// Endpoint address (port 0: any free port).
     pub listen: SocketAddr,
+    /// The dashboard's pages on the endpoint (`--dashboard`), `None` without them.
+    pub dashboard: Option<crate::commands::dashboard::DashboardSettings>,
     /// Queue-lag threshold of /healthz.
     pub max_lag: Duration,
     /// Stuck threshold of /healthz.
@@ -587,6 +599,7 @@ impl RelaySettings {
             ordering: OrderingMode::Unordered,
             sent_retention: SentRetentionMode::Keep,
             listen: DEFAULT_LISTEN,
+            dashboard: None,
             max_lag: Duration::from_secs(300),
             stuck_after: Duration::from_secs(120),
             health_interval: Duration::from_secs(5),
@@ -677,6 +690,20 @@ impl RelaySettings {
                 field: "listen",
                 reason: format!("{addr:?} is not a socket address (host:port): {e}"),
             })?;
+        }
+        let allow_replay = args.allow_replay || f.allow_replay == Some(true);
+        if args.dashboard || f.dashboard == Some(true) {
+            let mut d = crate::commands::dashboard::DashboardSettings::new();
+            d.listen = s.listen;
+            d.allow_replay = allow_replay;
+            d.token = crate::commands::dashboard::DashboardSettings::token_from_env();
+            d.check_address(s.listen)?;
+            s.dashboard = Some(d);
+        } else if allow_replay {
+            return Err(CliError::Invalid {
+                field: "allow_replay",
+                reason: "replay is a dashboard setting: add --dashboard".into(),
+            });
         }
         // File overrides first, flags replace them per event type.
         for (event_type, o) in &f.event_types {

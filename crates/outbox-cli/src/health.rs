@@ -17,8 +17,7 @@
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use outbox_core::OutboxAdmin;
-use outbox_core::{EventPublisher, OnDead};
+use outbox_core::{EventPublisher, OnDead, OutboxAdmin, RelayHeartbeat};
 use serde::Serialize;
 use tokio_util::sync::CancellationToken;
 
@@ -66,6 +65,7 @@ struct State {
     claimable_wait: Option<Duration>,
     circuit_open: bool,
     published: u64,
+    heartbeat_failing: bool,
 }
 
 /// Shared health state: written by the checker and the relay, read by `/healthz`.
@@ -213,14 +213,36 @@ impl Health {
         });
     }
 
+    /// Records the relay's heartbeat (`beat`, updated from the current report) in the
+    /// database ([`OutboxAdmin::record_heartbeat`]), for operators. A failure (the
+    /// migration that adds the table not applied yet, the database down) is logged once
+    /// until a heartbeat succeeds again, and changes nothing of the relay's health.
+    pub async fn beat<S: OutboxAdmin + ?Sized>(&self, store: &S, beat: &mut RelayHeartbeat) {
+        let report = self.report();
+        beat.circuit_open = report.circuit_open;
+        beat.healthy = report.is_healthy();
+        beat.published = report.published;
+        beat.detail = report.reasons.join("; ");
+        match store.record_heartbeat(beat).await {
+            Ok(()) => self.with(|s| s.heartbeat_failing = false),
+            Err(e) => {
+                if !self.with(|s| std::mem::replace(&mut s.heartbeat_failing, true)) {
+                    tracing::warn!(error = %e, "cannot record the relay's heartbeat (run `outbox migrate`?); the dashboard will not list this relay");
+                }
+            }
+        }
+    }
+
     /// Runs checks every `interval` until `shutdown`; `sample` supplies the
-    /// dispatcher's circuit state and published count at each check.
+    /// dispatcher's circuit state and published count at each check. After each check,
+    /// `heartbeat` (when given) is recorded ([`beat`](Self::beat)).
     pub async fn run_checker<S: OutboxAdmin + ?Sized, P: EventPublisher>(
         &self,
         store: Arc<S>,
         publisher: Arc<P>,
         interval: Duration,
         sample: impl Fn() -> (bool, u64) + Send,
+        mut heartbeat: Option<RelayHeartbeat>,
         shutdown: CancellationToken,
     ) {
         loop {
@@ -228,6 +250,12 @@ impl Health {
             tokio::select! {
                 () = shutdown.cancelled() => return,
                 () = self.check(&*store, &*publisher, circuit_open, published, interval.max(Duration::from_secs(1))) => {}
+            }
+            if let Some(beat) = heartbeat.as_mut() {
+                tokio::select! {
+                    () = shutdown.cancelled() => return,
+                    () = self.beat(&*store, beat) => {}
+                }
             }
             tokio::select! {
                 () = shutdown.cancelled() => return,

@@ -11,7 +11,9 @@
 //!   on SIGINT/SIGTERM;
 //! - `outbox migrate`, `outbox stats`, `outbox reconcile`;
 //! - `outbox dead list|replay`, `outbox inbox dead list|replay`;
-//! - `outbox purge` (delete or archive, in small batches).
+//! - `outbox purge` (delete or archive, in small batches);
+//! - `outbox dashboard`: the operations dashboard in the browser (also mounted by
+//!   `outbox relay --dashboard`).
 //!
 //! The database is chosen by the URL (`postgres://`, `sqlserver://`,
 //! `mssql://`, `jdbc:sqlserver://` or an ADO.NET string), the broker by `--transport`.
@@ -60,7 +62,7 @@ pub use cli::Cli;
 pub use error::CliError;
 
 use crate::cli::{Command, DeadCommand, InboxCommand, InboxDeadCommand, LogFormat, RelayArgs};
-use crate::commands::{Validated, dead, inbox_dead, migrate, purge, reconcile, stats};
+use crate::commands::{Validated, dashboard, dead, inbox_dead, migrate, purge, reconcile, stats};
 use crate::config::{DbSettings, FileConfig, RelaySettings};
 
 /// Parses `args`, sets up logging, runs the command on a multi-threaded runtime and
@@ -172,6 +174,11 @@ pub async fn run(cli: Cli, out: &mut dyn Write) -> Result<(), CliError> {
             }
         },
         Command::Purge(a) => admin(&cli, &file, purge::validate(a), out).await,
+        Command::Dashboard(a) => {
+            let db = DbSettings::resolve(&cli, &file)?;
+            let settings = dashboard::DashboardSettings::resolve(a)?;
+            dashboard::run(&db, &settings).await
+        }
     }
 }
 

@@ -227,13 +227,23 @@ impl Relay {
             addr: settings.listen,
             source,
         })?;
+        let mut app = router(health.clone(), prometheus);
+        if let Some(pages) = &settings.dashboard {
+            pages.check_address(settings.listen)?;
+            let admin: Arc<dyn OutboxAdmin> = store.clone();
+            app = app.merge(crate::commands::dashboard::router(
+                crate::commands::dashboard::Dashboard::new(admin, pages, Some(health.clone())),
+            ));
+        }
         let server = {
             let token = shutdown.clone();
-            let app = router(health.clone(), prometheus);
             tokio::spawn(async move {
-                axum::serve(listener, app)
-                    .with_graceful_shutdown(token.cancelled_owned())
-                    .await
+                axum::serve(
+                    listener,
+                    app.into_make_service_with_connect_info::<SocketAddr>(),
+                )
+                .with_graceful_shutdown(token.cancelled_owned())
+                .await
             })
         };
         let checker = {
@@ -250,6 +260,7 @@ impl Relay {
                         publisher,
                         interval,
                         move || (d.circuit_open(), d.stats().published),
+                        Some(heartbeat()),
                         token,
                     )
                     .await;
@@ -263,6 +274,7 @@ impl Relay {
             schema = %settings.db.schema,
             ordering = ?settings.ordering,
             sent_retention = ?settings.sent_retention,
+            dashboard = settings.dashboard.is_some(),
             "relay started"
         );
         let task = {
@@ -347,6 +359,23 @@ fn dispatcher_config(settings: &RelaySettings) -> outbox_core::DispatcherConfig 
         },
     };
     settings.dispatcher_config().with_ordering(ordering)
+}
+
+/// This process's heartbeat: a fresh relay id, the host name (the kernel's, else
+/// `$HOSTNAME`, else `unknown`), the process id and the binary's version.
+fn heartbeat() -> outbox_core::RelayHeartbeat {
+    let host = std::fs::read_to_string("/proc/sys/kernel/hostname")
+        .ok()
+        .map(|h| h.trim().to_owned())
+        .filter(|h| !h.is_empty())
+        .or_else(|| std::env::var("HOSTNAME").ok())
+        .unwrap_or_else(|| "unknown".to_owned());
+    outbox_core::RelayHeartbeat::new(
+        uuid::Uuid::now_v7(),
+        host,
+        std::process::id(),
+        env!("CARGO_PKG_VERSION"),
+    )
 }
 
 /// Waits for SIGINT or SIGTERM (SIGINT only on non-Unix), then cancels `token`.

@@ -14,6 +14,11 @@
 //! The report structs are built by the backends, so their fields are public and
 //! exhaustive (a new field is a breaking change of this module); the filter
 //! ([`InboxDeadFilter`]) is `#[non_exhaustive]` and built with [`InboxDeadFilter::new`].
+//!
+//! The browsing queries of the `outbox dashboard` ([`OutboxAdmin::list_messages`],
+//! [`OutboxAdmin::count_messages`], [`OutboxAdmin::sent_per_minute`]) are built for a
+//! table of millions of rows: listings are keyset-paged ([`MessageCursor`]) along an
+//! index of the listed state, counts are bounded.
 
 use std::time::Duration;
 
@@ -21,7 +26,7 @@ use async_trait::async_trait;
 use chrono::{DateTime, NaiveDate, Utc};
 use uuid::Uuid;
 
-use crate::{OnDead, OutboxError, OutboxStats, OutboxStore};
+use crate::{MessageFilter, MessageStatus, OnDead, OutboxError, OutboxStats, OutboxStore};
 
 /// How many pending (and dead) rows [`OutboxAdmin::pending_stats`], the relay's gauges,
 /// counts at most: beyond it the gauges say "at least this many".
@@ -161,6 +166,222 @@ pub struct InboxReplayReport {
     pub elapsed_secs: f64,
 }
 
+/// Which outbox rows [`OutboxAdmin::list_messages`] walks, and in which order. Each
+/// order follows an index the backends keep for that state, with `seq` breaking ties.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum MessageState {
+    /// `New` and `Processing` rows, in claim order: `(visible_at, seq)` ascending (the
+    /// next message the relay takes comes first).
+    Pending,
+    /// `Dead` rows, newest first: `(created_at, seq)` descending.
+    Dead,
+    /// `Sent` rows still in the table, most recently sent first: `(sent_at, seq)`
+    /// descending (none under `SentRetention::Delete`).
+    Sent,
+}
+
+impl MessageState {
+    /// The state's name in URLs and reports: `pending`, `dead` or `sent`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Pending => "pending",
+            Self::Dead => "dead",
+            Self::Sent => "sent",
+        }
+    }
+
+    /// Parses [`as_str`](Self::as_str)'s names.
+    pub fn from_name(name: &str) -> Option<Self> {
+        match name {
+            "pending" => Some(Self::Pending),
+            "dead" => Some(Self::Dead),
+            "sent" => Some(Self::Sent),
+            _ => None,
+        }
+    }
+}
+
+/// A position in a listing of [`OutboxAdmin::list_messages`]: the sort key of the last
+/// row of the previous page (`at` is `visible_at`, `created_at` or `sent_at` by
+/// [`MessageState`]). The next page starts strictly after it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct MessageCursor {
+    /// The row's time of the state's order, as the database stored it.
+    pub at: DateTime<Utc>,
+    /// The row's `seq`.
+    pub seq: i64,
+}
+
+/// A listed outbox message: what a listing shows, without payload or headers (read
+/// one message with [`OutboxStore::get`] for those).
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+pub struct MessageSummary {
+    /// Message id.
+    pub id: Uuid,
+    /// Insertion order.
+    pub seq: i64,
+    /// Status.
+    pub status: MessageStatus,
+    /// Event type.
+    pub event_type: String,
+    /// Aggregate type.
+    pub aggregate_type: String,
+    /// Aggregate id.
+    pub aggregate_id: String,
+    /// Tenant.
+    pub tenant_id: Option<String>,
+    /// When the row was written (database clock).
+    pub created_at: DateTime<Utc>,
+    /// Not claimable before (database clock).
+    pub visible_at: DateTime<Utc>,
+    /// When the broker confirmed it (database clock).
+    pub sent_at: Option<DateTime<Utc>>,
+    /// Claims so far.
+    pub attempts: i32,
+    /// The last failure.
+    pub last_error: Option<String>,
+}
+
+impl MessageSummary {
+    /// The cursor that continues a listing of `state` after this row.
+    pub fn cursor(&self, state: MessageState) -> MessageCursor {
+        let at = match state {
+            MessageState::Pending => self.visible_at,
+            MessageState::Dead => self.created_at,
+            MessageState::Sent => self.sent_at.unwrap_or(self.created_at),
+        };
+        MessageCursor { at, seq: self.seq }
+    }
+}
+
+/// What the dashboard passes as `scan` to [`OutboxAdmin::list_messages`] and
+/// [`OutboxAdmin::count_messages`]: filtered listings and counts examine at most this
+/// many rows of a state per call.
+pub const DEFAULT_SCAN_BOUND: u64 = 25_000;
+
+/// One page of [`OutboxAdmin::list_messages`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct MessagePage {
+    /// The matching rows, in the state's order.
+    pub rows: Vec<MessageSummary>,
+    /// Where the next page starts: after the last row when the page is full, after the
+    /// last row examined when the scan bound came first; `None` when nothing follows.
+    pub next: Option<MessageCursor>,
+}
+
+/// What [`OutboxAdmin::count_messages`] counted.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct MessageCount {
+    /// Matching rows counted.
+    pub matching: u64,
+    /// Whether that is all of them: neither the count's bound nor the scan bound was
+    /// reached. When `false`, at least `matching` rows match.
+    pub exact: bool,
+}
+
+/// What a relay reports about itself at each of its health checks
+/// ([`OutboxAdmin::record_heartbeat`]), so that operators see every relay from the
+/// database: which run, since when, their circuit and health.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct RelayHeartbeat {
+    /// The relay process's id, fresh at each start.
+    pub relay_id: Uuid,
+    /// The host it runs on.
+    pub host: String,
+    /// Its process id.
+    pub pid: u32,
+    /// Its version (the `outbox` binary's).
+    pub version: String,
+    /// Whether its circuit is open (not claiming, probing the broker).
+    pub circuit_open: bool,
+    /// Whether its health check passes.
+    pub healthy: bool,
+    /// Messages it published since it started.
+    pub published: u64,
+    /// Why it is unhealthy (empty when healthy), at most 1,000 characters.
+    pub detail: String,
+}
+
+impl RelayHeartbeat {
+    /// The heartbeat of relay `relay_id` on `host`, process `pid`, `version`: healthy,
+    /// circuit closed, nothing published yet.
+    pub fn new(
+        relay_id: Uuid,
+        host: impl Into<String>,
+        pid: u32,
+        version: impl Into<String>,
+    ) -> Self {
+        Self {
+            relay_id,
+            host: host.into(),
+            pid,
+            version: version.into(),
+            circuit_open: false,
+            healthy: true,
+            published: 0,
+            detail: String::new(),
+        }
+    }
+}
+
+/// A relay as the database last heard of it ([`OutboxAdmin::relays_seen`]).
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+pub struct RelaySeen {
+    /// The relay process's id.
+    pub relay_id: Uuid,
+    /// Its host.
+    pub host: String,
+    /// Its process id.
+    pub pid: i64,
+    /// Its version.
+    pub version: String,
+    /// Its first heartbeat (database clock).
+    pub started_at: DateTime<Utc>,
+    /// Its last heartbeat (database clock).
+    pub last_seen_at: DateTime<Utc>,
+    /// How long ago that was, by the database clock.
+    pub silent_for: Duration,
+    /// Whether its circuit was open then.
+    pub circuit_open: bool,
+    /// Whether it was healthy then.
+    pub healthy: bool,
+    /// Messages it had published then.
+    pub published: u64,
+    /// Why it was unhealthy.
+    pub detail: String,
+}
+
+/// Messages sent per minute over a recent window ([`OutboxAdmin::sent_per_minute`]).
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+pub struct SentPerMinute {
+    /// The database clock when counted: the end of the window.
+    pub until: DateTime<Utc>,
+    /// One count per minute of the window, oldest first: `counts[i]` holds the rows
+    /// whose `sent_at` is in `(until - (n - i) min, until - (n - i - 1) min]`, so the
+    /// last one is the minute just ended.
+    pub counts: Vec<u64>,
+}
+
+impl SentPerMinute {
+    /// Buckets rows by their age in whole minutes (`ages[k] = (minutes_ago, count)`,
+    /// `minutes_ago` 0 for the last minute), for the backends: ages outside
+    /// `0..minutes` are clamped into it (a clock step can make one negative).
+    pub fn from_ages(until: DateTime<Utc>, minutes: usize, ages: &[(i64, u64)]) -> Self {
+        let mut counts = vec![0u64; minutes];
+        if minutes > 0 {
+            for &(ago, n) in ages {
+                let ago = usize::try_from(ago.max(0))
+                    .unwrap_or(usize::MAX)
+                    .min(minutes - 1);
+                counts[minutes - 1 - ago] += n;
+            }
+        }
+        Self { until, counts }
+    }
+}
+
 /// Operator queries of an outbox backend, over the outbox and inbox tables of one
 /// schema. Object safe: the `outbox` binary holds a `Box<dyn OutboxAdmin>` chosen by
 /// the database URL.
@@ -288,4 +509,110 @@ pub trait OutboxAdmin: OutboxStore {
         filter: &InboxDeadFilter,
         mode: InboxReplayMode,
     ) -> Result<InboxReplayReport, OutboxError>;
+
+    /// One page of the outbox rows in `state` matching `filter` (its `ids`, time window
+    /// on `created_at`, tenant, aggregate, event type and error text, as for
+    /// [`OutboxStore::dead_letters`]), in the state's order ([`MessageState`]),
+    /// starting strictly after `after` (`None`: the first page), at most `limit` rows,
+    /// and the cursor that continues it ([`MessagePage::next`]).
+    ///
+    /// Implementations MUST page by key (`WHERE (at, seq) > cursor ORDER BY at, seq`,
+    /// or `<` for the descending states), never by offset, and SHOULD walk an index
+    /// of the state, so that any page costs the same at a million rows as at ten.
+    ///
+    /// With a filter set (any field of `filter`), implementations MUST examine at most
+    /// `scan` rows of the state after `after` (the *horizon*: the key of the `scan`-th
+    /// row, found on the index), so that a filter few rows match costs no more than
+    /// `scan` rows per call: when fewer than `limit` rows match before the horizon,
+    /// `next` is the horizon and the caller continues from there. An empty filter
+    /// examines only the rows it returns. `next` is `None` once the state has no rows
+    /// after those examined.
+    ///
+    /// # Errors
+    /// [`OutboxError::Database`] on database failure.
+    async fn list_messages(
+        &self,
+        state: MessageState,
+        filter: &MessageFilter,
+        after: Option<MessageCursor>,
+        limit: usize,
+        scan: u64,
+    ) -> Result<MessagePage, OutboxError>;
+
+    /// How many rows in `state` match `filter`, bounded twice so that the cost is
+    /// bounded like [`pending_stats`](Self::pending_stats)': implementations MUST stop
+    /// counting at `bound` matching rows, and, with a filter set, MUST examine only the
+    /// first `scan` rows of the state in its order. [`MessageCount::exact`] says
+    /// whether neither bound was reached.
+    ///
+    /// # Errors
+    /// [`OutboxError::Database`] on database failure.
+    async fn count_messages(
+        &self,
+        state: MessageState,
+        filter: &MessageFilter,
+        bound: u64,
+        scan: u64,
+    ) -> Result<MessageCount, OutboxError>;
+
+    /// Rows that went `Sent` per minute over the last `minutes` minutes, by `sent_at`
+    /// and the database clock ([`SentPerMinute`]). Only rows still in the table are
+    /// seen: under `SentRetention::Delete`, or after a purge, they are not. The cost
+    /// grows with the rows sent in the window (implementations SHOULD read them through
+    /// the sent index).
+    ///
+    /// # Errors
+    /// [`OutboxError::Database`] on database failure.
+    async fn sent_per_minute(&self, minutes: u32) -> Result<SentPerMinute, OutboxError>;
+
+    /// Records `beat` in the schema's `outbox_relays` table: inserts the relay's row
+    /// (`started_at` and `last_seen_at` the database clock) or updates it
+    /// (`last_seen_at` and the reported state), and deletes the rows of relays not
+    /// heard of for a day. The relay calls it at each health check (every 5 seconds by
+    /// default): one row per relay process, one small write per check.
+    ///
+    /// # Errors
+    /// [`OutboxError::Database`] on database failure (e.g. the migration that adds the
+    /// table not applied yet).
+    async fn record_heartbeat(&self, beat: &RelayHeartbeat) -> Result<(), OutboxError>;
+
+    /// The relays heard of within `within` (by `last_seen_at`, database clock), most
+    /// recently heard first, at most `limit`.
+    ///
+    /// # Errors
+    /// [`OutboxError::Database`] on database failure.
+    async fn relays_seen(
+        &self,
+        within: Duration,
+        limit: usize,
+    ) -> Result<Vec<RelaySeen>, OutboxError>;
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sent_per_minute_buckets_oldest_first_and_clamps() {
+        let until = Utc::now();
+        let s = SentPerMinute::from_ages(until, 3, &[(0, 5), (2, 1), (7, 2), (-1, 1)]);
+        assert_eq!(s.counts, vec![3, 0, 6]);
+        assert!(
+            SentPerMinute::from_ages(until, 0, &[(0, 1)])
+                .counts
+                .is_empty()
+        );
+    }
+
+    #[test]
+    fn states_round_trip_their_names() {
+        for state in [
+            MessageState::Pending,
+            MessageState::Dead,
+            MessageState::Sent,
+        ] {
+            assert_eq!(MessageState::from_name(state.as_str()), Some(state));
+        }
+        assert_eq!(MessageState::from_name("new"), None);
+    }
 }

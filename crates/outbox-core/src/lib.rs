@@ -76,7 +76,8 @@ pub mod transport_conformance;
 
 pub use admin::{
     GroupStats, InboxDeadFilter, InboxDeadKind, InboxDeadLetter, InboxReplayMode,
-    InboxReplayReport, OutboxAdmin, ReconcileRow,
+    InboxReplayReport, MessageCount, MessageCursor, MessagePage, MessageState, MessageSummary,
+    OutboxAdmin, ReconcileRow, RelayHeartbeat, RelaySeen, SentPerMinute,
 };
 pub use consumer::{
     BatchDeliveryHandler, BatchSettings, Consumer, DeliveryHandler, HandlerDecision,

@@ -58,10 +58,15 @@ const MIGRATIONS: &[(i32, &str, &str)] = &[
         "the notification trigger sends nothing while the NOTIFY queue is half full",
         include_str!("../migrations/0009_notify_bound.sql"),
     ),
+    (
+        10,
+        "relay heartbeats: outbox_relays",
+        include_str!("../migrations/0010_relays.sql"),
+    ),
 ];
 
 /// The highest migration version this crate knows.
-pub const LATEST_VERSION: i32 = 9;
+pub const LATEST_VERSION: i32 = 10;
 
 /// Creates `schema` if needed and applies every migration not yet applied. Returns the
 /// versions applied by this call.

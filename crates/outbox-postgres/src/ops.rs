@@ -20,7 +20,9 @@ use std::time::{Duration, Instant};
 
 use chrono::{DateTime, Utc};
 use outbox_core::inbox::DurableInbox;
-use outbox_core::{InboxStore, OnDead, OutboxAdmin, OutboxError, OutboxStats};
+use outbox_core::{
+    InboxStore, MessageFilter, MessageStatus, OnDead, OutboxAdmin, OutboxError, OutboxStats,
+};
 use sqlx::{AssertSqlSafe, Row};
 
 use crate::error::db;
@@ -29,7 +31,8 @@ use crate::store::PgOutbox;
 
 use outbox_core::admin::{
     GroupStats, InboxDeadFilter, InboxDeadKind, InboxDeadLetter, InboxReplayMode,
-    InboxReplayReport, PENDING_STATS_BOUND, ReconcileRow,
+    InboxReplayReport, MessageCount, MessageCursor, MessagePage, MessageState, MessageSummary,
+    PENDING_STATS_BOUND, ReconcileRow, RelayHeartbeat, RelaySeen, SentPerMinute,
 };
 
 /// Columns of the outbox archive (migration 4).
@@ -55,6 +58,128 @@ const DURABLE_FILTER: &str = "d.phase = 3
     AND ($4::text IS NULL OR starts_with(coalesce(d.last_error, ''), $4 || ': '))
     AND ($5::text IS NULL OR d.event_type = $5)
     AND ($6::text IS NULL OR d.last_error ILIKE '%' || $6 || '%' ESCAPE E'\\\\')";
+
+/// The optional filter of the message listings, after the state's predicate (`$1` ids,
+/// `$2` from, `$3` to, `$4` tenant, `$5` aggregate type, `$6` aggregate id, `$7` event
+/// type, `$8` error text escaped by [`like_escape`]): the dead-letter filter of
+/// `sql.rs` for any state.
+const LIST_FILTER: &str = "($1::uuid[] IS NULL OR m.id = ANY($1))
+    AND ($2::timestamptz IS NULL OR m.created_at >= $2)
+    AND ($3::timestamptz IS NULL OR m.created_at < $3)
+    AND ($4::text IS NULL OR m.tenant_id = $4)
+    AND ($5::text IS NULL OR m.aggregate_type = $5)
+    AND ($6::text IS NULL OR m.aggregate_id = $6)
+    AND ($7::text IS NULL OR m.event_type = $7)
+    AND ($8::text IS NULL OR m.last_error ILIKE '%' || $8 || '%' ESCAPE E'\\\\')";
+
+/// Columns of a [`MessageSummary`].
+const SUMMARY_COLUMNS: &str = "m.id, m.seq, m.status, m.event_type, m.aggregate_type, \
+    m.aggregate_id, m.tenant_id, m.created_at, m.visible_at, m.sent_at, m.attempts, m.last_error";
+
+/// The state's partial-index predicate, order column and direction (`>` ascending,
+/// `<` descending).
+fn state_order(state: MessageState) -> (&'static str, &'static str, &'static str) {
+    match state {
+        MessageState::Pending => ("m.phase = 0", "m.visible_at", ">"),
+        MessageState::Dead => ("m.phase = 3", "m.created_at", "<"),
+        MessageState::Sent => ("m.phase = 1", "m.sent_at", "<"),
+    }
+}
+
+/// One page of a listing (`$1`-`$8` the filter, `$9` the limit; with a cursor, its
+/// time and seq next (`$10`, `$11`); when `scanned`, the scan bound after those).
+/// The texts differ by cursor rather than `$10 IS NULL OR ...`: the row comparison
+/// must be an index condition in every plan, a generic one included, so that a late
+/// page does not scan the pages before it. A `scanned` (filtered) page applies the
+/// filter to a window of the first rows in the index's order (`LIMIT` in a subquery,
+/// below which the planner cannot push the filter): whatever the planner estimates for
+/// a filter, it walks the index and examines at most the scan bound.
+fn list_messages_sql(
+    schema: &str,
+    state: MessageState,
+    with_cursor: bool,
+    scanned: bool,
+) -> String {
+    let s = quoted_schema(schema);
+    let (phase, at, cmp) = state_order(state);
+    let dir = if cmp == ">" { "" } else { " DESC" };
+    let cursor = if with_cursor {
+        format!(" AND ({at}, m.seq) {cmp} ($10, $11)")
+    } else {
+        String::new()
+    };
+    if !scanned {
+        return format!(
+            "SELECT {SUMMARY_COLUMNS} FROM {s}.outbox_messages m
+              WHERE {phase} AND {LIST_FILTER}{cursor}
+              ORDER BY {at}{dir}, m.seq{dir} LIMIT $9"
+        );
+    }
+    let scan = if with_cursor { "$12" } else { "$10" };
+    format!(
+        "SELECT {SUMMARY_COLUMNS} FROM (
+             SELECT m.* FROM {s}.outbox_messages m WHERE {phase}{cursor}
+              ORDER BY {at}{dir}, m.seq{dir} LIMIT {scan}) m
+          WHERE {LIST_FILTER}
+          ORDER BY {at}{dir}, m.seq{dir} LIMIT $9"
+    )
+}
+
+/// The horizon of a filtered listing: the order key of the row `OFFSET` rows after the
+/// cursor (`$1` time and `$2` seq with a cursor, then the offset; else `$1` the
+/// offset), on the state's index; no row when the state ends before.
+fn horizon_sql(schema: &str, state: MessageState, with_cursor: bool) -> String {
+    let s = quoted_schema(schema);
+    let (phase, at, cmp) = state_order(state);
+    let dir = if cmp == ">" { "" } else { " DESC" };
+    let (cursor, offset) = if with_cursor {
+        (format!(" AND ({at}, m.seq) {cmp} ($1, $2)"), "$3")
+    } else {
+        (String::new(), "$1")
+    };
+    format!(
+        "SELECT {at}, m.seq FROM {s}.outbox_messages m WHERE {phase}{cursor}
+          ORDER BY {at}{dir}, m.seq{dir} OFFSET {offset} LIMIT 1"
+    )
+}
+
+/// The bounded count (`$1`-`$8` the filter, `$9` the bound): unfiltered, the rows of
+/// the state up to the bound (no filter column is read); filtered, the matching rows
+/// among the first `$9` (the scan bound) of the state in its order, and how many were
+/// examined.
+fn count_messages_sql(schema: &str, state: MessageState, filtered: bool) -> String {
+    let s = quoted_schema(schema);
+    let (phase, at, cmp) = state_order(state);
+    if !filtered {
+        return format!(
+            "SELECT count(*), count(*) FROM (SELECT 1 FROM {s}.outbox_messages m
+              WHERE {phase} AND {LIST_FILTER} LIMIT $9) c"
+        );
+    }
+    let dir = if cmp == ">" { "" } else { " DESC" };
+    format!(
+        "SELECT count(*) FILTER (WHERE {LIST_FILTER}), count(*) FROM (
+             SELECT m.id, m.created_at, m.tenant_id, m.aggregate_type, m.aggregate_id,
+                    m.event_type, m.last_error
+               FROM {s}.outbox_messages m WHERE {phase}
+              ORDER BY {at}{dir}, m.seq{dir} LIMIT $9) m"
+    )
+}
+
+fn bind_message_filter<'q>(
+    query: sqlx::query::Query<'q, sqlx::Postgres, sqlx::postgres::PgArguments>,
+    f: &'q MessageFilter,
+) -> sqlx::query::Query<'q, sqlx::Postgres, sqlx::postgres::PgArguments> {
+    query
+        .bind(if f.ids.is_empty() { None } else { Some(&f.ids) })
+        .bind(f.from)
+        .bind(f.to)
+        .bind(f.tenant_id.as_deref())
+        .bind(f.aggregate_type.as_deref())
+        .bind(f.aggregate_id.as_deref())
+        .bind(f.event_type.as_deref())
+        .bind(f.error_contains.as_deref().map(like_escape))
+}
 
 fn count(n: i64) -> u64 {
     u64::try_from(n).unwrap_or(0)
@@ -550,5 +675,304 @@ impl OutboxAdmin for PgOutbox {
             },
             elapsed_secs: started.elapsed().as_secs_f64(),
         })
+    }
+
+    /// One page of `state` in its order (see [`MessageState`]), keyset-paged along the
+    /// state's partial index: `outbox_messages_pending (visible_at, seq)`,
+    /// `outbox_messages_dead (created_at)` and `outbox_messages_sent (sent_at)`. A
+    /// filtered page applies its filter to a window of `scan` rows of that index; a short
+    /// page then finds where the window ended, its `next`.
+    ///
+    /// # Errors
+    /// [`OutboxError::Database`] on database failure.
+    async fn list_messages(
+        &self,
+        state: MessageState,
+        filter: &MessageFilter,
+        after: Option<MessageCursor>,
+        limit_rows: usize,
+        scan: u64,
+    ) -> Result<MessagePage, OutboxError> {
+        const OP: &str = "list_messages";
+        let scanned = *filter != MessageFilter::new();
+        let scan = i64::try_from(scan.max(1)).unwrap_or(i64::MAX);
+        let sql = list_messages_sql(self.schema(), state, after.is_some(), scanned);
+        let mut query = bind_message_filter(sqlx::query(AssertSqlSafe(sql)), filter)
+            .bind(limit(limit_rows.saturating_add(1)));
+        if let Some(c) = after {
+            query = query.bind(c.at).bind(c.seq);
+        }
+        if scanned {
+            query = query.bind(scan);
+        }
+        let rows = query.fetch_all(self.pool()).await.map_err(db(OP))?;
+        let mut rows = rows
+            .iter()
+            .map(|r| {
+                let status: i16 = r.try_get(2).map_err(db(OP))?;
+                Ok(MessageSummary {
+                    id: r.try_get(0).map_err(db(OP))?,
+                    seq: r.try_get(1).map_err(db(OP))?,
+                    status: MessageStatus::from_code(status)?,
+                    event_type: r.try_get(3).map_err(db(OP))?,
+                    aggregate_type: r.try_get(4).map_err(db(OP))?,
+                    aggregate_id: r.try_get(5).map_err(db(OP))?,
+                    tenant_id: r.try_get(6).map_err(db(OP))?,
+                    created_at: r.try_get(7).map_err(db(OP))?,
+                    visible_at: r.try_get(8).map_err(db(OP))?,
+                    sent_at: r.try_get(9).map_err(db(OP))?,
+                    attempts: r.try_get(10).map_err(db(OP))?,
+                    last_error: r.try_get(11).map_err(db(OP))?,
+                })
+            })
+            .collect::<Result<Vec<_>, OutboxError>>()?;
+        let next = if rows.len() > limit_rows {
+            rows.truncate(limit_rows);
+            rows.last().map(|m| m.cursor(state))
+        } else if scanned {
+            // A short page: continue after the last row examined (the window's last),
+            // if the window was full.
+            let sql = horizon_sql(self.schema(), state, after.is_some());
+            let mut query = sqlx::query_as::<_, (DateTime<Utc>, i64)>(AssertSqlSafe(sql));
+            if let Some(c) = after {
+                query = query.bind(c.at).bind(c.seq);
+            }
+            query
+                .bind(scan - 1)
+                .fetch_optional(self.pool())
+                .await
+                .map_err(db(OP))?
+                .map(|(at, seq)| MessageCursor { at, seq })
+        } else {
+            None
+        };
+        Ok(MessagePage { rows, next })
+    }
+
+    /// Counts at most `bound` rows of `state` matching `filter`: unfiltered, a `LIMIT`
+    /// in a subquery over the state's partial index; filtered, among the first `scan`
+    /// rows of that index.
+    ///
+    /// # Errors
+    /// [`OutboxError::Database`] on database failure.
+    async fn count_messages(
+        &self,
+        state: MessageState,
+        filter: &MessageFilter,
+        bound: u64,
+        scan: u64,
+    ) -> Result<MessageCount, OutboxError> {
+        let filtered = *filter != MessageFilter::new();
+        let stop = if filtered { scan } else { bound };
+        let (matching, examined): (i64, i64) = bind_message_filter(
+            sqlx::query(AssertSqlSafe(count_messages_sql(
+                self.schema(),
+                state,
+                filtered,
+            ))),
+            filter,
+        )
+        .bind(i64::try_from(stop).unwrap_or(i64::MAX))
+        .fetch_one(self.pool())
+        .await
+        .and_then(|r| Ok((r.try_get(0)?, r.try_get(1)?)))
+        .map_err(db("count_messages"))?;
+        let (matching, examined) = (count(matching), count(examined));
+        Ok(MessageCount {
+            matching: matching.min(bound),
+            exact: matching < bound && examined < stop,
+        })
+    }
+
+    /// Sent rows per minute over the last `minutes` minutes, through the sent index.
+    ///
+    /// # Errors
+    /// [`OutboxError::Database`] on database failure.
+    async fn sent_per_minute(&self, minutes: u32) -> Result<SentPerMinute, OutboxError> {
+        const OP: &str = "sent_per_minute";
+        let s = quoted_schema(self.schema());
+        let rows = sqlx::query(AssertSqlSafe(format!(
+            "SELECT n.now, a.ago, a.sent
+               FROM (SELECT now() AS now) n
+               LEFT JOIN LATERAL (
+                    SELECT floor(extract(epoch FROM n.now - m.sent_at) / 60)::int8 AS ago,
+                           count(*) AS sent
+                      FROM {s}.outbox_messages m
+                     WHERE m.phase = 1 AND m.sent_at > n.now - make_interval(mins => $1)
+                     GROUP BY 1) a ON true"
+        )))
+        .bind(i32::try_from(minutes).unwrap_or(i32::MAX))
+        .fetch_all(self.pool())
+        .await
+        .map_err(db(OP))?;
+        let mut until = None;
+        let mut ages = Vec::with_capacity(rows.len());
+        for r in &rows {
+            until = Some(r.try_get::<DateTime<Utc>, _>(0).map_err(db(OP))?);
+            let ago: Option<i64> = r.try_get(1).map_err(db(OP))?;
+            let sent: Option<i64> = r.try_get(2).map_err(db(OP))?;
+            if let (Some(ago), Some(sent)) = (ago, sent) {
+                ages.push((ago, count(sent)));
+            }
+        }
+        Ok(SentPerMinute::from_ages(
+            until.unwrap_or_else(Utc::now),
+            minutes as usize,
+            &ages,
+        ))
+    }
+
+    /// Upserts the relay's row of `outbox_relays` (migration 10) and deletes those not
+    /// heard of for a day, in one statement.
+    ///
+    /// # Errors
+    /// [`OutboxError::Database`] (e.g. migration 10 not applied).
+    async fn record_heartbeat(&self, beat: &RelayHeartbeat) -> Result<(), OutboxError> {
+        let s = quoted_schema(self.schema());
+        sqlx::query(AssertSqlSafe(format!(
+            "WITH gone AS (
+                 DELETE FROM {s}.outbox_relays
+                  WHERE last_seen_at < now() - interval '1 day' AND relay_id <> $1
+             )
+             INSERT INTO {s}.outbox_relays AS r
+                    (relay_id, host, pid, version, circuit_open, healthy, published, detail)
+             VALUES ($1, $2, $3, $4, $5, $6, $7, $8)
+             ON CONFLICT (relay_id) DO UPDATE
+                SET last_seen_at = now(), circuit_open = EXCLUDED.circuit_open,
+                    healthy = EXCLUDED.healthy, published = EXCLUDED.published,
+                    detail = EXCLUDED.detail"
+        )))
+        .bind(beat.relay_id)
+        .bind(&beat.host)
+        .bind(i64::from(beat.pid))
+        .bind(&beat.version)
+        .bind(beat.circuit_open)
+        .bind(beat.healthy)
+        .bind(i64::try_from(beat.published).unwrap_or(i64::MAX))
+        .bind(beat.detail.chars().take(1000).collect::<String>())
+        .execute(self.pool())
+        .await
+        .map_err(db("record_heartbeat"))?;
+        Ok(())
+    }
+
+    /// The relays of `outbox_relays` heard of within `within`, most recent first.
+    ///
+    /// # Errors
+    /// [`OutboxError::Database`] (e.g. migration 10 not applied).
+    async fn relays_seen(
+        &self,
+        within: Duration,
+        limit_rows: usize,
+    ) -> Result<Vec<RelaySeen>, OutboxError> {
+        const OP: &str = "relays_seen";
+        let s = quoted_schema(self.schema());
+        let rows = sqlx::query(AssertSqlSafe(format!(
+            "SELECT relay_id, host, pid, version, started_at, last_seen_at,
+                    extract(epoch FROM now() - last_seen_at)::float8, circuit_open, healthy,
+                    published, detail
+               FROM {s}.outbox_relays
+              WHERE last_seen_at >= now() - make_interval(secs => $1)
+              ORDER BY last_seen_at DESC, relay_id LIMIT $2"
+        )))
+        .bind(within.as_secs_f64())
+        .bind(limit(limit_rows))
+        .fetch_all(self.pool())
+        .await
+        .map_err(db(OP))?;
+        rows.iter()
+            .map(|r| {
+                let silent: f64 = r.try_get(6)?;
+                Ok(RelaySeen {
+                    relay_id: r.try_get(0)?,
+                    host: r.try_get(1)?,
+                    pid: r.try_get(2)?,
+                    version: r.try_get(3)?,
+                    started_at: r.try_get(4)?,
+                    last_seen_at: r.try_get(5)?,
+                    silent_for: Duration::from_secs_f64(silent.max(0.0)),
+                    circuit_open: r.try_get(7)?,
+                    healthy: r.try_get(8)?,
+                    published: count(r.try_get(9)?),
+                    detail: r.try_get(10)?,
+                })
+            })
+            .collect::<Result<_, sqlx::Error>>()
+            .map_err(db(OP))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn squash(sql: &str) -> String {
+        sql.split_whitespace().collect::<Vec<_>>().join(" ")
+    }
+
+    #[test]
+    fn listings_page_by_key_along_each_state_index() {
+        let pending = squash(&list_messages_sql(
+            "outbox",
+            MessageState::Pending,
+            true,
+            false,
+        ));
+        assert!(pending.contains("WHERE m.phase = 0 AND ($1::uuid[] IS NULL"));
+        assert!(pending.contains(
+            "AND (m.visible_at, m.seq) > ($10, $11) ORDER BY m.visible_at, m.seq LIMIT $9"
+        ));
+        // Filtered: the filter over a window of the index, the scan bound its LIMIT.
+        let scanned = squash(&list_messages_sql(
+            "outbox",
+            MessageState::Pending,
+            true,
+            true,
+        ));
+        assert!(scanned.contains(
+            "FROM ( SELECT m.* FROM \"outbox\".outbox_messages m WHERE m.phase = 0 AND (m.visible_at, m.seq) > ($10, $11) ORDER BY m.visible_at, m.seq LIMIT $12) m WHERE ($1::uuid[] IS NULL"
+        ));
+        assert!(scanned.ends_with("ORDER BY m.visible_at, m.seq LIMIT $9"));
+        let first = squash(&list_messages_sql(
+            "outbox",
+            MessageState::Dead,
+            false,
+            true,
+        ));
+        assert!(
+            first.contains("WHERE m.phase = 3 ORDER BY m.created_at DESC, m.seq DESC LIMIT $10) m")
+        );
+        let dead = squash(&list_messages_sql(
+            "outbox",
+            MessageState::Dead,
+            true,
+            false,
+        ));
+        assert!(dead.contains(
+            "AND (m.created_at, m.seq) < ($10, $11) ORDER BY m.created_at DESC, m.seq DESC LIMIT $9"
+        ));
+        let sent = squash(&list_messages_sql(
+            "outbox",
+            MessageState::Sent,
+            false,
+            false,
+        ));
+        assert!(sent.contains("WHERE m.phase = 1 AND"));
+        assert!(sent.ends_with("ORDER BY m.sent_at DESC, m.seq DESC LIMIT $9"));
+        assert!(!sent.contains("$10"), "no cursor on the first page");
+        let horizon = squash(&horizon_sql("outbox", MessageState::Pending, true));
+        assert!(horizon.contains(
+            "WHERE m.phase = 0 AND (m.visible_at, m.seq) > ($1, $2) ORDER BY m.visible_at, m.seq OFFSET $3 LIMIT 1"
+        ));
+        let horizon = squash(&horizon_sql("outbox", MessageState::Sent, false));
+        assert!(horizon.ends_with("ORDER BY m.sent_at DESC, m.seq DESC OFFSET $1 LIMIT 1"));
+        let count = squash(&count_messages_sql("outbox", MessageState::Dead, false));
+        assert!(count.starts_with(
+            "SELECT count(*), count(*) FROM (SELECT 1 FROM \"outbox\".outbox_messages m WHERE m.phase = 3 AND"
+        ));
+        assert!(count.ends_with("LIMIT $9) c"));
+        let scanned = squash(&count_messages_sql("outbox", MessageState::Pending, true));
+        assert!(scanned.starts_with("SELECT count(*) FILTER (WHERE ($1::uuid[] IS NULL"));
+        assert!(scanned.ends_with("WHERE m.phase = 0 ORDER BY m.visible_at, m.seq LIMIT $9) m"));
     }
 }

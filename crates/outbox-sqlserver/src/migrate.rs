@@ -44,13 +44,19 @@ pub(crate) const MIGRATIONS: &[(i32, &str, &str)] = &[
         "crash-loop guard isolation: unfinished_alone",
         include_str!("../migrations/0006_crash_loop_isolation.sql"),
     ),
+    (
+        7,
+        "relay heartbeats: outbox_relays",
+        include_str!("../migrations/0007_relays.sql"),
+    ),
 ];
 
 /// The highest migration version this crate knows. Versions 1 to 3 match the PostgreSQL
 /// backend's; 4 is its 6 (the crash-loop guard), 5 its 4 (the archive tables of
-/// `outbox purge --archive`) and 6 its 8 (the crash-loop guard's isolation); PostgreSQL's
-/// 5 (HOT claims) and 7 (NOTIFY) have no SQL Server counterpart.
-pub const LATEST_VERSION: i32 = 6;
+/// `outbox purge --archive`), 6 its 8 (the crash-loop guard's isolation) and 7 its 10
+/// (relay heartbeats); PostgreSQL's 5 (HOT claims), 7 and 9 (NOTIFY) have no SQL Server
+/// counterpart.
+pub const LATEST_VERSION: i32 = 7;
 
 /// Takes the migration lock (waiting up to 60 s) and creates the schema when missing.
 /// `@P1` lock resource, `@P2` schema name (validated; quoted again with QUOTENAME).

@@ -23,17 +23,20 @@ use std::time::{Duration, Instant};
 use async_trait::async_trait;
 use chrono::{DateTime, NaiveDate, NaiveDateTime, Utc};
 use outbox_core::inbox::DurableInbox;
-use outbox_core::{InboxStore, OnDead, OutboxAdmin, OutboxError, OutboxStats};
+use outbox_core::{
+    InboxStore, MessageFilter, MessageStatus, OnDead, OutboxAdmin, OutboxError, OutboxStats,
+};
 use tiberius::{Row, ToSql};
 use uuid::Uuid;
 
 use crate::error::db;
 use crate::sql::{like_escape, millis, minus_ms, quoted_schema};
-use crate::store::MssqlOutbox;
+use crate::store::{FilterParams, MssqlOutbox};
 
 use outbox_core::admin::{
     GroupStats, InboxDeadFilter, InboxDeadKind, InboxDeadLetter, InboxReplayMode,
-    InboxReplayReport, PENDING_STATS_BOUND, ReconcileRow,
+    InboxReplayReport, MessageCount, MessageCursor, MessagePage, MessageState, MessageSummary,
+    PENDING_STATS_BOUND, ReconcileRow, RelayHeartbeat, RelaySeen, SentPerMinute,
 };
 
 /// The most rows one bulk statement touches (archive moves, completions, purges,
@@ -437,6 +440,270 @@ OPTION (RECOMPILE);
 SET @durable = @@ROWCOUNT;
 COMMIT TRANSACTION;
 SELECT @matched + @durable AS matched, @cleared + @durable AS replayed, @requeued AS requeued;"
+    )
+}
+
+/// The optional filter of the message listings over `m` (`@P1` ids as a JSON array,
+/// `@P2` from, `@P3` to, `@P4` tenant, `@P5` aggregate type, `@P6` aggregate id, `@P7`
+/// event type, `@P8` error text escaped by [`like_escape`]): the dead-letter filter of
+/// `sql.rs` without its status, bound by the store's `FilterParams`.
+const LIST_FILTER: &str =
+    "(@P1 IS NULL OR m.id IN (SELECT CAST(j.value AS uniqueidentifier) FROM OPENJSON(@P1) AS j))
+    AND (@P2 IS NULL OR m.created_at >= @P2)
+    AND (@P3 IS NULL OR m.created_at < @P3)
+    AND (@P4 IS NULL OR m.tenant_id = @P4)
+    AND (@P5 IS NULL OR m.aggregate_type = @P5)
+    AND (@P6 IS NULL OR m.aggregate_id = @P6)
+    AND (@P7 IS NULL OR m.event_type = @P7)
+    AND (@P8 IS NULL OR UPPER(m.last_error) LIKE N'%' + UPPER(@P8) + N'%' ESCAPE N'\\')";
+
+/// Columns of a [`MessageSummary`] (the listing's branches select them from `c`).
+const SUMMARY_COLUMNS: &[&str] = &[
+    "id",
+    "seq",
+    "status",
+    "event_type",
+    "aggregate_type",
+    "aggregate_id",
+    "tenant_id",
+    "created_at",
+    "visible_at",
+    "sent_at",
+    "attempts",
+    "last_error",
+];
+
+/// `alias.column, ...` of [`SUMMARY_COLUMNS`].
+fn summary_columns(alias: &str) -> String {
+    SUMMARY_COLUMNS
+        .iter()
+        .map(|c| format!("{alias}.{c}"))
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
+/// The key bounds of a listing branch over `m`: after the cursor (`@P{c}` time,
+/// `@P{c+1}` seq), up to the horizon inclusive (`@P{h}`, `@P{h+1}`), in the direction
+/// `cmp` (`>` ascending, `<` descending). T-SQL has no row comparison, so
+/// `(at, seq) > (t, s)` is spelled `at > t OR (at = t AND seq > s)`.
+fn key_bounds(at: &str, cmp: &str, cursor: Option<usize>, horizon: Option<usize>) -> String {
+    let mut out = String::new();
+    if let Some(c) = cursor {
+        out.push_str(&format!(
+            " AND (m.{at} {cmp} @P{c} OR (m.{at} = @P{c} AND m.seq {cmp} @P{}))",
+            c + 1
+        ));
+    }
+    if let Some(h) = horizon {
+        let (strict, upto) = if cmp == ">" { ("<", "<=") } else { (">", ">=") };
+        out.push_str(&format!(
+            " AND (m.{at} {strict} @P{h} OR (m.{at} = @P{h} AND m.seq {upto} @P{}))",
+            h + 1
+        ));
+    }
+    out
+}
+
+/// The state's status predicates (one per filtered index), order column and
+/// direction.
+fn state_order(state: MessageState) -> (&'static [&'static str], &'static str, &'static str) {
+    match state {
+        MessageState::Pending => (&["m.status = 0", "m.status = 9"], "visible_at", ">"),
+        MessageState::Dead => (&["m.status = 3"], "created_at", "<"),
+        MessageState::Sent => (&["m.status = 1"], "sent_at", "<"),
+    }
+}
+
+/// `cols` of the first `top` rows of `state` in its order that pass `pred` (after the
+/// `bounds`), as a derived table's body: each status through its filtered index, two
+/// branches (New, Processing) merged for Pending as `pending_stats` does. `READPAST`:
+/// never waits on a lock (rows being claimed or enqueued at that instant are passed).
+fn window(t: &str, state: MessageState, cols: &str, pred: &str, bounds: &str, top: &str) -> String {
+    let (statuses, at, cmp) = state_order(state);
+    let dir = if cmp == ">" { "" } else { " DESC" };
+    let branch = |status: &str| {
+        format!(
+            "SELECT TOP ({top}) {cols} FROM {t} AS m WITH (READPAST)
+          WHERE {status}{pred}{bounds}
+          ORDER BY m.{at}{dir}, m.seq{dir}"
+        )
+    };
+    let all_cols: Vec<&str> = cols
+        .split(", ")
+        .map(|c| c.trim_start_matches("m."))
+        .collect();
+    let x_cols = all_cols
+        .iter()
+        .map(|c| format!("x.{c}"))
+        .collect::<Vec<_>>()
+        .join(", ");
+    let merged = statuses
+        .iter()
+        .enumerate()
+        .map(|(i, status)| format!("SELECT b{i}.* FROM ({}) AS b{i}", branch(status)))
+        .collect::<Vec<_>>()
+        .join("\n    UNION ALL\n    ");
+    format!(
+        "SELECT TOP ({top}) {x_cols} FROM (
+    {merged}
+) AS x
+ ORDER BY x.{at}{dir}, x.seq{dir}"
+    )
+}
+
+/// One page of a listing (`@P1`-`@P8` the filter, `@P9` the limit; with a cursor its
+/// time and seq at `@P10`, `@P11`; with a horizon its time and seq next). The state's
+/// order comes from the outer `ORDER BY`. `OPTION (RECOMPILE)`: catch-all filters.
+fn list_messages_sql(
+    schema: &str,
+    state: MessageState,
+    with_cursor: bool,
+    with_horizon: bool,
+) -> String {
+    let t = format!("{}.outbox_messages", quoted_schema(schema));
+    let (_, at, cmp) = state_order(state);
+    let cursor = with_cursor.then_some(10);
+    let horizon = with_horizon.then_some(if with_cursor { 12 } else { 10 });
+    let bounds = key_bounds(at, cmp, cursor, horizon);
+    format!(
+        "{}
+OPTION (RECOMPILE)",
+        window(
+            &t,
+            state,
+            &summary_columns("m"),
+            &format!(" AND {LIST_FILTER}"),
+            &bounds,
+            "@P9"
+        )
+    )
+}
+
+/// The horizon of a filtered listing: the order key (`at`, `seq`) of the `@P{k+1}`-th
+/// row (an offset, the scan bound less one) after the cursor (`@P1`, `@P2` when
+/// `with_cursor`), with `@P{k}` the scan bound as the branches' `TOP`; no row when the
+/// state ends before.
+fn horizon_sql(schema: &str, state: MessageState, with_cursor: bool) -> String {
+    let t = format!("{}.outbox_messages", quoted_schema(schema));
+    let (_, at, cmp) = state_order(state);
+    let dir = if cmp == ">" { "" } else { " DESC" };
+    let bounds = key_bounds(at, cmp, with_cursor.then_some(1), None);
+    let k = if with_cursor { 3 } else { 1 };
+    format!(
+        "SELECT w.{at} AS at, w.seq FROM (
+{}
+) AS w
+ ORDER BY w.{at}{dir}, w.seq{dir}
+OFFSET @P{} ROWS FETCH NEXT 1 ROWS ONLY",
+        window(
+            &t,
+            state,
+            &format!("m.{at}, m.seq"),
+            "",
+            &bounds,
+            &format!("@P{k}")
+        ),
+        k + 1
+    )
+}
+
+/// The bounded count (`@P1`-`@P8` the filter, `@P9` the bound or the scan):
+/// unfiltered, the rows of the state up to the bound; filtered, the matching rows among
+/// the first `@P9` of the state in its order, and how many were examined (the window
+/// is read twice: T-SQL cannot aggregate over a subquery, which the id filter is).
+fn count_messages_sql(schema: &str, state: MessageState, filtered: bool) -> String {
+    let t = format!("{}.outbox_messages", quoted_schema(schema));
+    let (_, at, _) = state_order(state);
+    if !filtered {
+        return format!(
+            "SELECT COUNT_BIG(*) AS n, COUNT_BIG(*) AS examined FROM (
+{}
+) AS c
+OPTION (RECOMPILE)",
+            window(
+                &t,
+                state,
+                &format!("m.seq, m.{at}"),
+                &format!(" AND {LIST_FILTER}"),
+                "",
+                "@P9"
+            )
+        );
+    }
+    // The filter's columns, the order key once (created_at is both for Dead).
+    let mut cols = vec!["m.id".to_owned(), "m.seq".to_owned(), format!("m.{at}")];
+    for c in [
+        "created_at",
+        "tenant_id",
+        "aggregate_type",
+        "aggregate_id",
+        "event_type",
+        "last_error",
+    ] {
+        if c != at {
+            cols.push(format!("m.{c}"));
+        }
+    }
+    format!(
+        "WITH w AS (
+{}
+)
+SELECT (SELECT COUNT_BIG(*) FROM w AS m WHERE {LIST_FILTER}) AS n,
+       (SELECT COUNT_BIG(*) FROM w) AS examined
+OPTION (RECOMPILE)",
+        window(&t, state, &cols.join(", "), "", "", "@P9")
+    )
+}
+
+/// Sent rows per whole minute of age over the last `@P1` minutes (`sent` index), with
+/// the server clock: one row per minute that has any, or one row with NULLs.
+fn sent_per_minute_sql(schema: &str) -> String {
+    let t = format!("{}.outbox_messages", quoted_schema(schema));
+    format!(
+        "DECLARE @now datetime2(7) = SYSUTCDATETIME();
+SELECT @now AS now, a.ago, a.sent
+  FROM (SELECT 1 AS one) AS o
+  LEFT JOIN (
+    SELECT DATEDIFF_BIG(millisecond, m.sent_at, @now) / 60000 AS ago, COUNT_BIG(*) AS sent
+      FROM {t} AS m WITH (READPAST)
+     WHERE m.status = 1 AND m.sent_at > DATEADD(minute, -@P1, @now)
+     GROUP BY DATEDIFF_BIG(millisecond, m.sent_at, @now) / 60000
+  ) AS a ON 1 = 1"
+    )
+}
+
+/// The relay's heartbeat (`@P1` relay id, `@P2` host, `@P3` pid, `@P4` version, `@P5`
+/// circuit open, `@P6` healthy, `@P7` published, `@P8` detail): deletes the rows of
+/// relays not heard of for a day, updates the relay's row, inserts it when there was
+/// none (one process writes one row: no concurrent insert of the same id).
+fn record_heartbeat_sql(schema: &str) -> String {
+    let t = format!("{}.outbox_relays", quoted_schema(schema));
+    format!(
+        "SET NOCOUNT ON;
+DECLARE @now datetime2(7) = SYSUTCDATETIME();
+DELETE FROM {t} WHERE last_seen_at < DATEADD(day, -1, @now) AND relay_id <> @P1;
+UPDATE {t}
+   SET last_seen_at = @now, circuit_open = @P5, healthy = @P6, published = @P7, detail = @P8
+ WHERE relay_id = @P1;
+IF @@ROWCOUNT = 0
+    INSERT INTO {t} (relay_id, host, pid, version, started_at, last_seen_at, circuit_open,
+                     healthy, published, detail)
+    VALUES (@P1, @P2, @P3, @P4, @now, @now, @P5, @P6, @P7, @P8);"
+    )
+}
+
+/// The relays heard of within `@P1` ms, most recent first, `@P2` at most.
+fn relays_seen_sql(schema: &str) -> String {
+    let t = format!("{}.outbox_relays", quoted_schema(schema));
+    let since = minus_ms("@now", "@P1");
+    format!(
+        "DECLARE @now datetime2(7) = SYSUTCDATETIME();
+SELECT TOP (@P2) relay_id, host, pid, version, started_at, last_seen_at,
+       DATEDIFF_BIG(millisecond, last_seen_at, @now) AS silent_ms, circuit_open, healthy,
+       published, detail
+  FROM {t}
+ WHERE last_seen_at >= {since}
+ ORDER BY last_seen_at DESC, relay_id"
     )
 }
 
@@ -859,6 +1126,222 @@ impl OutboxAdmin for MssqlOutbox {
             elapsed_secs: started.elapsed().as_secs_f64(),
         })
     }
+
+    /// One page of `state` in its order (see [`MessageState`]), keyset-paged along the
+    /// state's filtered indexes, read `READPAST` (see `list_messages_sql`); a filtered
+    /// page first finds its horizon, `scan` rows on, on the same indexes.
+    ///
+    /// # Errors
+    /// [`OutboxError::Database`] on database failure.
+    async fn list_messages(
+        &self,
+        state: MessageState,
+        filter: &MessageFilter,
+        after: Option<MessageCursor>,
+        limit_rows: usize,
+        scan: u64,
+    ) -> Result<MessagePage, OutboxError> {
+        const OP: &str = "list_messages";
+        let cursor = after.map(|c| (c.at.naive_utc(), c.seq));
+        let horizon = if *filter == MessageFilter::new() {
+            None
+        } else {
+            let top = i64::try_from(scan.max(1)).unwrap_or(i64::MAX);
+            let offset = top - 1;
+            let mut params: Vec<&dyn ToSql> = Vec::new();
+            if let Some((at, seq)) = &cursor {
+                params.push(at);
+                params.push(seq);
+            }
+            params.push(&top);
+            params.push(&offset);
+            let sql = horizon_sql(self.schema(), state, cursor.is_some());
+            let rows = self.pool().rows(OP, &sql, &params).await?;
+            rows.last()
+                .map(|r| -> Result<_, OutboxError> {
+                    Ok((need::<NaiveDateTime>(r, 0, OP)?, need::<i64>(r, 1, OP)?))
+                })
+                .transpose()?
+        };
+        let f = FilterParams::new(filter)?;
+        let n = limit(limit_rows.saturating_add(1));
+        let mut params: Vec<&dyn ToSql> = f.params().to_vec();
+        params.push(&n);
+        for (at, seq) in [&cursor, &horizon].into_iter().flatten() {
+            params.push(at);
+            params.push(seq);
+        }
+        let sql = list_messages_sql(self.schema(), state, cursor.is_some(), horizon.is_some());
+        let rows = self.pool().rows(OP, &sql, &params).await?;
+        let mut rows = rows
+            .iter()
+            .map(|r| {
+                let text = |i: usize| -> Result<Option<String>, OutboxError> {
+                    Ok(r.try_get::<&str, _>(i).map_err(db(OP))?.map(str::to_owned))
+                };
+                let time = |i: usize| -> Result<Option<DateTime<Utc>>, OutboxError> {
+                    Ok(r.try_get::<NaiveDateTime, _>(i)
+                        .map_err(db(OP))?
+                        .map(|t| t.and_utc()))
+                };
+                Ok(MessageSummary {
+                    id: need(r, 0, OP)?,
+                    seq: need(r, 1, OP)?,
+                    status: MessageStatus::from_code(need(r, 2, OP)?)?,
+                    event_type: need::<&str>(r, 3, OP)?.to_owned(),
+                    aggregate_type: need::<&str>(r, 4, OP)?.to_owned(),
+                    aggregate_id: need::<&str>(r, 5, OP)?.to_owned(),
+                    tenant_id: text(6)?,
+                    created_at: need::<NaiveDateTime>(r, 7, OP)?.and_utc(),
+                    visible_at: need::<NaiveDateTime>(r, 8, OP)?.and_utc(),
+                    sent_at: time(9)?,
+                    attempts: need(r, 10, OP)?,
+                    last_error: text(11)?,
+                })
+            })
+            .collect::<Result<Vec<_>, OutboxError>>()?;
+        let next = if rows.len() > limit_rows {
+            rows.truncate(limit_rows);
+            rows.last().map(|m| m.cursor(state))
+        } else {
+            horizon.map(|(at, seq)| MessageCursor {
+                at: at.and_utc(),
+                seq,
+            })
+        };
+        Ok(MessagePage { rows, next })
+    }
+
+    /// Counts at most `bound` rows of `state` matching `filter` (`TOP` in a derived
+    /// table); filtered, among the first `scan` rows of the state. Read `READPAST`.
+    ///
+    /// # Errors
+    /// [`OutboxError::Database`] on database failure.
+    async fn count_messages(
+        &self,
+        state: MessageState,
+        filter: &MessageFilter,
+        bound: u64,
+        scan: u64,
+    ) -> Result<MessageCount, OutboxError> {
+        const OP: &str = "count_messages";
+        let filtered = *filter != MessageFilter::new();
+        let stop = if filtered { scan } else { bound };
+        let f = FilterParams::new(filter)?;
+        let top = i64::try_from(stop).unwrap_or(i64::MAX);
+        let mut params: Vec<&dyn ToSql> = f.params().to_vec();
+        params.push(&top);
+        let rows = self
+            .pool()
+            .rows(
+                OP,
+                &count_messages_sql(self.schema(), state, filtered),
+                &params,
+            )
+            .await?;
+        let (matching, examined) = match rows.last() {
+            Some(r) => (count_at(r, 0, OP)?, count_at(r, 1, OP)?),
+            None => (0, 0),
+        };
+        Ok(MessageCount {
+            matching: matching.min(bound),
+            exact: matching < bound && examined < stop,
+        })
+    }
+
+    /// Sent rows per minute over the last `minutes` minutes (server clock, the `sent`
+    /// index).
+    ///
+    /// # Errors
+    /// [`OutboxError::Database`] on database failure.
+    async fn sent_per_minute(&self, minutes: u32) -> Result<SentPerMinute, OutboxError> {
+        const OP: &str = "sent_per_minute";
+        let window = i32::try_from(minutes).unwrap_or(i32::MAX);
+        let rows = self
+            .pool()
+            .rows(OP, &sent_per_minute_sql(self.schema()), &[&window])
+            .await?;
+        let mut until = None;
+        let mut ages = Vec::with_capacity(rows.len());
+        for r in &rows {
+            until = Some(need::<NaiveDateTime>(r, 0, OP)?.and_utc());
+            let ago: Option<i64> = r.try_get(1).map_err(db(OP))?;
+            let sent: Option<i64> = r.try_get(2).map_err(db(OP))?;
+            if let (Some(ago), Some(sent)) = (ago, sent) {
+                ages.push((ago, count(sent)));
+            }
+        }
+        Ok(SentPerMinute::from_ages(
+            until.unwrap_or_else(Utc::now),
+            minutes as usize,
+            &ages,
+        ))
+    }
+
+    /// Records the relay's heartbeat in `outbox_relays` (migration 7), deleting the
+    /// rows of relays not heard of for a day.
+    ///
+    /// # Errors
+    /// [`OutboxError::Database`] (e.g. migration 7 not applied).
+    async fn record_heartbeat(&self, beat: &RelayHeartbeat) -> Result<(), OutboxError> {
+        let pid = i64::from(beat.pid);
+        let published = i64::try_from(beat.published).unwrap_or(i64::MAX);
+        let detail: String = beat.detail.chars().take(1000).collect();
+        self.pool()
+            .rows(
+                "record_heartbeat",
+                &record_heartbeat_sql(self.schema()),
+                &[
+                    &beat.relay_id,
+                    &beat.host.as_str(),
+                    &pid,
+                    &beat.version.as_str(),
+                    &beat.circuit_open,
+                    &beat.healthy,
+                    &published,
+                    &detail.as_str(),
+                ],
+            )
+            .await?;
+        Ok(())
+    }
+
+    /// The relays of `outbox_relays` heard of within `within`, most recent first.
+    ///
+    /// # Errors
+    /// [`OutboxError::Database`] (e.g. migration 7 not applied).
+    async fn relays_seen(
+        &self,
+        within: Duration,
+        limit_rows: usize,
+    ) -> Result<Vec<RelaySeen>, OutboxError> {
+        const OP: &str = "relays_seen";
+        let rows = self
+            .pool()
+            .rows(
+                OP,
+                &relays_seen_sql(self.schema()),
+                &[&millis(within), &limit(limit_rows)],
+            )
+            .await?;
+        rows.iter()
+            .map(|r| {
+                Ok(RelaySeen {
+                    relay_id: need(r, 0, OP)?,
+                    host: need::<&str>(r, 1, OP)?.to_owned(),
+                    pid: need(r, 2, OP)?,
+                    version: need::<&str>(r, 3, OP)?.to_owned(),
+                    started_at: need::<NaiveDateTime>(r, 4, OP)?.and_utc(),
+                    last_seen_at: need::<NaiveDateTime>(r, 5, OP)?.and_utc(),
+                    silent_for: ms_duration(need(r, 6, OP)?),
+                    circuit_open: need(r, 7, OP)?,
+                    healthy: need(r, 8, OP)?,
+                    published: count(need(r, 9, OP)?),
+                    detail: need::<&str>(r, 10, OP)?.to_owned(),
+                })
+            })
+            .collect()
+    }
 }
 
 #[cfg(test)]
@@ -886,6 +1369,49 @@ mod tests {
             ("inbox_dead_letters", inbox_dead_letters_sql(schema)),
             ("inbox_replay_count", inbox_replay_count_sql(schema)),
             ("inbox_replay", inbox_replay_sql(schema)),
+            (
+                "list_pending",
+                list_messages_sql(schema, MessageState::Pending, false, false),
+            ),
+            (
+                "list_pending_after_to_horizon",
+                list_messages_sql(schema, MessageState::Pending, true, true),
+            ),
+            (
+                "list_pending_to_horizon",
+                list_messages_sql(schema, MessageState::Pending, false, true),
+            ),
+            (
+                "list_dead_after",
+                list_messages_sql(schema, MessageState::Dead, true, false),
+            ),
+            (
+                "list_sent",
+                list_messages_sql(schema, MessageState::Sent, false, false),
+            ),
+            (
+                "horizon_pending_after",
+                horizon_sql(schema, MessageState::Pending, true),
+            ),
+            (
+                "horizon_dead",
+                horizon_sql(schema, MessageState::Dead, false),
+            ),
+            (
+                "count_pending",
+                count_messages_sql(schema, MessageState::Pending, false),
+            ),
+            (
+                "count_pending_scanned",
+                count_messages_sql(schema, MessageState::Pending, true),
+            ),
+            (
+                "count_dead_scanned",
+                count_messages_sql(schema, MessageState::Dead, true),
+            ),
+            ("sent_per_minute", sent_per_minute_sql(schema)),
+            ("record_heartbeat", record_heartbeat_sql(schema)),
+            ("relays_seen", relays_seen_sql(schema)),
         ]
     }
 
@@ -968,6 +1494,25 @@ mod tests {
             ("inbox_dead_letters", &[1, 2, 3, 4, 5, 6, 7, 8]),
             ("inbox_replay_count", &[1, 2, 3, 4, 5, 6, 7]),
             ("inbox_replay", &[1, 2, 3, 4, 5, 6, 7, 8]),
+            ("list_pending", &[1, 2, 3, 4, 5, 6, 7, 8, 9]),
+            (
+                "list_pending_after_to_horizon",
+                &[1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13],
+            ),
+            (
+                "list_pending_to_horizon",
+                &[1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11],
+            ),
+            ("list_dead_after", &[1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11]),
+            ("list_sent", &[1, 2, 3, 4, 5, 6, 7, 8, 9]),
+            ("horizon_pending_after", &[1, 2, 3, 4]),
+            ("horizon_dead", &[1, 2]),
+            ("count_pending", &[1, 2, 3, 4, 5, 6, 7, 8, 9]),
+            ("count_pending_scanned", &[1, 2, 3, 4, 5, 6, 7, 8, 9]),
+            ("count_dead_scanned", &[1, 2, 3, 4, 5, 6, 7, 8, 9]),
+            ("sent_per_minute", &[1]),
+            ("record_heartbeat", &[1, 2, 3, 4, 5, 6, 7, 8]),
+            ("relays_seen", &[1, 2]),
         ];
         let sqls = all("outbox");
         for (name, want) in expected {
@@ -1261,5 +1806,123 @@ mod tests {
         );
         assert_eq!(ms_duration(1500), Duration::from_millis(1500));
         assert_eq!(limit(usize::MAX), i64::MAX);
+    }
+
+    #[test]
+    fn listings_page_by_key_through_each_filtered_index() {
+        let pending = squash(&list_messages_sql(
+            "outbox",
+            MessageState::Pending,
+            true,
+            true,
+        ));
+        // Two branches, each over its own filtered index, merged in claim order.
+        assert!(pending.starts_with("SELECT TOP (@P9) x.id, x.seq, x.status"));
+        assert!(pending.contains("WHERE m.status = 0 AND (@P1 IS NULL"));
+        assert!(pending.contains("WHERE m.status = 9 AND (@P1 IS NULL"));
+        assert_eq!(
+            pending
+                .matches("AND (m.visible_at > @P10 OR (m.visible_at = @P10 AND m.seq > @P11)) AND (m.visible_at < @P12 OR (m.visible_at = @P12 AND m.seq <= @P13)) ORDER BY m.visible_at, m.seq")
+                .count(),
+            2,
+            "{pending}"
+        );
+        assert!(pending.contains(") AS b0 UNION ALL SELECT b1.* FROM ("));
+        assert!(pending.ends_with(") AS x ORDER BY x.visible_at, x.seq OPTION (RECOMPILE)"));
+        let to_horizon = squash(&list_messages_sql(
+            "outbox",
+            MessageState::Pending,
+            false,
+            true,
+        ));
+        assert!(to_horizon.contains(
+            "AND (m.visible_at < @P10 OR (m.visible_at = @P10 AND m.seq <= @P11)) ORDER BY"
+        ));
+        let dead = squash(&list_messages_sql(
+            "outbox",
+            MessageState::Dead,
+            true,
+            false,
+        ));
+        assert!(dead.contains("WHERE m.status = 3 AND"));
+        assert!(!dead.contains("UNION ALL"), "one filtered index");
+        assert!(dead.contains(
+            "AND (m.created_at < @P10 OR (m.created_at = @P10 AND m.seq < @P11)) ORDER BY m.created_at DESC, m.seq DESC) AS b0"
+        ));
+        assert!(dead.ends_with("ORDER BY x.created_at DESC, x.seq DESC OPTION (RECOMPILE)"));
+        let sent = squash(&list_messages_sql(
+            "outbox",
+            MessageState::Sent,
+            false,
+            false,
+        ));
+        assert!(sent.contains("WHERE m.status = 1 AND"));
+        assert!(sent.contains("ORDER BY m.sent_at DESC, m.seq DESC) AS b0"));
+        assert!(!sent.contains("@P10"), "no cursor on the first page");
+        for sql in [&pending, &dead, &sent] {
+            assert!(sql.contains("FROM [outbox].outbox_messages AS m WITH (READPAST)"));
+            assert!(sql.contains(
+                "(@P8 IS NULL OR UPPER(m.last_error) LIKE N'%' + UPPER(@P8) + N'%' ESCAPE N'\\')"
+            ));
+            // Each branch selects the summary columns by name, so UNION ALL lines up.
+            assert!(sql.contains(&summary_columns("m")));
+            assert!(sql.contains(&summary_columns("x")));
+        }
+        // The horizon: the scan bound's row on the same indexes, keys only.
+        let horizon = squash(&horizon_sql("outbox", MessageState::Pending, true));
+        assert!(horizon.starts_with(
+            "SELECT w.visible_at AS at, w.seq FROM ( SELECT TOP (@P3) x.visible_at, x.seq"
+        ));
+        assert!(horizon.contains(
+            "SELECT TOP (@P3) m.visible_at, m.seq FROM [outbox].outbox_messages AS m WITH (READPAST) WHERE m.status = 0 AND (m.visible_at > @P1 OR (m.visible_at = @P1 AND m.seq > @P2))"
+        ));
+        assert!(
+            horizon
+                .ends_with("ORDER BY w.visible_at, w.seq OFFSET @P4 ROWS FETCH NEXT 1 ROWS ONLY")
+        );
+        let horizon = squash(&horizon_sql("outbox", MessageState::Dead, false));
+        assert!(horizon.contains("SELECT TOP (@P1) m.created_at, m.seq"));
+        assert!(horizon.ends_with("OFFSET @P2 ROWS FETCH NEXT 1 ROWS ONLY"));
+        // Counts: bounded by TOP; filtered ones over the first @P9 rows, read twice.
+        let count = squash(&count_messages_sql("outbox", MessageState::Pending, false));
+        assert!(count.starts_with("SELECT COUNT_BIG(*) AS n, COUNT_BIG(*) AS examined FROM ( SELECT TOP (@P9) x.seq, x.visible_at"));
+        assert!(count.contains("WHERE m.status = 0 AND (@P1 IS NULL"));
+        let scanned = squash(&count_messages_sql("outbox", MessageState::Dead, true));
+        assert!(scanned.starts_with(
+            "WITH w AS ( SELECT TOP (@P9) x.id, x.seq, x.created_at, x.tenant_id, x.aggregate_type, x.aggregate_id, x.event_type, x.last_error FROM ("
+        ));
+        assert!(scanned.contains("WHERE m.status = 3 ORDER BY m.created_at DESC, m.seq DESC"));
+        assert!(
+            scanned
+                .contains("SELECT (SELECT COUNT_BIG(*) FROM w AS m WHERE (@P1 IS NULL OR m.id IN")
+        );
+        assert!(scanned.ends_with("(SELECT COUNT_BIG(*) FROM w) AS examined OPTION (RECOMPILE)"));
+        let sent = squash(&sent_per_minute_sql("outbox"));
+        assert!(sent.starts_with("DECLARE @now datetime2(7) = SYSUTCDATETIME();"));
+        assert!(sent.contains("WHERE m.status = 1 AND m.sent_at > DATEADD(minute, -@P1, @now)"));
+        assert!(sent.contains("GROUP BY DATEDIFF_BIG(millisecond, m.sent_at, @now) / 60000"));
+        assert!(
+            sent.contains("LEFT JOIN ("),
+            "one row even when nothing was sent"
+        );
+    }
+
+    #[test]
+    fn heartbeats_upsert_one_row_per_relay_and_age_out_after_a_day() {
+        let beat = squash(&record_heartbeat_sql("outbox"));
+        assert!(beat.contains(
+            "DELETE FROM [outbox].outbox_relays WHERE last_seen_at < DATEADD(day, -1, @now) AND relay_id <> @P1;"
+        ));
+        assert!(beat.contains(
+            "UPDATE [outbox].outbox_relays SET last_seen_at = @now, circuit_open = @P5, healthy = @P6, published = @P7, detail = @P8 WHERE relay_id = @P1; IF @@ROWCOUNT = 0 INSERT INTO [outbox].outbox_relays"
+        ));
+        assert!(beat.ends_with("VALUES (@P1, @P2, @P3, @P4, @now, @now, @P5, @P6, @P7, @P8);"));
+        let seen = squash(&relays_seen_sql("outbox"));
+        assert!(seen.contains("SELECT TOP (@P2) relay_id, host, pid, version"));
+        assert!(seen.contains(&format!(
+            "WHERE last_seen_at >= {}",
+            minus_ms("@now", "@P1")
+        )));
+        assert!(seen.ends_with("ORDER BY last_seen_at DESC, relay_id"));
     }
 }

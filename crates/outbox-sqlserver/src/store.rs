@@ -460,8 +460,9 @@ fn poison_row(row: &Row, poison: Poison) -> Result<PoisonRow, OutboxError> {
     })
 }
 
-/// The parameters of `FILTER` (see `sql.rs`), owned.
-struct FilterParams {
+/// The parameters of `FILTER` (see `sql.rs`), owned; also those of the listing filter
+/// of `ops.rs`.
+pub(crate) struct FilterParams {
     ids: Option<String>,
     from: Option<NaiveDateTime>,
     to: Option<NaiveDateTime>,
@@ -473,7 +474,7 @@ struct FilterParams {
 }
 
 impl FilterParams {
-    fn new(f: &MessageFilter) -> Result<Self, OutboxError> {
+    pub(crate) fn new(f: &MessageFilter) -> Result<Self, OutboxError> {
         let ids = if f.ids.is_empty() {
             None
         } else {
@@ -496,7 +497,7 @@ impl FilterParams {
         })
     }
 
-    fn params(&self) -> [&dyn ToSql; 8] {
+    pub(crate) fn params(&self) -> [&dyn ToSql; 8] {
         [
             &self.ids,
             &self.from,

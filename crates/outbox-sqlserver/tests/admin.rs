@@ -90,7 +90,7 @@ async fn every_admin_query_runs_once() {
     assert_eq!(admin.backend(), "sqlserver");
     assert_eq!(admin.schema(), outbox.schema());
     assert!(admin.migrate().await.expect("migrate again").is_empty());
-    assert_eq!(LATEST_VERSION, 6);
+    assert_eq!(LATEST_VERSION, 7);
 
     let (a, b) = (
         event("1", "OrderPlaced", None),
@@ -480,4 +480,169 @@ async fn inbox_replay_without_the_outbox_row_fails_unless_clear_only() {
     assert_eq!((report.matched, report.replayed, report.failed), (1, 1, 0));
     assert!(!inbox.is_dead(foreign.id, "c").await.expect("cleared"));
     assert_eq!(count(&outbox, "inbox_failures").await, 0);
+}
+
+/// The dashboard's browsing queries, as `tests/browse.rs` of the PostgreSQL backend:
+/// keyset pages of each state, the bounded count, sent per minute.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs MSSQL_URL"]
+async fn listings_page_by_key_count_with_a_bound_and_bucket_sent_rows() {
+    use outbox_core::{MessageFilter, MessageState};
+    const SCAN: u64 = 100_000;
+    let url = common::mssql_url();
+    let outbox = common::fresh_outbox(&url).await;
+    let messages: Vec<NewMessage> = (0..25)
+        .map(|n| {
+            event(
+                &n.to_string(),
+                if n < 20 {
+                    "OrderPlaced"
+                } else {
+                    "OrderShipped"
+                },
+                Some(if n % 2 == 0 { "acme" } else { "globex" }),
+            )
+        })
+        .collect();
+    enqueue(&outbox, &messages).await;
+    exec(
+        &outbox,
+        "UPDATE {s}.outbox_messages SET status = 3, last_error = N'Unroutable: NO_ROUTE 100%'
+          WHERE seq IN (SELECT TOP (5) seq FROM {s}.outbox_messages ORDER BY seq);
+         UPDATE {s}.outbox_messages SET status = 1, sent_at = SYSUTCDATETIME()
+          WHERE seq IN (SELECT seq FROM {s}.outbox_messages ORDER BY seq OFFSET 5 ROWS FETCH NEXT 2 ROWS ONLY);
+         UPDATE {s}.outbox_messages SET status = 1, sent_at = DATEADD(second, -190, SYSUTCDATETIME())
+          WHERE seq IN (SELECT seq FROM {s}.outbox_messages ORDER BY seq OFFSET 7 ROWS FETCH NEXT 2 ROWS ONLY);",
+        &[],
+    )
+    .await;
+    let all = MessageFilter::new();
+    let mut seen = Vec::new();
+    let mut after = None;
+    loop {
+        let page = outbox
+            .list_messages(MessageState::Pending, &all, after, 5, SCAN)
+            .await
+            .expect("page");
+        seen.extend(page.rows.iter().map(|m| m.seq));
+        match page.next {
+            Some(next) => after = Some(next),
+            None => break,
+        }
+    }
+    assert_eq!(seen.len(), 16);
+    assert!(
+        seen.windows(2).all(|w| w[0] < w[1]),
+        "claim order: {seen:?}"
+    );
+    let dead = outbox
+        .list_messages(
+            MessageState::Dead,
+            &MessageFilter::new().with_error_containing("no_route 100%"),
+            None,
+            10,
+            SCAN,
+        )
+        .await
+        .expect("dead")
+        .rows;
+    assert_eq!(dead.len(), 5);
+    assert!(dead.windows(2).all(|w| w[0].seq > w[1].seq), "newest first");
+    let second = outbox
+        .list_messages(
+            MessageState::Dead,
+            &all,
+            Some(dead[1].cursor(MessageState::Dead)),
+            10,
+            SCAN,
+        )
+        .await
+        .expect("dead page 2")
+        .rows;
+    assert_eq!(
+        second.iter().map(|m| m.id).collect::<Vec<_>>(),
+        dead[2..].iter().map(|m| m.id).collect::<Vec<_>>()
+    );
+    let shipped = MessageFilter::new()
+        .with_event_type("OrderShipped")
+        .with_tenant("acme");
+    assert_eq!(
+        outbox
+            .list_messages(MessageState::Pending, &shipped, None, 100, SCAN)
+            .await
+            .expect("filtered")
+            .rows
+            .len(),
+        3
+    );
+    let n = |state, filter, bound| {
+        let outbox = &outbox;
+        async move {
+            let c = outbox
+                .count_messages(state, filter, bound, SCAN)
+                .await
+                .expect("count");
+            (c.matching, c.exact)
+        }
+    };
+    assert_eq!(n(MessageState::Pending, &all, 1000).await, (16, true));
+    assert_eq!(n(MessageState::Pending, &all, 10).await, (10, false));
+    assert_eq!(n(MessageState::Sent, &all, 10).await, (4, true));
+    assert_eq!(n(MessageState::Pending, &shipped, 10).await, (3, true));
+    // The scan bound: 4 rows examined per call, pages continue from the last one.
+    let late = MessageFilter::new().with_event_type("OrderShipped");
+    let (mut found, mut after, mut calls) = (0, None, 0);
+    loop {
+        calls += 1;
+        let page = outbox
+            .list_messages(MessageState::Pending, &late, after, 10, 4)
+            .await
+            .expect("bounded page");
+        found += page.rows.len();
+        match page.next {
+            Some(next) => after = Some(next),
+            None => break,
+        }
+    }
+    assert_eq!((found, calls), (5, 5));
+    let c = outbox
+        .count_messages(MessageState::Pending, &late, 1000, 4)
+        .await
+        .expect("count");
+    assert_eq!((c.matching, c.exact), (0, false));
+    let series = outbox.sent_per_minute(60).await.expect("series");
+    assert_eq!(series.counts.len(), 60);
+    assert_eq!(series.counts[59], 2, "{:?}", series.counts);
+    assert_eq!(series.counts[56], 2, "{:?}", series.counts);
+    let sent = outbox
+        .list_messages(MessageState::Sent, &all, None, 10, SCAN)
+        .await
+        .expect("sent")
+        .rows;
+    assert_eq!(sent.len(), 4);
+}
+
+/// Relay heartbeats (migration 7), as `tests/browse.rs` of the PostgreSQL backend.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs MSSQL_URL"]
+async fn heartbeats_keep_one_row_per_relay() {
+    use outbox_core::RelayHeartbeat;
+    let url = common::mssql_url();
+    let outbox = common::fresh_outbox(&url).await;
+    let mut beat = RelayHeartbeat::new(Uuid::now_v7(), "host-a", 4242, "0.1.0");
+    outbox.record_heartbeat(&beat).await.expect("first beat");
+    beat.circuit_open = true;
+    beat.healthy = false;
+    beat.published = 17;
+    beat.detail = "broker unreachable: circuit open".into();
+    outbox.record_heartbeat(&beat).await.expect("second beat");
+    let seen = outbox
+        .relays_seen(Duration::from_secs(60), 10)
+        .await
+        .expect("relays");
+    assert_eq!(seen.len(), 1);
+    let a = &seen[0];
+    assert_eq!((a.host.as_str(), a.pid, a.published), ("host-a", 4242, 17));
+    assert!(a.circuit_open && !a.healthy && a.detail.contains("circuit open"));
+    assert_eq!(count(&outbox, "outbox_relays").await, 1);
 }

@@ -8,7 +8,9 @@
 //! - `dead`: `outbox dead list|replay` ([`dead_list`], [`dead_replay`]);
 //! - `inbox_dead`: `outbox inbox dead list|replay` ([`inbox_dead_list`],
 //!   [`inbox_dead_replay`]);
-//! - `purge`: `outbox purge` ([`purge()`]).
+//! - `purge`: `outbox purge` ([`purge()`]);
+//! - `dashboard`: `outbox dashboard`, the pages in the browser (also mounted by
+//!   `outbox relay --dashboard`).
 //!
 //! Each module's `validate` checks the arguments and returns a `Validated` value;
 //! [`crate::run`] connects to the database only once that succeeded, then runs it.
@@ -19,6 +21,7 @@ use outbox_core::OutboxAdmin;
 
 use crate::error::CliError;
 
+pub(crate) mod dashboard;
 pub(crate) mod dead;
 pub(crate) mod inbox_dead;
 pub(crate) mod migrate;
