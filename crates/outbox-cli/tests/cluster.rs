@@ -350,6 +350,42 @@ impl R3Stream {
     }
 }
 
+/// Enqueues a 20,000-message run for `relay` and cuts the node it is connected to off
+/// once 2,000 are sent; waits until every message is sent, checks that the relay moved
+/// to another node, heals the partition and checks that every row is `Sent` and none
+/// `Dead`. Returns the node that was cut off.
+async fn relay_rides_out_its_node_cut_off(
+    db: &PgOutbox,
+    relay: &RelayProcess,
+    broker: Broker,
+) -> usize {
+    let relay_node = relay_node(relay, broker).await;
+    enqueue_many(db, MESSAGES).await;
+    sent_reaches(db, relay, 2_000, "the relay is under way").await;
+    let at_cut = sent(db).await;
+    let cut = NodePartitioned::isolate(broker, relay_node);
+    let cut_at = std::time::Instant::now();
+    sent_reaches(
+        db,
+        relay,
+        MESSAGES,
+        "every message is sent after the relay's node was cut off",
+    )
+    .await;
+    let moved_to = cluster::connected_nodes(relay.pid(), broker);
+    eprintln!(
+        "{broker:?}: the relay's node {relay_node} cut off after {at_cut} sent; all sent {:.1} s later; relay now on {moved_to:?}",
+        cut_at.elapsed().as_secs_f64(),
+    );
+    assert!(
+        moved_to.iter().any(|node| *node != relay_node),
+        "the relay moved to another node: {moved_to:?}"
+    );
+    cut.heal();
+    all_sent_none_dead(db, MESSAGES).await;
+    relay_node
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn rabbit_quorum_leader_and_relay_node_lost_nothing_dead_every_id_queued() {
     let _lock = faults::lock().await;
@@ -412,34 +448,7 @@ async fn rabbit_relay_node_partitioned_relay_moves_on_nothing_dead_every_id_queu
     let db = fresh_outbox().await;
     let queue = QuorumQueue::declare(1).await;
     let relay = start_relay(&db, Broker::Rabbit, &["--exchange", &queue.exchange]);
-    let relay_node = relay_node(&relay, Broker::Rabbit).await;
-
-    enqueue_many(&db, MESSAGES).await;
-    sent_reaches(&db, &relay, 2_000, "the relay is under way").await;
-    let at_cut = sent(&db).await;
-    let cut = NodePartitioned::isolate(Broker::Rabbit, relay_node);
-    let cut_at = std::time::Instant::now();
-    sent_reaches(
-        &db,
-        &relay,
-        MESSAGES,
-        "every message is sent after the relay's node was cut off",
-    )
-    .await;
-    let recovered = cut_at.elapsed();
-    let moved_to = cluster::connected_nodes(relay.pid(), Broker::Rabbit);
-    eprintln!(
-        "relay's node {relay_node} cut off after {at_cut} sent; all sent {:.1} s later; relay now on {moved_to:?}; queue leader {:?}",
-        recovered.as_secs_f64(),
-        cluster::quorum_leader(&queue.queue)
-    );
-    assert!(
-        moved_to.iter().any(|node| *node != relay_node),
-        "the relay moved to another node: {moved_to:?}"
-    );
-    cut.heal();
-
-    all_sent_none_dead(&db, MESSAGES).await;
+    let relay_node = relay_rides_out_its_node_cut_off(&db, &relay, Broker::Rabbit).await;
     queue.holds_every_id(relay_node, &ids(&db).await).await;
     relay.terminate();
 }
@@ -482,34 +491,7 @@ async fn nats_relay_node_partitioned_relay_moves_on_nothing_dead_every_id_stored
     let db = fresh_outbox().await;
     let stream = R3Stream::create().await;
     let relay = start_relay(&db, Broker::Nats, &["--subject-prefix", &stream.prefix]);
-    let relay_node = relay_node(&relay, Broker::Nats).await;
-
-    enqueue_many(&db, MESSAGES).await;
-    sent_reaches(&db, &relay, 2_000, "the relay is under way").await;
-    let at_cut = sent(&db).await;
-    let cut = NodePartitioned::isolate(Broker::Nats, relay_node);
-    let cut_at = std::time::Instant::now();
-    sent_reaches(
-        &db,
-        &relay,
-        MESSAGES,
-        "every message is sent after the relay's node was cut off",
-    )
-    .await;
-    let recovered = cut_at.elapsed();
-    let moved_to = cluster::connected_nodes(relay.pid(), Broker::Nats);
-    eprintln!(
-        "relay's node {relay_node} cut off after {at_cut} sent; all sent {:.1} s later; relay now on {moved_to:?}; stream leader {:?}",
-        recovered.as_secs_f64(),
-        cluster::stream_leader(&stream.name)
-    );
-    assert!(
-        moved_to.iter().any(|node| *node != relay_node),
-        "the relay moved to another node: {moved_to:?}"
-    );
-    cut.heal();
-
-    all_sent_none_dead(&db, MESSAGES).await;
+    relay_rides_out_its_node_cut_off(&db, &relay, Broker::Nats).await;
     stream.holds_every_id_once(&ids(&db).await).await;
     relay.terminate();
 }
