@@ -45,6 +45,7 @@ mod config;
 mod error;
 mod inbox;
 mod migrate;
+mod ops;
 mod sql;
 mod store;
 
