@@ -10,13 +10,14 @@ use anyhow::{Result, bail};
 use crate::{cargo, display};
 
 /// The databases among the facade's features.
-const DATABASES: [&str; 2] = ["postgres", "sqlserver"];
+const DATABASES: [&str; 3] = ["postgres", "sqlserver", "mysql"];
 /// The brokers among the facade's features.
 const BROKERS: [&str; 2] = ["rabbit", "nats"];
 /// Every feature of `crates/outbox/Cargo.toml` but `default` (a test keeps them equal).
-const FEATURES: [&str; 6] = [
+const FEATURES: [&str; 7] = [
     "postgres",
     "sqlserver",
+    "mysql",
     "rabbit",
     "nats",
     "inbox",
@@ -134,12 +135,13 @@ mod tests {
     #[test]
     fn combinations_cover_none_singles_pairs_and_all() {
         let combos = combinations();
-        assert_eq!(combos.len(), 1 + 6 + 4 + 4 + 1);
+        assert_eq!(combos.len(), 1 + 7 + 6 + 6 + 1);
         assert!(combos.contains(&String::new()));
         assert!(combos.contains(&"sqlserver,nats,inbox".to_owned()));
+        assert!(combos.contains(&"mysql,rabbit,inbox".to_owned()));
         assert_eq!(
             combos.last().map(String::as_str),
-            Some("postgres,sqlserver,rabbit,nats,inbox,opentelemetry")
+            Some("postgres,sqlserver,mysql,rabbit,nats,inbox,opentelemetry")
         );
         let unique: BTreeSet<_> = combos.iter().collect();
         assert_eq!(unique.len(), combos.len(), "{combos:?}");

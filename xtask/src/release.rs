@@ -54,7 +54,7 @@ const MAX_CRATE_BYTES: u64 = 1024 * 1024;
 /// Names of ours that other owners already hold on crates.io (their versions were in
 /// the index when cargo resolved our packages in November 2026: `inbox` 0.0.1,
 /// `outbox-core` 0.1.0 to 0.6.0, `outbox-postgres` 0.1.0 to 0.3.0; the other six names
-/// were not). Publishing needs other names; until then
+/// were not; `outbox-mysql`, added later, was not looked up). Publishing needs other names; until then
 /// a package that depends on them resolves the foreign crate whenever its versions
 /// match, which the lockfile check tolerates for these names alone.
 const NAMES_TAKEN_ON_CRATES_IO: [&str; 3] = ["inbox", "outbox-core", "outbox-postgres"];
@@ -810,5 +810,16 @@ mod tests {
                 .any(|n| n == "outbox-testkit" || n == "outbox-lab" || n == "xtask")
         );
         assert_eq!(order.first().map(String::as_str), Some("outbox-core"));
+        // Every backend is published before the facade and the binary that use it.
+        for backend in ["outbox-postgres", "outbox-sqlserver", "outbox-mysql"] {
+            assert!(
+                position(backend) < position("outbox"),
+                "{backend}: {order:?}"
+            );
+            assert!(
+                position(backend) < position("outbox-cli"),
+                "{backend}: {order:?}"
+            );
+        }
     }
 }

@@ -1,4 +1,5 @@
-//! Service bring-up: PostgreSQL, RabbitMQ and NATS on their default local ports.
+//! Service bring-up: PostgreSQL, RabbitMQ, NATS and MariaDB on their default local
+//! ports.
 //!
 //! Each service is checked for real readiness (not just an open port). The
 //! ones that are not ready are started with `docker compose` when a Docker
@@ -32,10 +33,12 @@ enum Service {
     Postgres,
     Rabbitmq,
     Nats,
+    /// MariaDB (or MySQL) for `outbox-mysql`, as `root` without a password.
+    Mariadb,
 }
 
 impl Service {
-    const ALL: [Self; 3] = [Self::Postgres, Self::Rabbitmq, Self::Nats];
+    const ALL: [Self; 4] = [Self::Postgres, Self::Rabbitmq, Self::Nats, Self::Mariadb];
 
     /// Name used in messages; also the service name in `compose.yaml`.
     fn name(self) -> &'static str {
@@ -43,6 +46,7 @@ impl Service {
             Self::Postgres => "postgres",
             Self::Rabbitmq => "rabbitmq",
             Self::Nats => "nats",
+            Self::Mariadb => "mariadb",
         }
     }
 
@@ -51,6 +55,7 @@ impl Service {
             Self::Postgres => 5432,
             Self::Rabbitmq => 5672,
             Self::Nats => 4222,
+            Self::Mariadb => 3306,
         };
         SocketAddr::from(([127, 0, 0, 1], port))
     }
@@ -61,6 +66,7 @@ impl Service {
             Self::Postgres => check_postgres(self.addr()),
             Self::Rabbitmq => check_amqp(self.addr()),
             Self::Nats => check_nats(self.addr()),
+            Self::Mariadb => check_mysql(self.addr()),
         }
     }
 
@@ -96,6 +102,11 @@ impl Service {
                     "-l",
                     "/var/log/nats-server.log",
                 ]);
+            }
+            Self::Mariadb => {
+                // Debian's init script works without systemd (it runs mysqld_safe).
+                cmd = Command::new("/etc/init.d/mariadb");
+                cmd.arg("start");
             }
         }
         Ok(cmd)
@@ -368,6 +379,28 @@ fn check_amqp(addr: SocketAddr) -> Result<(), String> {
     }
 }
 
+/// MariaDB / MySQL: the server greets every client with a handshake packet (a 4-byte
+/// header, then protocol version 10); a server that refuses clients (too many
+/// connections, a blocked host) sends an error packet (`0xff`) instead.
+fn check_mysql(addr: SocketAddr) -> Result<(), String> {
+    let mut stream = connect(addr)?;
+    let deadline = Instant::now() + CHECK_TIMEOUT;
+    let greeting = read_until(&mut stream, deadline, |buf| buf.len() >= 5)
+        .map_err(|e| format!("MySQL handshake: waiting for the greeting: {e}"))?;
+    match greeting.get(4) {
+        Some(10) => Ok(()),
+        Some(0xff) => Err(format!(
+            "MySQL handshake: the server refused: {:?}",
+            String::from_utf8_lossy(&greeting[greeting.len().min(7)..])
+        )),
+        _ => Err(format!(
+            "MySQL handshake: expected protocol 10, got {} byte(s) {:02x?}",
+            greeting.len(),
+            &greeting[..greeting.len().min(16)]
+        )),
+    }
+}
+
 /// NATS: the server greets every client with an `INFO {...}` line.
 fn check_nats(addr: SocketAddr) -> Result<(), String> {
     let mut stream = connect(addr)?;
@@ -467,6 +500,15 @@ mod tests {
     fn amqp_silent_close_is_not_ready() {
         let addr = fake_server(b"", 8);
         assert!(check_amqp(addr).is_err());
+    }
+
+    #[test]
+    fn mysql_handshake_is_ready_and_an_error_packet_is_not() {
+        let addr = fake_server(b"\x4a\x00\x00\x00\x0a10.11.19-MariaDB\x00", 0);
+        assert_eq!(check_mysql(addr), Ok(()));
+        let addr = fake_server(b"\x17\x00\x00\x00\xff\x10\x04Too many connections", 0);
+        let err = check_mysql(addr).expect_err("not ready");
+        assert!(err.contains("refused"), "{err}");
     }
 
     #[test]

@@ -36,7 +36,8 @@ pub struct Cli {
     )]
     pub(crate) config: Option<PathBuf>,
 
-    /// PostgreSQL URL, e.g. postgres://user:password@host:5432/db.
+    /// Database URL: postgres://user:password@host:5432/db, mysql://… or mariadb://…,
+    /// or a SQL Server URL or connection string (the URL picks the backend).
     #[arg(
         long,
         global = true,

@@ -210,6 +210,16 @@ impl DbSettings {
                     });
                 }
             }
+            DatabaseKind::MySql =>
+            {
+                #[cfg(feature = "mysql")]
+                if let Err(e) = outbox_mysql::parse_url(&settings.url) {
+                    return Err(CliError::Invalid {
+                        field: "database_url",
+                        reason: strip_config_prefix(&e),
+                    });
+                }
+            }
         }
         Ok(settings)
     }
@@ -226,6 +236,12 @@ impl DbSettings {
     #[cfg(feature = "postgres")]
     pub fn pg_config(&self) -> outbox_postgres::PgConfig {
         outbox_postgres::PgConfig::new(&self.url).with_schema(&self.schema)
+    }
+
+    /// The MySQL / MariaDB configuration.
+    #[cfg(feature = "mysql")]
+    pub fn mysql_config(&self) -> outbox_mysql::MySqlConfig {
+        outbox_mysql::MySqlConfig::new(&self.url).with_schema(&self.schema)
     }
 
     /// The SQL Server configuration (the URL turned into a connection string, see
@@ -358,11 +374,11 @@ impl TransportExt for TransportKind {
 /// The relay's longest wait between polls when none is configured: 2 seconds on
 /// PostgreSQL, where polling is only the fallback of push wake-up (`LISTEN`; while the
 /// listener is down it wakes the relay every 500 ms), 500 milliseconds on SQL Server
-/// (polling only) and for an unrecognised URL.
+/// and MySQL (polling only) and for an unrecognised URL.
 pub(crate) fn default_poll_interval(database: Option<DatabaseKind>) -> Duration {
     match database {
         Some(DatabaseKind::Postgres) => Duration::from_secs(2),
-        Some(DatabaseKind::SqlServer) | None => Duration::from_millis(500),
+        Some(DatabaseKind::SqlServer | DatabaseKind::MySql) | None => Duration::from_millis(500),
     }
 }
 

@@ -6,6 +6,7 @@
 //! | `postgres://…`, `postgresql://…` | PostgreSQL (`outbox-postgres`) | `postgres` |
 //! | `sqlserver://…`, `mssql://…`, `jdbc:sqlserver://…` | SQL Server (`outbox-sqlserver`) | `sqlserver` |
 //! | ADO.NET string (`server=tcp:HOST,PORT;user=…;password=…`) | SQL Server | `sqlserver` |
+//! | `mysql://…`, `mariadb://…` | MySQL 8.0+ / MariaDB 10.6+ (`outbox-mysql`) | `mysql` |
 //!
 //! `sqlserver://` and `mssql://` take either the JDBC tail
 //! (`sqlserver://HOST:PORT;user=sa;password=…;database=app`) or a URL
@@ -25,6 +26,8 @@ pub enum DatabaseKind {
     Postgres,
     /// SQL Server 2016+ (or Azure SQL).
     SqlServer,
+    /// MySQL 8.0+ or MariaDB 10.6+.
+    MySql,
 }
 
 impl DatabaseKind {
@@ -37,6 +40,9 @@ impl DatabaseKind {
         let lower = url.trim().to_ascii_lowercase();
         if lower.starts_with("postgres://") || lower.starts_with("postgresql://") {
             return Ok(Self::Postgres);
+        }
+        if lower.starts_with("mysql://") || lower.starts_with("mariadb://") {
+            return Ok(Self::MySql);
         }
         if ["sqlserver://", "mssql://", "jdbc:sqlserver://"]
             .iter()
@@ -54,7 +60,8 @@ impl DatabaseKind {
         }
         Err(CliError::Invalid {
             field: "database_url",
-            reason: "expected a PostgreSQL URL (postgres://…), a SQL Server URL \
+            reason: "expected a PostgreSQL URL (postgres://…), a MySQL or MariaDB URL \
+                     (mysql://…, mariadb://…), a SQL Server URL \
                      (sqlserver://…, mssql://…, jdbc:sqlserver://…) or an ADO.NET \
                      connection string (server=tcp:HOST,PORT;user=…;password=…)"
                 .into(),
@@ -66,6 +73,7 @@ impl DatabaseKind {
         match self {
             Self::Postgres => "PostgreSQL",
             Self::SqlServer => "SQL Server",
+            Self::MySql => "MySQL",
         }
     }
 
@@ -74,6 +82,7 @@ impl DatabaseKind {
         match self {
             Self::Postgres => "postgres",
             Self::SqlServer => "sqlserver",
+            Self::MySql => "mysql",
         }
     }
 
@@ -82,6 +91,7 @@ impl DatabaseKind {
         match self {
             Self::Postgres => cfg!(feature = "postgres"),
             Self::SqlServer => cfg!(feature = "sqlserver"),
+            Self::MySql => cfg!(feature = "mysql"),
         }
     }
 
@@ -219,6 +229,10 @@ pub async fn connect_admin(db: &DbSettings) -> Result<Box<dyn OutboxAdmin>, CliE
         DatabaseKind::SqlServer => Ok(Box::new(
             outbox_sqlserver::MssqlOutbox::connect(&db.mssql_config()?).await?,
         )),
+        #[cfg(feature = "mysql")]
+        DatabaseKind::MySql => Ok(Box::new(
+            outbox_mysql::MySqlOutbox::connect(&db.mysql_config()).await?,
+        )),
         #[allow(unreachable_patterns)] // reason: `require` failed for a compiled-out one
         other => Err(other.missing()),
     }
@@ -244,10 +258,12 @@ mod tests {
                 DatabaseKind::SqlServer,
             ),
             ("Data Source=h;User ID=sa", DatabaseKind::SqlServer),
+            ("mysql://root@127.0.0.1:3306/test", DatabaseKind::MySql),
+            ("MariaDB://u:p@h/db", DatabaseKind::MySql),
         ] {
             assert_eq!(DatabaseKind::of_url(url).ok(), Some(kind), "{url}");
         }
-        for url in ["mysql://u@h/db", "h:5432", "", "user=sa;password=x"] {
+        for url in ["oracle://u@h/db", "h:5432", "", "user=sa;password=x"] {
             assert!(
                 matches!(
                     DatabaseKind::of_url(url),
@@ -288,6 +304,8 @@ mod tests {
         for url in [
             "postgres://app:s3cret@db/app",
             "mssql://sa:s3cret@db/app",
+            "mysql://app:s3cret@db:3306/app",
+            "mariadb://app:s3cret@db/app",
             "sqlserver://db:1433;user=sa;password=s3cret",
             "server=tcp:db,1433;user=sa;Password=s3cret;database=app",
         ] {
@@ -298,7 +316,11 @@ mod tests {
 
     #[test]
     fn a_compiled_out_backend_is_named() {
-        for kind in [DatabaseKind::Postgres, DatabaseKind::SqlServer] {
+        for kind in [
+            DatabaseKind::Postgres,
+            DatabaseKind::SqlServer,
+            DatabaseKind::MySql,
+        ] {
             match kind.require() {
                 Ok(k) => assert!(k.is_compiled()),
                 Err(e) => {

@@ -187,6 +187,19 @@ impl Relay {
                 // No push on SQL Server: the dispatcher's adaptive polling.
                 Self::start_on(settings, store, shutdown, |_, _, _| None).await
             }
+            #[cfg(feature = "mysql")]
+            DatabaseKind::MySql => {
+                let store = outbox_mysql::MySqlOutbox::connect(
+                    &settings
+                        .db
+                        .mysql_config()
+                        .with_sent_retention(retention)
+                        .with_crash_loop_limit(settings.crash_loop_limit),
+                )
+                .await?;
+                // No push on MySQL either: the dispatcher's adaptive polling.
+                Self::start_on(settings, store, shutdown, |_, _, _| None).await
+            }
             #[allow(unreachable_patterns)] // reason: `require` failed for a compiled-out one
             other => Err(other.missing()),
         }

@@ -1,7 +1,7 @@
 //! Every admin command on every database, through the shared `OutboxAdmin` capability:
-//! the same scenario runs on PostgreSQL (always) and on SQL Server (ignored unless run
-//! with `--ignored` and `MSSQL_URL` set). The binary picks the backend from
-//! `--database-url` alone.
+//! the same scenario runs on PostgreSQL and on MariaDB / MySQL (always: `MYSQL_URL`,
+//! default the local MariaDB) and on SQL Server (ignored unless run with `--ignored`
+//! and `MSSQL_URL` set). The binary picks the backend from `--database-url` alone.
 
 use std::time::Duration;
 
@@ -46,8 +46,9 @@ trait Backend {
 }
 
 /// The scenario: migrate, write 5 messages, publish 3 and dead-letter 2 through the
-/// store trait, then every command, checking what each reports.
-async fn scenario(url: &str, backend: &dyn Backend) {
+/// store trait, then every command, checking what each reports. Returns the schema it
+/// used.
+async fn scenario(url: &str, backend: &dyn Backend) -> String {
     let schema = format!("t_{}", Uuid::new_v4().simple());
     let applied = outbox(url, &schema, &["migrate"]).await.expect("migrate");
     assert!(applied.contains("applied migrations"), "{applied}");
@@ -146,6 +147,7 @@ async fn scenario(url: &str, backend: &dyn Backend) {
         (&stats["totals"]["sent"], &stats["totals"]["new"]),
         (&0.into(), &3.into())
     );
+    schema
 }
 
 mod postgres {
@@ -246,6 +248,58 @@ mod sqlserver {
     }
 }
 
+mod mysql {
+    use super::*;
+    use outbox_mysql::{MySqlConfig, MySqlOutbox};
+
+    struct MySql;
+
+    async fn connect(url: &str, schema: &str) -> MySqlOutbox {
+        MySqlOutbox::connect(&MySqlConfig::new(url).with_schema(schema))
+            .await
+            .expect("connect")
+    }
+
+    #[async_trait::async_trait]
+    impl Backend for MySql {
+        async fn enqueue(&self, url: &str, schema: &str, messages: &[NewMessage]) {
+            let outbox = connect(url, schema).await;
+            let mut tx = outbox.begin().await.expect("begin");
+            outbox
+                .enqueue_batch(&mut tx, messages)
+                .await
+                .expect("enqueue");
+            tx.commit().await.expect("commit");
+        }
+
+        async fn consumer_failure(&self, url: &str, schema: &str, id: Uuid) {
+            let inbox = connect(url, schema).await.inbox();
+            let msg = IncomingMessage::new(id, "OrderPlaced", b"{}".to_vec());
+            let count = inbox
+                .record_failure(&msg, "projector", "boom", 1)
+                .await
+                .expect("record failure");
+            assert!(count.dead);
+        }
+    }
+
+    /// The scenario on the MariaDB of every machine of the project, through a
+    /// `mariadb://` URL (the binary reads it as `mysql://`); the scenario's database is
+    /// dropped afterwards.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn every_command_on_mysql() {
+        let url = std::env::var("MYSQL_URL")
+            .unwrap_or_else(|_| "mysql://root@127.0.0.1:3306/test".into())
+            .replacen("mysql://", "mariadb://", 1);
+        let schema = scenario(&url, &MySql).await;
+        let pool = MySqlConfig::new(&url).connect().await.expect("connect");
+        sqlx::raw_sql(sqlx::AssertSqlSafe(format!("DROP DATABASE `{schema}`")))
+            .execute(&pool)
+            .await
+            .expect("drop the scenario's database");
+    }
+}
+
 /// The URL alone picks the backend: a SQL Server URL is tried on SQL Server (here a
 /// closed port, so the error names SQL Server), and an unknown scheme is bad input.
 #[tokio::test]
@@ -262,8 +316,15 @@ async fn the_url_picks_the_backend() {
         assert!(!e.to_string().contains("password=x"), "{url}: {e}");
         assert_eq!(e.exit_code(), 1, "{url}: {e}");
     }
-    let e = outbox("mysql://u@127.0.0.1/db", "outbox", &["stats"])
+    for url in ["mysql://u:x@127.0.0.1:1/db", "mariadb://u:x@127.0.0.1:1/db"] {
+        let e = outbox(url, "outbox", &["stats"])
+            .await
+            .expect_err("nothing listens on port 1");
+        assert!(!e.to_string().contains(":x@"), "{url}: {e}");
+        assert_eq!(e.exit_code(), 1, "{url}: {e}");
+    }
+    let e = outbox("oracle://u@127.0.0.1/db", "outbox", &["stats"])
         .await
-        .expect_err("no MySQL backend");
+        .expect_err("no Oracle backend");
     assert_eq!(e.exit_code(), 2, "{e}");
 }

@@ -70,19 +70,21 @@ impl MySqlConfig {
         }
     }
 
-    /// Settings from the environment: `DATABASE_URL` (required), `OUTBOX_SCHEMA`
+    /// Settings from the environment: `MYSQL_URL` (required; its own name, as SQL
+    /// Server's `MSSQL_URL`, so that one environment can hold several backends' URLs),
+    /// `OUTBOX_SCHEMA`
     /// (default `outbox`), `OUTBOX_SENT_RETENTION` (`keep` or `delete`, default
     /// `keep`), `OUTBOX_CRASH_LOOP_LIMIT` (claims, default 5) and
     /// `OUTBOX_MAX_PAYLOAD_BYTES` (bytes, default 1,048,576).
     ///
     /// # Errors
-    /// [`OutboxError::Config`] when `DATABASE_URL` is not set,
+    /// [`OutboxError::Config`] when `MYSQL_URL` is not set,
     /// `OUTBOX_SENT_RETENTION` is neither `keep` nor `delete`, or
     /// `OUTBOX_CRASH_LOOP_LIMIT` or `OUTBOX_MAX_PAYLOAD_BYTES` is not a positive
     /// integer.
     pub fn from_env() -> Result<Self, OutboxError> {
-        let url = std::env::var("DATABASE_URL")
-            .map_err(|_| OutboxError::Config("DATABASE_URL is not set".into()))?;
+        let url = std::env::var("MYSQL_URL")
+            .map_err(|_| OutboxError::Config("MYSQL_URL is not set".into()))?;
         let mut config = Self::new(url);
         if let Ok(schema) = std::env::var("OUTBOX_SCHEMA") {
             config = config.with_schema(schema);

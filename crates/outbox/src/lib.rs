@@ -14,6 +14,7 @@
 //! |---|---|---|---|
 //! | `postgres` | yes | [`outbox::postgres`](crate::postgres) (`outbox-postgres`) | PostgreSQL store and inbox (sqlx): `FOR UPDATE SKIP LOCKED` claims with fenced leases |
 //! | `sqlserver` | | [`outbox::sqlserver`](crate::sqlserver) (`outbox-sqlserver`) | SQL Server store and inbox (tiberius): `READPAST/UPDLOCK/ROWLOCK` claims, an inbox claim that locks only its own key |
+//! | `mysql` | | [`outbox::mysql`](crate::mysql) (`outbox-mysql`) | MySQL 8.0+ / MariaDB 10.6+ store and inbox (sqlx): `FOR UPDATE SKIP LOCKED` claims under `READ COMMITTED`, polling (no push wake-up) |
 //! | `rabbit` | yes | [`outbox::rabbit`](crate::rabbit) (`transport-rabbit`) | RabbitMQ publisher (AMQP 0-9-1 publisher confirms, mandatory returns) and consumer |
 //! | `nats` | | [`outbox::nats`](crate::nats) (`transport-nats`) | NATS JetStream publisher (awaits each PubAck; `Nats-Msg-Id` deduplication) and consumer |
 //! | `inbox` | | [`outbox::inbox`](crate::inbox) (`inbox`) | idempotent consumer, durable inbox processor, handler pipeline |
@@ -140,6 +141,35 @@
 //! # Ok(()) }
 //! ```
 //!
+//! ## MySQL / MariaDB and RabbitMQ
+//!
+//! ```no_run
+//! # #[cfg(all(feature = "mysql", feature = "rabbit"))]
+//! # async fn demo(shutdown: tokio_util::sync::CancellationToken) -> Result<(), Box<dyn std::error::Error>> {
+//! use std::sync::Arc;
+//! use outbox::mysql::{MySqlConfig, MySqlOutbox};
+//! use outbox::rabbit::{RabbitConfig, RabbitPublisher};
+//! use outbox::{Dispatcher, DispatcherConfig, NewMessage};
+//!
+//! let store = MySqlOutbox::connect(&MySqlConfig::from_env()?).await?; // MYSQL_URL
+//! store.migrate().await?;
+//!
+//! let mut tx = store.begin().await?;
+//! let event = NewMessage::builder("order", "42", "OrderPlaced")
+//!     .payload(&serde_json::json!({ "order_id": 42 }))
+//!     .build()?;
+//! store.enqueue(&mut tx, &event).await?;
+//! tx.commit().await?;
+//!
+//! let rabbit = RabbitConfig::builder("amqp://guest:guest@127.0.0.1:5672/%2f").build()?;
+//! let publisher = RabbitPublisher::connect(rabbit).await?;
+//! // No push wake-up on MySQL: the dispatcher polls (every `poll_interval`).
+//! Dispatcher::new(Arc::new(store), Arc::new(publisher), DispatcherConfig::new())
+//!     .run(shutdown)
+//!     .await?;
+//! # Ok(()) }
+//! ```
+//!
 //! ## SQL Server and NATS JetStream
 //!
 //! ```no_run
@@ -239,6 +269,7 @@
     not(all(
         feature = "postgres",
         feature = "sqlserver",
+        feature = "mysql",
         feature = "rabbit",
         feature = "nats",
         feature = "inbox"
@@ -260,6 +291,11 @@ pub use outbox_postgres as postgres;
 #[cfg_attr(docsrs, doc(cfg(feature = "sqlserver")))]
 #[doc(inline)]
 pub use outbox_sqlserver as sqlserver;
+
+#[cfg(feature = "mysql")]
+#[cfg_attr(docsrs, doc(cfg(feature = "mysql")))]
+#[doc(inline)]
+pub use outbox_mysql as mysql;
 
 #[cfg(feature = "rabbit")]
 #[cfg_attr(docsrs, doc(cfg(feature = "rabbit")))]
