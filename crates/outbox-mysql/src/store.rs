@@ -148,7 +148,8 @@ impl MySqlOutbox {
     }
 
     /// Writes `messages` on `conn` with multi-row `INSERT`s of up to 500 rows each,
-    /// preserving their order in `seq` (one auto-increment range per statement).
+    /// preserving their order in `seq` (InnoDB hands a statement's rows rising
+    /// auto-increment values in row order, under every `innodb_autoinc_lock_mode`).
     /// Returns their ids.
     ///
     /// # Errors
