@@ -35,8 +35,8 @@
 //! ```
 #![cfg_attr(docsrs, feature(doc_cfg))]
 
-#[cfg(not(any(feature = "postgres", feature = "sqlserver")))]
-compile_error!("outbox-cli needs a database feature: `postgres` and/or `sqlserver`");
+#[cfg(not(any(feature = "postgres", feature = "sqlserver", feature = "mysql")))]
+compile_error!("outbox-cli needs a database feature: `postgres`, `sqlserver` and/or `mysql`");
 #[cfg(not(any(feature = "rabbit", feature = "nats")))]
 compile_error!("outbox-cli needs a transport feature: `rabbit` and/or `nats`");
 
