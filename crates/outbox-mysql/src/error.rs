@@ -60,6 +60,22 @@ pub(crate) fn classify_code(number: Option<u16>, sqlstate: Option<&str>) -> Erro
     }
 }
 
+/// Whether `e` is an InnoDB deadlock (the victim's transaction was rolled back whole).
+pub(crate) fn is_deadlock(e: &OutboxError) -> bool {
+    match e {
+        OutboxError::Database { source, .. } => source
+            .downcast_ref::<sqlx::Error>()
+            .and_then(|e| match e {
+                sqlx::Error::Database(d) => d
+                    .try_downcast_ref::<MySqlDatabaseError>()
+                    .map(|d| d.number() == DEADLOCK),
+                _ => None,
+            })
+            .unwrap_or(false),
+        _ => false,
+    }
+}
+
 /// Wraps a sqlx error, naming the operation that failed.
 pub(crate) fn db(operation: &'static str) -> impl FnOnce(sqlx::Error) -> OutboxError {
     move |e| OutboxError::Database {

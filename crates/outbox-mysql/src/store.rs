@@ -43,6 +43,8 @@ pub struct MySqlOutbox {
     q: Arc<Queries>,
     /// Where the last ordered claim stopped walking keys (shared by clones).
     key_cursor: Arc<std::sync::Mutex<Vec<u8>>>,
+    /// Claims and completions run again as deadlock victims (shared by clones).
+    deadlocks: Arc<std::sync::atomic::AtomicU64>,
     sent_retention: SentRetention,
     crash_loop_limit: u32,
     max_payload_bytes: usize,
@@ -66,6 +68,7 @@ impl MySqlOutbox {
             schema: schema.into(),
             q: Arc::new(Queries::new(schema)),
             key_cursor: Arc::default(),
+            deadlocks: Arc::default(),
             sent_retention: config.sent_retention(),
             crash_loop_limit: config.crash_loop_limit(),
             max_payload_bytes: config.max_payload_bytes(),
@@ -688,10 +691,189 @@ pub(crate) fn bind_filter<'q>(
 
 #[async_trait]
 impl OutboxStore for MySqlOutbox {
+    /// See `claim_once`, retried on a deadlock (see
+    /// [`MySqlOutbox::deadlock_retries`]).
+    async fn claim(&self, batch_size: usize, lease: Duration) -> Result<ClaimedBatch, OutboxError> {
+        self.retry_deadlocks(|| self.claim_once(batch_size, lease))
+            .await
+    }
+
+    async fn claim_ordered(
+        &self,
+        batch_size: usize,
+        lease: Duration,
+        on_dead: OnDead,
+    ) -> Result<ClaimedBatch, OutboxError> {
+        self.retry_deadlocks(|| self.claim_ordered_once(batch_size, lease, on_dead))
+            .await
+    }
+
+    async fn blocked_keys(&self, limit_rows: usize) -> Result<Vec<BlockedKey>, OutboxError> {
+        let rows = sqlx::query(sql(&self.q.blocked_keys))
+            .bind(limit(limit_rows))
+            .fetch_all(&self.pool)
+            .await
+            .map_err(db("blocked_keys"))?;
+        rows.iter()
+            .map(|row| {
+                let status: i16 = row.try_get("status").map_err(db("blocked_keys"))?;
+                let waiting: i64 = row.try_get("waiting").map_err(db("blocked_keys"))?;
+                let key: Vec<u8> = row.try_get("order_key").map_err(db("blocked_keys"))?;
+                Ok(BlockedKey::new(
+                    String::from_utf8_lossy(&key).into_owned(),
+                    row.try_get("id").map_err(db("blocked_keys"))?,
+                    row.try_get("seq").map_err(db("blocked_keys"))?,
+                    MessageStatus::from_code(status)?,
+                    row.try_get("attempts").map_err(db("blocked_keys"))?,
+                    row.try_get("last_error").map_err(db("blocked_keys"))?,
+                    row.try_get("first_failed_at").map_err(db("blocked_keys"))?,
+                    row.try_get("retry_at").map_err(db("blocked_keys"))?,
+                    count(waiting),
+                ))
+            })
+            .collect()
+    }
+
+    /// See `complete_once`, retried on a deadlock (a
+    /// deadlock victim's statement changed nothing, and its fences still hold).
+    async fn complete(&self, completions: &[Completion]) -> Result<CompleteReport, OutboxError> {
+        self.retry_deadlocks(|| self.complete_once(completions))
+            .await
+    }
+
+    async fn get(&self, id: Uuid) -> Result<Option<OutboxMessage>, OutboxError> {
+        let row = sqlx::query(sql(&self.q.get))
+            .bind(id)
+            .fetch_optional(&self.pool)
+            .await
+            .map_err(db("get"))?;
+        row.as_ref()
+            .map(|r| decode_row(r, HeaderDecoding::Lossy))
+            .transpose()
+    }
+
+    async fn stats(&self) -> Result<OutboxStats, OutboxError> {
+        let row = sqlx::query(sql(&self.q.stats))
+            .fetch_one(&self.pool)
+            .await
+            .map_err(db("stats"))?;
+        let get = |i: usize| row.try_get::<i64, _>(i).map(count).map_err(db("stats"));
+        let age: Option<f64> = row.try_get(4).map_err(db("stats"))?;
+        let mut stats = OutboxStats::default();
+        stats.new = get(0)?;
+        stats.processing = get(1)?;
+        stats.sent = get(2)?;
+        stats.dead = get(3)?;
+        stats.oldest_pending_age = age.map(|s| Duration::from_secs_f64(s.max(0.0)));
+        Ok(stats)
+    }
+
+    async fn dead_letters(
+        &self,
+        filter: &MessageFilter,
+        limit_rows: usize,
+    ) -> Result<Vec<OutboxMessage>, OutboxError> {
+        let rows = bind_filter(sqlx::query(sql(&self.q.dead_letters)), filter)
+            .bind(limit(limit_rows))
+            .fetch_all(&self.pool)
+            .await
+            .map_err(db("dead_letters"))?;
+        rows.iter()
+            .map(|r| decode_row(r, HeaderDecoding::Lossy))
+            .collect()
+    }
+
+    async fn replay(
+        &self,
+        filter: &MessageFilter,
+        dry_run: bool,
+    ) -> Result<ReplayReport, OutboxError> {
+        let started = Instant::now();
+        let matched: i64 = bind_filter(sqlx::query(sql(&self.q.replay_count)), filter)
+            .fetch_one(&self.pool)
+            .await
+            .and_then(|row| row.try_get(0))
+            .map_err(db("replay"))?;
+        let replayed = if dry_run {
+            0
+        } else {
+            bind_filter(sqlx::query(sql(&self.q.replay)), filter)
+                .execute(&self.pool)
+                .await
+                .map_err(db("replay"))?
+                .rows_affected()
+        };
+        let matched = count(matched);
+        Ok(ReplayReport {
+            matched,
+            replayed,
+            failed: if dry_run {
+                0
+            } else {
+                matched.saturating_sub(replayed)
+            },
+            elapsed: started.elapsed(),
+        })
+    }
+
+    async fn purge_sent(
+        &self,
+        older_than: Duration,
+        batch_size: usize,
+    ) -> Result<u64, OutboxError> {
+        Ok(sqlx::query(sql(&self.q.purge_sent))
+            .bind(micros(older_than))
+            .bind(limit(batch_size))
+            .execute(&self.pool)
+            .await
+            .map_err(db("purge_sent"))?
+            .rows_affected())
+    }
+}
+
+/// How many times a claim or completion that InnoDB chose as a deadlock victim is run
+/// again before its error is returned.
+const DEADLOCK_ATTEMPTS: u32 = 5;
+
+impl MySqlOutbox {
+    /// How many claims and completions of this store (and its clones) were deadlock
+    /// victims and ran again. InnoDB can make a claim and a completion deadlock: a
+    /// claim's `SKIP LOCKED` walk locks a row's entry in the pending index and then
+    /// waits for the row itself, which a completion holds while it moves the row's
+    /// index entry (see `docs/mysql.md`). The victim's transaction is rolled back whole,
+    /// so running it again loses and duplicates nothing.
+    pub fn deadlock_retries(&self) -> u64 {
+        self.deadlocks.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// Runs `op` again (up to [`DEADLOCK_ATTEMPTS`] times in all) while it fails as a
+    /// deadlock victim, counting each retry.
+    async fn retry_deadlocks<T, F, Fut>(&self, mut op: F) -> Result<T, OutboxError>
+    where
+        F: FnMut() -> Fut,
+        Fut: std::future::Future<Output = Result<T, OutboxError>>,
+    {
+        let mut attempt = 1;
+        loop {
+            match op().await {
+                Err(e) if attempt < DEADLOCK_ATTEMPTS && crate::error::is_deadlock(&e) => {
+                    attempt += 1;
+                    self.deadlocks
+                        .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                    tracing::debug!(attempt, "deadlock victim, running again");
+                }
+                other => return other,
+            }
+        }
+    }
     /// One `READ COMMITTED` transaction: the candidates locked with `FOR UPDATE SKIP
     /// LOCKED`, the crash-loop guard decided on their latest versions, one `UPDATE` by
     /// primary key, the rows read back, `COMMIT` (5 round trips).
-    async fn claim(&self, batch_size: usize, lease: Duration) -> Result<ClaimedBatch, OutboxError> {
+    async fn claim_once(
+        &self,
+        batch_size: usize,
+        lease: Duration,
+    ) -> Result<ClaimedBatch, OutboxError> {
         let token = Uuid::new_v4();
         let mut tx = self.begin_read_committed("claim").await?;
         let candidates: Vec<(Uuid, i16, i32)> = sqlx::query_as(sql(&self.q.claim_candidates))
@@ -724,7 +906,7 @@ impl OutboxStore for MySqlOutbox {
         decode_claim(&rows, token)
     }
 
-    async fn claim_ordered(
+    async fn claim_ordered_once(
         &self,
         batch_size: usize,
         lease: Duration,
@@ -765,37 +947,14 @@ impl OutboxStore for MySqlOutbox {
         decode_claim(&rows, token)
     }
 
-    async fn blocked_keys(&self, limit_rows: usize) -> Result<Vec<BlockedKey>, OutboxError> {
-        let rows = sqlx::query(sql(&self.q.blocked_keys))
-            .bind(limit(limit_rows))
-            .fetch_all(&self.pool)
-            .await
-            .map_err(db("blocked_keys"))?;
-        rows.iter()
-            .map(|row| {
-                let status: i16 = row.try_get("status").map_err(db("blocked_keys"))?;
-                let waiting: i64 = row.try_get("waiting").map_err(db("blocked_keys"))?;
-                let key: Vec<u8> = row.try_get("order_key").map_err(db("blocked_keys"))?;
-                Ok(BlockedKey::new(
-                    String::from_utf8_lossy(&key).into_owned(),
-                    row.try_get("id").map_err(db("blocked_keys"))?,
-                    row.try_get("seq").map_err(db("blocked_keys"))?,
-                    MessageStatus::from_code(status)?,
-                    row.try_get("attempts").map_err(db("blocked_keys"))?,
-                    row.try_get("last_error").map_err(db("blocked_keys"))?,
-                    row.try_get("first_failed_at").map_err(db("blocked_keys"))?,
-                    row.try_get("retry_at").map_err(db("blocked_keys"))?,
-                    count(waiting),
-                ))
-            })
-            .collect()
-    }
-
     /// One `UPDATE … JOIN JSON_TABLE(…)` for the whole batch (under
     /// [`SentRetention::Delete`], one `DELETE` by primary key of the Sent rows it
     /// marked after it). Only when fewer rows matched than completions were given does
     /// a query find out which were fenced.
-    async fn complete(&self, completions: &[Completion]) -> Result<CompleteReport, OutboxError> {
+    async fn complete_once(
+        &self,
+        completions: &[Completion],
+    ) -> Result<CompleteReport, OutboxError> {
         if completions.is_empty() {
             return Ok(CompleteReport::default());
         }
@@ -894,94 +1053,5 @@ impl OutboxStore for MySqlOutbox {
             applied: applied_ids.len() as u64,
             fenced,
         })
-    }
-
-    async fn get(&self, id: Uuid) -> Result<Option<OutboxMessage>, OutboxError> {
-        let row = sqlx::query(sql(&self.q.get))
-            .bind(id)
-            .fetch_optional(&self.pool)
-            .await
-            .map_err(db("get"))?;
-        row.as_ref()
-            .map(|r| decode_row(r, HeaderDecoding::Lossy))
-            .transpose()
-    }
-
-    async fn stats(&self) -> Result<OutboxStats, OutboxError> {
-        let row = sqlx::query(sql(&self.q.stats))
-            .fetch_one(&self.pool)
-            .await
-            .map_err(db("stats"))?;
-        let get = |i: usize| row.try_get::<i64, _>(i).map(count).map_err(db("stats"));
-        let age: Option<f64> = row.try_get(4).map_err(db("stats"))?;
-        let mut stats = OutboxStats::default();
-        stats.new = get(0)?;
-        stats.processing = get(1)?;
-        stats.sent = get(2)?;
-        stats.dead = get(3)?;
-        stats.oldest_pending_age = age.map(|s| Duration::from_secs_f64(s.max(0.0)));
-        Ok(stats)
-    }
-
-    async fn dead_letters(
-        &self,
-        filter: &MessageFilter,
-        limit_rows: usize,
-    ) -> Result<Vec<OutboxMessage>, OutboxError> {
-        let rows = bind_filter(sqlx::query(sql(&self.q.dead_letters)), filter)
-            .bind(limit(limit_rows))
-            .fetch_all(&self.pool)
-            .await
-            .map_err(db("dead_letters"))?;
-        rows.iter()
-            .map(|r| decode_row(r, HeaderDecoding::Lossy))
-            .collect()
-    }
-
-    async fn replay(
-        &self,
-        filter: &MessageFilter,
-        dry_run: bool,
-    ) -> Result<ReplayReport, OutboxError> {
-        let started = Instant::now();
-        let matched: i64 = bind_filter(sqlx::query(sql(&self.q.replay_count)), filter)
-            .fetch_one(&self.pool)
-            .await
-            .and_then(|row| row.try_get(0))
-            .map_err(db("replay"))?;
-        let replayed = if dry_run {
-            0
-        } else {
-            bind_filter(sqlx::query(sql(&self.q.replay)), filter)
-                .execute(&self.pool)
-                .await
-                .map_err(db("replay"))?
-                .rows_affected()
-        };
-        let matched = count(matched);
-        Ok(ReplayReport {
-            matched,
-            replayed,
-            failed: if dry_run {
-                0
-            } else {
-                matched.saturating_sub(replayed)
-            },
-            elapsed: started.elapsed(),
-        })
-    }
-
-    async fn purge_sent(
-        &self,
-        older_than: Duration,
-        batch_size: usize,
-    ) -> Result<u64, OutboxError> {
-        Ok(sqlx::query(sql(&self.q.purge_sent))
-            .bind(micros(older_than))
-            .bind(limit(batch_size))
-            .execute(&self.pool)
-            .await
-            .map_err(db("purge_sent"))?
-            .rows_affected())
     }
 }
