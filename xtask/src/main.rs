@@ -5,9 +5,9 @@
 //!   otherwise) and prints their status.
 //! * `cargo xtask itest [-- ARGS]` checks the facade's feature combinations (as
 //!   `cargo xtask features`; seconds with a warm cache) and what publishing needs (as
-//!   `cargo xtask release-check`), brings the services up and the broker clusters (as
-//!   `cargo xtask services --cluster`, stopped again at the end if it started them),
-//!   installs Chromium and chromedriver for the dashboard's browser tests when missing
+//!   `cargo xtask release-check`), brings the services up (with `--cluster` the broker
+//!   clusters too, as `cargo xtask services --cluster`, stopped again at the end if it
+//!   started them, and their tests run in a pass of their own), installs Chromium and chromedriver for the dashboard's browser tests when missing
 //!   (apt-get), then runs every test of the
 //!   workspace (`cargo test --workspace --all-targets ARGS`; with `MSSQL_URL` set, a
 //!   second pass runs the SQL Server tests, `#[ignore = "needs MSSQL_URL"]`, with
@@ -96,6 +96,11 @@ enum Cmd {
     /// the test harness use a second `--`, e.g.
     /// `cargo xtask itest -- -- --nocapture`.
     Itest {
+        /// Also start the broker clusters (as `services --cluster`; stopped again at
+        /// the end if this run started them) and run their tests (`on_cluster_*`,
+        /// ignored otherwise) after the main pass: about 8 minutes more.
+        #[arg(long)]
+        cluster: bool,
         /// Extra arguments for `cargo test`.
         #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
         args: Vec<OsString>,
@@ -165,7 +170,7 @@ fn run(cli: Cli) -> Result<()> {
             }
             Ok(())
         }
-        Cmd::Itest { args } => {
+        Cmd::Itest { cluster, args } => {
             // First: a build break fails the run before any service is needed.
             features::check()?;
             // What publishing needs (docs as docs.rs builds them, the packages, licenses,
@@ -173,8 +178,12 @@ fn run(cli: Cli) -> Result<()> {
             // the placeholder repository URL) are reported, not failed on (`--strict`).
             release::check(false)?;
             services::ensure(timeout)?;
-            // The broker clusters' tests (`tests/cluster.rs`) run in the main pass.
-            let _clusters = cluster::ForRun::up(timeout)?;
+            // The broker clusters' tests (`tests/cluster.rs`) run in a pass of their own.
+            let _clusters = if cluster {
+                Some(cluster::ForRun::up(timeout)?)
+            } else {
+                None
+            };
             // The dashboard's browser tests drive Debian's Chromium.
             browser::ensure()?;
             sqlserver::announce_skip(None);
@@ -185,6 +194,17 @@ fn run(cli: Cli) -> Result<()> {
             env_default(&mut tests, "RUST_BACKTRACE", "1");
             run_child(&mut tests)?;
             let sqlserver_skipped = sqlserver::run_or_count(&args)?;
+            if cluster {
+                let mut tests = cluster::tests(&args);
+                env_default(&mut tests, "RUST_BACKTRACE", "1");
+                run_child(&mut tests)?;
+            } else {
+                eprintln!(
+                    "xtask: the broker clusters' tests (#[ignore = \"{}\"]) do not run: \
+                     `cargo xtask itest --cluster` runs them",
+                    cluster::IGNORE_REASON
+                );
+            }
 
             // The main job must keep working: short demo runs over each broker (debug
             // build, already compiled by the tests) whose reconciliation fails the run
@@ -407,7 +427,7 @@ mod tests {
 
     fn args_of(argv: &[&str]) -> Vec<OsString> {
         match Cli::try_parse_from(argv).expect("parses").command {
-            Cmd::Itest { args }
+            Cmd::Itest { args, .. }
             | Cmd::Demo { args }
             | Cmd::Bench { args }
             | Cmd::Chaos { args } => args,
@@ -433,6 +453,40 @@ mod tests {
         assert_eq!(
             args_of(&["xtask", "chaos", "--", "--transport", "nats"]),
             ["--transport", "nats"]
+        );
+    }
+
+    #[test]
+    fn itest_takes_cluster_before_the_forwarded_args() {
+        let cli = Cli::try_parse_from(["xtask", "itest", "--cluster", "--", "--", "--nocapture"])
+            .expect("parses");
+        let Cmd::Itest { cluster, args } = cli.command else {
+            panic!("itest");
+        };
+        assert!(cluster);
+        assert_eq!(args, ["--", "--nocapture"]);
+        let harness = |args: &[&str]| {
+            let args: Vec<OsString> = args.iter().map(OsString::from).collect();
+            cluster::tests(&args)
+                .get_args()
+                .map(|a| a.to_string_lossy().into_owned())
+                .collect::<Vec<_>>()
+        };
+        assert_eq!(
+            harness(&["-p", "outbox-core", "--", "--nocapture"]),
+            [
+                "test",
+                "-p",
+                "outbox-cli",
+                "-p",
+                "outbox-testkit",
+                "--test",
+                "cluster",
+                "--",
+                "--nocapture",
+                "--ignored",
+                "on_cluster_"
+            ]
         );
     }
 
