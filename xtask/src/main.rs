@@ -3,11 +3,12 @@
 //! * `cargo xtask services` brings PostgreSQL, RabbitMQ and NATS up (Docker
 //!   Compose when a Docker engine is reachable, the locally installed servers
 //!   otherwise) and prints their status.
-//! * `cargo xtask itest [-- ARGS]` checks the facade's feature combinations (as
-//!   `cargo xtask features`; seconds with a warm cache) and what publishing needs (as
-//!   `cargo xtask release-check`), brings the services up (with `--cluster` the broker
-//!   clusters too, as `cargo xtask services --cluster`, stopped again at the end if it
-//!   started them, and their tests run in a pass of their own), installs Chromium and chromedriver for the dashboard's browser tests when missing
+//! * `cargo xtask itest [--cluster] [-- ARGS]` checks the facade's feature combinations
+//!   (as `cargo xtask features`; seconds with a warm cache) and what publishing needs (as
+//!   `cargo xtask release-check --no-verify`), brings the services up (with `--cluster`
+//!   the broker clusters too, as `cargo xtask services --cluster`, stopped again at the
+//!   end if it started them, and their tests run in a pass of their own), installs
+//!   Chromium and chromedriver for the dashboard's browser tests when missing
 //!   (apt-get), then runs every test of the
 //!   workspace (`cargo test --workspace --all-targets ARGS`; with `MSSQL_URL` set, a
 //!   second pass runs the SQL Server tests, `#[ignore = "needs MSSQL_URL"]`, with
@@ -24,7 +25,7 @@
 //!   feature combination a user can pick (none, each alone, each database × broker
 //!   pair, with and without `inbox`, all), and the `outbox` binary with each database
 //!   × broker pair.
-//! * `cargo xtask release-check [--strict]` checks what publishing the crates needs
+//! * `cargo xtask release-check [--strict] [--no-verify]` checks what publishing the crates needs
 //!   without publishing: manifests (licenses, MSRV, docs.rs metadata, `publish =
 //!   false` where due), the MSRV, `cargo doc` with warnings denied, `cargo package` of
 //!   every published crate, `cargo deny`, and a CHANGELOG (see `release.rs`).
@@ -142,6 +143,10 @@ enum Cmd {
         /// what blocks publishing (crate names taken, placeholder repository URL).
         #[arg(long)]
         strict: bool,
+        /// Make and unpack the packages without building each from its `.crate` (a
+        /// cold build of every dependency); their included files are still checked.
+        #[arg(long)]
+        no_verify: bool,
     },
 }
 
@@ -176,7 +181,9 @@ fn run(cli: Cli) -> Result<()> {
             // What publishing needs (docs as docs.rs builds them, the packages, licenses,
             // MSRV): a failure fails the run; the publishing blockers (crate names taken,
             // the placeholder repository URL) are reported, not failed on (`--strict`).
-            release::check(false)?;
+            // Packages unpacked and their included files checked, not built again from
+            // the `.crate`s (a cold build of every dependency: `release-check` does it).
+            release::check(false, false)?;
             services::ensure(timeout)?;
             // The broker clusters' tests (`tests/cluster.rs`) run in a pass of their own.
             let _clusters = if cluster {
@@ -301,7 +308,7 @@ fn run(cli: Cli) -> Result<()> {
             exec_child(&mut chaos)
         }
         Cmd::Features => features::check(),
-        Cmd::ReleaseCheck { strict } => release::check(strict),
+        Cmd::ReleaseCheck { strict, no_verify } => release::check(strict, !no_verify),
         Cmd::Lint => {
             // Run both so one invocation reports every problem.
             let fmt = run_child(cargo().args(["fmt", "--all", "--", "--check"]));
