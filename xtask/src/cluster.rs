@@ -46,6 +46,35 @@ use crate::workspace_root;
 /// Nodes per cluster.
 pub(crate) const NODES: u16 = 3;
 
+/// The reason the broker clusters' tests are ignored with: `cargo xtask itest` leaves
+/// them out (they take minutes and need the clusters), `cargo xtask itest --cluster`
+/// runs them in a pass of their own with `--ignored`.
+pub(crate) const IGNORE_REASON: &str = "needs the broker clusters";
+
+/// The start of every cluster test's name, so that the SQL Server pass (`--ignored`)
+/// can skip them and the cluster pass pick them.
+pub(crate) const TEST_PREFIX: &str = "on_cluster_";
+
+/// `cargo test` over the test targets holding the clusters' tests (outbox-cli's relay
+/// tests, outbox-testkit's consumer tests), ignored ones only, with the test harness's
+/// arguments of `args` (those after its `--`; cargo's own select the main pass).
+pub(crate) fn tests(args: &[std::ffi::OsString]) -> Command {
+    let mut cmd = crate::cargo();
+    cmd.args([
+        "test",
+        "-p",
+        "outbox-cli",
+        "-p",
+        "outbox-testkit",
+        "--test",
+        "cluster",
+        "--",
+    ])
+    .args(args.iter().skip_while(|a| *a != "--").skip(1))
+    .args(["--ignored", TEST_PREFIX]);
+    cmd
+}
+
 /// The bridge joining the nodes' namespaces, in this machine's own namespace.
 const BRIDGE: &str = "obx-br";
 

@@ -3,11 +3,12 @@
 //! * `cargo xtask services` brings PostgreSQL, RabbitMQ and NATS up (Docker
 //!   Compose when a Docker engine is reachable, the locally installed servers
 //!   otherwise) and prints their status.
-//! * `cargo xtask itest [-- ARGS]` checks the facade's feature combinations (as
-//!   `cargo xtask features`; seconds with a warm cache) and what publishing needs (as
-//!   `cargo xtask release-check`), brings the services up and the broker clusters (as
-//!   `cargo xtask services --cluster`, stopped again at the end if it started them),
-//!   installs Chromium and chromedriver for the dashboard's browser tests when missing
+//! * `cargo xtask itest [--cluster] [-- ARGS]` checks the facade's feature combinations
+//!   (as `cargo xtask features`; seconds with a warm cache) and what publishing needs (as
+//!   `cargo xtask release-check --no-verify`), brings the services up (with `--cluster`
+//!   the broker clusters too, as `cargo xtask services --cluster`, stopped again at the
+//!   end if it started them, and their tests run in a pass of their own), installs
+//!   Chromium and chromedriver for the dashboard's browser tests when missing
 //!   (apt-get), then runs every test of the
 //!   workspace (`cargo test --workspace --all-targets ARGS`; with `MSSQL_URL` set, a
 //!   second pass runs the SQL Server tests, `#[ignore = "needs MSSQL_URL"]`, with
@@ -24,7 +25,7 @@
 //!   feature combination a user can pick (none, each alone, each database × broker
 //!   pair, with and without `inbox`, all), and the `outbox` binary with each database
 //!   × broker pair.
-//! * `cargo xtask release-check [--strict]` checks what publishing the crates needs
+//! * `cargo xtask release-check [--strict] [--no-verify]` checks what publishing the crates needs
 //!   without publishing: manifests (licenses, MSRV, docs.rs metadata, `publish =
 //!   false` where due), the MSRV, `cargo doc` with warnings denied, `cargo package` of
 //!   every published crate, `cargo deny`, and a CHANGELOG (see `release.rs`).
@@ -96,6 +97,11 @@ enum Cmd {
     /// the test harness use a second `--`, e.g.
     /// `cargo xtask itest -- -- --nocapture`.
     Itest {
+        /// Also start the broker clusters (as `services --cluster`; stopped again at
+        /// the end if this run started them) and run their tests (`on_cluster_*`,
+        /// ignored otherwise) after the main pass: about 8 minutes more.
+        #[arg(long)]
+        cluster: bool,
         /// Extra arguments for `cargo test`.
         #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
         args: Vec<OsString>,
@@ -137,6 +143,10 @@ enum Cmd {
         /// what blocks publishing (crate names taken, placeholder repository URL).
         #[arg(long)]
         strict: bool,
+        /// Make and unpack the packages without building each from its `.crate` (a
+        /// cold build of every dependency); their included files are still checked.
+        #[arg(long)]
+        no_verify: bool,
     },
 }
 
@@ -165,16 +175,22 @@ fn run(cli: Cli) -> Result<()> {
             }
             Ok(())
         }
-        Cmd::Itest { args } => {
+        Cmd::Itest { cluster, args } => {
             // First: a build break fails the run before any service is needed.
             features::check()?;
             // What publishing needs (docs as docs.rs builds them, the packages, licenses,
             // MSRV): a failure fails the run; the publishing blockers (crate names taken,
             // the placeholder repository URL) are reported, not failed on (`--strict`).
-            release::check(false)?;
+            // Packages unpacked and their included files checked, not built again from
+            // the `.crate`s (a cold build of every dependency: `release-check` does it).
+            release::check(false, false)?;
             services::ensure(timeout)?;
-            // The broker clusters' tests (`tests/cluster.rs`) run in the main pass.
-            let _clusters = cluster::ForRun::up(timeout)?;
+            // The broker clusters' tests (`tests/cluster.rs`) run in a pass of their own.
+            let _clusters = if cluster {
+                Some(cluster::ForRun::up(timeout)?)
+            } else {
+                None
+            };
             // The dashboard's browser tests drive Debian's Chromium.
             browser::ensure()?;
             sqlserver::announce_skip(None);
@@ -185,6 +201,17 @@ fn run(cli: Cli) -> Result<()> {
             env_default(&mut tests, "RUST_BACKTRACE", "1");
             run_child(&mut tests)?;
             let sqlserver_skipped = sqlserver::run_or_count(&args)?;
+            if cluster {
+                let mut tests = cluster::tests(&args);
+                env_default(&mut tests, "RUST_BACKTRACE", "1");
+                run_child(&mut tests)?;
+            } else {
+                eprintln!(
+                    "xtask: the broker clusters' tests (#[ignore = \"{}\"]) do not run: \
+                     `cargo xtask itest --cluster` runs them",
+                    cluster::IGNORE_REASON
+                );
+            }
 
             // The main job must keep working: short demo runs over each broker (debug
             // build, already compiled by the tests) whose reconciliation fails the run
@@ -281,7 +308,7 @@ fn run(cli: Cli) -> Result<()> {
             exec_child(&mut chaos)
         }
         Cmd::Features => features::check(),
-        Cmd::ReleaseCheck { strict } => release::check(strict),
+        Cmd::ReleaseCheck { strict, no_verify } => release::check(strict, !no_verify),
         Cmd::Lint => {
             // Run both so one invocation reports every problem.
             let fmt = run_child(cargo().args(["fmt", "--all", "--", "--check"]));
@@ -407,7 +434,7 @@ mod tests {
 
     fn args_of(argv: &[&str]) -> Vec<OsString> {
         match Cli::try_parse_from(argv).expect("parses").command {
-            Cmd::Itest { args }
+            Cmd::Itest { args, .. }
             | Cmd::Demo { args }
             | Cmd::Bench { args }
             | Cmd::Chaos { args } => args,
@@ -433,6 +460,40 @@ mod tests {
         assert_eq!(
             args_of(&["xtask", "chaos", "--", "--transport", "nats"]),
             ["--transport", "nats"]
+        );
+    }
+
+    #[test]
+    fn itest_takes_cluster_before_the_forwarded_args() {
+        let cli = Cli::try_parse_from(["xtask", "itest", "--cluster", "--", "--", "--nocapture"])
+            .expect("parses");
+        let Cmd::Itest { cluster, args } = cli.command else {
+            panic!("itest");
+        };
+        assert!(cluster);
+        assert_eq!(args, ["--", "--nocapture"]);
+        let harness = |args: &[&str]| {
+            let args: Vec<OsString> = args.iter().map(OsString::from).collect();
+            cluster::tests(&args)
+                .get_args()
+                .map(|a| a.to_string_lossy().into_owned())
+                .collect::<Vec<_>>()
+        };
+        assert_eq!(
+            harness(&["-p", "outbox-core", "--", "--nocapture"]),
+            [
+                "test",
+                "-p",
+                "outbox-cli",
+                "-p",
+                "outbox-testkit",
+                "--test",
+                "cluster",
+                "--",
+                "--nocapture",
+                "--ignored",
+                "on_cluster_"
+            ]
         );
     }
 

@@ -16,8 +16,10 @@
 //! * Packages: `cargo package` of all the published crates together (cargo resolves
 //!   them against each other through a local registry overlay, so nothing of ours must
 //!   be on crates.io yet) with verification (each package builds alone, from its
-//!   `.crate`), then each package's contents: the license files, a size that rules out
-//!   stray files, and a lockfile whose copies of our crates are ours.
+//!   `.crate`; `cargo xtask itest` skips that build, see [`check`]), then each
+//!   package's contents: the license files, every `include_str!`/`include_bytes!` file,
+//!   a size that rules out stray files, and a lockfile whose copies of our crates are
+//!   ours.
 //! * `cargo deny check licenses bans sources` (deny.toml), and `advisories` against a
 //!   local copy of the RustSec database when there is one (it is fetched from GitHub).
 //!
@@ -264,7 +266,13 @@ impl Report {
 
 /// Runs every check; fails if one failed (or, `strict`, if anything could not be
 /// checked or blocks publishing).
-pub(crate) fn check(strict: bool) -> Result<()> {
+///
+/// `verify`: `cargo package` builds each package from its `.crate` (a cold build of
+/// every dependency again, about 10 minutes on 2 cores); without it the packages are
+/// made and unpacked, and every `include_str!`/`include_bytes!` of theirs must find its
+/// file in the package, which is what a build from the `.crate` mostly catches that
+/// the workspace's own build does not (`cargo xtask itest` checks this way).
+pub(crate) fn check(strict: bool, verify: bool) -> Result<()> {
     let started = Instant::now();
     let ws = Workspace::load()?;
     let mut report = Report::default();
@@ -282,7 +290,7 @@ pub(crate) fn check(strict: bool) -> Result<()> {
     let toolchains = installed_toolchains();
     report.step("MSRV", |r| msrv(&ws, &order, &toolchains, r));
     report.step("docs", |r| docs(&ws, &order, &toolchains, r));
-    report.step("packages", |r| packages(&ws, &order, r));
+    report.step("packages", |r| packages(&ws, &order, verify, r));
     report.step("cargo deny", deny);
     report.blockers.push(format!(
         "crate names already on crates.io under other owners: {} (rename before publishing)",
@@ -600,12 +608,16 @@ fn docs(ws: &Workspace, order: &[String], toolchains: &[String], r: &mut Report)
     doc.and(clippy)
 }
 
-/// `cargo package` of the published crates together, then each package's contents.
-fn packages(ws: &Workspace, order: &[String], r: &mut Report) -> Result<()> {
+/// `cargo package` of the published crates together (`verify`: each built from its
+/// `.crate`), then each package's contents.
+fn packages(ws: &Workspace, order: &[String], verify: bool, r: &mut Report) -> Result<()> {
     // `--allow-dirty`: a check, not a release; the packages are not kept.
-    run(cargo()
-        .args(["package", "--allow-dirty"])
-        .args(ws.package_args(order)))?;
+    let mut package = cargo();
+    package.args(["package", "--allow-dirty"]);
+    if !verify {
+        package.arg("--no-verify");
+    }
+    run(package.args(ws.package_args(order)))?;
     let ours: BTreeMap<&str, &str> = ws
         .published()
         .map(|m| (m.name.as_str(), m.version.as_str()))
@@ -622,6 +634,21 @@ fn packages(ws: &Workspace, order: &[String], r: &mut Report) -> Result<()> {
             ));
         }
         let unpacked = dir.join(&base);
+        if !verify {
+            // Verification unpacks the `.crate`; without it, unpack it here.
+            if unpacked.exists() {
+                fs::remove_dir_all(&unpacked)
+                    .with_context(|| format!("could not remove {}", unpacked.display()))?;
+            }
+            run(Command::new("tar")
+                .arg("-xzf")
+                .arg(dir.join(format!("{base}.crate")))
+                .arg("-C")
+                .arg(&dir))?;
+        }
+        for missing in missing_includes(&unpacked) {
+            r.fail(format!("{base}.crate: {missing}"));
+        }
         for file in LICENSE_FILES {
             if !unpacked.join(file).is_file() {
                 r.fail(format!("{base}.crate does not contain {file}"));
@@ -648,6 +675,53 @@ fn packages(ws: &Workspace, order: &[String], r: &mut Report) -> Result<()> {
         eprintln!("xtask: release-check: {base}.crate: {size} bytes");
     }
     Ok(())
+}
+
+/// The `include_str!`/`include_bytes!` of the Rust sources under `root` whose file is
+/// not there (a literal path, relative to the including file), as `file: path`.
+fn missing_includes(root: &Path) -> Vec<String> {
+    let mut missing = Vec::new();
+    let mut dirs = vec![root.to_path_buf()];
+    while let Some(dir) = dirs.pop() {
+        let Ok(entries) = fs::read_dir(&dir) else {
+            continue;
+        };
+        for path in entries.flatten().map(|e| e.path()) {
+            if path.is_dir() {
+                dirs.push(path);
+                continue;
+            }
+            if path.extension().is_none_or(|ext| ext != "rs") {
+                continue;
+            }
+            let text = fs::read_to_string(&path).unwrap_or_default();
+            for included in included_paths(&text) {
+                let at = path.parent().unwrap_or(root).join(&included);
+                if !at.is_file() {
+                    let shown = path.strip_prefix(root).unwrap_or(&path).display();
+                    missing.push(format!("{shown} includes {included}, not in the package"));
+                }
+            }
+        }
+    }
+    missing.sort();
+    missing
+}
+
+/// The literal paths of `include_str!("…")` and `include_bytes!("…")` in `text`.
+fn included_paths(text: &str) -> Vec<String> {
+    let mut paths = Vec::new();
+    for macro_name in ["include_str!(", "include_bytes!("] {
+        for (at, _) in text.match_indices(macro_name) {
+            let rest = text[at + macro_name.len()..].trim_start();
+            if let Some(literal) = rest.strip_prefix('"')
+                && let Some(end) = literal.find('"')
+            {
+                paths.push(literal[..end].to_owned());
+            }
+        }
+    }
+    paths
 }
 
 /// `(name, version)` of every package in a `Cargo.lock`.
@@ -733,6 +807,37 @@ fn advisory_db_present() -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn included_paths_are_found() {
+        let text = r#"
+            const CSS: &str = include_str!("assets/dashboard.css");
+            static ICON: &[u8] = include_bytes!( "../icon.png" );
+            let not_literal = include_str!(concat!(env!("OUT_DIR"), "/x"));
+        "#;
+        assert_eq!(
+            included_paths(text),
+            ["assets/dashboard.css", "../icon.png"]
+        );
+    }
+
+    #[test]
+    fn a_missing_include_is_reported() {
+        let root = std::env::temp_dir().join(format!("release-check-{}", std::process::id()));
+        fs::create_dir_all(root.join("src/assets")).expect("dirs");
+        fs::write(root.join("src/assets/a.css"), "").expect("a.css");
+        fs::write(
+            root.join("src/lib.rs"),
+            "const A: &str = include_str!(\"assets/a.css\");\nconst B: &str = include_str!(\"assets/b.js\");\n",
+        )
+        .expect("lib.rs");
+        let missing = missing_includes(&root);
+        fs::remove_dir_all(&root).expect("cleanup");
+        assert_eq!(
+            missing,
+            ["src/lib.rs includes assets/b.js, not in the package"]
+        );
+    }
 
     #[test]
     fn the_workspace_rust_version_is_read_from_its_table() {

@@ -10,13 +10,13 @@ use anyhow::{Context, Result};
 use crate::{cargo, display, env_default, run_child};
 
 /// The reason every SQL Server live test is ignored with (the tidy tests keep it the
-/// only reason besides [`OTHER_IGNORED`]).
+/// only reason besides [`OTHER_IGNORED`] and the broker clusters'
+/// [`crate::cluster::IGNORE_REASON`]).
 pub(crate) const IGNORE_REASON: &str = "needs MSSQL_URL";
 
 /// The ignored tests that are not SQL Server ones, left out of the `--ignored` pass: the
 /// backends' `dump_sql`, which prints the rendered SQL for review, and the dashboard's
-/// page timings at a million rows (`outbox-cli/tests/dashboard_timings.rs`, run by hand
-/// in release mode).
+/// page timings, which load a million rows (both run by hand).
 pub(crate) const OTHER_IGNORED: [&str; 2] = [
     "dump_sql",
     "every_page_at_a_million_pending_and_ten_thousand_dead",
@@ -62,6 +62,8 @@ fn ignored_tests(args: &[OsString], harness: &[&str]) -> std::process::Command {
     for name in OTHER_IGNORED {
         cmd.args(["--skip", name]);
     }
+    // The broker clusters' tests have a pass of their own (`--cluster`).
+    cmd.args(["--skip", crate::cluster::TEST_PREFIX]);
     cmd
 }
 
@@ -126,7 +128,9 @@ mod tests {
                 "--skip",
                 "dump_sql",
                 "--skip",
-                "every_page_at_a_million_pending_and_ten_thousand_dead"
+                "every_page_at_a_million_pending_and_ten_thousand_dead",
+                "--skip",
+                "on_cluster_"
             ]
         );
         let user: Vec<OsString> = ["-p", "outbox-sqlserver", "--", "--nocapture"]
@@ -148,7 +152,9 @@ mod tests {
                 "--skip",
                 "dump_sql",
                 "--skip",
-                "every_page_at_a_million_pending_and_ten_thousand_dead"
+                "every_page_at_a_million_pending_and_ten_thousand_dead",
+                "--skip",
+                "on_cluster_"
             ]
         );
     }

@@ -296,7 +296,32 @@ impl R3Stream {
         let client = async_nats::connect(nats_servers()).await.expect("connect");
         let js = async_nats::jetstream::new(client);
         let mut stream = js.get_stream(&self.name).await.expect("stream");
-        let stored = stream.info().await.expect("info").state.messages;
+        // The stream's leader answers; one elected after the kill may answer before it
+        // caught up with the replicas that hold every message (seen once in CI: 819 of
+        // 20,000 right after the restart). A lost message never comes back, so the
+        // count must reach every id within the wait.
+        let deadline = std::time::Instant::now() + Duration::from_secs(120);
+        let mut stored = 0;
+        loop {
+            match stream.info().await {
+                Ok(info) => {
+                    stored = info.state.messages;
+                    if stored == expected.len() as u64 {
+                        break;
+                    }
+                    eprintln!(
+                        "stream {}: {stored} messages stored, {} expected; waiting for its replicas",
+                        self.name,
+                        expected.len()
+                    );
+                }
+                Err(e) => eprintln!("stream info: {e}; again"),
+            }
+            if std::time::Instant::now() >= deadline {
+                break;
+            }
+            tokio::time::sleep(Duration::from_secs(1)).await;
+        }
         assert_eq!(stored, expected.len() as u64, "each id stored once");
         // JetStream may answer 503 for a moment after a node rejoined.
         let mut attempts = 0;
@@ -387,7 +412,8 @@ async fn relay_rides_out_its_node_cut_off(
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn rabbit_quorum_leader_and_relay_node_lost_nothing_dead_every_id_queued() {
+#[ignore = "needs the broker clusters"]
+async fn on_cluster_rabbit_quorum_leader_and_relay_node_lost_nothing_dead_every_id_queued() {
     let _lock = faults::lock().await;
     cluster::require();
     let db = fresh_outbox().await;
@@ -442,7 +468,8 @@ async fn rabbit_quorum_leader_and_relay_node_lost_nothing_dead_every_id_queued()
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn rabbit_relay_node_partitioned_relay_moves_on_nothing_dead_every_id_queued() {
+#[ignore = "needs the broker clusters"]
+async fn on_cluster_rabbit_relay_node_partitioned_relay_moves_on_nothing_dead_every_id_queued() {
     let _lock = faults::lock().await;
     cluster::require();
     let db = fresh_outbox().await;
@@ -454,7 +481,8 @@ async fn rabbit_relay_node_partitioned_relay_moves_on_nothing_dead_every_id_queu
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn nats_r3_stream_leader_lost_nothing_dead_every_id_stored_once() {
+#[ignore = "needs the broker clusters"]
+async fn on_cluster_nats_r3_stream_leader_lost_nothing_dead_every_id_stored_once() {
     let _lock = faults::lock().await;
     cluster::require();
     let db = fresh_outbox().await;
@@ -485,7 +513,8 @@ async fn nats_r3_stream_leader_lost_nothing_dead_every_id_stored_once() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn nats_relay_node_partitioned_relay_moves_on_nothing_dead_every_id_stored_once() {
+#[ignore = "needs the broker clusters"]
+async fn on_cluster_nats_relay_node_partitioned_relay_moves_on_nothing_dead_every_id_stored_once() {
     let _lock = faults::lock().await;
     cluster::require();
     let db = fresh_outbox().await;

@@ -263,35 +263,47 @@ fn wait_for(limit: Duration, mut done: impl FnMut() -> bool) -> bool {
 }
 
 /// Waits until `broker`'s cluster is whole after a fault on node `node`; where it does
-/// not heal by itself within a minute, restores that node as an operator would
-/// (RabbitMQ: `stop_app` and `start_app`, which clears a recorded partition; NATS: the
-/// server restarted) and waits two minutes more. Whether the cluster is whole.
+/// not heal by itself within a minute, restores that node as an operator would and
+/// waits two minutes more, then, where that did not do, restarts the node's process
+/// (RabbitMQ: first `stop_app` and `start_app`, which clears a recorded partition, then
+/// the node killed and started again; NATS: the server restarted, after a partition
+/// that left two meta leaders). Whether the cluster is whole.
 pub fn make_whole(broker: Broker, node: usize) -> bool {
     if wait_for(Duration::from_secs(60), || whole(broker)) {
         return true;
     }
     eprintln!(
-        "cluster: {broker:?} is not whole a minute after the fault on node {node}; restarting that node"
+        "cluster: {broker:?} is not whole a minute after the fault on node {node}; restoring that node"
     );
-    match broker {
-        Broker::Rabbit => {
-            let _ = rabbitmqctl(node, &["-t", "60", "stop_app"]);
-            let _ = rabbitmqctl(node, &["-t", "120", "start_app"]);
+    if broker == Broker::Rabbit {
+        let _ = rabbitmqctl(node, &["-t", "60", "stop_app"]);
+        let _ = rabbitmqctl(node, &["-t", "120", "start_app"]);
+        if wait_for(Duration::from_secs(120), || whole(broker)) {
+            return true;
         }
-        Broker::Nats => {
-            if let Some(pid) = broker.pid(node) {
-                signal(pid, "-TERM");
-                if !wait_for(Duration::from_secs(15), || {
-                    !Path::new(&format!("/proc/{pid}")).exists()
-                }) {
-                    signal(pid, "-KILL");
-                }
-            }
-            broker.start(node);
-            broker.wait_serving(node, Duration::from_secs(60));
+        eprintln!("cluster: RabbitMQ is still not whole; restarting node {node}'s process");
+    }
+    restart_process(broker, node);
+    wait_for(Duration::from_secs(120), || whole(broker))
+}
+
+/// Stops node `node`'s process (`SIGTERM`, `SIGKILL` after 15 s; a frozen one is
+/// continued first), starts it again with its start script and waits until it serves.
+fn restart_process(broker: Broker, node: usize) {
+    if let Some(pid) = broker.pid(node) {
+        signal(pid, "-CONT");
+        signal(pid, "-TERM");
+        if !wait_for(Duration::from_secs(15), || {
+            !Path::new(&format!("/proc/{pid}")).exists()
+        }) {
+            signal(pid, "-KILL");
+            wait_for(Duration::from_secs(10), || {
+                !Path::new(&format!("/proc/{pid}")).exists()
+            });
         }
     }
-    wait_for(Duration::from_secs(120), || whole(broker))
+    broker.start(node);
+    broker.wait_serving(node, Duration::from_secs(120));
 }
 
 /// The node (1 to 3) that `leader` names, waiting up to `limit` for one to be known

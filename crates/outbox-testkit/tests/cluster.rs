@@ -238,7 +238,8 @@ async fn ride_out_faults<C: Consumer + Send + Sync + 'static>(
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn rabbit_consumer_rides_out_node_loss_and_partition_exactly_once() {
+#[ignore = "needs the broker clusters"]
+async fn on_cluster_rabbit_consumer_rides_out_node_loss_and_partition_exactly_once() {
     use transport_rabbit::{RabbitConfig, RabbitConsumer, RabbitPublisher, lapin};
 
     let _lock = faults::lock().await;
@@ -292,7 +293,8 @@ async fn rabbit_consumer_rides_out_node_loss_and_partition_exactly_once() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn nats_consumer_rides_out_node_loss_and_partition_exactly_once() {
+#[ignore = "needs the broker clusters"]
+async fn on_cluster_nats_consumer_rides_out_node_loss_and_partition_exactly_once() {
     use transport_nats::{NatsConfig, NatsConsumer, NatsPublisher, StreamSetup, async_nats};
 
     let _lock = faults::lock().await;
