@@ -397,7 +397,8 @@ async fn rabbit_poison_rows_die_alone_and_no_good_row_is_charged() {
         (
             7,
             format!(r#"headers = '{{"{long_name}": "x"}}'"#),
-            "AMQP allows at most 255",
+            // outbox_core::wire::check_limits, before the transport encodes the row.
+            "header name is 300 bytes long, the maximum is 255",
         ),
         (
             20,
