@@ -692,7 +692,7 @@ async fn bad_input_is_a_typed_error_before_anything_connects() {
         let mut out = Vec::new();
         outbox_cli::run(Cli::parse_from(args), &mut out).await
     };
-    let e = run(vec!["outbox", "--database-url", "mysql://x/y", "stats"]).await;
+    let e = run(vec!["outbox", "--database-url", "oracle://x/y", "stats"]).await;
     assert!(
         matches!(
             e,

@@ -223,7 +223,7 @@ fn bad_input_exits_with_code_2_and_says_why() {
     let db = "postgres://u@127.0.0.1:1/db";
     for (args, needle) in [
         (
-            vec!["--database-url", "mysql://x/y", "stats"],
+            vec!["--database-url", "oracle://x/y", "stats"],
             "invalid database_url",
         ),
         (
