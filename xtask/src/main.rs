@@ -1,6 +1,6 @@
 //! Project automation, run as `cargo xtask <command>`.
 //!
-//! * `cargo xtask services` brings PostgreSQL, RabbitMQ and NATS up (Docker
+//! * `cargo xtask services` brings PostgreSQL, MariaDB, RabbitMQ and NATS up (Docker
 //!   Compose when a Docker engine is reachable, the locally installed servers
 //!   otherwise) and prints their status.
 //! * `cargo xtask itest [--cluster] [-- ARGS]` checks the facade's feature combinations
@@ -78,7 +78,7 @@ struct Cli {
 /// The xtask subcommands.
 #[derive(Debug, Subcommand)]
 enum Cmd {
-    /// Ensure PostgreSQL, RabbitMQ and NATS are up and print their status.
+    /// Ensure PostgreSQL, MariaDB, RabbitMQ and NATS are up and print their status.
     ///
     /// With `--cluster`, also a 3-node RabbitMQ cluster (AMQP 5681-5683) and a 3-node
     /// NATS JetStream cluster (4231-4233) of the project's own, data under
