@@ -40,7 +40,7 @@ use std::time::Instant;
 use anyhow::{Context, Result, bail};
 use serde_json::Value;
 
-use crate::{cargo, display, run_child as run, workspace_root};
+use crate::{cargo, display, files_under, run_child as run, workspace_root};
 
 /// The license of every crate, and the files in each published package that carry it.
 const LICENSE: &str = "MIT OR Apache-2.0";
@@ -681,26 +681,16 @@ fn packages(ws: &Workspace, order: &[String], verify: bool, r: &mut Report) -> R
 /// not there (a literal path, relative to the including file), as `file: path`.
 fn missing_includes(root: &Path) -> Vec<String> {
     let mut missing = Vec::new();
-    let mut dirs = vec![root.to_path_buf()];
-    while let Some(dir) = dirs.pop() {
-        let Ok(entries) = fs::read_dir(&dir) else {
+    for path in files_under(root) {
+        if path.extension().is_none_or(|ext| ext != "rs") {
             continue;
-        };
-        for path in entries.flatten().map(|e| e.path()) {
-            if path.is_dir() {
-                dirs.push(path);
-                continue;
-            }
-            if path.extension().is_none_or(|ext| ext != "rs") {
-                continue;
-            }
-            let text = fs::read_to_string(&path).unwrap_or_default();
-            for included in included_paths(&text) {
-                let at = path.parent().unwrap_or(root).join(&included);
-                if !at.is_file() {
-                    let shown = path.strip_prefix(root).unwrap_or(&path).display();
-                    missing.push(format!("{shown} includes {included}, not in the package"));
-                }
+        }
+        let text = fs::read_to_string(&path).unwrap_or_default();
+        for included in included_paths(&text) {
+            let at = path.parent().unwrap_or(root).join(&included);
+            if !at.is_file() {
+                let shown = path.strip_prefix(root).unwrap_or(&path).display();
+                missing.push(format!("{shown} includes {included}, not in the package"));
             }
         }
     }

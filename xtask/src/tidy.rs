@@ -1,34 +1,9 @@
 //! House-style checks over the repository, run as ordinary tests.
 
 use std::fs;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 
-use crate::workspace_root;
-
-/// All files below `dir`, skipping build output and hidden directories.
-fn files_under(dir: &Path) -> Vec<PathBuf> {
-    let mut files = Vec::new();
-    let mut stack = vec![dir.to_path_buf()];
-    while let Some(dir) = stack.pop() {
-        let Ok(entries) = fs::read_dir(&dir) else {
-            continue;
-        };
-        for entry in entries.flatten() {
-            let path = entry.path();
-            let name = entry.file_name();
-            let name = name.to_string_lossy();
-            if path.is_dir() {
-                if name != "target" && !name.starts_with('.') {
-                    stack.push(path);
-                }
-            } else {
-                files.push(path);
-            }
-        }
-    }
-    files.sort();
-    files
-}
+use crate::{files_under, workspace_root};
 
 /// Whether the manifest opts into the workspace lints
 /// (`[lints]` + `workspace = true`, or `lints.workspace = true`).
