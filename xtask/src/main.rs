@@ -5,7 +5,8 @@
 //!   otherwise) and prints their status.
 //! * `cargo xtask itest [--cluster] [-- ARGS]` checks the facade's feature combinations
 //!   (as `cargo xtask features`; seconds with a warm cache) and what publishing needs (as
-//!   `cargo xtask release-check --no-verify`), brings the services up (with `--cluster`
+//!   `cargo xtask release-check --no-verify`, with the docs on the current toolchain
+//!   rather than nightly), brings the services up (with `--cluster`
 //!   the broker clusters too, as `cargo xtask services --cluster`, stopped again at the
 //!   end if it started them, and their tests run in a pass of their own), installs
 //!   Chromium and chromedriver for the dashboard's browser tests when missing
@@ -182,8 +183,10 @@ fn run(cli: Cli) -> Result<()> {
             // MSRV): a failure fails the run; the publishing blockers (crate names taken,
             // the placeholder repository URL) are reported, not failed on (`--strict`).
             // Packages unpacked and their included files checked, not built again from
-            // the `.crate`s (a cold build of every dependency: `release-check` does it).
-            release::check(false, false)?;
+            // the `.crate`s, and the docs built on the current toolchain, reusing the
+            // feature check's builds (cold builds of every dependency: `release-check`
+            // does both).
+            release::check(false, release::Depth::Quick)?;
             services::ensure(timeout)?;
             // The broker clusters' tests (`tests/cluster.rs`) run in a pass of their own.
             let _clusters = if cluster {
@@ -308,7 +311,14 @@ fn run(cli: Cli) -> Result<()> {
             exec_child(&mut chaos)
         }
         Cmd::Features => features::check(),
-        Cmd::ReleaseCheck { strict, no_verify } => release::check(strict, !no_verify),
+        Cmd::ReleaseCheck { strict, no_verify } => release::check(
+            strict,
+            if no_verify {
+                release::Depth::NoVerify
+            } else {
+                release::Depth::Full
+            },
+        ),
         Cmd::Lint => {
             // Run both so one invocation reports every problem.
             let fmt = run_child(cargo().args(["fmt", "--all", "--", "--check"]));
