@@ -364,8 +364,20 @@ impl R3Stream {
             seen.insert(id);
         }
         assert_eq!(&seen, expected, "the stream holds every id");
+        // A delete whose answer was lost (a timeout while the meta leader moves after
+        // the partition healed) may have deleted the stream: every later attempt then
+        // answers "stream not found" (seen here for a whole minute). Gone is done, when
+        // the stream cannot be looked up either.
         let deadline = std::time::Instant::now() + Duration::from_secs(60);
         while let Err(e) = js.delete_stream(&self.name).await {
+            let not_found = matches!(
+                e.kind(),
+                async_nats::jetstream::context::DeleteStreamErrorKind::JetStream(ref api)
+                    if api.error_code() == async_nats::jetstream::ErrorCode::STREAM_NOT_FOUND
+            );
+            if not_found && js.get_stream(&self.name).await.is_err() {
+                break;
+            }
             assert!(
                 std::time::Instant::now() < deadline,
                 "delete the stream: {e}"

@@ -143,7 +143,19 @@ pub fn rabbitmqctl(node: usize, args: &[&str]) -> Result<String, String> {
         PathBuf::from("rabbitmqctl")
     };
     let home = dir().join("rabbitmq");
-    let output = Command::new(program)
+    // `-t` bounds the wait for an answer, not the command: `stop_app` on a node left
+    // stuck by a partition hung for 13 minutes with `-t 60` (seen here). `timeout`
+    // (coreutils) ends it 15 s after its own limit (30 s when none is given).
+    let limit = args
+        .iter()
+        .position(|a| *a == "-t")
+        .and_then(|i| args.get(i + 1))
+        .and_then(|t| t.parse::<u64>().ok())
+        .unwrap_or(30)
+        + 15;
+    let output = Command::new("timeout")
+        .args(["--kill-after=5", &format!("{limit}s")])
+        .arg(program)
         .env("HOME", &home)
         .env("RABBITMQ_CONF_ENV_FILE", home.join("rabbitmq-env.conf"))
         .args(["--longnames", "-n", &rabbit_node(node)])
@@ -276,12 +288,18 @@ pub fn make_whole(broker: Broker, node: usize) -> bool {
         "cluster: {broker:?} is not whole a minute after the fault on node {node}; restoring that node"
     );
     if broker == Broker::Rabbit {
-        let _ = rabbitmqctl(node, &["-t", "60", "stop_app"]);
-        let _ = rabbitmqctl(node, &["-t", "120", "start_app"]);
-        if wait_for(Duration::from_secs(120), || whole(broker)) {
-            return true;
+        // A node left stuck by a partition (Mnesia's `inconsistent_database`) does not
+        // stop its application in time, or starts it with `noproc` (seen here): then
+        // only its process restarted does.
+        match rabbitmqctl(node, &["-t", "60", "stop_app"])
+            .and_then(|_| rabbitmqctl(node, &["-t", "120", "start_app"]))
+        {
+            Ok(_) if wait_for(Duration::from_secs(120), || whole(broker)) => return true,
+            Ok(_) => {
+                eprintln!("cluster: RabbitMQ is still not whole; restarting node {node}'s process")
+            }
+            Err(e) => eprintln!("cluster: {e}; restarting node {node}'s process"),
         }
-        eprintln!("cluster: RabbitMQ is still not whole; restarting node {node}'s process");
     }
     restart_process(broker, node);
     wait_for(Duration::from_secs(120), || whole(broker))
@@ -558,8 +576,8 @@ impl Drop for NodeFrozen {
 /// (`ip link set eth0 down` inside `outbox-rabbit-N` or `outbox-nats-N`), so that
 /// nothing reaches it or leaves it, clients and the other nodes alike, and open
 /// connections hang without a reset. Dropping the guard sets the link up again and
-/// waits until the node serves clients and the cluster is whole ([`make_whole`]; a
-/// paused RabbitMQ node resumes by itself).
+/// waits until the cluster is whole ([`make_whole`], which restores a paused RabbitMQ
+/// node that does not resume by itself) and the node serves clients.
 #[derive(Debug)]
 pub struct NodePartitioned {
     broker: Broker,
@@ -608,10 +626,14 @@ impl Drop for NodePartitioned {
             self.broker,
             self.node
         );
-        let back = self
-            .broker
-            .wait_serving(self.node, Duration::from_secs(120))
-            && make_whole(self.broker, self.node);
+        // Whole first: a RabbitMQ node paused by `pause_minority` may never resume by
+        // itself (seen here: Mnesia's `inconsistent_database` after a 24 s cut, the
+        // application left stopped), and only `make_whole` restores it; waiting for it
+        // to serve clients first would wait for nothing.
+        let back = make_whole(self.broker, self.node)
+            && self
+                .broker
+                .wait_serving(self.node, Duration::from_secs(120));
         assert!(
             back || std::thread::panicking(),
             "the {:?} cluster is not whole after node {} rejoined",
