@@ -235,7 +235,7 @@ fn run(cli: Cli) -> Result<()> {
             // chaos run over each broker (every fault kind, at least 10 relay kills),
             // whose verdict must pass.
             let started = Instant::now();
-            build_chaos()?;
+            build_lab(&CHAOS_BINS)?;
             eprintln!(
                 "xtask: release build for the chaos runs took {:.0} s",
                 started.elapsed().as_secs_f64()
@@ -243,7 +243,7 @@ fn run(cli: Cli) -> Result<()> {
             for (transport, duration, extra) in CI_CHAOS_RUNS {
                 let started = Instant::now();
                 run_child(
-                    chaos_command()
+                    lab_command("chaos")
                         .args([
                             "--transport",
                             transport,
@@ -273,22 +273,8 @@ fn run(cli: Cli) -> Result<()> {
         Cmd::Bench { args } => {
             services::ensure(timeout)?;
             // `--relay-process` and `--backlog` run the release `outbox` beside the bench.
-            run_child(cargo().args(["build", "--release", "-p", "outbox-cli", "--bin", "outbox"]))?;
-            let bench = |args: &[OsString]| {
-                let mut bench = cargo();
-                bench
-                    .args([
-                        "run",
-                        "--release",
-                        "-p",
-                        "outbox-lab",
-                        "--bin",
-                        "bench",
-                        "--",
-                    ])
-                    .args(args);
-                run_child(&mut bench)
-            };
+            build_lab(&["outbox", "bench"])?;
+            let bench = |args: &[OsString]| run_child(lab_command("bench").args(args));
             if args.iter().any(|a| a == "--cluster") {
                 // The same measurement on the single servers first, then on the
                 // clusters: one run shows what the replication costs.
@@ -305,8 +291,8 @@ fn run(cli: Cli) -> Result<()> {
             if args.iter().any(|a| a == "--cluster") {
                 cluster::up(timeout)?;
             }
-            build_chaos()?;
-            let mut chaos = chaos_command();
+            build_lab(&CHAOS_BINS)?;
+            let mut chaos = lab_command("chaos");
             chaos.args(&args);
             exec_child(&mut chaos)
         }
@@ -345,31 +331,29 @@ fn run(cli: Cli) -> Result<()> {
 const CI_CHAOS_RUNS: [(&str, &str, &[&str]); 2] =
     [("rabbit", "100s", &[]), ("nats", "90s", &["--batched"])];
 
-/// Builds what a chaos run starts: the `outbox` relay and the harness with its
-/// consumer, in release mode.
-fn build_chaos() -> Result<()> {
-    run_child(cargo().args([
-        "build",
-        "--release",
-        "-p",
-        "outbox-cli",
-        "-p",
-        "outbox-lab",
-        "--bin",
-        "outbox",
-        "--bin",
-        "chaos",
-        "--bin",
-        "chaos-consumer",
-    ]))
+/// What a chaos run starts: the `outbox` relay, the harness and its consumer.
+const CHAOS_BINS: [&str; 3] = ["outbox", "chaos", "chaos-consumer"];
+
+/// Builds `bins` of `outbox-cli` and `outbox-lab` (release) with both packages
+/// selected, for the bench and the chaos harness alike: cargo resolves features over
+/// the packages selected, so building them apart rebuilt about 40 crates each time the
+/// selection changed.
+fn build_lab(bins: &[&str]) -> Result<()> {
+    let mut build = cargo();
+    build.args(["build", "--release", "-p", "outbox-cli", "-p", "outbox-lab"]);
+    for bin in bins {
+        build.args(["--bin", bin]);
+    }
+    run_child(&mut build)
 }
 
-/// The release build's chaos harness (it finds `outbox` and `chaos-consumer` next to
-/// itself), with the service URLs defaulted.
-fn chaos_command() -> Command {
+/// Binary `bin` built by [`build_lab`] (the chaos harness finds `outbox` and
+/// `chaos-consumer` next to itself), run from the workspace root with the service URLs
+/// defaulted.
+fn lab_command(bin: &str) -> Command {
     let target = std::env::var_os("CARGO_TARGET_DIR")
         .map_or_else(|| workspace_root().join("target"), PathBuf::from);
-    let mut cmd = Command::new(target.join("release").join("chaos"));
+    let mut cmd = Command::new(target.join("release").join(bin));
     cmd.current_dir(workspace_root());
     for (key, value) in ENV_DEFAULTS {
         env_default(&mut cmd, key, value);
