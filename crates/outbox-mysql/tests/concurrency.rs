@@ -359,7 +359,10 @@ async fn an_inbox_claim_needs_no_second_connection() {
     let inbox = outbox_mysql::MySqlInbox::connect(&config)
         .await
         .expect("inbox");
-    let mut tx = inbox.begin().await.expect("begin: the pool's one connection");
+    let mut tx = inbox
+        .begin()
+        .await
+        .expect("begin: the pool's one connection");
     let id = Uuid::now_v7();
     assert_eq!(
         inbox

@@ -123,10 +123,12 @@ async fn server_is_down() -> bool {
 }
 
 async fn count(outbox: &MySqlOutbox, sql: &str) -> i64 {
-    sqlx::query_scalar(AssertSqlSafe(sql.replace("{s}", &format!("`{}`", outbox.schema()))))
-        .fetch_one(outbox.pool())
-        .await
-        .unwrap_or_else(|e| panic!("{sql}: {e}"))
+    sqlx::query_scalar(AssertSqlSafe(
+        sql.replace("{s}", &format!("`{}`", outbox.schema())),
+    ))
+    .fetch_one(outbox.pool())
+    .await
+    .unwrap_or_else(|e| panic!("{sql}: {e}"))
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -154,13 +156,16 @@ async fn relay_and_consumer_ride_out_a_server_restart_with_nothing_lost_or_appli
         .with_declare_exchange(false)
         .build()
         .expect("config");
-    let publisher = Arc::new(RabbitPublisher::connect(rabbit.clone()).await.expect("publisher"));
+    let publisher = Arc::new(
+        RabbitPublisher::connect(rabbit.clone())
+            .await
+            .expect("publisher"),
+    );
     let dispatcher = Dispatcher::new(
         Arc::clone(&outbox),
         Arc::clone(&publisher),
         DispatcherConfig::new()
             .with_batch_size(50)
-            .with_lease(Duration::from_secs(10))
             .with_poll_interval(Duration::from_millis(100)),
     );
     let token = CancellationToken::new();
@@ -211,8 +216,11 @@ async fn relay_and_consumer_ride_out_a_server_restart_with_nothing_lost_or_appli
 
     let outage = MySqlStopped::try_stop().expect("stop the MariaDB / MySQL server");
     assert!(server_is_down().await, "the server is down");
-    let (published_down, acked_down) = (dispatcher.stats().published, acked.load(Ordering::Relaxed));
-    eprintln!("MariaDB stopped after {published_down} messages were published and {acked_down} acked");
+    let (published_down, acked_down) =
+        (dispatcher.stats().published, acked.load(Ordering::Relaxed));
+    eprintln!(
+        "MariaDB stopped after {published_down} messages were published and {acked_down} acked"
+    );
     // The outage itself (not an assertion: the server stays down this long).
     tokio::time::sleep(Duration::from_secs(outage_secs)).await;
     let stats_down = dispatcher.stats();
@@ -240,7 +248,10 @@ async fn relay_and_consumer_ride_out_a_server_restart_with_nothing_lost_or_appli
         outbox.stats().await
     );
     let stats = outbox.stats().await.expect("stats");
-    assert_eq!(stats.dead, 0, "an outage must not dead-letter anything: {stats:?}");
+    assert_eq!(
+        stats.dead, 0,
+        "an outage must not dead-letter anything: {stats:?}"
+    );
     assert_eq!(stats.sent, total as u64, "{stats:?}");
     assert!(
         dispatcher.stats().published > published_up,
@@ -265,7 +276,11 @@ async fn relay_and_consumer_ride_out_a_server_restart_with_nothing_lost_or_appli
         .expect("consumer task")
         .expect("the consumer rides out the outage and ends cleanly");
 
-    let applied_twice = count(&outbox, "SELECT count(*) FROM {s}.effects WHERE times_applied <> 1").await;
+    let applied_twice = count(
+        &outbox,
+        "SELECT count(*) FROM {s}.effects WHERE times_applied <> 1",
+    )
+    .await;
     let records = count(
         &outbox,
         &format!("SELECT count(*) FROM {{s}}.inbox_records WHERE consumer = '{CONSUMER}'"),
@@ -280,7 +295,11 @@ async fn relay_and_consumer_ride_out_a_server_restart_with_nothing_lost_or_appli
     assert_eq!(applied_twice, 0, "no effect applied twice");
     assert_eq!(records, total, "one inbox record per message");
     assert_eq!(
-        count(&outbox, "SELECT count(*) FROM {s}.inbox_failures WHERE dead_at IS NOT NULL").await,
+        count(
+            &outbox,
+            "SELECT count(*) FROM {s}.inbox_failures WHERE dead_at IS NOT NULL"
+        )
+        .await,
         0,
         "no consumer dead letter"
     );

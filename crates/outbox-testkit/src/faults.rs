@@ -823,11 +823,9 @@ impl Drop for MySqlStopped {
             "failed to start MariaDB / MySQL again"
         );
         // The port opens once InnoDB has started (crash recovery included).
-        wait_for(
-            "MariaDB / MySQL answers",
-            Duration::from_secs(120),
-            || port_answers(MYSQL_PORT),
-        );
+        wait_for("MariaDB / MySQL answers", Duration::from_secs(120), || {
+            port_answers(MYSQL_PORT)
+        });
     }
 }
 

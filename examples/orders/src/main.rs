@@ -82,7 +82,11 @@ struct Args {
     )]
     database_url: String,
     /// MySQL / MariaDB, with `--database mysql`.
-    #[arg(long, env = "MYSQL_URL", default_value = "mysql://root@127.0.0.1:3306/test")]
+    #[arg(
+        long,
+        env = "MYSQL_URL",
+        default_value = "mysql://root@127.0.0.1:3306/test"
+    )]
     mysql_url: String,
     /// RabbitMQ, with `--transport rabbit`.
     #[arg(

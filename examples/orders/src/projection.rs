@@ -13,9 +13,9 @@ use std::sync::{Arc, Mutex};
 
 use async_trait::async_trait;
 use inbox::{Handler, HandlerContext, HandlerError, IdempotentConsumer, Pipeline};
+use outbox_core::InboxStore;
 use outbox_core::consumer::{DeliveryHandler, HandlerDecision};
 use outbox_core::wire::{IncomingMessage, TRACEPARENT, TraceParent};
-use outbox_core::InboxStore;
 
 use crate::OrderPlaced;
 use crate::db::{Database, Projection};

@@ -55,9 +55,9 @@ mod soak;
 mod stores;
 
 pub(crate) use outbox_core::TransportKind;
-pub use stores::DatabaseKind;
 use std::sync::Arc;
 use std::time::Duration;
+pub use stores::DatabaseKind;
 
 use anyhow::Context as _;
 use clap::Parser;

@@ -189,12 +189,9 @@ impl BenchStore for MySqlOutbox {
     }
 
     async fn drop_schema(&self) {
-        let _ = sqlx::query(AssertSqlSafe(format!(
-            "DROP DATABASE {}",
-            self.schema()
-        )))
-        .execute(self.pool())
-        .await;
+        let _ = sqlx::query(AssertSqlSafe(format!("DROP DATABASE {}", self.schema())))
+            .execute(self.pool())
+            .await;
     }
 
     async fn rows(&self, sent_only: bool) -> anyhow::Result<i64> {
