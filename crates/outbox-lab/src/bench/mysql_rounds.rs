@@ -14,7 +14,7 @@ use outbox_core::{EventPublisher, SentRetention};
 use outbox_mysql::MySqlOutbox;
 
 use super::phases::Publishing;
-use super::report::{Round, rate};
+use super::report::{Round, median, print_cpu, rate};
 use super::stores::BenchStore as _;
 use super::{Args, Broker, commit_to_publish, drop_schema, instant_publisher, preload, quiesce};
 use crate::common;
@@ -109,15 +109,6 @@ impl MySqlRound {
 /// ratios, CPU and the publishers' load in the round with the median MySQL relay.
 pub(super) fn print(args: &Args, broker: &Broker, server: &str, pg: &[Round], my: &[MySqlRound]) {
     let n = args.messages;
-    let median = |mut v: Vec<Duration>| -> Duration {
-        v.sort();
-        let k = v.len() / 2;
-        if v.len().is_multiple_of(2) {
-            (v[k - 1] + v[k]) / 2
-        } else {
-            v[k]
-        }
-    };
     let geomean = |ratios: Vec<f64>| -> f64 {
         (ratios.iter().map(|r| r.ln()).sum::<f64>() / ratios.len().max(1) as f64).exp()
     };
@@ -160,7 +151,6 @@ pub(super) fn print(args: &Args, broker: &Broker, server: &str, pg: &[Round], my
         by_relay.sort_by_key(|r| r.relay);
         by_relay[by_relay.len() / 2]
     };
-    let cores = std::thread::available_parallelism().map_or(1, usize::from);
     println!(
         "CPU seconds per {server} phase in the round with its median relay time ({} / database / this process):",
         broker.name()
@@ -169,14 +159,7 @@ pub(super) fn print(args: &Args, broker: &Broker, server: &str, pg: &[Round], my
         ("store ceiling", mid.store_cpu, mid.store),
         ("relay", mid.relay_cpu, mid.relay),
     ] {
-        let busy = cpu.broker + cpu.database + cpu.relay;
-        println!(
-            "  {phase:<15} {:.2} / {:.2} / {:.2} s, {:.0}% of {cores} cores",
-            cpu.broker,
-            cpu.database,
-            cpu.relay,
-            100.0 * busy / d.as_secs_f64() / cores as f64,
-        );
+        print_cpu(phase, cpu, d);
     }
     println!(
         "publishers in that round: busy {:.0}% of the {server} relay phase, a batch confirmed {} after its first send",
