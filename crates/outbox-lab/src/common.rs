@@ -133,7 +133,8 @@ pub fn ms(d: Duration) -> String {
 }
 
 /// CPU seconds used so far by the broker (RabbitMQ's `beam.smp` or `nats-server`),
-/// PostgreSQL (`postgres`) and this process, read from `/proc` (Linux; zeros elsewhere).
+/// the databases (PostgreSQL's `postgres`, MariaDB's `mariadbd`, MySQL's `mysqld`) and
+/// this process, read from `/proc` (Linux; zeros elsewhere).
 #[derive(Debug, Clone, Copy, Default)]
 pub(crate) struct CpuTimes {
     pub(crate) broker: f64,
@@ -181,7 +182,7 @@ impl CpuTimes {
                 t.relay += used;
             } else if comm == broker_comm {
                 t.broker += used;
-            } else if comm == "postgres" {
+            } else if matches!(comm, "postgres" | "mariadbd" | "mysqld") {
                 t.database += used;
             }
         }

@@ -11,7 +11,7 @@ use outbox_core::inbox::{
     InboxOutcome, StoredMessage, VersionTracking,
 };
 use outbox_core::wire::{IncomingMessage, TraceParent};
-use outbox_core::{CompleteReport, ErrorKind, Headers, InboxStore, OutboxError};
+use outbox_core::{CompleteReport, ErrorKind, Headers, InboxClaim, InboxStore, OutboxError};
 use sqlx::mysql::{MySqlDatabaseError, MySqlRow};
 use sqlx::{AssertSqlSafe, MySql, MySqlConnection, MySqlPool, Row};
 use uuid::Uuid;
@@ -52,6 +52,27 @@ pub struct MySqlInbox {
 }
 
 impl MySqlInbox {
+    /// Whether `(message_id, consumer)` is a consumer dead letter, read on `conn` (a
+    /// consistent, non-locking read).
+    async fn is_dead_on(
+        &self,
+        conn: &mut MySqlConnection,
+        message_id: Uuid,
+        consumer: &str,
+    ) -> Result<bool, OutboxError> {
+        let s = &self.s;
+        let dead: i64 = sqlx::query_scalar(AssertSqlSafe(format!(
+            "SELECT EXISTS (SELECT 1 FROM {s}.inbox_failures
+                             WHERE message_id = ? AND consumer = ? AND dead_at IS NOT NULL)"
+        )))
+        .bind(message_id)
+        .bind(consumer)
+        .fetch_one(conn)
+        .await
+        .map_err(db("inbox_is_dead"))?;
+        Ok(dead != 0)
+    }
+
     /// An inbox over `pool` in the database of `config` (migrated by
     /// [`crate::migrate()`] or [`MySqlOutbox::migrate`](crate::MySqlOutbox::migrate));
     /// the config's URL and pool settings are not used.
@@ -299,17 +320,28 @@ impl ConsumerDeadLetters for MySqlInbox {
     }
 
     async fn is_dead(&self, message_id: Uuid, consumer: &str) -> Result<bool, OutboxError> {
-        let s = &self.s;
-        let dead: i64 = sqlx::query_scalar(AssertSqlSafe(format!(
-            "SELECT EXISTS (SELECT 1 FROM {s}.inbox_failures
-                             WHERE message_id = ? AND consumer = ? AND dead_at IS NOT NULL)"
-        )))
-        .bind(message_id)
-        .bind(consumer)
-        .fetch_one(&self.pool)
-        .await
-        .map_err(db("inbox_is_dead"))?;
-        Ok(dead != 0)
+        let mut conn = self.pool.acquire().await.map_err(db("inbox_is_dead"))?;
+        self.is_dead_on(&mut conn, message_id, consumer).await
+    }
+
+    /// The dead-letter check and the claim, both on `conn` (the trait's default would
+    /// ask [`is_dead`](ConsumerDeadLetters::is_dead) on a second connection of the pool
+    /// while `conn`'s transaction holds the first: with as many deliveries in flight
+    /// as the pool has connections, each would wait for a second one, forever).
+    async fn claim_unless_dead(
+        &self,
+        conn: &mut MySqlConnection,
+        message_id: Uuid,
+        consumer: &str,
+    ) -> Result<InboxClaim, OutboxError> {
+        if self.is_dead_on(conn, message_id, consumer).await? {
+            return Ok(InboxClaim::DeadLetter);
+        }
+        Ok(if self.try_claim(conn, message_id, consumer).await? {
+            InboxClaim::Claimed
+        } else {
+            InboxClaim::Duplicate
+        })
     }
 
     async fn consumer_dead_letters(

@@ -2,7 +2,7 @@
 //! claimers over one backlog take every row exactly once; claims, completions and
 //! producers' inserts under load lose nothing (a claim or completion made a deadlock
 //! victim is run again by the store and counted); racing inbox claims of one `(message_id, consumer)` pair
-//! let exactly one commit.
+//! let exactly one commit; an inbox claim needs no connection beyond its transaction's.
 
 mod common;
 
@@ -341,4 +341,42 @@ async fn racing_inbox_claims_of_one_pair_let_exactly_one_commit() {
         rolled_back.load(Ordering::Relaxed),
         deadlocks.load(Ordering::Relaxed)
     );
+}
+
+/// The idempotent consumer's claim (`claim_unless_dead`) runs on its transaction's
+/// connection alone: with every connection of the pool held by a transaction, a claim
+/// waiting for a second one would never get it (the demo's consumer, with more
+/// deliveries in flight than connections, once hung this way).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_inbox_claim_needs_no_second_connection() {
+    use outbox_core::inbox::ConsumerDeadLetters as _;
+    use outbox_core::{InboxClaim, InboxStore as _};
+    let (outbox, _guard) = fresh_outbox().await;
+    let config = outbox_mysql::MySqlConfig::new(common::mysql_url())
+        .with_schema(outbox.schema())
+        .with_max_connections(1)
+        .with_acquire_timeout(Duration::from_secs(2));
+    let inbox = outbox_mysql::MySqlInbox::connect(&config)
+        .await
+        .expect("inbox");
+    let mut tx = inbox
+        .begin()
+        .await
+        .expect("begin: the pool's one connection");
+    let id = Uuid::now_v7();
+    assert_eq!(
+        inbox
+            .claim_unless_dead(&mut tx, id, "projector")
+            .await
+            .expect("claimed on the transaction's connection"),
+        InboxClaim::Claimed
+    );
+    assert_eq!(
+        inbox
+            .claim_unless_dead(&mut tx, id, "projector")
+            .await
+            .expect("claim"),
+        InboxClaim::Duplicate
+    );
+    inbox.commit(tx).await.expect("commit");
 }

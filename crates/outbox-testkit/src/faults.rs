@@ -1,8 +1,8 @@
 //! Faults injected into the shared servers, for the tests and the chaos harness that
 //! need them: a RabbitMQ memory alarm, a RabbitMQ `max_message_size` lower than the
 //! publisher's, a RabbitMQ queue held at its maximum length with `reject-publish`, a
-//! RabbitMQ node stopped or frozen with `SIGSTOP`, a NATS server frozen or stopped, and
-//! PostgreSQL stopped.
+//! RabbitMQ node stopped or frozen with `SIGSTOP`, a NATS server frozen or stopped,
+//! PostgreSQL stopped, and MariaDB / MySQL stopped.
 //!
 //! Every guard undoes its fault when dropped, also when the test panics. They must be
 //! taken under [`lock`]: one lock for the whole machine (an exclusive `flock` on a file
@@ -158,6 +158,9 @@ pub const NATS_PORT: u16 = 4222;
 
 /// The AMQP port of the shared RabbitMQ node (`amqp://127.0.0.1:5672`).
 pub const AMQP_PORT: u16 = 5672;
+
+/// The port of the shared MariaDB / MySQL server (`mysql://127.0.0.1:3306`).
+pub const MYSQL_PORT: u16 = 3306;
 
 /// The PID of the local process listening on TCP `port` (any address, IPv4 or IPv6),
 /// read from `/proc/net/tcp`, `/proc/net/tcp6` and the processes' open sockets. Faults
@@ -747,14 +750,7 @@ impl NatsStopped {
     /// [`FaultUnavailable`] when no local process listens on `port`, its command line
     /// cannot be read, or it does not stop.
     pub fn try_stop_port(port: u16) -> Result<Self, FaultUnavailable> {
-        const FAULT: &str = "NATS restart";
-        let pid = pid_listening_on(port).ok_or_else(|| {
-            FaultUnavailable::new(FAULT, format!("no local process listens on port {port}"))
-        })?;
-        let (cmdline, cwd) = command_line(pid).ok_or_else(|| {
-            FaultUnavailable::new(FAULT, format!("cannot read the command line of {pid}"))
-        })?;
-        terminate(pid, Duration::from_secs(10)).map_err(|e| FaultUnavailable::new(FAULT, e))?;
+        let (cmdline, cwd) = stop_local("NATS restart", port, Duration::from_secs(10))?;
         Ok(Self {
             how: NatsStart::Local(cmdline, cwd),
             port,
@@ -772,6 +768,63 @@ impl Drop for NatsStopped {
         let port = self.port;
         wait_for("NATS answers", Duration::from_secs(60), || {
             port_answers(port)
+        });
+    }
+}
+
+/// Stops the local process listening on `port` (`SIGTERM`, `SIGKILL` after `grace`) and
+/// returns its command line and working directory, to start it again with.
+fn stop_local(
+    fault: &'static str,
+    port: u16,
+    grace: Duration,
+) -> Result<(Vec<String>, std::path::PathBuf), FaultUnavailable> {
+    let pid = pid_listening_on(port).ok_or_else(|| {
+        FaultUnavailable::new(fault, format!("no local process listens on port {port}"))
+    })?;
+    let (cmdline, cwd) = command_line(pid).ok_or_else(|| {
+        FaultUnavailable::new(fault, format!("cannot read the command line of {pid}"))
+    })?;
+    terminate(pid, grace).map_err(|e| FaultUnavailable::new(fault, e))?;
+    Ok((cmdline, cwd))
+}
+
+/// The MariaDB / MySQL server stopped (`SIGTERM` to the process listening on
+/// [`MYSQL_PORT`]: a normal shutdown, every session closed and new ones refused).
+/// Dropping it starts the server again with the command line and working directory it
+/// had (`mariadbd` reads its user and data directory from its configuration files) and
+/// waits until it accepts connections. Stop, wait, drop: a restart with a downtime of
+/// the caller's choosing. Only a server this machine runs as a plain process (no
+/// `mysqld_safe` or systemd restarting it behind the test's back) can be stopped.
+#[derive(Debug)]
+pub struct MySqlStopped {
+    cmdline: Vec<String>,
+    cwd: std::path::PathBuf,
+}
+
+impl MySqlStopped {
+    /// Stops the shared server and waits until it is gone (InnoDB's shutdown flushes
+    /// its buffer pool: up to 60 s before `SIGKILL`, which InnoDB recovers from too).
+    ///
+    /// # Errors
+    /// [`FaultUnavailable`] when no local process listens on [`MYSQL_PORT`], its
+    /// command line cannot be read, or it does not stop.
+    pub fn try_stop() -> Result<Self, FaultUnavailable> {
+        let (cmdline, cwd) = stop_local("MySQL restart", MYSQL_PORT, Duration::from_secs(60))?;
+        Ok(Self { cmdline, cwd })
+    }
+}
+
+impl Drop for MySqlStopped {
+    fn drop(&mut self) {
+        let ok = start_detached(&self.cmdline, &self.cwd);
+        assert!(
+            ok || std::thread::panicking(),
+            "failed to start MariaDB / MySQL again"
+        );
+        // The port opens once InnoDB has started (crash recovery included).
+        wait_for("MariaDB / MySQL answers", Duration::from_secs(120), || {
+            port_answers(MYSQL_PORT)
         });
     }
 }
