@@ -1,8 +1,8 @@
 //! Faults injected into the shared servers, for the tests and the chaos harness that
 //! need them: a RabbitMQ memory alarm, a RabbitMQ `max_message_size` lower than the
 //! publisher's, a RabbitMQ queue held at its maximum length with `reject-publish`, a
-//! RabbitMQ node stopped or frozen with `SIGSTOP`, a NATS server frozen or stopped, and
-//! PostgreSQL stopped.
+//! RabbitMQ node stopped or frozen with `SIGSTOP`, a NATS server frozen or stopped,
+//! PostgreSQL stopped, and MariaDB stopped.
 //!
 //! Every guard undoes its fault when dropped, also when the test panics. They must be
 //! taken under [`lock`]: one lock for the whole machine (an exclusive `flock` on a file
@@ -249,6 +249,23 @@ fn terminate(pid: u32, grace: Duration) -> Result<(), String> {
     } else {
         Ok(())
     }
+}
+
+/// Stops the local process listening on TCP `port` (`SIGTERM`, `SIGKILL` after
+/// `grace`); returns its command line and working directory, to start it again with.
+fn stop_listener(
+    fault: &'static str,
+    port: u16,
+    grace: Duration,
+) -> Result<(Vec<String>, std::path::PathBuf), FaultUnavailable> {
+    let pid = pid_listening_on(port).ok_or_else(|| {
+        FaultUnavailable::new(fault, format!("no local process listens on port {port}"))
+    })?;
+    let (cmdline, cwd) = command_line(pid).ok_or_else(|| {
+        FaultUnavailable::new(fault, format!("cannot read the command line of {pid}"))
+    })?;
+    terminate(pid, grace).map_err(|e| FaultUnavailable::new(fault, e))?;
+    Ok((cmdline, cwd))
 }
 
 /// Starts `cmdline` in `cwd` in a session of its own (`setsid -f`), detached from the
@@ -747,14 +764,7 @@ impl NatsStopped {
     /// [`FaultUnavailable`] when no local process listens on `port`, its command line
     /// cannot be read, or it does not stop.
     pub fn try_stop_port(port: u16) -> Result<Self, FaultUnavailable> {
-        const FAULT: &str = "NATS restart";
-        let pid = pid_listening_on(port).ok_or_else(|| {
-            FaultUnavailable::new(FAULT, format!("no local process listens on port {port}"))
-        })?;
-        let (cmdline, cwd) = command_line(pid).ok_or_else(|| {
-            FaultUnavailable::new(FAULT, format!("cannot read the command line of {pid}"))
-        })?;
-        terminate(pid, Duration::from_secs(10)).map_err(|e| FaultUnavailable::new(FAULT, e))?;
+        let (cmdline, cwd) = stop_listener("NATS restart", port, Duration::from_secs(10))?;
         Ok(Self {
             how: NatsStart::Local(cmdline, cwd),
             port,
@@ -874,6 +884,74 @@ impl Drop for PgStopped {
                     .status()
                     .map(|s| s.success())
                     .unwrap_or(true)
+        });
+    }
+}
+
+/// The port of the shared MariaDB (or MySQL) server (`mysql://127.0.0.1:3306`).
+pub const MYSQL_PORT: u16 = 3306;
+
+/// The MariaDB (or MySQL) server listening on [`MYSQL_PORT`] stopped (`SIGTERM`: a
+/// normal shutdown, every session is ended, open transactions are rolled back; `SIGKILL`
+/// after 60 s), or `docker compose stop mariadb`; new connections are refused. Dropping
+/// it starts the server again with the command line and working directory it had (the
+/// server reads its configuration files again, `user = mysql` among them: Debian's
+/// `mariadbd` started by root drops to that user) and waits until it answers. Stop,
+/// wait, drop: a restart with a downtime of the caller's choosing. No `systemd` or init
+/// script is needed: the server is found by its port, as [`NatsStopped`] finds NATS.
+#[derive(Debug)]
+pub struct MariaDbStopped {
+    how: MariaDbStart,
+}
+
+#[derive(Debug)]
+enum MariaDbStart {
+    Local(Vec<String>, std::path::PathBuf),
+    Docker,
+}
+
+impl MariaDbStopped {
+    /// Stops the shared server.
+    ///
+    /// # Errors
+    /// [`FaultUnavailable`] when no local process listens on [`MYSQL_PORT`] (or its
+    /// command line cannot be read, or it does not stop) and `docker compose stop
+    /// mariadb` fails.
+    pub fn try_stop() -> Result<Self, FaultUnavailable> {
+        match stop_listener("MariaDB restart", MYSQL_PORT, Duration::from_secs(60)) {
+            Ok((cmdline, cwd)) => Ok(Self {
+                how: MariaDbStart::Local(cmdline, cwd),
+            }),
+            Err(local) => {
+                if docker_engine() && succeeds("docker", &["compose", "stop", "mariadb"]) {
+                    Ok(Self {
+                        how: MariaDbStart::Docker,
+                    })
+                } else {
+                    Err(FaultUnavailable::new(
+                        local.fault,
+                        format!("{}, and `docker compose stop mariadb` failed", local.reason),
+                    ))
+                }
+            }
+        }
+    }
+}
+
+impl Drop for MariaDbStopped {
+    fn drop(&mut self) {
+        let ok = match &self.how {
+            MariaDbStart::Docker => succeeds("docker", &["compose", "start", "mariadb"]),
+            MariaDbStart::Local(cmdline, cwd) => start_detached(cmdline, cwd),
+        };
+        assert!(
+            ok || std::thread::panicking(),
+            "failed to start MariaDB again"
+        );
+        // InnoDB's crash recovery is not needed after a normal shutdown: it answers in
+        // seconds; the deadline is generous for a loaded machine.
+        wait_for("MariaDB answers", Duration::from_secs(120), || {
+            port_answers(MYSQL_PORT)
         });
     }
 }
