@@ -264,8 +264,29 @@ fn stop_listener(
     let (cmdline, cwd) = command_line(pid).ok_or_else(|| {
         FaultUnavailable::new(fault, format!("cannot read the command line of {pid}"))
     })?;
+    let cmdline = [as_nice_as(pid), cmdline].concat();
     terminate(pid, grace).map_err(|e| FaultUnavailable::new(fault, e))?;
     Ok((cmdline, cwd))
+}
+
+/// The nice value of process `pid` (field 19 of `/proc/PID/stat`).
+fn niceness(pid: u32) -> Option<i32> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    let after_name = stat.get(stat.rfind(')')? + 2..)?;
+    after_name.split_whitespace().nth(16)?.parse().ok()
+}
+
+/// `nice -n ADJUSTMENT`, the prefix of a command this process runs so that it gets
+/// the nice value process `pid` has (none when they are equal or unknown). A server
+/// stopped and started again by a test or harness running under `nice -n 19` must not
+/// come back at 19: it must be as the fault found it.
+fn as_nice_as(pid: u32) -> Vec<String> {
+    match (niceness(pid), niceness(std::process::id())) {
+        (Some(theirs), Some(ours)) if theirs != ours => {
+            vec!["nice".to_owned(), "-n".to_owned(), (theirs - ours).to_string()]
+        }
+        _ => Vec::new(),
+    }
 }
 
 /// Starts `cmdline` in `cwd` in a session of its own (`setsid -f`), detached from the
@@ -797,7 +818,9 @@ pub struct PgStopped {
 
 #[derive(Debug)]
 enum PgStart {
-    Local(String),
+    /// The cluster's version, and the `nice` prefix that restores the server's nice
+    /// value (see [`as_nice_as`]).
+    Local(String, Vec<String>),
     Docker,
 }
 
@@ -811,6 +834,7 @@ impl PgStopped {
     /// postgres` fails.
     pub fn try_stop() -> Result<Self, FaultUnavailable> {
         const FAULT: &str = "PostgreSQL restart";
+        let nice = pid_listening_on(5432).map(as_nice_as).unwrap_or_default();
         let local = postgres_version().and_then(|version| {
             run(
                 "pg_ctlcluster",
@@ -827,7 +851,7 @@ impl PgStopped {
         });
         match local {
             Ok(version) => Ok(Self {
-                how: PgStart::Local(version),
+                how: PgStart::Local(version, nice),
             }),
             Err(why) => {
                 if docker_engine() && succeeds("docker", &["compose", "stop", "postgres"]) {
@@ -867,10 +891,12 @@ fn postgres_version() -> Result<String, String> {
 impl Drop for PgStopped {
     fn drop(&mut self) {
         let ok = match &self.how {
-            PgStart::Local(version) => succeeds(
-                "pg_ctlcluster",
-                &["--skip-systemctl-redirect", version, "main", "start"],
-            ),
+            PgStart::Local(version, nice) => {
+                let start = ["pg_ctlcluster", "--skip-systemctl-redirect", version, "main", "start"];
+                let mut command: Vec<&str> = nice.iter().map(String::as_str).collect();
+                command.extend(start);
+                succeeds(command[0], &command[1..])
+            }
             PgStart::Docker => succeeds("docker", &["compose", "start", "postgres"]),
         };
         assert!(
@@ -958,7 +984,16 @@ impl Drop for MariaDbStopped {
 
 #[cfg(test)]
 mod tests {
-    use super::{pid_listening_on, regex_escape};
+    use super::{as_nice_as, niceness, pid_listening_on, regex_escape};
+
+    /// A server restarted by a process under `nice` gets the nice value it had: the
+    /// prefix is empty for a process as nice as this one.
+    #[test]
+    fn the_nice_value_is_read_and_restored() {
+        let ours = niceness(std::process::id()).expect("our nice value");
+        assert!((-20..=19).contains(&ours));
+        assert!(as_nice_as(std::process::id()).is_empty());
+    }
 
     /// The server on a port is found by the port: here a listener of this test
     /// process, and no process for a port nobody listens on.
