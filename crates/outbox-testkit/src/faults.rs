@@ -283,7 +283,11 @@ fn niceness(pid: u32) -> Option<i32> {
 fn as_nice_as(pid: u32) -> Vec<String> {
     match (niceness(pid), niceness(std::process::id())) {
         (Some(theirs), Some(ours)) if theirs != ours => {
-            vec!["nice".to_owned(), "-n".to_owned(), (theirs - ours).to_string()]
+            vec![
+                "nice".to_owned(),
+                "-n".to_owned(),
+                (theirs - ours).to_string(),
+            ]
         }
         _ => Vec::new(),
     }
@@ -892,7 +896,13 @@ impl Drop for PgStopped {
     fn drop(&mut self) {
         let ok = match &self.how {
             PgStart::Local(version, nice) => {
-                let start = ["pg_ctlcluster", "--skip-systemctl-redirect", version, "main", "start"];
+                let start = [
+                    "pg_ctlcluster",
+                    "--skip-systemctl-redirect",
+                    version,
+                    "main",
+                    "start",
+                ];
                 let mut command: Vec<&str> = nice.iter().map(String::as_str).collect();
                 command.extend(start);
                 succeeds(command[0], &command[1..])

@@ -374,9 +374,9 @@ where
 {
     let consumer_name = format!("consumer-{}", args.instance);
     let consumer = match args.transport {
-        TransportKind::Rabbit => AnyConsumer::Rabbit(topology::rabbit_consumer(&names)?),
+        TransportKind::Rabbit => AnyConsumer::Rabbit(topology::rabbit_consumer(names)?),
         TransportKind::Nats => AnyConsumer::Nats(topology::nats_consumer(
-            &names,
+            names,
             &consumer_name,
             args.batched,
         )?),

@@ -373,7 +373,11 @@ mod tests {
             "mysql://r@127.0.0.1:3306/chaos"
         );
         assert_eq!(
-            url_with_user("mariadb://root:p%40ss@db/test?ssl-mode=disabled", "c", Some("x")),
+            url_with_user(
+                "mariadb://root:p%40ss@db/test?ssl-mode=disabled",
+                "c",
+                Some("x")
+            ),
             "mariadb://c:p%40ss@db/x?ssl-mode=disabled"
         );
         assert_eq!(

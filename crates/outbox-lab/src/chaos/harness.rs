@@ -53,8 +53,7 @@ pub async fn main(args: Args) -> ExitCode {
         );
     }
     let (cluster, database) = (args.cluster, args.database);
-    let before = match tokio::task::spawn_blocking(move || servers::before(cluster, database))
-        .await
+    let before = match tokio::task::spawn_blocking(move || servers::before(cluster, database)).await
     {
         Ok(Ok(before)) => before,
         Ok(Err(e)) => {

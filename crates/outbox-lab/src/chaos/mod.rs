@@ -116,10 +116,7 @@ fn relay_command(bins: &Binaries, args: &Args, names: &Names, crash_loop_limit: 
     let mut c = Command::new(&bins.outbox);
     c.env_remove("OUTBOX_CONFIG")
         .env("RUST_LOG", "warn,outbox_cli=info")
-        .args([
-            "--database-url",
-            &topology::relay_url(args.database, names),
-        ])
+        .args(["--database-url", &topology::relay_url(args.database, names)])
         .args(["--schema", &names.schema, "relay"])
         .args(["--listen", "127.0.0.1:0", "--poll-interval", "100ms"])
         .args(["--batch-size", "100", "--drain-timeout", "2s"])
@@ -327,16 +324,16 @@ async fn outstanding(
     let (pending, orders, foreign, inbox): (i64, i64, i64, i64) = admin
         .fetch_one(
             format!(
-            "SELECT (SELECT count(*) FROM {o} WHERE status IN (0, 9)),
+                "SELECT (SELECT count(*) FROM {o} WHERE status IN (0, 9)),
                     (SELECT count(*) FROM {orders} r WHERE NOT {order_settled}),
                     (SELECT count(*) FROM {foreign} x WHERE x.confirmed AND NOT {foreign_settled}),
                     (SELECT count(*) FROM {i} WHERE status IN (0, 9))",
-            o = names.table("outbox_messages"),
-            orders = names.table("orders"),
-            order_settled = settled("r.event_id"),
-            foreign = names.table("foreign_messages"),
-            foreign_settled = settled("x.id"),
-            i = names.table("inbox_messages"),
+                o = names.table("outbox_messages"),
+                orders = names.table("orders"),
+                order_settled = settled("r.event_id"),
+                foreign = names.table("foreign_messages"),
+                foreign_settled = settled("x.id"),
+                i = names.table("inbox_messages"),
             ),
             Vec::new(),
         )
@@ -473,8 +470,7 @@ pub(crate) async fn run(args: Args, seed: u64, before: servers::Snapshot) -> any
         },
         TransportKind::Nats => None,
     };
-    let poison_kinds =
-        producers::poison_kinds(args.transport, args.database, size_limit.is_some());
+    let poison_kinds = producers::poison_kinds(args.transport, args.database, size_limit.is_some());
 
     let schedule = Schedule::plan(
         seed,

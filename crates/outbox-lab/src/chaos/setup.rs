@@ -46,7 +46,14 @@ pub(crate) async fn database(admin: &Db, outbox: &Outbox, names: &Names) -> anyh
 /// The run's own tables, in `database`'s types.
 fn tables(database: Database, s: &str) -> Vec<String> {
     let (uuid, time, text, boolean, now, engine) = match database {
-        Database::Postgres => ("uuid", "timestamptz", "text", "boolean", "clock_timestamp()", ""),
+        Database::Postgres => (
+            "uuid",
+            "timestamptz",
+            "text",
+            "boolean",
+            "clock_timestamp()",
+            "",
+        ),
         Database::Mysql => (
             "BINARY(16)",
             "DATETIME(6)",

@@ -145,11 +145,9 @@ pub(crate) fn consumer_pg_options(names: &Names) -> anyhow::Result<PgConnectOpti
 pub(crate) fn relay_url(database: Database, names: &Names) -> String {
     match database {
         Database::Postgres => database_url_as(RELAY_APP),
-        Database::Mysql => url_with_user(
-            &common::mysql_url(),
-            &names.relay_role,
-            Some(&names.schema),
-        ),
+        Database::Mysql => {
+            url_with_user(&common::mysql_url(), &names.relay_role, Some(&names.schema))
+        }
     }
 }
 
