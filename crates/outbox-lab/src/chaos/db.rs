@@ -223,6 +223,19 @@ impl Db {
         Ok(on_pool!(self, pool => bound!(query_as, sql, args).fetch_one(pool).await?))
     }
 
+    /// The one column `sql` selects, row by row.
+    pub(crate) async fn column<T>(&self, sql: String) -> anyhow::Result<Vec<T>>
+    where
+        (T,): Row,
+    {
+        Ok(self
+            .fetch_all::<(T,)>(sql, Vec::new())
+            .await?
+            .into_iter()
+            .map(|(v,)| v)
+            .collect())
+    }
+
     /// The one `BIGINT` (a count) `sql` selects.
     pub(crate) async fn count(&self, sql: String) -> anyhow::Result<i64> {
         Ok(self.fetch_one::<(i64,)>(sql, Vec::new()).await?.0)

@@ -125,42 +125,29 @@ pub(crate) async fn judge(
     let written = orders.len();
     // The side events (the second destination): every one must reach the broker.
     let side_events: HashSet<Uuid> = admin
-        .fetch_all::<(Uuid,)>(format!("SELECT id FROM {}", t("side_events")), Vec::new())
+        .column::<Uuid>(format!("SELECT id FROM {}", t("side_events")))
         .await?
         .into_iter()
-        .map(|(id,)| id)
         .collect();
     // When the orders' events were published (the relays' completion time).
     let orders_sent_at: Vec<f64> = admin
-        .fetch_all::<(f64,)>(
-            format!(
-                "SELECT {} FROM {}
-                  WHERE event_type = '{EVENT_TYPE}' AND sent_at IS NOT NULL",
-                epoch_of("sent_at"),
-                t("outbox_messages")
-            ),
-            Vec::new(),
-        )
-        .await?
-        .into_iter()
-        .map(|(at,)| at)
-        .collect();
+        .column(format!(
+            "SELECT {} FROM {}
+              WHERE event_type = '{EVENT_TYPE}' AND sent_at IS NOT NULL",
+            epoch_of("sent_at"),
+            t("outbox_messages")
+        ))
+        .await?;
     // When the side events the relays were refused at least once were committed: their
     // rows keep the refusal as `last_error` (a deferral charges nothing but records why).
     let side_refused_at: Vec<f64> = admin
-        .fetch_all::<(f64,)>(
-            format!(
-                "SELECT {} FROM {} s JOIN {} m ON m.id = s.id WHERE m.last_error IS NOT NULL",
-                epoch_of("s.created_at"),
-                t("side_events"),
-                t("outbox_messages")
-            ),
-            Vec::new(),
-        )
-        .await?
-        .into_iter()
-        .map(|(at,)| at)
-        .collect();
+        .column(format!(
+            "SELECT {} FROM {} s JOIN {} m ON m.id = s.id WHERE m.last_error IS NOT NULL",
+            epoch_of("s.created_at"),
+            t("side_events"),
+            t("outbox_messages")
+        ))
+        .await?;
     let order_ids: HashSet<Uuid> = orders.iter().map(|o| o.event_id).collect();
     // The swallowing handler's orders are judged by `consumer_side`; the rest here.
     let plain: Vec<&Order> = orders
