@@ -7,8 +7,8 @@ use std::time::Duration;
 use async_trait::async_trait;
 use chrono::{DateTime, Utc};
 use outbox_core::inbox::{
-    ConsumerDeadLetter, ConsumerDeadLetters, DurableInbox, FailureCount, InboxCompletion,
-    InboxOutcome, StoredMessage, VersionTracking,
+    ConsumerDeadLetter, ConsumerDeadLetters, DurableInbox, FailureCount, InboxClaim,
+    InboxCompletion, InboxOutcome, StoredMessage, VersionTracking,
 };
 use outbox_core::wire::{IncomingMessage, TraceParent};
 use outbox_core::{CompleteReport, ErrorKind, Headers, InboxStore, OutboxError};
@@ -247,6 +247,38 @@ impl VersionTracking for MySqlInbox {
 
 #[async_trait]
 impl ConsumerDeadLetters for MySqlInbox {
+    /// The dead-letter check, then the claim, both on `conn` (two statements: MySQL's
+    /// `INSERT IGNORE` cannot be made conditional on another table in one). Not the
+    /// trait's default, which asks [`is_dead`](Self::is_dead) on a connection of the
+    /// pool while `conn`'s transaction holds one: with as many deliveries in flight as
+    /// the pool has connections, every one of them waits for a second connection until
+    /// the acquire timeout, and nothing progresses (seen in the chaos harness).
+    async fn claim_unless_dead(
+        &self,
+        conn: &mut MySqlConnection,
+        message_id: Uuid,
+        consumer: &str,
+    ) -> Result<InboxClaim, OutboxError> {
+        let s = &self.s;
+        let dead: i64 = sqlx::query_scalar(AssertSqlSafe(format!(
+            "SELECT EXISTS (SELECT 1 FROM {s}.inbox_failures
+                             WHERE message_id = ? AND consumer = ? AND dead_at IS NOT NULL)"
+        )))
+        .bind(message_id)
+        .bind(consumer)
+        .fetch_one(&mut *conn)
+        .await
+        .map_err(db("inbox_is_dead"))?;
+        if dead != 0 {
+            return Ok(InboxClaim::DeadLetter);
+        }
+        Ok(if self.try_claim(conn, message_id, consumer).await? {
+            InboxClaim::Claimed
+        } else {
+            InboxClaim::Duplicate
+        })
+    }
+
     /// One more failure in a transaction of its own: an upsert (`ON DUPLICATE KEY
     /// UPDATE`, whose assignments run left to right: `dead_at` sees the new count) and
     /// the count read back under its lock.
