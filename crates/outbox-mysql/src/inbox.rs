@@ -85,6 +85,27 @@ impl MySqlInbox {
     pub fn pool(&self) -> &MySqlPool {
         &self.pool
     }
+
+    /// Whether `(message_id, consumer)` is a consumer dead letter, asked on `executor`
+    /// (the pool, or a transaction's connection).
+    async fn dead_letter_on<'e>(
+        &self,
+        executor: impl sqlx::MySqlExecutor<'e>,
+        message_id: Uuid,
+        consumer: &str,
+    ) -> Result<bool, OutboxError> {
+        let s = &self.s;
+        let dead: i64 = sqlx::query_scalar(AssertSqlSafe(format!(
+            "SELECT EXISTS (SELECT 1 FROM {s}.inbox_failures
+                             WHERE message_id = ? AND consumer = ? AND dead_at IS NOT NULL)"
+        )))
+        .bind(message_id)
+        .bind(consumer)
+        .fetch_one(executor)
+        .await
+        .map_err(db("inbox_is_dead"))?;
+        Ok(dead != 0)
+    }
 }
 
 /// A consumer name the tables can hold: not empty, at most 255 characters.
@@ -259,17 +280,10 @@ impl ConsumerDeadLetters for MySqlInbox {
         message_id: Uuid,
         consumer: &str,
     ) -> Result<InboxClaim, OutboxError> {
-        let s = &self.s;
-        let dead: i64 = sqlx::query_scalar(AssertSqlSafe(format!(
-            "SELECT EXISTS (SELECT 1 FROM {s}.inbox_failures
-                             WHERE message_id = ? AND consumer = ? AND dead_at IS NOT NULL)"
-        )))
-        .bind(message_id)
-        .bind(consumer)
-        .fetch_one(&mut *conn)
-        .await
-        .map_err(db("inbox_is_dead"))?;
-        if dead != 0 {
+        if self
+            .dead_letter_on(&mut *conn, message_id, consumer)
+            .await?
+        {
             return Ok(InboxClaim::DeadLetter);
         }
         Ok(if self.try_claim(conn, message_id, consumer).await? {
@@ -331,17 +345,7 @@ impl ConsumerDeadLetters for MySqlInbox {
     }
 
     async fn is_dead(&self, message_id: Uuid, consumer: &str) -> Result<bool, OutboxError> {
-        let s = &self.s;
-        let dead: i64 = sqlx::query_scalar(AssertSqlSafe(format!(
-            "SELECT EXISTS (SELECT 1 FROM {s}.inbox_failures
-                             WHERE message_id = ? AND consumer = ? AND dead_at IS NOT NULL)"
-        )))
-        .bind(message_id)
-        .bind(consumer)
-        .fetch_one(&self.pool)
-        .await
-        .map_err(db("inbox_is_dead"))?;
-        Ok(dead != 0)
+        self.dead_letter_on(&self.pool, message_id, consumer).await
     }
 
     async fn consumer_dead_letters(
