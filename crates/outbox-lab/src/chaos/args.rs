@@ -49,11 +49,9 @@ pub struct Args {
     /// Producer tasks, each writing one order and its event per transaction.
     #[arg(long, default_value_t = 4)]
     pub(crate) producers: usize,
-    /// Orders per second, all producers together [default: 200; 100 on MySQL, whose
-    /// consumers, one transaction per delivery, apply 100 to 130 a second on the
-    /// project's 2-core machine shared with the servers: see docs/chaos.md].
-    #[arg(long)]
-    pub(crate) rate: Option<u32>,
+    /// Orders per second, all producers together.
+    #[arg(long, default_value_t = 200)]
+    pub(crate) rate: u32,
     /// The consumers' inbox.
     #[arg(long, value_enum, default_value_t = InboxArg::Idempotent)]
     pub(crate) inbox: InboxArg,
@@ -70,9 +68,9 @@ pub struct Args {
     /// How long the broker stays frozen, under a memory alarm, or with a full queue.
     #[arg(long, default_value = "20s", value_parser = humantime::parse_duration)]
     pub(crate) fault_window: Duration,
-    /// Deadline of the drain after the fault phase [default: 150s; 300s on MySQL].
-    #[arg(long, value_parser = humantime::parse_duration)]
-    pub(crate) drain_timeout: Option<Duration>,
+    /// Deadline of the drain after the fault phase.
+    #[arg(long, default_value = "150s", value_parser = humantime::parse_duration)]
+    pub(crate) drain_timeout: Duration,
     /// The relays' `--lease`; at least twice 5 s plus `--confirm-timeout`.
     #[arg(long, default_value = "20s", value_parser = humantime::parse_duration)]
     pub(crate) lease: Duration,
@@ -111,23 +109,6 @@ impl Args {
         }
     }
 
-    /// `--rate`, or the database's default.
-    pub(crate) fn rate(&self) -> u32 {
-        self.rate.unwrap_or(match self.database {
-            Database::Postgres => 200,
-            Database::Mysql => 100,
-        })
-    }
-
-    /// `--drain-timeout`, or the database's default.
-    pub(crate) fn drain_timeout(&self) -> Duration {
-        self.drain_timeout
-            .unwrap_or(Duration::from_secs(match self.database {
-                Database::Postgres => 150,
-                Database::Mysql => 300,
-            }))
-    }
-
     pub(crate) fn schema(&self) -> String {
         self.schema
             .clone()
@@ -150,7 +131,7 @@ impl Args {
         anyhow::ensure!(self.relays >= 1, "--relays must be at least 1");
         anyhow::ensure!(self.consumers >= 1, "--consumers must be at least 1");
         anyhow::ensure!(self.producers >= 1, "--producers must be at least 1");
-        anyhow::ensure!(self.rate() >= 1, "--rate must be at least 1");
+        anyhow::ensure!(self.rate >= 1, "--rate must be at least 1");
         anyhow::ensure!(
             self.duration >= Duration::from_secs(30),
             "--duration must be at least 30s"

@@ -507,7 +507,7 @@ pub(crate) async fn run(args: Args, seed: u64, before: servers::Snapshot) -> any
     // Producers.
     let stop_producers = CancellationToken::new();
     let stats = Arc::new(producers::ProducerStats::default());
-    let per_producer = f64::from(args.rate()) / args.producers as f64;
+    let per_producer = f64::from(args.rate) / args.producers as f64;
     let producer_tasks: Vec<_> = (0..args.producers)
         .map(|_| {
             tokio::spawn(producers::produce(
@@ -538,7 +538,7 @@ pub(crate) async fn run(args: Args, seed: u64, before: servers::Snapshot) -> any
         "fault phase: {} with {} producers at {} orders/s, {} relays, {} consumers ({})",
         humantime::format_duration(args.duration),
         args.producers,
-        args.rate(),
+        args.rate,
         args.relays,
         args.consumers,
         mode.name()
@@ -598,7 +598,7 @@ pub(crate) async fn run(args: Args, seed: u64, before: servers::Snapshot) -> any
         timeline.say(format!(
             "fault phase over ({} orders committed): draining, at most {}",
             stats.committed.load(Ordering::Relaxed),
-            humantime::format_duration(args.drain_timeout())
+            humantime::format_duration(args.drain_timeout)
         ));
         let drained = drain(
             &admin,
@@ -606,7 +606,7 @@ pub(crate) async fn run(args: Args, seed: u64, before: servers::Snapshot) -> any
             args.transport,
             args.cluster,
             &timeline,
-            args.drain_timeout(),
+            args.drain_timeout,
         )
         .await;
         stop_supervisor.cancel();
