@@ -12,6 +12,11 @@ pub fn database_url() -> String {
         .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".into())
 }
 
+/// `MYSQL_URL`, or the local default (MariaDB's `root` without a password).
+pub fn mysql_url() -> String {
+    std::env::var("MYSQL_URL").unwrap_or_else(|_| "mysql://root@127.0.0.1:3306/test".into())
+}
+
 /// The brokers' URLs set by [`use_cluster`], over the environment's.
 static BROKERS: std::sync::OnceLock<(String, String)> = std::sync::OnceLock::new();
 

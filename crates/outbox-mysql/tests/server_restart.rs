@@ -5,7 +5,7 @@
 //! message's effect committed exactly once, no consumer dead letter.
 //!
 //! This binary stops the shared server (under the machine-wide fault lock of
-//! `outbox_testkit::faults`, with `outbox_testkit::faults::MySqlStopped`: the process
+//! `outbox_testkit::faults`, with `outbox_testkit::faults::MariaDbStopped`: the process
 //! listening on port 3306, started again with its own command line when the guard is
 //! dropped, a panic included), so it holds a single test (cargo runs test binaries one
 //! after another). The outage length is `MYSQL_OUTAGE_SECS` (default 5).
@@ -24,7 +24,7 @@ use outbox_core::consumer::{DeliveryHandler, HandlerDecision};
 use outbox_core::wire::IncomingMessage;
 use outbox_core::{Dispatcher, DispatcherConfig, NewMessage, OutboxStore};
 use outbox_mysql::{MySqlInbox, MySqlOutbox};
-use outbox_testkit::faults::{MYSQL_PORT, MySqlStopped};
+use outbox_testkit::faults::{MYSQL_PORT, MariaDbStopped};
 use outbox_testkit::rabbit::{eventually, relay_fixture};
 use sqlx::{AssertSqlSafe, MySqlConnection};
 use tokio_util::sync::CancellationToken;
@@ -214,7 +214,7 @@ async fn relay_and_consumer_ride_out_a_server_restart_with_nothing_lost_or_appli
         acked.load(Ordering::Relaxed)
     );
 
-    let outage = MySqlStopped::try_stop().expect("stop the MariaDB / MySQL server");
+    let outage = MariaDbStopped::try_stop().expect("stop the MariaDB / MySQL server");
     assert!(server_is_down().await, "the server is down");
     let (published_down, acked_down) =
         (dispatcher.stats().published, acked.load(Ordering::Relaxed));
