@@ -31,7 +31,7 @@
 //!   false` where due), the MSRV, `cargo doc` with warnings denied, `cargo package` of
 //!   every published crate, `cargo deny`, and a CHANGELOG (see `release.rs`).
 //!
-//! Child processes get `DATABASE_URL`, `AMQP_URL` and `NATS_URL` pointing at
+//! Child processes get `DATABASE_URL`, `MYSQL_URL`, `AMQP_URL` and `NATS_URL` pointing at
 //! the local services unless those variables are already set.
 
 mod browser;
@@ -52,8 +52,9 @@ use anyhow::{Context, Result, bail};
 use clap::{Parser, Subcommand};
 
 /// Connection settings handed to child processes when not already set.
-const ENV_DEFAULTS: [(&str, &str); 3] = [
+const ENV_DEFAULTS: [(&str, &str); 4] = [
     ("DATABASE_URL", "postgres://postgres@127.0.0.1:5432/test"),
+    ("MYSQL_URL", "mysql://root@127.0.0.1:3306/test"),
     ("AMQP_URL", "amqp://guest:guest@127.0.0.1:5672/%2f"),
     ("NATS_URL", "nats://127.0.0.1:4222"),
 ];

@@ -12,6 +12,11 @@ pub fn database_url() -> String {
         .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".into())
 }
 
+/// `MYSQL_URL`, or the local default (MariaDB's `root` without a password).
+pub fn mysql_url() -> String {
+    std::env::var("MYSQL_URL").unwrap_or_else(|_| "mysql://root@127.0.0.1:3306/test".into())
+}
+
 /// The brokers' URLs set by [`use_cluster`], over the environment's.
 static BROKERS: std::sync::OnceLock<(String, String)> = std::sync::OnceLock::new();
 
@@ -133,7 +138,8 @@ pub fn ms(d: Duration) -> String {
 }
 
 /// CPU seconds used so far by the broker (RabbitMQ's `beam.smp` or `nats-server`),
-/// PostgreSQL (`postgres`) and this process, read from `/proc` (Linux; zeros elsewhere).
+/// the databases (PostgreSQL's `postgres`, MariaDB's `mariadbd`, MySQL's `mysqld`) and
+/// this process, read from `/proc` (Linux; zeros elsewhere).
 #[derive(Debug, Clone, Copy, Default)]
 pub(crate) struct CpuTimes {
     pub(crate) broker: f64,
@@ -181,7 +187,7 @@ impl CpuTimes {
                 t.relay += used;
             } else if comm == broker_comm {
                 t.broker += used;
-            } else if comm == "postgres" {
+            } else if matches!(comm, "postgres" | "mariadbd" | "mysqld") {
                 t.database += used;
             }
         }

@@ -12,7 +12,7 @@ pub(crate) const DEADLOCK: u16 = 1213;
 /// - connection trouble, a server shutting down, a killed connection and a read-only
 ///   server (a replica during failover) are `Unavailable`;
 /// - deadlocks, lock wait timeouts, statement timeouts and interrupted queries, too
-///   many connections are `Transient`;
+///   many connections (the server's or the account's) are `Transient`;
 /// - the data of the statement refused (SQLSTATE class `22` data exception, class `23`
 ///   integrity constraint violation, "incorrect string value", invalid JSON) is
 ///   `InvalidData`;
@@ -42,9 +42,11 @@ pub(crate) fn classify_code(number: Option<u16>, sqlstate: Option<&str>) -> Erro
         Some(1053 | 2006 | 2013 | 1927 | 1290 | 1792 | 1836 | 1037 | 1041 | 1021) => {
             return ErrorKind::Unavailable;
         }
-        // deadlock, lock wait timeout, too many connections, query interrupted,
-        // statement timeout (MySQL 3024, MariaDB 1969), lock_wait on metadata
-        Some(DEADLOCK | 1205 | 1040 | 1203 | 1317 | 3024 | 1969 | 3572) => {
+        // deadlock, lock wait timeout, too many connections (the server's 1040, the
+        // account's 1203 and 1226: its `max_user_connections` resource, which an
+        // operator may hold at -1 to keep the account out for a while), query
+        // interrupted, statement timeout (MySQL 3024, MariaDB 1969), lock_wait on metadata
+        Some(DEADLOCK | 1205 | 1040 | 1203 | 1226 | 1317 | 3024 | 1969 | 3572) => {
             return ErrorKind::Transient;
         }
         // incorrect string value (not utf8mb4), invalid JSON text, data too long,
@@ -98,6 +100,7 @@ mod tests {
             (Some(1213), Some("40001"), ErrorKind::Transient),
             (Some(1205), Some("HY000"), ErrorKind::Transient),
             (Some(1040), Some("08004"), ErrorKind::Transient),
+            (Some(1226), Some("42000"), ErrorKind::Transient),
             (Some(1366), Some("HY000"), ErrorKind::InvalidData),
             (Some(1406), Some("22001"), ErrorKind::InvalidData),
             (Some(1062), Some("23000"), ErrorKind::InvalidData),

@@ -7,8 +7,8 @@ use std::time::Duration;
 use async_trait::async_trait;
 use chrono::{DateTime, Utc};
 use outbox_core::inbox::{
-    ConsumerDeadLetter, ConsumerDeadLetters, DurableInbox, FailureCount, InboxCompletion,
-    InboxOutcome, StoredMessage, VersionTracking,
+    ConsumerDeadLetter, ConsumerDeadLetters, DurableInbox, FailureCount, InboxClaim,
+    InboxCompletion, InboxOutcome, StoredMessage, VersionTracking,
 };
 use outbox_core::wire::{IncomingMessage, TraceParent};
 use outbox_core::{CompleteReport, ErrorKind, Headers, InboxStore, OutboxError};
@@ -84,6 +84,27 @@ impl MySqlInbox {
     /// The pool (handy for beginning the consumer's transaction).
     pub fn pool(&self) -> &MySqlPool {
         &self.pool
+    }
+
+    /// Whether `(message_id, consumer)` is a consumer dead letter, asked on `executor`
+    /// (the pool, or a transaction's connection).
+    async fn dead_letter_on<'e>(
+        &self,
+        executor: impl sqlx::MySqlExecutor<'e>,
+        message_id: Uuid,
+        consumer: &str,
+    ) -> Result<bool, OutboxError> {
+        let s = &self.s;
+        let dead: i64 = sqlx::query_scalar(AssertSqlSafe(format!(
+            "SELECT EXISTS (SELECT 1 FROM {s}.inbox_failures
+                             WHERE message_id = ? AND consumer = ? AND dead_at IS NOT NULL)"
+        )))
+        .bind(message_id)
+        .bind(consumer)
+        .fetch_one(executor)
+        .await
+        .map_err(db("inbox_is_dead"))?;
+        Ok(dead != 0)
     }
 }
 
@@ -247,6 +268,31 @@ impl VersionTracking for MySqlInbox {
 
 #[async_trait]
 impl ConsumerDeadLetters for MySqlInbox {
+    /// The dead-letter check, then the claim, both on `conn` (two statements: MySQL's
+    /// `INSERT IGNORE` cannot be made conditional on another table in one). Not the
+    /// trait's default, which asks [`is_dead`](Self::is_dead) on a connection of the
+    /// pool while `conn`'s transaction holds one: with as many deliveries in flight as
+    /// the pool has connections, every one of them waits for a second connection until
+    /// the acquire timeout, and nothing progresses (seen in the chaos harness).
+    async fn claim_unless_dead(
+        &self,
+        conn: &mut MySqlConnection,
+        message_id: Uuid,
+        consumer: &str,
+    ) -> Result<InboxClaim, OutboxError> {
+        if self
+            .dead_letter_on(&mut *conn, message_id, consumer)
+            .await?
+        {
+            return Ok(InboxClaim::DeadLetter);
+        }
+        Ok(if self.try_claim(conn, message_id, consumer).await? {
+            InboxClaim::Claimed
+        } else {
+            InboxClaim::Duplicate
+        })
+    }
+
     /// One more failure in a transaction of its own: an upsert (`ON DUPLICATE KEY
     /// UPDATE`, whose assignments run left to right: `dead_at` sees the new count) and
     /// the count read back under its lock.
@@ -299,17 +345,7 @@ impl ConsumerDeadLetters for MySqlInbox {
     }
 
     async fn is_dead(&self, message_id: Uuid, consumer: &str) -> Result<bool, OutboxError> {
-        let s = &self.s;
-        let dead: i64 = sqlx::query_scalar(AssertSqlSafe(format!(
-            "SELECT EXISTS (SELECT 1 FROM {s}.inbox_failures
-                             WHERE message_id = ? AND consumer = ? AND dead_at IS NOT NULL)"
-        )))
-        .bind(message_id)
-        .bind(consumer)
-        .fetch_one(&self.pool)
-        .await
-        .map_err(db("inbox_is_dead"))?;
-        Ok(dead != 0)
+        self.dead_letter_on(&self.pool, message_id, consumer).await
     }
 
     async fn consumer_dead_letters(

@@ -342,3 +342,36 @@ async fn racing_inbox_claims_of_one_pair_let_exactly_one_commit() {
         deadlocks.load(Ordering::Relaxed)
     );
 }
+
+/// The idempotent consumer's claim runs on its transaction's connection alone: with a
+/// pool of one connection, held by the transaction, `claim_unless_dead` still answers
+/// (the trait's default asked the pool for a second connection and waited for it until
+/// the acquire timeout; with every connection held so, a consumer stopped progressing).
+#[tokio::test]
+async fn claim_unless_dead_needs_no_second_connection() {
+    use outbox_core::{ConsumerDeadLetters as _, InboxClaim};
+    let (outbox, _drop) = fresh_outbox().await;
+    let config = outbox_mysql::MySqlConfig::new(common::mysql_url())
+        .with_schema(outbox.schema())
+        .with_max_connections(1)
+        .with_acquire_timeout(Duration::from_secs(2));
+    let inbox = outbox_mysql::MySqlInbox::connect(&config)
+        .await
+        .expect("inbox");
+    let mut tx = inbox.begin().await.expect("begin");
+    let id = Uuid::now_v7();
+    let claim = tokio::time::timeout(
+        Duration::from_secs(10),
+        inbox.claim_unless_dead(&mut tx, id, "projector"),
+    )
+    .await
+    .expect("answers")
+    .expect("claim");
+    assert_eq!(claim, InboxClaim::Claimed);
+    let again = inbox
+        .claim_unless_dead(&mut tx, id, "projector")
+        .await
+        .expect("claim again");
+    assert_eq!(again, InboxClaim::Duplicate);
+    inbox.rollback(tx).await.expect("rollback");
+}

@@ -1,8 +1,8 @@
 //! Faults injected into the shared servers, for the tests and the chaos harness that
 //! need them: a RabbitMQ memory alarm, a RabbitMQ `max_message_size` lower than the
 //! publisher's, a RabbitMQ queue held at its maximum length with `reject-publish`, a
-//! RabbitMQ node stopped or frozen with `SIGSTOP`, a NATS server frozen or stopped, and
-//! PostgreSQL stopped.
+//! RabbitMQ node stopped or frozen with `SIGSTOP`, a NATS server frozen or stopped,
+//! PostgreSQL stopped, and MariaDB stopped.
 //!
 //! Every guard undoes its fault when dropped, also when the test panics. They must be
 //! taken under [`lock`]: one lock for the whole machine (an exclusive `flock` on a file
@@ -248,6 +248,48 @@ fn terminate(pid: u32, grace: Duration) -> Result<(), String> {
         Err(format!("process {pid} is still running after SIGKILL"))
     } else {
         Ok(())
+    }
+}
+
+/// Stops the local process listening on TCP `port` (`SIGTERM`, `SIGKILL` after
+/// `grace`); returns its command line and working directory, to start it again with.
+fn stop_listener(
+    fault: &'static str,
+    port: u16,
+    grace: Duration,
+) -> Result<(Vec<String>, std::path::PathBuf), FaultUnavailable> {
+    let pid = pid_listening_on(port).ok_or_else(|| {
+        FaultUnavailable::new(fault, format!("no local process listens on port {port}"))
+    })?;
+    let (cmdline, cwd) = command_line(pid).ok_or_else(|| {
+        FaultUnavailable::new(fault, format!("cannot read the command line of {pid}"))
+    })?;
+    let cmdline = [as_nice_as(pid), cmdline].concat();
+    terminate(pid, grace).map_err(|e| FaultUnavailable::new(fault, e))?;
+    Ok((cmdline, cwd))
+}
+
+/// The nice value of process `pid` (field 19 of `/proc/PID/stat`).
+fn niceness(pid: u32) -> Option<i32> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    let after_name = stat.get(stat.rfind(')')? + 2..)?;
+    after_name.split_whitespace().nth(16)?.parse().ok()
+}
+
+/// `nice -n ADJUSTMENT`, the prefix of a command this process runs so that it gets
+/// the nice value process `pid` has (none when they are equal or unknown). A server
+/// stopped and started again by a test or harness running under `nice -n 19` must not
+/// come back at 19: it must be as the fault found it.
+fn as_nice_as(pid: u32) -> Vec<String> {
+    match (niceness(pid), niceness(std::process::id())) {
+        (Some(theirs), Some(ours)) if theirs != ours => {
+            vec![
+                "nice".to_owned(),
+                "-n".to_owned(),
+                (theirs - ours).to_string(),
+            ]
+        }
+        _ => Vec::new(),
     }
 }
 
@@ -747,14 +789,7 @@ impl NatsStopped {
     /// [`FaultUnavailable`] when no local process listens on `port`, its command line
     /// cannot be read, or it does not stop.
     pub fn try_stop_port(port: u16) -> Result<Self, FaultUnavailable> {
-        const FAULT: &str = "NATS restart";
-        let pid = pid_listening_on(port).ok_or_else(|| {
-            FaultUnavailable::new(FAULT, format!("no local process listens on port {port}"))
-        })?;
-        let (cmdline, cwd) = command_line(pid).ok_or_else(|| {
-            FaultUnavailable::new(FAULT, format!("cannot read the command line of {pid}"))
-        })?;
-        terminate(pid, Duration::from_secs(10)).map_err(|e| FaultUnavailable::new(FAULT, e))?;
+        let (cmdline, cwd) = stop_listener("NATS restart", port, Duration::from_secs(10))?;
         Ok(Self {
             how: NatsStart::Local(cmdline, cwd),
             port,
@@ -787,7 +822,9 @@ pub struct PgStopped {
 
 #[derive(Debug)]
 enum PgStart {
-    Local(String),
+    /// The cluster's version, and the `nice` prefix that restores the server's nice
+    /// value (see [`as_nice_as`]).
+    Local(String, Vec<String>),
     Docker,
 }
 
@@ -801,6 +838,7 @@ impl PgStopped {
     /// postgres` fails.
     pub fn try_stop() -> Result<Self, FaultUnavailable> {
         const FAULT: &str = "PostgreSQL restart";
+        let nice = pid_listening_on(5432).map(as_nice_as).unwrap_or_default();
         let local = postgres_version().and_then(|version| {
             run(
                 "pg_ctlcluster",
@@ -817,7 +855,7 @@ impl PgStopped {
         });
         match local {
             Ok(version) => Ok(Self {
-                how: PgStart::Local(version),
+                how: PgStart::Local(version, nice),
             }),
             Err(why) => {
                 if docker_engine() && succeeds("docker", &["compose", "stop", "postgres"]) {
@@ -857,10 +895,18 @@ fn postgres_version() -> Result<String, String> {
 impl Drop for PgStopped {
     fn drop(&mut self) {
         let ok = match &self.how {
-            PgStart::Local(version) => succeeds(
-                "pg_ctlcluster",
-                &["--skip-systemctl-redirect", version, "main", "start"],
-            ),
+            PgStart::Local(version, nice) => {
+                let start = [
+                    "pg_ctlcluster",
+                    "--skip-systemctl-redirect",
+                    version,
+                    "main",
+                    "start",
+                ];
+                let mut command: Vec<&str> = nice.iter().map(String::as_str).collect();
+                command.extend(start);
+                succeeds(command[0], &command[1..])
+            }
             PgStart::Docker => succeeds("docker", &["compose", "start", "postgres"]),
         };
         assert!(
@@ -878,9 +924,86 @@ impl Drop for PgStopped {
     }
 }
 
+/// The port of the shared MariaDB (or MySQL) server (`mysql://127.0.0.1:3306`).
+pub const MYSQL_PORT: u16 = 3306;
+
+/// The MariaDB (or MySQL) server listening on [`MYSQL_PORT`] stopped (`SIGTERM`: a
+/// normal shutdown, every session is ended, open transactions are rolled back; `SIGKILL`
+/// after 60 s), or `docker compose stop mariadb`; new connections are refused. Dropping
+/// it starts the server again with the command line and working directory it had (the
+/// server reads its configuration files again, `user = mysql` among them: Debian's
+/// `mariadbd` started by root drops to that user) and waits until it answers. Stop,
+/// wait, drop: a restart with a downtime of the caller's choosing. No `systemd` or init
+/// script is needed: the server is found by its port, as [`NatsStopped`] finds NATS.
+#[derive(Debug)]
+pub struct MariaDbStopped {
+    how: MariaDbStart,
+}
+
+#[derive(Debug)]
+enum MariaDbStart {
+    Local(Vec<String>, std::path::PathBuf),
+    Docker,
+}
+
+impl MariaDbStopped {
+    /// Stops the shared server.
+    ///
+    /// # Errors
+    /// [`FaultUnavailable`] when no local process listens on [`MYSQL_PORT`] (or its
+    /// command line cannot be read, or it does not stop) and `docker compose stop
+    /// mariadb` fails.
+    pub fn try_stop() -> Result<Self, FaultUnavailable> {
+        match stop_listener("MariaDB restart", MYSQL_PORT, Duration::from_secs(60)) {
+            Ok((cmdline, cwd)) => Ok(Self {
+                how: MariaDbStart::Local(cmdline, cwd),
+            }),
+            Err(local) => {
+                if docker_engine() && succeeds("docker", &["compose", "stop", "mariadb"]) {
+                    Ok(Self {
+                        how: MariaDbStart::Docker,
+                    })
+                } else {
+                    Err(FaultUnavailable::new(
+                        local.fault,
+                        format!("{}, and `docker compose stop mariadb` failed", local.reason),
+                    ))
+                }
+            }
+        }
+    }
+}
+
+impl Drop for MariaDbStopped {
+    fn drop(&mut self) {
+        let ok = match &self.how {
+            MariaDbStart::Docker => succeeds("docker", &["compose", "start", "mariadb"]),
+            MariaDbStart::Local(cmdline, cwd) => start_detached(cmdline, cwd),
+        };
+        assert!(
+            ok || std::thread::panicking(),
+            "failed to start MariaDB again"
+        );
+        // InnoDB's crash recovery is not needed after a normal shutdown: it answers in
+        // seconds; the deadline is generous for a loaded machine.
+        wait_for("MariaDB answers", Duration::from_secs(120), || {
+            port_answers(MYSQL_PORT)
+        });
+    }
+}
+
 #[cfg(test)]
 mod tests {
-    use super::{pid_listening_on, regex_escape};
+    use super::{as_nice_as, niceness, pid_listening_on, regex_escape};
+
+    /// A server restarted by a process under `nice` gets the nice value it had: the
+    /// prefix is empty for a process as nice as this one.
+    #[test]
+    fn the_nice_value_is_read_and_restored() {
+        let ours = niceness(std::process::id()).expect("our nice value");
+        assert!((-20..=19).contains(&ours));
+        assert!(as_nice_as(std::process::id()).is_empty());
+    }
 
     /// The server on a port is found by the port: here a listener of this test
     /// process, and no process for a port nobody listens on.

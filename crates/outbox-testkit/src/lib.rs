@@ -6,8 +6,8 @@
 //!   lapin consumers that record what arrived;
 //! - [`faults`]: faults injected into the shared servers (RabbitMQ memory alarm,
 //!   `max_message_size`, a queue held full, node stopped or frozen; NATS frozen or
-//!   stopped; PostgreSQL stopped), each undone on drop, under one machine-wide lock
-//!   (also used by `cargo xtask chaos`);
+//!   stopped; PostgreSQL or MariaDB / MySQL stopped), each undone on drop, under one
+//!   machine-wide lock (also used by `cargo xtask chaos`);
 //! - [`pg`]: a PostgreSQL outage for one consumer only (a role of its own, locked out
 //!   and let in again);
 //! - [`ordered`]: the ordered-delivery suite (dispatcher in `Ordering::PerKey` mode,

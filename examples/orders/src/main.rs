@@ -1,4 +1,5 @@
-//! The main job, end to end on real PostgreSQL and RabbitMQ or NATS JetStream
+//! The main job, end to end on real PostgreSQL or MySQL / MariaDB
+//! (`--database postgres|mysql`, see [`db`]) and RabbitMQ or NATS JetStream
 //! (`--transport rabbit|nats`, see [`transport`]):
 //!
 //! 1. **producers** write orders, each in one transaction with its `OrderPlaced` event
@@ -23,10 +24,12 @@
 //!
 //! Run it with `cargo xtask demo` (defaults need no configuration).
 
+mod db;
 mod projection;
 mod telemetry;
 mod transport;
 
+use db::{Database, DatabaseKind};
 use outbox::Consumer as _;
 use projection::{CONSUMER, ConsumerCounters, Projector};
 
@@ -34,17 +37,15 @@ use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
-use anyhow::{Context as _, bail};
+use anyhow::bail;
 use clap::Parser;
 use outbox_core::{Dispatcher, DispatcherConfig, EventPublisher, NewMessage, OutboxStore};
-use outbox_postgres::{PgConfig, PgOutbox};
 use serde::{Deserialize, Serialize};
-use sqlx::{AssertSqlSafe, PgPool};
 use tokio_util::sync::CancellationToken;
 use tracing::Instrument as _;
 
-/// Orders demo: outbox → RabbitMQ or NATS JetStream → inbox → projection, then a
-/// reconciliation.
+/// Orders demo: outbox (PostgreSQL or MySQL / MariaDB) → RabbitMQ or NATS JetStream →
+/// inbox → projection, then a reconciliation.
 #[derive(Debug, Parser)]
 struct Args {
     /// Orders to place.
@@ -60,22 +61,33 @@ struct Args {
     /// Messages a crashing relay publishes and abandons before the real relay starts.
     #[arg(long, default_value_t = 50)]
     relay_crash_batch: usize,
-    /// Schema for the demo's tables (dropped and recreated on each run).
+    /// Schema for the demo's tables (dropped and recreated on each run; a database on
+    /// MySQL).
     #[arg(long, default_value = "orders_demo")]
     schema: String,
+    /// The database: PostgreSQL or MySQL / MariaDB.
+    #[arg(long, value_enum, default_value_t = DatabaseKind::Postgres)]
+    database: DatabaseKind,
     /// The broker: RabbitMQ or NATS JetStream.
     #[arg(long, value_enum, default_value_t = transport::TransportKind::Rabbit)]
     transport: transport::TransportKind,
     /// Seconds to wait for every order to be projected.
     #[arg(long, default_value_t = 120)]
     timeout_secs: u64,
-    /// PostgreSQL.
+    /// PostgreSQL, with `--database postgres`.
     #[arg(
         long,
         env = "DATABASE_URL",
         default_value = "postgres://postgres@127.0.0.1:5432/test"
     )]
     database_url: String,
+    /// MySQL / MariaDB, with `--database mysql`.
+    #[arg(
+        long,
+        env = "MYSQL_URL",
+        default_value = "mysql://root@127.0.0.1:3306/test"
+    )]
+    mysql_url: String,
     /// RabbitMQ, with `--transport rabbit`.
     #[arg(
         long,
@@ -89,6 +101,14 @@ struct Args {
 }
 
 impl Args {
+    /// The URL of the database picked by `--database`.
+    fn db_url(&self) -> &str {
+        match self.database {
+            DatabaseKind::Postgres => &self.database_url,
+            DatabaseKind::Mysql => &self.mysql_url,
+        }
+    }
+
     /// The URL of the broker picked by `--transport`.
     fn broker_url(&self) -> &str {
         match self.transport {
@@ -105,37 +125,11 @@ pub(crate) struct OrderPlaced {
     total_cents: i64,
 }
 
-async fn setup_schema(pool: &PgPool, schema: &str) -> anyhow::Result<()> {
-    sqlx::raw_sql(AssertSqlSafe(format!(
-        "DROP SCHEMA IF EXISTS {schema} CASCADE;
-         CREATE SCHEMA {schema};
-         CREATE TABLE {schema}.orders (
-             id uuid PRIMARY KEY,
-             customer text NOT NULL,
-             total_cents bigint NOT NULL,
-             created_at timestamptz NOT NULL DEFAULT now(),
-             trace_id text);
-         CREATE TABLE {schema}.order_projection (
-             order_id uuid PRIMARY KEY,
-             customer text NOT NULL,
-             total_cents bigint NOT NULL,
-             event_id uuid NOT NULL,
-             projected_at timestamptz NOT NULL,
-             times_applied integer NOT NULL,
-             delivered_trace_id text,
-             handler_trace_id text);"
-    )))
-    .execute(pool)
-    .await?;
-    Ok(())
-}
-
 /// Places `count` orders, one transaction each: the order row and its event. Each order
 /// is placed in its own `orders.place` span, a new trace whose id the order row keeps
 /// and whose context the event captures (its `traceparent` header).
-async fn produce(
-    outbox: PgOutbox,
-    schema: String,
+async fn produce<D: Database>(
+    db: D,
     first: usize,
     count: usize,
     wake: outbox_core::WakeHandle,
@@ -153,19 +147,7 @@ async fn produce(
                 .aggregate_version(1)
                 .payload(&order)
                 .build()?;
-            let mut tx = outbox.begin().await?;
-            sqlx::query(AssertSqlSafe(format!(
-                "INSERT INTO {schema}.orders (id, customer, total_cents, trace_id) VALUES ($1, $2, $3, $4)"
-            )))
-            .bind(order.order_id)
-            .bind(&order.customer)
-            .bind(order.total_cents)
-            .bind(trace_id)
-            .execute(&mut *tx)
-            .await?;
-            outbox.enqueue(&mut tx, &event).await?;
-            tx.commit().await?;
-            anyhow::Ok(())
+            db.place_order(&order, trace_id, &event).await
         }
         .instrument(span)
         .await?;
@@ -177,21 +159,21 @@ async fn produce(
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
     let args = Args::parse();
+    match args.database {
+        DatabaseKind::Postgres => run::<db::Postgres>(args).await,
+        DatabaseKind::Mysql => run::<db::MySql>(args).await,
+    }
+}
+
+async fn run<D: Database>(args: Args) -> anyhow::Result<()> {
     let telemetry = telemetry::install()?;
     println!("{}", telemetry.describe());
     let started = Instant::now();
 
-    // PostgreSQL: the demo schema holds the business tables and the outbox/inbox tables.
-    let outbox = PgOutbox::connect(
-        &PgConfig::new(&args.database_url)
-            .with_schema(&args.schema)
-            .with_max_connections(16),
-    )
-    .await
-    .context("connect to PostgreSQL (is it running? `cargo xtask services`)")?;
-    setup_schema(outbox.pool(), &args.schema).await?;
-    outbox.migrate().await?;
-    let inbox = outbox.inbox();
+    // The demo schema holds the business tables and the outbox/inbox tables.
+    let db = D::open(args.db_url(), &args.schema).await?;
+    let outbox = db.outbox();
+    let inbox = db.inbox();
 
     // The broker (RabbitMQ or NATS JetStream): publisher, and the projection's queue or
     // durable consumer, which exists before anything is published.
@@ -205,7 +187,7 @@ async fn main() -> anyhow::Result<()> {
     let counters = Arc::new(ConsumerCounters::default());
     let shutdown = CancellationToken::new();
     let consumer_task = {
-        let handler = Projector::new(
+        let handler = Projector::<D>::new(
             inbox,
             &args.schema,
             args.redeliver_every,
@@ -230,8 +212,7 @@ async fn main() -> anyhow::Result<()> {
         let first = p * per;
         let count = per.min(args.orders.saturating_sub(first));
         producers.push(tokio::spawn(produce(
-            outbox.clone(),
-            args.schema.clone(),
+            db.clone(),
             first,
             count,
             dispatcher.wake_handle(),
@@ -280,11 +261,9 @@ async fn main() -> anyhow::Result<()> {
     let deadline = Instant::now() + Duration::from_secs(args.timeout_secs);
     let schema = &args.schema;
     loop {
-        let projected: i64 = sqlx::query_scalar(AssertSqlSafe(format!(
-            "SELECT count(*) FROM {schema}.order_projection"
-        )))
-        .fetch_one(outbox.pool())
-        .await?;
+        let projected = db
+            .count(format!("SELECT count(*) FROM {schema}.order_projection"))
+            .await?;
         let pending = outbox.stats().await?;
         if projected as usize >= args.orders && pending.new == 0 && pending.processing == 0 {
             break;
@@ -310,14 +289,7 @@ async fn main() -> anyhow::Result<()> {
     consumer_task.await??;
 
     // Reconciliation, from the database.
-    let one = |sql: String| {
-        let pool = outbox.pool().clone();
-        async move {
-            sqlx::query_scalar::<_, i64>(AssertSqlSafe(sql))
-                .fetch_one(&pool)
-                .await
-        }
-    };
+    let one = |sql: String| db.count(sql);
     let orders = one(format!("SELECT count(*) FROM {schema}.orders")).await?;
     let events = one(format!("SELECT count(*) FROM {schema}.outbox_messages")).await?;
     let sent = one(format!(
@@ -359,15 +331,18 @@ async fn main() -> anyhow::Result<()> {
             AND p.handler_trace_id = o.trace_id"
     ))
     .await?;
-    // Commit-to-consume latency in milliseconds: p50 and p99 (NULL without rows).
-    let (p50, p99): (Option<f64>, Option<f64>) = sqlx::query_as(AssertSqlSafe(format!(
-        "SELECT percentile_cont(0.5) WITHIN GROUP (ORDER BY ms), percentile_cont(0.99) WITHIN GROUP (ORDER BY ms)
-           FROM (SELECT extract(epoch FROM p.projected_at - m.created_at)::float8 * 1000 AS ms
-                   FROM {schema}.order_projection p
-                   JOIN {schema}.outbox_messages m ON m.id = p.event_id) AS latency"
-    )))
-    .fetch_one(outbox.pool())
-    .await?;
+    // Commit-to-consume latency in milliseconds: p50 and p99 (none without rows).
+    let mut latencies_ms: Vec<f64> = db
+        .latencies_us()
+        .await?
+        .into_iter()
+        .map(|us| us as f64 / 1000.0)
+        .collect();
+    latencies_ms.sort_by(f64::total_cmp);
+    let (p50, p99) = (
+        db::percentile(&latencies_ms, 0.5),
+        db::percentile(&latencies_ms, 0.99),
+    );
 
     let c = &counters;
     println!();

@@ -7,17 +7,18 @@
 //! reconciliation to compare with the trace recorded when the order was placed.
 
 use std::collections::HashSet;
+use std::marker::PhantomData;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
 use async_trait::async_trait;
 use inbox::{Handler, HandlerContext, HandlerError, IdempotentConsumer, Pipeline};
+use outbox_core::InboxStore;
 use outbox_core::consumer::{DeliveryHandler, HandlerDecision};
 use outbox_core::wire::{IncomingMessage, TRACEPARENT, TraceParent};
-use outbox_postgres::PgInbox;
-use sqlx::{AssertSqlSafe, PgConnection};
 
 use crate::OrderPlaced;
+use crate::db::{Database, Projection};
 
 /// The inbox consumer name of the projection.
 pub(crate) const CONSUMER: &str = "order-projection";
@@ -44,40 +45,34 @@ impl ConsumerCounters {
 }
 
 /// Upserts the projection row; `times_applied` would show a second application.
-struct Project {
+struct Project<D> {
     schema: String,
     counters: Arc<ConsumerCounters>,
+    database: PhantomData<fn() -> D>,
 }
 
 #[async_trait]
-impl Handler<PgInbox> for Project {
+impl<D: Database> Handler<D::Inbox> for Project<D> {
     async fn handle(
         &self,
-        conn: &mut PgConnection,
+        conn: &mut <D::Inbox as InboxStore>::Connection,
         msg: &IncomingMessage,
         _ctx: &HandlerContext,
     ) -> Result<(), HandlerError> {
         let event: OrderPlaced = msg.json().map_err(HandlerError::permanent)?;
         // The trace as delivered, and the one this handler runs in (the inbox's
         // `inbox.handle` span, whose parent is the delivered traceparent).
-        let delivered_trace = delivered_traceparent(msg)
+        let delivered_trace_id = delivered_traceparent(msg)
             .and_then(|(_, tp)| tp)
             .map(|tp| format!("{:032x}", tp.trace_id));
-        let handler_trace = crate::telemetry::trace_id(&tracing::Span::current());
-        sqlx::query(AssertSqlSafe(format!(
-            "INSERT INTO {s}.order_projection (order_id, customer, total_cents, event_id, projected_at, times_applied, delivered_trace_id, handler_trace_id)
-             VALUES ($1, $2, $3, $4, clock_timestamp(), 1, $5, $6)
-             ON CONFLICT (order_id) DO UPDATE SET times_applied = {s}.order_projection.times_applied + 1",
-            s = self.schema
-        )))
-        .bind(event.order_id)
-        .bind(&event.customer)
-        .bind(event.total_cents)
-        .bind(msg.id)
-        .bind(delivered_trace)
-        .bind(handler_trace)
-        .execute(&mut *conn)
-        .await?;
+        let handler_trace_id = crate::telemetry::trace_id(&tracing::Span::current());
+        let row = Projection {
+            order: &event,
+            event_id: msg.id,
+            delivered_trace_id,
+            handler_trace_id,
+        };
+        D::project(conn, &self.schema, row).await?;
         self.counters.applied.fetch_add(1, Ordering::Relaxed);
         Ok(())
     }
@@ -86,16 +81,16 @@ impl Handler<PgInbox> for Project {
 /// The delivery handler given to the transport: the inbox's idempotent consumer, except
 /// that every N-th delivery is committed but answered with a requeue the first time,
 /// as if the consumer had crashed before acking (the broker delivers it again).
-pub(crate) struct Projector {
-    inner: IdempotentConsumer<PgInbox>,
+pub(crate) struct Projector<D: Database> {
+    inner: IdempotentConsumer<D::Inbox>,
     redeliver_every: u64,
     counters: Arc<ConsumerCounters>,
     withheld: Mutex<HashSet<uuid::Uuid>>,
 }
 
-impl Projector {
+impl<D: Database> Projector<D> {
     pub(crate) fn new(
-        inbox: PgInbox,
+        inbox: D::Inbox,
         schema: &str,
         redeliver_every: u64,
         counters: Arc<ConsumerCounters>,
@@ -103,9 +98,10 @@ impl Projector {
         let pipeline = Pipeline::new().on(
             "OrderPlaced",
             CONSUMER,
-            Project {
+            Project::<D> {
                 schema: schema.to_owned(),
                 counters: Arc::clone(&counters),
+                database: PhantomData,
             },
         );
         Self {
@@ -118,7 +114,7 @@ impl Projector {
 }
 
 #[async_trait]
-impl DeliveryHandler for Projector {
+impl<D: Database> DeliveryHandler for Projector<D> {
     async fn handle(&self, msg: &IncomingMessage) -> HandlerDecision {
         let n = self.counters.deliveries.fetch_add(1, Ordering::Relaxed) + 1;
         let id = msg.id;

@@ -11,6 +11,9 @@
 //!    confirms instantly (no broker);
 //! 3. **relay**: the real dispatcher with the RabbitMQ or NATS publisher.
 //!
+//! With `--database mysql` each round also measures the store ceiling and the relay on
+//! MySQL / MariaDB, reported beside PostgreSQL's (see `mysql_rounds`).
+//!
 //! For reference it also runs the relay with the database out of the phase (messages
 //! claimed from PostgreSQL before the clock starts, completions recorded nowhere), which
 //! separates the cost of the dispatcher and publisher from the database's.
@@ -32,7 +35,9 @@
 //! printed as it closes, with its busy and idle time.
 //!
 //! - `phases`: the timed phases' building blocks (fresh tables, preloads, a quiet
-//!   machine, the dispatcher over PostgreSQL or over messages claimed in advance);
+//!   machine, the dispatcher over a database or over messages claimed in advance);
+//! - `stores`: the databases the phases run on (PostgreSQL, MySQL / MariaDB);
+//! - `mysql_rounds` (`--database mysql`): the MySQL phases of a round and their report;
 //! - `ceilings`: the raw clients publishing what the relay publishes;
 //! - `broker`: the bench's exchange and queue or stream, warmed up, purged, removed;
 //! - `report`: the rounds, their medians and the figure of merit;
@@ -42,14 +47,17 @@
 mod broker;
 mod ceilings;
 mod consumer_bench;
+mod mysql_rounds;
 mod phases;
 mod relay_latency_bench;
 mod report;
 mod soak;
+mod stores;
 
 pub(crate) use outbox_core::TransportKind;
 use std::sync::Arc;
 use std::time::Duration;
+pub use stores::DatabaseKind;
 
 use anyhow::Context as _;
 use clap::Parser;
@@ -67,6 +75,7 @@ use phases::{
     steady_latency,
 };
 use report::{Round, rate};
+use stores::BenchStore as _;
 
 /// Relay benchmark: PostgreSQL → RabbitMQ or NATS JetStream, with both ceilings measured
 /// in the same run.
@@ -75,6 +84,12 @@ pub struct Args {
     /// The broker.
     #[arg(long, value_enum, default_value_t = TransportKind::Rabbit)]
     transport: TransportKind,
+    /// The database: PostgreSQL alone, or `mysql` to measure MySQL / MariaDB
+    /// (`MYSQL_URL`) beside it in every round: its store ceiling and its relay to the
+    /// same broker. The relay benchmark only (not `--consumer`, `--relay-process`,
+    /// `--backlog`, `--soak` or `--ordered`).
+    #[arg(long, value_enum, default_value_t = DatabaseKind::Postgres)]
+    database: DatabaseKind,
     /// Messages per phase.
     #[arg(long, default_value_t = 20_000)]
     messages: usize,
@@ -158,6 +173,16 @@ pub async fn main(args: Args) -> anyhow::Result<()> {
             common::nats_url()
         );
     }
+    let mysql = args.database == DatabaseKind::Mysql;
+    anyhow::ensure!(
+        !mysql
+            || !(args.consumer
+                || args.relay_process
+                || args.backlog.is_some()
+                || args.soak.is_some()
+                || args.ordered),
+        "--database mysql measures the relay benchmark only: not with --consumer, --relay-process, --backlog, --soak or --ordered"
+    );
     if args.consumer {
         return consumer_bench::run(&args).await;
     }
@@ -284,8 +309,15 @@ async fn run<P: EventPublisher>(
     }
     let body = payload(args.payload_bytes);
     let n = args.messages;
+    let mysql = match args.database {
+        DatabaseKind::Mysql => Some(mysql_rounds::server().await?),
+        DatabaseKind::Postgres => None,
+    };
     println!(
-        "outbox relay benchmark, PostgreSQL → {}: {n} messages of {} bytes, batch {}, {} batches in flight, sent retention {}, {} CPUs",
+        "outbox relay benchmark, PostgreSQL{} → {}: {n} messages of {} bytes, batch {}, {} batches in flight, sent retention {}, {} CPUs",
+        mysql
+            .as_ref()
+            .map_or_else(String::new, |server| format!(" and {server}")),
         broker.name(),
         body.len(),
         args.batch_size,
@@ -311,7 +343,14 @@ async fn run<P: EventPublisher>(
     let mut peak_rss = 0;
     let baseline_rss = common::rss_bytes();
     let mut settled = Duration::ZERO;
+    let mut mysql_rounds = Vec::new();
     for round in 0..args.rounds.max(1) {
+        // MySQL's phases after PostgreSQL's in odd rounds, before them in even ones.
+        let mysql_first = round % 2 == 1;
+        let mut mysql_round = None;
+        if mysql.is_some() && mysql_first {
+            mysql_round = Some(mysql_rounds::round(args, broker, &publisher, &body).await?);
+        }
         let store_db = fresh_outbox_keeping("store", args.sent_retention).await?;
         preload(&store_db, n, &body).await?;
         settled = settled.max(quiesce(&store_db).await);
@@ -356,17 +395,9 @@ async fn run<P: EventPublisher>(
         broker.purge().await?;
         latency = commit_to_publish(&relay_db).await?;
         // Sent rows under Keep; rows left (none expected) under Delete.
-        let counted = if args.sent_retention == SentRetention::Delete {
-            ""
-        } else {
-            "WHERE status = 1"
-        };
-        sent = sqlx::query_scalar::<_, i64>(sqlx::AssertSqlSafe(format!(
-            "SELECT count(*) FROM {}.outbox_messages {counted}",
-            relay_db.schema()
-        )))
-        .fetch_one(relay_db.pool())
-        .await?;
+        sent = relay_db
+            .rows(args.sent_retention != SentRetention::Delete)
+            .await?;
         drop_schema(&relay_db).await;
         let (broker_elapsed, broker_cpu) = ceiling.context("broker phase ran")?;
         let (relay, relay_cpu) = relay.context("relay phase ran")?;
@@ -398,6 +429,13 @@ async fn run<P: EventPublisher>(
             r.ratio(n),
             if r.relay_first { "relay" } else { "ceiling" }
         );
+        if mysql.is_some() && !mysql_first {
+            mysql_round = Some(mysql_rounds::round(args, broker, &publisher, &body).await?);
+        }
+        if let (Some(server), Some(my)) = (&mysql, mysql_round) {
+            my.print(server, n, &r);
+            mysql_rounds.push(my);
+        }
         rounds.push(r);
     }
     let steady = steady_latency(Arc::clone(&publisher), args, &body).await?;
@@ -415,5 +453,8 @@ async fn run<P: EventPublisher>(
             baseline_rss,
         },
     );
+    if let Some(server) = &mysql {
+        mysql_rounds::print(args, broker, server, &rounds, &mysql_rounds);
+    }
     Ok(())
 }

@@ -1,6 +1,6 @@
 //! The timed phases' building blocks: fresh outbox tables, preloads, a quiet machine
-//! before each phase, the dispatcher over PostgreSQL or over messages claimed in advance,
-//! and the commit-to-publish latency.
+//! before each phase, the dispatcher over a database (PostgreSQL, or MySQL / MariaDB:
+//! see `stores`) or over messages claimed in advance, and the commit-to-publish latency.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -13,10 +13,11 @@ use outbox_core::{
     OutboxStats, OutboxStore, ReplayReport, SentRetention,
 };
 use outbox_memory::MemoryPublisher;
-use outbox_postgres::{PgConfig, PgOutbox};
+use outbox_postgres::PgOutbox;
 use tokio_util::sync::CancellationToken;
 
 use super::Args;
+use super::stores::BenchStore;
 use crate::common;
 
 /// Confirms everything at once, recording nothing: isolates the store's claim +
@@ -34,15 +35,13 @@ pub(super) fn payload(bytes: usize) -> String {
 /// The longest a timed phase waits for a quiet machine (see `common::settle`).
 pub(super) const SETTLE_MAX: Duration = Duration::from_secs(10);
 
-/// Before a timed phase: flushes what the setup wrote (PostgreSQL `CHECKPOINT`, then
-/// the kernel's dirty pages with `sync`), so that the writeback of a 20,000-row preload
-/// does not land in whichever phase comes first; then waits for idle cores. Returns the
-/// time spent.
-pub(super) async fn quiesce(outbox: &PgOutbox) -> Duration {
+/// Before a timed phase: flushes what the setup wrote (PostgreSQL `CHECKPOINT`, see
+/// [`BenchStore::flush`], then the kernel's dirty pages with `sync`), so that the
+/// writeback of a 20,000-row preload does not land in whichever phase comes first; then
+/// waits for idle cores. Returns the time spent.
+pub(super) async fn quiesce<D: BenchStore>(outbox: &D) -> Duration {
     let started = Instant::now();
-    if let Err(e) = sqlx::query("CHECKPOINT").execute(outbox.pool()).await {
-        eprintln!("note: CHECKPOINT failed ({e}); the setup's writes may land in a phase");
-    }
+    outbox.flush().await;
     let _ = tokio::task::spawn_blocking(|| std::process::Command::new("sync").status()).await;
     common::settle(SETTLE_MAX).await;
     started.elapsed()
@@ -57,74 +56,40 @@ pub(super) async fn fresh_outbox_keeping(
     tag: &str,
     retention: SentRetention,
 ) -> anyhow::Result<PgOutbox> {
-    let schema = format!(
-        "bench_{tag}_{}",
-        &uuid::Uuid::new_v4().simple().to_string()[..8]
-    );
-    let outbox = PgOutbox::connect(
-        &PgConfig::new(common::database_url())
-            .with_schema(&schema)
-            .with_max_connections(8)
-            // `--payload-bytes` chooses the size; the broker's limit is the one that
-            // counts here, not enqueue's 1 MiB default.
-            .with_max_payload_bytes(usize::MAX)
-            .with_sent_retention(retention),
-    )
-    .await?;
-    outbox.migrate().await?;
-    // A bench table lives for seconds: autovacuum starting on it (a preload of 20,000
-    // rows crosses its insert threshold) would land in a random phase of a random
-    // round. Production tables keep autovacuum.
-    sqlx::query(sqlx::AssertSqlSafe(format!(
-        "ALTER TABLE {schema}.outbox_messages SET (autovacuum_enabled = false)"
-    )))
-    .execute(outbox.pool())
-    .await?;
-    Ok(outbox)
+    PgOutbox::fresh(tag, retention).await
 }
 
-pub(super) async fn preload(outbox: &PgOutbox, n: usize, payload: &str) -> anyhow::Result<()> {
+pub(super) async fn preload<D: BenchStore>(
+    outbox: &D,
+    n: usize,
+    payload: &str,
+) -> anyhow::Result<()> {
     preload_keyed(outbox, n, payload, None).await
 }
 
-/// Writes `n` messages; with `keys`, message `i` gets partition key `k{i % keys}`.
-pub(super) async fn preload_keyed(
-    outbox: &PgOutbox,
+/// Writes `n` messages in one transaction; with `keys`, message `i` gets partition key
+/// `k{i % keys}`.
+pub(super) async fn preload_keyed<D: BenchStore>(
+    outbox: &D,
     n: usize,
     payload: &str,
     keys: Option<usize>,
 ) -> anyhow::Result<()> {
-    let mut tx = outbox.begin().await?;
-    let mut batch = Vec::with_capacity(1000);
-    for i in 0..n {
-        let mut msg = NewMessage::builder("bench", i.to_string(), "BenchEvent")
-            .payload_json(payload.to_owned());
-        if let Some(keys) = keys {
-            msg = msg.partition_key(format!("k{}", i % keys.max(1)));
-        }
-        batch.push(msg.build()?);
-        if batch.len() == 1000 || i + 1 == n {
-            outbox.enqueue_batch(&mut tx, &batch).await?;
-            batch.clear();
-        }
-    }
-    tx.commit().await?;
-    sqlx::query(sqlx::AssertSqlSafe(format!(
-        "ANALYZE {}.outbox_messages",
-        outbox.schema()
-    )))
-    .execute(outbox.pool())
-    .await?;
-    Ok(())
+    let messages = (0..n)
+        .map(|i| {
+            let mut msg = NewMessage::builder("bench", i.to_string(), "BenchEvent")
+                .payload_json(payload.to_owned());
+            if let Some(keys) = keys {
+                msg = msg.partition_key(format!("k{}", i % keys.max(1)));
+            }
+            msg.build()
+        })
+        .collect::<Result<Vec<_>, _>>()?;
+    outbox.load(&messages).await
 }
 
-pub(super) async fn drop_schema(outbox: &PgOutbox) {
-    let _ = sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
-        "DROP SCHEMA {} CASCADE",
-        outbox.schema()
-    )))
-    .execute(outbox.pool())
-    .await;
+pub(super) async fn drop_schema<D: BenchStore>(outbox: &D) {
+    outbox.drop_schema().await;
 }
 
 pub(super) struct RelayRun {
@@ -152,16 +117,16 @@ impl Publishing {
     }
 }
 
-pub(super) async fn run_dispatcher<P: EventPublisher>(
-    outbox: &PgOutbox,
+pub(super) async fn run_dispatcher<D: BenchStore, P: EventPublisher>(
+    outbox: &D,
     publisher: Arc<P>,
     args: &Args,
 ) -> anyhow::Result<RelayRun> {
     run_dispatcher_with(outbox, publisher, args, Ordering::Unordered).await
 }
 
-pub(super) async fn run_dispatcher_with<P: EventPublisher>(
-    outbox: &PgOutbox,
+pub(super) async fn run_dispatcher_with<D: BenchStore, P: EventPublisher>(
+    outbox: &D,
     publisher: Arc<P>,
     args: &Args,
     ordering: Ordering,
@@ -285,16 +250,10 @@ pub(super) async fn run_store<S: OutboxStore, P: EventPublisher>(
     })
 }
 
-pub(super) async fn commit_to_publish(
-    outbox: &PgOutbox,
+pub(super) async fn commit_to_publish<D: BenchStore>(
+    outbox: &D,
 ) -> anyhow::Result<Option<(Duration, Duration)>> {
-    let rows: Vec<f64> = sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
-        "SELECT extract(epoch FROM sent_at - created_at)::float8 * 1000 FROM {}.outbox_messages WHERE status = 1",
-        outbox.schema()
-    )))
-    .fetch_all(outbox.pool())
-    .await?;
-    Ok(common::percentiles(&rows))
+    Ok(common::percentiles(&outbox.sent_latencies_ms().await?))
 }
 
 /// Writes `rate` messages per second for `secs` seconds (10 ms ticks, one transaction

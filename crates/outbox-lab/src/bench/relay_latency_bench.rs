@@ -399,7 +399,7 @@ async fn relay_process(broker: &Broker, body: &str) -> anyhow::Result<()> {
 }
 
 async fn relay_process_phases(outbox: &Db, broker: &Broker, body: &str) -> anyhow::Result<()> {
-    super::quiesce(outbox).await;
+    super::quiesce(&outbox.outbox).await;
     let (base_tps, base_cpu, base_all) = xact_rate(outbox).await?;
 
     let relay = spawn_relay(outbox, broker, &[])?;

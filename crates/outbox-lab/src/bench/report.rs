@@ -36,6 +36,31 @@ pub(super) fn rate(n: usize, d: Duration) -> f64 {
     n as f64 / d.as_secs_f64()
 }
 
+/// The median of `v` (the mean of the two middle ones of an even count).
+pub(super) fn median(mut v: Vec<Duration>) -> Duration {
+    v.sort();
+    let k = v.len() / 2;
+    if v.len().is_multiple_of(2) {
+        (v[k - 1] + v[k]) / 2
+    } else {
+        v[k]
+    }
+}
+
+/// One phase's line of CPU seconds (broker / database / this process) and the share of
+/// the machine's cores they kept busy over `elapsed`.
+pub(super) fn print_cpu(phase: &str, cpu: common::CpuTimes, elapsed: Duration) {
+    let cores = std::thread::available_parallelism().map_or(1, usize::from);
+    let busy = cpu.broker + cpu.database + cpu.relay;
+    println!(
+        "  {phase:<15} {:.2} / {:.2} / {:.2} s, {:.0}% of {cores} cores",
+        cpu.broker,
+        cpu.database,
+        cpu.relay,
+        100.0 * busy / elapsed.as_secs_f64() / cores as f64,
+    );
+}
+
 /// What the rounds measured besides the phases' times.
 pub(super) struct Totals {
     /// Commit-to-publish p50 and p99 of the last round's backlog.
@@ -65,16 +90,7 @@ pub(super) fn print(args: &Args, broker: &Broker, rounds: &[Round], totals: Tota
         baseline_rss,
     } = totals;
     let n = args.messages;
-    let median = |f: &dyn Fn(&Round) -> Duration| -> Duration {
-        let mut v: Vec<Duration> = rounds.iter().map(f).collect();
-        v.sort();
-        let k = v.len() / 2;
-        if v.len().is_multiple_of(2) {
-            (v[k - 1] + v[k]) / 2
-        } else {
-            v[k]
-        }
-    };
+    let median = |f: &dyn Fn(&Round) -> Duration| median(rounds.iter().map(f).collect());
     let store = median(&|r| r.store);
     let broker_median = median(&|r| r.broker);
     let relay = median(&|r| r.relay);
@@ -127,7 +143,6 @@ pub(super) fn print(args: &Args, broker: &Broker, rounds: &[Round], totals: Tota
         common::ms(bare)
     );
     println!();
-    let cores = std::thread::available_parallelism().map_or(1, usize::from);
     println!(
         "CPU seconds per phase in the round with the median relay time ({} / PostgreSQL / this process):",
         broker.name()
@@ -138,14 +153,7 @@ pub(super) fn print(args: &Args, broker: &Broker, rounds: &[Round], totals: Tota
         ("relay", relay_cpu, mid.relay),
         ("relay, no db", pipeline_cpu, mid.pipeline),
     ] {
-        let busy = cpu.broker + cpu.database + cpu.relay;
-        println!(
-            "  {phase:<15} {:.2} / {:.2} / {:.2} s, {:.0}% of {cores} cores",
-            cpu.broker,
-            cpu.database,
-            cpu.relay,
-            100.0 * busy / d.as_secs_f64() / cores as f64,
-        );
+        print_cpu(phase, cpu, d);
     }
     // Whether the relay waited on the database (publishers idle) or on the broker
     // (publishers busy, each batch taking longer to be confirmed).

@@ -5,19 +5,21 @@ use std::time::Duration;
 
 use clap::Parser;
 
+use super::db::Database;
 use super::topology::{ConsumerMode, TransportKind};
 
 /// The durable inbox or the idempotent consumer.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
 pub(crate) enum InboxArg {
-    /// `IdempotentConsumer` over `PgInbox`.
+    /// `IdempotentConsumer` over `PgInbox` or `MySqlInbox`.
     Idempotent,
     /// `DurableReceiver` + `InboxProcessor`.
     Durable,
 }
 
 /// Chaos run: real `outbox relay` and consumer processes killed, the broker frozen,
-/// alarmed and restarted, PostgreSQL restarted and its connections terminated, poison
+/// alarmed and restarted, the database (PostgreSQL, or MariaDB with `--database mysql`)
+/// restarted and its connections terminated, poison
 /// rows written; then a drain and a verdict that counts every message (exit code 0
 /// only when nothing was lost, nothing applied twice, and the only dead letters are
 /// the injected poison rows).
@@ -27,6 +29,11 @@ pub struct Args {
     /// The broker.
     #[arg(long, value_enum, default_value_t = TransportKind::Rabbit)]
     pub(crate) transport: TransportKind,
+    /// The database: PostgreSQL (`DATABASE_URL`) or MariaDB / MySQL (`MYSQL_URL`, a
+    /// user that may create databases and users, kill connections and stop the server:
+    /// the local `root`).
+    #[arg(long, value_enum, default_value_t = Database::Postgres)]
+    pub(crate) database: Database,
     /// Length of the fault phase (producers write, faults are injected), e.g. 90s, 15m.
     #[arg(long, default_value = "120s", value_parser = humantime::parse_duration)]
     pub(crate) duration: Duration,

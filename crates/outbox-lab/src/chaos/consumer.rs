@@ -3,8 +3,8 @@
 //! stream) applying each `OrderPlaced` event's effect, one row in `effects`, through the
 //! real inbox:
 //!
-//! - `--inbox idempotent`: `IdempotentConsumer` over `PgInbox` (inbox record and effect
-//!   in one transaction, then the ack);
+//! - `--inbox idempotent`: `IdempotentConsumer` over `PgInbox` (`--database mysql`:
+//!   `MySqlInbox`; inbox record and effect in one transaction, then the ack);
 //! - `--inbox durable`: `DurableReceiver` stores and acks, an `InboxProcessor` in the
 //!   same process applies (3 attempts, about a second apart, so that a failing message
 //!   is decided within the harness's drain);
@@ -41,6 +41,7 @@ use outbox_core::Consumer as _;
 use std::sync::Arc;
 use std::time::Duration;
 
+use super::db::{Arg, Database, Db, bound};
 use super::topology::{self, CONSUMER, ConsumerMode, EVENT_TYPE, Names, TransportKind};
 use anyhow::Context as _;
 use async_trait::async_trait;
@@ -52,10 +53,13 @@ use outbox::AnyConsumer;
 use outbox_core::RetryPolicy;
 use outbox_core::consumer::{BatchDeliveryHandler, DeliveryHandler, HandlerDecision};
 use outbox_core::wire::{IncomingMessage, UndecodableMessage};
+use outbox_core::{ConsumerDeadLetters, DurableInbox, InboxStore, VersionTracking};
+use outbox_mysql::{MySqlConfig, MySqlInbox};
 use outbox_postgres::{PgConfig, PgInbox};
 use serde::Deserialize;
+use sqlx::mysql::MySqlPoolOptions;
 use sqlx::postgres::PgPoolOptions;
-use sqlx::{AssertSqlSafe, PgConnection, PgPool};
+use sqlx::{MySqlConnection, PgConnection};
 use tokio_util::sync::CancellationToken;
 
 /// One consumer process of a chaos run.
@@ -67,6 +71,10 @@ pub struct Args {
     /// The run's schema (names of the tables, queues and stream derive from it).
     #[arg(long)]
     schema: String,
+    /// The database: PostgreSQL (`DATABASE_URL`) or MariaDB / MySQL (`MYSQL_URL`), as
+    /// the run's consumer login.
+    #[arg(long, value_enum, default_value_t = Database::Postgres)]
+    database: Database,
     /// How effects are applied.
     #[arg(long, value_enum, default_value_t = ConsumerMode::Idempotent)]
     inbox: ConsumerMode,
@@ -91,38 +99,64 @@ struct OrderPlaced {
 /// The effect: the effect row (the event id, its order, who applied it and when), then,
 /// for an order marked `audit`, its audit row, whose unique violation is swallowed
 /// ("already there means already applied"): the handler returns `Ok` on a transaction
-/// the failed insert aborted.
+/// the failed insert aborted (PostgreSQL), or on one that goes on without it (InnoDB
+/// undoes the failed statement alone).
 struct Effect {
-    effects: String,
-    audit: String,
+    /// `INSERT` of the effect row: event id, order id, consumer.
+    insert_effect: String,
+    /// `INSERT` of the audit row: order id, event id.
+    insert_audit: String,
     consumer: String,
 }
 
 impl Effect {
-    async fn apply(
-        &self,
-        conn: &mut PgConnection,
-        msg: &IncomingMessage,
-    ) -> Result<(), HandlerError> {
+    fn new(names: &Names, database: Database, consumer: &str) -> Self {
+        let a = |n| database.arg(n);
+        Self {
+            insert_effect: format!(
+                "INSERT INTO {} (event_id, order_id, consumer, applied_at)
+                 VALUES ({}, {}, {}, {})",
+                names.table("effects"),
+                a(1),
+                a(2),
+                a(3),
+                database.now()
+            ),
+            insert_audit: format!(
+                "INSERT INTO {} (order_id, event_id) VALUES ({}, {})",
+                names.table("audit"),
+                a(1),
+                a(2)
+            ),
+            consumer: consumer.to_owned(),
+        }
+    }
+}
+
+/// Applies `$effect` (an [`Effect`]) for `$msg` on `$conn`, a connection of either
+/// database (the statements are the same; the connection types differ).
+macro_rules! apply_effect {
+    ($effect:expr, $conn:expr, $msg:expr) => {{
+        let (effect, msg): (&Effect, &IncomingMessage) = ($effect, $msg);
         let event: OrderPlaced = msg.json().map_err(HandlerError::permanent)?;
-        sqlx::query(AssertSqlSafe(format!(
-            "INSERT INTO {} (event_id, order_id, consumer, applied_at)
-             VALUES ($1, $2, $3, clock_timestamp())",
-            self.effects
-        )))
-        .bind(msg.id)
-        .bind(event.order_id)
-        .bind(&self.consumer)
-        .execute(&mut *conn)
+        bound!(
+            query,
+            effect.insert_effect.clone(),
+            [
+                Arg::Uuid(msg.id),
+                Arg::Uuid(event.order_id),
+                Arg::Text(effect.consumer.clone()),
+            ]
+        )
+        .execute(&mut *$conn)
         .await?;
         if event.audit {
-            let audited = sqlx::query(AssertSqlSafe(format!(
-                "INSERT INTO {} (order_id, event_id) VALUES ($1, $2)",
-                self.audit
-            )))
-            .bind(event.order_id)
-            .bind(msg.id)
-            .execute(&mut *conn)
+            let audited = bound!(
+                query,
+                effect.insert_audit.clone(),
+                [Arg::Uuid(event.order_id), Arg::Uuid(msg.id)]
+            )
+            .execute(&mut *$conn)
             .await;
             match audited {
                 Err(sqlx::Error::Database(e)) if e.is_unique_violation() => {}
@@ -131,41 +165,59 @@ impl Effect {
                 }
             }
         }
-        Ok(())
-    }
+        Ok::<(), HandlerError>(())
+    }};
 }
 
-#[async_trait]
-impl Handler<PgInbox> for Effect {
-    async fn handle(
-        &self,
-        conn: &mut PgConnection,
-        msg: &IncomingMessage,
-        _ctx: &HandlerContext,
-    ) -> Result<(), HandlerError> {
-        self.apply(conn, msg).await
-    }
+/// The effect as the inbox's handler, on each database's inbox store.
+macro_rules! effect_handler {
+    ($store:ty, $conn:ty) => {
+        #[async_trait]
+        impl Handler<$store> for Effect {
+            async fn handle(
+                &self,
+                conn: &mut $conn,
+                msg: &IncomingMessage,
+                _ctx: &HandlerContext,
+            ) -> Result<(), HandlerError> {
+                apply_effect!(self, conn, msg)
+            }
+        }
+    };
 }
+effect_handler!(PgInbox, PgConnection);
+effect_handler!(MySqlInbox, MySqlConnection);
 
 /// No inbox: the effect in a transaction of its own, committed with sqlx's plain
 /// `commit` (which does not notice a transaction the swallowed error aborted), then
 /// ack. A database error defers the delivery (it is not the message's fault).
 struct Direct {
-    pool: PgPool,
+    pool: Db,
     effect: Effect,
+}
+
+impl Direct {
+    async fn write(&self, msg: &IncomingMessage) -> Result<(), HandlerError> {
+        match &self.pool {
+            Db::Pg(pool) => {
+                let mut tx = pool.begin().await?;
+                apply_effect!(&self.effect, tx, msg)?;
+                tx.commit().await?;
+            }
+            Db::My(pool) => {
+                let mut tx = pool.begin().await?;
+                apply_effect!(&self.effect, tx, msg)?;
+                tx.commit().await?;
+            }
+        }
+        Ok(())
+    }
 }
 
 #[async_trait]
 impl DeliveryHandler for Direct {
     async fn handle(&self, msg: &IncomingMessage) -> HandlerDecision {
-        let written = async {
-            let mut tx = self.pool.begin().await?;
-            self.effect.apply(&mut tx, msg).await?;
-            tx.commit().await?;
-            Ok::<_, HandlerError>(())
-        }
-        .await;
-        match written {
+        match self.write(msg).await {
             Ok(()) => HandlerDecision::Ack,
             Err(e) if e.is_permanent() => {
                 tracing::error!(id = %msg.id, error = %e, "cannot apply: rejected");
@@ -183,7 +235,7 @@ impl DeliveryHandler for Direct {
 /// record, not the delivery), then hands it to `inner`.
 struct Recorded<H> {
     inner: H,
-    pool: PgPool,
+    pool: Db,
     deliveries: String,
     consumer: String,
 }
@@ -191,15 +243,21 @@ struct Recorded<H> {
 #[async_trait]
 impl<H: DeliveryHandler> DeliveryHandler for Recorded<H> {
     async fn handle(&self, msg: &IncomingMessage) -> HandlerDecision {
-        let recorded = sqlx::query(AssertSqlSafe(format!(
-            "INSERT INTO {} (event_id, consumer, redelivered) VALUES ($1, $2, $3)",
-            self.deliveries
-        )))
-        .bind(msg.id)
-        .bind(&self.consumer)
-        .bind(msg.redelivered)
-        .execute(&self.pool)
-        .await;
+        let recorded = self
+            .pool
+            .execute(
+                format!(
+                    "INSERT INTO {} (event_id, consumer, redelivered) VALUES {}",
+                    self.deliveries,
+                    self.pool.database().rows(1, 3)
+                ),
+                vec![
+                    Arg::Uuid(msg.id),
+                    Arg::Text(self.consumer.clone()),
+                    Arg::Bool(msg.redelivered),
+                ],
+            )
+            .await;
         if let Err(e) = recorded {
             tracing::debug!(id = %msg.id, error = %e, "delivery not recorded");
         }
@@ -215,7 +273,7 @@ impl<H: DeliveryHandler> DeliveryHandler for Recorded<H> {
 /// `inner`.
 struct RecordedBatch<H> {
     inner: H,
-    pool: PgPool,
+    pool: Db,
     deliveries: String,
     consumer: String,
 }
@@ -223,18 +281,27 @@ struct RecordedBatch<H> {
 #[async_trait]
 impl<H: BatchDeliveryHandler> BatchDeliveryHandler for RecordedBatch<H> {
     async fn handle_batch(&self, msgs: &[IncomingMessage]) -> Vec<HandlerDecision> {
-        let ids: Vec<uuid::Uuid> = msgs.iter().map(|m| m.id).collect();
-        let redelivered: Vec<bool> = msgs.iter().map(|m| m.redelivered).collect();
-        let recorded = sqlx::query(AssertSqlSafe(format!(
-            "INSERT INTO {} (event_id, consumer, redelivered)
-             SELECT u.id, $2, u.redelivered FROM UNNEST($1::uuid[], $3::bool[]) AS u(id, redelivered)",
-            self.deliveries
-        )))
-        .bind(&ids)
-        .bind(&self.consumer)
-        .bind(&redelivered)
-        .execute(&self.pool)
-        .await;
+        let args = msgs
+            .iter()
+            .flat_map(|m| {
+                [
+                    Arg::Uuid(m.id),
+                    Arg::Text(self.consumer.clone()),
+                    Arg::Bool(m.redelivered),
+                ]
+            })
+            .collect();
+        let recorded = self
+            .pool
+            .execute(
+                format!(
+                    "INSERT INTO {} (event_id, consumer, redelivered) VALUES {}",
+                    self.deliveries,
+                    self.pool.database().rows(msgs.len(), 3)
+                ),
+                args,
+            )
+            .await;
         if let Err(e) = recorded {
             tracing::debug!(messages = msgs.len(), error = %e, "deliveries not recorded");
         }
@@ -273,32 +340,50 @@ fn stop_on_signals(token: CancellationToken) {
 /// with `--inbox direct`.
 pub async fn main(args: Args) -> anyhow::Result<()> {
     let names = Names::new(&args.schema);
-    let consumer_name = format!("consumer-{}", args.instance);
+    super::db::use_database(args.database);
     // A short acquire timeout: during a database outage a delivery is deferred soon
     // rather than held for the default 30 s.
-    let pool = PgPoolOptions::new()
-        .max_connections(16)
-        .acquire_timeout(Duration::from_secs(5))
-        .connect_lazy_with(topology::consumer_pg_options(&names)?);
-    let store = Arc::new(PgInbox::new(
-        pool.clone(),
-        &PgConfig::default().with_schema(&args.schema),
-    )?);
+    let (max, timeout) = (16, Duration::from_secs(5));
+    match args.database {
+        Database::Postgres => {
+            let pool = PgPoolOptions::new()
+                .max_connections(max)
+                .acquire_timeout(timeout)
+                .connect_lazy_with(topology::consumer_pg_options(&names)?);
+            let config = PgConfig::default().with_schema(&args.schema);
+            let store = Arc::new(PgInbox::new(pool.clone(), &config)?);
+            consume(&args, &names, store, Db::Pg(pool)).await
+        }
+        Database::Mysql => {
+            let pool = MySqlPoolOptions::new()
+                .max_connections(max)
+                .acquire_timeout(timeout)
+                .connect_lazy_with(topology::consumer_mysql_options(&names)?);
+            let config = MySqlConfig::default().with_schema(&args.schema);
+            let store = Arc::new(MySqlInbox::new(pool.clone(), &config)?);
+            consume(&args, &names, store, Db::My(pool)).await
+        }
+    }
+}
+
+/// Consumes with `store`, the inbox over `pool`, until SIGTERM or SIGINT.
+async fn consume<S>(args: &Args, names: &Names, store: Arc<S>, pool: Db) -> anyhow::Result<()>
+where
+    S: InboxStore + VersionTracking + ConsumerDeadLetters + DurableInbox + 'static,
+    Effect: Handler<S>,
+{
+    let consumer_name = format!("consumer-{}", args.instance);
     let consumer = match args.transport {
-        TransportKind::Rabbit => AnyConsumer::Rabbit(topology::rabbit_consumer(&names)?),
+        TransportKind::Rabbit => AnyConsumer::Rabbit(topology::rabbit_consumer(names)?),
         TransportKind::Nats => AnyConsumer::Nats(topology::nats_consumer(
-            &names,
+            names,
             &consumer_name,
             args.batched,
         )?),
     };
     let shutdown = CancellationToken::new();
     stop_on_signals(shutdown.clone());
-    let effect = || Effect {
-        effects: names.table("effects"),
-        audit: names.table("audit"),
-        consumer: consumer_name.clone(),
-    };
+    let effect = || Effect::new(names, pool.database(), &consumer_name);
     let record = |inner: Arc<dyn DeliveryHandler>| Recorded {
         inner,
         pool: pool.clone(),
@@ -316,10 +401,11 @@ pub async fn main(args: Args) -> anyhow::Result<()> {
         "--batched needs an inbox (not --inbox direct)"
     );
     eprintln!(
-        "chaos-consumer {consumer_name}: {}{} over {}",
+        "chaos-consumer {consumer_name}: {}{} over {} and {}",
         args.inbox.name(),
         if args.batched { " (batched)" } else { "" },
-        args.transport.name()
+        args.transport.name(),
+        pool.database().server()
     );
     match args.inbox {
         ConsumerMode::Idempotent => {

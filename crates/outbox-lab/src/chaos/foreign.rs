@@ -22,11 +22,11 @@ use anyhow::Context as _;
 use lapin::options::{BasicPublishOptions, ConfirmSelectOptions};
 use lapin::types::{AMQPValue, FieldTable};
 use lapin::{BasicProperties, Channel, Connection};
-use sqlx::{AssertSqlSafe, PgPool};
 use tokio_util::sync::CancellationToken;
 use transport_nats::async_nats;
 use uuid::Uuid;
 
+use super::db::{Arg, Db};
 use super::schedule::{FaultKind, Planned};
 use super::timeline::Timeline;
 use super::topology::{self, EVENT_TYPE, Names, TransportKind};
@@ -421,25 +421,33 @@ pub(crate) async fn lane(
 }
 
 /// Writes what the lane sent into `foreign_messages` (those with a usable id).
-pub(crate) async fn record(admin: &PgPool, names: &Names, sent: &[Sent]) -> anyhow::Result<()> {
+pub(crate) async fn record(admin: &Db, names: &Names, sent: &[Sent]) -> anyhow::Result<()> {
     let recorded: Vec<&Sent> = sent.iter().filter(|s| s.id.is_some()).collect();
-    let ids: Vec<Uuid> = recorded.iter().filter_map(|s| s.id).collect();
-    let kinds: Vec<&str> = recorded.iter().map(|s| s.kind.name).collect();
-    let expect: Vec<&str> = recorded.iter().map(|s| s.kind.expect.as_str()).collect();
-    let reasons: Vec<&str> = recorded.iter().map(|s| s.kind.reason).collect();
-    let confirmed: Vec<bool> = recorded.iter().map(|s| s.confirmed).collect();
-    sqlx::query(AssertSqlSafe(format!(
-        "INSERT INTO {} (id, kind, expect, reason, confirmed)
-         SELECT * FROM UNNEST($1::uuid[], $2::text[], $3::text[], $4::text[], $5::bool[])",
-        names.table("foreign_messages")
-    )))
-    .bind(&ids)
-    .bind(&kinds)
-    .bind(&expect)
-    .bind(&reasons)
-    .bind(&confirmed)
-    .execute(admin)
-    .await
-    .context("record the foreign messages")?;
+    if recorded.is_empty() {
+        return Ok(());
+    }
+    let args = recorded
+        .iter()
+        .flat_map(|s| {
+            [
+                Arg::Uuid(s.id.unwrap_or_default()),
+                Arg::Text(s.kind.name.to_owned()),
+                Arg::Text(s.kind.expect.as_str().to_owned()),
+                Arg::Text(s.kind.reason.to_owned()),
+                Arg::Bool(s.confirmed),
+            ]
+        })
+        .collect();
+    admin
+        .execute(
+            format!(
+                "INSERT INTO {} (id, kind, expect, reason, confirmed) VALUES {}",
+                names.table("foreign_messages"),
+                admin.database().rows(recorded.len(), 5)
+            ),
+            args,
+        )
+        .await
+        .context("record the foreign messages")?;
     Ok(())
 }

@@ -31,8 +31,10 @@ pub async fn main(args: Args) -> ExitCode {
         return ExitCode::from(2);
     }
     let seed = args.seed.unwrap_or_else(rand::random);
+    super::db::use_database(args.database);
     println!(
-        "chaos: seed {seed} (repeat this run with --seed {seed}); transport {}, fault phase {}",
+        "chaos: seed {seed} (repeat this run with --seed {seed}); database {}, transport {}, fault phase {}",
+        args.database.name(),
         args.transport.name(),
         humantime::format_duration(args.duration)
     );
@@ -50,8 +52,9 @@ pub async fn main(args: Args) -> ExitCode {
             crate::common::nats_url()
         );
     }
-    let cluster = args.cluster;
-    let before = match tokio::task::spawn_blocking(move || servers::before(cluster)).await {
+    let (cluster, database) = (args.cluster, args.database);
+    let before = match tokio::task::spawn_blocking(move || servers::before(cluster, database)).await
+    {
         Ok(Ok(before)) => before,
         Ok(Err(e)) => {
             eprintln!("chaos: {e:#}");

@@ -4,7 +4,8 @@
 //! interrupted (the lane's future is dropped, and with it the guard). A fault that
 //! cannot be injected here is recorded as such, with why, and the run goes on.
 //!
-//! The consumers' database outage ([`ConsumerLockout`]) touches the consumers alone:
+//! The consumers' database outage ([`ConsumerLockout`]) touches the consumers alone.
+//! On PostgreSQL:
 //! they log in as a role of their own, whose connection limit drops to 0 (a new
 //! connection is refused with SQLSTATE 53300 `too_many_connections`, as when the
 //! server's connection slots are exhausted; sqlx's pool keeps trying until its acquire
@@ -15,18 +16,29 @@
 //! them would run into the brokers' delivery limits (`topology::DELIVERY_LIMIT`). It is
 //! not `ALTER ROLE … NOLOGIN`: PostgreSQL refuses such a login with 28000, which the
 //! store takes for a misconfiguration (a permanent error), not an outage.
+//!
+//! On MariaDB the consumers log in as a user of their own too, whose
+//! `MAX_USER_CONNECTIONS` is set to -1 (a new connection is refused with error 1226,
+//! the account's "too many connections", which `outbox-mysql` takes for a transient
+//! outage) while its open connections are ended with `KILL CONNECTION`; the relays have a
+//! user of their own as well, for the connections fault (MariaDB has no
+//! `application_name`). Not `ACCOUNT LOCK`: its error 4151 is an access refusal, a
+//! misconfiguration like PostgreSQL's 28000. The database restart stops the
+//! `mariadbd` listening on port 3306 and starts it again with its command line
+//! (`outbox_testkit::faults::MariaDbStopped`).
 
 use std::time::{Duration, Instant};
 
 use outbox_testkit::cluster::{self, Broker, NodeFrozen, NodeKilled, NodePartitioned};
 use outbox_testkit::faults::{
-    FaultUnavailable, NatsFrozen, NatsStopped, PgStopped, RabbitFrozen, RabbitMemoryAlarm,
-    RabbitQueueFull, RabbitStopped,
+    FaultUnavailable, MariaDbStopped, NatsFrozen, NatsStopped, PgStopped, RabbitFrozen,
+    RabbitMemoryAlarm, RabbitQueueFull, RabbitStopped,
 };
-use sqlx::{AssertSqlSafe, ConnectOptions as _, PgPool};
+use sqlx::{AssertSqlSafe, ConnectOptions as _};
 use tokio_util::sync::CancellationToken;
 use transport_nats::async_nats;
 
+use super::db::{self, Database, Db};
 use super::schedule::{FaultKind, Planned};
 use super::timeline::Timeline;
 use super::topology::{self, CONSUMER_APP, HARNESS_APP, Names, RELAY_APP, TransportKind};
@@ -84,6 +96,7 @@ fn node_fault<G: Send + 'static>(
 fn inject(
     kind: FaultKind,
     transport: TransportKind,
+    database: Database,
     names: &Names,
     target: usize,
 ) -> Result<Guard, FaultUnavailable> {
@@ -114,7 +127,10 @@ fn inject(
         (FaultKind::DestinationFull, TransportKind::Nats) => {
             NatsStreamFull::try_fill(&names.side_stream).map(boxed)
         }
-        (FaultKind::PgRestart, _) => PgStopped::try_stop().map(boxed),
+        (FaultKind::DbRestart, _) => match database {
+            Database::Postgres => PgStopped::try_stop().map(boxed),
+            Database::Mysql => MariaDbStopped::try_stop().map(boxed),
+        },
         (kind, _) => Err(FaultUnavailable {
             fault: "lane",
             reason: format!("{kind:?} is not a server fault"),
@@ -126,8 +142,8 @@ fn inject(
 pub(crate) struct Lane<'a> {
     pub(crate) transport: TransportKind,
     pub(crate) names: &'a Names,
-    /// The harness's pool (for `pg_terminate_backend`).
-    pub(crate) admin: &'a PgPool,
+    /// The harness's pool (for `pg_terminate_backend`, `KILL CONNECTION`).
+    pub(crate) admin: &'a Db,
     pub(crate) timeline: &'a Timeline,
     pub(crate) phase_start: Instant,
     pub(crate) stop: &'a CancellationToken,
@@ -144,7 +160,7 @@ impl Lane<'_> {
                 () = tokio::time::sleep_until(at) => {}
             }
             match fault.kind {
-                FaultKind::PgTerminate => self.terminate().await,
+                FaultKind::DbTerminate => self.terminate().await,
                 FaultKind::ConsumerLockout => self.lock_out(fault.hold).await,
                 kind => self.hold(kind, fault.hold, fault.target).await,
             }
@@ -153,7 +169,8 @@ impl Lane<'_> {
 
     async fn hold(&self, kind: FaultKind, hold: Duration, target: usize) {
         let label = kind.label(self.transport);
-        let guard = blocking(|| inject(kind, self.transport, self.names, target));
+        let database = self.admin.database();
+        let guard = blocking(|| inject(kind, self.transport, database, self.names, target));
         let guard = match guard {
             Ok(guard) => guard,
             Err(e) => {
@@ -173,7 +190,7 @@ impl Lane<'_> {
         self.timeline.say(format!("{label}: undone"));
     }
 
-    /// Locks the consumers out of PostgreSQL for `hold` (see [`ConsumerLockout`]).
+    /// Locks the consumers out of the database for `hold` (see [`ConsumerLockout`]).
     async fn lock_out(&self, hold: Duration) {
         let kind = FaultKind::ConsumerLockout;
         let (guard, terminated) =
@@ -202,19 +219,29 @@ impl Lane<'_> {
         self.timeline.say("consumers' database outage: undone");
     }
 
-    /// Terminates the relays' and consumers' database connections.
+    /// Terminates the relays' and consumers' database connections (on MariaDB: those of
+    /// their users).
     async fn terminate(&self) {
-        let kind = FaultKind::PgTerminate;
-        let sql = format!(
-            "SELECT count(*) FROM (
-                SELECT pg_terminate_backend(pid) FROM pg_stat_activity
-                 WHERE application_name IN ('{RELAY_APP}', '{CONSUMER_APP}')
-                   AND pid <> pg_backend_pid()) t"
-        );
-        match sqlx::query_scalar::<_, i64>(sqlx::AssertSqlSafe(sql))
-            .fetch_one(self.admin)
+        let kind = FaultKind::DbTerminate;
+        let terminated = match self.admin.database() {
+            Database::Postgres => {
+                self.admin
+                    .count(format!(
+                        "SELECT count(*) FROM (
+                            SELECT pg_terminate_backend(pid) FROM pg_stat_activity
+                             WHERE application_name IN ('{RELAY_APP}', '{CONSUMER_APP}')
+                               AND pid <> pg_backend_pid()) t"
+                    ))
+                    .await
+            }
+            Database::Mysql => db::kill_connections(
+                self.admin,
+                &[&self.names.relay_role, &self.names.consumer_role],
+            )
             .await
-        {
+            .map(|n| i64::try_from(n).unwrap_or(i64::MAX)),
+        };
+        match terminated {
             Ok(0) => self.timeline.not_injected(
                 kind,
                 "no relay or consumer connection was open at that moment",
@@ -223,7 +250,8 @@ impl Lane<'_> {
                 let record = self.timeline.injected(kind, format!("{n} connections"));
                 self.timeline.ended(record);
                 self.timeline.say(format!(
-                    "pg_terminate_backend: {n} relay and consumer connections terminated"
+                    "{}: {n} relay and consumer connections terminated",
+                    kind.label(self.transport)
                 ));
             }
             Err(e) => self
@@ -302,30 +330,53 @@ impl Drop for NatsStreamFull {
     }
 }
 
-/// The consumers' role locked out of PostgreSQL (see the [module docs](self)); dropping
-/// it lets the role in again.
+/// The consumers' role locked out of the database (see the [module docs](self));
+/// dropping it lets the role in again.
 pub(crate) struct ConsumerLockout {
     role: String,
+    database: Database,
 }
 
 impl ConsumerLockout {
-    /// Sets `role`'s connection limit to 0 and terminates its connections; returns the
-    /// guard and how many connections were terminated.
-    async fn lock_out(admin: &PgPool, role: &str) -> Result<(Self, i64), sqlx::Error> {
-        sqlx::raw_sql(AssertSqlSafe(format!(
-            "ALTER ROLE {role} CONNECTION LIMIT 0"
-        )))
-        .execute(admin)
-        .await?;
+    /// The statement that locks `role` out (`lock`) or lets it in again.
+    fn statement(database: Database, role: &str, lock: bool) -> String {
+        match (database, lock) {
+            (Database::Postgres, true) => format!("ALTER ROLE {role} CONNECTION LIMIT 0"),
+            (Database::Postgres, false) => format!("ALTER ROLE {role} CONNECTION LIMIT -1"),
+            (Database::Mysql, true) => {
+                format!("ALTER USER '{role}'@'%' WITH MAX_USER_CONNECTIONS -1")
+            }
+            // 0: the server's `max_user_connections`, itself 0 (no limit) by default.
+            (Database::Mysql, false) => {
+                format!("ALTER USER '{role}'@'%' WITH MAX_USER_CONNECTIONS 0")
+            }
+        }
+    }
+
+    /// Locks `role` out and terminates its connections; returns the guard and how many
+    /// connections were terminated.
+    async fn lock_out(admin: &Db, role: &str) -> anyhow::Result<(Self, i64)> {
+        let database = admin.database();
+        admin
+            .execute(Self::statement(database, role, true), Vec::new())
+            .await?;
         let guard = Self {
             role: role.to_owned(),
+            database,
         };
-        let terminated = sqlx::query_scalar::<_, i64>(AssertSqlSafe(format!(
-            "SELECT count(*) FROM (
-                SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE usename = '{role}') t"
-        )))
-        .fetch_one(admin)
-        .await?;
+        let terminated = match database {
+            Database::Postgres => {
+                admin
+                    .count(format!(
+                        "SELECT count(*) FROM (
+                            SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE usename = '{role}') t"
+                    ))
+                    .await?
+            }
+            Database::Mysql => {
+                i64::try_from(db::kill_connections(admin, &[role]).await?).unwrap_or(i64::MAX)
+            }
+        };
         Ok((guard, terminated))
     }
 }
@@ -334,14 +385,25 @@ impl Drop for ConsumerLockout {
     /// Lets the role in again, on a connection of its own made on a thread of its own,
     /// so that it works wherever the guard is dropped (also when the run is aborted).
     fn drop(&mut self) {
-        let sql = format!("ALTER ROLE {} CONNECTION LIMIT -1", self.role);
+        let sql = Self::statement(self.database, &self.role, false);
+        let database = self.database;
         let undone = std::thread::spawn(move || -> anyhow::Result<()> {
             let runtime = tokio::runtime::Builder::new_current_thread()
                 .enable_all()
                 .build()?;
             runtime.block_on(async {
-                let mut conn = topology::pg_options(HARNESS_APP)?.connect().await?;
-                sqlx::raw_sql(AssertSqlSafe(sql)).execute(&mut conn).await?;
+                match database {
+                    Database::Postgres => {
+                        let mut conn = topology::pg_options(HARNESS_APP)?.connect().await?;
+                        sqlx::raw_sql(AssertSqlSafe(sql)).execute(&mut conn).await?;
+                    }
+                    Database::Mysql => {
+                        let mut conn = outbox_mysql::parse_url(&crate::common::mysql_url())?
+                            .connect()
+                            .await?;
+                        sqlx::raw_sql(AssertSqlSafe(sql)).execute(&mut conn).await?;
+                    }
+                }
                 Ok(())
             })
         })

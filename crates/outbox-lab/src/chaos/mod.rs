@@ -2,8 +2,9 @@
 //! every message.
 //!
 //! 1. **Set up** a fresh schema (outbox and inbox tables, `orders`, `effects`,
-//!    `deliveries`, `audit`, `foreign_messages`, `side_events`), the consumers' login
-//!    role, and the broker side (RabbitMQ: exchange, the consumers' quorum queue, an
+//!    `deliveries`, `audit`, `foreign_messages`, `side_events`) on PostgreSQL or, with
+//!    `--database mysql`, MariaDB (`db`), the consumers' login role (on MariaDB also the
+//!    relays' user), and the broker side (RabbitMQ: exchange, the consumers' quorum queue, an
 //!    audit queue bound to `#`, the side events' queue; NATS: a file-storage stream for
 //!    the orders' events with a durable consumer, and one for the side events), under
 //!    the machine-wide fault lock of `outbox_testkit::faults`.
@@ -29,6 +30,7 @@
 pub mod args;
 mod audit;
 pub mod consumer;
+pub mod db;
 mod foreign;
 mod harness;
 mod injector;
@@ -51,20 +53,18 @@ use anyhow::Context as _;
 use chrono::Utc;
 use lapin::options::QueueDeclareOptions;
 use lapin::types::FieldTable;
-use outbox_postgres::{PgConfig, PgOutbox};
 use outbox_testkit::faults::RabbitMaxMessageSize;
-use sqlx::postgres::PgPoolOptions;
-use sqlx::{AssertSqlSafe, PgPool};
 use tokio_util::sync::CancellationToken;
 use transport_nats::async_nats;
 
 use crate::common;
 use args::Args;
+use db::{Db, Outbox};
 pub use harness::main;
 use schedule::{FaultKind, Schedule, Settings};
 use supervisor::{Role, Supervisor};
 use timeline::Timeline;
-use topology::{ConsumerMode, HARNESS_APP, Names, RELAY_APP, TransportKind, database_url_as};
+use topology::{ConsumerMode, HARNESS_APP, Names, TransportKind};
 
 /// The shortest consumers' database outage of a run (it lasts up to 5 s more): over NATS
 /// 5 s longer than the consumers' `ack_wait`; over RabbitMQ, whose limit on a held
@@ -116,7 +116,7 @@ fn relay_command(bins: &Binaries, args: &Args, names: &Names, crash_loop_limit: 
     let mut c = Command::new(&bins.outbox);
     c.env_remove("OUTBOX_CONFIG")
         .env("RUST_LOG", "warn,outbox_cli=info")
-        .args(["--database-url", &database_url_as(RELAY_APP)])
+        .args(["--database-url", &topology::relay_url(args.database, names)])
         .args(["--schema", &names.schema, "relay"])
         .args(["--listen", "127.0.0.1:0", "--poll-interval", "100ms"])
         .args(["--batch-size", "100", "--drain-timeout", "2s"])
@@ -143,6 +143,8 @@ fn consumer_command(bins: &Binaries, args: &Args, names: &Names, instance: usize
             args.transport.name(),
             "--schema",
             &names.schema,
+            "--database",
+            args.database.name(),
         ])
         .args([
             "--inbox",
@@ -304,7 +306,7 @@ impl std::fmt::Display for Outstanding {
 }
 
 async fn outstanding(
-    admin: &PgPool,
+    admin: &Db,
     names: &Names,
     transport: TransportKind,
     cluster: bool,
@@ -319,20 +321,22 @@ async fn outstanding(
             i = names.table("inbox_messages"),
         )
     };
-    let (pending, orders, foreign, inbox): (i64, i64, i64, i64) =
-        sqlx::query_as(AssertSqlSafe(format!(
-            "SELECT (SELECT count(*) FROM {o} WHERE status IN (0, 9)),
+    let (pending, orders, foreign, inbox): (i64, i64, i64, i64) = admin
+        .fetch_one(
+            format!(
+                "SELECT (SELECT count(*) FROM {o} WHERE status IN (0, 9)),
                     (SELECT count(*) FROM {orders} r WHERE NOT {order_settled}),
                     (SELECT count(*) FROM {foreign} x WHERE x.confirmed AND NOT {foreign_settled}),
                     (SELECT count(*) FROM {i} WHERE status IN (0, 9))",
-            o = names.table("outbox_messages"),
-            orders = names.table("orders"),
-            order_settled = settled("r.event_id"),
-            foreign = names.table("foreign_messages"),
-            foreign_settled = settled("x.id"),
-            i = names.table("inbox_messages"),
-        )))
-        .fetch_one(admin)
+                o = names.table("outbox_messages"),
+                orders = names.table("orders"),
+                order_settled = settled("r.event_id"),
+                foreign = names.table("foreign_messages"),
+                foreign_settled = settled("x.id"),
+                i = names.table("inbox_messages"),
+            ),
+            Vec::new(),
+        )
         .await?;
     let busy = broker_busy(transport, cluster, names).await?;
     Ok(Outstanding {
@@ -360,7 +364,7 @@ const QUIET: Duration = Duration::from_secs(10);
 /// Waits until nothing is outstanding (twice in a row, a second apart), or until
 /// nothing could deliver what is still unsettled for [`QUIET`], up to `deadline`.
 async fn drain(
-    admin: &PgPool,
+    admin: &Db,
     names: &Names,
     transport: TransportKind,
     cluster: bool,
@@ -429,16 +433,18 @@ pub(crate) async fn run(args: Args, seed: u64, before: servers::Snapshot) -> any
     let bins = Binaries::find(&args)?;
     let names = Names::new(&args.schema());
     let mode = args.consumer_mode();
-    let admin = PgPoolOptions::new()
-        .max_connections(4)
-        .acquire_timeout(Duration::from_secs(10))
-        .connect_with(topology::pg_options(HARNESS_APP)?)
+    let admin = Db::connect(args.database, HARNESS_APP, 4)
         .await
-        .context("connect to PostgreSQL (is it running? `cargo xtask services`)")?;
-    let outbox = PgOutbox::connect(
-        &PgConfig::new(database_url_as(HARNESS_APP))
-            .with_schema(&names.schema)
-            .with_max_connections(u32::try_from(args.producers).unwrap_or(8) + 2),
+        .with_context(|| {
+            format!(
+                "connect to {} (is it running? `cargo xtask services`)",
+                args.database.server()
+            )
+        })?;
+    let outbox = Outbox::connect(
+        args.database,
+        &names.schema,
+        u32::try_from(args.producers).unwrap_or(8) + 2,
     )
     .await?;
     setup::database(&admin, &outbox, &names).await?;
@@ -464,7 +470,7 @@ pub(crate) async fn run(args: Args, seed: u64, before: servers::Snapshot) -> any
         },
         TransportKind::Nats => None,
     };
-    let poison_kinds = producers::poison_kinds(args.transport, size_limit.is_some());
+    let poison_kinds = producers::poison_kinds(args.transport, args.database, size_limit.is_some());
 
     let schedule = Schedule::plan(
         seed,
@@ -565,6 +571,7 @@ pub(crate) async fn run(args: Args, seed: u64, before: servers::Snapshot) -> any
             database_lane.run(&schedule.database),
             producers::poison_lane(
                 &outbox,
+                &names,
                 &poison_kinds,
                 &schedule.poison,
                 phase_start,
@@ -584,7 +591,7 @@ pub(crate) async fn run(args: Args, seed: u64, before: servers::Snapshot) -> any
             let _ = task.await;
         }
         let phase_end = Utc::now();
-        // Every fault is undone: PostgreSQL answers.
+        // Every fault is undone: the database answers.
         let recorded = foreign::record(&admin, &names, &foreign_sent)
             .await
             .map_err(|e| format!("{e:#}"));

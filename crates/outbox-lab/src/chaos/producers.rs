@@ -8,11 +8,10 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use outbox_core::NewMessage;
-use outbox_postgres::PgOutbox;
-use sqlx::AssertSqlSafe;
 use tokio_util::sync::CancellationToken;
 use uuid::Uuid;
 
+use super::db::{Arg, Database, Outbox, bound, on_outbox};
 use super::schedule::{FaultKind, Planned};
 use super::timeline::Timeline;
 use super::topology::{EVENT_TYPE, Names, SIDE_EVENT_TYPE, TransportKind};
@@ -47,10 +46,10 @@ pub(crate) const SWALLOW_EVERY: u64 = 250;
 pub(crate) const SIDE_EVERY: u64 = 4;
 
 /// One order and its event, in one transaction (with its audit row when it is marked,
-/// see [`SWALLOW_EVERY`], and a side event, see [`SIDE_EVERY`]). The order row is written last with `clock_timestamp()`, the
-/// closest the database clock gets to the commit time, from which commit-to-consume
-/// latency is measured.
-async fn place_order(outbox: &PgOutbox, names: &Names, n: u64) -> anyhow::Result<()> {
+/// see [`SWALLOW_EVERY`], and a side event, see [`SIDE_EVERY`]). The order row is
+/// written last with `clock_timestamp()` (MariaDB: `NOW(6)`), the closest the database
+/// clock gets to the commit time, from which commit-to-consume latency is measured.
+async fn place_order(outbox: &Outbox, names: &Names, n: u64) -> anyhow::Result<()> {
     let order_id = Uuid::now_v7();
     let audit = n.is_multiple_of(SWALLOW_EVERY);
     let unversioned = audit && (n / SWALLOW_EVERY).is_multiple_of(2);
@@ -63,47 +62,60 @@ async fn place_order(outbox: &PgOutbox, names: &Names, n: u64) -> anyhow::Result
             "audit": audit,
         }))
         .build()?;
-    let mut tx = outbox.begin().await?;
-    outbox.enqueue(&mut tx, &event).await?;
-    if n.is_multiple_of(SIDE_EVERY) {
-        let side = NewMessage::builder("order", order_id.to_string(), SIDE_EVENT_TYPE)
-            .payload(&serde_json::json!({ "order_id": order_id }))
-            .build()?;
-        outbox.enqueue(&mut tx, &side).await?;
-        sqlx::query(AssertSqlSafe(format!(
-            "INSERT INTO {} (id, created_at) VALUES ($1, clock_timestamp())",
-            names.table("side_events")
-        )))
-        .bind(side.id)
-        .execute(&mut *tx)
-        .await?;
+    let side = n
+        .is_multiple_of(SIDE_EVERY)
+        .then(|| {
+            NewMessage::builder("order", order_id.to_string(), SIDE_EVENT_TYPE)
+                .payload(&serde_json::json!({ "order_id": order_id }))
+                .build()
+        })
+        .transpose()?;
+    let d = outbox.database();
+    let (now, a1, a2) = (d.now(), d.arg(1), d.arg(2));
+    let mut rows = Vec::new();
+    if let Some(side) = &side {
+        rows.push((
+            format!(
+                "INSERT INTO {} (id, created_at) VALUES ({a1}, {now})",
+                names.table("side_events")
+            ),
+            vec![Arg::Uuid(side.id)],
+        ));
     }
     if audit {
-        sqlx::query(AssertSqlSafe(format!(
-            "INSERT INTO {} (order_id, event_id) VALUES ($1, $2)",
-            names.table("audit")
-        )))
-        .bind(order_id)
-        .bind(event.id)
-        .execute(&mut *tx)
-        .await?;
+        rows.push((
+            format!(
+                "INSERT INTO {} (order_id, event_id) VALUES ({a1}, {a2})",
+                names.table("audit")
+            ),
+            vec![Arg::Uuid(order_id), Arg::Uuid(event.id)],
+        ));
     }
-    sqlx::query(AssertSqlSafe(format!(
-        "INSERT INTO {} (id, event_id, created_at) VALUES ($1, $2, clock_timestamp())",
-        names.table("orders")
-    )))
-    .bind(order_id)
-    .bind(event.id)
-    .execute(&mut *tx)
-    .await?;
-    tx.commit().await?;
+    rows.push((
+        format!(
+            "INSERT INTO {} (id, event_id, created_at) VALUES ({a1}, {a2}, {now})",
+            names.table("orders")
+        ),
+        vec![Arg::Uuid(order_id), Arg::Uuid(event.id)],
+    ));
+    on_outbox!(outbox, store => {
+        let mut tx = store.begin().await?;
+        store.enqueue(&mut tx, &event).await?;
+        if let Some(side) = &side {
+            store.enqueue(&mut tx, side).await?;
+        }
+        for (sql, args) in rows {
+            bound!(query, sql, args).execute(&mut *tx).await?;
+        }
+        tx.commit().await?;
+    });
     Ok(())
 }
 
 /// A producer writing `rate` orders per second until `stop`. A failed transaction is
 /// counted and the producer goes on at its pace (no burst to catch up).
 pub(crate) async fn produce(
-    outbox: PgOutbox,
+    outbox: Outbox,
     names: Names,
     rate: f64,
     stats: Arc<ProducerStats>,
@@ -150,13 +162,25 @@ pub(crate) struct PoisonKind {
 /// the one refusing), and NATS' default `max_payload`.
 pub(crate) const BROKER_LIMIT: usize = 1024 * 1024;
 
-/// The poison kinds the relay-fault tests isolate, for `transport`. `payload_limit`:
-/// whether the broker limit is in force (RabbitMQ's needs a `rabbitmqctl` here).
-pub(crate) fn poison_kinds(transport: TransportKind, payload_limit: bool) -> Vec<PoisonKind> {
-    let big = format!(
-        "payload = to_json(repeat('x', {}))",
-        BROKER_LIMIT + 200 * 1024
-    );
+/// The poison kinds the relay-fault tests isolate, for `transport`, in `database`'s SQL.
+/// `payload_limit`: whether the broker limit is in force (RabbitMQ's needs a
+/// `rabbitmqctl` here).
+pub(crate) fn poison_kinds(
+    transport: TransportKind,
+    database: Database,
+    payload_limit: bool,
+) -> Vec<PoisonKind> {
+    let size = BROKER_LIMIT + 200 * 1024;
+    let big = match database {
+        Database::Postgres => format!("payload = to_json(repeat('x', {size}))"),
+        Database::Mysql => format!("payload = JSON_QUOTE(REPEAT('x', {size}))"),
+    };
+    // A JSON `\n` escape in a string literal: MySQL reads a backslash in a literal as
+    // an escape of its own.
+    let line_break = match database {
+        Database::Postgres => r#"headers = '{"note": "a\nb"}'"#,
+        Database::Mysql => r#"headers = '{"note": "a\\nb"}'"#,
+    };
     let mut kinds = vec![PoisonKind {
         name: "headers not a JSON object of strings",
         set: r#"headers = '{"retries": 3}'"#.to_owned(),
@@ -192,7 +216,7 @@ pub(crate) fn poison_kinds(transport: TransportKind, payload_limit: bool) -> Vec
             });
             kinds.push(PoisonKind {
                 name: "line break in a header value",
-                set: r#"headers = '{"note": "a\nb"}'"#.to_owned(),
+                set: line_break.to_owned(),
                 reason: "line break",
             });
             kinds.push(PoisonKind {
@@ -225,44 +249,53 @@ fn poison_event(kind: &PoisonKind) -> anyhow::Result<NewMessage> {
 /// trigger, a migration or another language's producer might), so no relay ever sees
 /// it unspoiled. The payload bypasses `enqueue`'s size limit the same way.
 async fn write_poison(
-    outbox: &PgOutbox,
+    outbox: &Outbox,
+    names: &Names,
     event: &NewMessage,
     kind: &PoisonKind,
 ) -> anyhow::Result<()> {
-    let mut tx = outbox.begin().await?;
-    outbox.enqueue(&mut tx, event).await?;
-    let updated = sqlx::query(AssertSqlSafe(format!(
-        "UPDATE {}.outbox_messages SET {} WHERE id = $1",
-        outbox.schema(),
-        kind.set
-    )))
-    .bind(event.id)
-    .execute(&mut *tx)
-    .await?
-    .rows_affected();
-    anyhow::ensure!(updated == 1, "the poison row was not updated");
-    tx.commit().await?;
+    let sql = format!(
+        "UPDATE {} SET {} WHERE id = {}",
+        names.table("outbox_messages"),
+        kind.set,
+        outbox.database().arg(1)
+    );
+    on_outbox!(outbox, store => {
+        let mut tx = store.begin().await?;
+        store.enqueue(&mut tx, event).await?;
+        let updated = bound!(query, sql, [Arg::Uuid(event.id)])
+            .execute(&mut *tx)
+            .await?
+            .rows_affected();
+        anyhow::ensure!(updated == 1, "the poison row was not updated");
+        tx.commit().await?;
+    });
     Ok(())
 }
 
 /// Whether row `id` is in the outbox (a commit whose answer was lost may have
 /// happened).
-async fn written(outbox: &PgOutbox, id: Uuid) -> bool {
-    sqlx::query_scalar::<_, bool>(AssertSqlSafe(format!(
-        "SELECT EXISTS (SELECT 1 FROM {}.outbox_messages WHERE id = $1)",
-        outbox.schema()
-    )))
-    .bind(id)
-    .fetch_one(outbox.pool())
-    .await
-    .unwrap_or(false)
+async fn written(outbox: &Outbox, names: &Names, id: Uuid) -> bool {
+    outbox
+        .pool()
+        .fetch_one::<(i64,)>(
+            format!(
+                "SELECT count(*) FROM {} WHERE id = {}",
+                names.table("outbox_messages"),
+                outbox.database().arg(1)
+            ),
+            vec![Arg::Uuid(id)],
+        )
+        .await
+        .is_ok_and(|(n,)| n > 0)
 }
 
 /// The poison lane: at each planned time, one row of every kind. A row whose
 /// transaction fails (a database fault at that moment) is retried, with the same id,
 /// for up to 30 s.
 pub(crate) async fn poison_lane(
-    outbox: &PgOutbox,
+    outbox: &Outbox,
+    names: &Names,
     kinds: &[PoisonKind],
     plan: &[Planned],
     phase_start: Instant,
@@ -287,8 +320,8 @@ pub(crate) async fn poison_lane(
             let id = event.id;
             let deadline = Instant::now() + Duration::from_secs(30);
             loop {
-                let result = match write_poison(outbox, &event, kind).await {
-                    Err(_) if written(outbox, id).await => Ok(()),
+                let result = match write_poison(outbox, names, &event, kind).await {
+                    Err(_) if written(outbox, names, id).await => Ok(()),
                     other => other,
                 };
                 match result {

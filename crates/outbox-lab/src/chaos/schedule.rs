@@ -12,8 +12,8 @@
 //!   (`rabbitmqctl` hangs while the node is frozen); on the clusters (`--cluster`)
 //!   instead: the node holding the queue's or stream's leader killed and started again,
 //!   a node frozen, a node cut off the network;
-//! - **database**: PostgreSQL restarted, the relays' and consumers' connections
-//!   terminated, and the consumers locked out of PostgreSQL for longer than their NATS
+//! - **database**: PostgreSQL (or MariaDB) restarted, the relays' and consumers'
+//!   connections terminated, and the consumers locked out of it for longer than their NATS
 //!   `ack_wait`, in rounds;
 //! - **poison**: batches of poison rows, one of each kind per batch;
 //! - **foreign**: batches of another producer's messages published straight to the
@@ -28,6 +28,7 @@ use rand::rngs::StdRng;
 use rand::seq::SliceRandom as _;
 use rand::{RngExt as _, SeedableRng as _};
 
+use super::db::Database;
 use super::topology::TransportKind;
 
 /// A kind of fault, as the verdict table lists them.
@@ -43,8 +44,8 @@ pub(crate) enum FaultKind {
     MemoryAlarm,
     QueueFull,
     DestinationFull,
-    PgRestart,
-    PgTerminate,
+    DbRestart,
+    DbTerminate,
     ConsumerLockout,
     Poison,
     Foreign,
@@ -66,8 +67,8 @@ impl FaultKind {
             kinds.push(Self::DestinationFull);
         }
         kinds.extend([
-            Self::PgRestart,
-            Self::PgTerminate,
+            Self::DbRestart,
+            Self::DbTerminate,
             Self::ConsumerLockout,
             Self::Poison,
             Self::Foreign,
@@ -97,8 +98,14 @@ impl FaultKind {
             (Self::QueueFull, _) => "queue full (reject-publish)",
             (Self::DestinationFull, TransportKind::Rabbit) => "one destination's queue full",
             (Self::DestinationFull, TransportKind::Nats) => "one destination's stream full",
-            (Self::PgRestart, _) => "PostgreSQL restarted",
-            (Self::PgTerminate, _) => "pg_terminate_backend",
+            (Self::DbRestart, _) => match super::db::database() {
+                Database::Postgres => "PostgreSQL restarted",
+                Database::Mysql => "MariaDB restarted",
+            },
+            (Self::DbTerminate, _) => match super::db::database() {
+                Database::Postgres => "pg_terminate_backend",
+                Database::Mysql => "KILL CONNECTION",
+            },
             (Self::ConsumerLockout, _) => "consumers' database outage",
             (Self::Poison, _) => "poison rows",
             (Self::Foreign, _) => "foreign messages",
@@ -258,13 +265,13 @@ impl Schedule {
             db_start,
             end,
             &[
-                FaultKind::PgRestart,
-                FaultKind::PgTerminate,
+                FaultKind::DbRestart,
+                FaultKind::DbTerminate,
                 FaultKind::ConsumerLockout,
             ],
             90,
             |kind, rng| match kind {
-                FaultKind::PgRestart => rng.random_range(2_000..=5_000),
+                FaultKind::DbRestart => rng.random_range(2_000..=5_000),
                 FaultKind::ConsumerLockout => rng.random_range(outage..=outage + 5_000),
                 _ => 0,
             },

@@ -7,6 +7,7 @@ use std::net::{SocketAddr, TcpStream};
 use std::process::Command;
 use std::time::{Duration, Instant};
 
+use super::db::Database;
 use outbox_testkit::faults::{
     self, QUEUE_FULL_POLICY, RabbitQueueFull, rabbit_max_message_size, rabbit_memory_alarm_active,
     rabbit_memory_watermark,
@@ -17,6 +18,8 @@ use outbox_testkit::faults::{
 pub(crate) struct Snapshot {
     pub(crate) watermark: Option<String>,
     pub(crate) max_message_size: Option<u64>,
+    /// The run's database, whose server must answer after the run.
+    pub(crate) database: Database,
 }
 
 fn answers(port: u16) -> bool {
@@ -31,7 +34,7 @@ fn answers(port: u16) -> bool {
 /// process, the queue-full policy), then reads RabbitMQ's settings. Fails when RabbitMQ
 /// is under a memory alarm already: the run could not tell its own alarm from it, nor
 /// restore the watermark it should.
-pub(crate) fn before(cluster: bool) -> anyhow::Result<Snapshot> {
+pub(crate) fn before(cluster: bool, database: Database) -> anyhow::Result<Snapshot> {
     for process in ["beam.smp", "nats-server"] {
         let n = faults::continue_stopped(process);
         if n > 0 {
@@ -57,6 +60,7 @@ pub(crate) fn before(cluster: bool) -> anyhow::Result<Snapshot> {
     Ok(Snapshot {
         watermark: rabbit_memory_watermark(),
         max_message_size: rabbit_max_message_size(),
+        database,
     })
 }
 
@@ -64,7 +68,12 @@ pub(crate) fn before(cluster: bool) -> anyhow::Result<Snapshot> {
 /// one line per server and whether all are as found.
 pub(crate) fn after(before: &Snapshot, cluster: bool) -> (Vec<String>, bool) {
     let deadline = Instant::now() + Duration::from_secs(60);
-    let ports = [("PostgreSQL", 5432), ("RabbitMQ", 5672), ("NATS", 4222)];
+    let database = before.database;
+    let ports = [
+        (database.server(), database.port()),
+        ("RabbitMQ", 5672),
+        ("NATS", 4222),
+    ];
     while Instant::now() < deadline && !ports.iter().all(|(_, p)| answers(*p)) {
         std::thread::sleep(Duration::from_millis(500));
     }
@@ -100,6 +109,7 @@ pub(crate) fn after(before: &Snapshot, cluster: bool) -> (Vec<String>, bool) {
     let now = Snapshot {
         watermark: rabbit_memory_watermark(),
         max_message_size: rabbit_max_message_size(),
+        database,
     };
     let alarm = rabbit_memory_alarm_active();
     let policy = Command::new("rabbitmqctl")

@@ -1,4 +1,5 @@
-//! The run's tables, queues and stream, and the consumers' login role: created fresh
+//! The run's tables, queues and stream, and the consumers' login role (on MariaDB also
+//! the relays' user): created fresh
 //! before the run (an earlier run's are dropped first) and removed after it.
 
 use std::time::Duration;
@@ -6,106 +7,185 @@ use std::time::Duration;
 use anyhow::Context as _;
 use lapin::options::{QueueBindOptions, QueueDeclareOptions, QueueDeleteOptions};
 use lapin::types::FieldTable;
-use outbox_postgres::PgOutbox;
-use sqlx::{AssertSqlSafe, PgPool};
 use transport_nats::async_nats::jetstream;
 use transport_nats::{NatsPublisher, StreamSetup};
 
+use super::db::{self, Database, Db, Outbox};
 use super::topology::{self, EVENT_TYPE, Names, SIDE_EVENT_TYPE, TransportKind};
 use crate::common;
 
-/// Drops and recreates the schema: the outbox and inbox tables (migrations), `orders`,
-/// `effects` (no unique constraint: a double effect is a second row), `deliveries`,
-/// `audit` (the audit rows the producers write for the orders whose handler swallows an
-/// error: see `producers`) and `foreign_messages` (what the foreign producer published:
-/// see `foreign`) and `side_events` (the side events the producers wrote: see
-/// `producers`); then the consumers' role, with every privilege on the schema's tables.
-pub(crate) async fn database(
-    admin: &PgPool,
-    outbox: &PgOutbox,
-    names: &Names,
-) -> anyhow::Result<()> {
+/// Drops and recreates the schema (on MariaDB: the database): the outbox and inbox
+/// tables (migrations), `orders`, `effects` (no unique constraint: a double effect is a
+/// second row), `deliveries`, `audit` (the audit rows the producers write for the orders
+/// whose handler swallows an error: see `producers`) and `foreign_messages` (what the
+/// foreign producer published: see `foreign`) and `side_events` (the side events the
+/// producers wrote: see `producers`); then the consumers' login (and on MariaDB the
+/// relays'), with every privilege on the schema's tables.
+pub(crate) async fn database(admin: &Db, outbox: &Outbox, names: &Names) -> anyhow::Result<()> {
     let s = &names.schema;
-    sqlx::raw_sql(AssertSqlSafe(format!(
-        "DROP SCHEMA IF EXISTS {s} CASCADE; CREATE SCHEMA {s};"
-    )))
-    .execute(admin)
-    .await
-    .context("create the run's schema")?;
+    let database = admin.database();
+    remove_logins(admin, names).await?;
+    admin
+        .execute_all(&match database {
+            Database::Postgres => vec![
+                format!("DROP SCHEMA IF EXISTS {s} CASCADE"),
+                format!("CREATE SCHEMA {s}"),
+            ],
+            Database::Mysql => vec![format!("DROP DATABASE IF EXISTS {s}")],
+        })
+        .await
+        .context("create the run's schema")?;
     outbox.migrate().await.context("migrate the run's schema")?;
-    sqlx::raw_sql(AssertSqlSafe(format!(
-        "CREATE TABLE {s}.orders (
-             id uuid PRIMARY KEY,
-             event_id uuid NOT NULL UNIQUE,
-             created_at timestamptz NOT NULL);
-         CREATE TABLE {s}.effects (
-             event_id uuid NOT NULL,
-             order_id uuid NOT NULL,
-             consumer text NOT NULL,
-             applied_at timestamptz NOT NULL);
-         CREATE INDEX effects_event ON {s}.effects (event_id);
-         CREATE TABLE {s}.deliveries (
-             event_id uuid NOT NULL,
-             consumer text NOT NULL,
-             redelivered boolean NOT NULL,
-             at timestamptz NOT NULL DEFAULT clock_timestamp());
-         CREATE TABLE {s}.audit (
-             order_id uuid PRIMARY KEY,
-             event_id uuid NOT NULL UNIQUE);
-         CREATE TABLE {s}.foreign_messages (
-             id uuid PRIMARY KEY,
-             kind text NOT NULL,
-             expect text NOT NULL CHECK (expect IN ('applied', 'dead letter')),
-             reason text NOT NULL,
-             confirmed boolean NOT NULL);
-         CREATE TABLE {s}.side_events (
-             id uuid PRIMARY KEY,
-             created_at timestamptz NOT NULL);"
-    )))
-    .execute(admin)
-    .await
-    .context("create the run's tables")?;
-    consumer_role(admin, names).await
+    admin
+        .execute_all(&tables(database, s))
+        .await
+        .context("create the run's tables")?;
+    logins(admin, names).await
 }
 
-/// Creates the consumers' login role afresh (an earlier run's is dropped first): not a
-/// superuser, so its connection limit holds (the lockout fault sets it to 0), with
-/// `DATABASE_URL`'s password if it has one, and every privilege on the schema's tables
-/// and sequences.
-async fn consumer_role(admin: &PgPool, names: &Names) -> anyhow::Result<()> {
-    remove_consumer_role(admin, names).await?;
-    let (s, role) = (&names.schema, &names.consumer_role);
-    let password = topology::database_password()
-        .map(|p| format!(" PASSWORD '{}'", p.replace('\'', "''")))
-        .unwrap_or_default();
-    sqlx::raw_sql(AssertSqlSafe(format!(
-        "CREATE ROLE {role} LOGIN{password};
-         GRANT USAGE ON SCHEMA {s} TO {role};
-         GRANT ALL ON ALL TABLES IN SCHEMA {s} TO {role};
-         GRANT ALL ON ALL SEQUENCES IN SCHEMA {s} TO {role};"
-    )))
-    .execute(admin)
-    .await
-    .with_context(|| format!("create the consumers' role {role}"))?;
-    Ok(())
+/// The run's own tables, in `database`'s types.
+fn tables(database: Database, s: &str) -> Vec<String> {
+    let (uuid, time, text, boolean, now, engine) = match database {
+        Database::Postgres => (
+            "uuid",
+            "timestamptz",
+            "text",
+            "boolean",
+            "clock_timestamp()",
+            "",
+        ),
+        Database::Mysql => (
+            "BINARY(16)",
+            "DATETIME(6)",
+            "VARCHAR(255)",
+            "BOOLEAN",
+            "CURRENT_TIMESTAMP(6)",
+            " ENGINE = InnoDB DEFAULT CHARSET = utf8mb4 COLLATE = utf8mb4_bin",
+        ),
+    };
+    vec![
+        format!(
+            "CREATE TABLE {s}.orders (
+                 id {uuid} PRIMARY KEY,
+                 event_id {uuid} NOT NULL UNIQUE,
+                 created_at {time} NOT NULL){engine}"
+        ),
+        format!(
+            "CREATE TABLE {s}.effects (
+                 event_id {uuid} NOT NULL,
+                 order_id {uuid} NOT NULL,
+                 consumer {text} NOT NULL,
+                 applied_at {time} NOT NULL){engine}"
+        ),
+        format!("CREATE INDEX effects_event ON {s}.effects (event_id)"),
+        format!(
+            "CREATE TABLE {s}.deliveries (
+                 event_id {uuid} NOT NULL,
+                 consumer {text} NOT NULL,
+                 redelivered {boolean} NOT NULL,
+                 at {time} NOT NULL DEFAULT {now}){engine}"
+        ),
+        format!(
+            "CREATE TABLE {s}.audit (
+                 order_id {uuid} PRIMARY KEY,
+                 event_id {uuid} NOT NULL UNIQUE){engine}"
+        ),
+        format!(
+            "CREATE TABLE {s}.foreign_messages (
+                 id {uuid} PRIMARY KEY,
+                 kind {text} NOT NULL,
+                 expect {text} NOT NULL CHECK (expect IN ('applied', 'dead letter')),
+                 reason {text} NOT NULL,
+                 confirmed {boolean} NOT NULL){engine}"
+        ),
+        format!(
+            "CREATE TABLE {s}.side_events (
+                 id {uuid} PRIMARY KEY,
+                 created_at {time} NOT NULL){engine}"
+        ),
+    ]
 }
 
-/// Drops the consumers' role if it exists (its connections terminated, its privileges
-/// revoked).
-async fn remove_consumer_role(admin: &PgPool, names: &Names) -> anyhow::Result<()> {
+/// Creates the consumers' login afresh (an earlier run's is dropped first: see
+/// [`remove_logins`]), with the harness's URL's password if it has one and every
+/// privilege on the schema's tables. On PostgreSQL a role that is not a superuser, so its
+/// connection limit holds (the lockout fault sets it to 0). On MariaDB a user
+/// `'…'@'%'` (the lockout fault sets its `MAX_USER_CONNECTIONS` to -1), and one more for
+/// the relays.
+async fn logins(admin: &Db, names: &Names) -> anyhow::Result<()> {
+    let s = &names.schema;
+    let database = admin.database();
+    let password = topology::database_password(database).map(|p| p.replace('\'', "''"));
+    let statements = match database {
+        Database::Postgres => {
+            let role = &names.consumer_role;
+            let password = password
+                .map(|p| format!(" PASSWORD '{p}'"))
+                .unwrap_or_default();
+            vec![
+                format!("CREATE ROLE {role} LOGIN{password}"),
+                format!("GRANT USAGE ON SCHEMA {s} TO {role}"),
+                format!("GRANT ALL ON ALL TABLES IN SCHEMA {s} TO {role}"),
+                format!("GRANT ALL ON ALL SEQUENCES IN SCHEMA {s} TO {role}"),
+            ]
+        }
+        Database::Mysql => {
+            let password = password
+                .map(|p| format!(" IDENTIFIED BY '{p}'"))
+                .unwrap_or_default();
+            [&names.consumer_role, &names.relay_role]
+                .into_iter()
+                .flat_map(|user| {
+                    [
+                        format!("CREATE USER '{user}'@'%'{password}"),
+                        format!("GRANT ALL ON {s}.* TO '{user}'@'%'"),
+                    ]
+                })
+                .collect()
+        }
+    };
+    admin
+        .execute_all(&statements)
+        .await
+        .with_context(|| format!("create the run's logins ({})", names.consumer_role))
+}
+
+/// Drops the run's logins if they exist (their connections ended first; on PostgreSQL
+/// the consumers' role's privileges revoked).
+async fn remove_logins(admin: &Db, names: &Names) -> anyhow::Result<()> {
     let role = &names.consumer_role;
-    sqlx::raw_sql(AssertSqlSafe(format!(
-        "DO $$ BEGIN
-           IF EXISTS (SELECT 1 FROM pg_roles WHERE rolname = '{role}') THEN
-             PERFORM pg_terminate_backend(pid) FROM pg_stat_activity WHERE usename = '{role}';
-             EXECUTE 'DROP OWNED BY {role}';
-             EXECUTE 'DROP ROLE {role}';
-           END IF;
-         END $$"
-    )))
-    .execute(admin)
-    .await
-    .with_context(|| format!("drop the consumers' role {role}"))?;
+    match admin.database() {
+        Database::Postgres => {
+            admin
+                .execute(
+                    format!(
+                        "DO $$ BEGIN
+                           IF EXISTS (SELECT 1 FROM pg_roles WHERE rolname = '{role}') THEN
+                             PERFORM pg_terminate_backend(pid) FROM pg_stat_activity WHERE usename = '{role}';
+                             EXECUTE 'DROP OWNED BY {role}';
+                             EXECUTE 'DROP ROLE {role}';
+                           END IF;
+                         END $$"
+                    ),
+                    Vec::new(),
+                )
+                .await
+        }
+        Database::Mysql => {
+            let users = [role.as_str(), names.relay_role.as_str()];
+            db::kill_connections(admin, &users).await?;
+            admin
+                .execute_all(
+                    &users
+                        .iter()
+                        .map(|user| format!("DROP USER IF EXISTS '{user}'@'%'"))
+                        .collect::<Vec<_>>(),
+                )
+                .await
+                .map(|()| 0)
+        }
+    }
+    .with_context(|| format!("drop the run's logins ({role})"))?;
     Ok(())
 }
 
@@ -236,13 +316,17 @@ pub(crate) async fn remove_broker(transport: TransportKind, names: &Names) -> an
     Ok(())
 }
 
-/// Drops the run's schema and the consumers' role.
-pub(crate) async fn remove_database(admin: &PgPool, names: &Names) -> anyhow::Result<()> {
-    sqlx::raw_sql(AssertSqlSafe(format!(
-        "DROP SCHEMA IF EXISTS {} CASCADE",
-        names.schema
-    )))
-    .execute(admin)
-    .await?;
-    remove_consumer_role(admin, names).await
+/// Drops the run's schema (MariaDB: database) and logins.
+pub(crate) async fn remove_database(admin: &Db, names: &Names) -> anyhow::Result<()> {
+    let s = &names.schema;
+    admin
+        .execute(
+            match admin.database() {
+                Database::Postgres => format!("DROP SCHEMA IF EXISTS {s} CASCADE"),
+                Database::Mysql => format!("DROP DATABASE IF EXISTS {s}"),
+            },
+            Vec::new(),
+        )
+        .await?;
+    remove_logins(admin, names).await
 }

@@ -7,10 +7,11 @@
 //! which a process must exit with code 0 within 20 s), and one documented reaction of
 //! the relay to a database fault the harness injected: a relay exits with code 1 (a
 //! runtime failure; never a panic, code 101, nor a signal) when a completion cannot be
-//! recorded in PostgreSQL within its lease, or when it cannot connect at start within
+//! recorded in the database within its lease, or when it cannot connect at start within
 //! its pool's acquire timeout (10 s). So a relay's exit with code 1 is explained when
-//! it comes while PostgreSQL is stopped or its connections are being terminated (a
-//! `PostgreSQL restarted` or `pg_terminate_backend` fault in the timeline), or at most
+//! it comes while the database is stopped or its connections are being terminated (a
+//! `PostgreSQL restarted` or `pg_terminate_backend` fault in the timeline, on MariaDB
+//! `MariaDB restarted` or `KILL CONNECTION`), or at most
 //! one lease (`--lease`) plus that acquire timeout after such a fault ended. Nothing
 //! else explains an exit: not a broker fault (a relay rides those out behind its circuit
 //! breaker, with the database as its source of truth), not the consumers' database
@@ -31,6 +32,7 @@ use tokio_util::sync::CancellationToken;
 
 use super::schedule::{FaultKind, Planned, RESTART_PAUSE};
 use super::timeline::{Record, Timeline};
+use super::topology::TransportKind;
 
 /// What a process is.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -128,7 +130,7 @@ impl std::fmt::Display for Exit {
 }
 
 /// The relay's pool acquire timeout (`outbox relay`'s default): how long a relay
-/// starting while PostgreSQL is down keeps trying to connect before it exits.
+/// starting while the database is down keeps trying to connect before it exits.
 const RELAY_CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// The fault of `records` that explains `exit`, as "PostgreSQL restarted at 43.2 s"
@@ -146,16 +148,13 @@ pub(crate) fn explained_by(
     let grace = chrono::Duration::from_std(lease + RELAY_CONNECT_TIMEOUT).ok()?;
     records
         .iter()
-        .filter(|r| r.injected && matches!(r.kind, FaultKind::PgRestart | FaultKind::PgTerminate))
+        .filter(|r| r.injected && matches!(r.kind, FaultKind::DbRestart | FaultKind::DbTerminate))
         .find(|r| r.start <= exit.at && exit.at <= r.end.unwrap_or(r.start) + grace)
         .map(|r| {
             format!(
                 "{} at {:.1} s",
-                if r.kind == FaultKind::PgRestart {
-                    "PostgreSQL restarted"
-                } else {
-                    "pg_terminate_backend"
-                },
+                // A database fault's label is the same over either broker.
+                r.kind.label(TransportKind::Rabbit),
                 (r.start - origin).as_seconds_f64()
             )
         })

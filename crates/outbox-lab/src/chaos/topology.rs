@@ -6,10 +6,12 @@ pub(crate) use outbox_core::TransportKind;
 use std::time::Duration;
 
 use lapin::types::{AMQPValue, FieldTable};
+use sqlx::mysql::MySqlConnectOptions;
 use sqlx::postgres::PgConnectOptions;
 use transport_nats::{NatsConfig, NatsConfigBuilder, NatsConsumer};
 use transport_rabbit::{RabbitConfig, RabbitConsumer};
 
+use super::db::{Database, url_with_user};
 use crate::common;
 
 /// How a consumer process applies an event's effect.
@@ -85,9 +87,13 @@ pub(crate) struct Names {
     pub(crate) side_stream: String,
     /// NATS durable consumer shared by the consumer processes.
     pub(crate) durable: String,
-    /// PostgreSQL login role of the consumer processes (not a superuser, so that the
-    /// harness can lock it out alone: see `injector`).
+    /// PostgreSQL login role (MariaDB user) of the consumer processes (not a superuser,
+    /// so that the harness can lock it out alone: see `injector`).
     pub(crate) consumer_role: String,
+    /// MariaDB user of the relays (on PostgreSQL they log in as `DATABASE_URL`'s user,
+    /// told apart by their `application_name`; MariaDB has none, so a user of their
+    /// own, whose connections `KILL CONNECTION` finds).
+    pub(crate) relay_role: String,
 }
 
 impl Names {
@@ -104,6 +110,7 @@ impl Names {
             side_stream: format!("{schema}_side"),
             durable: "projection".to_owned(),
             consumer_role: format!("{schema}_consumer"),
+            relay_role: format!("{schema}_relay"),
         }
     }
 
@@ -132,10 +139,33 @@ pub(crate) fn consumer_pg_options(names: &Names) -> anyhow::Result<PgConnectOpti
     Ok(pg_options(CONSUMER_APP)?.username(&names.consumer_role))
 }
 
-/// The password of `DATABASE_URL`'s user, if it has one (percent-decoded): the consumer
-/// role gets the same, so that the consumers can log in wherever the harness can.
-pub(crate) fn database_password() -> Option<String> {
-    let url = common::database_url();
+/// The relays' `--database-url`: on PostgreSQL `DATABASE_URL` with `application_name`
+/// [`RELAY_APP`], on MariaDB `MYSQL_URL` as the run's relay user, starting in the run's
+/// database.
+pub(crate) fn relay_url(database: Database, names: &Names) -> String {
+    match database {
+        Database::Postgres => database_url_as(RELAY_APP),
+        Database::Mysql => {
+            url_with_user(&common::mysql_url(), &names.relay_role, Some(&names.schema))
+        }
+    }
+}
+
+/// Connect options of the consumer processes on MariaDB: `MYSQL_URL` as the run's
+/// consumer user, starting in the run's database (sessions in UTC).
+pub(crate) fn consumer_mysql_options(names: &Names) -> anyhow::Result<MySqlConnectOptions> {
+    Ok(outbox_mysql::parse_url(&url_with_user(
+        &common::mysql_url(),
+        &names.consumer_role,
+        Some(&names.schema),
+    ))?)
+}
+
+/// The password of the harness's URL's user (`DATABASE_URL`, `MYSQL_URL`), if it has one
+/// (percent-decoded): the consumer role and the relay user get the same, so that they
+/// can log in wherever the harness can.
+pub(crate) fn database_password(database: Database) -> Option<String> {
+    let url = database.url();
     let rest = url.split_once("://")?.1;
     let userinfo = rest.split_once('@')?.0;
     let password = userinfo.split_once(':')?.1;

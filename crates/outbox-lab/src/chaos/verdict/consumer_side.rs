@@ -2,12 +2,15 @@
 //! foreign producer's messages became, and whether every consumer dead letter is one
 //! of those expected.
 //!
-//! - A **swallowing** order (one with an `audit` row, see `producers::SWALLOW_EVERY`)
-//!   must have no effect and exactly one consumer dead letter whose `last_error` names
+//! - A **swallowing** order (one with an `audit` row, see `producers::SWALLOW_EVERY`),
+//!   on PostgreSQL, must have no effect and exactly one consumer dead letter whose `last_error` names
 //!   the aborted transaction: the idempotent consumer's under the handler's consumer
 //!   name in `inbox_failures`, the durable inbox's as its `inbox_messages` row `Dead`.
 //!   No effect and no dead letter means the delivery was acked as if applied: the bug
-//!   the inbox's abort check fixes.
+//!   the inbox's abort check fixes. On MariaDB the swallowed unique violation aborts
+//!   nothing (InnoDB undoes the failed statement alone, the transaction goes on and
+//!   commits the effect): such an order must be applied exactly once, and is judged
+//!   with the other orders.
 //! - A **foreign** message with a usable id must be applied exactly once (the one with
 //!   NUL characters) or be exactly one consumer dead letter under `undecodable` (the
 //!   others), never both, never neither. One the broker never confirmed may be missing
@@ -18,10 +21,10 @@
 use std::collections::HashSet;
 
 use inbox::UNDECODABLE_CONSUMER;
-use sqlx::{AssertSqlSafe, PgPool};
 use uuid::Uuid;
 
 use super::super::audit::Copies;
+use super::super::db::{Arg, Database, Db};
 use super::super::foreign::Expect;
 use super::super::topology::{CONSUMER, ConsumerMode, Names};
 
@@ -35,8 +38,13 @@ const DURABLE: &str = "(durable inbox)";
 /// What the consumer side of the verdict found.
 #[derive(Debug, Default)]
 pub(crate) struct ConsumerSide {
-    /// Event ids of the swallowing orders.
+    /// Event ids of the swallowing orders (on PostgreSQL; on MariaDB they are judged
+    /// with the other orders: see [`judge`]).
     pub(crate) swallowing: HashSet<Uuid>,
+    /// On MariaDB, the swallowing orders: InnoDB undoes a failed statement alone and
+    /// the transaction goes on, so the swallowed unique violation leaves the effect to
+    /// commit, and each must be applied exactly once like any other order.
+    pub(crate) swallowed_kept: usize,
     /// Swallowing orders that ended as they must.
     pub(crate) swallowed_dead: usize,
     /// Swallowing orders with no effect and no dead letter: acked as if applied.
@@ -80,34 +88,41 @@ type ForeignRow = (Uuid, String, String, String, bool, i64, Option<String>, i64)
 /// Reads what the consumers did with the swallowing orders, the foreign messages and
 /// every consumer dead letter; `copies` are the broker's, if it could be read.
 pub(crate) async fn judge(
-    admin: &PgPool,
+    admin: &Db,
     names: &Names,
     mode: ConsumerMode,
     copies: Option<&Copies>,
 ) -> anyhow::Result<ConsumerSide> {
     let t = |table: &str| names.table(table);
     let mut side = ConsumerSide::default();
+    let d = admin.database();
 
     // The swallowing orders: effects, the handler's dead letter, the durable inbox's.
-    let swallowing: Vec<(Uuid, i64, Option<String>, Option<String>)> =
-        sqlx::query_as(AssertSqlSafe(format!(
-            "SELECT a.event_id,
-                    (SELECT count(*) FROM {e} e WHERE e.event_id = a.event_id),
-                    (SELECT d.last_error FROM {f} d
-                      WHERE d.message_id = a.event_id AND d.consumer = $1 AND d.dead_at IS NOT NULL),
-                    (SELECT coalesce(m.last_error, '') FROM {i} m
-                      WHERE m.id = a.event_id AND m.status = 3)
-               FROM {a} a JOIN {o} o ON o.event_id = a.event_id",
-            e = t("effects"),
-            f = t("inbox_failures"),
-            i = t("inbox_messages"),
-            a = t("audit"),
-            o = t("orders"),
-        )))
-        .bind(CONSUMER)
-        .fetch_all(admin)
+    let swallowing: Vec<(Uuid, i64, Option<String>, Option<String>)> = admin
+        .fetch_all(
+            format!(
+                "SELECT a.event_id,
+                        (SELECT count(*) FROM {e} e WHERE e.event_id = a.event_id),
+                        (SELECT d.last_error FROM {f} d
+                          WHERE d.message_id = a.event_id AND d.consumer = {p} AND d.dead_at IS NOT NULL),
+                        (SELECT coalesce(m.last_error, '') FROM {i} m
+                          WHERE m.id = a.event_id AND m.status = 3)
+                   FROM {a} a JOIN {o} o ON o.event_id = a.event_id",
+                e = t("effects"),
+                f = t("inbox_failures"),
+                i = t("inbox_messages"),
+                a = t("audit"),
+                o = t("orders"),
+                p = d.arg(1),
+            ),
+            vec![Arg::Text(CONSUMER.to_owned())],
+        )
         .await?;
     for (id, effects, handler_dead, durable_dead) in swallowing {
+        if d == Database::Mysql {
+            side.swallowed_kept += 1;
+            continue;
+        }
         side.swallowing.insert(id);
         let dead = match mode {
             ConsumerMode::Durable => durable_dead,
@@ -122,23 +137,26 @@ pub(crate) async fn judge(
     }
 
     // The foreign messages with a usable id.
-    let foreign: Vec<ForeignRow> = sqlx::query_as(AssertSqlSafe(format!(
-        "SELECT x.id, x.kind, x.expect, x.reason, x.confirmed,
-                    (SELECT count(*) FROM {e} e WHERE e.event_id = x.id) AS effects,
-                    (SELECT d.last_error FROM {f} d
-                      WHERE d.message_id = x.id AND d.consumer = $1 AND d.dead_at IS NOT NULL)
-                      AS undecodable,
-                    (SELECT count(*) FROM {f} d WHERE d.message_id = x.id AND d.dead_at IS NOT NULL)
-                  + (SELECT count(*) FROM {i} m WHERE m.id = x.id AND m.status = 3) AS dead
-               FROM {x} x",
-        e = t("effects"),
-        f = t("inbox_failures"),
-        i = t("inbox_messages"),
-        x = t("foreign_messages"),
-    )))
-    .bind(UNDECODABLE_CONSUMER)
-    .fetch_all(admin)
-    .await?;
+    let foreign: Vec<ForeignRow> = admin
+        .fetch_all(
+            format!(
+                "SELECT x.id, x.kind, x.expect, x.reason, x.confirmed,
+                        (SELECT count(*) FROM {e} e WHERE e.event_id = x.id) AS effects,
+                        (SELECT d.last_error FROM {f} d
+                          WHERE d.message_id = x.id AND d.consumer = {p} AND d.dead_at IS NOT NULL)
+                          AS undecodable,
+                        (SELECT count(*) FROM {f} d WHERE d.message_id = x.id AND d.dead_at IS NOT NULL)
+                      + (SELECT count(*) FROM {i} m WHERE m.id = x.id AND m.status = 3) AS dead
+                   FROM {x} x",
+                e = t("effects"),
+                f = t("inbox_failures"),
+                i = t("inbox_messages"),
+                x = t("foreign_messages"),
+                p = d.arg(1),
+            ),
+            vec![Arg::Text(UNDECODABLE_CONSUMER.to_owned())],
+        )
+        .await?;
     side.foreign_sent = foreign.len();
     let mut foreign_dead_ids = HashSet::new();
     for (id, kind, expect, reason, confirmed, effects, undecodable, dead) in foreign {
@@ -171,15 +189,18 @@ pub(crate) async fn judge(
     }
 
     // Every consumer dead letter, against those expected.
-    let dead: Vec<(Uuid, String, String)> = sqlx::query_as(AssertSqlSafe(format!(
-        "SELECT message_id, consumer, last_error FROM {f} WHERE dead_at IS NOT NULL
-         UNION ALL
-         SELECT id, '{DURABLE}', coalesce(last_error, '') FROM {i} WHERE status = 3",
-        f = t("inbox_failures"),
-        i = t("inbox_messages"),
-    )))
-    .fetch_all(admin)
-    .await?;
+    let dead: Vec<(Uuid, String, String)> = admin
+        .fetch_all(
+            format!(
+                "SELECT message_id, consumer, last_error FROM {f} WHERE dead_at IS NOT NULL
+                 UNION ALL
+                 SELECT id, '{DURABLE}', coalesce(last_error, '') FROM {i} WHERE status = 3",
+                f = t("inbox_failures"),
+                i = t("inbox_messages"),
+            ),
+            Vec::new(),
+        )
+        .await?;
     side.dead_letters = dead.len();
     side.unexpected_dead = dead
         .into_iter()

@@ -12,11 +12,11 @@ use std::collections::{BTreeMap, HashMap, HashSet};
 use std::time::Duration;
 
 use chrono::{DateTime, Utc};
-use sqlx::{AssertSqlSafe, PgPool};
 use uuid::Uuid;
 
 use super::Drained;
 use super::audit::Copies;
+use super::db::Db;
 use super::foreign::{self, Expect};
 use super::producers::{PoisonRow, SIDE_EVERY, SWALLOW_EVERY};
 use super::schedule::{FaultKind, Schedule};
@@ -88,15 +88,9 @@ fn line(label: &str, value: impl std::fmt::Display) {
     println!("  {label:<40} {value}");
 }
 
-async fn scalar(admin: &PgPool, sql: String) -> anyhow::Result<i64> {
-    Ok(sqlx::query_scalar::<_, i64>(AssertSqlSafe(sql))
-        .fetch_one(admin)
-        .await?)
-}
-
 /// Prints the verdict table; returns the reasons the run fails (empty: it passes).
 pub(crate) async fn judge(
-    admin: &PgPool,
+    admin: &Db,
     names: &Names,
     inputs: &Inputs,
 ) -> anyhow::Result<Vec<String>> {
@@ -105,16 +99,20 @@ pub(crate) async fn judge(
     let copies = inputs.broker.as_ref().ok().map(|(copies, _)| copies);
     let side = consumer_side::judge(admin, names, inputs.mode, copies).await?;
 
-    let orders: Vec<Order> =
-        sqlx::query_as::<_, (Uuid, f64, i64, Option<f64>)>(AssertSqlSafe(format!(
-            "SELECT o.event_id, extract(epoch FROM o.created_at)::float8, count(e.event_id),
-                    extract(epoch FROM min(e.applied_at))::float8
-               FROM {} o LEFT JOIN {} e ON e.event_id = o.event_id
-              GROUP BY o.event_id, o.created_at",
-            t("orders"),
-            t("effects")
-        )))
-        .fetch_all(admin)
+    let epoch_of = |expr: &str| admin.database().epoch(expr);
+    let orders: Vec<Order> = admin
+        .fetch_all::<(Uuid, f64, i64, Option<f64>)>(
+            format!(
+                "SELECT o.event_id, {}, count(e.event_id), {}
+                   FROM {} o LEFT JOIN {} e ON e.event_id = o.event_id
+                  GROUP BY o.event_id, o.created_at",
+                epoch_of("o.created_at"),
+                epoch_of("min(e.applied_at)"),
+                t("orders"),
+                t("effects")
+            ),
+            Vec::new(),
+        )
         .await?
         .into_iter()
         .map(|(event_id, created, effects, applied)| Order {
@@ -126,32 +124,30 @@ pub(crate) async fn judge(
         .collect();
     let written = orders.len();
     // The side events (the second destination): every one must reach the broker.
-    let side_events: HashSet<Uuid> = sqlx::query_scalar::<_, Uuid>(AssertSqlSafe(format!(
-        "SELECT id FROM {}",
-        t("side_events")
-    )))
-    .fetch_all(admin)
-    .await?
-    .into_iter()
-    .collect();
+    let side_events: HashSet<Uuid> = admin
+        .column::<Uuid>(format!("SELECT id FROM {}", t("side_events")))
+        .await?
+        .into_iter()
+        .collect();
     // When the orders' events were published (the relays' completion time).
-    let orders_sent_at: Vec<f64> = sqlx::query_scalar::<_, f64>(AssertSqlSafe(format!(
-        "SELECT extract(epoch FROM sent_at)::float8 FROM {}
-          WHERE event_type = '{EVENT_TYPE}' AND sent_at IS NOT NULL",
-        t("outbox_messages")
-    )))
-    .fetch_all(admin)
-    .await?;
+    let orders_sent_at: Vec<f64> = admin
+        .column(format!(
+            "SELECT {} FROM {}
+              WHERE event_type = '{EVENT_TYPE}' AND sent_at IS NOT NULL",
+            epoch_of("sent_at"),
+            t("outbox_messages")
+        ))
+        .await?;
     // When the side events the relays were refused at least once were committed: their
     // rows keep the refusal as `last_error` (a deferral charges nothing but records why).
-    let side_refused_at: Vec<f64> = sqlx::query_scalar::<_, f64>(AssertSqlSafe(format!(
-        "SELECT extract(epoch FROM s.created_at)::float8
-           FROM {} s JOIN {} m ON m.id = s.id WHERE m.last_error IS NOT NULL",
-        t("side_events"),
-        t("outbox_messages")
-    )))
-    .fetch_all(admin)
-    .await?;
+    let side_refused_at: Vec<f64> = admin
+        .column(format!(
+            "SELECT {} FROM {} s JOIN {} m ON m.id = s.id WHERE m.last_error IS NOT NULL",
+            epoch_of("s.created_at"),
+            t("side_events"),
+            t("outbox_messages")
+        ))
+        .await?;
     let order_ids: HashSet<Uuid> = orders.iter().map(|o| o.event_id).collect();
     // The swallowing handler's orders are judged by `consumer_side`; the rest here.
     let plain: Vec<&Order> = orders
@@ -167,9 +163,8 @@ pub(crate) async fn judge(
     let extra_effects: i64 = doubled.iter().map(|o| o.effects - 1).sum();
     let exactly_once = plain.iter().filter(|o| o.effects == 1).count();
 
-    let unknown_effects = scalar(
-        admin,
-        format!(
+    let unknown_effects = admin
+        .count(format!(
             "SELECT count(*) FROM {} e
               WHERE NOT EXISTS (SELECT 1 FROM {} o WHERE o.event_id = e.event_id)
                 AND NOT EXISTS (SELECT 1 FROM {} x WHERE x.id = e.event_id AND x.expect = '{}')",
@@ -177,42 +172,43 @@ pub(crate) async fn judge(
             t("orders"),
             t("foreign_messages"),
             Expect::Applied.as_str()
-        ),
-    )
-    .await?;
-    let dead: HashMap<Uuid, String> =
-        sqlx::query_as::<_, (Uuid, Option<String>)>(AssertSqlSafe(format!(
-            "SELECT id, last_error FROM {} WHERE status = 3",
-            t("outbox_messages")
-        )))
-        .fetch_all(admin)
+        ))
+        .await?;
+    let dead: HashMap<Uuid, String> = admin
+        .fetch_all::<(Uuid, Option<String>)>(
+            format!(
+                "SELECT id, last_error FROM {} WHERE status = 3",
+                t("outbox_messages")
+            ),
+            Vec::new(),
+        )
         .await?
         .into_iter()
         .map(|(id, e)| (id, e.unwrap_or_default()))
         .collect();
-    let pending = scalar(
-        admin,
-        format!(
+    let pending = admin
+        .count(format!(
             "SELECT count(*) FROM {} WHERE status IN (0, 9)",
             t("outbox_messages")
-        ),
-    )
-    .await?;
+        ))
+        .await?;
     let (deliveries, delivered_ids, swallowing_deliveries, swallowing_delivered): (
         i64,
         i64,
         i64,
         i64,
-    ) = sqlx::query_as(AssertSqlSafe(format!(
-        "SELECT count(*), count(DISTINCT event_id),
-                count(*) FILTER (WHERE a.event_id IS NOT NULL),
-                count(DISTINCT event_id) FILTER (WHERE a.event_id IS NOT NULL)
-           FROM {} d LEFT JOIN {} a USING (event_id)",
-        t("deliveries"),
-        t("audit")
-    )))
-    .fetch_one(admin)
-    .await?;
+    ) = admin
+        .fetch_one(
+            format!(
+                "SELECT count(*), count(DISTINCT d.event_id),
+                        count(a.event_id), count(DISTINCT a.event_id)
+                   FROM {} d LEFT JOIN {} a ON a.event_id = d.event_id",
+                t("deliveries"),
+                t("audit")
+            ),
+            Vec::new(),
+        )
+        .await?;
     // The swallowing handler's messages come back on purpose until they are dead.
     let swallowing_redeliveries = swallowing_deliveries - swallowing_delivered;
 
@@ -405,8 +401,8 @@ pub(crate) async fn judge(
                 | FaultKind::BrokerRestart
                 | FaultKind::MemoryAlarm
                 | FaultKind::QueueFull
-                | FaultKind::PgRestart
-                | FaultKind::PgTerminate
+                | FaultKind::DbRestart
+                | FaultKind::DbTerminate
                 | FaultKind::ConsumerLockout
         )
     };
@@ -452,7 +448,8 @@ pub(crate) async fn judge(
     // The table.
     println!();
     println!(
-        "chaos verdict: {}, {}{}, seed {}, fault phase {}, {} relays, {} consumers, crash-loop limit {}",
+        "chaos verdict: {}, {}, {}{}, seed {}, fault phase {}, {} relays, {} consumers, crash-loop limit {}",
+        admin.database().server(),
         inputs.transport.name(),
         inputs.mode.name(),
         if inputs.batched { " (batched)" } else { "" },
@@ -481,12 +478,12 @@ pub(crate) async fn judge(
             FaultKind::Poison => inputs.schedule.planned(kind) * inputs.poison_kinds,
             FaultKind::Foreign => inputs.schedule.planned(kind) * foreign::kinds().len(),
             // Not scheduled: a share of the orders, each one injected as it is written.
-            FaultKind::Swallow => side.swallowing.len(),
+            FaultKind::Swallow => side.swallowing.len() + side.swallowed_kept,
             _ => inputs.schedule.planned(kind),
         };
         let (mut injected, mut notes) = by_kind.remove(&kind).unwrap_or_default();
         if kind == FaultKind::Swallow {
-            injected = side.swallowing.len();
+            injected = side.swallowing.len() + side.swallowed_kept;
         }
         if let Some((_, why)) = inputs.schedule.unscheduled.iter().find(|(k, _)| *k == kind) {
             notes.push(why.clone());
@@ -506,12 +503,12 @@ pub(crate) async fn judge(
         {
             let what = match kind {
                 FaultKind::RelayKill | FaultKind::ConsumerKill => "down",
-                FaultKind::BrokerRestart | FaultKind::PgRestart | FaultKind::NodeKill => "down",
+                FaultKind::BrokerRestart | FaultKind::DbRestart | FaultKind::NodeKill => "down",
                 _ => "held",
             };
             notes.insert(0, format!("{what} {least:.1}-{most:.1} s"));
         }
-        if matches!(kind, FaultKind::PgTerminate | FaultKind::ConsumerLockout) {
+        if matches!(kind, FaultKind::DbTerminate | FaultKind::ConsumerLockout) {
             let connections: u64 = inputs
                 .records
                 .iter()
@@ -585,21 +582,36 @@ pub(crate) async fn judge(
     line(
         "applied exactly once",
         format!(
-            "{exactly_once} of {} orders (the swallowing handler's aside)",
-            plain.len()
+            "{exactly_once} of {} orders (the swallowing handler's {})",
+            plain.len(),
+            if side.swallowed_kept > 0 {
+                "included"
+            } else {
+                "aside"
+            }
         ),
     );
-    line(
-        "swallowing handler's orders",
-        format!(
-            "{}: {} consumer dead letters naming the aborted transaction, {} acked without effect or record, {} applied, {} dead for another reason",
-            side.swallowing.len(),
-            side.swallowed_dead,
-            side.acked_without_record.len(),
-            side.swallowed_applied.len(),
-            side.swallowed_other.len()
-        ),
-    );
+    if side.swallowed_kept > 0 {
+        line(
+            "swallowing handler's orders",
+            format!(
+                "{}: among the orders above (InnoDB undid the failed insert alone; each must be applied exactly once)",
+                side.swallowed_kept
+            ),
+        );
+    } else {
+        line(
+            "swallowing handler's orders",
+            format!(
+                "{}: {} consumer dead letters naming the aborted transaction, {} acked without effect or record, {} applied, {} dead for another reason",
+                side.swallowing.len(),
+                side.swallowed_dead,
+                side.acked_without_record.len(),
+                side.swallowed_applied.len(),
+                side.swallowed_other.len()
+            ),
+        );
+    }
     line(
         "foreign messages with a usable id",
         format!(
@@ -679,7 +691,7 @@ pub(crate) async fn judge(
     // complete anything then, whatever the broker did).
     let db_down: Vec<(f64, f64)> = windows
         .iter()
-        .filter(|(kind, ..)| matches!(kind, FaultKind::PgRestart | FaultKind::PgTerminate))
+        .filter(|(kind, ..)| matches!(kind, FaultKind::DbRestart | FaultKind::DbTerminate))
         .map(|(_, start, end, _)| (*start, *end + 3.0))
         .collect();
     let (mut committed_in, mut sent_in, mut seconds) = (0_usize, 0_usize, 0.0_f64);
