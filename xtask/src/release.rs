@@ -264,9 +264,6 @@ impl Report {
     }
 }
 
-/// Runs every check; fails if one failed (or, `strict`, if anything could not be
-/// checked or blocks publishing).
-///
 /// How much of the release check runs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Depth {
@@ -284,6 +281,9 @@ pub(crate) enum Depth {
     Quick,
 }
 
+/// Runs every check; fails if one failed (or, `strict`, if anything could not be
+/// checked or blocks publishing).
+///
 /// `depth`: [`Depth::Full`] builds each package from its `.crate` (a cold build of
 /// every dependency again, about 10 minutes on 2 cores); without it the packages are
 /// made and unpacked, and every `include_str!`/`include_bytes!` of theirs must find its
