@@ -766,16 +766,10 @@ async fn backlog_phases<P: EventPublisher>(
             }
         );
     }
-    let median = |v: &mut Vec<Duration>| {
-        v.sort();
-        let k = v.len() / 2;
-        if v.len().is_multiple_of(2) {
-            (v[k - 1] + v[k]) / 2
-        } else {
-            v[k]
-        }
-    };
-    let (small, large) = (median(&mut small_runs), median(&mut big_runs));
+    let (small, large) = (
+        super::report::median(small_runs),
+        super::report::median(big_runs),
+    );
     println!(
         "relay rate, medians of {rounds} rounds: {:.0} msg/s draining {m} of a {n}-row backlog, {:.0} msg/s draining a {m}-row table: ratio {:.2}",
         super::rate(m, large),
