@@ -354,12 +354,7 @@ fn build_lab(bins: &[&str]) -> Result<()> {
 fn lab_command(bin: &str) -> Command {
     let target = std::env::var_os("CARGO_TARGET_DIR")
         .map_or_else(|| workspace_root().join("target"), PathBuf::from);
-    let mut cmd = Command::new(target.join("release").join(bin));
-    cmd.current_dir(workspace_root());
-    for (key, value) in ENV_DEFAULTS {
-        env_default(&mut cmd, key, value);
-    }
-    cmd
+    in_workspace(target.join("release").join(bin))
 }
 
 /// Replaces this process with `cmd` (Unix), so that a Ctrl-C reaches the harness alone
@@ -411,7 +406,12 @@ pub(crate) fn workspace_root() -> PathBuf {
 /// A `cargo` command (honouring `$CARGO`) run from the workspace root with
 /// the service URLs defaulted.
 fn cargo() -> Command {
-    let program = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
+    in_workspace(std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into()))
+}
+
+/// `program`, run from the workspace root with the service URLs defaulted
+/// ([`ENV_DEFAULTS`]).
+fn in_workspace(program: impl AsRef<std::ffi::OsStr>) -> Command {
     let mut cmd = Command::new(program);
     cmd.current_dir(workspace_root());
     for (key, value) in ENV_DEFAULTS {
