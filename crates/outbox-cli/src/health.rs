@@ -13,13 +13,25 @@
 //! - the queue lag (age of the oldest New or Processing message) is over `max_lag`.
 //!
 //! Until the first check completes the state is unhealthy with reason `starting`.
+//!
+//! Warnings (`warnings`, with the status still `ok`) name what will slow the relay and
+//! the database down later without stopping anything now (PostgreSQL only,
+//! [`OutboxAdmin::vacuum_pressure`]):
+//! - a transaction of the database holding the xmin horizon back for longer than
+//!   `max_lag`: nothing completed since it began can be vacuumed;
+//! - more than [`DEAD_ROWS_WARNING`] dead row versions in the outbox table, and more
+//!   than its live rows: autovacuum is off, behind, or held back.
 
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use outbox_core::{EventPublisher, OnDead, OutboxAdmin, RelayHeartbeat};
+use outbox_core::{EventPublisher, OnDead, OutboxAdmin, RelayHeartbeat, VacuumPressure};
 use serde::Serialize;
 use tokio_util::sync::CancellationToken;
+
+/// Dead row versions in the outbox table above which (and above its live rows)
+/// `/healthz` warns.
+pub(crate) const DEAD_ROWS_WARNING: u64 = 100_000;
 
 /// A point-in-time health report, as served by `/healthz` (JSON).
 #[derive(Debug, Clone, Serialize, PartialEq)]
@@ -43,6 +55,14 @@ pub struct HealthReport {
     pub broker_reachable: Option<bool>,
     /// Messages published by this relay since start.
     pub published: u64,
+    /// What will slow the relay down later without making it unhealthy now (see the
+    /// [module docs](self)); empty when nothing.
+    pub warnings: Vec<String>,
+    /// Dead row versions of the outbox table at the last check (PostgreSQL only).
+    pub dead_row_versions: Option<u64>,
+    /// Age in seconds of the oldest transaction holding the xmin horizon back at the
+    /// last check (PostgreSQL only; `None`: none).
+    pub oldest_transaction_age_secs: Option<f64>,
 }
 
 impl HealthReport {
@@ -66,6 +86,33 @@ struct State {
     circuit_open: bool,
     published: u64,
     heartbeat_failing: bool,
+    vacuum: Option<VacuumPressure>,
+}
+
+/// The warnings of [`HealthReport::warnings`] for `v`: a transaction holding the
+/// horizon for longer than `max_lag`, dead row versions above [`DEAD_ROWS_WARNING`] and
+/// the live rows.
+fn vacuum_warnings(v: &VacuumPressure, max_lag: Duration) -> Vec<String> {
+    let mut warnings = Vec::new();
+    if let Some(age) = v.oldest_transaction_age
+        && age > max_lag
+    {
+        warnings.push(format!(
+            "a transaction has held the xmin horizon back for {}s ({}): nothing completed since can be vacuumed; end it, or bound such sessions with idle_in_transaction_session_timeout",
+            age.as_secs(),
+            v.oldest_transaction.as_deref().unwrap_or("unknown session")
+        ));
+    }
+    if v.dead_rows > DEAD_ROWS_WARNING && v.dead_rows > v.live_rows {
+        warnings.push(format!(
+            "{} dead row versions in the outbox table ({} live; last vacuum {}): autovacuum is off, behind or held back",
+            v.dead_rows,
+            v.live_rows,
+            v.last_vacuum
+                .map_or_else(|| "never".to_owned(), |t| t.to_rfc3339())
+        ));
+    }
+    warnings
 }
 
 /// Shared health state: written by the checker and the relay, read by `/healthz`.
@@ -149,6 +196,11 @@ impl Health {
                     self.max_lag.as_secs()
                 ));
             }
+            let warnings = s
+                .vacuum
+                .as_ref()
+                .map(|v| vacuum_warnings(v, self.max_lag))
+                .unwrap_or_default();
             HealthReport {
                 status: if reasons.is_empty() {
                     "ok"
@@ -163,6 +215,13 @@ impl Health {
                 circuit_open: s.circuit_open,
                 broker_reachable: s.checked.then_some(s.broker_error.is_none()),
                 published: s.published,
+                warnings,
+                dead_row_versions: s.vacuum.as_ref().map(|v| v.dead_rows),
+                oldest_transaction_age_secs: s
+                    .vacuum
+                    .as_ref()
+                    .and_then(|v| v.oldest_transaction_age)
+                    .map(|d| d.as_secs_f64()),
             }
         })
     }
@@ -192,11 +251,22 @@ impl Health {
         if let Ok(st) = &stats {
             outbox_core::metrics::set_table_gauges(st);
         }
+        // Statistics views only; a failure here says nothing the stats above do not.
+        let vacuum = match &stats {
+            Ok(_) => store.vacuum_pressure().await.ok().flatten(),
+            Err(_) => None,
+        };
+        if let Some(v) = &vacuum {
+            outbox_core::metrics::set_vacuum_gauges(v);
+        }
         self.with(|s| {
             s.checked = true;
             s.circuit_open = circuit_open;
             s.published = published;
             s.broker_error = broker_error;
+            if vacuum.is_some() {
+                s.vacuum = vacuum;
+            }
             match (stats, claimable) {
                 (Ok(st), Ok(wait)) => {
                     s.db_error = None;
@@ -262,5 +332,56 @@ impl Health {
                 () = tokio::time::sleep(interval) => {}
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn pressure(dead: u64, live: u64, age_secs: Option<u64>) -> VacuumPressure {
+        let mut v = VacuumPressure::default();
+        v.dead_rows = dead;
+        v.live_rows = live;
+        v.oldest_transaction_age = age_secs.map(Duration::from_secs);
+        v.oldest_transaction = age_secs.map(|_| "pid 4711 (psql), idle in transaction".to_owned());
+        v
+    }
+
+    #[test]
+    fn a_transaction_older_than_max_lag_is_warned_of_with_its_session() {
+        let max_lag = Duration::from_secs(300);
+        assert!(vacuum_warnings(&pressure(0, 0, Some(300)), max_lag).is_empty());
+        let w = vacuum_warnings(&pressure(0, 0, Some(301)), max_lag);
+        assert_eq!(w.len(), 1, "{w:?}");
+        assert!(w[0].contains("301s") && w[0].contains("pid 4711"), "{w:?}");
+    }
+
+    #[test]
+    fn dead_rows_are_warned_of_above_the_threshold_and_the_live_rows() {
+        let max_lag = Duration::from_secs(300);
+        assert!(vacuum_warnings(&pressure(DEAD_ROWS_WARNING, 0, None), max_lag).is_empty());
+        // Mostly live rows (sent rows kept): not a warning.
+        assert!(
+            vacuum_warnings(&pressure(DEAD_ROWS_WARNING + 1, 10 * DEAD_ROWS_WARNING, None), max_lag)
+                .is_empty()
+        );
+        let w = vacuum_warnings(&pressure(DEAD_ROWS_WARNING + 1, 5, None), max_lag);
+        assert_eq!(w.len(), 1, "{w:?}");
+        assert!(w[0].contains("last vacuum never"), "{w:?}");
+    }
+
+    #[test]
+    fn warnings_leave_the_status_ok() {
+        let health = Health::new(Duration::from_secs(1), Duration::from_secs(60), None);
+        health.with(|s| {
+            s.checked = true;
+            s.vacuum = Some(pressure(0, 0, Some(3600)));
+        });
+        let report = health.report();
+        assert!(report.is_healthy(), "{report:?}");
+        assert_eq!(report.status, "ok");
+        assert_eq!(report.warnings.len(), 1);
+        assert_eq!(report.oldest_transaction_age_secs, Some(3600.0));
     }
 }

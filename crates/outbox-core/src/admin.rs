@@ -32,6 +32,32 @@ use crate::{MessageFilter, MessageStatus, OnDead, OutboxError, OutboxStats, Outb
 /// counts at most: beyond it the gauges say "at least this many".
 pub const PENDING_STATS_BOUND: i64 = 10_000;
 
+/// What keeps completed rows' remains in the outbox table
+/// ([`OutboxAdmin::vacuum_pressure`]): the dead row versions waiting for VACUUM, and the
+/// oldest transaction that VACUUM may not remove them past (it holds the xmin horizon
+/// back, PostgreSQL's name for the oldest snapshot still in use).
+#[derive(Debug, Clone, Default, PartialEq, serde::Serialize)]
+#[non_exhaustive]
+pub struct VacuumPressure {
+    /// Dead row versions of the outbox table by the database's statistics
+    /// (PostgreSQL: `pg_stat_user_tables.n_dead_tup`, an estimate updated as
+    /// transactions end).
+    pub dead_rows: u64,
+    /// Live rows by the same statistics (`n_live_tup`), sent rows kept included.
+    pub live_rows: u64,
+    /// When the table was last vacuumed, by hand or by autovacuum; `None`: never
+    /// since the statistics were reset.
+    pub last_vacuum: Option<DateTime<Utc>>,
+    /// Age of the oldest transaction of the database that holds a snapshot or a
+    /// transaction id (or of the oldest prepared transaction), database clock;
+    /// `None` when there is none, or only sessions whose start the role may not see
+    /// (grant it `pg_read_all_stats`).
+    pub oldest_transaction_age: Option<Duration>,
+    /// Who that transaction is: `pid 4711 (psql, reporting), idle in transaction`, or
+    /// `prepared transaction 'gid'`.
+    pub oldest_transaction: Option<String>,
+}
+
 /// Counts of one `(event_type, tenant_id)` group.
 #[derive(Debug, Clone, PartialEq, serde::Serialize)]
 pub struct GroupStats {
@@ -564,6 +590,17 @@ pub trait OutboxAdmin: OutboxStore {
     /// # Errors
     /// [`OutboxError::Database`] on database failure.
     async fn sent_per_minute(&self, minutes: u32) -> Result<SentPerMinute, OutboxError>;
+
+    /// The outbox table's dead row versions and the oldest transaction holding back
+    /// their removal ([`VacuumPressure`]); `None` from a backend without such a notion
+    /// (the default). Reads statistics views only: cheap at any table size. The relay
+    /// exports it as gauges and warns on `/healthz` (docs/operations.md).
+    ///
+    /// # Errors
+    /// [`OutboxError::Database`] on database failure.
+    async fn vacuum_pressure(&self) -> Result<Option<VacuumPressure>, OutboxError> {
+        Ok(None)
+    }
 
     /// Records `beat` in the schema's `outbox_relays` table: inserts the relay's row
     /// (`started_at` and `last_seen_at` the database clock) or updates it

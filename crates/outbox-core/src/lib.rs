@@ -77,7 +77,7 @@ pub mod transport_conformance;
 pub use admin::{
     GroupStats, InboxDeadFilter, InboxDeadKind, InboxDeadLetter, InboxReplayMode,
     InboxReplayReport, MessageCount, MessageCursor, MessagePage, MessageState, MessageSummary,
-    OutboxAdmin, ReconcileRow, RelayHeartbeat, RelaySeen, SentPerMinute,
+    OutboxAdmin, ReconcileRow, RelayHeartbeat, RelaySeen, SentPerMinute, VacuumPressure,
 };
 pub use consumer::{
     BatchDeliveryHandler, BatchSettings, Consumer, DeliveryHandler, HandlerDecision,

@@ -23,6 +23,8 @@
 //! | [`PENDING_MESSAGES`] | gauge | messages | – | `New` + `Processing` rows (queue depth); the `outbox` relay counts at most 10,000 (then: at least that many) |
 //! | [`OLDEST_PENDING_AGE_SECONDS`] | gauge | seconds | – | age of the oldest pending row (queue lag); the `outbox` relay's is exact below 10,000 pending, else the backlog head's |
 //! | [`DEAD_MESSAGES`] | gauge | messages | – | rows in `Dead` now; the `outbox` relay counts at most 10,000 |
+//! | [`DEAD_ROW_VERSIONS`] | gauge | row versions | – | dead row versions of the outbox table waiting for VACUUM (PostgreSQL's statistics) |
+//! | [`OLDEST_TRANSACTION_AGE_SECONDS`] | gauge | seconds | – | age of the oldest transaction of the database holding the xmin horizon back (nothing older can be vacuumed); 0 when none |
 //!
 //! The dispatcher records the counters and histograms; the three table gauges need a
 //! query, so whoever owns the relay process sets them periodically from
@@ -93,6 +95,13 @@ pub const PENDING_MESSAGES: &str = "outbox_pending_messages";
 pub const OLDEST_PENDING_AGE_SECONDS: &str = "outbox_oldest_pending_age_seconds";
 /// Gauge (messages): rows in `Dead`.
 pub const DEAD_MESSAGES: &str = "outbox_dead_messages";
+/// Gauge (row versions): dead row versions of the outbox table waiting for VACUUM
+/// ([`VacuumPressure::dead_rows`](crate::VacuumPressure)); PostgreSQL only.
+pub const DEAD_ROW_VERSIONS: &str = "outbox_dead_row_versions";
+/// Gauge (seconds): age of the oldest transaction holding the xmin horizon back
+/// ([`VacuumPressure::oldest_transaction_age`](crate::VacuumPressure)); 0 when none;
+/// PostgreSQL only.
+pub const OLDEST_TRANSACTION_AGE_SECONDS: &str = "outbox_oldest_transaction_age_seconds";
 
 /// Label: the message's event type.
 pub const LABEL_EVENT_TYPE: &str = "event_type";
@@ -281,6 +290,16 @@ pub fn describe() {
         Unit::Count,
         "Outbox rows Dead (the outbox relay counts at most 10000: that value means at least 10000)"
     );
+    describe_gauge!(
+        DEAD_ROW_VERSIONS,
+        Unit::Count,
+        "Dead row versions of the outbox table waiting for VACUUM (PostgreSQL statistics)"
+    );
+    describe_gauge!(
+        OLDEST_TRANSACTION_AGE_SECONDS,
+        Unit::Seconds,
+        "Age of the oldest transaction of the database holding the xmin horizon back; 0 when none"
+    );
 }
 
 /// The `kind` label value of an error kind.
@@ -378,6 +397,14 @@ pub fn set_table_gauges(stats: &OutboxStats) {
     ::metrics::gauge!(OLDEST_PENDING_AGE_SECONDS)
         .set(stats.oldest_pending_age.map_or(0.0, |d| d.as_secs_f64()));
     ::metrics::gauge!(DEAD_MESSAGES).set(stats.dead as f64);
+}
+
+/// Sets the vacuum gauges ([`DEAD_ROW_VERSIONS`], [`OLDEST_TRANSACTION_AGE_SECONDS`])
+/// from `pressure`.
+pub fn set_vacuum_gauges(pressure: &crate::VacuumPressure) {
+    ::metrics::gauge!(DEAD_ROW_VERSIONS).set(pressure.dead_rows as f64);
+    ::metrics::gauge!(OLDEST_TRANSACTION_AGE_SECONDS)
+        .set(pressure.oldest_transaction_age.map_or(0.0, |d| d.as_secs_f64()));
 }
 
 #[cfg(test)]

@@ -36,6 +36,7 @@
 
 mod config;
 mod error;
+mod floor;
 mod inbox;
 mod listen;
 mod migrate;

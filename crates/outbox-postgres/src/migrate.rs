@@ -63,10 +63,15 @@ const MIGRATIONS: &[(i32, &str, &str)] = &[
         "relay heartbeats: outbox_relays",
         include_str!("../migrations/0010_relays.sql"),
     ),
+    (
+        11,
+        "autovacuum by a fixed dead-row threshold on the claimed tables",
+        include_str!("../migrations/0011_autovacuum.sql"),
+    ),
 ];
 
 /// The highest migration version this crate knows.
-pub const LATEST_VERSION: i32 = 10;
+pub const LATEST_VERSION: i32 = 11;
 
 /// Creates `schema` if needed and applies every migration not yet applied. Returns the
 /// versions applied by this call.

@@ -32,7 +32,7 @@ use crate::store::PgOutbox;
 use outbox_core::admin::{
     GroupStats, InboxDeadFilter, InboxDeadKind, InboxDeadLetter, InboxReplayMode,
     InboxReplayReport, MessageCount, MessageCursor, MessagePage, MessageState, MessageSummary,
-    PENDING_STATS_BOUND, ReconcileRow, RelayHeartbeat, RelaySeen, SentPerMinute,
+    PENDING_STATS_BOUND, ReconcileRow, RelayHeartbeat, RelaySeen, SentPerMinute, VacuumPressure,
 };
 
 /// Columns of the outbox archive (migration 4).
@@ -827,6 +827,47 @@ impl OutboxAdmin for PgOutbox {
     ///
     /// # Errors
     /// [`OutboxError::Database`] (e.g. migration 10 not applied).
+    /// `pg_stat_user_tables` for the outbox table; the oldest of this database's
+    /// sessions with a snapshot or a transaction id in `pg_stat_activity` (this one
+    /// excepted) and of its prepared transactions.
+    async fn vacuum_pressure(&self) -> Result<Option<VacuumPressure>, OutboxError> {
+        let row = sqlx::query(
+            "SELECT coalesce(s.n_dead_tup, 0), coalesce(s.n_live_tup, 0),
+                    greatest(s.last_vacuum, s.last_autovacuum), h.age, h.holder
+               FROM (SELECT 1) one
+               LEFT JOIN pg_stat_user_tables s
+                      ON s.schemaname = $1 AND s.relname = 'outbox_messages'
+               LEFT JOIN LATERAL (
+                    SELECT extract(epoch FROM clock_timestamp() - a.xact_start)::float8 AS age,
+                           format('pid %s (%s), %s', a.pid,
+                                  coalesce(nullif(a.application_name, ''), a.usename::text, '?'),
+                                  coalesce(a.state, '?')) AS holder
+                      FROM pg_stat_activity a
+                     WHERE a.datname = current_database() AND a.pid <> pg_backend_pid()
+                       AND (a.backend_xmin IS NOT NULL OR a.backend_xid IS NOT NULL)
+                       AND a.xact_start IS NOT NULL
+                    UNION ALL
+                    SELECT extract(epoch FROM clock_timestamp() - p.prepared)::float8,
+                           format('prepared transaction %L', p.gid)
+                      FROM pg_prepared_xacts p
+                     WHERE p.database = current_database()
+                     ORDER BY 1 DESC LIMIT 1) h ON true",
+        )
+        .bind(self.schema())
+        .fetch_one(self.pool())
+        .await
+        .map_err(db("vacuum_pressure"))?;
+        let get = |e| db("vacuum_pressure")(e);
+        let age: Option<f64> = row.try_get(3).map_err(get)?;
+        let mut pressure = VacuumPressure::default();
+        pressure.dead_rows = count(row.try_get(0).map_err(get)?);
+        pressure.live_rows = count(row.try_get(1).map_err(get)?);
+        pressure.last_vacuum = row.try_get(2).map_err(get)?;
+        pressure.oldest_transaction_age = age.map(|a| Duration::from_secs_f64(a.max(0.0)));
+        pressure.oldest_transaction = row.try_get(4).map_err(get)?;
+        Ok(Some(pressure))
+    }
+
     async fn record_heartbeat(&self, beat: &RelayHeartbeat) -> Result<(), OutboxError> {
         let s = quoted_schema(self.schema());
         sqlx::query(AssertSqlSafe(format!(

@@ -46,8 +46,10 @@ const FILTER: &str = "m.phase = 3
 /// table's fillfactor the new version on the same page. The chosen ids are updated
 /// through `id = ANY(ARRAY(...))`, a primary-key lookup, so the cost does not grow with
 /// the table (a join let the planner hash the whole table).
-/// `$1` batch size, `$2` lease in seconds, `$3` claim token; with `guard`, `$4` the
-/// crash-loop limit (see [`claim_set`]).
+/// `$1` batch size, `$2` lease in seconds, `$3` claim token; with `guard` (the
+/// outbox's claim), `$4` the crash-loop limit (see [`claim_set`]) and `$5` the claim
+/// floor, the `visible_at` the walk starts at (`NULL`: the start of the index; see
+/// [`crate::floor`]).
 fn claim_statement(table: &str, returning: &str, guard: bool) -> String {
     if !guard {
         return format!(
@@ -68,6 +70,7 @@ fn claim_statement(table: &str, returning: &str, guard: bool) -> String {
         "WITH candidates AS (
              SELECT c.id, c.status, c.visible_at, c.seq FROM {table} c
               WHERE c.phase = 0 AND c.visible_at <= now()
+                AND c.visible_at >= COALESCE($5, '-infinity'::timestamptz)
                 AND (c.status = 0 OR c.lease_until < now())
               ORDER BY c.visible_at, c.seq LIMIT $1 FOR UPDATE SKIP LOCKED
          ), first AS (
@@ -256,6 +259,9 @@ fn completion_update(table: &str, source: &str, filter: &str) -> String {
 pub(crate) struct Queries {
     pub(crate) enqueue: Arc<str>,
     pub(crate) claim: Arc<str>,
+    /// The oldest pending row's `visible_at` at or above `$1` (`NULL`: any), for the
+    /// claim floor.
+    pub(crate) claim_floor: Arc<str>,
     pub(crate) claim_ordered: Arc<str>,
     pub(crate) blocked_keys: Arc<str>,
     pub(crate) complete: Arc<str>,
@@ -314,6 +320,11 @@ impl Queries {
                  ORDER BY u.ord"
             )),
             claim: s(claim_statement(&t, &format!("{COLUMNS}, m.unfinished_claims, m.unfinished_alone"), true)),
+            claim_floor: s(format!(
+                "SELECT visible_at FROM {t}
+                  WHERE phase = 0 AND visible_at >= COALESCE($1, '-infinity'::timestamptz)
+                  ORDER BY visible_at, seq LIMIT 1"
+            )),
             claim_ordered: s(claim_ordered_statement(&t, &format!("{COLUMNS}, m.unfinished_claims, m.unfinished_alone"))),
             // Keys whose head (first unfinished row, Dead included) is Dead or waiting out
             // a retry backoff. Candidates: keys with a Dead row, and keys with a retried

@@ -21,6 +21,7 @@ use uuid::Uuid;
 
 use crate::config::PgConfig;
 use crate::error::db;
+use crate::floor::ClaimFloor;
 use crate::inbox::PgInbox;
 use crate::sql::{Queries, like_escape, sql};
 
@@ -36,6 +37,8 @@ pub struct PgOutbox {
     q: Arc<Queries>,
     /// Where the last ordered claim stopped walking keys (shared by clones).
     key_cursor: Arc<std::sync::Mutex<String>>,
+    /// Where an unordered claim starts walking the pending index (shared by clones).
+    floor: Arc<ClaimFloor>,
     sent_retention: SentRetention,
     crash_loop_limit: u32,
     max_payload_bytes: usize,
@@ -60,6 +63,7 @@ impl PgOutbox {
             schema: schema.into(),
             q: Arc::new(Queries::new(schema)),
             key_cursor: Arc::default(),
+            floor: Arc::default(),
             sent_retention: config.sent_retention(),
             crash_loop_limit: config.crash_loop_limit(),
             max_payload_bytes: config.max_payload_bytes(),
@@ -131,6 +135,14 @@ impl PgOutbox {
     /// The schema name.
     pub fn schema(&self) -> &str {
         &self.schema
+    }
+
+    /// The claim floor (see the [`OutboxStore`] impl's `claim`): the `visible_at` from
+    /// which unordered claims walk the pending index, `None` before its first refresh.
+    /// For tests.
+    #[doc(hidden)]
+    pub fn claim_floor(&self) -> Option<chrono::DateTime<chrono::Utc>> {
+        self.floor.get()
     }
 
     /// Writes one message on `conn` (the caller's transaction). Returns its id.
@@ -394,6 +406,10 @@ fn limit(n: usize) -> i64 {
 
 #[async_trait]
 impl OutboxStore for PgOutbox {
+    /// One statement (see `sql.rs`). The walk of the pending index starts at the claim
+    /// floor, kept in the background (`floor.rs`), so its cost does not grow with the
+    /// dead index entries that completed rows leave behind while VACUUM cannot remove
+    /// them (autovacuum behind, or a transaction holding the xmin horizon back).
     async fn claim(&self, batch_size: usize, lease: Duration) -> Result<ClaimedBatch, OutboxError> {
         let token = Uuid::new_v4();
         let rows = sqlx::query(sql(&self.q.claim))
@@ -401,9 +417,11 @@ impl OutboxStore for PgOutbox {
             .bind(lease.as_secs_f64())
             .bind(token)
             .bind(self.crash_loop_limit_param())
+            .bind(self.floor.get())
             .fetch_all(&self.pool)
             .await
             .map_err(db("claim"))?;
+        self.floor.refresh_if_due(&self.pool, &self.q.claim_floor);
         decode_claim(&rows, token)
     }
 
