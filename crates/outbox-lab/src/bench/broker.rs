@@ -13,7 +13,7 @@ use lapin::{Connection, ExchangeKind};
 use transport_nats::StreamSetup;
 use transport_nats::async_nats::jetstream;
 
-use super::ceilings::{nats_ceiling, rabbit_ceiling};
+use super::ceilings::{nats_ceiling, nats_publish, rabbit_ceiling, rabbit_publish, reference_feeds};
 use super::{Args, TransportKind};
 use crate::common;
 
@@ -189,6 +189,29 @@ impl Broker {
         tokio::time::timeout(Duration::from_secs(300), run)
             .await
             .context("the broker ceiling got no confirmations for 5 minutes (broker blocked? check its alarms)")?
+    }
+
+    /// The reference relay over the outbox table of `db` (see
+    /// [`reference_feeds`]): `args.concurrency` loops of claim, pipelined publish, mark
+    /// sent, until no pending row is left; fails (instead of hanging) when the broker
+    /// stops confirming for 5 minutes.
+    pub(super) async fn reference_relay(
+        &self,
+        args: &Args,
+        db: &outbox_postgres::PgOutbox,
+    ) -> anyhow::Result<Duration> {
+        let feeds = reference_feeds(args.concurrency, db.pool(), db.schema());
+        let run = async {
+            match self {
+                Self::Rabbit { exchange, .. } => rabbit_publish(args, exchange, feeds, false).await,
+                Self::Nats { js, prefix, .. } => {
+                    nats_publish(args, js, &format!("{prefix}.BenchEvent"), feeds, false).await
+                }
+            }
+        };
+        tokio::time::timeout(Duration::from_secs(300), run)
+            .await
+            .context("the reference relay got no confirmations for 5 minutes")?
     }
 
     /// Empties the queue or stream between phases; fails instead of hanging after a

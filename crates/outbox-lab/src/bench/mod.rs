@@ -151,6 +151,14 @@ pub struct Args {
     /// warm-up and at the end (see `soak.rs`).
     #[arg(long, value_name = "N")]
     soak: Option<usize>,
+    /// Measure the relay under vacuum pressure instead: the steady phase
+    /// (`--steady-rate` messages/s for `--steady-secs`, e.g. 1000 and 120) twice, first
+    /// as usual, then while another session holds a REPEATABLE READ snapshot open for the
+    /// whole phase, so that nothing completed can be vacuumed or marked dead in the
+    /// index (autovacuum is off on the bench's tables either way). Commit-to-publish
+    /// over the whole phase and over its last fifth, and the ratio (see `phases.rs`).
+    #[arg(long)]
+    hold_xmin: bool,
 }
 
 /// The `bench` binary: runs the benchmark `args` asks for (see the
@@ -211,6 +219,52 @@ pub async fn main(args: Args) -> anyhow::Result<()> {
     };
     broker.cleanup().await?;
     result
+}
+
+/// `--hold-xmin`: the steady phase as usual, then with the xmin horizon held for its
+/// whole length; the relay's commit-to-publish in both, overall and in the last fifth
+/// of the messages (where walking the completed rows' remains would show most).
+async fn held_horizon<P: EventPublisher>(
+    args: &Args,
+    broker: &Broker,
+    publisher: Arc<P>,
+) -> anyhow::Result<()> {
+    let body = payload(args.payload_bytes);
+    println!(
+        "relay under vacuum pressure, PostgreSQL → {}: {} messages/s for {} s of {} bytes, batch {}, {} batches in flight, autovacuum off on the table, {} CPUs",
+        broker.name(),
+        args.steady_rate,
+        args.steady_secs,
+        body.len(),
+        args.batch_size,
+        args.concurrency,
+        std::thread::available_parallelism().map_or(0, usize::from)
+    );
+    let mut p99s = Vec::new();
+    for (name, hold) in [("as usual", false), ("xmin horizon held", true)] {
+        let latencies = phases::steady_run(Arc::clone(&publisher), args, &body, hold).await?;
+        broker.purge().await?;
+        let fifth = &latencies[latencies.len() - latencies.len() / 5..];
+        let (Some((p50, p99)), Some((last_p50, last_p99))) =
+            (common::percentiles(&latencies), common::percentiles(fifth))
+        else {
+            anyhow::bail!("{name}: no message was sent");
+        };
+        println!(
+            "{name}: {} sent; commit-to-publish p50 {} p99 {}; last fifth p50 {} p99 {}",
+            latencies.len(),
+            common::ms(p50),
+            common::ms(p99),
+            common::ms(last_p50),
+            common::ms(last_p99)
+        );
+        p99s.push(last_p99);
+    }
+    println!(
+        "last fifth's p99 with the horizon held / as usual: {:.2} (target: at most 2)",
+        p99s[1].as_secs_f64() / p99s[0].as_secs_f64().max(1e-6)
+    );
+    Ok(())
 }
 
 /// `--ordered`: per-key ordering with 1, 10, 1,000 and 10,000 keys against the unordered relay
@@ -307,6 +361,9 @@ async fn run<P: EventPublisher>(
     if args.relay_process || args.backlog.is_some() {
         return relay_latency_bench::run(args, broker, publisher).await;
     }
+    if args.hold_xmin {
+        return held_horizon(args, broker, publisher).await;
+    }
     let body = payload(args.payload_bytes);
     let n = args.messages;
     let mysql = match args.database {
@@ -361,22 +418,40 @@ async fn run<P: EventPublisher>(
 
         let relay_db = fresh_outbox_keeping("relay", args.sent_retention).await?;
         preload(&relay_db, n, &body).await?;
+        let reference_db = fresh_outbox("reference").await?;
+        preload(&reference_db, n, &body).await?;
         let mut ceiling = None;
         let mut relay = None;
-        for phase in 0..2 {
+        let mut reference = None;
+        // Ceiling, relay, reference in even rounds, the reverse in odd ones: each pair
+        // runs in both orders equally often over an even number of rounds.
+        let order = if round % 2 == 0 { [0, 1, 2] } else { [2, 1, 0] };
+        for phase in order {
             settled = settled.max(quiesce(&relay_db).await);
             broker.warm_up(args, body.as_bytes()).await?;
-            if (phase + round) % 2 == 0 {
-                let cpu0 = cpu();
-                let elapsed = broker.ceiling(args, body.as_bytes(), false).await?;
-                ceiling = Some((elapsed, cpu().since(cpu0)));
-            } else {
-                let cpu0 = cpu();
-                let run = run_dispatcher(&relay_db, Arc::clone(&publisher), args).await?;
-                relay = Some((run, cpu().since(cpu0)));
+            let cpu0 = cpu();
+            match phase {
+                0 => {
+                    let elapsed = broker.ceiling(args, body.as_bytes(), false).await?;
+                    ceiling = Some((elapsed, cpu().since(cpu0)));
+                }
+                1 => {
+                    let run = run_dispatcher(&relay_db, Arc::clone(&publisher), args).await?;
+                    relay = Some((run, cpu().since(cpu0)));
+                }
+                _ => {
+                    let elapsed = broker.reference_relay(args, &reference_db).await?;
+                    reference = Some((elapsed, cpu().since(cpu0)));
+                }
             }
             broker.purge().await?;
         }
+        let reference_sent = reference_db.rows(true).await?;
+        drop_schema(&reference_db).await;
+        anyhow::ensure!(
+            reference_sent == n as i64,
+            "the reference relay marked {reference_sent} of {n} sent"
+        );
         // The same relay with the database out of the phase: the messages of a third
         // table are claimed before the clock starts.
         let pre_db = fresh_outbox("preclaimed").await?;
@@ -401,6 +476,7 @@ async fn run<P: EventPublisher>(
         drop_schema(&relay_db).await;
         let (broker_elapsed, broker_cpu) = ceiling.context("broker phase ran")?;
         let (relay, relay_cpu) = relay.context("relay phase ran")?;
+        let (reference, reference_cpu) = reference.context("reference phase ran")?;
         if round == 0 {
             // Later rounds start with the heap the pre-claimed phase left behind.
             peak_rss = relay.peak_rss;
@@ -418,13 +494,16 @@ async fn run<P: EventPublisher>(
             pipeline_cpu,
             pipeline_publishing: pipeline.publishing,
             bare,
+            reference,
+            reference_cpu,
         };
         println!(
-            "round {}: store {:.0}/s, broker {:.0}/s, relay {:.0}/s, relay without database {:.0}/s, ratio {:.2} ({} first)",
+            "round {}: store {:.0}/s, broker {:.0}/s, relay {:.0}/s, reference relay {:.0}/s, relay without database {:.0}/s, ratio {:.2} ({} first)",
             round + 1,
             rate(n, r.store),
             rate(n, r.broker),
             rate(n, r.relay),
+            rate(n, r.reference),
             rate(n, r.pipeline),
             r.ratio(n),
             if r.relay_first { "relay" } else { "ceiling" }

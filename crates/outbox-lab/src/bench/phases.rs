@@ -264,7 +264,32 @@ pub(super) async fn steady_latency<P: EventPublisher>(
     args: &Args,
     payload: &str,
 ) -> anyhow::Result<Option<(Duration, Duration)>> {
+    Ok(common::percentiles(
+        &steady_run(publisher, args, payload, false).await?,
+    ))
+}
+
+/// The steady phase of [`steady_latency`]; with `hold_xmin`, while another session
+/// holds a REPEATABLE READ snapshot open from before the first message to after the
+/// last (as a long report or `pg_dump` would), so that no completed row's remains can
+/// be removed or even marked dead in the index. Returns each message's
+/// commit-to-publish latency in milliseconds, in the order they were written.
+pub(super) async fn steady_run<P: EventPublisher>(
+    publisher: Arc<P>,
+    args: &Args,
+    payload: &str,
+    hold_xmin: bool,
+) -> anyhow::Result<Vec<f64>> {
     let outbox = fresh_outbox("steady").await?;
+    let horizon = if hold_xmin {
+        let mut conn = outbox.pool().acquire().await?.detach();
+        sqlx::raw_sql("BEGIN ISOLATION LEVEL REPEATABLE READ; SELECT count(*) FROM pg_class;")
+            .execute(&mut conn)
+            .await?;
+        Some(conn)
+    } else {
+        None
+    };
     let dispatcher = Dispatcher::new(
         Arc::new(outbox.clone()),
         publisher,
@@ -304,7 +329,14 @@ pub(super) async fn steady_latency<P: EventPublisher>(
     }
     token.cancel();
     runner.await??;
-    let latency = commit_to_publish(&outbox).await?;
+    drop(horizon);
+    let latencies: Vec<f64> = sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
+        "SELECT extract(epoch FROM sent_at - created_at)::float8 * 1000
+           FROM {}.outbox_messages WHERE status = 1 ORDER BY seq",
+        outbox.schema()
+    )))
+    .fetch_all(outbox.pool())
+    .await?;
     drop_schema(&outbox).await;
-    Ok(latency)
+    Ok(latencies)
 }

@@ -23,6 +23,9 @@ pub(super) struct Round {
     pub(super) pipeline_cpu: common::CpuTimes,
     pub(super) pipeline_publishing: Publishing,
     pub(super) bare: Duration,
+    /// The reference relay (claim, pipelined publish, mark sent; nothing else).
+    pub(super) reference: Duration,
+    pub(super) reference_cpu: common::CpuTimes,
 }
 
 impl Round {
@@ -96,6 +99,7 @@ pub(super) fn print(args: &Args, broker: &Broker, rounds: &[Round], totals: Tota
     let relay = median(&|r| r.relay);
     let pipeline = median(&|r| r.pipeline);
     let bare = median(&|r| r.bare);
+    let reference = median(&|r| r.reference);
     // The round whose relay time is the median (the upper one of an even count): its
     // CPU figures are printed.
     let mid = {
@@ -132,6 +136,11 @@ pub(super) fn print(args: &Args, broker: &Broker, rounds: &[Round], totals: Tota
         common::ms(relay)
     );
     println!(
+        "| reference relay (claim, pipelined publish, mark sent; no retries, no circuit) | {:>10.0} | {:>9} |",
+        rate(n, reference),
+        common::ms(reference)
+    );
+    println!(
         "| (reference) relay without the database in the phase | {:>10.0} | {:>9} |",
         rate(n, pipeline),
         common::ms(pipeline)
@@ -152,6 +161,7 @@ pub(super) fn print(args: &Args, broker: &Broker, rounds: &[Round], totals: Tota
         ("broker ceiling", broker_cpu, mid.broker),
         ("relay", relay_cpu, mid.relay),
         ("relay, no db", pipeline_cpu, mid.pipeline),
+        ("reference", mid.reference_cpu, mid.reference),
     ] {
         print_cpu(phase, cpu, d);
     }
@@ -185,6 +195,19 @@ pub(super) fn print(args: &Args, broker: &Broker, rounds: &[Round], totals: Tota
         show(geomean(&relay_first)),
         show(geomean(&ceiling_first)),
         relay_rate / ceiling
+    );
+    // The relay against the reference relay of its own round, in both orders equally
+    // often.
+    let vs_reference = (rounds
+        .iter()
+        .map(|r| (r.reference.as_secs_f64() / r.relay.as_secs_f64()).ln())
+        .sum::<f64>()
+        / rounds.len() as f64)
+        .exp();
+    println!(
+        "relay / reference relay = {vs_reference:.2} (target ≥ 1.0): geometric mean of the {} rounds' ratios; ratio of the medians {:.2}",
+        rounds.len(),
+        relay_rate / rate(n, reference)
     );
     println!(
         "each timed phase started after a checkpoint and sync, on idle cores (longest wait {}), \
