@@ -13,7 +13,7 @@ use lapin::{Connection, ExchangeKind};
 use transport_nats::StreamSetup;
 use transport_nats::async_nats::jetstream;
 
-use super::ceilings::{nats_ceiling, nats_publish, rabbit_ceiling, rabbit_publish, reference_feeds};
+use super::ceilings::{Feed, copies, nats_publish, rabbit_publish, reference_feeds};
 use super::{Args, TransportKind};
 use crate::common;
 
@@ -178,15 +178,7 @@ impl Broker {
         body: &[u8],
         bare: bool,
     ) -> anyhow::Result<Duration> {
-        let run = async {
-            match self {
-                Self::Rabbit { exchange, .. } => rabbit_ceiling(args, exchange, body, bare).await,
-                Self::Nats { js, prefix, .. } => {
-                    nats_ceiling(args, js, &format!("{prefix}.BenchEvent"), body, bare).await
-                }
-            }
-        };
-        tokio::time::timeout(Duration::from_secs(300), run)
+        self.publish(args, copies(args, body), bare)
             .await
             .context("the broker ceiling got no confirmations for 5 minutes (broker blocked? check its alarms)")?
     }
@@ -201,17 +193,28 @@ impl Broker {
         db: &outbox_postgres::PgOutbox,
     ) -> anyhow::Result<Duration> {
         let feeds = reference_feeds(args.concurrency, db.pool(), db.schema());
+        self.publish(args, feeds, false)
+            .await
+            .context("the reference relay got no confirmations for 5 minutes")?
+    }
+
+    /// The raw client publishing `feeds` (see [`rabbit_publish`], [`nats_publish`]),
+    /// given up after 5 minutes.
+    async fn publish(
+        &self,
+        args: &Args,
+        feeds: Vec<Box<dyn Feed>>,
+        bare: bool,
+    ) -> Result<anyhow::Result<Duration>, tokio::time::error::Elapsed> {
         let run = async {
             match self {
-                Self::Rabbit { exchange, .. } => rabbit_publish(args, exchange, feeds, false).await,
+                Self::Rabbit { exchange, .. } => rabbit_publish(args, exchange, feeds, bare).await,
                 Self::Nats { js, prefix, .. } => {
-                    nats_publish(args, js, &format!("{prefix}.BenchEvent"), feeds, false).await
+                    nats_publish(args, js, &format!("{prefix}.BenchEvent"), feeds, bare).await
                 }
             }
         };
-        tokio::time::timeout(Duration::from_secs(300), run)
-            .await
-            .context("the reference relay got no confirmations for 5 minutes")?
+        tokio::time::timeout(Duration::from_secs(300), run).await
     }
 
     /// Empties the queue or stream between phases; fails instead of hanging after a

@@ -78,8 +78,9 @@ impl Feed for Copies {
 }
 
 /// The ceilings' feeds: `args.messages` copies of `body` split over
-/// `args.concurrency` publishers.
-fn copies(args: &Args, body: &[u8]) -> Vec<Box<dyn Feed>> {
+/// `args.concurrency` publishers, each publishing windows of `batch_size` and then
+/// awaiting their confirms or PubAcks together.
+pub(super) fn copies(args: &Args, body: &[u8]) -> Vec<Box<dyn Feed>> {
     let per_task = args.messages.div_ceil(args.concurrency);
     let body = Bytes::copy_from_slice(body);
     (0..args.concurrency)
@@ -152,17 +153,6 @@ pub(super) fn reference_feeds(
             }) as Box<dyn Feed>
         })
         .collect()
-}
-
-/// Raw lapin: `concurrency` channels, each publishing windows of `batch_size` messages
-/// and then awaiting their confirms together.
-pub(super) async fn rabbit_ceiling(
-    args: &Args,
-    exchange: &str,
-    body: &[u8],
-    bare: bool,
-) -> anyhow::Result<Duration> {
-    rabbit_publish(args, exchange, copies(args, body), bare).await
 }
 
 /// Raw lapin: a channel per feed, each publishing windows of `batch_size` messages
@@ -260,18 +250,6 @@ pub(super) fn same_headers_as_the_relay(body: &[u8]) -> async_nats::HeaderMap {
         headers.insert(name.as_str(), value.as_str());
     }
     headers
-}
-
-/// Raw async-nats JetStream: `concurrency` tasks, each publishing windows of
-/// `batch_size` messages and then awaiting their PubAcks together.
-pub(super) async fn nats_ceiling(
-    args: &Args,
-    js: &jetstream::Context,
-    subject: &str,
-    body: &[u8],
-    bare: bool,
-) -> anyhow::Result<Duration> {
-    nats_publish(args, js, subject, copies(args, body), bare).await
 }
 
 /// Raw async-nats JetStream: a task per feed, each publishing windows of `batch_size`
