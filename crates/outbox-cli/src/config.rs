@@ -503,6 +503,9 @@ impl fmt::Debug for RelaySettings {
             max_lag,
             stuck_after,
             health_interval,
+            source,
+            wal_slot,
+            wal_publication,
         } = self;
         f.debug_struct("RelaySettings")
             .field("db", db)
@@ -530,6 +533,9 @@ impl fmt::Debug for RelaySettings {
             .field("max_lag", max_lag)
             .field("stuck_after", stuck_after)
             .field("health_interval", health_interval)
+            .field("source", source)
+            .field("wal_slot", wal_slot)
+            .field("wal_publication", wal_publication)
             .finish()
     }
 }
@@ -590,6 +596,12 @@ pub struct RelaySettings {
     pub stuck_after: Duration,
     /// Health check and gauge refresh period.
     pub health_interval: Duration,
+    /// Where committed messages are read from (`--source`).
+    pub source: crate::cli::SourceKind,
+    /// The slot of `--source wal` (`None`: `{schema}_outbox`).
+    pub wal_slot: Option<String>,
+    /// The publication of `--source wal` (`None`: `{schema}_outbox`).
+    pub wal_publication: Option<String>,
 }
 
 impl RelaySettings {
@@ -619,6 +631,9 @@ impl RelaySettings {
             max_lag: Duration::from_secs(300),
             stuck_after: Duration::from_secs(120),
             health_interval: Duration::from_secs(5),
+            source: crate::cli::SourceKind::Poll,
+            wal_slot: None,
+            wal_publication: None,
         }
     }
 
@@ -733,6 +748,12 @@ impl RelaySettings {
             let (event_type, policy) = parse_override(text, s.max_attempts)?;
             s.overrides.insert(event_type, policy);
         }
+        s.source = args.source.unwrap_or_default();
+        s.wal_slot = args.wal.slot.clone();
+        s.wal_publication = args.wal.publication.clone();
+        if s.source == crate::cli::SourceKind::Wal {
+            s.wal_config()?;
+        }
         s.validate_transport()?;
         s.dispatcher_config()
             .check_lease(Some(s.publish_timeout()))
@@ -744,6 +765,34 @@ impl RelaySettings {
                 },
             })?;
         Ok(s)
+    }
+
+    /// The slot and publication of `--source wal`, checked.
+    ///
+    /// # Errors
+    /// [`CliError::Invalid`] for a database other than PostgreSQL or a bad name.
+    #[cfg(feature = "postgres")]
+    pub(crate) fn wal_config(&self) -> Result<outbox_postgres::wal::WalConfig, CliError> {
+        if self.db.kind()? != DatabaseKind::Postgres {
+            return Err(CliError::Invalid {
+                field: "source",
+                reason: "--source wal reads a PostgreSQL replication slot: the database URL must be postgres://".into(),
+            });
+        }
+        crate::commands::wal::wal_config(
+            &self.db.schema,
+            self.wal_slot.as_deref(),
+            self.wal_publication.as_deref(),
+        )
+    }
+
+    /// Without PostgreSQL compiled in there is no WAL source.
+    #[cfg(not(feature = "postgres"))]
+    pub(crate) fn wal_config(&self) -> Result<(), CliError> {
+        Err(CliError::FeatureMissing {
+            backend: "PostgreSQL",
+            feature: "postgres",
+        })
     }
 
     /// The longest publish of one batch: the connect timeout plus the confirm timeout

@@ -50,6 +50,8 @@ mod output;
 mod relay;
 #[doc(hidden)]
 pub mod testing;
+#[cfg(feature = "postgres")]
+mod wal;
 
 use std::io::Write;
 use std::process::ExitCode;
@@ -174,6 +176,10 @@ pub async fn run(cli: Cli, out: &mut dyn Write) -> Result<(), CliError> {
             }
         },
         Command::Purge(a) => admin(&cli, &file, purge::validate(a), out).await,
+        Command::Wal { command } => {
+            let db = DbSettings::resolve(&cli, &file)?;
+            commands::wal::run(&db, command, out).await
+        }
         Command::Dashboard(a) => {
             let db = DbSettings::resolve(&cli, &file)?;
             let settings = dashboard::DashboardSettings::resolve(a)?;
