@@ -163,6 +163,11 @@ pub struct RelayArgs {
     #[command(flatten)]
     pub wal: WalArgs,
 
+    /// --source wal: /healthz fails when the replication slot retains more WAL than
+    /// this many bytes [default: 1073741824 (1 GiB)].
+    #[arg(long, env = "OUTBOX_MAX_WAL_RETAINED", value_name = "BYTES")]
+    pub max_wal_retained: Option<u64>,
+
     /// Broker: rabbit or nats [default: rabbit].
     #[arg(long, env = "OUTBOX_TRANSPORT", value_enum)]
     pub transport: Option<TransportKind>,
@@ -299,6 +304,7 @@ impl fmt::Debug for RelayArgs {
         let Self {
             source,
             wal,
+            max_wal_retained,
             transport,
             broker_url,
             exchange,
@@ -325,6 +331,7 @@ impl fmt::Debug for RelayArgs {
         f.debug_struct("RelayArgs")
             .field("source", source)
             .field("wal", wal)
+            .field("max_wal_retained", max_wal_retained)
             .field("transport", transport)
             .field(
                 "broker_url",

@@ -506,6 +506,7 @@ impl fmt::Debug for RelaySettings {
             source,
             wal_slot,
             wal_publication,
+            max_wal_retained,
         } = self;
         f.debug_struct("RelaySettings")
             .field("db", db)
@@ -536,6 +537,7 @@ impl fmt::Debug for RelaySettings {
             .field("source", source)
             .field("wal_slot", wal_slot)
             .field("wal_publication", wal_publication)
+            .field("max_wal_retained", max_wal_retained)
             .finish()
     }
 }
@@ -602,6 +604,8 @@ pub struct RelaySettings {
     pub wal_slot: Option<String>,
     /// The publication of `--source wal` (`None`: `{schema}_outbox`).
     pub wal_publication: Option<String>,
+    /// `--source wal`: the most WAL the slot may retain before /healthz fails, bytes.
+    pub max_wal_retained: u64,
 }
 
 impl RelaySettings {
@@ -634,6 +638,7 @@ impl RelaySettings {
             source: crate::cli::SourceKind::Poll,
             wal_slot: None,
             wal_publication: None,
+            max_wal_retained: 1 << 30,
         }
     }
 
@@ -751,6 +756,9 @@ impl RelaySettings {
         s.source = args.source.unwrap_or_default();
         s.wal_slot = args.wal.slot.clone();
         s.wal_publication = args.wal.publication.clone();
+        if let Some(n) = args.max_wal_retained {
+            s.max_wal_retained = n;
+        }
         if s.source == crate::cli::SourceKind::Wal {
             s.wal_config()?;
         }

@@ -10,7 +10,8 @@
 //! - the relay is stuck: a claimable message (New and visible; in ordered mode also
 //!   not held back by an earlier message of its key) has waited longer than
 //!   `stuck_after` without being claimed;
-//! - the queue lag (age of the oldest New or Processing message) is over `max_lag`.
+//! - the queue lag (age of the oldest New or Processing message) is over `max_lag`;
+//! - `--source wal`: the replication slot retains more WAL than its threshold.
 //!
 //! Until the first check completes the state is unhealthy with reason `starting`.
 
@@ -43,6 +44,9 @@ pub struct HealthReport {
     pub broker_reachable: Option<bool>,
     /// Messages published by this relay since start.
     pub published: u64,
+    /// `--source wal`: WAL retained by the replication slot, in bytes.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub wal_retained_bytes: Option<u64>,
 }
 
 impl HealthReport {
@@ -66,6 +70,8 @@ struct State {
     circuit_open: bool,
     published: u64,
     heartbeat_failing: bool,
+    /// WAL retained by the slot and the threshold (`--source wal`).
+    wal_retained: Option<(u64, u64)>,
 }
 
 /// Shared health state: written by the checker and the relay, read by `/healthz`.
@@ -103,6 +109,12 @@ impl Health {
     /// Records that the relay task ended (with its error, if any).
     pub fn relay_stopped(&self, why: String) {
         self.with(|s| s.relay_stopped = Some(why));
+    }
+
+    /// `--source wal`: the WAL the replication slot retains, in bytes, and the most it
+    /// may retain before `/healthz` fails.
+    pub fn wal_retained(&self, bytes: Option<u64>, max: u64) {
+        self.with(|s| s.wal_retained = bytes.map(|b| (b, max)));
     }
 
     /// The current report.
@@ -149,6 +161,13 @@ impl Health {
                     self.max_lag.as_secs()
                 ));
             }
+            if let Some((bytes, max)) = s.wal_retained
+                && bytes > max
+            {
+                reasons.push(format!(
+                    "the replication slot retains {bytes} bytes of WAL (threshold {max})"
+                ));
+            }
             HealthReport {
                 status: if reasons.is_empty() {
                     "ok"
@@ -163,6 +182,7 @@ impl Health {
                 circuit_open: s.circuit_open,
                 broker_reachable: s.checked.then_some(s.broker_error.is_none()),
                 published: s.published,
+                wal_retained_bytes: s.wal_retained.map(|(b, _)| b),
             }
         })
     }

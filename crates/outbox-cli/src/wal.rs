@@ -30,6 +30,11 @@ pub(crate) async fn start(
     // is fine (this one stands by).
     outbox_postgres::wal::check(&store, &wal).await?;
     let prometheus = prometheus()?;
+    metrics::describe_gauge!(
+        outbox_postgres::wal::WAL_RETAINED_BYTES,
+        metrics::Unit::Bytes,
+        "WAL retained by the relay's replication slot (pg_current_wal_lsn() - confirmed_flush_lsn)"
+    );
     let publisher = Arc::new(crate::testing::Hooked::from_env(publisher(settings).await?));
     let config = WalRelayConfig::new(settings.db.url.clone())
         .with_batch_size(settings.batch_size)
@@ -81,13 +86,18 @@ pub(crate) async fn start(
         let publisher = Arc::clone(&publisher);
         let store = Arc::clone(&store);
         let stats = stats.clone();
+        let max_retained = settings.max_wal_retained;
+        let sampled = health.clone();
         tokio::spawn(async move {
             health
                 .run_checker(
                     store,
                     publisher,
                     interval,
-                    move || (stats.circuit_open(), stats.published()),
+                    move || {
+                        sampled.wal_retained(stats.retained_bytes(), max_retained);
+                        (stats.circuit_open(), stats.published())
+                    },
                     Some(heartbeat()),
                     token,
                 )

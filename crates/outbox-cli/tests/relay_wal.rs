@@ -530,3 +530,62 @@ async fn e_a_dropped_slot_stops_the_relay_loudly() {
     assert!(ok && status.contains("missing"), "{status}");
     fx.delete_exchange().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn f_an_idle_outbox_does_not_retain_wal() {
+    let (db, _cleanup) = wal_outbox().await;
+    let fx = relay_fixture(FieldTable::default()).await;
+    let relay = start(&db, &relay_args(&fx, &amqp_url()));
+    wait_until(
+        &relay,
+        Duration::from_secs(30),
+        "the relay reads the slot",
+        || async { active_pid(&db).await.is_some() },
+    )
+    .await;
+    // WAL written by other tables only: nothing for the relay to publish, but the slot
+    // must not keep it.
+    common::exec(&db, "CREATE TABLE {s}.other (n int)").await;
+    common::exec(
+        &db,
+        "INSERT INTO {s}.other SELECT generate_series(1, 10000)",
+    )
+    .await;
+    let after = current_lsn(&db).await;
+    wait_until(
+        &relay,
+        Duration::from_secs(60),
+        "the idle relay confirms the server's position",
+        || async { confirmed_past(&db, &after).await },
+    )
+    .await;
+    assert_eq!(count(&db, 1).await, 0);
+
+    // The retained WAL is a gauge and part of /healthz.
+    let addr: SocketAddr = relay
+        .log()
+        .split_whitespace()
+        .find_map(|w| w.strip_prefix("listen="))
+        .expect("the relay logs its address")
+        .parse()
+        .expect("an address");
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    loop {
+        let (code, body) = common::http_get(addr, "/healthz").await;
+        if code == 200 && body.contains("\"wal_retained_bytes\"") {
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "/healthz: {code} {body}; log:\n{}",
+            relay.log()
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    let (_, metrics) = common::http_get(addr, "/metrics").await;
+    assert!(metrics.contains("outbox_wal_retained_bytes"), "{metrics}");
+    relay.terminate();
+    let mut relay = relay;
+    assert!(relay.exited_within(Duration::from_secs(15)).await.is_some());
+    fx.delete_exchange().await;
+}
