@@ -11,7 +11,11 @@
 //! - (d) a second relay on the same slot stands by and takes over when the first is
 //!   killed;
 //! - (e) the slot dropped under a running relay stops it loudly, and a relay without a
-//!   slot does not start.
+//!   slot does not start;
+//! - (f) an idle outbox does not make the slot retain WAL (keepalives confirm the
+//!   server's position), and the retained WAL is in /healthz and /metrics;
+//! - (g) a row that cannot be published goes dead alone, the stream goes on, and its
+//!   replay (`outbox dead replay`, an update back to New) is published.
 //!
 //! Each test has a schema, a slot and a publication of its own; a guard drops all three
 //! when the test ends, also when it panics (a forgotten slot retains WAL forever). The
@@ -99,14 +103,15 @@ impl Drop for Cleanup {
 
 /// `outbox --schema S wal ARGS...`; returns (success, stdout + stderr).
 fn wal_command(db: &PgOutbox, args: &[&str]) -> (bool, String) {
+    let mut all = vec!["wal"];
+    all.extend_from_slice(args);
+    outbox_command(db, &all)
+}
+
+/// `outbox --schema S ARGS...`; returns (success, stdout + stderr).
+fn outbox_command(db: &PgOutbox, args: &[&str]) -> (bool, String) {
     let out = Command::new(env!("CARGO_BIN_EXE_outbox"))
-        .args([
-            "--database-url",
-            &database_url(),
-            "--schema",
-            db.schema(),
-            "wal",
-        ])
+        .args(["--database-url", &database_url(), "--schema", db.schema()])
         .args(args)
         .env_remove("OUTBOX_CONFIG")
         .stdin(Stdio::null())
@@ -584,6 +589,55 @@ async fn f_an_idle_outbox_does_not_retain_wal() {
     }
     let (_, metrics) = common::http_get(addr, "/metrics").await;
     assert!(metrics.contains("outbox_wal_retained_bytes"), "{metrics}");
+    relay.terminate();
+    let mut relay = relay;
+    assert!(relay.exited_within(Duration::from_secs(15)).await.is_some());
+    fx.delete_exchange().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn g_a_poison_row_dies_alone_and_a_replay_is_published() {
+    let (db, _cleanup) = wal_outbox().await;
+    let fx = relay_fixture(FieldTable::default()).await;
+    let counts = fx.counter().await;
+    let relay = start(&db, &relay_args(&fx, &amqp_url()));
+    let before = enqueue_n(&db, 5, 5, "g1").await;
+    // Headers that are not an object of strings: the row cannot be published.
+    let poison = uuid::Uuid::now_v7();
+    sqlx::query(sqlx::AssertSqlSafe(format!(
+        "INSERT INTO {}.outbox_messages (id, aggregate_type, aggregate_id, event_type, payload, headers) \
+         VALUES ($1, 'order', 'p', 'OrderPlaced', '{{}}', '{{\"n\": 1}}')",
+        db.schema()
+    )))
+    .bind(poison)
+    .execute(db.pool())
+    .await
+    .expect("insert the poison row");
+    let after = enqueue_n(&db, 5, 5, "g2").await;
+    wait_until(&relay, Duration::from_secs(60), "the good ones are sent, the poison one dead", || async {
+        count(&db, 1).await == 10 && count(&db, 3).await == 1
+    })
+    .await;
+    assert_eq!(missing(&counts, &before) + missing(&counts, &after), 0);
+    let error: Option<String> = sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
+        "SELECT last_error FROM {}.outbox_messages WHERE id = $1",
+        db.schema()
+    )))
+    .bind(poison)
+    .fetch_one(db.pool())
+    .await
+    .expect("the poison row");
+    assert!(error.as_deref().is_some_and(|e| e.contains("headers")), "{error:?}");
+
+    // Repaired and replayed: the update back to New comes through the slot.
+    common::exec(&db, "UPDATE {s}.outbox_messages SET headers = '{}' WHERE status = 3").await;
+    let id = poison.to_string();
+    let (ok, out) = outbox_command(&db, &["dead", "replay", "--id", &id]);
+    assert!(ok, "{out}");
+    wait_until(&relay, Duration::from_secs(60), "the replayed message is sent", || async {
+        count(&db, 1).await == 11 && counts.lock().expect("lock").contains_key(&id)
+    })
+    .await;
     relay.terminate();
     let mut relay = relay;
     assert!(relay.exited_within(Duration::from_secs(15)).await.is_some());
