@@ -309,8 +309,16 @@ async fn b_a_relay_killed_mid_run_loses_nothing() {
     assert_eq!(count(&db, 3).await, 0, "nothing dead");
     let deliveries: usize = counts.lock().expect("lock").values().sum();
     eprintln!(
-        "2000 messages, {deliveries} deliveries ({} duplicates after the kill)",
-        deliveries - 2000
+        "2000 messages, {deliveries} deliveries ({} duplicates after the kill); the restarted relay {}",
+        deliveries - 2000,
+        if relay
+            .log()
+            .contains("skipped rows the previous session published")
+        {
+            "skipped rows its predecessor had recorded but not confirmed"
+        } else {
+            "had nothing to skip"
+        }
     );
     relay.terminate();
     assert!(relay.exited_within(Duration::from_secs(15)).await.is_some());
@@ -614,9 +622,12 @@ async fn g_a_poison_row_dies_alone_and_a_replay_is_published() {
     .await
     .expect("insert the poison row");
     let after = enqueue_n(&db, 5, 5, "g2").await;
-    wait_until(&relay, Duration::from_secs(60), "the good ones are sent, the poison one dead", || async {
-        count(&db, 1).await == 10 && count(&db, 3).await == 1
-    })
+    wait_until(
+        &relay,
+        Duration::from_secs(60),
+        "the good ones are sent, the poison one dead",
+        || async { count(&db, 1).await == 10 && count(&db, 3).await == 1 },
+    )
     .await;
     assert_eq!(missing(&counts, &before) + missing(&counts, &after), 0);
     let error: Option<String> = sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
@@ -627,16 +638,26 @@ async fn g_a_poison_row_dies_alone_and_a_replay_is_published() {
     .fetch_one(db.pool())
     .await
     .expect("the poison row");
-    assert!(error.as_deref().is_some_and(|e| e.contains("headers")), "{error:?}");
+    assert!(
+        error.as_deref().is_some_and(|e| e.contains("headers")),
+        "{error:?}"
+    );
 
     // Repaired and replayed: the update back to New comes through the slot.
-    common::exec(&db, "UPDATE {s}.outbox_messages SET headers = '{}' WHERE status = 3").await;
+    common::exec(
+        &db,
+        "UPDATE {s}.outbox_messages SET headers = '{}' WHERE status = 3",
+    )
+    .await;
     let id = poison.to_string();
     let (ok, out) = outbox_command(&db, &["dead", "replay", "--id", &id]);
     assert!(ok, "{out}");
-    wait_until(&relay, Duration::from_secs(60), "the replayed message is sent", || async {
-        count(&db, 1).await == 11 && counts.lock().expect("lock").contains_key(&id)
-    })
+    wait_until(
+        &relay,
+        Duration::from_secs(60),
+        "the replayed message is sent",
+        || async { count(&db, 1).await == 11 && counts.lock().expect("lock").contains_key(&id) },
+    )
     .await;
     relay.terminate();
     let mut relay = relay;

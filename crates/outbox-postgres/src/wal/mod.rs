@@ -173,6 +173,16 @@ impl WalError {
     /// restarting), as opposed to a configuration the operator must change.
     pub fn is_retryable(&self) -> bool {
         match self {
+            Self::Stream(pgwire_replication::PgWireError::Server(message)) => {
+                // The server's SQLSTATE, which the client appends as "(SQLSTATE xxxxx)":
+                // refused permissions (42501), authentication (class 28) and a missing
+                // database (3D000) need the operator.
+                let code = message
+                    .rsplit_once("(SQLSTATE ")
+                    .and_then(|(_, rest)| rest.get(..5))
+                    .unwrap_or("");
+                !(code == "42501" || code == "3D000" || code.starts_with("28"))
+            }
             Self::Stream(e) => !matches!(
                 e,
                 pgwire_replication::PgWireError::Auth(_) | pgwire_replication::PgWireError::Tls(_)
@@ -183,5 +193,34 @@ impl WalError {
             ),
             _ => false,
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn names_are_checked() {
+        assert!(WalConfig::new("outbox").build().is_ok());
+        assert_eq!(WalConfig::new("outbox").slot(), "outbox_outbox");
+        for bad in ["", "Slot", "a-b", "x;drop", &"a".repeat(64)] {
+            assert!(
+                WalConfig::new("outbox").with_slot(bad).build().is_err(),
+                "{bad}"
+            );
+        }
+    }
+
+    #[test]
+    fn server_errors_that_need_the_operator_are_not_retried() {
+        let server = |m: &str| WalError::Stream(pgwire_replication::PgWireError::Server(m.into()));
+        assert!(!server("permission denied to start WAL sender (SQLSTATE 42501)").is_retryable());
+        assert!(!server("password authentication failed (SQLSTATE 28P01)").is_retryable());
+        assert!(
+            server("replication slot \"s\" is active for PID 7 (SQLSTATE 55006)").is_retryable()
+        );
+        assert!(server("terminating connection (SQLSTATE 57P01)").is_retryable());
+        assert!(!WalError::SlotMissing { slot: "s".into() }.is_retryable());
     }
 }

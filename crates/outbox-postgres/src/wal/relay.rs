@@ -330,6 +330,10 @@ impl<P: EventPublisher> WalRelay<P> {
         // End of the last transaction received: once every item before it is handled,
         // the position to confirm.
         let mut last_commit: Option<Lsn> = None;
+        // What a session reads first may have been published and recorded by the one
+        // before it (which had not confirmed the position yet): skip rows the table
+        // already records, until a batch has none of them.
+        let mut catching_up = true;
         loop {
             let next = if batch.len() >= self.config.batch_size {
                 None
@@ -346,7 +350,7 @@ impl<P: EventPublisher> WalRelay<P> {
                 client.recv().now_or_never()
             };
             let Some(event) = next else {
-                if !self.flush(&mut batch, shutdown).await? {
+                if !self.flush(&mut batch, &mut catching_up, shutdown).await? {
                     // Stopped during an outage: what was not confirmed is read again by
                     // the next session.
                     self.finish(&mut client, None).await;
@@ -400,6 +404,9 @@ impl<P: EventPublisher> WalRelay<P> {
                                 let row = Row::new(rel, &tuple);
                                 if row.status() == Ok(MessageStatus::New.code())
                                     && let Ok(id) = row.id()
+                                    && !batch
+                                        .iter()
+                                        .any(|i| matches!(i, Item::Message(m) if m.id == id))
                                 {
                                     batch.push(Item::Replay(id));
                                 }
@@ -444,6 +451,7 @@ impl<P: EventPublisher> WalRelay<P> {
     async fn flush(
         &self,
         batch: &mut Vec<Item>,
+        catching_up: &mut bool,
         shutdown: &CancellationToken,
     ) -> Result<bool, WalError> {
         let items = std::mem::take(batch);
@@ -467,6 +475,20 @@ impl<P: EventPublisher> WalRelay<P> {
         if !self.record(&[], &dead, shutdown).await? {
             return Ok(false);
         }
+        if *catching_up && !messages.is_empty() {
+            let pending = self.still_pending(&messages).await?;
+            let before = messages.len();
+            messages.retain(|m| pending.contains(&m.id));
+            if messages.len() == before {
+                *catching_up = false;
+            } else {
+                info!(
+                    skipped = before - messages.len(),
+                    "skipped rows the previous session published and recorded already"
+                );
+            }
+        }
+        outbox_core::metrics::claimed(messages.len());
         let mut attempts: Vec<u32> = messages
             .iter()
             .map(|m| u32::try_from(m.attempts).unwrap_or(0))
@@ -529,6 +551,9 @@ impl<P: EventPublisher> WalRelay<P> {
                 }
                 done += 1;
             }
+            outbox_core::metrics::commit_to_publish(
+                slice.iter().map(|m| (&m.created_at, sent.contains(&m.id))),
+            );
             if !self.record(&sent, &dead, shutdown).await? {
                 return Ok(false);
             }
@@ -632,6 +657,24 @@ impl<P: EventPublisher> WalRelay<P> {
             });
         }
         outcomes
+    }
+
+    /// The ids of `messages` whose rows are still `New` in the table.
+    async fn still_pending(
+        &self,
+        messages: &[OutboxMessage],
+    ) -> Result<std::collections::HashSet<Uuid>, WalError> {
+        let ids: Vec<Uuid> = messages.iter().map(|m| m.id).collect();
+        let sql = format!(
+            "SELECT id FROM {}.outbox_messages WHERE id = ANY($1) AND status = 0",
+            quoted_schema(self.outbox.schema())
+        );
+        let pending: Vec<Uuid> = sqlx::query_scalar(AssertSqlSafe(sql))
+            .bind(ids)
+            .fetch_all(self.outbox.pool())
+            .await
+            .map_err(db("wal pending"))?;
+        Ok(pending.into_iter().collect())
     }
 
     /// Records published messages (`Sent`, or deleted) and dead ones, retrying a
