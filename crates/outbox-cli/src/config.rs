@@ -109,6 +109,10 @@ pub struct FileRelay {
     pub max_lag: Option<String>,
     pub stuck_after: Option<String>,
     pub health_interval: Option<String>,
+    pub source: Option<crate::cli::SourceKind>,
+    pub wal_slot: Option<String>,
+    pub wal_publication: Option<String>,
+    pub max_wal_retained: Option<u64>,
     #[serde(default)]
     pub event_types: BTreeMap<String, FileOverride>,
 }
@@ -434,9 +438,17 @@ impl fmt::Debug for FileRelay {
             max_lag,
             stuck_after,
             health_interval,
+            source,
+            wal_slot,
+            wal_publication,
+            max_wal_retained,
             event_types,
         } = self;
         f.debug_struct("FileRelay")
+            .field("source", source)
+            .field("wal_slot", wal_slot)
+            .field("wal_publication", wal_publication)
+            .field("max_wal_retained", max_wal_retained)
             .field("transport", transport)
             .field(
                 "broker_url",
@@ -753,10 +765,14 @@ impl RelaySettings {
             let (event_type, policy) = parse_override(text, s.max_attempts)?;
             s.overrides.insert(event_type, policy);
         }
-        s.source = args.source.unwrap_or_default();
-        s.wal_slot = args.wal.slot.clone();
-        s.wal_publication = args.wal.publication.clone();
-        if let Some(n) = args.max_wal_retained {
+        s.source = args.source.or(f.source).unwrap_or_default();
+        s.wal_slot = args.wal.slot.clone().or_else(|| f.wal_slot.clone());
+        s.wal_publication = args
+            .wal
+            .publication
+            .clone()
+            .or_else(|| f.wal_publication.clone());
+        if let Some(n) = args.max_wal_retained.or(f.max_wal_retained) {
             s.max_wal_retained = n;
         }
         if s.source == crate::cli::SourceKind::Wal {
@@ -1117,6 +1133,63 @@ mod tests {
             Err(CliError::TimeWindow { .. })
         ));
         assert!(parse_window(Some("2h"), Some("1h"), now).is_ok());
+    }
+
+    #[test]
+    fn the_wal_source_comes_from_flags_or_the_file_and_needs_postgres() {
+        let file = FileConfig::parse(
+            "[relay]\nsource = \"wal\"\nwal_slot = \"s1\"\nmax_wal_retained = 1000\n",
+        )
+        .expect("parses");
+        let cli = <Cli as clap::Parser>::parse_from([
+            "outbox",
+            "--database-url",
+            "postgres://u@h/d",
+            "relay",
+            "--publication",
+            "p1",
+        ]);
+        let crate::cli::Command::Relay(args) = &cli.command else {
+            unreachable!("parsed relay")
+        };
+        let s = RelaySettings::resolve(&cli, args, &file).expect("valid");
+        assert_eq!(s.source, crate::cli::SourceKind::Wal);
+        assert_eq!(
+            (s.wal_slot.as_deref(), s.wal_publication.as_deref()),
+            (Some("s1"), Some("p1"))
+        );
+        assert_eq!(s.max_wal_retained, 1000);
+
+        let cli = <Cli as clap::Parser>::parse_from([
+            "outbox",
+            "--database-url",
+            "postgres://u@h/d",
+            "relay",
+            "--source",
+            "wal",
+            "--slot",
+            "Bad-Name",
+        ]);
+        let crate::cli::Command::Relay(args) = &cli.command else {
+            unreachable!("parsed relay")
+        };
+        let e = RelaySettings::resolve(&cli, args, &FileConfig::default()).expect_err("bad slot");
+        assert!(e.is_bad_input(), "{e}");
+
+        let cli = <Cli as clap::Parser>::parse_from([
+            "outbox",
+            "--database-url",
+            "mysql://u@h/d",
+            "relay",
+            "--source",
+            "wal",
+        ]);
+        let crate::cli::Command::Relay(args) = &cli.command else {
+            unreachable!("parsed relay")
+        };
+        let e =
+            RelaySettings::resolve(&cli, args, &FileConfig::default()).expect_err("not postgres");
+        assert!(e.to_string().contains("PostgreSQL"), "{e}");
     }
 
     #[test]

@@ -15,7 +15,9 @@
 //! - (f) an idle outbox does not make the slot retain WAL (keepalives confirm the
 //!   server's position), and the retained WAL is in /healthz and /metrics;
 //! - (g) a row that cannot be published goes dead alone, the stream goes on, and its
-//!   replay (`outbox dead replay`, an update back to New) is published.
+//!   replay (`outbox dead replay`, an update back to New) is published;
+//! - (h) over NATS JetStream, the relay killed mid-run and restarted: the stream holds
+//!   every message exactly once (`Nats-Msg-Id` deduplication absorbs repeats).
 //!
 //! Each test has a schema, a slot and a publication of its own; a guard drops all three
 //! when the test ends, also when it panics (a forgotten slot retains WAL forever). The
@@ -663,4 +665,76 @@ async fn g_a_poison_row_dies_alone_and_a_replay_is_published() {
     let mut relay = relay;
     assert!(relay.exited_within(Duration::from_secs(15)).await.is_some());
     fx.delete_exchange().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn h_over_nats_a_restart_leaves_every_message_once_in_the_stream() {
+    let (db, _cleanup) = wal_outbox().await;
+    let tag = uuid::Uuid::new_v4().simple().to_string();
+    let (stream, prefix) = (format!("TEST_{tag}"), format!("test.{tag}"));
+    let nats_url = std::env::var("NATS_URL").unwrap_or_else(|_| "nats://127.0.0.1:4222".into());
+    let config = transport_nats::NatsConfig::builder(&nats_url)
+        .with_subject_prefix(&prefix)
+        .build()
+        .expect("config");
+    transport_nats::StreamSetup::for_config(&stream, &config)
+        .with_storage(transport_nats::Storage::Memory)
+        .apply(&config)
+        .await
+        .expect("stream");
+    let client = transport_nats::async_nats::connect(&nats_url)
+        .await
+        .expect("connect");
+    let js = transport_nats::async_nats::jetstream::new(client);
+    let args: Vec<String> = [
+        "--source",
+        "wal",
+        "--transport",
+        "nats",
+        "--broker-url",
+        &nats_url,
+        "--subject-prefix",
+        &prefix,
+        "--connect-timeout",
+        "1s",
+        "--confirm-timeout",
+        "2s",
+        "--lease",
+        "6s",
+    ]
+    .map(str::to_owned)
+    .to_vec();
+    let mut relay = start(&db, &args);
+    let producer = {
+        let db = db.clone();
+        tokio::spawn(async move { enqueue_n(&db, 1000, 20, "h").await })
+    };
+    wait_until(&relay, Duration::from_secs(60), "some are sent", || async {
+        count(&db, 1).await >= 100
+    })
+    .await;
+    kill_9(&relay);
+    assert!(relay.exited_within(Duration::from_secs(10)).await.is_some());
+    producer.await.expect("producer");
+    relay = start(&db, &args);
+    wait_until(
+        &relay,
+        Duration::from_secs(120),
+        "all 1000 are sent",
+        || async { count(&db, 1).await == 1000 },
+    )
+    .await;
+    let messages = js
+        .get_stream(&stream)
+        .await
+        .expect("stream")
+        .info()
+        .await
+        .expect("info")
+        .state
+        .messages;
+    let _ = js.delete_stream(&stream).await;
+    assert_eq!(messages, 1000, "every message once in the stream");
+    relay.terminate();
+    assert!(relay.exited_within(Duration::from_secs(15)).await.is_some());
 }
