@@ -16,6 +16,8 @@
 //!   server's position), and the retained WAL is in /healthz and /metrics;
 //! - (g) a row that cannot be published goes dead alone, the stream goes on, and its
 //!   replay (`outbox dead replay`, an update back to New) is published;
+//! - (i) SIGTERM mid-run: the relay drains and exits 0, its successor sends the rest,
+//!   nothing is lost and nothing is published twice;
 //! - (h) over NATS JetStream, the relay killed mid-run and restarted: the stream holds
 //!   every message exactly once (`Nats-Msg-Id` deduplication absorbs repeats).
 //!
@@ -737,4 +739,51 @@ async fn h_over_nats_a_restart_leaves_every_message_once_in_the_stream() {
     assert_eq!(messages, 1000, "every message once in the stream");
     relay.terminate();
     assert!(relay.exited_within(Duration::from_secs(15)).await.is_some());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn i_sigterm_mid_run_drains_and_a_successor_sends_the_rest() {
+    let (db, _cleanup) = wal_outbox().await;
+    let fx = relay_fixture(FieldTable::default()).await;
+    let counts = fx.counter().await;
+    let args = relay_args(&fx, &amqp_url());
+    let mut relay = start(&db, &args);
+    let producer = {
+        let db = db.clone();
+        tokio::spawn(async move { enqueue_n(&db, 2000, 20, "i").await })
+    };
+    wait_until(
+        &relay,
+        Duration::from_secs(60),
+        "some are published",
+        || async { counts.lock().expect("lock").len() >= 200 },
+    )
+    .await;
+    relay.terminate();
+    let exit = relay.exited_within(Duration::from_secs(15)).await;
+    assert!(
+        exit.is_some_and(|s| s.success()),
+        "drained and exited 0: {exit:?}; log:\n{}",
+        relay.log()
+    );
+    assert_eq!(active_pid(&db).await, None, "the slot is released");
+    let ids = producer.await.expect("producer");
+    relay = start(&db, &args);
+    wait_until(
+        &relay,
+        Duration::from_secs(120),
+        "every id arrives",
+        || async { missing(&counts, &ids) == 0 && count(&db, 1).await == 2000 },
+    )
+    .await;
+    // Deliveries settle: the consumer may lag the table by a moment.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let deliveries: usize = counts.lock().expect("lock").values().sum();
+    assert_eq!(
+        deliveries, 2000,
+        "a drained relay leaves nothing to publish twice"
+    );
+    relay.terminate();
+    assert!(relay.exited_within(Duration::from_secs(15)).await.is_some());
+    fx.delete_exchange().await;
 }
