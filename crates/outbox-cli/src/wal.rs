@@ -39,7 +39,8 @@ pub(crate) async fn start(
     let config = WalRelayConfig::new(settings.db.url.clone())
         .with_batch_size(settings.batch_size)
         .with_retry(settings.retry_policies())
-        .with_gauge_interval(settings.health_interval);
+        .with_gauge_interval(settings.health_interval)
+        .with_crash_loop_limit(settings.crash_loop_limit);
     let store = Arc::new(store);
     let relay = WalRelay::new(
         (*store).clone(),

@@ -18,6 +18,9 @@
 //!   replay (`outbox dead replay`, an update back to New) is published;
 //! - (i) SIGTERM mid-run: the relay drains and exits 0, its successor sends the rest,
 //!   nothing is lost and nothing is published twice;
+//! - (j) a row that makes the relay process die (the binary's abort hook), among 19
+//!   healthy ones, the relay restarted each time: that row ends `Dead` as a suspected
+//!   crash loop after the limit, the others are each published once;
 //! - (h) over NATS JetStream, the relay killed mid-run and restarted: the stream holds
 //!   every message exactly once (`Nats-Msg-Id` deduplication absorbs repeats).
 //!
@@ -783,6 +786,73 @@ async fn i_sigterm_mid_run_drains_and_a_successor_sends_the_rest() {
         deliveries, 2000,
         "a drained relay leaves nothing to publish twice"
     );
+    relay.terminate();
+    assert!(relay.exited_within(Duration::from_secs(15)).await.is_some());
+    fx.delete_exchange().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn j_a_row_that_kills_the_relay_dies_alone() {
+    let (db, _cleanup) = wal_outbox().await;
+    let fx = relay_fixture(FieldTable::default()).await;
+    let counts = fx.counter().await;
+    let mut args = relay_args(&fx, &amqp_url());
+    args.extend(["--crash-loop-limit".to_owned(), "5".to_owned()]);
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    let mut rows: Vec<_> = (0..19)
+        .map(|i| message("OrderPlaced", "t", &format!("j-{i}")))
+        .collect();
+    let crash = message("Crash", "t", "c");
+    rows.insert(5, crash.clone());
+    enqueue(&db, &rows).await;
+    let start = || {
+        RelayProcess::start_with_env(
+            &db,
+            &args,
+            &[(outbox_cli::testing::ABORT_ON_EVENT_TYPE, "Crash")],
+        )
+    };
+    let mut relay = start();
+    let mut starts = 1;
+    let deadline = std::time::Instant::now() + Duration::from_secs(120);
+    loop {
+        if count(&db, 3).await == 1 && count(&db, 1).await == 19 {
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "after {starts} starts: {} sent, {} dead; log:\n{}",
+            count(&db, 1).await,
+            count(&db, 3).await,
+            relay.log()
+        );
+        if !relay.running() {
+            relay = start();
+            starts += 1;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let error: Option<String> = sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
+        "SELECT last_error FROM {}.outbox_messages WHERE id = $1",
+        db.schema()
+    )))
+    .bind(crash.id)
+    .fetch_one(db.pool())
+    .await
+    .expect("the crashing row");
+    assert!(
+        error
+            .as_deref()
+            .is_some_and(|e| e.starts_with("suspected crash loop: published alone 5 times")),
+        "{error:?}"
+    );
+    assert!(starts >= 6, "one crash, then five alone: {starts} starts");
+    wait_until(&relay, Duration::from_secs(10), "the 19 arrive", || async {
+        counts.lock().expect("lock").len() == 19
+    })
+    .await;
+    let deliveries: usize = counts.lock().expect("lock").values().sum();
+    assert_eq!(deliveries, 19, "each healthy row published once");
     relay.terminate();
     assert!(relay.exited_within(Duration::from_secs(15)).await.is_some());
     fx.delete_exchange().await;

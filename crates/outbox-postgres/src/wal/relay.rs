@@ -59,6 +59,7 @@ pub struct WalRelayConfig {
     probe_cap: Duration,
     gauge_interval: Duration,
     standby_interval: Duration,
+    crash_loop_limit: u32,
 }
 
 impl WalRelayConfig {
@@ -72,7 +73,17 @@ impl WalRelayConfig {
             probe_cap: Duration::from_secs(30),
             gauge_interval: Duration::from_secs(5),
             standby_interval: Duration::from_secs(1),
+            crash_loop_limit: outbox_core::DEFAULT_CRASH_LOOP_LIMIT,
         }
+    }
+
+    /// Starts of the relay that may end (the process dies) while it publishes one
+    /// message alone, before that message goes `Dead` as a suspected crash loop
+    /// [default: [`DEFAULT_CRASH_LOOP_LIMIT`](outbox_core::DEFAULT_CRASH_LOOP_LIMIT)].
+    #[must_use]
+    pub fn with_crash_loop_limit(mut self, limit: u32) -> Self {
+        self.crash_loop_limit = limit.max(1);
+        self
     }
 
     /// Most messages published in one call [default: 500].
@@ -153,6 +164,33 @@ impl WalStatsHandle {
             published: self.published(),
             dead: self.0.dead.load(Ordering::Relaxed),
             sessions: self.0.sessions.load(Ordering::Relaxed),
+        }
+    }
+}
+
+/// How a session starts. A new session (after a crash, a takeover, a restart) reads
+/// again from the confirmed position, which trails what its predecessor did:
+/// - `catching_up`: rows the table already records (`Sent`, `Dead`) are skipped, until
+///   a batch has none of them;
+/// - `careful_left`: the first messages are published one at a time, each recorded at
+///   once, so that a message that makes the relay die is the first pending one at the
+///   next start;
+/// - `guarded`: that first pending message is counted (`unfinished_alone`) before it
+///   is published and uncounted when its publish comes back; past the crash-loop limit
+///   it goes `Dead` instead. Restarts during a broker outage never count: the publish
+///   comes back (unavailable) and the count is reset.
+struct SessionStart {
+    catching_up: bool,
+    careful_left: usize,
+    guarded: bool,
+}
+
+impl SessionStart {
+    fn new(careful: usize) -> Self {
+        Self {
+            catching_up: true,
+            careful_left: careful,
+            guarded: false,
         }
     }
 }
@@ -330,10 +368,7 @@ impl<P: EventPublisher> WalRelay<P> {
         // End of the last transaction received: once every item before it is handled,
         // the position to confirm.
         let mut last_commit: Option<Lsn> = None;
-        // What a session reads first may have been published and recorded by the one
-        // before it (which had not confirmed the position yet): skip rows the table
-        // already records, until a batch has none of them.
-        let mut catching_up = true;
+        let mut start_state = SessionStart::new(self.config.batch_size);
         loop {
             let next = if batch.len() >= self.config.batch_size {
                 None
@@ -350,7 +385,7 @@ impl<P: EventPublisher> WalRelay<P> {
                 client.recv().now_or_never()
             };
             let Some(event) = next else {
-                if !self.flush(&mut batch, &mut catching_up, shutdown).await? {
+                if !self.flush(&mut batch, &mut start_state, shutdown).await? {
                     // Stopped during an outage: what was not confirmed is read again by
                     // the next session.
                     self.finish(&mut client, None).await;
@@ -451,7 +486,7 @@ impl<P: EventPublisher> WalRelay<P> {
     async fn flush(
         &self,
         batch: &mut Vec<Item>,
-        catching_up: &mut bool,
+        state: &mut SessionStart,
         shutdown: &CancellationToken,
     ) -> Result<bool, WalError> {
         let items = std::mem::take(batch);
@@ -475,12 +510,12 @@ impl<P: EventPublisher> WalRelay<P> {
         if !self.record(&[], &dead, shutdown).await? {
             return Ok(false);
         }
-        if *catching_up && !messages.is_empty() {
+        if state.catching_up && !messages.is_empty() {
             let pending = self.still_pending(&messages).await?;
             let before = messages.len();
             messages.retain(|m| pending.contains(&m.id));
             if messages.len() == before {
-                *catching_up = false;
+                state.catching_up = false;
             } else {
                 info!(
                     skipped = before - messages.len(),
@@ -493,10 +528,39 @@ impl<P: EventPublisher> WalRelay<P> {
             .iter()
             .map(|m| u32::try_from(m.attempts).unwrap_or(0))
             .collect();
+        // The crash-loop guard: the session's first pending message is the one a
+        // relay that died publishing alone left behind (see `SessionStart`).
+        let mut guarded = None;
+        if !state.guarded && !messages.is_empty() {
+            state.guarded = true;
+            let first = &messages[0];
+            let alone = self.bump_alone(first.id).await?;
+            if alone > i64::from(self.config.crash_loop_limit) {
+                let times = alone - 1;
+                warn!(id = %first.id, event_type = %first.event_type, times, "suspected crash loop: the relay ended every time it published this message alone; it is dead");
+                outbox_core::metrics::dead(&first.event_type);
+                let error = format!(
+                    "suspected crash loop: published alone {times} times without an outcome (the relay ended each time)"
+                );
+                if !self.record(&[], &[(first.id, error)], shutdown).await? {
+                    return Ok(false);
+                }
+                messages.remove(0);
+            } else {
+                guarded = Some(first.id);
+            }
+        }
         let mut start = 0;
         let mut outage_delay = Duration::from_millis(500);
         while start < messages.len() {
-            let slice = &messages[start..];
+            // While careful, one message at a time, each recorded at once: a message
+            // that kills the relay is then the first pending one at the next start.
+            let end = if state.careful_left > 0 {
+                start + 1
+            } else {
+                messages.len()
+            };
+            let slice = &messages[start..end];
             let began = Instant::now();
             let outcomes = self.publish(slice).await;
             outbox_core::metrics::publish_duration(began.elapsed());
@@ -558,6 +622,12 @@ impl<P: EventPublisher> WalRelay<P> {
                 return Ok(false);
             }
             start += done;
+            state.careful_left = state.careful_left.saturating_sub(done);
+            if let Some(id) = guarded.take() {
+                // The publish of the guarded message came back: whatever it was (an
+                // outage too), the relay did not die of it.
+                self.reset_alone(id).await?;
+            }
             let delay = match pause {
                 None => {
                     if self.counters.circuit_open.swap(false, Ordering::Relaxed) {
@@ -657,6 +727,36 @@ impl<P: EventPublisher> WalRelay<P> {
             });
         }
         outcomes
+    }
+
+    /// Counts one more start whose first pending message is `id`; returns the count
+    /// (0 when the row is no longer pending).
+    async fn bump_alone(&self, id: Uuid) -> Result<i64, WalError> {
+        let sql = format!(
+            "UPDATE {}.outbox_messages SET unfinished_alone = unfinished_alone + 1 \
+             WHERE id = $1 AND status = 0 RETURNING unfinished_alone::bigint",
+            quoted_schema(self.outbox.schema())
+        );
+        let n: Option<i64> = sqlx::query_scalar(AssertSqlSafe(sql))
+            .bind(id)
+            .fetch_optional(self.outbox.pool())
+            .await
+            .map_err(db("wal crash-loop guard"))?;
+        Ok(n.unwrap_or(0))
+    }
+
+    async fn reset_alone(&self, id: Uuid) -> Result<(), WalError> {
+        let sql = format!(
+            "UPDATE {}.outbox_messages SET unfinished_alone = 0 \
+             WHERE id = $1 AND status = 0 AND unfinished_alone <> 0",
+            quoted_schema(self.outbox.schema())
+        );
+        sqlx::query(AssertSqlSafe(sql))
+            .bind(id)
+            .execute(self.outbox.pool())
+            .await
+            .map_err(db("wal crash-loop guard"))?;
+        Ok(())
     }
 
     /// The ids of `messages` whose rows are still `New` in the table.
