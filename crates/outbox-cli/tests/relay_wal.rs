@@ -21,6 +21,8 @@
 //! - (j) a row that makes the relay process die (the binary's abort hook), among 19
 //!   healthy ones, the relay restarted each time: that row ends `Dead` as a suspected
 //!   crash loop after the limit, the others are each published once;
+//! - (k) the replication connection terminated by the server (`pg_terminate_backend`)
+//!   mid-run: the relay reconnects and resumes, nothing is lost;
 //! - (h) over NATS JetStream, the relay killed mid-run and restarted: the stream holds
 //!   every message exactly once (`Nats-Msg-Id` deduplication absorbs repeats).
 //!
@@ -853,6 +855,49 @@ async fn j_a_row_that_kills_the_relay_dies_alone() {
     .await;
     let deliveries: usize = counts.lock().expect("lock").values().sum();
     assert_eq!(deliveries, 19, "each healthy row published once");
+    relay.terminate();
+    assert!(relay.exited_within(Duration::from_secs(15)).await.is_some());
+    fx.delete_exchange().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn k_a_lost_replication_connection_is_resumed() {
+    let (db, _cleanup) = wal_outbox().await;
+    let fx = relay_fixture(FieldTable::default()).await;
+    let counts = fx.counter().await;
+    let relay = start(&db, &relay_args(&fx, &amqp_url()));
+    let producer = {
+        let db = db.clone();
+        tokio::spawn(async move { enqueue_n(&db, 1000, 10, "k").await })
+    };
+    wait_until(
+        &relay,
+        Duration::from_secs(60),
+        "some are published",
+        || async { counts.lock().expect("lock").len() >= 100 },
+    )
+    .await;
+    let pid = active_pid(&db).await.expect("the relay reads the slot");
+    sqlx::query("SELECT pg_terminate_backend($1)")
+        .bind(pid)
+        .execute(db.pool())
+        .await
+        .expect("terminate the walsender");
+    let ids = producer.await.expect("producer");
+    wait_until(
+        &relay,
+        Duration::from_secs(120),
+        "every id arrives",
+        || async { missing(&counts, &ids) == 0 && count(&db, 1).await == 1000 },
+    )
+    .await;
+    assert!(
+        relay.log().contains("reconnecting"),
+        "the relay saw the connection go: {}",
+        relay.log()
+    );
+    let mut relay = relay;
+    assert!(relay.running(), "a lost connection is not fatal");
     relay.terminate();
     assert!(relay.exited_within(Duration::from_secs(15)).await.is_some());
     fx.delete_exchange().await;
