@@ -301,9 +301,14 @@ impl<P: EventPublisher> WalRelay<P> {
                 .as_deref()
                 .and_then(|s| s.parse::<Lsn>().ok())
                 .unwrap_or(Lsn::ZERO);
+            let sessions_before = self.counters.sessions.load(Ordering::Relaxed);
             match self.session(start, shutdown).await {
                 Ok(()) => return Ok(()),
                 Err(e) if e.is_retryable() => {
+                    if self.counters.sessions.load(Ordering::Relaxed) != sessions_before {
+                        // It had been reading: reconnect soon, not at the last backoff.
+                        backoff = Duration::from_millis(500);
+                    }
                     // The slot taken meanwhile, a server restart, a dropped connection:
                     // the next preflight tells which.
                     warn!(error = %e, "the replication session ended; reconnecting");
@@ -524,10 +529,6 @@ impl<P: EventPublisher> WalRelay<P> {
             }
         }
         outbox_core::metrics::claimed(messages.len());
-        let mut attempts: Vec<u32> = messages
-            .iter()
-            .map(|m| u32::try_from(m.attempts).unwrap_or(0))
-            .collect();
         // The crash-loop guard: the session's first pending message is the one a
         // relay that died publishing alone left behind (see `SessionStart`).
         let mut guarded = None;
@@ -550,6 +551,10 @@ impl<P: EventPublisher> WalRelay<P> {
                 guarded = Some(first.id);
             }
         }
+        let mut attempts: Vec<u32> = messages
+            .iter()
+            .map(|m| u32::try_from(m.attempts).unwrap_or(0))
+            .collect();
         let mut start = 0;
         let mut outage_delay = Duration::from_millis(500);
         while start < messages.len() {
