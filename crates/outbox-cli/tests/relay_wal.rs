@@ -23,6 +23,8 @@
 //!   crash loop after the limit, the others are each published once;
 //! - (k) the replication connection terminated by the server (`pg_terminate_backend`)
 //!   mid-run: the relay reconnects and resumes, nothing is lost;
+//! - (l) a full queue (RabbitMQ `reject-publish`) holds the stream without loss and
+//!   without dead letters, in order, until a consumer drains it;
 //! - (h) over NATS JetStream, the relay killed mid-run and restarted: the stream holds
 //!   every message exactly once (`Nats-Msg-Id` deduplication absorbs repeats).
 //!
@@ -899,6 +901,50 @@ async fn k_a_lost_replication_connection_is_resumed() {
     let mut relay = relay;
     assert!(relay.running(), "a lost connection is not fatal");
     relay.terminate();
+    assert!(relay.exited_within(Duration::from_secs(15)).await.is_some());
+    fx.delete_exchange().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn l_a_full_queue_holds_the_stream_without_loss() {
+    let (db, _cleanup) = wal_outbox().await;
+    let fx = relay_fixture(outbox_testkit::rabbit::reject_when_full(10)).await;
+    let relay = start(&db, &relay_args(&fx, &amqp_url()));
+    let ids = enqueue_n(&db, 30, 5, "l").await;
+    wait_until(
+        &relay,
+        Duration::from_secs(60),
+        "the relay pauses on the full queue",
+        || async { count(&db, 1).await == 10 && relay.log().contains("reading pauses") },
+    )
+    .await;
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    assert_eq!(count(&db, 3).await, 0, "a full queue kills nothing");
+    assert_eq!(count(&db, 0).await, 20, "the rest wait");
+
+    // A consumer drains the queue: the relay goes on, in commit order.
+    let order = Arc::new(Mutex::new(Vec::new()));
+    let sink = Arc::clone(&order);
+    fx.consume(move |id, _| sink.lock().expect("lock").push(id))
+        .await;
+    wait_until(
+        &relay,
+        Duration::from_secs(90),
+        "all 30 are sent",
+        || async { count(&db, 1).await == 30 && order.lock().expect("lock").len() >= 30 },
+    )
+    .await;
+    let got = order.lock().expect("lock").clone();
+    let mut first_seen = Vec::new();
+    for id in got {
+        if !first_seen.contains(&id) {
+            first_seen.push(id);
+        }
+    }
+    assert_eq!(first_seen, ids, "first deliveries in commit order");
+    assert_eq!(count(&db, 3).await, 0);
+    relay.terminate();
+    let mut relay = relay;
     assert!(relay.exited_within(Duration::from_secs(15)).await.is_some());
     fx.delete_exchange().await;
 }
