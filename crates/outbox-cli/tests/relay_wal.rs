@@ -948,3 +948,49 @@ async fn l_a_full_queue_holds_the_stream_without_loss() {
     assert!(relay.exited_within(Duration::from_secs(15)).await.is_some());
     fx.delete_exchange().await;
 }
+
+/// Not a test: drain times of one backlog by the polling and the WAL relay (the same
+/// debug binary, so only their ratio means something). Run with `--ignored
+/// --nocapture`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "a measurement, run by hand"]
+async fn z_drain_time_poll_vs_wal() {
+    const N: i64 = 10_000;
+    for source in ["poll", "wal"] {
+        let (db, _cleanup) = wal_outbox().await;
+        let fx = relay_fixture(FieldTable::default()).await;
+        let counts = fx.counter().await;
+        common::exec(
+            &db,
+            &format!(
+                "INSERT INTO {{s}}.outbox_messages (id, aggregate_type, aggregate_id, event_type, payload) \
+                 SELECT gen_random_uuid(), 'order', 'o-' || g, 'OrderPlaced', '{{\"n\": 1}}' \
+                 FROM generate_series(1, {N}) g"
+            ),
+        )
+        .await;
+        let mut args = relay_args(&fx, &amqp_url());
+        if source == "poll" {
+            args.drain(0..2); // --source wal
+        }
+        let began = std::time::Instant::now();
+        let mut relay = start(&db, &args);
+        wait_until(
+            &relay,
+            Duration::from_secs(300),
+            "the backlog is sent",
+            || async { count(&db, 1).await == N },
+        )
+        .await;
+        let elapsed = began.elapsed();
+        eprintln!(
+            "{source}: {N} messages in {:.2} s ({:.0} msg/s, process start included); {} delivered",
+            elapsed.as_secs_f64(),
+            N as f64 / elapsed.as_secs_f64(),
+            counts.lock().expect("lock").len()
+        );
+        relay.terminate();
+        assert!(relay.exited_within(Duration::from_secs(15)).await.is_some());
+        fx.delete_exchange().await;
+    }
+}

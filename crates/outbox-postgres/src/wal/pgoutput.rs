@@ -22,6 +22,8 @@ pub(crate) struct Relation {
     pub(crate) schema: String,
     pub(crate) name: String,
     pub(crate) columns: Vec<String>,
+    /// Each column's position, by name.
+    index: HashMap<String, usize>,
 }
 
 /// One column value of a tuple.
@@ -123,11 +125,17 @@ pub(crate) fn decode(data: &[u8]) -> Result<Change, Malformed> {
                 let _type = r.u32("column type")?;
                 let _typmod = r.u32("column typmod")?;
             }
+            let index = columns
+                .iter()
+                .enumerate()
+                .map(|(i, c)| (c.clone(), i))
+                .collect();
             Ok(Change::Relation(Relation {
                 oid,
                 schema,
                 name,
                 columns,
+                index,
             }))
         }
         b'I' => {
@@ -161,23 +169,22 @@ pub(crate) fn decode(data: &[u8]) -> Result<Change, Malformed> {
 
 /// A tuple of the outbox table, its values by column name.
 pub(crate) struct Row<'a> {
-    values: HashMap<&'a str, &'a Value>,
+    relation: &'a Relation,
+    tuple: &'a [Value],
 }
 
 impl<'a> Row<'a> {
     pub(crate) fn new(relation: &'a Relation, tuple: &'a [Value]) -> Self {
-        Self {
-            values: relation
-                .columns
-                .iter()
-                .map(String::as_str)
-                .zip(tuple.iter())
-                .collect(),
-        }
+        Self { relation, tuple }
     }
 
     fn opt(&self, column: &str) -> Result<Option<&'a str>, String> {
-        match self.values.get(column) {
+        let value = self
+            .relation
+            .index
+            .get(column)
+            .and_then(|&i| self.tuple.get(i));
+        match value {
             None => Err(format!("column {column} is missing")),
             Some(Value::Null) => Ok(None),
             Some(Value::Unchanged) => Err(format!("column {column} was not sent (unchanged)")),

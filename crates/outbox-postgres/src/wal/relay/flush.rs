@@ -95,10 +95,10 @@ impl<P: EventPublisher> WalRelay<P> {
         let mut start = 0;
         let mut outage_delay = Duration::from_millis(500);
         while start < messages.len() {
-            // While careful, one message at a time, each recorded at once: a message
-            // that kills the relay is then the first pending one at the next start.
+            // While careful, small rounds each recorded before the next (see
+            // `SessionStart`).
             let end = if state.careful_left > 0 {
-                start + 1
+                messages.len().min(start + state.careful_chunk)
             } else {
                 messages.len()
             };
@@ -164,7 +164,15 @@ impl<P: EventPublisher> WalRelay<P> {
                 return Ok(false);
             }
             start += done;
-            state.careful_left = state.careful_left.saturating_sub(done);
+            if state.careful_left > 0 && done > 0 {
+                state.careful_left = state.careful_left.saturating_sub(done);
+                // 1, 1, 2, 4, ...: the first message alone, then doubling rounds.
+                if !std::mem::replace(&mut state.careful_first_done, true) {
+                    state.careful_chunk = 1;
+                } else {
+                    state.careful_chunk = (state.careful_chunk * 2).min(self.config.batch_size);
+                }
+            }
             if let Some(id) = guarded.take() {
                 // The publish of the guarded message came back: whatever it was (an
                 // outage too), the relay did not die of it.

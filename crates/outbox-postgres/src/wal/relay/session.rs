@@ -6,7 +6,6 @@ use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::Duration;
 
-use futures::FutureExt as _;
 use outbox_core::{EventPublisher, MessageStatus, OutboxMessage};
 use pgwire_replication::{Lsn, ReplicationClient, ReplicationEvent};
 use tokio::time::Instant;
@@ -18,13 +17,18 @@ use super::WalRelay;
 use crate::wal::WalError;
 use crate::wal::pgoutput::{self, Change, Relation, Row};
 
+/// How long a batch that is not full waits for the stream's next change.
+const LINGER: Duration = Duration::from_millis(1);
+
 /// How a session starts. A new session (after a crash, a takeover, a restart) reads
 /// again from the confirmed position, which trails what its predecessor did:
 /// - `catching_up`: rows the table already records (`Sent`, `Dead`) are skipped, until
 ///   a batch has none of them;
-/// - `careful_left`: the first messages are published one at a time, each recorded at
-///   once, so that a message that makes the relay die is the first pending one at the
-///   next start;
+/// - `careful_left`: the first messages are published in small rounds, each recorded
+///   before the next: 1, 1, 2, 4, ... up to the batch size (`careful_chunk`). A message
+///   that makes the relay die takes its round with it; the next start skips what was
+///   recorded and begins with that round, so within a few starts the message is the
+///   first pending one, published alone;
 /// - `guarded`: that first pending message is counted (`unfinished_alone`) before it
 ///   is published and uncounted when its publish comes back; past the crash-loop limit
 ///   it goes `Dead` instead. Restarts during a broker outage never count: the publish
@@ -32,6 +36,8 @@ use crate::wal::pgoutput::{self, Change, Relation, Row};
 pub(super) struct SessionStart {
     pub(super) catching_up: bool,
     pub(super) careful_left: usize,
+    pub(super) careful_chunk: usize,
+    pub(super) careful_first_done: bool,
     pub(super) guarded: bool,
 }
 
@@ -40,6 +46,8 @@ impl SessionStart {
         Self {
             catching_up: true,
             careful_left: careful,
+            careful_chunk: 1,
+            careful_first_done: false,
             guarded: false,
         }
     }
@@ -93,7 +101,9 @@ impl<P: EventPublisher> WalRelay<P> {
                     ev = client.recv() => Some(ev),
                 }
             } else {
-                client.recv().now_or_never()
+                // A batch waits this long for the next change before it is published:
+                // the stream arrives in bursts, and fuller batches cost fewer round trips.
+                tokio::time::timeout(LINGER, client.recv()).await.ok()
             };
             let Some(event) = next else {
                 if !self.flush(&mut batch, &mut start_state, shutdown).await? {
