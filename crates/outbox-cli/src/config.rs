@@ -777,6 +777,31 @@ impl RelaySettings {
         }
         if s.source == crate::cli::SourceKind::Wal {
             s.wal_config()?;
+            let ignored: Vec<&str> = [
+                (
+                    "poll_interval",
+                    args.poll_interval.is_some() || f.poll_interval.is_some(),
+                ),
+                ("lease", args.lease.is_some() || f.lease.is_some()),
+                (
+                    "concurrency",
+                    args.concurrency.is_some() || f.concurrency.is_some(),
+                ),
+                ("ordering", args.ordering.is_some() || f.ordering.is_some()),
+                (
+                    "drain_timeout",
+                    args.drain_timeout.is_some() || f.drain_timeout.is_some(),
+                ),
+            ]
+            .into_iter()
+            .filter_map(|(name, given)| given.then_some(name))
+            .collect();
+            if !ignored.is_empty() {
+                tracing::warn!(
+                    settings = ?ignored,
+                    "these settings do not apply to --source wal (commit order, one batch in flight, no claims): ignored"
+                );
+            }
         }
         s.validate_transport()?;
         s.dispatcher_config()
