@@ -149,14 +149,14 @@ impl<P: EventPublisher> WalRelay<P> {
                             relations.insert(rel.oid, rel);
                         }
                         Change::Insert { oid, tuple } => {
-                            if let Some(rel) = self.ours(&relations, oid)
+                            if let Some(rel) = self.ours(&relations, oid)?
                                 && let Some(item) = insert_item(rel, &tuple)
                             {
                                 batch.push(item);
                             }
                         }
                         Change::Update { oid, tuple } => {
-                            if let Some(rel) = self.ours(&relations, oid) {
+                            if let Some(rel) = self.ours(&relations, oid)? {
                                 let row = Row::new(rel, &tuple);
                                 if row.status() == Ok(MessageStatus::New.code())
                                     && let Ok(id) = row.id()
@@ -176,14 +176,20 @@ impl<P: EventPublisher> WalRelay<P> {
         }
     }
 
+    /// The relation of a change if it is this outbox's table, `None` for another table
+    /// of the publication. A change of a relation the stream never described is an
+    /// error: `pgoutput` sends a `Relation` first, and skipping the row would lose it.
     pub(super) fn ours<'r>(
         &self,
         relations: &'r HashMap<u32, Relation>,
         oid: u32,
-    ) -> Option<&'r Relation> {
-        relations
-            .get(&oid)
-            .filter(|r| r.schema == self.outbox.schema() && r.name == "outbox_messages")
+    ) -> Result<Option<&'r Relation>, WalError> {
+        let rel = relations.get(&oid).ok_or_else(|| {
+            WalError::Malformed(format!(
+                "a change of relation {oid}, which the stream never described"
+            ))
+        })?;
+        Ok((rel.schema == self.outbox.schema() && rel.name == "outbox_messages").then_some(rel))
     }
 
     /// Reports `applied` (when given) to the server, waits briefly until it was sent,
