@@ -1,16 +1,12 @@
 //! Publishing a batch in order: outages, retries, dead letters, the crash-loop guard.
 
-use std::panic::AssertUnwindSafe;
 use std::sync::atomic::Ordering;
 use std::time::Duration;
 
-use futures::FutureExt as _;
-use outbox_core::{
-    EventPublisher, MessageStatus, OutboxMessage, OutboxStore as _, PublishError, PublishOutcome,
-};
+use outbox_core::{EventPublisher, MessageStatus, OutboxStore as _, PublishOutcome};
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
-use tracing::{debug, error, info, warn};
+use tracing::{debug, info, warn};
 
 use super::WalRelay;
 use super::session::{Item, SessionStart};
@@ -104,7 +100,11 @@ impl<P: EventPublisher> WalRelay<P> {
             };
             let slice = &messages[start..end];
             let began = Instant::now();
-            let outcomes = self.publish(slice).await;
+            // The dispatcher's guard: bounded by the publish timeout, a panic narrowed
+            // down to the message that panics alone.
+            let deadline = self.publisher.publish_timeout().map(|t| Instant::now() + t);
+            let outcomes =
+                outbox_core::dispatcher::publish_guarded(&*self.publisher, slice, deadline).await;
             outbox_core::metrics::publish_duration(began.elapsed());
             let mut sent = Vec::new();
             let mut dead = Vec::new();
@@ -223,62 +223,5 @@ impl<P: EventPublisher> WalRelay<P> {
             }
         }
         Ok(true)
-    }
-
-    /// One `publish_batch` call bounded by the publisher's publish timeout, one outcome
-    /// per message (`None`: none given). `Err`: the publisher panicked.
-    pub(super) async fn call(
-        &self,
-        msgs: &[OutboxMessage],
-    ) -> Result<Vec<Option<PublishOutcome>>, ()> {
-        let n = msgs.len();
-        let fut = AssertUnwindSafe(self.publisher.publish_batch(msgs)).catch_unwind();
-        let result = match self.publisher.publish_timeout() {
-            Some(limit) => match tokio::time::timeout(limit, fut).await {
-                Ok(r) => r,
-                Err(_) => {
-                    return Ok((0..n)
-                        .map(|_| {
-                            Some(PublishOutcome::Transient(PublishError::unavailable(
-                                format!("no outcome within the publish timeout ({limit:?})"),
-                                None,
-                            )))
-                        })
-                        .collect());
-                }
-            },
-            None => fut.await,
-        };
-        result
-            .map(|outcomes| {
-                let mut v: Vec<Option<PublishOutcome>> = outcomes.into_iter().map(Some).collect();
-                v.resize_with(n, || None);
-                v
-            })
-            .map_err(drop)
-    }
-
-    /// [`call`](Self::call); a panic is narrowed down to the message that panics alone
-    /// (a permanent failure of that message).
-    pub(super) async fn publish(&self, messages: &[OutboxMessage]) -> Vec<Option<PublishOutcome>> {
-        if let Ok(outcomes) = self.call(messages).await {
-            return outcomes;
-        }
-        error!(
-            messages = messages.len(),
-            "the publisher panicked on a batch: publishing its messages one at a time"
-        );
-        let mut outcomes = Vec::with_capacity(messages.len());
-        for m in messages {
-            outcomes.push(match self.call(std::slice::from_ref(m)).await {
-                Ok(mut one) => one.pop().flatten(),
-                Err(()) => Some(PublishOutcome::Permanent(PublishError::Other {
-                    kind: outbox_core::ErrorKind::Permanent,
-                    message: "the publisher panicked on this message alone".into(),
-                    source: None,
-                })),
-            });
-        }
-        outcomes
     }
 }
