@@ -13,7 +13,10 @@
 //! - `outbox dead list|replay`, `outbox inbox dead list|replay`;
 //! - `outbox purge` (delete or archive, in small batches);
 //! - `outbox dashboard`: the operations dashboard in the browser (also mounted by
-//!   `outbox relay --dashboard`).
+//!   `outbox relay --dashboard`);
+//! - `outbox relay --source wal` and `outbox wal setup|status|drop` (PostgreSQL): the
+//!   relay reading a logical replication slot instead of claiming rows
+//!   (`outbox_postgres::wal`, docs/wal.md).
 //!
 //! The database is chosen by the URL (`postgres://`, `sqlserver://`,
 //! `mssql://`, `jdbc:sqlserver://` or an ADO.NET string), the broker by `--transport`.
