@@ -25,6 +25,8 @@
 //!   mid-run: the relay reconnects and resumes, nothing is lost;
 //! - (l) a full queue (RabbitMQ `reject-publish`) holds the stream without loss and
 //!   without dead letters, in order, until a consumer drains it;
+//! - (m) `--sent-retention delete`: each published row is deleted, a restart loses
+//!   nothing;
 //! - (h) over NATS JetStream, the relay killed mid-run and restarted: the stream holds
 //!   every message exactly once (`Nats-Msg-Id` deduplication absorbs repeats).
 //!
@@ -945,6 +947,41 @@ async fn l_a_full_queue_holds_the_stream_without_loss() {
     assert_eq!(count(&db, 3).await, 0);
     relay.terminate();
     let mut relay = relay;
+    assert!(relay.exited_within(Duration::from_secs(15)).await.is_some());
+    fx.delete_exchange().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn m_sent_retention_delete_removes_published_rows() {
+    let (db, _cleanup) = wal_outbox().await;
+    let fx = relay_fixture(FieldTable::default()).await;
+    let counts = fx.counter().await;
+    let mut args = relay_args(&fx, &amqp_url());
+    args.extend(["--sent-retention".to_owned(), "delete".to_owned()]);
+    let total = || async { scalar(&db, "SELECT count(*) FROM {s}.outbox_messages").await };
+    let mut relay = start(&db, &args);
+    let first = enqueue_n(&db, 500, 50, "m1").await;
+    wait_until(
+        &relay,
+        Duration::from_secs(60),
+        "the first 500 are sent and deleted",
+        || async { total().await == 0 && missing(&counts, &first) == 0 },
+    )
+    .await;
+    kill_9(&relay);
+    assert!(relay.exited_within(Duration::from_secs(10)).await.is_some());
+    let second = enqueue_n(&db, 500, 50, "m2").await;
+    relay = start(&db, &args);
+    wait_until(
+        &relay,
+        Duration::from_secs(60),
+        "the rest after a restart",
+        || async { total().await == 0 && missing(&counts, &second) == 0 },
+    )
+    .await;
+    let deliveries: usize = counts.lock().expect("lock").values().sum();
+    assert_eq!(deliveries, 1000, "deleted rows are not published again");
+    relay.terminate();
     assert!(relay.exited_within(Duration::from_secs(15)).await.is_some());
     fx.delete_exchange().await;
 }
