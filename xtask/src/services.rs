@@ -146,6 +146,7 @@ pub(crate) fn ensure(timeout: Duration) -> Result<()> {
         };
         wait_until_ready(attempts, began, began + timeout, timeout)?;
     }
+    ensure_logical_wal(timeout)?;
 
     if std::env::var_os("MSSQL_URL").is_none() {
         println!("sqlserver: MSSQL_URL not set; SQL Server tests will be skipped");
@@ -153,6 +154,95 @@ pub(crate) fn ensure(timeout: Duration) -> Result<()> {
         println!("sqlserver: MSSQL_URL set (not checked by xtask)");
     }
     Ok(())
+}
+
+/// The WAL relay (`outbox relay --source wal`, docs/wal.md) needs `wal_level =
+/// logical`. The compose service starts with it; a local server that runs with
+/// another level gets `ALTER SYSTEM SET wal_level = logical` and one restart (under the
+/// machine-wide fault lock of `outbox_testkit::faults`, so that no fault test is
+/// running against it meanwhile). Without `psql` this is skipped with a note.
+fn ensure_logical_wal(timeout: Duration) -> Result<()> {
+    let Some(level) = psql(&["-Atc", "SHOW wal_level"]) else {
+        println!("postgres: psql not found; cannot check wal_level (the WAL relay needs logical)");
+        return Ok(());
+    };
+    if level == "logical" {
+        println!("postgres: wal_level = logical");
+        return Ok(());
+    }
+    if docker_engine_available() && !postgres_conf_dir_exists() {
+        bail!(
+            "postgres: wal_level is {level:?}; recreate the compose service (`docker compose up -d --force-recreate postgres`), which starts it with wal_level=logical"
+        );
+    }
+    println!(
+        "postgres: wal_level is {level:?}; setting it to logical and restarting PostgreSQL once"
+    );
+    psql(&["-Atc", "ALTER SYSTEM SET wal_level = logical"])
+        .context("ALTER SYSTEM SET wal_level = logical failed")?;
+    let version = postgres_version()?;
+    let lock_path = std::env::temp_dir().join("outbox-shared-server-faults.lock");
+    let lock = fs::OpenOptions::new()
+        .create(true)
+        .truncate(false)
+        .write(true)
+        .open(&lock_path)
+        .with_context(|| format!("could not open {}", lock_path.display()))?;
+    lock.lock()
+        .with_context(|| format!("could not lock {}", lock_path.display()))?;
+    let status = Command::new("pg_ctlcluster")
+        .args(["--skip-systemctl-redirect", &version, "main", "restart"])
+        .stdin(Stdio::null())
+        .status()
+        .context("could not run pg_ctlcluster")?;
+    if !status.success() {
+        bail!("`pg_ctlcluster {version} main restart` failed ({status})");
+    }
+    let began = Instant::now();
+    wait_until_ready(
+        vec![Attempt {
+            service: Service::Postgres,
+            how: "restarted with wal_level = logical",
+            command: format!("pg_ctlcluster {version} main restart"),
+            note: None,
+            last_check: String::new(),
+        }],
+        began,
+        began + timeout,
+        timeout,
+    )?;
+    drop(lock);
+    match psql(&["-Atc", "SHOW wal_level"]) {
+        Some(level) if level == "logical" => Ok(()),
+        other => bail!("postgres: wal_level is still {other:?} after the restart"),
+    }
+}
+
+fn postgres_conf_dir_exists() -> bool {
+    fs::metadata(POSTGRES_CONF_DIR).is_ok_and(|m| m.is_dir())
+}
+
+/// `psql` against the local server's `postgres` database as user `postgres`; its
+/// trimmed output, or `None` when psql is missing or fails.
+fn psql(args: &[&str]) -> Option<String> {
+    let out = Command::new("psql")
+        .args([
+            "-h",
+            "127.0.0.1",
+            "-p",
+            "5432",
+            "-U",
+            "postgres",
+            "-d",
+            "postgres",
+        ])
+        .args(args)
+        .stdin(Stdio::null())
+        .output()
+        .ok()?;
+    out.status
+        .success()
+        .then(|| String::from_utf8_lossy(&out.stdout).trim().to_owned())
 }
 
 /// Whether a Docker engine answers (the client alone is not enough).

@@ -17,6 +17,7 @@ pub(crate) use crate::commands::inbox_dead::InboxDeadCommand;
 pub(crate) use crate::commands::purge::PurgeArgs;
 pub(crate) use crate::commands::reconcile::ReconcileArgs;
 pub(crate) use crate::commands::stats::StatsArgs;
+pub(crate) use crate::commands::wal::{WalArgs, WalCommand};
 use crate::config::{redact_broker_url, redact_database_url};
 
 /// Operate a transactional outbox: run the relay, migrate, inspect, reconcile, replay
@@ -99,7 +100,7 @@ pub enum LogFormat {
 pub(crate) enum Command {
     /// Run the relay: publish committed outbox messages to the broker until SIGINT or
     /// SIGTERM; serve /metrics and /healthz.
-    Relay(RelayArgs),
+    Relay(Box<RelayArgs>),
     /// Create the schema and apply pending migrations (idempotent, safe to run from
     /// several processes at once).
     Migrate,
@@ -128,6 +129,13 @@ pub(crate) enum Command {
     /// letters, replay with a dry run and confirmation) until SIGINT or SIGTERM.
     /// Read-only unless --allow-replay; loopback unless OUTBOX_DASHBOARD_TOKEN is set.
     Dashboard(DashboardArgs),
+    /// PostgreSQL: the logical replication slot and publication of `outbox relay
+    /// --source wal` (docs/wal.md): setup, status or drop.
+    Wal {
+        /// setup, status or drop.
+        #[command(subcommand)]
+        command: WalCommand,
+    },
 }
 
 /// `outbox inbox ...`
@@ -144,6 +152,22 @@ pub(crate) enum InboxCommand {
 /// Settings of `outbox relay`. `Debug` hides the broker URL's password.
 #[derive(Default, Args)]
 pub struct RelayArgs {
+    /// Where the relay finds committed messages: poll (claim rows from the outbox
+    /// table; every database) or wal (PostgreSQL: read them from a logical replication
+    /// slot, no claims and no NOTIFY trigger; needs `outbox wal setup`, see docs/wal.md)
+    /// [default: poll].
+    #[arg(long, env = "OUTBOX_SOURCE", value_enum)]
+    pub source: Option<SourceKind>,
+
+    /// The slot and publication of --source wal.
+    #[command(flatten)]
+    pub wal: WalArgs,
+
+    /// --source wal: /healthz fails when the replication slot retains more WAL than
+    /// this many bytes [default: 1073741824 (1 GiB)].
+    #[arg(long, env = "OUTBOX_MAX_WAL_RETAINED", value_name = "BYTES")]
+    pub max_wal_retained: Option<u64>,
+
     /// Broker: rabbit or nats [default: rabbit].
     #[arg(long, env = "OUTBOX_TRANSPORT", value_enum)]
     pub transport: Option<TransportKind>,
@@ -278,6 +302,9 @@ pub struct RelayArgs {
 impl fmt::Debug for RelayArgs {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         let Self {
+            source,
+            wal,
+            max_wal_retained,
             transport,
             broker_url,
             exchange,
@@ -302,6 +329,9 @@ impl fmt::Debug for RelayArgs {
             health_interval,
         } = self;
         f.debug_struct("RelayArgs")
+            .field("source", source)
+            .field("wal", wal)
+            .field("max_wal_retained", max_wal_retained)
             .field("transport", transport)
             .field(
                 "broker_url",
@@ -335,6 +365,17 @@ impl fmt::Debug for RelayArgs {
 
 /// The broker (`--transport rabbit|nats`): the core's one [`TransportKind`].
 pub(crate) use outbox_core::TransportKind;
+
+/// Where the relay reads committed messages from.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, ValueEnum, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum SourceKind {
+    /// Claim rows from the outbox table (every database).
+    #[default]
+    Poll,
+    /// PostgreSQL: a logical replication slot (`pgoutput`) on the outbox table.
+    Wal,
+}
 
 /// Publish order of the relay.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum, serde::Deserialize, serde::Serialize)]

@@ -109,6 +109,10 @@ pub struct FileRelay {
     pub max_lag: Option<String>,
     pub stuck_after: Option<String>,
     pub health_interval: Option<String>,
+    pub source: Option<crate::cli::SourceKind>,
+    pub wal_slot: Option<String>,
+    pub wal_publication: Option<String>,
+    pub max_wal_retained: Option<u64>,
     #[serde(default)]
     pub event_types: BTreeMap<String, FileOverride>,
 }
@@ -434,9 +438,17 @@ impl fmt::Debug for FileRelay {
             max_lag,
             stuck_after,
             health_interval,
+            source,
+            wal_slot,
+            wal_publication,
+            max_wal_retained,
             event_types,
         } = self;
         f.debug_struct("FileRelay")
+            .field("source", source)
+            .field("wal_slot", wal_slot)
+            .field("wal_publication", wal_publication)
+            .field("max_wal_retained", max_wal_retained)
             .field("transport", transport)
             .field(
                 "broker_url",
@@ -503,6 +515,10 @@ impl fmt::Debug for RelaySettings {
             max_lag,
             stuck_after,
             health_interval,
+            source,
+            wal_slot,
+            wal_publication,
+            max_wal_retained,
         } = self;
         f.debug_struct("RelaySettings")
             .field("db", db)
@@ -530,6 +546,10 @@ impl fmt::Debug for RelaySettings {
             .field("max_lag", max_lag)
             .field("stuck_after", stuck_after)
             .field("health_interval", health_interval)
+            .field("source", source)
+            .field("wal_slot", wal_slot)
+            .field("wal_publication", wal_publication)
+            .field("max_wal_retained", max_wal_retained)
             .finish()
     }
 }
@@ -590,6 +610,14 @@ pub struct RelaySettings {
     pub stuck_after: Duration,
     /// Health check and gauge refresh period.
     pub health_interval: Duration,
+    /// Where committed messages are read from (`--source`).
+    pub source: crate::cli::SourceKind,
+    /// The slot of `--source wal` (`None`: `{schema}_outbox`).
+    pub wal_slot: Option<String>,
+    /// The publication of `--source wal` (`None`: `{schema}_outbox`).
+    pub wal_publication: Option<String>,
+    /// `--source wal`: the most WAL the slot may retain before /healthz fails, bytes.
+    pub max_wal_retained: u64,
 }
 
 impl RelaySettings {
@@ -619,6 +647,10 @@ impl RelaySettings {
             max_lag: Duration::from_secs(300),
             stuck_after: Duration::from_secs(120),
             health_interval: Duration::from_secs(5),
+            source: crate::cli::SourceKind::Poll,
+            wal_slot: None,
+            wal_publication: None,
+            max_wal_retained: 1 << 30,
         }
     }
 
@@ -733,6 +765,44 @@ impl RelaySettings {
             let (event_type, policy) = parse_override(text, s.max_attempts)?;
             s.overrides.insert(event_type, policy);
         }
+        s.source = args.source.or(f.source).unwrap_or_default();
+        s.wal_slot = args.wal.slot.clone().or_else(|| f.wal_slot.clone());
+        s.wal_publication = args
+            .wal
+            .publication
+            .clone()
+            .or_else(|| f.wal_publication.clone());
+        if let Some(n) = args.max_wal_retained.or(f.max_wal_retained) {
+            s.max_wal_retained = n;
+        }
+        if s.source == crate::cli::SourceKind::Wal {
+            s.wal_config()?;
+            let ignored: Vec<&str> = [
+                (
+                    "poll_interval",
+                    args.poll_interval.is_some() || f.poll_interval.is_some(),
+                ),
+                ("lease", args.lease.is_some() || f.lease.is_some()),
+                (
+                    "concurrency",
+                    args.concurrency.is_some() || f.concurrency.is_some(),
+                ),
+                ("ordering", args.ordering.is_some() || f.ordering.is_some()),
+                (
+                    "drain_timeout",
+                    args.drain_timeout.is_some() || f.drain_timeout.is_some(),
+                ),
+            ]
+            .into_iter()
+            .filter_map(|(name, given)| given.then_some(name))
+            .collect();
+            if !ignored.is_empty() {
+                tracing::warn!(
+                    settings = ?ignored,
+                    "these settings do not apply to --source wal (commit order, one batch in flight, no claims): ignored"
+                );
+            }
+        }
         s.validate_transport()?;
         s.dispatcher_config()
             .check_lease(Some(s.publish_timeout()))
@@ -744,6 +814,34 @@ impl RelaySettings {
                 },
             })?;
         Ok(s)
+    }
+
+    /// The slot and publication of `--source wal`, checked.
+    ///
+    /// # Errors
+    /// [`CliError::Invalid`] for a database other than PostgreSQL or a bad name.
+    #[cfg(feature = "postgres")]
+    pub(crate) fn wal_config(&self) -> Result<outbox_postgres::wal::WalConfig, CliError> {
+        if self.db.kind()? != DatabaseKind::Postgres {
+            return Err(CliError::Invalid {
+                field: "source",
+                reason: "--source wal reads a PostgreSQL replication slot: the database URL must be postgres://".into(),
+            });
+        }
+        crate::commands::wal::wal_config(
+            &self.db.schema,
+            self.wal_slot.as_deref(),
+            self.wal_publication.as_deref(),
+        )
+    }
+
+    /// Without PostgreSQL compiled in there is no WAL source.
+    #[cfg(not(feature = "postgres"))]
+    pub(crate) fn wal_config(&self) -> Result<(), CliError> {
+        Err(CliError::FeatureMissing {
+            backend: "PostgreSQL",
+            feature: "postgres",
+        })
     }
 
     /// The longest publish of one batch: the connect timeout plus the confirm timeout
@@ -1060,6 +1158,63 @@ mod tests {
             Err(CliError::TimeWindow { .. })
         ));
         assert!(parse_window(Some("2h"), Some("1h"), now).is_ok());
+    }
+
+    #[test]
+    fn the_wal_source_comes_from_flags_or_the_file_and_needs_postgres() {
+        let file = FileConfig::parse(
+            "[relay]\nsource = \"wal\"\nwal_slot = \"s1\"\nmax_wal_retained = 1000\n",
+        )
+        .expect("parses");
+        let cli = <Cli as clap::Parser>::parse_from([
+            "outbox",
+            "--database-url",
+            "postgres://u@h/d",
+            "relay",
+            "--publication",
+            "p1",
+        ]);
+        let crate::cli::Command::Relay(args) = &cli.command else {
+            unreachable!("parsed relay")
+        };
+        let s = RelaySettings::resolve(&cli, args, &file).expect("valid");
+        assert_eq!(s.source, crate::cli::SourceKind::Wal);
+        assert_eq!(
+            (s.wal_slot.as_deref(), s.wal_publication.as_deref()),
+            (Some("s1"), Some("p1"))
+        );
+        assert_eq!(s.max_wal_retained, 1000);
+
+        let cli = <Cli as clap::Parser>::parse_from([
+            "outbox",
+            "--database-url",
+            "postgres://u@h/d",
+            "relay",
+            "--source",
+            "wal",
+            "--slot",
+            "Bad-Name",
+        ]);
+        let crate::cli::Command::Relay(args) = &cli.command else {
+            unreachable!("parsed relay")
+        };
+        let e = RelaySettings::resolve(&cli, args, &FileConfig::default()).expect_err("bad slot");
+        assert!(e.is_bad_input(), "{e}");
+
+        let cli = <Cli as clap::Parser>::parse_from([
+            "outbox",
+            "--database-url",
+            "mysql://u@h/d",
+            "relay",
+            "--source",
+            "wal",
+        ]);
+        let crate::cli::Command::Relay(args) = &cli.command else {
+            unreachable!("parsed relay")
+        };
+        let e =
+            RelaySettings::resolve(&cli, args, &FileConfig::default()).expect_err("not postgres");
+        assert!(e.to_string().contains("PostgreSQL"), "{e}");
     }
 
     #[test]

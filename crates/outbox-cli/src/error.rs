@@ -82,6 +82,10 @@ pub enum CliError {
     #[cfg(feature = "nats")]
     #[error("NATS: {0}")]
     Nats(#[from] transport_nats::NatsError),
+    /// The WAL relay or `outbox wal` failed (wal_level, the slot, the stream).
+    #[cfg(feature = "postgres")]
+    #[error(transparent)]
+    Wal(#[from] outbox_postgres::wal::WalError),
     /// The metrics/health endpoint could not bind its address.
     #[error("cannot listen on {addr}: {source}")]
     Listen {
@@ -129,6 +133,12 @@ impl CliError {
             | Self::TimeWindow { .. }
             | Self::FeatureMissing { .. } => true,
             Self::Store(OutboxError::Config(_)) => true,
+            #[cfg(feature = "postgres")]
+            Self::Wal(e) => matches!(
+                e,
+                outbox_postgres::wal::WalError::InvalidName { .. }
+                    | outbox_postgres::wal::WalError::Url(_)
+            ),
             #[cfg(feature = "rabbit")]
             Self::Rabbit(e) => matches!(
                 e,

@@ -10,7 +10,8 @@
 //! - the relay is stuck: a claimable message (New and visible; in ordered mode also
 //!   not held back by an earlier message of its key) has waited longer than
 //!   `stuck_after` without being claimed;
-//! - the queue lag (age of the oldest New or Processing message) is over `max_lag`.
+//! - the queue lag (age of the oldest New or Processing message) is over `max_lag`;
+//! - `--source wal`: the replication slot retains more WAL than its threshold.
 //!
 //! Until the first check completes the state is unhealthy with reason `starting`.
 //!
@@ -63,6 +64,9 @@ pub struct HealthReport {
     /// Age in seconds of the oldest transaction holding the xmin horizon back at the
     /// last check (PostgreSQL only; `None`: none).
     pub oldest_transaction_age_secs: Option<f64>,
+    /// `--source wal`: WAL retained by the replication slot, in bytes.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub wal_retained_bytes: Option<u64>,
 }
 
 impl HealthReport {
@@ -87,6 +91,8 @@ struct State {
     published: u64,
     heartbeat_failing: bool,
     vacuum: Option<VacuumPressure>,
+    /// WAL retained by the slot and the threshold (`--source wal`).
+    wal_retained: Option<(u64, u64)>,
 }
 
 /// The warnings of [`HealthReport::warnings`] for `v`: a transaction holding the
@@ -152,6 +158,12 @@ impl Health {
         self.with(|s| s.relay_stopped = Some(why));
     }
 
+    /// `--source wal`: the WAL the replication slot retains, in bytes, and the most it
+    /// may retain before `/healthz` fails.
+    pub fn wal_retained(&self, bytes: Option<u64>, max: u64) {
+        self.with(|s| s.wal_retained = bytes.map(|b| (b, max)));
+    }
+
     /// The current report.
     pub fn report(&self) -> HealthReport {
         self.with(|s| {
@@ -201,6 +213,13 @@ impl Health {
                 .as_ref()
                 .map(|v| vacuum_warnings(v, self.max_lag))
                 .unwrap_or_default();
+            if let Some((bytes, max)) = s.wal_retained
+                && bytes > max
+            {
+                reasons.push(format!(
+                    "the replication slot retains {bytes} bytes of WAL (threshold {max})"
+                ));
+            }
             HealthReport {
                 status: if reasons.is_empty() {
                     "ok"
@@ -222,6 +241,7 @@ impl Health {
                     .as_ref()
                     .and_then(|v| v.oldest_transaction_age)
                     .map(|d| d.as_secs_f64()),
+                wal_retained_bytes: s.wal_retained.map(|(b, _)| b),
             }
         })
     }

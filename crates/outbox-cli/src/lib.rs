@@ -13,7 +13,10 @@
 //! - `outbox dead list|replay`, `outbox inbox dead list|replay`;
 //! - `outbox purge` (delete or archive, in small batches);
 //! - `outbox dashboard`: the operations dashboard in the browser (also mounted by
-//!   `outbox relay --dashboard`).
+//!   `outbox relay --dashboard`);
+//! - `outbox relay --source wal` and `outbox wal setup|status|drop` (PostgreSQL): the
+//!   relay reading a logical replication slot instead of claiming rows
+//!   (`outbox_postgres::wal`, docs/wal.md).
 //!
 //! The database is chosen by the URL (`postgres://`, `sqlserver://`,
 //! `mssql://`, `jdbc:sqlserver://` or an ADO.NET string), the broker by `--transport`.
@@ -50,6 +53,8 @@ mod output;
 mod relay;
 #[doc(hidden)]
 pub mod testing;
+#[cfg(feature = "postgres")]
+mod wal;
 
 use std::io::Write;
 use std::process::ExitCode;
@@ -174,6 +179,10 @@ pub async fn run(cli: Cli, out: &mut dyn Write) -> Result<(), CliError> {
             }
         },
         Command::Purge(a) => admin(&cli, &file, purge::validate(a), out).await,
+        Command::Wal { command } => {
+            let db = DbSettings::resolve(&cli, &file)?;
+            commands::wal::run(&db, command, out).await
+        }
         Command::Dashboard(a) => {
             let db = DbSettings::resolve(&cli, &file)?;
             let settings = dashboard::DashboardSettings::resolve(a)?;

@@ -23,7 +23,7 @@ use crate::error::CliError;
 use crate::health::Health;
 
 /// How long closing the broker connection may take at exit.
-const CLOSE_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(2);
+pub(crate) const CLOSE_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(2);
 
 /// The relay's publisher: RabbitMQ or NATS, chosen at run time (the `outbox` facade's,
 /// shared with the examples). Both connect lazily, so the relay starts (and reports
@@ -167,6 +167,9 @@ impl Relay {
                         .with_crash_loop_limit(settings.crash_loop_limit),
                 )
                 .await?;
+                if settings.source == crate::cli::SourceKind::Wal {
+                    return crate::wal::start(settings, store, shutdown).await;
+                }
                 // Push wake-up: a committed insert wakes the claimer at once; polling
                 // stays as the fallback.
                 Self::start_on(settings, store, shutdown, |store, wake, token| {
@@ -330,6 +333,21 @@ impl Relay {
         })
     }
 
+    /// A relay started elsewhere (the WAL source, `crate::wal`).
+    pub(crate) fn from_parts(
+        addr: SocketAddr,
+        health: Health,
+        shutdown: CancellationToken,
+        task: JoinHandle<Result<DispatcherStats, CliError>>,
+    ) -> Self {
+        Self {
+            addr,
+            health,
+            shutdown,
+            task,
+        }
+    }
+
     /// The bound address of `/metrics` and `/healthz` (useful with port 0).
     pub fn local_addr(&self) -> SocketAddr {
         self.addr
@@ -356,7 +374,7 @@ impl Relay {
     }
 }
 
-fn redacted_broker(settings: &RelaySettings) -> String {
+pub(crate) fn redacted_broker(settings: &RelaySettings) -> String {
     crate::config::redact_broker_url(Some(settings.transport), &settings.broker_url)
 }
 
@@ -376,7 +394,7 @@ fn dispatcher_config(settings: &RelaySettings) -> outbox_core::DispatcherConfig 
 
 /// This process's heartbeat: a fresh relay id, the host name (the kernel's, else
 /// `$HOSTNAME`, else `unknown`), the process id and the binary's version.
-fn heartbeat() -> outbox_core::RelayHeartbeat {
+pub(crate) fn heartbeat() -> outbox_core::RelayHeartbeat {
     let host = std::fs::read_to_string("/proc/sys/kernel/hostname")
         .ok()
         .map(|h| h.trim().to_owned())

@@ -43,6 +43,9 @@ mod migrate;
 mod ops;
 mod sql;
 mod store;
+#[cfg(feature = "wal")]
+#[cfg_attr(docsrs, doc(cfg(feature = "wal")))]
+pub mod wal;
 
 pub use config::{DEFAULT_SCHEMA, PgConfig, parse_url};
 pub use inbox::PgInbox;

@@ -9,6 +9,7 @@
 //! - `inbox_dead`: `outbox inbox dead list|replay` ([`inbox_dead_list`],
 //!   [`inbox_dead_replay`]);
 //! - `purge`: `outbox purge` ([`purge()`]);
+//! - `wal`: `outbox wal setup|status|drop` (the slot of `outbox relay --source wal`);
 //! - `dashboard`: `outbox dashboard`, the pages in the browser (also mounted by
 //!   `outbox relay --dashboard`).
 //!
@@ -28,6 +29,7 @@ pub(crate) mod migrate;
 pub(crate) mod purge;
 pub(crate) mod reconcile;
 pub(crate) mod stats;
+pub(crate) mod wal;
 
 pub(crate) use purge::purge;
 pub(crate) use reconcile::reconcile;

@@ -9,7 +9,8 @@
 //!   or releasing it unpublished;
 //! - `completer`: stage 3, recording the outcomes, merged and retried;
 //! - `waves`: the configured order (per-key mode's waves, [`OnDead::Block`]);
-//! - `publish`: one publisher call under the publish timeout and isolated from panics;
+//! - `publish`: one publisher call under the publish timeout and isolated from panics
+//!   ([`publish_guarded`], also used by the PostgreSQL WAL relay);
 //! - `decide`: each message's outcome turned into its completion;
 //! - `circuit`: the circuit breaker (closed, open, half-open with a one-message trial);
 //! - `destinations`: one circuit per destination (routing key), so that a full queue or
@@ -36,6 +37,7 @@ use std::sync::Arc;
 use tokio::sync::Notify;
 
 pub use config::{DEFAULT_DRAIN_TIMEOUT, DEFAULT_MIN_POLL_INTERVAL, DispatcherConfig};
+pub use publish::publish_guarded;
 pub use stats::{BatchReport, DispatcherStats};
 
 use crate::publisher::EventPublisher;

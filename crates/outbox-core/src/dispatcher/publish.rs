@@ -25,76 +25,92 @@ enum Call {
 }
 
 impl<S: OutboxStore, P: EventPublisher> Dispatcher<S, P> {
-    /// One `publish_batch` call, padded or cut to one outcome per message.
-    async fn call(&self, messages: &[OutboxMessage], deadline: Option<Instant>) -> Call {
-        let publish = AssertUnwindSafe(self.publisher.publish_batch(messages)).catch_unwind();
-        let result = match deadline {
-            Some(deadline) => match tokio::time::timeout_at(deadline, publish).await {
-                Ok(result) => result,
-                Err(_) => return Call::TimedOut,
-            },
-            None => publish.await,
-        };
-        match result {
-            Ok(outcomes) => {
-                if outcomes.len() != messages.len() {
-                    warn!(
-                        expected = messages.len(),
-                        got = outcomes.len(),
-                        "publisher broke its contract: outcome count differs; unmatched messages are released"
-                    );
-                }
-                let mut outcomes: Vec<Option<PublishOutcome>> =
-                    outcomes.into_iter().map(Some).collect();
-                outcomes.resize_with(messages.len(), || None);
-                Call::Done(outcomes)
-            }
-            Err(panic) => Call::Panicked(
-                panic
-                    .downcast_ref::<&str>()
-                    .map(|s| (*s).to_owned())
-                    .or_else(|| panic.downcast_ref::<String>().cloned())
-                    .unwrap_or_else(|| "a panic without a message".to_owned()),
-            ),
-        }
-    }
-
-    /// Publishes `messages` in one call. A call that outlives the publish timeout is an
-    /// outage of the whole batch. A call that panics is repeated one message at a time,
-    /// so that only a message whose publish panics alone is judged for it (a
-    /// permanent failure: it goes `Dead`), never the rest of its batch.
+    /// [`publish_guarded`] with this dispatcher's publisher.
     pub(super) async fn publish_guarded(
         &self,
         messages: &[OutboxMessage],
         deadline: Option<Instant>,
     ) -> Vec<Option<PublishOutcome>> {
-        let timed_out = || {
-            let limit = self.publisher.publish_timeout().unwrap_or_default();
-            Some(PublishOutcome::Transient(PublishError::unavailable(
-                format!("the publisher gave no outcome within its publish timeout ({limit:?})"),
-                None,
-            )))
-        };
-        let panicked = |text: &str| {
-            Some(PublishOutcome::Permanent(PublishError::Other {
-                kind: ErrorKind::Permanent,
-                message: format!("the publisher panicked on this message alone: {text}"),
-                source: None,
-            }))
-        };
-        match self.call(messages, deadline).await {
-            Call::Done(outcomes) => outcomes,
-            Call::TimedOut => messages.iter().map(|_| timed_out()).collect(),
-            Call::Panicked(text) if messages.len() == 1 => vec![panicked(&text)],
-            Call::Panicked(text) => {
-                error!(
-                    messages = messages.len(),
-                    panic = %text,
-                    "the publisher panicked on a batch: publishing its messages one at a time to find the poison message"
+        publish_guarded(&*self.publisher, messages, deadline).await
+    }
+}
+
+/// One `publish_batch` call, padded or cut to one outcome per message.
+async fn call<P: EventPublisher + ?Sized>(
+    publisher: &P,
+    messages: &[OutboxMessage],
+    deadline: Option<Instant>,
+) -> Call {
+    let publish = AssertUnwindSafe(publisher.publish_batch(messages)).catch_unwind();
+    let result = match deadline {
+        Some(deadline) => match tokio::time::timeout_at(deadline, publish).await {
+            Ok(result) => result,
+            Err(_) => return Call::TimedOut,
+        },
+        None => publish.await,
+    };
+    match result {
+        Ok(outcomes) => {
+            if outcomes.len() != messages.len() {
+                warn!(
+                    expected = messages.len(),
+                    got = outcomes.len(),
+                    "publisher broke its contract: outcome count differs; unmatched messages are released"
                 );
-                let mut outcomes = Vec::with_capacity(messages.len());
-                for msg in messages {
-                    outcomes.push(match self.call(std::slice::from_ref(msg), deadline).await {
+            }
+            let mut outcomes: Vec<Option<PublishOutcome>> =
+                outcomes.into_iter().map(Some).collect();
+            outcomes.resize_with(messages.len(), || None);
+            Call::Done(outcomes)
+        }
+        Err(panic) => Call::Panicked(
+            panic
+                .downcast_ref::<&str>()
+                .map(|s| (*s).to_owned())
+                .or_else(|| panic.downcast_ref::<String>().cloned())
+                .unwrap_or_else(|| "a panic without a message".to_owned()),
+        ),
+    }
+}
+
+/// Publishes `messages` with `publisher` in one call, one outcome per message in their
+/// order (`None`: not attempted). A call that outlives `deadline` is an outage of the
+/// whole batch. A call that panics is repeated one message at a time, so that only a
+/// message whose publish panics alone is judged for it (a permanent failure), never
+/// the rest of its batch. The [`Dispatcher`] publishes through it, and so does any
+/// other relay loop (the PostgreSQL WAL relay).
+pub async fn publish_guarded<P: EventPublisher + ?Sized>(
+    publisher: &P,
+    messages: &[OutboxMessage],
+    deadline: Option<Instant>,
+) -> Vec<Option<PublishOutcome>> {
+    let timed_out = || {
+        let limit = publisher.publish_timeout().unwrap_or_default();
+        Some(PublishOutcome::Transient(PublishError::unavailable(
+            format!("the publisher gave no outcome within its publish timeout ({limit:?})"),
+            None,
+        )))
+    };
+    let panicked = |text: &str| {
+        Some(PublishOutcome::Permanent(PublishError::Other {
+            kind: ErrorKind::Permanent,
+            message: format!("the publisher panicked on this message alone: {text}"),
+            source: None,
+        }))
+    };
+    match call(publisher, messages, deadline).await {
+        Call::Done(outcomes) => outcomes,
+        Call::TimedOut => messages.iter().map(|_| timed_out()).collect(),
+        Call::Panicked(text) if messages.len() == 1 => vec![panicked(&text)],
+        Call::Panicked(text) => {
+            error!(
+                messages = messages.len(),
+                panic = %text,
+                "the publisher panicked on a batch: publishing its messages one at a time to find the poison message"
+            );
+            let mut outcomes = Vec::with_capacity(messages.len());
+            for msg in messages {
+                outcomes.push(match call(publisher, std::slice::from_ref(msg), deadline).await {
                         Call::Done(mut one) => one.pop().flatten(),
                         Call::TimedOut => timed_out(),
                         Call::Panicked(text) => {
@@ -102,9 +118,8 @@ impl<S: OutboxStore, P: EventPublisher> Dispatcher<S, P> {
                             panicked(&text)
                         }
                     });
-                }
-                outcomes
             }
+            outcomes
         }
     }
 }

@@ -1,0 +1,128 @@
+//! [`WalRelayConfig`] and the relay's counters ([`WalRelayStats`], [`WalStatsHandle`]).
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU64, Ordering};
+use std::time::Duration;
+
+use outbox_core::RetryPolicies;
+
+/// The Prometheus gauge of the WAL the slot retains, in bytes.
+pub const WAL_RETAINED_BYTES: &str = "outbox_wal_retained_bytes";
+
+/// Settings of a [`WalRelay`](super::WalRelay) beside its [`WalConfig`](crate::wal::WalConfig).
+#[derive(Debug, Clone)]
+pub struct WalRelayConfig {
+    pub(super) url: String,
+    pub(super) batch_size: usize,
+    pub(super) retry: RetryPolicies,
+    pub(super) probe_cap: Duration,
+    pub(super) gauge_interval: Duration,
+    pub(super) standby_interval: Duration,
+    pub(super) crash_loop_limit: u32,
+}
+
+impl WalRelayConfig {
+    /// Reads through a replication connection to `url` (the same database URL as the
+    /// store's), with the defaults below.
+    pub fn new(url: impl Into<String>) -> Self {
+        Self {
+            url: url.into(),
+            batch_size: 500,
+            retry: RetryPolicies::default(),
+            probe_cap: Duration::from_secs(30),
+            gauge_interval: Duration::from_secs(5),
+            standby_interval: Duration::from_secs(1),
+            crash_loop_limit: outbox_core::DEFAULT_CRASH_LOOP_LIMIT,
+        }
+    }
+
+    /// Starts of the relay that may end (the process dies) while it publishes one
+    /// message alone, before that message goes `Dead` as a suspected crash loop
+    /// [default: [`DEFAULT_CRASH_LOOP_LIMIT`](outbox_core::DEFAULT_CRASH_LOOP_LIMIT)].
+    #[must_use]
+    pub fn with_crash_loop_limit(mut self, limit: u32) -> Self {
+        self.crash_loop_limit = limit.max(1);
+        self
+    }
+
+    /// Most messages published in one call [default: 500].
+    #[must_use]
+    pub fn with_batch_size(mut self, n: usize) -> Self {
+        self.batch_size = n.max(1);
+        self
+    }
+
+    /// Backoff and attempts per event type [default: [`RetryPolicies::default`]].
+    #[must_use]
+    pub fn with_retry(mut self, retry: RetryPolicies) -> Self {
+        self.retry = retry;
+        self
+    }
+
+    /// How often the retained-WAL gauge is refreshed [default: 5 s].
+    #[must_use]
+    pub fn with_gauge_interval(mut self, every: Duration) -> Self {
+        self.gauge_interval = every.max(Duration::from_millis(100));
+        self
+    }
+
+    /// How often a standby relay looks whether the slot is free [default: 1 s].
+    #[must_use]
+    pub fn with_standby_interval(mut self, every: Duration) -> Self {
+        self.standby_interval = every.max(Duration::from_millis(50));
+        self
+    }
+}
+
+/// Counters of a finished [`WalRelay::run`](super::WalRelay::run).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct WalRelayStats {
+    /// Messages confirmed by the broker.
+    pub published: u64,
+    /// Messages moved to Dead.
+    pub dead: u64,
+    /// Replication sessions started (1 plus reconnects and takeovers).
+    pub sessions: u64,
+}
+
+#[derive(Debug, Default)]
+pub(super) struct Counters {
+    pub(super) published: AtomicU64,
+    pub(super) dead: AtomicU64,
+    pub(super) sessions: AtomicU64,
+    pub(super) circuit_open: AtomicBool,
+    pub(super) standby: AtomicBool,
+    /// -1: unknown.
+    pub(super) retained: AtomicI64,
+}
+
+/// A live view of a running [`WalRelay`](super::WalRelay) (for health checks). Cheap to clone.
+#[derive(Debug, Clone)]
+pub struct WalStatsHandle(pub(super) Arc<Counters>);
+
+impl WalStatsHandle {
+    /// Messages published so far.
+    pub fn published(&self) -> u64 {
+        self.0.published.load(Ordering::Relaxed)
+    }
+    /// Whether the broker is taken to be unavailable (reading paused).
+    pub fn circuit_open(&self) -> bool {
+        self.0.circuit_open.load(Ordering::Relaxed)
+    }
+    /// Whether another session holds the slot and this relay waits.
+    pub fn standby(&self) -> bool {
+        self.0.standby.load(Ordering::Relaxed)
+    }
+    /// WAL retained by the slot at the last refresh, in bytes.
+    pub fn retained_bytes(&self) -> Option<u64> {
+        u64::try_from(self.0.retained.load(Ordering::Relaxed)).ok()
+    }
+    pub(super) fn snapshot(&self) -> WalRelayStats {
+        WalRelayStats {
+            published: self.published(),
+            dead: self.0.dead.load(Ordering::Relaxed),
+            sessions: self.0.sessions.load(Ordering::Relaxed),
+        }
+    }
+}

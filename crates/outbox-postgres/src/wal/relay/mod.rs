@@ -1,0 +1,189 @@
+//! The WAL relay loop ([`WalRelay`]): `session` reads the stream, `flush` publishes a
+//! batch, `record` writes outcomes to the table, `config` holds its settings and counters.
+
+mod config;
+mod flush;
+mod record;
+mod session;
+
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::time::Duration;
+
+use outbox_core::EventPublisher;
+use pgwire_replication::Lsn;
+use tokio_util::sync::CancellationToken;
+use tracing::{debug, error, info, warn};
+
+pub use config::{WAL_RETAINED_BYTES, WalRelayConfig, WalRelayStats, WalStatsHandle};
+
+use super::{WalConfig, WalError, admin};
+use crate::PgOutbox;
+use config::Counters;
+
+/// The WAL relay over `P`.
+///
+/// One session at a time reads the slot (PostgreSQL lets one walsender hold it; a
+/// second relay waits as a standby and takes over when the first one's session ends).
+/// Changes arrive in commit order. Inserted rows are gathered into a batch until it is
+/// full or nothing more is waiting, then published; the position confirmed to the
+/// server (the slot's `confirmed_flush_lsn`) is the end of the last transaction whose
+/// rows were all published and recorded, so a crash replays from there (at least
+/// once; the message ids are stable, so broker deduplication and the inbox absorb the
+/// repeats).
+///
+/// What happens to a message, by what went wrong (the polling dispatcher's rules,
+/// without claims):
+/// - **published**: its row is marked `Sent` (or deleted) in one statement per batch;
+/// - **undecodable row** or **a verdict about the message** (unroutable, oversized,
+///   invalid): `Dead` with `last_error`, the stream goes on;
+/// - **another transient failure**: the batch stops at that message and is published
+///   again from it after the event type's backoff (the messages after it again too,
+///   so per-key order holds); after `max_attempts`, `Dead`;
+/// - **the broker cannot take messages** (an outage, a destination refusing): reading
+///   pauses, the broker is probed with backoff, then the batch is published again from
+///   the first unconfirmed message. No attempt is charged; nothing goes dead.
+/// - **the database** (recording `Sent`/`Dead`) failing transiently is retried until it
+///   lands; failing permanently stops the relay ([`WalError::Store`]).
+pub struct WalRelay<P> {
+    outbox: PgOutbox,
+    wal: WalConfig,
+    publisher: Arc<P>,
+    config: WalRelayConfig,
+    counters: Arc<Counters>,
+}
+
+impl<P: EventPublisher> WalRelay<P> {
+    /// A relay reading `wal`'s slot for `outbox`'s table and publishing with
+    /// `publisher`.
+    pub fn new(
+        outbox: PgOutbox,
+        wal: WalConfig,
+        publisher: Arc<P>,
+        config: WalRelayConfig,
+    ) -> Self {
+        let counters = Arc::new(Counters::default());
+        counters.retained.store(-1, Ordering::Relaxed);
+        Self {
+            outbox,
+            wal,
+            publisher,
+            config,
+            counters,
+        }
+    }
+
+    /// A live view of the counters.
+    pub fn stats(&self) -> WalStatsHandle {
+        WalStatsHandle(Arc::clone(&self.counters))
+    }
+
+    /// Reads and publishes until `shutdown` is cancelled: then the batch being
+    /// published is finished (or, during an outage, left unconfirmed for the next
+    /// session), the confirmed position is reported to the server and the session
+    /// ends. Connection failures are retried with backoff; a slot held by another
+    /// session is waited for.
+    ///
+    /// # Errors
+    /// [`WalError::WalLevel`], [`WalError::SlotMissing`] (also when the slot is
+    /// dropped while the relay runs), [`WalError::PublicationMissing`],
+    /// [`WalError::WrongPlugin`], [`WalError::Url`], a permanent
+    /// [`WalError::Store`] (a statement recording outcomes refused), or a stream
+    /// failure that retrying cannot help (authentication, TLS, a malformed message).
+    pub async fn run(&self, shutdown: CancellationToken) -> Result<WalRelayStats, WalError> {
+        let gauge = self.spawn_gauge(shutdown.clone());
+        let result = self.run_sessions(&shutdown).await;
+        gauge.abort();
+        result.map(|()| self.stats().snapshot())
+    }
+
+    async fn run_sessions(&self, shutdown: &CancellationToken) -> Result<(), WalError> {
+        let mut backoff = Duration::from_millis(500);
+        let mut waiting_logged = false;
+        while !shutdown.is_cancelled() {
+            let (confirmed, active) = match admin::preflight(self.outbox.pool(), &self.wal).await {
+                Ok(x) => x,
+                Err(e) if e.is_retryable() => {
+                    warn!(error = %e, "cannot check the replication slot; retrying");
+                    self.pause(shutdown, &mut backoff).await;
+                    continue;
+                }
+                Err(e) => {
+                    error!(error = %e, "the WAL relay stops");
+                    return Err(e);
+                }
+            };
+            if let Some(pid) = active {
+                self.counters.standby.store(true, Ordering::Relaxed);
+                if !waiting_logged {
+                    info!(
+                        slot = self.wal.slot(),
+                        pid, "the replication slot is read by another session; standing by"
+                    );
+                    waiting_logged = true;
+                }
+                tokio::select! {
+                    () = shutdown.cancelled() => {}
+                    () = tokio::time::sleep(self.config.standby_interval) => {}
+                }
+                continue;
+            }
+            let start = confirmed
+                .as_deref()
+                .and_then(|s| s.parse::<Lsn>().ok())
+                .unwrap_or(Lsn::ZERO);
+            let sessions_before = self.counters.sessions.load(Ordering::Relaxed);
+            match self.session(start, shutdown).await {
+                Ok(()) => return Ok(()),
+                Err(e) if e.is_retryable() => {
+                    if self.counters.sessions.load(Ordering::Relaxed) != sessions_before {
+                        // It had been reading: reconnect soon, not at the last backoff.
+                        backoff = Duration::from_millis(500);
+                    }
+                    // The slot taken meanwhile, a server restart, a dropped connection:
+                    // the next preflight tells which.
+                    warn!(error = %e, "the replication session ended; reconnecting");
+                    waiting_logged = false;
+                    self.pause(shutdown, &mut backoff).await;
+                }
+                Err(e) => {
+                    error!(error = %e, "the WAL relay stops");
+                    return Err(e);
+                }
+            }
+        }
+        Ok(())
+    }
+
+    async fn pause(&self, shutdown: &CancellationToken, backoff: &mut Duration) {
+        tokio::select! {
+            () = shutdown.cancelled() => {}
+            () = tokio::time::sleep(*backoff) => {}
+        }
+        *backoff = outbox_core::retry::outage_backoff(*backoff, Duration::from_secs(10));
+    }
+
+    fn spawn_gauge(&self, shutdown: CancellationToken) -> tokio::task::JoinHandle<()> {
+        let pool = self.outbox.pool().clone();
+        let slot = self.wal.slot().to_owned();
+        let counters = Arc::clone(&self.counters);
+        let every = self.config.gauge_interval;
+        tokio::spawn(async move {
+            loop {
+                match admin::retained_bytes(&pool, &slot).await {
+                    Ok(Some(bytes)) => {
+                        counters.retained.store(bytes, Ordering::Relaxed);
+                        #[allow(clippy::cast_precision_loss)] // reason: a gauge of bytes
+                        metrics::gauge!(WAL_RETAINED_BYTES).set(bytes as f64);
+                    }
+                    Ok(None) => counters.retained.store(-1, Ordering::Relaxed),
+                    Err(e) => debug!(error = %e, "cannot read the retained WAL"),
+                }
+                tokio::select! {
+                    () = shutdown.cancelled() => return,
+                    () = tokio::time::sleep(every) => {}
+                }
+            }
+        })
+    }
+}

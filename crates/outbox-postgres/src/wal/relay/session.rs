@@ -1,0 +1,231 @@
+//! One replication session: reading the stream, gathering batches, confirming the
+//! position, and how a session starts (`SessionStart`).
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::time::Duration;
+
+use outbox_core::{EventPublisher, MessageStatus, OutboxMessage};
+use pgwire_replication::{Lsn, ReplicationClient, ReplicationEvent};
+use tokio::time::Instant;
+use tokio_util::sync::CancellationToken;
+use tracing::{error, info, warn};
+use uuid::Uuid;
+
+use super::WalRelay;
+use crate::wal::WalError;
+use crate::wal::pgoutput::{self, Change, Relation, Row};
+
+/// How long a batch that is not full waits for the stream's next change.
+const LINGER: Duration = Duration::from_millis(1);
+
+/// How a session starts. A new session (after a crash, a takeover, a restart) reads
+/// again from the confirmed position, which trails what its predecessor did:
+/// - `catching_up`: rows the table already records (`Sent`, `Dead`) are skipped, until
+///   a batch has none of them;
+/// - `careful_left`: the first messages are published in small rounds, each recorded
+///   before the next: 1, 1, 2, 4, ... up to the batch size (`careful_chunk`). A message
+///   that makes the relay die takes its round with it; the next start skips what was
+///   recorded and begins with that round, so within a few starts the message is the
+///   first pending one, published alone;
+/// - `guarded`: that first pending message is counted (`unfinished_alone`) before it
+///   is published and uncounted when its publish comes back; past the crash-loop limit
+///   it goes `Dead` instead. Restarts during a broker outage never count: the publish
+///   comes back (unavailable) and the count is reset.
+pub(super) struct SessionStart {
+    pub(super) catching_up: bool,
+    pub(super) careful_left: usize,
+    pub(super) careful_chunk: usize,
+    pub(super) careful_first_done: bool,
+    pub(super) guarded: bool,
+}
+
+impl SessionStart {
+    fn new(careful: usize) -> Self {
+        Self {
+            catching_up: true,
+            careful_left: careful,
+            careful_chunk: 1,
+            careful_first_done: false,
+            guarded: false,
+        }
+    }
+}
+
+/// One change of the outbox table to act on, in commit order.
+pub(super) enum Item {
+    Message(Box<OutboxMessage>),
+    /// A row that does not decode: it goes dead.
+    Poison {
+        id: Uuid,
+        reason: String,
+    },
+    /// An update back to `New` (a replayed dead letter): read again from the table.
+    Replay(Uuid),
+}
+
+impl<P: EventPublisher> WalRelay<P> {
+    /// One replication session from `start`: `Ok` after a graceful stop.
+    pub(super) async fn session(
+        &self,
+        start: Lsn,
+        shutdown: &CancellationToken,
+    ) -> Result<(), WalError> {
+        let cfg = crate::wal::connect::replication_config(&self.config.url, &self.wal, start)?;
+        let mut client = ReplicationClient::connect(cfg)
+            .await
+            .map_err(WalError::Stream)?;
+        client.wait_started().await.map_err(WalError::Stream)?;
+        self.counters.sessions.fetch_add(1, Ordering::Relaxed);
+        self.counters.standby.store(false, Ordering::Relaxed);
+        info!(slot = self.wal.slot(), from = %start, "reading the replication slot");
+
+        let mut relations: HashMap<u32, Relation> = HashMap::new();
+        let mut batch: Vec<Item> = Vec::new();
+        let mut in_tx = false;
+        // End of the last transaction received: once every item before it is handled,
+        // the position to confirm.
+        let mut last_commit: Option<Lsn> = None;
+        let mut start_state = SessionStart::new(self.config.batch_size);
+        loop {
+            let next = if batch.len() >= self.config.batch_size {
+                None
+            } else if batch.is_empty() {
+                tokio::select! {
+                    biased;
+                    () = shutdown.cancelled() => {
+                        self.finish(&mut client, last_commit).await;
+                        return Ok(());
+                    }
+                    ev = client.recv() => Some(ev),
+                }
+            } else {
+                // A batch waits this long for the next change before it is published:
+                // the stream arrives in bursts, and fuller batches cost fewer round trips.
+                tokio::time::timeout(LINGER, client.recv()).await.ok()
+            };
+            let Some(event) = next else {
+                if !self.flush(&mut batch, &mut start_state, shutdown).await? {
+                    // Stopped during an outage: what was not confirmed is read again by
+                    // the next session.
+                    self.finish(&mut client, None).await;
+                    return Ok(());
+                }
+                if let Some(lsn) = last_commit {
+                    client.update_applied_lsn(lsn);
+                }
+                continue;
+            };
+            let event = match event {
+                Ok(Some(ev)) => ev,
+                Ok(None) => {
+                    return Err(WalError::Stream(pgwire_replication::PgWireError::Io(
+                        Arc::new(std::io::Error::other("the replication stream ended")),
+                    )));
+                }
+                Err(e) => return Err(WalError::Stream(e)),
+            };
+            match event {
+                ReplicationEvent::Begin { .. } => in_tx = true,
+                ReplicationEvent::Commit { end_lsn, .. } => {
+                    in_tx = false;
+                    last_commit = Some(end_lsn);
+                    if batch.is_empty() {
+                        client.update_applied_lsn(end_lsn);
+                    }
+                }
+                ReplicationEvent::KeepAlive { wal_end, .. } => {
+                    // Nothing pending and no transaction open: everything before the
+                    // server's position is handled, so confirm it (an idle outbox must
+                    // not make the slot retain the WAL of other tables).
+                    if batch.is_empty() && !in_tx {
+                        client.update_applied_lsn(wal_end);
+                    }
+                }
+                ReplicationEvent::XLogData { data, .. } => {
+                    match pgoutput::decode(&data).map_err(|e| WalError::Malformed(e.to_string()))? {
+                        Change::Relation(rel) => {
+                            relations.insert(rel.oid, rel);
+                        }
+                        Change::Insert { oid, tuple } => {
+                            if let Some(rel) = self.ours(&relations, oid)?
+                                && let Some(item) = insert_item(rel, &tuple)
+                            {
+                                batch.push(item);
+                            }
+                        }
+                        Change::Update { oid, tuple } => {
+                            if let Some(rel) = self.ours(&relations, oid)? {
+                                let row = Row::new(rel, &tuple);
+                                if row.status() == Ok(MessageStatus::New.code())
+                                    && let Ok(id) = row.id()
+                                    && !batch
+                                        .iter()
+                                        .any(|i| matches!(i, Item::Message(m) if m.id == id))
+                                {
+                                    batch.push(Item::Replay(id));
+                                }
+                            }
+                        }
+                        Change::Other => {}
+                    }
+                }
+                ReplicationEvent::Message { .. } | ReplicationEvent::StoppedAt { .. } => {}
+            }
+        }
+    }
+
+    /// The relation of a change if it is this outbox's table, `None` for another table
+    /// of the publication. A change of a relation the stream never described is an
+    /// error: `pgoutput` sends a `Relation` first, and skipping the row would lose it.
+    pub(super) fn ours<'r>(
+        &self,
+        relations: &'r HashMap<u32, Relation>,
+        oid: u32,
+    ) -> Result<Option<&'r Relation>, WalError> {
+        let rel = relations.get(&oid).ok_or_else(|| {
+            WalError::Malformed(format!(
+                "a change of relation {oid}, which the stream never described"
+            ))
+        })?;
+        Ok((rel.schema == self.outbox.schema() && rel.name == "outbox_messages").then_some(rel))
+    }
+
+    /// Reports `applied` (when given) to the server, waits briefly until it was sent,
+    /// and ends the session.
+    pub(super) async fn finish(&self, client: &mut ReplicationClient, applied: Option<Lsn>) {
+        if let Some(lsn) = applied {
+            client.update_applied_lsn(lsn);
+            let metrics = client.metrics();
+            let deadline = Instant::now() + Duration::from_secs(3);
+            while metrics.last_applied_lsn() < lsn && Instant::now() < deadline {
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+        }
+        if tokio::time::timeout(Duration::from_secs(5), client.shutdown())
+            .await
+            .is_err()
+        {
+            warn!("the replication session did not end in time; leaving it");
+        }
+        info!(slot = self.wal.slot(), "replication session ended");
+    }
+}
+
+/// The item of an inserted row: a message to publish if it is `New`, a poison row if
+/// it does not decode (and has a readable id), nothing otherwise.
+fn insert_item(rel: &Relation, tuple: &[pgoutput::Value]) -> Option<Item> {
+    let row = Row::new(rel, tuple);
+    match row.message() {
+        Ok(m) if m.status == MessageStatus::New => Some(Item::Message(Box::new(m))),
+        Ok(_) => None,
+        Err(reason) => match row.id() {
+            Ok(id) => Some(Item::Poison { id, reason }),
+            Err(e) => {
+                error!(reason = %reason, id_error = %e, "an inserted row without a readable id: skipped");
+                None
+            }
+        },
+    }
+}
