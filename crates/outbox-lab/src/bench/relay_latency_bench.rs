@@ -21,7 +21,12 @@
 //!    transactions with the trigger, without it (`DISABLE TRIGGER`) and with the same
 //!    trigger minus its `pg_notify` (so the notification's commit lock is told apart
 //!    from the trigger's own work), in alternating windows, while a connection LISTENs
-//!    (the relay stopped, so its publishing takes no CPU from the writers).
+//!    (the relay stopped, so its publishing takes no CPU from the writers);
+//! 4. the WAL relay (`outbox wal setup`, `outbox relay --source wal`, issue 32):
+//!    commit-to-publish at 20 and 500 messages/s as in 2, PostgreSQL's CPU per message
+//!    in the 500 msg/s phase beside the polling relay's, and the 4 writers' rate with
+//!    the WAL relay running against the rate with no relay and no trigger (windows of
+//!    the one, then of the other).
 //!
 //! **`--backlog N`** preloads N pending rows with one `INSERT … SELECT generate_series`,
 //! times the relay's periodic health-check queries (`pending_stats`, the gauges, and
@@ -422,7 +427,7 @@ async fn relay_process_phases(outbox: &Db, broker: &Broker, body: &str) -> anyho
         );
 
         for rate in RATES {
-            rate_phase(outbox, &format!("rate{rate}"), rate, body).await?;
+            rate_phase_cpu(outbox, broker, &format!("rate{rate}"), rate, body).await?;
         }
         anyhow::Ok(())
     }
@@ -445,7 +450,77 @@ async fn relay_process_phases(outbox: &Db, broker: &Broker, body: &str) -> anyho
         );
     }
     without_notifications(outbox, broker, body).await?;
-    notify_cost(outbox, body).await
+    notify_cost(outbox, body).await?;
+    wal_phases(outbox, broker, body).await
+}
+
+/// The WAL relay's phases (4. in the module docs): the slot set up for the bench's
+/// schema, removed again whatever happens.
+async fn wal_phases(outbox: &Db, broker: &Broker, body: &str) -> anyhow::Result<()> {
+    let wal = |verb: &str| -> anyhow::Result<()> {
+        let status = outbox_command(&outbox.url, outbox.schema())?
+            .args(["wal", verb])
+            .stdout(std::process::Stdio::null())
+            .status()?;
+        anyhow::ensure!(status.success(), "`outbox wal {verb}` failed: {status}");
+        Ok(())
+    };
+    wal("setup").context("the WAL phases need wal_level = logical (`cargo xtask services`)")?;
+    let measured = async {
+        let relay = spawn_relay(outbox, broker, &["--source", "wal"])?;
+        let running = async {
+            wait_ready(outbox, "probe_wal", body).await?;
+            println!("the WAL relay (`outbox relay --source wal`, trigger disabled by `outbox wal setup`):");
+            for rate in RATES {
+                rate_phase_cpu(outbox, broker, &format!("wal{rate}"), rate, body).await?;
+            }
+            let mut with_relay = Vec::new();
+            for _ in 0..3 {
+                with_relay.push(writers_rate(outbox, body).await?);
+            }
+            anyhow::Ok(with_relay)
+        }
+        .await;
+        stop(relay).await?;
+        let with_relay = running?;
+        super::quiesce(&outbox.outbox).await;
+        let mut alone = Vec::new();
+        for _ in 0..3 {
+            alone.push(writers_rate(outbox, body).await?);
+        }
+        let mean = |v: &[f64]| v.iter().sum::<f64>() / v.len() as f64;
+        println!(
+            "producers, {WRITERS} concurrent writers of single-row transactions, windows of {} s: {:.0} tx/s with the WAL relay running, {:.0} tx/s with no relay and no trigger: ratio {:.3} (target ≥ 0.95; windows {:?} then {:?})",
+            WRITER_WINDOW.as_secs(),
+            mean(&with_relay),
+            mean(&alone),
+            mean(&with_relay) / mean(&alone),
+            with_relay.iter().map(|r| r.round()).collect::<Vec<_>>(),
+            alone.iter().map(|r| r.round()).collect::<Vec<_>>(),
+        );
+        anyhow::Ok(())
+    }
+    .await;
+    wal("drop")?;
+    measured
+}
+
+/// [`rate_phase`], and PostgreSQL's CPU over it per message.
+async fn rate_phase_cpu(
+    outbox: &PgOutbox,
+    broker: &Broker,
+    aggregate: &str,
+    rate: u64,
+    body: &str,
+) -> anyhow::Result<()> {
+    let cpu0 = common::CpuTimes::now_with(broker.comm());
+    rate_phase(outbox, aggregate, rate, body).await?;
+    let cpu = common::CpuTimes::now_with(broker.comm()).since(cpu0);
+    println!(
+        "  PostgreSQL CPU over that phase: {:.1} µs per message (the producer's inserts included)",
+        cpu.database * 1e6 / (rate * RATE_SECS) as f64
+    );
+    Ok(())
 }
 
 /// Produces `rate` messages/s of `aggregate` for [`RATE_SECS`], waits until the relay
