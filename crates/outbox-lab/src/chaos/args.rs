@@ -97,6 +97,12 @@ pub struct Args {
     /// instead of freezing, restarting and alarming the single server.
     #[arg(long)]
     pub(crate) cluster: bool,
+    /// Where the relays read committed messages: `poll` (claims on the outbox table, the
+    /// default) or `wal` (PostgreSQL only: `outbox wal setup` before the run, the relays
+    /// run `outbox relay --source wal`, one reads the slot while the other stands by;
+    /// the slot and publication are dropped at the end, however the run ends).
+    #[arg(long, default_value = "poll", value_parser = ["poll", "wal"])]
+    pub(crate) source: String,
 }
 
 impl Args {
@@ -116,6 +122,11 @@ impl Args {
     }
 
     /// Rejects settings the relays would refuse or the run cannot honour.
+    /// Whether the relays read the write-ahead log (`--source wal`).
+    pub(crate) fn wal(&self) -> bool {
+        self.source == "wal"
+    }
+
     pub(crate) fn validate(&self) -> anyhow::Result<()> {
         let publish = Duration::from_secs(5) + self.confirm_timeout;
         anyhow::ensure!(
@@ -127,6 +138,10 @@ impl Args {
         anyhow::ensure!(
             !(self.batched && self.consumers_without_inbox),
             "--batched needs an inbox: not with --consumers-without-inbox"
+        );
+        anyhow::ensure!(
+            !(self.wal() && self.database != Database::Postgres),
+            "--source wal reads PostgreSQL's write-ahead log: not with --database mysql"
         );
         anyhow::ensure!(self.relays >= 1, "--relays must be at least 1");
         anyhow::ensure!(self.consumers >= 1, "--consumers must be at least 1");

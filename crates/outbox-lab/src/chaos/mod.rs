@@ -77,6 +77,53 @@ fn consumer_outage(transport: TransportKind, batched: bool) -> Duration {
 }
 
 /// The binaries the harness starts.
+/// The run's replication slot and publication (`--source wal`): created by `outbox wal
+/// setup`, dropped by `outbox wal drop --force` on drop, so that a failed or interrupted
+/// run leaves no slot retaining WAL behind.
+struct WalSlot {
+    outbox: PathBuf,
+    url: String,
+    schema: String,
+}
+
+impl WalSlot {
+    fn setup(bins: &Binaries, args: &Args, names: &Names) -> anyhow::Result<Self> {
+        let slot = Self {
+            outbox: bins.outbox.clone(),
+            url: topology::relay_url(args.database, names),
+            schema: names.schema.clone(),
+        };
+        let status = slot.command(&["setup"]).status()?;
+        anyhow::ensure!(
+            status.success(),
+            "`outbox wal setup` failed ({status}): --source wal needs wal_level = logical (`cargo xtask services`)"
+        );
+        Ok(slot)
+    }
+
+    fn command(&self, verb: &[&str]) -> Command {
+        let mut c = Command::new(&self.outbox);
+        c.env_remove("OUTBOX_CONFIG")
+            .env("RUST_LOG", "warn")
+            .args(["--database-url", &self.url, "--schema", &self.schema, "wal"])
+            .args(verb)
+            .stdout(std::process::Stdio::null());
+        c
+    }
+}
+
+impl Drop for WalSlot {
+    fn drop(&mut self) {
+        match self.command(&["drop", "--force"]).status() {
+            Ok(status) if status.success() => {}
+            other => eprintln!(
+                "chaos: `outbox wal drop --force` for schema {} failed ({other:?}): drop its slot by hand, it retains WAL",
+                self.schema
+            ),
+        }
+    }
+}
+
 struct Binaries {
     outbox: PathBuf,
     consumer: PathBuf,
@@ -123,6 +170,9 @@ fn relay_command(bins: &Binaries, args: &Args, names: &Names, crash_loop_limit: 
         .args(["--lease", &duration_arg(args.lease)])
         .args(["--confirm-timeout", &duration_arg(args.confirm_timeout)])
         .args(["--crash-loop-limit", &crash_loop_limit.to_string()]);
+    if args.wal() {
+        c.args(["--source", "wal"]);
+    }
     match args.transport {
         TransportKind::Rabbit => c
             .args(["--transport", "rabbit", "--broker-url", &common::amqp_url()])
@@ -448,6 +498,13 @@ pub(crate) async fn run(args: Args, seed: u64, before: servers::Snapshot) -> any
     )
     .await?;
     setup::database(&admin, &outbox, &names).await?;
+    // Dropped (slot and publication) when the run ends, however it ends; before the
+    // schema when the run passes.
+    let mut wal = if args.wal() {
+        Some(WalSlot::setup(&bins, &args, &names)?)
+    } else {
+        None
+    };
     setup::broker(args.transport, &names, args.batched, args.cluster).await?;
     let timeline = Timeline::new();
 
@@ -652,6 +709,7 @@ pub(crate) async fn run(args: Args, seed: u64, before: servers::Snapshot) -> any
     let mut failures = verdict::judge(&admin, &names, &inputs).await?;
 
     if failures.is_empty() && !args.keep {
+        drop(wal.take());
         setup::remove_database(&admin, &names).await?;
         setup::remove_broker(args.transport, &names).await?;
         let _ = std::fs::remove_dir_all(&logs);
