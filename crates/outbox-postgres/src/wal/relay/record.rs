@@ -15,6 +15,10 @@ use crate::error::db;
 use crate::sql::quoted_schema;
 use crate::wal::WalError;
 
+/// How long [`WalRelay::record`] retries an unavailable database while holding the
+/// replication session.
+const RECORD_HOLD: Duration = Duration::from_secs(3);
+
 impl<P: EventPublisher> WalRelay<P> {
     /// Counts one more start whose first pending message is `id`; returns the count
     /// (0 when the row is no longer pending).
@@ -65,7 +69,15 @@ impl<P: EventPublisher> WalRelay<P> {
     }
 
     /// Records published messages (`Sent`, or deleted) and dead ones, retrying a
-    /// database that is unavailable. `Ok(false)`: shutdown came first.
+    /// database that is unavailable for up to [`RECORD_HOLD`]; then the error ends the
+    /// replication session (the next one replays from the confirmed position and skips
+    /// what was recorded). `Ok(false)`: shutdown came first.
+    ///
+    /// Why not retry for as long as it takes: a PostgreSQL shutting down (`pg_ctl stop
+    /// -m fast`, a restart) refuses new connections and then waits for every walsender
+    /// to see its client confirm the last WAL it sent. A relay that held its replication
+    /// session open while waiting to record would never confirm, and the server would
+    /// never finish stopping (found by `cargo xtask chaos -- --source wal`).
     pub(super) async fn record(
         &self,
         sent: &[Uuid],
@@ -77,9 +89,14 @@ impl<P: EventPublisher> WalRelay<P> {
         }
         let schema = quoted_schema(self.outbox.schema());
         let mut backoff = Duration::from_millis(200);
+        let started = tokio::time::Instant::now();
         loop {
             match self.record_once(&schema, sent, dead).await {
                 Ok(()) => break,
+                Err(e) if e.is_retryable() && started.elapsed() >= RECORD_HOLD => {
+                    warn!(error = %e, "cannot record outcomes; ending the replication session (a server shutting down waits for it)");
+                    return Err(e);
+                }
                 Err(e) if e.is_retryable() => {
                     warn!(error = %e, "cannot record outcomes; retrying");
                     tokio::select! {
