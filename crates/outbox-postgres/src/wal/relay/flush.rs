@@ -202,8 +202,15 @@ impl<P: EventPublisher> WalRelay<P> {
                 () = tokio::time::sleep(delay) => {}
             }
             // During an outage: probe until the broker is ready, then publish the rest
-            // of the batch again.
+            // of the batch again. The session stays open meanwhile, and a PostgreSQL
+            // shutting down waits for this session to confirm what it was sent: so
+            // each probe first checks the database, and an unreachable one ends the
+            // session (see `record`).
             while self.counters.circuit_open.load(Ordering::Relaxed) {
+                sqlx::query("SELECT 1")
+                    .execute(self.outbox.pool())
+                    .await
+                    .map_err(crate::error::db("wal database check"))?;
                 let ready = tokio::time::timeout(
                     self.publisher
                         .publish_timeout()
