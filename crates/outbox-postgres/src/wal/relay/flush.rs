@@ -41,7 +41,13 @@ impl<P: EventPublisher> WalRelay<P> {
                 Item::Replay(id) => match self.outbox.get(id).await {
                     Ok(Some(m)) if m.status == MessageStatus::New => messages.push(m),
                     Ok(_) => {}
-                    Err(e) => return Err(e.into()),
+                    Err(e) if e.kind().is_retryable() => return Err(e.into()),
+                    // The row as it is now does not decode: it dies alone.
+                    Err(e) => {
+                        warn!(%id, error = %e, "poison row: it cannot be decoded, it is dead");
+                        outbox_core::metrics::dead_poison();
+                        dead.push((id, format!("undecodable row: {e}")));
+                    }
                 },
             }
         }

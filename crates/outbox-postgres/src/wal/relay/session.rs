@@ -89,7 +89,22 @@ impl<P: EventPublisher> WalRelay<P> {
         let mut last_commit: Option<Lsn> = None;
         let mut start_state = SessionStart::new(self.config.batch_size);
         loop {
-            let next = if batch.len() >= self.config.batch_size {
+            let next = if in_tx {
+                // Inside a transaction: its other changes and its commit are on their
+                // way (pgoutput sends a transaction once it committed). A batch is
+                // never published in the middle of one, so that a row updated later in
+                // the same transaction goes out as it was committed (see `Update`).
+                // A transaction of many rows makes a batch of as many.
+                tokio::select! {
+                    biased;
+                    () = shutdown.cancelled() => {
+                        // Unpublished items may precede it: confirm nothing more.
+                        self.finish(&mut client, None).await;
+                        return Ok(());
+                    }
+                    ev = client.recv() => Some(ev),
+                }
+            } else if batch.len() >= self.config.batch_size {
                 None
             } else if batch.is_empty() {
                 tokio::select! {
@@ -158,13 +173,24 @@ impl<P: EventPublisher> WalRelay<P> {
                         Change::Update { oid, tuple } => {
                             if let Some(rel) = self.ours(&relations, oid)? {
                                 let row = Row::new(rel, &tuple);
-                                if row.status() == Ok(MessageStatus::New.code())
-                                    && let Ok(id) = row.id()
-                                    && !batch
-                                        .iter()
-                                        .any(|i| matches!(i, Item::Message(m) if m.id == id))
-                                {
-                                    batch.push(Item::Replay(id));
+                                let Ok(id) = row.id() else { continue };
+                                let queued = batch.iter().position(|i| match i {
+                                    Item::Message(m) => m.id == id,
+                                    Item::Poison { id: p, .. } | Item::Replay(p) => *p == id,
+                                });
+                                match queued {
+                                    // Updated after it was read and before it was
+                                    // published (in the same transaction: an ORM
+                                    // setting a column after its insert): the row is
+                                    // read from the table when the batch is published,
+                                    // as committed. (Not from this tuple: a column
+                                    // stored out of line and left unchanged is not in
+                                    // it.)
+                                    Some(at) => batch[at] = Item::Replay(id),
+                                    None if row.status() == Ok(MessageStatus::New.code()) => {
+                                        batch.push(Item::Replay(id));
+                                    }
+                                    None => {}
                                 }
                             }
                         }
