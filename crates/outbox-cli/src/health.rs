@@ -383,8 +383,11 @@ mod tests {
         assert!(vacuum_warnings(&pressure(DEAD_ROWS_WARNING, 0, None), max_lag).is_empty());
         // Mostly live rows (sent rows kept): not a warning.
         assert!(
-            vacuum_warnings(&pressure(DEAD_ROWS_WARNING + 1, 10 * DEAD_ROWS_WARNING, None), max_lag)
-                .is_empty()
+            vacuum_warnings(
+                &pressure(DEAD_ROWS_WARNING + 1, 10 * DEAD_ROWS_WARNING, None),
+                max_lag
+            )
+            .is_empty()
         );
         let w = vacuum_warnings(&pressure(DEAD_ROWS_WARNING + 1, 5, None), max_lag);
         assert_eq!(w.len(), 1, "{w:?}");

@@ -403,8 +403,11 @@ pub fn set_table_gauges(stats: &OutboxStats) {
 /// from `pressure`.
 pub fn set_vacuum_gauges(pressure: &crate::VacuumPressure) {
     ::metrics::gauge!(DEAD_ROW_VERSIONS).set(pressure.dead_rows as f64);
-    ::metrics::gauge!(OLDEST_TRANSACTION_AGE_SECONDS)
-        .set(pressure.oldest_transaction_age.map_or(0.0, |d| d.as_secs_f64()));
+    ::metrics::gauge!(OLDEST_TRANSACTION_AGE_SECONDS).set(
+        pressure
+            .oldest_transaction_age
+            .map_or(0.0, |d| d.as_secs_f64()),
+    );
 }
 
 #[cfg(test)]
