@@ -233,35 +233,8 @@ impl Relay {
         let wake_listener = wake_listener(&store, dispatcher.wake_handle(), shutdown.clone());
         let health = Health::new(settings.max_lag, settings.stuck_after, ordered);
 
-        let listener = tokio::net::TcpListener::bind(settings.listen)
-            .await
-            .map_err(|source| CliError::Listen {
-                addr: settings.listen,
-                source,
-            })?;
-        let addr = listener.local_addr().map_err(|source| CliError::Listen {
-            addr: settings.listen,
-            source,
-        })?;
-        let mut app = router(health.clone(), prometheus);
-        if let Some(pages) = &settings.dashboard {
-            pages.check_address(settings.listen)?;
-            let admin: Arc<dyn OutboxAdmin> = store.clone();
-            app = app.merge(crate::commands::dashboard::router(
-                crate::commands::dashboard::Dashboard::new(admin, pages, Some(health.clone())),
-            ));
-        }
-        let server = {
-            let token = shutdown.clone();
-            tokio::spawn(async move {
-                axum::serve(
-                    listener,
-                    app.into_make_service_with_connect_info::<SocketAddr>(),
-                )
-                .with_graceful_shutdown(token.cancelled_owned())
-                .await
-            })
-        };
+        let (addr, server) =
+            serve_endpoint(settings, &health, prometheus, &store, &shutdown).await?;
         let checker = {
             let health = health.clone();
             let token = shutdown.clone();
@@ -372,6 +345,49 @@ impl Relay {
     pub async fn wait(self) -> Result<DispatcherStats, CliError> {
         self.task.await.map_err(|e| CliError::Task(e.to_string()))?
     }
+}
+
+/// Binds `settings.listen` and serves `/metrics` and `/healthz` there (and the
+/// dashboard's pages when `settings.dashboard` asks for them) until `shutdown`: the
+/// polling relay's and the WAL relay's endpoint alike. Returns the bound address and
+/// the server's task.
+///
+/// # Errors
+/// [`CliError::Listen`] when the address cannot be bound; the dashboard's address
+/// check.
+pub(crate) async fn serve_endpoint<S: OutboxAdmin + 'static>(
+    settings: &RelaySettings,
+    health: &Health,
+    prometheus: PrometheusHandle,
+    store: &Arc<S>,
+    shutdown: &CancellationToken,
+) -> Result<(SocketAddr, JoinHandle<std::io::Result<()>>), CliError> {
+    let listen_error = |source| CliError::Listen {
+        addr: settings.listen,
+        source,
+    };
+    let listener = tokio::net::TcpListener::bind(settings.listen)
+        .await
+        .map_err(listen_error)?;
+    let addr = listener.local_addr().map_err(listen_error)?;
+    let mut app = router(health.clone(), prometheus);
+    if let Some(pages) = &settings.dashboard {
+        pages.check_address(settings.listen)?;
+        let admin: Arc<dyn OutboxAdmin> = store.clone();
+        app = app.merge(crate::commands::dashboard::router(
+            crate::commands::dashboard::Dashboard::new(admin, pages, Some(health.clone())),
+        ));
+    }
+    let token = shutdown.clone();
+    let server = tokio::spawn(async move {
+        axum::serve(
+            listener,
+            app.into_make_service_with_connect_info::<SocketAddr>(),
+        )
+        .with_graceful_shutdown(token.cancelled_owned())
+        .await
+    });
+    Ok((addr, server))
 }
 
 pub(crate) fn redacted_broker(settings: &RelaySettings) -> String {

@@ -2,7 +2,6 @@
 //! slot and RabbitMQ or NATS, with the same `/metrics` and `/healthz` endpoint and
 //! health checker as the polling relay (docs/wal.md).
 
-use std::net::SocketAddr;
 use std::sync::Arc;
 
 use outbox_core::{DispatcherStats, OutboxAdmin as _};
@@ -15,7 +14,7 @@ use crate::config::RelaySettings;
 use crate::error::CliError;
 use crate::health::Health;
 use crate::relay::{
-    CLOSE_TIMEOUT, Relay, heartbeat, prometheus, publisher, redacted_broker, router,
+    CLOSE_TIMEOUT, Relay, heartbeat, prometheus, publisher, redacted_broker, serve_endpoint,
 };
 
 /// Starts the WAL relay over `store`: checks `wal_level` and the slot first (a typed
@@ -51,35 +50,7 @@ pub(crate) async fn start(
     let stats = relay.stats();
     let health = Health::new(settings.max_lag, settings.stuck_after, None);
 
-    let listener = tokio::net::TcpListener::bind(settings.listen)
-        .await
-        .map_err(|source| CliError::Listen {
-            addr: settings.listen,
-            source,
-        })?;
-    let addr = listener.local_addr().map_err(|source| CliError::Listen {
-        addr: settings.listen,
-        source,
-    })?;
-    let mut app = router(health.clone(), prometheus);
-    if let Some(pages) = &settings.dashboard {
-        pages.check_address(settings.listen)?;
-        let admin: Arc<dyn outbox_core::OutboxAdmin> = store.clone();
-        app = app.merge(crate::commands::dashboard::router(
-            crate::commands::dashboard::Dashboard::new(admin, pages, Some(health.clone())),
-        ));
-    }
-    let server = {
-        let token = shutdown.clone();
-        tokio::spawn(async move {
-            axum::serve(
-                listener,
-                app.into_make_service_with_connect_info::<SocketAddr>(),
-            )
-            .with_graceful_shutdown(token.cancelled_owned())
-            .await
-        })
-    };
+    let (addr, server) = serve_endpoint(settings, &health, prometheus, &store, &shutdown).await?;
     let checker = {
         let health = health.clone();
         let token = shutdown.clone();
