@@ -10,14 +10,17 @@
 //! charged; once room returns (the queue or stream purged) `ToFull`'s are all sent,
 //! none dead, each charged only its successful attempt.
 //!
-//! Both hold the machine-wide fault lock of `outbox_testkit::faults` (they fill a queue
+//! The RabbitMQ case runs with the polling relay and with the WAL relay (`--source
+//! wal`, its own slot, dropped by a guard).
+//!
+//! All hold the machine-wide fault lock of `outbox_testkit::faults` (they fill a queue
 //! and a stream on the shared servers).
 
 mod common;
 
 use std::time::{Duration, Instant};
 
-use common::{RelayProcess, amqp_url, enqueue, fresh_outbox, scalar, wait_until};
+use common::{RelayProcess, WalCleanup, amqp_url, enqueue, fresh_outbox, scalar, wait_until};
 use futures::StreamExt as _;
 use lapin::options::{
     BasicPublishOptions, ConfirmSelectOptions, ExchangeDeclareOptions, ExchangeDeleteOptions,
@@ -335,6 +338,31 @@ async fn a_full_queue_holds_back_only_its_own_routing_key() {
     let url = amqp_url();
     let exchange = rabbit.exchange.clone();
     let args = [
+        "--transport",
+        "rabbit",
+        "--broker-url",
+        &url,
+        "--exchange",
+        &exchange,
+        "--confirm-timeout",
+        "2s",
+    ];
+    one_full_destination_holds_back_only_its_own(&db, rabbit, &args).await;
+}
+
+/// The same with the WAL relay (`--source wal`): what the full queue refuses is parked
+/// in the table, and the slot's stream goes on with the other routing key.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn wal_a_full_queue_holds_back_only_its_own_routing_key() {
+    let _lock = faults::lock().await;
+    let db = fresh_outbox().await;
+    let _wal = WalCleanup::setup(&db);
+    let rabbit = Rabbit::new().await;
+    let url = amqp_url();
+    let exchange = rabbit.exchange.clone();
+    let args = [
+        "--source",
+        "wal",
         "--transport",
         "rabbit",
         "--broker-url",

@@ -23,8 +23,11 @@
 //!   crash loop after the limit, the others are each published once;
 //! - (k) the replication connection terminated by the server (`pg_terminate_backend`)
 //!   mid-run: the relay reconnects and resumes, nothing is lost;
-//! - (l) a full queue (RabbitMQ `reject-publish`) holds the stream without loss and
-//!   without dead letters, in order, until a consumer drains it;
+//! - (l) a full queue (RabbitMQ `reject-publish`): what it refuses is parked (the slot
+//!   moves on), nothing goes dead or is charged, and once a consumer drains the queue
+//!   everything arrives, in commit order;
+//! - (n) a delayed message (`visible_at` ahead) is not published before its time, the
+//!   later message of its key waits behind it, another key goes at once;
 //! - (m) `--sent-retention delete`: each published row is deleted, a restart loses
 //!   nothing;
 //! - (h) over NATS JetStream, the relay killed mid-run and restarted: the stream holds
@@ -37,13 +40,14 @@
 mod common;
 
 use std::net::SocketAddr;
-use std::process::{Command, Stdio};
+use std::process::Command;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use common::{
-    RelayProcess, amqp_url, database_url, enqueue, fresh_outbox, message, scalar, wait_until,
+    RelayProcess, WalCleanup, amqp_url, enqueue, fresh_outbox, message, outbox_command, scalar,
+    wait_until, wal_command,
 };
 use lapin::types::FieldTable;
 use outbox_postgres::PgOutbox;
@@ -51,104 +55,10 @@ use outbox_testkit::rabbit::{Fixture, relay_fixture};
 use tokio::task::JoinHandle;
 use transport_rabbit::lapin;
 
-/// Drops the test's slot, publication and schema when the test ends, panic or not.
-struct Cleanup {
-    schema: String,
-}
-
-impl Drop for Cleanup {
-    fn drop(&mut self) {
-        let schema = self.schema.clone();
-        let slot = format!("{schema}_outbox");
-        // A runtime of its own: this may run while the test's runtime unwinds.
-        let done = std::thread::spawn(move || {
-            let rt = tokio::runtime::Builder::new_current_thread()
-                .enable_all()
-                .build()
-                .expect("runtime");
-            rt.block_on(async move {
-                let pool = sqlx::PgPool::connect(&database_url())
-                    .await
-                    .expect("connect");
-                for _ in 0..50 {
-                    let active: Option<Option<i32>> = sqlx::query_scalar(
-                        "SELECT active_pid FROM pg_replication_slots WHERE slot_name = $1",
-                    )
-                    .bind(&slot)
-                    .fetch_optional(&pool)
-                    .await
-                    .expect("slots");
-                    match active {
-                        None => break,
-                        Some(Some(pid)) => {
-                            let _ = sqlx::query("SELECT pg_terminate_backend($1)")
-                                .bind(pid)
-                                .execute(&pool)
-                                .await;
-                        }
-                        Some(None) => {
-                            let _ = sqlx::query("SELECT pg_drop_replication_slot($1)")
-                                .bind(&slot)
-                                .execute(&pool)
-                                .await;
-                        }
-                    }
-                    tokio::time::sleep(Duration::from_millis(100)).await;
-                }
-                let _ = sqlx::query(sqlx::AssertSqlSafe(format!(
-                    "DROP PUBLICATION IF EXISTS {slot}"
-                )))
-                .execute(&pool)
-                .await;
-                let _ = sqlx::query(sqlx::AssertSqlSafe(format!(
-                    "DROP SCHEMA IF EXISTS \"{schema}\" CASCADE"
-                )))
-                .execute(&pool)
-                .await;
-            });
-        })
-        .join();
-        if done.is_err() {
-            eprintln!("cleanup of {} failed: drop its slot by hand", self.schema);
-        }
-    }
-}
-
-/// `outbox --schema S wal ARGS...`; returns (success, stdout + stderr).
-fn wal_command(db: &PgOutbox, args: &[&str]) -> (bool, String) {
-    let mut all = vec!["wal"];
-    all.extend_from_slice(args);
-    outbox_command(db, &all)
-}
-
-/// `outbox --schema S ARGS...`; returns (success, stdout + stderr).
-fn outbox_command(db: &PgOutbox, args: &[&str]) -> (bool, String) {
-    let out = Command::new(env!("CARGO_BIN_EXE_outbox"))
-        .args(["--database-url", &database_url(), "--schema", db.schema()])
-        .args(args)
-        .env_remove("OUTBOX_CONFIG")
-        .stdin(Stdio::null())
-        .output()
-        .expect("run outbox wal");
-    (
-        out.status.success(),
-        format!(
-            "{}{}",
-            String::from_utf8_lossy(&out.stdout),
-            String::from_utf8_lossy(&out.stderr)
-        ),
-    )
-}
-
 /// A fresh schema with its slot and publication set up (through `outbox wal setup`).
-async fn wal_outbox() -> (PgOutbox, Cleanup) {
+async fn wal_outbox() -> (PgOutbox, WalCleanup) {
     let db = fresh_outbox().await;
-    let cleanup = Cleanup {
-        schema: db.schema().to_owned(),
-    };
-    let (ok, out) = wal_command(&db, &["setup"]);
-    assert!(ok, "outbox wal setup: {out}");
-    assert!(out.contains("slot") && out.contains("created"), "{out}");
+    let cleanup = WalCleanup::setup(&db);
     (db, cleanup)
 }
 
@@ -510,7 +420,7 @@ async fn d_a_standby_takes_over_when_the_reader_dies() {
 async fn e_a_dropped_slot_stops_the_relay_loudly() {
     // Without a slot the relay does not start.
     let db = fresh_outbox().await;
-    let _cleanup = Cleanup {
+    let _cleanup = WalCleanup {
         schema: db.schema().to_owned(),
     };
     let fx = relay_fixture(FieldTable::default()).await;
@@ -908,7 +818,7 @@ async fn k_a_lost_replication_connection_is_resumed() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn l_a_full_queue_holds_the_stream_without_loss() {
+async fn l_a_full_queue_parks_its_messages_without_loss() {
     let (db, _cleanup) = wal_outbox().await;
     let fx = relay_fixture(outbox_testkit::rabbit::reject_when_full(10)).await;
     let relay = start(&db, &relay_args(&fx, &amqp_url()));
@@ -916,15 +826,37 @@ async fn l_a_full_queue_holds_the_stream_without_loss() {
     wait_until(
         &relay,
         Duration::from_secs(60),
-        "the relay pauses on the full queue",
-        || async { count(&db, 1).await == 10 && relay.log().contains("reading pauses") },
+        "the relay parks what the full queue refuses",
+        || async { count(&db, 1).await == 10 && count(&db, 9).await == 20 },
+    )
+    .await;
+    assert!(
+        relay.log().contains("a destination refuses messages"),
+        "{}",
+        relay.log()
+    );
+    // The slot moves past parked rows: the table holds them now.
+    let lsn = current_lsn(&db).await;
+    wait_until(
+        &relay,
+        Duration::from_secs(30),
+        "the slot is confirmed past them",
+        || confirmed_past(&db, &lsn),
     )
     .await;
     tokio::time::sleep(Duration::from_secs(2)).await;
     assert_eq!(count(&db, 3).await, 0, "a full queue kills nothing");
-    assert_eq!(count(&db, 0).await, 20, "the rest wait");
+    assert_eq!(
+        scalar(
+            &db,
+            "SELECT max(attempts)::bigint FROM {s}.outbox_messages WHERE status = 9"
+        )
+        .await,
+        0,
+        "refusals are not charged"
+    );
 
-    // A consumer drains the queue: the relay goes on, in commit order.
+    // A consumer drains the queue: the parked rows go, in commit order (one destination).
     let order = Arc::new(Mutex::new(Vec::new()));
     let sink = Arc::clone(&order);
     fx.consume(move |id, _| sink.lock().expect("lock").push(id))
@@ -945,6 +877,78 @@ async fn l_a_full_queue_holds_the_stream_without_loss() {
     }
     assert_eq!(first_seen, ids, "first deliveries in commit order");
     assert_eq!(count(&db, 3).await, 0);
+    assert_eq!(
+        scalar(&db, "SELECT max(attempts)::bigint FROM {s}.outbox_messages").await,
+        1,
+        "each charged only its successful attempt"
+    );
+    relay.terminate();
+    let mut relay = relay;
+    assert!(relay.exited_within(Duration::from_secs(15)).await.is_some());
+    fx.delete_exchange().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn n_a_delayed_message_waits_for_its_time_and_holds_only_its_key() {
+    let (db, _cleanup) = wal_outbox().await;
+    let fx = relay_fixture(FieldTable::default()).await;
+    let order = Arc::new(Mutex::new(Vec::new()));
+    let sink = Arc::clone(&order);
+    fx.consume(move |id, _| sink.lock().expect("lock").push(id))
+        .await;
+    let relay = start(&db, &relay_args(&fx, &amqp_url()));
+    let delay = Duration::from_secs(4);
+    // Key a: a1, a2 (delayed), a3; key b: b1, all in one transaction.
+    let a1 = message("OrderPlaced", "order", "a");
+    let a2 = outbox_core::NewMessage::builder("order", "a", "OrderPlaced")
+        .payload(&serde_json::json!({ "n": 2 }))
+        .deliver_after(delay)
+        .build()
+        .expect("valid");
+    let a3 = message("OrderPlaced", "order", "a");
+    let b1 = message("OrderPlaced", "order", "b");
+    let id = |m: &outbox_core::NewMessage| m.id.to_string();
+    let (a1_id, a2_id, a3_id, b1_id) = (id(&a1), id(&a2), id(&a3), id(&b1));
+    enqueue(&db, &[a1, a2, a3, b1]).await;
+    let enqueued = std::time::Instant::now();
+    wait_until(
+        &relay,
+        Duration::from_secs(30),
+        "a1 and b1 are sent",
+        || async { count(&db, 1).await == 2 },
+    )
+    .await;
+    let seen = order.lock().expect("lock").clone();
+    assert!(
+        seen.contains(&a1_id)
+            && seen.contains(&b1_id)
+            && !seen.contains(&a2_id)
+            && !seen.contains(&a3_id),
+        "the delayed message and the one behind it on its key wait; the other key goes: {seen:?}"
+    );
+    assert!(
+        enqueued.elapsed() < delay,
+        "checked before the delay ran out"
+    );
+    wait_until(
+        &relay,
+        Duration::from_secs(30),
+        "all four are sent",
+        || async { count(&db, 1).await == 4 && order.lock().expect("lock").len() >= 4 },
+    )
+    .await;
+    let seen = order.lock().expect("lock").clone();
+    let at = |x: &str| seen.iter().position(|s| s == x).expect("delivered");
+    assert!(
+        at(&a1_id) < at(&a2_id) && at(&a2_id) < at(&a3_id),
+        "key a in order: {seen:?}"
+    );
+    let early: i64 = scalar(
+        &db,
+        "SELECT count(*) FROM {s}.outbox_messages WHERE sent_at < visible_at",
+    )
+    .await;
+    assert_eq!(early, 0, "nothing is sent before its visible_at");
     relay.terminate();
     let mut relay = relay;
     assert!(relay.exited_within(Duration::from_secs(15)).await.is_some());

@@ -15,7 +15,7 @@ pub(crate) fn quoted_schema(schema: &str) -> String {
 }
 
 /// Columns read back for an [`OutboxMessage`](outbox_core::OutboxMessage).
-const COLUMNS: &str = "m.id, m.seq, m.aggregate_type, m.aggregate_id, m.aggregate_version, \
+pub(crate) const COLUMNS: &str = "m.id, m.seq, m.aggregate_type, m.aggregate_id, m.aggregate_version, \
     m.event_type, m.payload::text AS payload, m.headers, m.tenant_id, m.routing_key, \
     m.partition_key, m.occurred_at, m.created_at, m.visible_at, m.attempts, m.status, \
     m.last_error, m.claim_token, m.lease_until, m.sent_at";

@@ -355,6 +355,12 @@ enum HeaderDecoding {
     Lossy,
 }
 
+/// A full row decoded as the claim decodes it for publishing (headers strictly).
+#[cfg(feature = "wal")]
+pub(crate) fn decode_for_publish(row: &PgRow) -> Result<OutboxMessage, OutboxError> {
+    decode_row(row, HeaderDecoding::Strict)
+}
+
 fn decode_row(row: &PgRow, headers: HeaderDecoding) -> Result<OutboxMessage, OutboxError> {
     let id: Uuid = row.try_get("id").map_err(db("decode"))?;
     let decode_err = |reason: String| OutboxError::Decode {

@@ -255,3 +255,107 @@ where
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
 }
+
+/// Drops the test's slot, publication and schema when the test ends, panic or not (a
+/// forgotten slot retains WAL forever).
+pub struct WalCleanup {
+    pub schema: String,
+}
+
+impl WalCleanup {
+    /// `outbox wal setup` on `db`'s schema (the slot and publication `{schema}_outbox`),
+    /// and the guard that drops them and the schema.
+    pub fn setup(db: &PgOutbox) -> Self {
+        let cleanup = Self {
+            schema: db.schema().to_owned(),
+        };
+        let (ok, out) = wal_command(db, &["setup"]);
+        assert!(ok, "outbox wal setup: {out}");
+        assert!(out.contains("slot") && out.contains("created"), "{out}");
+        cleanup
+    }
+}
+
+impl Drop for WalCleanup {
+    fn drop(&mut self) {
+        let schema = self.schema.clone();
+        let slot = format!("{schema}_outbox");
+        // A runtime of its own: this may run while the test's runtime unwinds.
+        let done = std::thread::spawn(move || {
+            let rt = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .expect("runtime");
+            rt.block_on(async move {
+                let pool = sqlx::PgPool::connect(&database_url())
+                    .await
+                    .expect("connect");
+                for _ in 0..50 {
+                    let active: Option<Option<i32>> = sqlx::query_scalar(
+                        "SELECT active_pid FROM pg_replication_slots WHERE slot_name = $1",
+                    )
+                    .bind(&slot)
+                    .fetch_optional(&pool)
+                    .await
+                    .expect("slots");
+                    match active {
+                        None => break,
+                        Some(Some(pid)) => {
+                            let _ = sqlx::query("SELECT pg_terminate_backend($1)")
+                                .bind(pid)
+                                .execute(&pool)
+                                .await;
+                        }
+                        Some(None) => {
+                            let _ = sqlx::query("SELECT pg_drop_replication_slot($1)")
+                                .bind(&slot)
+                                .execute(&pool)
+                                .await;
+                        }
+                    }
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                }
+                let _ = sqlx::query(sqlx::AssertSqlSafe(format!(
+                    "DROP PUBLICATION IF EXISTS {slot}"
+                )))
+                .execute(&pool)
+                .await;
+                let _ = sqlx::query(sqlx::AssertSqlSafe(format!(
+                    "DROP SCHEMA IF EXISTS \"{schema}\" CASCADE"
+                )))
+                .execute(&pool)
+                .await;
+            });
+        })
+        .join();
+        if done.is_err() {
+            eprintln!("cleanup of {} failed: drop its slot by hand", self.schema);
+        }
+    }
+}
+
+/// `outbox --schema S wal ARGS...`; returns (success, stdout + stderr).
+pub fn wal_command(db: &PgOutbox, args: &[&str]) -> (bool, String) {
+    let mut all = vec!["wal"];
+    all.extend_from_slice(args);
+    outbox_command(db, &all)
+}
+
+/// `outbox --schema S ARGS...`; returns (success, stdout + stderr).
+pub fn outbox_command(db: &PgOutbox, args: &[&str]) -> (bool, String) {
+    let out = Command::new(env!("CARGO_BIN_EXE_outbox"))
+        .args(["--database-url", &database_url(), "--schema", db.schema()])
+        .args(args)
+        .env_remove("OUTBOX_CONFIG")
+        .stdin(Stdio::null())
+        .output()
+        .expect("run outbox wal");
+    (
+        out.status.success(),
+        format!(
+            "{}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        ),
+    )
+}

@@ -1,22 +1,23 @@
-//! Publishing a batch in order: outages, retries, dead letters, the crash-loop guard.
+//! Publishing a batch in order: parking what cannot go now (`park`), pausing for a
+//! broker outage, dead letters, the crash-loop guard.
 
+use std::collections::{HashSet, VecDeque};
 use std::sync::atomic::Ordering;
 use std::time::Duration;
 
-use outbox_core::{EventPublisher, MessageStatus, OutboxStore as _, PublishOutcome};
+use chrono::Utc;
+use outbox_core::{
+    ErrorKind, EventPublisher, MessageStatus, OutboxMessage, OutboxStore as _, PublishOutcome,
+};
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
-use tracing::{debug, info, warn};
+use tracing::{info, warn};
 
 use super::WalRelay;
+use super::park::{Admit, Parked, ParkedRow, order_key, outcome_text};
+use super::record::{From, Outcomes};
 use super::session::{Item, SessionStart};
 use crate::wal::WalError;
-
-/// How a publishing round ended short of the batch's end.
-enum Pause {
-    Outage(String),
-    Retry(Duration),
-}
 
 impl<P: EventPublisher> WalRelay<P> {
     /// Publishes `batch` in order and records the outcomes. `Ok(false)`: shutdown
@@ -25,6 +26,7 @@ impl<P: EventPublisher> WalRelay<P> {
         &self,
         batch: &mut Vec<Item>,
         state: &mut SessionStart,
+        parked: &Parked,
         shutdown: &CancellationToken,
     ) -> Result<bool, WalError> {
         let items = std::mem::take(batch);
@@ -51,7 +53,11 @@ impl<P: EventPublisher> WalRelay<P> {
                 },
             }
         }
-        if !self.record(&[], &dead, shutdown).await? {
+        let out = Outcomes {
+            dead,
+            ..Outcomes::default()
+        };
+        if !self.record(&out, From::Pending, shutdown).await? {
             return Ok(false);
         }
         if state.catching_up && !messages.is_empty() {
@@ -68,9 +74,28 @@ impl<P: EventPublisher> WalRelay<P> {
             }
         }
         outbox_core::metrics::claimed(messages.len());
+        let keys: Vec<String> = messages.iter().map(order_key).collect();
+        let result = self
+            .publish_in_order(&messages, &keys, state, parked, shutdown)
+            .await;
+        parked.clear_stream();
+        result
+    }
+
+    /// Publishes `messages` (of `keys`) in order, parking what cannot go now (see
+    /// `park`), pausing the whole stream only for a broker outage.
+    async fn publish_in_order(
+        &self,
+        messages: &[OutboxMessage],
+        keys: &[String],
+        state: &mut SessionStart,
+        parked: &Parked,
+        shutdown: &CancellationToken,
+    ) -> Result<bool, WalError> {
         // The crash-loop guard: the session's first pending message is the one a
         // relay that died publishing alone left behind (see `SessionStart`).
         let mut guarded = None;
+        let mut skip_first = false;
         if !state.guarded && !messages.is_empty() {
             state.guarded = true;
             let first = &messages[0];
@@ -82,96 +107,153 @@ impl<P: EventPublisher> WalRelay<P> {
                 let error = format!(
                     "suspected crash loop: published alone {times} times without an outcome (the relay ended each time)"
                 );
-                if !self.record(&[], &[(first.id, error)], shutdown).await? {
+                let out = Outcomes {
+                    dead: vec![(first.id, error)],
+                    ..Outcomes::default()
+                };
+                if !self.record(&out, From::Pending, shutdown).await? {
                     return Ok(false);
                 }
-                messages.remove(0);
+                skip_first = true;
             } else {
                 guarded = Some(first.id);
             }
         }
-        let mut attempts: Vec<u32> = messages
-            .iter()
-            .map(|m| u32::try_from(m.attempts).unwrap_or(0))
-            .collect();
-        let mut start = 0;
+        // Indices of the messages still to handle, in order.
+        let mut todo: VecDeque<usize> = (usize::from(skip_first)..messages.len()).collect();
         let mut outage_delay = Duration::from_millis(500);
-        while start < messages.len() {
+        let mut entered: HashSet<usize> = HashSet::new();
+        while !todo.is_empty() {
             // While careful, small rounds each recorded before the next (see
             // `SessionStart`).
-            let end = if state.careful_left > 0 {
-                messages.len().min(start + state.careful_chunk)
+            let n = if state.careful_left > 0 {
+                todo.len().min(state.careful_chunk)
             } else {
-                messages.len()
+                todo.len()
             };
-            let slice = &messages[start..end];
-            let began = Instant::now();
-            // The dispatcher's guard: bounded by the publish timeout, a panic narrowed
-            // down to the message that panics alone.
-            let deadline = self.publisher.publish_timeout().map(|t| Instant::now() + t);
-            let outcomes =
-                outbox_core::dispatcher::publish_guarded(&*self.publisher, slice, deadline).await;
-            outbox_core::metrics::publish_duration(began.elapsed());
-            let mut sent = Vec::new();
-            let mut dead = Vec::new();
-            let mut pause = None;
-            let mut done = 0;
-            for (m, outcome) in slice.iter().zip(outcomes) {
-                match outcome {
-                    Some(PublishOutcome::Published) => sent.push(m.id),
-                    Some(PublishOutcome::Permanent(e)) => {
-                        outbox_core::metrics::publish_failed(e.kind(), &m.event_type);
-                        outbox_core::metrics::dead(&m.event_type);
-                        warn!(id = %m.id, event_type = %m.event_type, error = %e, "permanent publish failure, message is dead");
-                        dead.push((m.id, e.to_string()));
+            let round: Vec<usize> = todo.drain(..n).collect();
+            let mut out = Outcomes::default();
+            // What may go now; the rest is parked.
+            let now = Utc::now();
+            let mut go = Vec::with_capacity(round.len());
+            for &i in &round {
+                let (m, key) = (&messages[i], &keys[i]);
+                let delay = if parked.key_waits(key) || m.visible_at > now {
+                    // Behind its key's parked rows, or delayed (`lease_until` is never
+                    // before `visible_at`).
+                    Some(Duration::ZERO)
+                } else {
+                    match parked.admit(m.effective_routing_key()) {
+                        Admit::Go => None,
+                        Admit::Hold(d) => Some(d),
+                        Admit::Trial => Some(Duration::ZERO),
                     }
-                    Some(o @ PublishOutcome::Transient(_))
-                        if o.is_outage() || o.is_refused_by_destination() =>
-                    {
-                        pause = Some(Pause::Outage(match o {
-                            PublishOutcome::Transient(e) => e.to_string(),
-                            _ => String::new(),
-                        }));
-                        break;
-                    }
-                    Some(PublishOutcome::Transient(e)) => {
-                        outbox_core::metrics::publish_failed(e.kind(), &m.event_type);
-                        let a = &mut attempts[start + done];
-                        *a += 1;
-                        let policy = self.config.retry.for_event_type(&m.event_type);
-                        if policy.should_retry(*a) {
-                            outbox_core::metrics::retried(&m.event_type);
-                            debug!(id = %m.id, attempts = *a, error = %e, "publish failed, will retry");
-                            pause = Some(Pause::Retry(policy.delay(*a)));
-                            break;
-                        }
-                        outbox_core::metrics::dead(&m.event_type);
-                        warn!(id = %m.id, event_type = %m.event_type, attempts = *a, error = %e, "attempts exhausted, message is dead");
-                        dead.push((
-                            m.id,
-                            format!("attempts exhausted ({a}/{}): {e}", policy.max_attempts()),
-                        ));
-                    }
-                    None => {
-                        pause = Some(Pause::Outage("the publisher gave no outcome".into()));
-                        break;
-                    }
-                    Some(other) => {
-                        pause = Some(Pause::Outage(format!("unknown outcome {other:?}")));
-                        break;
+                };
+                match delay {
+                    None => go.push(i),
+                    Some(delay) => {
+                        parked.park_key(key);
+                        out.parked.push(ParkedRow {
+                            delay,
+                            ..ParkedRow::behind(m.id)
+                        });
                     }
                 }
-                done += 1;
             }
-            outbox_core::metrics::commit_to_publish(
-                slice.iter().map(|m| (&m.created_at, sent.contains(&m.id))),
+            let owned: Vec<OutboxMessage>;
+            // The sweeper leaves the keys of what goes alone until it is recorded: a
+            // later message of such a key may be parked in this round.
+            parked.enter_stream(
+                go.iter()
+                    .filter(|i| entered.insert(**i))
+                    .map(|&i| keys[i].as_str()),
             );
-            if !self.record(&sent, &dead, shutdown).await? {
+            let contiguous =
+                go.len() == round.len() && round[round.len() - 1] - round[0] + 1 == round.len();
+            let slice: &[OutboxMessage] = if contiguous {
+                &messages[round[0]..=round[round.len() - 1]]
+            } else {
+                owned = go.iter().map(|&i| messages[i].clone()).collect();
+                &owned
+            };
+            let mut done = go.len();
+            let mut outage = None;
+            if !slice.is_empty() {
+                let began = Instant::now();
+                // The dispatcher's guard: bounded by the publish timeout, a panic
+                // narrowed down to the message that panics alone.
+                let deadline = self.publisher.publish_timeout().map(|t| Instant::now() + t);
+                let outcomes =
+                    outbox_core::dispatcher::publish_guarded(&*self.publisher, slice, deadline)
+                        .await;
+                outbox_core::metrics::publish_duration(began.elapsed());
+                // Keys with a message parked by a failure in this round: their later
+                // messages are parked behind it, even when the broker took them
+                // (published again after it: a duplicate, never a reordering).
+                let mut failed: HashSet<&str> = HashSet::new();
+                for (j, (&i, outcome)) in go.iter().zip(outcomes).enumerate() {
+                    let (m, key) = (&messages[i], keys[i].as_str());
+                    if failed.contains(key) {
+                        parked.park_key(key);
+                        out.parked.push(ParkedRow::behind(m.id));
+                        continue;
+                    }
+                    match outcome {
+                        Some(PublishOutcome::Published) => out.sent.push(m.id),
+                        Some(PublishOutcome::Permanent(e)) => {
+                            outbox_core::metrics::publish_failed(e.kind(), &m.event_type);
+                            outbox_core::metrics::dead(&m.event_type);
+                            warn!(id = %m.id, event_type = %m.event_type, error = %e, "permanent publish failure, message is dead");
+                            out.dead.push((m.id, e.to_string()));
+                        }
+                        Some(o) if o.is_refused_by_destination() => {
+                            let delay = parked.refused(m.effective_routing_key());
+                            outbox_core::metrics::deferred(&m.event_type);
+                            failed.insert(key);
+                            parked.park_key(key);
+                            out.parked.push(ParkedRow {
+                                id: m.id,
+                                delay,
+                                charge: false,
+                                error: Some(outcome_text(&o)),
+                            });
+                        }
+                        Some(PublishOutcome::Transient(e))
+                            if e.kind() != ErrorKind::Unavailable =>
+                        {
+                            if let Some(p) = self.retry_or_dead(m, &e, &mut out) {
+                                failed.insert(key);
+                                parked.park_key(key);
+                                out.parked.push(p);
+                            }
+                        }
+                        other => {
+                            outage = Some(match other {
+                                Some(o) => outcome_text(&o),
+                                None => "the publisher gave no outcome".to_owned(),
+                            });
+                            done = j;
+                            break;
+                        }
+                    }
+                }
+                outbox_core::metrics::commit_to_publish(
+                    slice
+                        .iter()
+                        .map(|m| (&m.created_at, out.sent.contains(&m.id))),
+                );
+            }
+            if !self.record(&out, From::Pending, shutdown).await? {
                 return Ok(false);
             }
-            start += done;
-            if state.careful_left > 0 && done > 0 {
-                state.careful_left = state.careful_left.saturating_sub(done);
+            parked.leave_stream(go[..done].iter().map(|&i| keys[i].as_str()));
+            // What the broker did not take because of an outage goes again first.
+            for &i in go[done..].iter().rev() {
+                todo.push_front(i);
+            }
+            let handled = round.len() - (go.len() - done);
+            if state.careful_left > 0 && handled > 0 {
+                state.careful_left = state.careful_left.saturating_sub(handled);
                 // 1, 1, 2, 4, ...: the first message alone, then doubling rounds.
                 if !std::mem::replace(&mut state.careful_first_done, true) {
                     state.careful_chunk = 1;
@@ -184,35 +266,29 @@ impl<P: EventPublisher> WalRelay<P> {
                 // outage too), the relay did not die of it.
                 self.reset_alone(id).await?;
             }
-            let delay = match pause {
-                None => {
-                    if self.counters.circuit_open.swap(false, Ordering::Relaxed) {
-                        info!("the broker takes messages again; reading resumes");
-                        metrics::gauge!(outbox_core::metrics::CIRCUIT_OPEN).set(0.0);
-                    }
-                    continue;
+            let Some(reason) = outage else {
+                if self.counters.circuit_open.swap(false, Ordering::Relaxed) {
+                    info!("the broker takes messages again; reading resumes");
+                    metrics::gauge!(outbox_core::metrics::CIRCUIT_OPEN).set(0.0);
                 }
-                Some(Pause::Retry(delay)) => delay,
-                Some(Pause::Outage(reason)) => {
-                    if !self.counters.circuit_open.swap(true, Ordering::Relaxed) {
-                        warn!(error = %reason, unconfirmed = messages.len() - start, "the broker cannot take messages: reading pauses, nothing is charged");
-                        metrics::gauge!(outbox_core::metrics::CIRCUIT_OPEN).set(1.0);
-                    }
-                    let d = outage_delay;
-                    outage_delay = outbox_core::retry::outage_backoff(d, self.config.probe_cap);
-                    d
-                }
+                continue;
             };
-            tokio::select! {
-                () = shutdown.cancelled() => return Ok(false),
-                () = tokio::time::sleep(delay) => {}
+            if !self.counters.circuit_open.swap(true, Ordering::Relaxed) {
+                warn!(error = %reason, unconfirmed = todo.len(), "the broker cannot take messages: reading pauses, nothing is charged");
+                metrics::gauge!(outbox_core::metrics::CIRCUIT_OPEN).set(1.0);
             }
+            let mut delay = outage_delay;
+            outage_delay = outbox_core::retry::outage_backoff(delay, self.config.probe_cap);
             // During an outage: probe until the broker is ready, then publish the rest
             // of the batch again. The session stays open meanwhile, and a PostgreSQL
             // shutting down waits for this session to confirm what it was sent: so
             // each probe first checks the database, and an unreachable one ends the
             // session (see `record`).
-            while self.counters.circuit_open.load(Ordering::Relaxed) {
+            loop {
+                tokio::select! {
+                    () = shutdown.cancelled() => return Ok(false),
+                    () = tokio::time::sleep(delay) => {}
+                }
                 sqlx::query("SELECT 1")
                     .execute(self.outbox.pool())
                     .await
@@ -227,12 +303,8 @@ impl<P: EventPublisher> WalRelay<P> {
                 if matches!(ready, Ok(Ok(()))) {
                     break;
                 }
-                let d = outage_delay;
-                outage_delay = outbox_core::retry::outage_backoff(d, self.config.probe_cap);
-                tokio::select! {
-                    () = shutdown.cancelled() => return Ok(false),
-                    () = tokio::time::sleep(d) => {}
-                }
+                delay = outage_delay;
+                outage_delay = outbox_core::retry::outage_backoff(delay, self.config.probe_cap);
             }
         }
         Ok(true)

@@ -3,6 +3,7 @@
 
 mod config;
 mod flush;
+mod park;
 mod record;
 mod session;
 

@@ -11,6 +11,7 @@ use tracing::warn;
 use uuid::Uuid;
 
 use super::WalRelay;
+use super::park::ParkedRow;
 use crate::error::db;
 use crate::sql::quoted_schema;
 use crate::wal::WalError;
@@ -68,10 +69,10 @@ impl<P: EventPublisher> WalRelay<P> {
         Ok(pending.into_iter().collect())
     }
 
-    /// Records published messages (`Sent`, or deleted) and dead ones, retrying a
-    /// database that is unavailable for up to [`RECORD_HOLD`]; then the error ends the
-    /// replication session (the next one replays from the confirmed position and skips
-    /// what was recorded). `Ok(false)`: shutdown came first.
+    /// Records published messages (`Sent`, or deleted), dead and parked ones,
+    /// retrying a database that is unavailable for up to [`RECORD_HOLD`]; then the
+    /// error ends the replication session (the next one replays from the confirmed
+    /// position and skips what was recorded). `Ok(false)`: shutdown came first.
     ///
     /// Why not retry for as long as it takes: a PostgreSQL shutting down (`pg_ctl stop
     /// -m fast`, a restart) refuses new connections and then waits for every walsender
@@ -80,18 +81,18 @@ impl<P: EventPublisher> WalRelay<P> {
     /// never finish stopping (found by `cargo xtask chaos -- --source wal`).
     pub(super) async fn record(
         &self,
-        sent: &[Uuid],
-        dead: &[(Uuid, String)],
+        out: &Outcomes,
+        from: From,
         shutdown: &CancellationToken,
     ) -> Result<bool, WalError> {
-        if sent.is_empty() && dead.is_empty() {
+        if out.is_empty() {
             return Ok(true);
         }
         let schema = quoted_schema(self.outbox.schema());
         let mut backoff = Duration::from_millis(200);
         let started = tokio::time::Instant::now();
         loop {
-            match self.record_once(&schema, sent, dead).await {
+            match self.record_once(&schema, out, from).await {
                 Ok(()) => break,
                 Err(e) if e.is_retryable() && started.elapsed() >= RECORD_HOLD => {
                     warn!(error = %e, "cannot record outcomes; ending the replication session (a server shutting down waits for it)");
@@ -110,52 +111,132 @@ impl<P: EventPublisher> WalRelay<P> {
         }
         self.counters
             .published
-            .fetch_add(sent.len() as u64, Ordering::Relaxed);
+            .fetch_add(out.sent.len() as u64, Ordering::Relaxed);
         self.counters
             .dead
-            .fetch_add(dead.len() as u64, Ordering::Relaxed);
-        outbox_core::metrics::completed(sent.len(), 0, 0);
+            .fetch_add(out.dead.len() as u64, Ordering::Relaxed);
+        outbox_core::metrics::completed(out.sent.len(), 0, 0);
         Ok(true)
     }
 
-    pub(super) async fn record_once(
-        &self,
-        schema: &str,
-        sent: &[Uuid],
-        dead: &[(Uuid, String)],
-    ) -> Result<(), WalError> {
-        if !sent.is_empty() {
+    async fn record_once(&self, schema: &str, out: &Outcomes, from: From) -> Result<(), WalError> {
+        // Which rows a statement may change: the stream's are `New`; the sweeper's are
+        // the `Processing` rows of its claim.
+        let (filter, token) = match from {
+            From::Pending => ("m.status = 0", None),
+            From::Claimed(t) => ("m.status = 9 AND m.claim_token = $9", Some(t)),
+        };
+        // Separate statements, no transaction: the position is confirmed only after all
+        // of them, and a replay skips rows one of them changed already.
+        let pool = self.outbox.pool();
+        if !out.sent.is_empty() {
             let sql = match self.outbox.sent_retention() {
-                SentRetention::Delete => format!(
-                    "DELETE FROM {schema}.outbox_messages WHERE id = ANY($1) AND status = 0"
-                ),
+                SentRetention::Delete => {
+                    format!(
+                        "DELETE FROM {schema}.outbox_messages AS m WHERE m.id = ANY($1) AND {filter}"
+                    )
+                }
                 _ => format!(
-                    "UPDATE {schema}.outbox_messages \
-                     SET status = 1, sent_at = now(), attempts = attempts + 1, last_error = NULL \
-                     WHERE id = ANY($1) AND status = 0"
+                    "UPDATE {schema}.outbox_messages AS m \
+                     SET status = 1, sent_at = now(), attempts = m.attempts + 1, last_error = NULL, \
+                         claim_token = NULL, lease_until = NULL, unfinished_alone = 0 \
+                     WHERE m.id = ANY($1) AND {filter}"
                 ),
             };
-            sqlx::query(AssertSqlSafe(sql))
-                .bind(sent)
-                .execute(self.outbox.pool())
-                .await
-                .map_err(db("wal record sent"))?;
+            bind_token(
+                sqlx::query(AssertSqlSafe(renumber(&sql, 2))).bind(&out.sent),
+                token,
+            )
+            .execute(pool)
+            .await
+            .map_err(db("wal record sent"))?;
         }
-        if !dead.is_empty() {
-            let (ids, errors): (Vec<Uuid>, Vec<String>) = dead.iter().cloned().unzip();
+        if !out.dead.is_empty() {
+            let (ids, errors): (Vec<Uuid>, Vec<String>) = out.dead.iter().cloned().unzip();
             let sql = format!(
                 "UPDATE {schema}.outbox_messages AS m \
-                 SET status = 3, last_error = d.error, attempts = m.attempts + 1 \
+                 SET status = 3, last_error = d.error, attempts = m.attempts + 1, \
+                     claim_token = NULL, lease_until = NULL, unfinished_alone = 0 \
                  FROM unnest($1::uuid[], $2::text[]) AS d(id, error) \
-                 WHERE m.id = d.id AND m.status = 0"
+                 WHERE m.id = d.id AND {filter}"
             );
-            sqlx::query(AssertSqlSafe(sql))
-                .bind(ids)
-                .bind(errors)
-                .execute(self.outbox.pool())
-                .await
-                .map_err(db("wal record dead"))?;
+            bind_token(
+                sqlx::query(AssertSqlSafe(renumber(&sql, 3)))
+                    .bind(ids)
+                    .bind(errors),
+                token,
+            )
+            .execute(pool)
+            .await
+            .map_err(db("wal record dead"))?;
+        }
+        if !out.parked.is_empty() {
+            let ids: Vec<Uuid> = out.parked.iter().map(|p| p.id).collect();
+            let delays: Vec<f64> = out.parked.iter().map(|p| p.delay.as_secs_f64()).collect();
+            let charges: Vec<i32> = out.parked.iter().map(|p| i32::from(p.charge)).collect();
+            let errors: Vec<Option<String>> = out.parked.iter().map(|p| p.error.clone()).collect();
+            // Parked: Processing, due at `lease_until`, no claim (see `park`).
+            let sql = format!(
+                "UPDATE {schema}.outbox_messages AS m \
+                 SET status = 9, claim_token = NULL, unfinished_alone = 0, \
+                     lease_until = GREATEST(m.visible_at, now() + make_interval(secs => d.delay)), \
+                     attempts = m.attempts + d.charge, \
+                     last_error = COALESCE(d.error, m.last_error), \
+                     first_failed_at = CASE WHEN d.charge > 0 \
+                         THEN COALESCE(m.first_failed_at, now()) ELSE m.first_failed_at END \
+                 FROM unnest($1::uuid[], $2::float8[], $3::int[], $4::text[]) AS d(id, delay, charge, error) \
+                 WHERE m.id = d.id AND {filter}"
+            );
+            bind_token(
+                sqlx::query(AssertSqlSafe(renumber(&sql, 5)))
+                    .bind(ids)
+                    .bind(delays)
+                    .bind(charges)
+                    .bind(errors),
+                token,
+            )
+            .execute(pool)
+            .await
+            .map_err(db("wal record parked"))?;
         }
         Ok(())
+    }
+}
+
+/// Outcomes of a publish to record in one transaction.
+#[derive(Debug, Default)]
+pub(super) struct Outcomes {
+    pub(super) sent: Vec<Uuid>,
+    pub(super) dead: Vec<(Uuid, String)>,
+    pub(super) parked: Vec<ParkedRow>,
+}
+
+impl Outcomes {
+    pub(super) fn is_empty(&self) -> bool {
+        self.sent.is_empty() && self.dead.is_empty() && self.parked.is_empty()
+    }
+}
+
+/// Whose rows a [`WalRelay::record`] changes.
+#[derive(Debug, Clone, Copy)]
+pub(super) enum From {
+    /// The stream's: rows still `New`.
+    Pending,
+    /// The sweeper's: `Processing` rows claimed with this token.
+    Claimed(Uuid),
+}
+
+/// `$9` (the token's placeholder in the filter) as the statement's next parameter.
+fn renumber(sql: &str, next: usize) -> String {
+    sql.replace("$9", &format!("${next}"))
+}
+
+fn bind_token<'q>(
+    q: sqlx::query::Query<'q, sqlx::Postgres, sqlx::postgres::PgArguments>,
+    token: Option<Uuid>,
+) -> sqlx::query::Query<'q, sqlx::Postgres, sqlx::postgres::PgArguments> {
+    match token {
+        Some(t) => q.bind(t),
+        None => q,
     }
 }

@@ -14,6 +14,7 @@ use tracing::{error, info, warn};
 use uuid::Uuid;
 
 use super::WalRelay;
+use super::park::Parked;
 use crate::wal::WalError;
 use crate::wal::pgoutput::{self, Change, Relation, Row};
 
@@ -79,8 +80,34 @@ impl<P: EventPublisher> WalRelay<P> {
         client.wait_started().await.map_err(WalError::Stream)?;
         self.counters.sessions.fetch_add(1, Ordering::Relaxed);
         self.counters.standby.store(false, Ordering::Relaxed);
-        info!(slot = self.wal.slot(), from = %start, "reading the replication slot");
+        // Parked rows of earlier sessions hold their keys (see `park`); read once the
+        // slot is this session's, so a standby's count is never stale.
+        let parked = match self.parked_keys().await {
+            Ok(keys) => Parked::new(keys, self.config.probe_cap),
+            Err(e) => {
+                self.finish(&mut client, None).await;
+                return Err(e);
+            }
+        };
+        info!(slot = self.wal.slot(), from = %start, parked_keys = parked.parked_keys(), "reading the replication slot");
+        // The sweeper of parked rows runs beside the stream and stops after it.
+        let stop = CancellationToken::new();
+        let stream = async {
+            let result = self.stream(&mut client, &parked, shutdown).await;
+            stop.cancel();
+            result
+        };
+        let (result, ()) = tokio::join!(stream, self.sweep(&parked, &stop));
+        result
+    }
 
+    /// Reads the stream until shutdown (`Ok`) or a failure.
+    async fn stream(
+        &self,
+        client: &mut ReplicationClient,
+        parked: &Parked,
+        shutdown: &CancellationToken,
+    ) -> Result<(), WalError> {
         let mut relations: HashMap<u32, Relation> = HashMap::new();
         let mut batch: Vec<Item> = Vec::new();
         let mut in_tx = false;
@@ -99,7 +126,7 @@ impl<P: EventPublisher> WalRelay<P> {
                     biased;
                     () = shutdown.cancelled() => {
                         // Unpublished items may precede it: confirm nothing more.
-                        self.finish(&mut client, None).await;
+                        self.finish(client, None).await;
                         return Ok(());
                     }
                     ev = client.recv() => Some(ev),
@@ -110,7 +137,7 @@ impl<P: EventPublisher> WalRelay<P> {
                 tokio::select! {
                     biased;
                     () = shutdown.cancelled() => {
-                        self.finish(&mut client, last_commit).await;
+                        self.finish(client, last_commit).await;
                         return Ok(());
                     }
                     ev = client.recv() => Some(ev),
@@ -121,10 +148,13 @@ impl<P: EventPublisher> WalRelay<P> {
                 tokio::time::timeout(LINGER, client.recv()).await.ok()
             };
             let Some(event) = next else {
-                if !self.flush(&mut batch, &mut start_state, shutdown).await? {
+                if !self
+                    .flush(&mut batch, &mut start_state, parked, shutdown)
+                    .await?
+                {
                     // Stopped during an outage: what was not confirmed is read again by
                     // the next session.
-                    self.finish(&mut client, None).await;
+                    self.finish(client, None).await;
                     return Ok(());
                 }
                 if let Some(lsn) = last_commit {
