@@ -787,7 +787,6 @@ impl RelaySettings {
                     "concurrency",
                     args.concurrency.is_some() || f.concurrency.is_some(),
                 ),
-                ("ordering", args.ordering.is_some() || f.ordering.is_some()),
                 (
                     "drain_timeout",
                     args.drain_timeout.is_some() || f.drain_timeout.is_some(),
@@ -801,6 +800,14 @@ impl RelaySettings {
                     settings = ?ignored,
                     "these settings do not apply to --source wal (commit order, one batch in flight, no claims): ignored"
                 );
+            }
+            if s.ordering == OrderingMode::PerKey {
+                return Err(CliError::Invalid {
+                    field: "ordering",
+                    reason: "--source wal never stops a key at a dead message: use --ordering per-key-skip \
+                             (per-key order, a dead message skipped) or unordered"
+                        .into(),
+                });
             }
         }
         s.validate_transport()?;
@@ -1158,6 +1165,34 @@ mod tests {
             Err(CliError::TimeWindow { .. })
         ));
         assert!(parse_window(Some("2h"), Some("1h"), now).is_ok());
+    }
+
+    #[test]
+    fn the_wal_source_takes_per_key_skip_and_refuses_a_blocking_order() {
+        let resolve = |ordering: &str| {
+            let cli = <Cli as clap::Parser>::parse_from([
+                "outbox",
+                "--database-url",
+                "postgres://u@h/d",
+                "relay",
+                "--source",
+                "wal",
+                "--ordering",
+                ordering,
+            ]);
+            let crate::cli::Command::Relay(args) = &cli.command else {
+                unreachable!("parsed relay")
+            };
+            RelaySettings::resolve(&cli, args, &FileConfig::default())
+        };
+        let s = resolve("per-key-skip").expect("valid");
+        assert_eq!(s.ordering, OrderingMode::PerKeySkip);
+        assert!(resolve("unordered").is_ok());
+        let e = resolve("per-key").expect_err("a dead message cannot block a WAL key");
+        assert!(
+            matches!(&e, CliError::Invalid { field: "ordering", reason } if reason.contains("per-key-skip")),
+            "{e}"
+        );
     }
 
     #[test]

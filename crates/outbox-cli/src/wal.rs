@@ -10,6 +10,7 @@ use outbox_postgres::wal::{WalRelay, WalRelayConfig};
 use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
 
+use crate::cli::OrderingMode;
 use crate::config::RelaySettings;
 use crate::error::CliError;
 use crate::health::Health;
@@ -39,7 +40,8 @@ pub(crate) async fn start(
         .with_batch_size(settings.batch_size)
         .with_retry(settings.retry_policies())
         .with_gauge_interval(settings.health_interval)
-        .with_crash_loop_limit(settings.crash_loop_limit);
+        .with_crash_loop_limit(settings.crash_loop_limit)
+        .with_per_key_order(settings.ordering == OrderingMode::PerKeySkip);
     let store = Arc::new(store);
     let relay = WalRelay::new(
         (*store).clone(),

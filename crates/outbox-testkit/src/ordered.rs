@@ -41,8 +41,9 @@ fn first_receipts(log: &[Arrival]) -> HashMap<String, Vec<u64>> {
     per_key
 }
 
-/// Asserts every key's first receipts are exactly `0..per_key`, in order.
-fn assert_in_order(log: &[Arrival], keys: usize, per_key: u64) {
+/// Asserts every key's first receipts are exactly `0..per_key`, in order (the WAL
+/// relay's suite in `outbox-postgres` uses it too).
+pub fn assert_in_order(log: &[Arrival], keys: usize, per_key: u64) {
     let per = first_receipts(log);
     assert_eq!(per.len(), keys, "messages of every key arrived");
     for (key, ns) in &per {
@@ -54,7 +55,8 @@ fn assert_in_order(log: &[Arrival], keys: usize, per_key: u64) {
     }
 }
 
-fn key_names(n: usize) -> Vec<String> {
+/// `key-0` ... `key-{n-1}`.
+pub fn key_names(n: usize) -> Vec<String> {
     (0..n).map(|k| format!("key-{k}")).collect()
 }
 
@@ -117,13 +119,14 @@ pub async fn four_dispatchers_keep_100_keys_in_order_over_20000_messages<B: Brok
 }
 
 /// Fails chosen messages: `faults[id] = (permanent, times)`; publishes the rest for real.
-struct Faulty<P> {
+pub struct Faulty<P> {
     inner: Arc<P>,
     faults: Mutex<HashMap<Uuid, (bool, u32)>>,
 }
 
 impl<P> Faulty<P> {
-    fn new(inner: Arc<P>, faults: &[(Uuid, bool, u32)]) -> Self {
+    /// `inner` with `faults`: `(id, permanent, times)`.
+    pub fn new(inner: Arc<P>, faults: &[(Uuid, bool, u32)]) -> Self {
         Self {
             inner,
             faults: Mutex::new(faults.iter().map(|&(id, p, n)| (id, (p, n))).collect()),
@@ -171,7 +174,8 @@ impl<P: EventPublisher> EventPublisher for Faulty<P> {
     }
 }
 
-fn retry_after(delay: Duration, max_attempts: u32) -> RetryPolicies {
+/// Retries after exactly `delay` (no jitter), `max_attempts` in all.
+pub fn retry_after(delay: Duration, max_attempts: u32) -> RetryPolicies {
     RetryPolicies::new(
         RetryPolicy::new()
             .with_base(delay.as_secs_f64())
@@ -181,7 +185,8 @@ fn retry_after(delay: Duration, max_attempts: u32) -> RetryPolicies {
     )
 }
 
-fn position(log: &[Arrival], key: &str, n: u64) -> Option<usize> {
+/// Where message `n` of `key` first arrived.
+pub fn position(log: &[Arrival], key: &str, n: u64) -> Option<usize> {
     log.iter().position(|a| a.key == key && a.n == n)
 }
 

@@ -19,6 +19,7 @@ pub struct WalRelayConfig {
     pub(super) gauge_interval: Duration,
     pub(super) standby_interval: Duration,
     pub(super) crash_loop_limit: u32,
+    pub(super) per_key: bool,
 }
 
 impl WalRelayConfig {
@@ -33,7 +34,26 @@ impl WalRelayConfig {
             gauge_interval: Duration::from_secs(5),
             standby_interval: Duration::from_secs(1),
             crash_loop_limit: outbox_core::DEFAULT_CRASH_LOOP_LIMIT,
+            per_key: false,
         }
+    }
+
+    /// Per-key order of first deliveries [default: off].
+    ///
+    /// Off, a batch is published as one pipelined call in commit order: when one
+    /// message fails (its destination refuses it, a transient error) while a later
+    /// message of its key in the same call is confirmed, that later one arrives first
+    /// (and again after it). On, each call holds at most one message per key (waves,
+    /// as the polling relay's `Ordering::PerKey`), so a key's next message is published
+    /// only after the previous one was confirmed: first deliveries are in order per
+    /// key, at the cost of one broker round trip per message of a key (a batch of one
+    /// hot key is published one message at a time). Either way a parked message's
+    /// later messages of its key wait behind it, and a dead message does not stop its
+    /// key (`OnDead::Skip`).
+    #[must_use]
+    pub fn with_per_key_order(mut self, on: bool) -> Self {
+        self.per_key = on;
+        self
     }
 
     /// Starts of the relay that may end (the process dies) while it publishes one

@@ -20,6 +20,62 @@ use super::session::{Item, SessionStart};
 use crate::wal::WalError;
 
 impl<P: EventPublisher> WalRelay<P> {
+    /// Publishes `messages` (of ordering `keys`) through the dispatcher's guard
+    /// (bounded by the publish timeout, a panic narrowed down to the message that
+    /// panics alone): one pipelined call, or with per-key order waves of at most one
+    /// message per key, a key's later messages not attempted (`None`) after its
+    /// message failed other than for good, and nothing more after an outage.
+    pub(super) async fn publish_keyed(
+        &self,
+        messages: &[OutboxMessage],
+        keys: &[&str],
+    ) -> Vec<Option<PublishOutcome>> {
+        let began = Instant::now();
+        let deadline = || self.publisher.publish_timeout().map(|t| Instant::now() + t);
+        let distinct = || keys.iter().collect::<HashSet<_>>().len() == keys.len();
+        if !self.config.per_key || distinct() {
+            let outcomes =
+                outbox_core::dispatcher::publish_guarded(&*self.publisher, messages, deadline())
+                    .await;
+            outbox_core::metrics::publish_duration(began.elapsed());
+            return outcomes;
+        }
+        let mut outcomes: Vec<Option<PublishOutcome>> = messages.iter().map(|_| None).collect();
+        let mut remaining: Vec<usize> = (0..messages.len()).collect();
+        let mut failed: HashSet<&str> = HashSet::new();
+        while !remaining.is_empty() {
+            let mut in_wave: HashSet<&str> = HashSet::new();
+            let (wave, rest): (Vec<usize>, Vec<usize>) = remaining
+                .iter()
+                .filter(|&&i| !failed.contains(keys[i]))
+                .partition(|&&i| in_wave.insert(keys[i]));
+            if wave.is_empty() {
+                break;
+            }
+            let batch: Vec<OutboxMessage> = wave.iter().map(|&i| messages[i].clone()).collect();
+            let mut stop = false;
+            let wave_outcomes =
+                outbox_core::dispatcher::publish_guarded(&*self.publisher, &batch, deadline())
+                    .await;
+            for (&i, outcome) in wave.iter().zip(wave_outcomes) {
+                match &outcome {
+                    Some(PublishOutcome::Published | PublishOutcome::Permanent(_)) => {}
+                    Some(o) if !o.is_outage() => {
+                        failed.insert(keys[i]);
+                    }
+                    _ => stop = true,
+                }
+                outcomes[i] = outcome;
+            }
+            if stop {
+                break;
+            }
+            remaining = rest;
+        }
+        outbox_core::metrics::publish_duration(began.elapsed());
+        outcomes
+    }
+
     /// Publishes `batch` in order and records the outcomes. `Ok(false)`: shutdown
     /// came during an outage or a backoff, and not everything was confirmed.
     pub(super) async fn flush(
@@ -179,14 +235,8 @@ impl<P: EventPublisher> WalRelay<P> {
             let mut done = go.len();
             let mut outage = None;
             if !slice.is_empty() {
-                let began = Instant::now();
-                // The dispatcher's guard: bounded by the publish timeout, a panic
-                // narrowed down to the message that panics alone.
-                let deadline = self.publisher.publish_timeout().map(|t| Instant::now() + t);
-                let outcomes =
-                    outbox_core::dispatcher::publish_guarded(&*self.publisher, slice, deadline)
-                        .await;
-                outbox_core::metrics::publish_duration(began.elapsed());
+                let slice_keys: Vec<&str> = go.iter().map(|&i| keys[i].as_str()).collect();
+                let outcomes = self.publish_keyed(slice, &slice_keys).await;
                 // Keys with a message parked by a failure in this round: their later
                 // messages are parked behind it, even when the broker took them
                 // (published again after it: a duplicate, never a reordering).

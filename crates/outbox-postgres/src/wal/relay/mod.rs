@@ -1,5 +1,6 @@
 //! The WAL relay loop ([`WalRelay`]): `session` reads the stream, `flush` publishes a
-//! batch, `record` writes outcomes to the table, `config` holds its settings and counters.
+//! batch, `park` holds back what cannot go now and sweeps it later, `record` writes
+//! outcomes to the table, `config` holds its settings and counters.
 
 mod config;
 mod flush;
@@ -38,14 +39,18 @@ use config::Counters;
 /// - **published**: its row is marked `Sent` (or deleted) in one statement per batch;
 /// - **undecodable row** or **a verdict about the message** (unroutable, oversized,
 ///   invalid): `Dead` with `last_error`, the stream goes on;
-/// - **another transient failure**: the batch stops at that message and is published
-///   again from it after the event type's backoff (the messages after it again too,
-///   so per-key order holds); after `max_attempts`, `Dead`;
-/// - **the broker cannot take messages** (an outage, a destination refusing): reading
-///   pauses, the broker is probed with backoff, then the batch is published again from
-///   the first unconfirmed message. No attempt is charged; nothing goes dead.
-/// - **the database** (recording `Sent`/`Dead`) failing transiently is retried until it
-///   lands; failing permanently stops the relay ([`WalError::Store`]).
+/// - **its destination refuses it** (a full queue or stream), **another transient
+///   failure** (after the event type's backoff, charged; `Dead` after `max_attempts`)
+///   or **`visible_at` still ahead**: *parked* (see `park`): left in the table as
+///   `Processing` until it is due, its key's later messages parked behind it, while
+///   other keys and destinations go on; a sweeper beside the stream publishes parked
+///   rows in `seq` order per key as they come due;
+/// - **the broker cannot take messages at all** (an outage): reading pauses, the broker
+///   is probed with backoff, then the batch is published again from the first
+///   unconfirmed message. No attempt is charged; nothing goes dead.
+/// - **the database** (recording `Sent`/`Dead`/parked) failing transiently is retried
+///   for a few seconds, then the session ends and the next one replays from the
+///   confirmed position; failing permanently stops the relay ([`WalError::Store`]).
 pub struct WalRelay<P> {
     outbox: PgOutbox,
     wal: WalConfig,

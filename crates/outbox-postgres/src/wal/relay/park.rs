@@ -397,12 +397,8 @@ impl<P: EventPublisher> WalRelay<P> {
         }
         let keys: HashMap<Uuid, String> = messages.iter().map(|m| (m.id, order_key(m))).collect();
         if !messages.is_empty() {
-            let deadline = self.publisher.publish_timeout().map(|t| Instant::now() + t);
-            let began = Instant::now();
-            let outcomes =
-                outbox_core::dispatcher::publish_guarded(&*self.publisher, &messages, deadline)
-                    .await;
-            outbox_core::metrics::publish_duration(began.elapsed());
+            let key_refs: Vec<&str> = messages.iter().map(|m| keys[&m.id].as_str()).collect();
+            let outcomes = self.publish_keyed(&messages, &key_refs).await;
             let mut stopped: HashSet<&str> = HashSet::new();
             let mut broker_out = false;
             for (m, outcome) in messages.iter().zip(outcomes) {

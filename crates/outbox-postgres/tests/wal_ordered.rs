@@ -1,0 +1,442 @@
+//! Ordered delivery per key by the WAL relay (`outbox_postgres::wal::WalRelay`, feature
+//! `wal`, `with_per_key_order(true)`: `outbox relay --source wal --ordering
+//! per-key-skip`), in process, over the real PostgreSQL (`wal_level = logical`) and each broker,
+//! RabbitMQ and NATS JetStream: the ordered-delivery suite's properties that apply to a
+//! relay reading a replication slot, with the suite's real consumer
+//! (`outbox_testkit::ordered`) checking every key's first receipts.
+//!
+//! - 100 keys written by 4 concurrent producers in transactions of 100 rows while the
+//!   relay runs: every key in order, each message published once;
+//! - a transient failure of one message parks its key only: other keys flow during its
+//!   backoff, the key's order holds after the retry;
+//! - a permanent failure is dead and its key continues (the WAL relay's rule is the
+//!   polling relay's `OnDead::Skip`);
+//! - a relay killed mid-batch (its task dropped, its replication connection gone) and
+//!   a new one: every key's first receipts in order;
+//! - a relay killed while a key has a parked message, then messages of that key
+//!   written and a new relay started: they wait behind the parked one (the new session
+//!   reads the parked keys from the table).
+//!
+//! Each test has its own schema, slot and publication, dropped by a guard also on
+//! panic.
+#![cfg(feature = "wal")]
+
+mod common;
+
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use common::{database_url, enqueue_committed, fresh_outbox};
+use outbox_core::conformance::keyed;
+use outbox_core::{EventPublisher, MessageStatus, OutboxMessage, OutboxStore as _, PublishOutcome};
+use outbox_postgres::PgOutbox;
+use outbox_postgres::wal::{WalConfig, WalRelay, WalRelayConfig, WalRelayStats};
+use outbox_testkit::ordered::{
+    Broker, Faulty, Nats, Rabbit, assert_in_order, key_names, position, retry_after,
+};
+use outbox_testkit::rabbit::eventually;
+use tokio::task::JoinHandle;
+use tokio_util::sync::CancellationToken;
+
+/// A schema with its slot and publication; drops all three when the test ends.
+struct WalOutbox {
+    outbox: PgOutbox,
+    wal: WalConfig,
+}
+
+impl WalOutbox {
+    async fn new() -> Self {
+        let outbox = fresh_outbox().await;
+        let wal = WalConfig::new(outbox.schema()).build().expect("wal config");
+        let this = Self { outbox, wal };
+        outbox_postgres::wal::setup(&this.outbox, &this.wal)
+            .await
+            .expect("wal setup (wal_level = logical? `cargo xtask services`)");
+        this
+    }
+
+    fn relay<P: EventPublisher>(&self, publisher: Arc<P>, config: WalRelayConfig) -> WalRelay<P> {
+        WalRelay::new(self.outbox.clone(), self.wal.clone(), publisher, config)
+    }
+
+    fn spawn<P: EventPublisher>(
+        &self,
+        publisher: Arc<P>,
+        config: WalRelayConfig,
+        token: &CancellationToken,
+    ) -> JoinHandle<WalRelayStats> {
+        let relay = self.relay(publisher, config);
+        let token = token.clone();
+        tokio::spawn(async move { relay.run(token).await.expect("the relay runs") })
+    }
+
+    async fn enqueue(&self, messages: &[outbox_core::NewMessage]) {
+        for chunk in messages.chunks(100) {
+            enqueue_committed(&self.outbox, chunk).await;
+        }
+    }
+}
+
+impl Drop for WalOutbox {
+    fn drop(&mut self) {
+        let schema = self.outbox.schema().to_owned();
+        let slot = self.wal.slot().to_owned();
+        let publication = self.wal.publication().to_owned();
+        // A runtime of its own: this may run while the test's runtime unwinds.
+        let done = std::thread::spawn(move || {
+            let rt = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .expect("runtime");
+            rt.block_on(async move {
+                let pool = sqlx::PgPool::connect(&database_url())
+                    .await
+                    .expect("connect");
+                for _ in 0..100 {
+                    let active: Option<Option<i32>> = sqlx::query_scalar(
+                        "SELECT active_pid FROM pg_replication_slots WHERE slot_name = $1",
+                    )
+                    .bind(&slot)
+                    .fetch_optional(&pool)
+                    .await
+                    .expect("slots");
+                    match active {
+                        None => break,
+                        Some(Some(pid)) => {
+                            let _ = sqlx::query("SELECT pg_terminate_backend($1)")
+                                .bind(pid)
+                                .execute(&pool)
+                                .await;
+                        }
+                        Some(None) => {
+                            let _ = sqlx::query("SELECT pg_drop_replication_slot($1)")
+                                .bind(&slot)
+                                .execute(&pool)
+                                .await;
+                        }
+                    }
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                }
+                for sql in [
+                    format!("DROP PUBLICATION IF EXISTS \"{publication}\""),
+                    format!("DROP SCHEMA IF EXISTS \"{schema}\" CASCADE"),
+                ] {
+                    let _ = sqlx::query(sqlx::AssertSqlSafe(sql)).execute(&pool).await;
+                }
+            });
+        })
+        .join();
+        if done.is_err() {
+            eprintln!(
+                "cleanup of {} failed: drop its slot by hand",
+                self.wal.slot()
+            );
+        }
+    }
+}
+
+/// Per-key order on (`--ordering per-key-skip`).
+fn config() -> WalRelayConfig {
+    WalRelayConfig::new(database_url())
+        .with_standby_interval(Duration::from_millis(100))
+        .with_per_key_order(true)
+}
+
+/// 100 keys of 100 messages from 4 producers at once while the relay runs.
+async fn many_keys_from_concurrent_producers_arrive_in_order<B: Broker>() {
+    let w = Arc::new(WalOutbox::new().await);
+    let broker = B::setup().await;
+    let log = Arc::clone(broker.arrivals());
+    let token = CancellationToken::new();
+    let relay = w.spawn(broker.publisher().await, config(), &token);
+
+    let names = key_names(100);
+    let producers: Vec<_> = (0..4)
+        .map(|p| {
+            let w = Arc::clone(&w);
+            let mine: Vec<String> = names.iter().skip(p).step_by(4).cloned().collect();
+            tokio::spawn(async move {
+                let refs: Vec<&str> = mine.iter().map(String::as_str).collect();
+                w.enqueue(&keyed(&refs, 100, "Ordered")).await;
+            })
+        })
+        .collect();
+    for p in producers {
+        p.await.expect("producer");
+    }
+    let received = eventually(Duration::from_secs(180), || async {
+        log.lock().expect("lock").len() >= 10_000
+    })
+    .await;
+    token.cancel();
+    let stats = relay.await.expect("join");
+    assert!(
+        received,
+        "10,000 received: {}",
+        log.lock().expect("lock").len()
+    );
+    assert_eq!((stats.published, stats.dead), (10_000, 0), "{stats:?}");
+    assert_in_order(&log.lock().expect("lock"), 100, 100);
+    broker.cleanup().await;
+}
+
+/// key-7's fourth message fails once: key-7 is parked for the backoff, the others go.
+async fn a_transient_failure_parks_only_its_key<B: Broker>() {
+    let w = WalOutbox::new().await;
+    let broker = B::setup().await;
+    let log = Arc::clone(broker.arrivals());
+    let names = key_names(20);
+    let refs: Vec<&str> = names.iter().map(String::as_str).collect();
+    let msgs = keyed(&refs, 50, "Ordered");
+    let victim = msgs
+        .iter()
+        .find(|m| m.aggregate_id == "key-7-3")
+        .expect("victim")
+        .id;
+    let token = CancellationToken::new();
+    let relay = w.spawn(
+        Arc::new(Faulty::new(broker.publisher().await, &[(victim, false, 1)])),
+        config().with_retry(retry_after(Duration::from_secs(2), 5)),
+        &token,
+    );
+    w.enqueue(&msgs).await;
+    let received = eventually(Duration::from_secs(60), || async {
+        log.lock().expect("lock").len() >= 1000
+    })
+    .await;
+    token.cancel();
+    let stats = relay.await.expect("join");
+    assert!(
+        received,
+        "all 1,000 received: {}",
+        log.lock().expect("lock").len()
+    );
+    assert_eq!(stats.dead, 0, "{stats:?}");
+    let log = log.lock().expect("lock").clone();
+    assert_in_order(&log, 20, 50);
+    let before = position(&log, "key-7", 2).expect("key-7 #2");
+    let after = position(&log, "key-7", 3).expect("key-7 #3");
+    let others_meanwhile = log[before..after]
+        .iter()
+        .filter(|a| a.key != "key-7")
+        .count();
+    assert!(
+        others_meanwhile >= 400,
+        "other keys flowed during key-7's backoff: {others_meanwhile} messages"
+    );
+    let row = w.outbox.get(victim).await.expect("get").expect("row");
+    assert_eq!(
+        (row.status, row.attempts),
+        (MessageStatus::Sent, 2),
+        "failed once, then sent"
+    );
+    broker.cleanup().await;
+}
+
+/// A message that can never be published is dead; its key goes on without it.
+async fn a_permanent_failure_is_dead_and_its_key_continues<B: Broker>() {
+    let w = WalOutbox::new().await;
+    let broker = B::setup().await;
+    let log = Arc::clone(broker.arrivals());
+    let msgs = keyed(&["k"], 10, "Ordered");
+    let poison = msgs[4].id;
+    let token = CancellationToken::new();
+    let relay = w.spawn(
+        Arc::new(Faulty::new(broker.publisher().await, &[(poison, true, 1)])),
+        config(),
+        &token,
+    );
+    w.enqueue(&msgs).await;
+    assert!(
+        eventually(Duration::from_secs(30), || async {
+            log.lock().expect("lock").len() >= 9
+        })
+        .await,
+        "the key continues past its dead message"
+    );
+    token.cancel();
+    let stats = relay.await.expect("join");
+    assert_eq!(stats.dead, 1, "{stats:?}");
+    let ns: Vec<u64> = log.lock().expect("lock").iter().map(|a| a.n).collect();
+    assert_eq!(
+        ns,
+        vec![0, 1, 2, 3, 5, 6, 7, 8, 9],
+        "in order, without the dead one"
+    );
+    assert_eq!(
+        w.outbox
+            .get(poison)
+            .await
+            .expect("get")
+            .expect("row")
+            .status,
+        MessageStatus::Dead
+    );
+    broker.cleanup().await;
+}
+
+/// Publishes its first `calls` calls for real, then hangs: a relay that dies mid-batch.
+struct DiesAfter<P> {
+    inner: Arc<P>,
+    calls: Mutex<u32>,
+}
+
+#[async_trait::async_trait]
+impl<P: EventPublisher> EventPublisher for DiesAfter<P> {
+    async fn publish_batch(&self, messages: &[OutboxMessage]) -> Vec<PublishOutcome> {
+        let go = {
+            let mut calls = self.calls.lock().expect("lock");
+            let go = *calls > 0;
+            *calls = calls.saturating_sub(1);
+            go
+        };
+        if go {
+            self.inner.publish_batch(messages).await
+        } else {
+            std::future::pending().await
+        }
+    }
+}
+
+/// A relay dropped while a publish hangs, a second one takes the slot: first receipts
+/// in order for every key.
+async fn a_relay_killed_mid_batch_breaks_no_keys_order<B: Broker>() {
+    let w = WalOutbox::new().await;
+    let broker = B::setup().await;
+    let log = Arc::clone(broker.arrivals());
+    let names = key_names(10);
+    let refs: Vec<&str> = names.iter().map(String::as_str).collect();
+    w.enqueue(&keyed(&refs, 20, "Ordered")).await;
+    let real = broker.publisher().await;
+    // A new session publishes 1, 1, 2, 4, ... messages per round: 4 rounds are 8.
+    let doomed = w.relay(
+        Arc::new(DiesAfter {
+            inner: Arc::clone(&real),
+            calls: Mutex::new(4),
+        }),
+        config(),
+    );
+    let killed = tokio::spawn(async move { doomed.run(CancellationToken::new()).await });
+    assert!(
+        eventually(Duration::from_secs(20), || async {
+            log.lock().expect("lock").len() >= 8
+        })
+        .await,
+        "the doomed relay published its first rounds"
+    );
+    killed.abort();
+    let _ = killed.await;
+
+    let token = CancellationToken::new();
+    let rescuer = w.spawn(real, config(), &token);
+    assert!(
+        eventually(Duration::from_secs(60), || async {
+            w.outbox.stats().await.expect("stats").sent == 200
+        })
+        .await,
+        "everything sent by the second relay"
+    );
+    assert!(
+        eventually(Duration::from_secs(30), || async {
+            log.lock().expect("lock").len() >= 200
+        })
+        .await,
+        "200 received"
+    );
+    token.cancel();
+    rescuer.await.expect("join");
+    assert_in_order(&log.lock().expect("lock"), 10, 20);
+    broker.cleanup().await;
+}
+
+/// key `a`'s third message fails and is parked for 3 s; the relay is killed; the rest
+/// of `a` is written and a new relay starts: it parks them behind the first relay's
+/// parked message, which goes first.
+async fn a_new_session_keeps_a_parked_key_waiting<B: Broker>() {
+    let w = WalOutbox::new().await;
+    let broker = B::setup().await;
+    let log = Arc::clone(broker.arrivals());
+    let msgs = keyed(&["a"], 10, "Ordered");
+    let victim = msgs[2].id;
+    let token = CancellationToken::new();
+    let first = w.spawn(
+        Arc::new(Faulty::new(broker.publisher().await, &[(victim, false, 1)])),
+        config().with_retry(retry_after(Duration::from_secs(3), 5)),
+        &token,
+    );
+    w.enqueue(&msgs[..5]).await;
+    let parked = |n: i64| {
+        let outbox = w.outbox.clone();
+        async move {
+            let count: i64 = sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
+                "SELECT count(*) FROM {}.outbox_messages WHERE status = 9",
+                outbox.schema()
+            )))
+            .fetch_one(outbox.pool())
+            .await
+            .expect("count");
+            count == n
+        }
+    };
+    // a-0 and a-1 sent; a-2 failed and parked, a-3 and a-4 parked behind it.
+    assert!(
+        eventually(Duration::from_secs(20), || parked(3)).await,
+        "three rows of key a parked"
+    );
+    first.abort();
+    let _ = first.await;
+    w.enqueue(&msgs[5..]).await;
+    let second = w.spawn(broker.publisher().await, config(), &token);
+    assert!(
+        eventually(Duration::from_secs(30), || async {
+            log.lock().expect("lock").len() >= 10
+        })
+        .await,
+        "all 10 received: {:?}",
+        log.lock()
+            .expect("lock")
+            .iter()
+            .map(|a| a.n)
+            .collect::<Vec<_>>()
+    );
+    token.cancel();
+    second.await.expect("join");
+    assert_in_order(&log.lock().expect("lock"), 1, 10);
+    broker.cleanup().await;
+}
+
+macro_rules! wal_ordered_tests {
+    ($module:ident, $broker:ident) => {
+        mod $module {
+            use super::*;
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn many_keys_from_concurrent_producers_arrive_in_order() {
+                super::many_keys_from_concurrent_producers_arrive_in_order::<$broker>().await;
+            }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn a_transient_failure_parks_only_its_key() {
+                super::a_transient_failure_parks_only_its_key::<$broker>().await;
+            }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn a_permanent_failure_is_dead_and_its_key_continues() {
+                super::a_permanent_failure_is_dead_and_its_key_continues::<$broker>().await;
+            }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn a_relay_killed_mid_batch_breaks_no_keys_order() {
+                super::a_relay_killed_mid_batch_breaks_no_keys_order::<$broker>().await;
+            }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn a_new_session_keeps_a_parked_key_waiting() {
+                super::a_new_session_keeps_a_parked_key_waiting::<$broker>().await;
+            }
+        }
+    };
+}
+
+wal_ordered_tests!(rabbit, Rabbit);
+wal_ordered_tests!(nats, Nats);
