@@ -3,7 +3,7 @@
 
 use std::time::Duration;
 
-use outbox_core::{EventPublisher, OutboxMessage, SentRetention};
+use outbox_core::{EventPublisher, OutboxMessage, SentRetention, sanitize_error};
 use sqlx::AssertSqlSafe;
 use std::sync::atomic::Ordering;
 use tokio_util::sync::CancellationToken;
@@ -152,7 +152,14 @@ impl<P: EventPublisher> WalRelay<P> {
             .map_err(db("wal record sent"))?;
         }
         if !out.dead.is_empty() {
-            let (ids, errors): (Vec<Uuid>, Vec<String>) = out.dead.iter().cloned().unzip();
+            // Error texts through `sanitize_error` (a NUL byte escaped, a long text cut):
+            // PostgreSQL refuses a NUL in text, and a refused outcome would stop the relay
+            // at the same message after every restart.
+            let (ids, errors): (Vec<Uuid>, Vec<String>) = out
+                .dead
+                .iter()
+                .map(|(id, e)| (*id, sanitize_error(e).into_owned()))
+                .unzip();
             let sql = format!(
                 "UPDATE {schema}.outbox_messages AS m \
                  SET status = 3, last_error = d.error, attempts = m.attempts + 1, \
@@ -174,7 +181,11 @@ impl<P: EventPublisher> WalRelay<P> {
             let ids: Vec<Uuid> = out.parked.iter().map(|p| p.id).collect();
             let delays: Vec<f64> = out.parked.iter().map(|p| p.delay.as_secs_f64()).collect();
             let charges: Vec<i32> = out.parked.iter().map(|p| i32::from(p.charge)).collect();
-            let errors: Vec<Option<String>> = out.parked.iter().map(|p| p.error.clone()).collect();
+            let errors: Vec<Option<String>> = out
+                .parked
+                .iter()
+                .map(|p| p.error.as_deref().map(|e| sanitize_error(e).into_owned()))
+                .collect();
             // Parked: Processing, due at `lease_until`, no claim (see `park`).
             let sql = format!(
                 "UPDATE {schema}.outbox_messages AS m \

@@ -1,3 +1,6 @@
+//! The ordered-delivery and the store-conformance properties that apply to the WAL
+//! relay.
+//!
 //! Ordered delivery per key by the WAL relay (`outbox_postgres::wal::WalRelay`, feature
 //! `wal`, `with_per_key_order(true)`: `outbox relay --source wal --ordering
 //! per-key-skip`), in process, over the real PostgreSQL (`wal_level = logical`) and each broker,
@@ -17,6 +20,11 @@
 //!   written and a new relay started: they wait behind the parked one (the new session
 //!   reads the parked keys from the table).
 //!
+//!
+//! And what the store conformance suite asks of every writer of outcomes: error texts
+//! from the broker are stored sanitized (a NUL byte escaped, a long text cut), so an
+//! outcome is never refused by the database.
+//!
 //! Each test has its own schema, slot and publication, dropped by a guard also on
 //! panic.
 #![cfg(feature = "wal")]
@@ -28,7 +36,9 @@ use std::time::Duration;
 
 use common::{database_url, enqueue_committed, fresh_outbox};
 use outbox_core::conformance::keyed;
-use outbox_core::{EventPublisher, MessageStatus, OutboxMessage, OutboxStore as _, PublishOutcome};
+use outbox_core::{
+    EventPublisher, MessageStatus, OutboxMessage, OutboxStore as _, PublishError, PublishOutcome,
+};
 use outbox_postgres::PgOutbox;
 use outbox_postgres::wal::{WalConfig, WalRelay, WalRelayConfig, WalRelayStats};
 use outbox_testkit::ordered::{
@@ -37,6 +47,7 @@ use outbox_testkit::ordered::{
 use outbox_testkit::rabbit::eventually;
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
+use uuid::Uuid;
 
 /// A schema with its slot and publication; drops all three when the test ends.
 struct WalOutbox {
@@ -405,6 +416,84 @@ async fn a_new_session_keeps_a_parked_key_waiting<B: Broker>() {
     broker.cleanup().await;
 }
 
+/// Fails every message with a text PostgreSQL cannot store as it is: `permanent` ones
+/// with a NUL byte, the others transiently with 10,000 bytes.
+struct Unprintable<P> {
+    inner: Arc<P>,
+    permanent: Uuid,
+    transient: Uuid,
+}
+
+#[async_trait::async_trait]
+impl<P: EventPublisher> EventPublisher for Unprintable<P> {
+    async fn publish_batch(&self, messages: &[OutboxMessage]) -> Vec<PublishOutcome> {
+        let pass: Vec<OutboxMessage> = messages
+            .iter()
+            .filter(|m| m.id != self.permanent && m.id != self.transient)
+            .cloned()
+            .collect();
+        let mut passed = self.inner.publish_batch(&pass).await.into_iter();
+        messages
+            .iter()
+            .map(|m| {
+                if m.id == self.permanent {
+                    PublishOutcome::Permanent(PublishError::Invalid("broker said \0 no".into()))
+                } else if m.id == self.transient {
+                    PublishOutcome::Transient(PublishError::Other {
+                        kind: outbox_core::ErrorKind::Transient,
+                        message: "é".repeat(5_000),
+                        source: None,
+                    })
+                } else {
+                    passed.next().expect("one outcome per message")
+                }
+            })
+            .collect()
+    }
+}
+
+/// A dead message's and a parked message's error texts are stored sanitized, and the
+/// relay goes on.
+async fn error_texts_are_stored_sanitized<B: Broker>() {
+    let w = WalOutbox::new().await;
+    let broker = B::setup().await;
+    let log = Arc::clone(broker.arrivals());
+    let msgs = keyed(&["a", "b", "c"], 2, "Sanitized");
+    let (permanent, transient) = (msgs[0].id, msgs[1].id);
+    let token = CancellationToken::new();
+    let relay = w.spawn(
+        Arc::new(Unprintable {
+            inner: broker.publisher().await,
+            permanent,
+            transient,
+        }),
+        config().with_retry(retry_after(Duration::from_secs(60), 5)),
+        &token,
+    );
+    w.enqueue(&msgs).await;
+    // c-0 and c-1 go; a-1 goes (a-0 is dead, its key continues); b-1 waits behind b-0.
+    assert!(
+        eventually(Duration::from_secs(30), || async {
+            log.lock().expect("lock").len() >= 3
+        })
+        .await,
+        "the other messages are published"
+    );
+    let dead = w.outbox.get(permanent).await.expect("get").expect("row");
+    assert_eq!(dead.status, MessageStatus::Dead);
+    assert_eq!(
+        dead.last_error.as_deref(),
+        Some("invalid destination or header: broker said \\0 no")
+    );
+    let parked = w.outbox.get(transient).await.expect("get").expect("row");
+    let text = parked.last_error.expect("error");
+    assert!(text.len() <= 4096 && text.ends_with('…'), "{}", text.len());
+    assert!(!relay.is_finished(), "the relay goes on");
+    token.cancel();
+    relay.await.expect("join");
+    broker.cleanup().await;
+}
+
 macro_rules! wal_ordered_tests {
     ($module:ident, $broker:ident) => {
         mod $module {
@@ -433,6 +522,11 @@ macro_rules! wal_ordered_tests {
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn a_new_session_keeps_a_parked_key_waiting() {
                 super::a_new_session_keeps_a_parked_key_waiting::<$broker>().await;
+            }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn error_texts_are_stored_sanitized() {
+                super::error_texts_are_stored_sanitized::<$broker>().await;
             }
         }
     };
