@@ -782,7 +782,6 @@ impl RelaySettings {
                     "poll_interval",
                     args.poll_interval.is_some() || f.poll_interval.is_some(),
                 ),
-                ("lease", args.lease.is_some() || f.lease.is_some()),
                 (
                     "concurrency",
                     args.concurrency.is_some() || f.concurrency.is_some(),

@@ -41,7 +41,8 @@ pub(crate) async fn start(
         .with_retry(settings.retry_policies())
         .with_gauge_interval(settings.health_interval)
         .with_crash_loop_limit(settings.crash_loop_limit)
-        .with_per_key_order(settings.ordering == OrderingMode::PerKeySkip);
+        .with_per_key_order(settings.ordering == OrderingMode::PerKeySkip)
+        .with_lease(settings.lease);
     let store = Arc::new(store);
     let relay = WalRelay::new(
         (*store).clone(),

@@ -16,6 +16,9 @@
 //!   polling relay's `OnDead::Skip`);
 //! - a relay killed mid-batch (its task dropped, its replication connection gone) and
 //!   a new one: every key's first receipts in order;
+//! - a parked row whose publish by the sweeper kills the relay every time: dead after
+//!   the crash-loop limit, the innocent parked row beside it and the rest of its key
+//!   published;
 //! - a relay killed while a key has a parked message, then messages of that key
 //!   written and a new relay started: they wait behind the parked one (the new session
 //!   reads the parked keys from the table).
@@ -494,6 +497,153 @@ async fn error_texts_are_stored_sanitized<B: Broker>() {
     broker.cleanup().await;
 }
 
+/// Fails `victim`'s first publish transiently (so that it is parked), and hangs on
+/// every later call that holds it: a relay that dies while its sweeper publishes it.
+/// `y` fails its first publish too, and goes on the next.
+struct KillsTheSweeper<P> {
+    inner: Arc<P>,
+    victim: Uuid,
+    first_failures: Arc<Mutex<std::collections::HashSet<Uuid>>>,
+}
+
+#[async_trait::async_trait]
+impl<P: EventPublisher> EventPublisher for KillsTheSweeper<P> {
+    async fn publish_batch(&self, messages: &[OutboxMessage]) -> Vec<PublishOutcome> {
+        let failing: Option<Vec<bool>> = {
+            let mut first = self.first_failures.lock().expect("lock");
+            let hang = messages
+                .iter()
+                .any(|m| m.id == self.victim && !first.contains(&m.id));
+            (!hang).then(|| messages.iter().map(|m| first.remove(&m.id)).collect())
+        };
+        let Some(failing) = failing else {
+            return std::future::pending().await;
+        };
+        let pass: Vec<OutboxMessage> = messages
+            .iter()
+            .zip(&failing)
+            .filter(|(_, f)| !**f)
+            .map(|(m, _)| m.clone())
+            .collect();
+        let mut passed = self.inner.publish_batch(&pass).await.into_iter();
+        failing
+            .iter()
+            .map(|f| {
+                if *f {
+                    PublishOutcome::Transient(PublishError::Other {
+                        kind: outbox_core::ErrorKind::Transient,
+                        message: "injected transient failure".into(),
+                        source: None,
+                    })
+                } else {
+                    passed.next().expect("one outcome per message")
+                }
+            })
+            .collect()
+    }
+}
+
+/// A parked row whose publish by the sweeper kills the relay, every time: after the
+/// crash-loop limit of claims without an outcome it is dead, and the innocent parked
+/// row claimed with it, and the rest of its key, are published.
+async fn a_parked_row_that_kills_the_relay_dies_alone<B: Broker>() {
+    let w = WalOutbox::new().await;
+    let broker = B::setup().await;
+    let log = Arc::clone(broker.arrivals());
+    let mut msgs = keyed(&["x"], 3, "Sweeper");
+    msgs.extend(keyed(&["y"], 1, "Sweeper"));
+    let victim = msgs[1].id;
+    let first_failures = Arc::new(Mutex::new([victim, msgs[3].id].into_iter().collect()));
+    let config = || {
+        config()
+            .with_retry(retry_after(Duration::from_millis(200), 10))
+            .with_lease(Duration::from_millis(500))
+            .with_crash_loop_limit(2)
+    };
+    let counted = || {
+        let outbox = w.outbox.clone();
+        async move {
+            let (alone, status): (i32, i16) = sqlx::query_as(sqlx::AssertSqlSafe(format!(
+                "SELECT unfinished_alone, status FROM {}.outbox_messages WHERE id = $1",
+                outbox.schema()
+            )))
+            .bind(victim)
+            .fetch_one(outbox.pool())
+            .await
+            .expect("victim");
+            (alone, status)
+        }
+    };
+    w.enqueue(&msgs).await;
+    let mut starts = 0;
+    loop {
+        let (before, status) = counted().await;
+        if status == 3 {
+            break;
+        }
+        assert!(
+            starts < 8,
+            "the victim is dead within the limit: {starts} starts"
+        );
+        starts += 1;
+        let relay = w.relay(
+            Arc::new(KillsTheSweeper {
+                inner: broker.publisher().await,
+                victim,
+                first_failures: Arc::clone(&first_failures),
+            }),
+            config(),
+        );
+        let task = tokio::spawn(async move { relay.run(CancellationToken::new()).await });
+        // Claimed by the sweeper (and hanging), or dead.
+        assert!(
+            eventually(Duration::from_secs(20), || async {
+                let (now, status) = counted().await;
+                now > before || status == 3
+            })
+            .await,
+            "the sweeper claims the victim"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        task.abort();
+        let _ = task.await;
+    }
+    let token = CancellationToken::new();
+    let relay = w.spawn(broker.publisher().await, config(), &token);
+    assert!(
+        eventually(Duration::from_secs(30), || async {
+            w.outbox.stats().await.expect("stats").sent == 3
+        })
+        .await,
+        "the other three are sent"
+    );
+    token.cancel();
+    relay.await.expect("join");
+    let row = w.outbox.get(victim).await.expect("get").expect("row");
+    assert_eq!(row.status, MessageStatus::Dead);
+    assert!(
+        row.last_error
+            .as_deref()
+            .is_some_and(|e| e.contains("suspected crash loop")),
+        "{:?}",
+        row.last_error
+    );
+    let firsts: Vec<(String, u64)> = log
+        .lock()
+        .expect("lock")
+        .iter()
+        .map(|a| (a.key.clone(), a.n))
+        .collect();
+    for expected in [
+        ("x".to_owned(), 0),
+        ("x".to_owned(), 2),
+        ("y".to_owned(), 0),
+    ] {
+        assert!(firsts.contains(&expected), "{expected:?} in {firsts:?}");
+    }
+    broker.cleanup().await;
+}
+
 macro_rules! wal_ordered_tests {
     ($module:ident, $broker:ident) => {
         mod $module {
@@ -522,6 +672,11 @@ macro_rules! wal_ordered_tests {
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn a_new_session_keeps_a_parked_key_waiting() {
                 super::a_new_session_keeps_a_parked_key_waiting::<$broker>().await;
+            }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn a_parked_row_that_kills_the_relay_dies_alone() {
+                super::a_parked_row_that_kills_the_relay_dies_alone::<$broker>().await;
             }
 
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

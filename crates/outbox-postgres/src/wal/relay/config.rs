@@ -20,6 +20,7 @@ pub struct WalRelayConfig {
     pub(super) standby_interval: Duration,
     pub(super) crash_loop_limit: u32,
     pub(super) per_key: bool,
+    pub(super) lease: Duration,
 }
 
 impl WalRelayConfig {
@@ -35,7 +36,17 @@ impl WalRelayConfig {
             standby_interval: Duration::from_secs(1),
             crash_loop_limit: outbox_core::DEFAULT_CRASH_LOOP_LIMIT,
             per_key: false,
+            lease: Duration::from_secs(30),
         }
+    }
+
+    /// How long the sweeper's claim of a parked row holds it [default: 30 s]: a relay
+    /// that dies while publishing parked rows leaves them to the next session (or a
+    /// standby) after this long. Longer than the publish timeout.
+    #[must_use]
+    pub fn with_lease(mut self, lease: Duration) -> Self {
+        self.lease = lease.max(Duration::from_millis(100));
+        self
     }
 
     /// Per-key order of first deliveries [default: off].

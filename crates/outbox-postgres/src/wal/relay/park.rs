@@ -49,8 +49,6 @@ use crate::wal::WalError;
 
 /// Most parked rows one sweep looks at.
 const CANDIDATES: i64 = 10_000;
-/// How long the sweeper's claim holds a row: past it, another relay may take it.
-const SWEEP_LEASE: Duration = Duration::from_secs(60);
 /// How long the sweeper sleeps when nothing is parked (the stream wakes it sooner).
 const IDLE: Duration = Duration::from_secs(5);
 
@@ -554,7 +552,7 @@ impl<P: EventPublisher> WalRelay<P> {
         let rows = sqlx::query(AssertSqlSafe(sql))
             .bind(ids)
             .bind(token)
-            .bind(SWEEP_LEASE.as_secs_f64())
+            .bind(self.config.lease.as_secs_f64())
             .fetch_all(self.outbox.pool())
             .await
             .map_err(db("wal claim parked"))?;
