@@ -162,6 +162,15 @@ pub(crate) fn ensure(timeout: Duration) -> Result<()> {
 /// machine-wide fault lock of `outbox_testkit::faults`, so that no fault test is
 /// running against it meanwhile). Without `psql` this is skipped with a note.
 fn ensure_logical_wal(timeout: Duration) -> Result<()> {
+    // A test of the WAL relay (crates/outbox-cli/tests/relay_wal.rs, test o) names a
+    // synchronous standby that never connects, for seconds, and resets it when it ends;
+    // a test process killed meanwhile would leave every commit of the server waiting.
+    if psql(&["-Atc", "SHOW synchronous_standby_names"]).as_deref() == Some("outbox_test_nobody") {
+        println!("postgres: synchronous_standby_names left by a killed test: reset");
+        psql(&["-Atc", "ALTER SYSTEM RESET synchronous_standby_names"])
+            .context("ALTER SYSTEM RESET synchronous_standby_names failed")?;
+        psql(&["-Atc", "SELECT pg_reload_conf()"]).context("pg_reload_conf() failed")?;
+    }
     let Some(level) = psql(&["-Atc", "SHOW wal_level"]) else {
         println!("postgres: psql not found; cannot check wal_level (the WAL relay needs logical)");
         return Ok(());

@@ -26,6 +26,11 @@
 //! - (l) a full queue (RabbitMQ `reject-publish`): what it refuses is parked (the slot
 //!   moves on), nothing goes dead or is charged, and once a consumer drains the queue
 //!   everything arrives, in commit order;
+//! - (o) a transaction the WAL already holds but other sessions cannot see yet (its
+//!   commit waits for a synchronous standby that never answers): the relay neither
+//!   publishes it nor confirms past it until it is visible, then publishes it and
+//!   records it `Sent` (takes the fault lock: it holds every commit of the server for
+//!   seconds);
 //! - (n) a delayed message (`visible_at` ahead) is not published before its time, the
 //!   later message of its key waits behind it, another key goes at once;
 //! - (m) `--sent-retention delete`: each published row is deleted, a restart loses
@@ -986,6 +991,148 @@ async fn m_sent_retention_delete_removes_published_rows() {
     let deliveries: usize = counts.lock().expect("lock").values().sum();
     assert_eq!(deliveries, 1000, "deleted rows are not published again");
     relay.terminate();
+    assert!(relay.exited_within(Duration::from_secs(15)).await.is_some());
+    fx.delete_exchange().await;
+}
+
+/// While set, `synchronous_standby_names` names a standby that never connects: every
+/// commit of the server waits after its commit record is written to the WAL, invisible
+/// to other sessions (the logical walsender decodes and sends it meanwhile). Reset, and
+/// the configuration reloaded, when dropped (also on panic): the waiting commits
+/// return.
+struct NoSyncStandby;
+
+impl NoSyncStandby {
+    async fn set(db: &PgOutbox) -> Self {
+        sqlx::query(sqlx::AssertSqlSafe(format!(
+            "CREATE TABLE {}.sync_probe (x int)",
+            db.schema()
+        )))
+        .execute(db.pool())
+        .await
+        .expect("probe table");
+        for sql in [
+            "ALTER SYSTEM SET synchronous_standby_names = 'outbox_test_nobody'",
+            "SELECT pg_reload_conf()",
+        ] {
+            sqlx::query(sql).execute(db.pool()).await.expect(sql);
+        }
+        let this = Self;
+        // In force once the checkpointer has read the reloaded configuration: a probe
+        // commit (of a row: a commit that wrote no WAL does not wait) on a connection of
+        // its own then hangs until the guard resets the setting.
+        let deadline = std::time::Instant::now() + Duration::from_secs(20);
+        loop {
+            let pool = db.pool().clone();
+            let insert = format!("INSERT INTO {}.sync_probe VALUES (1)", db.schema());
+            let probe = tokio::spawn(async move {
+                let _ = sqlx::query(sqlx::AssertSqlSafe(insert))
+                    .execute(&pool)
+                    .await;
+            });
+            tokio::time::sleep(Duration::from_millis(300)).await;
+            if !probe.is_finished() {
+                return this;
+            }
+            assert!(
+                std::time::Instant::now() < deadline,
+                "synchronous_standby_names never took effect"
+            );
+        }
+    }
+}
+
+impl Drop for NoSyncStandby {
+    fn drop(&mut self) {
+        let done = std::thread::spawn(|| {
+            let rt = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .expect("runtime");
+            rt.block_on(async {
+                let pool = sqlx::PgPool::connect(&common::database_url())
+                    .await
+                    .expect("connect");
+                for sql in [
+                    "ALTER SYSTEM RESET synchronous_standby_names",
+                    "SELECT pg_reload_conf()",
+                ] {
+                    sqlx::query(sql).execute(&pool).await.expect(sql);
+                }
+            });
+        })
+        .join();
+        if done.is_err() {
+            eprintln!(
+                "synchronous_standby_names NOT reset: run ALTER SYSTEM RESET synchronous_standby_names; SELECT pg_reload_conf()"
+            );
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn o_a_commit_not_yet_visible_is_recorded_once_it_is() {
+    let _lock = outbox_testkit::faults::lock().await;
+    let (db, _cleanup) = wal_outbox().await;
+    let fx = relay_fixture(FieldTable::default()).await;
+    let got = Arc::new(Mutex::new(Vec::new()));
+    let sink = Arc::clone(&got);
+    fx.consume(move |id, _| sink.lock().expect("lock").push(id))
+        .await;
+    let relay = start(&db, &relay_args(&fx, &amqp_url()));
+    // The relay is reading: one message goes through first.
+    let first = enqueue_n(&db, 1, 1, "o-first").await;
+    wait_until(
+        &relay,
+        Duration::from_secs(30),
+        "the first message is sent",
+        || async { count(&db, 1).await == 1 },
+    )
+    .await;
+
+    let standby = NoSyncStandby::set(&db).await;
+    let m = message("OrderPlaced", "t", "o-hidden");
+    let id = m.id.to_string();
+    let producer = {
+        let db = db.clone();
+        tokio::spawn(async move { enqueue(&db, &[m]).await })
+    };
+    // The commit is in the WAL but waits for the standby, invisible to other
+    // sessions: the relay neither publishes it nor confirms past it.
+    // (Its commit record is in the WAL by now: this position is past it.)
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let lsn = current_lsn(&db).await;
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    assert!(
+        !producer.is_finished(),
+        "the producer's commit is still waiting"
+    );
+    assert!(
+        !got.lock().expect("lock").contains(&id),
+        "not published before it is visible"
+    );
+    assert!(!confirmed_past(&db, &lsn).await, "not confirmed past it");
+    drop(standby);
+    producer.await.expect("the producer's commit returns");
+    wait_until(
+        &relay,
+        Duration::from_secs(30),
+        "the hidden message is published",
+        || async { got.lock().expect("lock").contains(&id) },
+    )
+    .await;
+
+    wait_until(
+        &relay,
+        Duration::from_secs(30),
+        "the hidden message is recorded Sent",
+        || async { count(&db, 1).await == 2 },
+    )
+    .await;
+    assert_eq!(count(&db, 0).await, 0, "nothing left New behind the slot");
+    assert_eq!(first.len(), 1);
+    relay.terminate();
+    let mut relay = relay;
     assert!(relay.exited_within(Duration::from_secs(15)).await.is_some());
     fx.delete_exchange().await;
 }

@@ -81,10 +81,21 @@ impl<P: EventPublisher> WalRelay<P> {
     pub(super) async fn flush(
         &self,
         batch: &mut Vec<Item>,
+        xids: &mut Vec<u32>,
         state: &mut SessionStart,
         parked: &Parked,
         shutdown: &CancellationToken,
     ) -> Result<bool, WalError> {
+        // Nothing is read, published or recorded before the batch's transactions are
+        // visible to other sessions: the WAL can hold a commit before it is (its
+        // backend waits for a synchronous standby, or is between writing the commit
+        // and leaving the process array). Recording then would change no row and the
+        // position would be confirmed past it: the row would stay New for ever, and a
+        // consumer reading the data back would not find it.
+        let xids = std::mem::take(xids);
+        if !self.wait_visible(&xids, shutdown).await? {
+            return Ok(false);
+        }
         let items = std::mem::take(batch);
         let mut messages = Vec::with_capacity(items.len());
         let mut dead = Vec::new();

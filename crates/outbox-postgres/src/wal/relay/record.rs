@@ -51,6 +51,51 @@ impl<P: EventPublisher> WalRelay<P> {
         Ok(())
     }
 
+    /// Waits until every transaction `xids` (32-bit, as `pgoutput` gives them) is
+    /// visible in a new snapshot (`pg_visible_in_snapshot`, the epoch taken from the
+    /// snapshot's `xmax`): normally at once; while a commit waits for a synchronous
+    /// standby, as long as it waits. `Ok(false)`: shutdown came first.
+    pub(super) async fn wait_visible(
+        &self,
+        xids: &[u32],
+        shutdown: &CancellationToken,
+    ) -> Result<bool, WalError> {
+        if xids.is_empty() {
+            return Ok(true);
+        }
+        let xids: Vec<i64> = xids.iter().map(|&x| i64::from(x)).collect();
+        let sql = "SELECT count(*) FROM (SELECT pg_current_snapshot() AS s) AS q, unnest($1::bigint[]) AS x \
+             WHERE NOT pg_visible_in_snapshot(((( \
+                 ((pg_snapshot_xmax(q.s)::text::bigint) >> 32) \
+                 - CASE WHEN x > ((pg_snapshot_xmax(q.s)::text::bigint) & 4294967295) THEN 1 ELSE 0 END \
+             ) << 32) | x)::text::xid8, q.s)";
+        let started = tokio::time::Instant::now();
+        let mut pause = Duration::from_millis(1);
+        let mut logged = false;
+        loop {
+            let invisible: i64 = sqlx::query_scalar(sql)
+                .bind(&xids)
+                .fetch_one(self.outbox.pool())
+                .await
+                .map_err(db("wal visibility"))?;
+            if invisible == 0 {
+                return Ok(true);
+            }
+            if !logged && started.elapsed() >= Duration::from_secs(1) {
+                logged = true;
+                warn!(
+                    transactions = invisible,
+                    "committed transactions are not visible to other sessions yet (a commit waiting for a synchronous standby?): their messages wait"
+                );
+            }
+            tokio::select! {
+                () = shutdown.cancelled() => return Ok(false),
+                () = tokio::time::sleep(pause) => {}
+            }
+            pause = (pause * 2).min(Duration::from_millis(100));
+        }
+    }
+
     /// The ids of `messages` whose rows are still `New` in the table.
     pub(super) async fn still_pending(
         &self,

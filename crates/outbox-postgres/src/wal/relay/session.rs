@@ -92,12 +92,29 @@ impl<P: EventPublisher> WalRelay<P> {
         info!(slot = self.wal.slot(), from = %start, parked_keys = parked.parked_keys(), "reading the replication slot");
         // The sweeper of parked rows runs beside the stream and stops after it.
         let stop = CancellationToken::new();
-        let stream = async {
-            let result = self.stream(&mut client, &parked, shutdown).await;
-            stop.cancel();
-            result
+        let sweeper = self.sweep(&parked, &stop);
+        tokio::pin!(sweeper);
+        let mut sweeper_ended = false;
+        let result = {
+            let stream = self.stream(&mut client, &parked, shutdown);
+            tokio::pin!(stream);
+            tokio::select! {
+                result = &mut stream => result,
+                // (It runs until it is stopped; should it end, the stream goes on.)
+                () = &mut sweeper => {
+                    sweeper_ended = true;
+                    stream.await
+                }
+            }
         };
-        let (result, ()) = tokio::join!(stream, self.sweep(&parked, &stop));
+        // The stream is over: close the replication connection before waiting for the
+        // sweeper's round (bounded by the publish timeout), so that a PostgreSQL
+        // shutting down, which waits for this session, is not held up by it.
+        drop(client);
+        stop.cancel();
+        if !sweeper_ended {
+            sweeper.await;
+        }
         result
     }
 
@@ -110,6 +127,10 @@ impl<P: EventPublisher> WalRelay<P> {
     ) -> Result<(), WalError> {
         let mut relations: HashMap<u32, Relation> = HashMap::new();
         let mut batch: Vec<Item> = Vec::new();
+        // The transactions of the batch's items (see `flush`: published only once
+        // other sessions can see them), and the one being received.
+        let mut xids: Vec<u32> = Vec::new();
+        let mut xid = 0;
         let mut in_tx = false;
         // End of the last transaction received: once every item before it is handled,
         // the position to confirm.
@@ -149,7 +170,7 @@ impl<P: EventPublisher> WalRelay<P> {
             };
             let Some(event) = next else {
                 if !self
-                    .flush(&mut batch, &mut start_state, parked, shutdown)
+                    .flush(&mut batch, &mut xids, &mut start_state, parked, shutdown)
                     .await?
                 {
                     // Stopped during an outage: what was not confirmed is read again by
@@ -172,7 +193,10 @@ impl<P: EventPublisher> WalRelay<P> {
                 Err(e) => return Err(WalError::Stream(e)),
             };
             match event {
-                ReplicationEvent::Begin { .. } => in_tx = true,
+                ReplicationEvent::Begin { xid: x, .. } => {
+                    in_tx = true;
+                    xid = x;
+                }
                 ReplicationEvent::Commit { end_lsn, .. } => {
                     in_tx = false;
                     last_commit = Some(end_lsn);
@@ -198,6 +222,9 @@ impl<P: EventPublisher> WalRelay<P> {
                                 && let Some(item) = insert_item(rel, &tuple)
                             {
                                 batch.push(item);
+                                if xids.last() != Some(&xid) {
+                                    xids.push(xid);
+                                }
                             }
                         }
                         Change::Update { oid, tuple } => {
@@ -216,9 +243,17 @@ impl<P: EventPublisher> WalRelay<P> {
                                     // as committed. (Not from this tuple: a column
                                     // stored out of line and left unchanged is not in
                                     // it.)
-                                    Some(at) => batch[at] = Item::Replay(id),
+                                    Some(at) => {
+                                        batch[at] = Item::Replay(id);
+                                        if xids.last() != Some(&xid) {
+                                            xids.push(xid);
+                                        }
+                                    }
                                     None if row.status() == Ok(MessageStatus::New.code()) => {
                                         batch.push(Item::Replay(id));
+                                        if xids.last() != Some(&xid) {
+                                            xids.push(xid);
+                                        }
                                     }
                                     None => {}
                                 }
