@@ -361,6 +361,24 @@ pub(crate) fn decode_for_publish(row: &PgRow) -> Result<OutboxMessage, OutboxErr
     decode_row(row, HeaderDecoding::Strict)
 }
 
+#[cfg(feature = "wal")]
+impl PgOutbox {
+    /// Row `id` decoded as the claim decodes it for publishing (headers strictly, unlike
+    /// [`get`](OutboxStore::get), which shows whatever is there): `Ok(None)` when there
+    /// is no such row, [`OutboxError::Decode`] when it cannot be published as it is.
+    pub(crate) async fn get_for_publish(
+        &self,
+        id: Uuid,
+    ) -> Result<Option<OutboxMessage>, OutboxError> {
+        let row = sqlx::query(sql(&self.q.get))
+            .bind(id)
+            .fetch_optional(&self.pool)
+            .await
+            .map_err(db("get"))?;
+        row.as_ref().map(decode_for_publish).transpose()
+    }
+}
+
 fn decode_row(row: &PgRow, headers: HeaderDecoding) -> Result<OutboxMessage, OutboxError> {
     let id: Uuid = row.try_get("id").map_err(db("decode"))?;
     let decode_err = |reason: String| OutboxError::Decode {

@@ -24,6 +24,9 @@
 //!   reads the parked keys from the table).
 //!
 //!
+//! And a row enqueued and spoiled in one transaction is dead, never published (found by
+//! `cargo xtask chaos -- --source wal`).
+//!
 //! And what the store conformance suite asks of every writer of outcomes: error texts
 //! from the broker are stored sanitized (a NUL byte escaped, a long text cut), so an
 //! outcome is never refused by the database.
@@ -644,6 +647,65 @@ async fn a_parked_row_that_kills_the_relay_dies_alone<B: Broker>() {
     broker.cleanup().await;
 }
 
+/// A row enqueued and spoiled in the same transaction (headers that are not a JSON
+/// object of strings, as a trigger or another producer might write them) is dead, never
+/// published; the good message beside it is.
+async fn a_row_spoiled_in_its_own_transaction_is_dead<B: Broker>() {
+    let w = WalOutbox::new().await;
+    let broker = B::setup().await;
+    let log = Arc::clone(broker.arrivals());
+    let msgs = keyed(&["spoiled", "good"], 1, "Spoiled");
+    let spoiled = msgs[0].id;
+    let token = CancellationToken::new();
+    let relay = w.spawn(broker.publisher().await, config(), &token);
+    let mut tx = w.outbox.begin().await.expect("begin");
+    w.outbox
+        .enqueue_batch(&mut tx, &msgs)
+        .await
+        .expect("enqueue");
+    sqlx::query(sqlx::AssertSqlSafe(format!(
+        "UPDATE {}.outbox_messages SET headers = '{{\"retries\": 3}}' WHERE id = $1",
+        w.outbox.schema()
+    )))
+    .bind(spoiled)
+    .execute(&mut *tx)
+    .await
+    .expect("spoil");
+    tx.commit().await.expect("commit");
+    assert!(
+        eventually(Duration::from_secs(30), || async {
+            w.outbox
+                .get(spoiled)
+                .await
+                .expect("get")
+                .is_some_and(|m| m.status == MessageStatus::Dead)
+        })
+        .await,
+        "the spoiled row is dead"
+    );
+    assert!(
+        eventually(Duration::from_secs(30), || async {
+            !log.lock().expect("lock").is_empty()
+        })
+        .await,
+        "the good one is published"
+    );
+    token.cancel();
+    relay.await.expect("join");
+    let keys: Vec<String> = log
+        .lock()
+        .expect("lock")
+        .iter()
+        .map(|a| a.key.clone())
+        .collect();
+    assert_eq!(
+        keys,
+        vec!["good".to_owned()],
+        "the spoiled row never reaches the broker"
+    );
+    broker.cleanup().await;
+}
+
 macro_rules! wal_ordered_tests {
     ($module:ident, $broker:ident) => {
         mod $module {
@@ -677,6 +739,11 @@ macro_rules! wal_ordered_tests {
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn a_parked_row_that_kills_the_relay_dies_alone() {
                 super::a_parked_row_that_kills_the_relay_dies_alone::<$broker>().await;
+            }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn a_row_spoiled_in_its_own_transaction_is_dead() {
+                super::a_row_spoiled_in_its_own_transaction_is_dead::<$broker>().await;
             }
 
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

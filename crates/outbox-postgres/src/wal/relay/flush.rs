@@ -6,9 +6,7 @@ use std::sync::atomic::Ordering;
 use std::time::Duration;
 
 use chrono::Utc;
-use outbox_core::{
-    ErrorKind, EventPublisher, MessageStatus, OutboxMessage, OutboxStore as _, PublishOutcome,
-};
+use outbox_core::{ErrorKind, EventPublisher, MessageStatus, OutboxMessage, PublishOutcome};
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
@@ -107,7 +105,8 @@ impl<P: EventPublisher> WalRelay<P> {
                     outbox_core::metrics::dead_poison();
                     dead.push((id, format!("undecodable row: {reason}")));
                 }
-                Item::Replay(id) => match self.outbox.get(id).await {
+                // Decoded as for publishing: a row spoiled by the update is poison.
+                Item::Replay(id) => match self.outbox.get_for_publish(id).await {
                     Ok(Some(m)) if m.status == MessageStatus::New => messages.push(m),
                     Ok(_) => {}
                     Err(e) if e.kind().is_retryable() => return Err(e.into()),
@@ -205,29 +204,35 @@ impl<P: EventPublisher> WalRelay<P> {
             let mut go = Vec::with_capacity(round.len());
             for &i in &round {
                 let (m, key) = (&messages[i], &keys[i]);
-                let delay = if parked.key_waits(key) || m.visible_at > now {
+                let held = if parked.key_waits(key) || m.visible_at > now {
                     // Behind its key's parked rows, or delayed (`lease_until` is never
                     // before `visible_at`).
-                    Some(Duration::ZERO)
+                    Some((Duration::ZERO, None))
                 } else {
-                    match parked.admit(m.effective_routing_key()) {
+                    let destination = m.effective_routing_key();
+                    let why = || {
+                        Some(format!(
+                            "held back: destination {destination} refuses messages"
+                        ))
+                    };
+                    match parked.admit(destination) {
                         Admit::Go => None,
-                        Admit::Hold(d) => Some(d),
-                        Admit::Trial => Some(Duration::ZERO),
+                        Admit::Hold(d) => Some((d, why())),
+                        Admit::Trial => Some((Duration::ZERO, why())),
                     }
                 };
-                match delay {
+                match held {
                     None => go.push(i),
-                    Some(delay) => {
+                    Some((delay, error)) => {
                         parked.park_key(key);
                         out.parked.push(ParkedRow {
                             delay,
+                            error,
                             ..ParkedRow::behind(m.id)
                         });
                     }
                 }
             }
-            let owned: Vec<OutboxMessage>;
             // The sweeper leaves the keys of what goes alone until it is recorded: a
             // later message of such a key may be parked in this round.
             parked.enter_stream(
@@ -235,6 +240,7 @@ impl<P: EventPublisher> WalRelay<P> {
                     .filter(|i| entered.insert(**i))
                     .map(|&i| keys[i].as_str()),
             );
+            let owned: Vec<OutboxMessage>;
             let contiguous =
                 go.len() == round.len() && round[round.len() - 1] - round[0] + 1 == round.len();
             let slice: &[OutboxMessage] = if contiguous {

@@ -183,7 +183,7 @@ impl<P: EventPublisher> WalRelay<P> {
                 }
                 _ => format!(
                     "UPDATE {schema}.outbox_messages AS m \
-                     SET status = 1, sent_at = now(), attempts = m.attempts + 1, last_error = NULL, \
+                     SET status = 1, sent_at = now(), attempts = m.attempts + 1, \
                          claim_token = NULL, lease_until = NULL, unfinished_alone = 0 \
                      WHERE m.id = ANY($1) AND {filter}"
                 ),
