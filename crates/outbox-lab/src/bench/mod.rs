@@ -42,7 +42,10 @@
 //! - `broker`: the bench's exchange and queue or stream, warmed up, purged, removed;
 //! - `report`: the rounds, their medians and the figure of merit;
 //! - `consumer_bench` (`--consumer`), `relay_latency_bench` (`--relay-process`,
-//!   `--backlog`) and `soak` (`--soak`): the benchmark's other measurements.
+//!   `--backlog`), `wal_throughput` (`--relay-process`'s throughput phase: the polling
+//!   and the WAL relay draining a backlog, `--wal-throughput-messages`,
+//!   `--wal-throughput-only`) and `soak` (`--soak`): the benchmark's other
+//!   measurements.
 
 mod broker;
 mod ceilings;
@@ -53,6 +56,7 @@ mod relay_latency_bench;
 mod report;
 mod soak;
 mod stores;
+mod wal_throughput;
 
 pub(crate) use outbox_core::TransportKind;
 use std::sync::Arc;
@@ -79,7 +83,7 @@ use stores::BenchStore as _;
 
 /// Relay benchmark: PostgreSQL → RabbitMQ or NATS JetStream, with both ceilings measured
 /// in the same run.
-#[derive(Debug, Parser)]
+#[derive(Debug, Clone, Parser)]
 pub struct Args {
     /// The broker.
     #[arg(long, value_enum, default_value_t = TransportKind::Rabbit)]
@@ -138,9 +142,20 @@ pub struct Args {
     /// Measure `outbox relay` as its own process instead (default settings, the release
     /// binary next to this one): its idle PostgreSQL transactions per second,
     /// commit-to-publish at 20 and 500 msg/s, and what the notification trigger costs 4
-    /// concurrent producers (see `relay_latency_bench.rs`).
+    /// concurrent producers (see `relay_latency_bench.rs`); then the WAL relay's, and
+    /// the throughput of the polling and the WAL relay draining a backlog beside the
+    /// broker ceiling (see `wal_throughput.rs`).
     #[arg(long)]
     relay_process: bool,
+    /// `--relay-process`'s throughput phase: the backlog of messages the polling relay
+    /// and the WAL relay each drain as their own processes, in rounds, beside the broker
+    /// ceiling (see `wal_throughput.rs`); 0 skips the phase.
+    #[arg(long, value_name = "M", default_value_t = 50_000)]
+    wal_throughput_messages: usize,
+    /// With `--relay-process`: run its throughput phase only (not the idle, latency,
+    /// trigger-cost and WAL latency phases).
+    #[arg(long, requires = "relay_process")]
+    wal_throughput_only: bool,
     /// Measure a backlog of N pending rows instead: the relay's gauges and `outbox
     /// stats` on it, and the relay draining `--messages` of it against a table of
     /// `--messages` rows (`--rounds` rounds). Combines with `--relay-process`.

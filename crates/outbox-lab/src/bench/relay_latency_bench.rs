@@ -27,6 +27,10 @@
 //!    in the 500 msg/s phase beside the polling relay's, and the 4 writers' rate with
 //!    the WAL relay running against the rate with no relay and no trigger (windows of
 //!    the one, then of the other).
+//! 5. throughput: the polling relay and the WAL relay each draining a backlog of
+//!    `--wal-throughput-messages` (default 50,000; 0 skips it) in interleaved rounds,
+//!    beside the broker ceiling (see `wal_throughput.rs`). `--wal-throughput-only` runs
+//!    this phase alone.
 //!
 //! **`--backlog N`** preloads N pending rows with one `INSERT … SELECT generate_series`,
 //! times the relay's periodic health-check queries (`pending_stats`, the gauges, and
@@ -71,7 +75,7 @@ pub(crate) async fn run<P: EventPublisher>(
 ) -> anyhow::Result<()> {
     let body = super::payload(args.payload_bytes);
     if args.relay_process {
-        relay_process(broker, &body).await?;
+        relay_process(args, broker, &body).await?;
     }
     if let Some(n) = args.backlog {
         backlog(args, broker, publisher, n, &body).await?;
@@ -95,7 +99,7 @@ fn outbox_bin() -> anyhow::Result<PathBuf> {
 
 /// `outbox` with no configuration from the environment, the database at `url` and
 /// `schema`.
-fn outbox_command(url: &str, schema: &str) -> anyhow::Result<Command> {
+pub(super) fn outbox_command(url: &str, schema: &str) -> anyhow::Result<Command> {
     let mut c = Command::new(outbox_bin()?);
     for (key, _) in std::env::vars_os() {
         if key.to_string_lossy().starts_with("OUTBOX_") {
@@ -328,7 +332,7 @@ async fn latencies(
 /// client's.
 pub(super) struct Db {
     pub(super) outbox: PgOutbox,
-    url: String,
+    pub(super) url: String,
     pub(super) name: String,
 }
 
@@ -383,7 +387,7 @@ pub(super) async fn create_db(admin: &sqlx::PgPool) -> anyhow::Result<Db> {
     Ok(Db { outbox, url, name })
 }
 
-async fn relay_process(broker: &Broker, body: &str) -> anyhow::Result<()> {
+async fn relay_process(args: &Args, broker: &Broker, body: &str) -> anyhow::Result<()> {
     let admin = sqlx::PgPool::connect(&common::database_url()).await?;
     let db = create_db(&admin).await?;
     println!(
@@ -392,7 +396,16 @@ async fn relay_process(broker: &Broker, body: &str) -> anyhow::Result<()> {
         db.name,
         body.len()
     );
-    let result = relay_process_phases(&db, broker, body).await;
+    let result = async {
+        if !args.wal_throughput_only {
+            relay_process_phases(&db, broker, body).await?;
+        }
+        if args.wal_throughput_messages > 0 {
+            super::wal_throughput::run(args, &db, broker, body).await?;
+        }
+        anyhow::Ok(())
+    }
+    .await;
     db.outbox.pool().close().await;
     sqlx::query(sqlx::AssertSqlSafe(format!(
         "DROP DATABASE {} WITH (FORCE)",
