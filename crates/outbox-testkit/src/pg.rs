@@ -292,3 +292,61 @@ async fn proxy(
     };
     tokio::join!(upstream, downstream);
 }
+
+/// Drops a test's replication slot (ending the session that reads it first), its
+/// publication and its schema, on a runtime of its own, so that a guard's `Drop` can
+/// call it while the test's runtime unwinds. Failures are printed, never raised (a
+/// forgotten slot retains WAL for ever: the message says which to drop by hand).
+pub fn drop_wal_objects_blocking(database_url: &str, slot: &str, publication: &str, schema: &str) {
+    let (url, slot, publication, schema) = (
+        database_url.to_owned(),
+        slot.to_owned(),
+        publication.to_owned(),
+        schema.to_owned(),
+    );
+    let what = slot.clone();
+    let done = std::thread::spawn(move || {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .expect("runtime");
+        rt.block_on(async move {
+            let pool = PgPool::connect(&url).await.expect("connect");
+            for _ in 0..100 {
+                let active: Option<Option<i32>> = sqlx::query_scalar(
+                    "SELECT active_pid FROM pg_replication_slots WHERE slot_name = $1",
+                )
+                .bind(&slot)
+                .fetch_optional(&pool)
+                .await
+                .expect("slots");
+                match active {
+                    None => break,
+                    Some(Some(pid)) => {
+                        let _ = sqlx::query("SELECT pg_terminate_backend($1)")
+                            .bind(pid)
+                            .execute(&pool)
+                            .await;
+                    }
+                    Some(None) => {
+                        let _ = sqlx::query("SELECT pg_drop_replication_slot($1)")
+                            .bind(&slot)
+                            .execute(&pool)
+                            .await;
+                    }
+                }
+                tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+            }
+            for sql in [
+                format!("DROP PUBLICATION IF EXISTS \"{publication}\""),
+                format!("DROP SCHEMA IF EXISTS \"{schema}\" CASCADE"),
+            ] {
+                let _ = sqlx::query(AssertSqlSafe(sql)).execute(&pool).await;
+            }
+        });
+    })
+    .join();
+    if done.is_err() {
+        eprintln!("cleanup of {what} failed: drop this replication slot by hand");
+    }
+}

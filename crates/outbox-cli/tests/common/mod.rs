@@ -278,59 +278,8 @@ impl WalCleanup {
 
 impl Drop for WalCleanup {
     fn drop(&mut self) {
-        let schema = self.schema.clone();
-        let slot = format!("{schema}_outbox");
-        // A runtime of its own: this may run while the test's runtime unwinds.
-        let done = std::thread::spawn(move || {
-            let rt = tokio::runtime::Builder::new_current_thread()
-                .enable_all()
-                .build()
-                .expect("runtime");
-            rt.block_on(async move {
-                let pool = sqlx::PgPool::connect(&database_url())
-                    .await
-                    .expect("connect");
-                for _ in 0..50 {
-                    let active: Option<Option<i32>> = sqlx::query_scalar(
-                        "SELECT active_pid FROM pg_replication_slots WHERE slot_name = $1",
-                    )
-                    .bind(&slot)
-                    .fetch_optional(&pool)
-                    .await
-                    .expect("slots");
-                    match active {
-                        None => break,
-                        Some(Some(pid)) => {
-                            let _ = sqlx::query("SELECT pg_terminate_backend($1)")
-                                .bind(pid)
-                                .execute(&pool)
-                                .await;
-                        }
-                        Some(None) => {
-                            let _ = sqlx::query("SELECT pg_drop_replication_slot($1)")
-                                .bind(&slot)
-                                .execute(&pool)
-                                .await;
-                        }
-                    }
-                    tokio::time::sleep(Duration::from_millis(100)).await;
-                }
-                let _ = sqlx::query(sqlx::AssertSqlSafe(format!(
-                    "DROP PUBLICATION IF EXISTS {slot}"
-                )))
-                .execute(&pool)
-                .await;
-                let _ = sqlx::query(sqlx::AssertSqlSafe(format!(
-                    "DROP SCHEMA IF EXISTS \"{schema}\" CASCADE"
-                )))
-                .execute(&pool)
-                .await;
-            });
-        })
-        .join();
-        if done.is_err() {
-            eprintln!("cleanup of {} failed: drop its slot by hand", self.schema);
-        }
+        let slot = format!("{}_outbox", self.schema);
+        outbox_testkit::pg::drop_wal_objects_blocking(&database_url(), &slot, &slot, &self.schema);
     }
 }
 

@@ -12,7 +12,7 @@ use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
 
 use super::WalRelay;
-use super::park::{Admit, Parked, ParkedRow, order_key, outcome_text};
+use super::park::{Admit, Parked, ParkedRow, dead_for_good, order_key, outcome_text};
 use super::record::{From, Outcomes};
 use super::session::{Item, SessionStart};
 use crate::wal::WalError;
@@ -267,12 +267,7 @@ impl<P: EventPublisher> WalRelay<P> {
                     }
                     match outcome {
                         Some(PublishOutcome::Published) => out.sent.push(m.id),
-                        Some(PublishOutcome::Permanent(e)) => {
-                            outbox_core::metrics::publish_failed(e.kind(), &m.event_type);
-                            outbox_core::metrics::dead(&m.event_type);
-                            warn!(id = %m.id, event_type = %m.event_type, error = %e, "permanent publish failure, message is dead");
-                            out.dead.push((m.id, e.to_string()));
-                        }
+                        Some(PublishOutcome::Permanent(e)) => dead_for_good(m, &e, &mut out),
                         Some(o) if o.is_refused_by_destination() => {
                             let delay = parked.refused(m.effective_routing_key());
                             outbox_core::metrics::deferred(&m.event_type);

@@ -413,12 +413,7 @@ impl<P: EventPublisher> WalRelay<P> {
                         }
                         out.sent.push(m.id);
                     }
-                    Some(PublishOutcome::Permanent(e)) => {
-                        outbox_core::metrics::publish_failed(e.kind(), &m.event_type);
-                        outbox_core::metrics::dead(&m.event_type);
-                        warn!(id = %m.id, event_type = %m.event_type, error = %e, "permanent publish failure, message is dead");
-                        out.dead.push((m.id, e.to_string()));
-                    }
+                    Some(PublishOutcome::Permanent(e)) => dead_for_good(m, &e, &mut out),
                     Some(o) if o.is_refused_by_destination() => {
                         let delay = parked.refused(dest);
                         outbox_core::metrics::deferred(&m.event_type);
@@ -607,6 +602,14 @@ impl<P: EventPublisher> WalRelay<P> {
             None
         }
     }
+}
+
+/// A verdict about `m` itself (unroutable, oversized, invalid): dead at once.
+pub(super) fn dead_for_good(m: &OutboxMessage, e: &PublishError, out: &mut Outcomes) {
+    outbox_core::metrics::publish_failed(e.kind(), &m.event_type);
+    outbox_core::metrics::dead(&m.event_type);
+    warn!(id = %m.id, event_type = %m.event_type, error = %e, "permanent publish failure, message is dead");
+    out.dead.push((m.id, e.to_string()));
 }
 
 /// The error text of a transient outcome.
