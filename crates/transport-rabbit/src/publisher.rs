@@ -476,7 +476,24 @@ impl EventPublisher for RabbitPublisher {
     /// `declare_exchange = false`, checked), so an exchange deleted while the
     /// connection stayed up is noticed and, when we own it, recreated.
     async fn check_ready(&self) -> Result<(), PublishError> {
-        let session = self.session().await.map_err(|e| outage(&e))?;
+        // A connection that was up and is lost during the check (RabbitMQ closing it
+        // with a hard error, e.g. for a frame of a channel dropped moments before after
+        // a confirm timeout) is not the broker's state: one new connection is tried.
+        match self.check_ready_once().await {
+            (Err(_), true) => self.check_ready_once().await.0,
+            (ready, _) => ready,
+        }
+    }
+}
+
+impl RabbitPublisher {
+    /// One readiness check, and whether its connection, up when it began, was lost.
+    async fn check_ready_once(&self) -> (Result<(), PublishError>, bool) {
+        let session = match self.session().await {
+            Ok(session) => session,
+            Err(e) => return (Err(outage(&e)), false),
+        };
+        let was_connected = session.connection.status().connected();
         let mut slot = session.take_slot().await;
         let ready = match self.channel_in(&session, &mut slot).await {
             Ok(channel) if channel.status().confirm() => self
@@ -491,8 +508,9 @@ impl EventPublisher for RabbitPublisher {
             Err(e) => Err(outage(&e)),
         };
         drop(slot);
+        let lost = ready.is_err() && was_connected && !session.connection.status().connected();
         self.forget_if_lost(&session).await;
-        ready
+        (ready, lost)
     }
 }
 
