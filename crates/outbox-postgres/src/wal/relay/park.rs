@@ -288,11 +288,17 @@ impl<P: EventPublisher> WalRelay<P> {
     pub(super) async fn sweep(&self, parked: &Parked, stop: &CancellationToken) {
         let mut outage = Duration::from_millis(500);
         let mut failing = Duration::from_millis(500);
+        let mut looked = Instant::now();
         loop {
             let wait = if self.counters.circuit_open.load(Ordering::Relaxed) {
                 // The stream is probing a broker outage: nothing can be published.
                 Duration::from_millis(500)
+            } else if parked.parked_keys() == 0 && looked.elapsed() < IDLE {
+                // Nothing parked by this session or counted at its start: no query on
+                // every wake-up (the stream's rounds), only every `IDLE` to be sure.
+                IDLE.saturating_sub(looked.elapsed())
             } else {
+                looked = Instant::now();
                 match self.sweep_once(parked, &mut outage, stop).await {
                     Ok(Swept::Again) => {
                         failing = Duration::from_millis(500);
