@@ -13,7 +13,7 @@ use tracing::{info, warn};
 
 use super::WalRelay;
 use super::park::{Admit, Parked, ParkedRow, dead_for_good, order_key, outcome_text};
-use super::record::{From, Outcomes};
+use super::record::{Outcomes, Whose};
 use super::session::{Item, SessionStart};
 use crate::wal::WalError;
 
@@ -123,7 +123,7 @@ impl<P: EventPublisher> WalRelay<P> {
             dead,
             ..Outcomes::default()
         };
-        if !self.record(&out, From::Pending, shutdown).await? {
+        if !self.record(&out, Whose::Pending, shutdown).await? {
             return Ok(false);
         }
         if state.catching_up && !messages.is_empty() {
@@ -177,7 +177,7 @@ impl<P: EventPublisher> WalRelay<P> {
                     dead: vec![(first.id, error)],
                     ..Outcomes::default()
                 };
-                if !self.record(&out, From::Pending, shutdown).await? {
+                if !self.record(&out, Whose::Pending, shutdown).await? {
                     return Ok(false);
                 }
                 skip_first = true;
@@ -305,7 +305,7 @@ impl<P: EventPublisher> WalRelay<P> {
                         .map(|m| (&m.created_at, out.sent.contains(&m.id))),
                 );
             }
-            if !self.record(&out, From::Pending, shutdown).await? {
+            if !self.record(&out, Whose::Pending, shutdown).await? {
                 return Ok(false);
             }
             parked.leave_stream(go[..done].iter().map(|&i| keys[i].as_str()));

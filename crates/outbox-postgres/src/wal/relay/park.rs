@@ -42,7 +42,7 @@ use tracing::{debug, info, warn};
 use uuid::Uuid;
 
 use super::WalRelay;
-use super::record::{From, Outcomes};
+use super::record::{Outcomes, Whose};
 use crate::error::db;
 use crate::sql::{COLUMNS, quoted_schema};
 use crate::wal::WalError;
@@ -462,7 +462,7 @@ impl<P: EventPublisher> WalRelay<P> {
                     .map(|m| (&m.created_at, out.sent.contains(&m.id))),
             );
         }
-        if !self.record(&out, From::Claimed(token), stop).await? {
+        if !self.record(&out, Whose::Claimed(token), stop).await? {
             return Ok(Swept::Again);
         }
         // Published or dead: no longer parked. (A claimed row whose message did not

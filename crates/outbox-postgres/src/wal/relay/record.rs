@@ -127,7 +127,7 @@ impl<P: EventPublisher> WalRelay<P> {
     pub(super) async fn record(
         &self,
         out: &Outcomes,
-        from: From,
+        whose: Whose,
         shutdown: &CancellationToken,
     ) -> Result<bool, WalError> {
         if out.is_empty() {
@@ -137,7 +137,7 @@ impl<P: EventPublisher> WalRelay<P> {
         let mut backoff = Duration::from_millis(200);
         let started = tokio::time::Instant::now();
         loop {
-            match self.record_once(&schema, out, from).await {
+            match self.record_once(&schema, out, whose).await {
                 Ok(()) => break,
                 Err(e) if e.is_retryable() && started.elapsed() >= RECORD_HOLD => {
                     warn!(error = %e, "cannot record outcomes; ending the replication session (a server shutting down waits for it)");
@@ -164,12 +164,15 @@ impl<P: EventPublisher> WalRelay<P> {
         Ok(true)
     }
 
-    async fn record_once(&self, schema: &str, out: &Outcomes, from: From) -> Result<(), WalError> {
-        // Which rows a statement may change: the stream's are `New`; the sweeper's are
-        // the `Processing` rows of its claim.
-        let (filter, token) = match from {
-            From::Pending => ("m.status = 0", None),
-            From::Claimed(t) => ("m.status = 9 AND m.claim_token = $9", Some(t)),
+    async fn record_once(
+        &self,
+        schema: &str,
+        out: &Outcomes,
+        whose: Whose,
+    ) -> Result<(), WalError> {
+        let token = match whose {
+            Whose::Pending => None,
+            Whose::Claimed(t) => Some(t),
         };
         // Separate statements, no transaction: the position is confirmed only after all
         // of them, and a replay skips rows one of them changed already.
@@ -178,23 +181,22 @@ impl<P: EventPublisher> WalRelay<P> {
             let sql = match self.outbox.sent_retention() {
                 SentRetention::Delete => {
                     format!(
-                        "DELETE FROM {schema}.outbox_messages AS m WHERE m.id = ANY($1) AND {filter}"
+                        "DELETE FROM {schema}.outbox_messages AS m WHERE m.id = ANY($1) AND {}",
+                        whose.filter(2)
                     )
                 }
                 _ => format!(
                     "UPDATE {schema}.outbox_messages AS m \
                      SET status = 1, sent_at = now(), attempts = m.attempts + 1, \
                          claim_token = NULL, lease_until = NULL, unfinished_alone = 0 \
-                     WHERE m.id = ANY($1) AND {filter}"
+                     WHERE m.id = ANY($1) AND {}",
+                    whose.filter(2)
                 ),
             };
-            bind_token(
-                sqlx::query(AssertSqlSafe(renumber(&sql, 2))).bind(&out.sent),
-                token,
-            )
-            .execute(pool)
-            .await
-            .map_err(db("wal record sent"))?;
+            bind_token(sqlx::query(AssertSqlSafe(sql)).bind(&out.sent), token)
+                .execute(pool)
+                .await
+                .map_err(db("wal record sent"))?;
         }
         if !out.dead.is_empty() {
             // Error texts through `sanitize_error` (a NUL byte escaped, a long text cut):
@@ -210,12 +212,11 @@ impl<P: EventPublisher> WalRelay<P> {
                  SET status = 3, last_error = d.error, attempts = m.attempts + 1, \
                      claim_token = NULL, lease_until = NULL, unfinished_alone = 0 \
                  FROM unnest($1::uuid[], $2::text[]) AS d(id, error) \
-                 WHERE m.id = d.id AND {filter}"
+                 WHERE m.id = d.id AND {}",
+                whose.filter(3)
             );
             bind_token(
-                sqlx::query(AssertSqlSafe(renumber(&sql, 3)))
-                    .bind(ids)
-                    .bind(errors),
+                sqlx::query(AssertSqlSafe(sql)).bind(ids).bind(errors),
                 token,
             )
             .execute(pool)
@@ -241,10 +242,11 @@ impl<P: EventPublisher> WalRelay<P> {
                      first_failed_at = CASE WHEN d.charge > 0 \
                          THEN COALESCE(m.first_failed_at, now()) ELSE m.first_failed_at END \
                  FROM unnest($1::uuid[], $2::float8[], $3::int[], $4::text[]) AS d(id, delay, charge, error) \
-                 WHERE m.id = d.id AND {filter}"
+                 WHERE m.id = d.id AND {}",
+                whose.filter(5)
             );
             bind_token(
-                sqlx::query(AssertSqlSafe(renumber(&sql, 5)))
+                sqlx::query(AssertSqlSafe(sql))
                     .bind(ids)
                     .bind(delays)
                     .bind(charges)
@@ -259,7 +261,7 @@ impl<P: EventPublisher> WalRelay<P> {
     }
 }
 
-/// Outcomes of a publish to record in one transaction.
+/// Outcomes of a publish, recorded by one call of [`WalRelay::record`].
 #[derive(Debug, Default)]
 pub(super) struct Outcomes {
     pub(super) sent: Vec<Uuid>,
@@ -275,16 +277,23 @@ impl Outcomes {
 
 /// Whose rows a [`WalRelay::record`] changes.
 #[derive(Debug, Clone, Copy)]
-pub(super) enum From {
+pub(super) enum Whose {
     /// The stream's: rows still `New`.
     Pending,
     /// The sweeper's: `Processing` rows claimed with this token.
     Claimed(Uuid),
 }
 
-/// `$9` (the token's placeholder in the filter) as the statement's next parameter.
-fn renumber(sql: &str, next: usize) -> String {
-    sql.replace("$9", &format!("${next}"))
+impl Whose {
+    /// The predicate on `m` of a recording statement, the token (if any) being its
+    /// parameter `$token`: the stream's rows are `New`; the sweeper's are the
+    /// `Processing` rows of its claim.
+    fn filter(self, token: usize) -> String {
+        match self {
+            Self::Pending => "m.status = 0".to_owned(),
+            Self::Claimed(_) => format!("m.status = 9 AND m.claim_token = ${token}"),
+        }
+    }
 }
 
 fn bind_token<'q>(
