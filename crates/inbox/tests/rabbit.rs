@@ -71,19 +71,18 @@ struct Setup {
     store: Arc<PgInbox>,
     consumer: RabbitConsumer,
     publisher: RabbitPublisher,
+    /// Last (fields drop in order): the exchange and the schema go once the rest is
+    /// closed.
+    _exchange: outbox_testkit::rabbit::DropExchange,
+    _drop: outbox_testkit::pg::DropSchema,
 }
 
 async fn setup(prefetch: u16) -> Setup {
     let schema = format!("t_{}", Uuid::new_v4().simple());
-    let outbox = PgOutbox::connect(
-        &PgConfig::new(env(
-            "DATABASE_URL",
-            "postgres://postgres@127.0.0.1:5432/test",
-        ))
-        .with_schema(&schema),
-    )
-    .await
-    .expect("PostgreSQL");
+    let url = env("DATABASE_URL", "postgres://postgres@127.0.0.1:5432/test");
+    let outbox = PgOutbox::connect(&PgConfig::new(&url).with_schema(&schema))
+        .await
+        .expect("PostgreSQL");
     outbox.migrate().await.expect("migrate");
     sqlx::raw_sql(AssertSqlSafe(format!(
         "CREATE TABLE {schema}.effects (message_id uuid NOT NULL)"
@@ -99,7 +98,8 @@ async fn setup(prefetch: u16) -> Setup {
         .expect("inbox"),
     );
     let exchange = format!("t.{}", Uuid::new_v4().simple());
-    let config = RabbitConfig::builder(env("AMQP_URL", "amqp://guest:guest@127.0.0.1:5672/%2f"))
+    let amqp = env("AMQP_URL", "amqp://guest:guest@127.0.0.1:5672/%2f");
+    let config = RabbitConfig::builder(&amqp)
         .with_exchange(&exchange)
         .build()
         .expect("config");
@@ -112,6 +112,8 @@ async fn setup(prefetch: u16) -> Setup {
     consumer.declare().await.expect("declare");
     let publisher = RabbitPublisher::connect(config).await.expect("publisher");
     Setup {
+        _exchange: outbox_testkit::rabbit::DropExchange::new(&amqp, &exchange),
+        _drop: outbox_testkit::pg::DropSchema::new(&url, &schema),
         schema,
         outbox,
         store,
@@ -128,6 +130,8 @@ async fn duplicates_and_a_poison_message_through_rabbitmq() {
         store,
         consumer,
         publisher,
+        _exchange,
+        _drop,
     } = setup(1).await;
 
     // The same message published 5 times (same id), a poison message, then a good one.
@@ -190,6 +194,8 @@ async fn durable_inbox_fed_by_rabbitmq() {
         store,
         consumer,
         publisher,
+        _exchange,
+        _drop,
     } = setup(100).await;
     let (a, b) = (outbox_message("OrderPlaced"), outbox_message("OrderPlaced"));
     let batch = vec![a.clone(), a.clone(), b.clone(), a.clone()];
@@ -259,6 +265,8 @@ async fn a_poison_message_with_nul_characters_still_becomes_a_dead_letter() {
         store,
         consumer,
         publisher,
+        _exchange,
+        _drop,
     } = setup(1).await;
     let poison = with_nul_characters("Poison");
     let published = publisher.publish_batch(std::slice::from_ref(&poison)).await;
@@ -289,6 +297,8 @@ async fn the_durable_inbox_stores_and_processes_a_message_with_nul_characters() 
         store,
         consumer,
         publisher,
+        _exchange,
+        _drop,
     } = setup(1).await;
     let (odd, plain) = (
         with_nul_characters("OrderPlaced"),
@@ -386,6 +396,10 @@ struct Quorum {
     consumer: RabbitConsumer,
     publisher: RabbitPublisher,
     queue: String,
+    /// Last (fields drop in order): the exchange and the schema go once the rest is
+    /// closed.
+    _exchange: outbox_testkit::rabbit::DropExchange,
+    _drop: outbox_testkit::pg::DropSchema,
 }
 
 async fn quorum(prefetch: u16, pool_size: u32, delivery_limit: i32) -> Quorum {
@@ -413,7 +427,8 @@ async fn quorum(prefetch: u16, pool_size: u32, delivery_limit: i32) -> Quorum {
         Arc::new(PgInbox::new(pool, &PgConfig::default().with_schema(&schema)).expect("inbox"));
     let exchange = format!("t.{}", Uuid::new_v4().simple());
     let queue = format!("{exchange}.q");
-    let config = RabbitConfig::builder(env("AMQP_URL", "amqp://guest:guest@127.0.0.1:5672/%2f"))
+    let amqp = env("AMQP_URL", "amqp://guest:guest@127.0.0.1:5672/%2f");
+    let config = RabbitConfig::builder(&amqp)
         .with_exchange(&exchange)
         .build()
         .expect("config");
@@ -436,6 +451,8 @@ async fn quorum(prefetch: u16, pool_size: u32, delivery_limit: i32) -> Quorum {
     consumer.declare().await.expect("declare");
     let publisher = RabbitPublisher::connect(config).await.expect("publisher");
     Quorum {
+        _exchange: outbox_testkit::rabbit::DropExchange::new(&amqp, &exchange),
+        _drop: outbox_testkit::pg::DropSchema::new(&url, &schema),
         schema,
         outbox,
         store,

@@ -40,6 +40,7 @@ async fn handler_span_joins_the_producers_trace() {
     let schema = format!("t_{}", Uuid::new_v4().simple());
     let url = std::env::var("DATABASE_URL")
         .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".into());
+    let _schema = outbox_testkit::pg::DropSchema::new(&url, &schema);
     let outbox = PgOutbox::connect(&PgConfig::new(url).with_schema(&schema))
         .await
         .expect("PostgreSQL");

@@ -51,18 +51,16 @@ async fn the_consumer_span_joins_the_producers_trace() {
     let _guard = tracing::subscriber::set_default(subscriber);
 
     let schema = format!("t_{}", Uuid::new_v4().simple());
-    let outbox = PgOutbox::connect(
-        &PgConfig::new(env(
-            "DATABASE_URL",
-            "postgres://postgres@127.0.0.1:5432/test",
-        ))
-        .with_schema(&schema),
-    )
-    .await
-    .expect("PostgreSQL");
+    let url = env("DATABASE_URL", "postgres://postgres@127.0.0.1:5432/test");
+    let _schema = outbox_testkit::pg::DropSchema::new(&url, &schema);
+    let outbox = PgOutbox::connect(&PgConfig::new(url).with_schema(&schema))
+        .await
+        .expect("PostgreSQL");
     outbox.migrate().await.expect("migrate");
     let exchange = format!("t.{}", Uuid::new_v4().simple());
-    let rabbit = RabbitConfig::builder(env("AMQP_URL", "amqp://guest:guest@127.0.0.1:5672/%2f"))
+    let amqp = env("AMQP_URL", "amqp://guest:guest@127.0.0.1:5672/%2f");
+    let _exchange = outbox_testkit::rabbit::DropExchange::new(&amqp, &exchange);
+    let rabbit = RabbitConfig::builder(amqp)
         .with_exchange(&exchange)
         .build()
         .expect("config");

@@ -907,7 +907,7 @@ async fn health_reports_a_stuck_relay_and_queue_lag() {
     let health = Health::new(Duration::from_secs(300), Duration::from_secs(60), None);
     assert!(!health.report().is_healthy(), "starting");
     health
-        .check(&db, &Reachable, false, 0, Duration::from_secs(1))
+        .check(&*db, &Reachable, false, 0, Duration::from_secs(1))
         .await;
     let report = health.report();
     assert!(report.is_healthy(), "{report:?}");
@@ -921,7 +921,7 @@ async fn health_reports_a_stuck_relay_and_queue_lag() {
     )
     .await;
     health
-        .check(&db, &Reachable, false, 0, Duration::from_secs(1))
+        .check(&*db, &Reachable, false, 0, Duration::from_secs(1))
         .await;
     let report = health.report();
     assert_eq!(report.status, "unhealthy");
@@ -935,7 +935,7 @@ async fn health_reports_a_stuck_relay_and_queue_lag() {
     );
     // While the circuit is open, waiting is the broker's fault, not a stuck relay.
     health
-        .check(&db, &Reachable, true, 0, Duration::from_secs(1))
+        .check(&*db, &Reachable, true, 0, Duration::from_secs(1))
         .await;
     let report = health.report();
     assert!(
@@ -954,7 +954,7 @@ async fn health_reports_a_stuck_relay_and_queue_lag() {
     )
     .await;
     health
-        .check(&db, &Reachable, false, 0, Duration::from_secs(1))
+        .check(&*db, &Reachable, false, 0, Duration::from_secs(1))
         .await;
     let report = health.report();
     assert!(

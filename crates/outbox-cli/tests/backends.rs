@@ -192,7 +192,8 @@ mod postgres {
     async fn every_command_on_postgres() {
         let url = std::env::var("DATABASE_URL")
             .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".into());
-        scenario(&url, &Pg).await;
+        let schema = scenario(&url, &Pg).await;
+        outbox_testkit::pg::drop_schema_blocking(&url, &schema);
     }
 }
 

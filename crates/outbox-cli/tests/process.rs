@@ -25,6 +25,7 @@ fn stderr(o: &Output) -> String {
 async fn migrate_then_stats_as_a_process() {
     let schema = format!("t_{}", uuid::Uuid::new_v4().simple());
     let url = database_url();
+    let _schema = outbox_testkit::pg::DropSchema::new(&url, &schema);
     let o = outbox(&["--database-url", &url, "--schema", &schema, "migrate"]);
     assert!(o.status.success(), "{}", stderr(&o));
     let text = String::from_utf8_lossy(&o.stdout);
@@ -293,13 +294,15 @@ async fn relay_process_serves_health_and_stops_on_sigterm() {
     let dir = std::env::temp_dir().join(format!("outbox-cli-{}", uuid::Uuid::new_v4().simple()));
     std::fs::create_dir_all(&dir).expect("dir");
     let config = dir.join("outbox.toml");
+    // The relay declares it; the guard deletes it when the test ends.
+    let exchange = format!("t.{}", uuid::Uuid::new_v4().simple());
+    let _exchange = outbox_testkit::rabbit::DropExchange::new(&common::amqp_url(), &exchange);
     std::fs::write(
         &config,
         format!(
-            "database_url = \"{}\"\nschema = \"{}\"\nlog_format = \"json\"\n[relay]\nexchange = \"t.{}\"\nlisten = \"{listen}\"\npoll_interval = \"100ms\"\nhealth_interval = \"200ms\"\n[relay.event_types.OrderPlaced]\nmax_attempts = 3\n",
+            "database_url = \"{}\"\nschema = \"{}\"\nlog_format = \"json\"\n[relay]\nexchange = \"{exchange}\"\nlisten = \"{listen}\"\npoll_interval = \"100ms\"\nhealth_interval = \"200ms\"\n[relay.event_types.OrderPlaced]\nmax_attempts = 3\n",
             database_url(),
             db.schema(),
-            uuid::Uuid::new_v4().simple(),
         ),
     )
     .expect("write");

@@ -19,6 +19,7 @@ use outbox_core::TransportKind;
 use outbox_core::consumer::{DeliveryHandler, HandlerDecision};
 use outbox_core::wire::IncomingMessage;
 use outbox_postgres::{PgInbox, PgOutbox};
+use outbox_testkit::rabbit::DropExchange;
 use sqlx::{AssertSqlSafe, PgConnection};
 use tokio_util::sync::CancellationToken;
 use transport_rabbit::lapin::types::{AMQPValue, FieldTable};
@@ -94,9 +95,11 @@ fn expires_when_unused() -> FieldTable {
 }
 
 /// A fresh exchange name and a declared consumer of its `OrderPlaced` messages only: a
-/// message of another event type is unroutable and dies at once (mandatory).
-async fn order_placed_consumer() -> (String, RabbitConsumer) {
+/// message of another event type is unroutable and dies at once (mandatory). The guard
+/// deletes the exchange when the test ends (the queue expires by itself).
+async fn order_placed_consumer() -> (String, RabbitConsumer, DropExchange) {
     let exchange = format!("t.{}", Uuid::new_v4().simple());
+    let guard = DropExchange::new(&amqp_url(), &exchange);
     let rabbit = RabbitConfig::builder(amqp_url())
         .with_exchange(&exchange)
         .build()
@@ -107,14 +110,14 @@ async fn order_placed_consumer() -> (String, RabbitConsumer) {
         .build()
         .expect("consumer");
     consumer.declare().await.expect("declare");
-    (exchange, consumer)
+    (exchange, consumer, guard)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn relay_exports_metrics_and_a_replayed_message_stays_single() {
     let db = fresh_outbox().await;
     exec(&db, "CREATE TABLE {s}.effects (message_id uuid NOT NULL)").await;
-    let (exchange, consumer) = order_placed_consumer().await;
+    let (exchange, consumer, _exchange) = order_placed_consumer().await;
     let store = Arc::new(db.inbox());
     let seen = Arc::new(Mutex::new(HashMap::new()));
     let traces = Arc::new(Mutex::new(HashMap::new()));
@@ -303,7 +306,7 @@ impl DeliveryHandler for Seen {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sent_retention_delete_removes_delivered_rows_and_keeps_dead_ones() {
     let db = fresh_outbox().await;
-    let (exchange, consumer) = order_placed_consumer().await;
+    let (exchange, consumer, _exchange) = order_placed_consumer().await;
     let seen = Arc::new(Mutex::new(HashMap::new()));
     let consumer_stop = CancellationToken::new();
     let consuming = {

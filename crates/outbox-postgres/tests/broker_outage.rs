@@ -39,7 +39,8 @@ async fn broker_down_for_a_minute_dead_letters_nothing_and_recovers() {
         .ok()
         .and_then(|s| s.parse().ok())
         .unwrap_or(60);
-    let outbox = Arc::new(fresh_outbox().await);
+    let (outbox, _schema) = fresh_outbox().await.into_parts();
+    let outbox = Arc::new(outbox);
     // A durable exchange and queue: they must survive the broker restart.
     let fx = fixture(true, FieldTable::default()).await;
     let durable = format!("{}.durable", fx.exchange);

@@ -11,14 +11,17 @@ use outbox_core::inbox_conformance::{AbortingHarness, InboxHarness};
 use outbox_postgres::PgInbox;
 use sqlx::PgConnection;
 
-/// A [`PgInbox`] over a fresh, migrated schema.
-struct PgInboxHarness(Arc<PgInbox>);
+/// A [`PgInbox`] over a fresh, migrated schema, dropped with the harness.
+struct PgInboxHarness {
+    inbox: Arc<PgInbox>,
+    _schema: common::TestOutbox,
+}
 
 impl InboxHarness for PgInboxHarness {
     type Inbox = PgInbox;
 
     fn inbox(&self) -> Arc<PgInbox> {
-        Arc::clone(&self.0)
+        Arc::clone(&self.inbox)
     }
 }
 
@@ -33,7 +36,10 @@ impl AbortingHarness for PgInboxHarness {
 async fn harness() -> PgInboxHarness {
     let outbox = common::fresh_outbox().await;
     let inbox = outbox.inbox();
-    PgInboxHarness(Arc::new(inbox))
+    PgInboxHarness {
+        inbox: Arc::new(inbox),
+        _schema: outbox,
+    }
 }
 
 outbox_core::inbox_conformance_tests!(harness; dead_letters, versions, durable, aborts);

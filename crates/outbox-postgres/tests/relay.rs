@@ -78,7 +78,8 @@ async fn status_of(outbox: &PgOutbox, id: uuid::Uuid) -> OutboxMessage {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn four_dispatchers_publish_10000_messages_exactly_once() {
-    let outbox = Arc::new(fresh_outbox().await);
+    let (outbox, _schema) = fresh_outbox().await.into_parts();
+    let outbox = Arc::new(outbox);
     let fx = fixture(true, FieldTable::default()).await;
     let counts = fx.counter().await;
     let ids: HashSet<String> = enqueue(&outbox, &events(10_000, "OrderPlaced"))
@@ -145,7 +146,8 @@ impl EventPublisher for DiesAfterPublish {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn dispatcher_killed_mid_batch_loses_nothing_after_lease_expiry() {
-    let outbox = Arc::new(fresh_outbox().await);
+    let (outbox, _schema) = fresh_outbox().await.into_parts();
+    let outbox = Arc::new(outbox);
     let fx = fixture(true, FieldTable::default()).await;
     let counts = fx.counter().await;
     let ids = enqueue(&outbox, &events(50, "OrderPlaced")).await;
@@ -224,7 +226,8 @@ async fn dispatcher_killed_mid_batch_loses_nothing_after_lease_expiry() {
 /// through.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn broker_nack_defers_the_message_and_charges_nothing() {
-    let outbox = Arc::new(fresh_outbox().await);
+    let (outbox, _schema) = fresh_outbox().await.into_parts();
+    let outbox = Arc::new(outbox);
     let fx = fixture(true, reject_when_full(1)).await;
     fx.publish_raw(b"filler").await; // the queue is full: the broker nacks publishes
     let id = enqueue(&outbox, &events(1, "OrderPlaced")).await[0];
@@ -275,7 +278,8 @@ async fn broker_nack_defers_the_message_and_charges_nothing() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn permanent_failures_are_dead_at_once() {
-    let outbox = Arc::new(fresh_outbox().await);
+    let (outbox, _schema) = fresh_outbox().await.into_parts();
+    let outbox = Arc::new(outbox);
     // Unroutable: the exchange has no queue.
     let lonely = fixture(false, FieldTable::default()).await;
     let unroutable = enqueue(&outbox, &events(1, "NobodyListens")).await[0];
@@ -331,7 +335,8 @@ impl EventPublisher for SlowBroker {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_relay_bound_by_its_broker_says_so_in_its_stats() {
-    let outbox = Arc::new(fresh_outbox().await);
+    let (outbox, _schema) = fresh_outbox().await.into_parts();
+    let outbox = Arc::new(outbox);
     let fx = fixture(true, FieldTable::default()).await;
     enqueue(&outbox, &events(1000, "OrderPlaced")).await;
     let token = CancellationToken::new();

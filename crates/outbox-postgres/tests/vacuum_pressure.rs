@@ -8,7 +8,7 @@ mod common;
 
 use std::time::{Duration, Instant};
 
-use common::{database_url, enqueue_committed, fresh_outbox};
+use common::{database_url, enqueue_committed, fresh_outbox_kept};
 use outbox_core::{Completion, CompletionOutcome, NewMessage, OutboxAdmin as _, OutboxStore};
 use outbox_postgres::{PgConfig, PgOutbox};
 use sqlx::Connection as _;
@@ -119,7 +119,7 @@ async fn drop_schema(schema: &str) {
 async fn claims_do_not_walk_the_dead_entries_a_held_horizon_keeps() {
     const DEAD: usize = 5_000;
     const CLAIMS: usize = 50;
-    let schema = fresh_outbox().await.schema().to_owned();
+    let schema = fresh_outbox_kept().await.schema().to_owned();
     let outbox = one_connection_outbox(&schema).await;
     let horizon = hold_xmin().await;
     let held_since = Instant::now();
@@ -188,7 +188,7 @@ async fn claims_do_not_walk_the_dead_entries_a_held_horizon_keeps() {
 
 #[tokio::test]
 async fn a_row_committed_below_the_floor_is_still_claimed() {
-    let schema = fresh_outbox().await.schema().to_owned();
+    let schema = fresh_outbox_kept().await.schema().to_owned();
     let outbox = one_connection_outbox(&schema).await;
     // A producer's transaction that reads first (no transaction id yet, so the floor's
     // look at `pg_stat_activity` cannot see it) and writes its outbox row much later:

@@ -40,7 +40,7 @@ mod common;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use common::{database_url, enqueue_committed, fresh_outbox};
+use common::{database_url, enqueue_committed, fresh_outbox_kept};
 use outbox_core::conformance::keyed;
 use outbox_core::{
     EventPublisher, MessageStatus, OutboxMessage, OutboxStore as _, PublishError, PublishOutcome,
@@ -63,7 +63,7 @@ struct WalOutbox {
 
 impl WalOutbox {
     async fn new() -> Self {
-        let outbox = fresh_outbox().await;
+        let outbox = fresh_outbox_kept().await;
         let wal = WalConfig::new(outbox.schema()).build().expect("wal config");
         let this = Self { outbox, wal };
         outbox_postgres::wal::setup(&this.outbox, &this.wal)

@@ -217,15 +217,16 @@ fn command_line(pid: u32) -> Option<(Vec<String>, std::path::PathBuf)> {
     (!cmdline.is_empty()).then_some((cmdline, cwd))
 }
 
+/// The state letter of process `pid` (the field after its name in `/proc/PID/stat`:
+/// `R` running, `S` sleeping, `T` stopped by a signal, as a frozen server is, `Z`
+/// zombie, ...), `None` when there is no such process.
+pub fn process_state(pid: impl std::fmt::Display) -> Option<char> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    stat.get(stat.rfind(')')? + 2..)?.chars().next()
+}
+
 fn alive(pid: u32) -> bool {
-    std::path::Path::new(&format!("/proc/{pid}")).exists()
-        && !std::fs::read_to_string(format!("/proc/{pid}/stat"))
-            .ok()
-            .and_then(|stat| {
-                let close = stat.rfind(')')?;
-                stat.get(close + 2..close + 3).map(|state| state == "Z")
-            })
-            .unwrap_or(false)
+    std::path::Path::new(&format!("/proc/{pid}")).exists() && process_state(pid) != Some('Z')
 }
 
 /// Stops process `pid` with `SIGTERM`, then `SIGKILL` after `grace`, and waits until it
@@ -594,9 +595,17 @@ impl Frozen {
         if let Some(pid) = pid_listening_on(port) {
             let pid = pid.to_string();
             run("kill", &["-STOP", &pid]).map_err(|e| FaultUnavailable::new(fault, e))?;
-            return Ok(Self {
+            let frozen = Self {
                 how: Freeze::Pid(pid),
-            });
+            };
+            // `kill` returns once the signal is queued; each thread stops when it next
+            // enters the kernel, so a busy server may run on for a moment. Frozen means
+            // stopped: wait for it, and continue the process if it does not stop.
+            if let Err(e) = frozen.wait_until_stopped() {
+                frozen.thaw();
+                return Err(FaultUnavailable::new(fault, e));
+            }
+            return Ok(frozen);
         }
         if let Some(service) = service
             && docker_engine()
@@ -617,6 +626,26 @@ impl Frozen {
         ))
     }
 
+    /// Waits up to 10 seconds until the frozen process is in state `T` (stopped).
+    fn wait_until_stopped(&self) -> Result<(), String> {
+        let Freeze::Pid(pid) = &self.how else {
+            return Ok(());
+        };
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            match process_state(pid) {
+                Some('T') => return Ok(()),
+                None => return Err(format!("process {pid} is gone")),
+                Some(state) if Instant::now() >= deadline => {
+                    return Err(format!(
+                        "process {pid} is still in state {state} 10 s after SIGSTOP"
+                    ));
+                }
+                Some(_) => std::thread::sleep(Duration::from_millis(5)),
+            }
+        }
+    }
+
     fn thaw(&self) -> bool {
         match &self.how {
             Freeze::Pid(pid) => succeeds("kill", &["-CONT", pid]),
@@ -634,15 +663,7 @@ pub fn continue_stopped(process: &str) -> usize {
         return 0;
     };
     pids.lines()
-        .filter(|pid| {
-            std::fs::read_to_string(format!("/proc/{pid}/stat"))
-                .ok()
-                .and_then(|stat| {
-                    let close = stat.rfind(')')?;
-                    stat.get(close + 2..close + 3).map(|s| s == "T")
-                })
-                .unwrap_or(false)
-        })
+        .filter(|pid| process_state(pid) == Some('T'))
         .filter(|pid| succeeds("kill", &["-CONT", pid]))
         .count()
 }

@@ -27,3 +27,18 @@ pub mod faults;
 pub mod ordered;
 pub mod pg;
 pub mod rabbit;
+
+/// Runs `work` on a current-thread runtime on a thread of its own, for a guard's `Drop`
+/// that must do I/O while the test's runtime unwinds (a runtime cannot block inside
+/// another); whether it ended without a panic.
+pub fn on_own_runtime(work: impl Future<Output = ()> + Send + 'static) -> bool {
+    std::thread::spawn(move || {
+        tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .expect("runtime")
+            .block_on(work);
+    })
+    .join()
+    .is_ok()
+}

@@ -98,6 +98,52 @@ async fn declare(bind: bool, mut queue_args: FieldTable, durable: bool) -> Fixtu
     }
 }
 
+/// Deletes a test's exchange at `amqp_url` when it goes out of scope, also when the test
+/// panics, on a connection and a runtime of its own (a guard's `Drop` may run on the
+/// test's runtime). Best effort: a failure is printed. (Queues declared with `x-expires`
+/// go by themselves; exchanges do not.)
+#[derive(Debug)]
+pub struct DropExchange {
+    amqp_url: String,
+    exchange: String,
+}
+
+impl DropExchange {
+    /// A guard for `exchange`.
+    pub fn new(amqp_url: &str, exchange: &str) -> Self {
+        Self {
+            amqp_url: amqp_url.to_owned(),
+            exchange: exchange.to_owned(),
+        }
+    }
+}
+
+impl Drop for DropExchange {
+    fn drop(&mut self) {
+        let (url, exchange) = (self.amqp_url.clone(), self.exchange.clone());
+        let done = crate::on_own_runtime(async move {
+            let conn = Connection::connect(&url, ConnectionProperties::default())
+                .await
+                .expect("connect to RabbitMQ");
+            let channel = conn.create_channel().await.expect("channel");
+            channel
+                .exchange_delete(
+                    exchange.as_str().into(),
+                    lapin::options::ExchangeDeleteOptions::default(),
+                )
+                .await
+                .expect("delete the exchange");
+            let _ = conn.close(200, "".into()).await;
+        });
+        if !done {
+            eprintln!(
+                "cleanup of exchange {} failed: delete it by hand",
+                self.exchange
+            );
+        }
+    }
+}
+
 /// Queue arguments that make the broker nack publishes once `max_len` messages wait.
 pub fn reject_when_full(max_len: i64) -> FieldTable {
     let mut args = FieldTable::default();

@@ -9,7 +9,7 @@ use std::path::PathBuf;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use outbox_testkit::faults::{NATS_PORT, NatsFrozen, NatsStopped, pid_listening_on};
+use outbox_testkit::faults::{NATS_PORT, NatsFrozen, NatsStopped, pid_listening_on, process_state};
 
 /// A `nats-server` of this test's own; killed on drop, also when the test panics.
 struct OwnServer {
@@ -93,10 +93,8 @@ fn cmdline(pid: u32) -> Vec<u8> {
 }
 
 /// The state letter of `/proc/PID/stat` (`T`: stopped by a signal).
-fn state(pid: u32) -> String {
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).expect("stat");
-    let close = stat.rfind(')').expect("comm");
-    stat[close + 2..close + 3].to_owned()
+fn state(pid: u32) -> char {
+    process_state(pid).expect("the process exists")
 }
 
 #[test]
@@ -122,10 +120,10 @@ fn stopping_and_freezing_by_port_touch_only_that_server() {
     assert_eq!(cmdline(restarted), before, "with the same command line");
 
     let frozen = NatsFrozen::try_freeze_port(own.port).expect("freeze our server");
-    assert_eq!(state(restarted), "T", "our server is stopped by SIGSTOP");
+    assert_eq!(state(restarted), 'T', "our server is stopped by SIGSTOP");
     if let Some(shared) = shared {
-        assert_ne!(state(shared), "T", "the shared server is not frozen");
+        assert_ne!(state(shared), 'T', "the shared server is not frozen");
     }
     drop(frozen);
-    assert_ne!(state(restarted), "T", "continued");
+    assert_ne!(state(restarted), 'T', "continued");
 }

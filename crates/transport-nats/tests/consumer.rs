@@ -189,7 +189,6 @@ async fn redelivered_messages_have_one_effect_through_the_inbox() {
     .await
     .expect("effects");
     assert_eq!((rows, once), (20, 20), "one effect per message");
-    drop_schema(&outbox).await;
     fx.cleanup().await;
 }
 

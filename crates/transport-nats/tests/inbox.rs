@@ -66,7 +66,7 @@ fn fresh(event_type: &str) -> OutboxMessage {
     msg
 }
 
-async fn setup() -> (PgOutbox, Arc<PgInbox>) {
+async fn setup() -> (TestOutbox, Arc<PgInbox>) {
     let outbox = fresh_outbox().await;
     sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
         "CREATE TABLE {}.effects (message_id uuid NOT NULL)",
@@ -174,7 +174,6 @@ async fn idempotent_consumer_over_nats_duplicates_and_a_poison_message() {
             .collect::<Vec<_>>(),
         [(poison.id, 3)]
     );
-    drop_schema(&outbox).await;
     fx.cleanup().await;
 }
 
@@ -221,7 +220,6 @@ async fn durable_inbox_over_nats_stores_then_processes() {
     for m in &messages {
         assert_eq!(effects(&outbox, m.id).await, 1);
     }
-    drop_schema(&outbox).await;
     fx.cleanup().await;
 }
 
@@ -310,6 +308,5 @@ async fn a_database_outage_longer_than_the_delivery_budget_loses_nothing() {
         .expect("dead letters");
     assert!(dead.is_empty(), "nothing was dead-lettered: {dead:?}");
     lockout.drop_role().await;
-    drop_schema(&outbox).await;
     fx.cleanup().await;
 }

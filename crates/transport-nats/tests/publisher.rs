@@ -72,7 +72,8 @@ async fn republished_message_is_stored_once_inside_the_duplicate_window() {
 #[tokio::test]
 async fn invalid_subject_is_dead_lettered_by_the_dispatcher() {
     let fx = Fixture::new().await;
-    let outbox = Arc::new(fresh_outbox().await);
+    let (outbox, _schema) = fresh_outbox().await.into_parts();
+    let outbox = Arc::new(outbox);
     let good = NewMessage::builder("order", "1", "OrderPlaced")
         .payload(&serde_json::json!({"ok": true}))
         .build()
@@ -104,7 +105,6 @@ async fn invalid_subject_is_dead_lettered_by_the_dispatcher() {
     let (status, _) = row_status(&outbox, good.id).await;
     assert_eq!(status, MessageStatus::Sent as i16);
     assert_eq!(fx.stored().await, 1);
-    drop_schema(&outbox).await;
     fx.cleanup().await;
 }
 

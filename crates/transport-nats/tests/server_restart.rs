@@ -78,7 +78,8 @@ async fn relay_and_consumer_resume_after_a_server_restart_and_nothing_is_lost() 
         .unwrap_or(5);
     // File storage: the stream (and the durable consumer) survive the restart.
     let fx = Fixture::new().await;
-    let outbox = Arc::new(fresh_outbox().await);
+    let (outbox, _schema) = fresh_outbox().await.into_parts();
+    let outbox = Arc::new(outbox);
     enqueue(&outbox, 3000, "before").await;
 
     let config = fx
@@ -194,6 +195,5 @@ async fn relay_and_consumer_resume_after_a_server_restart_and_nothing_is_lost() 
         "relay {final_stats:?}; consumer deliveries {}",
         *collector.deliveries.lock().expect("lock")
     );
-    drop_schema(&outbox).await;
     fx.cleanup().await;
 }

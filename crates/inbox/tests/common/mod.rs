@@ -19,6 +19,8 @@ pub(crate) struct Db {
     pub(crate) inbox: Arc<PgInbox>,
     pub(crate) pool: PgPool,
     pub(crate) schema: String,
+    /// Last (fields drop in order): the schema goes with the test.
+    _drop: outbox_testkit::pg::DropSchema,
 }
 
 /// A fresh schema with an `effects` table: one row per handler run that committed,
@@ -48,6 +50,7 @@ pub(crate) async fn db() -> Db {
             .expect("inbox"),
         ),
         pool: outbox.pool().clone(),
+        _drop: outbox_testkit::pg::DropSchema::new(&database_url(), &schema),
         schema,
     }
 }

@@ -19,18 +19,24 @@ pub fn database_url() -> String {
 
 pub use outbox_testkit::rabbit::amqp_url;
 
-/// A fresh, migrated schema `t_<uuid>` (swept by the outbox-postgres tests after an hour).
-pub async fn fresh_outbox() -> PgOutbox {
+/// A test's outbox over a fresh, migrated schema `t_<uuid>` (derefs to the
+/// [`PgOutbox`]; `clone()` gives a `PgOutbox` to move into tasks); the schema is dropped
+/// when it goes out of scope, also when the test panics.
+pub type TestOutbox = outbox_testkit::pg::InSchema<PgOutbox>;
+
+/// A fresh, migrated schema `t_<uuid>`, dropped with the returned value.
+pub async fn fresh_outbox() -> TestOutbox {
     let schema = format!("t_{}", uuid::Uuid::new_v4().simple());
+    let url = database_url();
     let outbox = PgOutbox::connect(
-        &PgConfig::new(database_url())
+        &PgConfig::new(&url)
             .with_schema(&schema)
             .with_max_connections(4),
     )
     .await
     .expect("connect to PostgreSQL (is it running? `cargo xtask services`)");
     outbox.migrate().await.expect("migrate");
-    outbox
+    TestOutbox::new(outbox, &url, &schema)
 }
 
 pub async fn exec(outbox: &PgOutbox, sql: &str) -> u64 {

@@ -45,8 +45,19 @@ async fn sweep_old_schemas(pool: &sqlx::PgPool) {
         .await;
 }
 
-/// A fresh, migrated schema named `t_<uuid>`.
-pub async fn fresh_outbox() -> PgOutbox {
+/// A test's outbox over a fresh, migrated schema (derefs to the [`PgOutbox`]); the
+/// schema is dropped when it goes out of scope, also when the test panics.
+pub type TestOutbox = outbox_testkit::pg::InSchema<PgOutbox>;
+
+/// A fresh, migrated schema named `t_<uuid>`, dropped with the returned value.
+pub async fn fresh_outbox() -> TestOutbox {
+    let outbox = fresh_outbox_kept().await;
+    let schema = outbox.schema().to_owned();
+    TestOutbox::new(outbox, &database_url(), &schema)
+}
+
+/// A fresh, migrated schema named `t_<uuid>` that the caller drops (its own guard).
+pub async fn fresh_outbox_kept() -> PgOutbox {
     let schema = format!("t_{}", uuid::Uuid::new_v4().simple());
     let config = PgConfig::new(database_url())
         .with_schema(&schema)
@@ -68,7 +79,7 @@ pub async fn enqueue_committed(outbox: &PgOutbox, messages: &[NewMessage]) {
     tx.commit().await.expect("commit");
 }
 
-pub struct PgHarness(pub Arc<PgOutbox>);
+pub struct PgHarness(pub Arc<PgOutbox>, outbox_testkit::pg::DropSchema);
 
 #[async_trait]
 impl Harness for PgHarness {
@@ -103,5 +114,6 @@ impl Harness for PgHarness {
 }
 
 pub async fn harness() -> PgHarness {
-    PgHarness(Arc::new(fresh_outbox().await))
+    let (outbox, schema) = fresh_outbox().await.into_parts();
+    PgHarness(Arc::new(outbox), schema)
 }

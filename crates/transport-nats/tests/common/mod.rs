@@ -180,27 +180,23 @@ pub fn message(event_type: &str, aggregate_id: &str, payload: &str) -> OutboxMes
     OutboxMessage::claimed_from(msg, Utc::now().trunc_subsecs(6))
 }
 
-/// A fresh, migrated PostgreSQL schema named `t_<uuid>`.
-pub async fn fresh_outbox() -> PgOutbox {
+/// An outbox in a schema of the test's own (see [`fresh_outbox`]), dropped with it.
+pub type TestOutbox = outbox_testkit::pg::InSchema<PgOutbox>;
+
+/// A fresh, migrated PostgreSQL schema named `t_<uuid>`, dropped when the returned value
+/// is (also when the test fails).
+pub async fn fresh_outbox() -> TestOutbox {
     let schema = format!("t_{}", Uuid::new_v4().simple());
+    let url = database_url();
     let outbox = PgOutbox::connect(
-        &PgConfig::new(database_url())
+        &PgConfig::new(&url)
             .with_schema(&schema)
             .with_max_connections(6),
     )
     .await
     .expect("connect to PostgreSQL (is it running? `cargo xtask services`)");
     outbox.migrate().await.expect("migrate");
-    outbox
-}
-
-pub async fn drop_schema(outbox: &PgOutbox) {
-    let _ = sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
-        "DROP SCHEMA IF EXISTS {} CASCADE",
-        outbox.schema()
-    )))
-    .execute(outbox.pool())
-    .await;
+    TestOutbox::new(outbox, &url, &schema)
 }
 
 /// `(status code, last_error)` of an outbox row.
