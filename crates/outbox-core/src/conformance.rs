@@ -509,7 +509,7 @@ pub async fn retry_becomes_claimable_after_backoff<H: Harness>(h: &H) {
 /// A deferral hands a message back without charging its attempt, like a release, but
 /// holds it back for its delay (its destination cannot take it now): `New`, attempts as
 /// before the claim, `last_error` the reason, not claimable until the delay has passed,
-/// then claimed as usual.
+/// then claimed as usual; its `Sent` completion keeps the attempts and `last_error`.
 pub async fn defer_holds_a_row_back_without_charge<H: Harness>(h: &H) {
     let store = h.store();
     let msgs = messages(1, "Deferred");
@@ -544,6 +544,23 @@ pub async fn defer_holds_a_row_back_without_charge<H: Harness>(h: &H) {
     let again = claim_until(&*store, 10, Duration::from_secs(60), 1).await;
     assert_eq!(again.len(), 1, "claimable once the delay has passed");
     assert_eq!(again[0].attempts, 1);
+    // Sent at last (a batch of Sent outcomes only, the relay's usual completion): the
+    // attempts and the last error stay for the record, the claim is cleared.
+    let report = store
+        .complete(&[completion(
+            msgs[0].id,
+            again[0].claim_token.expect("token"),
+            CompletionOutcome::Sent,
+        )])
+        .await
+        .expect("sent");
+    assert_eq!(report.applied, 1);
+    let row = store.get(msgs[0].id).await.expect("get").expect("row");
+    assert_eq!(row.status, MessageStatus::Sent);
+    assert!(row.sent_at.is_some());
+    assert_eq!(row.attempts, 1);
+    assert_eq!(row.last_error.as_deref(), Some("queue full"), "kept");
+    assert_eq!((row.claim_token, row.lease_until), (None, None));
 }
 
 /// A message whose lease expired is reclaimed (alone: its claim ended without an

@@ -221,6 +221,9 @@ const COMPLETIONS: &str =
     "UNNEST($1::uuid[], $2::uuid[], $3::int2[], $4::float8[], $5::text[], $6::bool[])
                         AS u(id, token, status, delay_secs, error, release)";
 
+/// Sent completions as rows `u(id, token)`: `$1` ids, `$2` claim tokens.
+const SENT_COMPLETIONS: &str = "UNNEST($1::uuid[], $2::uuid[]) AS u(id, token)";
+
 /// The fence of every completion: the row is Processing under the completion's token.
 /// `status + 0 = 9` still enforces Processing → * in SQL but keeps the planner from
 /// trusting the column's statistics, which are always stale on a queue table (estimated
@@ -266,6 +269,11 @@ pub(crate) struct Queries {
     pub(crate) blocked_keys: Arc<str>,
     pub(crate) complete: Arc<str>,
     pub(crate) complete_deleting_sent: Arc<str>,
+    /// [`Self::complete`] for a batch whose outcomes are all `Sent` (a relay's usual
+    /// batch): `$1` ids, `$2` claim tokens; the same fence and the same row afterwards.
+    pub(crate) complete_sent: Arc<str>,
+    /// [`Self::complete_deleting_sent`] for a batch whose outcomes are all `Sent`.
+    pub(crate) delete_sent: Arc<str>,
     pub(crate) get: Arc<str>,
     pub(crate) stats: Arc<str>,
     pub(crate) dead_letters: Arc<str>,
@@ -363,6 +371,20 @@ impl Queries {
                  SELECT id FROM sent UNION ALL SELECT id FROM other",
                 completion_update(&t, "u", "u.status <> 1 AND ")
             )),
+            // The common case apart: two arrays to bind and no per-row CASEs. What it
+            // writes is what `complete` writes for a Sent outcome (attempts, visible_at,
+            // last_error and first_failed_at are left as they are).
+            complete_sent: s(format!(
+                "UPDATE {t} m
+                    SET status = 1, sent_at = now(), lease_until = NULL, claim_token = NULL,
+                        unfinished_claims = 0, unfinished_alone = 0
+                   FROM {SENT_COMPLETIONS}
+                  WHERE {FENCE}
+                 RETURNING m.id"
+            )),
+            delete_sent: s(format!(
+                "DELETE FROM {t} m USING {SENT_COMPLETIONS} WHERE {FENCE} RETURNING m.id"
+            )),
             get: s(format!("SELECT {COLUMNS} FROM {t} m WHERE m.id = $1")),
             stats: s(format!(
                 "SELECT count(*) FILTER (WHERE status = 0),
@@ -414,7 +436,12 @@ mod tests {
         assert!(q.claim.contains("lease_until < now()"));
         // The walk is over the pending index, whose predicate a claim leaves unchanged.
         assert!(q.claim.contains("c.phase = 0 AND c.visible_at <= now()"));
-        for complete in [&q.complete, &q.complete_deleting_sent] {
+        for complete in [
+            &q.complete,
+            &q.complete_deleting_sent,
+            &q.complete_sent,
+            &q.delete_sent,
+        ] {
             assert!(complete.contains("m.claim_token = u.token AND m.status + 0 = 9"));
         }
         // Under SentRetention::Delete only a Sent completion deletes, fenced the same way.

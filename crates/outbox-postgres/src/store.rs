@@ -145,6 +145,27 @@ impl PgOutbox {
         self.floor.get()
     }
 
+    /// [`complete`](OutboxStore::complete) of a batch whose outcomes are all `Sent`:
+    /// ids and claim tokens only (`sql.rs`, `complete_sent` and `delete_sent`).
+    async fn complete_sent(
+        &self,
+        completions: &[Completion],
+    ) -> Result<CompleteReport, OutboxError> {
+        let ids: Vec<Uuid> = completions.iter().map(|c| c.id).collect();
+        let tokens: Vec<Uuid> = completions.iter().map(|c| c.claim_token).collect();
+        let statement = match self.sent_retention {
+            SentRetention::Delete => &self.q.delete_sent,
+            _ => &self.q.complete_sent,
+        };
+        let applied: Vec<Uuid> = sqlx::query_scalar(sql(statement))
+            .bind(&ids)
+            .bind(&tokens)
+            .fetch_all(&self.pool)
+            .await
+            .map_err(db("complete"))?;
+        Ok(report(ids, &applied))
+    }
+
     /// Writes one message on `conn` (the caller's transaction). Returns its id.
     ///
     /// # Errors
@@ -420,6 +441,20 @@ fn decode_row(row: &PgRow, headers: HeaderDecoding) -> Result<OutboxMessage, Out
     })
 }
 
+/// What a completion of `ids` did, `applied` being the ids its statement returned.
+fn report(ids: Vec<Uuid>, applied: &[Uuid]) -> CompleteReport {
+    let fenced = if applied.len() == ids.len() {
+        Vec::new()
+    } else {
+        let done: std::collections::HashSet<Uuid> = applied.iter().copied().collect();
+        ids.into_iter().filter(|id| !done.contains(id)).collect()
+    };
+    CompleteReport {
+        applied: applied.len() as u64,
+        fenced,
+    }
+}
+
 fn count(n: i64) -> u64 {
     u64::try_from(n).unwrap_or(0)
 }
@@ -525,6 +560,12 @@ impl OutboxStore for PgOutbox {
             return Ok(CompleteReport::default());
         }
         let n = completions.len();
+        if completions
+            .iter()
+            .all(|c| matches!(c.outcome, CompletionOutcome::Sent))
+        {
+            return self.complete_sent(completions).await;
+        }
         let (mut ids, mut tokens, mut statuses) = (
             Vec::with_capacity(n),
             Vec::with_capacity(n),
@@ -576,16 +617,7 @@ impl OutboxStore for PgOutbox {
             .fetch_all(&self.pool)
             .await
             .map_err(db("complete"))?;
-        let fenced = if applied.len() == n {
-            Vec::new()
-        } else {
-            let done: std::collections::HashSet<Uuid> = applied.iter().copied().collect();
-            ids.into_iter().filter(|id| !done.contains(id)).collect()
-        };
-        Ok(CompleteReport {
-            applied: applied.len() as u64,
-            fenced,
-        })
+        Ok(report(ids, &applied))
     }
 
     async fn get(&self, id: Uuid) -> Result<Option<OutboxMessage>, OutboxError> {
