@@ -17,7 +17,7 @@
 //! 4. an untimed broker warm-up (`--messages` messages, then purged) and the quiet
 //!    machine of the other phases (`CHECKPOINT`, `sync`, idle cores);
 //! 5. `outbox relay` (or `outbox relay --source wal`) started, and the clock with it;
-//!    every 100 ms the pending rows are counted until none is left; then the rows'
+//!    every [`POLL`] the pending rows are counted until none is left; then the rows'
 //!    `sent_at` (database clock, this host's: one machine) give the time from the
 //!    process start to the first row recorded `Sent` (the relay's start: connections,
 //!    the slot's session, the WAL relay's first small rounds), and from the first to the
@@ -52,6 +52,8 @@ pub(super) const ROUNDS: usize = 4;
 const PRODUCERS: usize = 4;
 /// Rows per producer transaction.
 const ROWS_PER_TX: usize = 100;
+/// How often the pending rows are counted while a relay drains the backlog.
+const POLL: Duration = Duration::from_millis(500);
 /// How long a relay may take to drain the backlog.
 const DRAIN_LIMIT: Duration = Duration::from_secs(600);
 
@@ -375,7 +377,10 @@ async fn drain(
                 "the {} left {pending} of {m} messages pending after {DRAIN_LIMIT:?}",
                 source.label()
             );
-            tokio::time::sleep(Duration::from_millis(100)).await;
+            // Not more often: each count reads the backlog's index (and its dead
+            // entries), CPU the relays' phases would share; the rates come from the
+            // rows' `sent_at`, not from when the count sees the end.
+            tokio::time::sleep(POLL).await;
         }
         anyhow::Ok(process_cpu(pid))
     }

@@ -2,6 +2,7 @@
 //! broker outage, dead letters, the crash-loop guard.
 
 use std::collections::{HashSet, VecDeque};
+use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::Duration;
 
@@ -13,7 +14,7 @@ use tracing::{info, warn};
 
 use super::WalRelay;
 use super::park::{Admit, Parked, ParkedRow, dead_for_good, order_key, outcome_text};
-use super::record::{Outcomes, Whose};
+use super::record::{Outcomes, Recording, Whose};
 use super::session::{Item, SessionStart};
 use crate::wal::WalError;
 
@@ -74,14 +75,34 @@ impl<P: EventPublisher> WalRelay<P> {
         outcomes
     }
 
-    /// Publishes `batch` in order and records the outcomes. `Ok(false)`: shutdown
-    /// came during an outage or a backoff, and not everything was confirmed.
+    /// Records `out` (the stream's) once the recording in flight has ended: outcomes
+    /// reach the table in stream order.
+    async fn record_in_turn(
+        &self,
+        recording: &mut Recording,
+        out: &Outcomes,
+        shutdown: &CancellationToken,
+    ) -> Result<bool, WalError> {
+        if out.is_empty() {
+            return Ok(true);
+        }
+        if !recording.settle().await? {
+            return Ok(false);
+        }
+        self.record(out, Whose::Pending, shutdown).await
+    }
+
+    /// Publishes `batch` in order and records the outcomes, those of its last round in
+    /// the background (`recording`) while the next batch is read and published.
+    /// `Ok(false)`: shutdown came during an outage or a backoff, and not everything
+    /// was confirmed.
     pub(super) async fn flush(
         &self,
         batch: &mut Vec<Item>,
         xids: &mut Vec<u32>,
         state: &mut SessionStart,
-        parked: &Parked,
+        parked: &Arc<Parked>,
+        recording: &mut Recording,
         shutdown: &CancellationToken,
     ) -> Result<bool, WalError> {
         // Nothing is read, published or recorded before the batch's transactions are
@@ -95,6 +116,11 @@ impl<P: EventPublisher> WalRelay<P> {
             return Ok(false);
         }
         let items = std::mem::take(batch);
+        // A replayed row is read back from the table: after the recording in flight,
+        // which may hold its earlier outcome.
+        if items.iter().any(|i| matches!(i, Item::Replay(_))) && !recording.settle().await? {
+            return Ok(false);
+        }
         let mut messages = Vec::with_capacity(items.len());
         let mut dead = Vec::new();
         for item in items {
@@ -123,7 +149,7 @@ impl<P: EventPublisher> WalRelay<P> {
             dead,
             ..Outcomes::default()
         };
-        if !self.record(&out, Whose::Pending, shutdown).await? {
+        if !self.record_in_turn(recording, &out, shutdown).await? {
             return Ok(false);
         }
         if state.catching_up && !messages.is_empty() {
@@ -142,9 +168,13 @@ impl<P: EventPublisher> WalRelay<P> {
         outbox_core::metrics::claimed(messages.len());
         let keys: Vec<String> = messages.iter().map(order_key).collect();
         let result = self
-            .publish_in_order(&messages, &keys, state, parked, shutdown)
+            .publish_in_order(&messages, &keys, state, parked, recording, shutdown)
             .await;
-        parked.clear_stream();
+        if !matches!(result, Ok(true)) {
+            // Every message of a batch that ended is left (the recording in flight
+            // leaves its own); of one that did not, none is in the stream any more.
+            parked.clear_stream();
+        }
         result
     }
 
@@ -155,7 +185,8 @@ impl<P: EventPublisher> WalRelay<P> {
         messages: &[OutboxMessage],
         keys: &[String],
         state: &mut SessionStart,
-        parked: &Parked,
+        parked: &Arc<Parked>,
+        recording: &mut Recording,
         shutdown: &CancellationToken,
     ) -> Result<bool, WalError> {
         // The crash-loop guard: the session's first pending message is the one a
@@ -177,7 +208,7 @@ impl<P: EventPublisher> WalRelay<P> {
                     dead: vec![(first.id, error)],
                     ..Outcomes::default()
                 };
-                if !self.record(&out, Whose::Pending, shutdown).await? {
+                if !self.record_in_turn(recording, &out, shutdown).await? {
                     return Ok(false);
                 }
                 skip_first = true;
@@ -192,7 +223,8 @@ impl<P: EventPublisher> WalRelay<P> {
         while !todo.is_empty() {
             // While careful, small rounds each recorded before the next (see
             // `SessionStart`).
-            let n = if state.careful_left > 0 {
+            let careful = state.careful_left > 0;
+            let n = if careful {
                 todo.len().min(state.careful_chunk)
             } else {
                 todo.len()
@@ -305,10 +337,26 @@ impl<P: EventPublisher> WalRelay<P> {
                         .map(|m| (&m.created_at, out.sent.contains(&m.id))),
                 );
             }
-            if !self.record(&out, Whose::Pending, shutdown).await? {
+            if !recording.settle().await? {
                 return Ok(false);
             }
-            parked.leave_stream(go[..done].iter().map(|&i| keys[i].as_str()));
+            if !careful && todo.is_empty() && outage.is_none() && guarded.is_none() {
+                // The batch's last round, nothing to do after it: recorded in the
+                // background (the messages leave the stream once it is).
+                let left = go.iter().map(|&i| keys[i].clone()).collect();
+                recording.start(
+                    self.recorder(),
+                    out,
+                    left,
+                    Arc::clone(parked),
+                    shutdown.clone(),
+                );
+            } else {
+                if !self.record(&out, Whose::Pending, shutdown).await? {
+                    return Ok(false);
+                }
+                parked.leave_stream(go[..done].iter().map(|&i| keys[i].as_str()));
+            }
             // What the broker did not take because of an outage goes again first.
             for &i in go[done..].iter().rev() {
                 todo.push_front(i);

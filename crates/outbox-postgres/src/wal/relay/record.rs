@@ -1,22 +1,27 @@
 //! What the relay writes to the outbox table: outcomes (`Sent` or deleted, `Dead`),
 //! the rows a new session skips, the crash-loop guard's count.
 
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
 use std::time::Duration;
 
 use outbox_core::{EventPublisher, OutboxMessage, SentRetention, sanitize_error};
+use pgwire_replication::Lsn;
 use sqlx::AssertSqlSafe;
-use std::sync::atomic::Ordering;
+use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 use tracing::warn;
 use uuid::Uuid;
 
 use super::WalRelay;
-use super::park::ParkedRow;
+use super::config::Counters;
+use super::park::{Parked, ParkedRow};
+use crate::PgOutbox;
 use crate::error::db;
 use crate::sql::quoted_schema;
 use crate::wal::WalError;
 
-/// How long [`WalRelay::record`] retries an unavailable database while holding the
+/// How long [`Recorder::record`] retries an unavailable database while holding the
 /// replication session.
 const RECORD_HOLD: Duration = Duration::from_secs(3);
 
@@ -114,6 +119,33 @@ impl<P: EventPublisher> WalRelay<P> {
         Ok(pending.into_iter().collect())
     }
 
+    /// What records outcomes, for a task of its own.
+    pub(super) fn recorder(&self) -> Recorder {
+        Recorder {
+            outbox: self.outbox.clone(),
+            counters: Arc::clone(&self.counters),
+        }
+    }
+
+    /// [`Recorder::record`] by this relay.
+    pub(super) async fn record(
+        &self,
+        out: &Outcomes,
+        whose: Whose,
+        shutdown: &CancellationToken,
+    ) -> Result<bool, WalError> {
+        self.recorder().record(out, whose, shutdown).await
+    }
+}
+
+/// Records outcomes in the outbox table and counts them.
+#[derive(Debug, Clone)]
+pub(super) struct Recorder {
+    outbox: PgOutbox,
+    counters: Arc<Counters>,
+}
+
+impl Recorder {
     /// Records published messages (`Sent`, or deleted), dead and parked ones,
     /// retrying a database that is unavailable for up to [`RECORD_HOLD`]; then the
     /// error ends the replication session (the next one replays from the confirmed
@@ -261,7 +293,7 @@ impl<P: EventPublisher> WalRelay<P> {
     }
 }
 
-/// Outcomes of a publish, recorded by one call of [`WalRelay::record`].
+/// Outcomes of a publish, recorded by one call of [`Recorder::record`].
 #[derive(Debug, Default)]
 pub(super) struct Outcomes {
     pub(super) sent: Vec<Uuid>,
@@ -303,5 +335,92 @@ fn bind_token<'q>(
     match token {
         Some(t) => q.bind(t),
         None => q,
+    }
+}
+
+/// The stream's last outcomes being recorded by a task of their own while the next
+/// batch is read and published: the table is written once per batch, and that write
+/// need not hold up the next publish.
+///
+/// At most one recording is in flight, and every other record of the stream waits for
+/// it first ([`settle`](Self::settle)), so outcomes reach the table in stream order
+/// (the sweeper sees a key's parked rows in order). The replication position is
+/// confirmed only once the recording holding it has ended (see `session`). Dropped
+/// (the session ends with an error), the task is aborted: what it did not record is
+/// read again by the next session, as after a crash.
+#[derive(Debug, Default)]
+pub(super) struct Recording {
+    task: Option<JoinHandle<Result<bool, WalError>>>,
+    /// Everything received up to here is handled once the task has ended.
+    upto: Option<Lsn>,
+    /// A position whose recording ended, to confirm.
+    settled: Option<Lsn>,
+}
+
+impl Recording {
+    /// Whether a recording is in flight.
+    pub(super) fn busy(&self) -> bool {
+        self.task.is_some()
+    }
+
+    /// Records `out` (the stream's, rows still `New`) in a task, then unregisters its
+    /// messages' `keys` from the stream. The previous recording must be settled.
+    pub(super) fn start(
+        &mut self,
+        recorder: Recorder,
+        out: Outcomes,
+        keys: Vec<String>,
+        parked: Arc<Parked>,
+        shutdown: CancellationToken,
+    ) {
+        debug_assert!(self.task.is_none(), "one recording at a time");
+        self.upto = None;
+        self.task = Some(tokio::spawn(async move {
+            let recorded = recorder.record(&out, Whose::Pending, &shutdown).await?;
+            if recorded {
+                parked.leave_stream(keys.iter().map(String::as_str));
+            }
+            Ok(recorded)
+        }));
+    }
+
+    /// Once the recording in flight ends, everything received up to `lsn` is handled.
+    pub(super) fn holds(&mut self, lsn: Option<Lsn>) {
+        if lsn.is_some() {
+            self.upto = lsn;
+        }
+    }
+
+    /// Waits for the recording in flight (if any) to end. Cancel-safe (the task is
+    /// kept until it ended). `Ok(false)`: shutdown came first and the outcomes may not
+    /// all be recorded; an error of the task ends the session.
+    pub(super) async fn settle(&mut self) -> Result<bool, WalError> {
+        let Some(task) = self.task.as_mut() else {
+            return Ok(true);
+        };
+        let ended = task.await;
+        self.task = None;
+        match ended {
+            Ok(Ok(true)) => {
+                self.settled = self.upto.take().or(self.settled);
+                Ok(true)
+            }
+            Ok(other) => other,
+            Err(e) if e.is_panic() => std::panic::resume_unwind(e.into_panic()),
+            Err(_) => Ok(false),
+        }
+    }
+
+    /// The position of the recordings that ended since the last call, to confirm.
+    pub(super) fn take_settled(&mut self) -> Option<Lsn> {
+        self.settled.take()
+    }
+}
+
+impl Drop for Recording {
+    fn drop(&mut self) {
+        if let Some(task) = &self.task {
+            task.abort();
+        }
     }
 }

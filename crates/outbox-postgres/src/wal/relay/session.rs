@@ -15,6 +15,7 @@ use uuid::Uuid;
 
 use super::WalRelay;
 use super::park::Parked;
+use super::record::Recording;
 use crate::wal::WalError;
 use crate::wal::pgoutput::{self, Change, Relation, Row};
 
@@ -83,7 +84,7 @@ impl<P: EventPublisher> WalRelay<P> {
         // Parked rows of earlier sessions hold their keys (see `park`); read once the
         // slot is this session's, so a standby's count is never stale.
         let parked = match self.parked_keys().await {
-            Ok(keys) => Parked::new(keys, self.config.probe_cap),
+            Ok(keys) => Arc::new(Parked::new(keys, self.config.probe_cap)),
             Err(e) => {
                 self.finish(&mut client, None).await;
                 return Err(e);
@@ -122,7 +123,7 @@ impl<P: EventPublisher> WalRelay<P> {
     async fn stream(
         &self,
         client: &mut ReplicationClient,
-        parked: &Parked,
+        parked: &Arc<Parked>,
         shutdown: &CancellationToken,
     ) -> Result<(), WalError> {
         let mut relations: HashMap<u32, Relation> = HashMap::new();
@@ -136,6 +137,9 @@ impl<P: EventPublisher> WalRelay<P> {
         // the position to confirm.
         let mut last_commit: Option<Lsn> = None;
         let mut start_state = SessionStart::new(self.config.batch_size);
+        // The last batch's outcomes being recorded while the next one is gathered and
+        // published: the position is confirmed once they are.
+        let mut recording = Recording::default();
         loop {
             let next = if in_tx {
                 // Inside a transaction: its other changes and its commit are on their
@@ -146,8 +150,10 @@ impl<P: EventPublisher> WalRelay<P> {
                 tokio::select! {
                     biased;
                     () = shutdown.cancelled() => {
-                        // Unpublished items may precede it: confirm nothing more.
-                        self.finish(client, None).await;
+                        // Unpublished items may precede it: confirm no more than what
+                        // was recorded.
+                        let _ = recording.settle().await;
+                        self.finish(client, recording.take_settled()).await;
                         return Ok(());
                     }
                     ev = client.recv() => Some(ev),
@@ -158,8 +164,26 @@ impl<P: EventPublisher> WalRelay<P> {
                 tokio::select! {
                     biased;
                     () = shutdown.cancelled() => {
-                        self.finish(client, last_commit).await;
+                        // The graceful drain: the last outcomes recorded, then the
+                        // position confirmed.
+                        let applied = match recording.settle().await {
+                            Ok(true) => last_commit,
+                            _ => recording.take_settled(),
+                        };
+                        self.finish(client, applied).await;
                         return Ok(());
+                    }
+                    recorded = recording.settle(), if recording.busy() => {
+                        if !recorded? {
+                            self.finish(client, recording.take_settled()).await;
+                            return Ok(());
+                        }
+                        // Nothing gathered since: everything received is handled.
+                        recording.take_settled();
+                        if let Some(lsn) = last_commit {
+                            client.update_applied_lsn(lsn);
+                        }
+                        continue;
                     }
                     ev = client.recv() => Some(ev),
                 }
@@ -169,16 +193,28 @@ impl<P: EventPublisher> WalRelay<P> {
                 tokio::time::timeout(LINGER, client.recv()).await.ok()
             };
             let Some(event) = next else {
-                if !self
-                    .flush(&mut batch, &mut xids, &mut start_state, parked, shutdown)
-                    .await?
-                {
+                let flushed = self
+                    .flush(
+                        &mut batch,
+                        &mut xids,
+                        &mut start_state,
+                        parked,
+                        &mut recording,
+                        shutdown,
+                    )
+                    .await?;
+                if !flushed {
                     // Stopped during an outage: what was not confirmed is read again by
                     // the next session.
-                    self.finish(client, None).await;
+                    self.finish(client, recording.take_settled()).await;
                     return Ok(());
                 }
-                if let Some(lsn) = last_commit {
+                if let Some(lsn) = recording.take_settled() {
+                    client.update_applied_lsn(lsn);
+                }
+                if recording.busy() {
+                    recording.holds(last_commit);
+                } else if let Some(lsn) = last_commit {
                     client.update_applied_lsn(lsn);
                 }
                 continue;
@@ -200,7 +236,7 @@ impl<P: EventPublisher> WalRelay<P> {
                 ReplicationEvent::Commit { end_lsn, .. } => {
                     in_tx = false;
                     last_commit = Some(end_lsn);
-                    if batch.is_empty() {
+                    if batch.is_empty() && !recording.busy() {
                         client.update_applied_lsn(end_lsn);
                     }
                 }
@@ -208,7 +244,7 @@ impl<P: EventPublisher> WalRelay<P> {
                     // Nothing pending and no transaction open: everything before the
                     // server's position is handled, so confirm it (an idle outbox must
                     // not make the slot retain the WAL of other tables).
-                    if batch.is_empty() && !in_tx {
+                    if batch.is_empty() && !in_tx && !recording.busy() {
                         client.update_applied_lsn(wal_end);
                     }
                 }
