@@ -121,12 +121,12 @@ impl Args {
             .unwrap_or_else(|| format!("chaos_{}", self.transport.name()))
     }
 
-    /// Rejects settings the relays would refuse or the run cannot honour.
     /// Whether the relays read the write-ahead log (`--source wal`).
     pub(crate) fn wal(&self) -> bool {
         self.source == "wal"
     }
 
+    /// Rejects settings the relays would refuse or the run cannot honour.
     pub(crate) fn validate(&self) -> anyhow::Result<()> {
         let publish = Duration::from_secs(5) + self.confirm_timeout;
         anyhow::ensure!(

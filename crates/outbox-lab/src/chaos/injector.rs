@@ -170,6 +170,12 @@ impl Lane<'_> {
     async fn hold(&self, kind: FaultKind, hold: Duration, target: usize) {
         let label = kind.label(self.transport);
         let database = self.admin.database();
+        // The fault is in force from the moment its injection begins, not once it has
+        // completed: PostgreSQL refuses new connections from the start of a shutdown,
+        // and a fast shutdown waits for the WAL relay's replication session (14 s once),
+        // so a relay starting meanwhile exits on its connect timeout, which this fault
+        // explains.
+        let began = chrono::Utc::now();
         let guard = blocking(|| inject(kind, self.transport, database, self.names, target));
         let guard = match guard {
             Ok(guard) => guard,
@@ -178,7 +184,7 @@ impl Lane<'_> {
                 return;
             }
         };
-        let record = self.timeline.injected(kind, "");
+        let record = self.timeline.injected_since(kind, "", began);
         self.timeline
             .say(format!("{label}: injected for {:.1}s", hold.as_secs_f64()));
         tokio::select! {

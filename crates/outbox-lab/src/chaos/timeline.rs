@@ -50,10 +50,22 @@ impl Timeline {
 
     /// Records a fault injected now; returns its index for [`ended`](Self::ended).
     pub(crate) fn injected(&self, kind: FaultKind, note: impl Into<String>) -> usize {
+        self.injected_since(kind, note, Utc::now())
+    }
+
+    /// Records a fault in force since `start` (when its injection began: a server
+    /// being stopped refuses connections from the start of its shutdown, which can take
+    /// seconds); returns its index for [`ended`](Self::ended).
+    pub(crate) fn injected_since(
+        &self,
+        kind: FaultKind,
+        note: impl Into<String>,
+        start: DateTime<Utc>,
+    ) -> usize {
         self.push(Record {
             kind,
             injected: true,
-            start: Utc::now(),
+            start,
             end: None,
             note: note.into(),
         })
