@@ -40,70 +40,19 @@ mod common;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use common::{database_url, enqueue_committed, fresh_outbox_kept};
+use common::database_url;
+use common::wal::WalOutbox;
 use outbox_core::conformance::keyed;
 use outbox_core::{
     EventPublisher, MessageStatus, OutboxMessage, OutboxStore as _, PublishError, PublishOutcome,
 };
-use outbox_postgres::PgOutbox;
-use outbox_postgres::wal::{WalConfig, WalRelay, WalRelayConfig, WalRelayStats};
+use outbox_postgres::wal::WalRelayConfig;
 use outbox_testkit::ordered::{
     Broker, Faulty, Nats, Rabbit, assert_in_order, key_names, position, retry_after,
 };
 use outbox_testkit::rabbit::eventually;
-use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 use uuid::Uuid;
-
-/// A schema with its slot and publication; drops all three when the test ends.
-struct WalOutbox {
-    outbox: PgOutbox,
-    wal: WalConfig,
-}
-
-impl WalOutbox {
-    async fn new() -> Self {
-        let outbox = fresh_outbox_kept().await;
-        let wal = WalConfig::new(outbox.schema()).build().expect("wal config");
-        let this = Self { outbox, wal };
-        outbox_postgres::wal::setup(&this.outbox, &this.wal)
-            .await
-            .expect("wal setup (wal_level = logical? `cargo xtask services`)");
-        this
-    }
-
-    fn relay<P: EventPublisher>(&self, publisher: Arc<P>, config: WalRelayConfig) -> WalRelay<P> {
-        WalRelay::new(self.outbox.clone(), self.wal.clone(), publisher, config)
-    }
-
-    fn spawn<P: EventPublisher>(
-        &self,
-        publisher: Arc<P>,
-        config: WalRelayConfig,
-        token: &CancellationToken,
-    ) -> JoinHandle<WalRelayStats> {
-        let relay = self.relay(publisher, config);
-        let token = token.clone();
-        tokio::spawn(async move { relay.run(token).await.expect("the relay runs") })
-    }
-
-    async fn enqueue(&self, messages: &[outbox_core::NewMessage]) {
-        for chunk in messages.chunks(100) {
-            enqueue_committed(&self.outbox, chunk).await;
-        }
-    }
-}
-
-impl Drop for WalOutbox {
-    fn drop(&mut self) {
-        outbox_testkit::pg::drop_wal_objects_blocking(
-            &database_url(),
-            self.wal.slot(),
-            self.wal.publication(),
-            self.outbox.schema(),
-        );
-    }
-}
 
 /// Per-key order on (`--ordering per-key-skip`).
 fn config() -> WalRelayConfig {

@@ -4,6 +4,8 @@
 use std::sync::Arc;
 
 pub mod rabbit;
+#[cfg(feature = "wal")]
+pub mod wal;
 
 use async_trait::async_trait;
 use outbox_core::NewMessage;

@@ -1,0 +1,62 @@
+//! A test's outbox with its replication slot and publication (feature `wal`).
+#![allow(dead_code, unreachable_pub)] // reason: each test binary uses a different subset
+
+use std::sync::Arc;
+
+use outbox_core::EventPublisher;
+use outbox_postgres::PgOutbox;
+use outbox_postgres::wal::{WalConfig, WalRelay, WalRelayConfig, WalRelayStats};
+use tokio::task::JoinHandle;
+use tokio_util::sync::CancellationToken;
+
+use super::{database_url, enqueue_committed, fresh_outbox_kept};
+
+/// A schema with its slot and publication; drops all three when the test ends.
+pub struct WalOutbox {
+    pub outbox: PgOutbox,
+    pub wal: WalConfig,
+}
+
+impl WalOutbox {
+    pub async fn new() -> Self {
+        let outbox = fresh_outbox_kept().await;
+        let wal = WalConfig::new(outbox.schema()).build().expect("wal config");
+        let this = Self { outbox, wal };
+        outbox_postgres::wal::setup(&this.outbox, &this.wal)
+            .await
+            .expect("wal setup (wal_level = logical? `cargo xtask services`)");
+        this
+    }
+
+    pub fn relay<P: EventPublisher>(&self, publisher: Arc<P>, config: WalRelayConfig) -> WalRelay<P> {
+        WalRelay::new(self.outbox.clone(), self.wal.clone(), publisher, config)
+    }
+
+    pub fn spawn<P: EventPublisher>(
+        &self,
+        publisher: Arc<P>,
+        config: WalRelayConfig,
+        token: &CancellationToken,
+    ) -> JoinHandle<WalRelayStats> {
+        let relay = self.relay(publisher, config);
+        let token = token.clone();
+        tokio::spawn(async move { relay.run(token).await.expect("the relay runs") })
+    }
+
+    pub async fn enqueue(&self, messages: &[outbox_core::NewMessage]) {
+        for chunk in messages.chunks(100) {
+            enqueue_committed(&self.outbox, chunk).await;
+        }
+    }
+}
+
+impl Drop for WalOutbox {
+    fn drop(&mut self) {
+        outbox_testkit::pg::drop_wal_objects_blocking(
+            &database_url(),
+            self.wal.slot(),
+            self.wal.publication(),
+            self.outbox.schema(),
+        );
+    }
+}
