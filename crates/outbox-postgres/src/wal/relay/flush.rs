@@ -234,6 +234,9 @@ impl<P: EventPublisher> WalRelay<P> {
             // What may go now; the rest is parked.
             let now = Utc::now();
             let mut go = Vec::with_capacity(round.len());
+            // Messages that went in an earlier round, met an outage and are parked now:
+            // their keys leave the stream with this round's record.
+            let mut stranded = Vec::new();
             for &i in &round {
                 let (m, key) = (&messages[i], &keys[i]);
                 let held = if parked.key_waits(key) || m.visible_at > now {
@@ -256,6 +259,9 @@ impl<P: EventPublisher> WalRelay<P> {
                 match held {
                     None => go.push(i),
                     Some((delay, error)) => {
+                        if entered.contains(&i) {
+                            stranded.push(i);
+                        }
                         parked.park_key(key);
                         out.parked.push(ParkedRow {
                             delay,
@@ -343,7 +349,11 @@ impl<P: EventPublisher> WalRelay<P> {
             if !careful && todo.is_empty() && outage.is_none() && guarded.is_none() {
                 // The batch's last round, nothing to do after it: recorded in the
                 // background (the messages leave the stream once it is).
-                let left = go.iter().map(|&i| keys[i].clone()).collect();
+                let left = go
+                    .iter()
+                    .chain(&stranded)
+                    .map(|&i| keys[i].clone())
+                    .collect();
                 recording.start(
                     self.recorder(),
                     out,
@@ -355,7 +365,12 @@ impl<P: EventPublisher> WalRelay<P> {
                 if !self.record(&out, Whose::Pending, shutdown).await? {
                     return Ok(false);
                 }
-                parked.leave_stream(go[..done].iter().map(|&i| keys[i].as_str()));
+                parked.leave_stream(
+                    go[..done]
+                        .iter()
+                        .chain(&stranded)
+                        .map(|&i| keys[i].as_str()),
+                );
             }
             // What the broker did not take because of an outage goes again first.
             for &i in go[done..].iter().rev() {
