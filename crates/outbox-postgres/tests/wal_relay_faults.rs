@@ -8,10 +8,17 @@
 //!   message is published: no key is left registered as "in the stream" (where the
 //!   sweeper of parked rows never touches it, nor tries the refusing destination). Found by `cargo xtask chaos -- --source wal` in CI (seed
 //!   13427967000872470842: 40 rows parked for good, 20 side events never published).
+//! - PostgreSQL stopped (fast shutdown) while a batch is being published: the relay
+//!   cannot record its outcomes, and a server shutting down waits for the relay's
+//!   replication session. The relay ends it once recording has failed for 3 s, so the
+//!   stop completes in well under the pool's 10 s acquire timeout (a retry waiting
+//!   for a connection stretched it to 13 s; found by `cargo xtask chaos -- --source
+//!   wal`). After the restart every message is sent.
 //!
-//! The test takes the machine-wide fault lock (a memory alarm blocks every publisher
-//! on the broker) and clears the alarm on drop, also when it panics. Its own test
-//! binary: the relay tests in `wal_relay.rs` would meet the alarm too.
+//! The tests take the machine-wide fault lock (a memory alarm blocks every publisher
+//! on the broker; a stopped PostgreSQL every client) and undo their fault on drop, also
+//! when they panic. Their own test binary: the relay tests in `wal_relay.rs` would meet
+//! the faults too.
 #![cfg(feature = "wal")]
 
 mod common;
@@ -32,8 +39,9 @@ use outbox_core::{
     PublishOutcome,
 };
 use outbox_postgres::wal::WalRelayConfig;
-use outbox_testkit::faults::{self, RabbitMemoryAlarm};
+use outbox_testkit::faults::{self, PgStopped, RabbitMemoryAlarm};
 use outbox_testkit::rabbit::{DropExchange, amqp_url, eventually, reject_when_full, relay_fixture};
+use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
 use transport_rabbit::{RabbitConfig, RabbitPublisher};
 use uuid::Uuid;
@@ -207,5 +215,122 @@ async fn an_outage_inside_a_batch_after_a_refusal_strands_no_key() {
         all_sent,
         "every message sent once the alarm is cleared and the full queue is gone: {statuses:?}, {stats:?}"
     );
+    assert_eq!(stats.dead, 0, "{stats:?}");
+}
+
+/// Publishes through RabbitMQ, but holds the first batch holding `trigger` until
+/// `release` is notified (`held` is notified when it starts holding).
+struct HoldBatch {
+    inner: Arc<RabbitPublisher>,
+    trigger: Uuid,
+    fired: AtomicBool,
+    held: Arc<Notify>,
+    release: Arc<Notify>,
+}
+
+#[async_trait::async_trait]
+impl EventPublisher for HoldBatch {
+    async fn publish_batch(&self, messages: &[OutboxMessage]) -> Vec<PublishOutcome> {
+        if messages.iter().any(|m| m.id == self.trigger)
+            && !self.fired.swap(true, Ordering::SeqCst)
+        {
+            self.held.notify_one();
+            self.release.notified().await;
+        }
+        self.inner.publish_batch(messages).await
+    }
+
+    fn publish_timeout(&self) -> Option<Duration> {
+        // The hold is the test's, not an outage.
+        None
+    }
+
+    async fn check_ready(&self) -> Result<(), PublishError> {
+        self.inner.check_ready().await
+    }
+}
+
+/// Whether a new connection to PostgreSQL is refused (the server is shutting down or
+/// down).
+async fn refuses_connections() -> bool {
+    use sqlx::Connection as _;
+    match sqlx::PgConnection::connect(&database_url()).await {
+        Ok(conn) => {
+            let _ = conn.close().await;
+            false
+        }
+        Err(_) => true,
+    }
+}
+
+/// A batch held in publishing while PostgreSQL is stopped: the stop completes within
+/// 8 s (the relay ends its session 3 s after recording first failed), and after the
+/// restart every message is sent.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_server_shutting_down_waits_no_longer_than_the_record_hold() {
+    let _lock = faults::lock().await;
+    let w = WalOutbox::new().await;
+    let fx = relay_fixture(FieldTable::default()).await;
+    let _drop_exchange = DropExchange::new(&amqp_url(), &fx.exchange);
+    let publisher = RabbitPublisher::connect(
+        RabbitConfig::builder(amqp_url())
+            .with_exchange(&fx.exchange)
+            .with_declare_exchange(false)
+            .build()
+            .expect("config"),
+    )
+    .await
+    .expect("publisher");
+    let batch: Vec<NewMessage> = (0..5).map(|i| message(&format!("b{i}"), "main")).collect();
+    let (held, release) = (Arc::new(Notify::new()), Arc::new(Notify::new()));
+    let publisher = Arc::new(HoldBatch {
+        inner: Arc::new(publisher),
+        trigger: batch[0].id,
+        fired: AtomicBool::new(false),
+        held: Arc::clone(&held),
+        release: Arc::clone(&release),
+    });
+    let config = WalRelayConfig::new(database_url())
+        .with_standby_interval(Duration::from_millis(100))
+        .with_batch_size(10);
+    let token = CancellationToken::new();
+    let relay = w.spawn(publisher, config, &token);
+    let warm_up: Vec<NewMessage> = (0..20).map(|i| message(&format!("w{i}"), "main")).collect();
+    w.enqueue(&warm_up).await;
+    let warmed = eventually(Duration::from_secs(30), || async {
+        w.outbox.stats().await.expect("stats").sent == 20
+    })
+    .await;
+    assert!(warmed, "the warm-up is sent");
+
+    w.enqueue(&batch).await;
+    tokio::time::timeout(Duration::from_secs(30), held.notified())
+        .await
+        .expect("the batch is being published");
+    let stop = tokio::task::spawn_blocking(|| {
+        let began = std::time::Instant::now();
+        let stopped = PgStopped::try_stop().expect("stop PostgreSQL");
+        (stopped, began.elapsed())
+    });
+    let shutting_down = eventually(Duration::from_secs(30), refuses_connections).await;
+    // The publish ends now: its outcomes cannot be recorded.
+    release.notify_one();
+    let (stopped, took) = stop.await.expect("the stop");
+    assert!(shutting_down, "PostgreSQL refused connections while stopping");
+    tokio::task::spawn_blocking(move || drop(stopped))
+        .await
+        .expect("start PostgreSQL again");
+    assert!(
+        took < Duration::from_secs(8),
+        "the fast shutdown waited {took:?} for the relay's replication session"
+    );
+
+    let all_sent = eventually(Duration::from_secs(60), || async {
+        w.outbox.stats().await.is_ok_and(|s| s.sent == 25)
+    })
+    .await;
+    token.cancel();
+    let stats = relay.await.expect("join");
+    assert!(all_sent, "every message sent after the restart: {stats:?}");
     assert_eq!(stats.dead, 0, "{stats:?}");
 }
