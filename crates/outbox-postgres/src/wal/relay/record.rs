@@ -24,6 +24,8 @@ use crate::wal::WalError;
 /// How long [`Recorder::record`] retries an unavailable database while holding the
 /// replication session.
 const RECORD_HOLD: Duration = Duration::from_secs(3);
+/// The shortest wait for a connection of [`Recorder::record`]'s last attempt.
+const MIN_ACQUIRE: Duration = Duration::from_millis(500);
 
 impl<P: EventPublisher> WalRelay<P> {
     /// Counts one more start whose first pending message is `id`; returns the count
@@ -169,7 +171,14 @@ impl Recorder {
         let mut backoff = Duration::from_millis(200);
         let started = tokio::time::Instant::now();
         loop {
-            match self.record_once(&schema, out, whose).await {
+            // The wait for a connection is bounded by what is left of the hold: the
+            // pool's own acquire timeout (10 s) kept a retry waiting for a server
+            // shutting down, whose stop waited for this session (found by
+            // `cargo xtask chaos -- --source wal`: a restart took 14 s).
+            let left = RECORD_HOLD
+                .saturating_sub(started.elapsed())
+                .max(MIN_ACQUIRE);
+            match self.record_once(&schema, out, whose, left).await {
                 Ok(()) => break,
                 Err(e) if e.is_retryable() && started.elapsed() >= RECORD_HOLD => {
                     warn!(error = %e, "cannot record outcomes; ending the replication session (a server shutting down waits for it)");
@@ -201,14 +210,19 @@ impl Recorder {
         schema: &str,
         out: &Outcomes,
         whose: Whose,
+        acquire: Duration,
     ) -> Result<(), WalError> {
         let token = match whose {
             Whose::Pending => None,
             Whose::Claimed(t) => Some(t),
         };
-        // Separate statements, no transaction: the position is confirmed only after all
-        // of them, and a replay skips rows one of them changed already.
-        let pool = self.outbox.pool();
+        // Separate statements on one connection, no transaction: the position is
+        // confirmed only after all of them, and a replay skips rows one of them changed
+        // already.
+        let mut conn = tokio::time::timeout(acquire, self.outbox.pool().acquire())
+            .await
+            .unwrap_or(Err(sqlx::Error::PoolTimedOut))
+            .map_err(db("wal record"))?;
         if !out.sent.is_empty() {
             let sql = match self.outbox.sent_retention() {
                 SentRetention::Delete => {
@@ -226,7 +240,7 @@ impl Recorder {
                 ),
             };
             bind_token(sqlx::query(AssertSqlSafe(sql)).bind(&out.sent), token)
-                .execute(pool)
+                .execute(&mut *conn)
                 .await
                 .map_err(db("wal record sent"))?;
         }
@@ -251,7 +265,7 @@ impl Recorder {
                 sqlx::query(AssertSqlSafe(sql)).bind(ids).bind(errors),
                 token,
             )
-            .execute(pool)
+            .execute(&mut *conn)
             .await
             .map_err(db("wal record dead"))?;
         }
@@ -285,7 +299,7 @@ impl Recorder {
                     .bind(errors),
                 token,
             )
-            .execute(pool)
+            .execute(&mut *conn)
             .await
             .map_err(db("wal record parked"))?;
         }
