@@ -185,12 +185,14 @@ impl Lane<'_> {
             }
         };
         let record = self.timeline.injected_since(kind, "", began);
+        let in_force = chrono::Utc::now();
         self.timeline
             .say(format!("{label}: injected for {:.1}s", hold.as_secs_f64()));
         tokio::select! {
             () = self.stop.cancelled() => {}
             () = tokio::time::sleep(hold) => {}
         }
+        self.timeline.in_force(record, in_force, chrono::Utc::now());
         blocking(move || drop(guard));
         self.timeline.ended(record);
         self.timeline.say(format!("{label}: undone"));

@@ -21,6 +21,10 @@ pub(crate) struct Record {
     pub(crate) end: Option<DateTime<Utc>>,
     /// What it hit, or why it was not injected.
     pub(crate) note: String,
+    /// When it was surely in force: from when its injection completed until its undo
+    /// began (a server fault's `start` is when its injection began; `end` when its undo
+    /// completed). `None` for a fault recorded otherwise.
+    pub(crate) in_force: Option<(DateTime<Utc>, DateTime<Utc>)>,
 }
 
 /// The shared record of a run, with the run's start for relative times.
@@ -67,6 +71,7 @@ impl Timeline {
             injected: true,
             start,
             end: None,
+            in_force: None,
             note: note.into(),
         })
     }
@@ -80,6 +85,7 @@ impl Timeline {
             injected: false,
             start: Utc::now(),
             end: None,
+            in_force: None,
             note: why,
         });
     }
@@ -90,6 +96,16 @@ impl Timeline {
             && let Some(r) = records.get_mut(index)
         {
             r.end = Some(Utc::now());
+        }
+    }
+
+    /// Records that fault `index` was surely in force from `from` until `until` (see
+    /// [`Record::in_force`]).
+    pub(crate) fn in_force(&self, index: usize, from: DateTime<Utc>, until: DateTime<Utc>) {
+        if let Ok(mut records) = self.records.lock()
+            && let Some(r) = records.get_mut(index)
+        {
+            r.in_force = Some((from, until));
         }
     }
 
