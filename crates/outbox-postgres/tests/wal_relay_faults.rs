@@ -75,7 +75,9 @@ impl EventPublisher for AlarmAfter {
 
     fn publish_timeout(&self) -> Option<Duration> {
         // Raising the alarm (`rabbitmqctl`, a few seconds) happens inside one call.
-        self.inner.publish_timeout().map(|t| t + Duration::from_secs(30))
+        self.inner
+            .publish_timeout()
+            .map(|t| t + Duration::from_secs(30))
     }
 
     async fn check_ready(&self) -> Result<(), PublishError> {
@@ -91,12 +93,7 @@ fn message(key: &str, event_type: &str) -> NewMessage {
 }
 
 async fn status(w: &WalOutbox, id: Uuid) -> MessageStatus {
-    w.outbox
-        .get(id)
-        .await
-        .expect("get")
-        .expect("row")
-        .status
+    w.outbox.get(id).await.expect("get").expect("row").status
 }
 
 /// Key `k1` has a message for the full `side` queue, then, after the alarm, one for
@@ -207,7 +204,11 @@ async fn an_outage_inside_a_batch_after_a_refusal_strands_no_key() {
     .await;
     let mut statuses = Vec::new();
     for m in &batch {
-        statuses.push((m.aggregate_id.clone(), m.event_type.clone(), status(&w, m.id).await));
+        statuses.push((
+            m.aggregate_id.clone(),
+            m.event_type.clone(),
+            status(&w, m.id).await,
+        ));
     }
     token.cancel();
     let stats = relay.await.expect("join");
@@ -231,8 +232,7 @@ struct HoldBatch {
 #[async_trait::async_trait]
 impl EventPublisher for HoldBatch {
     async fn publish_batch(&self, messages: &[OutboxMessage]) -> Vec<PublishOutcome> {
-        if messages.iter().any(|m| m.id == self.trigger)
-            && !self.fired.swap(true, Ordering::SeqCst)
+        if messages.iter().any(|m| m.id == self.trigger) && !self.fired.swap(true, Ordering::SeqCst)
         {
             self.held.notify_one();
             self.release.notified().await;
@@ -316,7 +316,10 @@ async fn a_server_shutting_down_waits_no_longer_than_the_record_hold() {
     // The publish ends now: its outcomes cannot be recorded.
     release.notify_one();
     let (stopped, took) = stop.await.expect("the stop");
-    assert!(shutting_down, "PostgreSQL refused connections while stopping");
+    assert!(
+        shutting_down,
+        "PostgreSQL refused connections while stopping"
+    );
     tokio::task::spawn_blocking(move || drop(stopped))
         .await
         .expect("start PostgreSQL again");

@@ -28,7 +28,11 @@ impl WalOutbox {
         this
     }
 
-    pub fn relay<P: EventPublisher>(&self, publisher: Arc<P>, config: WalRelayConfig) -> WalRelay<P> {
+    pub fn relay<P: EventPublisher>(
+        &self,
+        publisher: Arc<P>,
+        config: WalRelayConfig,
+    ) -> WalRelay<P> {
         WalRelay::new(self.outbox.clone(), self.wal.clone(), publisher, config)
     }
 
