@@ -52,6 +52,30 @@ pub async fn lock() -> FaultLock {
     .expect("lock task")
 }
 
+/// Takes the machine-wide fault lock shared, waiting while a fault injector holds it:
+/// for a test that injects no fault into a shared server (at most into destinations of
+/// its own) but measures what would be disturbed by one. Any number of such tests hold
+/// it at once; [`lock`] waits until none does.
+///
+/// # Panics
+/// When the lock file cannot be opened or locked.
+pub async fn lock_shared() -> FaultLock {
+    let path = lock_path();
+    tokio::task::spawn_blocking(move || {
+        let file = std::fs::OpenOptions::new()
+            .create(true)
+            .truncate(false)
+            .write(true)
+            .open(&path)
+            .unwrap_or_else(|e| panic!("open {}: {e}", path.display()));
+        file.lock_shared()
+            .unwrap_or_else(|e| panic!("lock {} shared: {e}", path.display()));
+        FaultLock { _file: file }
+    })
+    .await
+    .expect("lock task")
+}
+
 /// A fault that cannot be injected on this machine, and why (a tool missing, no
 /// permission, a service not under this machine's control).
 #[derive(Debug, Clone, PartialEq, Eq)]
