@@ -92,6 +92,41 @@ fn message(key: &str, event_type: &str) -> NewMessage {
         .expect("message")
 }
 
+/// The relay's publisher to `exchange` (a 3 s confirm timeout).
+async fn publisher(exchange: &str) -> RabbitPublisher {
+    RabbitPublisher::connect(
+        RabbitConfig::builder(amqp_url())
+            .with_exchange(exchange)
+            .with_declare_exchange(false)
+            .with_confirm_timeout(Duration::from_secs(3))
+            .build()
+            .expect("config"),
+    )
+    .await
+    .expect("publisher")
+}
+
+/// A WAL relay (batches of 10) publishing through `publisher`, past a new session's
+/// careful first rounds (as many messages as a batch): 20 messages sent.
+async fn start_warmed<P: EventPublisher + 'static>(
+    w: &WalOutbox,
+    publisher: Arc<P>,
+    token: &CancellationToken,
+) -> tokio::task::JoinHandle<outbox_postgres::wal::WalRelayStats> {
+    let config = WalRelayConfig::new(database_url())
+        .with_standby_interval(Duration::from_millis(100))
+        .with_batch_size(10);
+    let relay = w.spawn(publisher, config, token);
+    let warm_up: Vec<NewMessage> = (0..20).map(|i| message(&format!("w{i}"), "main")).collect();
+    w.enqueue(&warm_up).await;
+    let warmed = eventually(Duration::from_secs(30), || async {
+        w.outbox.stats().await.expect("stats").sent == 20
+    })
+    .await;
+    assert!(warmed, "the warm-up is sent");
+    relay
+}
+
 async fn status(w: &WalOutbox, id: Uuid) -> MessageStatus {
     w.outbox.get(id).await.expect("get").expect("row").status
 }
@@ -135,16 +170,7 @@ async fn an_outage_inside_a_batch_after_a_refusal_strands_no_key() {
         .await
         .expect("filler confirmed");
 
-    let publisher = RabbitPublisher::connect(
-        RabbitConfig::builder(amqp_url())
-            .with_exchange(&fx.exchange)
-            .with_declare_exchange(false)
-            .with_confirm_timeout(Duration::from_secs(3))
-            .build()
-            .expect("config"),
-    )
-    .await
-    .expect("publisher");
+    let publisher = publisher(&fx.exchange).await;
     // The outage meets `k2` first: the messages after it are not looked at in that
     // round and go again in the next, where `k1`'s waits behind its parked message and
     // `k3`'s behind its destination's open circuit.
@@ -162,20 +188,8 @@ async fn an_outage_inside_a_batch_after_a_refusal_strands_no_key() {
         fired: AtomicBool::new(false),
         alarm: Arc::clone(&alarm),
     });
-    let config = WalRelayConfig::new(database_url())
-        .with_standby_interval(Duration::from_millis(100))
-        .with_batch_size(10);
     let token = CancellationToken::new();
-    let relay = w.spawn(publisher, config, &token);
-
-    // Past a new session's careful first rounds (as many messages as a batch).
-    let warm_up: Vec<NewMessage> = (0..20).map(|i| message(&format!("w{i}"), "main")).collect();
-    w.enqueue(&warm_up).await;
-    let warmed = eventually(Duration::from_secs(30), || async {
-        w.outbox.stats().await.expect("stats").sent == 20
-    })
-    .await;
-    assert!(warmed, "the warm-up is sent");
+    let relay = start_warmed(&w, publisher, &token).await;
 
     // One transaction: one batch of the stream.
     w.enqueue(&batch).await;
@@ -272,15 +286,7 @@ async fn a_server_shutting_down_waits_no_longer_than_the_record_hold() {
     let w = WalOutbox::new().await;
     let fx = relay_fixture(FieldTable::default()).await;
     let _drop_exchange = DropExchange::new(&amqp_url(), &fx.exchange);
-    let publisher = RabbitPublisher::connect(
-        RabbitConfig::builder(amqp_url())
-            .with_exchange(&fx.exchange)
-            .with_declare_exchange(false)
-            .build()
-            .expect("config"),
-    )
-    .await
-    .expect("publisher");
+    let publisher = publisher(&fx.exchange).await;
     let batch: Vec<NewMessage> = (0..5).map(|i| message(&format!("b{i}"), "main")).collect();
     let (held, release) = (Arc::new(Notify::new()), Arc::new(Notify::new()));
     let publisher = Arc::new(HoldBatch {
@@ -290,18 +296,8 @@ async fn a_server_shutting_down_waits_no_longer_than_the_record_hold() {
         held: Arc::clone(&held),
         release: Arc::clone(&release),
     });
-    let config = WalRelayConfig::new(database_url())
-        .with_standby_interval(Duration::from_millis(100))
-        .with_batch_size(10);
     let token = CancellationToken::new();
-    let relay = w.spawn(publisher, config, &token);
-    let warm_up: Vec<NewMessage> = (0..20).map(|i| message(&format!("w{i}"), "main")).collect();
-    w.enqueue(&warm_up).await;
-    let warmed = eventually(Duration::from_secs(30), || async {
-        w.outbox.stats().await.expect("stats").sent == 20
-    })
-    .await;
-    assert!(warmed, "the warm-up is sent");
+    let relay = start_warmed(&w, publisher, &token).await;
 
     w.enqueue(&batch).await;
     tokio::time::timeout(Duration::from_secs(30), held.notified())

@@ -36,20 +36,7 @@ pub fn lock_path() -> std::path::PathBuf {
 /// # Panics
 /// When the lock file cannot be opened or locked.
 pub async fn lock() -> FaultLock {
-    let path = lock_path();
-    tokio::task::spawn_blocking(move || {
-        let file = std::fs::OpenOptions::new()
-            .create(true)
-            .truncate(false)
-            .write(true)
-            .open(&path)
-            .unwrap_or_else(|e| panic!("open {}: {e}", path.display()));
-        file.lock()
-            .unwrap_or_else(|e| panic!("lock {}: {e}", path.display()));
-        FaultLock { _file: file }
-    })
-    .await
-    .expect("lock task")
+    take_lock(false).await
 }
 
 /// Takes the machine-wide fault lock shared, waiting while a fault injector holds it:
@@ -60,6 +47,10 @@ pub async fn lock() -> FaultLock {
 /// # Panics
 /// When the lock file cannot be opened or locked.
 pub async fn lock_shared() -> FaultLock {
+    take_lock(true).await
+}
+
+async fn take_lock(shared: bool) -> FaultLock {
     let path = lock_path();
     tokio::task::spawn_blocking(move || {
         let file = std::fs::OpenOptions::new()
@@ -68,8 +59,12 @@ pub async fn lock_shared() -> FaultLock {
             .write(true)
             .open(&path)
             .unwrap_or_else(|e| panic!("open {}: {e}", path.display()));
-        file.lock_shared()
-            .unwrap_or_else(|e| panic!("lock {} shared: {e}", path.display()));
+        let locked = if shared {
+            file.lock_shared()
+        } else {
+            file.lock()
+        };
+        locked.unwrap_or_else(|e| panic!("lock {}: {e}", path.display()));
         FaultLock { _file: file }
     })
     .await
