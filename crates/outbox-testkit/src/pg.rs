@@ -338,23 +338,14 @@ pub fn drop_wal_objects_blocking(database_url: &str, slot: &str, publication: &s
         .execute(&pool)
         .await;
         if let Err(e) = drop_schema(&pool, &schema).await {
-            leftover(&format!("schema {schema} left behind: {e}"));
+            crate::leftover(&format!("schema {schema} left behind: {e}"));
         }
     });
     if !done {
-        leftover(&format!(
+        crate::leftover(&format!(
             "cleanup of {what} failed: drop this replication slot by hand"
         ));
     }
-}
-
-/// Says that a test left something behind (`what`, one line), on the process's real
-/// standard error: the test harness captures `eprintln!` of a passing test, and a
-/// leftover of a passing test is exactly what would go unnoticed (an empty `t_*` schema
-/// after a whole `cargo xtask itest`, twice, its test not found).
-fn leftover(what: &str) {
-    use std::io::Write as _;
-    let _ = writeln!(std::io::stderr(), "outbox-testkit: {what}");
 }
 
 /// Drops a test's schema (`CASCADE`) on a runtime of its own, so that a guard's `Drop`
@@ -368,11 +359,11 @@ pub fn drop_schema_blocking(database_url: &str, schema: &str) {
             Err(e) => Err(e),
         };
         if let Err(e) = result {
-            leftover(&format!("schema {name} left behind: {e}"));
+            crate::leftover(&format!("schema {name} left behind: {e}"));
         }
     });
     if !done {
-        leftover(&format!(
+        crate::leftover(&format!(
             "cleanup of schema {schema} failed: drop it by hand"
         ));
     }

@@ -100,7 +100,7 @@ async fn declare(bind: bool, mut queue_args: FieldTable, durable: bool) -> Fixtu
 
 /// Deletes a test's exchange at `amqp_url` when it goes out of scope, also when the test
 /// panics, on a connection and a runtime of its own (a guard's `Drop` may run on the
-/// test's runtime). Best effort: a failure is printed. (Queues declared with `x-expires`
+/// test's runtime). Best effort: a failure is said past the test capture. (Queues declared with `x-expires`
 /// go by themselves; exchanges do not.)
 #[derive(Debug)]
 pub struct DropExchange {
@@ -136,10 +136,10 @@ impl Drop for DropExchange {
             let _ = conn.close(200, "".into()).await;
         });
         if !done {
-            eprintln!(
+            crate::leftover(&format!(
                 "cleanup of exchange {} failed: delete it by hand",
                 self.exchange
-            );
+            ));
         }
     }
 }
