@@ -14,6 +14,7 @@ use lapin::types::FieldTable;
 use transport_nats::async_nats::jetstream;
 use uuid::Uuid;
 
+use super::injector::SENTINEL_ID_PREFIX;
 use super::topology::{Names, TransportKind};
 use crate::common;
 
@@ -98,8 +99,9 @@ async fn nats(names: &Names) -> anyhow::Result<(Copies, u64)> {
 }
 
 /// Adds the copies of each message id in stream `name` to `copies`; returns how many
-/// of its messages had no usable id.
-async fn read_stream(
+/// of its messages had no usable id. The fault's sentinel messages
+/// (`injector::add_sentinels`) are skipped.
+pub(super) async fn read_stream(
     js: &jetstream::Context,
     name: &str,
     copies: &mut Copies,
@@ -131,12 +133,15 @@ async fn read_stream(
             .context("the stream reader ended")?
             .with_context(|| format!("reading the stream after {read} of {total} messages"))?;
         read += 1;
-        match message
+        let id = message
             .headers
             .as_ref()
             .and_then(|h| h.get("Nats-Msg-Id"))
-            .and_then(|v| v.as_str().parse::<Uuid>().ok())
-        {
+            .map(|v| v.as_str());
+        if id.is_some_and(|id| id.starts_with(SENTINEL_ID_PREFIX)) {
+            continue;
+        }
+        match id.and_then(|id| id.parse::<Uuid>().ok()) {
             Some(id) => *copies.entry(id).or_default() += 1,
             None => without_id += 1,
         }

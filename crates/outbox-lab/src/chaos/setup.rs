@@ -11,6 +11,7 @@ use transport_nats::async_nats::jetstream;
 use transport_nats::{NatsPublisher, StreamSetup};
 
 use super::db::{self, Database, Db, Outbox};
+use super::injector;
 use super::topology::{self, EVENT_TYPE, Names, SIDE_EVENT_TYPE, TransportKind};
 use crate::common;
 
@@ -263,6 +264,11 @@ pub(crate) async fn broker(
                     .await?;
             }
             publisher.close().await;
+            // The side stream is the one the destination-full fault fills.
+            let js = jetstream::new(common::nats_connect().await.context("connect to NATS")?);
+            injector::add_sentinels(&js, &config.subject_for(SIDE_EVENT_TYPE))
+                .await
+                .context("the side stream's sentinel messages")?;
             topology::nats_consumer(names, "chaos-harness", batched)?
                 .declare()
                 .await
