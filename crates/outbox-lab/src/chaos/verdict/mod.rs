@@ -724,19 +724,20 @@ pub(crate) async fn judge(
     // publish the orders' events at least at half the rate the producers commit them
     // (a backlog of earlier faults makes it more; a relay that took the refusal for a
     // broker outage publishes next to none). Counted second by second, the seconds aside
-    // in which the database was down or had just come back (the relays could not
-    // complete anything then, whatever the broker did).
-    let db_down: Vec<(f64, f64)> = windows
-        .iter()
-        .filter(|(kind, ..)| matches!(kind, FaultKind::DbRestart | FaultKind::DbTerminate))
-        .map(|(_, start, end, _)| (*start, *end + 3.0))
-        .collect();
+    // in which another fault held the orders back (see `held_back`).
+    let held_back = held_back(
+        &windows
+            .iter()
+            .map(|(kind, start, end, _)| (*kind, *start, *end))
+            .collect::<Vec<_>>(),
+        &orders_sent_at,
+    );
     let (mut committed_in, mut sent_in, mut seconds) = (0_usize, 0_usize, 0.0_f64);
     for (start, end) in &side_full {
         let mut t = *start;
         while t < *end {
             let u = (t + 1.0).min(*end);
-            if !db_down.iter().any(|(a, b)| t < *b && u > *a) {
+            if !held_back.iter().any(|(a, b)| t < *b && u > *a) {
                 committed_in += orders
                     .iter()
                     .filter(|o| o.created >= t && o.created < u)
@@ -768,7 +769,7 @@ pub(crate) async fn judge(
     } else if seconds < 3.0 || committed_in == 0 {
         line(
             "orders while one destination was full",
-            format!("not judged: {seconds:.1} s without a database fault; {latency}"),
+            format!("not judged: {seconds:.1} s not held back by another fault; {latency}"),
         );
     } else {
         let ratio = sent_in as f64 / committed_in as f64;
@@ -922,4 +923,86 @@ pub(crate) async fn judge(
         ));
     }
     Ok(failures)
+}
+
+/// The relays' longest wait between two tries of a refused destination or an
+/// unreachable broker: the polling relay's circuit probes and the WAL relay's trials of
+/// parked destinations double from 0.1-0.5 s up to 30 s (`probe_max`, `probe_cap`).
+const RELAY_PROBE_CAP: f64 = 30.0;
+
+/// When another fault held the orders' events back, so that the seconds of the side
+/// destination's fault that overlap them say nothing about it: `windows` are the
+/// injected faults (kind, start, end, seconds since the epoch), `orders_sent_at` when
+/// the orders' events were published.
+///
+/// - The database down, or its connections terminated, and the 3 s after (the relays
+///   complete nothing then, whatever the broker does).
+/// - A fault that refused or cut off the orders' destination too (the broker frozen,
+///   restarted or alarmed, the queue bound to `#` full, a node's fault), and after its
+///   end until the orders flow again, at most for as long as the relays' backoff can
+///   still wait before its next try: about the fault's duration (it doubles from a
+///   fraction of a second), at most [`RELAY_PROBE_CAP`], plus 3 s. Without this a side
+///   destination filled right after a 22 s queue-full fault failed a run (seed
+///   16137438389868368370): the WAL relay's trial of the orders' destination, parked by
+///   that fault, was due 11 s after it ended, while the side destination was full.
+fn held_back(windows: &[(FaultKind, f64, f64)], orders_sent_at: &[f64]) -> Vec<(f64, f64)> {
+    windows
+        .iter()
+        .filter_map(|&(kind, start, end)| match kind {
+            FaultKind::DbRestart | FaultKind::DbTerminate => Some((start, end + 3.0)),
+            FaultKind::BrokerFreeze
+            | FaultKind::BrokerRestart
+            | FaultKind::MemoryAlarm
+            | FaultKind::QueueFull
+            | FaultKind::NodeKill
+            | FaultKind::NodeFreeze
+            | FaultKind::NodePartition => {
+                let backoff_until = end + (end - start).min(RELAY_PROBE_CAP) + 3.0;
+                let flowing_again = orders_sent_at
+                    .iter()
+                    .copied()
+                    .filter(|&sent| sent >= end)
+                    .fold(f64::INFINITY, f64::min);
+                Some((start, backoff_until.min(flowing_again)))
+            }
+            _ => None,
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{FaultKind, held_back};
+
+    #[test]
+    fn the_orders_are_held_back_after_a_broker_fault_until_they_flow_or_the_backoff_ends() {
+        // A 20 s queue-full fault from 100 to 120: held back until the first order is
+        // published after it, at most until 120 + 20 + 3.
+        let queue_full = [(FaultKind::QueueFull, 100.0, 120.0)];
+        assert_eq!(held_back(&queue_full, &[90.0, 130.5]), [(100.0, 130.5)]);
+        assert_eq!(held_back(&queue_full, &[90.0, 150.0]), [(100.0, 143.0)]);
+        assert_eq!(held_back(&queue_full, &[]), [(100.0, 143.0)]);
+        // A longer outage: at most the relays' 30 s probe cap after it.
+        assert_eq!(
+            held_back(&[(FaultKind::BrokerFreeze, 0.0, 100.0)], &[]),
+            [(0.0, 133.0)]
+        );
+        // The database: 3 s after it, whatever the orders do.
+        assert_eq!(
+            held_back(&[(FaultKind::DbRestart, 10.0, 15.0)], &[15.5]),
+            [(10.0, 18.0)]
+        );
+        // The side destination's own fault and the consumers' faults hold nothing back.
+        assert!(
+            held_back(
+                &[
+                    (FaultKind::DestinationFull, 0.0, 10.0),
+                    (FaultKind::ConsumerLockout, 0.0, 10.0),
+                    (FaultKind::RelayKill, 5.0, 6.0),
+                ],
+                &[]
+            )
+            .is_empty()
+        );
+    }
 }
