@@ -47,7 +47,7 @@ pub fn on_own_runtime(work: impl Future<Output = ()> + Send + 'static) -> bool {
 /// standard error: the test harness captures `eprintln!` of a passing test, and a
 /// leftover of a passing test is exactly what would go unnoticed (an empty `t_*` schema
 /// after a whole `cargo xtask itest`, twice, its test not found).
-pub(crate) fn leftover(what: &str) {
+pub fn leftover(what: &str) {
     use std::io::Write as _;
     let _ = writeln!(std::io::stderr(), "outbox-testkit: {what}");
 }

@@ -513,9 +513,7 @@ mod tests {
                 Ok(())
             });
             if let Err(e) = deleted {
-                // Past the test capture, which swallows `eprintln!` of a passing test.
-                use std::io::Write as _;
-                let _ = writeln!(std::io::stderr(), "left over: stream {}: {e:#}", self.0);
+                outbox_testkit::leftover(&format!("stream {} left behind: {e:#}", self.0));
             }
         }
     }
