@@ -1,9 +1,11 @@
 //! The broker side of the benchmark: where the ceilings and the relay publish, and how
 //! to warm it up, empty it and remove it.
 
-use std::time::Duration;
+use std::collections::HashMap;
+use std::time::{Duration, SystemTime};
 
 use anyhow::Context as _;
+use futures::StreamExt as _;
 use lapin::options::{
     ExchangeDeclareOptions, ExchangeDeleteOptions, QueueBindOptions, QueueDeclareOptions,
     QueueDeleteOptions,
@@ -12,6 +14,7 @@ use lapin::types::FieldTable;
 use lapin::{Connection, ExchangeKind};
 use transport_nats::StreamSetup;
 use transport_nats::async_nats::jetstream;
+use uuid::Uuid;
 
 use super::ceilings::{Feed, copies, nats_publish, rabbit_publish, reference_feeds};
 use super::{Args, TransportKind};
@@ -260,5 +263,129 @@ impl Broker {
             }
         }
         Ok(())
+    }
+}
+
+/// When each message reached a subscriber of the bench's broker, by outbox id (this
+/// host's wall clock): the relay's publish as a consumer sees it, independent of when
+/// the relay recorded the confirm. On NATS a core subscription to the stream's subjects
+/// (the server routes a published message to it as it stores it in the stream); on
+/// RabbitMQ an exclusive, auto-deleted queue bound to the exchange with `#`, consumed
+/// without acks.
+pub(super) struct Receipts {
+    seen: std::sync::Arc<std::sync::Mutex<HashMap<Uuid, SystemTime>>>,
+    stop: tokio_util::sync::CancellationToken,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl Receipts {
+    /// Subscribes; returns once the subscription is in place, so that every message
+    /// published after this is seen.
+    pub(super) async fn start(broker: &Broker) -> anyhow::Result<Self> {
+        let seen = std::sync::Arc::new(std::sync::Mutex::new(HashMap::new()));
+        let stop = tokio_util::sync::CancellationToken::new();
+        let record = {
+            let seen = seen.clone();
+            move |id: Option<&str>| {
+                let at = SystemTime::now();
+                if let Some(id) = id.and_then(|s| s.parse::<Uuid>().ok()) {
+                    seen.lock().expect("receipts").insert(id, at);
+                }
+            }
+        };
+        let task = match broker {
+            Broker::Nats { js, prefix, .. } => {
+                let client = js.client();
+                let mut sub = client.subscribe(format!("{prefix}.>")).await?;
+                client.flush().await?;
+                let stop = stop.clone();
+                tokio::spawn(async move {
+                    loop {
+                        tokio::select! {
+                            () = stop.cancelled() => break,
+                            msg = sub.next() => {
+                                let Some(msg) = msg else { break };
+                                let id = msg.headers.as_ref().and_then(|h| {
+                                    h.get(transport_nats::publisher::MSG_ID_HEADER).map(|v| v.as_str())
+                                });
+                                record(id);
+                            }
+                        }
+                    }
+                    let _ = sub.unsubscribe().await;
+                })
+            }
+            Broker::Rabbit {
+                exchange, admin, ..
+            } => {
+                let channel = admin.create_channel().await?;
+                let queue = channel
+                    .queue_declare(
+                        "".into(),
+                        QueueDeclareOptions {
+                            exclusive: true,
+                            auto_delete: true,
+                            ..Default::default()
+                        },
+                        FieldTable::default(),
+                    )
+                    .await?;
+                let queue = queue.name().as_str().to_owned();
+                channel
+                    .queue_bind(
+                        queue.as_str().into(),
+                        exchange.as_str().into(),
+                        "#".into(),
+                        QueueBindOptions::default(),
+                        FieldTable::default(),
+                    )
+                    .await?;
+                let mut consumer = channel
+                    .basic_consume(
+                        queue.as_str().into(),
+                        "bench-receipts".into(),
+                        lapin::options::BasicConsumeOptions {
+                            no_ack: true,
+                            ..Default::default()
+                        },
+                        FieldTable::default(),
+                    )
+                    .await?;
+                let stop = stop.clone();
+                tokio::spawn(async move {
+                    loop {
+                        tokio::select! {
+                            () = stop.cancelled() => break,
+                            delivery = consumer.next() => {
+                                let Some(Ok(delivery)) = delivery else { break };
+                                record(delivery.properties.message_id().as_ref().map(|s| s.as_str()));
+                            }
+                        }
+                    }
+                    // Closing the channel deletes the exclusive queue.
+                    let _ = channel.close(200, "bench done".into()).await;
+                })
+            }
+        };
+        Ok(Self { seen, stop, task })
+    }
+
+    /// Waits (at most 10 s) until every one of `ids` was seen, then stops and returns
+    /// what was seen.
+    pub(super) async fn finish(self, ids: &[Uuid]) -> HashMap<Uuid, SystemTime> {
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+        loop {
+            let all = {
+                let seen = self.seen.lock().expect("receipts");
+                ids.iter().all(|id| seen.contains_key(id))
+            };
+            if all || tokio::time::Instant::now() > deadline {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        self.stop.cancel();
+        let _ = self.task.await;
+        std::mem::take(&mut *self.seen.lock().expect("receipts"))
     }
 }

@@ -14,9 +14,11 @@
 //!    the next one): `sent_at - created_at` (database clock, from the producer's
 //!    transaction start to the relay's recording of the broker's confirm),
 //!    split where the producer's commit returned (this host's wall clock): the
-//!    producer's transaction, and the relay's part after it; then the 500 msg/s rate
-//!    once more with the trigger disabled and the relay polling every 10 ms, which
-//!    leaves only what no wake-up can remove;
+//!    producer's transaction, and the relay's part after it; and from the commit
+//!    returning to a subscriber of the broker receiving the message (the publish as a
+//!    consumer sees it, without the relay's recording: see `broker::Receipts`); then
+//!    the 500 msg/s rate once more with the trigger disabled and the relay polling
+//!    every 10 ms, which leaves only what no wake-up can remove;
 //! 3. what the notification trigger costs producers: 4 writers of single-row
 //!    transactions with the trigger, without it (`DISABLE TRIGGER`) and with the same
 //!    trigger minus its `pg_notify` (so the notification's commit lock is told apart
@@ -50,7 +52,9 @@ use outbox_core::{EventPublisher, NewMessage, OutboxAdmin as _};
 use outbox_postgres::PgOutbox;
 use std::process::{Child, Command};
 
+use super::broker::Receipts;
 use super::{Args, Broker, common};
+use uuid::Uuid;
 
 /// The producer rates of the latency phase, messages per second.
 const RATES: [u64; 2] = [20, 500];
@@ -287,18 +291,19 @@ impl std::fmt::Display for Spread {
     }
 }
 
-/// Commit-to-publish of the messages of `aggregate` (`sent_at - created_at`), and the
-/// same split where the producer's commit returned (`committed`, this host's wall
-/// clock, which is also the database's: one machine): the producer's transaction
-/// (`created_at` to its commit returning) and the relay's part (commit returned to the
-/// broker's confirm recorded).
-async fn latencies(
-    outbox: &PgOutbox,
-    aggregate: &str,
-    committed: &HashMap<u64, SystemTime>,
-) -> anyhow::Result<(Spread, Spread, Spread)> {
-    let rows: Vec<(String, f64, f64)> = sqlx::query_as(sqlx::AssertSqlSafe(format!(
-        "SELECT aggregate_id, extract(epoch FROM created_at)::float8,
+/// One published message of a latency phase: its outbox id, aggregate id (its number
+/// in the phase), `created_at` and `sent_at` (seconds since the epoch).
+struct SentRow {
+    id: Uuid,
+    number: String,
+    created: f64,
+    sent: f64,
+}
+
+/// The messages of `aggregate` recorded `Sent`.
+async fn rows(outbox: &PgOutbox, aggregate: &str) -> anyhow::Result<Vec<SentRow>> {
+    let rows: Vec<(Uuid, String, f64, f64)> = sqlx::query_as(sqlx::AssertSqlSafe(format!(
+        "SELECT id, aggregate_id, extract(epoch FROM created_at)::float8,
                 extract(epoch FROM sent_at)::float8
            FROM {}.outbox_messages WHERE aggregate_type = $1 AND status = 1",
         outbox.schema()
@@ -306,25 +311,80 @@ async fn latencies(
     .bind(aggregate)
     .fetch_all(outbox.pool())
     .await?;
+    Ok(rows
+        .into_iter()
+        .map(|(id, number, created, sent)| SentRow {
+            id,
+            number,
+            created,
+            sent,
+        })
+        .collect())
+}
+
+/// The latencies of a phase (see [`latencies`]).
+struct Latencies {
+    /// `sent_at - created_at`.
+    total: Spread,
+    /// `created_at` to the producer's commit returning.
+    producer: Spread,
+    /// The producer's commit returning to `sent_at`.
+    relay: Spread,
+    /// The producer's commit returning to a subscriber receiving the message.
+    received: Spread,
+    /// `created_at` to a subscriber receiving the message.
+    received_total: Spread,
+    received_count: usize,
+    rows: usize,
+}
+
+/// Commit-to-publish of `rows` (`sent_at - created_at`), and the same split where the
+/// producer's commit returned (`committed`, this host's wall clock, which is also the
+/// database's: one machine): the producer's transaction (`created_at` to its commit
+/// returning) and the relay's part (commit returned to the broker's confirm
+/// recorded); and the commit returning to a subscriber's receipt (`received`, the same
+/// clock).
+fn latencies(
+    rows: &[SentRow],
+    committed: &HashMap<u64, SystemTime>,
+    received: &HashMap<Uuid, SystemTime>,
+) -> anyhow::Result<Latencies> {
+    let secs = |at: &SystemTime| {
+        at.duration_since(SystemTime::UNIX_EPOCH)
+            .ok()
+            .map(|d| d.as_secs_f64())
+    };
     let (mut total, mut producer, mut relay) = (Vec::new(), Vec::new(), Vec::new());
-    for (id, created, sent) in rows {
-        total.push((sent - created) * 1000.0);
-        let returned = id
+    let (mut got, mut got_total) = (Vec::new(), Vec::new());
+    for row in rows {
+        total.push((row.sent - row.created) * 1000.0);
+        let seen = received.get(&row.id).and_then(secs);
+        if let Some(seen) = seen {
+            got_total.push((seen - row.created) * 1000.0);
+        }
+        let returned = row
+            .number
             .parse::<u64>()
             .ok()
             .and_then(|i| committed.get(&i))
-            .and_then(|at| at.duration_since(SystemTime::UNIX_EPOCH).ok());
+            .and_then(secs);
         if let Some(returned) = returned {
-            let returned = returned.as_secs_f64();
-            producer.push((returned - created) * 1000.0);
-            relay.push((sent - returned) * 1000.0);
+            producer.push((returned - row.created) * 1000.0);
+            relay.push((row.sent - returned) * 1000.0);
+            if let Some(seen) = seen {
+                got.push((seen - returned) * 1000.0);
+            }
         }
     }
-    Ok((
-        Spread::of(&total)?,
-        Spread::of(&producer)?,
-        Spread::of(&relay)?,
-    ))
+    Ok(Latencies {
+        total: Spread::of(&total)?,
+        producer: Spread::of(&producer)?,
+        relay: Spread::of(&relay)?,
+        received: Spread::of(&got)?,
+        received_total: Spread::of(&got_total)?,
+        received_count: got_total.len(),
+        rows: rows.len(),
+    })
 }
 
 /// The latency phase's outbox, in a database of its own: PostgreSQL counts
@@ -527,7 +587,7 @@ async fn rate_phase_cpu(
     body: &str,
 ) -> anyhow::Result<()> {
     let cpu0 = common::CpuTimes::now_with(broker.comm());
-    rate_phase(outbox, aggregate, rate, body).await?;
+    rate_phase(outbox, broker, aggregate, rate, body).await?;
     let cpu = common::CpuTimes::now_with(broker.comm()).since(cpu0);
     println!(
         "  PostgreSQL CPU over that phase: {:.1} µs per message (the producer's inserts included)",
@@ -538,20 +598,42 @@ async fn rate_phase_cpu(
 
 /// Produces `rate` messages/s of `aggregate` for [`RATE_SECS`], waits until the relay
 /// has published them all and prints their commit-to-publish, split where the
-/// producer's commit returned.
+/// producer's commit returned, and the same commit to when a subscriber of the broker
+/// received the message ([`Receipts`]).
 async fn rate_phase(
     outbox: &PgOutbox,
+    broker: &Broker,
     aggregate: &str,
     rate: u64,
     body: &str,
 ) -> anyhow::Result<()> {
-    let (behind, committed) = produce(outbox, aggregate, rate, RATE_SECS, body).await?;
-    wait_sent(outbox, aggregate, rate * RATE_SECS, Duration::from_secs(60)).await?;
-    let (total, producer, relay) = latencies(outbox, aggregate, &committed).await?;
+    // The subscription ends whether the phase succeeds or not.
+    let receipts = Receipts::start(broker).await?;
+    let produced = async {
+        let (behind, committed) = produce(outbox, aggregate, rate, RATE_SECS, body).await?;
+        wait_sent(outbox, aggregate, rate * RATE_SECS, Duration::from_secs(60)).await?;
+        let rows = rows(outbox, aggregate).await?;
+        anyhow::Ok((behind, committed, rows))
+    }
+    .await;
+    let ids: Vec<Uuid> = match &produced {
+        Ok((_, _, rows)) => rows.iter().map(|r| r.id).collect(),
+        Err(_) => Vec::new(),
+    };
+    let received = receipts.finish(&ids).await;
+    let (behind, committed, rows) = produced?;
+    let l = latencies(&rows, &committed, &received)?;
     println!(
-        "commit-to-publish at {rate} msg/s for {RATE_SECS} s ({} single-row transactions; the last started {} behind schedule): {total}; of which the producer's transaction (start to its commit returning): {producer}; the relay (commit returned to confirm recorded): {relay}",
+        "commit-to-publish at {rate} msg/s for {RATE_SECS} s ({} single-row transactions; the last started {} behind schedule): {}; of which the producer's transaction (start to its commit returning): {}; the relay (commit returned to confirm recorded): {}",
         rate * RATE_SECS,
         common::ms(behind),
+        l.total,
+        l.producer,
+        l.relay,
+    );
+    println!(
+        "  commit returned to received by a subscriber of the broker: {} ({} of {} received; transaction start to received: {})",
+        l.received, l.received_count, l.rows, l.received_total,
     );
     Ok(())
 }
@@ -575,7 +657,7 @@ async fn without_notifications(outbox: &Db, broker: &Broker, body: &str) -> anyh
     let measured = async {
         wait_ready(outbox, "probe_poll", body).await?;
         println!("without notifications (trigger disabled, relay with --poll-interval 10ms):");
-        rate_phase(outbox, &format!("poll{rate}"), rate, body).await
+        rate_phase(outbox, broker, &format!("poll{rate}"), rate, body).await
     }
     .await;
     stop(relay).await?;
