@@ -168,6 +168,13 @@ pub struct RelayArgs {
     #[arg(long, env = "OUTBOX_MAX_WAL_RETAINED", value_name = "BYTES")]
     pub max_wal_retained: Option<u64>,
 
+    /// --source wal: how long a batch waits for more changes when the relay had been
+    /// waiting for the stream, at most 1s [default: 0s: published at once]. A linger
+    /// makes fuller batches at moderate rates (less PostgreSQL work per message) and
+    /// adds up to that much to each message's latency (docs/wal.md).
+    #[arg(long, env = "OUTBOX_WAL_LINGER", value_name = "DURATION")]
+    pub wal_linger: Option<String>,
+
     /// Broker: rabbit or nats [default: rabbit].
     #[arg(long, env = "OUTBOX_TRANSPORT", value_enum)]
     pub transport: Option<TransportKind>,
@@ -305,6 +312,7 @@ impl fmt::Debug for RelayArgs {
             source,
             wal,
             max_wal_retained,
+            wal_linger,
             transport,
             broker_url,
             exchange,
@@ -332,6 +340,7 @@ impl fmt::Debug for RelayArgs {
             .field("source", source)
             .field("wal", wal)
             .field("max_wal_retained", max_wal_retained)
+            .field("wal_linger", wal_linger)
             .field("transport", transport)
             .field(
                 "broker_url",

@@ -113,6 +113,7 @@ pub struct FileRelay {
     pub wal_slot: Option<String>,
     pub wal_publication: Option<String>,
     pub max_wal_retained: Option<u64>,
+    pub wal_linger: Option<String>,
     #[serde(default)]
     pub event_types: BTreeMap<String, FileOverride>,
 }
@@ -442,6 +443,7 @@ impl fmt::Debug for FileRelay {
             wal_slot,
             wal_publication,
             max_wal_retained,
+            wal_linger,
             event_types,
         } = self;
         f.debug_struct("FileRelay")
@@ -449,6 +451,7 @@ impl fmt::Debug for FileRelay {
             .field("wal_slot", wal_slot)
             .field("wal_publication", wal_publication)
             .field("max_wal_retained", max_wal_retained)
+            .field("wal_linger", wal_linger)
             .field("transport", transport)
             .field(
                 "broker_url",
@@ -519,6 +522,7 @@ impl fmt::Debug for RelaySettings {
             wal_slot,
             wal_publication,
             max_wal_retained,
+            wal_linger,
         } = self;
         f.debug_struct("RelaySettings")
             .field("db", db)
@@ -550,6 +554,7 @@ impl fmt::Debug for RelaySettings {
             .field("wal_slot", wal_slot)
             .field("wal_publication", wal_publication)
             .field("max_wal_retained", max_wal_retained)
+            .field("wal_linger", wal_linger)
             .finish()
     }
 }
@@ -618,6 +623,9 @@ pub struct RelaySettings {
     pub wal_publication: Option<String>,
     /// `--source wal`: the most WAL the slot may retain before /healthz fails, bytes.
     pub max_wal_retained: u64,
+    /// `--source wal`: the linger of a batch read after a wait for the stream
+    /// (`WalRelayConfig::with_linger`).
+    pub wal_linger: Duration,
 }
 
 impl RelaySettings {
@@ -651,6 +659,7 @@ impl RelaySettings {
             wal_slot: None,
             wal_publication: None,
             max_wal_retained: 1 << 30,
+            wal_linger: Duration::ZERO,
         }
     }
 
@@ -775,6 +784,16 @@ impl RelaySettings {
         if let Some(n) = args.max_wal_retained.or(f.max_wal_retained) {
             s.max_wal_retained = n;
         }
+        if let Some(d) = dur("wal_linger", &args.wal_linger, &f.wal_linger)? {
+            // `outbox_postgres::wal::WalRelayConfig::MAX_LINGER` (that crate is optional).
+            if d > Duration::from_secs(1) {
+                return Err(CliError::Invalid {
+                    field: "wal_linger",
+                    reason: format!("{d:?} is longer than the most accepted, 1s"),
+                });
+            }
+            s.wal_linger = d;
+        }
         if s.source == crate::cli::SourceKind::Wal {
             s.wal_config()?;
             let ignored: Vec<&str> = [
@@ -808,6 +827,8 @@ impl RelaySettings {
                         .into(),
                 });
             }
+        } else if args.wal_linger.is_some() || f.wal_linger.is_some() {
+            tracing::warn!("wal_linger applies to --source wal only: ignored");
         }
         s.validate_transport()?;
         s.dispatcher_config()
@@ -1218,6 +1239,33 @@ mod tests {
             (Some("s1"), Some("p1"))
         );
         assert_eq!(s.max_wal_retained, 1000);
+        assert_eq!(s.wal_linger, Duration::ZERO);
+
+        let linger = |value: &str| {
+            let cli = <Cli as clap::Parser>::parse_from([
+                "outbox",
+                "--database-url",
+                "postgres://u@h/d",
+                "relay",
+                "--source",
+                "wal",
+                "--wal-linger",
+                value,
+            ]);
+            let crate::cli::Command::Relay(args) = &cli.command else {
+                unreachable!("parsed relay")
+            };
+            RelaySettings::resolve(&cli, args, &FileConfig::default())
+        };
+        assert_eq!(
+            linger("5ms").expect("valid").wal_linger,
+            Duration::from_millis(5)
+        );
+        let e = linger("2s").expect_err("over 1 s");
+        assert!(
+            e.is_bad_input() && e.to_string().contains("wal_linger"),
+            "{e}"
+        );
 
         let cli = <Cli as clap::Parser>::parse_from([
             "outbox",

@@ -42,7 +42,8 @@ pub(crate) async fn start(
         .with_gauge_interval(settings.health_interval)
         .with_crash_loop_limit(settings.crash_loop_limit)
         .with_per_key_order(settings.ordering == OrderingMode::PerKeySkip)
-        .with_lease(settings.lease);
+        .with_lease(settings.lease)
+        .with_linger(settings.wal_linger);
     let store = Arc::new(store);
     let relay = WalRelay::new(
         (*store).clone(),

@@ -99,6 +99,42 @@ async fn many_keys_from_concurrent_producers_arrive_in_order<B: Broker>() {
     broker.cleanup().await;
 }
 
+/// A light load (one message per transaction, a little apart) with a linger: batches
+/// gathered after the relay waited for the stream (`with_linger`) keep every key in
+/// order and lose nothing. (Without one, every other test here runs that path.)
+async fn a_lingering_relay_keeps_every_key_in_order<B: Broker>() {
+    let w = WalOutbox::new().await;
+    let broker = B::setup().await;
+    let log = Arc::clone(broker.arrivals());
+    let token = CancellationToken::new();
+    let relay = w.spawn(
+        broker.publisher().await,
+        config().with_linger(Duration::from_millis(5)),
+        &token,
+    );
+    let names = key_names(10);
+    let refs: Vec<&str> = names.iter().map(String::as_str).collect();
+    for msg in keyed(&refs, 20, "Ordered") {
+        w.enqueue(std::slice::from_ref(&msg)).await;
+        // The load's shape (the relay idle between commits), not a wait for a result.
+        tokio::time::sleep(Duration::from_millis(1)).await;
+    }
+    let received = eventually(Duration::from_secs(60), || async {
+        log.lock().expect("lock").len() >= 200
+    })
+    .await;
+    token.cancel();
+    let stats = relay.await.expect("join");
+    assert!(
+        received,
+        "200 received: {}",
+        log.lock().expect("lock").len()
+    );
+    assert_eq!((stats.published, stats.dead), (200, 0), "{stats:?}");
+    assert_in_order(&log.lock().expect("lock"), 10, 20);
+    broker.cleanup().await;
+}
+
 /// key-7's fourth message fails once: key-7 is parked for the backoff, the others go.
 async fn a_transient_failure_parks_only_its_key<B: Broker>() {
     let w = WalOutbox::new().await;
@@ -616,6 +652,11 @@ macro_rules! wal_ordered_tests {
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn many_keys_from_concurrent_producers_arrive_in_order() {
                 super::many_keys_from_concurrent_producers_arrive_in_order::<$broker>().await;
+            }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn a_lingering_relay_keeps_every_key_in_order() {
+                super::a_lingering_relay_keeps_every_key_in_order::<$broker>().await;
             }
 
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -21,6 +21,7 @@ pub struct WalRelayConfig {
     pub(super) crash_loop_limit: u32,
     pub(super) per_key: bool,
     pub(super) lease: Duration,
+    pub(super) linger: Duration,
 }
 
 impl WalRelayConfig {
@@ -37,7 +38,31 @@ impl WalRelayConfig {
             crash_loop_limit: outbox_core::DEFAULT_CRASH_LOOP_LIMIT,
             per_key: false,
             lease: Duration::from_secs(30),
+            linger: Duration::ZERO,
         }
+    }
+
+    /// Longest accepted [linger](Self::with_linger): 1 s.
+    pub const MAX_LINGER: Duration = Duration::from_secs(1);
+
+    /// How long a batch waits for the stream's next change before it is published,
+    /// when the relay had been waiting for the stream (an idle or lightly loaded
+    /// outbox) [default: 0; at most [`MAX_LINGER`](Self::MAX_LINGER)].
+    ///
+    /// At 0 such a batch takes what has arrived and goes out at once: each message of
+    /// a light load is published as soon as it is read (to NATS here: commit to
+    /// publish p50 0.6 ms at 500 msg/s, against 3.6-4.0 ms with a 1 ms linger). Every
+    /// batch costs PostgreSQL a visibility check and a recording (`UPDATE ... Sent`),
+    /// so at moderate rates a linger makes fuller batches and less database work per
+    /// message (at 500 msg/s to NATS: PostgreSQL CPU per message 0.45x the polling
+    /// relay's with a 1 ms linger, 0.49-0.65x without), adding up to the linger to
+    /// each message's latency. When changes are already waiting (the relay is behind
+    /// the stream), a batch waits up to 1 ms for the next one whatever this is.
+    /// docs/wal.md (Measurements).
+    #[must_use]
+    pub fn with_linger(mut self, linger: Duration) -> Self {
+        self.linger = linger.min(Self::MAX_LINGER);
+        self
     }
 
     /// How long the sweeper's claim of a parked row holds it [default: 30 s]: a relay

@@ -377,6 +377,13 @@ impl Recording {
         self.task.is_some()
     }
 
+    /// Whether a recording in flight has ended and waits to be settled.
+    pub(super) fn ended(&self) -> bool {
+        self.task
+            .as_ref()
+            .is_some_and(tokio::task::JoinHandle::is_finished)
+    }
+
     /// Records `out` (the stream's, rows still `New`) in a task, then unregisters its
     /// messages' `keys` from the stream. The previous recording must be settled.
     pub(super) fn start(

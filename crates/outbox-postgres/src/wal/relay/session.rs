@@ -6,6 +6,7 @@ use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::Duration;
 
+use futures::FutureExt as _;
 use outbox_core::{EventPublisher, MessageStatus, OutboxMessage};
 use pgwire_replication::{Lsn, ReplicationClient, ReplicationEvent};
 use tokio::time::Instant;
@@ -19,7 +20,9 @@ use super::record::Recording;
 use crate::wal::WalError;
 use crate::wal::pgoutput::{self, Change, Relation, Row};
 
-/// How long a batch that is not full waits for the stream's next change.
+/// How long a batch that is not full waits for the stream's next change, when the
+/// relay found its changes waiting (it is busy: see `stream`; otherwise the
+/// configured `linger`).
 const LINGER: Duration = Duration::from_millis(1);
 
 /// How a session starts. A new session (after a crash, a takeover, a restart) reads
@@ -137,6 +140,11 @@ impl<P: EventPublisher> WalRelay<P> {
         // the position to confirm.
         let mut last_commit: Option<Lsn> = None;
         let mut start_state = SessionStart::new(self.config.batch_size);
+        // Whether the relay has waited for the stream since its last batch went out:
+        // if not, changes were waiting for it (the stream delivers faster than the
+        // relay publishes) and a batch lingers for more; if so, a batch takes only what
+        // has arrived and goes out at once.
+        let mut waited = true;
         // The last batch's outcomes being recorded while the next one is gathered and
         // published: the position is confirmed once they are.
         let mut recording = Recording::default();
@@ -161,38 +169,72 @@ impl<P: EventPublisher> WalRelay<P> {
             } else if batch.len() >= self.config.batch_size {
                 None
             } else if batch.is_empty() {
-                tokio::select! {
-                    biased;
-                    () = shutdown.cancelled() => {
-                        // The graceful drain: the last outcomes recorded, then the
-                        // position confirmed.
-                        let applied = match recording.settle().await {
-                            Ok(true) => last_commit,
-                            _ => recording.take_settled(),
-                        };
-                        self.finish(client, applied).await;
-                        return Ok(());
-                    }
-                    recorded = recording.settle(), if recording.busy() => {
-                        if !recorded? {
-                            self.finish(client, recording.take_settled()).await;
+                // What has arrived already, unless a shutdown or an ended recording
+                // goes first (as in the `select!`).
+                let first = !shutdown.is_cancelled() && !recording.ended();
+                let ready = if first {
+                    client.recv().now_or_never()
+                } else {
+                    None
+                };
+                if ready.is_some() {
+                    ready
+                } else {
+                    waited |= first;
+                    tokio::select! {
+                        biased;
+                        () = shutdown.cancelled() => {
+                            // The graceful drain: the last outcomes recorded, then the
+                            // position confirmed.
+                            let applied = match recording.settle().await {
+                                Ok(true) => last_commit,
+                                _ => recording.take_settled(),
+                            };
+                            self.finish(client, applied).await;
                             return Ok(());
                         }
-                        // Nothing gathered since: everything received is handled.
-                        recording.take_settled();
-                        if let Some(lsn) = last_commit {
-                            client.update_applied_lsn(lsn);
+                        recorded = recording.settle(), if recording.busy() => {
+                            if !recorded? {
+                                self.finish(client, recording.take_settled()).await;
+                                return Ok(());
+                            }
+                            // Nothing gathered since: everything received is handled.
+                            recording.take_settled();
+                            if let Some(lsn) = last_commit {
+                                client.update_applied_lsn(lsn);
+                            }
+                            continue;
                         }
-                        continue;
+                        ev = client.recv() => Some(ev),
                     }
-                    ev = client.recv() => Some(ev),
                 }
-            } else {
+            } else if !waited {
                 // A batch waits this long for the next change before it is published:
-                // the stream arrives in bursts, and fuller batches cost fewer round trips.
+                // under load the stream arrives in bursts, and fuller batches cost fewer
+                // round trips.
                 tokio::time::timeout(LINGER, client.recv()).await.ok()
+            } else if !self.config.linger.is_zero() {
+                // The relay waited for this batch's first change: the configured
+                // linger (fuller batches, less database work per message).
+                tokio::time::timeout(self.config.linger, client.recv())
+                    .await
+                    .ok()
+            } else {
+                // The relay waited for this batch's first change (a keepalive may have
+                // come first): the batch takes what has arrived since (the stream's
+                // reader gets one turn to pass on what it is reading) and goes out
+                // without a linger, which at a low rate would only add to every
+                // message's latency.
+                match client.recv().now_or_never() {
+                    Some(ev) => Some(ev),
+                    None => {
+                        tokio::task::yield_now().await;
+                        client.recv().now_or_never()
+                    }
+                }
             };
             let Some(event) = next else {
+                waited = false;
                 let flushed = self
                     .flush(
                         &mut batch,
