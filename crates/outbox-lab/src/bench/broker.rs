@@ -2,6 +2,7 @@
 //! to warm it up, empty it and remove it.
 
 use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, SystemTime};
 
 use anyhow::Context as _;
@@ -273,7 +274,7 @@ impl Broker {
 /// RabbitMQ an exclusive, auto-deleted queue bound to the exchange with `#`, consumed
 /// without acks.
 pub(super) struct Receipts {
-    seen: std::sync::Arc<std::sync::Mutex<HashMap<Uuid, SystemTime>>>,
+    seen: Arc<Mutex<HashMap<Uuid, SystemTime>>>,
     stop: tokio_util::sync::CancellationToken,
     task: tokio::task::JoinHandle<()>,
 }
@@ -282,10 +283,10 @@ impl Receipts {
     /// Subscribes; returns once the subscription is in place, so that every message
     /// published after this is seen.
     pub(super) async fn start(broker: &Broker) -> anyhow::Result<Self> {
-        let seen = std::sync::Arc::new(std::sync::Mutex::new(HashMap::new()));
+        let seen = Arc::new(Mutex::new(HashMap::new()));
         let stop = tokio_util::sync::CancellationToken::new();
         let record = {
-            let seen = seen.clone();
+            let seen = Arc::clone(&seen);
             move |id: Option<&str>| {
                 let at = SystemTime::now();
                 if let Some(id) = id.and_then(|s| s.parse::<Uuid>().ok()) {

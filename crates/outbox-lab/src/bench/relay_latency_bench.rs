@@ -51,10 +51,10 @@ use anyhow::{Context as _, bail};
 use outbox_core::{EventPublisher, NewMessage, OutboxAdmin as _};
 use outbox_postgres::PgOutbox;
 use std::process::{Child, Command};
+use uuid::Uuid;
 
 use super::broker::Receipts;
 use super::{Args, Broker, common};
-use uuid::Uuid;
 
 /// The producer rates of the latency phase, messages per second.
 const RATES: [u64; 2] = [20, 500];
@@ -301,7 +301,7 @@ struct SentRow {
 }
 
 /// The messages of `aggregate` recorded `Sent`.
-async fn rows(outbox: &PgOutbox, aggregate: &str) -> anyhow::Result<Vec<SentRow>> {
+async fn sent_rows(outbox: &PgOutbox, aggregate: &str) -> anyhow::Result<Vec<SentRow>> {
     let rows: Vec<(Uuid, String, f64, f64)> = sqlx::query_as(sqlx::AssertSqlSafe(format!(
         "SELECT id, aggregate_id, extract(epoch FROM created_at)::float8,
                 extract(epoch FROM sent_at)::float8
@@ -380,7 +380,7 @@ fn latencies(
         total: Spread::of(&total)?,
         producer: Spread::of(&producer)?,
         relay: Spread::of(&relay)?,
-        received: Spread::of(&got)?,
+        received: Spread::of(&got).context("no message reached the bench's subscriber")?,
         received_total: Spread::of(&got_total)?,
         received_count: got_total.len(),
         rows: rows.len(),
@@ -612,7 +612,7 @@ async fn rate_phase(
     let produced = async {
         let (behind, committed) = produce(outbox, aggregate, rate, RATE_SECS, body).await?;
         wait_sent(outbox, aggregate, rate * RATE_SECS, Duration::from_secs(60)).await?;
-        let rows = rows(outbox, aggregate).await?;
+        let rows = sent_rows(outbox, aggregate).await?;
         anyhow::Ok((behind, committed, rows))
     }
     .await;
