@@ -172,11 +172,7 @@ impl<P: EventPublisher> WalRelay<P> {
                 // What has arrived already, unless a shutdown or an ended recording
                 // goes first (as in the `select!`).
                 let first = !shutdown.is_cancelled() && !recording.ended();
-                let ready = if first {
-                    client.recv().now_or_never()
-                } else {
-                    None
-                };
+                let ready = if first { arrived(client) } else { None };
                 if ready.is_some() {
                     ready
                 } else {
@@ -225,11 +221,11 @@ impl<P: EventPublisher> WalRelay<P> {
                 // reader gets one turn to pass on what it is reading) and goes out
                 // without a linger, which at a low rate would only add to every
                 // message's latency.
-                match client.recv().now_or_never() {
+                match arrived(client) {
                     Some(ev) => Some(ev),
                     None => {
                         tokio::task::yield_now().await;
-                        client.recv().now_or_never()
+                        arrived(client)
                     }
                 }
             };
@@ -379,6 +375,19 @@ impl<P: EventPublisher> WalRelay<P> {
             warn!("the replication session did not end in time; leaving it");
         }
         info!(slot = self.wal.slot(), "replication session ended");
+    }
+}
+
+/// The stream's next event if it has arrived, without waiting; `None` also once the
+/// stream's reader has ended: `recv` then takes the reader's outcome (the server's
+/// error) from its finished task, which a poll dropped half-way would lose.
+fn arrived(
+    client: &mut ReplicationClient,
+) -> Option<Result<Option<ReplicationEvent>, pgwire_replication::PgWireError>> {
+    if client.is_running() {
+        client.recv().now_or_never()
+    } else {
+        None
     }
 }
 
