@@ -1187,24 +1187,21 @@ mod tests {
         assert!(parse_window(Some("2h"), Some("1h"), now).is_ok());
     }
 
+    /// `outbox --database-url postgres://u@h/d relay --source wal <flags>`, resolved
+    /// without a config file.
+    fn resolve_wal_relay(flags: &[&str]) -> Result<RelaySettings, CliError> {
+        let argv = ["outbox", "--database-url", "postgres://u@h/d", "relay"];
+        let cli =
+            <Cli as clap::Parser>::parse_from(argv.iter().chain(&["--source", "wal"]).chain(flags));
+        let crate::cli::Command::Relay(args) = &cli.command else {
+            unreachable!("parsed relay")
+        };
+        RelaySettings::resolve(&cli, args, &FileConfig::default())
+    }
+
     #[test]
     fn the_wal_source_takes_per_key_skip_and_refuses_a_blocking_order() {
-        let resolve = |ordering: &str| {
-            let cli = <Cli as clap::Parser>::parse_from([
-                "outbox",
-                "--database-url",
-                "postgres://u@h/d",
-                "relay",
-                "--source",
-                "wal",
-                "--ordering",
-                ordering,
-            ]);
-            let crate::cli::Command::Relay(args) = &cli.command else {
-                unreachable!("parsed relay")
-            };
-            RelaySettings::resolve(&cli, args, &FileConfig::default())
-        };
+        let resolve = |ordering: &str| resolve_wal_relay(&["--ordering", ordering]);
         let s = resolve("per-key-skip").expect("valid");
         assert_eq!(s.ordering, OrderingMode::PerKeySkip);
         assert!(resolve("unordered").is_ok());
@@ -1241,22 +1238,7 @@ mod tests {
         assert_eq!(s.max_wal_retained, 1000);
         assert_eq!(s.wal_linger, Duration::ZERO);
 
-        let linger = |value: &str| {
-            let cli = <Cli as clap::Parser>::parse_from([
-                "outbox",
-                "--database-url",
-                "postgres://u@h/d",
-                "relay",
-                "--source",
-                "wal",
-                "--wal-linger",
-                value,
-            ]);
-            let crate::cli::Command::Relay(args) = &cli.command else {
-                unreachable!("parsed relay")
-            };
-            RelaySettings::resolve(&cli, args, &FileConfig::default())
-        };
+        let linger = |value: &str| resolve_wal_relay(&["--wal-linger", value]);
         assert_eq!(
             linger("5ms").expect("valid").wal_linger,
             Duration::from_millis(5)
