@@ -77,26 +77,38 @@ pub(super) async fn declare_bound_queue(
             lapin::types::AMQPValue::LongString("quorum".into()),
         );
     }
-    channel
-        .queue_declare(
-            queue.into(),
-            QueueDeclareOptions {
-                durable: true,
-                ..Default::default()
-            },
-            arguments,
-        )
+    let options = QueueDeclareOptions {
+        durable: true,
+        ..Default::default()
+    };
+    declare_and_bind(channel, queue, options, arguments, exchange, key).await?;
+    Ok(())
+}
+
+/// Declares `queue` with `options` and `arguments` and binds it to `exchange` with
+/// `key`; returns its name (the server's choice when `queue` is empty).
+async fn declare_and_bind(
+    channel: &lapin::Channel,
+    queue: &str,
+    options: QueueDeclareOptions,
+    arguments: FieldTable,
+    exchange: &str,
+    key: &str,
+) -> anyhow::Result<String> {
+    let declared = channel
+        .queue_declare(queue.into(), options, arguments)
         .await?;
+    let queue = declared.name().as_str().to_owned();
     channel
         .queue_bind(
-            queue.into(),
+            queue.as_str().into(),
             exchange.into(),
             key.into(),
             QueueBindOptions::default(),
             FieldTable::default(),
         )
         .await?;
-    Ok(())
+    Ok(queue)
 }
 
 /// A stream's replicas: 3 on the clusters ([`common::on_cluster`]), else 1.
@@ -320,27 +332,14 @@ impl Receipts {
                 exchange, admin, ..
             } => {
                 let channel = admin.create_channel().await?;
-                let queue = channel
-                    .queue_declare(
-                        "".into(),
-                        QueueDeclareOptions {
-                            exclusive: true,
-                            auto_delete: true,
-                            ..Default::default()
-                        },
-                        FieldTable::default(),
-                    )
-                    .await?;
-                let queue = queue.name().as_str().to_owned();
-                channel
-                    .queue_bind(
-                        queue.as_str().into(),
-                        exchange.as_str().into(),
-                        "#".into(),
-                        QueueBindOptions::default(),
-                        FieldTable::default(),
-                    )
-                    .await?;
+                let options = QueueDeclareOptions {
+                    exclusive: true,
+                    auto_delete: true,
+                    ..Default::default()
+                };
+                let queue =
+                    declare_and_bind(&channel, "", options, FieldTable::default(), exchange, "#")
+                        .await?;
                 let mut consumer = channel
                     .basic_consume(
                         queue.as_str().into(),
