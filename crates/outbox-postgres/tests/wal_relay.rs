@@ -644,6 +644,136 @@ async fn a_row_spoiled_in_its_own_transaction_is_dead<B: Broker>() {
     broker.cleanup().await;
 }
 
+/// Holds the first batch holding `victim` until `release` is notified (`held` is
+/// notified when it starts holding), then publishes it through `inner`.
+struct Hold<P> {
+    inner: P,
+    victim: Uuid,
+    fired: std::sync::atomic::AtomicBool,
+    held: tokio::sync::Notify,
+    release: tokio::sync::Notify,
+}
+
+#[async_trait::async_trait]
+impl<P: EventPublisher> EventPublisher for Hold<P> {
+    async fn publish_batch(&self, messages: &[OutboxMessage]) -> Vec<PublishOutcome> {
+        if messages.iter().any(|m| m.id == self.victim)
+            && !self.fired.swap(true, std::sync::atomic::Ordering::SeqCst)
+        {
+            self.held.notify_one();
+            self.release.notified().await;
+        }
+        self.inner.publish_batch(messages).await
+    }
+
+    fn publish_timeout(&self) -> Option<Duration> {
+        // The hold is the test's, not an outage.
+        None
+    }
+
+    async fn check_ready(&self) -> Result<(), PublishError> {
+        self.inner.check_ready().await
+    }
+}
+
+/// Batches in flight (the pipeline), without per-key order: while `k`'s first
+/// message is being published (held), its next three, each in a transaction of its
+/// own, are published too; then the first fails (transiently). The three, taken by the
+/// broker, are parked behind it and published again after it (their rows recorded
+/// sent no earlier than the first's), and every row is sent. Over RabbitMQ each of
+/// them is received again after the first, in order; JetStream drops the republish
+/// as a duplicate within its window (the unordered mode's documented limit).
+async fn a_failure_in_flight_parks_its_key_in_the_later_batches<B: Broker>() {
+    let w = WalOutbox::new().await;
+    let broker = B::setup().await;
+    let log = Arc::clone(broker.arrivals());
+    let msgs = keyed(&["k"], 4, "Ordered");
+    let victim = msgs[0].id;
+    let publisher = Arc::new(Hold {
+        inner: Faulty::new(broker.publisher().await, &[(victim, false, 1)]),
+        victim,
+        fired: std::sync::atomic::AtomicBool::new(false),
+        held: tokio::sync::Notify::new(),
+        release: tokio::sync::Notify::new(),
+    });
+    let token = CancellationToken::new();
+    // Batches of 10: past the careful start (as many messages as a batch) with the
+    // warm-up, unordered (the default).
+    let relay = w.spawn(
+        Arc::clone(&publisher),
+        WalRelayConfig::new(database_url())
+            .with_standby_interval(Duration::from_millis(100))
+            .with_batch_size(10)
+            .with_retry(retry_after(Duration::from_millis(500), 5)),
+        &token,
+    );
+    w.enqueue(&keyed(&["warm"], 20, "Ordered")).await;
+    assert!(
+        eventually(Duration::from_secs(30), || async {
+            log.lock().expect("lock").len() >= 20
+        })
+        .await,
+        "the warm-up is received"
+    );
+
+    w.enqueue(&msgs[..1]).await;
+    tokio::time::timeout(Duration::from_secs(30), publisher.held.notified())
+        .await
+        .expect("the first message's batch is being published");
+    for m in &msgs[1..] {
+        w.enqueue(std::slice::from_ref(m)).await;
+    }
+    let later_published = eventually(Duration::from_secs(30), || async {
+        let log = log.lock().expect("lock");
+        (1..4).all(|n| position(&log, "k", n).is_some())
+    })
+    .await;
+    publisher.release.notify_one();
+    assert!(
+        later_published,
+        "the later batches are published while the first one is in flight"
+    );
+    let all_sent = eventually(Duration::from_secs(60), || async {
+        w.outbox.stats().await.expect("stats").sent == 24
+    })
+    .await;
+    token.cancel();
+    let stats = relay.await.expect("join");
+    assert!(all_sent, "every row sent: {stats:?}");
+    assert_eq!(stats.dead, 0, "{stats:?}");
+    let mut sent_at = Vec::new();
+    for m in &msgs {
+        let row = w.outbox.get(m.id).await.expect("get").expect("row");
+        sent_at.push(row.sent_at.expect("sent"));
+    }
+    assert!(
+        sent_at[1..].iter().all(|t| *t >= sent_at[0]),
+        "k's later messages recorded sent after it was republished behind the first: {sent_at:?}"
+    );
+    if !B::DROPS_REPUBLISHED {
+        let log = log.lock().expect("lock").clone();
+        let first = position(&log, "k", 0).expect("k #0 received");
+        let last: Vec<usize> = (1..4)
+            .map(|n| {
+                log.iter()
+                    .rposition(|a| a.key == "k" && a.n == n)
+                    .expect("received")
+            })
+            .collect();
+        assert!(
+            first < last[0] && last.windows(2).all(|p| p[0] < p[1]),
+            "k's later messages received again after its first, in order: first at {first}, last receipts at {last:?}"
+        );
+    }
+    let row = w.outbox.get(victim).await.expect("get").expect("row");
+    assert_eq!(
+        (row.status, row.attempts),
+        (MessageStatus::Sent, 2),
+        "failed once, then sent"
+    );
+    broker.cleanup().await;
+}
+
 macro_rules! wal_ordered_tests {
     ($module:ident, $broker:ident) => {
         mod $module {
@@ -687,6 +817,11 @@ macro_rules! wal_ordered_tests {
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn a_row_spoiled_in_its_own_transaction_is_dead() {
                 super::a_row_spoiled_in_its_own_transaction_is_dead::<$broker>().await;
+            }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn a_failure_in_flight_parks_its_key_in_the_later_batches() {
+                super::a_failure_in_flight_parks_its_key_in_the_later_batches::<$broker>().await;
             }
 
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -23,7 +23,7 @@
 
 mod common;
 
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -50,11 +50,41 @@ use uuid::Uuid;
 /// to `trigger` are published and confirmed (or refused) first, then a real memory
 /// alarm is raised and the rest of the batch is published into it: an outage that
 /// begins inside one batch, as a broker alarmed, frozen or restarted mid-publish does.
+///
+/// With `others`, the rest of the batch waits (at most 30 s) until as many other
+/// batches began to be published after the alarm (batches in flight meeting the same
+/// outage); `begun` and `ended` count the calls of other batches begun in the alarm
+/// while the trigger's call was running.
 struct AlarmAfter {
     inner: Arc<RabbitPublisher>,
     trigger: Uuid,
     fired: AtomicBool,
     alarm: Arc<Mutex<Option<RabbitMemoryAlarm>>>,
+    others: usize,
+    begun: AtomicUsize,
+    ended: AtomicUsize,
+    /// Whether the trigger's call has ended.
+    done: AtomicBool,
+}
+
+impl AlarmAfter {
+    fn new(
+        inner: RabbitPublisher,
+        trigger: Uuid,
+        alarm: &Arc<Mutex<Option<RabbitMemoryAlarm>>>,
+        others: usize,
+    ) -> Self {
+        Self {
+            inner: Arc::new(inner),
+            trigger,
+            fired: AtomicBool::new(false),
+            alarm: Arc::clone(alarm),
+            others,
+            begun: AtomicUsize::new(0),
+            ended: AtomicUsize::new(0),
+            done: AtomicBool::new(false),
+        }
+    }
 }
 
 #[async_trait::async_trait]
@@ -62,14 +92,31 @@ impl EventPublisher for AlarmAfter {
     async fn publish_batch(&self, messages: &[OutboxMessage]) -> Vec<PublishOutcome> {
         let at = messages.iter().position(|m| m.id == self.trigger);
         let Some(at) = at.filter(|_| !self.fired.swap(true, Ordering::SeqCst)) else {
-            return self.inner.publish_batch(messages).await;
+            // Begun in the alarm while the trigger's batch is in flight.
+            let alarmed =
+                self.alarm.lock().expect("lock").is_some() && !self.done.load(Ordering::SeqCst);
+            if alarmed {
+                self.begun.fetch_add(1, Ordering::SeqCst);
+            }
+            let outcomes = self.inner.publish_batch(messages).await;
+            if alarmed {
+                self.ended.fetch_add(1, Ordering::SeqCst);
+            }
+            return outcomes;
         };
         let mut outcomes = self.inner.publish_batch(&messages[..=at]).await;
         let alarm = tokio::task::spawn_blocking(RabbitMemoryAlarm::raise)
             .await
             .expect("raise the memory alarm");
         *self.alarm.lock().expect("lock") = Some(alarm);
+        if self.others > 0 {
+            eventually(Duration::from_secs(30), || async {
+                self.begun.load(Ordering::SeqCst) >= self.others
+            })
+            .await;
+        }
         outcomes.extend(self.inner.publish_batch(&messages[at + 1..]).await);
+        self.done.store(true, Ordering::SeqCst);
         outcomes
     }
 
@@ -182,12 +229,7 @@ async fn an_outage_inside_a_batch_after_a_refusal_strands_no_key() {
         message("k4", "main"),
     ];
     let alarm = Arc::new(Mutex::new(None));
-    let publisher = Arc::new(AlarmAfter {
-        inner: Arc::new(publisher),
-        trigger: batch[0].id,
-        fired: AtomicBool::new(false),
-        alarm: Arc::clone(&alarm),
-    });
+    let publisher = Arc::new(AlarmAfter::new(publisher, batch[0].id, &alarm, 0));
     let token = CancellationToken::new();
     let relay = start_warmed(&w, publisher, &token).await;
 
@@ -230,6 +272,92 @@ async fn an_outage_inside_a_batch_after_a_refusal_strands_no_key() {
         all_sent,
         "every message sent once the alarm is cleared and the full queue is gone: {statuses:?}, {stats:?}"
     );
+    assert_eq!(stats.dead, 0, "{stats:?}");
+}
+
+/// Batches in flight (the pipeline) meet an outage: a memory alarm raised while the
+/// first of them is being published, the next ones (three transactions written after
+/// the alarm) published into it before the first one's rest (the rest waits for one of
+/// them to begin). The
+/// first's messages before the alarm are recorded; its rest and the three later
+/// batches go again, in order, once the alarm is cleared: every row is sent, none is
+/// dead, and the broker received every message.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_outage_meets_the_batches_in_flight_and_loses_none() {
+    let _lock = faults::lock().await;
+    let w = WalOutbox::new().await;
+    let fx = relay_fixture(FieldTable::default()).await;
+    let _drop_exchange = DropExchange::new(&amqp_url(), &fx.exchange);
+    let received = fx.counter().await;
+    let first = [
+        message("a", "main"),
+        message("b", "main"),
+        message("c", "main"),
+    ];
+    let later = [
+        message("d", "main"),
+        message("e", "main"),
+        message("f", "main"),
+    ];
+    let alarm = Arc::new(Mutex::new(None));
+    let publisher = Arc::new(AlarmAfter::new(
+        publisher(&fx.exchange).await,
+        first[0].id,
+        &alarm,
+        1,
+    ));
+    let token = CancellationToken::new();
+    let relay = start_warmed(&w, Arc::clone(&publisher), &token).await;
+
+    w.enqueue(&first).await;
+    assert!(
+        eventually(Duration::from_secs(60), || async {
+            alarm.lock().expect("lock").is_some()
+        })
+        .await,
+        "the alarm is raised inside the first batch"
+    );
+    for m in &later {
+        w.enqueue(std::slice::from_ref(m)).await;
+    }
+    // Until the first batch's call and the later ones have come back (from the
+    // alarm: an outage).
+    let in_flight = eventually(Duration::from_secs(60), || async {
+        let begun = publisher.begun.load(Ordering::SeqCst);
+        publisher.done.load(Ordering::SeqCst)
+            && begun >= 1
+            && publisher.ended.load(Ordering::SeqCst) >= begun
+    })
+    .await;
+    let begun = publisher.begun.load(Ordering::SeqCst);
+    let cleared = alarm.lock().expect("lock").take();
+    tokio::task::spawn_blocking(move || drop(cleared))
+        .await
+        .expect("clear the alarm");
+    assert!(
+        in_flight,
+        "a later batch was published while the first was in flight ({begun} calls began in the alarm)"
+    );
+
+    let all_sent = eventually(Duration::from_secs(60), || async {
+        w.outbox.stats().await.expect("stats").sent == 26
+    })
+    .await;
+    let all_received = eventually(Duration::from_secs(30), || async {
+        let received = received.lock().expect("lock");
+        first
+            .iter()
+            .chain(&later)
+            .all(|m| received.contains_key(&m.id.to_string()))
+    })
+    .await;
+    token.cancel();
+    let stats = relay.await.expect("join");
+    assert!(
+        all_sent,
+        "every row sent once the alarm is cleared: {stats:?}"
+    );
+    assert!(all_received, "the broker received every message");
     assert_eq!(stats.dead, 0, "{stats:?}");
 }
 

@@ -8,71 +8,26 @@ use std::time::Duration;
 
 use chrono::Utc;
 use outbox_core::{ErrorKind, EventPublisher, MessageStatus, OutboxMessage, PublishOutcome};
+use pgwire_replication::Lsn;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
 
 use super::WalRelay;
 use super::park::{Admit, Parked, ParkedRow, dead_for_good, order_key, outcome_text};
+use super::pipeline::{InFlight, Pipeline};
 use super::record::{Outcomes, Recording, Whose};
 use super::session::{Item, SessionStart};
 use crate::wal::WalError;
 
 impl<P: EventPublisher> WalRelay<P> {
-    /// Publishes `messages` (of ordering `keys`) through the dispatcher's guard
-    /// (bounded by the publish timeout, a panic narrowed down to the message that
-    /// panics alone): one pipelined call, or with per-key order waves of at most one
-    /// message per key, a key's later messages not attempted (`None`) after its
-    /// message failed other than for good, and nothing more after an outage.
+    /// [`publish_keyed`] by this relay's publisher and ordering.
     pub(super) async fn publish_keyed(
         &self,
         messages: &[OutboxMessage],
         keys: &[&str],
     ) -> Vec<Option<PublishOutcome>> {
-        let began = Instant::now();
-        let deadline = || self.publisher.publish_timeout().map(|t| Instant::now() + t);
-        let distinct = || keys.iter().collect::<HashSet<_>>().len() == keys.len();
-        if !self.config.per_key || distinct() {
-            let outcomes =
-                outbox_core::dispatcher::publish_guarded(&*self.publisher, messages, deadline())
-                    .await;
-            outbox_core::metrics::publish_duration(began.elapsed());
-            return outcomes;
-        }
-        let mut outcomes: Vec<Option<PublishOutcome>> = messages.iter().map(|_| None).collect();
-        let mut remaining: Vec<usize> = (0..messages.len()).collect();
-        let mut failed: HashSet<&str> = HashSet::new();
-        while !remaining.is_empty() {
-            let mut in_wave: HashSet<&str> = HashSet::new();
-            let (wave, rest): (Vec<usize>, Vec<usize>) = remaining
-                .iter()
-                .filter(|&&i| !failed.contains(keys[i]))
-                .partition(|&&i| in_wave.insert(keys[i]));
-            if wave.is_empty() {
-                break;
-            }
-            let batch: Vec<OutboxMessage> = wave.iter().map(|&i| messages[i].clone()).collect();
-            let mut stop = false;
-            let wave_outcomes =
-                outbox_core::dispatcher::publish_guarded(&*self.publisher, &batch, deadline())
-                    .await;
-            for (&i, outcome) in wave.iter().zip(wave_outcomes) {
-                match &outcome {
-                    Some(PublishOutcome::Published | PublishOutcome::Permanent(_)) => {}
-                    Some(o) if !o.is_outage() => {
-                        failed.insert(keys[i]);
-                    }
-                    _ => stop = true,
-                }
-                outcomes[i] = outcome;
-            }
-            if stop {
-                break;
-            }
-            remaining = rest;
-        }
-        outbox_core::metrics::publish_duration(began.elapsed());
-        outcomes
+        publish_keyed(&*self.publisher, self.config.per_key, messages, keys).await
     }
 
     /// Records `out` (the stream's) once the recording in flight has ended: outcomes
@@ -92,17 +47,22 @@ impl<P: EventPublisher> WalRelay<P> {
         self.record(out, Whose::Pending, shutdown).await
     }
 
-    /// Publishes `batch` in order and records the outcomes, those of its last round in
-    /// the background (`recording`) while the next batch is read and published.
-    /// `Ok(false)`: shutdown came during an outage or a backoff, and not everything
-    /// was confirmed.
+    /// Publishes `batch` (the stream's changes up to `upto`) in order and records the
+    /// outcomes, those of its last round in the background (`recording`) while the
+    /// next batch is read and published. Past a session's careful start, a batch of
+    /// messages only is launched into the `pipeline` instead, its outcomes handled
+    /// when they come back (see `pipeline`). `Ok(false)`: shutdown came during an
+    /// outage or a backoff, and not everything was confirmed.
+    #[allow(clippy::too_many_arguments)] // reason: the stream's state, passed down
     pub(super) async fn flush(
         &self,
         batch: &mut Vec<Item>,
         xids: &mut Vec<u32>,
+        upto: Option<Lsn>,
         state: &mut SessionStart,
         parked: &Arc<Parked>,
         recording: &mut Recording,
+        pipeline: &mut Pipeline,
         shutdown: &CancellationToken,
     ) -> Result<bool, WalError> {
         // Nothing is read, published or recorded before the batch's transactions are
@@ -116,6 +76,38 @@ impl<P: EventPublisher> WalRelay<P> {
             return Ok(false);
         }
         let items = std::mem::take(batch);
+        let steady = !state.catching_up && state.careful_left == 0 && state.guarded;
+        if steady && items.iter().all(|i| matches!(i, Item::Message(_))) {
+            let messages: Vec<OutboxMessage> = items
+                .into_iter()
+                .filter_map(|i| match i {
+                    Item::Message(m) => Some(*m),
+                    _ => None,
+                })
+                .collect();
+            let keys: Vec<String> = messages.iter().map(order_key).collect();
+            // Room in the pipeline; with per-key order, no key of the batch in flight.
+            while pipeline.is_full() || (self.config.per_key && pipeline.holds_any(&keys)) {
+                let (landed, outcomes) = pipeline.landed().await;
+                if !self
+                    .land(
+                        landed, outcomes, pipeline, state, parked, recording, shutdown,
+                    )
+                    .await?
+                {
+                    return Ok(false);
+                }
+            }
+            outbox_core::metrics::claimed(messages.len());
+            self.launch(messages, keys, parked, pipeline, upto);
+            return Ok(true);
+        }
+        if !self
+            .drain(pipeline, state, parked, recording, shutdown)
+            .await?
+        {
+            return Ok(false);
+        }
         // A replayed row is read back from the table: after the recording in flight,
         // which may hold its earlier outcome.
         if items.iter().any(|i| matches!(i, Item::Replay(_))) && !recording.settle().await? {
@@ -168,7 +160,7 @@ impl<P: EventPublisher> WalRelay<P> {
         outbox_core::metrics::claimed(messages.len());
         let keys: Vec<String> = messages.iter().map(order_key).collect();
         let result = self
-            .publish_in_order(&messages, &keys, state, parked, recording, shutdown)
+            .publish_in_order(&messages, &keys, false, state, parked, recording, shutdown)
             .await;
         if !matches!(result, Ok(true)) {
             // Every message of a batch that ended is left (the recording in flight
@@ -179,11 +171,15 @@ impl<P: EventPublisher> WalRelay<P> {
     }
 
     /// Publishes `messages` (of `keys`) in order, parking what cannot go now (see
-    /// `park`), pausing the whole stream only for a broker outage.
+    /// `park`), pausing the whole stream only for a broker outage. `entered`: the
+    /// messages were registered in the stream already (see `Parked::enter_stream`),
+    /// when a pipeline's batches go again after an outage.
+    #[allow(clippy::too_many_arguments)] // reason: the stream's state, passed down
     async fn publish_in_order(
         &self,
         messages: &[OutboxMessage],
         keys: &[String],
+        entered: bool,
         state: &mut SessionStart,
         parked: &Arc<Parked>,
         recording: &mut Recording,
@@ -219,7 +215,11 @@ impl<P: EventPublisher> WalRelay<P> {
         // Indices of the messages still to handle, in order.
         let mut todo: VecDeque<usize> = (usize::from(skip_first)..messages.len()).collect();
         let mut outage_delay = Duration::from_millis(500);
-        let mut entered: HashSet<usize> = HashSet::new();
+        let mut entered: HashSet<usize> = if entered {
+            (0..messages.len()).collect()
+        } else {
+            HashSet::new()
+        };
         while !todo.is_empty() {
             // While careful, small rounds each recorded before the next (see
             // `SessionStart`).
@@ -238,36 +238,13 @@ impl<P: EventPublisher> WalRelay<P> {
             // their keys leave the stream with this round's record.
             let mut stranded = Vec::new();
             for &i in &round {
-                let (m, key) = (&messages[i], &keys[i]);
-                let held = if parked.key_waits(key) || m.visible_at > now {
-                    // Behind its key's parked rows, or delayed (`lease_until` is never
-                    // before `visible_at`).
-                    Some((Duration::ZERO, None))
-                } else {
-                    let destination = m.effective_routing_key();
-                    let why = || {
-                        Some(format!(
-                            "held back: destination {destination} refuses messages"
-                        ))
-                    };
-                    match parked.admit(destination) {
-                        Admit::Go => None,
-                        Admit::Hold(d) => Some((d, why())),
-                        Admit::Trial => Some((Duration::ZERO, why())),
-                    }
-                };
-                match held {
+                match hold(&messages[i], &keys[i], parked, now) {
                     None => go.push(i),
-                    Some((delay, error)) => {
+                    Some(row) => {
                         if entered.contains(&i) {
                             stranded.push(i);
                         }
-                        parked.park_key(key);
-                        out.parked.push(ParkedRow {
-                            delay,
-                            error,
-                            ..ParkedRow::behind(m.id)
-                        });
+                        out.parked.push(row);
                     }
                 }
             }
@@ -303,35 +280,13 @@ impl<P: EventPublisher> WalRelay<P> {
                         out.parked.push(ParkedRow::behind(m.id));
                         continue;
                     }
-                    match outcome {
-                        Some(PublishOutcome::Published) => out.sent.push(m.id),
-                        Some(PublishOutcome::Permanent(e)) => dead_for_good(m, &e, &mut out),
-                        Some(o) if o.is_refused_by_destination() => {
-                            let delay = parked.refused(m.effective_routing_key());
-                            outbox_core::metrics::deferred(&m.event_type);
+                    match self.judge(m, key, outcome, parked, &mut out) {
+                        Judged::Done => {}
+                        Judged::Parked => {
                             failed.insert(key);
-                            parked.park_key(key);
-                            out.parked.push(ParkedRow {
-                                id: m.id,
-                                delay,
-                                charge: false,
-                                error: Some(outcome_text(&o)),
-                            });
                         }
-                        Some(PublishOutcome::Transient(e))
-                            if e.kind() != ErrorKind::Unavailable =>
-                        {
-                            if let Some(p) = self.retry_or_dead(m, &e, &mut out) {
-                                failed.insert(key);
-                                parked.park_key(key);
-                                out.parked.push(p);
-                            }
-                        }
-                        other => {
-                            outage = Some(match other {
-                                Some(o) => outcome_text(&o),
-                                None => "the publisher gave no outcome".to_owned(),
-                            });
+                        Judged::Outage(reason) => {
+                            outage = Some(reason);
                             done = j;
                             break;
                         }
@@ -392,46 +347,367 @@ impl<P: EventPublisher> WalRelay<P> {
                 self.reset_alone(id).await?;
             }
             let Some(reason) = outage else {
-                if self.counters.circuit_open.swap(false, Ordering::Relaxed) {
-                    info!("the broker takes messages again; reading resumes");
-                    metrics::gauge!(outbox_core::metrics::CIRCUIT_OPEN).set(0.0);
-                }
+                self.broker_back();
                 continue;
             };
-            if !self.counters.circuit_open.swap(true, Ordering::Relaxed) {
-                warn!(error = %reason, unconfirmed = todo.len(), "the broker cannot take messages: reading pauses, nothing is charged");
-                metrics::gauge!(outbox_core::metrics::CIRCUIT_OPEN).set(1.0);
-            }
-            let mut delay = outage_delay;
-            outage_delay = outbox_core::retry::outage_backoff(delay, self.config.probe_cap);
-            // During an outage: probe until the broker is ready, then publish the rest
-            // of the batch again. The session stays open meanwhile, and a PostgreSQL
-            // shutting down waits for this session to confirm what it was sent: so
-            // each probe first checks the database, and an unreachable one ends the
-            // session (see `record`).
-            loop {
-                tokio::select! {
-                    () = shutdown.cancelled() => return Ok(false),
-                    () = tokio::time::sleep(delay) => {}
-                }
-                sqlx::query("SELECT 1")
-                    .execute(self.outbox.pool())
-                    .await
-                    .map_err(crate::error::db("wal database check"))?;
-                let ready = tokio::time::timeout(
-                    self.publisher
-                        .publish_timeout()
-                        .unwrap_or(Duration::from_secs(15)),
-                    self.publisher.check_ready(),
-                )
-                .await;
-                if matches!(ready, Ok(Ok(()))) {
-                    break;
-                }
-                delay = outage_delay;
-                outage_delay = outbox_core::retry::outage_backoff(delay, self.config.probe_cap);
+            if !self
+                .wait_for_broker(&reason, todo.len(), &mut outage_delay, shutdown)
+                .await?
+            {
+                return Ok(false);
             }
         }
         Ok(true)
     }
+
+    /// Judges the outcome of `m`'s publish into `out`: sent, dead, or parked (its
+    /// key's later messages are then parked behind it), or an outage (nothing
+    /// recorded: the message goes again after the probe).
+    fn judge(
+        &self,
+        m: &OutboxMessage,
+        key: &str,
+        outcome: Option<PublishOutcome>,
+        parked: &Parked,
+        out: &mut Outcomes,
+    ) -> Judged {
+        match outcome {
+            Some(PublishOutcome::Published) => out.sent.push(m.id),
+            Some(PublishOutcome::Permanent(e)) => dead_for_good(m, &e, out),
+            Some(o) if o.is_refused_by_destination() => {
+                let delay = parked.refused(m.effective_routing_key());
+                outbox_core::metrics::deferred(&m.event_type);
+                parked.park_key(key);
+                out.parked.push(ParkedRow {
+                    id: m.id,
+                    delay,
+                    charge: false,
+                    error: Some(outcome_text(&o)),
+                });
+                return Judged::Parked;
+            }
+            Some(PublishOutcome::Transient(e)) if e.kind() != ErrorKind::Unavailable => {
+                if let Some(p) = self.retry_or_dead(m, &e, out) {
+                    parked.park_key(key);
+                    out.parked.push(p);
+                    return Judged::Parked;
+                }
+            }
+            Some(o) => return Judged::Outage(outcome_text(&o)),
+            None => return Judged::Outage("the publisher gave no outcome".to_owned()),
+        }
+        Judged::Done
+    }
+
+    /// The broker took a batch: an open circuit closes.
+    fn broker_back(&self) {
+        if self.counters.circuit_open.swap(false, Ordering::Relaxed) {
+            info!("the broker takes messages again; reading resumes");
+            metrics::gauge!(outbox_core::metrics::CIRCUIT_OPEN).set(0.0);
+        }
+    }
+
+    /// A broker outage (`reason`, with `unconfirmed` messages waiting): the circuit
+    /// opens and the stream pauses until the broker is ready again. `Ok(false)`:
+    /// shutdown came first.
+    async fn wait_for_broker(
+        &self,
+        reason: &str,
+        unconfirmed: usize,
+        outage_delay: &mut Duration,
+        shutdown: &CancellationToken,
+    ) -> Result<bool, WalError> {
+        if !self.counters.circuit_open.swap(true, Ordering::Relaxed) {
+            warn!(error = %reason, unconfirmed, "the broker cannot take messages: reading pauses, nothing is charged");
+            metrics::gauge!(outbox_core::metrics::CIRCUIT_OPEN).set(1.0);
+        }
+        let mut delay = *outage_delay;
+        *outage_delay = outbox_core::retry::outage_backoff(delay, self.config.probe_cap);
+        // During an outage: probe until the broker is ready, then publish the rest
+        // of the batch again. The session stays open meanwhile, and a PostgreSQL
+        // shutting down waits for this session to confirm what it was sent: so
+        // each probe first checks the database, and an unreachable one ends the
+        // session (see `record`).
+        loop {
+            tokio::select! {
+                () = shutdown.cancelled() => return Ok(false),
+                () = tokio::time::sleep(delay) => {}
+            }
+            sqlx::query("SELECT 1")
+                .execute(self.outbox.pool())
+                .await
+                .map_err(crate::error::db("wal database check"))?;
+            let ready = tokio::time::timeout(
+                self.publisher
+                    .publish_timeout()
+                    .unwrap_or(Duration::from_secs(15)),
+                self.publisher.check_ready(),
+            )
+            .await;
+            if matches!(ready, Ok(Ok(()))) {
+                return Ok(true);
+            }
+            delay = *outage_delay;
+            *outage_delay = outbox_core::retry::outage_backoff(delay, self.config.probe_cap);
+        }
+    }
+
+    /// Publishes `messages` (of `keys`) by a task of their own, as the pipeline's
+    /// newest batch (see `pipeline`), holding back (parking) what cannot go now;
+    /// `upto`: the stream's position after the batch.
+    fn launch(
+        &self,
+        messages: Vec<OutboxMessage>,
+        keys: Vec<String>,
+        parked: &Parked,
+        pipeline: &mut Pipeline,
+        upto: Option<Lsn>,
+    ) {
+        let now = Utc::now();
+        let mut held = Vec::new();
+        let mut go = Vec::with_capacity(messages.len());
+        let mut go_keys = Vec::with_capacity(keys.len());
+        for (m, key) in messages.into_iter().zip(keys) {
+            match hold(&m, &key, parked, now) {
+                None => {
+                    go.push(m);
+                    go_keys.push(key);
+                }
+                Some(row) => held.push(row),
+            }
+        }
+        parked.enter_stream(go_keys.iter().map(String::as_str));
+        let go: Arc<[OutboxMessage]> = go.into();
+        let go_keys: Arc<[String]> = go_keys.into();
+        let task = if go.is_empty() {
+            tokio::spawn(async { Vec::new() })
+        } else {
+            let (publisher, per_key) = (Arc::clone(&self.publisher), self.config.per_key);
+            let (messages, keys) = (Arc::clone(&go), Arc::clone(&go_keys));
+            tokio::spawn(async move {
+                let keys: Vec<&str> = keys.iter().map(String::as_str).collect();
+                publish_keyed(&*publisher, per_key, &messages, &keys).await
+            })
+        };
+        pipeline.push(go, go_keys, held, upto, task);
+    }
+
+    /// Handles the outcomes of the pipeline's oldest `batch` (just landed) and records
+    /// them in the background, the batch's position confirmed after. An outage puts
+    /// its unconfirmed messages and every later batch's back, behind the probe.
+    /// `Ok(false)`: shutdown came during the outage or a recording.
+    #[allow(clippy::too_many_arguments)] // reason: the stream's state, passed down
+    pub(super) async fn land(
+        &self,
+        batch: InFlight,
+        outcomes: Vec<Option<PublishOutcome>>,
+        pipeline: &mut Pipeline,
+        state: &mut SessionStart,
+        parked: &Arc<Parked>,
+        recording: &mut Recording,
+        shutdown: &CancellationToken,
+    ) -> Result<bool, WalError> {
+        let mut out = Outcomes {
+            parked: batch.held,
+            ..Outcomes::default()
+        };
+        let mut outage = None;
+        let mut done = batch.messages.len();
+        for (j, outcome) in outcomes.into_iter().enumerate() {
+            let (m, key) = (&batch.messages[j], batch.keys[j].as_str());
+            if pipeline.parks_behind(key, batch.seq) {
+                parked.park_key(key);
+                out.parked.push(ParkedRow::behind(m.id));
+                continue;
+            }
+            match self.judge(m, key, outcome, parked, &mut out) {
+                Judged::Done => {}
+                Judged::Parked => pipeline.failed(key),
+                Judged::Outage(reason) => {
+                    outage = Some(reason);
+                    done = j;
+                    break;
+                }
+            }
+        }
+        outbox_core::metrics::commit_to_publish(
+            batch
+                .messages
+                .iter()
+                .map(|m| (&m.created_at, out.sent.contains(&m.id))),
+        );
+        let Some(reason) = outage else {
+            pipeline.handled();
+            self.broker_back();
+            if !recording.settle().await? {
+                return Ok(false);
+            }
+            recording.start(
+                self.recorder(),
+                out,
+                batch.keys.to_vec(),
+                Arc::clone(parked),
+                shutdown.clone(),
+            );
+            recording.holds(batch.upto);
+            return Ok(true);
+        };
+        // The outage: this batch's messages from the first without an outcome on, and
+        // every later batch's, go again in order once the broker is back (those the
+        // broker took meanwhile: duplicates, as within a batch).
+        let later = pipeline.take_all();
+        let mut upto = batch.upto;
+        let mut messages: Vec<OutboxMessage> = batch.messages[done..].to_vec();
+        let mut keys: Vec<String> = batch.keys[done..].to_vec();
+        for b in later {
+            upto = b.upto.or(upto);
+            messages.extend(b.messages.iter().cloned());
+            keys.extend(b.keys.iter().cloned());
+            out.parked.extend(b.held.iter().cloned());
+            b.abandon().await;
+        }
+        let result = async {
+            if !self.record_in_turn(recording, &out, shutdown).await? {
+                return Ok(false);
+            }
+            parked.leave_stream(batch.keys[..done].iter().map(String::as_str));
+            let mut delay = Duration::from_millis(500);
+            if !self
+                .wait_for_broker(&reason, messages.len(), &mut delay, shutdown)
+                .await?
+            {
+                return Ok(false);
+            }
+            self.publish_in_order(&messages, &keys, true, state, parked, recording, shutdown)
+                .await
+        }
+        .await;
+        if !matches!(result, Ok(true)) {
+            parked.clear_stream();
+            return result;
+        }
+        recording.after(upto);
+        Ok(true)
+    }
+
+    /// Handles every batch in flight, oldest first. `Ok(false)`: as [`land`](Self::land).
+    pub(super) async fn drain(
+        &self,
+        pipeline: &mut Pipeline,
+        state: &mut SessionStart,
+        parked: &Arc<Parked>,
+        recording: &mut Recording,
+        shutdown: &CancellationToken,
+    ) -> Result<bool, WalError> {
+        while !pipeline.is_empty() {
+            let (batch, outcomes) = pipeline.landed().await;
+            if !self
+                .land(
+                    batch, outcomes, pipeline, state, parked, recording, shutdown,
+                )
+                .await?
+            {
+                return Ok(false);
+            }
+        }
+        Ok(true)
+    }
+}
+
+/// What [`WalRelay::judge`] made of an outcome.
+enum Judged {
+    /// Sent or dead.
+    Done,
+    /// Parked: its key's later messages are parked behind it.
+    Parked,
+    /// A broker outage: nothing recorded.
+    Outage(String),
+}
+
+/// Whether `m` (of ordering `key`) is held back now: behind its key's parked rows,
+/// delayed (`lease_until` is never before `visible_at`), or for a destination that
+/// refuses messages. Then its key counts one more parked row and the row to park is
+/// returned.
+fn hold(
+    m: &OutboxMessage,
+    key: &str,
+    parked: &Parked,
+    now: chrono::DateTime<Utc>,
+) -> Option<ParkedRow> {
+    let (delay, error) = if parked.key_waits(key) || m.visible_at > now {
+        (Duration::ZERO, None)
+    } else {
+        let destination = m.effective_routing_key();
+        let why = || {
+            Some(format!(
+                "held back: destination {destination} refuses messages"
+            ))
+        };
+        match parked.admit(destination) {
+            Admit::Go => return None,
+            Admit::Hold(d) => (d, why()),
+            Admit::Trial => (Duration::ZERO, why()),
+        }
+    };
+    parked.park_key(key);
+    Some(ParkedRow {
+        delay,
+        error,
+        ..ParkedRow::behind(m.id)
+    })
+}
+
+/// Publishes `messages` (of ordering `keys`) through the dispatcher's guard (bounded by
+/// the publish timeout, a panic narrowed down to the message that panics alone): one
+/// pipelined call, or with per-key order (`per_key`) waves of at most one message per
+/// key, a key's later messages not attempted (`None`) after its message failed other
+/// than for good, and nothing more after an outage.
+pub(super) async fn publish_keyed<P: EventPublisher>(
+    publisher: &P,
+    per_key: bool,
+    messages: &[OutboxMessage],
+    keys: &[&str],
+) -> Vec<Option<PublishOutcome>> {
+    let began = Instant::now();
+    let deadline = || publisher.publish_timeout().map(|t| Instant::now() + t);
+    let distinct = || keys.iter().collect::<HashSet<_>>().len() == keys.len();
+    if !per_key || distinct() {
+        let outcomes =
+            outbox_core::dispatcher::publish_guarded(publisher, messages, deadline()).await;
+        outbox_core::metrics::publish_duration(began.elapsed());
+        return outcomes;
+    }
+    let mut outcomes: Vec<Option<PublishOutcome>> = messages.iter().map(|_| None).collect();
+    let mut remaining: Vec<usize> = (0..messages.len()).collect();
+    let mut failed: HashSet<&str> = HashSet::new();
+    while !remaining.is_empty() {
+        let mut in_wave: HashSet<&str> = HashSet::new();
+        let (wave, rest): (Vec<usize>, Vec<usize>) = remaining
+            .iter()
+            .filter(|&&i| !failed.contains(keys[i]))
+            .partition(|&&i| in_wave.insert(keys[i]));
+        if wave.is_empty() {
+            break;
+        }
+        let batch: Vec<OutboxMessage> = wave.iter().map(|&i| messages[i].clone()).collect();
+        let mut stop = false;
+        let wave_outcomes =
+            outbox_core::dispatcher::publish_guarded(publisher, &batch, deadline()).await;
+        for (&i, outcome) in wave.iter().zip(wave_outcomes) {
+            match &outcome {
+                Some(PublishOutcome::Published | PublishOutcome::Permanent(_)) => {}
+                Some(o) if !o.is_outage() => {
+                    failed.insert(keys[i]);
+                }
+                _ => stop = true,
+            }
+            outcomes[i] = outcome;
+        }
+        if stop {
+            break;
+        }
+        remaining = rest;
+    }
+    outbox_core::metrics::publish_duration(began.elapsed());
+    outcomes
 }

@@ -5,6 +5,7 @@
 mod config;
 mod flush;
 mod park;
+mod pipeline;
 mod record;
 mod session;
 

@@ -412,6 +412,16 @@ impl Recording {
         }
     }
 
+    /// Everything received up to `lsn` is handled once the recording in flight (if
+    /// any) has ended, or now.
+    pub(super) fn after(&mut self, lsn: Option<Lsn>) {
+        if self.busy() {
+            self.holds(lsn);
+        } else if lsn.is_some() {
+            self.settled = lsn;
+        }
+    }
+
     /// Waits for the recording in flight (if any) to end. Cancel-safe (the task is
     /// kept until it ended). `Ok(false)`: shutdown came first and the outcomes may not
     /// all be recorded; an error of the task ends the session.

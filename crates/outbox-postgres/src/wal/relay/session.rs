@@ -16,6 +16,7 @@ use uuid::Uuid;
 
 use super::WalRelay;
 use super::park::Parked;
+use super::pipeline::Pipeline;
 use super::record::Recording;
 use crate::wal::WalError;
 use crate::wal::pgoutput::{self, Change, Relation, Row};
@@ -148,7 +149,31 @@ impl<P: EventPublisher> WalRelay<P> {
         // The last batch's outcomes being recorded while the next one is gathered and
         // published: the position is confirmed once they are.
         let mut recording = Recording::default();
+        // Batches published and not yet handled (see `pipeline`).
+        let mut pipeline = Pipeline::default();
         loop {
+            // Batches whose publish came back are handled first, oldest first.
+            while pipeline.front_finished() {
+                let (landed, outcomes) = pipeline.landed().await;
+                if !self
+                    .land(
+                        landed,
+                        outcomes,
+                        &mut pipeline,
+                        &mut start_state,
+                        parked,
+                        &mut recording,
+                        shutdown,
+                    )
+                    .await?
+                {
+                    self.finish(client, recording.take_settled()).await;
+                    return Ok(());
+                }
+                if let Some(lsn) = recording.take_settled() {
+                    client.update_applied_lsn(lsn);
+                }
+            }
             let next = if in_tx {
                 // Inside a transaction: its other changes and its commit are on their
                 // way (pgoutput sends a transaction once it committed). A batch is
@@ -159,7 +184,10 @@ impl<P: EventPublisher> WalRelay<P> {
                     biased;
                     () = shutdown.cancelled() => {
                         // Unpublished items may precede it: confirm no more than what
-                        // was recorded.
+                        // was recorded (the batches in flight handled first).
+                        let _ = self
+                            .drain(&mut pipeline, &mut start_state, parked, &mut recording, shutdown)
+                            .await;
                         let _ = recording.settle().await;
                         self.finish(client, recording.take_settled()).await;
                         return Ok(());
@@ -180,23 +208,45 @@ impl<P: EventPublisher> WalRelay<P> {
                     tokio::select! {
                         biased;
                         () = shutdown.cancelled() => {
-                            // The graceful drain: the last outcomes recorded, then the
-                            // position confirmed.
-                            let applied = match recording.settle().await {
-                                Ok(true) => last_commit,
+                            // The graceful drain: the batches in flight handled, the
+                            // last outcomes recorded, then the position confirmed.
+                            let drained = self
+                                .drain(&mut pipeline, &mut start_state, parked, &mut recording, shutdown)
+                                .await;
+                            let recorded = recording.settle().await;
+                            let applied = match (drained, recorded) {
+                                (Ok(true), Ok(true)) => last_commit,
                                 _ => recording.take_settled(),
                             };
                             self.finish(client, applied).await;
                             return Ok(());
+                        }
+                        (landed, outcomes) = pipeline.landed(), if !pipeline.is_empty() => {
+                            if !self
+                                .land(landed, outcomes, &mut pipeline, &mut start_state, parked, &mut recording, shutdown)
+                                .await?
+                            {
+                                self.finish(client, recording.take_settled()).await;
+                                return Ok(());
+                            }
+                            if let Some(lsn) = recording.take_settled() {
+                                client.update_applied_lsn(lsn);
+                            }
+                            continue;
                         }
                         recorded = recording.settle(), if recording.busy() => {
                             if !recorded? {
                                 self.finish(client, recording.take_settled()).await;
                                 return Ok(());
                             }
-                            // Nothing gathered since: everything received is handled.
-                            recording.take_settled();
-                            if let Some(lsn) = last_commit {
+                            let settled = recording.take_settled();
+                            if pipeline.is_empty() {
+                                // Nothing gathered since: everything received is
+                                // handled.
+                                if let Some(lsn) = last_commit {
+                                    client.update_applied_lsn(lsn);
+                                }
+                            } else if let Some(lsn) = settled {
                                 client.update_applied_lsn(lsn);
                             }
                             continue;
@@ -235,9 +285,11 @@ impl<P: EventPublisher> WalRelay<P> {
                     .flush(
                         &mut batch,
                         &mut xids,
+                        last_commit,
                         &mut start_state,
                         parked,
                         &mut recording,
+                        &mut pipeline,
                         shutdown,
                     )
                     .await?;
@@ -250,7 +302,9 @@ impl<P: EventPublisher> WalRelay<P> {
                 if let Some(lsn) = recording.take_settled() {
                     client.update_applied_lsn(lsn);
                 }
-                if recording.busy() {
+                if !pipeline.is_empty() {
+                    // The batches in flight hold their positions.
+                } else if recording.busy() {
                     recording.holds(last_commit);
                 } else if let Some(lsn) = last_commit {
                     client.update_applied_lsn(lsn);
@@ -274,7 +328,7 @@ impl<P: EventPublisher> WalRelay<P> {
                 ReplicationEvent::Commit { end_lsn, .. } => {
                     in_tx = false;
                     last_commit = Some(end_lsn);
-                    if batch.is_empty() && !recording.busy() {
+                    if batch.is_empty() && !recording.busy() && pipeline.is_empty() {
                         client.update_applied_lsn(end_lsn);
                     }
                 }
@@ -282,7 +336,7 @@ impl<P: EventPublisher> WalRelay<P> {
                     // Nothing pending and no transaction open: everything before the
                     // server's position is handled, so confirm it (an idle outbox must
                     // not make the slot retain the WAL of other tables).
-                    if batch.is_empty() && !in_tx && !recording.busy() {
+                    if batch.is_empty() && !in_tx && !recording.busy() && pipeline.is_empty() {
                         client.update_applied_lsn(wal_end);
                     }
                 }
