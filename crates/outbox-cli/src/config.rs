@@ -597,7 +597,7 @@ pub struct RelaySettings {
     pub crash_loop_limit: u32,
     /// Default attempts before Dead.
     pub max_attempts: u32,
-    /// Batches in flight.
+    /// Batches published at once (2; 4 with `--source wal`).
     pub concurrency: usize,
     /// Per-event-type retry policies (event type → policy).
     pub overrides: BTreeMap<String, RetryPolicy>,
@@ -796,14 +796,15 @@ impl RelaySettings {
         }
         if s.source == crate::cli::SourceKind::Wal {
             s.wal_config()?;
+            if args.concurrency.or(f.concurrency).is_none() {
+                // `WalRelayConfig::DEFAULT_CONCURRENCY` (outbox-postgres is an optional
+                // dependency here).
+                s.concurrency = 4;
+            }
             let ignored: Vec<&str> = [
                 (
                     "poll_interval",
                     args.poll_interval.is_some() || f.poll_interval.is_some(),
-                ),
-                (
-                    "concurrency",
-                    args.concurrency.is_some() || f.concurrency.is_some(),
                 ),
                 (
                     "drain_timeout",
@@ -816,7 +817,7 @@ impl RelaySettings {
             if !ignored.is_empty() {
                 tracing::warn!(
                     settings = ?ignored,
-                    "these settings do not apply to --source wal (commit order, one batch in flight, no claims): ignored"
+                    "these settings do not apply to --source wal (commit order, no claims): ignored"
                 );
             }
             if s.ordering == OrderingMode::PerKey {
@@ -910,6 +911,10 @@ impl RelaySettings {
             .with_connection_name("outbox-relay")
             .with_connect_timeout(self.connect_timeout)
             .with_confirm_timeout(self.confirm_timeout)
+            // A channel per batch published at once (concurrent batches on one
+            // channel wait for it), at least the builder's default 2, at most its
+            // limit of 256.
+            .with_channels(self.concurrency.clamp(2, 256))
             .build()?)
     }
 
@@ -1197,6 +1202,32 @@ mod tests {
             unreachable!("parsed relay")
         };
         RelaySettings::resolve(&cli, args, &FileConfig::default())
+    }
+
+    #[test]
+    fn the_wal_source_keeps_four_batches_in_flight_unless_told() {
+        assert_eq!(resolve_wal_relay(&[]).expect("valid").concurrency, 4);
+        let s = resolve_wal_relay(&["--concurrency", "1"]).expect("valid");
+        assert_eq!(s.concurrency, 1);
+        let e = resolve_wal_relay(&["--concurrency", "0"]).expect_err("at least one");
+        assert!(
+            e.is_bad_input() && e.to_string().contains("concurrency"),
+            "{e}"
+        );
+        #[cfg(feature = "rabbit")]
+        {
+            // A RabbitMQ channel per batch in flight (at least the default 2).
+            let s = resolve_wal_relay(&["--concurrency", "6"]).expect("valid");
+            assert_eq!(s.rabbit_config().expect("config").channels(), 6);
+            assert_eq!(
+                resolve_wal_relay(&["--concurrency", "1"])
+                    .expect("valid")
+                    .rabbit_config()
+                    .expect("config")
+                    .channels(),
+                2
+            );
+        }
     }
 
     #[test]

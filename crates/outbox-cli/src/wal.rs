@@ -43,7 +43,8 @@ pub(crate) async fn start(
         .with_crash_loop_limit(settings.crash_loop_limit)
         .with_per_key_order(settings.ordering == OrderingMode::PerKeySkip)
         .with_lease(settings.lease)
-        .with_linger(settings.wal_linger);
+        .with_linger(settings.wal_linger)
+        .with_concurrency(settings.concurrency);
     let store = Arc::new(store);
     let relay = WalRelay::new(
         (*store).clone(),

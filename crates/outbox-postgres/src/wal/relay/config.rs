@@ -22,6 +22,7 @@ pub struct WalRelayConfig {
     pub(super) per_key: bool,
     pub(super) lease: Duration,
     pub(super) linger: Duration,
+    pub(super) concurrency: usize,
 }
 
 impl WalRelayConfig {
@@ -39,7 +40,30 @@ impl WalRelayConfig {
             per_key: false,
             lease: Duration::from_secs(30),
             linger: Duration::ZERO,
+            concurrency: Self::DEFAULT_CONCURRENCY,
         }
+    }
+
+    /// Default [concurrency](Self::with_concurrency): 4 batches in flight.
+    pub const DEFAULT_CONCURRENCY: usize = 4;
+
+    /// Most batches published and not yet confirmed at once [default:
+    /// [`DEFAULT_CONCURRENCY`](Self::DEFAULT_CONCURRENCY); at least 1].
+    ///
+    /// Past a session's careful start, the relay publishes a batch by a task of its
+    /// own and goes on reading and publishing while the broker confirms it; outcomes
+    /// are handled and recorded in commit order, and the slot's position confirmed
+    /// behind them. A message committed while a batch waits for its confirm is then
+    /// published at once instead of after it (RabbitMQ confirms persistent messages
+    /// after its disk write). 1 publishes one batch at a time. With
+    /// [per-key order](Self::with_per_key_order), a batch holding a key that is in
+    /// flight waits until it is confirmed. A RabbitMQ publisher sends concurrent
+    /// batches on different channels (`RabbitConfigBuilder::with_channels`, 2 by
+    /// default): batches beyond its channels wait for one. docs/wal.md (How it works).
+    #[must_use]
+    pub fn with_concurrency(mut self, n: usize) -> Self {
+        self.concurrency = n.max(1);
+        self
     }
 
     /// Longest accepted [linger](Self::with_linger): 1 s.

@@ -539,9 +539,8 @@ impl<P: EventPublisher> WalRelay<P> {
         let Some(reason) = outage else {
             pipeline.handled();
             self.broker_back();
-            if !recording.settle().await? {
-                return Ok(false);
-            }
+            // Queued behind the recording in flight, if any: batches landing faster
+            // than PostgreSQL commits are recorded together.
             recording.start(
                 self.recorder(),
                 out,

@@ -1,6 +1,7 @@
 //! Batches in flight: once a session is past its careful start, a batch is published
 //! by a task of its own and the stream goes on reading, gathering and publishing the
-//! next batches while the broker confirms it (up to [`DEPTH`] batches in flight).
+//! next batches while the broker confirms it (up to `WalRelayConfig::with_concurrency`
+//! batches in flight, 4 by default).
 //!
 //! Before, each batch waited for the last one's confirms: to RabbitMQ, whose confirm of
 //! a persistent message follows its disk write (about 5 ms here, 15-20 ms in the tail),
@@ -32,11 +33,6 @@ use tokio::task::JoinHandle;
 
 use super::park::ParkedRow;
 
-/// Most batches published and not yet handled. A RabbitMQ publisher sends concurrent
-/// batches on different channels (2 by default): batches beyond its channels wait for
-/// one, in order.
-pub(super) const DEPTH: usize = 4;
-
 /// A batch published by a task of its own.
 pub(super) struct InFlight {
     /// Its place in launch order.
@@ -53,9 +49,10 @@ pub(super) struct InFlight {
 
 /// The batches in flight, oldest first. Dropped (the session ends), their tasks are
 /// aborted: what was not recorded is read again by the next session.
-#[derive(Default)]
 pub(super) struct Pipeline {
     batches: VecDeque<InFlight>,
+    /// Most batches in flight.
+    depth: usize,
     launched: u64,
     /// Keys parked by a failure while batches were in flight, and the last batch
     /// launched then: that batch and the ones before it were published without
@@ -64,13 +61,23 @@ pub(super) struct Pipeline {
 }
 
 impl Pipeline {
+    /// Up to `depth` batches in flight (at least 1).
+    pub(super) fn new(depth: usize) -> Self {
+        Self {
+            batches: VecDeque::new(),
+            depth: depth.max(1),
+            launched: 0,
+            failed: HashMap::new(),
+        }
+    }
+
     pub(super) fn is_empty(&self) -> bool {
         self.batches.is_empty()
     }
 
     /// Whether another batch must wait for the oldest to be handled.
     pub(super) fn is_full(&self) -> bool {
-        self.batches.len() >= DEPTH
+        self.batches.len() >= self.depth
     }
 
     /// Whether a batch in flight holds a message of one of `keys`.

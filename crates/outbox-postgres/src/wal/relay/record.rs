@@ -352,12 +352,16 @@ fn bind_token<'q>(
     }
 }
 
-/// The stream's last outcomes being recorded by a task of their own while the next
-/// batch is read and published: the table is written once per batch, and that write
-/// need not hold up the next publish.
+/// The stream's outcomes being recorded by a task of their own while the next
+/// batches are read and published: the table is written once per recording, and that
+/// write need not hold up the next publish.
 ///
-/// At most one recording is in flight, and every other record of the stream waits for
-/// it first ([`settle`](Self::settle)), so outcomes reach the table in stream order
+/// At most one recording is in flight. Outcomes started while it is (the batches in
+/// flight coming back, see `pipeline`) are queued and merged, and recorded together
+/// once it has ended ([`advance`](Self::advance), [`settle`](Self::settle)): a
+/// recording costs PostgreSQL a commit (a WAL flush), and batches landing faster than
+/// that no longer wait for each other's. Every other record of the stream waits for
+/// both first ([`settle`](Self::settle)), so outcomes reach the table in stream order
 /// (the sweeper sees a key's parked rows in order). The replication position is
 /// confirmed only once the recording holding it has ended (see `session`). Dropped
 /// (the session ends with an error), the task is aborted: what it did not record is
@@ -369,6 +373,19 @@ pub(super) struct Recording {
     upto: Option<Lsn>,
     /// A position whose recording ended, to confirm.
     settled: Option<Lsn>,
+    /// Outcomes waiting for the task in flight.
+    next: Option<Queued>,
+}
+
+/// Outcomes queued behind the recording in flight.
+#[derive(Debug)]
+struct Queued {
+    recorder: Recorder,
+    out: Outcomes,
+    keys: Vec<String>,
+    parked: Arc<Parked>,
+    shutdown: CancellationToken,
+    upto: Option<Lsn>,
 }
 
 impl Recording {
@@ -385,7 +402,8 @@ impl Recording {
     }
 
     /// Records `out` (the stream's, rows still `New`) in a task, then unregisters its
-    /// messages' `keys` from the stream. The previous recording must be settled.
+    /// messages' `keys` from the stream; queued behind the recording in flight, if
+    /// any.
     pub(super) fn start(
         &mut self,
         recorder: Recorder,
@@ -394,26 +412,66 @@ impl Recording {
         parked: Arc<Parked>,
         shutdown: CancellationToken,
     ) {
+        if self.task.is_none() {
+            self.spawn(Queued {
+                recorder,
+                out,
+                keys,
+                parked,
+                shutdown,
+                upto: None,
+            });
+            return;
+        }
+        match &mut self.next {
+            Some(q) => {
+                q.out.sent.extend(out.sent);
+                q.out.dead.extend(out.dead);
+                q.out.parked.extend(out.parked);
+                q.keys.extend(keys);
+            }
+            None => {
+                self.next = Some(Queued {
+                    recorder,
+                    out,
+                    keys,
+                    parked,
+                    shutdown,
+                    upto: None,
+                });
+            }
+        }
+    }
+
+    fn spawn(&mut self, q: Queued) {
         debug_assert!(self.task.is_none(), "one recording at a time");
-        self.upto = None;
+        self.upto = q.upto;
         self.task = Some(tokio::spawn(async move {
-            let recorded = recorder.record(&out, Whose::Pending, &shutdown).await?;
+            let recorded = q
+                .recorder
+                .record(&q.out, Whose::Pending, &q.shutdown)
+                .await?;
             if recorded {
-                parked.leave_stream(keys.iter().map(String::as_str));
+                q.parked.leave_stream(q.keys.iter().map(String::as_str));
             }
             Ok(recorded)
         }));
     }
 
-    /// Once the recording in flight ends, everything received up to `lsn` is handled.
+    /// Once the outcomes last started are recorded, everything received up to `lsn` is
+    /// handled.
     pub(super) fn holds(&mut self, lsn: Option<Lsn>) {
-        if lsn.is_some() {
-            self.upto = lsn;
+        if lsn.is_none() {
+            return;
+        }
+        match &mut self.next {
+            Some(q) => q.upto = lsn,
+            None => self.upto = lsn,
         }
     }
 
-    /// Everything received up to `lsn` is handled once the recording in flight (if
-    /// any) has ended, or now.
+    /// Everything received up to `lsn` is handled once the recordings in flight and
+    /// queued (if any) have ended, or now.
     pub(super) fn after(&mut self, lsn: Option<Lsn>) {
         if self.busy() {
             self.holds(lsn);
@@ -422,24 +480,64 @@ impl Recording {
         }
     }
 
-    /// Waits for the recording in flight (if any) to end. Cancel-safe (the task is
-    /// kept until it ended). `Ok(false)`: shutdown came first and the outcomes may not
-    /// all be recorded; an error of the task ends the session.
-    pub(super) async fn settle(&mut self) -> Result<bool, WalError> {
-        let Some(task) = self.task.as_mut() else {
-            return Ok(true);
-        };
-        let ended = task.await;
+    /// Takes the outcome of the task in flight, which has ended, and starts the
+    /// outcomes queued behind it. `Some`: the recording did not complete (shutdown came
+    /// first, or an error), and the queued outcomes are dropped.
+    fn ended_with(
+        &mut self,
+        ended: Result<Result<bool, WalError>, tokio::task::JoinError>,
+    ) -> Option<Result<bool, WalError>> {
         self.task = None;
         match ended {
             Ok(Ok(true)) => {
                 self.settled = self.upto.take().or(self.settled);
-                Ok(true)
+                if let Some(q) = self.next.take() {
+                    self.spawn(q);
+                }
+                None
             }
-            Ok(other) => other,
+            Ok(other) => {
+                self.next = None;
+                Some(other)
+            }
             Err(e) if e.is_panic() => std::panic::resume_unwind(e.into_panic()),
-            Err(_) => Ok(false),
+            Err(_) => {
+                self.next = None;
+                Some(Ok(false))
+            }
         }
+    }
+
+    /// Settles the recording in flight if it has ended and starts the outcomes queued
+    /// behind it; never waits for one still running. `Ok(false)` and errors: as
+    /// [`settle`](Self::settle).
+    pub(super) async fn advance(&mut self) -> Result<bool, WalError> {
+        if !self.ended() {
+            return Ok(true);
+        }
+        let Some(task) = self.task.as_mut() else {
+            return Ok(true);
+        };
+        // It has ended: this returns at once.
+        let ended = task.await;
+        match self.ended_with(ended) {
+            None => Ok(true),
+            Some(other) => other,
+        }
+    }
+
+    /// Waits for the recording in flight and the outcomes queued behind it (if any) to
+    /// be recorded. Cancel-safe (a task is kept until it ended). `Ok(false)`: shutdown
+    /// came first and the outcomes may not all be recorded; an error of the task ends
+    /// the session.
+    pub(super) async fn settle(&mut self) -> Result<bool, WalError> {
+        while let Some(task) = self.task.as_mut() {
+            let ended = task.await;
+            if let Some(other) = self.ended_with(ended) {
+                return other;
+            }
+        }
+        Ok(true)
     }
 
     /// The position of the recordings that ended since the last call, to confirm.

@@ -150,8 +150,18 @@ impl<P: EventPublisher> WalRelay<P> {
         // published: the position is confirmed once they are.
         let mut recording = Recording::default();
         // Batches published and not yet handled (see `pipeline`).
-        let mut pipeline = Pipeline::default();
+        let mut pipeline = Pipeline::new(self.config.concurrency);
         loop {
+            // A recording that ended is settled and the outcomes queued behind it go.
+            if recording.ended() {
+                if !recording.advance().await? {
+                    self.finish(client, recording.take_settled()).await;
+                    return Ok(());
+                }
+                if let Some(lsn) = recording.take_settled() {
+                    client.update_applied_lsn(lsn);
+                }
+            }
             // Batches whose publish came back are handled first, oldest first.
             while pipeline.front_finished() {
                 let (landed, outcomes) = pipeline.landed().await;
