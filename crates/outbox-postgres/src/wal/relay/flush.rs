@@ -87,7 +87,7 @@ impl<P: EventPublisher> WalRelay<P> {
                 .collect();
             let keys: Vec<String> = messages.iter().map(order_key).collect();
             // Room in the pipeline; with per-key order, no key of the batch in flight.
-            while pipeline.is_full() || (self.config.per_key && pipeline.holds_any(&keys)) {
+            while pipeline.is_full() || pipeline.holds_any(&keys) {
                 let (landed, outcomes) = pipeline.landed().await;
                 if !self
                     .land(

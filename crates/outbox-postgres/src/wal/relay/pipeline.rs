@@ -53,6 +53,8 @@ pub(super) struct Pipeline {
     batches: VecDeque<InFlight>,
     /// Most batches in flight.
     depth: usize,
+    /// With per-key order: the messages in flight per ordering key.
+    keys: Option<HashMap<String, usize>>,
     launched: u64,
     /// Keys parked by a failure while batches were in flight, and the last batch
     /// launched then: that batch and the ones before it were published without
@@ -61,11 +63,13 @@ pub(super) struct Pipeline {
 }
 
 impl Pipeline {
-    /// Up to `depth` batches in flight (at least 1).
-    pub(super) fn new(depth: usize) -> Self {
+    /// Up to `depth` batches in flight (at least 1); with `per_key` order, the keys in
+    /// flight are counted for [`holds_any`](Self::holds_any).
+    pub(super) fn new(depth: usize, per_key: bool) -> Self {
         Self {
             batches: VecDeque::new(),
             depth: depth.max(1),
+            keys: per_key.then(HashMap::new),
             launched: 0,
             failed: HashMap::new(),
         }
@@ -80,12 +84,28 @@ impl Pipeline {
         self.batches.len() >= self.depth
     }
 
-    /// Whether a batch in flight holds a message of one of `keys`.
+    /// Whether a batch in flight holds a message of one of `keys` (per-key order
+    /// only: otherwise `false`).
     pub(super) fn holds_any(&self, keys: &[String]) -> bool {
-        !self.batches.is_empty()
-            && keys
-                .iter()
-                .any(|k| self.batches.iter().any(|b| b.keys.contains(k)))
+        self.keys
+            .as_ref()
+            .is_some_and(|counts| !counts.is_empty() && keys.iter().any(|k| counts.contains_key(k)))
+    }
+
+    fn count(&mut self, keys: &[String], up: bool) {
+        let Some(counts) = self.keys.as_mut() else {
+            return;
+        };
+        for k in keys {
+            if up {
+                *counts.entry(k.clone()).or_default() += 1;
+            } else if let Some(n) = counts.get_mut(k) {
+                *n -= 1;
+                if *n == 0 {
+                    counts.remove(k);
+                }
+            }
+        }
     }
 
     /// Whether the oldest batch's publish has come back.
@@ -103,6 +123,7 @@ impl Pipeline {
         task: JoinHandle<Vec<Option<PublishOutcome>>>,
     ) {
         self.launched += 1;
+        self.count(&keys, true);
         self.batches.push_back(InFlight {
             seq: self.launched,
             messages,
@@ -125,6 +146,7 @@ impl Pipeline {
             .batches
             .pop_front()
             .unwrap_or_else(|| unreachable!("the front batch was just awaited"));
+        self.count(&batch.keys, false);
         let outcomes = match joined {
             Ok(outcomes) => outcomes,
             Err(e) if e.is_panic() => std::panic::resume_unwind(e.into_panic()),
@@ -156,6 +178,9 @@ impl Pipeline {
     /// Takes every batch in flight out, oldest first (an outage: see `land`).
     pub(super) fn take_all(&mut self) -> Vec<InFlight> {
         self.failed.clear();
+        if let Some(counts) = self.keys.as_mut() {
+            counts.clear();
+        }
         self.batches.drain(..).collect()
     }
 }
