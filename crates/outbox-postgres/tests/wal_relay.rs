@@ -41,7 +41,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use common::database_url;
-use common::wal::WalOutbox;
+use common::wal::{HoldBatch, WalOutbox};
 use outbox_core::conformance::keyed;
 use outbox_core::{
     EventPublisher, MessageStatus, OutboxMessage, OutboxStore as _, PublishError, PublishOutcome,
@@ -644,38 +644,6 @@ async fn a_row_spoiled_in_its_own_transaction_is_dead<B: Broker>() {
     broker.cleanup().await;
 }
 
-/// Holds the first batch holding `victim` until `release` is notified (`held` is
-/// notified when it starts holding), then publishes it through `inner`.
-struct Hold<P> {
-    inner: P,
-    victim: Uuid,
-    fired: std::sync::atomic::AtomicBool,
-    held: tokio::sync::Notify,
-    release: tokio::sync::Notify,
-}
-
-#[async_trait::async_trait]
-impl<P: EventPublisher> EventPublisher for Hold<P> {
-    async fn publish_batch(&self, messages: &[OutboxMessage]) -> Vec<PublishOutcome> {
-        if messages.iter().any(|m| m.id == self.victim)
-            && !self.fired.swap(true, std::sync::atomic::Ordering::SeqCst)
-        {
-            self.held.notify_one();
-            self.release.notified().await;
-        }
-        self.inner.publish_batch(messages).await
-    }
-
-    fn publish_timeout(&self) -> Option<Duration> {
-        // The hold is the test's, not an outage.
-        None
-    }
-
-    async fn check_ready(&self) -> Result<(), PublishError> {
-        self.inner.check_ready().await
-    }
-}
-
 /// Batches in flight (the pipeline), without per-key order: while `k`'s first
 /// message is being published (held), its next three, each in a transaction of its
 /// own, are published too; then the first fails (transiently). The three, taken by the
@@ -689,13 +657,10 @@ async fn a_failure_in_flight_parks_its_key_in_the_later_batches<B: Broker>() {
     let log = Arc::clone(broker.arrivals());
     let msgs = keyed(&["k"], 4, "Ordered");
     let victim = msgs[0].id;
-    let publisher = Arc::new(Hold {
-        inner: Faulty::new(broker.publisher().await, &[(victim, false, 1)]),
+    let publisher = Arc::new(HoldBatch::new(
+        Faulty::new(broker.publisher().await, &[(victim, false, 1)]),
         victim,
-        fired: std::sync::atomic::AtomicBool::new(false),
-        held: tokio::sync::Notify::new(),
-        release: tokio::sync::Notify::new(),
-    });
+    ));
     let token = CancellationToken::new();
     // Batches of 10: past the careful start (as many messages as a batch) with the
     // warm-up, unordered (the default).

@@ -28,7 +28,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use common::database_url;
-use common::wal::WalOutbox;
+use common::wal::{HoldBatch, WalOutbox};
 use lapin::BasicProperties;
 use lapin::options::{
     BasicPublishOptions, QueueBindOptions, QueueDeclareOptions, QueueDeleteOptions,
@@ -41,7 +41,6 @@ use outbox_core::{
 use outbox_postgres::wal::WalRelayConfig;
 use outbox_testkit::faults::{self, PgStopped, RabbitMemoryAlarm};
 use outbox_testkit::rabbit::{DropExchange, amqp_url, eventually, reject_when_full, relay_fixture};
-use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
 use transport_rabbit::{RabbitConfig, RabbitPublisher};
 use uuid::Uuid;
@@ -361,37 +360,6 @@ async fn an_outage_meets_the_batches_in_flight_and_loses_none() {
     assert_eq!(stats.dead, 0, "{stats:?}");
 }
 
-/// Publishes through RabbitMQ, but holds the first batch holding `trigger` until
-/// `release` is notified (`held` is notified when it starts holding).
-struct HoldBatch {
-    inner: Arc<RabbitPublisher>,
-    trigger: Uuid,
-    fired: AtomicBool,
-    held: Arc<Notify>,
-    release: Arc<Notify>,
-}
-
-#[async_trait::async_trait]
-impl EventPublisher for HoldBatch {
-    async fn publish_batch(&self, messages: &[OutboxMessage]) -> Vec<PublishOutcome> {
-        if messages.iter().any(|m| m.id == self.trigger) && !self.fired.swap(true, Ordering::SeqCst)
-        {
-            self.held.notify_one();
-            self.release.notified().await;
-        }
-        self.inner.publish_batch(messages).await
-    }
-
-    fn publish_timeout(&self) -> Option<Duration> {
-        // The hold is the test's, not an outage.
-        None
-    }
-
-    async fn check_ready(&self) -> Result<(), PublishError> {
-        self.inner.check_ready().await
-    }
-}
-
 /// Whether a new connection to PostgreSQL is refused (the server is shutting down or
 /// down).
 async fn refuses_connections() -> bool {
@@ -416,19 +384,12 @@ async fn a_server_shutting_down_waits_no_longer_than_the_record_hold() {
     let _drop_exchange = DropExchange::new(&amqp_url(), &fx.exchange);
     let publisher = publisher(&fx.exchange).await;
     let batch: Vec<NewMessage> = (0..5).map(|i| message(&format!("b{i}"), "main")).collect();
-    let (held, release) = (Arc::new(Notify::new()), Arc::new(Notify::new()));
-    let publisher = Arc::new(HoldBatch {
-        inner: Arc::new(publisher),
-        trigger: batch[0].id,
-        fired: AtomicBool::new(false),
-        held: Arc::clone(&held),
-        release: Arc::clone(&release),
-    });
+    let publisher = Arc::new(HoldBatch::new(publisher, batch[0].id));
     let token = CancellationToken::new();
-    let relay = start_warmed(&w, publisher, &token).await;
+    let relay = start_warmed(&w, Arc::clone(&publisher), &token).await;
 
     w.enqueue(&batch).await;
-    tokio::time::timeout(Duration::from_secs(30), held.notified())
+    tokio::time::timeout(Duration::from_secs(30), publisher.held.notified())
         .await
         .expect("the batch is being published");
     let stop = tokio::task::spawn_blocking(|| {
@@ -438,7 +399,7 @@ async fn a_server_shutting_down_waits_no_longer_than_the_record_hold() {
     });
     let shutting_down = eventually(Duration::from_secs(30), refuses_connections).await;
     // The publish ends now: its outcomes cannot be recorded.
-    release.notify_one();
+    publisher.release.notify_one();
     let (stopped, took) = stop.await.expect("the stop");
     assert!(
         shutting_down,

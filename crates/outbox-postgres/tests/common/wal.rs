@@ -64,3 +64,46 @@ impl Drop for WalOutbox {
         );
     }
 }
+
+/// Publishes through `inner`, but holds the first batch holding `trigger` until
+/// `release` is notified (`held` is notified when it starts holding). Its publish
+/// timeout is none: the hold is the test's, not an outage.
+pub struct HoldBatch<P> {
+    inner: P,
+    trigger: uuid::Uuid,
+    fired: std::sync::atomic::AtomicBool,
+    pub held: tokio::sync::Notify,
+    pub release: tokio::sync::Notify,
+}
+
+impl<P> HoldBatch<P> {
+    pub fn new(inner: P, trigger: uuid::Uuid) -> Self {
+        Self {
+            inner,
+            trigger,
+            fired: std::sync::atomic::AtomicBool::new(false),
+            held: tokio::sync::Notify::new(),
+            release: tokio::sync::Notify::new(),
+        }
+    }
+}
+
+#[async_trait::async_trait]
+impl<P: EventPublisher> EventPublisher for HoldBatch<P> {
+    async fn publish_batch(
+        &self,
+        messages: &[outbox_core::OutboxMessage],
+    ) -> Vec<outbox_core::PublishOutcome> {
+        if messages.iter().any(|m| m.id == self.trigger)
+            && !self.fired.swap(true, std::sync::atomic::Ordering::SeqCst)
+        {
+            self.held.notify_one();
+            self.release.notified().await;
+        }
+        self.inner.publish_batch(messages).await
+    }
+
+    async fn check_ready(&self) -> Result<(), outbox_core::PublishError> {
+        self.inner.check_ready().await
+    }
+}

@@ -88,11 +88,8 @@ impl<P: EventPublisher> WalRelay<P> {
             let keys: Vec<String> = messages.iter().map(order_key).collect();
             // Room in the pipeline; with per-key order, no key of the batch in flight.
             while pipeline.is_full() || pipeline.holds_any(&keys) {
-                let (landed, outcomes) = pipeline.landed().await;
                 if !self
-                    .land(
-                        landed, outcomes, pipeline, state, parked, recording, shutdown,
-                    )
+                    .land_next(pipeline, state, parked, recording, shutdown)
                     .await?
                 {
                     return Ok(false);
@@ -599,17 +596,30 @@ impl<P: EventPublisher> WalRelay<P> {
         shutdown: &CancellationToken,
     ) -> Result<bool, WalError> {
         while !pipeline.is_empty() {
-            let (batch, outcomes) = pipeline.landed().await;
             if !self
-                .land(
-                    batch, outcomes, pipeline, state, parked, recording, shutdown,
-                )
+                .land_next(pipeline, state, parked, recording, shutdown)
                 .await?
             {
                 return Ok(false);
             }
         }
         Ok(true)
+    }
+
+    /// Waits for the oldest batch in flight to come back and handles it ([`land`](Self::land)).
+    pub(super) async fn land_next(
+        &self,
+        pipeline: &mut Pipeline,
+        state: &mut SessionStart,
+        parked: &Arc<Parked>,
+        recording: &mut Recording,
+        shutdown: &CancellationToken,
+    ) -> Result<bool, WalError> {
+        let (batch, outcomes) = pipeline.landed().await;
+        self.land(
+            batch, outcomes, pipeline, state, parked, recording, shutdown,
+        )
+        .await
     }
 }
 

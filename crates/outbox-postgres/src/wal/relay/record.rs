@@ -412,34 +412,26 @@ impl Recording {
         parked: Arc<Parked>,
         shutdown: CancellationToken,
     ) {
+        let queued = Queued {
+            recorder,
+            out,
+            keys,
+            parked,
+            shutdown,
+            upto: None,
+        };
         if self.task.is_none() {
-            self.spawn(Queued {
-                recorder,
-                out,
-                keys,
-                parked,
-                shutdown,
-                upto: None,
-            });
+            self.spawn(queued);
             return;
         }
         match &mut self.next {
             Some(q) => {
-                q.out.sent.extend(out.sent);
-                q.out.dead.extend(out.dead);
-                q.out.parked.extend(out.parked);
-                q.keys.extend(keys);
+                q.out.sent.extend(queued.out.sent);
+                q.out.dead.extend(queued.out.dead);
+                q.out.parked.extend(queued.out.parked);
+                q.keys.extend(queued.keys);
             }
-            None => {
-                self.next = Some(Queued {
-                    recorder,
-                    out,
-                    keys,
-                    parked,
-                    shutdown,
-                    upto: None,
-                });
-            }
+            None => self.next = Some(queued),
         }
     }
 

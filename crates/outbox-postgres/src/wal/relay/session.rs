@@ -164,11 +164,9 @@ impl<P: EventPublisher> WalRelay<P> {
             }
             // Batches whose publish came back are handled first, oldest first.
             while pipeline.front_finished() {
-                let (landed, outcomes) = pipeline.landed().await;
+                // (It has come back: no wait.)
                 if !self
-                    .land(
-                        landed,
-                        outcomes,
+                    .land_next(
                         &mut pipeline,
                         &mut start_state,
                         parked,
