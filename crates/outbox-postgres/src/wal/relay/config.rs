@@ -102,8 +102,10 @@ impl WalRelayConfig {
     ///
     /// Off, a batch is published as one pipelined call in commit order: when one
     /// message fails (its destination refuses it, a transient error) while a later
-    /// message of its key in the same call is confirmed, that later one arrives first
-    /// (and again after it). On, each call holds at most one message per key (waves,
+    /// message of its key in the same call, or in a batch in flight beside it (see
+    /// [`with_concurrency`](Self::with_concurrency)), is confirmed, that later one
+    /// arrives first (and again after it, unless the broker drops the republish as a
+    /// duplicate: JetStream within its window). On, each call holds at most one message per key (waves,
     /// as the polling relay's `Ordering::PerKey`), so a key's next message is published
     /// only after the previous one was confirmed: first deliveries are in order per
     /// key, at the cost of one broker round trip per message of a key (a batch of one
