@@ -372,15 +372,9 @@ impl<P: EventPublisher> WalRelay<P> {
             Some(PublishOutcome::Published) => out.sent.push(m.id),
             Some(PublishOutcome::Permanent(e)) => dead_for_good(m, &e, out),
             Some(o) if o.is_refused_by_destination() => {
-                let delay = parked.refused(m.effective_routing_key());
-                outbox_core::metrics::deferred(&m.event_type);
+                out.parked
+                    .push(parked.refusal(m, m.effective_routing_key(), &o));
                 parked.park_key(key);
-                out.parked.push(ParkedRow {
-                    id: m.id,
-                    delay,
-                    charge: false,
-                    error: Some(outcome_text(&o)),
-                });
                 return Judged::Parked;
             }
             Some(PublishOutcome::Transient(e)) if e.kind() != ErrorKind::Unavailable => {

@@ -212,6 +212,25 @@ impl Parked {
         }
     }
 
+    /// `m`'s destination `destination` refused it (`outcome`): the destination's
+    /// circuit opens or its delay doubles (see [`refused`](Self::refused)), and `m` is
+    /// to be parked for that long, uncharged.
+    pub(super) fn refusal(
+        &self,
+        m: &OutboxMessage,
+        destination: &str,
+        outcome: &PublishOutcome,
+    ) -> ParkedRow {
+        let delay = self.refused(destination);
+        outbox_core::metrics::deferred(&m.event_type);
+        ParkedRow {
+            id: m.id,
+            delay,
+            charge: false,
+            error: Some(outcome_text(outcome)),
+        }
+    }
+
     /// `destination` refused a message: its circuit opens, or its delay doubles.
     /// Returns how long its messages are held back.
     pub(super) fn refused(&self, destination: &str) -> Duration {
@@ -421,15 +440,8 @@ impl<P: EventPublisher> WalRelay<P> {
                     }
                     Some(PublishOutcome::Permanent(e)) => dead_for_good(m, &e, &mut out),
                     Some(o) if o.is_refused_by_destination() => {
-                        let delay = parked.refused(dest);
-                        outbox_core::metrics::deferred(&m.event_type);
                         stopped.insert(key);
-                        out.parked.push(ParkedRow {
-                            id: m.id,
-                            delay,
-                            charge: false,
-                            error: Some(outcome_text(&o)),
-                        });
+                        out.parked.push(parked.refusal(m, dest, &o));
                     }
                     Some(PublishOutcome::Transient(e)) if e.kind() != ErrorKind::Unavailable => {
                         stopped.insert(key);
