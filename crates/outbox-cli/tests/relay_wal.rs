@@ -38,6 +38,11 @@
 //!   nothing;
 //! - (h) over NATS JetStream, the relay killed mid-run and restarted: the stream holds
 //!   every message exactly once (`Nats-Msg-Id` deduplication absorbs repeats).
+//! - (p) `outbox wal setup --failover`: a failover slot from PostgreSQL 17 on; before
+//!   17 a typed refusal that creates nothing (this machine's server is 15: only the
+//!   refusal runs here);
+//! - (q) a slot created without failover is neither dropped nor changed by a later
+//!   `setup --failover`.
 //!
 //! Each test has a schema, a slot and a publication of its own; a guard drops all three
 //! when the test ends, also when it panics (a forgotten slot retains WAL forever). The
@@ -1161,4 +1166,61 @@ async fn o_a_commit_not_yet_visible_is_recorded_once_it_is() {
     let mut relay = relay;
     assert!(relay.exited_within(Duration::from_secs(15)).await.is_some());
     fx.delete_exchange().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn p_a_failover_slot_is_created_from_postgresql_17_and_refused_before() {
+    let db = fresh_outbox().await;
+    let _cleanup = WalCleanup {
+        schema: db.schema().to_owned(),
+    };
+    let version = scalar(&db, "SELECT current_setting('server_version_num')::bigint").await;
+    let (ok, out) = wal_command(&db, &["setup", "--failover"]);
+    let (_, status) = wal_command(&db, &["status", "--json"]);
+    let status: serde_json::Value = serde_json::from_str(&status).expect(&status);
+    if version < 170_000 {
+        assert!(
+            !ok && out.contains("PostgreSQL 17") && out.contains("nothing was created"),
+            "a clear refusal: {out}"
+        );
+        assert_eq!(status["slot_exists"], false, "{status}");
+        assert_eq!(status["publication_exists"], false, "{status}");
+        assert_eq!(status["notify_trigger_enabled"], true, "{status}");
+        // Without --failover the same setup goes through; the slot says it has none.
+        let (ok, out) = wal_command(&db, &["setup"]);
+        assert!(ok, "{out}");
+        let (_, status) = wal_command(&db, &["status"]);
+        assert!(status.contains("failover slot:        -"), "{status}");
+    } else {
+        assert!(ok && out.contains("(failover)"), "{out}");
+        assert_eq!(status["failover"], true, "{status}");
+        // Asked again of the slot it created: nothing to do.
+        let (ok, out) = wal_command(&db, &["setup", "--failover"]);
+        assert!(ok && out.contains("exists (failover)"), "{out}");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn q_failover_is_not_set_behind_the_operators_back() {
+    // A slot created without failover is neither dropped nor changed by a later
+    // `setup --failover` (a new slot would start at the current position).
+    let (db, _cleanup) = wal_outbox().await;
+    let version = scalar(&db, "SELECT current_setting('server_version_num')::bigint").await;
+    let before = scalar(
+        &db,
+        "SELECT count(*) FROM pg_replication_slots WHERE slot_name = '{s}_outbox'",
+    )
+    .await;
+    assert_eq!(before, 1);
+    let (ok, out) = wal_command(&db, &["setup", "--failover"]);
+    assert!(!ok, "{out}");
+    if version >= 170_000 {
+        assert!(out.contains("ALTER_REPLICATION_SLOT"), "{out}");
+    } else {
+        assert!(out.contains("PostgreSQL 17"), "{out}");
+    }
+    let (_, status) = wal_command(&db, &["status", "--json"]);
+    let status: serde_json::Value = serde_json::from_str(&status).expect(&status);
+    assert_eq!(status["slot_exists"], true, "{status}");
+    assert_ne!(status["failover"], true, "{status}");
 }

@@ -29,6 +29,11 @@ pub(crate) enum WalCommand {
         /// Slot and publication names.
         #[command(flatten)]
         wal: WalArgs,
+        /// Create a failover slot, copied to standbys with sync_replication_slots = on
+        /// (PostgreSQL 17 or later; refused before 17, and for a slot that exists
+        /// without it). See docs/wal.md, Failover.
+        #[arg(long)]
+        failover: bool,
         /// Print JSON.
         #[arg(long)]
         json: bool,
@@ -94,7 +99,10 @@ pub(crate) async fn run(
                 .into(),
         });
     }
-    let config = wal_config(&db.schema, wal.slot.as_deref(), wal.publication.as_deref())?;
+    let mut config = wal_config(&db.schema, wal.slot.as_deref(), wal.publication.as_deref())?;
+    if let WalCommand::Setup { failover, .. } = command {
+        config = config.with_failover(*failover);
+    }
     let outbox =
         outbox_postgres::PgOutbox::connect(&db.pg_config().with_max_connections(2)).await?;
     match command {
@@ -114,7 +122,17 @@ pub(crate) async fn run(
                     config.publication(),
                     done(report.publication_created)
                 )?;
-                writeln!(out, "slot {}: {}", config.slot(), done(report.slot_created))?;
+                writeln!(
+                    out,
+                    "slot {}: {}{}",
+                    config.slot(),
+                    done(report.slot_created),
+                    if report.failover == Some(true) {
+                        " (failover)"
+                    } else {
+                        ""
+                    }
+                )?;
                 if report.notify_trigger_disabled {
                     writeln!(
                         out,
@@ -167,6 +185,15 @@ pub(crate) async fn run(
                     out,
                     "wal_status:           {}",
                     or_dash(s.wal_status.clone())
+                )?;
+                writeln!(
+                    out,
+                    "failover slot:        {}",
+                    match s.failover {
+                        Some(true) => "yes",
+                        Some(false) => "no",
+                        None => "-",
+                    }
                 )?;
                 writeln!(
                     out,

@@ -63,6 +63,9 @@ pub struct SlotStatus {
     /// PostgreSQL's `wal_status` of the slot (`reserved`, `extended`, `unreserved`,
     /// `lost`).
     pub wal_status: Option<String>,
+    /// Whether the slot is a failover slot, copied to standbys that synchronize slots
+    /// (`None`: no slot, or a server before PostgreSQL 17, which has none).
+    pub failover: Option<bool>,
     /// The publication's name.
     pub publication: String,
     /// Whether the publication exists.
@@ -80,6 +83,8 @@ pub struct SetupReport {
     pub publication_created: bool,
     /// The slot was created now (else it existed).
     pub slot_created: bool,
+    /// Whether the slot is a failover slot (`None`: a server before PostgreSQL 17).
+    pub failover: Option<bool>,
     /// The NOTIFY trigger was disabled now.
     pub notify_trigger_disabled: bool,
     /// Messages pending in the table (New or Processing). When the slot was just
@@ -88,11 +93,14 @@ pub struct SetupReport {
     pub pending_in_table: i64,
 }
 
+/// The slot's row of `pg_replication_slots`. Its `failover` column (PostgreSQL 17) is
+/// read through `to_jsonb` so that the statement also runs on earlier servers (NULL).
 async fn slot_row(pool: &PgPool, slot: &str) -> Result<Option<sqlx::postgres::PgRow>, WalError> {
     Ok(sqlx::query(
         "SELECT plugin::text AS plugin, active_pid, confirmed_flush_lsn::text AS confirmed, \
-         (pg_current_wal_lsn() - confirmed_flush_lsn)::bigint AS retained, wal_status \
-         FROM pg_replication_slots WHERE slot_name = $1",
+         (pg_current_wal_lsn() - confirmed_flush_lsn)::bigint AS retained, wal_status, \
+         (to_jsonb(s) ->> 'failover')::bool AS failover \
+         FROM pg_replication_slots s WHERE slot_name = $1",
     )
     .bind(slot)
     .fetch_optional(pool)
@@ -214,6 +222,10 @@ pub async fn status(outbox: &PgOutbox, wal: &WalConfig) -> Result<SlotStatus, Wa
             None => None,
         },
         wal_status: get("wal_status")?,
+        failover: match &row {
+            Some(r) => r.try_get("failover").map_err(db("wal slot"))?,
+            None => None,
+        },
         publication: wal.publication().to_owned(),
         publication_exists: publication_exists(pool, wal.publication()).await?,
         notify_trigger_enabled: trigger_enabled(outbox).await?,
@@ -222,15 +234,38 @@ pub async fn status(outbox: &PgOutbox, wal: &WalConfig) -> Result<SlotStatus, Wa
 
 /// Creates the publication (on the outbox table, inserts and updates: an update back
 /// to `New` is a replayed dead letter), then the slot (`pgoutput`; after the
-/// publication, so that the slot's first change already sees it), and disables the
-/// polling relay's NOTIFY trigger (the producers' commit cost it exists for). Each
-/// step is skipped when already done.
+/// publication, so that the slot's first change already sees it; a failover slot with
+/// [`WalConfig::with_failover`]), and disables the polling relay's NOTIFY trigger (the
+/// producers' commit cost it exists for). Each step is skipped when already done.
 ///
 /// # Errors
-/// [`WalError::WalLevel`] unless `wal_level = logical`; [`WalError::Store`].
+/// [`WalError::WalLevel`] unless `wal_level = logical`; with
+/// [`WalConfig::with_failover`], [`WalError::FailoverUnsupported`] before PostgreSQL 17
+/// and [`WalError::FailoverOff`] when the slot exists without it (both before anything
+/// is created); [`WalError::Store`].
 pub async fn setup(outbox: &PgOutbox, wal: &WalConfig) -> Result<SetupReport, WalError> {
     let pool = outbox.pool();
     require_logical(pool).await?;
+    let existing = slot_row(pool, wal.slot()).await?;
+    if wal.failover() {
+        let (version_num, server_version): (i32, String) = sqlx::query_as(
+            "SELECT current_setting('server_version_num')::int, current_setting('server_version')",
+        )
+        .fetch_one(pool)
+        .await
+        .map_err(db("wal setup"))?;
+        if version_num < 170_000 {
+            return Err(WalError::FailoverUnsupported { server_version });
+        }
+        if let Some(row) = &existing {
+            let failover: Option<bool> = row.try_get("failover").map_err(db("wal slot"))?;
+            if failover != Some(true) {
+                return Err(WalError::FailoverOff {
+                    slot: wal.slot().to_owned(),
+                });
+            }
+        }
+    }
     let publication_created = if publication_exists(pool, wal.publication()).await? {
         false
     } else {
@@ -245,15 +280,25 @@ pub async fn setup(outbox: &PgOutbox, wal: &WalConfig) -> Result<SetupReport, Wa
             .map_err(db("wal setup publication"))?;
         true
     };
-    let slot_created = if slot_row(pool, wal.slot()).await?.is_some() {
+    let slot_created = if existing.is_some() {
         false
     } else {
-        sqlx::query("SELECT pg_create_logical_replication_slot($1, 'pgoutput')")
+        // PostgreSQL 17's signature: (slot_name, plugin, temporary, twophase, failover).
+        let create = if wal.failover() {
+            "SELECT pg_create_logical_replication_slot($1, 'pgoutput', false, false, true)"
+        } else {
+            "SELECT pg_create_logical_replication_slot($1, 'pgoutput')"
+        };
+        sqlx::query(create)
             .bind(wal.slot())
             .execute(pool)
             .await
             .map_err(db("wal setup slot"))?;
         true
+    };
+    let failover: Option<bool> = match slot_row(pool, wal.slot()).await? {
+        Some(row) => row.try_get("failover").map_err(db("wal slot"))?,
+        None => None,
     };
     let notify_trigger_disabled = if trigger_enabled(outbox).await? == Some(true) {
         set_trigger(outbox, false).await?;
@@ -271,6 +316,7 @@ pub async fn setup(outbox: &PgOutbox, wal: &WalConfig) -> Result<SetupReport, Wa
     Ok(SetupReport {
         publication_created,
         slot_created,
+        failover,
         notify_trigger_disabled,
         pending_in_table,
     })

@@ -32,6 +32,7 @@ pub struct WalConfig {
     slot: String,
     publication: String,
     status_interval: Duration,
+    failover: bool,
 }
 
 impl WalConfig {
@@ -44,6 +45,7 @@ impl WalConfig {
             slot: name.clone(),
             publication: name,
             status_interval: Duration::from_secs(1),
+            failover: false,
         }
     }
 
@@ -66,6 +68,19 @@ impl WalConfig {
     #[must_use]
     pub fn with_status_interval(mut self, interval: Duration) -> Self {
         self.status_interval = interval.max(Duration::from_millis(10));
+        self
+    }
+
+    /// Whether [`setup`] creates the slot as a failover slot [default: `false`]: on
+    /// PostgreSQL 17 and later, a slot created with `failover = true` is copied to
+    /// standbys that set `sync_replication_slots = on`, so that after a failover the
+    /// promoted standby has the slot at (or before) the position the relay confirmed
+    /// (PostgreSQL 17 documentation, "Logical Replication Failover"). Earlier servers
+    /// have no such slots: [`setup`] fails with [`WalError::FailoverUnsupported`].
+    /// The relay itself reads a failover slot like any other.
+    #[must_use]
+    pub fn with_failover(mut self, failover: bool) -> Self {
+        self.failover = failover;
         self
     }
 
@@ -99,6 +114,11 @@ impl WalConfig {
     /// The publication's name.
     pub fn publication(&self) -> &str {
         &self.publication
+    }
+
+    /// Whether [`setup`] creates a failover slot ([`with_failover`](Self::with_failover)).
+    pub fn failover(&self) -> bool {
+        self.failover
     }
 }
 
@@ -137,6 +157,26 @@ pub enum WalError {
         slot: String,
         /// Its output plugin.
         plugin: String,
+    },
+    /// A failover slot was asked for ([`WalConfig::with_failover`]) from a server
+    /// before PostgreSQL 17, which has none. Nothing was created.
+    #[error(
+        "failover slots need PostgreSQL 17 or later, this server is {server_version}: nothing was created; before 17 a slot exists only on the primary (docs/wal.md, Failover)"
+    )]
+    FailoverUnsupported {
+        /// The server's `server_version`.
+        server_version: String,
+    },
+    /// A failover slot was asked for but the slot exists without `failover`. It is not
+    /// dropped and created again (a new slot starts at the current position): change it
+    /// over a replication connection, `ALTER_REPLICATION_SLOT {slot} (FAILOVER true)`
+    /// (PostgreSQL 17, streaming replication protocol).
+    #[error(
+        "replication slot {slot:?} exists without failover: set it over a replication connection, e.g. psql \"dbname=... replication=database\" -c 'ALTER_REPLICATION_SLOT {slot} (FAILOVER true)' (dropping and creating it again would start it at the current position)"
+    )]
+    FailoverOff {
+        /// The slot.
+        slot: String,
     },
     /// Another session reads the slot (`outbox wal drop` without `--force`).
     #[error("replication slot {slot:?} is in use by the backend with pid {pid}")]
