@@ -387,6 +387,46 @@ fn latencies(
     })
 }
 
+/// Writes `{dir}/{aggregate}.csv` (`BENCH_LATENCY_DUMP=dir`): one line per message,
+/// in seconds since the Unix epoch, `created` (the row's `created_at`, the producer's
+/// transaction start), `returned` (its commit returned to the producer), `received`
+/// (a subscriber of the broker got it) and `sent` (the relay recorded it); an empty
+/// field when not known. For looking at a tail: when its messages were committed,
+/// whether they come together.
+fn dump(
+    dir: &std::path::Path,
+    aggregate: &str,
+    rows: &[SentRow],
+    committed: &HashMap<u64, SystemTime>,
+    received: &HashMap<Uuid, SystemTime>,
+) -> anyhow::Result<()> {
+    use std::fmt::Write as _;
+    let secs = |at: Option<&SystemTime>| {
+        at.and_then(|at| at.duration_since(SystemTime::UNIX_EPOCH).ok())
+            .map(|d| format!("{:.6}", d.as_secs_f64()))
+            .unwrap_or_default()
+    };
+    let mut csv = String::from("created,returned,received,sent\n");
+    for row in rows {
+        let returned = row
+            .number
+            .parse::<u64>()
+            .ok()
+            .and_then(|i| committed.get(&i));
+        let _ = writeln!(
+            csv,
+            "{:.6},{},{},{:.6}",
+            row.created,
+            secs(returned),
+            secs(received.get(&row.id)),
+            row.sent
+        );
+    }
+    std::fs::create_dir_all(dir)?;
+    let path = dir.join(format!("{aggregate}.csv"));
+    std::fs::write(&path, csv).with_context(|| format!("write {}", path.display()))
+}
+
 /// The latency phase's outbox, in a database of its own: PostgreSQL counts
 /// transactions per database, so the idle relay's are counted apart from any other
 /// client's.
@@ -622,6 +662,9 @@ async fn rate_phase(
     };
     let received = receipts.finish(&ids).await;
     let (behind, committed, rows) = produced?;
+    if let Some(dir) = std::env::var_os("BENCH_LATENCY_DUMP") {
+        dump(&PathBuf::from(dir), aggregate, &rows, &committed, &received)?;
+    }
     let l = latencies(&rows, &committed, &received)?;
     println!(
         "commit-to-publish at {rate} msg/s for {RATE_SECS} s ({} single-row transactions; the last started {} behind schedule): {}; of which the producer's transaction (start to its commit returning): {}; the relay (commit returned to confirm recorded): {}",
