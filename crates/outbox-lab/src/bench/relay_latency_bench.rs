@@ -349,26 +349,15 @@ fn latencies(
     committed: &HashMap<u64, SystemTime>,
     received: &HashMap<Uuid, SystemTime>,
 ) -> anyhow::Result<Latencies> {
-    let secs = |at: &SystemTime| {
-        at.duration_since(SystemTime::UNIX_EPOCH)
-            .ok()
-            .map(|d| d.as_secs_f64())
-    };
     let (mut total, mut producer, mut relay) = (Vec::new(), Vec::new(), Vec::new());
     let (mut got, mut got_total) = (Vec::new(), Vec::new());
     for row in rows {
         total.push((row.sent - row.created) * 1000.0);
-        let seen = received.get(&row.id).and_then(secs);
+        let seen = received.get(&row.id).and_then(epoch_secs);
         if let Some(seen) = seen {
             got_total.push((seen - row.created) * 1000.0);
         }
-        let returned = row
-            .number
-            .parse::<u64>()
-            .ok()
-            .and_then(|i| committed.get(&i))
-            .and_then(secs);
-        if let Some(returned) = returned {
+        if let Some(returned) = returned_at(row, committed).and_then(epoch_secs) {
             producer.push((returned - row.created) * 1000.0);
             relay.push((row.sent - returned) * 1000.0);
             if let Some(seen) = seen {
@@ -387,6 +376,25 @@ fn latencies(
     })
 }
 
+/// Seconds since the Unix epoch (`None` before it).
+fn epoch_secs(at: &SystemTime) -> Option<f64> {
+    at.duration_since(SystemTime::UNIX_EPOCH)
+        .ok()
+        .map(|d| d.as_secs_f64())
+}
+
+/// When `row`'s commit returned to its producer (`committed` is keyed by the number
+/// the producer wrote as the aggregate id).
+fn returned_at<'a>(
+    row: &SentRow,
+    committed: &'a HashMap<u64, SystemTime>,
+) -> Option<&'a SystemTime> {
+    row.number
+        .parse::<u64>()
+        .ok()
+        .and_then(|i| committed.get(&i))
+}
+
 /// Writes `{dir}/{aggregate}.csv` (`BENCH_LATENCY_DUMP=dir`): one line per message,
 /// in seconds since the Unix epoch, `created` (the row's `created_at`, the producer's
 /// transaction start), `returned` (its commit returned to the producer), `received`
@@ -402,17 +410,13 @@ fn dump(
 ) -> anyhow::Result<()> {
     use std::fmt::Write as _;
     let secs = |at: Option<&SystemTime>| {
-        at.and_then(|at| at.duration_since(SystemTime::UNIX_EPOCH).ok())
-            .map(|d| format!("{:.6}", d.as_secs_f64()))
+        at.and_then(epoch_secs)
+            .map(|s| format!("{s:.6}"))
             .unwrap_or_default()
     };
     let mut csv = String::from("created,returned,received,sent\n");
     for row in rows {
-        let returned = row
-            .number
-            .parse::<u64>()
-            .ok()
-            .and_then(|i| committed.get(&i));
+        let returned = returned_at(row, committed);
         let _ = writeln!(
             csv,
             "{:.6},{},{},{:.6}",

@@ -108,6 +108,17 @@ async fn slot_row(pool: &PgPool, slot: &str) -> Result<Option<sqlx::postgres::Pg
     .map_err(db("wal slot"))?)
 }
 
+/// Column `col` of the slot's row from [`slot_row`] (`None`: no slot, or NULL).
+fn slot_column<T>(row: Option<&sqlx::postgres::PgRow>, col: &str) -> Result<Option<T>, WalError>
+where
+    T: for<'r> sqlx::Decode<'r, sqlx::Postgres> + sqlx::Type<sqlx::Postgres>,
+{
+    match row {
+        Some(r) => Ok(r.try_get(col).map_err(db("wal slot"))?),
+        None => Ok(None),
+    }
+}
+
 async fn publication_exists(pool: &PgPool, publication: &str) -> Result<bool, WalError> {
     Ok(
         sqlx::query_scalar("SELECT EXISTS (SELECT 1 FROM pg_publication WHERE pubname = $1)")
@@ -187,10 +198,7 @@ pub async fn check(outbox: &PgOutbox, wal: &WalConfig) -> Result<(), WalError> {
 
 /// WAL retained by the slot, in bytes (`None`: no slot).
 pub(crate) async fn retained_bytes(pool: &PgPool, slot: &str) -> Result<Option<i64>, WalError> {
-    match slot_row(pool, slot).await? {
-        Some(row) => Ok(row.try_get("retained").map_err(db("wal slot"))?),
-        None => Ok(None),
-    }
+    slot_column(slot_row(pool, slot).await?.as_ref(), "retained")
 }
 
 /// The state of `wal`'s slot and publication.
@@ -201,31 +209,17 @@ pub async fn status(outbox: &PgOutbox, wal: &WalConfig) -> Result<SlotStatus, Wa
     let pool = outbox.pool();
     let level = wal_level(pool).await?;
     let row = slot_row(pool, wal.slot()).await?;
-    let get = |col: &str| -> Result<Option<String>, WalError> {
-        match &row {
-            Some(r) => Ok(r.try_get(col).map_err(db("wal slot"))?),
-            None => Ok(None),
-        }
-    };
+    let row = row.as_ref();
     Ok(SlotStatus {
         wal_level: level,
         slot: wal.slot().to_owned(),
         slot_exists: row.is_some(),
-        plugin: get("plugin")?,
-        active_pid: match &row {
-            Some(r) => r.try_get("active_pid").map_err(db("wal slot"))?,
-            None => None,
-        },
-        confirmed_flush_lsn: get("confirmed")?,
-        retained_bytes: match &row {
-            Some(r) => r.try_get("retained").map_err(db("wal slot"))?,
-            None => None,
-        },
-        wal_status: get("wal_status")?,
-        failover: match &row {
-            Some(r) => r.try_get("failover").map_err(db("wal slot"))?,
-            None => None,
-        },
+        plugin: slot_column(row, "plugin")?,
+        active_pid: slot_column(row, "active_pid")?,
+        confirmed_flush_lsn: slot_column(row, "confirmed")?,
+        retained_bytes: slot_column(row, "retained")?,
+        wal_status: slot_column(row, "wal_status")?,
+        failover: slot_column(row, "failover")?,
         publication: wal.publication().to_owned(),
         publication_exists: publication_exists(pool, wal.publication()).await?,
         notify_trigger_enabled: trigger_enabled(outbox).await?,
@@ -257,13 +251,10 @@ pub async fn setup(outbox: &PgOutbox, wal: &WalConfig) -> Result<SetupReport, Wa
         if version_num < 170_000 {
             return Err(WalError::FailoverUnsupported { server_version });
         }
-        if let Some(row) = &existing {
-            let failover: Option<bool> = row.try_get("failover").map_err(db("wal slot"))?;
-            if failover != Some(true) {
-                return Err(WalError::FailoverOff {
-                    slot: wal.slot().to_owned(),
-                });
-            }
+        if existing.is_some() && slot_column::<bool>(existing.as_ref(), "failover")? != Some(true) {
+            return Err(WalError::FailoverOff {
+                slot: wal.slot().to_owned(),
+            });
         }
     }
     let publication_created = if publication_exists(pool, wal.publication()).await? {
@@ -296,9 +287,11 @@ pub async fn setup(outbox: &PgOutbox, wal: &WalConfig) -> Result<SetupReport, Wa
             .map_err(db("wal setup slot"))?;
         true
     };
-    let failover: Option<bool> = match slot_row(pool, wal.slot()).await? {
-        Some(row) => row.try_get("failover").map_err(db("wal slot"))?,
-        None => None,
+    // The slot's setting: read again only when it was created now.
+    let failover = if slot_created {
+        slot_column(slot_row(pool, wal.slot()).await?.as_ref(), "failover")?
+    } else {
+        slot_column(existing.as_ref(), "failover")?
     };
     let notify_trigger_disabled = if trigger_enabled(outbox).await? == Some(true) {
         set_trigger(outbox, false).await?;
