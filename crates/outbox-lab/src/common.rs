@@ -155,7 +155,6 @@ impl CpuTimes {
 
     /// With the processes named `broker_comm` as the broker.
     pub(crate) fn now_with(broker_comm: &str) -> Self {
-        let tick = 100.0; // USER_HZ on Linux
         let mut t = Self::default();
         let me = std::process::id().to_string();
         let Ok(dir) = std::fs::read_dir("/proc") else {
@@ -169,20 +168,9 @@ impl CpuTimes {
             let Ok(stat) = std::fs::read_to_string(entry.path().join("stat")) else {
                 continue;
             };
-            // "pid (comm) state ... utime stime" with utime/stime the 14th/15th fields.
-            let (Some(open), Some(close)) = (stat.find('('), stat.rfind(')')) else {
+            let Some((comm, used)) = comm_and_cpu(&stat) else {
                 continue;
             };
-            let comm = &stat[open + 1..close];
-            let fields: Vec<&str> = stat[close + 2..].split_whitespace().collect();
-            let secs = |i: usize| {
-                fields
-                    .get(i)
-                    .and_then(|v| v.parse::<f64>().ok())
-                    .unwrap_or(0.0)
-                    / tick
-            };
-            let used = secs(11) + secs(12);
             if name == me {
                 t.relay += used;
             } else if comm == broker_comm {
@@ -201,6 +189,29 @@ impl CpuTimes {
             relay: self.relay - start.relay,
         }
     }
+}
+
+/// The command name and the CPU seconds (user and system) of a `/proc/{pid}/stat` line.
+fn comm_and_cpu(stat: &str) -> Option<(&str, f64)> {
+    let tick = 100.0; // USER_HZ on Linux
+    // "pid (comm) state ... utime stime" with utime/stime the 14th/15th fields.
+    let (open, close) = (stat.find('(')?, stat.rfind(')')?);
+    let fields: Vec<&str> = stat.get(close + 2..)?.split_whitespace().collect();
+    let secs = |i: usize| {
+        fields
+            .get(i)
+            .and_then(|v| v.parse::<f64>().ok())
+            .unwrap_or(0.0)
+            / tick
+    };
+    Some((stat.get(open + 1..close)?, secs(11) + secs(12)))
+}
+
+/// CPU seconds used so far by the process `pid` (`None` when it is gone or not on
+/// Linux).
+pub(crate) fn process_cpu(pid: u32) -> Option<f64> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    comm_and_cpu(&stat).map(|(_, secs)| secs)
 }
 
 /// Waits until the machine is quiet before a timed phase, so that no phase pays for

@@ -471,8 +471,11 @@ pub(super) async fn create_db(admin: &sqlx::PgPool) -> anyhow::Result<Db> {
         .execute(admin)
         .await?;
     let url = url_with_database(&name)?;
+    // The relay gets `url`; this process's own connections carry its application name.
+    let separator = if url.contains('?') { '&' } else { '?' };
+    let own_url = format!("{url}{separator}application_name={BENCH_APPLICATION}");
     let outbox = PgOutbox::connect(
-        &outbox_postgres::PgConfig::new(url.clone())
+        &outbox_postgres::PgConfig::new(own_url)
             .with_schema("outbox")
             .with_max_connections(8),
     )
@@ -622,7 +625,12 @@ async fn wal_phases(outbox: &Db, broker: &Broker, body: &str) -> anyhow::Result<
     measured
 }
 
-/// [`rate_phase`], and PostgreSQL's CPU over it per message.
+/// The application name of this bench's own connections to the database of
+/// [`create_db`], which tells them from the relay's in [`RelayBackends`].
+const BENCH_APPLICATION: &str = "outbox-bench";
+
+/// [`rate_phase`], and PostgreSQL's CPU over it per message: all of it, and the part
+/// serving the relay ([`RelayBackends`]).
 async fn rate_phase_cpu(
     outbox: &PgOutbox,
     broker: &Broker,
@@ -631,19 +639,54 @@ async fn rate_phase_cpu(
     body: &str,
 ) -> anyhow::Result<()> {
     let cpu0 = common::CpuTimes::now_with(broker.comm());
+    let relay0 = RelayBackends::now(outbox).await?;
     rate_phase(outbox, broker, aggregate, rate, body).await?;
+    let relay = RelayBackends::now(outbox).await?.since(&relay0);
     let cpu = common::CpuTimes::now_with(broker.comm()).since(cpu0);
+    let per_message = |secs: f64| secs * 1e6 / (rate * RATE_SECS) as f64;
     println!(
-        "  PostgreSQL CPU over that phase: {:.1} µs per message (the producer's inserts included)",
-        cpu.database * 1e6 / (rate * RATE_SECS) as f64
+        "  PostgreSQL CPU over that phase: {:.1} µs per message (the producer's inserts included), of which {:.1} µs serving the relay (its connections and its walsender)",
+        per_message(cpu.database),
+        per_message(relay),
     );
     Ok(())
 }
 
-/// Produces `rate` messages/s of `aggregate` for [`RATE_SECS`], waits until the relay
-/// has published them all and prints their commit-to-publish, split where the
-/// producer's commit returned, and the same commit to when a subscriber of the broker
-/// received the message ([`Receipts`]).
+/// CPU seconds used so far by each PostgreSQL process serving the relay: the backends
+/// connected to the bench's database under another application name than
+/// [`BENCH_APPLICATION`] (the relay's pool, its walsender). A process that ends between
+/// two readings loses its share; one that starts between them counts from zero.
+struct RelayBackends(HashMap<i32, f64>);
+
+impl RelayBackends {
+    async fn now(outbox: &PgOutbox) -> anyhow::Result<Self> {
+        let pids: Vec<i32> = sqlx::query_scalar(
+            "SELECT pid FROM pg_stat_activity \
+             WHERE datname = current_database() AND application_name <> $1",
+        )
+        .bind(BENCH_APPLICATION)
+        .fetch_all(outbox.pool())
+        .await?;
+        Ok(Self(
+            pids.into_iter()
+                .filter_map(|pid| Some((pid, common::process_cpu(pid.unsigned_abs())?)))
+                .collect(),
+        ))
+    }
+
+    /// CPU seconds used since `start`.
+    fn since(&self, start: &Self) -> f64 {
+        self.0
+            .iter()
+            .map(|(pid, secs)| secs - start.0.get(pid).copied().unwrap_or(0.0))
+            .sum()
+    }
+}
+
+/// Empties the broker's sink, then produces `rate` messages/s of `aggregate` for
+/// [`RATE_SECS`], waits until the relay has published them all and prints their
+/// commit-to-publish, split where the producer's commit returned, and the same commit
+/// to when a subscriber of the broker received the message ([`Receipts`]).
 async fn rate_phase(
     outbox: &PgOutbox,
     broker: &Broker,
@@ -651,6 +694,13 @@ async fn rate_phase(
     rate: u64,
     body: &str,
 ) -> anyhow::Result<()> {
+    // On an empty sink: the bench's queue has no consumer, and one that grows over the
+    // run (100,000 messages and more by the last phases) made RabbitMQ's queue process
+    // pause 15-55 ms for a garbage collection of its heap twice a second, holding back
+    // the confirms of whichever relay ran last (found with `erlang:system_monitor`'s
+    // `long_gc`, see docs/wal.md). A queue with a consumer stays short.
+    broker.purge().await?;
+    common::settle(Duration::from_secs(10)).await;
     // The subscription ends whether the phase succeeds or not.
     let receipts = Receipts::start(broker).await?;
     let produced = async {
