@@ -168,8 +168,9 @@ pub struct RelayArgs {
     #[arg(long, env = "OUTBOX_MAX_WAL_RETAINED", value_name = "BYTES")]
     pub max_wal_retained: Option<u64>,
 
-    /// --source wal: how long a batch waits for more changes when the relay had been
-    /// waiting for the stream, at most 1s [default: 0s: published at once]. A linger
+    /// --source wal: how long a batch gathers more changes after its first transaction
+    /// when the relay had been waiting for the stream, at most 1s [default: 0s:
+    /// published at once]. A linger
     /// makes fuller batches at moderate rates (less PostgreSQL work per message) and
     /// adds up to that much to each message's latency (docs/wal.md).
     #[arg(long, env = "OUTBOX_WAL_LINGER", value_name = "DURATION")]

@@ -69,9 +69,11 @@ impl WalRelayConfig {
     /// Longest accepted [linger](Self::with_linger): 1 s.
     pub const MAX_LINGER: Duration = Duration::from_secs(1);
 
-    /// How long a batch waits for the stream's next change before it is published,
-    /// when the relay had been waiting for the stream (an idle or lightly loaded
-    /// outbox) [default: 0; at most [`MAX_LINGER`](Self::MAX_LINGER)].
+    /// How long a batch gathers more changes after the end of its first transaction
+    /// before it is published, when the relay had been waiting for the stream (an idle
+    /// or lightly loaded outbox) [default: 0; at most [`MAX_LINGER`](Self::MAX_LINGER)].
+    /// A deadline, not a pause renewed by each change: a steady stream does not hold
+    /// the batch longer.
     ///
     /// At 0 such a batch takes what has arrived and goes out at once: each message of
     /// a light load is published as soon as it is read (to NATS here: commit to

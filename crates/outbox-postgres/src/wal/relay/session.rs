@@ -146,6 +146,9 @@ impl<P: EventPublisher> WalRelay<P> {
         // relay publishes) and a batch lingers for more; if so, a batch takes only what
         // has arrived and goes out at once.
         let mut waited = true;
+        // When the batch being gathered stops lingering: the configured linger after
+        // the end of its first transaction.
+        let mut linger_until: Option<tokio::time::Instant> = None;
         // The last batch's outcomes being recorded while the next one is gathered and
         // published: the position is confirmed once they are.
         let mut recording = Recording::default();
@@ -269,10 +272,14 @@ impl<P: EventPublisher> WalRelay<P> {
                 tokio::time::timeout(LINGER, client.recv()).await.ok()
             } else if !self.config.linger.is_zero() {
                 // The relay waited for this batch's first change: the configured
-                // linger (fuller batches, less database work per message).
-                tokio::time::timeout(self.config.linger, client.recv())
-                    .await
-                    .ok()
+                // linger (fuller batches, less database work per message), a deadline
+                // after the batch's first transaction rather than a pause renewed by
+                // each change: a steady stream with changes closer together than the
+                // linger held the batch until it was full (a 2 ms linger at 500
+                // messages/s: p50 9.5 ms, p99 83 ms).
+                let until = *linger_until
+                    .get_or_insert_with(|| tokio::time::Instant::now() + self.config.linger);
+                tokio::time::timeout_at(until, client.recv()).await.ok()
             } else {
                 // The relay waited for this batch's first change (a keepalive may have
                 // come first): the batch takes what has arrived since (the stream's
@@ -289,6 +296,7 @@ impl<P: EventPublisher> WalRelay<P> {
             };
             let Some(event) = next else {
                 waited = false;
+                linger_until = None;
                 let flushed = self
                     .flush(
                         &mut batch,
