@@ -148,7 +148,11 @@ async fn a_steady_stream_does_not_hold_a_lingering_batch<B: Broker>() {
     let broker = B::setup().await;
     let log = Arc::clone(broker.arrivals());
     let token = CancellationToken::new();
-    let relay = w.spawn(broker.publisher().await, config().with_linger(LINGER), &token);
+    let relay = w.spawn(
+        broker.publisher().await,
+        config().with_linger(LINGER),
+        &token,
+    );
     // One message per transaction, closer together than the linger, until the first
     // arrives (or MOST are written: a batch held until the stream pauses).
     let names = key_names(1);
@@ -176,8 +180,16 @@ async fn a_steady_stream_does_not_hold_a_lingering_batch<B: Broker>() {
         "the first message arrived only after {written} commits, {:?} apart, with a linger of {LINGER:?}",
         GAP
     );
-    assert!(all, "{written} received: {}", log.lock().expect("lock").len());
-    assert_eq!((stats.published, stats.dead), (written as u64, 0), "{stats:?}");
+    assert!(
+        all,
+        "{written} received: {}",
+        log.lock().expect("lock").len()
+    );
+    assert_eq!(
+        (stats.published, stats.dead),
+        (written as u64, 0),
+        "{stats:?}"
+    );
     assert_in_order(&log.lock().expect("lock"), 1, written as u64);
     broker.cleanup().await;
 }
