@@ -170,9 +170,9 @@ pub struct RelayArgs {
 
     /// --source wal: how long a batch gathers more changes after its first transaction
     /// when the relay had been waiting for the stream, at most 1s [default: 0s:
-    /// published at once]. A linger
-    /// makes fuller batches at moderate rates (less PostgreSQL work per message) and
-    /// adds up to that much to each message's latency (docs/wal.md).
+    /// published at once]. A linger makes fuller batches at moderate rates (less
+    /// PostgreSQL work per message) and adds up to that much to each message's latency
+    /// (docs/wal.md).
     #[arg(long, env = "OUTBOX_WAL_LINGER", value_name = "DURATION")]
     pub wal_linger: Option<String>,
 

@@ -12,6 +12,13 @@ pub fn database_url() -> String {
         .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".into())
 }
 
+/// The PostgreSQL `url` with `application_name` = `app` added to its parameters, so
+/// that one group's connections can be told apart in `pg_stat_activity`.
+pub(crate) fn with_application_name(url: &str, app: &str) -> String {
+    let sep = if url.contains('?') { '&' } else { '?' };
+    format!("{url}{sep}application_name={app}")
+}
+
 /// `MYSQL_URL`, or the local default (MariaDB's `root` without a password).
 pub fn mysql_url() -> String {
     std::env::var("MYSQL_URL").unwrap_or_else(|_| "mysql://root@127.0.0.1:3306/test".into())

@@ -136,8 +136,8 @@ async fn a_lingering_relay_keeps_every_key_in_order<B: Broker>() {
 }
 
 /// A steady stream whose commits come closer together than the linger: the linger is
-/// counted from the batch's first change, so the first message goes out about one
-/// linger after its commit. (Found by the bench: a linger renewed by every change of
+/// counted from the end of the batch's first transaction, so the first message goes
+/// out about one linger after its commit. (Found by the bench: a linger renewed by every change of
 /// the stream held a batch until it was full; with a 2 ms linger at 500 messages/s
 /// the WAL relay's p50 was 9.5 ms and its p99 83 ms.)
 async fn a_steady_stream_does_not_hold_a_lingering_batch<B: Broker>() {

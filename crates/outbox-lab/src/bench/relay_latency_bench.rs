@@ -472,10 +472,8 @@ pub(super) async fn create_db(admin: &sqlx::PgPool) -> anyhow::Result<Db> {
         .await?;
     let url = url_with_database(&name)?;
     // The relay gets `url`; this process's own connections carry its application name.
-    let separator = if url.contains('?') { '&' } else { '?' };
-    let own_url = format!("{url}{separator}application_name={BENCH_APPLICATION}");
     let outbox = PgOutbox::connect(
-        &outbox_postgres::PgConfig::new(own_url)
+        &outbox_postgres::PgConfig::new(common::with_application_name(&url, BENCH_APPLICATION))
             .with_schema("outbox")
             .with_max_connections(8),
     )

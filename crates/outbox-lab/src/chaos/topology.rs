@@ -123,9 +123,7 @@ impl Names {
 /// `DATABASE_URL` with `application_name` set, so the harness can find (and
 /// terminate) one group's connections in `pg_stat_activity`.
 pub(crate) fn database_url_as(app: &str) -> String {
-    let url = common::database_url();
-    let sep = if url.contains('?') { '&' } else { '?' };
-    format!("{url}{sep}application_name={app}")
+    common::with_application_name(&common::database_url(), app)
 }
 
 /// Connect options of `DATABASE_URL` with `application_name` = `app`.
