@@ -16,6 +16,9 @@
 //!   `--ignored`), a 500-order demo run over RabbitMQ and one over NATS whose
 //!   reconciliations must be exact, the doc tests, and last a short chaos run over
 //!   each broker and one of the WAL relay (`--source wal`) over RabbitMQ.
+//! * `cargo xtask scale [-- ARGS]` runs the tests at production scale (`at_scale_*`,
+//!   ignored otherwise: 300,000 held rows, a 1,000,000-row transaction, ...), one at a
+//!   time; not part of `itest`.
 //! * `cargo xtask demo [-- ARGS]` runs the orders example against the services.
 //! * `cargo xtask bench [-- ARGS]` runs the benchmark (`crates/outbox-lab`).
 //! * `cargo xtask chaos [-- ARGS]` builds `outbox` and the chaos harness (release)
@@ -38,6 +41,7 @@ mod browser;
 mod cluster;
 mod features;
 mod release;
+mod scale;
 mod services;
 mod sqlserver;
 #[cfg(test)]
@@ -104,6 +108,17 @@ enum Cmd {
         /// ignored otherwise) after the main pass: about 8 minutes more.
         #[arg(long)]
         cluster: bool,
+        /// Extra arguments for `cargo test`.
+        #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
+        args: Vec<OsString>,
+    },
+    /// Ensure the services, then run the tests at production scale (`at_scale_*`,
+    /// `#[ignore = "at production scale: cargo xtask scale"]`), one at a time: each
+    /// takes minutes and the whole machine, so `itest` (CI) leaves them out.
+    ///
+    /// ARGS go to `cargo test --workspace --all-targets` up to a `--`, the rest to the
+    /// test harness, e.g. `cargo xtask scale -- -p outbox-postgres -- --nocapture`.
+    Scale {
         /// Extra arguments for `cargo test`.
         #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
         args: Vec<OsString>,
@@ -272,6 +287,12 @@ fn run(cli: Cli) -> Result<()> {
             // Repeated at the end, where a reader of the run looks.
             sqlserver::announce_skip(sqlserver_skipped);
             Ok(())
+        }
+        Cmd::Scale { args } => {
+            services::ensure(timeout)?;
+            let mut tests = scale::tests(&args);
+            env_default(&mut tests, "RUST_BACKTRACE", "1");
+            run_child(&mut tests)
         }
         Cmd::Demo { args } => {
             services::ensure(timeout)?;
@@ -495,6 +516,7 @@ mod tests {
         match Cli::try_parse_from(argv).expect("parses").command {
             Cmd::Itest { args, .. }
             | Cmd::Demo { args }
+            | Cmd::Scale { args }
             | Cmd::Bench { args }
             | Cmd::Chaos { args } => args,
             other => panic!("unexpected command {other:?}"),

@@ -64,6 +64,8 @@ fn ignored_tests(args: &[OsString], harness: &[&str]) -> std::process::Command {
     }
     // The broker clusters' tests have a pass of their own (`--cluster`).
     cmd.args(["--skip", crate::cluster::TEST_PREFIX]);
+    // The scale tests too (`cargo xtask scale`).
+    cmd.args(["--skip", crate::scale::TEST_PREFIX]);
     cmd
 }
 
@@ -130,7 +132,9 @@ mod tests {
                 "--skip",
                 "every_page_at_a_million_pending_and_ten_thousand_dead",
                 "--skip",
-                "on_cluster_"
+                "on_cluster_",
+                "--skip",
+                "at_scale_"
             ]
         );
         let user: Vec<OsString> = ["-p", "outbox-sqlserver", "--", "--nocapture"]
@@ -154,7 +158,9 @@ mod tests {
                 "--skip",
                 "every_page_at_a_million_pending_and_ten_thousand_dead",
                 "--skip",
-                "on_cluster_"
+                "on_cluster_",
+                "--skip",
+                "at_scale_"
             ]
         );
     }

@@ -92,6 +92,7 @@ fn tests_are_ignored_only_for_sql_server() {
     let root = workspace_root();
     let wanted = format!("#[ignore=\"{IGNORE_REASON}\"]").replace(' ', "");
     let cluster = format!("#[ignore=\"{}\"]", crate::cluster::IGNORE_REASON).replace(' ', "");
+    let scale = format!("#[ignore=\"{}\"]", crate::scale::IGNORE_REASON).replace(' ', "");
     let mut offenders = Vec::new();
     let mut found = 0;
     for path in ["crates", "examples"]
@@ -101,7 +102,7 @@ fn tests_are_ignored_only_for_sql_server() {
     {
         let text = fs::read_to_string(&path).unwrap_or_default();
         let lines: Vec<&str> = text.lines().collect();
-        for (number, line) in lines.iter().enumerate() {
+        'lines: for (number, line) in lines.iter().enumerate() {
             let compact: String = line.chars().filter(|c| !c.is_whitespace()).collect();
             if compact.starts_with("//") || !compact.contains("#[ignore") {
                 continue;
@@ -110,15 +111,20 @@ fn tests_are_ignored_only_for_sql_server() {
             if compact.contains(&wanted) {
                 continue;
             }
-            // The broker clusters' tests: ignored, run by `cargo xtask itest --cluster`,
-            // named so that the SQL Server pass can skip them.
-            if compact.contains(&cluster) {
-                let named = lines[number..lines.len().min(number + 4)]
-                    .iter()
-                    .find_map(|l| l.split("fn ").nth(1))
-                    .is_some_and(|name| name.starts_with(crate::cluster::TEST_PREFIX));
+            // The broker clusters' tests (run by `cargo xtask itest --cluster`) and the
+            // scale tests (`cargo xtask scale`): ignored, named so that the SQL Server
+            // pass can skip them.
+            for (reason, prefix) in [
+                (&cluster, crate::cluster::TEST_PREFIX),
+                (&scale, crate::scale::TEST_PREFIX),
+            ] {
+                let named = compact.contains(reason.as_str())
+                    && lines[number..lines.len().min(number + 4)]
+                        .iter()
+                        .find_map(|l| l.split("fn ").nth(1))
+                        .is_some_and(|name| name.starts_with(prefix));
                 if named {
-                    continue;
+                    continue 'lines;
                 }
             }
             // The function it is on, within the next few lines.
