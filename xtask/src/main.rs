@@ -290,6 +290,10 @@ fn run(cli: Cli) -> Result<()> {
         }
         Cmd::Scale { args } => {
             services::ensure(timeout)?;
+            eprintln!(
+                "xtask: the tests marked #[ignore = \"{}\"], one at a time",
+                scale::IGNORE_REASON
+            );
             let mut tests = scale::tests(&args);
             env_default(&mut tests, "RUST_BACKTRACE", "1");
             run_child(&mut tests)
