@@ -15,7 +15,7 @@
 //! `durable` add the properties of [`ConsumerDeadLetters`], [`VersionTracking`] and
 //! [`DurableInbox`] (a backend without one leaves it out, as the memory backend leaves
 //! out `durable`), and `aborts` those of a transaction a failed statement aborted (an
-//! [`AbortingHarness`]: the SQL backends). Each property panics with a message naming
+//! [`AbortingHarness`] with [`VersionTracking`]: the SQL backends). Each property panics with a message naming
 //! what failed.
 
 use std::sync::Arc;
@@ -42,14 +42,30 @@ pub trait InboxHarness: Send + Sync + 'static {
 
 /// A backend whose transactions a failed statement can abort (every SQL backend): adds
 /// the `aborts` properties, which check that [`InboxStore::commit`] never reports a
-/// commit for a transaction that did not commit.
+/// commit for a transaction that did not commit, and that nothing sent after the abort
+/// (a handler's statements, the version the inbox records) commits, on its own or with
+/// the commit.
 #[async_trait::async_trait]
 pub trait AbortingHarness: InboxHarness {
     /// Runs on `conn` (inside a transaction) a statement that fails, and ignores the
     /// error, as a handler that catches a database error and goes on does; the
     /// transaction must then be aborted (PostgreSQL: any failed statement; SQL Server:
-    /// one that dooms the transaction or ends it under `XACT_ABORT ON`).
+    /// one that dooms the transaction or ends it under `XACT_ABORT ON`; MySQL: a
+    /// deadlock victim's).
     async fn swallow_a_failed_statement(&self, conn: &mut <Self::Inbox as InboxStore>::Connection);
+
+    /// Sends on `conn` a statement that writes a row of the harness's own table for
+    /// `id`, as a handler writes its effect, and returns whether the database took it
+    /// (PostgreSQL refuses every statement of an aborted transaction).
+    async fn write_effect(
+        &self,
+        conn: &mut <Self::Inbox as InboxStore>::Connection,
+        id: Uuid,
+    ) -> bool;
+
+    /// Whether the row [`write_effect`](Self::write_effect) writes for `id` is
+    /// committed (read outside any transaction of the test).
+    async fn effect_committed(&self, id: Uuid) -> bool;
 }
 
 /// Claims `(message_id, consumer)` in a transaction of its own and commits it, returning
@@ -74,6 +90,29 @@ async fn claim_rolled_back<S: InboxStore>(inbox: &S, message_id: Uuid, consumer:
         .expect("try_claim");
     inbox.rollback(tx).await.expect("rollback");
     claimed
+}
+
+/// A transaction that claimed `(message_id, "projector")` for the first time.
+async fn claimed_transaction<S: InboxStore>(inbox: &S, message_id: Uuid) -> S::Transaction {
+    let mut tx = inbox.begin().await.expect("begin");
+    assert!(
+        inbox
+            .try_claim(&mut *tx, message_id, "projector")
+            .await
+            .expect("try_claim"),
+        "claimed"
+    );
+    tx
+}
+
+/// Commits `tx`, which a swallowed error aborted: that must be reported.
+async fn commit_aborted<S: InboxStore>(inbox: &S, tx: S::Transaction) {
+    match inbox.commit(tx).await {
+        Err(crate::OutboxError::TransactionAborted { .. }) => {}
+        other => {
+            panic!("the commit of an aborted transaction must be TransactionAborted, got {other:?}")
+        }
+    }
 }
 
 /// How long a contender is given to show that it waits on a lock (it must still be
@@ -127,25 +166,116 @@ pub async fn claim_commits_or_rolls_back_with_its_transaction<H: InboxHarness>(h
 pub async fn a_commit_after_a_swallowed_error_is_reported_aborted<H: AbortingHarness>(h: &H) {
     let inbox = h.inbox();
     let id = Uuid::now_v7();
-    let mut tx = inbox.begin().await.expect("begin");
-    assert!(
-        inbox
-            .try_claim(&mut *tx, id, "projector")
-            .await
-            .expect("try_claim"),
-        "claimed"
-    );
+    let mut tx = claimed_transaction(&*inbox, id).await;
     h.swallow_a_failed_statement(&mut *tx).await;
-    match inbox.commit(tx).await {
-        Err(crate::OutboxError::TransactionAborted { .. }) => {}
-        other => {
-            panic!("the commit of an aborted transaction must be TransactionAborted, got {other:?}")
-        }
-    }
+    commit_aborted(&*inbox, tx).await;
     assert!(
         claim_committed(&*inbox, id, "projector").await,
         "nothing of the aborted transaction was committed: the pair is claimable again"
     );
+}
+
+/// A statement sent after a swallowed abort, as a handler that goes on after catching
+/// the error sends it, does not commit: not on its own (in autocommit, as it would on
+/// MySQL and SQL Server once the server ended the transaction), nor with the commit,
+/// which reports [`OutboxError::TransactionAborted`](crate::OutboxError::TransactionAborted).
+/// Nothing of the transaction is left: the redelivery claims the pair and writes the
+/// effect once.
+pub async fn statements_after_a_swallowed_abort_do_not_commit<H: AbortingHarness>(h: &H) {
+    let inbox = h.inbox();
+    let id = Uuid::now_v7();
+    let mut tx = claimed_transaction(&*inbox, id).await;
+    assert!(h.write_effect(&mut *tx, id).await, "the effect is written");
+    h.swallow_a_failed_statement(&mut *tx).await;
+    let sent_after = h.write_effect(&mut *tx, id).await;
+    assert!(
+        !h.effect_committed(id).await,
+        "a statement sent after the abort (taken: {sent_after}) did not commit on its own"
+    );
+    commit_aborted(&*inbox, tx).await;
+    assert!(
+        !h.effect_committed(id).await,
+        "nothing sent after the abort was committed by the commit either"
+    );
+
+    // The redelivery: the pair is claimable again.
+    let mut tx = claimed_transaction(&*inbox, id).await;
+    assert!(h.write_effect(&mut *tx, id).await, "the effect is written");
+    inbox.commit(tx).await.expect("commit");
+    assert!(
+        h.effect_committed(id).await,
+        "the redelivery's effect commits"
+    );
+}
+
+/// A version recorded after a swallowed abort ([`VersionTracking::record_version`] and
+/// [`record_versions`](VersionTracking::record_versions), which the inbox sends after
+/// the handler returned `Ok`) is not committed: the call either fails with
+/// [`OutboxError::TransactionAborted`](crate::OutboxError::TransactionAborted) or
+/// succeeds and the commit then reports it. Were it committed, the redelivery would
+/// find its own version applied and be skipped as stale, its effect lost.
+pub async fn versions_recorded_after_a_swallowed_abort_are_not_committed<H>(h: &H)
+where
+    H: AbortingHarness,
+    H::Inbox: VersionTracking,
+{
+    let inbox = h.inbox();
+    let a = VersionKey {
+        consumer: "projector",
+        aggregate_type: "order",
+        aggregate_id: "a",
+    };
+    let b = VersionKey {
+        aggregate_id: "b",
+        ..a
+    };
+    // Version 1 of both applied before.
+    let mut tx = inbox.begin().await.expect("begin");
+    inbox
+        .applied_versions(&mut *tx, &[a, b])
+        .await
+        .expect("applied_versions");
+    inbox
+        .record_versions(&mut *tx, &[(a, 1), (b, 1)])
+        .await
+        .expect("record_versions");
+    inbox.commit(tx).await.expect("commit");
+
+    for batch in [false, true] {
+        let mut tx = claimed_transaction(&*inbox, Uuid::now_v7()).await;
+        assert_eq!(
+            inbox
+                .applied_versions(&mut *tx, &[a, b])
+                .await
+                .expect("applied_versions"),
+            [Some(1), Some(1)]
+        );
+        h.swallow_a_failed_statement(&mut *tx).await;
+        let recorded = if batch {
+            inbox.record_versions(&mut *tx, &[(a, 2), (b, 2)]).await
+        } else {
+            inbox
+                .record_version(&mut *tx, "projector", "order", "a", 2)
+                .await
+        };
+        match recorded {
+            Ok(()) => commit_aborted(&*inbox, tx).await,
+            Err(crate::OutboxError::TransactionAborted { .. }) => {
+                let _ = inbox.rollback(tx).await;
+            }
+            Err(e) => panic!("recording a version after an abort: {e:?}"),
+        }
+        let mut tx = inbox.begin().await.expect("begin");
+        assert_eq!(
+            inbox
+                .applied_versions(&mut *tx, &[a, b])
+                .await
+                .expect("applied_versions"),
+            [Some(1), Some(1)],
+            "no version recorded after the abort was committed (batch: {batch})"
+        );
+        inbox.rollback(tx).await.expect("rollback");
+    }
 }
 
 /// Each consumer has its own record of a message: claiming it for one consumer does not
@@ -1258,7 +1388,8 @@ where
 /// after the `;` adds its properties: `dead_letters`
 /// ([`ConsumerDeadLetters`](crate::ConsumerDeadLetters)), `versions`
 /// ([`VersionTracking`](crate::VersionTracking)), `durable`
-/// ([`DurableInbox`](crate::inbox::DurableInbox)), `aborts` (an [`AbortingHarness`]).
+/// ([`DurableInbox`](crate::inbox::DurableInbox)), `aborts` (an [`AbortingHarness`]
+/// whose inbox tracks versions).
 ///
 /// Attributes written before the harness are put on every test, e.g.
 /// `inbox_conformance_tests!(#[ignore = "needs MSSQL_URL"] harness; caps...)` for a
@@ -1295,6 +1426,8 @@ macro_rules! inbox_conformance_tests {
     (@cap $mode:tt; aborts) => {
         $crate::inbox_conformance_tests!(@each $mode;
             a_commit_after_a_swallowed_error_is_reported_aborted,
+            statements_after_a_swallowed_abort_do_not_commit,
+            versions_recorded_after_a_swallowed_abort_are_not_committed,
         );
     };
     (@cap $mode:tt; durable) => {

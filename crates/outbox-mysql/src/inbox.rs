@@ -12,8 +12,10 @@ use outbox_core::inbox::{
 };
 use outbox_core::wire::{IncomingMessage, TraceParent};
 use outbox_core::{CompleteReport, ErrorKind, Headers, InboxStore, OutboxError};
-use sqlx::mysql::{MySqlDatabaseError, MySqlRow};
-use sqlx::{AssertSqlSafe, MySql, MySqlConnection, MySqlPool, Row};
+use sqlx::mysql::{MySqlDatabaseError, MySqlRow, MySqlTransactionManager};
+use sqlx::pool::PoolConnection;
+use sqlx::{AssertSqlSafe, Executor as _, MySql, MySqlConnection, MySqlPool, Row, SqlStr};
+use sqlx_core::transaction::TransactionManager as _;
 use uuid::Uuid;
 
 use crate::config::MySqlConfig;
@@ -27,8 +29,24 @@ const MAX_CONSUMER_CHARS: usize = 255;
 /// `ER_DUP_ENTRY`: a duplicate key.
 const DUPLICATE_KEY: u16 = 1062;
 
-/// `ER_UNKNOWN_SYSTEM_VARIABLE`: MySQL has no `@@in_transaction` (MariaDB has).
-const UNKNOWN_SYSTEM_VARIABLE: u16 = 1193;
+/// `ER_SP_DOES_NOT_EXIST`: no savepoint of that name in the current transaction.
+const NO_SUCH_SAVEPOINT: u16 = 1305;
+
+/// Begins an inbox transaction, in one round trip: autocommit off for the session, so
+/// that no statement sent after a rollback (a deadlock victim's, or one the handler sent
+/// itself) commits on its own (each opens a transaction that ends only with `COMMIT` or
+/// `ROLLBACK`), and a savepoint, the mark of this transaction: any rollback of the
+/// whole transaction discards it, on MySQL and MariaDB alike.
+const BEGIN_INBOX: &str = "SET autocommit = 0; START TRANSACTION; SAVEPOINT outbox_inbox_begun";
+
+/// Commits only the transaction [`BEGIN_INBOX`] began, in one round trip: `RELEASE
+/// SAVEPOINT` fails ([`NO_SUCH_SAVEPOINT`]) once that transaction was rolled back, and
+/// the statements after it then do not run; else `COMMIT`, and autocommit back on.
+const COMMIT_INBOX: &str = "RELEASE SAVEPOINT outbox_inbox_begun; COMMIT; SET autocommit = 1";
+
+/// Rolls back whatever is open (the inbox's transaction, or one the statements sent
+/// after its rollback opened) and turns autocommit back on.
+const ROLLBACK_INBOX: &str = "ROLLBACK; SET autocommit = 1";
 
 /// Inbox records in `{schema}.inbox_records` (created by the same migrations as the
 /// outbox). Cheap to clone.
@@ -132,41 +150,108 @@ fn error_number(e: &sqlx::Error) -> Option<u16> {
     }
 }
 
+/// A transaction of [`MySqlInbox`]: a pooled connection with a transaction open and
+/// autocommit off. Dereferences to [`MySqlConnection`], so a handler's statements run
+/// inside it (and a handler's nested `begin` is a savepoint, as in a
+/// `sqlx::Transaction`).
+///
+/// Begun by [`InboxStore::begin`] (`SET autocommit = 0; START TRANSACTION; SAVEPOINT
+/// …`, one round trip) and ended by [`InboxStore::commit`] (`RELEASE SAVEPOINT …;
+/// COMMIT; SET autocommit = 1`, one round trip) or [`InboxStore::rollback`]. With
+/// autocommit off, a statement sent after the transaction was rolled back (InnoDB's
+/// deadlock victim, or a `ROLLBACK` the handler sent) does not commit on its own but
+/// opens a transaction that the commit rolls back, and the savepoint, which the rollback
+/// discarded, tells the commit that the transaction it would commit is not the one
+/// begun: [`OutboxError::TransactionAborted`]. Dropped without commit or rollback, its
+/// connection is closed instead of going back to the pool (the server rolls back): no
+/// later borrower of the pool gets a session with autocommit off.
+#[derive(Debug)]
+pub struct MySqlInboxTransaction {
+    conn: PoolConnection<MySql>,
+    /// Not yet ended by a commit or rollback that went through.
+    open: bool,
+}
+
+impl MySqlInboxTransaction {
+    async fn begin(pool: &MySqlPool) -> Result<Self, OutboxError> {
+        let conn = pool.acquire().await.map_err(db("inbox_begin"))?;
+        // Dropped on an error below: the connection is closed.
+        let mut tx = Self { conn, open: true };
+        MySqlTransactionManager::begin(&mut tx.conn, Some(SqlStr::from_static(BEGIN_INBOX)))
+            .await
+            .map_err(db("inbox_begin"))?;
+        Ok(tx)
+    }
+
+    /// Runs `statements` (which end the transaction and turn autocommit back on); when
+    /// they went through, the connection may go back to the pool.
+    async fn end(&mut self, statements: &'static str) -> Result<(), sqlx::Error> {
+        self.conn.execute(statements).await?;
+        // sqlx counts the transaction open until told otherwise (the count is what
+        // makes a nested `begin` a savepoint). `start_rollback` is its way to close
+        // the count without a round trip: the `ROLLBACK` it queues goes out with the
+        // connection's next use (the pool's check when it is returned) and finds no
+        // transaction open.
+        MySqlTransactionManager::start_rollback(&mut self.conn);
+        self.open = false;
+        Ok(())
+    }
+}
+
+impl Drop for MySqlInboxTransaction {
+    fn drop(&mut self) {
+        if self.open {
+            self.conn.close_on_drop();
+        }
+    }
+}
+
+impl std::ops::Deref for MySqlInboxTransaction {
+    type Target = MySqlConnection;
+    fn deref(&self) -> &MySqlConnection {
+        &self.conn
+    }
+}
+
+impl std::ops::DerefMut for MySqlInboxTransaction {
+    fn deref_mut(&mut self) -> &mut MySqlConnection {
+        &mut self.conn
+    }
+}
+
 #[async_trait]
 impl InboxStore for MySqlInbox {
     type Connection = MySqlConnection;
-    type Transaction = sqlx::Transaction<'static, MySql>;
+    type Transaction = MySqlInboxTransaction;
 
-    async fn begin(&self) -> Result<Self::Transaction, OutboxError> {
-        self.pool.begin().await.map_err(db("inbox_begin"))
+    async fn begin(&self) -> Result<MySqlInboxTransaction, OutboxError> {
+        MySqlInboxTransaction::begin(&self.pool).await
     }
 
-    /// Checks first that `tx` is still open: InnoDB rolls a deadlock victim's whole
-    /// transaction back (and a lock wait timeout's with `innodb_rollback_on_timeout`),
-    /// after which the session runs in autocommit and `COMMIT` succeeds with nothing
-    /// to commit. On MariaDB `@@in_transaction` (one round trip) says whether the
-    /// transaction is still open: [`OutboxError::TransactionAborted`] when not. MySQL
-    /// has no such variable; there the check is skipped (see `docs/mysql.md`).
-    async fn commit(&self, mut tx: Self::Transaction) -> Result<(), OutboxError> {
-        match sqlx::query_scalar::<_, u64>("SELECT @@in_transaction")
-            .fetch_one(&mut *tx)
-            .await
-        {
-            Ok(0) => {
-                let _ = tx.rollback().await;
-                return Err(OutboxError::TransactionAborted {
+    /// Commits only the transaction [`begin`](Self::begin) began, in one round trip
+    /// (see [`MySqlInboxTransaction`]). InnoDB rolls a deadlock victim's whole
+    /// transaction back (and a lock wait timeout's under `innodb_rollback_on_timeout`),
+    /// and a handler may send `ROLLBACK` itself: when such a rollback's error was caught
+    /// and ignored, this is [`OutboxError::TransactionAborted`], and whatever was sent
+    /// after the rollback (the handler's statements, the version recorded) is rolled
+    /// back too: none of it committed on its own, autocommit being off.
+    async fn commit(&self, mut tx: MySqlInboxTransaction) -> Result<(), OutboxError> {
+        match tx.end(COMMIT_INBOX).await {
+            Ok(()) => Ok(()),
+            Err(e) if error_number(&e) == Some(NO_SUCH_SAVEPOINT) => {
+                // Should this fail too, the connection is closed (still open), and the
+                // server rolls back: nothing was committed either way.
+                let _ = tx.end(ROLLBACK_INBOX).await;
+                Err(OutboxError::TransactionAborted {
                     operation: "inbox_commit",
-                });
+                })
             }
-            Ok(_) => {}
-            Err(e) if error_number(&e) == Some(UNKNOWN_SYSTEM_VARIABLE) => {}
-            Err(e) => return Err(db("inbox_commit")(e)),
+            Err(e) => Err(db("inbox_commit")(e)),
         }
-        tx.commit().await.map_err(db("inbox_commit"))
     }
 
-    async fn rollback(&self, tx: Self::Transaction) -> Result<(), OutboxError> {
-        tx.rollback().await.map_err(db("inbox_rollback"))
+    async fn rollback(&self, mut tx: MySqlInboxTransaction) -> Result<(), OutboxError> {
+        tx.end(ROLLBACK_INBOX).await.map_err(db("inbox_rollback"))
     }
 
     async fn try_claim(

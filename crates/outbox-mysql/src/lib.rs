@@ -50,7 +50,7 @@ mod sql;
 mod store;
 
 pub use config::{DEFAULT_SCHEMA, MySqlConfig, parse_url};
-pub use inbox::MySqlInbox;
+pub use inbox::{MySqlInbox, MySqlInboxTransaction};
 pub use migrate::{LATEST_VERSION, migrate};
 pub use store::MySqlOutbox;
 

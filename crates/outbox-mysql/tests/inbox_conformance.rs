@@ -1,16 +1,16 @@
 //! The outbox-core inbox conformance suite (claims, consumer dead letters, version
-//! tracking, the durable inbox, and the commit of an aborted transaction), run against
-//! the real MariaDB / MySQL, a fresh database per property.
+//! tracking, the durable inbox, and aborted transactions: a real deadlock victim), run
+//! against the real MariaDB / MySQL, a fresh database per property.
 
 mod common;
 
 use std::sync::Arc;
-use std::time::Duration;
 
 use async_trait::async_trait;
 use outbox_core::inbox_conformance::{AbortingHarness, InboxHarness};
 use outbox_mysql::MySqlInbox;
-use sqlx::{AssertSqlSafe, Connection, MySqlConnection};
+use sqlx::{AssertSqlSafe, MySqlConnection};
+use uuid::Uuid;
 
 /// A [`MySqlInbox`] over a fresh, migrated database (its name; dropped with the
 /// guard).
@@ -31,104 +31,45 @@ impl InboxHarness for MySqlInboxHarness {
 
 #[async_trait]
 impl AbortingHarness for MySqlInboxHarness {
-    /// InnoDB aborts a transaction whole only as a deadlock victim (any other failed
-    /// statement is undone alone and the transaction goes on), so this makes `conn` one:
-    /// it locks row 1, a second connection that has written more (InnoDB rolls back the
-    /// transaction that wrote less) locks row 2 and waits for row 1, and `conn` asks for
-    /// row 2.
+    /// Makes `conn` a real deadlock victim (see `common::make_deadlock_victim`).
     async fn swallow_a_failed_statement(&self, conn: &mut MySqlConnection) {
-        let s = &self.1;
+        common::make_deadlock_victim(conn, &self.1, self.0.pool()).await;
+    }
+
+    async fn write_effect(&self, conn: &mut MySqlConnection, id: Uuid) -> bool {
         sqlx::query(AssertSqlSafe(format!(
-            "SELECT id FROM `{s}`.deadlock_probe WHERE id = 1 FOR UPDATE"
+            "INSERT INTO `{}`.effects (message_id) VALUES (?)",
+            self.1
         )))
-        .fetch_all(&mut *conn)
+        .bind(id)
+        .execute(conn)
         .await
-        .expect("lock row 1");
-        let mut other = MySqlConnection::connect(&common::mysql_url())
-            .await
-            .expect("connect");
-        let other_id: u64 = sqlx::query_scalar("SELECT CONNECTION_ID()")
-            .fetch_one(&mut other)
-            .await
-            .expect("connection id");
-        let schema = s.clone();
-        let waiter = tokio::spawn(async move {
-            let mut tx = other.begin().await.expect("begin");
-            sqlx::query(AssertSqlSafe(format!(
-                "INSERT INTO `{schema}`.deadlock_ballast (n)
-                 WITH RECURSIVE r(n) AS (SELECT 1 UNION ALL SELECT n + 1 FROM r WHERE n < 200)
-                 SELECT n FROM r"
-            )))
-            .execute(&mut *tx)
-            .await
-            .expect("ballast");
-            sqlx::query(AssertSqlSafe(format!(
-                "SELECT id FROM `{schema}`.deadlock_probe WHERE id = 2 FOR UPDATE"
-            )))
-            .fetch_all(&mut *tx)
-            .await
-            .expect("lock row 2");
-            let waited = sqlx::query(AssertSqlSafe(format!(
-                "SELECT id FROM `{schema}`.deadlock_probe WHERE id = 1 FOR UPDATE"
-            )))
-            .fetch_all(&mut *tx)
-            .await;
-            let _ = tx.rollback().await;
-            waited.is_ok()
-        });
-        // Wait (with a deadline) until the other transaction waits for row 1.
-        let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
-        loop {
-            // The statement waiting for a primary-key row shows as running in the
-            // process list (InnoDB waits for the lock while the optimizer reads the
-            // row as a constant: state "Statistics").
-            let waiting: i64 = sqlx::query_scalar(
-                "SELECT COUNT(*) FROM information_schema.processlist
-                  WHERE id = ? AND info LIKE '%id = 1 FOR UPDATE'",
-            )
-            .bind(other_id)
-            .fetch_one(self.0.pool())
-            .await
-            .expect("processlist");
-            if waiting > 0 {
-                // It is in the statement; give it a moment to reach the lock queue.
-                tokio::time::sleep(Duration::from_millis(200)).await;
-                break;
-            }
-            if tokio::time::Instant::now() > deadline {
-                let rows: Vec<(i64, Option<String>, Option<String>)> =
-                    sqlx::query_as("SELECT id, state, info FROM information_schema.processlist")
-                        .fetch_all(self.0.pool())
-                        .await
-                        .expect("processlist");
-                panic!("the other transaction ({other_id}) never waited: {rows:?}");
-            }
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
-        let failed = sqlx::query(AssertSqlSafe(format!(
-            "SELECT id FROM `{s}`.deadlock_probe WHERE id = 2 FOR UPDATE"
+        .is_ok()
+    }
+
+    async fn effect_committed(&self, id: Uuid) -> bool {
+        sqlx::query_scalar::<_, i64>(AssertSqlSafe(format!(
+            "SELECT COUNT(*) FROM `{}`.effects WHERE message_id = ?",
+            self.1
         )))
-        .fetch_all(&mut *conn)
-        .await;
-        assert!(failed.is_err(), "the statement fails (a deadlock victim)");
-        assert!(
-            waiter.await.expect("waiter"),
-            "the other transaction went on"
-        );
+        .bind(id)
+        .fetch_one(self.0.pool())
+        .await
+        .expect("effects")
+            > 0
     }
 }
 
 async fn harness() -> MySqlInboxHarness {
     let (outbox, guard) = common::fresh_outbox().await;
     let s = outbox.schema().to_owned();
-    sqlx::raw_sql(AssertSqlSafe(format!(
-        "CREATE TABLE `{s}`.deadlock_probe (id INT PRIMARY KEY) ENGINE = InnoDB;
-         INSERT INTO `{s}`.deadlock_probe VALUES (1), (2);
-         CREATE TABLE `{s}`.deadlock_ballast (n INT) ENGINE = InnoDB;"
+    common::create_deadlock_probe(outbox.pool(), &s).await;
+    sqlx::query(AssertSqlSafe(format!(
+        "CREATE TABLE `{s}`.effects (message_id BINARY(16) NOT NULL) ENGINE = InnoDB"
     )))
     .execute(outbox.pool())
     .await
-    .expect("deadlock probe tables");
+    .expect("effects table");
     MySqlInboxHarness(Arc::new(outbox.inbox()), s, guard)
 }
 

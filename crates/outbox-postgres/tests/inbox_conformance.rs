@@ -9,12 +9,14 @@ use std::sync::Arc;
 use async_trait::async_trait;
 use outbox_core::inbox_conformance::{AbortingHarness, InboxHarness};
 use outbox_postgres::PgInbox;
-use sqlx::PgConnection;
+use sqlx::{AssertSqlSafe, PgConnection};
+use uuid::Uuid;
 
-/// A [`PgInbox`] over a fresh, migrated schema, dropped with the harness.
+/// A [`PgInbox`] over a fresh, migrated schema (with a table `effects` for the
+/// `aborts` properties), dropped with the harness.
 struct PgInboxHarness {
     inbox: Arc<PgInbox>,
-    _schema: common::TestOutbox,
+    schema: common::TestOutbox,
 }
 
 impl InboxHarness for PgInboxHarness {
@@ -31,14 +33,43 @@ impl AbortingHarness for PgInboxHarness {
         let failed = sqlx::query("SELECT 1 / 0").execute(conn).await;
         assert!(failed.is_err(), "the statement fails");
     }
+
+    async fn write_effect(&self, conn: &mut PgConnection, id: Uuid) -> bool {
+        sqlx::query(AssertSqlSafe(format!(
+            "INSERT INTO {}.effects (message_id) VALUES ($1)",
+            self.schema.schema()
+        )))
+        .bind(id)
+        .execute(conn)
+        .await
+        .is_ok()
+    }
+
+    async fn effect_committed(&self, id: Uuid) -> bool {
+        sqlx::query_scalar(AssertSqlSafe(format!(
+            "SELECT EXISTS (SELECT 1 FROM {}.effects WHERE message_id = $1)",
+            self.schema.schema()
+        )))
+        .bind(id)
+        .fetch_one(self.schema.pool())
+        .await
+        .expect("effects")
+    }
 }
 
 async fn harness() -> PgInboxHarness {
     let outbox = common::fresh_outbox().await;
+    sqlx::query(AssertSqlSafe(format!(
+        "CREATE TABLE {}.effects (message_id uuid NOT NULL)",
+        outbox.schema()
+    )))
+    .execute(outbox.pool())
+    .await
+    .expect("effects table");
     let inbox = outbox.inbox();
     PgInboxHarness {
         inbox: Arc::new(inbox),
-        _schema: outbox,
+        schema: outbox,
     }
 }
 

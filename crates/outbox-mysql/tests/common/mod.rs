@@ -4,11 +4,13 @@
 #![allow(dead_code, unreachable_pub)] // reason: each test binary uses a different subset
 
 use std::sync::Arc;
+use std::time::Duration;
 
 use async_trait::async_trait;
 use outbox_core::NewMessage;
 use outbox_core::conformance::Harness;
 use outbox_mysql::{MySqlConfig, MySqlOutbox};
+use sqlx::{AssertSqlSafe, Connection as _, MySqlConnection, MySqlPool};
 
 pub fn mysql_url() -> String {
     std::env::var("MYSQL_URL").unwrap_or_else(|_| "mysql://root@127.0.0.1:3306/test".into())
@@ -144,4 +146,109 @@ impl Harness for MySqlHarness {
 pub async fn harness() -> MySqlHarness {
     let (outbox, guard) = fresh_outbox().await;
     MySqlHarness(Arc::new(outbox), guard)
+}
+
+/// Creates in database `schema` the two tables [`make_deadlock_victim`] works on.
+pub async fn create_deadlock_probe(pool: &MySqlPool, schema: &str) {
+    sqlx::raw_sql(AssertSqlSafe(format!(
+        "CREATE TABLE `{schema}`.deadlock_probe (id INT PRIMARY KEY) ENGINE = InnoDB;
+         INSERT INTO `{schema}`.deadlock_probe VALUES (1), (2);
+         CREATE TABLE `{schema}`.deadlock_ballast (n INT) ENGINE = InnoDB;"
+    )))
+    .execute(pool)
+    .await
+    .expect("deadlock probe tables");
+}
+
+/// Makes the transaction open on `conn` a real InnoDB deadlock victim and returns the
+/// error its statement got (1213; InnoDB then rolls the whole transaction back). InnoDB
+/// aborts a transaction whole only as a deadlock victim (any other failed statement is
+/// undone alone and the transaction goes on), so: `conn` locks row 1 of
+/// `schema`.deadlock_probe ([`create_deadlock_probe`]), a second connection that has
+/// written more (InnoDB rolls back the transaction that wrote less) locks row 2 and
+/// waits for row 1, and `conn` asks for row 2. `monitor` watches the second connection
+/// wait. One call at a time per database: the probe rows are shared.
+pub async fn make_deadlock_victim(
+    conn: &mut MySqlConnection,
+    schema: &str,
+    monitor: &MySqlPool,
+) -> sqlx::Error {
+    sqlx::query(AssertSqlSafe(format!(
+        "SELECT id FROM `{schema}`.deadlock_probe WHERE id = 1 FOR UPDATE"
+    )))
+    .fetch_all(&mut *conn)
+    .await
+    .expect("lock row 1");
+    let mut other = MySqlConnection::connect(&mysql_url())
+        .await
+        .expect("connect");
+    let other_id: u64 = sqlx::query_scalar("SELECT CONNECTION_ID()")
+        .fetch_one(&mut other)
+        .await
+        .expect("connection id");
+    let s = schema.to_owned();
+    let waiter = tokio::spawn(async move {
+        let mut tx = other.begin().await.expect("begin");
+        sqlx::query(AssertSqlSafe(format!(
+            "INSERT INTO `{s}`.deadlock_ballast (n)
+             WITH RECURSIVE r(n) AS (SELECT 1 UNION ALL SELECT n + 1 FROM r WHERE n < 200)
+             SELECT n FROM r"
+        )))
+        .execute(&mut *tx)
+        .await
+        .expect("ballast");
+        sqlx::query(AssertSqlSafe(format!(
+            "SELECT id FROM `{s}`.deadlock_probe WHERE id = 2 FOR UPDATE"
+        )))
+        .fetch_all(&mut *tx)
+        .await
+        .expect("lock row 2");
+        let waited = sqlx::query(AssertSqlSafe(format!(
+            "SELECT id FROM `{s}`.deadlock_probe WHERE id = 1 FOR UPDATE"
+        )))
+        .fetch_all(&mut *tx)
+        .await;
+        let _ = tx.rollback().await;
+        waited.is_ok()
+    });
+    // Wait (with a deadline) until the other transaction waits for row 1.
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    loop {
+        // The statement waiting for a primary-key row shows as running in the process
+        // list (InnoDB waits for the lock while the optimizer reads the row as a
+        // constant: state "Statistics").
+        let waiting: i64 = sqlx::query_scalar(
+            "SELECT COUNT(*) FROM information_schema.processlist
+              WHERE id = ? AND info LIKE '%id = 1 FOR UPDATE'",
+        )
+        .bind(other_id)
+        .fetch_one(monitor)
+        .await
+        .expect("processlist");
+        if waiting > 0 {
+            // It is in the statement; give it a moment to reach the lock queue.
+            tokio::time::sleep(Duration::from_millis(200)).await;
+            break;
+        }
+        if tokio::time::Instant::now() > deadline {
+            let rows: Vec<(i64, Option<String>, Option<String>)> =
+                sqlx::query_as("SELECT id, state, info FROM information_schema.processlist")
+                    .fetch_all(monitor)
+                    .await
+                    .expect("processlist");
+            panic!("the other transaction ({other_id}) never waited: {rows:?}");
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let failed = sqlx::query(AssertSqlSafe(format!(
+        "SELECT id FROM `{schema}`.deadlock_probe WHERE id = 2 FOR UPDATE"
+    )))
+    .fetch_all(&mut *conn)
+    .await
+    .expect_err("the statement fails (a deadlock victim)");
+    assert!(
+        waiter.await.expect("waiter"),
+        "the other transaction went on"
+    );
+    failed
 }
