@@ -350,6 +350,24 @@ impl MssqlPool {
         conn.client.begin_transaction().await.map_err(db("begin"))?;
         Ok(MssqlTransaction { conn })
     }
+
+    /// Borrows a connection and runs `batch`, a plain T-SQL batch that begins a
+    /// transaction (and may set the session up for it: the inbox's).
+    pub(crate) async fn begin_with(
+        &self,
+        operation: &'static str,
+        batch: &str,
+    ) -> Result<MssqlTransaction, OutboxError> {
+        let mut conn = self.checkout(operation).await?;
+        conn.client
+            .simple_query(batch)
+            .await
+            .map_err(db(operation))?
+            .into_results()
+            .await
+            .map_err(db(operation))?;
+        Ok(MssqlTransaction { conn })
+    }
 }
 
 /// A pooled connection with an open transaction. Dereferences to [`MssqlClient`], so
@@ -388,15 +406,21 @@ impl MssqlTransaction {
     /// transaction's effects are then not durable (the connection is discarded and the
     /// server rolls back).
     pub async fn commit(self) -> Result<(), OutboxError> {
-        self.commit_as("commit").await
+        self.commit_with(COMMIT_IF_COMMITTABLE, "commit").await
     }
 
-    /// [`commit`](Self::commit), naming `operation` in its errors.
-    pub(crate) async fn commit_as(mut self, operation: &'static str) -> Result<(), OutboxError> {
+    /// [`commit`](Self::commit) with `batch`, a plain batch that ends the
+    /// transaction as [`COMMIT_IF_COMMITTABLE`] does and answers `state` the same way,
+    /// naming `operation` in its errors.
+    pub(crate) async fn commit_with(
+        mut self,
+        batch: &str,
+        operation: &'static str,
+    ) -> Result<(), OutboxError> {
         let rows = self
             .conn
             .client
-            .simple_query(COMMIT_IF_COMMITTABLE)
+            .simple_query(batch)
             .await
             .map_err(db(operation))?
             .into_results()
@@ -441,15 +465,25 @@ impl MssqlTransaction {
     /// # Errors
     /// [`OutboxError::Database`] when the statement itself fails (a broken connection);
     /// the connection is then discarded, so the server rolls back anything left.
-    pub async fn rollback(mut self) -> Result<(), OutboxError> {
+    pub async fn rollback(self) -> Result<(), OutboxError> {
+        self.rollback_with(ROLLBACK_IF_OPEN, "rollback").await
+    }
+
+    /// [`rollback`](Self::rollback) with `batch`, a plain batch that ends the
+    /// transaction as [`ROLLBACK_IF_OPEN`] does, naming `operation` in its errors.
+    pub(crate) async fn rollback_with(
+        mut self,
+        batch: &str,
+        operation: &'static str,
+    ) -> Result<(), OutboxError> {
         self.conn
             .client
-            .simple_query(ROLLBACK_IF_OPEN)
+            .simple_query(batch)
             .await
-            .map_err(db("rollback"))?
+            .map_err(db(operation))?
             .into_results()
             .await
-            .map_err(db("rollback"))?;
+            .map_err(db(operation))?;
         self.conn.settle();
         Ok(())
     }

@@ -118,20 +118,30 @@ impl InboxStore for MssqlInbox {
     type Connection = MssqlClient;
     type Transaction = MssqlTransaction;
 
+    /// Begins the transaction with `IMPLICIT_TRANSACTIONS ON` and keeps its id in the
+    /// session context, in one plain batch: under `XACT_ABORT ON` a handler's failed
+    /// statement rolls the transaction back at once, and a statement the handler sends
+    /// after catching that error then begins a transaction of its own instead of
+    /// committing on its own; [`commit`](Self::commit) rolls it back.
     async fn begin(&self) -> Result<MssqlTransaction, OutboxError> {
-        self.pool.begin().await
+        self.pool.begin_with("inbox_begin", &self.iq.begin).await
     }
 
-    /// Commits only a transaction that can still commit, in one batch that reads
-    /// `XACT_STATE()` first (see [`MssqlTransaction::commit`]): a transaction a
-    /// handler's failed statement aborted (rolled back at once under `XACT_ABORT ON`, or
-    /// doomed) is [`OutboxError::TransactionAborted`], never a commit.
+    /// Commits only the transaction [`begin`](Self::begin) began, while it can still
+    /// commit, in one batch that reads `XACT_STATE()` and the transaction's id first
+    /// (see [`MssqlTransaction::commit`]): a transaction a handler's failed statement
+    /// aborted (rolled back at once under `XACT_ABORT ON`, or doomed) is
+    /// [`OutboxError::TransactionAborted`], never a commit, and a transaction that
+    /// statements sent after the abort began is rolled back with them. The batch turns
+    /// `IMPLICIT_TRANSACTIONS` off again.
     async fn commit(&self, tx: MssqlTransaction) -> Result<(), OutboxError> {
-        tx.commit_as("inbox_commit").await
+        tx.commit_with(&self.iq.commit, "inbox_commit").await
     }
 
+    /// Rolls back whatever transaction is open and turns `IMPLICIT_TRANSACTIONS` off
+    /// again.
     async fn rollback(&self, tx: MssqlTransaction) -> Result<(), OutboxError> {
-        tx.rollback().await
+        tx.rollback_with(&self.iq.rollback, "inbox_rollback").await
     }
 
     async fn try_claim(
@@ -215,11 +225,13 @@ impl VersionTracking for MssqlInbox {
     }
 
     /// Raises the stored version, only inside a transaction that can still commit
-    /// (`XACT_STATE() = 1`): it runs after the handler, and after a handler's failed
-    /// statement `XACT_ABORT ON` has already rolled the transaction back, so the update
-    /// would run on its own and commit (the redelivered message would then be skipped
-    /// as stale). That is [`OutboxError::TransactionAborted`] instead; so is a call
-    /// outside any transaction.
+    /// (`XACT_STATE() = 1`) and, within an inbox transaction, only while that is still
+    /// the one [`begin`](InboxStore::begin) began: it runs after the handler, and after
+    /// a handler's failed statement `XACT_ABORT ON` has already rolled the transaction
+    /// back, so the update would commit without the message's effect, with a
+    /// transaction a later statement began (or on its own), and the redelivered message
+    /// would then be skipped as stale. That is [`OutboxError::TransactionAborted`]
+    /// instead; so is a call outside any transaction.
     async fn record_version(
         &self,
         conn: &mut MssqlClient,

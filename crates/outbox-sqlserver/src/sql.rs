@@ -825,9 +825,82 @@ impl Queries {
     }
 }
 
+/// The session-context key under which [`INBOX_BEGIN`] keeps its transaction's id.
+const INBOX_TRANSACTION_KEY: &str = "N'outbox_inbox_transaction'";
+
+/// The inbox's transaction, begun by [`INBOX_BEGIN`], is not the session's current one:
+/// it ended (a failed statement under `XACT_ABORT ON` rolled it back, or the handler
+/// sent `ROLLBACK`), and a statement sent since began another (under
+/// `IMPLICIT_TRANSACTIONS ON`). Never true outside an inbox transaction (no id kept).
+fn not_the_inbox_transaction() -> String {
+    let key = INBOX_TRANSACTION_KEY;
+    format!(
+        "SESSION_CONTEXT({key}) IS NOT NULL
+   AND CURRENT_TRANSACTION_ID() <> CAST(SESSION_CONTEXT({key}) AS bigint)"
+    )
+}
+
+/// Begins the inbox's transaction (a plain batch, one round trip): `BEGIN
+/// TRANSACTION`, then `IMPLICIT_TRANSACTIONS ON` (after it: turned on first, the
+/// `BEGIN` would itself open an implicit transaction and nest in it), so that a statement
+/// sent after the transaction ended (under `XACT_ABORT ON`, a handler's failed
+/// statement rolls it back at once) begins a transaction of its own instead of
+/// committing on its own; and the transaction's id kept in the session context, which
+/// tells the statements after the handler whether they still run in it.
+fn inbox_begin() -> String {
+    let key = INBOX_TRANSACTION_KEY;
+    format!(
+        "BEGIN TRANSACTION;
+SET IMPLICIT_TRANSACTIONS ON;
+DECLARE @begun bigint = CURRENT_TRANSACTION_ID();
+EXEC sys.sp_set_session_context @key = {key}, @value = @begun;"
+    )
+}
+
+/// Commits the inbox's transaction only if it is still the one [`inbox_begin`] began
+/// and can commit, as [`COMMIT_IF_COMMITTABLE`](crate::connection::COMMIT_IF_COMMITTABLE)
+/// does (same `state` answer: 1 committed, 0 or -1 aborted and rolled back), then
+/// turns `IMPLICIT_TRANSACTIONS` off and forgets the id, so the connection goes back to
+/// the pool as it came. A transaction that a statement after the abort began
+/// (`XACT_STATE()` 1, another id) is state 0: rolled back, with what it holds.
+fn inbox_commit() -> String {
+    let key = INBOX_TRANSACTION_KEY;
+    let not_ours = not_the_inbox_transaction();
+    format!(
+        "SET XACT_ABORT ON;
+DECLARE @state int = XACT_STATE();
+IF @state = 1 AND {not_ours}
+    SET @state = 0;
+IF @state = 1
+BEGIN
+    WHILE @@TRANCOUNT > 0 COMMIT TRANSACTION;
+END
+ELSE IF @@TRANCOUNT > 0
+    ROLLBACK TRANSACTION;
+SET IMPLICIT_TRANSACTIONS OFF;
+EXEC sys.sp_set_session_context @key = {key}, @value = NULL;
+SELECT @state AS state;"
+    )
+}
+
+/// Rolls back whatever transaction is open (the inbox's, or one a statement after its
+/// abort began), turns `IMPLICIT_TRANSACTIONS` off and forgets the id.
+fn inbox_rollback() -> String {
+    let key = INBOX_TRANSACTION_KEY;
+    format!(
+        "IF @@TRANCOUNT > 0 ROLLBACK TRANSACTION;
+SET IMPLICIT_TRANSACTIONS OFF;
+EXEC sys.sp_set_session_context @key = {key}, @value = NULL;"
+    )
+}
+
 /// SQL of the inbox capabilities (version tracking, failures, durable inbox).
 #[derive(Debug)]
 pub(crate) struct InboxQueries {
+    /// Plain batches (no parameters) beginning and ending the inbox's transaction.
+    pub(crate) begin: Arc<str>,
+    pub(crate) commit: Arc<str>,
+    pub(crate) rollback: Arc<str>,
     pub(crate) version_get: Arc<str>,
     pub(crate) version_set: Arc<str>,
     pub(crate) failure: Arc<str>,
@@ -884,7 +957,11 @@ impl InboxQueries {
         let key = version_key_params();
         let retry_at = plus_ms("@now", "u.delay_ms");
         let cutoff = minus_ms("SYSUTCDATETIME()", "@P1");
+        let not_ours = not_the_inbox_transaction();
         Self {
+            begin: s(inbox_begin()),
+            commit: s(inbox_commit()),
+            rollback: s(inbox_rollback()),
             // Make sure a row exists to lock (`insert_unless_present`: key locks only,
             // race-free), then read it under an update lock, which is held to the end of
             // the caller's transaction: two messages of one aggregate for one consumer
@@ -902,14 +979,18 @@ impl InboxQueries {
    AND x.consumer = @P1 AND x.aggregate_type = @P2 AND x.aggregate_id = @P3;"
                 ),
             )),
-            // Only ever raises the stored version, and only inside a transaction that
-            // can still commit: after a handler's failed statement `XACT_ABORT ON` has
-            // rolled the transaction back (the version row's lock and the inbox record
-            // with it), and this update would otherwise run on its own and commit, so
-            // the redelivered message would find its own version applied and be skipped
-            // as stale. Returns `state`, the `XACT_STATE()` it found (1: updated).
+            // Only ever raises the stored version, and only inside the inbox's
+            // transaction while it can still commit: after a handler's failed statement
+            // `XACT_ABORT ON` has rolled the transaction back (the version row's lock
+            // and the inbox record with it), and this update would otherwise commit
+            // with a transaction a later statement began (or on its own, outside the
+            // inbox's transactions), so the redelivered message would find its own
+            // version applied and be skipped as stale. Returns `state`: 1 updated, else
+            // not (0 or the `XACT_STATE()` found).
             version_set: s(format!(
                 "DECLARE @state int = XACT_STATE();
+IF @state = 1 AND {not_ours}
+    SET @state = 0;
 IF @state = 1
     UPDATE x
                     SET x.version = CASE WHEN x.version IS NULL OR x.version < @P4
@@ -1130,6 +1211,13 @@ mod tests {
         }
         let commit = crate::connection::COMMIT_IF_COMMITTABLE;
         println!("-- ===== commit\n{commit}\nGO\n");
+        for (name, sql) in [
+            ("inbox_begin", &iq.begin),
+            ("inbox_commit", &iq.commit),
+            ("inbox_rollback", &iq.rollback),
+        ] {
+            println!("-- ===== {name}\n{sql}\nGO\n");
+        }
     }
 
     #[test]
@@ -1763,13 +1851,83 @@ SET XACT_ABORT ON;"
         );
     }
 
+    /// The inbox's transaction: `IMPLICIT_TRANSACTIONS ON` after its `BEGIN`, its id
+    /// kept; every statement of the inbox after the handler (the version, the commit)
+    /// runs only in that transaction; the session is left as it came.
+    #[test]
+    fn the_inbox_transaction_lets_nothing_after_an_abort_commit() {
+        let iq = InboxQueries::new("outbox");
+        let lines =
+            |sql: &str| -> Vec<String> { sql.lines().map(|l| l.trim().to_owned()).collect() };
+        let key = "N'outbox_inbox_transaction'";
+        let not_ours = [
+            "IF @state = 1 AND SESSION_CONTEXT(N'outbox_inbox_transaction') IS NOT NULL".to_owned(),
+            "AND CURRENT_TRANSACTION_ID() <> CAST(SESSION_CONTEXT(N'outbox_inbox_transaction') AS bigint)".to_owned(),
+            "SET @state = 0;".to_owned(),
+        ];
+        assert_eq!(
+            lines(&iq.begin),
+            [
+                // Implicit transactions on only once the transaction is open: turned on
+                // before, the BEGIN would open an implicit one and nest in it.
+                "BEGIN TRANSACTION;".to_owned(),
+                "SET IMPLICIT_TRANSACTIONS ON;".to_owned(),
+                "DECLARE @begun bigint = CURRENT_TRANSACTION_ID();".to_owned(),
+                format!("EXEC sys.sp_set_session_context @key = {key}, @value = @begun;"),
+            ]
+        );
+        let commit = lines(&iq.commit);
+        assert_eq!(
+            commit[..2],
+            ["SET XACT_ABORT ON;", "DECLARE @state int = XACT_STATE();"]
+        );
+        assert_eq!(
+            commit[2..5],
+            not_ours,
+            "another transaction than the one begun: 0"
+        );
+        assert_eq!(
+            commit[5..],
+            [
+                "IF @state = 1".to_owned(),
+                "BEGIN".to_owned(),
+                "WHILE @@TRANCOUNT > 0 COMMIT TRANSACTION;".to_owned(),
+                "END".to_owned(),
+                // Doomed, or begun by a statement after the abort: rolled back.
+                "ELSE IF @@TRANCOUNT > 0".to_owned(),
+                "ROLLBACK TRANSACTION;".to_owned(),
+                // The connection goes back to the pool as it came.
+                "SET IMPLICIT_TRANSACTIONS OFF;".to_owned(),
+                format!("EXEC sys.sp_set_session_context @key = {key}, @value = NULL;"),
+                "SELECT @state AS state;".to_owned(),
+            ]
+        );
+        assert_eq!(
+            lines(&iq.rollback),
+            [
+                "IF @@TRANCOUNT > 0 ROLLBACK TRANSACTION;".to_owned(),
+                "SET IMPLICIT_TRANSACTIONS OFF;".to_owned(),
+                format!("EXEC sys.sp_set_session_context @key = {key}, @value = NULL;"),
+            ]
+        );
+        // Plain batches (`simple_query`): through sp_executesql, the changed
+        // @@TRANCOUNT would raise error 266 and the SET would end with the call.
+        for batch in [&iq.begin, &iq.commit, &iq.rollback] {
+            assert!(!batch.contains("@P"), "{batch}");
+        }
+        // The version is raised under the same test as the commit.
+        let version = lines(&iq.version_set);
+        assert_eq!(version[0], "DECLARE @state int = XACT_STATE();");
+        assert_eq!(version[1..4], not_ours);
+        assert_eq!(version[4..6], ["IF @state = 1", "UPDATE x"]);
+    }
+
     #[test]
     fn a_version_is_recorded_only_in_a_transaction_that_can_commit() {
         let iq = InboxQueries::new("outbox");
         let sql = &*iq.version_set;
-        assert!(
-            sql.starts_with("DECLARE @state int = XACT_STATE();\nIF @state = 1\n    UPDATE x\n")
-        );
+        assert!(sql.starts_with("DECLARE @state int = XACT_STATE();\n"));
+        assert!(sql.contains("\nIF @state = 1\n    UPDATE x\n"));
         assert!(sql.trim_end().ends_with(
             "AND x.consumer = @P1 AND x.aggregate_type = @P2 AND x.aggregate_id = @P3;\nSELECT @state AS state;"
         ));
