@@ -734,11 +734,10 @@ impl OutboxStore for MySqlOutbox {
             .collect()
     }
 
-    /// See `complete_once`, retried on a deadlock (a
-    /// deadlock victim's statement changed nothing, and its fences still hold).
+    /// See `complete_statements`: each statement run again on a deadlock (a deadlock
+    /// victim's statement changed nothing, and its fences still hold).
     async fn complete(&self, completions: &[Completion]) -> Result<CompleteReport, OutboxError> {
-        self.retry_deadlocks(|| self.complete_once(completions))
-            .await
+        self.complete_statements(completions).await
     }
 
     async fn get(&self, id: Uuid) -> Result<Option<OutboxMessage>, OutboxError> {
@@ -951,7 +950,16 @@ impl MySqlOutbox {
     /// [`SentRetention::Delete`], one `DELETE` by primary key of the Sent rows it
     /// marked after it). Only when fewer rows matched than completions were given does
     /// a query find out which were fenced.
-    async fn complete_once(
+    ///
+    /// Each statement commits on its own and is run again alone when InnoDB makes it a
+    /// deadlock victim, with the same mark (`nonce`): run again from the `UPDATE` after
+    /// a later statement failed, the completion would match none of its rows (their
+    /// claim tokens are gone), report every message fenced and never delete its Sent
+    /// rows. The `DELETE` is retention, not the record: when it fails otherwise (a
+    /// lock-wait timeout), the outcomes stand, the rows stay `Sent` for `outbox purge`,
+    /// and a warning says so (an error would make the caller complete again, and be
+    /// told every message was fenced).
+    async fn complete_statements(
         &self,
         completions: &[Completion],
     ) -> Result<CompleteReport, OutboxError> {
@@ -994,30 +1002,36 @@ impl MySqlOutbox {
         // This call's mark on the rows it changes: how a completion that matched fewer
         // rows than it carried finds out which ones were applied.
         let nonce = Uuid::new_v4();
-        let applied = sqlx::query(sql(&self.q.complete))
-            .bind(&json)
-            .bind(nonce)
-            .execute(&self.pool)
-            .await
-            .map_err(db("complete"))?
+        let applied = self
+            .retry_deadlocks(|| async {
+                sqlx::query(sql(&self.q.complete))
+                    .bind(&json)
+                    .bind(nonce)
+                    .execute(&self.pool)
+                    .await
+                    .map_err(db("complete"))
+            })
+            .await?
             .rows_affected();
         let n = completions.len();
         let (applied_ids, fenced): (Vec<Uuid>, Vec<Uuid>) = if applied >= n as u64 {
             (completions.iter().map(|c| c.id).collect(), Vec::new())
         } else {
-            let mut read = sqlx::query_scalar::<_, Uuid>(AssertSqlSafe(format!(
+            let read_sql = format!(
                 "SELECT id FROM {} WHERE completed_token = ? AND id IN ({})",
                 self.q.table,
                 placeholders(n)
-            )))
-            .bind(nonce);
-            for c in completions {
-                read = read.bind(c.id);
-            }
-            let done: HashSet<Uuid> = read
-                .fetch_all(&self.pool)
-                .await
-                .map_err(db("complete"))?
+            );
+            let done: HashSet<Uuid> = self
+                .retry_deadlocks(|| async {
+                    let mut read =
+                        sqlx::query_scalar::<_, Uuid>(AssertSqlSafe(read_sql.as_str())).bind(nonce);
+                    for c in completions {
+                        read = read.bind(c.id);
+                    }
+                    read.fetch_all(&self.pool).await.map_err(db("complete"))
+                })
+                .await?
                 .into_iter()
                 .collect();
             completions
@@ -1037,16 +1051,24 @@ impl MySqlOutbox {
                 .map(|c| c.id)
                 .collect();
             if !sent.is_empty() {
-                let mut delete = sqlx::query(AssertSqlSafe(format!(
+                let delete_sql = format!(
                     "DELETE FROM {} WHERE completed_token = ? AND status = 1 AND id IN ({})",
                     self.q.table,
                     placeholders(sent.len())
-                )))
-                .bind(nonce);
-                for id in &sent {
-                    delete = delete.bind(*id);
+                );
+                let deleted = self
+                    .retry_deadlocks(|| async {
+                        let mut delete =
+                            sqlx::query(AssertSqlSafe(delete_sql.as_str())).bind(nonce);
+                        for id in &sent {
+                            delete = delete.bind(*id);
+                        }
+                        delete.execute(&self.pool).await.map_err(db("complete"))
+                    })
+                    .await;
+                if let Err(e) = deleted {
+                    tracing::warn!(error = %e, messages = sent.len(), "completion recorded, but its Sent rows could not be deleted: they stay Sent until `outbox purge`");
                 }
-                delete.execute(&self.pool).await.map_err(db("complete"))?;
             }
         }
         Ok(CompleteReport {

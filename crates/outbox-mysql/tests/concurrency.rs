@@ -375,3 +375,97 @@ async fn claim_unless_dead_needs_no_second_connection() {
     assert_eq!(again, InboxClaim::Duplicate);
     inbox.rollback(tx).await.expect("rollback");
 }
+
+/// A completion under `SentRetention::Delete` is two statements: the `UPDATE` that
+/// records the outcomes (and commits), then the `DELETE` of the Sent rows. When the
+/// `DELETE` fails as a deadlock victim, the store runs it again (not the whole
+/// completion, whose `UPDATE` would then match nothing): every message is reported
+/// applied, none fenced, and the rows are deleted. When it fails otherwise (a lock-wait
+/// timeout), the outcomes stand: reported applied (an error would make the dispatcher
+/// complete again and be told every message was fenced), the rows left `Sent` for the
+/// purge. The failure is injected once by a trigger on the `DELETE` (its count in a
+/// non-transactional table, so the failed statement's rollback does not undo it).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_completion_whose_delete_fails_still_reports_what_it_applied() {
+    for (errno, deleted) in [(1213, true), (1205, false)] {
+        let (outbox, _drop) = fresh_outbox().await;
+        let s = outbox.schema().to_owned();
+        for statement in [
+            format!("CREATE TABLE `{s}`.delete_failures (n INT NOT NULL) ENGINE = MyISAM"),
+            format!("INSERT INTO `{s}`.delete_failures VALUES (1)"),
+            format!(
+                "CREATE TRIGGER `{s}`.fail_delete_once BEFORE DELETE ON `{s}`.outbox_messages
+                 FOR EACH ROW BEGIN
+                     IF (SELECT n FROM `{s}`.delete_failures) > 0 THEN
+                         UPDATE `{s}`.delete_failures SET n = n - 1;
+                         SIGNAL SQLSTATE 'HY000'
+                            SET MYSQL_ERRNO = {errno}, MESSAGE_TEXT = 'injected by the test';
+                     END IF;
+                 END"
+            ),
+        ] {
+            sqlx::raw_sql(sqlx::AssertSqlSafe(statement))
+                .execute(outbox.pool())
+                .await
+                .expect("fault injection");
+        }
+        let store = outbox_mysql::MySqlOutbox::new(
+            outbox.pool().clone(),
+            &outbox_mysql::MySqlConfig::default()
+                .with_schema(&s)
+                .with_sent_retention(outbox_core::SentRetention::Delete),
+        )
+        .expect("store");
+        enqueue_committed(&store, &messages(5)).await;
+        let batch = store
+            .claim(10, Duration::from_secs(60))
+            .await
+            .expect("claim");
+        assert_eq!(batch.messages.len(), 5);
+        let done: Vec<Completion> = batch
+            .messages
+            .iter()
+            .map(|m| Completion {
+                id: m.id,
+                claim_token: m.claim_token.expect("token"),
+                outcome: CompletionOutcome::Sent,
+            })
+            .collect();
+        let report = store
+            .complete(&done)
+            .await
+            .unwrap_or_else(|e| panic!("error {errno}: the completion is recorded: {e:?}"));
+        assert_eq!(
+            (report.applied, report.fenced.clone()),
+            (5, Vec::new()),
+            "error {errno}: every message applied, none fenced: {report:?}"
+        );
+        let injected: i32 = sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
+            "SELECT n FROM `{s}`.delete_failures"
+        )))
+        .fetch_one(outbox.pool())
+        .await
+        .expect("injected");
+        assert_eq!(injected, 0, "the fault was injected");
+        let left: Vec<i16> = sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
+            "SELECT status FROM `{s}`.outbox_messages"
+        )))
+        .fetch_all(outbox.pool())
+        .await
+        .expect("rows");
+        if deleted {
+            assert_eq!(
+                left,
+                Vec::<i16>::new(),
+                "error {errno}: the Sent rows are deleted"
+            );
+            assert_eq!(store.deadlock_retries(), 1, "the DELETE ran again");
+        } else {
+            assert_eq!(
+                left,
+                vec![1; 5],
+                "error {errno}: the rows stay Sent, for the purge"
+            );
+        }
+    }
+}
