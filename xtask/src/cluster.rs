@@ -689,8 +689,9 @@ fn write_start_script(
     Ok(path)
 }
 
+/// `sh SCRIPT` with a clean environment (the script exports what its node needs).
 fn start(script: &Path) -> Command {
-    let mut cmd = Command::new("sh");
+    let mut cmd = crate::services::server_command("sh");
     cmd.arg(script)
         .stdin(Stdio::null())
         .stdout(Stdio::null())

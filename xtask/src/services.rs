@@ -70,21 +70,22 @@ impl Service {
         }
     }
 
-    /// The command that starts the locally installed server.
+    /// The command that starts the locally installed server, with a clean environment
+    /// ([`server_command`]).
     fn local_start_command(self) -> Result<Command> {
         let mut cmd;
         match self {
             Self::Postgres => {
                 let version = postgres_version()?;
-                cmd = Command::new("pg_ctlcluster");
+                cmd = server_command("pg_ctlcluster");
                 cmd.args(["--skip-systemctl-redirect", &version, "main", "start"]);
             }
             Self::Rabbitmq => {
-                cmd = Command::new("rabbitmq-server");
+                cmd = server_command("rabbitmq-server");
                 cmd.arg("-detached");
             }
             Self::Nats => {
-                cmd = Command::new("start-stop-daemon");
+                cmd = server_command("start-stop-daemon");
                 cmd.args([
                     "--start",
                     "--oknodo",
@@ -105,11 +106,68 @@ impl Service {
             }
             Self::Mariadb => {
                 // Debian's init script works without systemd (it runs mysqld_safe).
-                cmd = Command::new("/etc/init.d/mariadb");
+                cmd = server_command("/etc/init.d/mariadb");
                 cmd.arg("start");
             }
         }
         Ok(cmd)
+    }
+
+    /// Where the locally installed server logs, as it is configured on Debian (NATS:
+    /// the `-l` above; MariaDB: its `log_error`, read with `my_print_defaults`).
+    fn local_log(self) -> Option<PathBuf> {
+        match self {
+            Self::Postgres => postgres_version().ok().map(|version| {
+                PathBuf::from(format!("/var/log/postgresql/postgresql-{version}-main.log"))
+            }),
+            Self::Nats => Some(PathBuf::from("/var/log/nats-server.log")),
+            Self::Mariadb => {
+                let out = Command::new("my_print_defaults")
+                    .arg("--mysqld")
+                    .stdin(Stdio::null())
+                    .output()
+                    .ok()?;
+                String::from_utf8_lossy(&out.stdout)
+                    .lines()
+                    .find_map(|l| l.strip_prefix("--log-error=").map(PathBuf::from))
+            }
+            Self::Rabbitmq => None,
+        }
+    }
+}
+
+/// `PATH` for a server started where the caller has none.
+const DEFAULT_PATH: &str = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin";
+
+/// A command that starts a server (or a script that does): the caller's environment
+/// cleared but for `PATH` and `HOME`. A server started with the caller's environment
+/// keeps what a CI system or a shell set for itself: a `TMPDIR` the server's user
+/// cannot write kept MariaDB from starting ("Can't create/write to file ... InnoDB:
+/// Unable to create temporary file"). The servers read the rest from their own
+/// configuration, as at boot.
+pub(crate) fn server_command(program: impl AsRef<std::ffi::OsStr>) -> Command {
+    let mut cmd = Command::new(program);
+    cmd.env_clear().env(
+        "PATH",
+        std::env::var_os("PATH").unwrap_or_else(|| DEFAULT_PATH.into()),
+    );
+    if let Some(home) = std::env::var_os("HOME") {
+        cmd.env("HOME", home);
+    }
+    cmd
+}
+
+/// The last `n` lines of `path`, indented, or why they cannot be read.
+fn last_lines(path: &std::path::Path, n: usize) -> String {
+    match fs::read_to_string(path) {
+        Ok(text) => {
+            let lines: Vec<&str> = text.lines().collect();
+            lines[lines.len().saturating_sub(n)..]
+                .iter()
+                .map(|l| format!("\n      {l}"))
+                .collect()
+        }
+        Err(e) => format!(" (not readable: {e})"),
     }
 }
 
@@ -124,6 +182,9 @@ struct Attempt {
     note: Option<String>,
     /// The reason of the latest failed readiness check.
     last_check: String,
+    /// Files that say why it did not start: the start command's output, the server's
+    /// log.
+    logs: Vec<PathBuf>,
 }
 
 /// Makes sure PostgreSQL, RabbitMQ and NATS are ready, starting what is not,
@@ -199,7 +260,7 @@ fn ensure_logical_wal(timeout: Duration) -> Result<()> {
         .with_context(|| format!("could not open {}", lock_path.display()))?;
     lock.lock()
         .with_context(|| format!("could not lock {}", lock_path.display()))?;
-    let status = Command::new("pg_ctlcluster")
+    let status = server_command("pg_ctlcluster")
         .args(["--skip-systemctl-redirect", &version, "main", "restart"])
         .stdin(Stdio::null())
         .status()
@@ -215,6 +276,7 @@ fn ensure_logical_wal(timeout: Duration) -> Result<()> {
             command: format!("pg_ctlcluster {version} main restart"),
             note: None,
             last_check: String::new(),
+            logs: Service::Postgres.local_log().into_iter().collect(),
         }],
         began,
         began + timeout,
@@ -291,6 +353,7 @@ fn start_with_compose(down: Vec<(Service, String)>) -> Result<Vec<Attempt>> {
             command: shown.clone(),
             note: None,
             last_check: why,
+            logs: Vec::new(),
         })
         .collect())
 }
@@ -348,6 +411,10 @@ fn start_locally(down: Vec<(Service, String)>) -> Result<Vec<Attempt>> {
             command: shown,
             note,
             last_check: why,
+            logs: [Some(log), service.local_log()]
+                .into_iter()
+                .flatten()
+                .collect(),
         });
     }
     Ok(attempts)
@@ -420,6 +487,13 @@ fn wait_until_ready(
                     msg.push_str(&format!(" ({note})"));
                 }
                 msg.push_str(&format!("; last check: {}", attempt.last_check));
+                for log in &attempt.logs {
+                    msg.push_str(&format!(
+                        "\n    last lines of {}:{}",
+                        log.display(),
+                        last_lines(log, 10)
+                    ));
+                }
             }
             bail!(msg);
         }

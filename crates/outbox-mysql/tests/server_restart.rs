@@ -7,8 +7,10 @@
 //! This binary stops the shared server (under the machine-wide fault lock of
 //! `outbox_testkit::faults`, with `outbox_testkit::faults::MariaDbStopped`: the process
 //! listening on port 3306, started again with its own command line when the guard is
-//! dropped, a panic included), so it holds a single test (cargo runs test binaries one
-//! after another). The outage length is `MYSQL_OUTAGE_SECS` (default 5).
+//! dropped, a panic included, with a clean environment), so it holds a single test
+//! (cargo runs test binaries one after another). The outage length is
+//! `MYSQL_OUTAGE_SECS` (default 5). Run it with `TMPDIR` set to a directory the
+//! `mysql` user cannot write (as CI systems set it): the server still comes back.
 
 mod common;
 
@@ -24,7 +26,7 @@ use outbox_core::consumer::{DeliveryHandler, HandlerDecision};
 use outbox_core::wire::IncomingMessage;
 use outbox_core::{Dispatcher, DispatcherConfig, NewMessage, OutboxStore};
 use outbox_mysql::{MySqlInbox, MySqlOutbox};
-use outbox_testkit::faults::{MYSQL_PORT, MariaDbStopped};
+use outbox_testkit::faults::{MYSQL_PORT, MariaDbStopped, pid_listening_on};
 use outbox_testkit::rabbit::{eventually, relay_fixture};
 use sqlx::{AssertSqlSafe, MySqlConnection};
 use tokio_util::sync::CancellationToken;
@@ -225,6 +227,22 @@ async fn relay_and_consumer_ride_out_a_server_restart_with_nothing_lost_or_appli
     tokio::time::sleep(Duration::from_secs(outage_secs)).await;
     let stats_down = dispatcher.stats();
     drop(outage); // starts the server again and waits until it answers
+    // With none of this process's environment (a CI's TMPDIR the `mysql` user cannot
+    // write kept MariaDB from coming back): PATH and HOME only.
+    let server = pid_listening_on(MYSQL_PORT).expect("the server listens again");
+    let environ = std::fs::read(format!("/proc/{server}/environ")).expect("its environment");
+    let inherited: Vec<String> = environ
+        .split(|b| *b == 0)
+        .filter_map(|kv| {
+            let kv = String::from_utf8_lossy(kv);
+            let key = kv.split_once('=')?.0.to_owned();
+            (key != "PATH" && key != "HOME" && std::env::var_os(&key).is_some()).then_some(key)
+        })
+        .collect();
+    assert!(
+        inherited.is_empty(),
+        "the restarted server has the test's environment: {inherited:?}"
+    );
     eprintln!(
         "MariaDB started again; relay during the outage: {stats_down:?}; {} deliveries, {} acked",
         deliveries.load(Ordering::Relaxed),

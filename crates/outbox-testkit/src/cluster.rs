@@ -442,10 +442,10 @@ impl Broker {
             .filter(|pid| Path::new(&format!("/proc/{pid}")).exists())
     }
 
-    /// Starts node `node` with its start script (in the background); whether the script
-    /// ran.
+    /// Starts node `node` with its start script (in the background, with a clean
+    /// environment: the script exports what the node needs); whether the script ran.
     fn start(self, node: usize) -> bool {
-        Command::new("sh")
+        crate::faults::server_command("sh")
             .arg(self.node_dir(node).join("start.sh"))
             .stdin(Stdio::null())
             .stdout(Stdio::null())

@@ -271,13 +271,42 @@ fn terminate(pid: u32, grace: Duration) -> Result<(), String> {
     }
 }
 
+/// A local server stopped by [`stop_listener`]: how to start it again, and where it
+/// logs.
+#[derive(Debug)]
+struct Stopped {
+    /// The executable and its arguments (behind a `nice` prefix restoring its nice
+    /// value), read from `/proc/PID` before stopping.
+    cmdline: Vec<String>,
+    /// Its working directory.
+    cwd: std::path::PathBuf,
+    /// Its log file, if it writes one ([`log_of`]).
+    log: Option<std::path::PathBuf>,
+}
+
+impl Stopped {
+    /// Starts it again ([`start_detached`]) and waits until `port` answers, up to
+    /// `limit` ([`wait_until_back`]).
+    fn start(&self, server: &str, port: u16, limit: Duration) {
+        let ok = start_detached(&self.cmdline, &self.cwd);
+        let started = self.cmdline.join(" ");
+        assert!(
+            ok || std::thread::panicking(),
+            "failed to start {server} again: `setsid -f {started}` failed"
+        );
+        wait_until_back(server, &started, self.log.as_deref(), limit, || {
+            port_answers(port)
+        });
+    }
+}
+
 /// Stops the local process listening on TCP `port` (`SIGTERM`, `SIGKILL` after
-/// `grace`); returns its command line and working directory, to start it again with.
+/// `grace`); returns what starts it again.
 fn stop_listener(
     fault: &'static str,
     port: u16,
     grace: Duration,
-) -> Result<(Vec<String>, std::path::PathBuf), FaultUnavailable> {
+) -> Result<Stopped, FaultUnavailable> {
     let pid = pid_listening_on(port).ok_or_else(|| {
         FaultUnavailable::new(fault, format!("no local process listens on port {port}"))
     })?;
@@ -285,8 +314,9 @@ fn stop_listener(
         FaultUnavailable::new(fault, format!("cannot read the command line of {pid}"))
     })?;
     let cmdline = [as_nice_as(pid), cmdline].concat();
+    let log = log_of(pid);
     terminate(pid, grace).map_err(|e| FaultUnavailable::new(fault, e))?;
-    Ok((cmdline, cwd))
+    Ok(Stopped { cmdline, cwd, log })
 }
 
 /// The nice value of process `pid` (field 19 of `/proc/PID/stat`).
@@ -313,10 +343,88 @@ fn as_nice_as(pid: u32) -> Vec<String> {
     }
 }
 
+/// `PATH` for a server started where the caller has none.
+const DEFAULT_PATH: &str = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin";
+
+/// A command that starts a shared server (or a script that does): the caller's
+/// environment cleared but for `PATH` and `HOME`. A server started with the caller's
+/// environment keeps what a test runner set for itself: a `TMPDIR` the server's user
+/// cannot write (MariaDB, dropping to the `mysql` user, then never comes back: "Can't
+/// create/write to file ... InnoDB: Unable to create temporary file"), a `RUST_LOG`, a
+/// proxy. The server reads the rest from its own configuration, as at boot.
+pub(crate) fn server_command(program: &str) -> Command {
+    let mut cmd = Command::new(program);
+    cmd.env_clear().env(
+        "PATH",
+        std::env::var_os("PATH").unwrap_or_else(|| DEFAULT_PATH.into()),
+    );
+    if let Some(home) = std::env::var_os("HOME") {
+        cmd.env("HOME", home);
+    }
+    cmd
+}
+
+/// The log file process `pid` writes: its standard error when that is a file (MariaDB
+/// points it at its `log_error`, `pg_ctl` at the cluster's log), else the first open
+/// file whose name ends in `.log` (NATS's `-l`). Read before a server is stopped, to
+/// say why it did not come back.
+fn log_of(pid: u32) -> Option<std::path::PathBuf> {
+    let target = |fd: &std::path::Path| std::fs::read_link(fd).ok().filter(|t| t.is_file());
+    target(std::path::Path::new(&format!("/proc/{pid}/fd/2"))).or_else(|| {
+        std::fs::read_dir(format!("/proc/{pid}/fd"))
+            .ok()?
+            .flatten()
+            .filter_map(|fd| target(&fd.path()))
+            .find(|t| t.extension().is_some_and(|e| e == "log"))
+    })
+}
+
+/// Waits until `back` holds for the server `server` (re)started with `started`; past
+/// `limit`, says so, with the last lines of its `log` when readable: panics, or prints
+/// when the thread already panics (a guard dropped by a failing test).
+fn wait_until_back(
+    server: &str,
+    started: &str,
+    log: Option<&std::path::Path>,
+    limit: Duration,
+    mut back: impl FnMut() -> bool,
+) {
+    let deadline = Instant::now() + limit;
+    while !back() {
+        if Instant::now() >= deadline {
+            let mut msg = format!(
+                "{server} did not come back within {} s of `{started}`: every later test that needs it fails until it is started again (`cargo xtask services`)",
+                limit.as_secs()
+            );
+            match log.map(|path| (path, std::fs::read_to_string(path))) {
+                Some((path, Ok(text))) => {
+                    let lines: Vec<&str> = text.lines().collect();
+                    let last = lines[lines.len().saturating_sub(20)..].join("\n");
+                    msg.push_str(&format!("; the last lines of {}:\n{last}", path.display()));
+                }
+                Some((path, Err(e))) => {
+                    msg.push_str(&format!(
+                        "; its log {} is not readable: {e}",
+                        path.display()
+                    ));
+                }
+                None => msg.push_str("; where it logs is not known"),
+            }
+            if std::thread::panicking() {
+                eprintln!("{msg}");
+                return;
+            }
+            panic!("{msg}");
+        }
+        std::thread::sleep(Duration::from_millis(200));
+    }
+}
+
 /// Starts `cmdline` in `cwd` in a session of its own (`setsid -f`), detached from the
-/// caller: it outlives the test that restarted it, as the server it replaces did.
+/// caller (it outlives the test that restarted it, as the server it replaces did), with
+/// a clean environment ([`server_command`]).
 fn start_detached(cmdline: &[String], cwd: &std::path::Path) -> bool {
-    Command::new("setsid")
+    server_command("setsid")
         .arg("-f")
         .args(cmdline)
         .current_dir(cwd)
@@ -570,14 +678,22 @@ impl RabbitStopped {
         // Drop does the work.
     }
 
+    /// Starts the application again (the node's process kept running, with its own
+    /// environment: `rabbitmqctl` only asks it to).
     fn start(&self) {
-        let ok = if self.docker {
-            succeeds("docker", &["compose", "start", "rabbitmq"])
+        let (ok, started) = if self.docker {
+            (
+                succeeds("docker", &["compose", "start", "rabbitmq"]),
+                "docker compose start rabbitmq",
+            )
         } else {
-            succeeds("rabbitmqctl", &["-q", "start_app"])
+            (
+                succeeds("rabbitmqctl", &["-q", "start_app"]),
+                "rabbitmqctl -q start_app",
+            )
         };
-        assert!(ok, "failed to restart RabbitMQ");
-        wait_for("RabbitMQ answers", Duration::from_secs(60), || {
+        assert!(ok, "failed to restart RabbitMQ: `{started}` failed");
+        wait_until_back("RabbitMQ", started, None, Duration::from_secs(60), || {
             port_answers(5672)
         });
     }
@@ -791,9 +907,7 @@ pub struct NatsStopped {
 
 #[derive(Debug)]
 enum NatsStart {
-    /// The executable and its arguments, and its working directory, read from
-    /// `/proc/PID` before stopping.
-    Local(Vec<String>, std::path::PathBuf),
+    Local(Stopped),
     Docker,
 }
 
@@ -829,9 +943,9 @@ impl NatsStopped {
     /// [`FaultUnavailable`] when no local process listens on `port`, its command line
     /// cannot be read, or it does not stop.
     pub fn try_stop_port(port: u16) -> Result<Self, FaultUnavailable> {
-        let (cmdline, cwd) = stop_listener("NATS restart", port, Duration::from_secs(10))?;
+        let stopped = stop_listener("NATS restart", port, Duration::from_secs(10))?;
         Ok(Self {
-            how: NatsStart::Local(cmdline, cwd),
+            how: NatsStart::Local(stopped),
             port,
         })
     }
@@ -839,15 +953,21 @@ impl NatsStopped {
 
 impl Drop for NatsStopped {
     fn drop(&mut self) {
-        let ok = match &self.how {
-            NatsStart::Docker => succeeds("docker", &["compose", "start", "nats"]),
-            NatsStart::Local(cmdline, cwd) => start_detached(cmdline, cwd),
-        };
-        assert!(ok || std::thread::panicking(), "failed to start NATS again");
         let port = self.port;
-        wait_for("NATS answers", Duration::from_secs(60), || {
-            port_answers(port)
-        });
+        match &self.how {
+            NatsStart::Local(stopped) => stopped.start("NATS", port, Duration::from_secs(60)),
+            NatsStart::Docker => {
+                let ok = succeeds("docker", &["compose", "start", "nats"]);
+                assert!(ok || std::thread::panicking(), "failed to start NATS again");
+                wait_until_back(
+                    "NATS",
+                    "docker compose start nats",
+                    None,
+                    Duration::from_secs(60),
+                    || port_answers(port),
+                );
+            }
+        }
     }
 }
 
@@ -862,9 +982,9 @@ pub struct PgStopped {
 
 #[derive(Debug)]
 enum PgStart {
-    /// The cluster's version, and the `nice` prefix that restores the server's nice
-    /// value (see [`as_nice_as`]).
-    Local(String, Vec<String>),
+    /// The cluster's version, the `nice` prefix that restores the server's nice value
+    /// (see [`as_nice_as`]), and its log file ([`log_of`]).
+    Local(String, Vec<String>, Option<std::path::PathBuf>),
     Docker,
 }
 
@@ -878,7 +998,9 @@ impl PgStopped {
     /// postgres` fails.
     pub fn try_stop() -> Result<Self, FaultUnavailable> {
         const FAULT: &str = "PostgreSQL restart";
-        let nice = pid_listening_on(5432).map(as_nice_as).unwrap_or_default();
+        let pid = pid_listening_on(5432);
+        let nice = pid.map(as_nice_as).unwrap_or_default();
+        let log = pid.and_then(log_of);
         let local = postgres_version().and_then(|version| {
             run(
                 "pg_ctlcluster",
@@ -895,7 +1017,7 @@ impl PgStopped {
         });
         match local {
             Ok(version) => Ok(Self {
-                how: PgStart::Local(version, nice),
+                how: PgStart::Local(version, nice, log),
             }),
             Err(why) => {
                 if docker_engine() && succeeds("docker", &["compose", "stop", "postgres"]) {
@@ -934,8 +1056,8 @@ fn postgres_version() -> Result<String, String> {
 
 impl Drop for PgStopped {
     fn drop(&mut self) {
-        let ok = match &self.how {
-            PgStart::Local(version, nice) => {
+        let (ok, started, log) = match &self.how {
+            PgStart::Local(version, nice, log) => {
                 let start = [
                     "pg_ctlcluster",
                     "--skip-systemctl-redirect",
@@ -945,15 +1067,23 @@ impl Drop for PgStopped {
                 ];
                 let mut command: Vec<&str> = nice.iter().map(String::as_str).collect();
                 command.extend(start);
-                succeeds(command[0], &command[1..])
+                let ok = server_command(command[0])
+                    .args(&command[1..])
+                    .output()
+                    .is_ok_and(|o| o.status.success());
+                (ok, command.join(" "), log.as_deref())
             }
-            PgStart::Docker => succeeds("docker", &["compose", "start", "postgres"]),
+            PgStart::Docker => (
+                succeeds("docker", &["compose", "start", "postgres"]),
+                "docker compose start postgres".to_owned(),
+                None,
+            ),
         };
         assert!(
             ok || std::thread::panicking(),
-            "failed to start PostgreSQL again"
+            "failed to start PostgreSQL again: `{started}` failed"
         );
-        wait_for("PostgreSQL answers", Duration::from_secs(60), || {
+        wait_until_back("PostgreSQL", &started, log, Duration::from_secs(60), || {
             port_answers(5432)
                 && Command::new("pg_isready")
                     .args(["-q", "-h", "127.0.0.1", "-p", "5432", "-t", "2"])
@@ -982,7 +1112,7 @@ pub struct MariaDbStopped {
 
 #[derive(Debug)]
 enum MariaDbStart {
-    Local(Vec<String>, std::path::PathBuf),
+    Local(Stopped),
     Docker,
 }
 
@@ -995,8 +1125,8 @@ impl MariaDbStopped {
     /// mariadb` fails.
     pub fn try_stop() -> Result<Self, FaultUnavailable> {
         match stop_listener("MariaDB restart", MYSQL_PORT, Duration::from_secs(60)) {
-            Ok((cmdline, cwd)) => Ok(Self {
-                how: MariaDbStart::Local(cmdline, cwd),
+            Ok(stopped) => Ok(Self {
+                how: MariaDbStart::Local(stopped),
             }),
             Err(local) => {
                 if docker_engine() && succeeds("docker", &["compose", "stop", "mariadb"]) {
@@ -1016,25 +1146,106 @@ impl MariaDbStopped {
 
 impl Drop for MariaDbStopped {
     fn drop(&mut self) {
-        let ok = match &self.how {
-            MariaDbStart::Docker => succeeds("docker", &["compose", "start", "mariadb"]),
-            MariaDbStart::Local(cmdline, cwd) => start_detached(cmdline, cwd),
-        };
-        assert!(
-            ok || std::thread::panicking(),
-            "failed to start MariaDB again"
-        );
         // InnoDB's crash recovery is not needed after a normal shutdown: it answers in
         // seconds; the deadline is generous for a loaded machine.
-        wait_for("MariaDB answers", Duration::from_secs(120), || {
-            port_answers(MYSQL_PORT)
-        });
+        let limit = Duration::from_secs(120);
+        match &self.how {
+            MariaDbStart::Local(stopped) => stopped.start("MariaDB", MYSQL_PORT, limit),
+            MariaDbStart::Docker => {
+                let ok = succeeds("docker", &["compose", "start", "mariadb"]);
+                assert!(
+                    ok || std::thread::panicking(),
+                    "failed to start MariaDB again"
+                );
+                wait_until_back(
+                    "MariaDB",
+                    "docker compose start mariadb",
+                    None,
+                    limit,
+                    || port_answers(MYSQL_PORT),
+                );
+            }
+        }
     }
 }
 
 #[cfg(test)]
 mod tests {
-    use super::{as_nice_as, niceness, pid_listening_on, regex_escape};
+    use super::{
+        as_nice_as, log_of, niceness, pid_listening_on, regex_escape, server_command,
+        wait_until_back,
+    };
+
+    /// A server that does not come back within its deadline is named, with what
+    /// started it and the last lines of its log.
+    #[test]
+    fn a_server_that_does_not_come_back_says_why() {
+        let dir = std::env::temp_dir().join(format!("outbox-faults-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).expect("dir");
+        let log = dir.join("server.log");
+        let lines: String = (1..=30).map(|i| format!("line {i}\n")).collect();
+        std::fs::write(&log, lines + "InnoDB: Unable to create temporary file\n").expect("log");
+        let said = std::panic::catch_unwind(|| {
+            wait_until_back(
+                "MariaDB",
+                "setsid -f /usr/sbin/mariadbd",
+                Some(&log),
+                std::time::Duration::ZERO,
+                || false,
+            );
+        })
+        .expect_err("it panics");
+        let said = said.downcast_ref::<String>().expect("a message");
+        std::fs::remove_dir_all(&dir).expect("cleanup");
+        assert!(
+            said.starts_with(
+                "MariaDB did not come back within 0 s of `setsid -f /usr/sbin/mariadbd`"
+            ),
+            "{said}"
+        );
+        assert!(said.contains("Unable to create temporary file"), "{said}");
+        assert!(
+            said.contains("line 12") && !said.contains("line 11\n"),
+            "the last 20 lines: {said}"
+        );
+    }
+
+    /// A server's log is the file its standard error points at.
+    #[test]
+    fn a_servers_log_is_found_by_its_standard_error() {
+        let dir = std::env::temp_dir().join(format!("outbox-log-of-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).expect("dir");
+        let log = dir.join("server.log");
+        let file = std::fs::File::create(&log).expect("log");
+        let mut child = std::process::Command::new("sleep")
+            .arg("30")
+            .stderr(file)
+            .spawn()
+            .expect("sleep");
+        let found = log_of(child.id());
+        let _ = child.kill();
+        let _ = child.wait();
+        std::fs::remove_dir_all(&dir).expect("cleanup");
+        assert_eq!(found, Some(log));
+    }
+
+    /// A server is started with `PATH` and `HOME` only, whatever the caller's
+    /// environment holds (cargo's `CARGO_*` variables, a `TMPDIR`, ...).
+    #[test]
+    fn servers_start_with_a_clean_environment() {
+        assert!(
+            std::env::vars_os().any(|(k, _)| k != "PATH" && k != "HOME"),
+            "the test's own environment has more"
+        );
+        let out = server_command("env").output().expect("env");
+        assert!(out.status.success());
+        let keys: Vec<String> = String::from_utf8_lossy(&out.stdout)
+            .lines()
+            .filter_map(|l| l.split_once('=').map(|(k, _)| k.to_owned()))
+            .collect();
+        assert!(keys.iter().any(|k| k == "PATH"), "{keys:?}");
+        assert!(keys.iter().all(|k| k == "PATH" || k == "HOME"), "{keys:?}");
+    }
 
     /// A server restarted by a process under `nice` gets the nice value it had: the
     /// prefix is empty for a process as nice as this one.
