@@ -26,10 +26,6 @@
 //! Every step runs and reports; the run fails if one failed. What could not be checked
 //! here and what blocks publishing (a decision, not a fix) is listed at the end;
 //! `--strict` fails on those too.
-//!
-//! `[patch.crates-io] sqlx-core` (vendor/README.md) does not stop packaging: a
-//! published manifest carries no patch, so the packages build against crates.io's
-//! sqlx-core 0.9.0, which is what a user of the published crates gets.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::fs;

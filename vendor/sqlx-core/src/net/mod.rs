@@ -1,6 +1,0 @@
-mod socket;
-pub mod tls;
-
-pub use socket::{
-    connect_tcp, connect_uds, BufferedSocket, Socket, SocketIntoBox, WithSocket, WriteBuffer,
-};

@@ -1,5 +1,0 @@
-mod socket;
-
-pub fn available() -> bool {
-    tokio::runtime::Handle::try_current().is_ok()
-}
