@@ -429,6 +429,82 @@ async fn replay_needs_replay_mode_csrf_and_the_same_origin_and_is_confirmed() {
     drop_schema(&db).await;
 }
 
+/// A field the other side has no column for (`consumer` on the outbox, `tenant` and
+/// `aggregate_*` on the inbox) filters nothing: it is refused, so that it can neither
+/// stand in for the "replay every dead letter" confirmation nor be logged as a filter.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_field_the_other_side_ignores_is_refused_not_counted_as_a_filter() {
+    let db = fresh_outbox().await;
+    let victims: Vec<NewMessage> = (0..3)
+        .map(|n| msg("PaymentFailed", &format!("v{n}"), "{}"))
+        .collect();
+    enqueue(&db, &victims).await;
+    let ids: Vec<Uuid> = victims.iter().map(|m| m.id).collect();
+    kill(&db, &ids[..2], "unroutable").await;
+    exec(
+        &db,
+        &format!(
+            "UPDATE \"{{s}}\".outbox_messages SET status = 1, sent_at = now() WHERE id = '{}'",
+            ids[2]
+        ),
+    )
+    .await;
+    exec(&db, &format!(
+        "INSERT INTO \"{{s}}\".inbox_failures (message_id, consumer, event_type, attempts, last_error, dead_at)
+         VALUES ('{}', 'projection', 'PaymentFailed', 5, 'boom', now())", ids[2]
+    )).await;
+    let (rw, addr) = serve(&db, replay_enabled()).await;
+    let csrf = hidden(
+        &get(addr, "/replay?event_type=PaymentFailed").await.body,
+        "csrf",
+    );
+
+    for (path, field) in [
+        ("/replay", "consumer=billing"),
+        ("/inbox/replay", "tenant=acme"),
+        ("/inbox/replay", "aggregate_type=order"),
+        ("/inbox/replay", "aggregate_id=v2"),
+    ] {
+        let preview = get(addr, &format!("{path}?{field}")).await;
+        assert_eq!(preview.status, 400, "{path}?{field}: {}", preview.body);
+        let name = field.split('=').next().expect("name");
+        assert!(preview.body.contains(name), "{}", preview.body);
+        let post = request(
+            addr,
+            "POST",
+            path,
+            &[],
+            Some(&format!("{field}&expected=3&mode=republish&csrf={csrf}")),
+        )
+        .await;
+        assert_eq!(post.status, 400, "POST {path} {field}: {}", post.body);
+    }
+    for id in &ids[..2] {
+        assert_eq!(status_of(&db, *id).await, 3, "no dead letter replayed");
+    }
+    assert_eq!(
+        scalar(&db, "SELECT count(*) FROM \"{s}\".inbox_failures").await,
+        1,
+        "no consumer dead letter replayed"
+    );
+    // The listings refuse it too, and the side's own fields still filter.
+    assert_eq!(
+        get(addr, "/messages?state=dead&consumer=billing")
+            .await
+            .status,
+        400
+    );
+    assert_eq!(get(addr, "/inbox?tenant=acme").await.status, 400);
+    let own = get(addr, "/inbox/replay?consumer=projection").await;
+    assert!(
+        own.body.contains("1</strong> consumer dead letter match"),
+        "{}",
+        own.body
+    );
+    rw.stop().await.expect("stops");
+    drop_schema(&db).await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn authentication_host_check_and_address_check() {
     let db = fresh_outbox().await;

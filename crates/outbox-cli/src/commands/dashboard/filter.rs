@@ -10,8 +10,44 @@ use uuid::Uuid;
 use super::PageError;
 use crate::config::parse_window;
 
-/// The filter fields of both sides (the inbox ignores the aggregate and the tenant,
-/// the outbox the consumer). Empty text means "any".
+/// Which dead letters a filter selects: the outbox's messages, or the consumers' dead
+/// letters. Each side has its own fields: the outbox's rows have no consumer, and the
+/// consumer dead letters carry no tenant or aggregate.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Side {
+    /// `/messages`, `/replay`.
+    Outbox,
+    /// `/inbox`, `/inbox/replay`.
+    Inbox,
+}
+
+impl Side {
+    /// The names of the side's text fields, in the forms' order.
+    pub(crate) fn fields(self) -> &'static [&'static str] {
+        match self {
+            Self::Outbox => &[
+                "event_type",
+                "aggregate_type",
+                "aggregate_id",
+                "tenant",
+                "since",
+                "until",
+                "error",
+            ],
+            Self::Inbox => &["consumer", "event_type", "since", "until", "error"],
+        }
+    }
+
+    fn name(self) -> &'static str {
+        match self {
+            Self::Outbox => "the outbox's messages",
+            Self::Inbox => "consumer dead letters",
+        }
+    }
+}
+
+/// The filter fields of both sides; a side's [`Fields::from_pairs`] leaves the other
+/// side's fields empty. Empty text means "any".
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub(crate) struct Fields {
     pub event_type: String,
@@ -29,7 +65,7 @@ pub(crate) struct Fields {
     pub ids: Vec<String>,
 }
 
-/// The names of the text fields, in the forms' order.
+/// The names of the text fields of both sides.
 const TEXT_FIELDS: [&str; 8] = [
     "event_type",
     "aggregate_type",
@@ -42,21 +78,36 @@ const TEXT_FIELDS: [&str; 8] = [
 ];
 
 impl Fields {
-    /// The fields among `pairs` (other keys are ignored; `id` may repeat).
-    pub(crate) fn from_pairs(pairs: &[(String, String)]) -> Self {
+    /// The fields of `side` among `pairs` (keys that name no field are ignored; `id`
+    /// may repeat).
+    ///
+    /// # Errors
+    /// [`PageError::BadRequest`] for a field of the other side with a value (a
+    /// consumer on the outbox, a tenant or an aggregate on the inbox): it would filter
+    /// nothing, and a replay would act on more than the operator asked for (without
+    /// the "replay every dead letter" confirmation when it was the only field).
+    pub(crate) fn from_pairs(pairs: &[(String, String)], side: Side) -> Result<Self, PageError> {
         let mut f = Self::default();
         for (key, value) in pairs {
             let value = value.trim().to_owned();
             match key.as_str() {
                 "id" if !value.is_empty() => f.ids.push(value),
                 other => {
+                    let own = side.fields().contains(&other);
                     if let Some(slot) = f.slot(other) {
+                        if !own && !value.is_empty() {
+                            return Err(PageError::BadRequest(format!(
+                                "{other:?} does not filter {}: remove it (the fields are {})",
+                                side.name(),
+                                side.fields().join(", ")
+                            )));
+                        }
                         *slot = value;
                     }
                 }
             }
         }
-        f
+        Ok(f)
     }
 
     fn slot(&mut self, name: &str) -> Option<&mut String> {
@@ -189,15 +240,15 @@ impl Fields {
         self.pairs().is_empty()
     }
 
-    /// The filter form's text inputs for `names` (GET to `action`), with `extra`
-    /// hidden pairs (the listed state).
-    pub(crate) fn form(&self, action: &str, names: &[&str], extra: &[(&str, &str)]) -> Markup {
+    /// The filter form's text inputs for the fields of `side` (GET to `action`), with
+    /// `extra` hidden pairs (the listed state).
+    pub(crate) fn form(&self, action: &str, side: Side, extra: &[(&str, &str)]) -> Markup {
         html! {
             form.filters method="get" action=(action) {
                 @for (k, v) in extra {
                     input type="hidden" name=(k) value=(v);
                 }
-                @for name in names {
+                @for name in side.fields() {
                     label {
                         span { (label(name)) }
                         input type="text" name=(name) value=(self.get(name))
@@ -255,14 +306,19 @@ mod tests {
     #[test]
     fn fields_round_trip_through_links_and_make_filters() {
         let id = Uuid::now_v7().to_string();
-        let f = Fields::from_pairs(&pairs(&[
-            ("event_type", " OrderPlaced "),
-            ("error", "50% & <b>"),
-            ("since", "2h"),
-            ("id", &id),
-            ("state", "dead"),
-            ("tenant", ""),
-        ]));
+        let f = Fields::from_pairs(
+            &pairs(&[
+                ("event_type", " OrderPlaced "),
+                ("error", "50% & <b>"),
+                ("since", "2h"),
+                ("id", &id),
+                ("state", "dead"),
+                ("tenant", ""),
+                ("consumer", ""),
+            ]),
+            Side::Outbox,
+        )
+        .expect("fields");
         assert_eq!(f.event_type, "OrderPlaced");
         let link = f.link("/replay", &[("state", "dead")]);
         assert!(link.starts_with(
@@ -272,7 +328,7 @@ mod tests {
             url::form_urlencoded::parse(link.split_once('?').expect("query").1.as_bytes())
                 .into_owned()
                 .collect();
-        assert_eq!(Fields::from_pairs(&back), f);
+        assert_eq!(Fields::from_pairs(&back, Side::Outbox).expect("fields"), f);
         let now = Utc::now();
         let m = f.message_filter(now).expect("filter");
         assert_eq!(m.event_type.as_deref(), Some("OrderPlaced"));
@@ -287,15 +343,34 @@ mod tests {
 
     #[test]
     fn bad_times_and_ids_are_bad_requests() {
-        let bad_time = Fields::from_pairs(&pairs(&[("since", "yesterday-ish")]));
+        let bad_time = Fields::from_pairs(&pairs(&[("since", "yesterday-ish")]), Side::Outbox)
+            .expect("fields");
         assert!(matches!(
             bad_time.message_filter(Utc::now()),
             Err(PageError::BadRequest(_))
         ));
-        let bad_id = Fields::from_pairs(&pairs(&[("id", "42")]));
+        let bad_id = Fields::from_pairs(&pairs(&[("id", "42")]), Side::Inbox).expect("fields");
         assert!(matches!(
             bad_id.inbox_filter(Utc::now()),
             Err(PageError::BadRequest(_))
         ));
+    }
+
+    #[test]
+    fn a_field_of_the_other_side_is_refused_not_ignored() {
+        for (side, field) in [
+            (Side::Outbox, "consumer"),
+            (Side::Inbox, "tenant"),
+            (Side::Inbox, "aggregate_type"),
+            (Side::Inbox, "aggregate_id"),
+        ] {
+            match Fields::from_pairs(&pairs(&[(field, "x")]), side) {
+                Err(PageError::BadRequest(why)) => assert!(why.contains(field), "{why}"),
+                other => panic!("{field} on {side:?}: {other:?}"),
+            }
+        }
+        let f =
+            Fields::from_pairs(&pairs(&[("consumer", "billing")]), Side::Inbox).expect("fields");
+        assert!(!f.is_empty());
     }
 }

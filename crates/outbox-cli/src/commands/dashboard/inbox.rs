@@ -8,14 +8,12 @@ use maud::{Markup, html};
 use outbox_core::{InboxDeadFilter, InboxDeadKind, InboxDeadLetter};
 use uuid::Uuid;
 
-use super::filter::Fields;
+use super::filter::{Fields, Side};
 use super::layout::{self, short, status, time};
 use super::{Dashboard, PageError};
 
 /// Dead letters listed at most (the store's listing is oldest first and not paged).
 const SHOWN: usize = 200;
-/// The filter's fields.
-const FILTERS: [&str; 5] = ["consumer", "event_type", "since", "until", "error"];
 
 fn kind(k: InboxDeadKind) -> &'static str {
     match k {
@@ -29,13 +27,13 @@ pub(crate) async fn list(
     State(d): State<Dashboard>,
     Query(pairs): Query<Vec<(String, String)>>,
 ) -> Result<Markup, PageError> {
-    let fields = Fields::from_pairs(&pairs);
+    let fields = Fields::from_pairs(&pairs, Side::Inbox)?;
     let filter = fields.inbox_filter(Utc::now())?;
     let rows = d.admin.inbox_dead_letters(&filter, SHOWN + 1).await?;
     let more = rows.len() > SHOWN;
     let rows = &rows[..rows.len().min(SHOWN)];
     let body = html! {
-        (fields.form("/inbox", &FILTERS, &[]))
+        (fields.form("/inbox", Side::Inbox, &[]))
         p.muted #count {
             @if more { "More than " (SHOWN) " match; the oldest " (SHOWN) " are shown (narrow the filter)." }
             @else { (rows.len()) " matching" }

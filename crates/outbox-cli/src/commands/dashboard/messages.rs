@@ -9,7 +9,7 @@ use outbox_core::admin::DEFAULT_SCAN_BOUND;
 use outbox_core::{MessageCursor, MessageState, MessageStatus, MessageSummary};
 use uuid::Uuid;
 
-use super::filter::Fields;
+use super::filter::{Fields, Side};
 use super::layout::{self, bounded, short, status, thousands, time};
 use super::{Dashboard, PageError};
 
@@ -19,16 +19,6 @@ const PAGE: usize = 50;
 const COUNT_BOUND: u64 = 10_000;
 /// Blocked keys listed at most.
 const BLOCKED_SHOWN: usize = 200;
-/// The listing filter's fields.
-const FILTERS: [&str; 7] = [
-    "event_type",
-    "aggregate_type",
-    "aggregate_id",
-    "tenant",
-    "since",
-    "until",
-    "error",
-];
 
 /// A cursor in a URL: `SECONDS.NANOS_SEQ`.
 fn cursor_text(c: MessageCursor) -> String {
@@ -81,7 +71,7 @@ pub(crate) async fn list(
         Some(name) => MessageState::from_name(name)
             .ok_or_else(|| PageError::BadRequest(format!("unknown state {name:?}")))?,
     };
-    let fields = Fields::from_pairs(&pairs);
+    let fields = Fields::from_pairs(&pairs, Side::Outbox)?;
     let filter = fields.message_filter(Utc::now())?;
     let after = value(&pairs, "after").map(parse_cursor).transpose()?;
     let (page, matching) = tokio::try_join!(
@@ -107,7 +97,7 @@ pub(crate) async fn list(
                     class=[(s == state).then_some("current")] { (s.as_str()) }
             }
         }
-        (fields.form("/messages", &FILTERS, &[("state", state.as_str())]))
+        (fields.form("/messages", Side::Outbox, &[("state", state.as_str())]))
         p.muted #count {
             @if matching.exact { (thousands(matching.matching)) " matching" }
             @else if matching.matching >= COUNT_BOUND { (bounded(matching.matching, COUNT_BOUND)) " matching" }

@@ -14,7 +14,7 @@ use chrono::{SecondsFormat, Utc};
 use maud::{Markup, html};
 use outbox_core::{InboxReplayMode, MessageFilter};
 
-use super::filter::Fields;
+use super::filter::{Fields, Side};
 use super::layout::{self, short, thousands, time};
 use super::security::{Operator, check_csrf};
 use super::{Dashboard, PageError};
@@ -103,7 +103,7 @@ pub(crate) async fn preview(
     State(d): State<Dashboard>,
     Query(pairs): Query<Vec<(String, String)>>,
 ) -> Result<Markup, PageError> {
-    let mut fields = Fields::from_pairs(&pairs);
+    let mut fields = Fields::from_pairs(&pairs, Side::Outbox)?;
     let filter = fields.message_filter(Utc::now())?;
     pin_window(&mut fields, filter.from, filter.to);
     let (dry, sample) = tokio::try_join!(
@@ -157,7 +157,7 @@ pub(crate) async fn confirm(
         ));
     }
     check_csrf(&d, value(&pairs, "csrf"))?;
-    let fields = Fields::from_pairs(&pairs);
+    let fields = Fields::from_pairs(&pairs, Side::Outbox)?;
     check_unfiltered(&fields, &pairs)?;
     let expected = expected(&pairs)?;
     let filter: MessageFilter = fields.message_filter(Utc::now())?;
@@ -215,7 +215,7 @@ pub(crate) async fn inbox_preview(
     State(d): State<Dashboard>,
     Query(pairs): Query<Vec<(String, String)>>,
 ) -> Result<Markup, PageError> {
-    let mut fields = Fields::from_pairs(&pairs);
+    let mut fields = Fields::from_pairs(&pairs, Side::Inbox)?;
     let filter = fields.inbox_filter(Utc::now())?;
     pin_window(&mut fields, filter.from, filter.to);
     let (dry, sample) = tokio::try_join!(
@@ -285,7 +285,7 @@ pub(crate) async fn inbox_confirm(
         ));
     }
     check_csrf(&d, value(&pairs, "csrf"))?;
-    let fields = Fields::from_pairs(&pairs);
+    let fields = Fields::from_pairs(&pairs, Side::Inbox)?;
     check_unfiltered(&fields, &pairs)?;
     let expected = expected(&pairs)?;
     let mode = mode_of(&pairs)?;
