@@ -256,6 +256,33 @@ async fn stats_match_the_table() {
     assert!(text.contains("OrderShipped"), "{text}");
 }
 
+/// The queue lag of the relay's gauges and of `outbox stats` counts a message from
+/// when it is due: one delayed 1 hour is pending, not late.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_delayed_message_is_pending_but_not_late() {
+    let db = fresh_outbox().await;
+    let later = NewMessage::builder("order", "later", "ReminderDue")
+        .payload_json("{}")
+        .deliver_after(std::time::Duration::from_secs(3600))
+        .build()
+        .expect("valid");
+    enqueue(&db, &[later]).await;
+    let pending = db.pending_stats().await.expect("pending stats");
+    assert_eq!((pending.new, pending.oldest_pending_age), (1, None));
+    let groups = db.stats_by_group().await.expect("groups");
+    assert_eq!(
+        (groups[0].new, groups[0].oldest_pending_age_secs),
+        (1, None)
+    );
+    let report: serde_json::Value =
+        serde_json::from_str(&outbox(&db, &["stats", "--json"]).await.expect("stats"))
+            .expect("json");
+    assert!(
+        report["totals"]["oldest_pending_age_secs"].is_null(),
+        "{report}"
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn reconcile_is_zero_after_a_clean_run_and_counts_removed_records() {
     let db = fresh_outbox().await;

@@ -509,13 +509,7 @@ async fn f_an_idle_outbox_does_not_retain_wal() {
     assert_eq!(count(&db, 1).await, 0);
 
     // The retained WAL is a gauge and part of /healthz.
-    let addr: SocketAddr = relay
-        .log()
-        .split_whitespace()
-        .find_map(|w| w.strip_prefix("listen="))
-        .expect("the relay logs its address")
-        .parse()
-        .expect("an address");
+    let addr = relay.addr().await;
     let deadline = std::time::Instant::now() + Duration::from_secs(30);
     loop {
         let (code, body) = common::http_get(addr, "/healthz").await;

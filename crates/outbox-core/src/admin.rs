@@ -73,7 +73,8 @@ pub struct GroupStats {
     pub sent: u64,
     /// Rows `Dead`.
     pub dead: u64,
-    /// Age of the group's oldest `New`/`Processing` row, in seconds (database clock).
+    /// The group's queue lag in seconds: how long its oldest `New`/`Processing` row
+    /// has been due (see [`OutboxStats::oldest_pending_age`]); `None` when none is due.
     pub oldest_pending_age_secs: Option<f64>,
 }
 
@@ -442,8 +443,8 @@ pub trait OutboxAdmin: OutboxStore {
     ///   in claim order; when `new + processing` equals the bound, at least that many
     ///   are pending;
     /// - `dead` counts at most [`PENDING_STATS_BOUND`] rows;
-    /// - `oldest_pending_age` is the age (by `created_at`, database clock) of the
-    ///   oldest of those same rows;
+    /// - `oldest_pending_age` is the queue lag among those same rows, counted from
+    ///   when each became due (see [`OutboxStats::oldest_pending_age`]);
     /// - `sent` is not counted (left 0).
     async fn pending_stats(&self) -> Result<OutboxStats, OutboxError>;
 

@@ -881,6 +881,57 @@ pub async fn stats_and_purge<H: Harness>(h: &H) {
     assert_eq!((stats.new, stats.processing, stats.sent), (2, 1, 0));
 }
 
+/// The oldest pending age counts a message from when it became due: a message delayed
+/// 1 hour is not late before its time; a due message waiting out a retry backoff (or a
+/// deferral: both record a failure) is late, counted from its first failure.
+pub async fn pending_age_counts_from_when_due<H: Harness>(h: &H) {
+    let store = h.store();
+    let delayed = NewMessage::builder("conformance", "later", "Lag")
+        .payload(&serde_json::json!({ "in": "1h" }))
+        .deliver_after(Duration::from_secs(3600))
+        .build()
+        .expect("valid message");
+    h.enqueue(&[delayed]).await;
+    let stats = store.stats().await.expect("stats");
+    assert_eq!(stats.new, 1);
+    assert_eq!(
+        stats.oldest_pending_age, None,
+        "a message delayed 1 hour is not late before it is due"
+    );
+    h.enqueue(&messages(1, "Lag")).await;
+    assert!(
+        store
+            .stats()
+            .await
+            .expect("stats")
+            .oldest_pending_age
+            .is_some()
+    );
+    let c = claim_until(&*store, 10, Duration::from_secs(60), 1).await;
+    assert_eq!(c.len(), 1, "only the due message is claimed");
+    store
+        .complete(&[completion(
+            c[0].id,
+            c[0].claim_token.expect("token"),
+            CompletionOutcome::Retry {
+                delay: Duration::from_secs(3600),
+                error: "timeout".into(),
+            },
+        )])
+        .await
+        .expect("complete");
+    let age = store
+        .stats()
+        .await
+        .expect("stats")
+        .oldest_pending_age
+        .expect("a due message waiting out a retry backoff is late");
+    assert!(
+        age < Duration::from_secs(60),
+        "counted from its first failure: {age:?}"
+    );
+}
+
 /// Messages `(key, n)` for each pair, interleaved round-robin across keys in the order
 /// given (so `seq` interleaves keys); payload `{"key": key, "n": n}` with `n` counting
 /// from 0 per key.
@@ -1316,6 +1367,7 @@ macro_rules! store_conformance_tests {
                 dead_letters_and_replay,
                 dead_letter_error_filter_is_literal,
                 stats_and_purge,
+                pending_age_counts_from_when_due,
                 ordered_claim_takes_key_prefixes,
                 ordered_failing_key_waits_alone,
                 ordered_dead_head_blocks_or_skips,

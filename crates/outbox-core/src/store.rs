@@ -301,7 +301,12 @@ pub struct OutboxStats {
     pub sent: u64,
     /// Rows with status Dead.
     pub dead: u64,
-    /// Age of the oldest New or Processing row (by `created_at`, database clock).
+    /// The queue lag: how long the oldest New or Processing row has been due, by the
+    /// database clock; `None` when no pending row is due. A row is due from its
+    /// `visible_at` (a delayed message is not late before its time), or from its first
+    /// failure when that is earlier: a row waiting out a retry backoff, or held back
+    /// because its destination refused it, was due then and is still not out, so it
+    /// counts as late from then (a replayed dead letter too, from its first failure).
     pub oldest_pending_age: Option<Duration>,
 }
 

@@ -789,8 +789,13 @@ impl OutboxStore for MemoryOutbox {
                 MessageStatus::Sent => stats.sent += 1,
                 MessageStatus::Dead => stats.dead += 1,
             }
-            if pending(row.msg.status) {
-                oldest = Some(oldest.map_or(row.msg.created_at, |o| o.min(row.msg.created_at)));
+            // Due from visible_at, or from the first failure when earlier (the SQL
+            // stores' `LEAST(visible_at, first_failed_at)`); not late before it is due.
+            let due = row
+                .first_failed_at
+                .map_or(row.msg.visible_at, |f| f.min(row.msg.visible_at));
+            if pending(row.msg.status) && due <= now {
+                oldest = Some(oldest.map_or(due, |o| o.min(due)));
             }
         }
         stats.oldest_pending_age = oldest.map(|o| (now - o).to_std().unwrap_or_default());

@@ -28,7 +28,10 @@ use sqlx::{AssertSqlSafe, MySql, Row};
 use uuid::Uuid;
 
 use crate::error::db;
-use crate::sql::{BEGIN_READ_COMMITTED, FILTER, like_escape, micros, placeholders, quoted_schema};
+use crate::sql::{
+    BEGIN_READ_COMMITTED, FILTER, PENDING_LAG_SECS, like_escape, micros, placeholders,
+    quoted_schema,
+};
 use crate::store::{MySqlOutbox, bind_filter, count, limit};
 
 use outbox_core::admin::{
@@ -183,8 +186,7 @@ impl OutboxAdmin for MySqlOutbox {
             "SELECT event_type, tenant_id,
                     COUNT(CASE WHEN status = 0 THEN 1 END), COUNT(CASE WHEN status = 9 THEN 1 END),
                     COUNT(CASE WHEN status = 1 THEN 1 END), COUNT(CASE WHEN status = 3 THEN 1 END),
-                    TIMESTAMPDIFF(MICROSECOND,
-                        MIN(CASE WHEN status IN (0, 9) THEN created_at END), NOW(6)) / 1e6
+                    {PENDING_LAG_SECS}
                FROM {s}.outbox_messages
               GROUP BY event_type, tenant_id
               ORDER BY event_type, tenant_id"
@@ -212,7 +214,8 @@ impl OutboxAdmin for MySqlOutbox {
     /// The relay's periodic gauges, **bounded** as on PostgreSQL: `new` and
     /// `processing` count the first [`PENDING_STATS_BOUND`] pending rows in claim order
     /// (the pending index), `dead` at most that many rows, `oldest_pending_age` is the
-    /// age of the oldest of those pending rows; `sent` is not counted (0).
+    /// queue lag among those pending rows, counted from when each became due (see
+    /// [`OutboxStats::oldest_pending_age`]); `sent` is not counted (0).
     ///
     /// # Errors
     /// [`OutboxError::Database`] on database failure.
@@ -223,8 +226,8 @@ impl OutboxAdmin for MySqlOutbox {
                     COUNT(CASE WHEN p.status = 9 THEN 1 END),
                     (SELECT COUNT(*) FROM (SELECT 1 FROM {s}.outbox_messages
                                             WHERE phase = 3 LIMIT ?) d),
-                    TIMESTAMPDIFF(MICROSECOND, MIN(p.created_at), NOW(6)) / 1e6
-               FROM (SELECT status, created_at FROM {s}.outbox_messages
+                    {PENDING_LAG_SECS}
+               FROM (SELECT status, visible_at, first_failed_at FROM {s}.outbox_messages
                       WHERE phase = 0 ORDER BY phase, visible_at, seq LIMIT ?) p"
         )))
         .bind(PENDING_STATS_BOUND)

@@ -46,6 +46,18 @@ pub(crate) const BEGIN_READ_COMMITTED: &str =
     "SET TRANSACTION ISOLATION LEVEL READ COMMITTED; START TRANSACTION";
 
 /// Columns read back for an [`OutboxMessage`](outbox_core::OutboxMessage).
+/// The queue lag in seconds over the rows in scope (`NULL`: none is late): the age of
+/// the oldest pending row counted from when it became due, `visible_at` (a delayed
+/// message is not late before its time), or its first failure when earlier (a row
+/// waiting out a retry backoff, or held back for its destination, was due then and is
+/// still not out). MySQL's `LEAST` is `NULL` when an argument is, hence the
+/// `COALESCE`. Database clock.
+pub(crate) const PENDING_LAG_SECS: &str = "TIMESTAMPDIFF(MICROSECOND,
+        MIN(CASE WHEN status IN (0, 9)
+                  AND LEAST(visible_at, COALESCE(first_failed_at, visible_at)) <= NOW(6)
+                 THEN LEAST(visible_at, COALESCE(first_failed_at, visible_at)) END),
+        NOW(6)) / 1e6";
+
 pub(crate) const COLUMNS: &str = "m.id, m.seq, m.aggregate_type, m.aggregate_id, \
     m.aggregate_version, m.event_type, m.payload, m.headers, m.tenant_id, m.routing_key, \
     m.partition_key, m.occurred_at, m.created_at, m.visible_at, m.attempts, m.status, \
@@ -145,8 +157,7 @@ impl Queries {
                         COUNT(CASE WHEN status = 9 THEN 1 END),
                         COUNT(CASE WHEN status = 1 THEN 1 END),
                         COUNT(CASE WHEN status = 3 THEN 1 END),
-                        TIMESTAMPDIFF(MICROSECOND,
-                            MIN(CASE WHEN status IN (0, 9) THEN created_at END), NOW(6)) / 1e6
+                        {PENDING_LAG_SECS}
                    FROM {t}"
             )),
             dead_letters: s(format!(

@@ -224,6 +224,36 @@ async fn every_admin_query_runs_once() {
 
 /// Large archive batches move in one call, and the caller's "less than the batch means
 /// done" loop holds; rows not yet due stay.
+/// The queue lag of the relay's gauges and of `outbox stats` by group counts a message
+/// from when it is due: one delayed 1 hour is pending, not late.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_delayed_message_is_pending_but_not_late() {
+    let (outbox, _drop) = common::fresh_outbox().await;
+    let admin: &dyn OutboxAdmin = &outbox;
+    let later = NewMessage::builder("order", "later", "ReminderDue")
+        .payload_json("{}")
+        .deliver_after(Duration::from_secs(3600))
+        .build()
+        .expect("valid");
+    enqueue(&outbox, &[later]).await;
+    let pending = admin.pending_stats().await.expect("pending");
+    assert_eq!((pending.new, pending.oldest_pending_age), (1, None));
+    let groups = admin.stats_by_group().await.expect("groups");
+    assert_eq!(
+        (groups[0].new, groups[0].oldest_pending_age_secs),
+        (1, None)
+    );
+    enqueue(&outbox, &[event("due", "ReminderDue", None)]).await;
+    assert!(
+        admin
+            .pending_stats()
+            .await
+            .expect("pending")
+            .oldest_pending_age
+            .is_some()
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn archive_batches_above_the_cap_move_in_one_call() {
     let (outbox, _drop) = common::fresh_outbox().await;

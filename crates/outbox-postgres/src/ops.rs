@@ -26,7 +26,7 @@ use outbox_core::{
 use sqlx::{AssertSqlSafe, Row};
 
 use crate::error::db;
-use crate::sql::{like_escape, quoted_schema};
+use crate::sql::{PENDING_LAG_SECS, like_escape, quoted_schema};
 use crate::store::PgOutbox;
 
 use outbox_core::admin::{
@@ -227,7 +227,7 @@ impl OutboxAdmin for PgOutbox {
             "SELECT event_type, tenant_id,
                     count(*) FILTER (WHERE status = 0), count(*) FILTER (WHERE status = 9),
                     count(*) FILTER (WHERE status = 1), count(*) FILTER (WHERE status = 3),
-                    extract(epoch FROM now() - min(created_at) FILTER (WHERE status IN (0, 9)))::float8
+                    {PENDING_LAG_SECS}
                FROM {s}.outbox_messages
               GROUP BY event_type, tenant_id
               ORDER BY event_type, tenant_id NULLS FIRST"
@@ -261,10 +261,12 @@ impl OutboxAdmin for PgOutbox {
     ///   in claim order (the pending index); when `new + processing` equals the bound,
     ///   at least that many are pending;
     /// - `dead` counts at most [`PENDING_STATS_BOUND`] rows (the dead index);
-    /// - `oldest_pending_age` is the age (by `created_at`, database clock) of the oldest
-    ///   of those same rows: exact when fewer than the bound are pending, else the age
-    ///   of the backlog's head (a message in a retry backoff behind the first
-    ///   [`PENDING_STATS_BOUND`] is not seen);
+    /// - `oldest_pending_age` is the queue lag among those same rows: the age of the
+    ///   oldest one counted from when it became due (`visible_at`, or its first failure
+    ///   when earlier: see [`OutboxStats::oldest_pending_age`]), database clock; exact
+    ///   when fewer than the bound are pending, else the lag of the backlog's head (a
+    ///   message in a retry backoff behind the first [`PENDING_STATS_BOUND`] is not
+    ///   seen);
     /// - `sent` is not counted (left 0).
     ///
     /// `outbox stats` ([`OutboxStore::stats`](outbox_core::OutboxStore::stats) and
@@ -279,8 +281,8 @@ impl OutboxAdmin for PgOutbox {
                     count(*) FILTER (WHERE p.status = 9),
                     (SELECT count(*) FROM (SELECT 1 FROM {s}.outbox_messages
                                             WHERE phase = 3 LIMIT $1) d),
-                    extract(epoch FROM now() - min(p.created_at))::float8
-               FROM (SELECT status, created_at FROM {s}.outbox_messages
+                    {PENDING_LAG_SECS}
+               FROM (SELECT status, visible_at, first_failed_at FROM {s}.outbox_messages
                       WHERE phase = 0 ORDER BY visible_at, seq LIMIT $1) p"
         )))
         .bind(PENDING_STATS_BOUND)

@@ -88,6 +88,14 @@ fn claim_statement(table: &str, returning: &str, guard: bool) -> String {
     )
 }
 
+/// The queue lag in seconds over the rows in scope (`NULL`: none is late): the age of
+/// the oldest pending row counted from when it became due, `visible_at` (a delayed
+/// message is not late before its time), or its first failure when earlier (a row
+/// waiting out a retry backoff, or held back for its destination, was due then and is
+/// still not out; `LEAST` ignores a `NULL` `first_failed_at`). Database clock.
+pub(crate) const PENDING_LAG_SECS: &str = "extract(epoch FROM now() - min(LEAST(visible_at, first_failed_at))
+             FILTER (WHERE status IN (0, 9) AND LEAST(visible_at, first_failed_at) <= now()))::float8";
+
 /// A claim's assignments without the crash-loop guard (the durable inbox).
 /// `$2` lease in seconds, `$3` claim token.
 const PLAIN_CLAIM_SET: &str = "status = 9,
@@ -391,7 +399,7 @@ impl Queries {
                         count(*) FILTER (WHERE status = 9),
                         count(*) FILTER (WHERE status = 1),
                         count(*) FILTER (WHERE status = 3),
-                        extract(epoch FROM now() - min(created_at) FILTER (WHERE status IN (0, 9)))::float8
+                        {PENDING_LAG_SECS}
                    FROM {t}"
             )),
             dead_letters: s(format!(

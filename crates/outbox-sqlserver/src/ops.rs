@@ -30,7 +30,7 @@ use tiberius::{Row, ToSql};
 use uuid::Uuid;
 
 use crate::error::db;
-use crate::sql::{like_escape, millis, minus_ms, quoted_schema};
+use crate::sql::{like_escape, millis, minus_ms, pending_lag_ms, quoted_schema};
 use crate::store::{FilterParams, MssqlOutbox};
 
 use outbox_core::admin::{
@@ -126,11 +126,11 @@ fn stats_by_group_sql(schema: &str) -> String {
         COUNT_BIG(CASE WHEN status = 9 THEN 1 END) AS processing_rows,
         COUNT_BIG(CASE WHEN status = 1 THEN 1 END) AS sent_rows,
         COUNT_BIG(CASE WHEN status = 3 THEN 1 END) AS dead_rows,
-        DATEDIFF_BIG(millisecond, MIN(CASE WHEN status IN (0, 9) THEN created_at END),
-                     SYSUTCDATETIME()) AS oldest_pending_ms
+        {lag} AS oldest_pending_ms
    FROM {s}.outbox_messages
   GROUP BY event_type, tenant_id
-  ORDER BY event_type, tenant_id"
+  ORDER BY event_type, tenant_id",
+        lag = pending_lag_ms("SYSUTCDATETIME()")
     )
 }
 
@@ -148,21 +148,22 @@ DECLARE @dead bigint = (SELECT COUNT_BIG(*) FROM (
 SELECT COUNT_BIG(CASE WHEN p.status = 0 THEN 1 END) AS new_rows,
        COUNT_BIG(CASE WHEN p.status = 9 THEN 1 END) AS processing_rows,
        @dead AS dead_rows,
-       DATEDIFF_BIG(millisecond, MIN(p.created_at), @now) AS oldest_pending_ms
-  FROM (SELECT TOP (@P1) x.status, x.created_at FROM (
-            SELECT n.status, n.created_at, n.visible_at, n.seq FROM (
-                SELECT TOP (@P1) c.status, c.created_at, c.visible_at, c.seq
+       {lag} AS oldest_pending_ms
+  FROM (SELECT TOP (@P1) x.status, x.visible_at, x.first_failed_at FROM (
+            SELECT n.status, n.first_failed_at, n.visible_at, n.seq FROM (
+                SELECT TOP (@P1) c.status, c.first_failed_at, c.visible_at, c.seq
                   FROM {t} AS c WITH (READPAST)
                  WHERE c.status = 0
                  ORDER BY c.visible_at, c.seq) AS n
             UNION ALL
-            SELECT g.status, g.created_at, g.visible_at, g.seq FROM (
-                SELECT TOP (@P1) c.status, c.created_at, c.visible_at, c.seq
+            SELECT g.status, g.first_failed_at, g.visible_at, g.seq FROM (
+                SELECT TOP (@P1) c.status, c.first_failed_at, c.visible_at, c.seq
                   FROM {t} AS c WITH (READPAST)
                  WHERE c.status = 9
                  ORDER BY c.visible_at, c.seq) AS g
         ) AS x
-        ORDER BY x.visible_at, x.seq) AS p"
+        ORDER BY x.visible_at, x.seq) AS p",
+        lag = pending_lag_ms("@now")
     )
 }
 
@@ -846,8 +847,9 @@ impl OutboxAdmin for MssqlOutbox {
     /// The relay's periodic gauges, **bounded** by [`PENDING_STATS_BOUND`] (see
     /// [`OutboxAdmin::pending_stats`]): `new` and `processing` among the first
     /// [`PENDING_STATS_BOUND`] pending rows in claim order, `dead` counted up to the
-    /// bound, `oldest_pending_age` (by `created_at`, server clock, millisecond
-    /// resolution) of those rows, `sent` left 0. Reads `WITH (READPAST)`, so the gauges
+    /// bound, `oldest_pending_age` the queue lag among those rows, counted from when
+    /// each became due (see [`OutboxStats::oldest_pending_age`]; server clock,
+    /// millisecond resolution), `sent` left 0. Reads `WITH (READPAST)`, so the gauges
     /// never wait on a lock: rows locked at that instant (being claimed, or inserted by
     /// a transaction not yet committed) are not counted.
     ///

@@ -26,6 +26,24 @@ pub(crate) fn minus_ms(base: &str, ms: &str) -> String {
     )
 }
 
+/// When a pending row became due: `visible_at` (a delayed message is not late before
+/// its time), or its first failure when earlier (a row waiting out a retry backoff, or
+/// held back for its destination, was due then and is still not out). A `NULL`
+/// `first_failed_at` compares false.
+const DUE_AT: &str =
+    "CASE WHEN first_failed_at < visible_at THEN first_failed_at ELSE visible_at END";
+
+/// The queue lag in milliseconds over the rows in scope (`NULL`: none is late), by the
+/// server clock at `now` (an expression): the age of the oldest pending row counted
+/// from [`DUE_AT`].
+pub(crate) fn pending_lag_ms(now: &str) -> String {
+    format!(
+        "DATEDIFF_BIG(millisecond,
+                     MIN(CASE WHEN status IN (0, 9) AND {DUE_AT} <= {now} THEN {DUE_AT} END),
+                     {now})"
+    )
+}
+
 /// The longest duration passed to the server: 50 years, so whole seconds fit an int
 /// and `SYSUTCDATETIME() + d` stays far below year 9999.
 pub(crate) const MAX_MILLIS: i64 = 50 * 365 * 24 * 3600 * 1000;
@@ -760,10 +778,9 @@ impl Queries {
                         COUNT_BIG(CASE WHEN status = 9 THEN 1 END),
                         COUNT_BIG(CASE WHEN status = 1 THEN 1 END),
                         COUNT_BIG(CASE WHEN status = 3 THEN 1 END),
-                        DATEDIFF_BIG(millisecond,
-                                     MIN(CASE WHEN status IN (0, 9) THEN created_at END),
-                                     SYSUTCDATETIME())
-                   FROM {t}"
+                        {lag}
+                   FROM {t}",
+                lag = pending_lag_ms("SYSUTCDATETIME()")
             )),
             dead_letters: s(format!(
                 "SELECT TOP (@P9) {cols_m} FROM {t} AS m WHERE {FILTER}

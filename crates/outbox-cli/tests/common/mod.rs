@@ -197,6 +197,27 @@ impl RelayProcess {
         self.child.id()
     }
 
+    /// The address of `/metrics` and `/healthz`, from the "relay started" line of its
+    /// log (waits up to 30 s for it).
+    pub async fn addr(&self) -> SocketAddr {
+        let deadline = Instant::now() + Duration::from_secs(30);
+        loop {
+            if let Some(addr) = self
+                .log()
+                .split_whitespace()
+                .find_map(|w| w.strip_prefix("listen="))
+            {
+                return addr.parse().expect("an address");
+            }
+            assert!(
+                Instant::now() < deadline,
+                "the relay logs no address; log:\n{}",
+                self.log()
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+
     pub fn running(&mut self) -> bool {
         self.child.try_wait().expect("try_wait").is_none()
     }
