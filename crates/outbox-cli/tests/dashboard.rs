@@ -72,6 +72,33 @@ async fn kill(db: &PgOutbox, ids: &[Uuid], error: &str) {
     }
 }
 
+/// `n` `PaymentFailed` messages, dead (`unroutable`); their ids.
+async fn dead_letters(db: &PgOutbox, n: usize) -> Vec<Uuid> {
+    let victims: Vec<NewMessage> = (0..n)
+        .map(|n| msg("PaymentFailed", &format!("v{n}"), "{}"))
+        .collect();
+    enqueue(db, &victims).await;
+    let ids: Vec<Uuid> = victims.iter().map(|m| m.id).collect();
+    kill(db, &ids, "unroutable").await;
+    ids
+}
+
+/// Marks message `id` Sent, and records a consumer dead letter of it (consumer
+/// `projection`).
+async fn sent_with_a_consumer_dead_letter(db: &PgOutbox, id: Uuid) {
+    exec(
+        db,
+        &format!(
+            "UPDATE \"{{s}}\".outbox_messages SET status = 1, sent_at = now() WHERE id = '{id}'"
+        ),
+    )
+    .await;
+    exec(db, &format!(
+        "INSERT INTO \"{{s}}\".inbox_failures (message_id, consumer, event_type, attempts, last_error, dead_at)
+         VALUES ('{id}', 'projection', 'PaymentFailed', 5, 'boom', now())"
+    )).await;
+}
+
 async fn status_of(db: &PgOutbox, id: Uuid) -> i64 {
     scalar(
         db,
@@ -284,12 +311,7 @@ async fn hostile_content_is_escaped_and_secret_headers_hidden() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn replay_needs_replay_mode_csrf_and_the_same_origin_and_is_confirmed() {
     let db = fresh_outbox().await;
-    let victims: Vec<NewMessage> = (0..3)
-        .map(|n| msg("PaymentFailed", &format!("v{n}"), "{}"))
-        .collect();
-    enqueue(&db, &victims).await;
-    let ids: Vec<Uuid> = victims.iter().map(|m| m.id).collect();
-    kill(&db, &ids, "unroutable").await;
+    let ids = dead_letters(&db, 3).await;
     let one = format!("id={}", ids[0]);
 
     // Read-only: the preview counts, offers no form, and a POST is refused.
@@ -379,18 +401,7 @@ async fn replay_needs_replay_mode_csrf_and_the_same_origin_and_is_confirmed() {
     assert_eq!(status_of(&db, ids[1]).await, 3, "only the selection");
 
     // A consumer dead letter of a sent message: republished.
-    exec(
-        &db,
-        &format!(
-            "UPDATE \"{{s}}\".outbox_messages SET status = 1, sent_at = now() WHERE id = '{}'",
-            ids[2]
-        ),
-    )
-    .await;
-    exec(&db, &format!(
-        "INSERT INTO \"{{s}}\".inbox_failures (message_id, consumer, event_type, attempts, last_error, dead_at)
-         VALUES ('{}', 'projection', 'PaymentFailed', 5, 'boom', now())", ids[2]
-    )).await;
+    sent_with_a_consumer_dead_letter(&db, ids[2]).await;
     let inbox_preview = get(addr, &format!("/inbox/replay?id={}", ids[2])).await;
     assert!(
         inbox_preview
@@ -435,24 +446,8 @@ async fn replay_needs_replay_mode_csrf_and_the_same_origin_and_is_confirmed() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_field_the_other_side_ignores_is_refused_not_counted_as_a_filter() {
     let db = fresh_outbox().await;
-    let victims: Vec<NewMessage> = (0..3)
-        .map(|n| msg("PaymentFailed", &format!("v{n}"), "{}"))
-        .collect();
-    enqueue(&db, &victims).await;
-    let ids: Vec<Uuid> = victims.iter().map(|m| m.id).collect();
-    kill(&db, &ids[..2], "unroutable").await;
-    exec(
-        &db,
-        &format!(
-            "UPDATE \"{{s}}\".outbox_messages SET status = 1, sent_at = now() WHERE id = '{}'",
-            ids[2]
-        ),
-    )
-    .await;
-    exec(&db, &format!(
-        "INSERT INTO \"{{s}}\".inbox_failures (message_id, consumer, event_type, attempts, last_error, dead_at)
-         VALUES ('{}', 'projection', 'PaymentFailed', 5, 'boom', now())", ids[2]
-    )).await;
+    let ids = dead_letters(&db, 3).await;
+    sent_with_a_consumer_dead_letter(&db, ids[2]).await;
     let (rw, addr) = serve(&db, replay_enabled()).await;
     let csrf = hidden(
         &get(addr, "/replay?event_type=PaymentFailed").await.body,
