@@ -162,10 +162,13 @@ pub struct Args {
     #[arg(long, value_name = "N")]
     backlog: Option<usize>,
     /// Measure the memory of `outbox relay` as its own process instead, while it relays
-    /// N messages (e.g. 500000) with nothing scraping `/metrics`: its RSS after a
-    /// warm-up and at the end (see `soak.rs`).
+    /// N messages (e.g. 2000000) with nothing scraping `/metrics`: its RSS after the
+    /// first 100,000 and at the end, for the polling and the WAL relay (see `soak.rs`).
     #[arg(long, value_name = "N")]
     soak: Option<usize>,
+    /// With `--soak`: which relays (`both`: the polling relay, then the WAL relay).
+    #[arg(long, value_enum, default_value_t = soak::SoakSource::Both, requires = "soak")]
+    soak_source: soak::SoakSource,
     /// Measure the relay under vacuum pressure instead: the steady phase
     /// (`--steady-rate` messages/s for `--steady-secs`, e.g. 1000 and 120) twice, first
     /// as usual, then while another session holds a REPEATABLE READ snapshot open for the
@@ -371,7 +374,7 @@ async fn run<P: EventPublisher>(
         return run_ordered(args, broker, publisher).await;
     }
     if let Some(n) = args.soak {
-        return soak::run(broker, &payload(args.payload_bytes), n).await;
+        return soak::run(broker, &payload(args.payload_bytes), n, args.soak_source).await;
     }
     if args.relay_process || args.backlog.is_some() {
         return relay_latency_bench::run(args, broker, publisher).await;

@@ -1,42 +1,100 @@
 //! `--soak N`: the memory of `outbox relay` as its own process (default settings, the
-//! release binary) while it relays N messages with nothing scraping its `/metrics`.
+//! release binary) while it relays N messages with nothing scraping its `/metrics`:
+//! the polling relay, then the WAL relay (`--source wal`), each in a database of its
+//! own (`--soak-source` picks one).
 //!
-//! Producers keep a few thousand messages pending (transactions of 500 rows) for the
-//! relay to take; the relay's resident set size (`VmRSS`) is sampled every second. The
-//! first fifth of the messages (at least 50,000) is the warm-up (pools, buffers, the
-//! allocator's arenas); the report gives the RSS at its end and at the end of the run,
-//! the growth in between and what it comes to per message. The relay's metrics
-//! recorder once kept every histogram sample until a scrape drained it (about 23 bytes
-//! per message, without bound); the target is a growth under 1 MiB after the warm-up.
+//! Producers ([`PRODUCERS`] connections) commit transactions of [`CHUNK`] rows, the
+//! shape of a service writing a few events per request, while keeping at most
+//! [`PENDING`] messages pending: the relay sees small batches and many wake-ups, as at
+//! a steady production rate, rather than only full ones. The relay's resident set size
+//! (`VmRSS`) is sampled every second, by messages sent. The first [`WARM_UP`] messages
+//! are the warm-up (pools, buffers, the allocator's arenas); the report gives the RSS
+//! at its end and at the end of the run, the growth in between and what it comes to
+//! per message. Target: a growth under 1 MiB. A measure by messages, not by time: a
+//! slower machine takes longer for the same figures.
 //!
-//! The database is one of its own (dropped at the end). PostgreSQL here runs with
-//! `autovacuum = off` (a CI setting): the sent rows stay, which costs the database, not
-//! the relay's memory.
+//! The run holds the machine-wide fault lock shared, so no fault test of another
+//! process restarts or freezes a server in the middle of it (a relay that rides out an
+//! outage keeps the high-water mark of its buffers, which is not a leak).
+//!
+//! PostgreSQL here runs with `autovacuum = off` (a CI setting): the sent rows stay,
+//! which costs the database, not the relay's memory.
 
 use std::time::{Duration, Instant};
 
 use anyhow::Context as _;
+use clap::ValueEnum;
 
 use super::broker::Broker;
-use super::relay_latency_bench::{create_db, message, spawn_relay, stop};
+use super::relay_latency_bench::{Db, create_db, message, spawn_relay, stop};
+use super::wal_throughput::{SlotGuard, Source};
 use crate::common;
 
 /// Messages kept pending for the relay, at most.
-const PENDING: i64 = 5_000;
+const PENDING: usize = 5_000;
 /// Rows per producer transaction.
-const CHUNK: usize = 500;
+const CHUNK: usize = 10;
+/// Producer connections.
+const PRODUCERS: usize = 4;
+/// Messages of the warm-up.
+const WARM_UP: usize = 100_000;
+/// Longest a soak may take.
+const LIMIT: Duration = Duration::from_secs(3 * 3_600);
 
-/// Runs the soak over `n` messages of `body`.
-pub(crate) async fn run(broker: &Broker, body: &str, n: usize) -> anyhow::Result<()> {
+/// Which relays `--soak` measures.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub(super) enum SoakSource {
+    /// The polling relay, then the WAL relay.
+    Both,
+    /// The polling relay (`outbox relay`).
+    Polling,
+    /// The WAL relay (`outbox relay --source wal`).
+    Wal,
+}
+
+/// Runs the soak over `n` messages of `body` for the relays `which` asks for.
+pub(crate) async fn run(
+    broker: &Broker,
+    body: &str,
+    n: usize,
+    which: SoakSource,
+) -> anyhow::Result<()> {
+    let _no_faults = outbox_testkit::faults::lock_shared().await;
+    let sources: &[Source] = match which {
+        SoakSource::Both => &[Source::Polling, Source::Wal],
+        SoakSource::Polling => &[Source::Polling],
+        SoakSource::Wal => &[Source::Wal],
+    };
+    for &source in sources {
+        one(broker, body, n, source).await?;
+    }
+    Ok(())
+}
+
+/// The soak of one relay, in a database of its own (dropped at the end).
+async fn one(broker: &Broker, body: &str, n: usize, source: Source) -> anyhow::Result<()> {
     let admin = sqlx::PgPool::connect(&common::database_url()).await?;
     let db = create_db(&admin).await?;
     println!(
-        "soak: `outbox relay` (default settings, nothing scraping /metrics) → {}, {n} messages of {} bytes, database {} of its own",
+        "soak: the {} (`outbox relay {}`, default settings, nothing scraping /metrics) → {}, {n} messages of {} bytes, {PRODUCERS} producers of {CHUNK}-row transactions, at most {PENDING} pending, database {} of its own",
+        source.label(),
+        source.relay_args().join(" "),
         broker.name(),
         body.len(),
         db.name
     );
-    let result = phases(&db, broker, body, n).await;
+    let result = async {
+        let slot = match source {
+            Source::Polling => None,
+            Source::Wal => Some(SlotGuard::setup(&db.url, db.schema())?),
+        };
+        let measured = phases(&db, broker, body, n, source).await;
+        let dropped = slot.map_or(Ok(()), SlotGuard::disarm);
+        measured?;
+        dropped
+    }
+    .await;
+    broker.purge().await?;
     db.outbox.pool().close().await;
     sqlx::query(sqlx::AssertSqlSafe(format!(
         "DROP DATABASE {} WITH (FORCE)",
@@ -47,69 +105,107 @@ pub(crate) async fn run(broker: &Broker, body: &str, n: usize) -> anyhow::Result
     result
 }
 
-async fn sent(db: &super::relay_latency_bench::Db) -> anyhow::Result<i64> {
-    Ok(
-        sqlx::query_scalar("SELECT count(*) FROM outbox.outbox_messages WHERE status = 1")
-            .fetch_one(db.outbox.pool())
-            .await?,
-    )
+/// Rows not yet sent: few (at most [`PENDING`] and the producers' last chunks), counted
+/// through the pending index.
+async fn pending(db: &Db) -> anyhow::Result<usize> {
+    let n: i64 = sqlx::query_scalar("SELECT count(*) FROM outbox.outbox_messages WHERE phase = 0")
+        .fetch_one(db.outbox.pool())
+        .await?;
+    Ok(usize::try_from(n).unwrap_or(0))
 }
 
-async fn phases(
-    db: &super::relay_latency_bench::Db,
-    broker: &Broker,
+/// Commits `n` messages in transactions of [`CHUNK`] rows from [`PRODUCERS`] tasks,
+/// never more than [`PENDING`] ahead of the relay; `written` counts what committed.
+async fn produce(
+    db: &Db,
     body: &str,
     n: usize,
+    written: &std::sync::atomic::AtomicUsize,
+    sent: &std::sync::atomic::AtomicUsize,
 ) -> anyhow::Result<()> {
-    let relay = spawn_relay(db, broker, &[])?;
-    let pid = relay.id().to_string();
-    let warm_up = (n / 5).max(50_000).min(n);
-    let started = Instant::now();
-    let mut written = 0usize;
-    let mut samples: Vec<(i64, u64)> = Vec::new();
-    let mut next_sample = Instant::now();
-    let mut warm_rss = None;
-    loop {
-        let done = sent(db).await?;
-        if Instant::now() >= next_sample {
-            let rss = common::rss_of(&pid);
-            anyhow::ensure!(rss > 0, "the relay is gone");
-            samples.push((done, rss));
-            if warm_rss.is_none() && done >= i64::try_from(warm_up).unwrap_or(i64::MAX) {
-                warm_rss = Some((done, rss));
+    use std::sync::atomic::Ordering::Relaxed;
+    let next = std::sync::atomic::AtomicUsize::new(0);
+    let producer = || async {
+        loop {
+            while next.load(Relaxed).saturating_sub(sent.load(Relaxed)) >= PENDING {
+                tokio::time::sleep(Duration::from_millis(5)).await;
             }
-            next_sample += Duration::from_secs(1);
-        }
-        if done >= i64::try_from(n).unwrap_or(i64::MAX) {
-            break;
-        }
-        anyhow::ensure!(
-            started.elapsed() < Duration::from_secs(3_600),
-            "the soak did not finish within an hour ({done} of {n} sent)"
-        );
-        if written < n && (written as i64) - done < PENDING {
-            let chunk = CHUNK.min(n - written);
-            let msgs: Vec<_> = (written..written + chunk)
+            let first = next.fetch_add(CHUNK, Relaxed);
+            if first >= n {
+                return anyhow::Ok(());
+            }
+            let msgs: Vec<_> = (first..(first + CHUNK).min(n))
                 .map(|i| message("soak", i as u64, body))
                 .collect::<anyhow::Result<_>>()?;
             let mut tx = db.outbox.begin().await?;
             db.outbox.enqueue_batch(&mut tx, &msgs).await?;
             tx.commit().await?;
-            written += chunk;
-        } else {
-            tokio::time::sleep(Duration::from_millis(50)).await;
+            written.fetch_add(msgs.len(), Relaxed);
         }
-    }
+    };
+    futures::future::try_join_all((0..PRODUCERS).map(|_| producer())).await?;
+    Ok(())
+}
+
+async fn phases(
+    db: &Db,
+    broker: &Broker,
+    body: &str,
+    n: usize,
+    source: Source,
+) -> anyhow::Result<()> {
+    use std::sync::atomic::{AtomicUsize, Ordering::Relaxed};
+    let relay = spawn_relay(db, broker, source.relay_args())?;
+    let pid = relay.id().to_string();
+    let warm_up = WARM_UP.min(n);
+    let started = Instant::now();
+    let (written, sent) = (AtomicUsize::new(0), AtomicUsize::new(0));
+    let mut samples: Vec<(usize, u64)> = Vec::new();
+    let mut warm = None;
+    let watch = async {
+        let mut next_sample = Instant::now();
+        loop {
+            // Read `written` first: every row it counts is either pending or sent.
+            let w = written.load(Relaxed);
+            let done = w.saturating_sub(pending(db).await?);
+            sent.store(done, Relaxed);
+            if Instant::now() >= next_sample {
+                let rss = common::rss_of(&pid);
+                anyhow::ensure!(rss > 0, "the relay is gone");
+                samples.push((done, rss));
+                if warm.is_none() && done >= warm_up {
+                    warm = Some((done, rss));
+                }
+                next_sample += Duration::from_secs(1);
+            }
+            if done >= n {
+                return anyhow::Ok(());
+            }
+            anyhow::ensure!(
+                started.elapsed() < LIMIT,
+                "the soak did not finish within {LIMIT:?} ({done} of {n} sent)"
+            );
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    };
+    let ran = tokio::try_join!(produce(db, body, n, &written, &sent), watch);
     let elapsed = started.elapsed();
     let end_rss = common::rss_of(&pid);
     stop(relay).await?;
-    let (warm_sent, warm_rss) = warm_rss.context("no sample after the warm-up")?;
+    ran?;
+    let dead: i64 =
+        sqlx::query_scalar("SELECT count(*) FROM outbox.outbox_messages WHERE phase = 3")
+            .fetch_one(db.outbox.pool())
+            .await?;
+    anyhow::ensure!(dead == 0, "{dead} messages went dead during the soak");
+    let (warm_sent, warm_rss) = warm.context("no sample after the warm-up")?;
     let peak = samples.iter().map(|&(_, rss)| rss).max().unwrap_or(end_rss);
-    let after = (n as i64 - warm_sent).max(1);
+    let after = (n - warm_sent.min(n)).max(1);
     let growth = end_rss as i64 - warm_rss as i64;
     let mib = |b: i64| b as f64 / (1024.0 * 1024.0);
+    let label = source.label();
     println!(
-        "soak: {n} messages in {:.0} s ({:.0} msg/s); relay RSS {:.1} MiB after the warm-up ({warm_sent} sent), {:.1} MiB at the end, peak {:.1} MiB",
+        "soak, {label}: {n} messages in {:.0} s ({:.0} msg/s); relay RSS {:.1} MiB after the warm-up ({warm_sent} sent), {:.1} MiB at the end, peak {:.1} MiB",
         elapsed.as_secs_f64(),
         n as f64 / elapsed.as_secs_f64(),
         mib(warm_rss as i64),
@@ -117,7 +213,7 @@ async fn phases(
         mib(peak as i64),
     );
     println!(
-        "soak: growth after the warm-up {:+.2} MiB over {after} messages ({:+.1} bytes per message); target: under 1 MiB: {}",
+        "soak, {label}: growth after the warm-up {:+.2} MiB over {after} messages ({:+.2} bytes per message); target: under 1 MiB: {}",
         mib(growth),
         growth as f64 / after as f64,
         if growth < 1024 * 1024 {
@@ -131,8 +227,11 @@ async fn phases(
     let trend: Vec<String> = samples
         .iter()
         .step_by(step)
-        .map(|&(done, rss)| format!("{}k: {:.1}", done / 1000, mib(rss as i64)))
+        .map(|&(done, rss)| format!("{}k: {:.2}", done / 1000, mib(rss as i64)))
         .collect();
-    println!("soak: RSS (MiB) by messages sent: {}", trend.join(", "));
+    println!(
+        "soak, {label}: RSS (MiB) by messages sent: {}",
+        trend.join(", ")
+    );
     Ok(())
 }

@@ -59,16 +59,24 @@ const DRAIN_LIMIT: Duration = Duration::from_secs(600);
 
 /// Where the relay reads the backlog from.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Source {
+pub(super) enum Source {
     Polling,
     Wal,
 }
 
 impl Source {
-    fn label(self) -> &'static str {
+    pub(super) fn label(self) -> &'static str {
         match self {
             Self::Polling => "polling relay",
             Self::Wal => "WAL relay",
+        }
+    }
+
+    /// `outbox relay`'s arguments for this source.
+    pub(super) fn relay_args(self) -> &'static [&'static str] {
+        match self {
+            Self::Polling => &[],
+            Self::Wal => &["--source", "wal"],
         }
     }
 
@@ -249,13 +257,29 @@ fn report(m: usize, broker: &Broker, polling: &[Drain], wal: &[Drain], ceiling: 
 /// `outbox wal drop --force` for a schema when dropped, unless [`disarm`](Self::disarm)ed
 /// first: the slot and the publication never outlive a phase, also when it fails or
 /// panics.
-struct SlotGuard {
+pub(super) struct SlotGuard {
     url: String,
     schema: String,
     armed: bool,
 }
 
 impl SlotGuard {
+    /// `outbox wal setup` for `schema` (publication, slot, trigger disabled), and the
+    /// guard that drops them.
+    pub(super) fn setup(url: &str, schema: &str) -> anyhow::Result<Self> {
+        let guard = Self {
+            url: url.to_owned(),
+            schema: schema.to_owned(),
+            armed: true,
+        };
+        let status = outbox_command(url, schema)?
+            .args(["wal", "setup"])
+            .stdout(std::process::Stdio::null())
+            .status()?;
+        anyhow::ensure!(status.success(), "`outbox wal setup` failed: {status}");
+        Ok(guard)
+    }
+
     fn drop_slot(&self) -> anyhow::Result<()> {
         let status = outbox_command(&self.url, &self.schema)?
             .args(["wal", "drop", "--force"])
@@ -265,7 +289,7 @@ impl SlotGuard {
         Ok(())
     }
 
-    fn disarm(mut self) -> anyhow::Result<()> {
+    pub(super) fn disarm(mut self) -> anyhow::Result<()> {
         self.armed = false;
         self.drop_slot()
     }
@@ -313,19 +337,7 @@ async fn relay_phase(
         .await?;
         let guard = match source {
             Source::Polling => None,
-            Source::Wal => {
-                let guard = SlotGuard {
-                    url: phase.url.clone(),
-                    schema: schema.to_owned(),
-                    armed: true,
-                };
-                let status = outbox_command(&phase.url, schema)?
-                    .args(["wal", "setup"])
-                    .stdout(std::process::Stdio::null())
-                    .status()?;
-                anyhow::ensure!(status.success(), "`outbox wal setup` failed: {status}");
-                Some(guard)
-            }
+            Source::Wal => Some(SlotGuard::setup(&phase.url, schema)?),
         };
         let drained = drain(args, &phase, broker, body, source).await;
         let dropped = guard.map_or(Ok(()), SlotGuard::disarm);
@@ -352,10 +364,7 @@ async fn drain(
     backlog(phase, m, body).await?;
     broker.warm_up(args, body.as_bytes()).await?;
     let settled = super::quiesce(&phase.outbox).await;
-    let extra: &[&str] = match source {
-        Source::Polling => &[],
-        Source::Wal => &["--source", "wal"],
-    };
+    let extra = source.relay_args();
     let cpu0 = crate::common::CpuTimes::now_with(broker.comm());
     let started = SystemTime::now();
     let relay = spawn_relay(phase, broker, extra)?;
