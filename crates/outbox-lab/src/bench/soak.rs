@@ -75,10 +75,13 @@ pub(crate) async fn run(
 async fn one(broker: &Broker, body: &str, n: usize, source: Source) -> anyhow::Result<()> {
     let admin = sqlx::PgPool::connect(&common::database_url()).await?;
     let db = create_db(&admin).await?;
+    let command: Vec<&str> = std::iter::once("outbox relay")
+        .chain(source.relay_args().iter().copied())
+        .collect();
     println!(
-        "soak: the {} (`outbox relay {}`, default settings, nothing scraping /metrics) → {}, {n} messages of {} bytes, {PRODUCERS} producers of {CHUNK}-row transactions, at most {PENDING} pending, database {} of its own",
+        "soak: the {} (`{}`, default settings, nothing scraping /metrics) → {}, {n} messages of {} bytes, {PRODUCERS} producers of {CHUNK}-row transactions, at most {PENDING} pending, database {} of its own",
         source.label(),
-        source.relay_args().join(" "),
+        command.join(" "),
         broker.name(),
         body.len(),
         db.name
