@@ -18,7 +18,8 @@
 //! outage keeps the high-water mark of its buffers, which is not a leak).
 //!
 //! PostgreSQL here runs with `autovacuum = off` (a CI setting): the sent rows stay,
-//! which costs the database, not the relay's memory.
+//! which costs the database, not the relay's memory. The sink is purged every
+//! [`PURGE_EVERY`] messages for the same reason on the broker's side.
 
 use std::time::{Duration, Instant};
 
@@ -38,6 +39,10 @@ const CHUNK: usize = 10;
 const PRODUCERS: usize = 4;
 /// Messages of the warm-up.
 const WARM_UP: usize = 100_000;
+/// The sink is purged every this many messages: a consumer-less queue of millions of
+/// messages slows RabbitMQ down (long garbage collections, confirms past the relay's
+/// timeout), which is not the relay's memory.
+const PURGE_EVERY: usize = 100_000;
 /// Longest a soak may take.
 const LIMIT: Duration = Duration::from_secs(3 * 3_600);
 
@@ -97,7 +102,8 @@ async fn one(broker: &Broker, body: &str, n: usize, source: Source) -> anyhow::R
         dropped
     }
     .await;
-    broker.purge().await?;
+    // The database goes whatever happened to the run or to the purge.
+    let purged = broker.purge().await;
     db.outbox.pool().close().await;
     sqlx::query(sqlx::AssertSqlSafe(format!(
         "DROP DATABASE {} WITH (FORCE)",
@@ -105,7 +111,7 @@ async fn one(broker: &Broker, body: &str, n: usize, source: Source) -> anyhow::R
     )))
     .execute(&admin)
     .await?;
-    result
+    result.and(purged)
 }
 
 /// Rows not yet sent: few (at most [`PENDING`] and the producers' last chunks), counted
@@ -167,6 +173,7 @@ async fn phases(
     let mut warm = None;
     let watch = async {
         let mut next_sample = Instant::now();
+        let mut purged = 0;
         loop {
             // Read `written` first: every row it counts is either pending or sent.
             let w = written.load(Relaxed);
@@ -183,6 +190,10 @@ async fn phases(
             }
             if done >= n {
                 return anyhow::Ok(());
+            }
+            if done >= purged + PURGE_EVERY {
+                broker.purge().await?;
+                purged = done;
             }
             anyhow::ensure!(
                 started.elapsed() < LIMIT,
