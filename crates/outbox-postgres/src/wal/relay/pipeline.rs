@@ -58,7 +58,9 @@ pub(super) struct Pipeline {
     launched: u64,
     /// Keys parked by a failure while batches were in flight, and the last batch
     /// launched then: that batch and the ones before it were published without
-    /// knowing, and their messages of the key are parked behind.
+    /// knowing, and their messages of the key are parked behind. Bounded: a failure
+    /// is forgotten once no batch launched before it is in flight (see
+    /// [`handled`](Self::handled)).
     failed: HashMap<String, u64>,
 }
 
@@ -168,10 +170,17 @@ impl Pipeline {
         self.failed.get(key).is_some_and(|&last| seq <= last)
     }
 
-    /// Forgets failures no batch in flight was launched before.
+    /// Forgets failures no batch in flight was launched before: only a batch launched
+    /// at or before a failure parks behind it, so the failures remembered are those of
+    /// keys in the batches in flight (at most `depth` batches' messages), however long
+    /// the pipeline stays busy.
     pub(super) fn handled(&mut self) {
-        if self.batches.is_empty() {
-            self.failed.clear();
+        match self.batches.front() {
+            Some(oldest) => {
+                let oldest = oldest.seq;
+                self.failed.retain(|_, last| *last >= oldest);
+            }
+            None => self.failed.clear(),
         }
     }
 
@@ -201,5 +210,51 @@ impl Drop for Pipeline {
         for b in &self.batches {
             b.task.abort();
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn launch(pipeline: &mut Pipeline) {
+        pipeline.push(
+            Arc::from(Vec::new()),
+            Arc::from(Vec::new()),
+            Vec::new(),
+            None,
+            tokio::spawn(async { Vec::new() }),
+        );
+    }
+
+    /// Under steady load the pipeline is never empty: a failure is forgotten once
+    /// every batch launched before it was handled, so the failures remembered stay
+    /// within what is in flight (here 4 batches, a new key failing in each of 10,000).
+    #[tokio::test]
+    async fn failures_are_forgotten_while_batches_stay_in_flight() {
+        let mut pipeline = Pipeline::new(4, false);
+        for _ in 0..3 {
+            launch(&mut pipeline);
+        }
+        for i in 0..10_000 {
+            launch(&mut pipeline);
+            let (landed, _) = pipeline.landed().await;
+            let key = format!("k{i}");
+            pipeline.failed(&key);
+            // Launched before the failure was known: parked behind it.
+            assert!(pipeline.parks_behind(&key, landed.seq + 3));
+            pipeline.handled();
+            assert!(
+                pipeline.failed.len() <= 4,
+                "{} failures remembered after {} batches",
+                pipeline.failed.len(),
+                i + 1
+            );
+            assert!(!pipeline.is_empty());
+        }
+        // The last failure holds while a batch launched before it is in flight.
+        let newest = pipeline.launched;
+        assert!(pipeline.parks_behind("k9999", newest));
+        assert!(!pipeline.parks_behind("k9999", newest + 1));
     }
 }
