@@ -42,11 +42,16 @@
 //!   17 a typed refusal that creates nothing (this machine's server is 15: only the
 //!   refusal runs here);
 //! - (q) a slot created without failover is neither dropped nor changed by a later
-//!   `setup --failover`.
+//!   `setup --failover`;
+//! - (t) RabbitMQ frozen (`SIGSTOP`), the relay killed and started again six times
+//!   (crash-loop limit 5): no restart counts as a crash of the message it was about to
+//!   publish (the guard counts it only once the broker is ready); resumed, every
+//!   message is published once and none is dead.
 //!
 //! Each test has a schema, a slot and a publication of its own; a guard drops all three
 //! when the test ends, also when it panics (a forgotten slot retains WAL forever). The
-//! shared servers are not touched (no fault lock needed).
+//! shared servers are not touched, but by (o) and (t), which take the machine-wide
+//! fault lock.
 
 mod common;
 
@@ -1217,4 +1222,83 @@ async fn q_failover_is_not_set_behind_the_operators_back() {
     let status: serde_json::Value = serde_json::from_str(&status).expect(&status);
     assert_eq!(status["slot_exists"], true, "{status}");
     assert_ne!(status["failover"], true, "{status}");
+}
+
+/// The highest crash-loop count (`unfinished_alone`) in the table.
+async fn alone(db: &PgOutbox) -> i64 {
+    scalar(
+        db,
+        "SELECT coalesce(max(unfinished_alone), 0)::bigint FROM {s}.outbox_messages",
+    )
+    .await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn t_restarts_while_the_broker_is_frozen_count_no_crash() {
+    // RabbitMQ frozen (`SIGSTOP`), 100 messages committed, the relay started and
+    // killed (`SIGKILL`) six times (crash-loop limit 5), each time once it has begun
+    // its session, then RabbitMQ resumed: a restart while the broker cannot take
+    // messages is not a crash of the message it was about to publish.
+    let _lock = outbox_testkit::faults::lock().await;
+    let (db, _cleanup) = wal_outbox().await;
+    let fx = relay_fixture(FieldTable::default()).await;
+    let counts = fx.counter().await;
+    let mut args = relay_args(&fx, &amqp_url());
+    args.extend(["--crash-loop-limit".to_owned(), "5".to_owned()]);
+    let mut relay = start(&db, &args);
+    let warm = enqueue_n(&db, 1, 1, "t-warm").await;
+    wait_until(
+        &relay,
+        Duration::from_secs(30),
+        "the warm-up is sent",
+        || async { count(&db, 1).await == 1 },
+    )
+    .await;
+    kill_9(&relay);
+    assert!(relay.exited_within(Duration::from_secs(10)).await.is_some());
+
+    let frozen = outbox_testkit::faults::RabbitFrozen::try_freeze().expect("freeze RabbitMQ");
+    let ids = enqueue_n(&db, 100, 10, "t").await;
+    let mut counted = Vec::new();
+    for round in 1..=6 {
+        relay = start(&db, &args);
+        // Until it has counted its first message (the guard) or paused for the broker.
+        wait_until(
+            &relay,
+            Duration::from_secs(30),
+            "the restarted relay counts its first message or pauses",
+            || async { alone(&db).await >= round || relay.log().contains("reading pauses") },
+        )
+        .await;
+        counted.push(alone(&db).await);
+        kill_9(&relay);
+        assert!(relay.exited_within(Duration::from_secs(10)).await.is_some());
+    }
+    drop(frozen);
+
+    relay = start(&db, &args);
+    wait_until(
+        &relay,
+        Duration::from_secs(60),
+        "every row is published or dead",
+        || async { count(&db, 1).await + count(&db, 3).await == 101 },
+    )
+    .await;
+    assert_eq!(
+        count(&db, 3).await,
+        0,
+        "nothing dead (the guard's count after each restart: {counted:?})"
+    );
+    wait_until(
+        &relay,
+        Duration::from_secs(30),
+        "all 101 arrive",
+        || async { missing(&counts, &ids) + missing(&counts, &warm) == 0 },
+    )
+    .await;
+    let deliveries: usize = counts.lock().expect("lock").values().sum();
+    assert_eq!(deliveries, 101, "each message published once");
+    relay.terminate();
+    assert!(relay.exited_within(Duration::from_secs(15)).await.is_some());
+    fx.delete_exchange().await;
 }

@@ -7,7 +7,9 @@ use std::sync::atomic::Ordering;
 use std::time::Duration;
 
 use chrono::Utc;
-use outbox_core::{ErrorKind, EventPublisher, MessageStatus, OutboxMessage, PublishOutcome};
+use outbox_core::{
+    ErrorKind, EventPublisher, MessageStatus, OutboxMessage, PublishError, PublishOutcome,
+};
 use pgwire_replication::Lsn;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
@@ -187,6 +189,22 @@ impl<P: EventPublisher> WalRelay<P> {
         let mut guarded = None;
         let mut skip_first = false;
         if !state.guarded && !messages.is_empty() {
+            // Counted only once the broker can take it: a relay restarted while the
+            // broker is down or frozen would otherwise count the message, then hang
+            // publishing it until killed again (the polling relay claims nothing
+            // before its publisher is ready, for the same reason).
+            if let Err(e) = self.broker_ready().await
+                && !self
+                    .wait_for_broker(
+                        &e.to_string(),
+                        messages.len(),
+                        &mut Duration::from_millis(500),
+                        shutdown,
+                    )
+                    .await?
+            {
+                return Ok(false);
+            }
             state.guarded = true;
             let first = &messages[0];
             let alone = self.bump_alone(first.id).await?;
@@ -398,6 +416,19 @@ impl<P: EventPublisher> WalRelay<P> {
         }
     }
 
+    /// Whether the publisher is ready ([`check_ready`](EventPublisher::check_ready)),
+    /// given up after its publish timeout (15 s when it states none): a broker that
+    /// accepts connections and answers nothing is not ready.
+    async fn broker_ready(&self) -> Result<(), PublishError> {
+        let limit = self
+            .publisher
+            .publish_timeout()
+            .unwrap_or(Duration::from_secs(15));
+        tokio::time::timeout(limit, self.publisher.check_ready())
+            .await
+            .unwrap_or(Err(PublishError::Timeout(limit)))
+    }
+
     /// A broker outage (`reason`, with `unconfirmed` messages waiting): the circuit
     /// opens and the stream pauses until the broker is ready again. `Ok(false)`:
     /// shutdown came first.
@@ -428,14 +459,7 @@ impl<P: EventPublisher> WalRelay<P> {
                 .execute(self.outbox.pool())
                 .await
                 .map_err(crate::error::db("wal database check"))?;
-            let ready = tokio::time::timeout(
-                self.publisher
-                    .publish_timeout()
-                    .unwrap_or(Duration::from_secs(15)),
-                self.publisher.check_ready(),
-            )
-            .await;
-            if matches!(ready, Ok(Ok(()))) {
+            if self.broker_ready().await.is_ok() {
                 return Ok(true);
             }
             delay = *outage_delay;

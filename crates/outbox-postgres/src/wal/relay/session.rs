@@ -37,8 +37,9 @@ const LINGER: Duration = Duration::from_millis(1);
 ///   first pending one, published alone;
 /// - `guarded`: that first pending message is counted (`unfinished_alone`) before it
 ///   is published and uncounted when its publish comes back; past the crash-loop limit
-///   it goes `Dead` instead. Restarts during a broker outage never count: the publish
-///   comes back (unavailable) and the count is reset.
+///   it goes `Dead` instead. Restarts during a broker outage never count: it is
+///   counted only once the publisher is ready (`check_ready`), as the polling relay
+///   claims nothing before.
 pub(super) struct SessionStart {
     pub(super) catching_up: bool,
     pub(super) careful_left: usize,
