@@ -10,6 +10,8 @@
 //!   machine-wide lock (also used by `cargo xtask chaos`);
 //! - [`pg`]: a PostgreSQL outage for one consumer only (a role of its own, locked out
 //!   and let in again);
+//! - [`slot`]: a logical replication slot invalidated by PostgreSQL, or its WAL
+//!   removed from `pg_wal` (under the fault lock);
 //! - [`ordered`]: the ordered-delivery suite (dispatcher in `Ordering::PerKey` mode,
 //!   a real broker, a consumer checking every key's order), generic over the
 //!   conformance [`Harness`](outbox_core::conformance::Harness) and the
@@ -27,6 +29,7 @@ pub mod faults;
 pub mod ordered;
 pub mod pg;
 pub mod rabbit;
+pub mod slot;
 
 /// Runs `work` on a current-thread runtime on a thread of its own, for a guard's `Drop`
 /// that must do I/O while the test's runtime unwinds (a runtime cannot block inside
