@@ -65,7 +65,7 @@ impl<P: EventPublisher> EventPublisher for Hooked<P> {
 /// started in the test process, the settings it resolves, the admin connection, the
 /// health checks). Not a stable API: the binary's interface is its command line.
 pub mod internals {
-    pub use crate::cli::SentRetentionMode;
+    pub use crate::cli::{SentRetentionMode, SourceKind};
     pub use crate::commands::dashboard::{DashboardSettings, RunningDashboard, TOKEN_ENV};
     pub use crate::config::{DbSettings, RelaySettings};
     pub use crate::database::{connect_admin, sqlserver_connection_string};

@@ -43,6 +43,13 @@
 //!   refusal runs here);
 //! - (q) a slot created without failover is neither dropped nor changed by a later
 //!   `setup --failover`;
+//! - (r) a publication made by hand without the outbox table, or publishing inserts
+//!   only: the relay refuses to start (exit 1) and the slot is not confirmed past the
+//!   rows pending, and `outbox wal setup` refuses it too, creating nothing;
+//! - (s) the slot invalidated by PostgreSQL (`max_slot_wal_keep_size`) while the relay
+//!   is paused by a broker outage: the relay stops on its own with a typed error
+//!   (exit code 1) saying how to start over, its health says why, and the binary then
+//!   refuses to start on that slot;
 //! - (t) RabbitMQ frozen (`SIGSTOP`), the relay killed and started again six times
 //!   (crash-loop limit 5): no restart counts as a crash of the message it was about to
 //!   publish (the guard counts it only once the broker is ready); resumed, every
@@ -50,8 +57,8 @@
 //!
 //! Each test has a schema, a slot and a publication of its own; a guard drops all three
 //! when the test ends, also when it panics (a forgotten slot retains WAL forever). The
-//! shared servers are not touched, but by (o) and (t), which take the machine-wide
-//! fault lock.
+//! shared servers are not touched, but by (o), (s) and (t), which take the
+//! machine-wide fault lock.
 
 mod common;
 
@@ -62,10 +69,12 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use common::{
-    RelayProcess, TestOutbox, WalCleanup, amqp_url, enqueue, fresh_outbox, message, outbox_command,
-    scalar, wait_until, wal_command,
+    RelayProcess, TestOutbox, WalCleanup, amqp_url, enqueue, eventually, fresh_outbox, message,
+    outbox_command, scalar, wait_until, wal_command,
 };
 use lapin::types::FieldTable;
+use outbox_cli::testing::internals::{DbSettings, Relay, RelaySettings, SourceKind};
+use outbox_core::TransportKind;
 use outbox_postgres::PgOutbox;
 use outbox_testkit::rabbit::{Fixture, relay_fixture};
 use tokio::task::JoinHandle;
@@ -1222,6 +1231,182 @@ async fn q_failover_is_not_set_behind_the_operators_back() {
     let status: serde_json::Value = serde_json::from_str(&status).expect(&status);
     assert_eq!(status["slot_exists"], true, "{status}");
     assert_ne!(status["failover"], true, "{status}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn r_a_publication_without_the_table_or_its_updates_is_refused() {
+    // A publication made by hand (here under the default name, so that `setup` and the
+    // relay take it), and a slot: with the outbox table missing from it, or with its
+    // updates (replayed dead letters) missing, the relay would confirm the slot past
+    // rows it never receives.
+    let fx = relay_fixture(FieldTable::default()).await;
+    for (what, publication) in [
+        ("without the outbox table", "FOR TABLE {s}.other"),
+        (
+            "with inserts only",
+            "FOR TABLE {s}.outbox_messages WITH (publish = 'insert')",
+        ),
+    ] {
+        let db = fresh_outbox().await;
+        let _cleanup = WalCleanup {
+            schema: db.schema().to_owned(),
+        };
+        common::exec(&db, "CREATE TABLE {s}.other (n int)").await;
+        common::exec(
+            &db,
+            &format!("CREATE PUBLICATION {{s}}_outbox {publication}"),
+        )
+        .await;
+        common::exec(
+            &db,
+            "SELECT pg_create_logical_replication_slot('{s}_outbox', 'pgoutput')",
+        )
+        .await;
+        let slot_at = scalar(
+            &db,
+            "SELECT (confirmed_flush_lsn - '0/0')::bigint FROM pg_replication_slots WHERE slot_name = '{s}_outbox'",
+        )
+        .await;
+        enqueue_n(&db, 5, 5, "r").await;
+        let after = current_lsn(&db).await;
+        let mut relay = start(&db, &relay_args(&fx, &amqp_url()));
+        let exit = relay.exited_within(Duration::from_secs(20)).await;
+        let confirmed = scalar(
+            &db,
+            "SELECT (confirmed_flush_lsn - '0/0')::bigint FROM pg_replication_slots WHERE slot_name = '{s}_outbox'",
+        )
+        .await;
+        assert!(
+            exit.is_some_and(|s| s.code() == Some(1)),
+            "{what}: the relay refuses to start: {exit:?} (slot confirmed past the 5 pending rows: {}); log:\n{}",
+            confirmed_past(&db, &after).await,
+            relay.log()
+        );
+        assert_eq!(confirmed, slot_at, "{what}: the slot did not move");
+        let log = relay.log();
+        assert!(
+            log.contains("inserts and updates") && log.contains("outbox wal drop"),
+            "{what}: a clear error: {log}"
+        );
+        assert_eq!(count(&db, 0).await, 5, "{what}: the rows stay pending");
+
+        // `outbox wal setup` refuses it too (the slot dropped first: nothing created).
+        common::exec(&db, "SELECT pg_drop_replication_slot('{s}_outbox')").await;
+        let (ok, out) = wal_command(&db, &["setup"]);
+        assert!(
+            !ok && out.contains("inserts and updates"),
+            "{what}: setup refuses: {out}"
+        );
+        let (_, status) = wal_command(&db, &["status", "--json"]);
+        let status: serde_json::Value = serde_json::from_str(&status).expect(&status);
+        assert_eq!(status["slot_exists"], false, "{what}: {status}");
+    }
+    fx.delete_exchange().await;
+}
+
+/// The settings of `relay_args` for a relay in this process (`Relay::start`), its
+/// health checked every 200 ms.
+fn in_process(db: &PgOutbox, fx: &Fixture, broker_url: &str) -> RelaySettings {
+    let mut settings = RelaySettings::new(
+        DbSettings {
+            url: common::database_url(),
+            schema: db.schema().to_owned(),
+        },
+        TransportKind::Rabbit,
+        broker_url,
+    );
+    settings.exchange = fx.exchange.clone();
+    settings.listen = SocketAddr::from(([127, 0, 0, 1], 0));
+    settings.source = SourceKind::Wal;
+    settings.health_interval = Duration::from_millis(200);
+    settings.connect_timeout = Duration::from_secs(1);
+    settings.confirm_timeout = Duration::from_secs(2);
+    settings.lease = Duration::from_secs(6);
+    settings
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn s_an_invalidated_slot_stops_the_relay_and_healthz_says_why() {
+    // The relay (in this process, to read its health after it stopped) paused by a
+    // broker outage while its slot is invalidated by PostgreSQL (`max_slot_wal_keep_size`
+    // passed): it stops on its own, and the binary then refuses to start on that slot.
+    let _lock = outbox_testkit::faults::lock().await;
+    let (db, _cleanup) = wal_outbox().await;
+    let fx = relay_fixture(FieldTable::default()).await;
+    let proxy = Proxy::start("127.0.0.1:5672".parse().expect("addr")).await;
+    let settings = in_process(
+        &db,
+        &fx,
+        &format!("amqp://guest:guest@127.0.0.1:{}/%2f", proxy.port),
+    );
+    let stop = tokio_util::sync::CancellationToken::new();
+    let relay = Relay::start(&settings, stop.clone())
+        .await
+        .expect("relay starts");
+    let health = relay.health().clone();
+    enqueue_n(&db, 10, 10, "s1").await;
+    assert!(
+        eventually(Duration::from_secs(60), || async {
+            count(&db, 1).await == 10
+        })
+        .await,
+        "the first 10 are sent"
+    );
+    proxy.cut();
+    enqueue_n(&db, 10, 10, "s2").await;
+    assert!(
+        eventually(Duration::from_secs(30), || async {
+            health.report().circuit_open
+        })
+        .await,
+        "the relay pauses for the outage: {:?}",
+        health.report()
+    );
+
+    outbox_testkit::slot::invalidate(
+        db.pool(),
+        &common::database_url(),
+        &format!("{}_outbox", db.schema()),
+    )
+    .await;
+    let stopped = tokio::time::timeout(Duration::from_secs(30), relay.wait()).await;
+    stop.cancel();
+    let error = match stopped {
+        Ok(Err(e)) => e,
+        Ok(Ok(stats)) => panic!("the relay stopped without an error: {stats:?}"),
+        Err(_) => panic!(
+            "the relay still runs 30 s after its slot was invalidated: {:?}",
+            health.report()
+        ),
+    };
+    assert_eq!(error.exit_code(), 1, "{error}");
+    let text = error.to_string();
+    assert!(
+        text.contains("invalidated") && text.contains("outbox wal drop"),
+        "{text}"
+    );
+    let report = health.report();
+    assert!(
+        report
+            .reasons
+            .iter()
+            .any(|r| r.starts_with("relay stopped:") && r.contains("invalidated")),
+        "/healthz says why: {report:?}"
+    );
+    assert_eq!(count(&db, 0).await, 10, "the 10 stay pending, nothing lost");
+
+    // Started again, the binary refuses the slot at once.
+    let mut relay = start(&db, &relay_args(&fx, &amqp_url()));
+    let exit = relay.exited_within(Duration::from_secs(20)).await;
+    assert!(
+        exit.is_some_and(|s| s.code() == Some(1)),
+        "{exit:?}; log:\n{}",
+        relay.log()
+    );
+    assert!(relay.log().contains("invalidated"), "{}", relay.log());
+    let (ok, status) = wal_command(&db, &["status"]);
+    assert!(ok && status.contains("lost"), "{status}");
+    fx.delete_exchange().await;
 }
 
 /// The highest crash-loop count (`unfinished_alone`) in the table.

@@ -15,10 +15,26 @@
 //!   for a connection stretched it to 13 s; found by `cargo xtask chaos -- --source
 //!   wal`). After the restart every message is sent.
 //!
+//! And faults of the slot and its publication, as an operator meets them (the relay
+//! must stop with a typed error that says how to start over, never retry for ever, and
+//! lose nothing: the rows it did not publish stay pending in the table):
+//! - the slot invalidated by PostgreSQL (`max_slot_wal_keep_size` passed, a
+//!   checkpoint: `wal_status = 'lost'`) while no relay reads it;
+//! - the WAL segment the slot restarts from deleted from `pg_wal` (the slot still
+//!   `reserved`: the server answers SQLSTATE 58P01);
+//! - the publication dropped and created again under a running relay, with a row
+//!   written in between (the server answers "publication ... does not exist", SQLSTATE
+//!   42704, while it exists);
+//! - publications made by hand that do not cover the outbox table's inserts and
+//!   updates (the table left out, inserts only, a row filter, a column list): refused
+//!   by `setup` and by the relay at start, the slot's position unchanged; `FOR ALL
+//!   TABLES` and `FOR TABLES IN SCHEMA` taken.
+//!
 //! The tests take the machine-wide fault lock (a memory alarm blocks every publisher
-//! on the broker; a stopped PostgreSQL every client) and undo their fault on drop, also
-//! when they panic. Their own test binary: the relay tests in `wal_relay.rs` would meet
-//! the faults too.
+//! on the broker; a stopped PostgreSQL every client; `max_slot_wal_keep_size` and
+//! `pg_wal` are the server's) and undo their fault on drop, also when they panic; the
+//! publication tests, which touch only their own objects, take it shared. Their own
+//! test binary: the relay tests in `wal_relay.rs` would meet the faults too.
 #![cfg(feature = "wal")]
 
 mod common;
@@ -38,7 +54,7 @@ use outbox_core::{
     EventPublisher, MessageStatus, NewMessage, OutboxMessage, OutboxStore as _, PublishError,
     PublishOutcome,
 };
-use outbox_postgres::wal::WalRelayConfig;
+use outbox_postgres::wal::{WalError, WalRelayConfig};
 use outbox_testkit::faults::{self, PgStopped, RabbitMemoryAlarm};
 use outbox_testkit::rabbit::{DropExchange, amqp_url, eventually, reject_when_full, relay_fixture};
 use tokio_util::sync::CancellationToken;
@@ -421,4 +437,265 @@ async fn a_server_shutting_down_waits_no_longer_than_the_record_hold() {
     let stats = relay.await.expect("join");
     assert!(all_sent, "every message sent after the restart: {stats:?}");
     assert_eq!(stats.dead, 0, "{stats:?}");
+}
+
+/// A relay warmed up (see `start_warmed`) and stopped, then 5 messages committed while
+/// no relay reads the slot: the slot's position is behind them.
+async fn stop_behind(w: &WalOutbox, publisher: &Arc<RabbitPublisher>) -> Vec<Uuid> {
+    let token = CancellationToken::new();
+    let relay = start_warmed(w, Arc::clone(publisher), &token).await;
+    token.cancel();
+    relay.await.expect("join");
+    let pending: Vec<NewMessage> = (0..5).map(|i| message(&format!("p{i}"), "main")).collect();
+    w.enqueue(&pending).await;
+    pending.iter().map(|m| m.id).collect()
+}
+
+/// A relay's settings for the slot's faults: batches of 10, the slot checked every
+/// 200 ms.
+fn checking_config() -> WalRelayConfig {
+    WalRelayConfig::new(database_url())
+        .with_standby_interval(Duration::from_millis(100))
+        .with_gauge_interval(Duration::from_millis(200))
+        .with_batch_size(10)
+}
+
+/// The error `run` ends with (within 30 s: a relay retrying for ever fails the test).
+async fn stops_with(
+    run: impl Future<Output = Result<outbox_postgres::wal::WalRelayStats, WalError>>,
+) -> WalError {
+    match tokio::time::timeout(Duration::from_secs(30), run).await {
+        Ok(Err(e)) => e,
+        Ok(Ok(stats)) => panic!("the relay stopped without an error: {stats:?}"),
+        Err(_) => panic!("the relay still runs after 30 s: it retries for ever"),
+    }
+}
+
+/// A relay warmed up and stopped, 5 messages committed, then `fault` done to the slot:
+/// the error a relay started again stops with, after checking that it stopped for
+/// good and lost nothing (see [`stopped_for_good`]).
+async fn restarted_after_a_slot_fault(fault: impl AsyncFnOnce(&WalOutbox)) -> WalError {
+    let w = WalOutbox::new().await;
+    let fx = relay_fixture(FieldTable::default()).await;
+    let _drop_exchange = DropExchange::new(&amqp_url(), &fx.exchange);
+    let publisher = Arc::new(publisher(&fx.exchange).await);
+    let pending = stop_behind(&w, &publisher).await;
+    fault(&w).await;
+    let relay = w.relay(publisher, checking_config());
+    let e = stops_with(relay.run(CancellationToken::new())).await;
+    stopped_for_good(&w, &e, &pending).await;
+    e
+}
+
+/// What a relay that stopped for the slot's sake must do: stop for good (not a
+/// retryable error) and tell the operator to start over, losing nothing: the rows
+/// still pending are `New` in the table, for the polling relay.
+async fn stopped_for_good(w: &WalOutbox, e: &WalError, pending: &[Uuid]) {
+    assert!(!e.is_retryable(), "{e}");
+    let text = e.to_string();
+    assert!(
+        text.contains("outbox wal drop") && text.contains("outbox wal setup"),
+        "the error says how to start over: {text}"
+    );
+    for id in pending {
+        assert_eq!(
+            status(w, *id).await,
+            MessageStatus::New,
+            "{id} stays pending"
+        );
+    }
+}
+
+/// The slot invalidated by PostgreSQL while no relay reads it (it retained more WAL
+/// than `max_slot_wal_keep_size`, and a checkpoint came: `wal_status = 'lost'`): the
+/// relay stops at once, telling the operator to start over. Before: the server's
+/// refusal to read it (SQLSTATE 55000) was retried for ever.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_invalidated_slot_stops_the_relay_with_what_to_do() {
+    let _lock = faults::lock().await;
+    let e = restarted_after_a_slot_fault(async |w| {
+        outbox_testkit::slot::invalidate(w.outbox.pool(), &database_url(), w.wal.slot()).await;
+    })
+    .await;
+    assert!(
+        matches!(&e, WalError::SlotInvalidated { reason, .. } if reason.starts_with("wal_removed")),
+        "{e}"
+    );
+}
+
+/// The WAL segment the slot restarts from deleted from `pg_wal` while no relay reads
+/// it (the slot still says `reserved`): the relay stops, telling the operator to start
+/// over. Before: the server's "requested WAL segment ... has already been removed"
+/// (SQLSTATE 58P01) was retried for ever.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn removed_wal_stops_the_relay_with_what_to_do() {
+    let _lock = faults::lock().await;
+    let e = restarted_after_a_slot_fault(async |w| {
+        outbox_testkit::slot::remove_wal(w.outbox.pool(), w.wal.slot()).await;
+    })
+    .await;
+    assert!(matches!(e, WalError::WalRemoved { .. }), "{e}");
+}
+
+/// The publication dropped and created again while the relay runs, a producer's
+/// transaction writing a row in between (committed after: the relay meets the gap only
+/// once the publication is back). The slot cannot be decoded past that row (pgoutput
+/// reads the publication as the catalog was at each change): the relay stops, telling
+/// the operator to start over, and the row stays pending. Before: "publication ... does
+/// not exist" (SQLSTATE 42704) was retried for ever, the publication being there at
+/// every check.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_publication_created_again_under_the_relay_stops_it() {
+    let _lock = faults::lock_shared().await;
+    let w = WalOutbox::new().await;
+    let fx = relay_fixture(FieldTable::default()).await;
+    let _drop_exchange = DropExchange::new(&amqp_url(), &fx.exchange);
+    let publisher = Arc::new(publisher(&fx.exchange).await);
+    let relay = w.relay(Arc::clone(&publisher), checking_config());
+    let run = tokio::spawn(async move { relay.run(CancellationToken::new()).await });
+    let warm = message("w", "main");
+    w.enqueue(std::slice::from_ref(&warm)).await;
+    assert!(
+        eventually(Duration::from_secs(30), || async {
+            status(&w, warm.id).await == MessageStatus::Sent
+        })
+        .await,
+        "the relay reads the slot"
+    );
+
+    let pool = w.outbox.pool();
+    let mut producer = pool.begin().await.expect("begin");
+    let publication = w.wal.publication();
+    sqlx::query(sqlx::AssertSqlSafe(format!(
+        "DROP PUBLICATION {publication}"
+    )))
+    .execute(pool)
+    .await
+    .expect("drop the publication");
+    let gap = message("gap", "main");
+    w.outbox
+        .enqueue_batch(&mut producer, std::slice::from_ref(&gap))
+        .await
+        .expect("enqueue");
+    sqlx::query(sqlx::AssertSqlSafe(format!(
+        "CREATE PUBLICATION {publication} FOR TABLE {}.outbox_messages WITH (publish = 'insert, update')",
+        w.outbox.schema()
+    )))
+    .execute(pool)
+    .await
+    .expect("create the publication again");
+    producer.commit().await.expect("commit");
+
+    let e = stops_with(async { run.await.expect("join") }).await;
+    // (Missing, if another test's change met the gap before the publication was back.)
+    assert!(
+        matches!(
+            e,
+            WalError::PublicationRecreated { .. } | WalError::PublicationMissing { .. }
+        ),
+        "{e}"
+    );
+    stopped_for_good(&w, &e, &[gap.id]).await;
+}
+
+/// Publications made by hand under the relay's name, and a slot: those that do not
+/// cover every insert and update of the outbox table (the table left out, inserts only,
+/// a row filter, a column list) are refused by `setup` (nothing created) and by the
+/// relay at start (the slot's position unchanged); `FOR ALL TABLES` and `FOR TABLES IN
+/// SCHEMA` with inserts and updates are taken.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_publication_must_cover_the_tables_inserts_and_updates() {
+    let _lock = faults::lock_shared().await;
+    let fx = relay_fixture(FieldTable::default()).await;
+    let _drop_exchange = DropExchange::new(&amqp_url(), &fx.exchange);
+    let publisher = Arc::new(publisher(&fx.exchange).await);
+    let cases = [
+        ("FOR TABLE {s}.other", Some("the table is not in it")),
+        (
+            "FOR TABLE {s}.outbox_messages WITH (publish = 'insert, delete')",
+            Some("publish = 'insert, delete'"),
+        ),
+        (
+            "FOR TABLE {s}.outbox_messages WHERE (status = 0)",
+            Some("row filter"),
+        ),
+        (
+            "FOR TABLE {s}.outbox_messages (id, aggregate_type, aggregate_id, event_type, payload)",
+            Some("its column list leaves out"),
+        ),
+        ("FOR TABLES IN SCHEMA {s}", None),
+        ("FOR ALL TABLES", None),
+    ];
+    for (definition, refused) in cases {
+        let outbox = common::fresh_outbox_kept().await;
+        let wal = outbox_postgres::wal::WalConfig::new(outbox.schema())
+            .build()
+            .expect("wal config");
+        let w = WalOutbox { outbox, wal };
+        let pool = w.outbox.pool();
+        let schema = w.outbox.schema();
+        let sql = |text: &str| text.replace("{s}", schema);
+        for statement in [
+            sql("CREATE TABLE {s}.other (n int)"),
+            format!(
+                "CREATE PUBLICATION {} {}",
+                w.wal.publication(),
+                sql(definition)
+            ),
+        ] {
+            sqlx::query(sqlx::AssertSqlSafe(statement))
+                .execute(pool)
+                .await
+                .expect("create");
+        }
+        let setup = outbox_postgres::wal::setup(&w.outbox, &w.wal).await;
+        let Some(gap) = refused else {
+            setup.unwrap_or_else(|e| panic!("{definition}: {e}"));
+            outbox_postgres::wal::check(&w.outbox, &w.wal)
+                .await
+                .unwrap_or_else(|e| panic!("{definition}: {e}"));
+            continue;
+        };
+        match setup {
+            Err(e @ WalError::PublicationIncomplete { .. }) => {
+                assert!(e.to_string().contains(gap), "{definition}: {e}");
+            }
+            other => panic!("{definition}: setup must refuse: {other:?}"),
+        }
+        let status = outbox_postgres::wal::status(&w.outbox, &w.wal)
+            .await
+            .expect("status");
+        assert!(!status.slot_exists, "{definition}: nothing created");
+        assert!(
+            status
+                .publication_gap
+                .as_deref()
+                .is_some_and(|g| g.contains(gap)),
+            "{definition}: {status:?}"
+        );
+
+        // A slot made by hand, messages after it: the relay does not start.
+        let at: String = sqlx::query_scalar(
+            "SELECT lsn::text FROM pg_create_logical_replication_slot($1, 'pgoutput')",
+        )
+        .bind(w.wal.slot())
+        .fetch_one(pool)
+        .await
+        .expect("slot");
+        w.enqueue(&[message("r", "main")]).await;
+        let relay = w.relay(Arc::clone(&publisher), checking_config());
+        let e = stops_with(relay.run(CancellationToken::new())).await;
+        assert!(
+            matches!(e, WalError::PublicationIncomplete { .. }),
+            "{definition}: {e}"
+        );
+        let confirmed: String = sqlx::query_scalar(
+            "SELECT confirmed_flush_lsn::text FROM pg_replication_slots WHERE slot_name = $1",
+        )
+        .bind(w.wal.slot())
+        .fetch_one(pool)
+        .await
+        .expect("confirmed");
+        assert_eq!(confirmed, at, "{definition}: the slot did not move");
+    }
 }

@@ -24,7 +24,10 @@ pub struct WalArgs {
 #[derive(Debug, Subcommand)]
 pub(crate) enum WalCommand {
     /// Create the publication and the slot (each only if missing) and disable the
-    /// polling relay's NOTIFY trigger. Needs wal_level = logical.
+    /// polling relay's NOTIFY trigger. Needs wal_level = logical. An existing
+    /// publication must cover the outbox table's inserts and updates (it is checked,
+    /// never changed); an invalidated slot, or a slot without its publication, is
+    /// refused (see docs/wal.md, Starting over).
     Setup {
         /// Slot and publication names.
         #[command(flatten)]
@@ -199,10 +202,10 @@ pub(crate) async fn run(
                     out,
                     "publication:          {} ({})",
                     s.publication,
-                    if s.publication_exists {
-                        "exists"
-                    } else {
-                        "missing"
+                    match (&s.publication_gap, s.publication_exists) {
+                        (Some(gap), _) => format!("incomplete: {gap}"),
+                        (None, true) => "exists".to_owned(),
+                        (None, false) => "missing".to_owned(),
                     }
                 )?;
                 writeln!(

@@ -22,7 +22,9 @@ mod relay;
 
 use std::time::Duration;
 
-pub use admin::{SetupReport, SlotStatus, check, drop_slot, setup, status, wal_level};
+pub use admin::{
+    PublicationGap, SetupReport, SlotStatus, check, drop_slot, setup, status, wal_level,
+};
 pub use relay::{WAL_RETAINED_BYTES, WalRelay, WalRelayConfig, WalRelayStats, WalStatsHandle};
 
 /// The name of the replication slot and of the publication of a schema's outbox, and
@@ -122,6 +124,10 @@ impl WalConfig {
     }
 }
 
+/// What an operator does when the slot can no longer be read: the end of the messages
+/// of [`WalError`]'s variants that need it.
+const START_OVER: &str = "to start over: `outbox wal drop`, `outbox wal setup`, then the polling relay (`outbox relay`) until `outbox stats` shows nothing pending (the new slot starts now and lacks those rows), then `outbox relay --source wal` (docs/wal.md, Starting over)";
+
 /// A failure of the WAL relay or of the slot's administration.
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
@@ -144,11 +150,77 @@ pub enum WalError {
         /// The slot.
         slot: String,
     },
-    /// The publication does not exist.
-    #[error("publication {publication:?} does not exist: run `outbox wal setup`")]
+    /// The publication does not exist while the slot does. Created again, it would not
+    /// help: the slot decodes each change with the catalog as it was then, and cannot
+    /// get past one written while the publication did not exist.
+    #[error(
+        "publication {publication:?} does not exist: its slot cannot be read past changes written without it; the rows it did not publish are pending in the table, nothing is lost; {}",
+        START_OVER
+    )]
     PublicationMissing {
         /// The publication.
         publication: String,
+    },
+    /// The publication does not cover every insert and update of the outbox table
+    /// ([`PublicationGap`]): a relay reading it would confirm the slot's position past
+    /// rows it never receives (and replayed dead letters, which are updates, would
+    /// never go out). Refused by the relay at start and by [`setup`].
+    #[error(
+        "publication {publication:?} does not cover the inserts and updates of {table} ({gap}): a relay reading it would confirm the slot past rows it never receives. Complete it (ALTER PUBLICATION), or let `outbox wal setup` create one (drop it, or name another with --publication); a slot already read with it lacks the rows committed meanwhile: {}",
+        START_OVER
+    )]
+    PublicationIncomplete {
+        /// The publication.
+        publication: String,
+        /// The outbox table (`schema.outbox_messages`).
+        table: String,
+        /// What it lacks.
+        gap: PublicationGap,
+    },
+    /// PostgreSQL invalidated the slot (`wal_status = 'lost'`): most often it retained
+    /// more WAL than `max_slot_wal_keep_size` allows (a relay stopped or stalled for
+    /// long) and a checkpoint removed WAL it still needed. It can never be read again.
+    #[error(
+        "replication slot {slot:?} was invalidated by PostgreSQL ({reason}) and can never be read again; the rows it did not publish are pending in the table, nothing is lost; {}",
+        START_OVER
+    )]
+    SlotInvalidated {
+        /// The slot.
+        slot: String,
+        /// PostgreSQL's reason (`wal_removed`, ... as PostgreSQL 17's
+        /// `invalidation_reason` says), and what it means.
+        reason: String,
+    },
+    /// WAL the slot needs was removed from the server (SQLSTATE `58P01`, "requested
+    /// WAL segment ... has already been removed") though PostgreSQL had not
+    /// invalidated the slot: removed by hand, or a server restored without it. The
+    /// slot can never be read again.
+    #[error(
+        "WAL that replication slot {slot:?} needs was removed from the server ({server}): the slot can never be read again; the rows it did not publish are pending in the table, nothing is lost; {}",
+        START_OVER
+    )]
+    WalRemoved {
+        /// The slot.
+        slot: String,
+        /// The server's error.
+        server: String,
+    },
+    /// The stream failed with "publication ... does not exist" (SQLSTATE `42704`)
+    /// while the publication exists: it was dropped and created again while the slot
+    /// was behind, and the slot cannot decode a change written in between (`pgoutput`
+    /// reads the publication as the catalog was at each change). It can never be read
+    /// past it.
+    #[error(
+        "replication slot {slot:?} cannot be read past changes written while publication {publication:?} did not exist (it was dropped and created again; the server says: {server}); the rows it did not publish are pending in the table, nothing is lost; {}",
+        START_OVER
+    )]
+    PublicationRecreated {
+        /// The slot.
+        slot: String,
+        /// The publication.
+        publication: String,
+        /// The server's error.
+        server: String,
     },
     /// The slot exists but is not a `pgoutput` logical slot.
     #[error("replication slot {slot:?} uses plugin {plugin:?}, not pgoutput")]
@@ -209,19 +281,33 @@ pub enum WalError {
 }
 
 impl WalError {
+    /// The server's SQLSTATE of a [`Stream`](Self::Stream) failure the server reported
+    /// (the client appends it to the server's message as `(SQLSTATE xxxxx)`).
+    pub fn sqlstate(&self) -> Option<&str> {
+        match self {
+            Self::Stream(pgwire_replication::PgWireError::Server(message)) => message
+                .rsplit_once("(SQLSTATE ")
+                .and_then(|(_, rest)| rest.get(..5)),
+            _ => None,
+        }
+    }
+
     /// Whether waiting and trying again can help (a connection failure, a server
-    /// restarting), as opposed to a configuration the operator must change.
+    /// restarting or short of connections, a slot held by another session), as opposed
+    /// to what the operator must change or decide.
     pub fn is_retryable(&self) -> bool {
         match self {
-            Self::Stream(pgwire_replication::PgWireError::Server(message)) => {
-                // The server's SQLSTATE, which the client appends as "(SQLSTATE xxxxx)":
-                // refused permissions (42501), authentication (class 28) and a missing
-                // database (3D000) need the operator.
-                let code = message
-                    .rsplit_once("(SQLSTATE ")
-                    .and_then(|(_, rest)| rest.get(..5))
-                    .unwrap_or("");
-                !(code == "42501" || code == "3D000" || code.starts_with("28"))
+            Self::Stream(pgwire_replication::PgWireError::Server(_)) => {
+                // Need the operator: authentication (class 28), a missing database
+                // (3D000), refused permissions and missing objects (class 42: 42501,
+                // 42704), a slot that cannot be read (55000: invalidated, another
+                // database's), WAL removed (58P01), a server that cannot decode (0A000:
+                // a standby before PostgreSQL 16). A server shutting down or starting
+                // (class 57), short of resources (53) or a connection lost (08) passes.
+                let code = self.sqlstate().unwrap_or("");
+                !(code.starts_with("28")
+                    || code.starts_with("42")
+                    || matches!(code, "3D000" | "55000" | "58P01" | "0A000"))
             }
             Self::Stream(e) => !matches!(
                 e,
@@ -261,6 +347,14 @@ mod tests {
             server("replication slot \"s\" is active for PID 7 (SQLSTATE 55006)").is_retryable()
         );
         assert!(server("terminating connection (SQLSTATE 57P01)").is_retryable());
+        assert!(server("the database system is starting up (SQLSTATE 57P03)").is_retryable());
+        assert!(server("sorry, too many clients already (SQLSTATE 53300)").is_retryable());
         assert!(!WalError::SlotMissing { slot: "s".into() }.is_retryable());
+        // A slot that cannot be read, WAL removed, a publication missing at a change.
+        for code in ["55000", "58P01", "42704"] {
+            let e = server(&format!("error (SQLSTATE {code})"));
+            assert_eq!(e.sqlstate(), Some(code));
+            assert!(!e.is_retryable(), "{code}");
+        }
     }
 }

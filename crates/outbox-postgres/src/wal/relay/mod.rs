@@ -88,28 +88,50 @@ impl<P: EventPublisher> WalRelay<P> {
     /// Reads and publishes until `shutdown` is cancelled: then the batch being
     /// published is finished (or, during an outage, left unconfirmed for the next
     /// session), the confirmed position is reported to the server and the session
-    /// ends. Connection failures are retried with backoff; a slot held by another
-    /// session is waited for.
+    /// ends. Connection failures and a server restarting are retried with backoff; a
+    /// slot held by another session is waited for.
+    ///
+    /// What the operator must fix stops the relay: found before a session, when a
+    /// session fails, and by a check of the slot and publication every gauge interval
+    /// (`WalRelayConfig::with_gauge_interval`; a relay paused by a broker outage reads
+    /// nothing that would fail), which ends the session as a shutdown does.
     ///
     /// # Errors
     /// [`WalError::WalLevel`], [`WalError::SlotMissing`] (also when the slot is
-    /// dropped while the relay runs), [`WalError::PublicationMissing`],
+    /// dropped while the relay runs), [`WalError::SlotInvalidated`],
+    /// [`WalError::WalRemoved`], [`WalError::PublicationMissing`],
+    /// [`WalError::PublicationIncomplete`], [`WalError::PublicationRecreated`],
     /// [`WalError::WrongPlugin`], [`WalError::Url`], a permanent
     /// [`WalError::Store`] (a statement recording outcomes refused), or a stream
-    /// failure that retrying cannot help (authentication, TLS, a malformed message).
+    /// failure that retrying cannot help (authentication, TLS, a malformed message, a
+    /// server refusal such as SQLSTATE 55000).
     pub async fn run(&self, shutdown: CancellationToken) -> Result<WalRelayStats, WalError> {
-        let gauge = self.spawn_gauge(shutdown.clone());
-        let result = self.run_sessions(&shutdown).await;
-        gauge.abort();
-        result.map(|()| self.stats().snapshot())
+        // The watch ends the sessions (not the caller's token) when it finds the slot
+        // or the publication unusable.
+        let sessions = shutdown.child_token();
+        let found = Arc::new(std::sync::Mutex::new(None));
+        let watch = self.spawn_watch(sessions.clone(), Arc::clone(&found));
+        let result = self.run_sessions(&sessions).await;
+        watch.abort();
+        let found = found
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .take();
+        match (result, found) {
+            (Ok(()), Some(e)) => {
+                error!(error = %e, "the WAL relay stops");
+                Err(e)
+            }
+            (result, _) => result.map(|()| self.stats().snapshot()),
+        }
     }
 
     async fn run_sessions(&self, shutdown: &CancellationToken) -> Result<(), WalError> {
         let mut backoff = Duration::from_millis(500);
         let mut waiting_logged = false;
         while !shutdown.is_cancelled() {
-            let (confirmed, active) = match admin::preflight(self.outbox.pool(), &self.wal).await {
-                Ok(x) => x,
+            let slot = match admin::preflight(&self.outbox, &self.wal).await {
+                Ok(slot) => slot,
                 Err(e) if e.is_retryable() => {
                     warn!(error = %e, "cannot check the replication slot; retrying");
                     self.pause(shutdown, &mut backoff).await;
@@ -120,7 +142,7 @@ impl<P: EventPublisher> WalRelay<P> {
                     return Err(e);
                 }
             };
-            if let Some(pid) = active {
+            if let Some(pid) = slot.active_pid {
                 self.counters.standby.store(true, Ordering::Relaxed);
                 if !waiting_logged {
                     info!(
@@ -135,12 +157,19 @@ impl<P: EventPublisher> WalRelay<P> {
                 }
                 continue;
             }
-            let start = confirmed
+            let start = slot
+                .confirmed
                 .as_deref()
                 .and_then(|s| s.parse::<Lsn>().ok())
                 .unwrap_or(Lsn::ZERO);
             let sessions_before = self.counters.sessions.load(Ordering::Relaxed);
-            match self.session(start, shutdown).await {
+            // A failure the server reports is looked into: what the operator must fix
+            // comes back typed and stops the relay.
+            let session = match self.session(start, shutdown).await {
+                Ok(()) => Ok(()),
+                Err(e) => Err(admin::explain(&self.outbox, &self.wal, e).await),
+            };
+            match session {
                 Ok(()) => return Ok(()),
                 Err(e) if e.is_retryable() => {
                     if self.counters.sessions.load(Ordering::Relaxed) != sessions_before {
@@ -170,24 +199,43 @@ impl<P: EventPublisher> WalRelay<P> {
         *backoff = outbox_core::retry::outage_backoff(*backoff, Duration::from_secs(10));
     }
 
-    fn spawn_gauge(&self, shutdown: CancellationToken) -> tokio::task::JoinHandle<()> {
-        let pool = self.outbox.pool().clone();
-        let slot = self.wal.slot().to_owned();
+    /// Every gauge interval until `sessions` is cancelled: checks the slot and the
+    /// publication as before a session ([`admin::preflight`]) and exports the WAL the
+    /// slot retains. Something the operator must fix (the slot invalidated or dropped,
+    /// the publication dropped or no longer covering the table) is put in `found` and
+    /// the sessions are ended.
+    fn spawn_watch(
+        &self,
+        sessions: CancellationToken,
+        found: Arc<std::sync::Mutex<Option<WalError>>>,
+    ) -> tokio::task::JoinHandle<()> {
+        let (outbox, wal) = (self.outbox.clone(), self.wal.clone());
         let counters = Arc::clone(&self.counters);
         let every = self.config.gauge_interval;
         tokio::spawn(async move {
             loop {
-                match admin::retained_bytes(&pool, &slot).await {
-                    Ok(Some(bytes)) => {
-                        counters.retained.store(bytes, Ordering::Relaxed);
-                        #[allow(clippy::cast_precision_loss)] // reason: a gauge of bytes
-                        metrics::gauge!(WAL_RETAINED_BYTES).set(bytes as f64);
+                match admin::preflight(&outbox, &wal).await {
+                    Ok(slot) => {
+                        counters
+                            .retained
+                            .store(slot.retained.unwrap_or(-1), Ordering::Relaxed);
+                        if let Some(bytes) = slot.retained {
+                            #[allow(clippy::cast_precision_loss)] // reason: a gauge of bytes
+                            metrics::gauge!(WAL_RETAINED_BYTES).set(bytes as f64);
+                        }
                     }
-                    Ok(None) => counters.retained.store(-1, Ordering::Relaxed),
-                    Err(e) => debug!(error = %e, "cannot read the retained WAL"),
+                    Err(e) if e.is_retryable() => debug!(error = %e, "cannot check the slot"),
+                    Err(e) => {
+                        warn!(error = %e, "the slot or its publication cannot be used: the session ends");
+                        *found
+                            .lock()
+                            .unwrap_or_else(std::sync::PoisonError::into_inner) = Some(e);
+                        sessions.cancel();
+                        return;
+                    }
                 }
                 tokio::select! {
-                    () = shutdown.cancelled() => return,
+                    () = sessions.cancelled() => return,
                     () = tokio::time::sleep(every) => {}
                 }
             }
