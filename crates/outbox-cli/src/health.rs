@@ -11,7 +11,12 @@
 //!   not held back by an earlier message of its key) has waited longer than
 //!   `stuck_after` without being claimed;
 //! - the queue lag (age of the oldest New or Processing message) is over `max_lag`;
-//! - `--source wal`: the replication slot retains more WAL than its threshold.
+//! - `--source wal`: the replication slot retains more WAL than its threshold;
+//! - `--source wal`: the relay has failed to read the slot for longer than
+//!   `stuck_after` and retries (the server restarting or refusing connections, too
+//!   many walsenders), with the last failure. What the operator must fix (the slot
+//!   invalidated or gone, the publication incomplete) stops the relay instead: then
+//!   the relay-stopped reason above carries the typed error and what to do.
 //!
 //! Until the first check completes the state is unhealthy with reason `starting`.
 //!
@@ -93,6 +98,8 @@ struct State {
     vacuum: Option<VacuumPressure>,
     /// WAL retained by the slot and the threshold (`--source wal`).
     wal_retained: Option<(u64, u64)>,
+    /// How long reading the slot has failed, and the last failure (`--source wal`).
+    wal_session_failing: Option<(Duration, String)>,
 }
 
 /// The warnings of [`HealthReport::warnings`] for `v`: a transaction holding the
@@ -164,6 +171,12 @@ impl Health {
         self.with(|s| s.wal_retained = bytes.map(|b| (b, max)));
     }
 
+    /// `--source wal`: how long the relay has failed to read the replication slot and
+    /// retried, with the last failure (`None`: it reads, or stands by).
+    pub fn wal_session(&self, failing: Option<(Duration, String)>) {
+        self.with(|s| s.wal_session_failing = failing);
+    }
+
     /// The current report.
     pub fn report(&self) -> HealthReport {
         self.with(|s| {
@@ -218,6 +231,14 @@ impl Health {
             {
                 reasons.push(format!(
                     "the replication slot retains {bytes} bytes of WAL (threshold {max})"
+                ));
+            }
+            if let Some((failing, e)) = &s.wal_session_failing
+                && *failing >= self.stuck_after
+            {
+                reasons.push(format!(
+                    "the replication slot cannot be read for {}s, retrying: {e}",
+                    failing.as_secs()
                 ));
             }
             HealthReport {
@@ -392,6 +413,26 @@ mod tests {
         let w = vacuum_warnings(&pressure(DEAD_ROWS_WARNING + 1, 5, None), max_lag);
         assert_eq!(w.len(), 1, "{w:?}");
         assert!(w[0].contains("last vacuum never"), "{w:?}");
+    }
+
+    #[test]
+    fn a_slot_failing_to_be_read_is_a_reason_after_stuck_after() {
+        let health = Health::new(Duration::from_secs(300), Duration::from_secs(60), None);
+        health.with(|s| s.checked = true);
+        let error =
+            "replication stream: server error: sorry, too many clients already (SQLSTATE 53300)";
+        health.wal_session(Some((Duration::from_secs(59), error.to_owned())));
+        assert!(health.report().is_healthy());
+        health.wal_session(Some((Duration::from_secs(61), error.to_owned())));
+        let report = health.report();
+        assert_eq!(
+            report.reasons,
+            [format!(
+                "the replication slot cannot be read for 61s, retrying: {error}"
+            )]
+        );
+        health.wal_session(None);
+        assert!(health.report().is_healthy());
     }
 
     #[test]

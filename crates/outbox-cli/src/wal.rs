@@ -73,6 +73,7 @@ pub(crate) async fn start(
                     interval,
                     move || {
                         sampled.wal_retained(stats.retained_bytes(), max_retained);
+                        sampled.wal_session(stats.session_failing());
                         (stats.circuit_open(), stats.published())
                     },
                     Some(heartbeat()),

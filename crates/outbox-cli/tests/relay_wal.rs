@@ -53,11 +53,14 @@
 //! - (t) RabbitMQ frozen (`SIGSTOP`), the relay killed and started again six times
 //!   (crash-loop limit 5): no restart counts as a crash of the message it was about to
 //!   publish (the guard counts it only once the broker is ready); resumed, every
-//!   message is published once and none is dead.
+//!   message is published once and none is dead;
+//! - (u) PostgreSQL stopped for longer than `stuck_after` and started again: a server
+//!   restarting is transient, so the relay retries, its health says why meanwhile,
+//!   and it resumes.
 //!
 //! Each test has a schema, a slot and a publication of its own; a guard drops all three
 //! when the test ends, also when it panics (a forgotten slot retains WAL forever). The
-//! shared servers are not touched, but by (o), (s) and (t), which take the
+//! shared servers are not touched, but by (o), (s), (t) and (u), which take the
 //! machine-wide fault lock.
 
 mod common;
@@ -1485,5 +1488,85 @@ async fn t_restarts_while_the_broker_is_frozen_count_no_crash() {
     assert_eq!(deliveries, 101, "each message published once");
     relay.terminate();
     assert!(relay.exited_within(Duration::from_secs(15)).await.is_some());
+    fx.delete_exchange().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn u_a_server_restart_is_retried_and_healthz_says_why() {
+    // PostgreSQL stopped for longer than `stuck_after` under a running relay (in this
+    // process, to read its health): a server restarting is transient, so the relay
+    // retries, its health says why meanwhile, and once the server is back it resumes.
+    let _lock = outbox_testkit::faults::lock().await;
+    let (db, _cleanup) = wal_outbox().await;
+    let fx = relay_fixture(FieldTable::default()).await;
+    let counts = fx.counter().await;
+    let mut settings = in_process(&db, &fx, &amqp_url());
+    settings.stuck_after = Duration::from_secs(2);
+    let stop = tokio_util::sync::CancellationToken::new();
+    let relay = Relay::start(&settings, stop.clone())
+        .await
+        .expect("relay starts");
+    let health = relay.health().clone();
+    let before = enqueue_n(&db, 10, 10, "u1").await;
+    assert!(
+        eventually(Duration::from_secs(60), || async {
+            count(&db, 1).await == 10
+        })
+        .await,
+        "the first 10 are sent"
+    );
+
+    let stopped = tokio::task::spawn_blocking(|| {
+        outbox_testkit::faults::PgStopped::try_stop().expect("stop PostgreSQL")
+    })
+    .await
+    .expect("stop");
+    let says_why = eventually(Duration::from_secs(30), || async {
+        health
+            .report()
+            .reasons
+            .iter()
+            .any(|r| r.starts_with("the replication slot cannot be read for"))
+    })
+    .await;
+    let report = health.report();
+    tokio::task::spawn_blocking(move || drop(stopped))
+        .await
+        .expect("start PostgreSQL again");
+    assert!(says_why, "/healthz says why: {report:?}");
+    assert!(
+        !report
+            .reasons
+            .iter()
+            .any(|r| r.starts_with("relay stopped")),
+        "a restart does not stop the relay: {report:?}"
+    );
+
+    // (A producer of its own: the test's pool lost its connections in the restart.)
+    let producer = PgOutbox::connect(
+        &outbox_postgres::PgConfig::new(common::database_url()).with_schema(db.schema()),
+    )
+    .await
+    .expect("connect after the restart");
+    let after = enqueue_n(&producer, 10, 10, "u2").await;
+    assert!(
+        eventually(Duration::from_secs(60), || async {
+            count(&producer, 1).await == 20
+                && missing(&counts, &before) + missing(&counts, &after) == 0
+        })
+        .await,
+        "the relay resumes: {:?}",
+        health.report()
+    );
+    assert!(
+        eventually(Duration::from_secs(30), || async {
+            health.report().is_healthy()
+        })
+        .await,
+        "healthy again: {:?}",
+        health.report()
+    );
+    stop.cancel();
+    relay.wait().await.expect("a clean stop");
     fx.delete_exchange().await;
 }

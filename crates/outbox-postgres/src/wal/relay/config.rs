@@ -1,8 +1,8 @@
 //! [`WalRelayConfig`] and the relay's counters ([`WalRelayStats`], [`WalStatsHandle`]).
 
-use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU64, Ordering};
-use std::time::Duration;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 
 use outbox_core::RetryPolicies;
 
@@ -179,6 +179,28 @@ pub(super) struct Counters {
     pub(super) standby: AtomicBool,
     /// -1: unknown.
     pub(super) retained: AtomicI64,
+    /// Since when reading the slot has failed (retried), the last failure, and the
+    /// sessions started until then: a session started since, or standing by, ends it.
+    failing: Mutex<Option<(Instant, String, u64)>>,
+}
+
+impl Counters {
+    /// Reading the slot failed with `error`, to be retried.
+    pub(super) fn session_failed(&self, error: &impl std::fmt::Display) {
+        let sessions = self.sessions.load(Ordering::Relaxed);
+        let mut failing = self.failing();
+        let since = match failing.as_ref() {
+            Some((since, _, before)) if *before == sessions => *since,
+            _ => Instant::now(),
+        };
+        *failing = Some((since, error.to_string(), sessions));
+    }
+
+    fn failing(&self) -> std::sync::MutexGuard<'_, Option<(Instant, String, u64)>> {
+        self.failing
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
 }
 
 /// A live view of a running [`WalRelay`](super::WalRelay) (for health checks). Cheap to clone.
@@ -201,6 +223,18 @@ impl WalStatsHandle {
     /// WAL retained by the slot at the last refresh, in bytes.
     pub fn retained_bytes(&self) -> Option<u64> {
         u64::try_from(self.0.retained.load(Ordering::Relaxed)).ok()
+    }
+    /// While the relay retries to read the slot (the server restarting or refusing
+    /// connections, the replication connection lost, too many walsenders): for how
+    /// long, and the last failure. `None` while a session reads or the relay stands by.
+    pub fn session_failing(&self) -> Option<(Duration, String)> {
+        let sessions = self.0.sessions.load(Ordering::Relaxed);
+        match self.0.failing().as_ref() {
+            Some((since, error, before)) if *before == sessions && !self.standby() => {
+                Some((since.elapsed(), error.clone()))
+            }
+            _ => None,
+        }
     }
     pub(super) fn snapshot(&self) -> WalRelayStats {
         WalRelayStats {

@@ -134,6 +134,7 @@ impl<P: EventPublisher> WalRelay<P> {
                 Ok(slot) => slot,
                 Err(e) if e.is_retryable() => {
                     warn!(error = %e, "cannot check the replication slot; retrying");
+                    self.counters.session_failed(&e);
                     self.pause(shutdown, &mut backoff).await;
                     continue;
                 }
@@ -157,6 +158,8 @@ impl<P: EventPublisher> WalRelay<P> {
                 }
                 continue;
             }
+            // No longer standing by: a failure from here on is this relay's.
+            self.counters.standby.store(false, Ordering::Relaxed);
             let start = slot
                 .confirmed
                 .as_deref()
@@ -179,6 +182,7 @@ impl<P: EventPublisher> WalRelay<P> {
                     // The slot taken meanwhile, a server restart, a dropped connection:
                     // the next preflight tells which.
                     warn!(error = %e, "the replication session ended; reconnecting");
+                    self.counters.session_failed(&e);
                     waiting_logged = false;
                     self.pause(shutdown, &mut backoff).await;
                 }
