@@ -143,7 +143,9 @@ impl WalRelayConfig {
         self
     }
 
-    /// How often the retained-WAL gauge is refreshed [default: 5 s].
+    /// How often the slot and the publication are checked while the relay runs (what
+    /// the operator must fix stops it: see [`WalRelay::run`](super::WalRelay::run))
+    /// and the retained-WAL gauge is refreshed [default: 5 s].
     #[must_use]
     pub fn with_gauge_interval(mut self, every: Duration) -> Self {
         self.gauge_interval = every.max(Duration::from_millis(100));
