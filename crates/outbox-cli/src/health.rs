@@ -98,8 +98,8 @@ struct State {
     vacuum: Option<VacuumPressure>,
     /// WAL retained by the slot and the threshold (`--source wal`).
     wal_retained: Option<(u64, u64)>,
-    /// How long reading the slot has failed, and the last failure (`--source wal`).
-    wal_session_failing: Option<(Duration, String)>,
+    /// Since when reading the slot has failed, and the last failure (`--source wal`).
+    wal_session_failing: Option<(Instant, String)>,
 }
 
 /// The warnings of [`HealthReport::warnings`] for `v`: a transaction holding the
@@ -174,6 +174,14 @@ impl Health {
     /// `--source wal`: how long the relay has failed to read the replication slot and
     /// retried, with the last failure (`None`: it reads, or stands by).
     pub fn wal_session(&self, failing: Option<(Duration, String)>) {
+        // Kept as an instant: a check that takes long (a database down) must not hold
+        // the report at the duration sampled before it.
+        let failing = failing.map(|(d, e)| {
+            (
+                Instant::now().checked_sub(d).unwrap_or_else(Instant::now),
+                e,
+            )
+        });
         self.with(|s| s.wal_session_failing = failing);
     }
 
@@ -233,12 +241,12 @@ impl Health {
                     "the replication slot retains {bytes} bytes of WAL (threshold {max})"
                 ));
             }
-            if let Some((failing, e)) = &s.wal_session_failing
-                && *failing >= self.stuck_after
+            if let Some((since, e)) = &s.wal_session_failing
+                && since.elapsed() >= self.stuck_after
             {
                 reasons.push(format!(
                     "the replication slot cannot be read for {}s, retrying: {e}",
-                    failing.as_secs()
+                    since.elapsed().as_secs()
                 ));
             }
             HealthReport {
