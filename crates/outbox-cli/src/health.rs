@@ -9,7 +9,8 @@
 //! - the database could not be queried for longer than `stuck_after`;
 //! - the relay is stuck: a claimable message (New and visible; in ordered mode also
 //!   not held back by an earlier message of its key) has waited longer than
-//!   `stuck_after` without being claimed;
+//!   `stuck_after` without being claimed, or (`--source wal`, PostgreSQL) a parked
+//!   message has been due that long without being published by the sweeper;
 //! - the queue lag (age of the oldest New or Processing message) is over `max_lag`;
 //! - `--source wal`: the replication slot retains more WAL than its threshold;
 //! - `--source wal`: the relay has failed to read the slot for longer than
@@ -215,7 +216,7 @@ impl Health {
                 && !s.circuit_open
             {
                 reasons.push(format!(
-                    "relay stuck: a claimable message has waited {}s (threshold {}s)",
+                    "relay stuck: a claimable (or due parked) message has waited {}s (threshold {}s)",
                     wait.as_secs(),
                     self.stuck_after.as_secs()
                 ));

@@ -56,7 +56,17 @@
 //!   message is published once and none is dead;
 //! - (u) PostgreSQL stopped for longer than `stuck_after` and started again: a server
 //!   restarting is transient, so the relay retries, its health says why meanwhile,
-//!   and it resumes.
+//!   and it resumes;
+//! - (v) 10,001 messages delayed an hour, then one delayed 2 s: the 2 s one is sent
+//!   within 10 s of coming due (the sweeper once looked at the 10,000 parked rows
+//!   with the lowest `seq` only);
+//! - (w) the relay's clock 1 s behind the database's (libfaketime, skipped with a
+//!   message when it is not installed): no ordinary message is parked, commit to
+//!   `sent_at` p99 within 2x of the same run without the skew; (x) 1 s ahead: no
+//!   delayed message is received before its `visible_at`;
+//! - (y) 3,000 routing keys to one full queue: at most 1,000 circuits open, refused
+//!   trials at most 15 a second, the relay's memory bounded, and everything sent once
+//!   the queue is drained (100,000 routing keys in the scale lane).
 //!
 //! Each test has a schema, a slot and a publication of its own; a guard drops all three
 //! when the test ends, also when it panics (a forgotten slot retains WAL forever). The
@@ -79,7 +89,9 @@ use lapin::types::FieldTable;
 use outbox_cli::testing::internals::{DbSettings, Relay, RelaySettings, SourceKind};
 use outbox_core::TransportKind;
 use outbox_postgres::PgOutbox;
+use outbox_testkit::pg::ParkLog;
 use outbox_testkit::rabbit::{Fixture, relay_fixture};
+use sqlx::AssertSqlSafe;
 use tokio::task::JoinHandle;
 use transport_rabbit::lapin;
 
@@ -1569,4 +1581,408 @@ async fn u_a_server_restart_is_retried_and_healthz_says_why() {
     stop.cancel();
     relay.wait().await.expect("a clean stop");
     fx.delete_exchange().await;
+}
+
+
+/// The relay's `/healthz` and `/metrics` address, from its log.
+fn listen_addr(relay: &RelayProcess) -> SocketAddr {
+    relay
+        .log()
+        .split_whitespace()
+        .find_map(|w| w.strip_prefix("listen="))
+        .expect("the relay logs its address")
+        .parse()
+        .expect("an address")
+}
+
+/// The sum of every series of metric `name` in the relay's `/metrics`.
+async fn metric(addr: SocketAddr, name: &str) -> f64 {
+    let (_, body) = common::http_get(addr, "/metrics").await;
+    body.lines()
+        .filter(|l| {
+            l.strip_prefix(name)
+                .is_some_and(|rest| rest.starts_with(' ') || rest.starts_with('{'))
+        })
+        .filter_map(|l| l.rsplit_once(' ')?.1.parse::<f64>().ok())
+        .sum()
+}
+
+/// The resident set of process `pid`, in KiB.
+fn rss_kib(pid: u32) -> u64 {
+    std::fs::read_to_string(format!("/proc/{pid}/status"))
+        .expect("/proc status")
+        .lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .and_then(|v| v.split_whitespace().next()?.parse().ok())
+        .expect("VmRSS")
+}
+
+/// Rows parked, counted through the index of pending rows.
+async fn parked_rows(db: &PgOutbox) -> i64 {
+    scalar(
+        db,
+        "SELECT count(*) FROM {s}.outbox_messages WHERE phase = 0 AND status = 9",
+    )
+    .await
+}
+
+fn delayed(aggregate: &str, delay: Duration) -> outbox_core::NewMessage {
+    outbox_core::NewMessage::builder("order", aggregate, "OrderPlaced")
+        .payload_json("{}")
+        .deliver_after(delay)
+        .build()
+        .expect("valid")
+}
+
+/// As a new user would: 10,001 messages delayed an hour, then one delayed 2 s, through
+/// `outbox relay --source wal`: the 2 s one is `Sent` within 10 s of coming due.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn r_a_message_due_in_2s_is_sent_past_10001_parked_for_an_hour() {
+    let (db, _cleanup) = wal_outbox().await;
+    let fx = relay_fixture(FieldTable::default()).await;
+    let relay = start(&db, &relay_args(&fx, &amqp_url()));
+    let later: Vec<_> = (0..10_001)
+        .map(|i| delayed(&format!("r-later-{i}"), Duration::from_secs(3600)))
+        .collect();
+    for chunk in later.chunks(1_000) {
+        enqueue(&db, chunk).await;
+    }
+    wait_until(
+        &relay,
+        Duration::from_secs(90),
+        "the 10,001 are parked",
+        || async { parked_rows(&db).await == 10_001 },
+    )
+    .await;
+    let soon = delayed("r-soon", Duration::from_secs(2));
+    let id = soon.id;
+    enqueue(&db, &[soon]).await;
+    let sent_after_due = || async {
+        sqlx::query_scalar::<_, Option<f64>>(AssertSqlSafe(format!(
+            "SELECT extract(epoch FROM sent_at - visible_at)::float8 FROM {}.outbox_messages WHERE id = $1",
+            db.schema()
+        )))
+        .bind(id)
+        .fetch_one(db.pool())
+        .await
+        .expect("row")
+    };
+    let deadline = std::time::Instant::now() + Duration::from_secs(15);
+    let late = loop {
+        if let Some(late) = sent_after_due().await {
+            break Some(late);
+        }
+        if std::time::Instant::now() > deadline {
+            break None;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    assert!(
+        late.is_some_and(|s| s < 10.0),
+        "the message delayed 2 s is sent within 10 s of coming due: {late:?} s after; log:\n{}",
+        relay.log()
+    );
+    relay.terminate();
+    let mut relay = relay;
+    assert!(relay.exited_within(Duration::from_secs(15)).await.is_some());
+    fx.delete_exchange().await;
+}
+
+/// libfaketime's preload library (Debian: `apt-get install -y faketime`), if installed.
+fn libfaketime() -> Option<&'static str> {
+    [
+        "/usr/lib/x86_64-linux-gnu/faketime/libfaketime.so.1",
+        "/usr/lib/aarch64-linux-gnu/faketime/libfaketime.so.1",
+        "/usr/lib/faketime/libfaketime.so.1",
+        "/usr/lib64/faketime/libfaketime.so.1",
+        "/usr/local/lib/faketime/libfaketime.so.1",
+    ]
+    .into_iter()
+    .find(|p| std::path::Path::new(p).exists())
+}
+
+/// `outbox relay --source wal` with its wall clock `offset` seconds ("-1", "+1") off
+/// the database's (libfaketime; the monotonic clock left alone), or as it is (`None`);
+/// the park log in the debug log. `None` when libfaketime is not installed.
+fn start_skewed(db: &PgOutbox, args: &[String], offset: Option<&str>) -> Option<RelayProcess> {
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    let Some(offset) = offset else {
+        return Some(RelayProcess::start(db, &args));
+    };
+    let lib = libfaketime()?;
+    Some(RelayProcess::start_with_env(
+        db,
+        &args,
+        &[
+            ("LD_PRELOAD", lib),
+            ("FAKETIME", offset),
+            ("FAKETIME_DONT_FAKE_MONOTONIC", "1"),
+        ],
+    ))
+}
+
+fn skipped_without_faketime() {
+    eprintln!(
+        "SKIPPED: libfaketime is not installed (apt-get install -y faketime): the relay's clock cannot be skewed"
+    );
+}
+
+/// One run of `relay_clock_behind`: 200 messages, one per transaction every 20 ms,
+/// through a relay whose clock is `offset` off; returns their ids and the p99 of
+/// commit (`created_at`) to `sent_at`, in milliseconds (both by the database's clock).
+async fn commit_to_sent_p99(
+    db: &PgOutbox,
+    fx: &Fixture,
+    offset: Option<&str>,
+    tag: &str,
+) -> Option<(Vec<uuid::Uuid>, f64)> {
+    let mut relay = start_skewed(db, &relay_args(fx, &amqp_url()), offset)?;
+    // Past the session's careful start.
+    let warm = enqueue_n(db, 20, 1, &format!("{tag}-warm")).await;
+    wait_until(&relay, Duration::from_secs(30), "warmed up", || async {
+        scalar(
+            db,
+            &format!(
+                "SELECT count(*) FROM {{s}}.outbox_messages WHERE status = 1 AND aggregate_id LIKE '{tag}-warm-%'"
+            ),
+        )
+        .await
+            == 20
+    })
+    .await;
+    assert_eq!(warm.len(), 20);
+    let mut ids = Vec::new();
+    for i in 0..200 {
+        let m = message("OrderPlaced", "t", &format!("{tag}-{i}"));
+        ids.push(m.id);
+        enqueue(db, &[m]).await;
+        // The load's shape (50 msg/s), not a wait for a result.
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let sent = |ids: Vec<uuid::Uuid>| async move {
+        sqlx::query_scalar::<_, i64>(AssertSqlSafe(format!(
+            "SELECT count(*) FROM {}.outbox_messages WHERE id = ANY($1) AND status = 1",
+            db.schema()
+        )))
+        .bind(ids)
+        .fetch_one(db.pool())
+        .await
+        .expect("count")
+            == 200
+    };
+    wait_until(&relay, Duration::from_secs(60), "all 200 sent", || {
+        sent(ids.clone())
+    })
+    .await;
+    let p99: f64 = sqlx::query_scalar(AssertSqlSafe(format!(
+        "SELECT percentile_cont(0.99) WITHIN GROUP (ORDER BY extract(epoch FROM sent_at - created_at) * 1000)
+           FROM {}.outbox_messages WHERE id = ANY($1)",
+        db.schema()
+    )))
+    .bind(&ids)
+    .fetch_one(db.pool())
+    .await
+    .expect("p99");
+    relay.terminate();
+    assert!(relay.exited_within(Duration::from_secs(15)).await.is_some());
+    Some((ids, p99))
+}
+
+/// The relay's clock 1 s behind the database's (libfaketime): ordinary messages
+/// (`visible_at` = their commit) are not parked, and commit-to-`sent_at` p99 stays
+/// within 2x of the same run with the clocks agreeing. (Before, every message looked
+/// delayed by a second and went the sweeper's way.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn s_a_relay_clock_behind_the_database_parks_no_ordinary_message() {
+    if libfaketime().is_none() {
+        return skipped_without_faketime();
+    }
+    let (db, _cleanup) = wal_outbox().await;
+    let fx = relay_fixture(FieldTable::default()).await;
+    let log = ParkLog::install(db.pool(), db.schema()).await;
+    let (_, agreeing) = commit_to_sent_p99(&db, &fx, None, "s-same")
+        .await
+        .expect("a relay");
+    let (ids, behind) = commit_to_sent_p99(&db, &fx, Some("-1"), "s-behind")
+        .await
+        .expect("libfaketime");
+    eprintln!(
+        "commit to sent_at p99: {agreeing:.1} ms with the clocks agreeing, {behind:.1} ms with the relay's 1 s behind"
+    );
+    assert_eq!(
+        log.parked(&ids).await,
+        0,
+        "ordinary messages parked by a relay whose clock is 1 s behind"
+    );
+    assert!(
+        behind <= 2.0 * agreeing,
+        "commit to sent_at p99 {behind:.1} ms with the relay's clock 1 s behind, {agreeing:.1} ms without"
+    );
+    fx.delete_exchange().await;
+}
+
+/// The relay's clock 1 s ahead of the database's (libfaketime): messages delayed 100 to
+/// 900 ms are received no earlier than their `visible_at` by the database's clock (the
+/// test's host is the database's). (Before, the relay judged them due by its own
+/// clock and published them at once.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn t_a_relay_clock_ahead_publishes_no_delayed_message_early() {
+    let (db, _cleanup) = wal_outbox().await;
+    let fx = relay_fixture(FieldTable::default()).await;
+    let received: Arc<Mutex<std::collections::HashMap<String, chrono::DateTime<chrono::Utc>>>> =
+        Arc::default();
+    let sink = Arc::clone(&received);
+    fx.consume(move |id, _| {
+        sink.lock()
+            .expect("lock")
+            .entry(id)
+            .or_insert_with(chrono::Utc::now);
+    })
+    .await;
+    let Some(relay) = start_skewed(&db, &relay_args(&fx, &amqp_url()), Some("+1")) else {
+        return skipped_without_faketime();
+    };
+    let mut ids = Vec::new();
+    for i in 0..40_u64 {
+        let m = delayed(
+            &format!("t-{i}"),
+            Duration::from_millis(100 + (i % 9) * 100),
+        );
+        ids.push(m.id.to_string());
+        enqueue(&db, &[m]).await;
+        // The load's shape, not a wait for a result.
+        tokio::time::sleep(Duration::from_millis(25)).await;
+    }
+    wait_until(
+        &relay,
+        Duration::from_secs(60),
+        "all 40 are received",
+        || async {
+            ids.iter()
+                .all(|id| received.lock().expect("lock").contains_key(id))
+        },
+    )
+    .await;
+    let visible: Vec<(String, chrono::DateTime<chrono::Utc>)> =
+        sqlx::query_as(AssertSqlSafe(format!(
+            "SELECT id::text, visible_at FROM {}.outbox_messages",
+            db.schema()
+        )))
+        .fetch_all(db.pool())
+        .await
+        .expect("rows");
+    let received = received.lock().expect("lock").clone();
+    let early: Vec<i64> = visible
+        .iter()
+        .filter_map(|(id, at)| {
+            let got = received.get(id)?;
+            (got < at).then(|| (*at - *got).num_milliseconds())
+        })
+        .collect();
+    assert!(
+        early.is_empty(),
+        "{} of 40 delayed messages received before their visible_at (ms early: {early:?}); log:\n{}",
+        early.len(),
+        relay.log()
+    );
+    relay.terminate();
+    let mut relay = relay;
+    assert!(relay.exited_within(Duration::from_secs(15)).await.is_some());
+    fx.delete_exchange().await;
+}
+
+/// `n` messages, each with a routing key of its own, to one queue that is full
+/// (`reject-publish`, bound with `#`): every one refused, then, over 10 s, the open
+/// circuits (`outbox_destinations_open`), the refused trials per second
+/// (`outbox_deferred_total`) and the relay's resident memory stay bounded. Once a
+/// consumer drains the queue, every message is sent within `drain`.
+async fn routing_keys_to_one_full_queue(n: usize, drain: Duration) {
+    let (db, _cleanup) = wal_outbox().await;
+    let fx = relay_fixture(outbox_testkit::rabbit::reject_when_full(1)).await;
+    fx.publish_raw(b"filler").await;
+    let relay = start(&db, &relay_args(&fx, &amqp_url()));
+    wait_until(
+        &relay,
+        Duration::from_secs(30),
+        "the relay listens",
+        || async { relay.log().contains("listen=") },
+    )
+    .await;
+    let addr = listen_addr(&relay);
+    let all: Vec<_> = (0..n)
+        .map(|i| {
+            outbox_core::NewMessage::builder("order", format!("u-{i}"), "OrderPlaced")
+                .routing_key(format!("orders.rk-{i}"))
+                .payload_json("{}")
+                .build()
+                .expect("valid")
+        })
+        .collect();
+    for chunk in all.chunks(1_000) {
+        enqueue(&db, chunk).await;
+    }
+    let total = i64::try_from(n).expect("n");
+    wait_until(
+        &relay,
+        Duration::from_secs(60 + 60 * (n as u64 / 10_000)),
+        "every message is refused and parked",
+        || async { parked_rows(&db).await == total },
+    )
+    .await;
+    let rss_parked = rss_kib(relay.pid());
+    let refused_before = metric(addr, "outbox_deferred_total").await;
+    let mut most_open = 0.0_f64;
+    let window = std::time::Instant::now();
+    while window.elapsed() < Duration::from_secs(10) {
+        most_open = most_open.max(metric(addr, "outbox_destinations_open").await);
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+    let trials_per_second = (metric(addr, "outbox_deferred_total").await - refused_before)
+        / window.elapsed().as_secs_f64();
+    let rss_held = rss_kib(relay.pid());
+    eprintln!(
+        "{n} routing keys to one full queue: at most {most_open} circuits open, {trials_per_second:.1} refused trials/s over 10 s, relay RSS {rss_parked} KiB when all were parked, {rss_held} KiB 10 s later"
+    );
+    assert!(
+        most_open <= 1_000.0,
+        "{most_open} circuits open for {n} routing keys"
+    );
+    assert!(
+        trials_per_second <= 15.0,
+        "{trials_per_second:.1} refused trials per second"
+    );
+    assert!(
+        rss_held < 128 * 1024,
+        "the relay's resident memory: {rss_held} KiB"
+    );
+    // A consumer empties the queue: every message goes.
+    let drained = std::time::Instant::now();
+    fx.purge().await;
+    let counts = fx.counter().await;
+    wait_until(&relay, drain, "every message is sent", || async {
+        count(&db, 1).await == total
+    })
+    .await;
+    eprintln!(
+        "all {n} sent {:.1} s after the queue was drained; relay RSS {} KiB",
+        drained.elapsed().as_secs_f64(),
+        rss_kib(relay.pid())
+    );
+    assert_eq!(count(&db, 3).await, 0, "nothing dead");
+    drop(counts);
+    relay.terminate();
+    let mut relay = relay;
+    assert!(relay.exited_within(Duration::from_secs(15)).await.is_some());
+    fx.delete_exchange().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn u_3000_routing_keys_to_one_full_queue_keep_circuits_and_trials_bounded() {
+    routing_keys_to_one_full_queue(3_000, Duration::from_secs(90)).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "at production scale: cargo xtask scale"]
+async fn at_scale_100000_routing_keys_to_one_full_queue_keep_circuits_and_trials_bounded() {
+    routing_keys_to_one_full_queue(100_000, Duration::from_secs(900)).await;
 }

@@ -68,10 +68,15 @@ const MIGRATIONS: &[(i32, &str, &str)] = &[
         "autovacuum by a fixed dead-row threshold on the claimed tables",
         include_str!("../migrations/0011_autovacuum.sql"),
     ),
+    (
+        12,
+        "the WAL relay's parked rows: parked_until, parked_for and their indexes",
+        include_str!("../migrations/0012_parked.sql"),
+    ),
 ];
 
 /// The highest migration version this crate knows.
-pub const LATEST_VERSION: i32 = 11;
+pub const LATEST_VERSION: i32 = 12;
 
 /// Creates `schema` if needed and applies every migration not yet applied. Returns the
 /// versions applied by this call.

@@ -307,6 +307,11 @@ impl OutboxAdmin for PgOutbox {
     /// by the database clock; `None` when nothing is claimable. A relay that keeps up
     /// keeps this below its poll interval plus one batch. Uses the claim index.
     ///
+    /// The WAL relay's parked rows count too: a key's head that has been due (its
+    /// `parked_until`) this long without being published by the sweeper (the
+    /// `parked_due` index; heads held by a circuit wait for its trial and are not
+    /// due, rows behind a head go with it).
+    ///
     /// With `ordered = Some(on_dead)` (per-key mode) a message is claimable only when
     /// no earlier message of its key is in flight, in a retry backoff or (under
     /// [`OnDead::Block`]) `Dead`: those keys are blocked by design and reported by
@@ -322,9 +327,14 @@ impl OutboxAdmin for PgOutbox {
         ordered: Option<OnDead>,
     ) -> Result<Option<Duration>, OutboxError> {
         let s = quoted_schema(self.schema());
+        let parked = format!(
+            "(SELECT parked_until FROM {s}.outbox_messages
+               WHERE phase = 0 AND parked_until <= now() AND status = 9
+               ORDER BY parked_until LIMIT 1)"
+        );
         let sql = match ordered {
             None => format!(
-                "SELECT extract(epoch FROM now() - min(visible_at))::float8
+                "SELECT extract(epoch FROM now() - LEAST(min(visible_at), {parked}))::float8
                    FROM {s}.outbox_messages WHERE phase = 0 AND status = 0 AND visible_at <= now()"
             ),
             Some(on_dead) => {
@@ -340,7 +350,7 @@ impl OutboxAdmin for PgOutbox {
                     String::new()
                 };
                 format!(
-                    "SELECT extract(epoch FROM now() - min(m.visible_at))::float8
+                    "SELECT extract(epoch FROM now() - LEAST(min(m.visible_at), {parked}))::float8
                        FROM (SELECT order_key, seq, visible_at FROM {s}.outbox_messages
                               WHERE phase = 0 AND status = 0 AND visible_at <= now()
                               ORDER BY visible_at, seq LIMIT 1000) m

@@ -436,3 +436,50 @@ impl Drop for DropSchema {
         drop_schema_blocking(&self.database_url, &self.schema);
     }
 }
+
+/// The rows a WAL relay parks from its stream (`New` to `Processing`), recorded by a
+/// trigger of a test's own schema in `{schema}.parked_log`: whether a message was
+/// parked on its way, still known after it was sent.
+#[derive(Debug)]
+pub struct ParkLog {
+    pool: PgPool,
+    schema: String,
+}
+
+impl ParkLog {
+    /// Creates the log table and its trigger in `schema` (migrated).
+    ///
+    /// # Panics
+    /// When a statement fails.
+    pub async fn install(pool: &PgPool, schema: &str) -> Self {
+        sqlx::raw_sql(AssertSqlSafe(format!(
+            "CREATE TABLE {schema}.parked_log (id uuid NOT NULL);
+             CREATE FUNCTION {schema}.log_park() RETURNS trigger LANGUAGE plpgsql AS $$
+             BEGIN INSERT INTO {schema}.parked_log VALUES (NEW.id); RETURN NULL; END $$;
+             CREATE TRIGGER log_park AFTER UPDATE ON {schema}.outbox_messages FOR EACH ROW
+                 WHEN (OLD.status = 0 AND NEW.status = 9) EXECUTE FUNCTION {schema}.log_park();"
+        )))
+        .execute(pool)
+        .await
+        .expect("the park log");
+        Self {
+            pool: pool.clone(),
+            schema: schema.to_owned(),
+        }
+    }
+
+    /// How many of `ids` were parked from the stream.
+    ///
+    /// # Panics
+    /// When the query fails.
+    pub async fn parked(&self, ids: &[uuid::Uuid]) -> i64 {
+        sqlx::query_scalar(AssertSqlSafe(format!(
+            "SELECT count(DISTINCT id) FROM {}.parked_log WHERE id = ANY($1)",
+            self.schema
+        )))
+        .bind(ids)
+        .fetch_one(&self.pool)
+        .await
+        .expect("the park log")
+    }
+}

@@ -6,7 +6,6 @@ use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::Duration;
 
-use chrono::Utc;
 use outbox_core::{
     ErrorKind, EventPublisher, MessageStatus, OutboxMessage, PublishError, PublishOutcome,
 };
@@ -16,9 +15,9 @@ use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
 
 use super::WalRelay;
-use super::park::{Admit, Parked, ParkedRow, dead_for_good, order_key, outcome_text};
+use super::park::{Admit, Parked, ParkedRow, circuit_of, dead_for_good, order_key, outcome_text};
 use super::pipeline::{InFlight, Pipeline};
-use super::record::{Outcomes, Recording, Whose};
+use super::record::{Checked, Outcomes, Recording, Whose};
 use super::session::{Item, SessionStart};
 use crate::wal::WalError;
 
@@ -38,6 +37,7 @@ impl<P: EventPublisher> WalRelay<P> {
         &self,
         recording: &mut Recording,
         out: &Outcomes,
+        parked: &Parked,
         shutdown: &CancellationToken,
     ) -> Result<bool, WalError> {
         if out.is_empty() {
@@ -46,7 +46,7 @@ impl<P: EventPublisher> WalRelay<P> {
         if !recording.settle().await? {
             return Ok(false);
         }
-        self.record(out, Whose::Pending, shutdown).await
+        self.record(out, Whose::Pending, parked, shutdown).await
     }
 
     /// Publishes `batch` (the stream's changes up to `upto`) in order and records the
@@ -72,11 +72,11 @@ impl<P: EventPublisher> WalRelay<P> {
         // backend waits for a synchronous standby, or is between writing the commit
         // and leaving the process array). Recording then would change no row and the
         // position would be confirmed past it: the row would stay New for ever, and a
-        // consumer reading the data back would not find it.
+        // consumer reading the data back would not find it. The same query gives the
+        // database's time and the keys with parked rows (`Checked`), after the
+        // batches in flight that must land first have landed: nothing parked after it
+        // escapes it (see `Parked::begin_lookup`).
         let xids = std::mem::take(xids);
-        if !self.wait_visible(&xids, shutdown).await? {
-            return Ok(false);
-        }
         let items = std::mem::take(batch);
         let steady = !state.catching_up && state.careful_left == 0 && state.guarded;
         if steady && items.iter().all(|i| matches!(i, Item::Message(_))) {
@@ -97,8 +97,11 @@ impl<P: EventPublisher> WalRelay<P> {
                     return Ok(false);
                 }
             }
+            let Some(checked) = self.wait_visible(&xids, &keys, parked, shutdown).await? else {
+                return Ok(false);
+            };
             outbox_core::metrics::claimed(messages.len());
-            self.launch(messages, keys, parked, pipeline, upto);
+            self.launch(messages, keys, parked, pipeline, upto, &checked);
             return Ok(true);
         }
         if !self
@@ -107,6 +110,19 @@ impl<P: EventPublisher> WalRelay<P> {
         {
             return Ok(false);
         }
+        let item_keys: Vec<String> = items
+            .iter()
+            .filter_map(|i| match i {
+                Item::Message(m) => Some(order_key(m)),
+                _ => None,
+            })
+            .collect();
+        let Some(mut checked) = self
+            .wait_visible(&xids, &item_keys, parked, shutdown)
+            .await?
+        else {
+            return Ok(false);
+        };
         // A replayed row is read back from the table: after the recording in flight,
         // which may hold its earlier outcome.
         if items.iter().any(|i| matches!(i, Item::Replay(_))) && !recording.settle().await? {
@@ -140,8 +156,23 @@ impl<P: EventPublisher> WalRelay<P> {
             dead,
             ..Outcomes::default()
         };
-        if !self.record_in_turn(recording, &out, shutdown).await? {
+        if !self
+            .record_in_turn(recording, &out, parked, shutdown)
+            .await?
+        {
             return Ok(false);
+        }
+        let looked_up: HashSet<&str> = item_keys.iter().map(String::as_str).collect();
+        if messages
+            .iter()
+            .any(|m| !looked_up.contains(order_key(m).as_str()))
+        {
+            // Replayed rows, read back from the table: their keys too.
+            let keys: Vec<String> = messages.iter().map(order_key).collect();
+            let Some(again) = self.wait_visible(&[], &keys, parked, shutdown).await? else {
+                return Ok(false);
+            };
+            checked = again;
         }
         if state.catching_up && !messages.is_empty() {
             let pending = self.still_pending(&messages).await?;
@@ -159,7 +190,9 @@ impl<P: EventPublisher> WalRelay<P> {
         outbox_core::metrics::claimed(messages.len());
         let keys: Vec<String> = messages.iter().map(order_key).collect();
         let result = self
-            .publish_in_order(&messages, &keys, false, state, parked, recording, shutdown)
+            .publish_in_order(
+                &messages, &keys, false, &checked, state, parked, recording, shutdown,
+            )
             .await;
         if !matches!(result, Ok(true)) {
             // Every message of a batch that ended is left (the recording in flight
@@ -170,15 +203,16 @@ impl<P: EventPublisher> WalRelay<P> {
     }
 
     /// Publishes `messages` (of `keys`) in order, parking what cannot go now (see
-    /// `park`), pausing the whole stream only for a broker outage. `entered`: the
-    /// messages were registered in the stream already (see `Parked::enter_stream`),
-    /// when a pipeline's batches go again after an outage.
+    /// `park`; judged by `checked`), pausing the whole stream only for a broker
+    /// outage. `entered`: the messages were registered in the stream already (see
+    /// `Parked::enter_stream`), when a pipeline's batches go again after an outage.
     #[allow(clippy::too_many_arguments)] // reason: the stream's state, passed down
     async fn publish_in_order(
         &self,
         messages: &[OutboxMessage],
         keys: &[String],
         entered: bool,
+        checked: &Checked,
         state: &mut SessionStart,
         parked: &Arc<Parked>,
         recording: &mut Recording,
@@ -219,7 +253,10 @@ impl<P: EventPublisher> WalRelay<P> {
                     dead: vec![(first.id, error)],
                     ..Outcomes::default()
                 };
-                if !self.record_in_turn(recording, &out, shutdown).await? {
+                if !self
+                    .record_in_turn(recording, &out, parked, shutdown)
+                    .await?
+                {
                     return Ok(false);
                 }
                 skip_first = true;
@@ -246,14 +283,15 @@ impl<P: EventPublisher> WalRelay<P> {
             };
             let round: Vec<usize> = todo.drain(..n).collect();
             let mut out = Outcomes::default();
-            // What may go now; the rest is parked.
-            let now = Utc::now();
+            // What may go now; the rest is parked. (After an outage met in an earlier
+            // round, `checked.now` is older: a message that came due meanwhile is
+            // parked, never published early.)
             let mut go = Vec::with_capacity(round.len());
             // Messages that went in an earlier round, met an outage and are parked now:
             // their keys leave the stream with this round's record.
             let mut stranded = Vec::new();
             for &i in &round {
-                match hold(&messages[i], &keys[i], parked, now) {
+                match hold(&messages[i], &keys[i], parked, checked) {
                     None => go.push(i),
                     Some(row) => {
                         if entered.contains(&i) {
@@ -292,7 +330,7 @@ impl<P: EventPublisher> WalRelay<P> {
                     let (m, key) = (&messages[i], keys[i].as_str());
                     if failed.contains(key) {
                         parked.park_key(key);
-                        out.parked.push(ParkedRow::behind(m.id));
+                        out.parked.push(ParkedRow::behind(m.id, key));
                         continue;
                     }
                     match self.judge(m, key, outcome, parked, &mut out) {
@@ -332,7 +370,7 @@ impl<P: EventPublisher> WalRelay<P> {
                     shutdown.clone(),
                 );
             } else {
-                if !self.record(&out, Whose::Pending, shutdown).await? {
+                if !self.record(&out, Whose::Pending, parked, shutdown).await? {
                     return Ok(false);
                 }
                 parked.leave_stream(
@@ -390,13 +428,12 @@ impl<P: EventPublisher> WalRelay<P> {
             Some(PublishOutcome::Published) => out.sent.push(m.id),
             Some(PublishOutcome::Permanent(e)) => dead_for_good(m, &e, out),
             Some(o) if o.is_refused_by_destination() => {
-                out.parked
-                    .push(parked.refusal(m, m.effective_routing_key(), &o));
+                out.parked.push(parked.refusal(m, key, &o));
                 parked.park_key(key);
                 return Judged::Parked;
             }
             Some(PublishOutcome::Transient(e)) if e.kind() != ErrorKind::Unavailable => {
-                if let Some(p) = self.retry_or_dead(m, &e, out) {
+                if let Some(p) = self.retry_or_dead(m, key, &e, out) {
                     parked.park_key(key);
                     out.parked.push(p);
                     return Judged::Parked;
@@ -468,8 +505,8 @@ impl<P: EventPublisher> WalRelay<P> {
     }
 
     /// Publishes `messages` (of `keys`) by a task of their own, as the pipeline's
-    /// newest batch (see `pipeline`), holding back (parking) what cannot go now;
-    /// `upto`: the stream's position after the batch.
+    /// newest batch (see `pipeline`), holding back (parking) what cannot go now (by
+    /// `checked`); `upto`: the stream's position after the batch.
     fn launch(
         &self,
         messages: Vec<OutboxMessage>,
@@ -477,13 +514,13 @@ impl<P: EventPublisher> WalRelay<P> {
         parked: &Parked,
         pipeline: &mut Pipeline,
         upto: Option<Lsn>,
+        checked: &Checked,
     ) {
-        let now = Utc::now();
         let mut held = Vec::new();
         let mut go = Vec::with_capacity(messages.len());
         let mut go_keys = Vec::with_capacity(keys.len());
         for (m, key) in messages.into_iter().zip(keys) {
-            match hold(&m, &key, parked, now) {
+            match hold(&m, &key, parked, checked) {
                 None => {
                     go.push(m);
                     go_keys.push(key);
@@ -532,7 +569,7 @@ impl<P: EventPublisher> WalRelay<P> {
             let (m, key) = (&batch.messages[j], batch.keys[j].as_str());
             if pipeline.parks_behind(key, batch.seq) {
                 parked.park_key(key);
-                out.parked.push(ParkedRow::behind(m.id));
+                out.parked.push(ParkedRow::behind(m.id, key));
                 continue;
             }
             match self.judge(m, key, outcome, parked, &mut out) {
@@ -581,7 +618,10 @@ impl<P: EventPublisher> WalRelay<P> {
             b.abandon().await;
         }
         let result = async {
-            if !self.record_in_turn(recording, &out, shutdown).await? {
+            if !self
+                .record_in_turn(recording, &out, parked, shutdown)
+                .await?
+            {
                 return Ok(false);
             }
             parked.leave_stream(batch.keys[..done].iter().map(String::as_str));
@@ -592,8 +632,14 @@ impl<P: EventPublisher> WalRelay<P> {
             {
                 return Ok(false);
             }
-            self.publish_in_order(&messages, &keys, true, state, parked, recording, shutdown)
-                .await
+            // Judged afresh: keys parked and time passed since they were launched.
+            let Some(checked) = self.wait_visible(&[], &keys, parked, shutdown).await? else {
+                return Ok(false);
+            };
+            self.publish_in_order(
+                &messages, &keys, true, &checked, state, parked, recording, shutdown,
+            )
+            .await
         }
         .await;
         if !matches!(result, Ok(true)) {
@@ -652,36 +698,29 @@ enum Judged {
 }
 
 /// Whether `m` (of ordering `key`) is held back now: behind its key's parked rows,
-/// delayed (`lease_until` is never before `visible_at`), or for a destination that
-/// refuses messages. Then its key counts one more parked row and the row to park is
-/// returned.
-fn hold(
-    m: &OutboxMessage,
-    key: &str,
-    parked: &Parked,
-    now: chrono::DateTime<Utc>,
-) -> Option<ParkedRow> {
-    let (delay, error) = if parked.key_waits(key) || m.visible_at > now {
-        (Duration::ZERO, None)
+/// delayed (its `visible_at` after the database's `now()` read with the batch;
+/// `lease_until` is never before `visible_at`), or for a destination whose circuit is
+/// open (it waits for the circuit's trial). Then its key counts one more parked row and
+/// the row to park is returned.
+fn hold(m: &OutboxMessage, key: &str, parked: &Parked, checked: &Checked) -> Option<ParkedRow> {
+    let row = if parked.key_waits(key, &checked.waiting) || m.visible_at > checked.now {
+        ParkedRow::behind(m.id, key)
     } else {
-        let destination = m.effective_routing_key();
-        let why = || {
-            Some(format!(
-                "held back: destination {destination} refuses messages"
-            ))
-        };
-        match parked.admit(destination) {
+        let circuit = circuit_of(m);
+        let delay = match parked.admit(circuit) {
             Admit::Go => return None,
-            Admit::Hold(d) => (d, why()),
-            Admit::Trial => (Duration::ZERO, why()),
+            Admit::Hold(d) => d,
+            Admit::Trial => Duration::ZERO,
+        };
+        ParkedRow {
+            delay,
+            error: Some(format!("held back: destination {circuit} refuses messages")),
+            held_for: Some(circuit.to_owned()),
+            ..ParkedRow::behind(m.id, key)
         }
     };
     parked.park_key(key);
-    Some(ParkedRow {
-        delay,
-        error,
-        ..ParkedRow::behind(m.id)
-    })
+    Some(row)
 }
 
 /// Publishes `messages` (of ordering `keys`) through the dispatcher's guard (bounded by

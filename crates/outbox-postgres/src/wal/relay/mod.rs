@@ -1,6 +1,6 @@
 //! The WAL relay loop ([`WalRelay`]): `session` reads the stream, `flush` publishes a
-//! batch, `park` holds back what cannot go now and sweeps it later, `record` writes
-//! outcomes to the table, `config` holds its settings and counters.
+//! batch, `park` holds back what cannot go now and `sweep` publishes it later,
+//! `record` writes outcomes to the table, `config` holds its settings and counters.
 
 mod config;
 mod flush;
@@ -8,6 +8,7 @@ mod park;
 mod pipeline;
 mod record;
 mod session;
+mod sweep;
 
 use std::sync::Arc;
 use std::sync::atomic::Ordering;

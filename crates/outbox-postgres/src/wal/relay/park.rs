@@ -5,21 +5,37 @@
 //! failed transiently and is to be retried after a backoff, or whose `visible_at` is
 //! still ahead (a delayed message) is *parked*: its row is set to `Processing` with
 //! `lease_until` at the time it may be tried again and no claim token, in the same
-//! statement that records the rest of the batch. The slot's position then moves past
+//! statements that record the rest of the batch. The slot's position then moves past
 //! it like past a published message: the table, not the WAL, holds it from now on.
 //! Later messages of its ordering key (the `order_key` column: the partition key, else
 //! the aggregate) are parked behind it, so a key never overtakes itself; messages of
 //! other keys and destinations go on.
 //!
-//! The *sweeper* ([`WalRelay::sweep`]) runs beside the stream in the same session
-//! (only the relay that reads the slot sweeps) and publishes parked rows once they are
-//! due, each key's rows in `seq` order and never while the stream holds an earlier
-//! message of that key. A destination that refused is held back as the polling
-//! relay's destination circuits do: its parked rows wait for a trial (one message
-//! alone, after 500 ms, doubling up to the probe cap); confirmed, the destination
-//! takes messages again, refused, the delay doubles. A parked row is an ordinary
+//! A key's first parked row is its *head* and carries `parked_until` (migration 12):
+//! when it is due by the database's clock, or `infinity` while a circuit holds it back
+//! (`parked_for` names the circuit). Rows behind a head carry neither: they go with it.
+//! So the *sweeper* ([`WalRelay::sweep`]), which runs beside the stream in the same
+//! session (only the relay that reads the slot sweeps), walks only due heads, in the
+//! order they came due (an index), never the rows waiting behind a head that is not
+//! due, and publishes each due key's rows in `seq` order, never while the stream holds
+//! an earlier message of that key. When a head leaves (published or dead), the same
+//! transaction flags its key's next parked row. A row parked behind a head that left
+//! meanwhile flags itself: the statement that parks it waits for the sweeper's
+//! transaction on the head (`FOR SHARE`) and looks again.
+//!
+//! A destination that refused gets a circuit like the polling relay's: its heads wait
+//! (`parked_for`) for a trial (one message alone, after 500 ms, doubling up to the
+//! probe cap), found by its own lookup; confirmed, the circuit closes and its heads
+//! are released (due now), refused, the delay doubles. At most [`MAX_CIRCUITS`]
+//! circuits are kept in memory (the table holds the rest, found again in turn), and
+//! refused trials are limited to [`TRIALS_PER_SECOND`]. A parked row is an ordinary
 //! expired lease for every other tool: `outbox stats` counts it as processing, and the
 //! polling relay would reclaim it.
+//!
+//! The stream decides whether a key waits from the table (one indexed lookup per
+//! batch, with the batch's visibility check, while anything may be parked) and the
+//! rows it parked itself that no lookup has seen yet: no map grows with the number of
+//! parked keys.
 //!
 //! Crash loops: each claim of the sweeper counts in `unfinished_alone`; a claim that
 //! finds a row counted already (its last publish ended with the relay) publishes one
@@ -27,30 +43,26 @@
 //! outcome goes `Dead`.
 
 use std::collections::{HashMap, HashSet};
-use std::sync::atomic::Ordering;
 use std::sync::{Mutex, MutexGuard, PoisonError};
 use std::time::Duration;
 
-use outbox_core::{
-    ErrorKind, EventPublisher, MessageStatus, OutboxMessage, PublishError, PublishOutcome,
-};
-use sqlx::{AssertSqlSafe, Row as _};
+use outbox_core::{EventPublisher, OutboxMessage, PublishError, PublishOutcome};
 use tokio::sync::Notify;
 use tokio::time::Instant;
-use tokio_util::sync::CancellationToken;
 use tracing::{debug, info, warn};
 use uuid::Uuid;
 
 use super::WalRelay;
-use super::record::{Outcomes, Whose};
-use crate::error::db;
-use crate::sql::{COLUMNS, quoted_schema};
-use crate::wal::WalError;
+use super::record::Outcomes;
 
-/// Most parked rows one sweep looks at.
-const CANDIDATES: i64 = 10_000;
-/// How long the sweeper sleeps when nothing is parked (the stream wakes it sooner).
-const IDLE: Duration = Duration::from_secs(5);
+/// Most open circuits a session keeps in memory. Beyond them, the table holds the
+/// circuits (`parked_for`): they are tried in turn as room frees up, and a refused
+/// trial gives its room to the next one while others wait.
+pub(super) const MAX_CIRCUITS: usize = 1_000;
+/// Refused trials per second, over every circuit: a confirmed trial gives its turn
+/// back and one more (up to a batch), so trials speed up while destinations take
+/// messages again.
+pub(super) const TRIALS_PER_SECOND: f64 = 10.0;
 
 /// The ordering key as the `order_key` column encodes it (migration 0003):
 /// `p:<partition key>`, else `a:<length of aggregate type in characters>:<aggregate
@@ -67,24 +79,45 @@ pub(super) fn order_key(m: &OutboxMessage) -> String {
     }
 }
 
+/// The circuit of a message (by its `routing_key` and `event_type` columns): the
+/// destination whose refusal holds it back. Its routing key (`routing_key`, else
+/// `event_type`): the AMQP routing key, the NATS subject under the prefix. The one
+/// place that decides it, for the stream, the sweeper and the table (`parked_for`).
+pub(super) fn circuit<'a>(routing_key: Option<&'a str>, event_type: &'a str) -> &'a str {
+    routing_key.unwrap_or(event_type)
+}
+
+/// [`circuit`] of `m`.
+pub(super) fn circuit_of(m: &OutboxMessage) -> &str {
+    circuit(m.routing_key.as_deref(), &m.event_type)
+}
+
 /// A message the stream or the sweeper leaves in the table for later.
 #[derive(Debug, Clone)]
 pub(super) struct ParkedRow {
     pub(super) id: Uuid,
+    /// Its ordering key.
+    pub(super) key: String,
     /// Not before this long from now (and never before its `visible_at`).
     pub(super) delay: Duration,
     /// Whether the attempt counts (a transient failure), or not (a refusal, a delay).
     pub(super) charge: bool,
     pub(super) error: Option<String>,
+    /// The circuit that holds it back: as a head it waits for that circuit's trial
+    /// rather than for a time.
+    pub(super) held_for: Option<String>,
 }
 
 impl ParkedRow {
-    pub(super) fn behind(id: Uuid) -> Self {
+    /// Parked behind its key's earlier parked row (or, as a head, due at once).
+    pub(super) fn behind(id: Uuid, key: &str) -> Self {
         Self {
             id,
+            key: key.to_owned(),
             delay: Duration::ZERO,
             charge: false,
             error: None,
+            held_for: None,
         }
     }
 }
@@ -99,42 +132,82 @@ struct Open {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(super) enum Admit {
     Go,
-    /// Held back: its circuit is open. The sweeper's first message for it after this
-    /// long is the trial.
+    /// Held back: its circuit is open. The circuit's trial is due in this long.
     Hold(Duration),
-    /// The circuit is open and a trial is due (the sweeper's).
+    /// The circuit is open and its trial is due (the sweeper's).
     Trial,
 }
 
-#[derive(Debug, Default)]
+#[derive(Debug)]
 struct State {
-    /// Parked rows per ordering key.
-    keys: HashMap<String, usize>,
-    /// Keys of the batch the stream is publishing.
+    /// Keys of rows the stream parked whose recording has not ended, and how many.
+    /// Bounded by the rows the stream has in flight.
+    unrecorded: HashMap<String, usize>,
+    /// Keys of rows the stream parked and recorded since the last key lookup began
+    /// (that lookup may not have seen them). Bounded likewise.
+    recorded: HashSet<String>,
+    /// Whether the table may hold parked rows: the stream then looks its batches'
+    /// keys up. Unknown (true) at a session's start.
+    table_parked: bool,
+    /// Rows the stream decided to park, ever (see [`Parked::no_heads`]).
+    parks: u64,
+    /// Keys of the messages the stream is publishing. Bounded by the batches in flight.
     in_stream: HashMap<String, usize>,
-    /// Destinations that refused.
-    destinations: HashMap<String, Open>,
+    /// Keys the sweeper left alone because the stream holds them: their leaving wakes
+    /// it. A subset of `in_stream`'s.
+    waited_on: HashSet<String>,
+    /// Open circuits, at most [`MAX_CIRCUITS`].
+    circuits: HashMap<String, Open>,
+    /// Whether the table may hold heads of circuits not in `circuits`.
+    unmapped: bool,
+    /// Closed circuits whose heads are being released, at most [`MAX_CIRCUITS`].
+    releasing: Vec<String>,
+    /// The last circuit brought in from the table (the next ones come after it).
+    adopted: String,
+    /// Trials allowed now (see [`TRIALS_PER_SECOND`]), and when last refilled.
+    trial_tokens: f64,
+    refilled: Instant,
+    /// When the sweeper wakes by itself; `None` while it works.
+    sweeper_wakes: Option<Instant>,
 }
 
 /// What the stream and the sweeper of one session share.
 #[derive(Debug)]
 pub(super) struct Parked {
     state: Mutex<State>,
-    pub(super) wake: Notify,
+    wake: Notify,
     initial: Duration,
     max: Duration,
+    /// Most trials in a burst (a batch).
+    trial_burst: f64,
 }
 
 impl Parked {
-    pub(super) fn new(keys: HashMap<String, usize>, max: Duration) -> Self {
+    /// `max`: the longest delay between a circuit's trials; `batch_size`: the most
+    /// trials in a burst.
+    pub(super) fn new(max: Duration, batch_size: usize) -> Self {
+        #[allow(clippy::cast_precision_loss)] // reason: a batch size, far below 2^52
+        let trial_burst = (batch_size as f64).max(TRIALS_PER_SECOND);
         Self {
             state: Mutex::new(State {
-                keys,
-                ..State::default()
+                unrecorded: HashMap::new(),
+                recorded: HashSet::new(),
+                table_parked: true,
+                parks: 0,
+                in_stream: HashMap::new(),
+                waited_on: HashSet::new(),
+                circuits: HashMap::new(),
+                unmapped: true,
+                releasing: Vec::new(),
+                adopted: String::new(),
+                trial_tokens: TRIALS_PER_SECOND,
+                refilled: Instant::now(),
+                sweeper_wakes: None,
             }),
             wake: Notify::new(),
             initial: Duration::from_millis(500),
             max,
+            trial_burst,
         }
     }
 
@@ -142,29 +215,70 @@ impl Parked {
         self.state.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
-    /// Whether parked rows of `key` wait: then its next message is parked behind them.
-    pub(super) fn key_waits(&self, key: &str) -> bool {
-        self.lock().keys.get(key).is_some_and(|n| *n > 0)
-    }
-
-    /// Counts a row of `key` parked.
-    pub(super) fn park_key(&self, key: &str) {
-        *self.lock().keys.entry(key.to_owned()).or_default() += 1;
-    }
-
-    /// Uncounts parked rows of `key` that were published or went dead.
-    fn unpark_key(&self, key: &str, n: usize) {
+    /// Whether a batch's keys must be looked up in the table before it is published
+    /// (something may be parked); the lookup then begins, and covers every park
+    /// recorded so far.
+    pub(super) fn begin_lookup(&self) -> bool {
         let mut s = self.lock();
-        if let Some(c) = s.keys.get_mut(key) {
-            *c = c.saturating_sub(n);
-            if *c == 0 {
-                s.keys.remove(key);
+        let needed = s.table_parked || !s.unrecorded.is_empty() || !s.recorded.is_empty();
+        s.recorded.clear();
+        needed
+    }
+
+    /// Whether parked rows of `key` wait, by the batch's lookup (`waiting`: the keys
+    /// the table has heads of) and what the stream parked since: then its next message
+    /// is parked behind them.
+    pub(super) fn key_waits(&self, key: &str, waiting: &HashSet<String>) -> bool {
+        if waiting.contains(key) {
+            return true;
+        }
+        let s = self.lock();
+        s.unrecorded.contains_key(key) || s.recorded.contains(key)
+    }
+
+    /// Counts a row of `key` that the stream parks (recorded later).
+    pub(super) fn park_key(&self, key: &str) {
+        let mut s = self.lock();
+        *s.unrecorded.entry(key.to_owned()).or_default() += 1;
+        s.table_parked = true;
+        s.parks += 1;
+    }
+
+    /// The stream's parked rows of `keys` are recorded.
+    pub(super) fn recorded<'a>(&self, keys: impl Iterator<Item = &'a str>) {
+        let mut s = self.lock();
+        for k in keys {
+            if let Some(c) = s.unrecorded.get_mut(k) {
+                *c = c.saturating_sub(1);
+                if *c == 0 {
+                    s.unrecorded.remove(k);
+                }
             }
+            s.recorded.insert(k.to_owned());
         }
     }
 
-    pub(super) fn parked_keys(&self) -> usize {
-        self.lock().keys.len()
+    /// The stream's parks so far (see [`no_heads`](Self::no_heads)).
+    pub(super) fn parks(&self) -> u64 {
+        self.lock().parks
+    }
+
+    /// The sweeper found no head in the table, looking after `parks` parks of the
+    /// stream: unless the stream parked more since, nothing is parked and batches need
+    /// no lookup.
+    pub(super) fn no_heads(&self, parks: u64) {
+        let mut s = self.lock();
+        if s.parks == parks && s.unrecorded.is_empty() && s.recorded.is_empty() {
+            s.table_parked = false;
+        }
+    }
+
+    /// A head is due in `d`: wakes the sweeper if it would sleep longer.
+    pub(super) fn due_in(&self, d: Duration) {
+        let wakes = self.lock().sweeper_wakes;
+        if wakes.is_none_or(|w| Instant::now() + d < w) {
+            self.wake.notify_one();
+        }
     }
 
     /// Registers keys of messages the stream publishes: the sweeper leaves those keys
@@ -176,30 +290,55 @@ impl Parked {
         }
     }
 
-    /// Unregisters keys of the stream's messages that were recorded, and wakes the
-    /// sweeper.
+    /// Unregisters keys of the stream's messages that were recorded; wakes the
+    /// sweeper if it waits for one of them.
     pub(super) fn leave_stream<'a>(&self, keys: impl Iterator<Item = &'a str>) {
         let mut s = self.lock();
+        let mut wake = false;
         for k in keys {
             if let Some(c) = s.in_stream.get_mut(k) {
                 *c = c.saturating_sub(1);
                 if *c == 0 {
                     s.in_stream.remove(k);
+                    wake |= s.waited_on.remove(k);
                 }
             }
         }
         drop(s);
-        self.wake.notify_one();
+        if wake {
+            self.wake.notify_one();
+        }
     }
 
     /// Unregisters every key of the stream (its batch is over, however it ended).
     pub(super) fn clear_stream(&self) {
-        self.lock().in_stream.clear();
+        let mut s = self.lock();
+        s.in_stream.clear();
+        let wake = !s.waited_on.is_empty();
+        s.waited_on.clear();
+        drop(s);
+        if wake {
+            self.wake.notify_one();
+        }
     }
 
-    /// Whether a message for `destination` may be published now.
-    pub(super) fn admit(&self, destination: &str) -> Admit {
-        match self.lock().destinations.get(destination) {
+    /// Which of `keys` the stream holds; the sweeper is woken when they leave.
+    pub(super) fn held_by_stream<'a>(
+        &self,
+        keys: impl Iterator<Item = &'a str>,
+    ) -> HashSet<String> {
+        let mut s = self.lock();
+        let held: HashSet<String> = keys
+            .filter(|k| s.in_stream.contains_key(*k))
+            .map(str::to_owned)
+            .collect();
+        s.waited_on.extend(held.iter().cloned());
+        held
+    }
+
+    /// Whether a message of circuit `circuit` may be published now.
+    pub(super) fn admit(&self, circuit: &str) -> Admit {
+        match self.lock().circuits.get(circuit) {
             None => Admit::Go,
             Some(open) => {
                 let now = Instant::now();
@@ -212,386 +351,213 @@ impl Parked {
         }
     }
 
-    /// `m`'s destination `destination` refused it (`outcome`): the destination's
+    /// `m` (of ordering `key`) was refused by its destination (`outcome`): its
     /// circuit opens or its delay doubles (see [`refused`](Self::refused)), and `m` is
-    /// to be parked for that long, uncharged.
+    /// to be parked for the circuit's trial, uncharged.
     pub(super) fn refusal(
         &self,
         m: &OutboxMessage,
-        destination: &str,
+        key: &str,
         outcome: &PublishOutcome,
     ) -> ParkedRow {
-        let delay = self.refused(destination);
+        let circuit = circuit_of(m);
+        let delay = self.refused(circuit);
         outbox_core::metrics::deferred(&m.event_type);
         ParkedRow {
             id: m.id,
+            key: key.to_owned(),
             delay,
             charge: false,
             error: Some(outcome_text(outcome)),
+            held_for: Some(circuit.to_owned()),
         }
     }
 
-    /// `destination` refused a message: its circuit opens, or its delay doubles.
-    /// Returns how long its messages are held back.
-    pub(super) fn refused(&self, destination: &str) -> Duration {
+    /// `circuit` refused a message: it opens, or its delay doubles. Returns how long
+    /// its messages are held back. With [`MAX_CIRCUITS`] open already, a new one is
+    /// left to the table (its heads' `parked_for`) and found later.
+    pub(super) fn refused(&self, circuit: &str) -> Duration {
         let mut s = self.lock();
-        let delay = match s.destinations.get(destination) {
+        let delay = match s.circuits.get(circuit) {
             Some(open) => (open.delay * 2).min(self.max),
             None => {
+                if s.circuits.len() >= MAX_CIRCUITS {
+                    s.unmapped = true;
+                    return self.initial;
+                }
                 warn!(
-                    destination,
+                    circuit,
                     "a destination refuses messages: its messages are parked, the others go on"
                 );
                 self.initial
             }
         };
-        s.destinations.insert(
-            destination.to_owned(),
+        s.circuits.insert(
+            circuit.to_owned(),
             Open {
                 delay,
                 next_trial: Instant::now() + delay,
             },
         );
-        outbox_core::metrics::destinations_open(s.destinations.len());
+        outbox_core::metrics::destinations_open(s.circuits.len());
+        drop(s);
+        self.due_in(delay);
         delay
     }
 
-    /// `destination` took a message: its circuit closes.
-    fn took(&self, destination: &str) {
+    /// `circuit`'s trial was confirmed: it closes, and its heads are released.
+    pub(super) fn took(&self, circuit: &str) {
         let mut s = self.lock();
-        if s.destinations.remove(destination).is_some() {
-            info!(destination, "the destination takes messages again");
-            outbox_core::metrics::destinations_open(s.destinations.len());
+        if s.circuits.remove(circuit).is_some() {
+            info!(circuit, "the destination takes messages again");
+            outbox_core::metrics::destinations_open(s.circuits.len());
         }
-    }
-}
-
-/// A parked row as the sweeper first sees it.
-struct Candidate {
-    id: Uuid,
-    key: String,
-    destination: String,
-    due: bool,
-    wait: Duration,
-    suspect: bool,
-}
-
-/// What one sweep did.
-enum Swept {
-    /// Published something (or made something dead): look again now.
-    Again,
-    /// Nothing to publish before this long (or a wake-up).
-    Wait(Duration),
-}
-
-impl<P: EventPublisher> WalRelay<P> {
-    /// The parked rows per ordering key, as the table has them at a session's start.
-    pub(super) async fn parked_keys(&self) -> Result<HashMap<String, usize>, WalError> {
-        let sql = format!(
-            "SELECT order_key, count(*) FROM {}.outbox_messages WHERE status = 9 GROUP BY order_key",
-            quoted_schema(self.outbox.schema())
-        );
-        let rows: Vec<(String, i64)> = sqlx::query_as(AssertSqlSafe(sql))
-            .fetch_all(self.outbox.pool())
-            .await
-            .map_err(db("wal parked keys"))?;
-        Ok(rows
-            .into_iter()
-            .map(|(k, n)| (k, usize::try_from(n).unwrap_or(0)))
-            .collect())
-    }
-
-    /// Publishes parked rows as they come due, until `stop`. Failures of its own
-    /// statements are logged and retried: the stream's statements meet the same
-    /// database and end the session if it is gone.
-    pub(super) async fn sweep(&self, parked: &Parked, stop: &CancellationToken) {
-        let mut outage = Duration::from_millis(500);
-        let mut failing = Duration::from_millis(500);
-        let mut looked = Instant::now();
-        loop {
-            let wait = if self.counters.circuit_open.load(Ordering::Relaxed) {
-                // The stream is probing a broker outage: nothing can be published.
-                Duration::from_millis(500)
-            } else if parked.parked_keys() == 0 && looked.elapsed() < IDLE {
-                // Nothing parked by this session or counted at its start: no query on
-                // every wake-up (the stream's rounds), only every `IDLE` to be sure.
-                IDLE.saturating_sub(looked.elapsed())
-            } else {
-                looked = Instant::now();
-                match self.sweep_once(parked, &mut outage, stop).await {
-                    Ok(Swept::Again) => {
-                        failing = Duration::from_millis(500);
-                        if stop.is_cancelled() {
-                            return;
-                        }
-                        continue;
-                    }
-                    Ok(Swept::Wait(d)) => {
-                        failing = Duration::from_millis(500);
-                        d
-                    }
-                    Err(e) => {
-                        warn!(error = %e, "the sweeper of parked rows failed; retrying");
-                        let d = failing;
-                        failing = outbox_core::retry::outage_backoff(d, self.config.probe_cap);
-                        d
-                    }
-                }
-            };
-            tokio::select! {
-                () = stop.cancelled() => return,
-                () = tokio::time::sleep(wait) => {}
-                () = parked.wake.notified() => {}
-            }
+        if s.releasing.len() < MAX_CIRCUITS && !s.releasing.iter().any(|c| c == circuit) {
+            s.releasing.push(circuit.to_owned());
+        } else {
+            // Its heads stay held: found in the table and tried again later.
+            s.unmapped = true;
         }
     }
 
-    async fn sweep_once(
-        &self,
-        parked: &Parked,
-        outage: &mut Duration,
-        stop: &CancellationToken,
-    ) -> Result<Swept, WalError> {
-        let schema = quoted_schema(self.outbox.schema());
-        let sql = format!(
-            "SELECT id, order_key, COALESCE(routing_key, event_type), \
-                    COALESCE(lease_until <= now(), true), \
-                    GREATEST(EXTRACT(EPOCH FROM (lease_until - now())), 0)::float8, \
-                    unfinished_alone > 0 \
-             FROM {schema}.outbox_messages WHERE status = 9 ORDER BY seq LIMIT $1"
-        );
-        let rows = sqlx::query(AssertSqlSafe(sql))
-            .bind(CANDIDATES)
-            .fetch_all(self.outbox.pool())
-            .await
-            .map_err(db("wal parked rows"))?;
-        if rows.is_empty() {
-            return Ok(Swept::Wait(IDLE));
+    /// A refused trial of `circuit`: its delay doubled (by [`refused`](Self::refused)).
+    /// While other circuits wait in the table for room, it leaves memory (its heads
+    /// stay held in the table) and the next one comes in.
+    pub(super) fn rotate(&self, circuit: &str) {
+        let mut s = self.lock();
+        if s.unmapped && s.circuits.len() >= MAX_CIRCUITS {
+            s.circuits.remove(circuit);
+            outbox_core::metrics::destinations_open(s.circuits.len());
         }
-        let mut candidates = Vec::with_capacity(rows.len());
-        for r in &rows {
-            let wait: Option<f64> = r.try_get(4).map_err(db("wal parked rows"))?;
-            candidates.push(Candidate {
-                id: r.try_get(0).map_err(db("wal parked rows"))?,
-                key: r.try_get(1).map_err(db("wal parked rows"))?,
-                destination: r.try_get(2).map_err(db("wal parked rows"))?,
-                due: r.try_get(3).map_err(db("wal parked rows"))?,
-                wait: Duration::from_secs_f64(wait.unwrap_or(0.0).clamp(0.0, 3600.0)),
-                suspect: r.try_get(5).map_err(db("wal parked rows"))?,
-            });
-        }
-        let (chosen, next) = self.choose(parked, &candidates);
-        if chosen.is_empty() {
-            return Ok(Swept::Wait(
-                next.unwrap_or(IDLE).clamp(Duration::from_millis(20), IDLE),
-            ));
-        }
-        let trials: HashSet<&str> = chosen
-            .iter()
-            .filter(|c| c.1)
-            .map(|c| candidates[c.0].destination.as_str())
-            .collect();
-        let ids: Vec<Uuid> = chosen.iter().map(|c| candidates[c.0].id).collect();
-        let token = Uuid::new_v4();
-        let claimed = self.claim_parked(&schema, &ids, token).await?;
-        if claimed.is_empty() {
-            return Ok(Swept::Again);
-        }
-        let mut out = Outcomes::default();
-        let mut messages = Vec::with_capacity(claimed.len());
-        for (id, counted, message) in claimed {
-            if counted > i64::from(self.config.crash_loop_limit) {
-                warn!(%id, claims = counted - 1, "suspected crash loop: the relay ended every time it published this parked row; it is dead");
-                let error = format!(
-                    "suspected crash loop: claimed {} times without an outcome (the relay ended each time)",
-                    counted - 1
-                );
-                out.dead.push((id, error));
-                continue;
-            }
-            match message {
-                Ok(m) => messages.push(m),
-                Err(reason) => {
-                    warn!(%id, %reason, "poison row: it cannot be decoded, it is dead");
-                    outbox_core::metrics::dead_poison();
-                    out.dead.push((id, format!("undecodable row: {reason}")));
-                }
-            }
-        }
-        let keys: HashMap<Uuid, String> = messages.iter().map(|m| (m.id, order_key(m))).collect();
-        if !messages.is_empty() {
-            let key_refs: Vec<&str> = messages.iter().map(|m| keys[&m.id].as_str()).collect();
-            let outcomes = self.publish_keyed(&messages, &key_refs).await;
-            let mut stopped: HashSet<&str> = HashSet::new();
-            let mut broker_out = false;
-            for (m, outcome) in messages.iter().zip(outcomes) {
-                let key = keys[&m.id].as_str();
-                let dest = m.effective_routing_key();
-                if broker_out || stopped.contains(key) {
-                    out.parked.push(ParkedRow::behind(m.id));
-                    continue;
-                }
-                match outcome {
-                    Some(PublishOutcome::Published) => {
-                        if trials.contains(dest) {
-                            parked.took(dest);
-                        }
-                        out.sent.push(m.id);
-                    }
-                    Some(PublishOutcome::Permanent(e)) => dead_for_good(m, &e, &mut out),
-                    Some(o) if o.is_refused_by_destination() => {
-                        stopped.insert(key);
-                        out.parked.push(parked.refusal(m, dest, &o));
-                    }
-                    Some(PublishOutcome::Transient(e)) if e.kind() != ErrorKind::Unavailable => {
-                        stopped.insert(key);
-                        if let Some(p) = self.retry_or_dead(m, &e, &mut out) {
-                            out.parked.push(p);
-                        }
-                    }
-                    other => {
-                        // The broker as a whole: park the rest uncharged, try again
-                        // later (the stream meets the same outage and probes it).
-                        debug!(outcome = ?other, "the broker cannot take parked rows now");
-                        broker_out = true;
-                        out.parked.push(ParkedRow {
-                            id: m.id,
-                            delay: *outage,
-                            charge: false,
-                            error: None,
-                        });
-                    }
-                }
-            }
-            if broker_out {
-                *outage = outbox_core::retry::outage_backoff(*outage, self.config.probe_cap);
-            } else {
-                *outage = Duration::from_millis(500);
-            }
-            outbox_core::metrics::commit_to_publish(
-                messages
-                    .iter()
-                    .map(|m| (&m.created_at, out.sent.contains(&m.id))),
-            );
-        }
-        if !self.record(&out, Whose::Claimed(token), stop).await? {
-            return Ok(Swept::Again);
-        }
-        // Published or dead: no longer parked. (A claimed row whose message did not
-        // decode has no key here; the session's next start counts afresh.)
-        for id in out.sent.iter().chain(out.dead.iter().map(|d| &d.0)) {
-            if let Some(k) = keys.get(id) {
-                parked.unpark_key(k, 1);
-            }
-        }
-        if !out.sent.is_empty() {
-            debug!(sent = out.sent.len(), "published parked rows");
-        }
-        Ok(Swept::Again)
     }
 
-    /// Which candidates to claim now (index, whether it is a destination's trial), and
-    /// the wait until the next one is due. Each key's rows in `seq` order up to its
-    /// first row that is not due, held back by its destination, or behind a message
-    /// the stream holds; one trial per held destination. When a candidate was claimed
-    /// before without an outcome (a relay died publishing), one row alone.
-    fn choose(
-        &self,
-        parked: &Parked,
-        candidates: &[Candidate],
-    ) -> (Vec<(usize, bool)>, Option<Duration>) {
-        let in_stream: HashSet<String> = parked.lock().in_stream.keys().cloned().collect();
-        let mut stopped: HashSet<&str> = HashSet::new();
-        let mut trial_taken: HashSet<&str> = HashSet::new();
-        let mut chosen = Vec::new();
+    /// Takes a trial's turn, if one is left (see [`TRIALS_PER_SECOND`]).
+    pub(super) fn take_trial(&self) -> bool {
+        let mut s = self.lock();
+        let now = Instant::now();
+        let refill = now.duration_since(s.refilled).as_secs_f64() * TRIALS_PER_SECOND;
+        s.trial_tokens = (s.trial_tokens + refill).min(self.trial_burst);
+        s.refilled = now;
+        if s.trial_tokens >= 1.0 {
+            s.trial_tokens -= 1.0;
+            true
+        } else {
+            false
+        }
+    }
+
+    /// A confirmed trial: its turn back, and one more.
+    pub(super) fn trial_confirmed(&self) {
+        let mut s = self.lock();
+        s.trial_tokens = (s.trial_tokens + 2.0).min(self.trial_burst);
+    }
+
+    /// The open circuits whose trial is due, and how long until the next one is.
+    pub(super) fn due_trials(&self) -> (Vec<String>, Option<Duration>) {
+        let s = self.lock();
+        let now = Instant::now();
+        let mut due = Vec::new();
         let mut next: Option<Duration> = None;
-        let sooner = |d: Duration, next: &mut Option<Duration>| {
-            *next = Some(next.map_or(d, |n| n.min(d)));
-        };
-        for (i, c) in candidates.iter().enumerate() {
-            if stopped.contains(c.key.as_str()) {
-                continue;
+        for (c, open) in &s.circuits {
+            if open.next_trial <= now {
+                due.push(c.clone());
+            } else {
+                let d = open.next_trial - now;
+                next = Some(next.map_or(d, |n| n.min(d)));
             }
-            if in_stream.contains(&c.key) {
-                stopped.insert(&c.key);
-                sooner(Duration::from_millis(50), &mut next);
-                continue;
-            }
-            if !c.due {
-                stopped.insert(&c.key);
-                sooner(c.wait, &mut next);
-                continue;
-            }
-            match parked.admit(&c.destination) {
-                Admit::Go => chosen.push((i, false)),
-                Admit::Trial if trial_taken.insert(&c.destination) => {
-                    chosen.push((i, true));
-                    stopped.insert(&c.key);
-                }
-                Admit::Trial => {
-                    stopped.insert(&c.key);
-                }
-                Admit::Hold(d) => {
-                    stopped.insert(&c.key);
-                    sooner(d, &mut next);
-                }
-            }
-            if chosen.len() >= self.config.batch_size {
+        }
+        (due, next)
+    }
+
+    /// A circuit whose trial found nothing held: it is forgotten.
+    pub(super) fn forget(&self, circuit: &str) {
+        let mut s = self.lock();
+        if s.circuits.remove(circuit).is_some() {
+            debug!(circuit, "an open circuit holds nothing: forgotten");
+            outbox_core::metrics::destinations_open(s.circuits.len());
+        }
+        // Parks of the stream for it may be on their way to the table.
+        s.unmapped = true;
+    }
+
+    /// A trial of `circuit` goes now: the next one not before its delay.
+    pub(super) fn trying(&self, circuit: &str) {
+        if let Some(open) = self.lock().circuits.get_mut(circuit) {
+            open.next_trial = Instant::now() + open.delay;
+        }
+    }
+
+    /// The sweeper works (a head parked meanwhile wakes it again at once).
+    pub(super) fn sweeper_works(&self) {
+        self.lock().sweeper_wakes = None;
+    }
+
+    /// The sweeper sleeps for `wait` unless woken.
+    pub(super) async fn sweeper_sleeps(&self, wait: Duration) {
+        self.lock().sweeper_wakes = Some(Instant::now() + wait);
+        tokio::select! {
+            () = tokio::time::sleep(wait) => {}
+            () = self.wake.notified() => {}
+        }
+    }
+
+    /// How many keys the stream holds.
+    pub(super) fn in_stream(&self) -> usize {
+        self.lock().in_stream.len()
+    }
+
+    /// The closed circuits whose heads are being released.
+    pub(super) fn releasing(&self) -> Vec<String> {
+        self.lock().releasing.clone()
+    }
+
+    /// Every head of `circuits` is released.
+    pub(super) fn released(&self, circuits: &[String]) {
+        self.lock().releasing.retain(|c| !circuits.contains(c));
+    }
+
+    /// When circuits may wait in the table beyond those in memory and there is room:
+    /// the room, the circuits known (in memory or being released), and the name after
+    /// which to look.
+    pub(super) fn adoption(&self) -> Option<(usize, HashSet<String>, String)> {
+        let s = self.lock();
+        if !s.unmapped || s.circuits.len() >= MAX_CIRCUITS {
+            return None;
+        }
+        let known = s.circuits.keys().chain(&s.releasing).cloned().collect();
+        Some((MAX_CIRCUITS - s.circuits.len(), known, s.adopted.clone()))
+    }
+
+    /// Circuits `found` in the table (`parked_for`) come into memory, their trial due;
+    /// the next look starts after `last` (`None`: from the first again). `all`: the
+    /// look went over every circuit of the table.
+    pub(super) fn adopted(&self, found: Vec<String>, last: Option<String>, all: bool) {
+        let mut s = self.lock();
+        let now = Instant::now();
+        for c in found {
+            if s.circuits.len() >= MAX_CIRCUITS {
                 break;
             }
+            s.circuits.entry(c).or_insert(Open {
+                delay: self.initial,
+                next_trial: now,
+            });
         }
-        if chosen.iter().any(|(i, _)| candidates[*i].suspect) {
-            chosen.truncate(1);
+        outbox_core::metrics::destinations_open(s.circuits.len());
+        s.adopted = last.unwrap_or_default();
+        if all && s.circuits.len() < MAX_CIRCUITS {
+            s.unmapped = false;
         }
-        (chosen, next)
     }
-
-    /// Claims parked rows `ids` that are still parked and due, counting the claim in
-    /// `unfinished_alone`: (id, count, the message or why it does not decode), in `seq`
-    /// order.
-    async fn claim_parked(
-        &self,
-        schema: &str,
-        ids: &[Uuid],
-        token: Uuid,
-    ) -> Result<Vec<(Uuid, i64, Result<OutboxMessage, String>)>, WalError> {
-        let sql = format!(
-            "UPDATE {schema}.outbox_messages AS m \
-             SET claim_token = $2, lease_until = now() + make_interval(secs => $3), \
-                 unfinished_alone = m.unfinished_alone + 1 \
-             WHERE m.id = ANY($1) AND m.status = 9 AND (m.lease_until IS NULL OR m.lease_until <= now()) \
-             RETURNING {COLUMNS}, m.unfinished_alone::bigint AS counted"
-        );
-        let rows = sqlx::query(AssertSqlSafe(sql))
-            .bind(ids)
-            .bind(token)
-            .bind(self.config.lease.as_secs_f64())
-            .fetch_all(self.outbox.pool())
-            .await
-            .map_err(db("wal claim parked"))?;
-        let mut out = Vec::with_capacity(rows.len());
-        for r in &rows {
-            let id: Uuid = r.try_get("id").map_err(db("wal claim parked"))?;
-            let seq: i64 = r.try_get("seq").map_err(db("wal claim parked"))?;
-            let counted: i64 = r.try_get("counted").map_err(db("wal claim parked"))?;
-            let message = crate::store::decode_for_publish(r)
-                .map(|mut m| {
-                    // It is published as what it is: a pending message.
-                    m.status = MessageStatus::New;
-                    m
-                })
-                .map_err(|e| e.to_string());
-            out.push((seq, id, counted, message));
-        }
-        out.sort_unstable_by_key(|r| r.0);
-        Ok(out.into_iter().map(|(_, id, n, m)| (id, n, m)).collect())
-    }
-
-    /// A transient failure of `m`: parked for a retry after its event type's backoff
-    /// (charged), or dead when its attempts are exhausted (pushed to `out.dead`).
+}
+impl<P: EventPublisher> WalRelay<P> {
+    /// A transient failure of `m` (of ordering `key`): parked for a retry after its
+    /// event type's backoff (charged), or dead when its attempts are exhausted (pushed
+    /// to `out.dead`).
     pub(super) fn retry_or_dead(
         &self,
         m: &OutboxMessage,
+        key: &str,
         error: &PublishError,
         out: &mut Outcomes,
     ) -> Option<ParkedRow> {
@@ -602,10 +568,10 @@ impl<P: EventPublisher> WalRelay<P> {
             outbox_core::metrics::retried(&m.event_type);
             debug!(id = %m.id, attempts, error = %error, "publish failed, will retry");
             Some(ParkedRow {
-                id: m.id,
                 delay: policy.delay(attempts),
                 charge: true,
                 error: Some(error.to_string()),
+                ..ParkedRow::behind(m.id, key)
             })
         } else {
             outbox_core::metrics::dead(&m.event_type);

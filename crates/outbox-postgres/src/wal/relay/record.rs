@@ -1,13 +1,15 @@
 //! What the relay writes to the outbox table: outcomes (`Sent` or deleted, `Dead`),
 //! the rows a new session skips, the crash-loop guard's count.
 
+use std::collections::HashSet;
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::Duration;
 
+use chrono::{DateTime, Utc};
 use outbox_core::{EventPublisher, OutboxMessage, SentRetention, sanitize_error};
 use pgwire_replication::Lsn;
-use sqlx::AssertSqlSafe;
+use sqlx::{AssertSqlSafe, PgConnection, Row as _};
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, warn};
@@ -66,7 +68,10 @@ impl<P: EventPublisher> WalRelay<P> {
     /// Waits until every transaction `xids` (32-bit, as `pgoutput` gives them) is
     /// visible in a new snapshot (`pg_visible_in_snapshot`, the epoch taken from the
     /// snapshot's `xmax`): normally at once; while a commit waits for a synchronous
-    /// standby, as long as it waits. `Ok(false)`: shutdown came first.
+    /// standby, as long as it waits. Then says what the batch's messages (of ordering
+    /// `keys`) are to be judged by ([`Checked`]): the database's time, and, while
+    /// anything may be parked (`parked`), which keys have parked rows (one probe of an
+    /// index of heads per key). `None`: shutdown came first.
     ///
     /// A commit the walsender decoded can also be invisible for a moment: the
     /// producer's backend flushed its commit record (which wakes the walsender) and
@@ -80,27 +85,40 @@ impl<P: EventPublisher> WalRelay<P> {
     pub(super) async fn wait_visible(
         &self,
         xids: &[u32],
+        keys: &[String],
+        parked: &Parked,
         shutdown: &CancellationToken,
-    ) -> Result<bool, WalError> {
-        if xids.is_empty() {
-            return Ok(true);
-        }
+    ) -> Result<Option<Checked>, WalError> {
         let xids: Vec<i64> = xids.iter().map(|&x| i64::from(x)).collect();
-        let sql = "SELECT count(*) FROM (SELECT pg_current_snapshot() AS s) AS q, unnest($1::bigint[]) AS x \
-             WHERE NOT pg_visible_in_snapshot(((( \
-                 ((pg_snapshot_xmax(q.s)::text::bigint) >> 32) \
-                 - CASE WHEN x > ((pg_snapshot_xmax(q.s)::text::bigint) & 4294967295) THEN 1 ELSE 0 END \
-             ) << 32) | x)::text::xid8, q.s)";
+        // Every park recorded before this point is in the table for the lookup.
+        let keys: Option<Vec<&str>> = parked.begin_lookup().then(|| {
+            let distinct: HashSet<&str> = keys.iter().map(String::as_str).collect();
+            distinct.into_iter().collect()
+        });
+        let sql = format!(
+            "SELECT (SELECT count(*) FROM (SELECT pg_current_snapshot() AS s) AS q, unnest($1::bigint[]) AS x \
+                      WHERE NOT pg_visible_in_snapshot(((( \
+                          ((pg_snapshot_xmax(q.s)::text::bigint) >> 32) \
+                          - CASE WHEN x > ((pg_snapshot_xmax(q.s)::text::bigint) & 4294967295) THEN 1 ELSE 0 END \
+                      ) << 32) | x)::text::xid8, q.s)), \
+                    now(), \
+                    ARRAY(SELECT k FROM unnest($2::text[]) AS k \
+                           WHERE EXISTS (SELECT 1 FROM {}.outbox_messages \
+                                          WHERE order_key = k AND phase = 0 AND parked_until IS NOT NULL))",
+            quoted_schema(self.outbox.schema())
+        );
         let started = tokio::time::Instant::now();
         let mut pause = Duration::from_millis(1);
         let mut logged = false;
         let mut checks = 0_u32;
         loop {
-            let invisible: i64 = sqlx::query_scalar(sql)
+            let row = sqlx::query(AssertSqlSafe(sql.as_str()))
                 .bind(&xids)
+                .bind(&keys)
                 .fetch_one(self.outbox.pool())
                 .await
                 .map_err(db("wal visibility"))?;
+            let invisible: i64 = row.try_get(0).map_err(db("wal visibility"))?;
             checks += 1;
             if invisible == 0 {
                 if checks > 1 || started.elapsed() >= Duration::from_millis(5) {
@@ -110,7 +128,11 @@ impl<P: EventPublisher> WalRelay<P> {
                         "committed transactions became visible"
                     );
                 }
-                return Ok(true);
+                let waiting: Vec<String> = row.try_get(2).map_err(db("wal visibility"))?;
+                return Ok(Some(Checked {
+                    now: row.try_get(1).map_err(db("wal visibility"))?,
+                    waiting: waiting.into_iter().collect(),
+                }));
             }
             if !logged && started.elapsed() >= Duration::from_secs(1) {
                 logged = true;
@@ -120,7 +142,7 @@ impl<P: EventPublisher> WalRelay<P> {
                 );
             }
             tokio::select! {
-                () = shutdown.cancelled() => return Ok(false),
+                () = shutdown.cancelled() => return Ok(None),
                 () = tokio::time::sleep(pause) => {}
             }
             if started.elapsed() >= VISIBLE_SOON {
@@ -160,9 +182,10 @@ impl<P: EventPublisher> WalRelay<P> {
         &self,
         out: &Outcomes,
         whose: Whose,
+        parked: &Parked,
         shutdown: &CancellationToken,
     ) -> Result<bool, WalError> {
-        self.recorder().record(out, whose, shutdown).await
+        self.recorder().record(out, whose, parked, shutdown).await
     }
 }
 
@@ -177,7 +200,9 @@ impl Recorder {
     /// Records published messages (`Sent`, or deleted), dead and parked ones,
     /// retrying a database that is unavailable for up to [`RECORD_HOLD`]; then the
     /// error ends the replication session (the next one replays from the confirmed
-    /// position and skips what was recorded). `Ok(false)`: shutdown came first.
+    /// position and skips what was recorded). `Ok(false)`: shutdown came first. Then
+    /// `parked` learns that the stream's parks are recorded, and the sweeper is woken
+    /// for a head due sooner than it would wake.
     ///
     /// Why not retry for as long as it takes: a PostgreSQL shutting down (`pg_ctl stop
     /// -m fast`, a restart) refuses new connections and then waits for every walsender
@@ -188,6 +213,7 @@ impl Recorder {
         &self,
         out: &Outcomes,
         whose: Whose,
+        parked: &Parked,
         shutdown: &CancellationToken,
     ) -> Result<bool, WalError> {
         if out.is_empty() {
@@ -205,7 +231,15 @@ impl Recorder {
                 .saturating_sub(started.elapsed())
                 .max(MIN_ACQUIRE);
             match self.record_once(&schema, out, whose, left).await {
-                Ok(()) => break,
+                Ok(due) => {
+                    if matches!(whose, Whose::Pending) {
+                        parked.recorded(out.parked.iter().map(|p| p.key.as_str()));
+                    }
+                    if let Some(d) = due {
+                        parked.due_in(d);
+                    }
+                    break;
+                }
                 Err(e) if e.is_retryable() && started.elapsed() >= RECORD_HOLD => {
                     warn!(error = %e, "cannot record outcomes; ending the replication session (a server shutting down waits for it)");
                     return Err(e);
@@ -231,24 +265,49 @@ impl Recorder {
         Ok(true)
     }
 
+    /// One attempt of [`record`](Self::record): how soon a head it parked (or
+    /// flagged) is due, if any is.
     async fn record_once(
         &self,
         schema: &str,
         out: &Outcomes,
         whose: Whose,
         acquire: Duration,
-    ) -> Result<(), WalError> {
-        let token = match whose {
-            Whose::Pending => None,
-            Whose::Claimed(t) => Some(t),
-        };
-        // Separate statements on one connection, no transaction: the position is
-        // confirmed only after all of them, and a replay skips rows one of them changed
-        // already.
+    ) -> Result<Option<Duration>, WalError> {
         let mut conn = tokio::time::timeout(acquire, self.outbox.pool().acquire())
             .await
             .unwrap_or(Err(sqlx::Error::PoolTimedOut))
             .map_err(db("wal record"))?;
+        match whose {
+            // Separate statements on one connection, no transaction: the position is
+            // confirmed only after all of them, and a replay skips rows one of them
+            // changed already.
+            Whose::Pending => self.statements(&mut conn, schema, out, whose).await,
+            // The sweeper's: its keys' next parked rows are flagged in the same
+            // transaction as the rows that leave, or a relay dying in between would
+            // leave them behind no head.
+            Whose::Claimed(_) => {
+                let mut tx = sqlx::Connection::begin(&mut *conn)
+                    .await
+                    .map_err(db("wal record"))?;
+                let due = self.statements(&mut tx, schema, out, whose).await?;
+                tx.commit().await.map_err(db("wal record"))?;
+                Ok(due)
+            }
+        }
+    }
+
+    async fn statements(
+        &self,
+        conn: &mut PgConnection,
+        schema: &str,
+        out: &Outcomes,
+        whose: Whose,
+    ) -> Result<Option<Duration>, WalError> {
+        let token = match whose {
+            Whose::Pending => None,
+            Whose::Claimed(t) => Some(t),
+        };
         if !out.sent.is_empty() {
             let sql = match self.outbox.sent_retention() {
                 SentRetention::Delete => {
@@ -260,7 +319,8 @@ impl Recorder {
                 _ => format!(
                     "UPDATE {schema}.outbox_messages AS m \
                      SET status = 1, sent_at = now(), attempts = m.attempts + 1, \
-                         claim_token = NULL, lease_until = NULL, unfinished_alone = 0 \
+                         claim_token = NULL, lease_until = NULL, unfinished_alone = 0, \
+                         parked_until = NULL, parked_for = NULL \
                      WHERE m.id = ANY($1) AND {}",
                     whose.filter(2)
                 ),
@@ -282,7 +342,8 @@ impl Recorder {
             let sql = format!(
                 "UPDATE {schema}.outbox_messages AS m \
                  SET status = 3, last_error = d.error, attempts = m.attempts + 1, \
-                     claim_token = NULL, lease_until = NULL, unfinished_alone = 0 \
+                     claim_token = NULL, lease_until = NULL, unfinished_alone = 0, \
+                     parked_until = NULL, parked_for = NULL \
                  FROM unnest($1::uuid[], $2::text[]) AS d(id, error) \
                  WHERE m.id = d.id AND {}",
                 whose.filter(3)
@@ -295,6 +356,7 @@ impl Recorder {
             .await
             .map_err(db("wal record dead"))?;
         }
+        let mut due: Vec<Option<f64>> = Vec::new();
         if !out.parked.is_empty() {
             let ids: Vec<Uuid> = out.parked.iter().map(|p| p.id).collect();
             let delays: Vec<f64> = out.parked.iter().map(|p| p.delay.as_secs_f64()).collect();
@@ -304,32 +366,82 @@ impl Recorder {
                 .iter()
                 .map(|p| p.error.as_deref().map(|e| sanitize_error(e).into_owned()))
                 .collect();
-            // Parked: Processing, due at `lease_until`, no claim (see `park`).
+            let held: Vec<Option<&str>> =
+                out.parked.iter().map(|p| p.held_for.as_deref()).collect();
+            // Parked: Processing, due at `lease_until`, no claim (see `park`). A row
+            // with no earlier parked row of its key (in the table or in this
+            // statement) is its key's head: `parked_until` when it is due ('infinity'
+            // while a circuit holds it). `FOR SHARE`: a head the sweeper is taking out
+            // in a transaction of its own is waited for and looked at again, so that
+            // a row parked behind it meanwhile becomes the head itself.
             let sql = format!(
-                "UPDATE {schema}.outbox_messages AS m \
+                "WITH d AS (SELECT * FROM unnest($1::uuid[], $2::float8[], $3::int[], $4::text[], $5::text[]) \
+                              AS d(id, delay, charge, error, held_for)), \
+                 h AS (SELECT d.*, NOT EXISTS ( \
+                           SELECT 1 FROM {schema}.outbox_messages AS o \
+                            WHERE o.order_key = r.order_key AND o.phase = 0 AND o.seq < r.seq \
+                              AND (o.status = 9 OR o.id IN (SELECT id FROM d)) \
+                              FOR SHARE OF o) AS head \
+                         FROM d JOIN {schema}.outbox_messages AS r ON r.id = d.id) \
+                 UPDATE {schema}.outbox_messages AS m \
                  SET status = 9, claim_token = NULL, unfinished_alone = 0, \
-                     lease_until = GREATEST(m.visible_at, now() + make_interval(secs => d.delay)), \
-                     attempts = m.attempts + d.charge, \
-                     last_error = COALESCE(d.error, m.last_error), \
-                     first_failed_at = CASE WHEN d.charge > 0 \
-                         THEN COALESCE(m.first_failed_at, now()) ELSE m.first_failed_at END \
-                 FROM unnest($1::uuid[], $2::float8[], $3::int[], $4::text[]) AS d(id, delay, charge, error) \
-                 WHERE m.id = d.id AND {}",
-                whose.filter(5)
+                     lease_until = GREATEST(m.visible_at, now() + make_interval(secs => h.delay)), \
+                     attempts = m.attempts + h.charge, \
+                     last_error = COALESCE(h.error, m.last_error), \
+                     first_failed_at = CASE WHEN h.charge > 0 \
+                         THEN COALESCE(m.first_failed_at, now()) ELSE m.first_failed_at END, \
+                     parked_for = CASE WHEN h.head THEN h.held_for END, \
+                     parked_until = CASE WHEN NOT h.head THEN NULL \
+                         WHEN h.held_for IS NOT NULL THEN 'infinity' \
+                         ELSE GREATEST(m.visible_at, now() + make_interval(secs => h.delay)) END \
+                 FROM h WHERE m.id = h.id AND {} \
+                 RETURNING CASE WHEN m.parked_until < 'infinity' \
+                     THEN EXTRACT(EPOCH FROM m.parked_until - now())::float8 END",
+                whose.filter(6)
             );
-            bind_token(
+            let rows = bind_token(
                 sqlx::query(AssertSqlSafe(sql))
                     .bind(ids)
                     .bind(delays)
                     .bind(charges)
-                    .bind(errors),
+                    .bind(errors)
+                    .bind(held),
                 token,
             )
-            .execute(&mut *conn)
+            .fetch_all(&mut *conn)
             .await
             .map_err(db("wal record parked"))?;
+            due = rows
+                .iter()
+                .map(|r| r.try_get(0))
+                .collect::<Result<_, _>>()
+                .map_err(db("wal record parked"))?;
         }
-        Ok(())
+        if !out.promote.is_empty() {
+            // Each key's first parked row left is its head (rows parked behind a row
+            // that left have none).
+            let sql = format!(
+                "UPDATE {schema}.outbox_messages AS m \
+                 SET parked_until = GREATEST(m.lease_until, now()) \
+                 FROM (SELECT (SELECT o.id FROM {schema}.outbox_messages AS o \
+                                WHERE o.order_key = k AND o.phase = 0 AND o.status = 9 \
+                                ORDER BY o.seq LIMIT 1) AS id \
+                         FROM unnest($1::text[]) AS k) AS f \
+                 WHERE m.id = f.id AND m.parked_until IS NULL \
+                 RETURNING EXTRACT(EPOCH FROM m.parked_until - now())::float8"
+            );
+            let flagged: Vec<Option<f64>> = sqlx::query_scalar(AssertSqlSafe(sql))
+                .bind(&out.promote)
+                .fetch_all(&mut *conn)
+                .await
+                .map_err(db("wal record heads"))?;
+            due.extend(flagged);
+        }
+        Ok(due
+            .into_iter()
+            .flatten()
+            .reduce(f64::min)
+            .map(|s| Duration::from_secs_f64(s.clamp(0.0, 86_400.0))))
     }
 }
 
@@ -339,12 +451,31 @@ pub(super) struct Outcomes {
     pub(super) sent: Vec<Uuid>,
     pub(super) dead: Vec<(Uuid, String)>,
     pub(super) parked: Vec<ParkedRow>,
+    /// Ordering keys whose first parked row is to be their head (the sweeper's: a
+    /// head of theirs left or was parked again).
+    pub(super) promote: Vec<String>,
 }
 
 impl Outcomes {
     pub(super) fn is_empty(&self) -> bool {
-        self.sent.is_empty() && self.dead.is_empty() && self.parked.is_empty()
+        self.sent.is_empty()
+            && self.dead.is_empty()
+            && self.parked.is_empty()
+            && self.promote.is_empty()
     }
+}
+
+/// What the database said of a batch just before it is published (see
+/// [`WalRelay::wait_visible`]).
+#[derive(Debug)]
+pub(super) struct Checked {
+    /// The database's `now()`: a message is due when its `visible_at` is not after
+    /// it. Read a few milliseconds before the publish, so a message is never published
+    /// before its `visible_at` by the database's clock; one that comes due in between
+    /// is parked and published by the sweeper.
+    pub(super) now: DateTime<Utc>,
+    /// The batch's ordering keys that have parked rows in the table.
+    pub(super) waiting: HashSet<String>,
 }
 
 /// Whose rows a [`WalRelay::record`] changes.
@@ -455,6 +586,7 @@ impl Recording {
                 q.out.sent.extend(queued.out.sent);
                 q.out.dead.extend(queued.out.dead);
                 q.out.parked.extend(queued.out.parked);
+                q.out.promote.extend(queued.out.promote);
                 q.keys.extend(queued.keys);
             }
             None => self.next = Some(queued),
@@ -467,7 +599,7 @@ impl Recording {
         self.task = Some(tokio::spawn(async move {
             let recorded = q
                 .recorder
-                .record(&q.out, Whose::Pending, &q.shutdown)
+                .record(&q.out, Whose::Pending, &q.parked, &q.shutdown)
                 .await?;
             if recorded {
                 q.parked.leave_stream(q.keys.iter().map(String::as_str));

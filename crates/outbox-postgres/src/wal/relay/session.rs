@@ -86,16 +86,10 @@ impl<P: EventPublisher> WalRelay<P> {
         client.wait_started().await.map_err(WalError::Stream)?;
         self.counters.sessions.fetch_add(1, Ordering::Relaxed);
         self.counters.standby.store(false, Ordering::Relaxed);
-        // Parked rows of earlier sessions hold their keys (see `park`); read once the
-        // slot is this session's, so a standby's count is never stale.
-        let parked = match self.parked_keys().await {
-            Ok(keys) => Arc::new(Parked::new(keys, self.config.probe_cap)),
-            Err(e) => {
-                self.finish(&mut client, None).await;
-                return Err(e);
-            }
-        };
-        info!(slot = self.wal.slot(), from = %start, parked_keys = parked.parked_keys(), "reading the replication slot");
+        // Parked rows of earlier sessions hold their keys: the stream looks its
+        // batches' keys up in the table (see `park`).
+        let parked = Arc::new(Parked::new(self.config.probe_cap, self.config.batch_size));
+        info!(slot = self.wal.slot(), from = %start, "reading the replication slot");
         // The sweeper of parked rows runs beside the stream and stops after it.
         let stop = CancellationToken::new();
         let sweeper = self.sweep(&parked, &stop);
