@@ -399,6 +399,8 @@ impl Parked {
                 next_trial: Instant::now() + delay,
             },
         );
+        // Closed and refusing again: its heads stay held.
+        s.releasing.retain(|c| c != circuit);
         outbox_core::metrics::destinations_open(s.circuits.len());
         drop(s);
         self.due_in(delay);
@@ -431,14 +433,20 @@ impl Parked {
         }
     }
 
-    /// Takes a trial's turn, if one is left (see [`TRIALS_PER_SECOND`]).
-    pub(super) fn take_trial(&self) -> bool {
-        let mut s = self.lock();
+    /// Refills the trials' turns (see [`TRIALS_PER_SECOND`]) and returns how many are
+    /// left.
+    fn trial_turns(&self, s: &mut State) -> f64 {
         let now = Instant::now();
         let refill = now.duration_since(s.refilled).as_secs_f64() * TRIALS_PER_SECOND;
         s.trial_tokens = (s.trial_tokens + refill).min(self.trial_burst);
         s.refilled = now;
-        if s.trial_tokens >= 1.0 {
+        s.trial_tokens
+    }
+
+    /// Takes a trial's turn, if one is left.
+    pub(super) fn take_trial(&self) -> bool {
+        let mut s = self.lock();
+        if self.trial_turns(&mut s) >= 1.0 {
             s.trial_tokens -= 1.0;
             true
         } else {
@@ -452,19 +460,31 @@ impl Parked {
         s.trial_tokens = (s.trial_tokens + 2.0).min(self.trial_burst);
     }
 
-    /// The open circuits whose trial is due, and how long until the next one is.
+    /// The open circuits whose trial is due, longest due first, as many as trials may
+    /// go now; and how long until the next trial may go (a circuit's, or the next
+    /// turn while more are due).
     pub(super) fn due_trials(&self) -> (Vec<String>, Option<Duration>) {
-        let s = self.lock();
+        let mut s = self.lock();
         let now = Instant::now();
-        let mut due = Vec::new();
+        let mut due: Vec<(Instant, &String)> = Vec::new();
         let mut next: Option<Duration> = None;
         for (c, open) in &s.circuits {
             if open.next_trial <= now {
-                due.push(c.clone());
+                due.push((open.next_trial, c));
             } else {
                 let d = open.next_trial - now;
                 next = Some(next.map_or(d, |n| n.min(d)));
             }
+        }
+        due.sort_unstable();
+        let mut due: Vec<String> = due.into_iter().map(|(_, c)| c.clone()).collect();
+        #[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss)]
+        // reason: turns are 0..=a batch
+        let turns = self.trial_turns(&mut s).floor() as usize;
+        if due.len() > turns {
+            due.truncate(turns);
+            let turn = Duration::from_secs_f64(1.0 / TRIALS_PER_SECOND);
+            next = Some(next.map_or(turn, |n| n.min(turn)));
         }
         (due, next)
     }

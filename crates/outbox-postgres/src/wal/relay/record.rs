@@ -112,7 +112,10 @@ impl<P: EventPublisher> WalRelay<P> {
         let mut logged = false;
         let mut checks = 0_u32;
         loop {
+            // With keys, planned afresh (see `sweep`): a cached generic plan hashed
+            // every head of the table on each lookup.
             let row = sqlx::query(AssertSqlSafe(sql.as_str()))
+                .persistent(keys.is_none())
                 .bind(&xids)
                 .bind(&keys)
                 .fetch_one(self.outbox.pool())
@@ -401,6 +404,7 @@ impl Recorder {
             );
             let rows = bind_token(
                 sqlx::query(AssertSqlSafe(sql))
+                    .persistent(false)
                     .bind(ids)
                     .bind(delays)
                     .bind(charges)
@@ -431,6 +435,7 @@ impl Recorder {
                  RETURNING EXTRACT(EPOCH FROM m.parked_until - now())::float8"
             );
             let flagged: Vec<Option<f64>> = sqlx::query_scalar(AssertSqlSafe(sql))
+                .persistent(false)
                 .bind(&out.promote)
                 .fetch_all(&mut *conn)
                 .await

@@ -9,6 +9,11 @@
 //! It sleeps until the next head is due (asked of the database, as a duration), the
 //! next trial, a key it waits on leaving the stream, or the stream parking a head due
 //! sooner; at most [`IDLE`].
+//!
+//! Its statements are planned afresh at each run (`persistent(false)`), not from a
+//! plan cached while the table held few parked rows: such a generic plan hashes every
+//! head on each run once they are many (measured with the stream's lookup: 575 ms a
+//! lookup at 300,000 heads), until an `ANALYZE` invalidates it.
 
 use std::collections::{HashMap, HashSet};
 use std::sync::atomic::Ordering;
@@ -78,10 +83,20 @@ impl Candidate {
 
 /// What one round looks at: the due keys' parked rows (grouped by key, keys in the
 /// order their heads came due, rows in `seq` order), and each due trial's circuit with
-/// the index of its first head in `rows` (`None`: it holds nothing).
+/// what it holds.
 struct Candidates {
     rows: Vec<Candidate>,
-    trials: Vec<(String, Option<usize>)>,
+    trials: Vec<(String, Trial)>,
+}
+
+/// What a circuit whose trial is due holds.
+enum Trial {
+    /// Its first head that is its key's first parked row: the index in `rows`.
+    Head(usize),
+    /// Heads, each behind an earlier parked row of its key (which goes first).
+    Behind,
+    /// Nothing.
+    Nothing,
 }
 
 /// What one round does: the rows it claims (`(index, whether a trial)`), the heads
@@ -326,6 +341,7 @@ impl<P: EventPublisher> WalRelay<P> {
                AND m.status = 9 AND (m.claim_token IS NULL OR m.lease_until <= now())"
         );
         let n = sqlx::query(AssertSqlSafe(sql))
+            .persistent(false)
             .bind(&releasing)
             .bind(RELEASE_CHUNK)
             .execute(self.outbox.pool())
@@ -357,6 +373,7 @@ impl<P: EventPublisher> WalRelay<P> {
         );
         let most = room + known.len();
         let found: Vec<String> = sqlx::query_scalar(AssertSqlSafe(sql))
+            .persistent(false)
             .bind(&after)
             .bind(i64::try_from(most).unwrap_or(i64::MAX))
             .fetch_all(self.outbox.pool())
@@ -404,6 +421,7 @@ impl<P: EventPublisher> WalRelay<P> {
              ORDER BY h.due, h.seq, m.seq"
         );
         let found = sqlx::query(AssertSqlSafe(sql))
+            .persistent(false)
             .bind(heads)
             .bind(batch)
             .fetch_all(self.outbox.pool())
@@ -416,10 +434,12 @@ impl<P: EventPublisher> WalRelay<P> {
         let (due, _) = parked.due_trials();
         let mut trials = Vec::with_capacity(due.len());
         if !due.is_empty() {
-            // A circuit's first head, if no earlier row of its key is parked (then
-            // that one goes first, and this one's trial waits).
+            // A circuit's first head that is its key's first parked row (an earlier
+            // one of the key goes first).
             let sql = format!(
-                "SELECT c, {cols} FROM unnest($1::text[]) AS c LEFT JOIN LATERAL ( \
+                "SELECT c, EXISTS (SELECT 1 FROM {schema}.outbox_messages \
+                                    WHERE parked_for = c AND phase = 0), {cols} \
+                   FROM unnest($1::text[]) AS c LEFT JOIN LATERAL ( \
                      SELECT * FROM {schema}.outbox_messages AS m \
                       WHERE m.parked_for = c AND m.phase = 0 AND m.status = 9 \
                         AND NOT EXISTS (SELECT 1 FROM {schema}.outbox_messages AS o \
@@ -428,19 +448,24 @@ impl<P: EventPublisher> WalRelay<P> {
                       ORDER BY m.seq LIMIT 1) AS m ON true"
             );
             let found = sqlx::query(AssertSqlSafe(sql))
+                .persistent(false)
                 .bind(&due)
                 .fetch_all(self.outbox.pool())
                 .await
                 .map_err(db("wal trials"))?;
             for r in &found {
                 let c: String = r.try_get(0).map_err(db("wal trials"))?;
-                let id: Option<Uuid> = r.try_get(1).map_err(db("wal trials"))?;
-                if id.is_none() {
-                    trials.push((c, None));
-                } else {
-                    rows.push(Candidate::read(r, 1)?);
-                    trials.push((c, Some(rows.len() - 1)));
-                }
+                let held: bool = r.try_get(1).map_err(db("wal trials"))?;
+                let id: Option<Uuid> = r.try_get(2).map_err(db("wal trials"))?;
+                let trial = match id {
+                    Some(_) => {
+                        rows.push(Candidate::read(r, 2)?);
+                        Trial::Head(rows.len() - 1)
+                    }
+                    None if held => Trial::Behind,
+                    None => Trial::Nothing,
+                };
+                trials.push((c, trial));
             }
         }
         Ok(Candidates { rows, trials })
@@ -459,7 +484,14 @@ impl<P: EventPublisher> WalRelay<P> {
         let mut choice = Choice::default();
         let mut stopped: HashSet<&str> = HashSet::new();
         let mut seen: HashSet<&str> = HashSet::new();
-        let trial_rows: HashSet<usize> = c.trials.iter().filter_map(|t| t.1).collect();
+        let trial_rows: HashSet<usize> = c
+            .trials
+            .iter()
+            .filter_map(|t| match t.1 {
+                Trial::Head(i) => Some(i),
+                _ => None,
+            })
+            .collect();
         for (i, r) in rows.iter().enumerate() {
             if trial_rows.contains(&i) || choice.chosen.len() >= self.config.batch_size {
                 break;
@@ -485,12 +517,20 @@ impl<P: EventPublisher> WalRelay<P> {
                 }
             }
         }
-        for (circuit, head) in &c.trials {
-            let Some(i) = *head else {
-                if !choice.held.iter().any(|&h| rows[h].circuit == *circuit) {
-                    parked.forget(circuit);
+        for (circuit, trial) in &c.trials {
+            let i = match *trial {
+                Trial::Head(i) => i,
+                // When the earlier rows have gone.
+                Trial::Behind => {
+                    choice.sooner(Some(Duration::from_secs(1)));
+                    continue;
                 }
-                continue;
+                Trial::Nothing => {
+                    if !choice.held.iter().any(|&h| rows[h].circuit == *circuit) {
+                        parked.forget(circuit);
+                    }
+                    continue;
+                }
             };
             let r = &rows[i];
             if choice.chosen.len() >= self.config.batch_size {
@@ -534,6 +574,7 @@ impl<P: EventPublisher> WalRelay<P> {
                AND (m.claim_token IS NULL OR m.lease_until <= now())"
         );
         sqlx::query(AssertSqlSafe(sql))
+            .persistent(false)
             .bind(ids)
             .bind(circuits)
             .execute(self.outbox.pool())
@@ -553,6 +594,7 @@ impl<P: EventPublisher> WalRelay<P> {
                              WHERE phase = 0 AND parked_until IS NOT NULL)"
         );
         let (next, any): (Option<f64>, bool) = sqlx::query_as(AssertSqlSafe(sql))
+            .persistent(false)
             .fetch_one(self.outbox.pool())
             .await
             .map_err(db("wal next due"))?;
@@ -582,6 +624,7 @@ impl<P: EventPublisher> WalRelay<P> {
              RETURNING {COLUMNS}, m.order_key, m.unfinished_alone::bigint AS counted"
         );
         let rows = sqlx::query(AssertSqlSafe(sql))
+            .persistent(false)
             .bind(ids)
             .bind(token)
             .bind(self.config.lease.as_secs_f64())
