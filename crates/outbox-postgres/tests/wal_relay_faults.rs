@@ -44,6 +44,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use common::database_url;
+use common::rabbit::publisher_to;
 use common::wal::{HoldBatch, WalOutbox};
 use lapin::BasicProperties;
 use lapin::options::{
@@ -58,7 +59,7 @@ use outbox_postgres::wal::{WalError, WalRelayConfig};
 use outbox_testkit::faults::{self, PgStopped, RabbitMemoryAlarm};
 use outbox_testkit::rabbit::{DropExchange, amqp_url, eventually, reject_when_full, relay_fixture};
 use tokio_util::sync::CancellationToken;
-use transport_rabbit::{RabbitConfig, RabbitPublisher};
+use transport_rabbit::RabbitPublisher;
 use uuid::Uuid;
 
 /// Publishes through RabbitMQ. In the first batch holding `trigger`, the messages up
@@ -154,20 +155,6 @@ fn message(key: &str, event_type: &str) -> NewMessage {
         .expect("message")
 }
 
-/// The relay's publisher to `exchange` (a 3 s confirm timeout).
-async fn publisher(exchange: &str) -> RabbitPublisher {
-    RabbitPublisher::connect(
-        RabbitConfig::builder(amqp_url())
-            .with_exchange(exchange)
-            .with_declare_exchange(false)
-            .with_confirm_timeout(Duration::from_secs(3))
-            .build()
-            .expect("config"),
-    )
-    .await
-    .expect("publisher")
-}
-
 /// A WAL relay (batches of 10) publishing through `publisher`, past a new session's
 /// careful first rounds (as many messages as a batch): 20 messages sent.
 async fn start_warmed<P: EventPublisher + 'static>(
@@ -232,7 +219,7 @@ async fn an_outage_inside_a_batch_after_a_refusal_strands_no_key() {
         .await
         .expect("filler confirmed");
 
-    let publisher = publisher(&fx.exchange).await;
+    let publisher = publisher_to(&fx.exchange).await;
     // The outage meets `k2` first: the messages after it are not looked at in that
     // round and go again in the next, where `k1`'s waits behind its parked message and
     // `k3`'s behind its destination's open circuit.
@@ -316,7 +303,7 @@ async fn an_outage_meets_the_batches_in_flight_and_loses_none() {
     ];
     let alarm = Arc::new(Mutex::new(None));
     let publisher = Arc::new(AlarmAfter::new(
-        publisher(&fx.exchange).await,
+        publisher_to(&fx.exchange).await,
         first[0].id,
         &alarm,
         1,
@@ -398,7 +385,7 @@ async fn a_server_shutting_down_waits_no_longer_than_the_record_hold() {
     let w = WalOutbox::new().await;
     let fx = relay_fixture(FieldTable::default()).await;
     let _drop_exchange = DropExchange::new(&amqp_url(), &fx.exchange);
-    let publisher = publisher(&fx.exchange).await;
+    let publisher = publisher_to(&fx.exchange).await;
     let batch: Vec<NewMessage> = (0..5).map(|i| message(&format!("b{i}"), "main")).collect();
     let publisher = Arc::new(HoldBatch::new(publisher, batch[0].id));
     let token = CancellationToken::new();

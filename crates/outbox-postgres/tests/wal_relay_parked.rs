@@ -28,6 +28,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use common::database_url;
+use common::rabbit::publisher_to;
 use common::wal::{HoldBatch, WalOutbox};
 use lapin::types::FieldTable;
 use outbox_core::{MessageStatus, NewMessage, OutboxAdmin as _, OutboxStore as _};
@@ -41,7 +42,7 @@ use outbox_testkit::rabbit::{
 use sqlx::AssertSqlSafe;
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
-use transport_rabbit::{RabbitConfig, RabbitPublisher};
+use transport_rabbit::RabbitPublisher;
 use uuid::Uuid;
 
 fn config() -> WalRelayConfig {
@@ -80,22 +81,8 @@ async fn exchange(args: FieldTable, consume: bool) -> (Fixture, DropExchange) {
     (fx, guard)
 }
 
-/// The relay's publisher to `fx`'s exchange.
-async fn rabbit(fx: &Fixture) -> RabbitPublisher {
-    RabbitPublisher::connect(
-        RabbitConfig::builder(amqp_url())
-            .with_exchange(&fx.exchange)
-            .with_declare_exchange(false)
-            .with_confirm_timeout(Duration::from_secs(3))
-            .build()
-            .expect("config"),
-    )
-    .await
-    .expect("publisher")
-}
-
 async fn publisher(fx: &Fixture) -> Arc<RabbitPublisher> {
-    Arc::new(rabbit(fx).await)
+    Arc::new(publisher_to(&fx.exchange).await)
 }
 
 async fn scalar(w: &WalOutbox, sql: &str) -> i64 {
@@ -396,7 +383,7 @@ async fn behind_a_head_being_published(relay_dies: bool) {
     let w = WalOutbox::new().await;
     let (fx, _drop) = exchange(FieldTable::default(), true).await;
     let head = message("k", "k", Duration::from_secs(2));
-    let held = Arc::new(HoldBatch::new(rabbit(&fx).await, head.id));
+    let held = Arc::new(HoldBatch::new(publisher_to(&fx.exchange).await, head.id));
     let first = w.relay(
         Arc::clone(&held),
         config().with_lease(Duration::from_millis(500)),

@@ -2,3 +2,21 @@
 #![allow(unused_imports, unreachable_pub)] // reason: each test binary uses a different subset
 
 pub use outbox_testkit::rabbit::*;
+
+use std::time::Duration;
+
+use transport_rabbit::{RabbitConfig, RabbitPublisher};
+
+/// A relay's publisher to `exchange`, declared by the test (a 3 s confirm timeout).
+pub async fn publisher_to(exchange: &str) -> RabbitPublisher {
+    RabbitPublisher::connect(
+        RabbitConfig::builder(amqp_url())
+            .with_exchange(exchange)
+            .with_declare_exchange(false)
+            .with_confirm_timeout(Duration::from_secs(3))
+            .build()
+            .expect("config"),
+    )
+    .await
+    .expect("publisher")
+}
