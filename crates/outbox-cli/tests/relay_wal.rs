@@ -1583,18 +1583,6 @@ async fn u_a_server_restart_is_retried_and_healthz_says_why() {
     fx.delete_exchange().await;
 }
 
-
-/// The relay's `/healthz` and `/metrics` address, from its log.
-fn listen_addr(relay: &RelayProcess) -> SocketAddr {
-    relay
-        .log()
-        .split_whitespace()
-        .find_map(|w| w.strip_prefix("listen="))
-        .expect("the relay logs its address")
-        .parse()
-        .expect("an address")
-}
-
 /// The sum of every series of metric `name` in the relay's `/metrics`.
 async fn metric(addr: SocketAddr, name: &str) -> f64 {
     let (_, body) = common::http_get(addr, "/metrics").await;
@@ -1637,7 +1625,7 @@ fn delayed(aggregate: &str, delay: Duration) -> outbox_core::NewMessage {
 /// As a new user would: 10,001 messages delayed an hour, then one delayed 2 s, through
 /// `outbox relay --source wal`: the 2 s one is `Sent` within 10 s of coming due.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn r_a_message_due_in_2s_is_sent_past_10001_parked_for_an_hour() {
+async fn v_a_message_due_in_2s_is_sent_past_10001_parked_for_an_hour() {
     let (db, _cleanup) = wal_outbox().await;
     let fx = relay_fixture(FieldTable::default()).await;
     // (A consumer keeps the queue from expiring while the relay parks.)
@@ -1795,7 +1783,7 @@ async fn commit_to_sent_p99(
 /// within 2x of the same run with the clocks agreeing. (Before, every message looked
 /// delayed by a second and went the sweeper's way.)
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn s_a_relay_clock_behind_the_database_parks_no_ordinary_message() {
+async fn w_a_relay_clock_behind_the_database_parks_no_ordinary_message() {
     if libfaketime().is_none() {
         return skipped_without_faketime();
     }
@@ -1830,7 +1818,7 @@ async fn s_a_relay_clock_behind_the_database_parks_no_ordinary_message() {
 /// test's host is the database's). (Before, the relay judged them due by its own
 /// clock and published them at once.)
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn t_a_relay_clock_ahead_publishes_no_delayed_message_early() {
+async fn x_a_relay_clock_ahead_publishes_no_delayed_message_early() {
     let (db, _cleanup) = wal_outbox().await;
     let fx = relay_fixture(FieldTable::default()).await;
     let received: Arc<Mutex<std::collections::HashMap<String, chrono::DateTime<chrono::Utc>>>> =
@@ -1940,14 +1928,7 @@ async fn routing_keys_to_one_full_queue(n: usize, drain: Duration) {
         .expect("bind the queue");
     fx.publish_raw(b"filler").await;
     let relay = start(&db, &relay_args(&fx, &amqp_url()));
-    wait_until(
-        &relay,
-        Duration::from_secs(30),
-        "the relay listens",
-        || async { relay.log().contains("listen=") },
-    )
-    .await;
-    let addr = listen_addr(&relay);
+    let addr = relay.addr().await;
     let all: Vec<_> = (0..n)
         .map(|i| {
             outbox_core::NewMessage::builder("order", format!("u-{i}"), "OrderPlaced")
@@ -2023,7 +2004,7 @@ async fn routing_keys_to_one_full_queue(n: usize, drain: Duration) {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn u_3000_routing_keys_to_one_full_queue_keep_circuits_and_trials_bounded() {
+async fn y_3000_routing_keys_to_one_full_queue_keep_circuits_and_trials_bounded() {
     routing_keys_to_one_full_queue(3_000, Duration::from_secs(90)).await;
 }
 

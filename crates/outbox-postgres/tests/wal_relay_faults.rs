@@ -465,7 +465,7 @@ async fn restarted_after_a_slot_fault(fault: impl AsyncFnOnce(&WalOutbox)) -> Wa
     let w = WalOutbox::new().await;
     let fx = relay_fixture(FieldTable::default()).await;
     let _drop_exchange = DropExchange::new(&amqp_url(), &fx.exchange);
-    let publisher = Arc::new(publisher(&fx.exchange).await);
+    let publisher = Arc::new(publisher_to(&fx.exchange).await);
     let pending = stop_behind(&w, &publisher).await;
     fault(&w).await;
     let relay = w.relay(publisher, checking_config());
@@ -537,7 +537,7 @@ async fn a_publication_created_again_under_the_relay_stops_it() {
     let w = WalOutbox::new().await;
     let fx = relay_fixture(FieldTable::default()).await;
     let _drop_exchange = DropExchange::new(&amqp_url(), &fx.exchange);
-    let publisher = Arc::new(publisher(&fx.exchange).await);
+    let publisher = Arc::new(publisher_to(&fx.exchange).await);
     let relay = w.relay(Arc::clone(&publisher), checking_config());
     let run = tokio::spawn(async move { relay.run(CancellationToken::new()).await });
     let warm = message("w", "main");
@@ -595,7 +595,7 @@ async fn a_publication_must_cover_the_tables_inserts_and_updates() {
     let _lock = faults::lock_shared().await;
     let fx = relay_fixture(FieldTable::default()).await;
     let _drop_exchange = DropExchange::new(&amqp_url(), &fx.exchange);
-    let publisher = Arc::new(publisher(&fx.exchange).await);
+    let publisher = Arc::new(publisher_to(&fx.exchange).await);
     let cases = [
         ("FOR TABLE {s}.other", Some("the table is not in it")),
         (
