@@ -974,10 +974,11 @@ async fn health_reports_a_stuck_relay_and_queue_lag() {
         "{report:?}"
     );
 
-    // A message in a retry backoff is pending (lag) but not claimable (not stuck).
+    // A message in a retry backoff since its first failure 10 minutes ago is pending
+    // (lag, counted from that failure) but not claimable (not stuck).
     exec(
         &db,
-        "UPDATE {s}.outbox_messages SET visible_at = now() + interval '1 hour'",
+        "UPDATE {s}.outbox_messages SET visible_at = now() + interval '1 hour', first_failed_at = now() - interval '10 minutes'",
     )
     .await;
     health
