@@ -176,6 +176,13 @@ pub struct RelayArgs {
     #[arg(long, env = "OUTBOX_WAL_LINGER", value_name = "DURATION")]
     pub wal_linger: Option<String>,
 
+    /// --source wal: a producer transaction of more rows than this is held as row ids
+    /// and published in parts of this many rows, each read back from the table, so
+    /// that the relay's memory does not grow with the transaction (docs/wal.md, Large
+    /// transactions) [default: 5000].
+    #[arg(long, env = "OUTBOX_WAL_PART_SIZE", value_name = "ROWS")]
+    pub wal_part_size: Option<usize>,
+
     /// Broker: rabbit or nats [default: rabbit].
     #[arg(long, env = "OUTBOX_TRANSPORT", value_enum)]
     pub transport: Option<TransportKind>,
@@ -314,6 +321,7 @@ impl fmt::Debug for RelayArgs {
             wal,
             max_wal_retained,
             wal_linger,
+            wal_part_size,
             transport,
             broker_url,
             exchange,
@@ -342,6 +350,7 @@ impl fmt::Debug for RelayArgs {
             .field("wal", wal)
             .field("max_wal_retained", max_wal_retained)
             .field("wal_linger", wal_linger)
+            .field("wal_part_size", wal_part_size)
             .field("transport", transport)
             .field(
                 "broker_url",

@@ -114,6 +114,7 @@ pub struct FileRelay {
     pub wal_publication: Option<String>,
     pub max_wal_retained: Option<u64>,
     pub wal_linger: Option<String>,
+    pub wal_part_size: Option<usize>,
     #[serde(default)]
     pub event_types: BTreeMap<String, FileOverride>,
 }
@@ -444,6 +445,7 @@ impl fmt::Debug for FileRelay {
             wal_publication,
             max_wal_retained,
             wal_linger,
+            wal_part_size,
             event_types,
         } = self;
         f.debug_struct("FileRelay")
@@ -452,6 +454,7 @@ impl fmt::Debug for FileRelay {
             .field("wal_publication", wal_publication)
             .field("max_wal_retained", max_wal_retained)
             .field("wal_linger", wal_linger)
+            .field("wal_part_size", wal_part_size)
             .field("transport", transport)
             .field(
                 "broker_url",
@@ -523,6 +526,7 @@ impl fmt::Debug for RelaySettings {
             wal_publication,
             max_wal_retained,
             wal_linger,
+            wal_part_size,
         } = self;
         f.debug_struct("RelaySettings")
             .field("db", db)
@@ -555,6 +559,7 @@ impl fmt::Debug for RelaySettings {
             .field("wal_publication", wal_publication)
             .field("max_wal_retained", max_wal_retained)
             .field("wal_linger", wal_linger)
+            .field("wal_part_size", wal_part_size)
             .finish()
     }
 }
@@ -626,6 +631,9 @@ pub struct RelaySettings {
     /// `--source wal`: the linger of a batch read after a wait for the stream
     /// (`WalRelayConfig::with_linger`).
     pub wal_linger: Duration,
+    /// `--source wal`: rows of a producer transaction held whole; a larger one is
+    /// published in parts of this many rows (`WalRelayConfig::with_part_size`).
+    pub wal_part_size: usize,
 }
 
 impl RelaySettings {
@@ -660,6 +668,9 @@ impl RelaySettings {
             wal_publication: None,
             max_wal_retained: 1 << 30,
             wal_linger: Duration::ZERO,
+            // `outbox_postgres::wal::WalRelayConfig::DEFAULT_PART_SIZE` (that crate is
+            // optional).
+            wal_part_size: 5_000,
         }
     }
 
@@ -794,6 +805,9 @@ impl RelaySettings {
             }
             s.wal_linger = d;
         }
+        if let Some(n) = args.wal_part_size.or(f.wal_part_size) {
+            s.wal_part_size = positive("wal_part_size", n)?;
+        }
         if s.source == crate::cli::SourceKind::Wal {
             s.wal_config()?;
             if args.concurrency.or(f.concurrency).is_none() {
@@ -828,8 +842,13 @@ impl RelaySettings {
                         .into(),
                 });
             }
-        } else if args.wal_linger.is_some() || f.wal_linger.is_some() {
-            tracing::warn!("wal_linger applies to --source wal only: ignored");
+        } else {
+            if args.wal_linger.is_some() || f.wal_linger.is_some() {
+                tracing::warn!("wal_linger applies to --source wal only: ignored");
+            }
+            if args.wal_part_size.is_some() || f.wal_part_size.is_some() {
+                tracing::warn!("wal_part_size applies to --source wal only: ignored");
+            }
         }
         s.validate_transport()?;
         s.dispatcher_config()
@@ -1277,6 +1296,14 @@ mod tests {
         let e = linger("2s").expect_err("over 1 s");
         assert!(
             e.is_bad_input() && e.to_string().contains("wal_linger"),
+            "{e}"
+        );
+        assert_eq!(s.wal_part_size, 5_000);
+        let part = |value: &str| resolve_wal_relay(&["--wal-part-size", value]);
+        assert_eq!(part("200").expect("valid").wal_part_size, 200);
+        let e = part("0").expect_err("zero");
+        assert!(
+            e.is_bad_input() && e.to_string().contains("wal_part_size"),
             "{e}"
         );
 

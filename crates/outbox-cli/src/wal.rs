@@ -44,6 +44,7 @@ pub(crate) async fn start(
         .with_per_key_order(settings.ordering == OrderingMode::PerKeySkip)
         .with_lease(settings.lease)
         .with_linger(settings.wal_linger)
+        .with_part_size(settings.wal_part_size)
         .with_concurrency(settings.concurrency);
     let store = Arc::new(store);
     let relay = WalRelay::new(

@@ -283,6 +283,9 @@ pub(crate) struct Queries {
     /// [`Self::complete_deleting_sent`] for a batch whose outcomes are all `Sent`.
     pub(crate) delete_sent: Arc<str>,
     pub(crate) get: Arc<str>,
+    /// The rows of `$1` (ids), for the WAL relay's read-back.
+    #[cfg(feature = "wal")]
+    pub(crate) get_many: Arc<str>,
     pub(crate) stats: Arc<str>,
     pub(crate) dead_letters: Arc<str>,
     pub(crate) replay_count: Arc<str>,
@@ -394,6 +397,8 @@ impl Queries {
                 "DELETE FROM {t} m USING {SENT_COMPLETIONS} WHERE {FENCE} RETURNING m.id"
             )),
             get: s(format!("SELECT {COLUMNS} FROM {t} m WHERE m.id = $1")),
+            #[cfg(feature = "wal")]
+            get_many: s(format!("SELECT {COLUMNS} FROM {t} m WHERE m.id = ANY($1)")),
             stats: s(format!(
                 "SELECT count(*) FILTER (WHERE status = 0),
                         count(*) FILTER (WHERE status = 9),

@@ -384,19 +384,28 @@ pub(crate) fn decode_for_publish(row: &PgRow) -> Result<OutboxMessage, OutboxErr
 
 #[cfg(feature = "wal")]
 impl PgOutbox {
-    /// Row `id` decoded as the claim decodes it for publishing (headers strictly, unlike
-    /// [`get`](OutboxStore::get), which shows whatever is there): `Ok(None)` when there
-    /// is no such row, [`OutboxError::Decode`] when it cannot be published as it is.
-    pub(crate) async fn get_for_publish(
+    /// The rows of `ids` that exist (one query; in no particular order), each decoded as
+    /// the claim decodes it for publishing (headers strictly, unlike
+    /// [`get`](OutboxStore::get), which shows whatever is there):
+    /// [`OutboxError::Decode`] for a row that cannot be published as it is.
+    ///
+    /// # Errors
+    /// [`OutboxError::Database`] when the query fails or a row's id cannot be read.
+    pub(crate) async fn get_many_for_publish(
         &self,
-        id: Uuid,
-    ) -> Result<Option<OutboxMessage>, OutboxError> {
-        let row = sqlx::query(sql(&self.q.get))
-            .bind(id)
-            .fetch_optional(&self.pool)
+        ids: &[Uuid],
+    ) -> Result<Vec<(Uuid, Result<OutboxMessage, OutboxError>)>, OutboxError> {
+        let rows = sqlx::query(sql(&self.q.get_many))
+            .bind(ids)
+            .fetch_all(&self.pool)
             .await
             .map_err(db("get"))?;
-        row.as_ref().map(decode_for_publish).transpose()
+        rows.iter()
+            .map(|row| {
+                let id: Uuid = row.try_get("id").map_err(db("decode"))?;
+                Ok((id, decode_for_publish(row)))
+            })
+            .collect()
     }
 }
 

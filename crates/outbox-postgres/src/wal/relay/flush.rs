@@ -1,20 +1,23 @@
 //! Publishing a batch in order: parking what cannot go now (`park`), pausing for a
 //! broker outage, dead letters, the crash-loop guard.
 
-use std::collections::{HashSet, VecDeque};
+use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::Duration;
 
 use outbox_core::{
-    ErrorKind, EventPublisher, MessageStatus, OutboxMessage, PublishError, PublishOutcome,
+    ErrorKind, EventPublisher, MessageStatus, OutboxError, OutboxMessage, PublishError,
+    PublishOutcome,
 };
 use pgwire_replication::Lsn;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
+use uuid::Uuid;
 
 use super::WalRelay;
+use super::gather::Gathered;
 use super::park::{Admit, Parked, ParkedRow, circuit_of, dead_for_good, order_key, outcome_text};
 use super::pipeline::{InFlight, Pipeline};
 use super::record::{Checked, Outcomes, Recording, Whose};
@@ -49,17 +52,105 @@ impl<P: EventPublisher> WalRelay<P> {
         self.record(out, Whose::Pending, parked, shutdown).await
     }
 
-    /// Publishes `batch` (the stream's changes up to `upto`) in order and records the
+    /// Publishes `batch` (the stream's changes up to `upto`, see [`flush`](Self::flush)),
+    /// a large transaction in parts of `part_size` rows read back from the table: the
+    /// items before it first (confirmed up to the end of the transaction before it),
+    /// then each part, the position confirmed past the transaction only after its last
+    /// part (by the caller, as for any batch). Between parts a shutdown ends it
+    /// (`Ok(false)`), the part being recorded settled first: the next session reads the
+    /// transaction again from its start and skips what the table records.
+    #[allow(clippy::too_many_arguments)] // reason: the stream's state, passed down
+    pub(super) async fn flush_gathered(
+        &self,
+        batch: &mut Gathered,
+        upto: Option<Lsn>,
+        state: &mut SessionStart,
+        parked: &Arc<Parked>,
+        recording: &mut Recording,
+        pipeline: &mut Pipeline,
+        shutdown: &CancellationToken,
+    ) -> Result<bool, WalError> {
+        let Gathered {
+            items,
+            xids,
+            large,
+            before_tx,
+            ..
+        } = batch.take();
+        if large.is_empty() {
+            return self
+                .flush(
+                    items, xids, upto, state, parked, recording, pipeline, shutdown,
+                )
+                .await;
+        }
+        if !items.is_empty() {
+            if !self
+                .flush(
+                    items,
+                    xids.clone(),
+                    before_tx,
+                    state,
+                    parked,
+                    recording,
+                    pipeline,
+                    shutdown,
+                )
+                .await?
+            {
+                return Ok(false);
+            }
+            recording.after(before_tx);
+        }
+        let parts = large.chunks(self.config.part_size);
+        let count = parts.len();
+        info!(
+            rows = large.len(),
+            parts = count,
+            "a large transaction: published in parts read back from the table"
+        );
+        for (n, part) in parts.enumerate() {
+            if shutdown.is_cancelled() {
+                // Recorded, what was published: the next session skips it.
+                let _ = self
+                    .drain(pipeline, state, parked, recording, shutdown)
+                    .await;
+                let _ = recording.settle().await;
+                return Ok(false);
+            }
+            let items = part.iter().map(|&id| Item::Replay(id)).collect();
+            let part_upto = if n + 1 == count { upto } else { before_tx };
+            if !self
+                .flush(
+                    items,
+                    xids.clone(),
+                    part_upto,
+                    state,
+                    parked,
+                    recording,
+                    pipeline,
+                    shutdown,
+                )
+                .await?
+            {
+                return Ok(false);
+            }
+        }
+        Ok(true)
+    }
+
+    /// Publishes `items` (the stream's changes up to `upto`, of transactions `xids`) in
+    /// order, rows to read back (`Item::Replay`) read in one query, and records the
     /// outcomes, those of its last round in the background (`recording`) while the
     /// next batch is read and published. Past a session's careful start, a batch of
     /// messages only is launched into the `pipeline` instead, its outcomes handled
     /// when they come back (see `pipeline`). `Ok(false)`: shutdown came during an
     /// outage or a backoff, and not everything was confirmed.
     #[allow(clippy::too_many_arguments)] // reason: the stream's state, passed down
-    pub(super) async fn flush(
+    async fn flush(
         &self,
-        batch: &mut Vec<Item>,
-        xids: &mut Vec<u32>,
+        items: Vec<Item>,
+        xids: Vec<u32>,
         upto: Option<Lsn>,
         state: &mut SessionStart,
         parked: &Arc<Parked>,
@@ -76,8 +167,6 @@ impl<P: EventPublisher> WalRelay<P> {
         // database's time and the keys with parked rows (`Checked`), after the
         // batches in flight that must land first have landed: nothing parked after it
         // escapes it (see `Parked::begin_lookup`).
-        let xids = std::mem::take(xids);
-        let items = std::mem::take(batch);
         let steady = !state.catching_up && state.careful_left == 0 && state.guarded;
         if steady && items.iter().all(|i| matches!(i, Item::Message(_))) {
             let messages: Vec<OutboxMessage> = items
@@ -128,6 +217,24 @@ impl<P: EventPublisher> WalRelay<P> {
         if items.iter().any(|i| matches!(i, Item::Replay(_))) && !recording.settle().await? {
             return Ok(false);
         }
+        // Rows read back, in one query.
+        let replayed: Vec<Uuid> = items
+            .iter()
+            .filter_map(|i| match i {
+                Item::Replay(id) => Some(*id),
+                _ => None,
+            })
+            .collect();
+        let mut read_back: HashMap<Uuid, Result<OutboxMessage, OutboxError>> =
+            if replayed.is_empty() {
+                HashMap::new()
+            } else {
+                self.outbox
+                    .get_many_for_publish(&replayed)
+                    .await?
+                    .into_iter()
+                    .collect()
+            };
         let mut messages = Vec::with_capacity(items.len());
         let mut dead = Vec::new();
         for item in items {
@@ -139,12 +246,12 @@ impl<P: EventPublisher> WalRelay<P> {
                     dead.push((id, format!("undecodable row: {reason}")));
                 }
                 // Decoded as for publishing: a row spoiled by the update is poison.
-                Item::Replay(id) => match self.outbox.get_for_publish(id).await {
-                    Ok(Some(m)) if m.status == MessageStatus::New => messages.push(m),
-                    Ok(_) => {}
-                    Err(e) if e.kind().is_retryable() => return Err(e.into()),
+                // (Taken: an id gathered twice goes once.)
+                Item::Replay(id) => match read_back.remove(&id) {
+                    Some(Ok(m)) if m.status == MessageStatus::New => messages.push(m),
+                    Some(Ok(_)) | None => {}
                     // The row as it is now does not decode: it dies alone.
-                    Err(e) => {
+                    Some(Err(e)) => {
                         warn!(%id, error = %e, "poison row: it cannot be decoded, it is dead");
                         outbox_core::metrics::dead_poison();
                         dead.push((id, format!("undecodable row: {e}")));

@@ -4,6 +4,7 @@
 
 mod config;
 mod flush;
+mod gather;
 mod park;
 mod pipeline;
 mod record;

@@ -15,6 +15,7 @@ use tracing::{error, info, warn};
 use uuid::Uuid;
 
 use super::WalRelay;
+use super::gather::Gathered;
 use super::park::Parked;
 use super::pipeline::Pipeline;
 use super::record::Recording;
@@ -68,8 +69,20 @@ pub(super) enum Item {
         id: Uuid,
         reason: String,
     },
-    /// An update back to `New` (a replayed dead letter): read again from the table.
+    /// A row read again from the table when it is published, and published if it is
+    /// `New` then: an update back to `New` (a replayed dead letter), a row updated
+    /// after its insert in the same transaction, a row of a large transaction.
     Replay(Uuid),
+}
+
+impl Item {
+    /// The id of its row.
+    pub(super) fn id(&self) -> Uuid {
+        match self {
+            Self::Message(m) => m.id,
+            Self::Poison { id, .. } | Self::Replay(id) => *id,
+        }
+    }
 }
 
 impl<P: EventPublisher> WalRelay<P> {
@@ -126,10 +139,9 @@ impl<P: EventPublisher> WalRelay<P> {
         shutdown: &CancellationToken,
     ) -> Result<(), WalError> {
         let mut relations: HashMap<u32, Relation> = HashMap::new();
-        let mut batch: Vec<Item> = Vec::new();
-        // The transactions of the batch's items (see `flush`: published only once
-        // other sessions can see them), and the one being received.
-        let mut xids: Vec<u32> = Vec::new();
+        let mut batch = Gathered::new(self.config.part_size);
+        // The transaction being received (see `flush`: published only once other
+        // sessions can see it).
         let mut xid = 0;
         let mut in_tx = false;
         // End of the last transaction received: once every item before it is handled,
@@ -185,7 +197,8 @@ impl<P: EventPublisher> WalRelay<P> {
                 // way (pgoutput sends a transaction once it committed). A batch is
                 // never published in the middle of one, so that a row updated later in
                 // the same transaction goes out as it was committed (see `Update`).
-                // A transaction of many rows makes a batch of as many.
+                // A transaction of more rows than a part is held as ids and published
+                // in parts after its commit (see `gather`).
                 tokio::select! {
                     biased;
                     () = shutdown.cancelled() => {
@@ -200,7 +213,7 @@ impl<P: EventPublisher> WalRelay<P> {
                     }
                     ev = client.recv() => Some(ev),
                 }
-            } else if batch.len() >= self.config.batch_size {
+            } else if batch.full(self.config.batch_size) {
                 None
             } else if batch.is_empty() {
                 // What has arrived already, unless a shutdown or an ended recording
@@ -293,9 +306,8 @@ impl<P: EventPublisher> WalRelay<P> {
                 waited = false;
                 linger_until = None;
                 let flushed = self
-                    .flush(
+                    .flush_gathered(
                         &mut batch,
-                        &mut xids,
                         last_commit,
                         &mut start_state,
                         parked,
@@ -335,6 +347,7 @@ impl<P: EventPublisher> WalRelay<P> {
                 ReplicationEvent::Begin { xid: x, .. } => {
                     in_tx = true;
                     xid = x;
+                    batch.begin(last_commit);
                 }
                 ReplicationEvent::Commit { end_lsn, .. } => {
                     in_tx = false;
@@ -360,42 +373,15 @@ impl<P: EventPublisher> WalRelay<P> {
                             if let Some(rel) = self.ours(&relations, oid)?
                                 && let Some(item) = insert_item(rel, &tuple)
                             {
-                                batch.push(item);
-                                if xids.last() != Some(&xid) {
-                                    xids.push(xid);
-                                }
+                                batch.push(item, xid);
                             }
                         }
                         Change::Update { oid, tuple } => {
                             if let Some(rel) = self.ours(&relations, oid)? {
                                 let row = Row::new(rel, &tuple);
                                 let Ok(id) = row.id() else { continue };
-                                let queued = batch.iter().position(|i| match i {
-                                    Item::Message(m) => m.id == id,
-                                    Item::Poison { id: p, .. } | Item::Replay(p) => *p == id,
-                                });
-                                match queued {
-                                    // Updated after it was read and before it was
-                                    // published (in the same transaction: an ORM
-                                    // setting a column after its insert): the row is
-                                    // read from the table when the batch is published,
-                                    // as committed. (Not from this tuple: a column
-                                    // stored out of line and left unchanged is not in
-                                    // it.)
-                                    Some(at) => {
-                                        batch[at] = Item::Replay(id);
-                                        if xids.last() != Some(&xid) {
-                                            xids.push(xid);
-                                        }
-                                    }
-                                    None if row.status() == Ok(MessageStatus::New.code()) => {
-                                        batch.push(Item::Replay(id));
-                                        if xids.last() != Some(&xid) {
-                                            xids.push(xid);
-                                        }
-                                    }
-                                    None => {}
-                                }
+                                let pending = row.status() == Ok(MessageStatus::New.code());
+                                batch.update(id, pending, xid);
                             }
                         }
                         Change::Other => {}
