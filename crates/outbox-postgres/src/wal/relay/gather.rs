@@ -100,28 +100,20 @@ impl Gathered {
     /// committed; another pending row (a replayed dead letter) is gathered to be read
     /// back. O(1).
     pub(super) fn update(&mut self, id: Uuid, pending: bool, xid: u32) {
-        if !self.large.is_empty() {
-            // A row of the transaction is read back as committed anyway; gathered
-            // again when still pending, it is published once (the later one finds
-            // it published, see `flush_gathered`).
-            if pending {
-                self.push(Item::Replay(id), xid);
-            }
-            return;
-        }
-        match self.index.get(&id) {
+        if let Some(&at) = self.index.get(&id) {
             // Updated after it was read and before it was published (in the same
             // transaction: an ORM setting a column after its insert): the row is read
             // from the table when the batch is published, as committed. (Not from this
             // tuple: a column stored out of line and left unchanged is not in it.)
-            Some(&at) => {
-                self.items[at] = Item::Replay(id);
-                if self.xids.last() != Some(&xid) {
-                    self.xids.push(xid);
-                }
+            self.items[at] = Item::Replay(id);
+            if self.xids.last() != Some(&xid) {
+                self.xids.push(xid);
             }
-            None if pending => self.push(Item::Replay(id), xid),
-            None => {}
+        } else if pending {
+            // A replayed dead letter; in a large transaction also a row of it, read
+            // back as committed anyway: gathered again, it is published once (the
+            // later one finds it published, see `WalRelay::flush_gathered`).
+            self.push(Item::Replay(id), xid);
         }
     }
 
@@ -184,8 +176,10 @@ mod tests {
         assert_eq!(g.large, ids[..4]);
         g.push(poison(ids[4]), 2);
         // An update of a row of the transaction gathers it again; the earlier
-        // transaction's row is not looked for.
+        // transaction's row is read back in place.
         g.update(ids[0], true, 2);
+        g.update(earlier, true, 2);
+        assert!(matches!(g.items[0], Item::Replay(id) if id == earlier));
         assert_eq!(g.large.len(), 6);
         assert_eq!(g.len(), 7);
         assert!(g.full(100), "a large transaction goes out at its commit");
