@@ -506,61 +506,214 @@ pub async fn retry_becomes_claimable_after_backoff<H: Harness>(h: &H) {
     assert_ne!(again[0].claim_token, Some(t), "a fresh token per claim");
 }
 
-/// A deferral hands a message back without charging its attempt, like a release, but
-/// holds it back for its delay (its destination cannot take it now): `New`, attempts as
-/// before the claim, `last_error` the reason, not claimable until the delay has passed,
-/// then claimed as usual; its `Sent` completion keeps the attempts and `last_error`.
-pub async fn defer_holds_a_row_back_without_charge<H: Harness>(h: &H) {
+fn hold(destination: &str) -> CompletionOutcome {
+    CompletionOutcome::Hold {
+        destination: destination.into(),
+        error: "queue full".into(),
+    }
+}
+
+fn routed(aggregate_id: &str, routing_key: &str, partition_key: Option<&str>) -> NewMessage {
+    let mut b = NewMessage::builder("conformance", aggregate_id, "Routed")
+        .routing_key(routing_key)
+        .payload(&serde_json::json!({ "id": aggregate_id }));
+    if let Some(k) = partition_key {
+        b = b.partition_key(k);
+    }
+    b.build().expect("valid message")
+}
+
+/// A held row ([`CompletionOutcome::Hold`]) is handed back without charge and stays out
+/// of every claim until its destination's trial: [`OutboxStore::claim_held`] takes the
+/// oldest held row of each destination asked for (none for a destination that holds
+/// nothing), a refused trial holds it again, and [`OutboxStore::release_held`] makes the
+/// destination's rows claimable again, `limit` at a time. [`OutboxStore::held_destinations`]
+/// lists the destinations that hold rows, paged by name.
+pub async fn held_rows_wait_for_their_destination_trial<H: Harness>(h: &H) {
     let store = h.store();
-    let msgs = messages(1, "Deferred");
-    h.enqueue(&msgs).await;
-    let claimed = claim_until(&*store, 10, Duration::from_secs(60), 1).await;
-    assert_eq!(claimed.len(), 1);
-    let token = claimed[0].claim_token.expect("token");
-    let report = store
-        .complete(&[completion(
-            msgs[0].id,
-            token,
-            CompletionOutcome::Defer {
-                delay: Duration::from_millis(1500),
-                error: "queue full".into(),
-            },
-        )])
-        .await
-        .expect("defer");
-    assert_eq!(report.applied, 1);
-    let row = store.get(msgs[0].id).await.expect("get").expect("row");
+    let lease = Duration::from_secs(60);
+    let held: Vec<NewMessage> = (0..3)
+        .map(|i| routed(&format!("h-{i}"), "full", None))
+        .collect();
+    let other = routed("o-0", "free", None);
+    h.enqueue(&held).await;
+    h.enqueue(std::slice::from_ref(&other)).await;
+    let claimed = claim_until(&*store, 10, lease, 4).await;
+    assert_eq!(claimed.len(), 4);
+    let completions: Vec<Completion> = claimed
+        .iter()
+        .map(|m| {
+            let outcome = if m.id == other.id {
+                CompletionOutcome::Release
+            } else {
+                hold("full")
+            };
+            completion(m.id, m.claim_token.expect("token"), outcome)
+        })
+        .collect();
+    assert_eq!(store.complete(&completions).await.expect("hold").applied, 4);
+    let row = store.get(held[0].id).await.expect("get").expect("row");
     assert_eq!(row.status, MessageStatus::New);
     assert_eq!(row.attempts, 0, "no attempt charged");
     assert_eq!(row.last_error.as_deref(), Some("queue full"));
+
+    let again = claim_until(&*store, 10, lease, 1).await;
+    assert_eq!(
+        again.iter().map(|m| m.id).collect::<Vec<_>>(),
+        [other.id],
+        "held rows are not claimed; the other destination's row is"
+    );
+    let token = again[0].claim_token.expect("token");
+    store
+        .complete(&[completion(other.id, token, CompletionOutcome::Sent)])
+        .await
+        .expect("sent");
+    assert!(
+        store.claim(10, lease).await.expect("claim").is_empty(),
+        "held rows wait for their trial"
+    );
+    assert_eq!(
+        store.held_destinations("", 10).await.expect("list"),
+        ["full"]
+    );
     assert!(
         store
-            .claim(10, Duration::from_secs(60))
+            .held_destinations("full", 10)
+            .await
+            .expect("list")
+            .is_empty(),
+        "paged after the name"
+    );
+
+    // The trial: the oldest held row of each destination asked for, alone.
+    let trial = store
+        .claim_held(&["full".into(), "empty".into()], lease, None)
+        .await
+        .expect("claim_held")
+        .messages;
+    assert_eq!(trial.iter().map(|m| m.id).collect::<Vec<_>>(), [held[0].id]);
+    assert_eq!(trial[0].status, MessageStatus::Processing);
+    assert_eq!(trial[0].attempts, 1);
+    // Refused again: held again.
+    let token = trial[0].claim_token.expect("token");
+    store
+        .complete(&[completion(held[0].id, token, hold("full"))])
+        .await
+        .expect("hold");
+    let trial = store
+        .claim_held(&["full".into()], lease, None)
+        .await
+        .expect("claim_held")
+        .messages;
+    assert_eq!(trial.iter().map(|m| m.id).collect::<Vec<_>>(), [held[0].id]);
+    let token = trial[0].claim_token.expect("token");
+    store
+        .complete(&[completion(held[0].id, token, CompletionOutcome::Sent)])
+        .await
+        .expect("sent");
+    // Confirmed: the rest is released, in chunks.
+    assert_eq!(store.release_held("full", 1).await.expect("release"), 1);
+    assert_eq!(store.release_held("full", 10).await.expect("release"), 1);
+    assert_eq!(store.release_held("full", 10).await.expect("release"), 0);
+    assert!(
+        store
+            .held_destinations("", 10)
+            .await
+            .expect("list")
+            .is_empty()
+    );
+    let released = claim_until(&*store, 10, lease, 2).await;
+    let mut ids: Vec<Uuid> = released.iter().map(|m| m.id).collect();
+    ids.sort();
+    let mut want = vec![held[1].id, held[2].id];
+    want.sort();
+    assert_eq!(ids, want, "released rows are claimable again");
+    for m in &released {
+        assert_eq!(m.attempts, 1, "never charged while held");
+    }
+}
+
+/// In per-key order a held row blocks the later rows of its key, and its destination's
+/// trial takes only a held row that heads its key.
+pub async fn ordered_held_row_blocks_its_key<H: Harness>(h: &H) {
+    let store = h.store();
+    let lease = Duration::from_secs(60);
+    let k0 = routed("k-0", "full", Some("k"));
+    let k1 = routed("k-1", "free", Some("k"));
+    h.enqueue(&[k0.clone(), k1.clone()]).await;
+    let run = store
+        .claim_ordered(10, lease, OnDead::Block)
+        .await
+        .expect("claim")
+        .messages;
+    assert_eq!(run.len(), 2);
+    let token = run[0].claim_token.expect("token");
+    store
+        .complete(&[
+            completion(k0.id, token, hold("full")),
+            completion(k1.id, token, CompletionOutcome::Release),
+        ])
+        .await
+        .expect("complete");
+    assert!(
+        store
+            .claim_ordered(10, lease, OnDead::Block)
             .await
             .expect("claim")
             .is_empty(),
-        "held back for its delay"
+        "the held head blocks its key"
     );
-    let again = claim_until(&*store, 10, Duration::from_secs(60), 1).await;
-    assert_eq!(again.len(), 1, "claimable once the delay has passed");
-    assert_eq!(again[0].attempts, 1);
-    // Sent at last (a batch of Sent outcomes only, the relay's usual completion): the
-    // attempts and the last error stay for the record, the claim is cleared.
-    let report = store
-        .complete(&[completion(
-            msgs[0].id,
-            again[0].claim_token.expect("token"),
-            CompletionOutcome::Sent,
-        )])
+    // A held row behind an earlier pending row of its key is not tried in order.
+    let j0 = routed("j-0", "free", Some("j"));
+    let j1 = routed("j-1", "other-full", Some("j"));
+    h.enqueue(&[j0.clone(), j1.clone()]).await;
+    let run = store
+        .claim_ordered(10, lease, OnDead::Block)
+        .await
+        .expect("claim")
+        .messages;
+    assert_eq!(run.iter().map(|m| m.id).collect::<Vec<_>>(), [j0.id, j1.id]);
+    let token = run[0].claim_token.expect("token");
+    store
+        .complete(&[
+            completion(
+                j0.id,
+                token,
+                CompletionOutcome::Retry {
+                    delay: Duration::from_secs(600),
+                    error: "later".into(),
+                },
+            ),
+            completion(j1.id, token, hold("other-full")),
+        ])
+        .await
+        .expect("complete");
+    let dests = ["full".to_owned(), "other-full".to_owned()];
+    let trial = store
+        .claim_held(&dests, lease, Some(OnDead::Block))
+        .await
+        .expect("claim_held")
+        .messages;
+    assert_eq!(
+        trial.iter().map(|m| m.id).collect::<Vec<_>>(),
+        [k0.id],
+        "only a held head is tried in order"
+    );
+    let token = trial[0].claim_token.expect("token");
+    store
+        .complete(&[completion(k0.id, token, CompletionOutcome::Sent)])
         .await
         .expect("sent");
-    assert_eq!(report.applied, 1);
-    let row = store.get(msgs[0].id).await.expect("get").expect("row");
-    assert_eq!(row.status, MessageStatus::Sent);
-    assert!(row.sent_at.is_some());
-    assert_eq!(row.attempts, 1);
-    assert_eq!(row.last_error.as_deref(), Some("queue full"), "kept");
-    assert_eq!((row.claim_token, row.lease_until), (None, None));
+    let next = store
+        .claim_ordered(10, lease, OnDead::Block)
+        .await
+        .expect("claim")
+        .messages;
+    assert_eq!(
+        next.iter().map(|m| m.id).collect::<Vec<_>>(),
+        [k1.id],
+        "its key moves on once the trial is sent"
+    );
 }
 
 /// A message whose lease expired is reclaimed (alone: its claim ended without an
@@ -1363,7 +1516,8 @@ macro_rules! store_conformance_tests {
                 sent_retention_delete_removes_only_confirmed_rows,
                 retry_becomes_claimable_after_backoff,
                 expired_lease_is_reclaimed_and_stale_completion_fenced,
-                defer_holds_a_row_back_without_charge,
+                held_rows_wait_for_their_destination_trial,
+                ordered_held_row_blocks_its_key,
                 dead_letters_and_replay,
                 dead_letter_error_filter_is_literal,
                 stats_and_purge,

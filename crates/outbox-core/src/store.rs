@@ -60,13 +60,18 @@ pub enum CompletionOutcome {
     /// Processing → New without charging the attempt (`attempts - 1`), visible at once:
     /// used when the broker is down or the dispatcher shuts down holding messages.
     Release,
-    /// Processing → New without charging the attempt (`attempts - 1`), visible after
-    /// `delay`, `last_error = error`: the message's destination cannot take it now (a
-    /// full queue or stream) while other destinations can, so the dispatcher holds it
-    /// back with that destination's backoff.
-    Defer {
-        /// How long it is held back.
-        delay: Duration,
+    /// Processing → New without charging the attempt (`attempts - 1`), **held** for
+    /// `destination`: out of every claim's path (`visible_at` at the end of time:
+    /// PostgreSQL's `infinity`, a far-future date where the database has none) until
+    /// that destination's trial succeeds, `last_error = error`. The message's
+    /// destination (a full queue or stream) refused it while others take messages, so
+    /// the dispatcher parks it until one row of the destination, claimed alone with
+    /// [`OutboxStore::claim_held`], is confirmed; then [`OutboxStore::release_held`]
+    /// makes the destination's held rows claimable again. A held row costs nothing per
+    /// trial period: it is written once when held and once when released.
+    Hold {
+        /// The destination that holds it (the dispatcher's circuit name).
+        destination: String,
         /// Why, stored as `last_error`.
         error: String,
     },
@@ -418,6 +423,13 @@ pub struct ReplayReport {
 ///   `sent_at = now`, or deletes it when the store is configured with
 ///   [`SentRetention::Delete`]. Error texts are written through [`sanitize_error`], so
 ///   no error text can make a completion fail.
+/// - A row completed with [`CompletionOutcome::Hold`] is `New` but claimed by neither
+///   [`claim`](Self::claim) nor [`claim_ordered`](Self::claim_ordered) (in per-key
+///   order it blocks the later rows of its key, as a row waiting out a backoff does)
+///   until [`release_held`](Self::release_held) releases its destination or
+///   [`claim_held`](Self::claim_held) takes it as the destination's trial.
+///   [`held_destinations`](Self::held_destinations) finds every destination that holds
+///   rows, so a relay that restarts tries them: nothing is held forever.
 /// - Every time is taken from the database clock; the caller supplies durations only.
 #[async_trait]
 pub trait OutboxStore: Send + Sync + 'static {
@@ -453,6 +465,46 @@ pub trait OutboxStore: Send + Sync + 'static {
         lease: Duration,
         on_dead: OnDead,
     ) -> Result<ClaimedBatch, OutboxError>;
+
+    /// Claims the trials of held destinations: for each of `destinations`, its held row
+    /// ([`CompletionOutcome::Hold`]) with the lowest `seq` (in per-key order, `order =
+    /// Some(on_dead)`, only a row that is the head of its key: no earlier pending row of
+    /// its key, nor, under [`OnDead::Block`], an earlier `Dead` one), skipping rows
+    /// locked by other claimers. Each is claimed as [`claim`](Self::claim) claims (status
+    /// `Processing`, lease, fresh token, `attempts + 1`) and is no longer held: its
+    /// `visible_at` is now, so that a relay that dies holding it leaves an ordinary
+    /// expired lease for any claim to take. At most one message per destination; a
+    /// destination with no such row has none in the batch. Commits before returning.
+    ///
+    /// # Errors
+    /// [`OutboxError::Database`] on database failure (nothing is claimed then).
+    async fn claim_held(
+        &self,
+        destinations: &[String],
+        lease: Duration,
+        order: Option<OnDead>,
+    ) -> Result<ClaimedBatch, OutboxError>;
+
+    /// Releases up to `limit` held rows of `destination` (lowest `seq` first): `New`,
+    /// visible now, no longer held; returns how many. Call repeatedly until it returns
+    /// less than `limit`: each call is one short statement, so that releasing a large
+    /// backlog never locks it all at once.
+    ///
+    /// # Errors
+    /// [`OutboxError::Database`] on database failure.
+    async fn release_held(&self, destination: &str, limit: usize) -> Result<u64, OutboxError>;
+
+    /// The destinations that hold rows, in ascending (byte) order, those after `after`
+    /// (`""`: from the first), at most `limit`. Its cost grows with the destinations
+    /// listed, not with the rows they hold.
+    ///
+    /// # Errors
+    /// [`OutboxError::Database`] on database failure.
+    async fn held_destinations(
+        &self,
+        after: &str,
+        limit: usize,
+    ) -> Result<Vec<String>, OutboxError>;
 
     /// Keys whose head (first unfinished message, `Dead` included) is `Dead` or waiting
     /// out a retry backoff, longest blocked first, at most `limit`. Under

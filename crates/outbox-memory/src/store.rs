@@ -157,7 +157,12 @@ struct Table {
     next_seq: i64,
     /// The last key of the previous ordered claim (round-robin cursor).
     cursor: String,
+    /// Held rows' `seq`s by destination ([`CompletionOutcome::Hold`]).
+    held: BTreeMap<String, BTreeSet<i64>>,
 }
+
+/// The `visible_at` of a held row: the end of time (PostgreSQL's `infinity`).
+const HELD: DateTime<Utc> = DateTime::<Utc>::MAX_UTC;
 
 /// What claiming one row came to.
 enum Taken {
@@ -286,6 +291,28 @@ impl Table {
             }
         }
         ClaimedBatch::new(messages, poison)
+    }
+
+    /// Row `seq` is held no more (claimed as a trial, or released): visible now.
+    fn unhold(&mut self, dest: &str, seq: i64, now: DateTime<Utc>) {
+        if let Some(set) = self.held.get_mut(dest) {
+            set.remove(&seq);
+            if set.is_empty() {
+                self.held.remove(dest);
+            }
+        }
+        self.update(seq, |row| row.msg.visible_at = now);
+    }
+
+    /// Whether row `seq` heads its key: no earlier pending row of its key, nor (with
+    /// `block`) an earlier Dead one.
+    fn heads_its_key(&self, seq: i64, block: bool) -> bool {
+        let Some(row) = self.rows.get(&seq) else {
+            return false;
+        };
+        let first = |set: Option<&BTreeSet<i64>>| set.and_then(|s| s.first().copied());
+        first(self.index.key_pending.get(&row.key)).is_none_or(|f| f >= seq)
+            && !(block && first(self.index.key_dead.get(&row.key)).is_some_and(|d| d < seq))
     }
 
     /// The keys of an ordered claim, walked from after the cursor, wrapping around.
@@ -712,6 +739,19 @@ impl OutboxStore for MemoryOutbox {
         let now = self.clock.now();
         let mut report = CompleteReport::default();
         for c in completions {
+            if let CompletionOutcome::Hold { destination, .. } = &c.outcome
+                && let Some(&seq) = table.ids.get(&c.id)
+                && table.rows.get(&seq).is_some_and(|row| {
+                    row.msg.status == MessageStatus::Processing
+                        && row.msg.claim_token == Some(c.claim_token)
+                })
+            {
+                table
+                    .held
+                    .entry(destination.clone())
+                    .or_default()
+                    .insert(seq);
+            }
             let seq = table.ids.get(&c.id).copied().filter(|seq| {
                 table.rows.get(seq).is_some_and(|row| {
                     row.msg.status == MessageStatus::Processing
@@ -755,10 +795,10 @@ impl OutboxStore for MemoryOutbox {
                         m.status = MessageStatus::New;
                         m.attempts = (m.attempts - 1).max(0);
                     }
-                    CompletionOutcome::Defer { delay, error } => {
+                    CompletionOutcome::Hold { error, .. } => {
                         m.status = MessageStatus::New;
                         m.attempts = (m.attempts - 1).max(0);
-                        m.visible_at = after(now, *delay);
+                        m.visible_at = HELD;
                         m.last_error = Some(sanitize_error(error).into_owned());
                         row.first_failed_at.get_or_insert(now);
                     }
@@ -766,6 +806,58 @@ impl OutboxStore for MemoryOutbox {
             });
         }
         Ok(report)
+    }
+
+    async fn claim_held(
+        &self,
+        destinations: &[String],
+        lease: Duration,
+        order: Option<OnDead>,
+    ) -> Result<ClaimedBatch, OutboxError> {
+        let mut table = self.lock("claim_held")?;
+        let now = self.clock.now();
+        let block = order == Some(OnDead::Block);
+        let mut picked = Vec::new();
+        for dest in destinations {
+            let first = table.held.get(dest).and_then(|set| {
+                set.iter()
+                    .copied()
+                    .find(|&seq| order.is_none() || table.heads_its_key(seq, block))
+            });
+            if let Some(seq) = first {
+                table.unhold(dest, seq, now);
+                picked.push(seq);
+            }
+        }
+        Ok(table.take_all(picked, now, lease, self.crash_loop_limit))
+    }
+
+    async fn release_held(&self, destination: &str, limit: usize) -> Result<u64, OutboxError> {
+        let mut table = self.lock("release_held")?;
+        let now = self.clock.now();
+        let seqs: Vec<i64> = table
+            .held
+            .get(destination)
+            .map(|set| set.iter().copied().take(limit).collect())
+            .unwrap_or_default();
+        for &seq in &seqs {
+            table.unhold(destination, seq, now);
+        }
+        Ok(seqs.len() as u64)
+    }
+
+    async fn held_destinations(
+        &self,
+        after: &str,
+        limit: usize,
+    ) -> Result<Vec<String>, OutboxError> {
+        let table = self.lock("held_destinations")?;
+        Ok(table
+            .held
+            .range::<str, _>((Excluded(after), Unbounded))
+            .take(limit)
+            .map(|(d, _)| d.clone())
+            .collect())
     }
 
     async fn get(&self, id: Uuid) -> Result<Option<OutboxMessage>, OutboxError> {

@@ -31,10 +31,15 @@ const MIGRATIONS: &[(i32, &str, &str)] = &[
         "relay heartbeats: outbox_relays",
         include_str!("../migrations/0003_relays.sql"),
     ),
+    (
+        4,
+        "the polling relay's held rows: held_for and its key",
+        include_str!("../migrations/0004_held.sql"),
+    ),
 ];
 
 /// The highest migration version this crate knows.
-pub const LATEST_VERSION: i32 = 3;
+pub const LATEST_VERSION: i32 = 4;
 
 /// How long [`migrate`] waits for another process's migration of the same database, in
 /// seconds.

@@ -93,10 +93,15 @@ pub(crate) fn like_escape(text: &str) -> String {
 
 /// The JSON table of a batch completion: `$[*]` objects with `i` the id and `t` the
 /// claim token (32 hex digits each), `s` the target status, `d` the delay in
-/// microseconds, `e` the error text (absent: none), `r` 1 for a release.
+/// microseconds, `e` the error text (absent: none), `r` 1 for a release, `h` the
+/// destination a held row waits for (absent: not held).
 const COMPLETIONS: &str = "JSON_TABLE(?, '$[*]' COLUMNS (
         i CHAR(32) PATH '$.i', t CHAR(32) PATH '$.t', s INT PATH '$.s',
-        d BIGINT PATH '$.d', e TEXT PATH '$.e', r INT PATH '$.r')) u";
+        d BIGINT PATH '$.d', e TEXT PATH '$.e', r INT PATH '$.r',
+        h VARCHAR(255) PATH '$.h')) u";
+
+/// The `visible_at` of a held row: past every claim's walk (DATETIME has no infinity).
+pub(crate) const HELD_VISIBLE_AT: &str = "'9999-12-31 00:00:00'";
 
 #[derive(Debug)]
 pub(crate) struct Queries {
@@ -110,6 +115,16 @@ pub(crate) struct Queries {
     pub(crate) replay: Arc<str>,
     pub(crate) purge_sent: Arc<str>,
     pub(crate) blocked_keys: Arc<str>,
+    /// One held row of destination `?` to try, lowest `seq` first, locked (skipping
+    /// locked rows); with the second parameter 1 (per-key order) only a row that heads
+    /// its key (and with the third 1, no earlier Dead row of its key).
+    pub(crate) held_trial: Arc<str>,
+    /// Releases up to `?` held rows of destination `?` (parameters: destination,
+    /// limit), lowest `seq` first.
+    pub(crate) release_held: Arc<str>,
+    /// The destinations that hold rows after `?`, at most `?` (a loose index scan of
+    /// `outbox_messages_held_for`).
+    pub(crate) held_destinations: Arc<str>,
     pub(crate) inbox_claim: Arc<str>,
     pub(crate) inbox_purge: Arc<str>,
 }
@@ -136,9 +151,11 @@ impl Queries {
             complete: s(format!(
                 "UPDATE {t} m JOIN {COMPLETIONS} ON m.id = UNHEX(u.i)
                     SET m.attempts = CASE WHEN u.r = 1 THEN GREATEST(m.attempts - 1, 0) ELSE m.attempts END,
-                        m.visible_at = CASE WHEN u.s = 0 AND (u.r = 0 OR u.d > 0)
+                        m.visible_at = CASE WHEN u.h IS NOT NULL THEN {HELD_VISIBLE_AT}
+                                            WHEN u.s = 0 AND u.r = 0
                                             THEN NOW(6) + INTERVAL u.d MICROSECOND
                                             ELSE m.visible_at END,
+                        m.held_for = u.h,
                         m.last_error = COALESCE(u.e, m.last_error),
                         m.first_failed_at = CASE WHEN u.e IS NULL THEN m.first_failed_at
                                                  ELSE COALESCE(m.first_failed_at, NOW(6)) END,
@@ -200,6 +217,28 @@ impl Queries {
                   WHERE h.status = 3 OR (h.status = 0 AND h.attempts > 0 AND h.visible_at > NOW(6))
                   ORDER BY h.first_failed_at IS NULL, h.first_failed_at, h.seq
                   LIMIT ?"
+            )),
+            held_trial: s(format!(
+                "SELECT m.id FROM {t} m
+                  WHERE m.held_for = ? AND m.phase = 0 AND m.status = 0
+                    AND (? = 0 OR (
+                         NOT EXISTS (SELECT 1 FROM {t} p
+                                      WHERE p.phase = 0 AND p.order_key = m.order_key
+                                        AND p.seq < m.seq)
+                         AND NOT (? = 1 AND EXISTS (
+                             SELECT 1 FROM {t} x
+                              WHERE x.phase = 3 AND x.order_key = m.order_key
+                                AND x.seq < m.seq))))
+                  ORDER BY m.held_for, m.seq LIMIT 1 FOR UPDATE SKIP LOCKED"
+            )),
+            release_held: s(format!(
+                "UPDATE {t} SET visible_at = NOW(6), held_for = NULL
+                  WHERE held_for = ? AND phase = 0 AND status = 0
+                  ORDER BY held_for, seq LIMIT ?"
+            )),
+            held_destinations: s(format!(
+                "SELECT DISTINCT held_for FROM {t} WHERE held_for > ?
+                  ORDER BY held_for LIMIT ?"
             )),
             // `INSERT IGNORE` on the primary key: 1 row inserted, or 0 for a duplicate.
             // A concurrent claim of the same pair waits on the first one's uncommitted

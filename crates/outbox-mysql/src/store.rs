@@ -740,6 +740,49 @@ impl OutboxStore for MySqlOutbox {
         self.complete_statements(completions).await
     }
 
+    /// One `READ COMMITTED` transaction: each destination's trial row locked (`FOR
+    /// UPDATE SKIP LOCKED`), made visible and no longer held, claimed as `claim` claims,
+    /// read back; retried on a deadlock.
+    async fn claim_held(
+        &self,
+        destinations: &[String],
+        lease: Duration,
+        order: Option<OnDead>,
+    ) -> Result<ClaimedBatch, OutboxError> {
+        if destinations.is_empty() {
+            return Ok(ClaimedBatch::default());
+        }
+        self.retry_deadlocks(|| self.claim_held_once(destinations, lease, order))
+            .await
+    }
+
+    async fn release_held(&self, destination: &str, limit_rows: usize) -> Result<u64, OutboxError> {
+        let done = self
+            .retry_deadlocks(|| async {
+                sqlx::query(sql(&self.q.release_held))
+                    .bind(destination)
+                    .bind(limit(limit_rows))
+                    .execute(&self.pool)
+                    .await
+                    .map_err(db("release_held"))
+            })
+            .await?;
+        Ok(done.rows_affected())
+    }
+
+    async fn held_destinations(
+        &self,
+        after: &str,
+        limit_rows: usize,
+    ) -> Result<Vec<String>, OutboxError> {
+        sqlx::query_scalar(sql(&self.q.held_destinations))
+            .bind(after)
+            .bind(limit(limit_rows))
+            .fetch_all(&self.pool)
+            .await
+            .map_err(db("held_destinations"))
+    }
+
     async fn get(&self, id: Uuid) -> Result<Option<OutboxMessage>, OutboxError> {
         let row = sqlx::query(sql(&self.q.get))
             .bind(id)
@@ -905,6 +948,45 @@ impl MySqlOutbox {
         decode_claim(&rows, token)
     }
 
+    async fn claim_held_once(
+        &self,
+        destinations: &[String],
+        lease: Duration,
+        order: Option<OnDead>,
+    ) -> Result<ClaimedBatch, OutboxError> {
+        let token = Uuid::new_v4();
+        let mut tx = self.begin_read_committed("claim_held").await?;
+        let mut ids = Vec::with_capacity(destinations.len());
+        for dest in destinations {
+            let id: Option<Uuid> = sqlx::query_scalar(sql(&self.q.held_trial))
+                .bind(dest)
+                .bind(i32::from(order.is_some()))
+                .bind(i32::from(order == Some(OnDead::Block)))
+                .fetch_optional(&mut *tx)
+                .await
+                .map_err(db("claim_held"))?;
+            ids.extend(id);
+        }
+        if ids.is_empty() {
+            tx.commit().await.map_err(db("claim_held"))?;
+            return Ok(ClaimedBatch::default());
+        }
+        let mut unhold = sqlx::query(AssertSqlSafe(format!(
+            "UPDATE {} SET visible_at = NOW(6), held_for = NULL WHERE id IN ({})",
+            self.q.table,
+            placeholders(ids.len())
+        )));
+        for id in &ids {
+            unhold = unhold.bind(*id);
+        }
+        unhold.execute(&mut *tx).await.map_err(db("claim_held"))?;
+        let rows = self
+            .claim_rows(&mut tx, &ids, lease, token, false, "claim_held")
+            .await?;
+        tx.commit().await.map_err(db("claim_held"))?;
+        decode_claim(&rows, token)
+    }
+
     async fn claim_ordered_once(
         &self,
         batch_size: usize,
@@ -980,12 +1062,9 @@ impl MySqlOutbox {
                     (MessageStatus::Dead, 0, Some(error.as_str()), false)
                 }
                 CompletionOutcome::Release => (MessageStatus::New, 0, None, true),
-                CompletionOutcome::Defer { delay, error } => (
-                    MessageStatus::New,
-                    micros(*delay),
-                    Some(error.as_str()),
-                    true,
-                ),
+                CompletionOutcome::Hold { error, .. } => {
+                    (MessageStatus::New, 0, Some(error.as_str()), true)
+                }
             };
             let mut row = serde_json::Map::new();
             row.insert("i".into(), c.id.simple().to_string().into());
@@ -996,6 +1075,9 @@ impl MySqlOutbox {
                 row.insert("e".into(), sanitize_error(e).into_owned().into());
             }
             row.insert("r".into(), i32::from(release).into());
+            if let CompletionOutcome::Hold { destination, .. } = &c.outcome {
+                row.insert("h".into(), destination.as_str().into());
+            }
             rows.push(serde_json::Value::Object(row));
         }
         let json = serde_json::Value::Array(rows).to_string();

@@ -73,10 +73,15 @@ const MIGRATIONS: &[(i32, &str, &str)] = &[
         "the WAL relay's parked rows: parked_until, parked_for and their indexes",
         include_str!("../migrations/0012_parked.sql"),
     ),
+    (
+        13,
+        "the polling relay's held rows: held_for and its index",
+        include_str!("../migrations/0013_held.sql"),
+    ),
 ];
 
 /// The highest migration version this crate knows.
-pub const LATEST_VERSION: i32 = 12;
+pub const LATEST_VERSION: i32 = 13;
 
 /// Creates `schema` if needed and applies every migration not yet applied. Returns the
 /// versions applied by this call.

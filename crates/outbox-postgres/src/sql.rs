@@ -223,11 +223,12 @@ fn claim_ordered_statement(table: &str, returning: &str) -> String {
 }
 
 /// The completions of a batch as rows `u(id, token, status, delay_secs, error,
-/// release)`: `$1` ids, `$2` claim tokens, `$3` target status codes, `$4` retry delays in
-/// seconds, `$5` errors, `$6` whether the outcome is a release.
+/// release, held_for)`: `$1` ids, `$2` claim tokens, `$3` target status codes, `$4` retry
+/// delays in seconds, `$5` errors, `$6` whether the outcome is a release, `$7` the
+/// destination a held row waits for (`NULL`: not held).
 const COMPLETIONS: &str =
-    "UNNEST($1::uuid[], $2::uuid[], $3::int2[], $4::float8[], $5::text[], $6::bool[])
-                        AS u(id, token, status, delay_secs, error, release)";
+    "UNNEST($1::uuid[], $2::uuid[], $3::int2[], $4::float8[], $5::text[], $6::bool[], $7::text[])
+                        AS u(id, token, status, delay_secs, error, release, held_for)";
 
 /// Sent completions as rows `u(id, token)`: `$1` ids, `$2` claim tokens.
 const SENT_COMPLETIONS: &str = "UNNEST($1::uuid[], $2::uuid[]) AS u(id, token)";
@@ -242,16 +243,19 @@ const FENCE: &str = "m.id = u.id AND m.claim_token = u.token AND m.status + 0 = 
 
 /// Records the completions `u` read from `source` (those matching `filter` too), fenced
 /// by [`FENCE`], returning the ids applied. A release (Processing → New, no charge)
-/// changes no indexed column: a HOT update when its page has room. A deferral is a
-/// release with a delay (`release` and `delay_secs > 0`): it moves `visible_at`.
+/// changes no indexed column: a HOT update when its page has room. A held row
+/// (`held_for` set: a release that waits for its destination's trial) moves to
+/// [`HELD_VISIBLE_AT`], out of every claim's walk, once.
 fn completion_update(table: &str, source: &str, filter: &str) -> String {
     format!(
         "UPDATE {table} m
             SET status = u.status,
                 attempts = CASE WHEN u.release THEN greatest(m.attempts - 1, 0) ELSE m.attempts END,
-                visible_at = CASE WHEN u.status = 0 AND (NOT u.release OR u.delay_secs > 0)
+                visible_at = CASE WHEN u.held_for IS NOT NULL THEN {HELD_VISIBLE_AT}
+                                  WHEN u.status = 0 AND NOT u.release
                                   THEN now() + make_interval(secs => u.delay_secs)
                                   ELSE m.visible_at END,
+                held_for = u.held_for,
                 last_error = COALESCE(u.error, m.last_error),
                 first_failed_at = CASE WHEN u.error IS NULL THEN m.first_failed_at
                                        ELSE COALESCE(m.first_failed_at, now()) END,
@@ -266,6 +270,44 @@ fn completion_update(table: &str, source: &str, filter: &str) -> String {
     )
 }
 
+/// The trials of held destinations: for each destination of `$1`, its held row with the
+/// lowest `seq`, locked `FOR UPDATE SKIP LOCKED`; with `$4` (per-key order) only a row
+/// that heads its key (no earlier pending row, and under `$5` no earlier Dead one).
+/// Claimed as [`claim_statement`] claims, and no longer held: visible now, so that a
+/// relay that dies holding it leaves an ordinary expired lease. `$2` lease in seconds,
+/// `$3` claim token.
+fn claim_held_statement(table: &str, returning: &str) -> String {
+    format!(
+        "UPDATE {table} m
+            SET status = 9,
+                lease_until = now() + make_interval(secs => $2),
+                claim_token = $3,
+                attempts = m.attempts + 1,
+                unfinished_claims = m.unfinished_claims + 1,
+                visible_at = now(),
+                held_for = NULL
+          WHERE m.id = ANY(ARRAY(
+                SELECT h.id FROM UNNEST($1::text[]) AS d(dest) CROSS JOIN LATERAL (
+                    SELECT c.id FROM {table} c
+                     WHERE c.held_for = d.dest AND c.phase = 0 AND c.status = 0
+                       AND (NOT $4 OR (
+                            NOT EXISTS (SELECT 1 FROM {table} p
+                                         WHERE p.order_key = c.order_key AND p.phase = 0
+                                           AND p.seq < c.seq)
+                            AND NOT ($5 AND EXISTS (
+                                SELECT 1 FROM {table} x
+                                 WHERE x.order_key = c.order_key AND x.phase = 3
+                                   AND x.seq < c.seq))))
+                     ORDER BY c.seq LIMIT 1 FOR UPDATE SKIP LOCKED) h))
+         RETURNING {returning}"
+    )
+}
+
+/// The `visible_at` of a held row: past every claim's walk, and still a time every
+/// client decodes (`'infinity'` is not one for chrono, which `get` and the admin
+/// listings would fail on).
+pub(crate) const HELD_VISIBLE_AT: &str = "'9999-12-31 00:00:00+00'::timestamptz";
+
 #[derive(Debug)]
 pub(crate) struct Queries {
     pub(crate) enqueue: Arc<str>,
@@ -274,6 +316,13 @@ pub(crate) struct Queries {
     /// claim floor.
     pub(crate) claim_floor: Arc<str>,
     pub(crate) claim_ordered: Arc<str>,
+    /// See [`claim_held_statement`].
+    pub(crate) claim_held: Arc<str>,
+    /// Releases up to `$2` held rows of destination `$1`, lowest `seq` first.
+    pub(crate) release_held: Arc<str>,
+    /// The destinations that hold rows after `$1`, at most `$2`: a loose index scan of
+    /// `outbox_messages_held_for` (one probe per destination, never the rows).
+    pub(crate) held_destinations: Arc<str>,
     pub(crate) blocked_keys: Arc<str>,
     pub(crate) complete: Arc<str>,
     pub(crate) complete_deleting_sent: Arc<str>,
@@ -345,6 +394,25 @@ impl Queries {
                   ORDER BY visible_at, seq LIMIT 1"
             )),
             claim_ordered: s(claim_ordered_statement(&t, &format!("{COLUMNS}, m.unfinished_claims, m.unfinished_alone"))),
+            claim_held: s(claim_held_statement(&t, &format!("{COLUMNS}, m.unfinished_claims, m.unfinished_alone"))),
+            release_held: s(format!(
+                "UPDATE {t} m SET visible_at = now(), held_for = NULL
+                  WHERE m.id = ANY(ARRAY(
+                        SELECT c.id FROM {t} c
+                         WHERE c.held_for = $1 AND c.phase = 0 AND c.status = 0
+                         ORDER BY c.seq LIMIT $2 FOR UPDATE SKIP LOCKED))"
+            )),
+            held_destinations: s(format!(
+                "WITH RECURSIVE d(k) AS (
+                     SELECT (SELECT c.held_for FROM {t} c WHERE c.held_for > $1
+                              ORDER BY c.held_for LIMIT 1)
+                     UNION ALL
+                     SELECT (SELECT c.held_for FROM {t} c WHERE c.held_for > d.k
+                              ORDER BY c.held_for LIMIT 1)
+                       FROM d WHERE d.k IS NOT NULL
+                 )
+                 SELECT k FROM d WHERE k IS NOT NULL LIMIT $2"
+            )),
             // Keys whose head (first unfinished row, Dead included) is Dead or waiting out
             // a retry backoff. Candidates: keys with a Dead row, and keys with a retried
             // New row not yet visible (the pending index's future range).

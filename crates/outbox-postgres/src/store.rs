@@ -585,9 +585,14 @@ impl OutboxStore for PgOutbox {
             Vec::with_capacity(n),
             Vec::with_capacity(n),
         );
+        let mut held: Vec<Option<&str>> = Vec::with_capacity(n);
         for c in completions {
             ids.push(c.id);
             tokens.push(c.claim_token);
+            held.push(match &c.outcome {
+                CompletionOutcome::Hold { destination, .. } => Some(destination.as_str()),
+                _ => None,
+            });
             let (status, delay, error, release) = match &c.outcome {
                 CompletionOutcome::Sent => (MessageStatus::Sent, 0.0, None, false),
                 CompletionOutcome::Retry { delay, error } => (
@@ -600,12 +605,9 @@ impl OutboxStore for PgOutbox {
                     (MessageStatus::Dead, 0.0, Some(error.as_str()), false)
                 }
                 CompletionOutcome::Release => (MessageStatus::New, 0.0, None, true),
-                CompletionOutcome::Defer { delay, error } => (
-                    MessageStatus::New,
-                    delay.as_secs_f64(),
-                    Some(error.as_str()),
-                    true,
-                ),
+                CompletionOutcome::Hold { error, .. } => {
+                    (MessageStatus::New, 0.0, Some(error.as_str()), true)
+                }
             };
             statuses.push(status.code());
             delays.push(delay);
@@ -623,10 +625,56 @@ impl OutboxStore for PgOutbox {
             .bind(&delays)
             .bind(&errors)
             .bind(&releases)
+            .bind(&held)
             .fetch_all(&self.pool)
             .await
             .map_err(db("complete"))?;
         Ok(report(ids, &applied))
+    }
+
+    async fn claim_held(
+        &self,
+        destinations: &[String],
+        lease: Duration,
+        order: Option<OnDead>,
+    ) -> Result<ClaimedBatch, OutboxError> {
+        if destinations.is_empty() {
+            return Ok(ClaimedBatch::default());
+        }
+        let token = Uuid::new_v4();
+        let rows = sqlx::query(sql(&self.q.claim_held))
+            .bind(destinations)
+            .bind(lease.as_secs_f64())
+            .bind(token)
+            .bind(order.is_some())
+            .bind(order == Some(OnDead::Block))
+            .fetch_all(&self.pool)
+            .await
+            .map_err(db("claim_held"))?;
+        decode_claim(&rows, token)
+    }
+
+    async fn release_held(&self, destination: &str, limit: usize) -> Result<u64, OutboxError> {
+        let done = sqlx::query(sql(&self.q.release_held))
+            .bind(destination)
+            .bind(self::limit(limit))
+            .execute(&self.pool)
+            .await
+            .map_err(db("release_held"))?;
+        Ok(done.rows_affected())
+    }
+
+    async fn held_destinations(
+        &self,
+        after: &str,
+        limit: usize,
+    ) -> Result<Vec<String>, OutboxError> {
+        sqlx::query_scalar(sql(&self.q.held_destinations))
+            .bind(after)
+            .bind(self::limit(limit))
+            .fetch_all(&self.pool)
+            .await
+            .map_err(db("held_destinations"))
     }
 
     async fn get(&self, id: Uuid) -> Result<Option<OutboxMessage>, OutboxError> {

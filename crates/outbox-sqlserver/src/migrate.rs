@@ -49,14 +49,19 @@ pub(crate) const MIGRATIONS: &[(i32, &str, &str)] = &[
         "relay heartbeats: outbox_relays",
         include_str!("../migrations/0007_relays.sql"),
     ),
+    (
+        8,
+        "the polling relay's held rows: held_for and its index",
+        include_str!("../migrations/0008_held.sql"),
+    ),
 ];
 
 /// The highest migration version this crate knows. Versions 1 to 3 match the PostgreSQL
 /// backend's; 4 is its 6 (the crash-loop guard), 5 its 4 (the archive tables of
-/// `outbox purge --archive`), 6 its 8 (the crash-loop guard's isolation) and 7 its 10
-/// (relay heartbeats); PostgreSQL's 5 (HOT claims), 7 and 9 (NOTIFY) have no SQL Server
-/// counterpart.
-pub const LATEST_VERSION: i32 = 7;
+/// `outbox purge --archive`), 6 its 8 (the crash-loop guard's isolation), 7 its 10
+/// (relay heartbeats) and 8 its 13 (held rows); PostgreSQL's 5 (HOT claims), 7 and 9
+/// (NOTIFY), 11 (autovacuum) and 12 (the WAL relay) have no SQL Server counterpart.
+pub const LATEST_VERSION: i32 = 8;
 
 /// Takes the migration lock (waiting up to 60 s) and creates the schema when missing.
 /// `@P1` lock resource, `@P2` schema name (validated; quoted again with QUOTENAME).

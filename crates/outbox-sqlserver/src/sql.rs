@@ -615,7 +615,11 @@ const COMPLETION_FIELDS: &[(&str, &str)] = &[
     ("delay_ms", "bigint"),
     ("error", "nvarchar(max)"),
     ("release", "bit"),
+    ("held_for", "nvarchar(255)"),
 ];
+
+/// The `visible_at` of a held row: past every claim's walk (datetime2 has no infinity).
+const HELD_VISIBLE_AT: &str = "CAST('9999-12-31T00:00:00' AS datetime2(7))";
 
 /// The fence of every completion: the row is Processing under the completion's token.
 const FENCE: &str = "m.claim_token = u.token AND m.status = 9";
@@ -632,11 +636,14 @@ fn completion_update(table: &str, filter: &str) -> String {
                         m.attempts = CASE WHEN u.release = 1
                                           THEN CASE WHEN m.attempts > 0 THEN m.attempts - 1 ELSE 0 END
                                           ELSE m.attempts END,
-                        m.visible_at = CASE WHEN u.status = 0 AND (u.release = 0 OR u.delay_ms > 0)
+                        m.visible_at = CASE WHEN u.held_for IS NOT NULL THEN {HELD_VISIBLE_AT}
+                                            WHEN u.status = 0 AND u.release = 0
                                             THEN {retry_at} ELSE m.visible_at END,
+                        m.held_for = u.held_for,
                         m.last_error = COALESCE(u.error, m.last_error),
                         m.sent_at = CASE WHEN u.status = 1 THEN @now END,
-                        m.first_failed_at = CASE WHEN m.first_failed_at IS NULL AND u.release = 0
+                        m.first_failed_at = CASE WHEN m.first_failed_at IS NULL
+                                                      AND (u.release = 0 OR u.held_for IS NOT NULL)
                                                       AND u.status IN (0, 3)
                                                  THEN @now ELSE m.first_failed_at END,
                         m.lease_until = NULL,
@@ -667,6 +674,57 @@ pub(crate) struct Queries {
     pub(crate) purge_sent: Arc<str>,
     pub(crate) inbox_claim: Arc<str>,
     pub(crate) inbox_purge: Arc<str>,
+    /// See [`claim_held_statement`].
+    pub(crate) claim_held: Arc<str>,
+    /// Releases up to `@P2` held rows of destination `@P1`, lowest `seq` first, in
+    /// statements of at most [`ROWS_PER_STATEMENT`] rows; ends with `affected`.
+    pub(crate) release_held: Arc<str>,
+    /// The destinations that hold rows after `@P1`, at most `@P2`: one seek of
+    /// `outbox_messages_held_for` per destination, never a scan of the rows.
+    pub(crate) held_destinations: Arc<str>,
+}
+
+/// The trials of held destinations: `@P1` a JSON array of destinations; for each, its
+/// held row with the lowest `seq`, locked `WITH (ROWLOCK, UPDLOCK, READPAST)`; with
+/// `@P4 = 1` (per-key order) only a row that heads its key (no earlier pending row, and
+/// with `@P5 = 1` no earlier Dead one). Claimed as the claim claims (`@P2` lease in ms,
+/// `@P3` claim token) and no longer held: visible now, so that a relay that dies holding
+/// it leaves an ordinary expired lease. Outputs the claimed rows as the claim does.
+fn claim_held_statement(table: &str, output: &str) -> String {
+    let lease = plus_ms("@now", "@P2");
+    format!(
+        "SET NOCOUNT ON;
+SET XACT_ABORT ON;
+DECLARE @now datetime2(7) = SYSUTCDATETIME();
+DECLARE @claim TABLE (id uniqueidentifier PRIMARY KEY);
+BEGIN TRANSACTION;
+INSERT INTO @claim (id)
+SELECT DISTINCT h.id
+  FROM OPENJSON(@P1) AS d
+ CROSS APPLY (
+    SELECT TOP (1) c.id FROM {table} AS c WITH (ROWLOCK, UPDLOCK, READPAST)
+     WHERE c.held_for = CAST(d.value AS nvarchar(255)) AND c.status = 0
+       AND (@P4 = 0 OR (
+            NOT EXISTS (SELECT 1 FROM {table} AS p WITH (NOLOCK)
+                         WHERE p.order_hash = c.order_hash AND p.status IN (0, 9)
+                           AND p.seq < c.seq)
+            AND NOT (@P5 = 1 AND EXISTS (
+                SELECT 1 FROM {table} AS x WITH (NOLOCK)
+                 WHERE x.order_hash = c.order_hash AND x.status = 3 AND x.seq < c.seq))))
+     ORDER BY c.seq) AS h;
+UPDATE m
+   SET m.status = 9,
+       m.lease_until = {lease},
+       m.claim_token = @P3,
+       m.attempts = m.attempts + 1,
+       m.unfinished_claims = m.unfinished_claims + 1,
+       m.visible_at = @now,
+       m.held_for = NULL
+OUTPUT {output}
+  FROM @claim AS c
+ INNER LOOP JOIN {table} AS m WITH (ROWLOCK, FORCESEEK) ON m.id = c.id;
+COMMIT TRANSACTION;"
+    )
 }
 
 impl Queries {
@@ -685,6 +743,32 @@ impl Queries {
         let claim_out =
             format!("{cols_out}, inserted.unfinished_claims, inserted.unfinished_alone");
         Self {
+            claim_held: s(claim_held_statement(&t, &claim_out)),
+            release_held: s(in_chunks(
+                Some("@P2"),
+                &format!(
+                    "WITH r AS (
+        SELECT TOP (@step) visible_at, held_for FROM {t} WITH (ROWLOCK, READPAST)
+         WHERE held_for = @P1 AND status = 0
+         ORDER BY held_for, seq)
+    UPDATE r SET visible_at = SYSUTCDATETIME(), held_for = NULL;"
+                ),
+            )),
+            held_destinations: s(format!(
+                "SET NOCOUNT ON;
+DECLARE @k nvarchar(255) = @P1, @next nvarchar(255), @n bigint = 0;
+DECLARE @out TABLE (n int IDENTITY PRIMARY KEY, destination nvarchar(255));
+WHILE @n < @P2
+BEGIN
+    SET @next = NULL;
+    SELECT TOP (1) @next = held_for FROM {t}
+     WHERE held_for > @k ORDER BY held_for;
+    IF @next IS NULL BREAK;
+    INSERT INTO @out (destination) VALUES (@next);
+    SELECT @k = @next, @n = @n + 1;
+END;
+SELECT destination FROM @out ORDER BY n;"
+            )),
             // One statement for any number of messages: `@P1` is a JSON array of
             // objects. `ORDER BY` the array index makes IDENTITY assign `seq` in the
             // caller's order (INSERT ... SELECT ... ORDER BY guarantees that).

@@ -270,12 +270,13 @@ fn encode_completions(completions: &[Completion]) -> String {
                     (MessageStatus::Dead, 0, Some(error.as_str()), false)
                 }
                 CompletionOutcome::Release => (MessageStatus::New, 0, None, true),
-                CompletionOutcome::Defer { delay, error } => (
-                    MessageStatus::New,
-                    millis(*delay),
-                    Some(error.as_str()),
-                    true,
-                ),
+                CompletionOutcome::Hold { error, .. } => {
+                    (MessageStatus::New, 0, Some(error.as_str()), true)
+                }
+            };
+            let held_for = match &c.outcome {
+                CompletionOutcome::Hold { destination, .. } => Some(destination.as_str()),
+                _ => None,
             };
             serde_json::json!({
                 "id": c.id,
@@ -284,6 +285,7 @@ fn encode_completions(completions: &[Completion]) -> String {
                 "delay_ms": delay,
                 "error": error.map(sanitize_error),
                 "release": release,
+                "held_for": held_for,
             })
         })
         .collect();
@@ -705,6 +707,65 @@ impl OutboxStore for MssqlOutbox {
             },
             elapsed: started.elapsed(),
         })
+    }
+
+    async fn claim_held(
+        &self,
+        destinations: &[String],
+        lease: Duration,
+        order: Option<OnDead>,
+    ) -> Result<ClaimedBatch, OutboxError> {
+        if destinations.is_empty() {
+            return Ok(ClaimedBatch::default());
+        }
+        let token = Uuid::new_v4();
+        let json = serde_json::to_string(destinations).map_err(|e| OutboxError::Decode {
+            id: "destinations".into(),
+            reason: e.to_string(),
+        })?;
+        let rows = self
+            .pool
+            .rows(
+                "claim_held",
+                &self.q.claim_held,
+                &[
+                    &json,
+                    &millis(lease),
+                    &token,
+                    &i32::from(order.is_some()),
+                    &i32::from(order == Some(OnDead::Block)),
+                ],
+            )
+            .await?;
+        claimed(&rows, token)
+    }
+
+    async fn release_held(&self, destination: &str, limit_rows: usize) -> Result<u64, OutboxError> {
+        self.pool
+            .affected(
+                "release_held",
+                &self.q.release_held,
+                &[&destination, &limit(limit_rows)],
+            )
+            .await
+    }
+
+    async fn held_destinations(
+        &self,
+        after: &str,
+        limit_rows: usize,
+    ) -> Result<Vec<String>, OutboxError> {
+        let rows = self
+            .pool
+            .rows(
+                "held_destinations",
+                &self.q.held_destinations,
+                &[&after, &limit(limit_rows)],
+            )
+            .await?;
+        rows.iter()
+            .map(|row| req::<&str>(row, "destination", "held_destinations").map(str::to_owned))
+            .collect()
     }
 
     async fn purge_sent(

@@ -85,13 +85,10 @@ impl<S: OutboxStore, P: EventPublisher> Dispatcher<S, P> {
                 crate::metrics::publish_failed(crate::ErrorKind::Unavailable, &msg.event_type);
                 crate::metrics::deferred(&msg.event_type);
                 report.deferred += 1;
-                let delay = self
-                    .destinations
-                    .hold_for(super::destinations::destination(msg))
-                    .max(self.config.probe_initial);
-                debug!(id = %msg.id, event_type = %msg.event_type, delay_ms = delay.as_millis() as u64, error = %e, "its destination refused it: held back without charge");
-                CompletionOutcome::Defer {
-                    delay,
+                let destination = super::destinations::destination(msg).to_owned();
+                debug!(id = %msg.id, event_type = %msg.event_type, destination = %destination, error = %e, "its destination refused it: held without charge until the destination's trial succeeds");
+                CompletionOutcome::Hold {
+                    destination,
                     error: e.to_string(),
                 }
             }

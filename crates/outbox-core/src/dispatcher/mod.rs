@@ -14,7 +14,10 @@
 //! - `decide`: each message's outcome turned into its completion;
 //! - `circuit`: the circuit breaker (closed, open, half-open with a one-message trial);
 //! - `destinations`: one circuit per destination (routing key), so that a full queue or
-//!   stream holds back only its own messages;
+//!   stream holds back only its own messages, held out of the claim path;
+//! - `trials`: the task that tries held destinations, releases their rows once a trial
+//!   is confirmed, and finds the circuits the table holds (after a restart, beyond
+//!   [`MAX_CIRCUITS`]);
 //! - `config`: [`DispatcherConfig`];
 //! - `stats`: [`DispatcherStats`] and [`BatchReport`].
 //!
@@ -30,6 +33,7 @@ mod publish;
 mod publisher_stage;
 mod run;
 pub mod stats;
+mod trials;
 mod waves;
 
 use std::sync::Arc;
@@ -37,6 +41,7 @@ use std::sync::Arc;
 use tokio::sync::Notify;
 
 pub use config::{DEFAULT_DRAIN_TIMEOUT, DEFAULT_MIN_POLL_INTERVAL, DispatcherConfig};
+pub use destinations::{MAX_CIRCUITS, RELEASE_CHUNK, TRIALS_PER_SECOND};
 pub use publish::publish_guarded;
 pub use stats::{BatchReport, DispatcherStats};
 
@@ -81,10 +86,13 @@ impl WakeHandle {
 ///   [`PublishError::Rejected`](crate::PublishError::Rejected): a queue full with
 ///   `reject-publish`, a JetStream stream full or without a leader): that
 ///   **destination's circuit opens** (a destination is a routing key): its messages
-///   are held back without charging an attempt
-///   ([`CompletionOutcome::Defer`](crate::CompletionOutcome::Defer)) and one of them is
-///   tried alone after 500 ms, 1 s, ... up to the probe cap; every other destination
-///   keeps flowing at full rate;
+///   are held without charging an attempt, out of every claim's path
+///   ([`CompletionOutcome::Hold`](crate::CompletionOutcome::Hold)), and one of them is
+///   tried alone after 500 ms, 1 s, ... up to the probe cap; when the destination
+///   takes it, its held messages are released. Every other destination keeps flowing
+///   at full rate, however many messages are held. At most [`MAX_CIRCUITS`] circuits
+///   are kept in memory (the table holds the rest, tried in turn) and refused trials
+///   are limited to [`TRIALS_PER_SECOND`];
 /// - **the broker cannot take messages** (unreachable, no confirmation in time, blocked
 ///   by a resource alarm, a publisher call longer than its publish timeout): the
 ///   **circuit opens**: unpublished messages are released without charging an
@@ -140,7 +148,8 @@ impl<S: OutboxStore, P: EventPublisher> Dispatcher<S, P> {
     /// A dispatcher over `store` and `publisher`.
     pub fn new(store: Arc<S>, publisher: Arc<P>, config: DispatcherConfig) -> Self {
         let circuit = Circuit::new(config.probe_initial, config.probe_max);
-        let destinations = Destinations::new(config.probe_initial, config.probe_max);
+        let destinations =
+            Destinations::new(config.probe_initial, config.probe_max, config.batch_size);
         Self {
             store,
             publisher,
@@ -168,10 +177,15 @@ impl<S: OutboxStore, P: EventPublisher> Dispatcher<S, P> {
         self.circuit.is_open()
     }
 
-    /// Whether some destination's circuit is open (it refused messages and no trial of
-    /// it has been confirmed since): its messages are held back, the others flow.
+    /// Whether some destination's circuit is open in memory (it refused messages and no
+    /// trial of it has been confirmed since): its messages are held, the others flow.
     pub fn destination_circuit_open(&self) -> bool {
         self.destinations.any_open()
+    }
+
+    /// How many destination circuits are open in memory (at most [`MAX_CIRCUITS`]).
+    pub fn destination_circuits(&self) -> usize {
+        self.destinations.open_count()
     }
 }
 

@@ -27,6 +27,11 @@ pub(super) enum Mode {
     Trial,
     /// [`Dispatcher::run_batch`]: publish whatever the circuit says; an outage opens it.
     Once,
+    /// The trials of held destinations (one message each, claimed by
+    /// [`claim_held`](crate::OutboxStore::claim_held)): published although their
+    /// destinations' circuits are open; a confirmation closes a circuit and releases
+    /// its held rows, a refusal holds the message again. Like `Normal` otherwise.
+    Held,
 }
 
 impl<S: OutboxStore, P: EventPublisher> Dispatcher<S, P> {
@@ -106,7 +111,7 @@ impl<S: OutboxStore, P: EventPublisher> Dispatcher<S, P> {
         let started = std::time::Instant::now();
         let outcomes: Vec<Option<PublishOutcome>> = if messages.is_empty() {
             Vec::new()
-        } else if mode == Mode::Normal && self.circuit.is_open() {
+        } else if matches!(mode, Mode::Normal | Mode::Held) && self.circuit.is_open() {
             // The broker is known to be unable to take messages: hand the batch back.
             messages
                 .iter()
@@ -118,9 +123,13 @@ impl<S: OutboxStore, P: EventPublisher> Dispatcher<S, P> {
                 })
                 .collect()
         } else {
-            // Messages of a destination whose circuit is open are held back, but for one
-            // trial when it is due; the rest go.
-            let admits = self.destinations.admit(&messages);
+            // Messages of a destination whose circuit is open are held; the rest go (the
+            // trials of held destinations all go).
+            let admits = if mode == Mode::Held {
+                vec![Admit::Go; messages.len()]
+            } else {
+                self.destinations.admit(&messages)
+            };
             let go: Vec<usize> = self.admitted(&messages, &admits);
             let span = info_span!(
                 "outbox.publish",
@@ -155,7 +164,7 @@ impl<S: OutboxStore, P: EventPublisher> Dispatcher<S, P> {
             };
             match published {
                 Some(outcomes) => {
-                    self.note_destinations(&messages, &go, &outcomes);
+                    self.note_destinations(&messages, &go, &outcomes, mode == Mode::Held);
                     let mut all: Vec<Option<PublishOutcome>> = held_outcomes(&messages, &admits);
                     for (&i, outcome) in go.iter().zip(outcomes) {
                         all[i] = outcome;
@@ -204,13 +213,13 @@ fn held_outcomes(messages: &[OutboxMessage], admits: &[Admit]) -> Vec<Option<Pub
         .iter()
         .zip(admits)
         .map(|(msg, admit)| match admit {
-            Admit::Hold(_) => Some(PublishOutcome::Transient(PublishError::Rejected {
+            Admit::Hold => Some(PublishOutcome::Transient(PublishError::Rejected {
                 reason: format!(
-                    "held back: destination {:?} refused messages and is tried again later",
+                    "held: destination {:?} refused messages and is tried again later",
                     destination(msg)
                 ),
             })),
-            Admit::Go | Admit::Trial => None,
+            Admit::Go => None,
         })
         .collect()
 }
@@ -228,8 +237,8 @@ impl<S: OutboxStore, P: EventPublisher> Dispatcher<S, P> {
                 continue;
             }
             match admit {
-                Admit::Go | Admit::Trial => go.push(i),
-                Admit::Hold(_) => {
+                Admit::Go => go.push(i),
+                Admit::Hold => {
                     if ordered {
                         held_keys.insert(msg.order_key());
                     }
@@ -241,12 +250,14 @@ impl<S: OutboxStore, P: EventPublisher> Dispatcher<S, P> {
 
     /// Updates the destination circuits from what the broker said: a destination that
     /// refused a message (a full queue or stream) opens, or keeps open with a longer
-    /// delay; one that took every message of the batch closes.
+    /// delay; one that took every message of the batch closes. `trials`: the batch is
+    /// the trials of held destinations (see [`Mode::Held`]).
     fn note_destinations(
         &self,
         messages: &[OutboxMessage],
         published: &[usize],
         outcomes: &[Option<PublishOutcome>],
+        trials: bool,
     ) {
         let mut refused = std::collections::BTreeSet::new();
         let mut accepted = std::collections::BTreeSet::new();
@@ -264,6 +275,10 @@ impl<S: OutboxStore, P: EventPublisher> Dispatcher<S, P> {
         }
         for dest in &refused {
             let (delay, opened) = self.destinations.refused(dest);
+            if trials {
+                self.counters.refused_trials.fetch_add(1, Relaxed);
+                self.destinations.rotate(dest);
+            }
             if opened {
                 self.counters
                     .destination_circuits_opened
@@ -272,8 +287,11 @@ impl<S: OutboxStore, P: EventPublisher> Dispatcher<S, P> {
             }
         }
         for dest in accepted.difference(&refused) {
-            if self.destinations.accepted(dest) {
-                info!(destination = %dest, "the destination takes messages again: its circuit is closed");
+            if trials {
+                self.destinations.trial_confirmed();
+            }
+            if self.destinations.accepted(dest, trials) || trials {
+                info!(destination = %dest, "the destination takes messages again: its circuit is closed and its held messages are released");
             }
         }
     }

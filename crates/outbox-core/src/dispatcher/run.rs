@@ -115,6 +115,12 @@ impl<S: OutboxStore, P: EventPublisher> Dispatcher<S, P> {
                 Ok(())
             });
         }
+        {
+            let this = self.clone();
+            let tx = done_tx.clone();
+            let stop = stop.clone();
+            tasks.spawn(async move { this.trials(tx, stop).await });
+        }
         drop(done_tx);
         {
             let this = self.clone();

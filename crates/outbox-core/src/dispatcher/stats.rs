@@ -23,8 +23,9 @@ pub struct DispatcherStats {
     pub poison: u64,
     /// Messages handed back without charging an attempt (outage or shutdown).
     pub released: u64,
-    /// Messages held back without charging an attempt because their destination
-    /// refused messages (a full queue or stream).
+    /// Messages held without charging an attempt because their destination refused
+    /// messages (a full queue or stream): out of the claim path until its trial succeeds
+    /// ([`CompletionOutcome::Hold`](crate::CompletionOutcome::Hold)).
     pub deferred: u64,
     /// Completions that changed nothing because another claim took over (stale lease).
     pub fenced: u64,
@@ -32,6 +33,14 @@ pub struct DispatcherStats {
     pub circuit_opened: u64,
     /// Times a destination's circuit opened because it refused messages.
     pub destination_circuits_opened: u64,
+    /// Trials of held destinations published (one held message alone each).
+    pub destination_trials: u64,
+    /// Of `destination_trials`: those the destination refused again (at most
+    /// [`TRIALS_PER_SECOND`](crate::dispatcher::TRIALS_PER_SECOND) a second, over a
+    /// burst).
+    pub destination_trials_refused: u64,
+    /// Held messages released once their destination's trial was confirmed.
+    pub held_released: u64,
     /// Time publishers spent publishing batches, awaiting the broker's confirmations
     /// included, in microseconds, summed over the concurrent publishers.
     pub publish_micros: u64,
@@ -55,6 +64,9 @@ pub(super) struct Counters {
     pub(super) fenced: AtomicU64,
     pub(super) circuit_opened: AtomicU64,
     pub(super) destination_circuits_opened: AtomicU64,
+    pub(super) destination_trials: AtomicU64,
+    pub(super) refused_trials: AtomicU64,
+    pub(super) held_released: AtomicU64,
     pub(super) publish_micros: AtomicU64,
     pub(super) claim_wait_micros: AtomicU64,
 }
@@ -74,6 +86,9 @@ impl Counters {
             fenced: get(&self.fenced),
             circuit_opened: get(&self.circuit_opened),
             destination_circuits_opened: get(&self.destination_circuits_opened),
+            destination_trials: get(&self.destination_trials),
+            destination_trials_refused: get(&self.refused_trials),
+            held_released: get(&self.held_released),
             publish_micros: get(&self.publish_micros),
             claim_wait_micros: get(&self.claim_wait_micros),
         }
@@ -108,7 +123,7 @@ pub struct BatchReport {
     pub poison: usize,
     /// Released without charge.
     pub released: usize,
-    /// Held back without charge for their destination.
+    /// Held without charge for their destination.
     pub deferred: usize,
     /// Completions fenced out.
     pub fenced: usize,

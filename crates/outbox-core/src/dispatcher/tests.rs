@@ -42,6 +42,8 @@ struct Rows {
     poison: StdMutex<Vec<PoisonRow>>,
     reject_completions: Option<ErrorKind>,
     claims: AtomicUsize,
+    /// Held rows' destinations, by id.
+    held: StdMutex<std::collections::HashMap<Uuid, String>>,
 }
 
 impl Rows {
@@ -68,7 +70,11 @@ impl OutboxStore for Rows {
         let token = Uuid::new_v4();
         let mut rows = self.rows.lock().expect("lock");
         let mut messages = Vec::new();
-        for m in rows.iter_mut().filter(|m| m.status == MessageStatus::New) {
+        let now = Utc::now();
+        for m in rows
+            .iter_mut()
+            .filter(|m| m.status == MessageStatus::New && m.visible_at <= now)
+        {
             if messages.len() == batch_size {
                 break;
             }
@@ -128,14 +134,73 @@ impl OutboxStore for Rows {
                     m.status = MessageStatus::New;
                     m.attempts -= 1;
                 }
-                CompletionOutcome::Defer { error, .. } => {
+                CompletionOutcome::Hold { destination, error } => {
                     m.status = MessageStatus::New;
                     m.attempts -= 1;
+                    m.visible_at = chrono::DateTime::<Utc>::MAX_UTC;
                     m.last_error = Some(error.clone());
+                    self.held
+                        .lock()
+                        .expect("lock")
+                        .insert(m.id, destination.clone());
                 }
             }
         }
         Ok(report)
+    }
+
+    async fn claim_held(
+        &self,
+        destinations: &[String],
+        _lease: Duration,
+        _order: Option<OnDead>,
+    ) -> Result<ClaimedBatch, OutboxError> {
+        let token = Uuid::new_v4();
+        let mut rows = self.rows.lock().expect("lock");
+        let mut held = self.held.lock().expect("lock");
+        let mut messages = Vec::new();
+        for dest in destinations {
+            let Some(m) = rows.iter_mut().find(|m| {
+                m.status == MessageStatus::New && held.get(&m.id).is_some_and(|d| d == dest)
+            }) else {
+                continue;
+            };
+            held.remove(&m.id);
+            m.status = MessageStatus::Processing;
+            m.visible_at = Utc::now();
+            m.claim_token = Some(token);
+            m.attempts += 1;
+            messages.push(m.clone());
+        }
+        Ok(ClaimedBatch::new(messages, Vec::new()))
+    }
+
+    async fn release_held(&self, destination: &str, limit: usize) -> Result<u64, OutboxError> {
+        let mut rows = self.rows.lock().expect("lock");
+        let mut held = self.held.lock().expect("lock");
+        let mut released = 0;
+        for m in rows.iter_mut() {
+            if released as usize == limit {
+                break;
+            }
+            if m.status == MessageStatus::New && held.get(&m.id).is_some_and(|d| d == destination) {
+                held.remove(&m.id);
+                m.visible_at = Utc::now();
+                released += 1;
+            }
+        }
+        Ok(released)
+    }
+
+    async fn held_destinations(
+        &self,
+        after: &str,
+        limit: usize,
+    ) -> Result<Vec<String>, OutboxError> {
+        let held = self.held.lock().expect("lock");
+        let all: std::collections::BTreeSet<&String> =
+            held.values().filter(|d| d.as_str() > after).collect();
+        Ok(all.into_iter().take(limit).cloned().collect())
     }
 
     async fn get(&self, id: Uuid) -> Result<Option<OutboxMessage>, OutboxError> {

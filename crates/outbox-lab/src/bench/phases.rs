@@ -171,6 +171,21 @@ impl OutboxStore for PreclaimedStore {
     async fn blocked_keys(&self, _: usize) -> Result<Vec<BlockedKey>, OutboxError> {
         Err(unsupported())
     }
+    // Nothing is ever held: completions are recorded nowhere.
+    async fn claim_held(
+        &self,
+        _: &[String],
+        _: Duration,
+        _: Option<OnDead>,
+    ) -> Result<ClaimedBatch, OutboxError> {
+        Ok(ClaimedBatch::default())
+    }
+    async fn release_held(&self, _: &str, _: usize) -> Result<u64, OutboxError> {
+        Ok(0)
+    }
+    async fn held_destinations(&self, _: &str, _: usize) -> Result<Vec<String>, OutboxError> {
+        Ok(Vec::new())
+    }
     async fn complete(&self, completions: &[Completion]) -> Result<CompleteReport, OutboxError> {
         Ok(CompleteReport {
             applied: completions.len() as u64,
