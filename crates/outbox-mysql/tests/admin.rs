@@ -87,7 +87,7 @@ async fn every_admin_query_runs_once() {
     assert_eq!(admin.backend(), "mysql");
     assert_eq!(admin.schema(), outbox.schema());
     assert!(admin.migrate().await.expect("migrate again").is_empty());
-    assert_eq!(LATEST_VERSION, 3);
+    assert_eq!(LATEST_VERSION, 4);
 
     let (a, b) = (
         event("1", "OrderPlaced", None),

@@ -90,7 +90,7 @@ async fn every_admin_query_runs_once() {
     assert_eq!(admin.backend(), "sqlserver");
     assert_eq!(admin.schema(), outbox.schema());
     assert!(admin.migrate().await.expect("migrate again").is_empty());
-    assert_eq!(LATEST_VERSION, 7);
+    assert_eq!(LATEST_VERSION, 8);
 
     let (a, b) = (
         event("1", "OrderPlaced", None),
