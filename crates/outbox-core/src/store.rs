@@ -61,8 +61,8 @@ pub enum CompletionOutcome {
     /// used when the broker is down or the dispatcher shuts down holding messages.
     Release,
     /// Processing → New without charging the attempt (`attempts - 1`), **held** for
-    /// `destination`: out of every claim's path (`visible_at` at the end of time:
-    /// PostgreSQL's `infinity`, a far-future date where the database has none) until
+    /// `destination`: out of every claim's path (`visible_at` at 9999-12-31, far past
+    /// any claim and still a time every client decodes) until
     /// that destination's trial succeeds, `last_error = error`. The message's
     /// destination (a full queue or stream) refused it while others take messages, so
     /// the dispatcher parks it until one row of the destination, claimed alone with
@@ -494,9 +494,10 @@ pub trait OutboxStore: Send + Sync + 'static {
     /// [`OutboxError::Database`] on database failure.
     async fn release_held(&self, destination: &str, limit: usize) -> Result<u64, OutboxError>;
 
-    /// The destinations that hold rows, in ascending (byte) order, those after `after`
-    /// (`""`: from the first), at most `limit`. Its cost grows with the destinations
-    /// listed, not with the rows they hold.
+    /// The destinations that hold rows, in ascending order (the store's order of text:
+    /// the column's collation, binary in MySQL and SQL Server), those after `after`
+    /// (`""`: from the first), at most `limit`. Its cost SHOULD grow with the
+    /// destinations listed, not with the rows they hold.
     ///
     /// # Errors
     /// [`OutboxError::Database`] on database failure.

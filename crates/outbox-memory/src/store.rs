@@ -161,8 +161,12 @@ struct Table {
     held: BTreeMap<String, BTreeSet<i64>>,
 }
 
-/// The `visible_at` of a held row: the end of time (PostgreSQL's `infinity`).
-const HELD: DateTime<Utc> = DateTime::<Utc>::MAX_UTC;
+/// The `visible_at` of a held row: 9999-12-31, as the SQL stores write it.
+fn held_visible_at() -> DateTime<Utc> {
+    chrono::NaiveDate::from_ymd_opt(9999, 12, 31)
+        .and_then(|d| d.and_hms_opt(0, 0, 0))
+        .map_or(DateTime::<Utc>::MAX_UTC, |t| t.and_utc())
+}
 
 /// What claiming one row came to.
 enum Taken {
@@ -798,7 +802,7 @@ impl OutboxStore for MemoryOutbox {
                     CompletionOutcome::Hold { error, .. } => {
                         m.status = MessageStatus::New;
                         m.attempts = (m.attempts - 1).max(0);
-                        m.visible_at = HELD;
+                        m.visible_at = held_visible_at();
                         m.last_error = Some(sanitize_error(error).into_owned());
                         row.first_failed_at.get_or_insert(now);
                     }
