@@ -496,23 +496,44 @@ async fn at_scale_held_backlog_leaves_other_keys_latency_alone() {
     );
     let baseline = p99_ms(&outbox, &baseline_ids).await;
 
+    // The backlog, held as the relay holds a refused message (its first hold, one
+    // publish and one update a row, is not what is measured here): committed with its
+    // hold, then vacuumed so that the window starts from a table in steady state.
     let started = Instant::now();
-    enqueue(&outbox, &routed(HELD, |_| "Full".into())).await;
+    {
+        let mut tx = outbox.begin().await.expect("begin");
+        for chunk in routed(HELD, |_| "Full".into()).chunks(1000) {
+            outbox.enqueue_batch(&mut tx, chunk).await.expect("enqueue");
+        }
+        sqlx::query(sqlx::AssertSqlSafe(format!(
+            "UPDATE {}.outbox_messages
+                SET held_for = 'Full', visible_at = '9999-12-31 00:00:00+00',
+                    last_error = 'held: destination \"Full\" refused messages',
+                    first_failed_at = now()
+              WHERE routing_key = 'Full'",
+            outbox.schema()
+        )))
+        .execute(&mut *tx)
+        .await
+        .expect("hold");
+        tx.commit().await.expect("commit");
+    }
+    sqlx::query(sqlx::AssertSqlSafe(format!(
+        "VACUUM ANALYZE {}.outbox_messages",
+        outbox.schema()
+    )))
+    .execute(outbox.pool())
+    .await
+    .expect("vacuum");
+    eprintln!("300,000 rows held in {:?}", started.elapsed());
+    // The relay finds the held destination in the table and tries it.
     assert!(
-        eventually(Duration::from_secs(600), || async {
-            d.stats().deferred >= HELD as u64
+        eventually(Duration::from_secs(60), || async {
+            d.stats().destination_trials_refused >= 2
         })
         .await,
         "{:?}",
         d.stats()
-    );
-    eprintln!("300,000 rows held in {:?}", started.elapsed());
-    // The holds are in the statistics before the window starts.
-    assert!(
-        eventually(Duration::from_secs(60), || async {
-            tuples_updated(&outbox).await >= 2 * HELD as i64
-        })
-        .await
     );
     let updated_before = tuples_updated(&outbox).await;
     let window = Instant::now();
