@@ -2,15 +2,17 @@
 //!
 //! * `cargo xtask services` brings PostgreSQL, MariaDB, RabbitMQ and NATS up (Docker
 //!   Compose when a Docker engine is reachable, the locally installed servers
-//!   otherwise) and prints their status.
+//!   otherwise), installs libfaketime when missing (the clock-skew tests), and prints
+//!   their status.
 //! * `cargo xtask itest [--cluster] [-- ARGS]` checks the facade's feature combinations
 //!   (as `cargo xtask features`; seconds with a warm cache) and what publishing needs (as
 //!   `cargo xtask release-check --no-verify`, with the docs on the current toolchain
 //!   rather than nightly), brings the services up (with `--cluster`
 //!   the broker clusters too, as `cargo xtask services --cluster`, stopped again at the
 //!   end if it started them, and their tests run in a pass of their own), installs
-//!   Chromium and chromedriver for the dashboard's browser tests when missing
-//!   (apt-get), then runs every test of the
+//!   Chromium and chromedriver for the dashboard's browser tests and libfaketime for
+//!   the clock-skew tests when missing (apt-get, `packages.rs`), then runs every test
+//!   of the
 //!   workspace (`cargo test --workspace --all-targets ARGS`; with `MSSQL_URL` set, a
 //!   second pass runs the SQL Server tests, `#[ignore = "needs MSSQL_URL"]`, with
 //!   `--ignored`), a 500-order demo run over RabbitMQ and one over NATS whose
@@ -37,9 +39,9 @@
 //! Child processes get `DATABASE_URL`, `MYSQL_URL`, `AMQP_URL` and `NATS_URL` pointing at
 //! the local services unless those variables are already set.
 
-mod browser;
 mod cluster;
 mod features;
+mod packages;
 mod release;
 mod scale;
 mod services;
@@ -187,6 +189,7 @@ fn run(cli: Cli) -> Result<()> {
         } => cluster::down(),
         Cmd::Services { cluster, stop: _ } => {
             services::ensure(timeout)?;
+            packages::FAKETIME.ensure()?;
             if cluster {
                 cluster::up(timeout)?;
             }
@@ -210,8 +213,10 @@ fn run(cli: Cli) -> Result<()> {
             } else {
                 None
             };
-            // The dashboard's browser tests drive Debian's Chromium.
-            browser::ensure()?;
+            // The dashboard's browser tests drive Debian's Chromium; the clock-skew
+            // tests preload libfaketime.
+            packages::BROWSER.ensure()?;
+            packages::FAKETIME.ensure()?;
             sqlserver::announce_skip(None);
             let mut tests = cargo();
             tests

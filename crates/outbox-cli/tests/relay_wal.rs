@@ -1678,19 +1678,6 @@ async fn v_a_message_due_in_2s_is_sent_past_10001_parked_for_an_hour() {
     fx.delete_exchange().await;
 }
 
-/// libfaketime's preload library (Debian: `apt-get install -y faketime`), if installed.
-fn libfaketime() -> Option<&'static str> {
-    [
-        "/usr/lib/x86_64-linux-gnu/faketime/libfaketime.so.1",
-        "/usr/lib/aarch64-linux-gnu/faketime/libfaketime.so.1",
-        "/usr/lib/faketime/libfaketime.so.1",
-        "/usr/lib64/faketime/libfaketime.so.1",
-        "/usr/local/lib/faketime/libfaketime.so.1",
-    ]
-    .into_iter()
-    .find(|p| std::path::Path::new(p).exists())
-}
-
 /// `outbox relay --source wal` with its wall clock `offset` seconds ("-1", "+1") off
 /// the database's (libfaketime; the monotonic clock left alone), or as it is (`None`);
 /// the park log in the debug log. `None` when libfaketime is not installed.
@@ -1699,16 +1686,9 @@ fn start_skewed(db: &PgOutbox, args: &[String], offset: Option<&str>) -> Option<
     let Some(offset) = offset else {
         return Some(RelayProcess::start(db, &args));
     };
-    let lib = libfaketime()?;
-    Some(RelayProcess::start_with_env(
-        db,
-        &args,
-        &[
-            ("LD_PRELOAD", lib),
-            ("FAKETIME", offset),
-            ("FAKETIME_DONT_FAKE_MONOTONIC", "1"),
-        ],
-    ))
+    let env = outbox_testkit::faults::skewed_clock_env(offset).ok()?;
+    let env: Vec<(&str, &str)> = env.iter().map(|(k, v)| (*k, v.as_str())).collect();
+    Some(RelayProcess::start_with_env(db, &args, &env))
 }
 
 fn skipped_without_faketime() {
@@ -1784,7 +1764,7 @@ async fn commit_to_sent_p99(
 /// delayed by a second and went the sweeper's way.)
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn w_a_relay_clock_behind_the_database_parks_no_ordinary_message() {
-    if libfaketime().is_none() {
+    if outbox_testkit::faults::libfaketime().is_none() {
         return skipped_without_faketime();
     }
     // A latency comparison: no server restarted by another test meanwhile.

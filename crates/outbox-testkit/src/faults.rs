@@ -2,7 +2,9 @@
 //! need them: a RabbitMQ memory alarm, a RabbitMQ `max_message_size` lower than the
 //! publisher's, a RabbitMQ queue held at its maximum length with `reject-publish`, a
 //! RabbitMQ node stopped or frozen with `SIGSTOP`, a NATS server frozen or stopped,
-//! PostgreSQL stopped, and MariaDB stopped.
+//! PostgreSQL stopped, and MariaDB stopped; and a process's wall clock skewed
+//! ([`skewed_clock_env`], libfaketime), which needs no lock: it is the started
+//! process's own.
 //!
 //! Every guard undoes its fault when dropped, also when the test panics. They must be
 //! taken under [`lock`]: one lock for the whole machine (an exclusive `flock` on a file
@@ -97,6 +99,42 @@ impl std::fmt::Display for FaultUnavailable {
 }
 
 impl std::error::Error for FaultUnavailable {}
+
+/// libfaketime's preload library (Debian's `faketime`, which `cargo xtask services`
+/// installs), if installed.
+pub fn libfaketime() -> Option<&'static str> {
+    [
+        "/usr/lib/x86_64-linux-gnu/faketime/libfaketime.so.1",
+        "/usr/lib/aarch64-linux-gnu/faketime/libfaketime.so.1",
+        "/usr/lib/faketime/libfaketime.so.1",
+        "/usr/lib64/faketime/libfaketime.so.1",
+        "/usr/local/lib/faketime/libfaketime.so.1",
+    ]
+    .into_iter()
+    .find(|p| std::path::Path::new(p).exists())
+}
+
+/// The environment that starts a process with its wall clock `offset` off the
+/// machine's (libfaketime's relative offset syntax: `"-1"` one second behind, `"+1.5"`
+/// one and a half ahead), its monotonic clock left alone
+/// (`FAKETIME_DONT_FAKE_MONOTONIC=1`: timers and timeouts run true). The skew of a
+/// relay host against the database host, without a second host.
+///
+/// # Errors
+/// [`FaultUnavailable`] when libfaketime is not installed.
+pub fn skewed_clock_env(offset: &str) -> Result<[(&'static str, String); 3], FaultUnavailable> {
+    let lib = libfaketime().ok_or_else(|| {
+        FaultUnavailable::new(
+            "clock skew",
+            "libfaketime is not installed (`cargo xtask services`, or apt-get install faketime)",
+        )
+    })?;
+    Ok([
+        ("LD_PRELOAD", lib.to_owned()),
+        ("FAKETIME", offset.to_owned()),
+        ("FAKETIME_DONT_FAKE_MONOTONIC", "1".to_owned()),
+    ])
+}
 
 fn succeeds(cmd: &str, args: &[&str]) -> bool {
     Command::new(cmd)
