@@ -122,6 +122,7 @@ pub(crate) enum Arg {
     Uuid(Uuid),
     Text(String),
     Bool(bool),
+    Int(i64),
 }
 
 /// `sqlx::query(sql)` (or `query_as`, `query_scalar`: the first token) with `args`
@@ -134,6 +135,7 @@ macro_rules! bound {
                 $crate::chaos::db::Arg::Uuid(v) => q.bind(v),
                 $crate::chaos::db::Arg::Text(v) => q.bind(v),
                 $crate::chaos::db::Arg::Bool(v) => q.bind(v),
+                $crate::chaos::db::Arg::Int(v) => q.bind(v),
             };
         }
         q

@@ -2,7 +2,8 @@
 //! every message.
 //!
 //! 1. **Set up** a fresh schema (outbox and inbox tables, `orders`, `effects`,
-//!    `deliveries`, `audit`, `foreign_messages`, `side_events`) on PostgreSQL or, with
+//!    `deliveries`, `audit`, `foreign_messages`, `side_events`, `delayed_events`) on
+//!    PostgreSQL or, with
 //!    `--database mysql`, MariaDB (`db`), the consumers' login role (on MariaDB also the
 //!    relays' user), and the broker side (RabbitMQ: exchange, the consumers' quorum queue, an
 //!    audit queue bound to `#`, the side events' queue; NATS: a file-storage stream for
@@ -14,9 +15,11 @@
 //!    handler), for `--duration`, while the `schedule` drawn from `--seed` kills
 //!    processes and injects server faults and the consumers' database outage
 //!    (`injector`), poison rows (`producers`) and another producer's messages published
-//!    straight to the broker (`foreign`).
+//!    straight to the broker (`foreign`), while the delayed lane (`delayed`) writes
+//!    12,000 messages due long after the run and one due in seconds every 2 s.
 //! 3. **Drain**: producers stop, every fault is undone, killed processes are back;
-//!    wait (up to `--drain-timeout`) until the outbox has nothing pending, every order
+//!    wait (up to `--drain-timeout`) until the outbox has nothing pending (but the
+//!    delayed lane's messages due after the run), every order
 //!    and every foreign message is applied or a consumer dead letter, and the broker
 //!    holds nothing unacknowledged (or until, with nothing left anywhere to deliver,
 //!    the rest has stayed unsettled for 10 s: the verdict counts it).
@@ -31,6 +34,7 @@ pub mod args;
 mod audit;
 pub mod consumer;
 pub mod db;
+mod delayed;
 mod foreign;
 mod harness;
 mod injector;
@@ -320,7 +324,7 @@ async fn broker_busy(
 /// What is still to do.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 struct Outstanding {
-    /// Outbox rows pending.
+    /// Outbox rows pending, but the delayed lane's far ones (due after the run).
     pending: i64,
     /// Orders with neither an effect nor a consumer dead letter.
     orders: i64,
@@ -374,11 +378,13 @@ async fn outstanding(
     let (pending, orders, foreign, inbox): (i64, i64, i64, i64) = admin
         .fetch_one(
             format!(
-                "SELECT (SELECT count(*) FROM {o} WHERE status IN (0, 9)),
+                "SELECT (SELECT count(*) FROM {o} WHERE status IN (0, 9)
+                          AND NOT EXISTS (SELECT 1 FROM {d} d WHERE d.id = {o}.id AND d.far)),
                     (SELECT count(*) FROM {orders} r WHERE NOT {order_settled}),
                     (SELECT count(*) FROM {foreign} x WHERE x.confirmed AND NOT {foreign_settled}),
                     (SELECT count(*) FROM {i} WHERE status IN (0, 9))",
                 o = names.table("outbox_messages"),
+                d = names.table("delayed_events"),
                 orders = names.table("orders"),
                 order_settled = settled("r.event_id"),
                 foreign = names.table("foreign_messages"),
@@ -577,6 +583,18 @@ pub(crate) async fn run(args: Args, seed: u64, before: servers::Snapshot) -> any
         })
         .collect();
 
+    // The delayed lane, stopped with the producers.
+    let delayed_stats = Arc::new(delayed::DelayedStats::default());
+    let far_delay = delayed::far_delay(args.duration + args.drain_timeout);
+    let delayed_lane = tokio::spawn(delayed::lane(
+        outbox.clone(),
+        names.clone(),
+        far_delay,
+        Arc::clone(&delayed_stats),
+        timeline.clone(),
+        stop_producers.clone(),
+    ));
+
     let phase_start = Instant::now();
     let phase_start_utc = Utc::now();
     // The foreign lane runs as a task of its own (see `foreign::lane`), stopped when
@@ -647,6 +665,7 @@ pub(crate) async fn run(args: Args, seed: u64, before: servers::Snapshot) -> any
         for task in producer_tasks {
             let _ = task.await;
         }
+        let _ = delayed_lane.await;
         let phase_end = Utc::now();
         // Every fault is undone: the database answers.
         let recorded = foreign::record(&admin, &names, &foreign_sent)
@@ -691,6 +710,7 @@ pub(crate) async fn run(args: Args, seed: u64, before: servers::Snapshot) -> any
         records: timeline.records(),
         processes,
         producer_failures: stats.failed.load(Ordering::Relaxed),
+        delayed: delayed_stats,
         poison: poison_rows,
         foreign: foreign_sent,
         foreign_recorded: recorded,

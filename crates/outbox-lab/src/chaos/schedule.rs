@@ -35,6 +35,9 @@ use super::topology::TransportKind;
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub(crate) enum FaultKind {
     RelayKill,
+    /// A relay killed and started again with its wall clock 1 s off the database's
+    /// (libfaketime), until its next kill.
+    RelayClockSkew,
     ConsumerKill,
     BrokerFreeze,
     BrokerRestart,
@@ -56,7 +59,7 @@ impl FaultKind {
     /// Every kind that applies to `transport` on a single server or (`cluster`) on the
     /// clusters, in table order.
     pub(crate) fn all(transport: TransportKind, cluster: bool) -> Vec<Self> {
-        let mut kinds = vec![Self::RelayKill, Self::ConsumerKill];
+        let mut kinds = vec![Self::RelayKill, Self::RelayClockSkew, Self::ConsumerKill];
         if cluster {
             kinds.extend(Self::CLUSTER_BROKER);
         } else {
@@ -89,6 +92,7 @@ impl FaultKind {
             (Self::NodeFreeze, TransportKind::Nats) => "NATS node frozen",
             (Self::NodePartition, _) => "node cut off (partition)",
             (Self::RelayKill, _) => "relay kill -9",
+            (Self::RelayClockSkew, _) => "relay clock 1 s off (faketime)",
             (Self::ConsumerKill, _) => "consumer kill -9",
             (Self::BrokerFreeze, TransportKind::Rabbit) => "RabbitMQ frozen (SIGSTOP)",
             (Self::BrokerFreeze, TransportKind::Nats) => "NATS frozen (SIGSTOP)",
@@ -300,6 +304,21 @@ impl Schedule {
             FaultKind::Foreign,
             1,
         );
+        // Relay clock skews, drawn last so that each seed keeps the rest of its
+        // schedule: at least 2, one more per 2 minutes past 4; a relay killed and started
+        // again with its wall clock 1 s behind the database's (the first, third, ...) or
+        // ahead of it, until its next kill (see `supervisor`).
+        let skews = (s.duration.as_secs() / 120).max(2) as usize;
+        schedule.kills.extend(spaced(
+            &mut rng,
+            start,
+            end,
+            skews,
+            MIN_KILL_SPACING,
+            FaultKind::RelayClockSkew,
+            s.relays,
+        ));
+        schedule.kills.sort_by_key(|p| p.at);
         schedule
     }
 

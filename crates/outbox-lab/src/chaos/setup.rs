@@ -12,15 +12,18 @@ use transport_nats::{NatsPublisher, StreamSetup};
 
 use super::db::{self, Database, Db, Outbox};
 use super::injector;
-use super::topology::{self, EVENT_TYPE, Names, SIDE_EVENT_TYPE, TransportKind};
+use super::topology::{
+    self, DELAYED_EVENT_TYPE, EVENT_TYPE, Names, SIDE_EVENT_TYPE, TransportKind,
+};
 use crate::common;
 
 /// Drops and recreates the schema (on MariaDB: the database): the outbox and inbox
 /// tables (migrations), `orders`, `effects` (no unique constraint: a double effect is a
 /// second row), `deliveries`, `audit` (the audit rows the producers write for the orders
 /// whose handler swallows an error: see `producers`) and `foreign_messages` (what the
-/// foreign producer published: see `foreign`) and `side_events` (the side events the
-/// producers wrote: see `producers`); then the consumers' login (and on MariaDB the
+/// foreign producer published: see `foreign`), `side_events` (the side events the
+/// producers wrote: see `producers`) and `delayed_events` (the delayed lane's messages:
+/// see `delayed`); then the consumers' login (and on MariaDB the
 /// relays'), with every privilege on the schema's tables.
 pub(crate) async fn database(admin: &Db, outbox: &Outbox, names: &Names) -> anyhow::Result<()> {
     let s = &names.schema;
@@ -103,6 +106,12 @@ fn tables(database: Database, s: &str) -> Vec<String> {
             "CREATE TABLE {s}.side_events (
                  id {uuid} PRIMARY KEY,
                  created_at {time} NOT NULL){engine}"
+        ),
+        format!(
+            "CREATE TABLE {s}.delayed_events (
+                 id {uuid} PRIMARY KEY,
+                 delay_ms BIGINT NOT NULL,
+                 far {boolean} NOT NULL){engine}"
         ),
     ]
 }
@@ -249,15 +258,17 @@ pub(crate) async fn broker(
             let publisher = NatsPublisher::connect(config.clone())
                 .await
                 .context("connect to NATS (is it running with JetStream?)")?;
-            // One stream per destination: streams' subjects must not overlap.
-            for (stream, event_type) in [
-                (&names.stream, EVENT_TYPE),
-                (&names.side_stream, SIDE_EVENT_TYPE),
+            // One stream per destination: streams' subjects must not overlap. The
+            // delayed lane's messages are kept by the orders' stream, outside the
+            // consumers' filter.
+            for (stream, event_types) in [
+                (&names.stream, &[EVENT_TYPE, DELAYED_EVENT_TYPE][..]),
+                (&names.side_stream, &[SIDE_EVENT_TYPE][..]),
             ] {
                 publisher
                     .ensure_stream(
                         &StreamSetup::new(stream.as_str())
-                            .with_subject(config.subject_for(event_type))
+                            .with_subjects(event_types.iter().map(|t| config.subject_for(t)))
                             .with_duplicate_window(Duration::from_secs(120))
                             .with_replicas(if cluster { 3 } else { 1 }),
                     )

@@ -30,6 +30,8 @@ use rand::rngs::StdRng;
 use rand::{RngExt as _, SeedableRng as _};
 use tokio_util::sync::CancellationToken;
 
+use outbox_testkit::faults::skewed_clock_env;
+
 use super::schedule::{FaultKind, Planned, RESTART_PAUSE};
 use super::timeline::{Record, Timeline};
 use super::topology::TransportKind;
@@ -61,6 +63,11 @@ struct Slot {
     restart_at: Option<Instant>,
     /// The timeline record of the kill being recovered from.
     kill_record: Option<usize>,
+    /// The wall-clock offset of its next start (`RelayClockSkew`), in libfaketime's
+    /// syntax ("-1", "+1").
+    skew: Option<&'static str>,
+    /// Whether it was last started with a skewed clock.
+    skewed: bool,
 }
 
 impl Slot {
@@ -70,6 +77,22 @@ impl Slot {
 
     fn start(&mut self) -> std::io::Result<u32> {
         let log = File::options().create(true).append(true).open(&self.log)?;
+        match self.skew.take().map(skewed_clock_env) {
+            Some(Ok(env)) => {
+                for (key, value) in env {
+                    self.command.env(key, value);
+                }
+                self.skewed = true;
+            }
+            // libfaketime was there when the relay was killed: started unskewed.
+            Some(Err(_)) | None if self.skewed => {
+                for (key, _) in skewed_clock_env("0").unwrap_or_default() {
+                    self.command.env_remove(key);
+                }
+                self.skewed = false;
+            }
+            Some(Err(_)) | None => {}
+        }
         let child = self
             .command
             // Its own process group: a Ctrl-C at the terminal reaches the harness only,
@@ -190,6 +213,8 @@ pub(crate) struct Supervisor {
     slots: Vec<Slot>,
     report: ProcessReport,
     rng: StdRng,
+    /// Relay clock skews injected so far (even: behind, odd: ahead).
+    skews: usize,
 }
 
 impl Supervisor {
@@ -219,12 +244,15 @@ impl Supervisor {
                 child: None,
                 restart_at: None,
                 kill_record: None,
+                skew: None,
+                skewed: false,
             })
             .collect();
         Self {
             slots,
             report: ProcessReport::default(),
             rng: StdRng::seed_from_u64(seed ^ 0x05ee_d0fc_4a05),
+            skews: 0,
         }
     }
 
@@ -268,9 +296,15 @@ impl Supervisor {
     /// running.
     fn kill(&mut self, plan: Planned, timeline: &Timeline) {
         let role = match plan.kind {
-            FaultKind::RelayKill => Role::Relay,
+            FaultKind::RelayKill | FaultKind::RelayClockSkew => Role::Relay,
             _ => Role::Consumer,
         };
+        if plan.kind == FaultKind::RelayClockSkew
+            && let Err(e) = skewed_clock_env("0")
+        {
+            timeline.not_injected(plan.kind, e.reason);
+            return;
+        }
         let running: Vec<usize> = self
             .slots
             .iter()
@@ -312,7 +346,21 @@ impl Supervisor {
         }
         let _ = child.kill();
         let _ = child.wait();
-        let record = timeline.injected(plan.kind, format!("{} pid {pid}", slot.label()));
+        let skew = (plan.kind == FaultKind::RelayClockSkew).then(|| {
+            self.skews += 1;
+            if self.skews % 2 == 1 { "-1" } else { "+1" }
+        });
+        slot.skew = skew;
+        let record = timeline.injected(
+            plan.kind,
+            match skew {
+                Some(offset) => format!(
+                    "{} pid {pid}, started again with its clock {offset} s off",
+                    slot.label()
+                ),
+                None => format!("{} pid {pid}", slot.label()),
+            },
+        );
         timeline.say(format!(
             "kill -9 {} (pid {pid}); restart in {:.1}s",
             slot.label(),

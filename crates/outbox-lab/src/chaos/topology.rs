@@ -43,6 +43,10 @@ pub(crate) const EVENT_TYPE: &str = "OrderPlaced";
 /// key and queue, its own NATS subject and stream) that no consumer reads, held full by
 /// the destination-full fault while [`EVENT_TYPE`]'s destination must keep flowing.
 pub(crate) const SIDE_EVENT_TYPE: &str = "OrderNoted";
+/// The event type of the delayed lane's messages (`delayed`): a destination of its own
+/// that no consumer reads (RabbitMQ: only the `#` queues take it; NATS: a second
+/// subject of the orders' stream, outside the consumers' filter).
+pub(crate) const DELAYED_EVENT_TYPE: &str = "OrderReminder";
 /// The inbox consumer name of the effect handler.
 pub(crate) const CONSUMER: &str = "chaos-effect";
 /// `application_name` of the relays' database connections.

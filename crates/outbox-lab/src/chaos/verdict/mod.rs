@@ -4,11 +4,14 @@
 //! copies (read without the outbox tables) against all of them, every process exit
 //! against the faults that explain it (`supervisor::explained_by`), latency outside the
 //! fault windows and while only the side events' destination was full (the orders'
-//! destination must not notice), and the table that says it all.
+//! destination must not notice), the delayed lane's messages against when they came due
+//! (`delayed`), and the table that says it all.
 
 mod consumer_side;
+mod delayed;
 
 use std::collections::{BTreeMap, HashMap, HashSet};
+use std::sync::Arc;
 use std::time::Duration;
 
 use chrono::{DateTime, Utc};
@@ -45,6 +48,8 @@ pub(crate) struct Inputs {
     pub(crate) processes: ProcessReport,
     /// Producer transactions that failed (database faults).
     pub(crate) producer_failures: u64,
+    /// What the delayed lane wrote.
+    pub(crate) delayed: Arc<super::delayed::DelayedStats>,
     pub(crate) poison: Vec<PoisonRow>,
     /// The foreign producer's messages, and whether they could be recorded in the
     /// run's `foreign_messages` table.
@@ -162,6 +167,12 @@ pub(crate) async fn judge(
             Vec::new(),
         )
         .await?;
+    // The delayed lane's messages (judged by `delayed`).
+    let delayed_ids: HashSet<Uuid> = admin
+        .column::<Uuid>(format!("SELECT id FROM {}", t("delayed_events")))
+        .await?
+        .into_iter()
+        .collect();
     let order_ids: HashSet<Uuid> = orders.iter().map(|o| o.event_id).collect();
     // The swallowing handler's orders are judged by `consumer_side`; the rest here.
     let plain: Vec<&Order> = orders
@@ -200,10 +211,13 @@ pub(crate) async fn judge(
         .into_iter()
         .map(|(id, e)| (id, e.unwrap_or_default()))
         .collect();
+    // The delayed lane's far messages aside: they are due after the run.
     let pending = admin
         .count(format!(
-            "SELECT count(*) FROM {} WHERE status IN (0, 9)",
-            t("outbox_messages")
+            "SELECT count(*) FROM {o} m WHERE status IN (0, 9)
+                AND NOT EXISTS (SELECT 1 FROM {d} d WHERE d.id = m.id AND d.far)",
+            o = t("outbox_messages"),
+            d = t("delayed_events"),
         ))
         .await?;
     let (deliveries, delivered_ids, swallowing_deliveries, swallowing_delivered): (
@@ -289,6 +303,7 @@ pub(crate) async fn judge(
                 .filter(|id| {
                     !order_ids.contains(id)
                         && !side_events.contains(id)
+                        && !delayed_ids.contains(id)
                         && !poison_ids.contains(id)
                         && !side.foreign_ids.contains(id)
                 })
@@ -376,6 +391,18 @@ pub(crate) async fn judge(
             (r.kind, start, end, catch_up(end))
         })
         .collect();
+    let delayed = delayed::judge(
+        admin,
+        names,
+        &inputs.delayed,
+        &windows,
+        inputs.lease,
+        epoch(Utc::now()),
+        copies,
+    )
+    .await?;
+    failures.extend(delayed.failures.iter().cloned());
+
     // A full side destination is no fault for the orders: their latency outside the
     // other faults' windows includes the time it was full, and is also shown alone.
     let in_order_fault = |c: f64, a: f64| {
@@ -534,7 +561,9 @@ pub(crate) async fn judge(
         ) && most > 0.05
         {
             let what = match kind {
-                FaultKind::RelayKill | FaultKind::ConsumerKill => "down",
+                FaultKind::RelayKill | FaultKind::RelayClockSkew | FaultKind::ConsumerKill => {
+                    "down"
+                }
                 FaultKind::BrokerRestart | FaultKind::DbRestart | FaultKind::NodeKill => "down",
                 _ => "held",
             };
@@ -700,6 +729,9 @@ pub(crate) async fn judge(
     );
     line("effects of unknown events", unknown_effects);
     line("still pending in the outbox", pending);
+    for (label, value) in &delayed.lines {
+        line(label, value);
+    }
     match common::percentiles(&outside) {
         Some((p50, p99)) => {
             let max = outside.iter().copied().fold(0.0, f64::max);
