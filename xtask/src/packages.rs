@@ -89,7 +89,10 @@ impl Packages {
             );
         }
         if !still.is_empty() {
-            bail!("{names} installed but {} is still missing", still.join(", "));
+            bail!(
+                "{names} installed but {} is still missing",
+                still.join(", ")
+            );
         }
         Ok(())
     }

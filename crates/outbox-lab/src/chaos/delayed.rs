@@ -24,6 +24,7 @@ use tokio_util::sync::CancellationToken;
 use uuid::Uuid;
 
 use super::db::{Arg, Outbox, bound, on_outbox};
+use super::producers::written;
 use super::timeline::Timeline;
 use super::topology::{DELAYED_EVENT_TYPE, Names};
 
@@ -91,23 +92,6 @@ async fn write(
         tx.commit().await?;
     });
     Ok(())
-}
-
-/// Whether `delayed_events` has row `id` (a commit whose answer was lost may have
-/// happened).
-async fn written(outbox: &Outbox, names: &Names, id: Uuid) -> bool {
-    outbox
-        .pool()
-        .fetch_one::<(i64,)>(
-            format!(
-                "SELECT count(*) FROM {} WHERE id = {}",
-                names.table("delayed_events"),
-                outbox.database().arg(1)
-            ),
-            vec![Arg::Uuid(id)],
-        )
-        .await
-        .is_ok_and(|(n,)| n > 0)
 }
 
 /// Writes `messages` (see [`write`]), retried with the same ids for up to 30 s while

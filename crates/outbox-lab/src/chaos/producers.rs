@@ -275,7 +275,7 @@ async fn write_poison(
 
 /// Whether row `id` is in the outbox (a commit whose answer was lost may have
 /// happened).
-async fn written(outbox: &Outbox, names: &Names, id: Uuid) -> bool {
+pub(super) async fn written(outbox: &Outbox, names: &Names, id: Uuid) -> bool {
     outbox
         .pool()
         .fetch_one::<(i64,)>(

@@ -133,10 +133,7 @@ pub(super) async fn judge(
         .filter_map(|d| d.sent.map(|s| (d, s)))
         .filter(|(d, s)| s - d.due > deadline && !excused(d, *s))
         .collect();
-    let worst_late = late
-        .iter()
-        .map(|(d, s)| s - d.due)
-        .fold(0.0_f64, f64::max);
+    let worst_late = late.iter().map(|(d, s)| s - d.due).fold(0.0_f64, f64::max);
     if unpublished > 0 {
         failures.push(format!(
             "{unpublished} delayed messages that came due during the run were never published"
@@ -200,8 +197,5 @@ pub(super) async fn judge(
             ),
         ),
     ];
-    Ok(Judged {
-        lines,
-        failures,
-    })
+    Ok(Judged { lines, failures })
 }
