@@ -306,7 +306,8 @@ impl Relay {
         })
     }
 
-    /// A relay started elsewhere (the WAL source, `crate::wal`).
+    /// A relay started elsewhere (the WAL source, `crate::wal`, PostgreSQL only).
+    #[cfg(feature = "postgres")]
     pub(crate) fn from_parts(
         addr: SocketAddr,
         health: Health,
