@@ -30,7 +30,7 @@ async fn migrate_then_stats_as_a_process() {
     assert!(o.status.success(), "{}", stderr(&o));
     let text = String::from_utf8_lossy(&o.stdout);
     assert!(
-        text.contains("applied migrations [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12]"),
+        text.contains("applied migrations [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13]"),
         "{text}"
     );
     let o = outbox(&["--database-url", &url, "--schema", &schema, "migrate"]);
@@ -125,7 +125,7 @@ async fn reserved_word_schemas_work_end_to_end() {
         assert!(o.status.success(), "{schema}: {}", stderr(&o));
         assert!(
             String::from_utf8_lossy(&o.stdout)
-                .contains("applied migrations [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12]"),
+                .contains("applied migrations [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13]"),
             "{schema}"
         );
 

@@ -1555,9 +1555,12 @@ mod tests {
                 "COUNT_BIG(CASE WHEN status = {status} THEN 1 END)"
             )));
         }
-        assert!(sql.contains(
-            "DATEDIFF_BIG(millisecond, MIN(CASE WHEN status IN (0, 9) THEN created_at END), SYSUTCDATETIME())"
-        ));
+        // The lag counts from when a message became due (`sql::DUE_AT`), not from
+        // `created_at`.
+        assert!(
+            sql.contains(&squash(&crate::sql::pending_lag_ms("SYSUTCDATETIME()"))),
+            "{sql}"
+        );
         // Ascending order puts NULLs first in T-SQL (PostgreSQL needs NULLS FIRST).
         assert!(sql.ends_with("GROUP BY event_type, tenant_id ORDER BY event_type, tenant_id"));
         assert!(sql.contains("FROM [outbox].outbox_messages GROUP BY"));
@@ -1574,7 +1577,10 @@ mod tests {
         assert!(sql.contains("WHERE c.status = 9 ORDER BY c.visible_at, c.seq) AS g"));
         assert!(sql.contains("ORDER BY x.visible_at, x.seq) AS p"));
         assert!(sql.contains("WHERE d.status = 3) AS d);"));
-        assert!(sql.contains("DATEDIFF_BIG(millisecond, MIN(p.created_at), @now)"));
+        assert!(
+            sql.contains(&squash(&crate::sql::pending_lag_ms("@now"))),
+            "{sql}"
+        );
         // Each ordered branch of the UNION sits in a derived table (bare is a syntax
         // error in T-SQL).
         assert!(sql.contains("UNION ALL SELECT g.status"));
