@@ -16,7 +16,6 @@
 
 mod common;
 
-use std::process::Command;
 use std::time::Duration;
 
 use common::{RelayProcess, amqp_url, enqueue, fresh_outbox, message, scalar, wait_until};
@@ -62,14 +61,7 @@ async fn queued(fx: &Fixture) -> u32 {
 
 /// `kill -9` of the relay, then waits for it to be gone.
 async fn kill_9(relay: &mut RelayProcess) {
-    let pid = relay.pid().to_string();
-    assert!(
-        Command::new("kill")
-            .args(["-KILL", &pid])
-            .status()
-            .is_ok_and(|s| s.success()),
-        "kill -KILL {pid}"
-    );
+    relay.kill_9();
     assert!(
         relay.exited_within(Duration::from_secs(10)).await.is_some(),
         "the relay is gone"

@@ -76,7 +76,6 @@
 mod common;
 
 use std::net::SocketAddr;
-use std::process::Command;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -187,17 +186,6 @@ fn missing(counts: &Mutex<std::collections::HashMap<String, usize>>, ids: &[Stri
     ids.iter().filter(|id| !counts.contains_key(*id)).count()
 }
 
-fn kill_9(relay: &RelayProcess) {
-    let pid = relay.pid().to_string();
-    assert!(
-        Command::new("kill")
-            .args(["-KILL", &pid])
-            .status()
-            .is_ok_and(|s| s.success()),
-        "kill -KILL {pid}"
-    );
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_sends_everything_and_confirms_the_slot() {
     let (db, _cleanup) = wal_outbox().await;
@@ -258,7 +246,7 @@ async fn b_a_relay_killed_mid_run_loses_nothing() {
         || async { counts.lock().expect("lock").len() >= 200 },
     )
     .await;
-    kill_9(&relay);
+    relay.kill_9();
     assert!(relay.exited_within(Duration::from_secs(10)).await.is_some());
     let ids = producer.await.expect("producer");
     relay = start(&db, &args);
@@ -435,7 +423,7 @@ async fn d_a_standby_takes_over_when_the_reader_dies() {
         second.log()
     );
 
-    kill_9(&first);
+    first.kill_9();
     assert!(first.exited_within(Duration::from_secs(10)).await.is_some());
     let after = enqueue_n(&db, 50, 10, "d2").await;
     wait_until(
@@ -668,7 +656,7 @@ async fn h_over_nats_a_restart_leaves_every_message_once_in_the_stream() {
         count(&db, 1).await >= 100
     })
     .await;
-    kill_9(&relay);
+    relay.kill_9();
     assert!(relay.exited_within(Duration::from_secs(10)).await.is_some());
     producer.await.expect("producer");
     relay = start(&db, &args);
@@ -1038,7 +1026,7 @@ async fn m_sent_retention_delete_removes_published_rows() {
         || async { total().await == 0 && missing(&counts, &first) == 0 },
     )
     .await;
-    kill_9(&relay);
+    relay.kill_9();
     assert!(relay.exited_within(Duration::from_secs(10)).await.is_some());
     let second = enqueue_n(&db, 500, 50, "m2").await;
     relay = start(&db, &args);
@@ -1454,7 +1442,7 @@ async fn t_restarts_while_the_broker_is_frozen_count_no_crash() {
         || async { count(&db, 1).await == 1 },
     )
     .await;
-    kill_9(&relay);
+    relay.kill_9();
     assert!(relay.exited_within(Duration::from_secs(10)).await.is_some());
 
     let frozen = outbox_testkit::faults::RabbitFrozen::try_freeze().expect("freeze RabbitMQ");
@@ -1471,7 +1459,7 @@ async fn t_restarts_while_the_broker_is_frozen_count_no_crash() {
         )
         .await;
         counted.push(alone(&db).await);
-        kill_9(&relay);
+        relay.kill_9();
         assert!(relay.exited_within(Duration::from_secs(10)).await.is_some());
     }
     drop(frozen);

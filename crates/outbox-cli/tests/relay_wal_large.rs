@@ -22,7 +22,6 @@
 mod common;
 
 use std::collections::HashMap;
-use std::process::Command;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -101,17 +100,6 @@ fn peak_rss_kib(pid: u32) -> u64 {
         .find_map(|l| l.strip_prefix("VmHWM:"))
         .and_then(|v| v.split_whitespace().next()?.parse().ok())
         .expect("VmHWM")
-}
-
-fn kill_9(relay: &RelayProcess) {
-    let pid = relay.pid().to_string();
-    assert!(
-        Command::new("kill")
-            .args(["-KILL", &pid])
-            .status()
-            .is_ok_and(|s| s.success()),
-        "kill -KILL {pid}"
-    );
 }
 
 /// Every delivery: message id, ordering key, version and whether the payload says
@@ -233,7 +221,7 @@ async fn b_killed_mid_transaction_publishes_no_sent_row_again() {
         || async { count(&db, 1).await >= 5_000 },
     )
     .await;
-    kill_9(&first);
+    first.kill_9();
     drop(first);
     // What the first relay recorded: none of it may be published again.
     let sent_before: Vec<String> =

@@ -228,13 +228,22 @@ impl RelayProcess {
 
     /// Sends SIGTERM.
     pub fn terminate(&self) {
+        self.signal("-TERM");
+    }
+
+    /// Sends SIGKILL (`kill -9`).
+    pub fn kill_9(&self) {
+        self.signal("-KILL");
+    }
+
+    fn signal(&self, signal: &str) {
         let pid = self.child.id().to_string();
         assert!(
             Command::new("kill")
-                .args(["-TERM", &pid])
+                .args([signal, &pid])
                 .status()
                 .is_ok_and(|s| s.success()),
-            "kill -TERM {pid}"
+            "kill {signal} {pid}"
         );
     }
 
