@@ -206,6 +206,19 @@ pub struct RelayArgs {
     #[arg(long, env = "OUTBOX_SUBJECT_PREFIX", value_name = "PREFIX")]
     pub subject_prefix: Option<String>,
 
+    /// RabbitMQ: routing keys that are one destination, PATTERN=NAME (an AMQP topic
+    /// pattern, e.g. orders.#=orders): while the queue behind them refuses messages
+    /// (full, reject-publish) they share one circuit and one trial. Repeat the flag
+    /// (or separate with commas); the first matching rule wins [default: each routing
+    /// key is its own destination]. NATS needs none: it names the refusing stream.
+    #[arg(
+        long = "destination-rule",
+        env = "OUTBOX_DESTINATION_RULES",
+        value_name = "PATTERN=NAME",
+        value_delimiter = ','
+    )]
+    pub destination_rules: Vec<String>,
+
     /// Messages claimed per batch [default: 500].
     #[arg(long, env = "OUTBOX_BATCH_SIZE", value_name = "N")]
     pub batch_size: Option<usize>,
@@ -326,6 +339,7 @@ impl fmt::Debug for RelayArgs {
             broker_url,
             exchange,
             subject_prefix,
+            destination_rules,
             batch_size,
             poll_interval,
             lease,
@@ -360,6 +374,7 @@ impl fmt::Debug for RelayArgs {
             )
             .field("exchange", exchange)
             .field("subject_prefix", subject_prefix)
+            .field("destination_rules", destination_rules)
             .field("batch_size", batch_size)
             .field("poll_interval", poll_interval)
             .field("lease", lease)

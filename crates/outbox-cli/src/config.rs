@@ -42,6 +42,7 @@ const DEFAULT_LISTEN: SocketAddr = SocketAddr::V4(std::net::SocketAddrV4::new(
 /// broker_url = "amqp://guest:guest@127.0.0.1:5672/%2f"
 /// exchange = "outbox.events"      # rabbit
 /// subject_prefix = "outbox.events" # nats
+/// destination_rules = ["orders.#=orders"] # rabbit: routing keys of one queue
 /// batch_size = 500
 /// poll_interval = "500ms"
 /// lease = "30s"
@@ -92,6 +93,7 @@ pub struct FileRelay {
     pub broker_url: Option<String>,
     pub exchange: Option<String>,
     pub subject_prefix: Option<String>,
+    pub destination_rules: Option<Vec<String>>,
     pub batch_size: Option<usize>,
     pub poll_interval: Option<String>,
     pub lease: Option<String>,
@@ -423,6 +425,7 @@ impl fmt::Debug for FileRelay {
             broker_url,
             exchange,
             subject_prefix,
+            destination_rules,
             batch_size,
             poll_interval,
             lease,
@@ -464,6 +467,7 @@ impl fmt::Debug for FileRelay {
             )
             .field("exchange", exchange)
             .field("subject_prefix", subject_prefix)
+            .field("destination_rules", destination_rules)
             .field("batch_size", batch_size)
             .field("poll_interval", poll_interval)
             .field("lease", lease)
@@ -504,6 +508,7 @@ impl fmt::Debug for RelaySettings {
             broker_url,
             exchange,
             subject_prefix,
+            destination_rules,
             batch_size,
             poll_interval,
             lease,
@@ -537,6 +542,7 @@ impl fmt::Debug for RelaySettings {
             )
             .field("exchange", exchange)
             .field("subject_prefix", subject_prefix)
+            .field("destination_rules", destination_rules)
             .field("batch_size", batch_size)
             .field("poll_interval", poll_interval)
             .field("lease", lease)
@@ -585,6 +591,9 @@ pub struct RelaySettings {
     pub exchange: String,
     /// NATS subject prefix.
     pub subject_prefix: String,
+    /// RabbitMQ destination rules, `PATTERN=NAME` each (see
+    /// `transport_rabbit::DestinationRule`), in the order they are tried.
+    pub destination_rules: Vec<String>,
     /// Messages per claim.
     pub batch_size: usize,
     /// Longest wait between polls; `None`: the database's default (2 s on PostgreSQL,
@@ -646,6 +655,7 @@ impl RelaySettings {
             broker_url: broker_url.into(),
             exchange: DEFAULT_DESTINATION.to_owned(),
             subject_prefix: DEFAULT_DESTINATION.to_owned(),
+            destination_rules: Vec::new(),
             batch_size: 500,
             poll_interval: None,
             lease: Duration::from_secs(30),
@@ -703,6 +713,12 @@ impl RelaySettings {
         {
             s.subject_prefix = x;
         }
+        if !args.destination_rules.is_empty() {
+            s.destination_rules.clone_from(&args.destination_rules);
+        } else if let Some(rules) = &f.destination_rules {
+            s.destination_rules.clone_from(rules);
+        }
+        s.destination_rules.retain(|r| !r.trim().is_empty());
         if let Some(n) = args.batch_size.or(f.batch_size) {
             s.batch_size = positive("batch_size", n)?;
         }
@@ -911,6 +927,14 @@ impl RelaySettings {
             }
             #[cfg(feature = "nats")]
             TransportKind::Nats => {
+                if let Some(rule) = self.destination_rules.first() {
+                    return Err(CliError::Invalid {
+                        field: "destination_rules",
+                        reason: format!(
+                            "{rule:?}: destination rules are for RabbitMQ; NATS names the stream that refuses messages by itself"
+                        ),
+                    });
+                }
                 self.nats_config()?;
             }
             #[allow(unreachable_patterns)] // reason: unreachable with both transports
@@ -934,6 +958,12 @@ impl RelaySettings {
             // channel wait for it), at least the builder's default 2, at most its
             // limit of 256.
             .with_channels(self.concurrency.clamp(2, 256))
+            .with_destination_rules(
+                self.destination_rules
+                    .iter()
+                    .map(|r| r.parse())
+                    .collect::<Result<Vec<transport_rabbit::DestinationRule>, _>>()?,
+            )
             .build()?)
     }
 
@@ -1246,6 +1276,46 @@ mod tests {
                     .channels(),
                 2
             );
+        }
+    }
+
+    #[cfg(feature = "rabbit")]
+    #[test]
+    fn destination_rules_come_from_flags_or_the_file_and_bad_ones_are_typed_errors() {
+        let s = resolve_wal_relay(&[
+            "--destination-rule",
+            "orders.#=orders",
+            "--destination-rule",
+            "pay.*=payments,audit.#=audit",
+        ])
+        .expect("valid");
+        assert_eq!(
+            s.destination_rules,
+            ["orders.#=orders", "pay.*=payments", "audit.#=audit"]
+        );
+        let config = s.rabbit_config().expect("config");
+        assert_eq!(config.destination("orders.eu.created"), "orders");
+        assert_eq!(config.destination("pay.x"), "payments");
+        assert_eq!(config.destination("other"), "other", "its own by default");
+        let file: FileConfig =
+            toml::from_str("[relay]\ndestination_rules = [\"a.#=qa\"]").expect("toml");
+        let argv = ["outbox", "--database-url", "postgres://u@h/d", "relay"];
+        let cli = <Cli as clap::Parser>::parse_from(argv);
+        let crate::cli::Command::Relay(args) = &cli.command else {
+            unreachable!("parsed relay")
+        };
+        let s = RelaySettings::resolve(&cli, args, &file).expect("valid");
+        assert_eq!(s.rabbit_config().expect("config").destination("a.b"), "qa");
+        let e = resolve_wal_relay(&["--destination-rule", "orders.#"]).expect_err("no =NAME");
+        assert!(
+            e.is_bad_input() && e.to_string().contains("PATTERN=NAME"),
+            "{e}"
+        );
+        #[cfg(feature = "nats")]
+        {
+            let e = resolve_wal_relay(&["--transport", "nats", "--destination-rule", "a.#=q"])
+                .expect_err("rules are RabbitMQ's");
+            assert!(e.is_bad_input() && e.to_string().contains("NATS"), "{e}");
         }
     }
 

@@ -59,6 +59,10 @@ impl<P: EventPublisher> EventPublisher for Hooked<P> {
     async fn check_ready(&self) -> Result<(), PublishError> {
         self.inner.check_ready().await
     }
+
+    fn destination<'a>(&'a self, routing_key: &'a str) -> std::borrow::Cow<'a, str> {
+        self.inner.destination(routing_key)
+    }
 }
 
 /// The binary's internals that this crate's integration tests drive directly (a relay

@@ -1,5 +1,7 @@
 //! The [`EventPublisher`] trait implemented by transports, and per-message outcomes.
 
+use std::borrow::Cow;
+
 use async_trait::async_trait;
 
 use crate::error::{ErrorKind, PublishError};
@@ -103,6 +105,28 @@ pub trait EventPublisher: Send + Sync + 'static {
     async fn check_ready(&self) -> Result<(), PublishError> {
         Ok(())
     }
+
+    /// The destination of messages whose
+    /// [effective routing key](OutboxMessage::effective_routing_key) is `routing_key`:
+    /// the name of the circuit a refusal by the broker
+    /// ([`PublishOutcome::is_refused_by_destination`]) opens, and of the circuit that
+    /// decides whether such a message is published now or held (see
+    /// [`Dispatcher`](crate::Dispatcher)). Messages with one destination share one
+    /// circuit, one trial at a time and one release.
+    ///
+    /// The default, each routing key its own destination, never holds back a message
+    /// whose queue or stream takes messages, but gives one refusing queue bound
+    /// behind many routing keys as many circuits (bounded, see
+    /// [`MAX_CIRCUITS`](crate::dispatcher::MAX_CIRCUITS)). A transport that knows
+    /// where a routing key goes says so: NATS names the JetStream stream that refused
+    /// (`stream NAME`), RabbitMQ applies the operator's routing-key patterns (an AMQP
+    /// `basic.nack` names no queue). The name is stored with each held row: it MUST
+    /// be at most [`MAX_NAME_LEN`](crate::message::MAX_NAME_LEN) bytes, and depend on
+    /// nothing but `routing_key`, the publisher's configuration and what the publisher
+    /// learned from the broker.
+    fn destination<'a>(&'a self, routing_key: &'a str) -> Cow<'a, str> {
+        Cow::Borrowed(routing_key)
+    }
 }
 
 #[async_trait]
@@ -117,5 +141,9 @@ impl<P: EventPublisher + ?Sized> EventPublisher for std::sync::Arc<P> {
 
     fn publish_timeout(&self) -> Option<std::time::Duration> {
         (**self).publish_timeout()
+    }
+
+    fn destination<'a>(&'a self, routing_key: &'a str) -> Cow<'a, str> {
+        (**self).destination(routing_key)
     }
 }

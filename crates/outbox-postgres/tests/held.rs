@@ -10,7 +10,9 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use common::fresh_outbox;
-use common::rabbit::{amqp_url, eventually, fixture, publisher_to, reject_when_full};
+use common::rabbit::{
+    amqp_url, eventually, fixture, publisher_to, publisher_with_rules, reject_when_full,
+};
 use lapin::BasicProperties;
 use lapin::options::{BasicPublishOptions, QueueBindOptions, QueueDeclareOptions};
 use lapin::types::{AMQPValue, FieldTable};
@@ -62,11 +64,19 @@ async fn start(
     CancellationToken,
     Running,
 ) {
-    let d = Dispatcher::new(
-        Arc::clone(outbox),
-        Arc::new(publisher_to(exchange).await),
-        config,
-    );
+    start_with(outbox, publisher_to(exchange).await, config)
+}
+
+fn start_with(
+    outbox: &Arc<PgOutbox>,
+    publisher: transport_rabbit::RabbitPublisher,
+    config: DispatcherConfig,
+) -> (
+    Dispatcher<PgOutbox, transport_rabbit::RabbitPublisher>,
+    CancellationToken,
+    Running,
+) {
+    let d = Dispatcher::new(Arc::clone(outbox), Arc::new(publisher), config);
     let token = CancellationToken::new();
     let running = {
         let (d, t) = (d.clone(), token.clone());
@@ -115,6 +125,61 @@ async fn count_status(outbox: &PgOutbox, status: MessageStatus) -> i64 {
     .fetch_one(outbox.pool())
     .await
     .expect("count")
+}
+
+/// A consumer of `queue` that acks what arrives: the deliveries per message id.
+async fn drain(queue: &str) -> Arc<Mutex<HashMap<String, usize>>> {
+    let got: Arc<Mutex<HashMap<String, usize>>> = Arc::default();
+    let sink = Arc::clone(&got);
+    let conn = lapin::Connection::connect(&amqp_url(), lapin::ConnectionProperties::default())
+        .await
+        .expect("connect");
+    let channel = conn.create_channel().await.expect("channel");
+    let mut consumer = channel
+        .basic_consume(
+            queue.into(),
+            "".into(),
+            lapin::options::BasicConsumeOptions::default(),
+            FieldTable::default(),
+        )
+        .await
+        .expect("consume");
+    tokio::spawn(async move {
+        use futures::StreamExt as _;
+        let _keep = (conn, channel);
+        while let Some(Ok(delivery)) = consumer.next().await {
+            let id = delivery
+                .properties
+                .message_id()
+                .as_ref()
+                .map(|s| s.to_string())
+                .unwrap_or_default();
+            *sink.lock().expect("lock").entry(id).or_insert(0) += 1;
+            let _ = delivery
+                .ack(lapin::options::BasicAckOptions::default())
+                .await;
+        }
+    });
+    got
+}
+
+/// Every one of `ids` arrives in `got` (see [`drain`]), each once.
+async fn each_received_once(got: &Mutex<HashMap<String, usize>>, ids: &[uuid::Uuid]) {
+    let ids: HashSet<String> = ids.iter().map(ToString::to_string).collect();
+    assert!(
+        eventually(Duration::from_secs(10), || async {
+            let got = got.lock().expect("lock");
+            ids.iter().all(|id| got.contains_key(id))
+        })
+        .await,
+        "every held message arrives"
+    );
+    let got = got.lock().expect("lock");
+    let twice: Vec<_> = got
+        .iter()
+        .filter(|(id, n)| ids.contains(*id) && **n > 1)
+        .collect();
+    assert!(twice.is_empty(), "each sent exactly once: {twice:?}");
 }
 
 /// A queue on `exchange`, bound to `routing_key` with `args`.
@@ -277,39 +342,7 @@ async fn held_rows_resume_after_the_queue_drains_and_after_a_restart() {
         d.stats()
     );
     // The queue drains: a consumer takes what arrives.
-    let got: Arc<Mutex<HashMap<String, usize>>> = Arc::default();
-    {
-        let sink = Arc::clone(&got);
-        let conn = lapin::Connection::connect(&amqp_url(), lapin::ConnectionProperties::default())
-            .await
-            .expect("connect");
-        let channel = conn.create_channel().await.expect("channel");
-        let mut consumer = channel
-            .basic_consume(
-                full.as_str().into(),
-                "".into(),
-                lapin::options::BasicConsumeOptions::default(),
-                FieldTable::default(),
-            )
-            .await
-            .expect("consume");
-        tokio::spawn(async move {
-            use futures::StreamExt as _;
-            let _keep = (conn, channel);
-            while let Some(Ok(delivery)) = consumer.next().await {
-                let id = delivery
-                    .properties
-                    .message_id()
-                    .as_ref()
-                    .map(|s| s.to_string())
-                    .unwrap_or_default();
-                *sink.lock().expect("lock").entry(id).or_insert(0) += 1;
-                let _ = delivery
-                    .ack(lapin::options::BasicAckOptions::default())
-                    .await;
-            }
-        });
-    }
+    let got = drain(&full).await;
     assert!(
         eventually(Duration::from_secs(60), || async {
             count_status(&outbox, MessageStatus::Sent).await == (N + 50) as i64
@@ -318,22 +351,7 @@ async fn held_rows_resume_after_the_queue_drains_and_after_a_restart() {
         "every held message is sent once the queue drains: {:?}",
         d.stats()
     );
-    let ids: HashSet<String> = held.iter().map(ToString::to_string).collect();
-    assert!(
-        eventually(Duration::from_secs(10), || async {
-            let got = got.lock().expect("lock");
-            ids.iter().all(|id| got.contains_key(id))
-        })
-        .await
-    );
-    {
-        let got = got.lock().expect("lock");
-        let twice: Vec<_> = got
-            .iter()
-            .filter(|(id, n)| ids.contains(*id) && **n > 1)
-            .collect();
-        assert!(twice.is_empty(), "each sent exactly once: {twice:?}");
-    }
+    each_received_once(&got, &held).await;
     for id in &held[..10] {
         let m = outbox.get(*id).await.expect("get").expect("row");
         assert!(m.attempts <= 2, "holding charged nothing: {m:?}");
@@ -411,6 +429,84 @@ async fn many_routing_keys_to_one_full_queue_are_bounded() {
         .filter(|(id, n)| !id.is_empty() && **n > 1)
         .count();
     assert_eq!(twice, 0, "each sent exactly once");
+    token.cancel();
+    running.await.expect("join").expect("run");
+}
+
+/// An operator's destination rule (`key.#=full-queue`, issue 46 item 6): 1,000 routing
+/// keys bound to one full queue are one destination, one circuit and one trial at a
+/// time; another queue's routing key flows meanwhile; once the queue drains every
+/// message goes, each once.
+///
+/// Before (no rules, each routing key its own destination; the test above): one
+/// circuit per routing key, here 1,000, each with its own trials against the full
+/// queue.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_destination_rule_makes_one_full_queue_one_circuit() {
+    const N: usize = 1_000;
+    let (outbox, _schema) = fresh_outbox().await.into_parts();
+    let outbox = Arc::new(outbox);
+    let fx = fixture(false, FieldTable::default()).await;
+    let full = bind_queue(&fx, "key.#", reject_when_full(1)).await;
+    let _free = bind_queue(&fx, "free", FieldTable::default()).await;
+    fx.channel
+        .basic_publish(
+            fx.exchange.as_str().into(),
+            "key.filler".into(),
+            BasicPublishOptions::default(),
+            b"filler",
+            BasicProperties::default(),
+        )
+        .await
+        .expect("filler");
+    let held = enqueue(&outbox, &routed(N, |i| format!("key.{i}"))).await;
+    enqueue(&outbox, &routed(50, |_| "free".into())).await;
+    let publisher = publisher_with_rules(&fx.exchange, &["key.#=full-queue"]).await;
+    let config = config().with_probe_backoff(Duration::from_millis(100), Duration::from_secs(1));
+    let (d, token, running) = start_with(&outbox, publisher, config);
+    let mut most_open = 0;
+    assert!(
+        eventually(Duration::from_secs(60), || {
+            most_open = most_open.max(d.destination_circuits());
+            let (outbox, deferred) = (Arc::clone(&outbox), d.stats().deferred);
+            async move {
+                deferred >= N as u64 && count_status(&outbox, MessageStatus::Sent).await == 50
+            }
+        })
+        .await,
+        "every message of the full queue held, the free one's sent: {:?}",
+        d.stats()
+    );
+    assert!(
+        eventually(Duration::from_secs(30), || async {
+            d.stats().destination_trials_refused >= 5
+        })
+        .await,
+        "{:?}",
+        d.stats()
+    );
+    most_open = most_open.max(d.destination_circuits());
+    let stats = d.stats();
+    eprintln!(
+        "{N} routing keys, one rule: circuits opened {}, most open {most_open}, refused trials {}",
+        stats.destination_circuits_opened, stats.destination_trials_refused
+    );
+    assert_eq!(stats.destination_circuits_opened, 1, "{stats:?}");
+    assert_eq!(most_open, 1);
+    assert_eq!(
+        outbox_testkit::pg::held_destinations(outbox.pool(), outbox.schema()).await,
+        HashSet::from(["full-queue".to_owned()])
+    );
+    let got = drain(&full).await;
+    assert!(
+        eventually(Duration::from_secs(120), || async {
+            count_status(&outbox, MessageStatus::Sent).await == (N + 50) as i64
+        })
+        .await,
+        "every held message is sent once the queue drains: {:?}",
+        d.stats()
+    );
+    each_received_once(&got, &held).await;
     token.cancel();
     running.await.expect("join").expect("run");
 }

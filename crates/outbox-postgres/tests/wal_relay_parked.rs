@@ -14,6 +14,8 @@
 //!   every recorded batch);
 //! - a row parked behind a head while the sweeper publishes that head goes after it,
 //!   also when the relay dies during that publish;
+//! - an operator's destination rule parks 1,000 routing keys of one full queue under
+//!   one circuit;
 //! - a parked row the sweeper kills (undecodable) does not keep its key waiting;
 //! - a parked row due and swept by nobody (the relay gone) counts as a stuck relay for
 //!   `/healthz` (`oldest_claimable_wait`).
@@ -28,7 +30,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use common::database_url;
-use common::rabbit::publisher_to;
+use common::rabbit::{publisher_to, publisher_with_rules};
 use common::wal::{HoldBatch, WalOutbox};
 use lapin::types::FieldTable;
 use outbox_core::{MessageStatus, NewMessage, OutboxAdmin as _, OutboxStore as _};
@@ -228,6 +230,52 @@ async fn a_refused_destination_is_tried_past_10001_parked_rows() {
         1,
         "a refusal is not charged"
     );
+}
+
+/// An operator's destination rule (`key.#=full-queue`, issue 46 item 6): 1,000 routing
+/// keys to one full queue park under one circuit (`parked_for`), tried one trial at a
+/// time; once the queue drains, every message goes.
+///
+/// Before (each routing key its own destination): the parked heads named 1,000
+/// circuits, each tried on its own.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_destination_rule_parks_many_routing_keys_under_one_circuit() {
+    const N: usize = 1_000;
+    let w = WalOutbox::new().await;
+    let (fx, _drop) = exchange(reject_when_full(1), false).await;
+    fx.publish_raw(b"filler").await;
+    let publisher = publisher_with_rules(&fx.exchange, &["key.#=full-queue"]).await;
+    let token = CancellationToken::new();
+    let relay = w.spawn(Arc::new(publisher), config(), &token);
+    let messages: Vec<NewMessage> = (0..N)
+        .map(|i| message(&format!("k{i}"), &format!("key.{i}"), Duration::ZERO))
+        .collect();
+    w.enqueue(&messages).await;
+    parked(&w, N as i64, Duration::from_secs(60)).await;
+    const CIRCUITS: &str = "SELECT count(DISTINCT parked_for) FROM {s}.outbox_messages \
+         WHERE phase = 0 AND status = 9 AND parked_for IS NOT NULL";
+    const ITS_OWN: &str = "SELECT count(*) FROM {s}.outbox_messages \
+         WHERE phase = 0 AND status = 9 AND parked_for IS DISTINCT FROM 'full-queue'";
+    assert_eq!(scalar(&w, CIRCUITS).await, 1, "one circuit");
+    assert_eq!(
+        scalar(&w, ITS_OWN).await,
+        0,
+        "every parked row is the rule's"
+    );
+    fx.consume(|_, _| {}).await; // the queue drains
+    let all = eventually(Duration::from_secs(120), || async {
+        scalar(
+            &w,
+            "SELECT count(*) FROM {s}.outbox_messages WHERE status = 1",
+        )
+        .await
+            == N as i64
+    })
+    .await;
+    token.cancel();
+    let stats = relay.await.expect("join");
+    assert!(all, "every message sent once the queue drains: {stats:?}");
+    assert_eq!(stats.dead, 0, "{stats:?}");
 }
 
 /// One key's head delayed an hour and 10,001 rows of the key parked behind it, then a

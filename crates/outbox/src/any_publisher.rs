@@ -353,6 +353,15 @@ impl EventPublisher for AnyPublisher {
             Self::Nats(p) => p.publish_timeout(),
         }
     }
+
+    fn destination<'a>(&'a self, routing_key: &'a str) -> std::borrow::Cow<'a, str> {
+        match self {
+            #[cfg(feature = "rabbit")]
+            Self::Rabbit(p) => p.destination(routing_key),
+            #[cfg(feature = "nats")]
+            Self::Nats(p) => p.destination(routing_key),
+        }
+    }
 }
 
 #[cfg(test)]

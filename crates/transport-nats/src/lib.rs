@@ -53,6 +53,7 @@ mod batch;
 pub mod config;
 mod connection;
 pub mod consumer;
+mod destinations;
 pub mod error;
 pub mod publisher;
 pub mod topology;

@@ -38,6 +38,12 @@
 //! | no PubAck within the deadline (a slow or frozen server, or the window stayed full) | `Transient(Timeout)`: an outage, circuit opens |
 //! | no PubAck within the deadline, connection lost meanwhile | `Transient(Unavailable)`: circuit opens |
 //!
+//! A refusal's destination is the stream that refused
+//! ([`EventPublisher::destination`](outbox_core::EventPublisher::destination):
+//! `stream NAME`): after a refusal the publisher looks up the stream that captures the
+//! subject and its subject filters, so every subject of one full stream shares one
+//! circuit of the relay.
+//!
 //! Only a verdict about one message (its subject, headers or size, or no stream for its
 //! subject) is permanent; whatever says the server cannot take messages now is an
 //! outage ([`ErrorKind::Unavailable`]), which charges no attempt.
@@ -78,7 +84,8 @@
 //! [JetStream publish]: https://docs.nats.io/nats-concepts/jetstream/js_walkthrough
 //! [duplicate window]: https://docs.nats.io/using-nats/developer/develop_jetstream/model_deep_dive#message-deduplication
 
-use std::collections::HashMap;
+use std::borrow::Cow;
+use std::collections::{HashMap, HashSet};
 use std::future::IntoFuture;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -102,6 +109,7 @@ use tracing::{debug, info, warn};
 
 use crate::config::{NatsConfig, subject_problem};
 use crate::connection::{connect_with, jetstream_ready};
+use crate::destinations::{LOOKUPS_PER_BATCH, Refusers};
 use crate::error::{NatsError, jetstream_error};
 use crate::topology::{StreamInfo, StreamSetup};
 
@@ -126,6 +134,8 @@ pub struct NatsPublisher {
     in_flight: Arc<Semaphore>,
     /// Incremented on every `Disconnected` event of the client.
     disconnects: Arc<AtomicU64>,
+    /// The streams that refused publishes: the destinations of their subjects.
+    refusers: Refusers,
 }
 
 impl NatsPublisher {
@@ -188,6 +198,7 @@ impl NatsPublisher {
             client,
             jetstream,
             disconnects,
+            refusers: Refusers::default(),
         })
     }
 
@@ -358,10 +369,18 @@ impl NatsPublisher {
         let connection_lost =
             !self.connected() || self.disconnects.load(Ordering::Acquire) != epoch;
         let mut no_stream: HashMap<String, Vec<usize>> = HashMap::new();
+        let mut refused: HashSet<String> = HashSet::new();
         let failed = failures.len();
         for (i, failure) in failures {
             match failure.into_error(&self.config, connection_lost) {
-                Mapped::Done(error) => results[i] = Some(Err(error)),
+                Mapped::Done(error) => {
+                    if matches!(error, PublishError::Rejected { .. })
+                        && let Some(subject) = subjects.get(&i)
+                    {
+                        refused.insert(subject.clone());
+                    }
+                    results[i] = Some(Err(error));
+                }
                 Mapped::NoResponders => no_stream
                     .entry(subjects.remove(&i).unwrap_or_default())
                     .or_default()
@@ -377,6 +396,7 @@ impl NatsPublisher {
                 results[i] = Some(Err(error.clone_as_error()));
             }
         }
+        self.learn_refusers(refused, lookups_end).await;
         warn!(
             acked,
             failed,
@@ -384,6 +404,47 @@ impl NatsPublisher {
             connected = self.connected(),
             "JetStream batch incomplete"
         );
+    }
+
+    /// Learns which streams refused publishes on `subjects` (see `destinations`): at
+    /// most [`LOOKUPS_PER_BATCH`] lookups, each ending by `end`. A lookup that fails
+    /// leaves the subject its own destination until its next refusal.
+    async fn learn_refusers(&self, subjects: HashSet<String>, end: Instant) {
+        let mut lookups = 0;
+        for subject in subjects {
+            if lookups == LOOKUPS_PER_BATCH {
+                break;
+            }
+            if !self.refusers.needs_lookup(&subject) {
+                continue;
+            }
+            lookups += 1;
+            let lookup = async {
+                let name = self.jetstream.stream_by_subject(subject.clone()).await?;
+                let stream = self.jetstream.get_stream(&name).await?;
+                Ok::<_, Box<dyn std::error::Error + Send + Sync>>((
+                    name,
+                    stream.cached_info().config.subjects.clone(),
+                ))
+            };
+            match timeout_at(
+                end.min(Instant::now() + self.config.connect_timeout()),
+                lookup,
+            )
+            .await
+            {
+                Ok(Ok((name, filters))) => {
+                    debug!(%subject, stream = %name, ?filters, "a stream refused a publish: its subjects share one destination circuit");
+                    self.refusers.learned(&name, filters);
+                }
+                Ok(Err(e)) => {
+                    debug!(%subject, error = %e, "which stream refused a publish is unknown: the subject stays its own destination");
+                }
+                Err(_) => {
+                    debug!(%subject, "which stream refused a publish is unknown (lookup timed out): the subject stays its own destination");
+                }
+            }
+        }
     }
 
     /// Decides what a "no responders" answer to a publish on `subject` means by asking
@@ -452,6 +513,18 @@ impl EventPublisher for NatsPublisher {
     /// lookup bounded by the connect timeout.
     fn publish_timeout(&self) -> Option<Duration> {
         Some(self.config.ack_timeout() + self.config.connect_timeout())
+    }
+
+    /// The stream that refused a publish on the subject of `routing_key`, as
+    /// `stream NAME`, so that one full stream is one circuit however many subjects it
+    /// captures; else the routing key. A JetStream refusal does not name its stream:
+    /// after one, the publisher looks the stream and its subject filters up (at most
+    /// four lookups per batch, each bounded by the connect timeout, remembered for up
+    /// to 256 streams and looked up again when the stream refuses a minute later).
+    fn destination<'a>(&'a self, routing_key: &'a str) -> Cow<'a, str> {
+        crate::destinations::destination(&self.refusers, routing_key, |k| {
+            self.config.subject_for(k)
+        })
     }
 
     /// Succeeds only when the client is connected and the JetStream API answers an

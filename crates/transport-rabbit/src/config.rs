@@ -16,6 +16,7 @@
 //! # Ok::<(), transport_rabbit::RabbitError>(())
 //! ```
 
+use std::borrow::Cow;
 use std::fmt;
 use std::net::IpAddr;
 use std::str::FromStr;
@@ -26,6 +27,7 @@ use std::time::Duration;
 use lapin::types::MAX_SHORT_STRING_LENGTH;
 use lapin::uri::AMQPUri;
 
+use crate::destinations::DestinationRule;
 use crate::error::{RabbitError, redact_url};
 
 /// The broker URL used by [`RabbitConfigBuilder::from_env`] when `AMQP_URL` is not set.
@@ -67,6 +69,7 @@ pub struct RabbitConfigBuilder {
     source: Option<String>,
     connection_name: String,
     channels: usize,
+    destination_rules: Vec<DestinationRule>,
 }
 
 impl fmt::Debug for RabbitConfigBuilder {
@@ -81,6 +84,7 @@ impl fmt::Debug for RabbitConfigBuilder {
             .field("source", &self.source)
             .field("connection_name", &self.connection_name)
             .field("channels", &self.channels)
+            .field("destination_rules", &self.destination_rules)
             .finish()
     }
 }
@@ -111,6 +115,7 @@ impl RabbitConfigBuilder {
             source: None,
             connection_name: DEFAULT_CONNECTION_NAME.to_owned(),
             channels: DEFAULT_CHANNELS,
+            destination_rules: Vec::new(),
         }
     }
 
@@ -191,6 +196,18 @@ impl RabbitConfigBuilder {
     /// beyond this number wait for a free channel. Default 2.
     pub fn with_channels(mut self, channels: usize) -> Self {
         self.channels = channels;
+        self
+    }
+
+    /// Which routing keys are one destination of the relay (one circuit while a queue
+    /// refuses messages), tried in order: see [`DestinationRule`]. Default none: each
+    /// routing key is its own destination (RabbitMQ's `basic.nack` names no queue, so
+    /// the transport cannot tell which routing keys share a full queue).
+    pub fn with_destination_rules(
+        mut self,
+        rules: impl IntoIterator<Item = DestinationRule>,
+    ) -> Self {
+        self.destination_rules = rules.into_iter().collect();
         self
     }
 
@@ -280,6 +297,7 @@ impl RabbitConfigBuilder {
             source: self.source,
             connection_name: self.connection_name,
             channels: self.channels,
+            destination_rules: Arc::new(self.destination_rules),
         })
     }
 }
@@ -357,6 +375,7 @@ pub struct RabbitConfig {
     source: Option<String>,
     connection_name: String,
     channels: usize,
+    destination_rules: Arc<Vec<DestinationRule>>,
 }
 
 impl fmt::Debug for RabbitConfig {
@@ -371,6 +390,7 @@ impl fmt::Debug for RabbitConfig {
             .field("source", &self.source)
             .field("connection_name", &self.connection_name)
             .field("channels", &self.channels)
+            .field("destination_rules", &self.destination_rules)
             .finish()
     }
 }
@@ -469,6 +489,22 @@ impl RabbitConfig {
     /// The number of publisher channels.
     pub fn channels(&self) -> usize {
         self.channels
+    }
+
+    /// The destination rules, in the order they are tried.
+    pub fn destination_rules(&self) -> &[DestinationRule] {
+        &self.destination_rules
+    }
+
+    /// The destination of messages with `routing_key`: the name of the first
+    /// [`DestinationRule`] that matches it, else the routing key itself.
+    pub fn destination<'a>(&'a self, routing_key: &'a str) -> Cow<'a, str> {
+        Cow::Borrowed(
+            self.destination_rules
+                .iter()
+                .find_map(|r| r.destination_of(routing_key))
+                .unwrap_or(routing_key),
+        )
     }
 }
 

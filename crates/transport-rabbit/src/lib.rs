@@ -46,12 +46,14 @@ mod batch;
 pub mod config;
 mod connection;
 pub mod consumer;
+pub mod destinations;
 pub mod error;
 pub mod publisher;
 mod topology;
 
 pub use config::{RabbitConfig, RabbitConfigBuilder};
 pub use consumer::{QueueType, RabbitConsumer, RabbitConsumerBuilder};
+pub use destinations::DestinationRule;
 pub use error::{RabbitError, redact_url};
 pub use outbox_core::consumer::{
     BatchDeliveryHandler, Consumer, DeliveryHandler, HandlerDecision, TransportKind,

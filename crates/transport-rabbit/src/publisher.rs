@@ -25,7 +25,7 @@
 //! |-------------------------------------------------|--------------------------------------------|
 //! | `basic.ack`                                     | `Published`                                |
 //! | `basic.return` then `basic.ack` (mandatory, no queue bound) | `Permanent(Unroutable)`        |
-//! | `basic.nack` (a queue at `x-max-length` with `reject-publish`, a queue failure) | `Transient(Rejected)`: its routing key's circuit opens, the other routing keys flow |
+//! | `basic.nack` (a queue at `x-max-length` with `reject-publish`, a queue failure) | `Transient(Rejected)`: its destination's circuit opens (its routing key, or the name of the `DestinationRule` it matches), the others flow |
 //! | no confirm requested (confirm mode off)         | `Permanent(ConfirmsNotEnabled)`            |
 //! | connection or channel lost, broker unreachable  | `Transient(Unavailable)`: circuit opens    |
 //! | connection blocked by a broker resource alarm   | `Transient(Unavailable)`: circuit opens    |
@@ -458,6 +458,14 @@ impl EventPublisher for RabbitPublisher {
                 }))
             })
             .collect()
+    }
+
+    /// The first [`DestinationRule`](crate::DestinationRule) matching `routing_key`
+    /// names its destination, else the routing key is its own
+    /// ([`RabbitConfig::destination`](crate::RabbitConfig::destination)): a
+    /// `basic.nack` names no queue.
+    fn destination<'a>(&'a self, routing_key: &'a str) -> std::borrow::Cow<'a, str> {
+        self.config().destination(routing_key)
     }
 
     /// The connect timeout plus the confirm timeout: a batch's connection and channel

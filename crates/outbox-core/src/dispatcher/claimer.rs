@@ -54,10 +54,7 @@ impl<S: OutboxStore, P: EventPublisher> Dispatcher<S, P> {
                         poll_wait = self.config.next_poll_wait(poll_wait, batch.len());
                         if !batch.is_empty() {
                             self.count_claimed(&batch);
-                            let claimed = Claimed {
-                                batch,
-                                claimed_at: Instant::now(),
-                            };
+                            let claimed = Claimed::new(batch);
                             if claimed_tx.send(claimed).await.is_err() {
                                 break; // publishers are gone: the run is over
                             }
@@ -117,7 +114,7 @@ impl<S: OutboxStore, P: EventPublisher> Dispatcher<S, P> {
                 break;
             }
             self.count_claimed(&batch);
-            let (completions, report) = self.decide(&[], Vec::new(), &batch.poison);
+            let (completions, report) = self.decide(&[], Vec::new(), &batch.poison, &[]);
             let finished = Finished {
                 completions,
                 report,
@@ -135,10 +132,7 @@ impl<S: OutboxStore, P: EventPublisher> Dispatcher<S, P> {
             return Ok(());
         }
         self.count_claimed(&batch);
-        let claimed = Claimed {
-            batch,
-            claimed_at: Instant::now(),
-        };
+        let claimed = Claimed::new(batch);
         let finished = self.publish_and_decide(claimed, Mode::Trial, stop).await;
         // The completer is gone only when the run is over.
         let _ = done_tx.send(finished).await;

@@ -1,5 +1,7 @@
 //! Each claimed row's outcome turned into its completion.
 
+use std::borrow::Cow;
+
 use tracing::{debug, error, warn};
 
 use super::{BatchReport, Dispatcher};
@@ -14,12 +16,14 @@ impl<S: OutboxStore, P: EventPublisher> Dispatcher<S, P> {
     ///
     /// Each message is paired with its own outcome before anything else is looked at,
     /// so a message that cannot be completed (no claim token) never hands its outcome
-    /// to the next one.
+    /// to the next one. `destinations[i]` is the destination (circuit) `claimed[i]` is
+    /// held for when refused; where it is missing, the publisher names it.
     pub(super) fn decide(
         &self,
         claimed: &[OutboxMessage],
         outcomes: Vec<Option<PublishOutcome>>,
         poison: &[PoisonRow],
+        destinations: &[Cow<'_, str>],
     ) -> (Vec<Completion>, BatchReport) {
         let mut report = BatchReport {
             claimed: claimed.len() + poison.len(),
@@ -27,13 +31,14 @@ impl<S: OutboxStore, P: EventPublisher> Dispatcher<S, P> {
         };
         let mut completions = Vec::with_capacity(claimed.len() + poison.len());
         let mut outcomes = outcomes.into_iter();
-        for msg in claimed {
+        for (i, msg) in claimed.iter().enumerate() {
             let outcome = outcomes.next().flatten();
             let Some(token) = msg.claim_token else {
                 error!(id = %msg.id, "a claimed message has no claim token: its outcome cannot be recorded; it is reclaimed after its lease");
                 continue;
             };
-            let outcome = self.outcome_of(msg, outcome, &mut report);
+            let destination = destinations.get(i).map(AsRef::as_ref);
+            let outcome = self.outcome_of(msg, destination, outcome, &mut report);
             completions.push(Completion {
                 id: msg.id,
                 claim_token: token,
@@ -69,6 +74,7 @@ impl<S: OutboxStore, P: EventPublisher> Dispatcher<S, P> {
     fn outcome_of(
         &self,
         msg: &OutboxMessage,
+        destination: Option<&str>,
         outcome: Option<PublishOutcome>,
         report: &mut BatchReport,
     ) -> CompletionOutcome {
@@ -85,7 +91,8 @@ impl<S: OutboxStore, P: EventPublisher> Dispatcher<S, P> {
                 crate::metrics::publish_failed(crate::ErrorKind::Unavailable, &msg.event_type);
                 crate::metrics::deferred(&msg.event_type);
                 report.deferred += 1;
-                let destination = super::destinations::destination(msg).to_owned();
+                let destination =
+                    destination.map_or_else(|| self.destination(msg).into_owned(), str::to_owned);
                 debug!(id = %msg.id, event_type = %msg.event_type, destination = %destination, error = %e, "its destination refused it: held without charge until the destination's trial succeeds");
                 CompletionOutcome::Hold {
                     destination,

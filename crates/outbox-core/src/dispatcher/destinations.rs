@@ -1,8 +1,11 @@
 //! One circuit per destination: a full queue or stream holds back only the messages
 //! for it, while every other destination keeps flowing.
 //!
-//! A message's destination is its routing key (`routing_key`, else `event_type`): the
-//! AMQP routing key on the exchange, the NATS subject under the prefix. The broker's
+//! A message's destination is what its publisher names for its routing key
+//! ([`EventPublisher::destination`](crate::EventPublisher::destination)): by default
+//! the routing key itself (`routing_key`, else `event_type`; the AMQP routing key on
+//! the exchange, the NATS subject under the prefix); the JetStream stream that refused
+//! it (NATS); the queue an operator's routing-key pattern names (RabbitMQ). The broker's
 //! answer that it will not take a message for a reason of its own (AMQP `basic.nack`: a
 //! queue at `x-max-length` with `reject-publish`; a JetStream error about the stream's
 //! state: full with `discard: new`, no leader, store failed;
@@ -40,7 +43,7 @@ use tokio::sync::Notify;
 use tokio::time::Instant;
 use tracing::{debug, warn};
 
-use crate::message::OutboxMessage;
+use std::borrow::Cow;
 
 /// Most open destination circuits a dispatcher keeps in memory. Beyond them the table
 /// holds the circuits (each held row names its destination): they are tried in turn
@@ -53,12 +56,6 @@ pub const TRIALS_PER_SECOND: f64 = 10.0;
 
 /// Held rows released per statement once a destination's trial is confirmed.
 pub const RELEASE_CHUNK: usize = 1_000;
-
-/// The destination key of `msg`: its
-/// [`effective_routing_key`](OutboxMessage::effective_routing_key).
-pub(super) fn destination(msg: &OutboxMessage) -> &str {
-    msg.effective_routing_key()
-}
 
 /// What to do with a message of a destination now.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -143,17 +140,17 @@ impl Destinations {
         self.lock().open.len()
     }
 
-    /// Decides, in order, what to do with each of `messages` now: held when its
-    /// destination's circuit is open.
-    pub(super) fn admit(&self, messages: &[OutboxMessage]) -> Vec<Admit> {
+    /// Decides, in order, what to do with each message of `destinations` now: held
+    /// when its destination's circuit is open.
+    pub(super) fn admit(&self, destinations: &[Cow<'_, str>]) -> Vec<Admit> {
         let s = self.lock();
         if s.open.is_empty() {
-            return vec![Admit::Go; messages.len()];
+            return vec![Admit::Go; destinations.len()];
         }
-        messages
+        destinations
             .iter()
-            .map(|msg| {
-                if s.open.contains_key(destination(msg)) {
+            .map(|dest| {
+                if s.open.contains_key(dest.as_ref()) {
                     Admit::Hold
                 } else {
                     Admit::Go
@@ -361,14 +358,9 @@ impl Destinations {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::message::{NewMessage, OutboxMessage};
 
-    fn msg(event_type: &str) -> OutboxMessage {
-        let m = NewMessage::builder("t", "1", event_type)
-            .payload_json("{}")
-            .build()
-            .expect("valid");
-        OutboxMessage::claimed_from(m, chrono::Utc::now())
+    fn msg(routing_key: &str) -> Cow<'_, str> {
+        Cow::Borrowed(routing_key)
     }
 
     #[tokio::test(start_paused = true)]

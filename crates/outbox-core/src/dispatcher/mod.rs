@@ -13,7 +13,7 @@
 //!   ([`publish_guarded`], also used by the PostgreSQL WAL relay);
 //! - `decide`: each message's outcome turned into its completion;
 //! - `circuit`: the circuit breaker (closed, open, half-open with a one-message trial);
-//! - `destinations`: one circuit per destination (routing key), so that a full queue or
+//! - `destinations`: one circuit per destination (`EventPublisher::destination`), so that a full queue or
 //!   stream holds back only its own messages, held out of the claim path;
 //! - `trials`: the task that tries held destinations, releases their rows once a trial
 //!   is confirmed, and finds the circuits the table holds (after a restart, beyond
@@ -45,6 +45,7 @@ pub use destinations::{MAX_CIRCUITS, RELEASE_CHUNK, TRIALS_PER_SECOND};
 pub use publish::publish_guarded;
 pub use stats::{BatchReport, DispatcherStats};
 
+use crate::message::OutboxMessage;
 use crate::publisher::EventPublisher;
 use crate::store::OutboxStore;
 use circuit::Circuit;
@@ -85,7 +86,9 @@ impl WakeHandle {
 /// - **one destination refuses messages** (the broker's own refusal,
 ///   [`PublishError::Rejected`](crate::PublishError::Rejected): a queue full with
 ///   `reject-publish`, a JetStream stream full or without a leader): that
-///   **destination's circuit opens** (a destination is a routing key): its messages
+///   **destination's circuit opens** (what the publisher names for the routing key,
+///   [`EventPublisher::destination`]: the routing key, a NATS stream, a RabbitMQ
+///   rule's queue): its messages
 ///   are held without charging an attempt, out of every claim's path
 ///   ([`CompletionOutcome::Hold`](crate::CompletionOutcome::Hold)), and one of them is
 ///   tried alone after 500 ms, 1 s, ... up to the probe cap; when the destination
@@ -186,6 +189,12 @@ impl<S: OutboxStore, P: EventPublisher> Dispatcher<S, P> {
     /// How many destination circuits are open in memory (at most [`MAX_CIRCUITS`]).
     pub fn destination_circuits(&self) -> usize {
         self.destinations.open_count()
+    }
+
+    /// The destination (circuit) of `msg`: what the publisher names for its routing key
+    /// ([`EventPublisher::destination`]).
+    fn destination<'a>(&'a self, msg: &'a OutboxMessage) -> std::borrow::Cow<'a, str> {
+        self.publisher.destination(msg.effective_routing_key())
     }
 }
 

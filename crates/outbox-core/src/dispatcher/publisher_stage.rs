@@ -2,6 +2,7 @@
 //! and decides every outcome (`decide`), or releases the batch unpublished; the
 //! circuit is tripped or, after a trial, closed here.
 
+use std::borrow::Cow;
 use std::sync::Arc;
 use std::sync::atomic::Ordering::Relaxed;
 
@@ -9,7 +10,7 @@ use tokio::sync::{Mutex, mpsc};
 use tracing::{Instrument as _, info, info_span, warn};
 
 use super::Dispatcher;
-use super::destinations::{Admit, destination};
+use super::destinations::Admit;
 use super::run::{Claimed, Finished, Stop};
 use crate::error::PublishError;
 use crate::message::OutboxMessage;
@@ -82,12 +83,14 @@ impl<S: OutboxStore, P: EventPublisher> Dispatcher<S, P> {
     /// Hands a claimed batch back without publishing it (its poison rows are still
     /// recorded).
     fn release(&self, claimed: Claimed, why: &'static str) -> Finished {
-        let Claimed { batch, claimed_at } = claimed;
+        let Claimed {
+            batch, claimed_at, ..
+        } = claimed;
         if !batch.messages.is_empty() {
             warn!(messages = batch.messages.len(), "{why}");
         }
         let outcomes = batch.messages.iter().map(|_| None).collect();
-        let (completions, report) = self.decide(&batch.messages, outcomes, &batch.poison);
+        let (completions, report) = self.decide(&batch.messages, outcomes, &batch.poison, &[]);
         Finished {
             completions,
             report,
@@ -104,10 +107,22 @@ impl<S: OutboxStore, P: EventPublisher> Dispatcher<S, P> {
         mode: Mode,
         stop: &Stop,
     ) -> Finished {
-        let Claimed { batch, claimed_at } = claimed;
+        let Claimed {
+            batch,
+            claimed_at,
+            held,
+        } = claimed;
         let ClaimedBatch {
             messages, poison, ..
         } = batch;
+        // Each message's destination (its circuit): a trial's is the one it was held
+        // for, whatever the publisher names for it now (it may have learned otherwise,
+        // or restarted with other rules).
+        let mut destinations: Vec<Cow<'_, str>> = if held.len() == messages.len() {
+            held.iter().map(|d| Cow::Borrowed(d.as_str())).collect()
+        } else {
+            messages.iter().map(|m| self.destination(m)).collect()
+        };
         let started = std::time::Instant::now();
         let outcomes: Vec<Option<PublishOutcome>> = if messages.is_empty() {
             Vec::new()
@@ -128,7 +143,7 @@ impl<S: OutboxStore, P: EventPublisher> Dispatcher<S, P> {
             let admits = if mode == Mode::Held {
                 vec![Admit::Go; messages.len()]
             } else {
-                self.destinations.admit(&messages)
+                self.destinations.admit(&destinations)
             };
             let go: Vec<usize> = self.admitted(&messages, &admits);
             let span = info_span!(
@@ -164,8 +179,20 @@ impl<S: OutboxStore, P: EventPublisher> Dispatcher<S, P> {
             };
             match published {
                 Some(outcomes) => {
-                    self.note_destinations(&messages, &go, &outcomes, mode == Mode::Held);
-                    let mut all: Vec<Option<PublishOutcome>> = held_outcomes(&messages, &admits);
+                    if held.is_empty()
+                        && outcomes.iter().any(|o| {
+                            o.as_ref()
+                                .is_some_and(PublishOutcome::is_refused_by_destination)
+                        })
+                    {
+                        // A refusal may have taught the publisher where these routing
+                        // keys go (a NATS stream): refusals are named as it names them
+                        // now.
+                        destinations = messages.iter().map(|m| self.destination(m)).collect();
+                    }
+                    self.note_destinations(&destinations, &go, &outcomes, mode == Mode::Held);
+                    let mut all: Vec<Option<PublishOutcome>> =
+                        held_outcomes(&destinations, &admits);
                     for (&i, outcome) in go.iter().zip(outcomes) {
                         all[i] = outcome;
                     }
@@ -180,7 +207,7 @@ impl<S: OutboxStore, P: EventPublisher> Dispatcher<S, P> {
                 o.as_ref().is_some_and(PublishOutcome::is_published),
             )
         }));
-        let (completions, report) = self.decide(&messages, outcomes, &poison);
+        let (completions, report) = self.decide(&messages, outcomes, &poison, &destinations);
         if mode == Mode::Trial {
             if report.outage {
                 warn!(
@@ -208,15 +235,14 @@ impl<S: OutboxStore, P: EventPublisher> Dispatcher<S, P> {
 /// The outcomes of messages not published because their destination's circuit is
 /// open: a refusal, so that they are held back without charge; `None` (released) for
 /// the ones published or behind one held back.
-fn held_outcomes(messages: &[OutboxMessage], admits: &[Admit]) -> Vec<Option<PublishOutcome>> {
-    messages
+fn held_outcomes(destinations: &[Cow<'_, str>], admits: &[Admit]) -> Vec<Option<PublishOutcome>> {
+    destinations
         .iter()
         .zip(admits)
-        .map(|(msg, admit)| match admit {
+        .map(|(dest, admit)| match admit {
             Admit::Hold => Some(PublishOutcome::Transient(PublishError::Rejected {
                 reason: format!(
-                    "held: destination {:?} refused messages and is tried again later",
-                    destination(msg)
+                    "held: destination {dest:?} refused messages and is tried again later"
                 ),
             })),
             Admit::Go => None,
@@ -254,7 +280,7 @@ impl<S: OutboxStore, P: EventPublisher> Dispatcher<S, P> {
     /// the trials of held destinations (see [`Mode::Held`]).
     fn note_destinations(
         &self,
-        messages: &[OutboxMessage],
+        destinations: &[Cow<'_, str>],
         published: &[usize],
         outcomes: &[Option<PublishOutcome>],
         trials: bool,
@@ -262,7 +288,7 @@ impl<S: OutboxStore, P: EventPublisher> Dispatcher<S, P> {
         let mut refused = std::collections::BTreeSet::new();
         let mut accepted = std::collections::BTreeSet::new();
         for (&i, outcome) in published.iter().zip(outcomes) {
-            let dest = destination(&messages[i]);
+            let dest = destinations[i].as_ref();
             match outcome {
                 Some(o) if o.is_refused_by_destination() => {
                     refused.insert(dest);

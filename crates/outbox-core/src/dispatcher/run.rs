@@ -21,6 +21,21 @@ use crate::store::{ClaimedBatch, Completion, OutboxStore};
 pub(super) struct Claimed {
     pub(super) batch: ClaimedBatch,
     pub(super) claimed_at: Instant,
+    /// The trials of held destinations ([`Mode::Held`](super::publisher_stage::Mode)):
+    /// the destination each message was held for, in order (its circuit, whatever the
+    /// publisher names for it now). Empty otherwise.
+    pub(super) held: Vec<String>,
+}
+
+impl Claimed {
+    /// `batch`, claimed now.
+    pub(super) fn new(batch: ClaimedBatch) -> Self {
+        Self {
+            batch,
+            claimed_at: Instant::now(),
+            held: Vec::new(),
+        }
+    }
 }
 
 /// A published batch on its way to the completer.
@@ -167,7 +182,15 @@ impl<S: OutboxStore, P: EventPublisher> Dispatcher<S, P> {
         let claimed_at = Instant::now();
         let stop = Stop::new(CancellationToken::new(), self.config.drain_timeout);
         let finished = self
-            .publish_and_decide(Claimed { batch, claimed_at }, Mode::Once, &stop)
+            .publish_and_decide(
+                Claimed {
+                    batch,
+                    claimed_at,
+                    held: Vec::new(),
+                },
+                Mode::Once,
+                &stop,
+            )
             .await;
         let done = self
             .complete_with_retry(&finished.completions, claimed_at, &stop)

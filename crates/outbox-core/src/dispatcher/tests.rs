@@ -349,7 +349,7 @@ fn each_outcome_stays_with_its_own_message() {
         ))),
         Some(PublishOutcome::Published),
     ];
-    let (completions, report) = d.decide(&[untokened, claimed.clone()], outcomes, &[]);
+    let (completions, report) = d.decide(&[untokened, claimed.clone()], outcomes, &[], &[]);
     assert_eq!(
         completions,
         vec![Completion {
@@ -397,6 +397,7 @@ fn poison_rows_are_dead_alone() {
         &[good.clone()],
         vec![Some(PublishOutcome::Published)],
         &poison,
+        &[],
     );
     assert_eq!(
         completions.len(),

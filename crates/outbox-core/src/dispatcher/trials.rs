@@ -2,22 +2,20 @@
 //! once a trial is confirmed, and the circuits brought in from the table (see
 //! `destinations`).
 
-use std::collections::HashSet;
 use std::sync::atomic::Ordering::Relaxed;
 use std::time::Duration;
 
 use tokio::sync::mpsc;
-use tokio::time::Instant;
 use tracing::{Instrument as _, info_span, warn};
 
 use super::Dispatcher;
-use super::destinations::{MAX_CIRCUITS, RELEASE_CHUNK, destination};
+use super::destinations::{MAX_CIRCUITS, RELEASE_CHUNK};
 use super::publisher_stage::Mode;
 use super::run::{Claimed, Finished, Stop};
 use crate::error::OutboxError;
 use crate::ordering::Ordering;
 use crate::publisher::EventPublisher;
-use crate::store::OutboxStore;
+use crate::store::{ClaimedBatch, OutboxStore};
 
 impl<S: OutboxStore, P: EventPublisher> Dispatcher<S, P> {
     /// The trial task: until stopping, releases what confirmed trials freed, brings in
@@ -102,28 +100,40 @@ impl<S: OutboxStore, P: EventPublisher> Dispatcher<S, P> {
             Ordering::Unordered => None,
             Ordering::PerKey { on_dead } => Some(on_dead),
         };
-        let batch = self
-            .store
-            .claim_held(&due, self.config.lease, order)
-            .instrument(info_span!("outbox.claim_held", destinations = due.len()))
-            .await?;
-        let tried: HashSet<&str> = batch.messages.iter().map(destination).collect();
+        // One claim per destination, so that each trial is known by the circuit it
+        // was held for (the publisher may name its routing key otherwise now).
+        let mut claimed = Claimed::new(ClaimedBatch::default());
         for dest in &due {
-            if !tried.contains(dest.as_str()) {
+            let batch = match self
+                .store
+                .claim_held(std::slice::from_ref(dest), self.config.lease, order)
+                .instrument(info_span!("outbox.claim_held", destination = %dest))
+                .await
+            {
+                Ok(batch) => batch,
+                // What is claimed already is tried; the rest waits for the next round.
+                Err(e) if !claimed.batch.is_empty() => {
+                    warn!(error = %e, destination = %dest, "held destinations: a trial's claim failed; the trials claimed before it go on");
+                    break;
+                }
+                Err(e) => return Err(e),
+            };
+            if batch.messages.is_empty() {
                 self.destinations.forget(dest);
             }
+            claimed
+                .held
+                .extend(std::iter::repeat_n(dest.clone(), batch.messages.len()));
+            claimed.batch.messages.extend(batch.messages);
+            claimed.batch.poison.extend(batch.poison);
         }
-        if batch.is_empty() {
+        if claimed.batch.is_empty() {
             return Ok(wait);
         }
-        self.count_claimed(&batch);
+        self.count_claimed(&claimed.batch);
         self.counters
             .destination_trials
-            .fetch_add(batch.messages.len() as u64, Relaxed);
-        let claimed = Claimed {
-            batch,
-            claimed_at: Instant::now(),
-        };
+            .fetch_add(claimed.batch.messages.len() as u64, Relaxed);
         let finished = self.publish_and_decide(claimed, Mode::Held, stop).await;
         // The completer is gone only when the run is over.
         let _ = done_tx.send(finished).await;

@@ -18,7 +18,7 @@ use uuid::Uuid;
 
 use super::WalRelay;
 use super::gather::Gathered;
-use super::park::{Admit, Parked, ParkedRow, circuit_of, dead_for_good, order_key, outcome_text};
+use super::park::{Admit, Parked, ParkedRow, dead_for_good, order_key, outcome_text};
 use super::pipeline::{InFlight, Pipeline};
 use super::record::{Checked, Outcomes, Recording, Whose};
 use super::session::{Item, SessionStart};
@@ -398,7 +398,7 @@ impl<P: EventPublisher> WalRelay<P> {
             // their keys leave the stream with this round's record.
             let mut stranded = Vec::new();
             for &i in &round {
-                match hold(&messages[i], &keys[i], parked, checked) {
+                match hold(&*self.publisher, &messages[i], &keys[i], parked, checked) {
                     None => go.push(i),
                     Some(row) => {
                         if entered.contains(&i) {
@@ -535,7 +535,8 @@ impl<P: EventPublisher> WalRelay<P> {
             Some(PublishOutcome::Published) => out.sent.push(m.id),
             Some(PublishOutcome::Permanent(e)) => dead_for_good(m, &e, out),
             Some(o) if o.is_refused_by_destination() => {
-                out.parked.push(parked.refusal(m, key, &o));
+                let circuit = self.circuit(m.routing_key.as_deref(), &m.event_type);
+                out.parked.push(parked.refusal(m, &circuit, key, &o));
                 parked.park_key(key);
                 return Judged::Parked;
             }
@@ -627,7 +628,7 @@ impl<P: EventPublisher> WalRelay<P> {
         let mut go = Vec::with_capacity(messages.len());
         let mut go_keys = Vec::with_capacity(keys.len());
         for (m, key) in messages.into_iter().zip(keys) {
-            match hold(&m, &key, parked, checked) {
+            match hold(&*self.publisher, &m, &key, parked, checked) {
                 None => {
                     go.push(m);
                     go_keys.push(key);
@@ -809,12 +810,20 @@ enum Judged {
 /// `lease_until` is never before `visible_at`), or for a destination whose circuit is
 /// open (it waits for the circuit's trial). Then its key counts one more parked row and
 /// the row to park is returned.
-fn hold(m: &OutboxMessage, key: &str, parked: &Parked, checked: &Checked) -> Option<ParkedRow> {
+fn hold<P: EventPublisher>(
+    publisher: &P,
+    m: &OutboxMessage,
+    key: &str,
+    parked: &Parked,
+    checked: &Checked,
+) -> Option<ParkedRow> {
     let row = if parked.key_waits(key, &checked.waiting) || m.visible_at > checked.now {
         ParkedRow::behind(m.id, key)
+    } else if !parked.any_open() {
+        return None;
     } else {
-        let circuit = circuit_of(m);
-        let delay = match parked.admit(circuit) {
+        let circuit = publisher.destination(m.effective_routing_key());
+        let delay = match parked.admit(&circuit) {
             Admit::Go => return None,
             Admit::Hold(d) => d,
             Admit::Trial => Duration::ZERO,
@@ -822,7 +831,7 @@ fn hold(m: &OutboxMessage, key: &str, parked: &Parked, checked: &Checked) -> Opt
         ParkedRow {
             delay,
             error: Some(format!("held back: destination {circuit} refuses messages")),
-            held_for: Some(circuit.to_owned()),
+            held_for: Some(circuit.into_owned()),
             ..ParkedRow::behind(m.id, key)
         }
     };

@@ -63,6 +63,20 @@ pub struct WalRelay<P> {
 }
 
 impl<P: EventPublisher> WalRelay<P> {
+    /// The circuit of a message with `routing_key` (else `event_type`): the
+    /// destination whose refusal holds it back, as the publisher names it
+    /// ([`EventPublisher::destination`]; by default its routing key). The one place
+    /// that decides it, for the stream, the sweeper and the table (`parked_for`); a
+    /// trial keeps the circuit its row was parked for.
+    pub(super) fn circuit<'a>(
+        &'a self,
+        routing_key: Option<&'a str>,
+        event_type: &'a str,
+    ) -> std::borrow::Cow<'a, str> {
+        self.publisher
+            .destination(routing_key.unwrap_or(event_type))
+    }
+
     /// A relay reading `wal`'s slot for `outbox`'s table and publishing with
     /// `publisher`.
     pub fn new(

@@ -79,19 +79,6 @@ pub(super) fn order_key(m: &OutboxMessage) -> String {
     }
 }
 
-/// The circuit of a message (by its `routing_key` and `event_type` columns): the
-/// destination whose refusal holds it back. Its routing key (`routing_key`, else
-/// `event_type`): the AMQP routing key, the NATS subject under the prefix. The one
-/// place that decides it, for the stream, the sweeper and the table (`parked_for`).
-pub(super) fn circuit<'a>(routing_key: Option<&'a str>, event_type: &'a str) -> &'a str {
-    routing_key.unwrap_or(event_type)
-}
-
-/// [`circuit`] of `m`.
-pub(super) fn circuit_of(m: &OutboxMessage) -> &str {
-    circuit(m.routing_key.as_deref(), &m.event_type)
-}
-
 /// A message the stream or the sweeper leaves in the table for later.
 #[derive(Debug, Clone)]
 pub(super) struct ParkedRow {
@@ -336,6 +323,11 @@ impl Parked {
         held
     }
 
+    /// Whether any circuit is open (in memory).
+    pub(super) fn any_open(&self) -> bool {
+        !self.lock().circuits.is_empty()
+    }
+
     /// Whether a message of circuit `circuit` may be published now.
     pub(super) fn admit(&self, circuit: &str) -> Admit {
         match self.lock().circuits.get(circuit) {
@@ -352,15 +344,15 @@ impl Parked {
     }
 
     /// `m` (of ordering `key`) was refused by its destination (`outcome`): its
-    /// circuit opens or its delay doubles (see [`refused`](Self::refused)), and `m` is
-    /// to be parked for the circuit's trial, uncharged.
+    /// `circuit` opens or its delay doubles (see [`refused`](Self::refused)), and `m`
+    /// is to be parked for the circuit's trial, uncharged.
     pub(super) fn refusal(
         &self,
         m: &OutboxMessage,
+        circuit: &str,
         key: &str,
         outcome: &PublishOutcome,
     ) -> ParkedRow {
-        let circuit = circuit_of(m);
         let delay = self.refused(circuit);
         outbox_core::metrics::deferred(&m.event_type);
         ParkedRow {

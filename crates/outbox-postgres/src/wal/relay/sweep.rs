@@ -26,7 +26,7 @@ use tracing::{debug, warn};
 use uuid::Uuid;
 
 use super::WalRelay;
-use super::park::{Admit, Parked, ParkedRow, circuit, dead_for_good, order_key};
+use super::park::{Admit, Parked, ParkedRow, dead_for_good, order_key};
 use super::record::{Outcomes, Whose};
 use crate::error::db;
 use crate::sql::{COLUMNS, quoted_schema};
@@ -64,15 +64,26 @@ impl Candidate {
                       0)::float8 END, \
          m.unfinished_alone > 0";
 
-    /// The candidate in `r`'s columns from `at` on.
-    fn read(r: &sqlx::postgres::PgRow, at: usize) -> Result<Self, WalError> {
+    /// The candidate in `r`'s columns from `at` on, of `circuit` (`None`: the one
+    /// `relay` names for its routing key).
+    fn read<P: EventPublisher>(
+        relay: &WalRelay<P>,
+        r: &sqlx::postgres::PgRow,
+        at: usize,
+        circuit: Option<&str>,
+    ) -> Result<Self, WalError> {
         let routing_key: Option<String> = r.try_get(at + 2).map_err(db("wal parked rows"))?;
         let event_type: String = r.try_get(at + 3).map_err(db("wal parked rows"))?;
         let wait: Option<f64> = r.try_get(at + 6).map_err(db("wal parked rows"))?;
         Ok(Self {
             id: r.try_get(at).map_err(db("wal parked rows"))?,
             key: r.try_get(at + 1).map_err(db("wal parked rows"))?,
-            circuit: circuit(routing_key.as_deref(), &event_type).to_owned(),
+            circuit: match circuit {
+                Some(c) => c.to_owned(),
+                None => relay
+                    .circuit(routing_key.as_deref(), &event_type)
+                    .into_owned(),
+            },
             due: r.try_get(at + 4).map_err(db("wal parked rows"))?,
             free: r.try_get(at + 5).map_err(db("wal parked rows"))?,
             wait: wait.map(|w| Duration::from_secs_f64(w.clamp(0.0, 86_400.0))),
@@ -290,7 +301,11 @@ impl<P: EventPublisher> WalRelay<P> {
                 Some(PublishOutcome::Permanent(e)) => dead_for_good(m, &e, out),
                 Some(o) if o.is_refused_by_destination() => {
                     stopped.insert(key);
-                    out.parked.push(parked.refusal(m, key, &o));
+                    let circuit = match trial {
+                        Some(c) => std::borrow::Cow::Borrowed(c),
+                        None => self.circuit(m.routing_key.as_deref(), &m.event_type),
+                    };
+                    out.parked.push(parked.refusal(m, &circuit, key, &o));
                     refused.extend(trial);
                 }
                 Some(PublishOutcome::Transient(e)) if e.kind() != ErrorKind::Unavailable => {
@@ -429,7 +444,7 @@ impl<P: EventPublisher> WalRelay<P> {
             .map_err(db("wal parked rows"))?;
         let mut rows = found
             .iter()
-            .map(|r| Candidate::read(r, 0))
+            .map(|r| Candidate::read(self, r, 0, None))
             .collect::<Result<Vec<_>, _>>()?;
         let (due, _) = parked.due_trials();
         let mut trials = Vec::with_capacity(due.len());
@@ -459,7 +474,9 @@ impl<P: EventPublisher> WalRelay<P> {
                 let id: Option<Uuid> = r.try_get(2).map_err(db("wal trials"))?;
                 let trial = match id {
                     Some(_) => {
-                        rows.push(Candidate::read(r, 2)?);
+                        // A trial is its circuit's, whatever its routing key is
+                        // named now.
+                        rows.push(Candidate::read(self, r, 2, Some(&c))?);
                         Trial::Head(rows.len() - 1)
                     }
                     None if held => Trial::Behind,
