@@ -348,9 +348,6 @@ pub fn drop_wal_objects_blocking(database_url: &str, slot: &str, publication: &s
     }
 }
 
-/// Drops a test's schema (`CASCADE`) on a runtime of its own, so that a guard's `Drop`
-/// can call it while the test's runtime unwinds. A failure (also a lock held for more
-/// than 10 s) is printed, never raised.
 /// The destinations the held rows of `schema`'s outbox name (`held_for`).
 pub async fn held_destinations(pool: &PgPool, schema: &str) -> std::collections::HashSet<String> {
     sqlx::query_scalar(AssertSqlSafe(format!(
@@ -363,6 +360,9 @@ pub async fn held_destinations(pool: &PgPool, schema: &str) -> std::collections:
     .collect()
 }
 
+/// Drops a test's schema (`CASCADE`) on a runtime of its own, so that a guard's `Drop`
+/// can call it while the test's runtime unwinds. A failure (also a lock held for more
+/// than 10 s) is printed, never raised.
 pub fn drop_schema_blocking(database_url: &str, schema: &str) {
     let (url, name) = (database_url.to_owned(), schema.to_owned());
     let done = crate::on_own_runtime(async move {
