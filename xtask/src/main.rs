@@ -221,6 +221,8 @@ fn run(cli: Cli) -> Result<()> {
             let mut tests = cargo();
             tests
                 .args(["test", "--workspace", "--all-targets"])
+                // The process tests' hooks (never in a released binary).
+                .args(["--features", "outbox-cli/testing"])
                 .args(&args);
             env_default(&mut tests, "RUST_BACKTRACE", "1");
             run_child(&mut tests)?;

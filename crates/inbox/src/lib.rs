@@ -22,8 +22,7 @@
 //!
 //! ```no_run
 //! use std::sync::Arc;
-//! use async_trait::async_trait;
-//! use inbox::{Handler, HandlerContext, HandlerError, IdempotentConsumer, Pipeline};
+//! use inbox::{Handler, HandlerContext, HandlerError, IdempotentConsumer, Pipeline, async_trait};
 //! use outbox_core::wire::IncomingMessage;
 //! use outbox_postgres::PgInbox;
 //!
@@ -52,6 +51,7 @@
 //! `tracing-opentelemetry` layer installed, becomes the span's OpenTelemetry parent, so
 //! the handler joins the producer's trace.
 #![cfg_attr(docsrs, feature(doc_cfg))]
+#![deny(missing_docs)]
 
 mod batch;
 mod consumer;
@@ -64,6 +64,9 @@ mod otel;
 mod pipeline;
 mod retention;
 
+/// The attribute of [`Handler`] implementations (`#[inbox::async_trait]`), re-exported
+/// so that a program needs no dependency of its own on `async-trait`.
+pub use async_trait::async_trait;
 pub use consumer::{
     DEFAULT_MAX_DELIVERIES, IdempotentConsumer, UNDECODABLE_CONSUMER, UNHANDLED_CONSUMER,
     UnhandledPolicy,

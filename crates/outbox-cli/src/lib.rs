@@ -37,6 +37,7 @@
 //! # Ok(()) }
 //! ```
 #![cfg_attr(docsrs, feature(doc_cfg))]
+#![deny(missing_docs)]
 
 #[cfg(not(any(feature = "postgres", feature = "sqlserver", feature = "mysql")))]
 compile_error!("outbox-cli needs a database feature: `postgres`, `sqlserver` and/or `mysql`");

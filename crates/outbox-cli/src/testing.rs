@@ -1,6 +1,8 @@
-//! Test-only hooks of the `outbox` binary: each is off unless its environment variable
-//! is set, and none is meant for production. The process tests use them to make the
-//! relay fail the way no real broker or row can be made to on demand.
+//! Test-only hooks of the `outbox` binary, compiled only with the crate's `testing`
+//! feature (off by default, so a released binary has none of them): each is off unless
+//! its environment variable is set. The process tests use them to make the relay fail
+//! the way no real broker or row can be made to on demand (`cargo xtask itest` builds
+//! the tests with `--features outbox-cli/testing`).
 //!
 //! | variable | effect |
 //! |---|---|
@@ -10,6 +12,7 @@ use async_trait::async_trait;
 use outbox_core::{EventPublisher, OutboxMessage, PublishError, PublishOutcome};
 
 /// The environment variable of the abort hook.
+#[cfg(feature = "testing")]
 pub const ABORT_ON_EVENT_TYPE: &str = "OUTBOX_TESTING_ABORT_ON_EVENT_TYPE";
 
 /// A publisher with the test hooks around it (none by default).
@@ -20,11 +23,15 @@ pub struct Hooked<P> {
 }
 
 impl<P> Hooked<P> {
-    /// `inner`, with the hooks the environment asks for.
+    /// `inner`, with the hooks the environment asks for (none without the `testing`
+    /// feature).
     pub fn from_env(inner: P) -> Self {
+        #[cfg(feature = "testing")]
         let abort_on = std::env::var(ABORT_ON_EVENT_TYPE)
             .ok()
             .filter(|t| !t.is_empty());
+        #[cfg(not(feature = "testing"))]
+        let abort_on = None;
         if let Some(event_type) = &abort_on {
             tracing::warn!(
                 event_type,
@@ -46,7 +53,7 @@ impl<P: EventPublisher> EventPublisher for Hooked<P> {
         if let Some(event_type) = &self.abort_on
             && messages.iter().any(|m| &m.event_type == event_type)
         {
-            eprintln!("{ABORT_ON_EVENT_TYPE}: a batch holds a {event_type} message: aborting");
+            eprintln!("test hook: a batch holds a {event_type} message: aborting");
             std::process::abort();
         }
         self.inner.publish_batch(messages).await

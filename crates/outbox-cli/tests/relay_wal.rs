@@ -729,6 +729,7 @@ async fn i_sigterm_mid_run_drains_and_a_successor_sends_the_rest() {
     fx.delete_exchange().await;
 }
 
+#[cfg(feature = "testing")] // the abort hook
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn j_a_row_that_kills_the_relay_dies_alone() {
     let (db, _cleanup) = wal_outbox().await;

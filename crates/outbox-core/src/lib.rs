@@ -48,6 +48,7 @@
 //! # Ok::<(), outbox_core::OutboxError>(())
 //! ```
 #![cfg_attr(docsrs, feature(doc_cfg))]
+#![deny(missing_docs)]
 
 pub mod admin;
 pub mod consumer;
@@ -79,6 +80,10 @@ pub use admin::{
     InboxReplayReport, MessageCount, MessageCursor, MessagePage, MessageState, MessageSummary,
     OutboxAdmin, ReconcileRow, RelayHeartbeat, RelaySeen, SentPerMinute, VacuumPressure,
 };
+/// The attribute of the traits a program implements (`EventPublisher`,
+/// `DeliveryHandler`, the inbox's `Handler`), re-exported so that a program needs no
+/// dependency of its own on `async-trait` (and names the version the traits use).
+pub use async_trait::async_trait;
 pub use consumer::{
     BatchDeliveryHandler, BatchSettings, Consumer, DeliveryHandler, HandlerDecision,
     InvalidBatchSettings, TransportKind, UnknownTransport,

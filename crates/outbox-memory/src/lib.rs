@@ -60,6 +60,7 @@
 //! # }
 //! ```
 #![cfg_attr(docsrs, feature(doc_cfg))]
+#![deny(missing_docs)]
 
 mod clock;
 mod inbox;

@@ -711,7 +711,14 @@ async fn at_scale_100k_routing_keys_to_one_full_queue() {
         "100,000 keys: most circuits open {most_open}, refused trials {rate:.1}/s, RSS {rss_before} KiB before, at most {most_rss} KiB"
     );
     assert!(most_open <= outbox_core::dispatcher::MAX_CIRCUITS);
-    assert!(rate <= 12.0, "{rate}/s");
+    // A token bucket: ten a second, and a burst of at most a batch (500) of turns saved
+    // while rounds ran long (each trial's claim is its own statement, slow on a loaded
+    // machine), so over 10 s at most 10 × 10 + 500.
+    let window = since.elapsed().as_secs_f64();
+    assert!(
+        rate * window <= 10.0 * window + 500.0,
+        "{rate}/s over {window:.1} s"
+    );
     let _counts = fx.counter().await; // the queue drains
     let drain = Instant::now();
     assert!(

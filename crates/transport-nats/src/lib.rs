@@ -48,6 +48,7 @@
 //! # }
 //! ```
 #![cfg_attr(docsrs, feature(doc_cfg))]
+#![deny(missing_docs)]
 
 mod batch;
 pub mod config;

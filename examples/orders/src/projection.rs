@@ -11,9 +11,9 @@ use std::marker::PhantomData;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
-use async_trait::async_trait;
 use inbox::{Handler, HandlerContext, HandlerError, IdempotentConsumer, Pipeline};
 use outbox_core::InboxStore;
+use outbox_core::async_trait;
 use outbox_core::consumer::{DeliveryHandler, HandlerDecision};
 use outbox_core::wire::{IncomingMessage, TRACEPARENT, TraceParent};
 

@@ -10,7 +10,7 @@ mod postgres;
 pub(crate) use mysql::MySql;
 pub(crate) use postgres::Postgres;
 
-use async_trait::async_trait;
+use outbox_core::async_trait;
 use outbox_core::{ConsumerDeadLetters, InboxStore, NewMessage, OutboxStore, VersionTracking};
 
 use crate::OrderPlaced;

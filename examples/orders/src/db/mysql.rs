@@ -3,8 +3,8 @@
 //! the outbox's own tables (every connection of the backend's pools runs in UTC).
 
 use anyhow::Context as _;
-use async_trait::async_trait;
 use outbox_core::NewMessage;
+use outbox_core::async_trait;
 use outbox_mysql::{MySqlConfig, MySqlInbox, MySqlOutbox};
 use sqlx::{AssertSqlSafe, MySqlConnection};
 

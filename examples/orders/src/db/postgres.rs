@@ -2,8 +2,8 @@
 //! tables.
 
 use anyhow::Context as _;
-use async_trait::async_trait;
 use outbox_core::NewMessage;
+use outbox_core::async_trait;
 use outbox_postgres::{PgConfig, PgInbox, PgOutbox};
 use sqlx::{AssertSqlSafe, PgConnection};
 
