@@ -55,17 +55,17 @@ pub(crate) const IGNORE_REASON: &str = "needs the broker clusters";
 /// can skip them and the cluster pass pick them.
 pub(crate) const TEST_PREFIX: &str = "on_cluster_";
 
-/// `cargo test` over the test targets holding the clusters' tests (outbox-cli's relay
-/// tests, outbox-testkit's consumer tests), ignored ones only, with the test harness's
+/// `cargo test` over the test targets holding the clusters' tests (outboxkit-cli's relay
+/// tests, outboxkit-testkit's consumer tests), ignored ones only, with the test harness's
 /// arguments of `args` (those after its `--`; cargo's own select the main pass).
 pub(crate) fn tests(args: &[std::ffi::OsString]) -> Command {
     let mut cmd = crate::cargo();
     cmd.args([
         "test",
         "-p",
-        "outbox-cli",
+        "outboxkit-cli",
         "-p",
-        "outbox-testkit",
+        "outboxkit-testkit",
         "--test",
         "cluster",
         "--",
@@ -671,7 +671,7 @@ fn running_nodes(node: u16) -> Option<usize> {
 
 /// Writes `DIR/start.sh`, which starts the node in the background inside its network
 /// namespace: the one way a node is started, here and by the tests that kill one and
-/// bring it back (`outbox_testkit::cluster`).
+/// bring it back (`outboxkit_testkit::cluster`).
 fn write_start_script(
     dir: &Path,
     netns: &str,

@@ -1,5 +1,5 @@
-//! `cargo xtask features`: every feature combination of the `outbox` facade crate
-//! that a user can pick must build, and so must the `outbox` binary (`outbox-cli`) with
+//! `cargo xtask features`: every feature combination of the `outboxkit` facade crate
+//! that a user can pick must build, and so must the `outbox` binary (`outboxkit-cli`) with
 //! each database × broker pair; and the facade without its `opentelemetry` feature must
 //! not depend on OpenTelemetry.
 
@@ -42,10 +42,13 @@ pub(crate) fn combinations() -> Vec<String> {
 /// Every `(package, features)` checked: the facade's [`combinations`], then the
 /// `outbox` binary with one database and one broker (it needs at least one of each).
 pub(crate) fn jobs() -> Vec<(&'static str, String)> {
-    let mut jobs: Vec<_> = combinations().into_iter().map(|c| ("outbox", c)).collect();
+    let mut jobs: Vec<_> = combinations()
+        .into_iter()
+        .map(|c| ("outboxkit", c))
+        .collect();
     for database in DATABASES {
         for broker in BROKERS {
-            jobs.push(("outbox-cli", format!("{database},{broker}")));
+            jobs.push(("outboxkit-cli", format!("{database},{broker}")));
         }
     }
     jobs
@@ -80,7 +83,7 @@ pub(crate) fn check() -> Result<()> {
         }
     }
     eprintln!(
-        "xtask: {} feature combinations of `outbox` and `outbox-cli` checked in {:.0} s",
+        "xtask: {} feature combinations of `outboxkit` and `outboxkit-cli` checked in {:.0} s",
         combos.len(),
         started.elapsed().as_secs_f64()
     );
@@ -102,7 +105,7 @@ fn opentelemetry_stays_out() -> Result<()> {
     cmd.args([
         "tree",
         "-p",
-        "outbox",
+        "outboxkit",
         "--no-default-features",
         "-e",
         "normal",

@@ -27,7 +27,7 @@
 //!   and runs it: relay and consumer processes killed, servers frozen and restarted,
 //!   and a verdict that counts every message.
 //! * `cargo xtask lint` checks formatting and runs clippy with warnings denied.
-//! * `cargo xtask features` checks that the `outbox` facade crate builds with each
+//! * `cargo xtask features` checks that the `outboxkit` facade crate builds with each
 //!   feature combination a user can pick (none, each alone, each database × broker
 //!   pair, with and without `inbox`, all), and the `outbox` binary with each database
 //!   × broker pair.
@@ -99,7 +99,7 @@ enum Cmd {
         #[arg(long, requires = "cluster")]
         stop: bool,
     },
-    /// Check the `outbox` facade's feature combinations, ensure the services, then run all workspace tests and the doc tests.
+    /// Check the `outboxkit` facade's feature combinations, ensure the services, then run all workspace tests and the doc tests.
     ///
     /// ARGS go to `cargo test --workspace --all-targets` unchanged; to reach
     /// the test harness use a second `--`, e.g.
@@ -119,7 +119,7 @@ enum Cmd {
     /// takes minutes and the whole machine, so `itest` (CI) leaves them out.
     ///
     /// ARGS go to `cargo test --workspace --all-targets` up to a `--`, the rest to the
-    /// test harness, e.g. `cargo xtask scale -- -p outbox-postgres -- --nocapture`.
+    /// test harness, e.g. `cargo xtask scale -- -p outboxkit-postgres -- --nocapture`.
     Scale {
         /// Extra arguments for `cargo test`.
         #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
@@ -151,9 +151,9 @@ enum Cmd {
     },
     /// Check formatting and run clippy with warnings denied.
     Lint,
-    /// `cargo check` the `outbox` facade crate with every feature combination a user
+    /// `cargo check` the `outboxkit` facade crate with every feature combination a user
     /// can pick: none, each feature alone, each database × broker pair with and without
-    /// `inbox`, and all features; and `outbox-cli` with each database × broker pair.
+    /// `inbox`, and all features; and `outboxkit-cli` with each database × broker pair.
     Features,
     /// Check what publishing the crates needs, without publishing: manifests, MSRV,
     /// docs (warnings denied), `cargo package` of every published crate, `cargo deny`.
@@ -222,7 +222,7 @@ fn run(cli: Cli) -> Result<()> {
             tests
                 .args(["test", "--workspace", "--all-targets"])
                 // The process tests' hooks (never in a released binary).
-                .args(["--features", "outbox-cli/testing"])
+                .args(["--features", "outboxkit-cli/testing"])
                 .args(&args);
             env_default(&mut tests, "RUST_BACKTRACE", "1");
             run_child(&mut tests)?;
@@ -401,13 +401,20 @@ impl Profile {
     }
 }
 
-/// Builds `bins` of `outbox-cli` and `outbox-lab` (release) with both packages
+/// Builds `bins` of `outboxkit-cli` and `outboxkit-lab` (release) with both packages
 /// selected, for the bench and the chaos harness alike: cargo resolves features over
 /// the packages selected, so building them apart rebuilt about 40 crates each time the
 /// selection changed.
 fn build_lab(bins: &[&str]) -> Result<()> {
     let mut build = cargo();
-    build.args(["build", "--release", "-p", "outbox-cli", "-p", "outbox-lab"]);
+    build.args([
+        "build",
+        "--release",
+        "-p",
+        "outboxkit-cli",
+        "-p",
+        "outboxkit-lab",
+    ]);
     for bin in bins {
         build.args(["--bin", bin]);
     }
@@ -537,8 +544,8 @@ mod tests {
     #[test]
     fn extra_args_are_forwarded_verbatim() {
         assert_eq!(
-            args_of(&["xtask", "itest", "--", "-p", "outbox-core"]),
-            ["-p", "outbox-core"]
+            args_of(&["xtask", "itest", "--", "-p", "outboxkit-core"]),
+            ["-p", "outboxkit-core"]
         );
         assert_eq!(
             args_of(&["xtask", "itest", "--", "--", "--nocapture"]),
@@ -572,13 +579,13 @@ mod tests {
                 .collect::<Vec<_>>()
         };
         assert_eq!(
-            harness(&["-p", "outbox-core", "--", "--nocapture"]),
+            harness(&["-p", "outboxkit-core", "--", "--nocapture"]),
             [
                 "test",
                 "-p",
-                "outbox-cli",
+                "outboxkit-cli",
                 "-p",
-                "outbox-testkit",
+                "outboxkit-testkit",
                 "--test",
                 "cluster",
                 "--",

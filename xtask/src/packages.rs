@@ -39,7 +39,7 @@ pub(crate) const BROWSER: Packages = Packages {
 
 /// libfaketime, for the relay clock-skew tests and the chaos harness's clock fault.
 /// Its program stands for the package: the tests find the preload library
-/// (`outbox_testkit::faults::libfaketime`) where the package puts it beside.
+/// (`outboxkit_testkit::faults::libfaketime`) where the package puts it beside.
 pub(crate) const FAKETIME: Packages = Packages {
     purpose: "the relay clock-skew tests and the chaos harness's clock fault",
     names: &["faketime"],

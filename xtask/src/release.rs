@@ -2,7 +2,7 @@
 //! without publishing anything.
 //!
 //! * Manifests: every publishable crate (`publish` not `false`: each of `crates/*` but
-//!   `outbox-testkit` and `outbox-lab`) carries `MIT OR Apache-2.0` with both license files, the
+//!   `outboxkit-testkit` and `outboxkit-lab`) carries `MIT OR Apache-2.0` with both license files, the
 //!   workspace's `rust-version`, a description, a repository and docs.rs metadata
 //!   (`all-features`, `--cfg docsrs`, `doc_cfg`); the examples and xtask are
 //!   `publish = false`; no published crate needs an unpublished one; a `CHANGELOG.md`
@@ -51,11 +51,11 @@ const MAX_CRATE_BYTES: u64 = 1024 * 1024;
 
 /// Names of ours that other owners already hold on crates.io (their versions were in
 /// the index when cargo resolved our packages in November 2026: `inbox` 0.0.1,
-/// `outbox-core` 0.1.0 to 0.6.0, `outbox-postgres` 0.1.0 to 0.3.0; the other six names
-/// were not; `outbox-mysql`, added later, was not looked up). Publishing needs other names; until then
+/// `outboxkit-core` 0.1.0 to 0.6.0, `outboxkit-postgres` 0.1.0 to 0.3.0; the other six names
+/// were not; `outboxkit-mysql`, added later, was not looked up). Publishing needs other names; until then
 /// a package that depends on them resolves the foreign crate whenever its versions
 /// match, which the lockfile check tolerates for these names alone.
-const NAMES_TAKEN_ON_CRATES_IO: [&str; 3] = ["inbox", "outbox-core", "outbox-postgres"];
+const NAMES_TAKEN_ON_CRATES_IO: [&str; 3] = ["inbox", "outboxkit-core", "outboxkit-postgres"];
 
 /// A workspace member, from `cargo metadata`.
 #[derive(Debug)]
@@ -903,13 +903,13 @@ mod tests {
     #[test]
     fn lock_entries_pair_names_with_versions() {
         let lock = "version = 4\n\n[[package]]\nname = \"outbox\"\nversion = \"0.1.0\"\n\
-                    dependencies = [\n \"outbox-core\",\n]\n\n[[package]]\n\
-                    name = \"outbox-core\"\nversion = \"0.2.2\"\nsource = \"registry+x\"\n";
+                    dependencies = [\n \"outboxkit-core\",\n]\n\n[[package]]\n\
+                    name = \"outboxkit-core\"\nversion = \"0.2.2\"\nsource = \"registry+x\"\n";
         assert_eq!(
             lock_entries(lock),
             [
                 ("outbox".to_owned(), "0.1.0".to_owned()),
-                ("outbox-core".to_owned(), "0.2.2".to_owned())
+                ("outboxkit-core".to_owned(), "0.2.2".to_owned())
             ]
         );
     }
@@ -934,17 +934,21 @@ mod tests {
         assert!(
             !order
                 .iter()
-                .any(|n| n == "outbox-testkit" || n == "outbox-lab" || n == "xtask")
+                .any(|n| n == "outboxkit-testkit" || n == "outboxkit-lab" || n == "xtask")
         );
-        assert_eq!(order.first().map(String::as_str), Some("outbox-core"));
+        assert_eq!(order.first().map(String::as_str), Some("outboxkit-core"));
         // Every backend is published before the facade and the binary that use it.
-        for backend in ["outbox-postgres", "outbox-sqlserver", "outbox-mysql"] {
+        for backend in [
+            "outboxkit-postgres",
+            "outboxkit-sqlserver",
+            "outboxkit-mysql",
+        ] {
             assert!(
                 position(backend) < position("outbox"),
                 "{backend}: {order:?}"
             );
             assert!(
-                position(backend) < position("outbox-cli"),
+                position(backend) < position("outboxkit-cli"),
                 "{backend}: {order:?}"
             );
         }

@@ -43,13 +43,18 @@ mod tests {
     fn scale_tests_run_alone_with_the_users_arguments() {
         let os = |v: &[&str]| v.iter().map(OsString::from).collect::<Vec<_>>();
         assert_eq!(
-            args(&tests(&os(&["-p", "outbox-postgres", "--", "--nocapture"]))),
+            args(&tests(&os(&[
+                "-p",
+                "outboxkit-postgres",
+                "--",
+                "--nocapture"
+            ]))),
             [
                 "test",
                 "--workspace",
                 "--all-targets",
                 "-p",
-                "outbox-postgres",
+                "outboxkit-postgres",
                 "--",
                 "--nocapture",
                 "--ignored",

@@ -33,7 +33,7 @@ enum Service {
     Postgres,
     Rabbitmq,
     Nats,
-    /// MariaDB (or MySQL) for `outbox-mysql`, as `root` without a password.
+    /// MariaDB (or MySQL) for `outboxkit-mysql`, as `root` without a password.
     Mariadb,
 }
 
@@ -220,7 +220,7 @@ pub(crate) fn ensure(timeout: Duration) -> Result<()> {
 /// The WAL relay (`outbox relay --source wal`, docs/wal.md) needs `wal_level =
 /// logical`. The compose service starts with it; a local server that runs with
 /// another level gets `ALTER SYSTEM SET wal_level = logical` and one restart (under the
-/// machine-wide fault lock of `outbox_testkit::faults`, so that no fault test is
+/// machine-wide fault lock of `outboxkit_testkit::faults`, so that no fault test is
 /// running against it meanwhile). Without `psql` this is skipped with a note.
 fn ensure_logical_wal(timeout: Duration) -> Result<()> {
     // A test of the WAL relay (crates/outbox-cli/tests/relay_wal.rs, test o) names a

@@ -36,8 +36,8 @@ pub(crate) fn announce_skip(skipped: Option<usize>) {
     let what = match skipped {
         Some(n) => format!("{n} tests marked #[ignore = \"{IGNORE_REASON}\"] did not run"),
         None => format!(
-            "the tests marked #[ignore = \"{IGNORE_REASON}\"] (outbox-sqlserver's \
-             conformance, inbox, admin and connection tests, outbox-cli's \
+            "the tests marked #[ignore = \"{IGNORE_REASON}\"] (outboxkit-sqlserver's \
+             conformance, inbox, admin and connection tests, outboxkit-cli's \
              every_command_on_sqlserver) do not run"
         ),
     };
@@ -137,7 +137,7 @@ mod tests {
                 "at_scale_"
             ]
         );
-        let user: Vec<OsString> = ["-p", "outbox-sqlserver", "--", "--nocapture"]
+        let user: Vec<OsString> = ["-p", "outboxkit-sqlserver", "--", "--nocapture"]
             .map(OsString::from)
             .into();
         let with_user = args_of(&ignored_tests(&user, &["--list"]));
@@ -148,7 +148,7 @@ mod tests {
                 "--workspace",
                 "--all-targets",
                 "-p",
-                "outbox-sqlserver",
+                "outboxkit-sqlserver",
                 "--",
                 "--nocapture",
                 "--list",

@@ -7,7 +7,7 @@
 //! connection, against the real PostgreSQL at `DATABASE_URL`.
 //!
 //! ```sh
-//! cargo run --release -p inbox --example savepoint_timing -- [rounds]
+//! cargo run --release -p outboxkit-inbox --example savepoint_timing -- [rounds]
 //! ```
 //!
 //! Prints messages per second per variant and round, then the medians; also the cost
@@ -15,9 +15,9 @@
 
 use std::time::{Duration, Instant};
 
-use outbox_core::InboxStore;
-use outbox_core::inbox::ConsumerDeadLetters;
-use outbox_postgres::{PgConfig, PgInbox, PgOutbox};
+use outboxkit_core::InboxStore;
+use outboxkit_core::inbox::ConsumerDeadLetters;
+use outboxkit_postgres::{PgConfig, PgInbox, PgOutbox};
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 use sqlx::{AssertSqlSafe, PgConnection};
 use uuid::Uuid;

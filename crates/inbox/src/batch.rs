@@ -14,7 +14,7 @@
 //! per-message path (which counts its failure, retries or dead-letters it exactly as in
 //! per-message mode) and the rest as a batch again.
 //!
-//! Chosen by measurement (`cargo run --release -p inbox --example savepoint_timing`,
+//! Chosen by measurement (`cargo run --release -p outboxkit-inbox --example savepoint_timing`,
 //! batches of 100 messages, one insert each, one connection, medians of 3 rounds on the
 //! project's 2-core machine, 2026-11-24): without savepoints 5,577 msg/s, with a
 //! savepoint around each handler 2,104 (each savepoint and its release is a round
@@ -27,9 +27,9 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use futures::FutureExt as _;
-use outbox_core::inbox::{InboxClaim, VersionKey, VersionTracking};
-use outbox_core::wire::IncomingMessage;
-use outbox_core::{InboxStore, OutboxError};
+use outboxkit_core::inbox::{InboxClaim, VersionKey, VersionTracking};
+use outboxkit_core::wire::IncomingMessage;
+use outboxkit_core::{InboxStore, OutboxError};
 use tracing::{Instrument as _, debug, info_span};
 use uuid::Uuid;
 

@@ -3,10 +3,10 @@
 use std::sync::Arc;
 
 use async_trait::async_trait;
-use outbox_core::consumer::{BatchDeliveryHandler, DeliveryHandler, HandlerDecision};
-use outbox_core::inbox::{ConsumerDeadLetters, VersionTracking};
-use outbox_core::wire::{IncomingMessage, UndecodableMessage};
-use outbox_core::{InboxStore, OutboxError};
+use outboxkit_core::consumer::{BatchDeliveryHandler, DeliveryHandler, HandlerDecision};
+use outboxkit_core::inbox::{ConsumerDeadLetters, VersionTracking};
+use outboxkit_core::wire::{IncomingMessage, UndecodableMessage};
+use outboxkit_core::{InboxStore, OutboxError};
 use tracing::{debug, error, warn};
 
 use crate::batch::{Attempt, Item, attempt};
@@ -78,7 +78,7 @@ impl UnhandledPolicy {
 /// the error). So does a handler that returns `Ok` on a transaction it left aborted (it
 /// caught a database error and went on): the store's commit reports it, and the
 /// failure says so. Data of the message or the handler that the database refuses
-/// ([`ErrorKind::InvalidData`](outbox_core::ErrorKind::InvalidData): a constraint
+/// ([`ErrorKind::InvalidData`](outboxkit_core::ErrorKind::InvalidData): a constraint
 /// checked at commit, an aggregate key over the index's size limit) is that message's
 /// failure too.
 ///

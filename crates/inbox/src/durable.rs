@@ -6,13 +6,13 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use async_trait::async_trait;
-use outbox_core::consumer::{BatchDeliveryHandler, DeliveryHandler, HandlerDecision};
-use outbox_core::inbox::{
+use outboxkit_core::consumer::{BatchDeliveryHandler, DeliveryHandler, HandlerDecision};
+use outboxkit_core::inbox::{
     ConsumerDeadLetters, DurableInbox, InboxCompletion, InboxOutcome, StoredMessage,
     VersionTracking,
 };
-use outbox_core::wire::{IncomingMessage, UndecodableMessage};
-use outbox_core::{ErrorKind, InboxStore, OutboxError, RetryPolicy};
+use outboxkit_core::wire::{IncomingMessage, UndecodableMessage};
+use outboxkit_core::{ErrorKind, InboxStore, OutboxError, RetryPolicy};
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, error, info, warn};
 
@@ -28,7 +28,7 @@ use crate::pipeline::{Pipeline, Plain, Step, run_handler};
 /// transport holds it and tries again, spending no delivery attempt), counted in
 /// [`DEFERRED_TOTAL`](crate::metrics::DEFERRED_TOTAL) and logged at error level at most
 /// once a minute. A delivery the database refuses to store for its own data
-/// ([`ErrorKind::InvalidData`](outbox_core::ErrorKind::InvalidData); stores should
+/// ([`ErrorKind::InvalidData`](outboxkit_core::ErrorKind::InvalidData); stores should
 /// take any decodable message, so this is a store's shortfall) and a delivery the
 /// transport could not decode are recorded as consumer dead letters under
 /// [`UNDECODABLE_CONSUMER`] with their raw headers and body, then acked. Plug it into a
@@ -581,7 +581,8 @@ where
                     self.config.poll_interval
                 }
                 Err(e) if e.kind().is_retryable() => {
-                    backoff = outbox_core::retry::outage_backoff(backoff, Duration::from_secs(30));
+                    backoff =
+                        outboxkit_core::retry::outage_backoff(backoff, Duration::from_secs(30));
                     warn!(error = %e, backoff_ms = backoff.as_millis() as u64, "inbox processor backing off");
                     backoff
                 }

@@ -13,7 +13,7 @@ use std::sync::Mutex;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
-use outbox_core::{ErrorKind, InboxStore, OutboxError};
+use outboxkit_core::{ErrorKind, InboxStore, OutboxError};
 use tracing::{error, info};
 
 use crate::handler::HandlerError;

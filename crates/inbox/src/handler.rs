@@ -1,9 +1,9 @@
 //! The [`Handler`] trait, its context, errors and per-handler policies.
 
 use async_trait::async_trait;
-use outbox_core::InboxStore;
-use outbox_core::error::BoxError;
-use outbox_core::wire::IncomingMessage;
+use outboxkit_core::InboxStore;
+use outboxkit_core::error::BoxError;
+use outboxkit_core::wire::IncomingMessage;
 
 /// What a handler learns about the delivery besides the message.
 #[derive(Debug, Clone)]
@@ -145,7 +145,7 @@ pub enum StalePolicy {
 ///   transaction) or use `INSERT … ON CONFLICT DO NOTHING`.
 /// - Its database hiccups (a deadlock, a statement timeout, a terminated connection:
 ///   errors its store classifies as transient or unavailable, see
-///   [`InboxStore::classify`](outbox_core::InboxStore::classify)) are the database's
+///   [`InboxStore::classify`](outboxkit_core::InboxStore::classify)) are the database's
 ///   fault, not the message's: returned as errors, they are retried without being
 ///   counted against the message.
 ///

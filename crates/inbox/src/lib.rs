@@ -1,7 +1,7 @@
 //! # inbox
 //!
 //! Exactly-once **effects** from at-least-once **delivery**, on any backend that
-//! implements the `outbox-core` inbox traits (PostgreSQL: `outbox_postgres::PgInbox`).
+//! implements the `outboxkit-core` inbox traits (PostgreSQL: `outboxkit_postgres::PgInbox`).
 //!
 //! - [`Pipeline`]: handlers subscribed to event types, in order, each under its own
 //!   consumer name; each handler's success is recorded `(message_id, consumer)` in the
@@ -22,9 +22,9 @@
 //!
 //! ```no_run
 //! use std::sync::Arc;
-//! use inbox::{Handler, HandlerContext, HandlerError, IdempotentConsumer, Pipeline, async_trait};
-//! use outbox_core::wire::IncomingMessage;
-//! use outbox_postgres::PgInbox;
+//! use outboxkit_inbox::{Handler, HandlerContext, HandlerError, IdempotentConsumer, Pipeline, async_trait};
+//! use outboxkit_core::wire::IncomingMessage;
+//! use outboxkit_postgres::PgInbox;
 //!
 //! struct Project;
 //!
@@ -64,7 +64,7 @@ mod otel;
 mod pipeline;
 mod retention;
 
-/// The attribute of [`Handler`] implementations (`#[inbox::async_trait]`), re-exported
+/// The attribute of [`Handler`] implementations (`#[outboxkit_inbox::async_trait]`), re-exported
 /// so that a program needs no dependency of its own on `async-trait`.
 pub use async_trait::async_trait;
 pub use consumer::{

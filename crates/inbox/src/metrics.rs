@@ -154,10 +154,10 @@ pub(crate) fn unhandled(policy: &'static str) {
 }
 
 /// Records `messages` deferred because of a store error of `kind`.
-pub(crate) fn deferred(kind: outbox_core::ErrorKind, messages: usize) {
+pub(crate) fn deferred(kind: outboxkit_core::ErrorKind, messages: usize) {
     let kind = match kind {
-        outbox_core::ErrorKind::Unavailable => "unavailable",
-        outbox_core::ErrorKind::Transient => "transient",
+        outboxkit_core::ErrorKind::Unavailable => "unavailable",
+        outboxkit_core::ErrorKind::Transient => "transient",
         _ => "permanent",
     };
     ::metrics::counter!(DEFERRED_TOTAL, LABEL_KIND => kind)

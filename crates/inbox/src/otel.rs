@@ -5,7 +5,7 @@ use opentelemetry::Context;
 use opentelemetry::trace::{
     SpanContext, SpanId, TraceContextExt as _, TraceFlags, TraceId, TraceState,
 };
-use outbox_core::wire::TraceParent;
+use outboxkit_core::wire::TraceParent;
 use tracing_opentelemetry::OpenTelemetrySpanExt as _;
 
 fn remote_context(traceparent: TraceParent, tracestate: Option<&str>) -> SpanContext {

@@ -6,9 +6,9 @@ use std::sync::Arc;
 
 use async_trait::async_trait;
 use futures::FutureExt as _;
-use outbox_core::inbox::{ConsumerDeadLetters, InboxClaim, VersionTracking};
-use outbox_core::wire::IncomingMessage;
-use outbox_core::{InboxStore, MAX_NAME_LEN, OutboxError};
+use outboxkit_core::inbox::{ConsumerDeadLetters, InboxClaim, VersionTracking};
+use outboxkit_core::wire::IncomingMessage;
+use outboxkit_core::{InboxStore, MAX_NAME_LEN, OutboxError};
 use tracing::{Instrument as _, debug, info_span, warn};
 use uuid::Uuid;
 
@@ -349,7 +349,7 @@ pub(crate) fn version_too_far(
 ///
 /// Whose fault a failure is decides the outcome (see the `fault` module): a failure of
 /// the handler, a transaction it left aborted, or data the database refuses
-/// ([`ErrorKind::InvalidData`](outbox_core::ErrorKind::InvalidData)) is
+/// ([`ErrorKind::InvalidData`](outboxkit_core::ErrorKind::InvalidData)) is
 /// [`Step::Failed`]; the database's trouble (an outage, a misconfiguration, or a
 /// deadlock or timeout inside the handler) is `Err`, never charged to the message.
 pub(crate) async fn run_handler<S, C>(

@@ -3,11 +3,11 @@
 
 use std::time::Duration;
 
-use outbox_core::inbox::DurableInbox;
-use outbox_core::{InboxStore, OutboxError};
+use outboxkit_core::inbox::DurableInbox;
+use outboxkit_core::{InboxStore, OutboxError};
 use tracing::warn;
 
-/// Inbox retention settings (named apart from the outbox's [`SentRetention`](outbox_core::SentRetention) and the NATS stream's `StreamRetention`).
+/// Inbox retention settings (named apart from the outbox's [`SentRetention`](outboxkit_core::SentRetention) and the NATS stream's `StreamRetention`).
 ///
 /// The **dedup window** is how long an inbox record `(message_id, consumer)` is kept.
 /// A duplicate that arrives after its record was purged is processed again, so the

@@ -9,15 +9,15 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use async_trait::async_trait;
-use inbox::{
+use outboxkit_core::RetryPolicy;
+use outboxkit_core::consumer::{BatchDeliveryHandler, HandlerDecision};
+use outboxkit_core::inbox::{ConsumerDeadLetters, DurableInbox};
+use outboxkit_core::wire::IncomingMessage;
+use outboxkit_inbox::{
     BatchHandlerError, DurableReceiver, Handler, HandlerContext, HandlerError, IdempotentConsumer,
     InboxProcessor, Pipeline, ProcessorConfig, StalePolicy, UNHANDLED_CONSUMER, UnhandledPolicy,
 };
-use outbox_core::RetryPolicy;
-use outbox_core::consumer::{BatchDeliveryHandler, HandlerDecision};
-use outbox_core::inbox::{ConsumerDeadLetters, DurableInbox};
-use outbox_core::wire::IncomingMessage;
-use outbox_postgres::{PgConfig, PgInbox};
+use outboxkit_postgres::{PgConfig, PgInbox};
 use sqlx::{AssertSqlSafe, PgConnection};
 use uuid::Uuid;
 
@@ -635,7 +635,7 @@ async fn an_unreachable_inbox_defers_the_whole_batch() {
 /// Per-message mode: 6 and 8.
 #[tokio::test]
 async fn a_batch_of_100_takes_about_one_round_trip_per_message() {
-    use outbox_testkit::pg::RoundTripCounter;
+    use outboxkit_testkit::pg::RoundTripCounter;
     use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 
     let db = db().await;

@@ -14,26 +14,26 @@
 //!   (the database's hiccups, not the message's fault);
 //! - an aggregate version of `i64::MAX`, which must not silence the aggregate.
 
-use outbox_core::Consumer as _;
+use outboxkit_core::Consumer as _;
 use std::collections::HashSet;
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use async_trait::async_trait;
-use inbox::{Handler, HandlerContext, HandlerError, IdempotentConsumer, Pipeline};
 use lapin::options::BasicPublishOptions;
 use lapin::types::{AMQPValue, FieldTable};
 use lapin::{BasicProperties, Connection, ConnectionProperties};
-use outbox_core::inbox::{ConsumerDeadLetter, ConsumerDeadLetters};
-use outbox_core::wire::IncomingMessage;
-use outbox_core::{BatchSettings, EventPublisher, NewMessage, OutboxMessage};
-use outbox_postgres::{PgConfig, PgInbox, PgOutbox};
-use sqlx::{AssertSqlSafe, PgConnection, PgPool};
-use tokio_util::sync::CancellationToken;
-use transport_rabbit::{
+use outboxkit_core::inbox::{ConsumerDeadLetter, ConsumerDeadLetters};
+use outboxkit_core::wire::IncomingMessage;
+use outboxkit_core::{BatchSettings, EventPublisher, NewMessage, OutboxMessage};
+use outboxkit_inbox::{Handler, HandlerContext, HandlerError, IdempotentConsumer, Pipeline};
+use outboxkit_postgres::{PgConfig, PgInbox, PgOutbox};
+use outboxkit_rabbit::{
     BatchDeliveryHandler, DeliveryHandler, RabbitConfig, RabbitConsumer, RabbitPublisher,
 };
+use sqlx::{AssertSqlSafe, PgConnection, PgPool};
+use tokio_util::sync::CancellationToken;
 use uuid::Uuid;
 
 fn env(key: &str, default: &str) -> String {
@@ -280,7 +280,7 @@ impl Handler<PgInbox> for Swallowing {
 
 struct Running {
     token: CancellationToken,
-    task: tokio::task::JoinHandle<Result<(), transport_rabbit::RabbitError>>,
+    task: tokio::task::JoinHandle<Result<(), outboxkit_rabbit::RabbitError>>,
 }
 
 impl Running {
@@ -396,7 +396,7 @@ async fn a_swallowed_database_error_in_a_batch_is_never_acked_as_applied() {
 /// are spent, instead of `Done` with no effect.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_durable_inbox_never_marks_a_swallowed_error_done() {
-    use outbox_core::inbox::DurableInbox as _;
+    use outboxkit_core::inbox::DurableInbox as _;
     let s = setup(10, 10).await;
     let (good, swallowed) = (message("OrderPlaced", 0), message("OrderPlaced", 0));
     sqlx::query(AssertSqlSafe(format!(
@@ -412,13 +412,13 @@ async fn the_durable_inbox_never_marks_a_swallowed_error_done() {
         assert!(s.store.store(&incoming).await.expect("store"));
     }
     for batch_transactions in [true, false] {
-        let processor = inbox::InboxProcessor::new(
+        let processor = outboxkit_inbox::InboxProcessor::new(
             Arc::clone(&s.store),
             Pipeline::new().on("OrderPlaced", "projector", Swallowing(s.schema.clone())),
-            inbox::ProcessorConfig::new()
+            outboxkit_inbox::ProcessorConfig::new()
                 .with_batch_transactions(batch_transactions)
                 .with_retry(
-                    outbox_core::RetryPolicy::new()
+                    outboxkit_core::RetryPolicy::new()
                         .with_cap(Duration::ZERO)
                         .with_jitter(Duration::ZERO)
                         .with_max_attempts(2),

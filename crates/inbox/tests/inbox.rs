@@ -5,15 +5,15 @@ use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::Duration;
 
 use async_trait::async_trait;
-use inbox::{
+use outboxkit_core::RetryPolicy;
+use outboxkit_core::consumer::{DeliveryHandler, HandlerDecision};
+use outboxkit_core::inbox::ConsumerDeadLetters;
+use outboxkit_core::wire::IncomingMessage;
+use outboxkit_inbox::{
     DurableReceiver, GapPolicy, Handler, HandlerContext, HandlerError, IdempotentConsumer,
     InboxProcessor, Pipeline, ProcessorConfig, StalePolicy, UNHANDLED_CONSUMER, UnhandledPolicy,
 };
-use outbox_core::RetryPolicy;
-use outbox_core::consumer::{DeliveryHandler, HandlerDecision};
-use outbox_core::inbox::ConsumerDeadLetters;
-use outbox_core::wire::IncomingMessage;
-use outbox_postgres::{PgConfig, PgInbox};
+use outboxkit_postgres::{PgConfig, PgInbox};
 use sqlx::{AssertSqlSafe, PgConnection};
 use uuid::Uuid;
 
@@ -598,13 +598,13 @@ async fn retention_purges_old_records_and_processed_messages() {
         ProcessorConfig::new(),
     );
     p.run_once().await.expect("process");
-    let keep = inbox::InboxRetention::new();
+    let keep = outboxkit_inbox::InboxRetention::new();
     assert_eq!(
         keep.purge(&*db.inbox).await.expect("purge"),
-        inbox::PurgeReport::default(),
+        outboxkit_inbox::PurgeReport::default(),
         "recent rows are kept"
     );
-    let purge_all = inbox::InboxRetention::new()
+    let purge_all = outboxkit_inbox::InboxRetention::new()
         .with_dedup_window(Duration::ZERO)
         .with_processed_retention(Duration::ZERO)
         .with_batch_size(1);
@@ -774,7 +774,7 @@ async fn an_unreachable_inbox_defers_the_delivery() {
 /// abort check: 4 and 6.
 #[tokio::test]
 async fn the_per_message_path_takes_five_round_trips() {
-    use outbox_testkit::pg::RoundTripCounter;
+    use outboxkit_testkit::pg::RoundTripCounter;
     use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 
     let db = db().await;

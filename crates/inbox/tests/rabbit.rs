@@ -3,21 +3,21 @@
 //! a quorum queue's delivery limit, a handler that always panics, a pool much smaller
 //! than the prefetch), none of which may lose a message or spend its deliveries.
 
-use outbox_core::Consumer as _;
+use outboxkit_core::Consumer as _;
 use std::sync::Arc;
 use std::time::Duration;
 
 use async_trait::async_trait;
-use inbox::{Handler, HandlerContext, HandlerError, IdempotentConsumer, Pipeline};
-use outbox_core::inbox::ConsumerDeadLetters;
-use outbox_core::wire::IncomingMessage;
-use outbox_core::{EventPublisher, OutboxMessage};
-use outbox_postgres::{PgConfig, PgInbox, PgOutbox};
-use outbox_testkit::pg::PgLockout;
+use outboxkit_core::inbox::ConsumerDeadLetters;
+use outboxkit_core::wire::IncomingMessage;
+use outboxkit_core::{EventPublisher, OutboxMessage};
+use outboxkit_inbox::{Handler, HandlerContext, HandlerError, IdempotentConsumer, Pipeline};
+use outboxkit_postgres::{PgConfig, PgInbox, PgOutbox};
+use outboxkit_rabbit::{DeliveryHandler, RabbitConfig, RabbitConsumer, RabbitPublisher};
+use outboxkit_testkit::pg::PgLockout;
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 use sqlx::{AssertSqlSafe, PgConnection};
 use tokio_util::sync::CancellationToken;
-use transport_rabbit::{DeliveryHandler, RabbitConfig, RabbitConsumer, RabbitPublisher};
 use uuid::Uuid;
 
 fn env(key: &str, default: &str) -> String {
@@ -54,7 +54,7 @@ fn outbox_message(event_type: &str) -> OutboxMessage {
     let id = Uuid::now_v7();
     // One aggregate per message: the same aggregate and version would make the later
     // messages stale for the projector.
-    let msg = outbox_core::NewMessage::builder("order", id.to_string(), event_type)
+    let msg = outboxkit_core::NewMessage::builder("order", id.to_string(), event_type)
         .id(id)
         .aggregate_version(1)
         .payload_json("{}")
@@ -73,8 +73,8 @@ struct Setup {
     publisher: RabbitPublisher,
     /// Last (fields drop in order): the exchange and the schema go once the rest is
     /// closed.
-    _exchange: outbox_testkit::rabbit::DropExchange,
-    _drop: outbox_testkit::pg::DropSchema,
+    _exchange: outboxkit_testkit::rabbit::DropExchange,
+    _drop: outboxkit_testkit::pg::DropSchema,
 }
 
 async fn setup(prefetch: u16) -> Setup {
@@ -112,8 +112,8 @@ async fn setup(prefetch: u16) -> Setup {
     consumer.declare().await.expect("declare");
     let publisher = RabbitPublisher::connect(config).await.expect("publisher");
     Setup {
-        _exchange: outbox_testkit::rabbit::DropExchange::new(&amqp, &exchange),
-        _drop: outbox_testkit::pg::DropSchema::new(&url, &schema),
+        _exchange: outboxkit_testkit::rabbit::DropExchange::new(&amqp, &exchange),
+        _drop: outboxkit_testkit::pg::DropSchema::new(&url, &schema),
         schema,
         outbox,
         store,
@@ -207,11 +207,14 @@ async fn durable_inbox_fed_by_rabbitmq() {
             .all(|o| o.is_published())
     );
 
-    let running = start(consumer, inbox::DurableReceiver::new(Arc::clone(&store)));
-    let processor = inbox::InboxProcessor::new(
+    let running = start(
+        consumer,
+        outboxkit_inbox::DurableReceiver::new(Arc::clone(&store)),
+    );
+    let processor = outboxkit_inbox::InboxProcessor::new(
         Arc::clone(&store),
         Pipeline::new().on("OrderPlaced", "projector", Projector(schema.clone())),
-        inbox::ProcessorConfig::new(),
+        outboxkit_inbox::ProcessorConfig::new(),
     );
     let effects = format!("SELECT count(*) FROM {schema}.effects");
     let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
@@ -307,11 +310,14 @@ async fn the_durable_inbox_stores_and_processes_a_message_with_nul_characters() 
     let published = publisher.publish_batch(&[odd.clone(), plain.clone()]).await;
     assert!(published.iter().all(|o| o.is_published()), "{published:?}");
 
-    let running = start(consumer, inbox::DurableReceiver::new(Arc::clone(&store)));
-    let processor = inbox::InboxProcessor::new(
+    let running = start(
+        consumer,
+        outboxkit_inbox::DurableReceiver::new(Arc::clone(&store)),
+    );
+    let processor = outboxkit_inbox::InboxProcessor::new(
         Arc::clone(&store),
         Pipeline::new().on("OrderPlaced", "projector", Projector(schema.clone())),
-        inbox::ProcessorConfig::new(),
+        outboxkit_inbox::ProcessorConfig::new(),
     );
     let effects = format!("SELECT count(*) FROM {schema}.effects");
     wait_for(
@@ -398,8 +404,8 @@ struct Quorum {
     queue: String,
     /// Last (fields drop in order): the exchange and the schema go once the rest is
     /// closed.
-    _exchange: outbox_testkit::rabbit::DropExchange,
-    _drop: outbox_testkit::pg::DropSchema,
+    _exchange: outboxkit_testkit::rabbit::DropExchange,
+    _drop: outboxkit_testkit::pg::DropSchema,
 }
 
 async fn quorum(prefetch: u16, pool_size: u32, delivery_limit: i32) -> Quorum {
@@ -451,8 +457,8 @@ async fn quorum(prefetch: u16, pool_size: u32, delivery_limit: i32) -> Quorum {
     consumer.declare().await.expect("declare");
     let publisher = RabbitPublisher::connect(config).await.expect("publisher");
     Quorum {
-        _exchange: outbox_testkit::rabbit::DropExchange::new(&amqp, &exchange),
-        _drop: outbox_testkit::pg::DropSchema::new(&url, &schema),
+        _exchange: outboxkit_testkit::rabbit::DropExchange::new(&amqp, &exchange),
+        _drop: outboxkit_testkit::pg::DropSchema::new(&url, &schema),
         schema,
         outbox,
         store,
@@ -466,7 +472,7 @@ async fn quorum(prefetch: u16, pool_size: u32, delivery_limit: i32) -> Quorum {
 /// A consumer running in a task.
 struct Running {
     token: CancellationToken,
-    task: tokio::task::JoinHandle<Result<(), transport_rabbit::RabbitError>>,
+    task: tokio::task::JoinHandle<Result<(), outboxkit_rabbit::RabbitError>>,
 }
 
 impl Running {

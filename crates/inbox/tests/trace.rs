@@ -3,12 +3,12 @@
 use std::sync::Arc;
 
 use async_trait::async_trait;
-use inbox::{Handler, HandlerContext, HandlerError, IdempotentConsumer, Pipeline};
 use opentelemetry::trace::TracerProvider as _;
 use opentelemetry_sdk::trace::{InMemorySpanExporter, SdkTracerProvider};
-use outbox_core::consumer::HandlerDecision;
-use outbox_core::wire::{IncomingMessage, TraceParent};
-use outbox_postgres::{PgConfig, PgInbox, PgOutbox};
+use outboxkit_core::consumer::HandlerDecision;
+use outboxkit_core::wire::{IncomingMessage, TraceParent};
+use outboxkit_inbox::{Handler, HandlerContext, HandlerError, IdempotentConsumer, Pipeline};
+use outboxkit_postgres::{PgConfig, PgInbox, PgOutbox};
 use sqlx::PgConnection;
 use tracing_subscriber::layer::SubscriberExt as _;
 use uuid::Uuid;
@@ -40,7 +40,7 @@ async fn handler_span_joins_the_producers_trace() {
     let schema = format!("t_{}", Uuid::new_v4().simple());
     let url = std::env::var("DATABASE_URL")
         .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".into());
-    let _schema = outbox_testkit::pg::DropSchema::new(&url, &schema);
+    let _schema = outboxkit_testkit::pg::DropSchema::new(&url, &schema);
     let outbox = PgOutbox::connect(&PgConfig::new(url).with_schema(&schema))
         .await
         .expect("PostgreSQL");

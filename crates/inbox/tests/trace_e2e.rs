@@ -2,23 +2,23 @@
 //! enqueue, travels in the outbox row, is published by the relay as a W3C `traceparent`
 //! header over the real RabbitMQ, and becomes the parent of the consumer's handler span.
 
-use outbox_core::Consumer as _;
+use outboxkit_core::Consumer as _;
 use std::sync::Arc;
 use std::time::Duration;
 
 use async_trait::async_trait;
-use inbox::{Handler, HandlerContext, HandlerError, IdempotentConsumer, Pipeline};
 use opentelemetry::trace::{TraceContextExt as _, TracerProvider as _};
 use opentelemetry_sdk::trace::{InMemorySpanExporter, SdkTracerProvider};
-use outbox_core::wire::IncomingMessage;
-use outbox_core::{Dispatcher, DispatcherConfig, NewMessage};
-use outbox_postgres::{PgConfig, PgInbox, PgOutbox};
+use outboxkit_core::wire::IncomingMessage;
+use outboxkit_core::{Dispatcher, DispatcherConfig, NewMessage};
+use outboxkit_inbox::{Handler, HandlerContext, HandlerError, IdempotentConsumer, Pipeline};
+use outboxkit_postgres::{PgConfig, PgInbox, PgOutbox};
+use outboxkit_rabbit::{RabbitConfig, RabbitConsumer, RabbitPublisher};
 use sqlx::PgConnection;
 use tokio_util::sync::CancellationToken;
 use tracing::Instrument as _;
 use tracing_opentelemetry::OpenTelemetrySpanExt as _;
 use tracing_subscriber::layer::SubscriberExt as _;
-use transport_rabbit::{RabbitConfig, RabbitConsumer, RabbitPublisher};
 use uuid::Uuid;
 
 struct Noop;
@@ -52,14 +52,14 @@ async fn the_consumer_span_joins_the_producers_trace() {
 
     let schema = format!("t_{}", Uuid::new_v4().simple());
     let url = env("DATABASE_URL", "postgres://postgres@127.0.0.1:5432/test");
-    let _schema = outbox_testkit::pg::DropSchema::new(&url, &schema);
+    let _schema = outboxkit_testkit::pg::DropSchema::new(&url, &schema);
     let outbox = PgOutbox::connect(&PgConfig::new(url).with_schema(&schema))
         .await
         .expect("PostgreSQL");
     outbox.migrate().await.expect("migrate");
     let exchange = format!("t.{}", Uuid::new_v4().simple());
     let amqp = env("AMQP_URL", "amqp://guest:guest@127.0.0.1:5672/%2f");
-    let _exchange = outbox_testkit::rabbit::DropExchange::new(&amqp, &exchange);
+    let _exchange = outboxkit_testkit::rabbit::DropExchange::new(&amqp, &exchange);
     let rabbit = RabbitConfig::builder(amqp)
         .with_exchange(&exchange)
         .build()

@@ -398,7 +398,7 @@ impl fmt::Debug for RelayArgs {
 }
 
 /// The broker (`--transport rabbit|nats`): the core's one [`TransportKind`].
-pub(crate) use outbox_core::TransportKind;
+pub(crate) use outboxkit_core::TransportKind;
 
 /// Where the relay reads committed messages from.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, ValueEnum, serde::Deserialize)]
@@ -423,7 +423,7 @@ pub enum OrderingMode {
     PerKeySkip,
 }
 
-/// What the relay does with sent messages ([`outbox_core::SentRetention`]).
+/// What the relay does with sent messages ([`outboxkit_core::SentRetention`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum, serde::Deserialize, serde::Serialize)]
 #[serde(rename_all = "lowercase")]
 pub enum SentRetentionMode {
@@ -433,7 +433,7 @@ pub enum SentRetentionMode {
     Delete,
 }
 
-impl From<SentRetentionMode> for outbox_core::SentRetention {
+impl From<SentRetentionMode> for outboxkit_core::SentRetention {
     fn from(mode: SentRetentionMode) -> Self {
         match mode {
             SentRetentionMode::Keep => Self::Keep,

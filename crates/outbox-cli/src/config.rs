@@ -12,13 +12,13 @@ use std::path::Path;
 use std::time::Duration;
 
 use chrono::{DateTime, Utc};
-use outbox_core::{DispatcherConfig, RetryPolicies, RetryPolicy};
+use outboxkit_core::{DispatcherConfig, RetryPolicies, RetryPolicy};
 use serde::Deserialize;
 
 use crate::cli::{Cli, LogFormat, OrderingMode, RelayArgs, SentRetentionMode};
 use crate::database::DatabaseKind;
 use crate::error::CliError;
-pub(crate) use outbox_core::TransportKind;
+pub(crate) use outboxkit_core::TransportKind;
 
 /// The default schema of both SQL backends.
 const DEFAULT_SCHEMA: &str = "outbox";
@@ -190,7 +190,7 @@ impl DbSettings {
             .or_else(|| file.schema.clone())
             .unwrap_or_else(|| DEFAULT_SCHEMA.to_owned());
         let kind = DatabaseKind::of_url(&url)?.require()?;
-        if let Err(e) = outbox_core::store::validate_schema(&schema) {
+        if let Err(e) = outboxkit_core::store::validate_schema(&schema) {
             return Err(CliError::Invalid {
                 field: "schema",
                 reason: strip_config_prefix(&e),
@@ -201,7 +201,7 @@ impl DbSettings {
             DatabaseKind::Postgres =>
             {
                 #[cfg(feature = "postgres")]
-                if let Err(e) = outbox_postgres::parse_url(&settings.url) {
+                if let Err(e) = outboxkit_postgres::parse_url(&settings.url) {
                     return Err(CliError::Invalid {
                         field: "database_url",
                         reason: strip_config_prefix(&e),
@@ -221,7 +221,7 @@ impl DbSettings {
             DatabaseKind::MySql =>
             {
                 #[cfg(feature = "mysql")]
-                if let Err(e) = outbox_mysql::parse_url(&settings.url) {
+                if let Err(e) = outboxkit_mysql::parse_url(&settings.url) {
                     return Err(CliError::Invalid {
                         field: "database_url",
                         reason: strip_config_prefix(&e),
@@ -242,14 +242,14 @@ impl DbSettings {
 
     /// The PostgreSQL configuration.
     #[cfg(feature = "postgres")]
-    pub fn pg_config(&self) -> outbox_postgres::PgConfig {
-        outbox_postgres::PgConfig::new(&self.url).with_schema(&self.schema)
+    pub fn pg_config(&self) -> outboxkit_postgres::PgConfig {
+        outboxkit_postgres::PgConfig::new(&self.url).with_schema(&self.schema)
     }
 
     /// The MySQL / MariaDB configuration.
     #[cfg(feature = "mysql")]
-    pub fn mysql_config(&self) -> outbox_mysql::MySqlConfig {
-        outbox_mysql::MySqlConfig::new(&self.url).with_schema(&self.schema)
+    pub fn mysql_config(&self) -> outboxkit_mysql::MySqlConfig {
+        outboxkit_mysql::MySqlConfig::new(&self.url).with_schema(&self.schema)
     }
 
     /// The SQL Server configuration (the URL turned into a connection string, see
@@ -258,9 +258,9 @@ impl DbSettings {
     /// # Errors
     /// [`CliError::Invalid`] for a malformed `mssql://` URL.
     #[cfg(feature = "sqlserver")]
-    pub fn mssql_config(&self) -> Result<outbox_sqlserver::MssqlConfig, CliError> {
+    pub fn mssql_config(&self) -> Result<outboxkit_sqlserver::MssqlConfig, CliError> {
         Ok(
-            outbox_sqlserver::MssqlConfig::new(crate::database::sqlserver_connection_string(
+            outboxkit_sqlserver::MssqlConfig::new(crate::database::sqlserver_connection_string(
                 &self.url,
             )?)
             .with_schema(&self.schema),
@@ -277,12 +277,12 @@ pub(crate) use crate::database::redact_database_url;
 pub(crate) fn redact_broker_url(transport: Option<TransportKind>, url: &str) -> String {
     match transport {
         #[cfg(feature = "rabbit")]
-        Some(TransportKind::Rabbit) => transport_rabbit::redact_url(url),
+        Some(TransportKind::Rabbit) => outboxkit_rabbit::redact_url(url),
         #[cfg(feature = "nats")]
-        Some(TransportKind::Nats) | None => transport_nats::redact_url(url),
+        Some(TransportKind::Nats) | None => outboxkit_nats::redact_url(url),
         // A transport compiled out never connects; hide the whole user info.
         #[allow(unreachable_patterns)] // reason: unreachable with both transports
-        _ => outbox_core::error::redact_url(url, outbox_core::error::LoneUserInfo::Token),
+        _ => outboxkit_core::error::redact_url(url, outboxkit_core::error::LoneUserInfo::Token),
     }
 }
 
@@ -291,7 +291,7 @@ pub(crate) fn redact_broker_url(transport: Option<TransportKind>, url: &str) -> 
 pub(crate) trait TransportExt: Sized {
     /// The broker's name in messages.
     fn product_name(self) -> &'static str;
-    /// The cargo feature of `outbox-cli` that compiles the transport in.
+    /// The cargo feature of `outboxkit-cli` that compiles the transport in.
     fn feature(self) -> &'static str;
     /// `Ok(self)` when this binary was built with the transport.
     ///
@@ -315,7 +315,7 @@ impl TransportExt for TransportKind {
         }
     }
 
-    /// The cargo feature of `outbox-cli` that compiles the transport in.
+    /// The cargo feature of `outboxkit-cli` that compiles the transport in.
     fn feature(self) -> &'static str {
         match self {
             Self::Rabbit => "rabbit",
@@ -352,13 +352,13 @@ impl TransportExt for TransportKind {
         match self {
             #[cfg(feature = "rabbit")]
             Self::Rabbit => (
-                transport_rabbit::config::URL_ENV,
-                transport_rabbit::config::DEFAULT_URL,
+                outboxkit_rabbit::config::URL_ENV,
+                outboxkit_rabbit::config::DEFAULT_URL,
             ),
             #[cfg(feature = "nats")]
             Self::Nats => (
-                transport_nats::config::URL_ENV,
-                transport_nats::config::DEFAULT_URL,
+                outboxkit_nats::config::URL_ENV,
+                outboxkit_nats::config::DEFAULT_URL,
             ),
             // Compiled out: `require` fails before the URL is used.
             #[allow(unreachable_patterns)] // reason: unreachable with both transports
@@ -370,9 +370,9 @@ impl TransportExt for TransportKind {
     fn connect_timeout(self) -> Duration {
         match self {
             #[cfg(feature = "rabbit")]
-            Self::Rabbit => transport_rabbit::config::DEFAULT_CONNECT_TIMEOUT,
+            Self::Rabbit => outboxkit_rabbit::config::DEFAULT_CONNECT_TIMEOUT,
             #[cfg(feature = "nats")]
-            Self::Nats => transport_nats::config::DEFAULT_CONNECT_TIMEOUT,
+            Self::Nats => outboxkit_nats::config::DEFAULT_CONNECT_TIMEOUT,
             #[allow(unreachable_patterns)] // reason: unreachable with both transports
             _ => DEFAULT_CONNECT_TIMEOUT,
         }
@@ -570,9 +570,9 @@ impl fmt::Debug for RelaySettings {
     }
 }
 
-fn strip_config_prefix(e: &outbox_core::OutboxError) -> String {
+fn strip_config_prefix(e: &outboxkit_core::OutboxError) -> String {
     match e {
-        outbox_core::OutboxError::Config(reason) => reason.clone(),
+        outboxkit_core::OutboxError::Config(reason) => reason.clone(),
         other => other.to_string(),
     }
 }
@@ -592,7 +592,7 @@ pub struct RelaySettings {
     /// NATS subject prefix.
     pub subject_prefix: String,
     /// RabbitMQ destination rules, `PATTERN=NAME` each (see
-    /// `transport_rabbit::DestinationRule`), in the order they are tried.
+    /// `outboxkit_rabbit::DestinationRule`), in the order they are tried.
     pub destination_rules: Vec<String>,
     /// Messages per claim.
     pub batch_size: usize,
@@ -661,8 +661,8 @@ impl RelaySettings {
             lease: Duration::from_secs(30),
             connect_timeout: transport.connect_timeout(),
             confirm_timeout: DEFAULT_CONFIRM_TIMEOUT,
-            drain_timeout: outbox_core::dispatcher::DEFAULT_DRAIN_TIMEOUT,
-            crash_loop_limit: outbox_core::DEFAULT_CRASH_LOOP_LIMIT,
+            drain_timeout: outboxkit_core::dispatcher::DEFAULT_DRAIN_TIMEOUT,
+            crash_loop_limit: outboxkit_core::DEFAULT_CRASH_LOOP_LIMIT,
             max_attempts: 8,
             concurrency: 2,
             overrides: BTreeMap::new(),
@@ -678,7 +678,7 @@ impl RelaySettings {
             wal_publication: None,
             max_wal_retained: 1 << 30,
             wal_linger: Duration::ZERO,
-            // `outbox_postgres::wal::WalRelayConfig::DEFAULT_PART_SIZE` (that crate is
+            // `outboxkit_postgres::wal::WalRelayConfig::DEFAULT_PART_SIZE` (that crate is
             // optional).
             wal_part_size: 5_000,
         }
@@ -812,7 +812,7 @@ impl RelaySettings {
             s.max_wal_retained = n;
         }
         if let Some(d) = dur("wal_linger", &args.wal_linger, &f.wal_linger)? {
-            // `outbox_postgres::wal::WalRelayConfig::MAX_LINGER` (that crate is optional).
+            // `outboxkit_postgres::wal::WalRelayConfig::MAX_LINGER` (that crate is optional).
             if d > Duration::from_secs(1) {
                 return Err(CliError::Invalid {
                     field: "wal_linger",
@@ -827,7 +827,7 @@ impl RelaySettings {
         if s.source == crate::cli::SourceKind::Wal {
             s.wal_config()?;
             if args.concurrency.or(f.concurrency).is_none() {
-                // `WalRelayConfig::DEFAULT_CONCURRENCY` (outbox-postgres is an optional
+                // `WalRelayConfig::DEFAULT_CONCURRENCY` (outboxkit-postgres is an optional
                 // dependency here).
                 s.concurrency = 4;
             }
@@ -872,7 +872,7 @@ impl RelaySettings {
             .map_err(|e| CliError::Invalid {
                 field: "lease",
                 reason: match e {
-                    outbox_core::OutboxError::Config(reason) => reason,
+                    outboxkit_core::OutboxError::Config(reason) => reason,
                     other => other.to_string(),
                 },
             })?;
@@ -884,7 +884,7 @@ impl RelaySettings {
     /// # Errors
     /// [`CliError::Invalid`] for a database other than PostgreSQL or a bad name.
     #[cfg(feature = "postgres")]
-    pub(crate) fn wal_config(&self) -> Result<outbox_postgres::wal::WalConfig, CliError> {
+    pub(crate) fn wal_config(&self) -> Result<outboxkit_postgres::wal::WalConfig, CliError> {
         if self.db.kind()? != DatabaseKind::Postgres {
             return Err(CliError::Invalid {
                 field: "source",
@@ -948,8 +948,8 @@ impl RelaySettings {
     /// # Errors
     /// [`CliError::Rabbit`] for an invalid URL or exchange.
     #[cfg(feature = "rabbit")]
-    pub fn rabbit_config(&self) -> Result<transport_rabbit::RabbitConfig, CliError> {
-        Ok(transport_rabbit::RabbitConfig::builder(&self.broker_url)
+    pub fn rabbit_config(&self) -> Result<outboxkit_rabbit::RabbitConfig, CliError> {
+        Ok(outboxkit_rabbit::RabbitConfig::builder(&self.broker_url)
             .with_exchange(&self.exchange)
             .with_connection_name("outbox-relay")
             .with_connect_timeout(self.connect_timeout)
@@ -962,7 +962,7 @@ impl RelaySettings {
                 self.destination_rules
                     .iter()
                     .map(|r| r.parse())
-                    .collect::<Result<Vec<transport_rabbit::DestinationRule>, _>>()?,
+                    .collect::<Result<Vec<outboxkit_rabbit::DestinationRule>, _>>()?,
             )
             .build()?)
     }
@@ -972,8 +972,8 @@ impl RelaySettings {
     /// # Errors
     /// [`CliError::Nats`] for an invalid URL or subject prefix.
     #[cfg(feature = "nats")]
-    pub fn nats_config(&self) -> Result<transport_nats::NatsConfig, CliError> {
-        Ok(transport_nats::NatsConfig::builder(&self.broker_url)
+    pub fn nats_config(&self) -> Result<outboxkit_nats::NatsConfig, CliError> {
+        Ok(outboxkit_nats::NatsConfig::builder(&self.broker_url)
             .with_subject_prefix(&self.subject_prefix)
             .with_connection_name("outbox-relay")
             .with_connect_timeout(self.connect_timeout)
@@ -1458,8 +1458,8 @@ mod tests {
             .expect_err("not a retention");
         assert!(bad_flag.contains("keep, delete"), "{bad_flag}");
         assert_eq!(
-            outbox_core::SentRetention::from(SentRetentionMode::Delete),
-            outbox_core::SentRetention::Delete
+            outboxkit_core::SentRetention::from(SentRetentionMode::Delete),
+            outboxkit_core::SentRetention::Delete
         );
     }
 

@@ -1,12 +1,12 @@
 //! Which database a URL names, and the admin capability
-//! ([`outbox_core::OutboxAdmin`]) of each backend compiled in.
+//! ([`outboxkit_core::OutboxAdmin`]) of each backend compiled in.
 //!
 //! | URL or connection string | Backend | Cargo feature |
 //! |---|---|---|
-//! | `postgres://…`, `postgresql://…` | PostgreSQL (`outbox-postgres`) | `postgres` |
-//! | `sqlserver://…`, `mssql://…`, `jdbc:sqlserver://…` | SQL Server (`outbox-sqlserver`) | `sqlserver` |
+//! | `postgres://…`, `postgresql://…` | PostgreSQL (`outboxkit-postgres`) | `postgres` |
+//! | `sqlserver://…`, `mssql://…`, `jdbc:sqlserver://…` | SQL Server (`outboxkit-sqlserver`) | `sqlserver` |
 //! | ADO.NET string (`server=tcp:HOST,PORT;user=…;password=…`) | SQL Server | `sqlserver` |
-//! | `mysql://…`, `mariadb://…` | MySQL 8.0+ / MariaDB 10.6+ (`outbox-mysql`) | `mysql` |
+//! | `mysql://…`, `mariadb://…` | MySQL 8.0+ / MariaDB 10.6+ (`outboxkit-mysql`) | `mysql` |
 //!
 //! `sqlserver://` and `mssql://` take either the JDBC tail
 //! (`sqlserver://HOST:PORT;user=sa;password=…;database=app`) or a URL
@@ -14,7 +14,7 @@
 //! which becomes the ADO.NET string `server=tcp:HOST,PORT;user=USER;password=…;database=DATABASE`
 //! plus its query pairs.
 
-use outbox_core::OutboxAdmin;
+use outboxkit_core::OutboxAdmin;
 
 use crate::config::DbSettings;
 use crate::error::CliError;
@@ -77,7 +77,7 @@ impl DatabaseKind {
         }
     }
 
-    /// The cargo feature of `outbox-cli` that compiles the backend in.
+    /// The cargo feature of `outboxkit-cli` that compiles the backend in.
     pub fn feature(self) -> &'static str {
         match self {
             Self::Postgres => "postgres",
@@ -116,7 +116,7 @@ impl DatabaseKind {
     }
 }
 
-/// The connection string `outbox-sqlserver` parses (ADO.NET or JDBC) for a SQL Server
+/// The connection string `outboxkit-sqlserver` parses (ADO.NET or JDBC) for a SQL Server
 /// `url` in any of the accepted forms (see the module docs).
 ///
 /// # Errors
@@ -180,7 +180,7 @@ pub fn sqlserver_connection_string(url: &str) -> Result<String, CliError> {
 pub(crate) fn redact_database_url(url: &str) -> String {
     match DatabaseKind::of_url(url) {
         Ok(DatabaseKind::SqlServer) if !url.contains("://") || url.contains(';') => redact_ado(url),
-        _ => outbox_core::error::redact_url(url, outbox_core::error::LoneUserInfo::UserName),
+        _ => outboxkit_core::error::redact_url(url, outboxkit_core::error::LoneUserInfo::UserName),
     }
 }
 
@@ -188,7 +188,7 @@ pub(crate) fn redact_database_url(url: &str) -> String {
 fn redact_ado(text: &str) -> String {
     #[cfg(feature = "sqlserver")]
     {
-        outbox_sqlserver::redact_connection_string(text)
+        outboxkit_sqlserver::redact_connection_string(text)
     }
     #[cfg(not(feature = "sqlserver"))]
     {
@@ -223,15 +223,15 @@ pub async fn connect_admin(db: &DbSettings) -> Result<Box<dyn OutboxAdmin>, CliE
     match db.kind()?.require()? {
         #[cfg(feature = "postgres")]
         DatabaseKind::Postgres => Ok(Box::new(
-            outbox_postgres::PgOutbox::connect(&db.pg_config()).await?,
+            outboxkit_postgres::PgOutbox::connect(&db.pg_config()).await?,
         )),
         #[cfg(feature = "sqlserver")]
         DatabaseKind::SqlServer => Ok(Box::new(
-            outbox_sqlserver::MssqlOutbox::connect(&db.mssql_config()?).await?,
+            outboxkit_sqlserver::MssqlOutbox::connect(&db.mssql_config()?).await?,
         )),
         #[cfg(feature = "mysql")]
         DatabaseKind::MySql => Ok(Box::new(
-            outbox_mysql::MySqlOutbox::connect(&db.mysql_config()).await?,
+            outboxkit_mysql::MySqlOutbox::connect(&db.mysql_config()).await?,
         )),
         #[allow(unreachable_patterns)] // reason: `require` failed for a compiled-out one
         other => Err(other.missing()),

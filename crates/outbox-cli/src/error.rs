@@ -3,7 +3,7 @@
 use std::net::SocketAddr;
 use std::path::PathBuf;
 
-use outbox_core::OutboxError;
+use outboxkit_core::OutboxError;
 
 /// A failure of an `outbox` command. Bad input (configuration, flags, time windows)
 /// is reported before anything is touched and exits with code 2; failures while
@@ -71,21 +71,21 @@ pub enum CliError {
     FeatureMissing {
         /// The backend (`"SQL Server"`, `"NATS JetStream"`, ...).
         backend: &'static str,
-        /// The cargo feature of `outbox-cli` that adds it.
+        /// The cargo feature of `outboxkit-cli` that adds it.
         feature: &'static str,
     },
     /// The RabbitMQ transport could not be configured or reached.
     #[cfg(feature = "rabbit")]
     #[error("RabbitMQ: {0}")]
-    Rabbit(#[from] transport_rabbit::RabbitError),
+    Rabbit(#[from] outboxkit_rabbit::RabbitError),
     /// The NATS transport could not be configured or reached.
     #[cfg(feature = "nats")]
     #[error("NATS: {0}")]
-    Nats(#[from] transport_nats::NatsError),
+    Nats(#[from] outboxkit_nats::NatsError),
     /// The WAL relay or `outbox wal` failed (wal_level, the slot, the stream).
     #[cfg(feature = "postgres")]
     #[error(transparent)]
-    Wal(#[from] outbox_postgres::wal::WalError),
+    Wal(#[from] outboxkit_postgres::wal::WalError),
     /// The metrics/health endpoint could not bind its address.
     #[error("cannot listen on {addr}: {source}")]
     Listen {
@@ -106,13 +106,13 @@ pub enum CliError {
     Task(String),
 }
 
-impl From<outbox::AnyPublisherError> for CliError {
-    fn from(e: outbox::AnyPublisherError) -> Self {
+impl From<outboxkit::AnyPublisherError> for CliError {
+    fn from(e: outboxkit::AnyPublisherError) -> Self {
         match e {
             #[cfg(feature = "rabbit")]
-            outbox::AnyPublisherError::Rabbit(e) => Self::Rabbit(e),
+            outboxkit::AnyPublisherError::Rabbit(e) => Self::Rabbit(e),
             #[cfg(feature = "nats")]
-            outbox::AnyPublisherError::Nats(e) => Self::Nats(e),
+            outboxkit::AnyPublisherError::Nats(e) => Self::Nats(e),
             other => Self::Invalid {
                 field: "broker_url",
                 reason: other.to_string(),
@@ -136,20 +136,20 @@ impl CliError {
             #[cfg(feature = "postgres")]
             Self::Wal(e) => matches!(
                 e,
-                outbox_postgres::wal::WalError::InvalidName { .. }
-                    | outbox_postgres::wal::WalError::Url(_)
+                outboxkit_postgres::wal::WalError::InvalidName { .. }
+                    | outboxkit_postgres::wal::WalError::Url(_)
             ),
             #[cfg(feature = "rabbit")]
             Self::Rabbit(e) => matches!(
                 e,
-                transport_rabbit::RabbitError::InvalidUrl { .. }
-                    | transport_rabbit::RabbitError::InvalidConfig { .. }
+                outboxkit_rabbit::RabbitError::InvalidUrl { .. }
+                    | outboxkit_rabbit::RabbitError::InvalidConfig { .. }
             ),
             #[cfg(feature = "nats")]
             Self::Nats(e) => matches!(
                 e,
-                transport_nats::NatsError::InvalidUrl { .. }
-                    | transport_nats::NatsError::InvalidConfig { .. }
+                outboxkit_nats::NatsError::InvalidUrl { .. }
+                    | outboxkit_nats::NatsError::InvalidConfig { .. }
             ),
             _ => false,
         }

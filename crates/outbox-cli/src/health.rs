@@ -32,7 +32,7 @@
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use outbox_core::{EventPublisher, OnDead, OutboxAdmin, RelayHeartbeat, VacuumPressure};
+use outboxkit_core::{EventPublisher, OnDead, OutboxAdmin, RelayHeartbeat, VacuumPressure};
 use serde::Serialize;
 use tokio_util::sync::CancellationToken;
 
@@ -286,7 +286,7 @@ impl Health {
         published: u64,
         probe_timeout: Duration,
     ) {
-        outbox_core::metrics::circuit(circuit_open);
+        outboxkit_core::metrics::circuit(circuit_open);
         let stats = store.pending_stats().await;
         let claimable = match &stats {
             Ok(_) => store.oldest_claimable_wait(self.ordered).await.map(Some),
@@ -299,7 +299,7 @@ impl Health {
             Err(_) => Some(format!("no answer within {probe_timeout:?}")),
         };
         if let Ok(st) = &stats {
-            outbox_core::metrics::set_table_gauges(st);
+            outboxkit_core::metrics::set_table_gauges(st);
         }
         // Statistics views only; a failure here says nothing the stats above do not.
         let vacuum = match &stats {
@@ -307,7 +307,7 @@ impl Health {
             Err(_) => None,
         };
         if let Some(v) = &vacuum {
-            outbox_core::metrics::set_vacuum_gauges(v);
+            outboxkit_core::metrics::set_vacuum_gauges(v);
         }
         self.with(|s| {
             s.checked = true;

@@ -1,11 +1,11 @@
-//! # outbox-cli
+//! # outboxkit-cli
 //!
 //! The `outbox` operations binary. Its interface is the command line (`outbox --help`,
 //! `docs/operations.md`); as a library it offers only what runs that command line in
 //! another program: [`Cli`] (clap), [`run`], [`main_with_args`] (the binary is a thin
 //! `main.rs` over it) and [`CliError`].
 //!
-//! - `outbox relay`: the [`Dispatcher`](outbox_core::Dispatcher) over PostgreSQL or SQL
+//! - `outbox relay`: the [`Dispatcher`](outboxkit_core::Dispatcher) over PostgreSQL or SQL
 //!   Server and RabbitMQ or NATS, configured by flags, environment variables and a TOML file;
 //!   serves `/metrics` (Prometheus) and `/healthz`; text or JSON logs; graceful shutdown
 //!   on SIGINT/SIGTERM;
@@ -16,7 +16,7 @@
 //!   `outbox relay --dashboard`);
 //! - `outbox relay --source wal` and `outbox wal setup|status|drop` (PostgreSQL): the
 //!   relay reading a logical replication slot instead of claiming rows
-//!   (`outbox_postgres::wal`, docs/wal.md).
+//!   (`outboxkit_postgres::wal`, docs/wal.md).
 //!
 //! The database is chosen by the URL (`postgres://`, `sqlserver://`,
 //! `mssql://`, `jdbc:sqlserver://` or an ADO.NET string), the broker by `--transport`.
@@ -29,20 +29,20 @@
 //!
 //! ```no_run
 //! use clap::Parser as _;
-//! use outbox_cli::Cli;
+//! use outboxkit_cli::Cli;
 //!
-//! # async fn demo() -> Result<(), outbox_cli::CliError> {
+//! # async fn demo() -> Result<(), outboxkit_cli::CliError> {
 //! let cli = Cli::parse_from(["outbox", "--database-url", "postgres://postgres@127.0.0.1/app", "stats", "--json"]);
-//! outbox_cli::run(cli, &mut std::io::stdout()).await?;
+//! outboxkit_cli::run(cli, &mut std::io::stdout()).await?;
 //! # Ok(()) }
 //! ```
 #![cfg_attr(docsrs, feature(doc_cfg))]
 #![deny(missing_docs)]
 
 #[cfg(not(any(feature = "postgres", feature = "sqlserver", feature = "mysql")))]
-compile_error!("outbox-cli needs a database feature: `postgres`, `sqlserver` and/or `mysql`");
+compile_error!("outboxkit-cli needs a database feature: `postgres`, `sqlserver` and/or `mysql`");
 #[cfg(not(any(feature = "rabbit", feature = "nats")))]
-compile_error!("outbox-cli needs a transport feature: `rabbit` and/or `nats`");
+compile_error!("outboxkit-cli needs a transport feature: `rabbit` and/or `nats`");
 
 mod cli;
 mod commands;

@@ -8,5 +8,5 @@
 static GLOBAL: tikv_jemallocator::Jemalloc = tikv_jemallocator::Jemalloc;
 
 fn main() -> std::process::ExitCode {
-    outbox_cli::main_with_args(std::env::args_os())
+    outboxkit_cli::main_with_args(std::env::args_os())
 }

@@ -10,7 +10,7 @@ use axum::http::{StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use axum::routing::get;
 use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
-use outbox_core::{Dispatcher, DispatcherStats, OnDead, Ordering, OutboxAdmin, WakeHandle};
+use outboxkit_core::{Dispatcher, DispatcherStats, OnDead, Ordering, OutboxAdmin, WakeHandle};
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
@@ -25,10 +25,10 @@ use crate::health::Health;
 /// How long closing the broker connection may take at exit.
 pub(crate) const CLOSE_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(2);
 
-/// The relay's publisher: RabbitMQ or NATS, chosen at run time (the `outbox` facade's,
+/// The relay's publisher: RabbitMQ or NATS, chosen at run time (the `outboxkit` facade's,
 /// shared with the examples). Both connect lazily, so the relay starts (and reports
 /// unhealthy) while the broker is down.
-pub(crate) use outbox::AnyPublisher;
+pub(crate) use outboxkit::AnyPublisher;
 
 /// The publisher `settings` ask for, connecting lazily.
 ///
@@ -36,7 +36,7 @@ pub(crate) use outbox::AnyPublisher;
 /// [`CliError::FeatureMissing`] for a transport compiled out, [`CliError::Rabbit`] /
 /// [`CliError::Nats`] for an invalid transport configuration.
 pub(crate) async fn publisher(settings: &RelaySettings) -> Result<AnyPublisher, CliError> {
-    let config: outbox::AnyPublisherConfig = match settings.transport.require()? {
+    let config: outboxkit::AnyPublisherConfig = match settings.transport.require()? {
         #[cfg(feature = "rabbit")]
         TransportKind::Rabbit => settings.rabbit_config()?.into(),
         #[cfg(feature = "nats")]
@@ -73,7 +73,7 @@ pub(crate) fn prometheus() -> Result<PrometheusHandle, CliError> {
                 .set_buckets_for_metric(Matcher::Suffix("_seconds".into()), &seconds)
                 .and_then(|b| {
                     b.set_buckets_for_metric(
-                        Matcher::Full(outbox_core::metrics::CLAIM_BATCH_SIZE.into()),
+                        Matcher::Full(outboxkit_core::metrics::CLAIM_BATCH_SIZE.into()),
                         &sizes,
                     )
                 })
@@ -95,8 +95,8 @@ pub(crate) fn prometheus() -> Result<PrometheusHandle, CliError> {
                     }
                 })
                 .map_err(|e| format!("cannot start the metrics upkeep thread: {e}"))?;
-            outbox_core::metrics::describe();
-            inbox::metrics::describe();
+            outboxkit_core::metrics::describe();
+            outboxkit_inbox::metrics::describe();
             Ok(handle)
         })
         .clone()
@@ -159,7 +159,7 @@ impl Relay {
         match settings.db.kind()?.require()? {
             #[cfg(feature = "postgres")]
             DatabaseKind::Postgres => {
-                let store = outbox_postgres::PgOutbox::connect(
+                let store = outboxkit_postgres::PgOutbox::connect(
                     &settings
                         .db
                         .pg_config()
@@ -179,7 +179,7 @@ impl Relay {
             }
             #[cfg(feature = "sqlserver")]
             DatabaseKind::SqlServer => {
-                let store = outbox_sqlserver::MssqlOutbox::connect(
+                let store = outboxkit_sqlserver::MssqlOutbox::connect(
                     &settings
                         .db
                         .mssql_config()?
@@ -192,7 +192,7 @@ impl Relay {
             }
             #[cfg(feature = "mysql")]
             DatabaseKind::MySql => {
-                let store = outbox_mysql::MySqlOutbox::connect(
+                let store = outboxkit_mysql::MySqlOutbox::connect(
                     &settings
                         .db
                         .mysql_config()
@@ -396,7 +396,7 @@ pub(crate) fn redacted_broker(settings: &RelaySettings) -> String {
 }
 
 /// The dispatcher configuration of `settings`, ordering included.
-fn dispatcher_config(settings: &RelaySettings) -> outbox_core::DispatcherConfig {
+fn dispatcher_config(settings: &RelaySettings) -> outboxkit_core::DispatcherConfig {
     let ordering = match settings.ordering {
         OrderingMode::Unordered => Ordering::Unordered,
         OrderingMode::PerKey => Ordering::PerKey {
@@ -411,14 +411,14 @@ fn dispatcher_config(settings: &RelaySettings) -> outbox_core::DispatcherConfig 
 
 /// This process's heartbeat: a fresh relay id, the host name (the kernel's, else
 /// `$HOSTNAME`, else `unknown`), the process id and the binary's version.
-pub(crate) fn heartbeat() -> outbox_core::RelayHeartbeat {
+pub(crate) fn heartbeat() -> outboxkit_core::RelayHeartbeat {
     let host = std::fs::read_to_string("/proc/sys/kernel/hostname")
         .ok()
         .map(|h| h.trim().to_owned())
         .filter(|h| !h.is_empty())
         .or_else(|| std::env::var("HOSTNAME").ok())
         .unwrap_or_else(|| "unknown".to_owned());
-    outbox_core::RelayHeartbeat::new(
+    outboxkit_core::RelayHeartbeat::new(
         uuid::Uuid::now_v7(),
         host,
         std::process::id(),

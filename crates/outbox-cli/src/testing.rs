@@ -2,14 +2,14 @@
 //! feature (off by default, so a released binary has none of them): each is off unless
 //! its environment variable is set. The process tests use them to make the relay fail
 //! the way no real broker or row can be made to on demand (`cargo xtask itest` builds
-//! the tests with `--features outbox-cli/testing`).
+//! the tests with `--features outboxkit-cli/testing`).
 //!
 //! | variable | effect |
 //! |---|---|
 //! | `OUTBOX_TESTING_ABORT_ON_EVENT_TYPE` | the relay aborts the process (as an out-of-memory kill or a crash in a driver would end it) whenever it is about to publish a batch holding a message of this event type: the crash-loop guard's test (`tests/relay_restarts.rs`) |
 
 use async_trait::async_trait;
-use outbox_core::{EventPublisher, OutboxMessage, PublishError, PublishOutcome};
+use outboxkit_core::{EventPublisher, OutboxMessage, PublishError, PublishOutcome};
 
 /// The environment variable of the abort hook.
 #[cfg(feature = "testing")]

@@ -4,9 +4,9 @@
 
 use std::sync::Arc;
 
-use outbox_core::{DispatcherStats, OutboxAdmin as _};
-use outbox_postgres::PgOutbox;
-use outbox_postgres::wal::{WalRelay, WalRelayConfig};
+use outboxkit_core::{DispatcherStats, OutboxAdmin as _};
+use outboxkit_postgres::PgOutbox;
+use outboxkit_postgres::wal::{WalRelay, WalRelayConfig};
 use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
 
@@ -28,10 +28,10 @@ pub(crate) async fn start(
     let wal = settings.wal_config()?;
     // Fail fast on what only the operator can fix; a slot being read by another relay
     // is fine (this one stands by).
-    outbox_postgres::wal::check(&store, &wal).await?;
+    outboxkit_postgres::wal::check(&store, &wal).await?;
     let prometheus = prometheus()?;
     metrics::describe_gauge!(
-        outbox_postgres::wal::WAL_RETAINED_BYTES,
+        outboxkit_postgres::wal::WAL_RETAINED_BYTES,
         metrics::Unit::Bytes,
         "WAL retained by the relay's replication slot (pg_current_wal_lsn() - confirmed_flush_lsn)"
     );

@@ -1,4 +1,4 @@
-//! The admin commands through the library entry point (`outbox_cli::run`), against the
+//! The admin commands through the library entry point (`outboxkit_cli::run`), against the
 //! real PostgreSQL, each test in its own schema.
 
 mod common;
@@ -10,13 +10,13 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use async_trait::async_trait;
 use clap::Parser as _;
 use common::{enqueue, exec, fresh_outbox, message, scalar};
-use inbox::{Handler, HandlerContext, HandlerError, IdempotentConsumer, Pipeline};
-use outbox_cli::{Cli, CliError};
-use outbox_core::consumer::HandlerDecision;
-use outbox_core::inbox::{ConsumerDeadLetters, DurableInbox};
-use outbox_core::wire::IncomingMessage;
-use outbox_core::{NewMessage, OutboxAdmin as _, OutboxStore};
-use outbox_postgres::{PgInbox, PgOutbox};
+use outboxkit_cli::{Cli, CliError};
+use outboxkit_core::consumer::HandlerDecision;
+use outboxkit_core::inbox::{ConsumerDeadLetters, DurableInbox};
+use outboxkit_core::wire::IncomingMessage;
+use outboxkit_core::{NewMessage, OutboxAdmin as _, OutboxStore};
+use outboxkit_inbox::{Handler, HandlerContext, HandlerError, IdempotentConsumer, Pipeline};
+use outboxkit_postgres::{PgInbox, PgOutbox};
 use sqlx::{AssertSqlSafe, PgConnection};
 use uuid::Uuid;
 
@@ -26,7 +26,7 @@ async fn outbox(db: &PgOutbox, args: &[&str]) -> Result<String, CliError> {
     let mut argv = vec!["outbox", "--database-url", &url, "--schema", db.schema()];
     argv.extend_from_slice(args);
     let mut out = Vec::new();
-    outbox_cli::run(Cli::parse_from(argv), &mut out).await?;
+    outboxkit_cli::run(Cli::parse_from(argv), &mut out).await?;
     Ok(String::from_utf8(out).expect("utf-8"))
 }
 
@@ -154,7 +154,7 @@ async fn dead_replay_by_each_filter_with_dry_run() {
     }
     // The live message was never touched.
     let m = db.get(alive.id).await.expect("get").expect("row");
-    assert_eq!(m.status, outbox_core::MessageStatus::New);
+    assert_eq!(m.status, outboxkit_core::MessageStatus::New);
 
     // No filter: refused without --all.
     let err = outbox(&db, &["dead", "replay"]).await.expect_err("guarded");
@@ -619,7 +619,7 @@ async fn inbox_dead_letters_list_and_replay() {
     assert!(store.is_dead(m.id, "projector").await.expect("dead"));
     assert_eq!(
         db.get(m.id).await.expect("get").expect("row").status,
-        outbox_core::MessageStatus::Sent
+        outboxkit_core::MessageStatus::Sent
     );
 
     // Replay the idempotent consumer's dead letter of our outbox message.
@@ -633,7 +633,7 @@ async fn inbox_dead_letters_list_and_replay() {
     let row = db.get(m.id).await.expect("get").expect("row");
     assert_eq!(
         row.status,
-        outbox_core::MessageStatus::New,
+        outboxkit_core::MessageStatus::New,
         "requeued for the relay"
     );
     assert_eq!(row.attempts, 0);
@@ -717,7 +717,7 @@ async fn bad_input_is_a_typed_error_before_anything_connects() {
     // The database URL is never dialled: the input is rejected first.
     let run = |args: Vec<&'static str>| async move {
         let mut out = Vec::new();
-        outbox_cli::run(Cli::parse_from(args), &mut out).await
+        outboxkit_cli::run(Cli::parse_from(args), &mut out).await
     };
     let e = run(vec!["outbox", "--database-url", "oracle://x/y", "stats"]).await;
     assert!(
@@ -876,7 +876,7 @@ async fn bad_input_is_a_typed_error_before_anything_connects() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn claimable_wait_ignores_keys_blocked_by_design_in_ordered_mode() {
-    use outbox_core::OnDead;
+    use outboxkit_core::OnDead;
     let db = fresh_outbox().await;
     let head = message("OrderPlaced", "acme", "1");
     let next = message("OrderShipped", "acme", "1"); // same aggregate: same key
@@ -914,21 +914,21 @@ async fn claimable_wait_ignores_keys_blocked_by_design_in_ordered_mode() {
 struct Reachable;
 
 #[async_trait]
-impl outbox_core::EventPublisher for Reachable {
+impl outboxkit_core::EventPublisher for Reachable {
     async fn publish_batch(
         &self,
-        messages: &[outbox_core::OutboxMessage],
-    ) -> Vec<outbox_core::PublishOutcome> {
+        messages: &[outboxkit_core::OutboxMessage],
+    ) -> Vec<outboxkit_core::PublishOutcome> {
         messages
             .iter()
-            .map(|_| outbox_core::PublishOutcome::Published)
+            .map(|_| outboxkit_core::PublishOutcome::Published)
             .collect()
     }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn health_reports_a_stuck_relay_and_queue_lag() {
-    use outbox_cli::testing::internals::Health;
+    use outboxkit_cli::testing::internals::Health;
     use std::time::Duration;
     let db = fresh_outbox().await;
     let health = Health::new(Duration::from_secs(300), Duration::from_secs(60), None);

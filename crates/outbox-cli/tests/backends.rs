@@ -6,10 +6,10 @@
 use std::time::Duration;
 
 use clap::Parser as _;
-use outbox_cli::{Cli, CliError};
-use outbox_core::inbox::ConsumerDeadLetters;
-use outbox_core::wire::IncomingMessage;
-use outbox_core::{Completion, CompletionOutcome, NewMessage, OutboxAdmin};
+use outboxkit_cli::{Cli, CliError};
+use outboxkit_core::inbox::ConsumerDeadLetters;
+use outboxkit_core::wire::IncomingMessage;
+use outboxkit_core::{Completion, CompletionOutcome, NewMessage, OutboxAdmin};
 use uuid::Uuid;
 
 /// Runs `outbox --database-url URL --schema SCHEMA ARGS` in-process; returns stdout.
@@ -17,7 +17,7 @@ async fn outbox(url: &str, schema: &str, args: &[&str]) -> Result<String, CliErr
     let mut argv = vec!["outbox", "--database-url", url, "--schema", schema];
     argv.extend_from_slice(args);
     let mut out = Vec::new();
-    outbox_cli::run(Cli::parse_from(argv), &mut out).await?;
+    outboxkit_cli::run(Cli::parse_from(argv), &mut out).await?;
     Ok(String::from_utf8(out).expect("utf-8"))
 }
 
@@ -57,11 +57,11 @@ async fn scenario(url: &str, backend: &dyn Backend) -> String {
 
     let messages: Vec<NewMessage> = (0..5).map(message).collect();
     backend.enqueue(url, &schema, &messages).await;
-    let db = outbox_cli::testing::internals::DbSettings {
+    let db = outboxkit_cli::testing::internals::DbSettings {
         url: url.to_owned(),
         schema: schema.clone(),
     };
-    let store: Box<dyn OutboxAdmin> = outbox_cli::testing::internals::connect_admin(&db)
+    let store: Box<dyn OutboxAdmin> = outboxkit_cli::testing::internals::connect_admin(&db)
         .await
         .expect("connect");
     let claimed = store
@@ -152,7 +152,7 @@ async fn scenario(url: &str, backend: &dyn Backend) -> String {
 
 mod postgres {
     use super::*;
-    use outbox_postgres::{PgConfig, PgInbox, PgOutbox};
+    use outboxkit_postgres::{PgConfig, PgInbox, PgOutbox};
 
     struct Pg;
 
@@ -193,18 +193,19 @@ mod postgres {
         let url = std::env::var("DATABASE_URL")
             .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".into());
         let schema = scenario(&url, &Pg).await;
-        outbox_testkit::pg::drop_schema_blocking(&url, &schema);
+        outboxkit_testkit::pg::drop_schema_blocking(&url, &schema);
     }
 }
 
 mod sqlserver {
     use super::*;
-    use outbox_sqlserver::{MssqlConfig, MssqlInbox, MssqlOutbox};
+    use outboxkit_sqlserver::{MssqlConfig, MssqlInbox, MssqlOutbox};
 
     struct Mssql;
 
     async fn connect(url: &str, schema: &str) -> MssqlOutbox {
-        let conn = outbox_cli::testing::internals::sqlserver_connection_string(url).expect("url");
+        let conn =
+            outboxkit_cli::testing::internals::sqlserver_connection_string(url).expect("url");
         MssqlOutbox::connect(&MssqlConfig::new(conn).with_schema(schema))
             .await
             .expect("connect")
@@ -251,7 +252,7 @@ mod sqlserver {
 
 mod mysql {
     use super::*;
-    use outbox_mysql::{MySqlConfig, MySqlOutbox};
+    use outboxkit_mysql::{MySqlConfig, MySqlOutbox};
 
     struct MySql;
 

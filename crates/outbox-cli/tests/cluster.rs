@@ -24,11 +24,11 @@ use std::time::Duration;
 
 use common::{RelayProcess, enqueue, fresh_outbox, message, scalar, wait_until};
 use futures::StreamExt as _;
-use outbox_postgres::PgOutbox;
-use outbox_testkit::cluster::{self, Broker, NodeKilled, NodePartitioned};
-use outbox_testkit::faults;
-use transport_nats::async_nats;
-use transport_rabbit::lapin;
+use outboxkit_nats::async_nats;
+use outboxkit_postgres::PgOutbox;
+use outboxkit_rabbit::lapin;
+use outboxkit_testkit::cluster::{self, Broker, NodeKilled, NodePartitioned};
+use outboxkit_testkit::faults;
 use uuid::Uuid;
 
 const MESSAGES: usize = 20_000;
@@ -270,11 +270,11 @@ impl R3Stream {
             name: format!("TEST_{tag}"),
             prefix: format!("test.{tag}"),
         };
-        let config = transport_nats::NatsConfig::builder(cluster::nats_urls())
+        let config = outboxkit_nats::NatsConfig::builder(cluster::nats_urls())
             .with_subject_prefix(&this.prefix)
             .build()
             .expect("valid");
-        transport_nats::StreamSetup::for_config(&this.name, &config)
+        outboxkit_nats::StreamSetup::for_config(&this.name, &config)
             .with_replicas(3)
             .apply(&config)
             .await

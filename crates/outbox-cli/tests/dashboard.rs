@@ -10,10 +10,10 @@ use std::sync::Arc;
 
 use clap::Parser as _;
 use common::{Resp, enqueue, exec, fresh_outbox, request, scalar};
-use outbox_cli::testing::internals::{DashboardSettings, RunningDashboard};
-use outbox_cli::{Cli, CliError};
-use outbox_core::{NewMessage, OutboxAdmin};
-use outbox_postgres::{PgConfig, PgOutbox};
+use outboxkit_cli::testing::internals::{DashboardSettings, RunningDashboard};
+use outboxkit_cli::{Cli, CliError};
+use outboxkit_core::{NewMessage, OutboxAdmin};
+use outboxkit_postgres::{PgConfig, PgOutbox};
 use tokio_util::sync::CancellationToken;
 use uuid::Uuid;
 
@@ -587,8 +587,8 @@ async fn authentication_host_check_and_address_check() {
         "--listen",
         "0.0.0.0:0",
     ]);
-    if std::env::var_os(outbox_cli::testing::internals::TOKEN_ENV).is_none() {
-        let err = outbox_cli::run(cli, &mut Vec::new())
+    if std::env::var_os(outboxkit_cli::testing::internals::TOKEN_ENV).is_none() {
+        let err = outboxkit_cli::run(cli, &mut Vec::new())
             .await
             .expect_err("refused");
         assert!(err.to_string().contains("OUTBOX_DASHBOARD_TOKEN"), "{err}");

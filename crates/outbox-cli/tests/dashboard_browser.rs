@@ -23,13 +23,13 @@ use std::time::{Duration, Instant};
 
 use common::{enqueue, exec, fresh_outbox, scalar};
 use fantoccini::{Client, ClientBuilder, Locator};
-use outbox_cli::testing::internals::{
+use outboxkit_cli::testing::internals::{
     DashboardSettings, DbSettings, Relay, RelaySettings, RunningDashboard,
 };
-use outbox_core::{NewMessage, OutboxAdmin, TransportKind};
-use outbox_postgres::{PgConfig, PgOutbox};
+use outboxkit_core::{NewMessage, OutboxAdmin, TransportKind};
+use outboxkit_postgres::{PgConfig, PgOutbox};
+use outboxkit_rabbit::lapin::types::FieldTable;
 use tokio_util::sync::CancellationToken;
-use transport_rabbit::lapin::types::FieldTable;
 use uuid::Uuid;
 
 /// How long a page may take to show what the test waits for.
@@ -253,7 +253,7 @@ async fn status_of(db: &PgOutbox, id: Uuid) -> i64 {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_operator_filters_dead_letters_replays_one_and_sees_it_sent() {
     let db = fresh_outbox().await;
-    let fixture = outbox_testkit::rabbit::relay_fixture(FieldTable::default()).await;
+    let fixture = outboxkit_testkit::rabbit::relay_fixture(FieldTable::default()).await;
     let traffic: Vec<NewMessage> = (0..40)
         .map(|n| {
             NewMessage::builder("order", n.to_string(), "OrderPlaced")

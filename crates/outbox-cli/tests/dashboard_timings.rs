@@ -4,7 +4,7 @@
 //! minute or two.
 //!
 //! ```text
-//! cargo test -p outbox-cli --release --test dashboard_timings -- --ignored --nocapture
+//! cargo test -p outboxkit-cli --release --test dashboard_timings -- --ignored --nocapture
 //! ```
 
 mod common;
@@ -14,9 +14,9 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use common::{exec, fresh_outbox, request, scalar};
-use outbox_cli::testing::internals::{DashboardSettings, RunningDashboard};
-use outbox_core::OutboxAdmin;
-use outbox_postgres::{PgConfig, PgOutbox};
+use outboxkit_cli::testing::internals::{DashboardSettings, RunningDashboard};
+use outboxkit_core::OutboxAdmin;
+use outboxkit_postgres::{PgConfig, PgOutbox};
 use tokio_util::sync::CancellationToken;
 
 const PENDING: i64 = 1_000_000;
@@ -40,7 +40,7 @@ async fn server_ms(addr: SocketAddr, path: &str) -> f64 {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "loads 1,000,000 rows: cargo test -p outbox-cli --release --test dashboard_timings -- --ignored --nocapture"]
+#[ignore = "loads 1,000,000 rows: cargo test -p outboxkit-cli --release --test dashboard_timings -- --ignored --nocapture"]
 async fn every_page_at_a_million_pending_and_ten_thousand_dead() {
     let db = fresh_outbox().await;
     let load = Instant::now();

@@ -13,9 +13,9 @@ mod common;
 use std::time::{Duration, Instant};
 
 use common::{RelayProcess, WalCleanup, amqp_url, enqueue, fresh_outbox, http_get, wait_until};
-use outbox_core::NewMessage;
-use outbox_postgres::PgOutbox;
-use outbox_testkit::rabbit::{reject_when_full, relay_fixture};
+use outboxkit_core::NewMessage;
+use outboxkit_postgres::PgOutbox;
+use outboxkit_testkit::rabbit::{reject_when_full, relay_fixture};
 
 /// The scenario of the module docs, with the relay started with `source` (empty: the
 /// polling relay).

@@ -25,7 +25,7 @@ fn stderr(o: &Output) -> String {
 async fn migrate_then_stats_as_a_process() {
     let schema = format!("t_{}", uuid::Uuid::new_v4().simple());
     let url = database_url();
-    let _schema = outbox_testkit::pg::DropSchema::new(&url, &schema);
+    let _schema = outboxkit_testkit::pg::DropSchema::new(&url, &schema);
     let o = outbox(&["--database-url", &url, "--schema", &schema, "migrate"]);
     assert!(o.status.success(), "{}", stderr(&o));
     let text = String::from_utf8_lossy(&o.stdout);
@@ -110,7 +110,7 @@ fn stdout_json(o: &Output) -> serde_json::Value {
 /// binary lists them in `stats` and `dead list` (whose `--error-contains` is literal).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn reserved_word_schemas_work_end_to_end() {
-    use outbox_core::{Completion, CompletionOutcome, OutboxStore as _};
+    use outboxkit_core::{Completion, CompletionOutcome, OutboxStore as _};
     let url = database_url();
     for schema in ["user", "select"] {
         let _cleanup = DropSchema(schema);
@@ -129,8 +129,8 @@ async fn reserved_word_schemas_work_end_to_end() {
             "{schema}"
         );
 
-        let db = outbox_postgres::PgOutbox::connect(
-            &outbox_postgres::PgConfig::new(&url)
+        let db = outboxkit_postgres::PgOutbox::connect(
+            &outboxkit_postgres::PgConfig::new(&url)
                 .with_schema(schema)
                 .with_max_connections(2),
         )
@@ -281,7 +281,7 @@ async fn relay_process_serves_health_and_stops_on_sigterm() {
     let db = fresh_outbox().await;
     // Nothing is bound to the relay's exchange: this message is returned (unroutable)
     // and dies; its payload must not reach the logs.
-    let secret = outbox_core::NewMessage::builder("card", "1", "CardAdded")
+    let secret = outboxkit_core::NewMessage::builder("card", "1", "CardAdded")
         .payload_json(r#"{"pan":"4111111111111111"}"#)
         .build()
         .expect("valid");
@@ -296,7 +296,7 @@ async fn relay_process_serves_health_and_stops_on_sigterm() {
     let config = dir.join("outbox.toml");
     // The relay declares it; the guard deletes it when the test ends.
     let exchange = format!("t.{}", uuid::Uuid::new_v4().simple());
-    let _exchange = outbox_testkit::rabbit::DropExchange::new(&common::amqp_url(), &exchange);
+    let _exchange = outboxkit_testkit::rabbit::DropExchange::new(&common::amqp_url(), &exchange);
     std::fs::write(
         &config,
         format!(

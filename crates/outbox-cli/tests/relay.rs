@@ -3,7 +3,7 @@
 
 mod common;
 
-use outbox_core::Consumer as _;
+use outboxkit_core::Consumer as _;
 use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
@@ -12,18 +12,18 @@ use std::time::Duration;
 use async_trait::async_trait;
 use clap::Parser as _;
 use common::{amqp_url, enqueue, eventually, exec, fresh_outbox, http_get, message, scalar};
-use inbox::{Handler, HandlerContext, HandlerError, IdempotentConsumer, Pipeline};
-use outbox_cli::Cli;
-use outbox_cli::testing::internals::{DbSettings, Relay, RelaySettings, SentRetentionMode};
-use outbox_core::TransportKind;
-use outbox_core::consumer::{DeliveryHandler, HandlerDecision};
-use outbox_core::wire::IncomingMessage;
-use outbox_postgres::{PgInbox, PgOutbox};
-use outbox_testkit::rabbit::DropExchange;
+use outboxkit_cli::Cli;
+use outboxkit_cli::testing::internals::{DbSettings, Relay, RelaySettings, SentRetentionMode};
+use outboxkit_core::TransportKind;
+use outboxkit_core::consumer::{DeliveryHandler, HandlerDecision};
+use outboxkit_core::wire::IncomingMessage;
+use outboxkit_inbox::{Handler, HandlerContext, HandlerError, IdempotentConsumer, Pipeline};
+use outboxkit_postgres::{PgInbox, PgOutbox};
+use outboxkit_rabbit::lapin::types::{AMQPValue, FieldTable};
+use outboxkit_rabbit::{RabbitConfig, RabbitConsumer};
+use outboxkit_testkit::rabbit::DropExchange;
 use sqlx::{AssertSqlSafe, PgConnection};
 use tokio_util::sync::CancellationToken;
-use transport_rabbit::lapin::types::{AMQPValue, FieldTable};
-use transport_rabbit::{RabbitConfig, RabbitConsumer};
 use uuid::Uuid;
 
 fn settings(db: &PgOutbox, broker_url: &str, exchange: &str) -> RelaySettings {
@@ -143,7 +143,7 @@ async fn relay_exports_metrics_and_a_replayed_message_stays_single() {
         .map(|i| message("OrderPlaced", "acme", &i.to_string()))
         .collect();
     // The producer's W3C trace context travels through the relay to the consumer.
-    let traced = outbox_core::NewMessage::builder("order", "4", "OrderPlaced")
+    let traced = outboxkit_core::NewMessage::builder("order", "4", "OrderPlaced")
         .aggregate_version(1)
         .tenant_id("acme")
         .payload_json("{}")
@@ -205,7 +205,7 @@ async fn relay_exports_metrics_and_a_replayed_message_stays_single() {
     let url = common::database_url();
     let id = again.to_string();
     let mut out = Vec::new();
-    outbox_cli::run(
+    outboxkit_cli::run(
         Cli::parse_from([
             "outbox",
             "--database-url",
@@ -251,21 +251,21 @@ async fn relay_exports_metrics_and_a_replayed_message_stays_single() {
     let (status, body) = http_get(addr, "/metrics").await;
     assert_eq!(status, 200);
     for name in [
-        outbox_core::metrics::PUBLISHED_TOTAL,
-        outbox_core::metrics::PUBLISH_FAILURES_TOTAL,
-        outbox_core::metrics::DEAD_TOTAL,
-        outbox_core::metrics::CLAIM_BATCH_SIZE,
-        outbox_core::metrics::PUBLISH_DURATION_SECONDS,
-        outbox_core::metrics::CLAIM_WAIT_SECONDS,
-        outbox_core::metrics::COMMIT_TO_PUBLISH_SECONDS,
-        outbox_core::metrics::CIRCUIT_OPEN,
-        outbox_core::metrics::PENDING_MESSAGES,
-        outbox_core::metrics::OLDEST_PENDING_AGE_SECONDS,
-        outbox_core::metrics::DEAD_MESSAGES,
-        inbox::metrics::PROCESSED_TOTAL,
-        inbox::metrics::DUPLICATES_TOTAL,
-        inbox::metrics::HANDLER_DURATION_SECONDS,
-        inbox::metrics::END_TO_END_SECONDS,
+        outboxkit_core::metrics::PUBLISHED_TOTAL,
+        outboxkit_core::metrics::PUBLISH_FAILURES_TOTAL,
+        outboxkit_core::metrics::DEAD_TOTAL,
+        outboxkit_core::metrics::CLAIM_BATCH_SIZE,
+        outboxkit_core::metrics::PUBLISH_DURATION_SECONDS,
+        outboxkit_core::metrics::CLAIM_WAIT_SECONDS,
+        outboxkit_core::metrics::COMMIT_TO_PUBLISH_SECONDS,
+        outboxkit_core::metrics::CIRCUIT_OPEN,
+        outboxkit_core::metrics::PENDING_MESSAGES,
+        outboxkit_core::metrics::OLDEST_PENDING_AGE_SECONDS,
+        outboxkit_core::metrics::DEAD_MESSAGES,
+        outboxkit_inbox::metrics::PROCESSED_TOTAL,
+        outboxkit_inbox::metrics::DUPLICATES_TOTAL,
+        outboxkit_inbox::metrics::HANDLER_DURATION_SECONDS,
+        outboxkit_inbox::metrics::END_TO_END_SECONDS,
     ] {
         assert!(
             body.contains(&format!("\n{name}")),
@@ -406,12 +406,12 @@ async fn relay_over_nats_jetstream() {
     let id = Uuid::new_v4().simple().to_string();
     let (stream, prefix) = (format!("TEST_{id}"), format!("test.{id}"));
     let nats_url = std::env::var("NATS_URL").unwrap_or_else(|_| "nats://127.0.0.1:4222".into());
-    let config = transport_nats::NatsConfig::builder(&nats_url)
+    let config = outboxkit_nats::NatsConfig::builder(&nats_url)
         .with_subject_prefix(&prefix)
         .build()
         .expect("config");
-    transport_nats::StreamSetup::for_config(&stream, &config)
-        .with_storage(transport_nats::Storage::Memory)
+    outboxkit_nats::StreamSetup::for_config(&stream, &config)
+        .with_storage(outboxkit_nats::Storage::Memory)
         .apply(&config)
         .await
         .expect("stream");
@@ -439,10 +439,10 @@ async fn relay_over_nats_jetstream() {
     let health = http_get(relay.local_addr(), "/healthz").await;
     stop.cancel();
     let stats = relay.wait().await.expect("graceful stop");
-    let client = transport_nats::async_nats::connect(&nats_url)
+    let client = outboxkit_nats::async_nats::connect(&nats_url)
         .await
         .expect("connect");
-    let _ = transport_nats::async_nats::jetstream::new(client)
+    let _ = outboxkit_nats::async_nats::jetstream::new(client)
         .delete_stream(&stream)
         .await;
     assert!(sent, "published with PubAck: {stats:?}");

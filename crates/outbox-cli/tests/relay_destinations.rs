@@ -14,7 +14,7 @@
 //! wal`, its own slot, dropped by a guard).
 //!
 //! They fill queues and streams of their own, no shared server's, so they run side by
-//! side; each holds the machine-wide fault lock of `outbox_testkit::faults` shared, so
+//! side; each holds the machine-wide fault lock of `outboxkit_testkit::faults` shared, so
 //! that no broker-wide fault of another process (the chaos harness) falls into a
 //! measurement.
 
@@ -30,11 +30,11 @@ use lapin::options::{
 };
 use lapin::types::{AMQPValue, FieldTable};
 use lapin::{BasicProperties, Connection, ConnectionProperties, ExchangeKind};
-use outbox_core::NewMessage;
-use outbox_postgres::PgOutbox;
-use outbox_testkit::faults;
-use transport_nats::async_nats::{self, jetstream};
-use transport_rabbit::lapin;
+use outboxkit_core::NewMessage;
+use outboxkit_nats::async_nats::{self, jetstream};
+use outboxkit_postgres::PgOutbox;
+use outboxkit_rabbit::lapin;
+use outboxkit_testkit::faults;
 use uuid::Uuid;
 
 const NATS_URL: &str = "nats://127.0.0.1:4222";

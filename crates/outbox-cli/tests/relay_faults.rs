@@ -6,7 +6,7 @@
 //! Several tests change a shared server (a memory alarm blocks every publishing
 //! connection, `max_message_size` applies to every channel, a frozen NATS answers no
 //! one), so every test here holds the machine-wide fault lock of
-//! `outbox_testkit::faults` and they run one at a time; the guards undo each fault even
+//! `outboxkit_testkit::faults` and they run one at a time; the guards undo each fault even
 //! when the test fails.
 //!
 //! `OUTBOX_RELAY_BIN` runs them against another build of the binary (an older release,
@@ -21,13 +21,13 @@ use std::time::{Duration, Instant};
 use common::{RelayProcess, amqp_url, enqueue, exec, fresh_outbox, scalar, wait_until};
 use futures::StreamExt as _;
 use lapin::types::FieldTable;
-use outbox_core::NewMessage;
-use outbox_postgres::PgOutbox;
-use outbox_testkit::faults::{self, NatsFrozen, RabbitMaxMessageSize, RabbitMemoryAlarm};
-use outbox_testkit::rabbit::{Fixture, reject_when_full, relay_fixture};
-use transport_nats::async_nats::{self, jetstream};
-use transport_nats::{NatsConfigBuilder, StreamSetup};
-use transport_rabbit::lapin;
+use outboxkit_core::NewMessage;
+use outboxkit_nats::async_nats::{self, jetstream};
+use outboxkit_nats::{NatsConfigBuilder, StreamSetup};
+use outboxkit_postgres::PgOutbox;
+use outboxkit_rabbit::lapin;
+use outboxkit_testkit::faults::{self, NatsFrozen, RabbitMaxMessageSize, RabbitMemoryAlarm};
+use outboxkit_testkit::rabbit::{Fixture, reject_when_full, relay_fixture};
 use uuid::Uuid;
 
 const NATS_URL: &str = "nats://127.0.0.1:4222";
@@ -397,7 +397,7 @@ async fn rabbit_poison_rows_die_alone_and_no_good_row_is_charged() {
         (
             7,
             format!(r#"headers = '{{"{long_name}": "x"}}'"#),
-            // outbox_core::wire::check_limits, before the transport encodes the row.
+            // outboxkit_core::wire::check_limits, before the transport encodes the row.
             "header name is 300 bytes long, the maximum is 255",
         ),
         (

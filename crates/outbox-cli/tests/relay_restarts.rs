@@ -11,7 +11,7 @@
 //!   batch, the relay restarted each time it dies: that row ends `Dead` ("claimed alone
 //!   5 times"), its batch-mates `Sent`, each published once.
 //!
-//! Both hold the machine-wide fault lock of `outbox_testkit::faults` (one freezes the
+//! Both hold the machine-wide fault lock of `outboxkit_testkit::faults` (one freezes the
 //! shared RabbitMQ).
 
 mod common;
@@ -20,10 +20,10 @@ use std::time::Duration;
 
 use common::{RelayProcess, amqp_url, enqueue, fresh_outbox, message, scalar, wait_until};
 use lapin::types::FieldTable;
-use outbox_postgres::PgOutbox;
-use outbox_testkit::faults::{self, RabbitFrozen};
-use outbox_testkit::rabbit::{Fixture, relay_fixture};
-use transport_rabbit::lapin;
+use outboxkit_postgres::PgOutbox;
+use outboxkit_rabbit::lapin;
+use outboxkit_testkit::faults::{self, RabbitFrozen};
+use outboxkit_testkit::rabbit::{Fixture, relay_fixture};
 
 /// Rows by status code.
 async fn count(db: &PgOutbox, status: i16) -> i64 {
@@ -188,7 +188,7 @@ async fn a_row_that_crashes_the_relay_dies_alone() {
         RelayProcess::start_with_env(
             &db,
             &args,
-            &[(outbox_cli::testing::ABORT_ON_EVENT_TYPE, "Crash")],
+            &[(outboxkit_cli::testing::ABORT_ON_EVENT_TYPE, "Crash")],
         )
     };
     let mut relay = start();

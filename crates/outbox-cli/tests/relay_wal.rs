@@ -85,14 +85,14 @@ use common::{
     outbox_command, scalar, wait_until, wal_command,
 };
 use lapin::types::FieldTable;
-use outbox_cli::testing::internals::{DbSettings, Relay, RelaySettings, SourceKind};
-use outbox_core::TransportKind;
-use outbox_postgres::PgOutbox;
-use outbox_testkit::pg::ParkLog;
-use outbox_testkit::rabbit::{Fixture, relay_fixture};
+use outboxkit_cli::testing::internals::{DbSettings, Relay, RelaySettings, SourceKind};
+use outboxkit_core::TransportKind;
+use outboxkit_postgres::PgOutbox;
+use outboxkit_rabbit::lapin;
+use outboxkit_testkit::pg::ParkLog;
+use outboxkit_testkit::rabbit::{Fixture, relay_fixture};
 use sqlx::AssertSqlSafe;
 use tokio::task::JoinHandle;
-use transport_rabbit::lapin;
 
 /// A fresh schema with its slot and publication set up (through `outbox wal setup`).
 async fn wal_outbox() -> (TestOutbox, WalCleanup) {
@@ -616,19 +616,19 @@ async fn h_over_nats_a_restart_leaves_every_message_once_in_the_stream() {
     let tag = uuid::Uuid::new_v4().simple().to_string();
     let (stream, prefix) = (format!("TEST_{tag}"), format!("test.{tag}"));
     let nats_url = std::env::var("NATS_URL").unwrap_or_else(|_| "nats://127.0.0.1:4222".into());
-    let config = transport_nats::NatsConfig::builder(&nats_url)
+    let config = outboxkit_nats::NatsConfig::builder(&nats_url)
         .with_subject_prefix(&prefix)
         .build()
         .expect("config");
-    transport_nats::StreamSetup::for_config(&stream, &config)
-        .with_storage(transport_nats::Storage::Memory)
+    outboxkit_nats::StreamSetup::for_config(&stream, &config)
+        .with_storage(outboxkit_nats::Storage::Memory)
         .apply(&config)
         .await
         .expect("stream");
-    let client = transport_nats::async_nats::connect(&nats_url)
+    let client = outboxkit_nats::async_nats::connect(&nats_url)
         .await
         .expect("connect");
-    let js = transport_nats::async_nats::jetstream::new(client);
+    let js = outboxkit_nats::async_nats::jetstream::new(client);
     let args: Vec<String> = [
         "--source",
         "wal",
@@ -748,7 +748,7 @@ async fn j_a_row_that_kills_the_relay_dies_alone() {
         RelayProcess::start_with_env(
             &db,
             &args,
-            &[(outbox_cli::testing::ABORT_ON_EVENT_TYPE, "Crash")],
+            &[(outboxkit_cli::testing::ABORT_ON_EVENT_TYPE, "Crash")],
         )
     };
     let mut relay = start();
@@ -843,7 +843,7 @@ async fn k_a_lost_replication_connection_is_resumed() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn l_a_full_queue_parks_its_messages_without_loss() {
     let (db, _cleanup) = wal_outbox().await;
-    let fx = relay_fixture(outbox_testkit::rabbit::reject_when_full(10)).await;
+    let fx = relay_fixture(outboxkit_testkit::rabbit::reject_when_full(10)).await;
     // `per-key-skip`: first deliveries in order per key also when a batch meets the
     // queue full halfway (by default a later message of the key may overtake).
     let mut args = relay_args(&fx, &amqp_url());
@@ -955,14 +955,14 @@ async fn n_a_delayed_message_waits_for_its_time_and_holds_only_its_key() {
     let delay = Duration::from_secs(4);
     // Key a: a1, a2 (delayed), a3; key b: b1, all in one transaction.
     let a1 = message("OrderPlaced", "order", "a");
-    let a2 = outbox_core::NewMessage::builder("order", "a", "OrderPlaced")
+    let a2 = outboxkit_core::NewMessage::builder("order", "a", "OrderPlaced")
         .payload(&serde_json::json!({ "n": 2 }))
         .deliver_after(delay)
         .build()
         .expect("valid");
     let a3 = message("OrderPlaced", "order", "a");
     let b1 = message("OrderPlaced", "order", "b");
-    let id = |m: &outbox_core::NewMessage| m.id.to_string();
+    let id = |m: &outboxkit_core::NewMessage| m.id.to_string();
     let (a1_id, a2_id, a3_id, b1_id) = (id(&a1), id(&a2), id(&a3), id(&b1));
     enqueue(&db, &[a1, a2, a3, b1]).await;
     let enqueued = std::time::Instant::now();
@@ -1094,7 +1094,7 @@ impl NoSyncStandby {
 
 impl Drop for NoSyncStandby {
     fn drop(&mut self) {
-        let done = outbox_testkit::on_own_runtime(async {
+        let done = outboxkit_testkit::on_own_runtime(async {
             let pool = sqlx::PgPool::connect(&common::database_url())
                 .await
                 .expect("connect");
@@ -1115,7 +1115,7 @@ impl Drop for NoSyncStandby {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn o_a_commit_not_yet_visible_is_recorded_once_it_is() {
-    let _lock = outbox_testkit::faults::lock().await;
+    let _lock = outboxkit_testkit::faults::lock().await;
     let (db, _cleanup) = wal_outbox().await;
     let fx = relay_fixture(FieldTable::default()).await;
     let got = Arc::new(Mutex::new(Vec::new()));
@@ -1334,7 +1334,7 @@ async fn s_an_invalidated_slot_stops_the_relay_and_healthz_says_why() {
     // The relay (in this process, to read its health after it stopped) paused by a
     // broker outage while its slot is invalidated by PostgreSQL (`max_slot_wal_keep_size`
     // passed): it stops on its own, and the binary then refuses to start on that slot.
-    let _lock = outbox_testkit::faults::lock().await;
+    let _lock = outboxkit_testkit::faults::lock().await;
     let (db, _cleanup) = wal_outbox().await;
     let fx = relay_fixture(FieldTable::default()).await;
     let proxy = Proxy::start("127.0.0.1:5672".parse().expect("addr")).await;
@@ -1367,7 +1367,7 @@ async fn s_an_invalidated_slot_stops_the_relay_and_healthz_says_why() {
         health.report()
     );
 
-    outbox_testkit::slot::invalidate(
+    outboxkit_testkit::slot::invalidate(
         db.pool(),
         &common::database_url(),
         &format!("{}_outbox", db.schema()),
@@ -1428,7 +1428,7 @@ async fn t_restarts_while_the_broker_is_frozen_count_no_crash() {
     // killed (`SIGKILL`) six times (crash-loop limit 5), each time once it has begun
     // its session, then RabbitMQ resumed: a restart while the broker cannot take
     // messages is not a crash of the message it was about to publish.
-    let _lock = outbox_testkit::faults::lock().await;
+    let _lock = outboxkit_testkit::faults::lock().await;
     let (db, _cleanup) = wal_outbox().await;
     let fx = relay_fixture(FieldTable::default()).await;
     let counts = fx.counter().await;
@@ -1446,7 +1446,7 @@ async fn t_restarts_while_the_broker_is_frozen_count_no_crash() {
     relay.kill_9();
     assert!(relay.exited_within(Duration::from_secs(10)).await.is_some());
 
-    let frozen = outbox_testkit::faults::RabbitFrozen::try_freeze().expect("freeze RabbitMQ");
+    let frozen = outboxkit_testkit::faults::RabbitFrozen::try_freeze().expect("freeze RabbitMQ");
     let ids = enqueue_n(&db, 100, 10, "t").await;
     let mut counted = Vec::new();
     for round in 1..=6 {
@@ -1497,7 +1497,7 @@ async fn u_a_server_restart_is_retried_and_healthz_says_why() {
     // PostgreSQL stopped for longer than `stuck_after` under a running relay (in this
     // process, to read its health): a server restarting is transient, so the relay
     // retries, its health says why meanwhile, and once the server is back it resumes.
-    let _lock = outbox_testkit::faults::lock().await;
+    let _lock = outboxkit_testkit::faults::lock().await;
     let (db, _cleanup) = wal_outbox().await;
     let fx = relay_fixture(FieldTable::default()).await;
     let counts = fx.counter().await;
@@ -1518,7 +1518,7 @@ async fn u_a_server_restart_is_retried_and_healthz_says_why() {
     );
 
     let stopped = tokio::task::spawn_blocking(|| {
-        outbox_testkit::faults::PgStopped::try_stop().expect("stop PostgreSQL")
+        outboxkit_testkit::faults::PgStopped::try_stop().expect("stop PostgreSQL")
     })
     .await
     .expect("stop");
@@ -1545,7 +1545,7 @@ async fn u_a_server_restart_is_retried_and_healthz_says_why() {
 
     // (A producer of its own: the test's pool lost its connections in the restart.)
     let producer = PgOutbox::connect(
-        &outbox_postgres::PgConfig::new(common::database_url()).with_schema(db.schema()),
+        &outboxkit_postgres::PgConfig::new(common::database_url()).with_schema(db.schema()),
     )
     .await
     .expect("connect after the restart");
@@ -1603,8 +1603,8 @@ async fn parked_rows(db: &PgOutbox) -> i64 {
     .await
 }
 
-fn delayed(aggregate: &str, delay: Duration) -> outbox_core::NewMessage {
-    outbox_core::NewMessage::builder("order", aggregate, "OrderPlaced")
+fn delayed(aggregate: &str, delay: Duration) -> outboxkit_core::NewMessage {
+    outboxkit_core::NewMessage::builder("order", aggregate, "OrderPlaced")
         .payload_json("{}")
         .deliver_after(delay)
         .build()
@@ -1617,7 +1617,7 @@ fn delayed(aggregate: &str, delay: Duration) -> outbox_core::NewMessage {
 async fn v_a_message_due_in_2s_is_sent_past_10001_parked_for_an_hour() {
     // Shared: a slot test of this binary stopping PostgreSQL meanwhile ended the
     // enqueue of the 10,001 rows (57P01) in CI.
-    let _lock = outbox_testkit::faults::lock_shared().await;
+    let _lock = outboxkit_testkit::faults::lock_shared().await;
     let (db, _cleanup) = wal_outbox().await;
     let fx = relay_fixture(FieldTable::default()).await;
     // (A consumer keeps the queue from expiring while the relay parks.)
@@ -1678,7 +1678,7 @@ fn start_skewed(db: &PgOutbox, args: &[String], offset: Option<&str>) -> Option<
     let Some(offset) = offset else {
         return Some(RelayProcess::start(db, &args));
     };
-    let env = outbox_testkit::faults::skewed_clock_env(offset).ok()?;
+    let env = outboxkit_testkit::faults::skewed_clock_env(offset).ok()?;
     let env: Vec<(&str, &str)> = env.iter().map(|(k, v)| (*k, v.as_str())).collect();
     Some(RelayProcess::start_with_env(db, &args, &env))
 }
@@ -1756,11 +1756,11 @@ async fn commit_to_sent_p99(
 /// delayed by a second and went the sweeper's way.)
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn w_a_relay_clock_behind_the_database_parks_no_ordinary_message() {
-    if outbox_testkit::faults::libfaketime().is_none() {
+    if outboxkit_testkit::faults::libfaketime().is_none() {
         return skipped_without_faketime();
     }
     // A latency comparison: no server restarted by another test meanwhile.
-    let _lock = outbox_testkit::faults::lock_shared().await;
+    let _lock = outboxkit_testkit::faults::lock_shared().await;
     let (db, _cleanup) = wal_outbox().await;
     let fx = relay_fixture(FieldTable::default()).await;
     let log = ParkLog::install(db.pool(), db.schema()).await;
@@ -1862,7 +1862,7 @@ async fn x_a_relay_clock_ahead_publishes_no_delayed_message_early() {
 /// consumer drains the queue, every message is sent within `drain`.
 async fn routing_keys_to_one_full_queue(n: usize, drain: Duration) {
     // A measurement: no server restarted by another test meanwhile.
-    let _lock = outbox_testkit::faults::lock_shared().await;
+    let _lock = outboxkit_testkit::faults::lock_shared().await;
     let (db, _cleanup) = wal_outbox().await;
     // The relay's exchange and one queue, bound with `#`, full: in place of the
     // fixture's, it expires 30 minutes after its last use, not one (the parking of
@@ -1875,7 +1875,7 @@ async fn routing_keys_to_one_full_queue(n: usize, drain: Duration) {
         )
         .await
         .expect("delete the fixture's queue");
-    let mut args = outbox_testkit::rabbit::reject_when_full(1);
+    let mut args = outboxkit_testkit::rabbit::reject_when_full(1);
     args.insert(
         "x-expires".into(),
         lapin::types::AMQPValue::LongInt(1_800_000),
@@ -1903,7 +1903,7 @@ async fn routing_keys_to_one_full_queue(n: usize, drain: Duration) {
     let addr = relay.addr().await;
     let all: Vec<_> = (0..n)
         .map(|i| {
-            outbox_core::NewMessage::builder("order", format!("u-{i}"), "OrderPlaced")
+            outboxkit_core::NewMessage::builder("order", format!("u-{i}"), "OrderPlaced")
                 .routing_key(format!("orders.rk-{i}"))
                 .payload_json("{}")
                 .build()

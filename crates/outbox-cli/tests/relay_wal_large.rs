@@ -29,9 +29,9 @@ use common::{
     RelayProcess, TestOutbox, WalCleanup, amqp_url, exec, fresh_outbox, scalar, wait_until,
 };
 use lapin::types::FieldTable;
-use outbox_postgres::PgOutbox;
-use outbox_testkit::rabbit::{Fixture, relay_fixture};
-use transport_rabbit::lapin;
+use outboxkit_postgres::PgOutbox;
+use outboxkit_rabbit::lapin;
+use outboxkit_testkit::rabbit::{Fixture, relay_fixture};
 
 async fn wal_outbox() -> (TestOutbox, WalCleanup) {
     let db = fresh_outbox().await;

@@ -4,7 +4,7 @@
 //!
 //! [`OutboxStore`] holds what the relay needs (claim, complete) plus the outbox side's
 //! dead letters, replay and purge; [`OutboxAdmin`] adds what an operator needs. Both
-//! `outbox-postgres` (`PgOutbox`) and `outbox-sqlserver` (`MssqlOutbox`) implement it,
+//! `outboxkit-postgres` (`PgOutbox`) and `outboxkit-sqlserver` (`MssqlOutbox`) implement it,
 //! so the binary runs every command on either database through `dyn OutboxAdmin`.
 //!
 //! The inbox queries read the inbox tables of the **same schema** as the outbox (the

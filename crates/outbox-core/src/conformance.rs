@@ -6,7 +6,7 @@
 //!
 //! ```ignore
 //! async fn harness() -> MyHarness { /* fresh schema */ }
-//! outbox_core::store_conformance_tests!(harness);
+//! outboxkit_core::store_conformance_tests!(harness);
 //! ```
 //!
 //! Each property panics with a message naming what failed.

@@ -56,7 +56,7 @@ pub enum HandlerDecision {
 ///   attempt and nothing reaches a broker-side delivery limit.
 /// - It SHOULD NOT panic. Transports catch a panic, log it and requeue the delivery
 ///   (never reject it: a message whose effect is not recorded anywhere must not be
-///   dropped). The `inbox` crate's handlers catch their own panics and count them as
+///   dropped). The `outboxkit-inbox` crate's handlers catch their own panics and count them as
 ///   handler failures, so a message that always panics ends as a consumer dead letter.
 #[async_trait]
 pub trait DeliveryHandler: Send + Sync + 'static {
@@ -68,7 +68,7 @@ pub trait DeliveryHandler: Send + Sync + 'static {
     ///
     /// A handler with a store SHOULD record a delivery that has a usable
     /// [`id`](UndecodableMessage::id) before answering [`HandlerDecision::Ack`] (the
-    /// `inbox` crate's consumers record a consumer dead letter holding its raw headers
+    /// `outboxkit-inbox` crate's consumers record a consumer dead letter holding its raw headers
     /// and body), answer [`HandlerDecision::Defer`] while its store cannot take it, and
     /// answer [`HandlerDecision::Reject`] only for a delivery without a usable id.
     /// Transports run it like [`handle`](Self::handle) (a panic requeues, `Defer` is
@@ -642,9 +642,9 @@ mod tests {
 #[cfg_attr(feature = "clap", derive(clap::ValueEnum))]
 #[serde(rename_all = "lowercase")]
 pub enum TransportKind {
-    /// RabbitMQ: AMQP 0-9-1 with publisher confirms (the `transport-rabbit` crate).
+    /// RabbitMQ: AMQP 0-9-1 with publisher confirms (the `outboxkit-rabbit` crate).
     Rabbit,
-    /// NATS JetStream: PubAck and `Nats-Msg-Id` deduplication (the `transport-nats`
+    /// NATS JetStream: PubAck and `Nats-Msg-Id` deduplication (the `outboxkit-nats`
     /// crate).
     Nats,
 }
@@ -754,7 +754,7 @@ pub trait Consumer: Send + Sync {
 ///
 /// ```
 /// use std::time::Duration;
-/// use outbox_core::BatchSettings;
+/// use outboxkit_core::BatchSettings;
 ///
 /// let batch = BatchSettings::new().with_size(50).with_linger(Duration::from_millis(5));
 /// assert_eq!(batch.check(100), Ok(50));
@@ -789,7 +789,7 @@ impl BatchSettings {
     }
 
     /// The largest number of deliveries handed to the handler at once (one transaction
-    /// with the `inbox` crate's consumers), 1 to the consumer's window. Default: the
+    /// with the `outboxkit-inbox` crate's consumers), 1 to the consumer's window. Default: the
     /// window (RabbitMQ's prefetch, the NATS consumer's concurrency; 100 by default).
     pub const fn with_size(mut self, messages: usize) -> Self {
         self.size = Some(messages);

@@ -16,7 +16,7 @@
 //! in batch mode without them; a backend overrides them to send one statement per batch
 //! (PostgreSQL does).
 //!
-//! The `inbox` crate drives them; backends implement them.
+//! The `outboxkit-inbox` crate drives them; backends implement them.
 
 use std::time::Duration;
 

@@ -8,7 +8,7 @@
 //!
 //! ```ignore
 //! async fn harness() -> MyHarness { /* fresh schema */ }
-//! outbox_core::inbox_conformance_tests!(harness; dead_letters, versions, durable);
+//! outboxkit_core::inbox_conformance_tests!(harness; dead_letters, versions, durable);
 //! ```
 //!
 //! The claim properties of [`InboxStore`] always run; `dead_letters`, `versions` and

@@ -1,4 +1,4 @@
-//! # outbox-core
+//! # outboxkit-core
 //!
 //! The driver-free heart of the transactional outbox and inbox toolkit:
 //!
@@ -24,8 +24,8 @@
 //!   transport conformance suite (`transport_conformance`) every transport runs against
 //!   its broker.
 //!
-//! Backends (`outbox-postgres`) write messages in the caller's transaction; transports
-//! (`transport-rabbit`) publish them.
+//! Backends (`outboxkit-postgres`) write messages in the caller's transaction; transports
+//! (`outboxkit-rabbit`) publish them.
 //!
 //! **Words.** The *relay* is the role: the process that moves committed outbox rows to
 //! the broker (`outbox relay` runs one). [`Dispatcher`] is the type that does it inside
@@ -33,11 +33,11 @@
 //! publisher in waves. So "relay" names what runs and "dispatcher" the engine in it;
 //! the metrics and logs say `relay`, the API says `Dispatcher`. The three retention
 //! settings are named apart: [`SentRetention`] (what the outbox does with confirmed
-//! rows), `inbox::InboxRetention` (how long dedup records are kept) and
-//! `transport_nats::StreamRetention` (the JetStream stream's retention policy).
+//! rows), `outboxkit_inbox::InboxRetention` (how long dedup records are kept) and
+//! `outboxkit_nats::StreamRetention` (the JetStream stream's retention policy).
 //!
 //! ```
-//! use outbox_core::NewMessage;
+//! use outboxkit_core::NewMessage;
 //!
 //! let event = NewMessage::builder("order", "42", "OrderPlaced")
 //!     .aggregate_version(1)
@@ -45,7 +45,7 @@
 //!     .payload(&serde_json::json!({ "order_id": 42, "total_cents": 1999 }))
 //!     .build()?;
 //! assert_eq!(event.event_type, "OrderPlaced");
-//! # Ok::<(), outbox_core::OutboxError>(())
+//! # Ok::<(), outboxkit_core::OutboxError>(())
 //! ```
 #![cfg_attr(docsrs, feature(doc_cfg))]
 #![deny(missing_docs)]

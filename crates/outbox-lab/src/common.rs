@@ -4,7 +4,7 @@
 use std::time::Duration;
 
 use hdrhistogram::Histogram;
-use transport_nats::async_nats;
+use outboxkit_nats::async_nats;
 
 /// `DATABASE_URL`, or the local default.
 pub fn database_url() -> String {
@@ -32,8 +32,8 @@ static BROKERS: std::sync::OnceLock<(String, String)> = std::sync::OnceLock::new
 /// true. Child processes get them through [`broker_env`].
 pub fn use_cluster() {
     let _ = BROKERS.set((
-        outbox_testkit::cluster::rabbit_urls(),
-        outbox_testkit::cluster::nats_urls(),
+        outboxkit_testkit::cluster::rabbit_urls(),
+        outboxkit_testkit::cluster::nats_urls(),
     ));
 }
 
@@ -82,7 +82,7 @@ pub async fn amqp_connect() -> anyhow::Result<lapin::Connection> {
             lapin::Connection::connect(url, lapin::ConnectionProperties::default()),
         )
         .await;
-        let redacted = transport_rabbit::redact_url(url);
+        let redacted = outboxkit_rabbit::redact_url(url);
         match attempt {
             Ok(Ok(conn)) => return Ok(conn),
             Ok(Err(e)) => errors.push(format!("{redacted}: {e}")),

@@ -7,8 +7,8 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use chrono::{DateTime, Utc};
-use outbox_core::wire::IncomingMessage;
-use outbox_core::{
+use outboxkit_core::wire::IncomingMessage;
+use outboxkit_core::{
     ConsumerDeadLetter, ConsumerDeadLetters, FailureCount, InboxStore, OutboxError, VersionTracking,
 };
 use tokio::sync::Notify;
@@ -287,7 +287,7 @@ impl ConsumerDeadLetters for MemoryInbox {
                     message_id: msg.id,
                     consumer: consumer.to_owned(),
                     event_type: msg.event_type.clone(),
-                    last_error: outbox_core::sanitize_error(error).into_owned(),
+                    last_error: outboxkit_core::sanitize_error(error).into_owned(),
                     attempts,
                     dead_at: now,
                     payload: msg.payload.clone(),

@@ -1,16 +1,16 @@
-//! # outbox-memory
+//! # outboxkit-memory
 //!
 //! The in-memory reference backend of the outbox toolkit:
 //!
-//! - [`MemoryOutbox`]: an [`OutboxStore`](outbox_core::OutboxStore) (claims with leases
+//! - [`MemoryOutbox`]: an [`OutboxStore`](outboxkit_core::OutboxStore) (claims with leases
 //!   and fencing tokens, per-key ordered claims, the crash-loop guard, every completion
 //!   outcome, both sent retentions, dead letters, replay, purge) with `enqueue` /
 //!   `enqueue_batch` in place of the caller's transaction;
-//! - [`MemoryInbox`]: an [`InboxStore`](outbox_core::InboxStore) whose transactions
+//! - [`MemoryInbox`]: an [`InboxStore`](outboxkit_core::InboxStore) whose transactions
 //!   buffer their claims until commit, plus
-//!   [`ConsumerDeadLetters`](outbox_core::ConsumerDeadLetters) and
-//!   [`VersionTracking`](outbox_core::VersionTracking);
-//! - [`MemoryPublisher`]: an [`EventPublisher`](outbox_core::EventPublisher) that records
+//!   [`ConsumerDeadLetters`](outboxkit_core::ConsumerDeadLetters) and
+//!   [`VersionTracking`](outboxkit_core::VersionTracking);
+//! - [`MemoryPublisher`]: an [`EventPublisher`](outboxkit_core::EventPublisher) that records
 //!   what it confirms and fails on demand ([`Scripted`] outcomes per message or per
 //!   call, rules, a broker that is down, a slow broker, a stated publish timeout);
 //! - [`Clock`]: where the stores take `now()` from, following tokio's time by default so
@@ -19,7 +19,7 @@
 //! ## What it is for
 //! Tests of code built on the toolkit without a database or a broker (the dispatcher's
 //! own fast tests run on it), examples, and a reference: it passes the same store
-//! conformance suite as the SQL backends (`outbox_core::store_conformance_tests!`),
+//! conformance suite as the SQL backends (`outboxkit_core::store_conformance_tests!`),
 //! and its code reads as the contract in plain Rust.
 //!
 //! ## What it does not promise
@@ -33,11 +33,11 @@
 //! use std::sync::Arc;
 //! use std::time::Duration;
 //!
-//! use outbox_core::{Dispatcher, DispatcherConfig, MessageStatus, NewMessage};
-//! use outbox_memory::{MemoryOutbox, MemoryPublisher, Scripted};
+//! use outboxkit_core::{Dispatcher, DispatcherConfig, MessageStatus, NewMessage};
+//! use outboxkit_memory::{MemoryOutbox, MemoryPublisher, Scripted};
 //!
 //! # #[tokio::main(flavor = "current_thread")]
-//! # async fn main() -> Result<(), outbox_core::OutboxError> {
+//! # async fn main() -> Result<(), outboxkit_core::OutboxError> {
 //! let store = MemoryOutbox::new();
 //! let publisher = MemoryPublisher::new();
 //! store.enqueue_batch([

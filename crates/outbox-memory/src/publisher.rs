@@ -6,7 +6,7 @@ use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::Duration;
 
 use async_trait::async_trait;
-use outbox_core::{ErrorKind, EventPublisher, OutboxMessage, PublishError, PublishOutcome};
+use outboxkit_core::{ErrorKind, EventPublisher, OutboxMessage, PublishError, PublishOutcome};
 use tokio::sync::Notify;
 use uuid::Uuid;
 

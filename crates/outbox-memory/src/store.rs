@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use chrono::{DateTime, Utc};
-use outbox_core::{
+use outboxkit_core::{
     BlockedKey, ClaimedBatch, CompleteReport, Completion, CompletionOutcome,
     DEFAULT_CRASH_LOOP_LIMIT, DEFAULT_MAX_PAYLOAD_BYTES, ErrorKind, MessageFilter, MessageStatus,
     NewMessage, OnDead, OutboxError, OutboxMessage, OutboxStats, OutboxStore, Poison, PoisonRow,

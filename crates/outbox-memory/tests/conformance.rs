@@ -1,11 +1,11 @@
-//! The outbox-core store conformance suite, run against [`MemoryOutbox`].
+//! The outboxkit-core store conformance suite, run against [`MemoryOutbox`].
 
 use std::sync::Arc;
 
 use async_trait::async_trait;
-use outbox_core::conformance::Harness;
-use outbox_core::{NewMessage, SentRetention};
-use outbox_memory::MemoryOutbox;
+use outboxkit_core::conformance::Harness;
+use outboxkit_core::{NewMessage, SentRetention};
+use outboxkit_memory::MemoryOutbox;
 use uuid::Uuid;
 
 /// A fresh table per test.
@@ -46,4 +46,4 @@ async fn harness() -> MemoryHarness {
     }
 }
 
-outbox_core::store_conformance_tests!(harness);
+outboxkit_core::store_conformance_tests!(harness);

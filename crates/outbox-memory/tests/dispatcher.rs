@@ -8,11 +8,11 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering::SeqCst};
 use std::time::Duration;
 
-use outbox_core::{
+use outboxkit_core::{
     Dispatcher, DispatcherConfig, DispatcherStats, MessageFilter, MessageStatus, NewMessage,
     OnDead, Ordering, OutboxError, OutboxMessage, OutboxStore, RetryPolicies, RetryPolicy,
 };
-use outbox_memory::{MemoryOutbox, MemoryPublisher, Scripted};
+use outboxkit_memory::{MemoryOutbox, MemoryPublisher, Scripted};
 use tokio::task::JoinHandle;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;

@@ -3,9 +3,9 @@
 
 use std::time::Duration;
 
-use outbox_core::wire::IncomingMessage;
-use outbox_core::{ConsumerDeadLetters, InboxClaim, InboxStore};
-use outbox_memory::MemoryInbox;
+use outboxkit_core::wire::IncomingMessage;
+use outboxkit_core::{ConsumerDeadLetters, InboxClaim, InboxStore};
+use outboxkit_memory::MemoryInbox;
 use uuid::Uuid;
 
 #[tokio::test]

@@ -1,10 +1,10 @@
-//! The outbox-core inbox conformance suite, run against [`MemoryInbox`] (claims, consumer
+//! The outboxkit-core inbox conformance suite, run against [`MemoryInbox`] (claims, consumer
 //! dead letters and version tracking; it has no durable inbox).
 
 use std::sync::Arc;
 
-use outbox_core::inbox_conformance::InboxHarness;
-use outbox_memory::MemoryInbox;
+use outboxkit_core::inbox_conformance::InboxHarness;
+use outboxkit_memory::MemoryInbox;
 
 /// A fresh inbox per test.
 struct MemoryInboxHarness(Arc<MemoryInbox>);
@@ -21,4 +21,4 @@ async fn harness() -> MemoryInboxHarness {
     MemoryInboxHarness(Arc::new(MemoryInbox::new()))
 }
 
-outbox_core::inbox_conformance_tests!(harness; dead_letters, versions);
+outboxkit_core::inbox_conformance_tests!(harness; dead_letters, versions);

@@ -1,6 +1,6 @@
 //! Mapping of sqlx MySQL errors onto [`OutboxError`] with a retryable/permanent kind.
 
-use outbox_core::{ErrorKind, OutboxError};
+use outboxkit_core::{ErrorKind, OutboxError};
 use sqlx::mysql::MySqlDatabaseError;
 
 /// `ER_LOCK_DEADLOCK`: InnoDB chose this transaction as a deadlock victim and rolled it

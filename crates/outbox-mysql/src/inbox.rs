@@ -6,12 +6,12 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use chrono::{DateTime, Utc};
-use outbox_core::inbox::{
+use outboxkit_core::inbox::{
     ConsumerDeadLetter, ConsumerDeadLetters, DurableInbox, FailureCount, InboxClaim,
     InboxCompletion, InboxOutcome, StoredMessage, VersionTracking,
 };
-use outbox_core::wire::{IncomingMessage, TraceParent};
-use outbox_core::{CompleteReport, ErrorKind, Headers, InboxStore, OutboxError};
+use outboxkit_core::wire::{IncomingMessage, TraceParent};
+use outboxkit_core::{CompleteReport, ErrorKind, Headers, InboxStore, OutboxError};
 use sqlx::mysql::{MySqlDatabaseError, MySqlRow, MySqlTransactionManager};
 use sqlx::pool::PoolConnection;
 use sqlx::{AssertSqlSafe, Executor as _, MySql, MySqlConnection, MySqlPool, Row, SqlStr};
@@ -405,7 +405,7 @@ impl ConsumerDeadLetters for MySqlInbox {
         .bind(msg.id)
         .bind(consumer)
         .bind(&msg.event_type)
-        .bind(outbox_core::sanitize_error(error))
+        .bind(outboxkit_core::sanitize_error(error))
         .bind(&msg.payload)
         .bind(headers)
         .bind(max)
@@ -646,7 +646,7 @@ impl DurableInbox for MySqlInbox {
             if let Some(e) = error {
                 row.insert(
                     "e".into(),
-                    outbox_core::sanitize_error(e).into_owned().into(),
+                    outboxkit_core::sanitize_error(e).into_owned().into(),
                 );
             }
             rows.push(serde_json::Value::Object(row));

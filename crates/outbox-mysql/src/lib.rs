@@ -1,4 +1,4 @@
-//! # outbox-mysql
+//! # outboxkit-mysql
 //!
 //! The MySQL / MariaDB backend of the outbox toolkit, on sqlx (MySQL 8.0+, MariaDB
 //! 10.6+: both have `FOR UPDATE SKIP LOCKED`):
@@ -8,12 +8,12 @@
 //!   in UTC from the database clock, ids as `BINARY(16)`;
 //! - [`MySqlOutbox`]: [`enqueue`](MySqlOutbox::enqueue) /
 //!   [`enqueue_batch`](MySqlOutbox::enqueue_batch) on the caller's transaction
-//!   (multi-row `INSERT`, chunked), and the [`OutboxStore`](outbox_core::OutboxStore)
+//!   (multi-row `INSERT`, chunked), and the [`OutboxStore`](outboxkit_core::OutboxStore)
 //!   the dispatcher uses: claims with `SELECT … FOR UPDATE SKIP LOCKED` in
 //!   `(visible_at, seq)` order under `READ COMMITTED` (no gap locks, so claims never
 //!   block producers' inserts), fenced leases, one-statement batch completion
 //!   (`UPDATE … JOIN JSON_TABLE(…)`), backoff as `NOW(6) + INTERVAL` in SQL;
-//! - [`MySqlInbox`]: the [`InboxStore`](outbox_core::InboxStore) (`INSERT IGNORE` on the
+//! - [`MySqlInbox`]: the [`InboxStore`](outboxkit_core::InboxStore) (`INSERT IGNORE` on the
 //!   primary key inside the consumer's transaction), consumer dead letters, version
 //!   tracking and the durable inbox.
 //!
@@ -21,8 +21,8 @@
 //! on SQL Server). See `docs/mysql.md` for what differs from PostgreSQL.
 //!
 //! ```no_run
-//! use outbox_core::NewMessage;
-//! use outbox_mysql::{MySqlConfig, MySqlOutbox};
+//! use outboxkit_core::NewMessage;
+//! use outboxkit_mysql::{MySqlConfig, MySqlOutbox};
 //!
 //! # async fn demo() -> Result<(), Box<dyn std::error::Error>> {
 //! let outbox = MySqlOutbox::connect(&MySqlConfig::new("mysql://root@127.0.0.1:3306/test")).await?;

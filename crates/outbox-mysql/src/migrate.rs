@@ -7,7 +7,7 @@
 //! processes may call [`migrate`] at start-up; each applied version is recorded in
 //! `{schema}.outbox_schema_migrations`.
 
-use outbox_core::OutboxError;
+use outboxkit_core::OutboxError;
 // The schema name is validated before it is spliced into any statement.
 use sqlx::{AssertSqlSafe, MySqlPool};
 

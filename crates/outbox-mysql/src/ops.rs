@@ -18,8 +18,8 @@ use std::collections::HashSet;
 use std::time::{Duration, Instant};
 
 use chrono::{DateTime, Utc};
-use outbox_core::inbox::DurableInbox;
-use outbox_core::{
+use outboxkit_core::inbox::DurableInbox;
+use outboxkit_core::{
     InboxStore, MessageFilter, MessageStatus, OnDead, OutboxAdmin, OutboxError, OutboxStats,
 };
 use sqlx::mysql::MySqlArguments;
@@ -34,7 +34,7 @@ use crate::sql::{
 };
 use crate::store::{MySqlOutbox, bind_filter, count, limit};
 
-use outbox_core::admin::{
+use outboxkit_core::admin::{
     GroupStats, InboxDeadFilter, InboxDeadKind, InboxDeadLetter, InboxReplayMode,
     InboxReplayReport, MessageCount, MessageCursor, MessagePage, MessageState, MessageSummary,
     PENDING_STATS_BOUND, ReconcileRow, RelayHeartbeat, RelaySeen, SentPerMinute,

@@ -45,7 +45,7 @@ pub(crate) fn placeholders(n: usize) -> String {
 pub(crate) const BEGIN_READ_COMMITTED: &str =
     "SET TRANSACTION ISOLATION LEVEL READ COMMITTED; START TRANSACTION";
 
-/// Columns read back for an [`OutboxMessage`](outbox_core::OutboxMessage).
+/// Columns read back for an [`OutboxMessage`](outboxkit_core::OutboxMessage).
 /// The queue lag in seconds over the rows in scope (`NULL`: none is late): the age of
 /// the oldest pending row counted from when it became due, `visible_at` (a delayed
 /// message is not late before its time), or its first failure when earlier (a row

@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
 use chrono::{DateTime, Utc};
-use outbox_core::{
+use outboxkit_core::{
     BlockedKey, ClaimedBatch, CompleteReport, Completion, CompletionOutcome, EventSource, Headers,
     MessageFilter, MessageStatus, NewMessage, OnDead, OutboxError, OutboxMessage, OutboxStats,
     OutboxStore, Poison, PoisonRow, ReplayReport, SentRetention, sanitize_error,
@@ -156,7 +156,7 @@ impl MySqlOutbox {
     /// Returns their ids.
     ///
     /// # Errors
-    /// [`OutboxError::InvalidMessage`] ([`InvalidMessage::PayloadTooLarge`](outbox_core::InvalidMessage::PayloadTooLarge))
+    /// [`OutboxError::InvalidMessage`] ([`InvalidMessage::PayloadTooLarge`](outboxkit_core::InvalidMessage::PayloadTooLarge))
     /// when any payload is longer than [`max_payload_bytes`](Self::max_payload_bytes):
     /// no message of the batch is written and the transaction is untouched.
     /// [`OutboxError::Database`] when an insert fails: roll the transaction back (an
@@ -222,7 +222,7 @@ impl MySqlOutbox {
         Ok(messages.iter().map(|m| m.id).collect())
     }
 
-    /// Drains the aggregate's pending [`DomainEvents`](outbox_core::DomainEvents) into
+    /// Drains the aggregate's pending [`DomainEvents`](outboxkit_core::DomainEvents) into
     /// the outbox on `conn`. On failure the events are put back, so the caller can retry
     /// the unit of work; on success they are gone from the aggregate and cannot be
     /// written twice.
@@ -616,8 +616,8 @@ fn decode_row(row: &MySqlRow, headers: HeaderDecoding) -> Result<OutboxMessage, 
     let raw: serde_json::Value =
         serde_json::from_str(&raw).map_err(|e| decode_err(format!("headers: {e}")))?;
     let headers: Headers = match headers {
-        HeaderDecoding::Strict => outbox_core::headers_from_json(raw).map_err(decode_err)?,
-        HeaderDecoding::Lossy => outbox_core::headers_from_json_lossy(raw),
+        HeaderDecoding::Strict => outboxkit_core::headers_from_json(raw).map_err(decode_err)?,
+        HeaderDecoding::Lossy => outboxkit_core::headers_from_json_lossy(raw),
     };
     let status: i16 = row.try_get("status").map_err(db("decode"))?;
     Ok(OutboxMessage {

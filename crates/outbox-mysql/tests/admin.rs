@@ -7,13 +7,13 @@ mod common;
 use std::collections::BTreeSet;
 use std::time::Duration;
 
-use outbox_core::inbox::{ConsumerDeadLetters, DurableInbox};
-use outbox_core::wire::IncomingMessage;
-use outbox_core::{
+use outboxkit_core::inbox::{ConsumerDeadLetters, DurableInbox};
+use outboxkit_core::wire::IncomingMessage;
+use outboxkit_core::{
     Completion, CompletionOutcome, InboxStore, NewMessage, OnDead, OutboxAdmin, OutboxStore,
 };
-use outbox_core::{InboxDeadFilter, InboxReplayMode};
-use outbox_mysql::{LATEST_VERSION, MySqlOutbox};
+use outboxkit_core::{InboxDeadFilter, InboxReplayMode};
+use outboxkit_mysql::{LATEST_VERSION, MySqlOutbox};
 use uuid::Uuid;
 
 fn event(aggregate: &str, event_type: &str, tenant: Option<&str>) -> NewMessage {
@@ -201,7 +201,7 @@ async fn every_admin_query_runs_once() {
         .expect("inbox replay");
     assert_eq!((report.matched, report.replayed, report.failed), (1, 1, 0));
     let requeued = outbox.get(b.id).await.expect("get").expect("row");
-    assert_eq!(requeued.status, outbox_core::MessageStatus::New);
+    assert_eq!(requeued.status, outboxkit_core::MessageStatus::New);
     assert_eq!(requeued.attempts, 0);
     assert!(!inbox.is_dead(b.id, "c").await.expect("is dead"));
 

@@ -12,7 +12,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use common::{enqueue_committed, fresh_outbox};
-use outbox_core::{
+use outboxkit_core::{
     Completion, CompletionOutcome, ErrorKind, InboxStore, NewMessage, OutboxError, OutboxStore,
 };
 use uuid::Uuid;
@@ -349,13 +349,13 @@ async fn racing_inbox_claims_of_one_pair_let_exactly_one_commit() {
 /// the acquire timeout; with every connection held so, a consumer stopped progressing).
 #[tokio::test]
 async fn claim_unless_dead_needs_no_second_connection() {
-    use outbox_core::{ConsumerDeadLetters as _, InboxClaim};
+    use outboxkit_core::{ConsumerDeadLetters as _, InboxClaim};
     let (outbox, _drop) = fresh_outbox().await;
-    let config = outbox_mysql::MySqlConfig::new(common::mysql_url())
+    let config = outboxkit_mysql::MySqlConfig::new(common::mysql_url())
         .with_schema(outbox.schema())
         .with_max_connections(1)
         .with_acquire_timeout(Duration::from_secs(2));
-    let inbox = outbox_mysql::MySqlInbox::connect(&config)
+    let inbox = outboxkit_mysql::MySqlInbox::connect(&config)
         .await
         .expect("inbox");
     let mut tx = inbox.begin().await.expect("begin");
@@ -409,11 +409,11 @@ async fn a_completion_whose_delete_fails_still_reports_what_it_applied() {
                 .await
                 .expect("fault injection");
         }
-        let store = outbox_mysql::MySqlOutbox::new(
+        let store = outboxkit_mysql::MySqlOutbox::new(
             outbox.pool().clone(),
-            &outbox_mysql::MySqlConfig::default()
+            &outboxkit_mysql::MySqlConfig::default()
                 .with_schema(&s)
-                .with_sent_retention(outbox_core::SentRetention::Delete),
+                .with_sent_retention(outboxkit_core::SentRetention::Delete),
         )
         .expect("store");
         enqueue_committed(&store, &messages(5)).await;

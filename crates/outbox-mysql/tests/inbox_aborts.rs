@@ -13,18 +13,20 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use async_trait::async_trait;
-use inbox::{Handler, HandlerContext, HandlerError, IdempotentConsumer, Pipeline};
 use lapin::types::FieldTable;
-use outbox_core::InboxStore as _;
-use outbox_core::consumer::{BatchDeliveryHandler, DeliveryHandler, HandlerDecision};
-use outbox_core::inbox::{ConsumerDeadLetters as _, VersionTracking as _};
-use outbox_core::wire::IncomingMessage;
-use outbox_core::{BatchSettings, Consumer as _, EventPublisher as _, NewMessage, OutboxMessage};
-use outbox_mysql::{MySqlInbox, MySqlOutbox};
-use outbox_testkit::rabbit::{Fixture, eventually, relay_fixture};
+use outboxkit_core::InboxStore as _;
+use outboxkit_core::consumer::{BatchDeliveryHandler, DeliveryHandler, HandlerDecision};
+use outboxkit_core::inbox::{ConsumerDeadLetters as _, VersionTracking as _};
+use outboxkit_core::wire::IncomingMessage;
+use outboxkit_core::{
+    BatchSettings, Consumer as _, EventPublisher as _, NewMessage, OutboxMessage,
+};
+use outboxkit_inbox::{Handler, HandlerContext, HandlerError, IdempotentConsumer, Pipeline};
+use outboxkit_mysql::{MySqlInbox, MySqlOutbox};
+use outboxkit_rabbit::{RabbitConfig, RabbitConsumer, RabbitPublisher};
+use outboxkit_testkit::rabbit::{Fixture, eventually, relay_fixture};
 use sqlx::{AssertSqlSafe, Executor as _, MySqlConnection, MySqlPool};
 use tokio_util::sync::CancellationToken;
-use transport_rabbit::{RabbitConfig, RabbitConsumer, RabbitPublisher};
 use uuid::Uuid;
 
 const CONSUMER: &str = "projector";
@@ -201,7 +203,7 @@ async fn a_swallowed_rollback_is_never_acked_without_its_effect(sabotage: Sabota
     }
 
     let fx: Fixture = relay_fixture(FieldTable::default()).await;
-    let rabbit = RabbitConfig::builder(outbox_testkit::rabbit::amqp_url())
+    let rabbit = RabbitConfig::builder(outboxkit_testkit::rabbit::amqp_url())
         .with_exchange(&fx.exchange)
         .with_declare_exchange(false)
         .build()
@@ -361,7 +363,7 @@ async fn the_inbox_transaction_gives_its_connection_back_in_autocommit() {
     .await
     .expect("effects table");
     // One connection: every transaction below runs on it, unless it was closed.
-    let config = outbox_mysql::MySqlConfig::new(common::mysql_url())
+    let config = outboxkit_mysql::MySqlConfig::new(common::mysql_url())
         .with_schema(&schema)
         .with_max_connections(1);
     let inbox = MySqlInbox::new(config.connect().await.expect("pool"), &config).expect("inbox");
@@ -373,7 +375,7 @@ async fn the_inbox_transaction_gives_its_connection_back_in_autocommit() {
     };
     let (first, autocommit) = session().await;
     assert_eq!(autocommit, 1);
-    let claim = async |tx: &mut outbox_mysql::MySqlInboxTransaction| {
+    let claim = async |tx: &mut outboxkit_mysql::MySqlInboxTransaction| {
         let id = Uuid::now_v7();
         assert!(inbox.try_claim(tx, id, CONSUMER).await.expect("claim"));
         id
@@ -406,7 +408,7 @@ async fn the_inbox_transaction_gives_its_connection_back_in_autocommit() {
     .await
     .expect("a statement after the rollback");
     match inbox.commit(tx).await {
-        Err(outbox_core::OutboxError::TransactionAborted { .. }) => {}
+        Err(outboxkit_core::OutboxError::TransactionAborted { .. }) => {}
         other => panic!("the commit after a rollback is TransactionAborted, got {other:?}"),
     }
     assert_eq!(session().await, (first, 1), "after an aborted commit");

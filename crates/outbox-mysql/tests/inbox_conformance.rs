@@ -1,4 +1,4 @@
-//! The outbox-core inbox conformance suite (claims, consumer dead letters, version
+//! The outboxkit-core inbox conformance suite (claims, consumer dead letters, version
 //! tracking, the durable inbox, and aborted transactions: a real deadlock victim), run
 //! against the real MariaDB / MySQL, a fresh database per property.
 
@@ -7,8 +7,8 @@ mod common;
 use std::sync::Arc;
 
 use async_trait::async_trait;
-use outbox_core::inbox_conformance::{AbortingHarness, InboxHarness};
-use outbox_mysql::MySqlInbox;
+use outboxkit_core::inbox_conformance::{AbortingHarness, InboxHarness};
+use outboxkit_mysql::MySqlInbox;
 use sqlx::{AssertSqlSafe, MySqlConnection};
 use uuid::Uuid;
 
@@ -73,4 +73,4 @@ async fn harness() -> MySqlInboxHarness {
     MySqlInboxHarness(Arc::new(outbox.inbox()), s, guard)
 }
 
-outbox_core::inbox_conformance_tests!(harness; dead_letters, versions, durable, aborts);
+outboxkit_core::inbox_conformance_tests!(harness; dead_letters, versions, durable, aborts);

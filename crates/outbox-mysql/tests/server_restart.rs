@@ -5,7 +5,7 @@
 //! message's effect committed exactly once, no consumer dead letter.
 //!
 //! This binary stops the shared server (under the machine-wide fault lock of
-//! `outbox_testkit::faults`, with `outbox_testkit::faults::MariaDbStopped`: the process
+//! `outboxkit_testkit::faults`, with `outboxkit_testkit::faults::MariaDbStopped`: the process
 //! listening on port 3306, started again with its own command line when the guard is
 //! dropped, a panic included, with a clean environment), so it holds a single test
 //! (cargo runs test binaries one after another). The outage length is
@@ -19,18 +19,18 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use async_trait::async_trait;
-use inbox::{Handler, HandlerContext, HandlerError, IdempotentConsumer, Pipeline};
 use lapin::types::FieldTable;
-use outbox_core::Consumer as _;
-use outbox_core::consumer::{DeliveryHandler, HandlerDecision};
-use outbox_core::wire::IncomingMessage;
-use outbox_core::{Dispatcher, DispatcherConfig, NewMessage, OutboxStore};
-use outbox_mysql::{MySqlInbox, MySqlOutbox};
-use outbox_testkit::faults::{MYSQL_PORT, MariaDbStopped, pid_listening_on};
-use outbox_testkit::rabbit::{eventually, relay_fixture};
+use outboxkit_core::Consumer as _;
+use outboxkit_core::consumer::{DeliveryHandler, HandlerDecision};
+use outboxkit_core::wire::IncomingMessage;
+use outboxkit_core::{Dispatcher, DispatcherConfig, NewMessage, OutboxStore};
+use outboxkit_inbox::{Handler, HandlerContext, HandlerError, IdempotentConsumer, Pipeline};
+use outboxkit_mysql::{MySqlInbox, MySqlOutbox};
+use outboxkit_rabbit::{RabbitConfig, RabbitConsumer, RabbitPublisher};
+use outboxkit_testkit::faults::{MYSQL_PORT, MariaDbStopped, pid_listening_on};
+use outboxkit_testkit::rabbit::{eventually, relay_fixture};
 use sqlx::{AssertSqlSafe, MySqlConnection};
 use tokio_util::sync::CancellationToken;
-use transport_rabbit::{RabbitConfig, RabbitConsumer, RabbitPublisher};
 
 use common::fresh_outbox;
 
@@ -136,7 +136,7 @@ async fn count(outbox: &MySqlOutbox, sql: &str) -> i64 {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn relay_and_consumer_ride_out_a_server_restart_with_nothing_lost_or_applied_twice() {
     // No other test may freeze or stop a shared server meanwhile.
-    let _lock = outbox_testkit::faults::lock().await;
+    let _lock = outboxkit_testkit::faults::lock().await;
     let outage_secs: u64 = std::env::var("MYSQL_OUTAGE_SECS")
         .ok()
         .and_then(|s| s.parse().ok())
@@ -153,7 +153,7 @@ async fn relay_and_consumer_ride_out_a_server_restart_with_nothing_lost_or_appli
     common::enqueue_committed(&outbox, &messages(2000, "before")).await;
 
     let fx = relay_fixture(FieldTable::default()).await;
-    let rabbit = RabbitConfig::builder(outbox_testkit::rabbit::amqp_url())
+    let rabbit = RabbitConfig::builder(outboxkit_testkit::rabbit::amqp_url())
         .with_exchange(&fx.exchange)
         .with_declare_exchange(false)
         .build()

@@ -4,8 +4,8 @@ use std::fmt;
 use std::str::FromStr;
 use std::time::Duration;
 
-use outbox_core::error::{LoneUserInfo, redact_url};
-use outbox_core::{
+use outboxkit_core::error::{LoneUserInfo, redact_url};
+use outboxkit_core::{
     DEFAULT_CRASH_LOOP_LIMIT, DEFAULT_MAX_PAYLOAD_BYTES, OutboxError, SentRetention,
 };
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
@@ -159,7 +159,7 @@ impl PgConfig {
 
     /// Longest payload [`PgOutbox::enqueue`](crate::PgOutbox::enqueue) accepts, in bytes
     /// of its JSON text (default [`DEFAULT_MAX_PAYLOAD_BYTES`], 1 MiB; at least 1). A
-    /// longer one fails with [`InvalidMessage::PayloadTooLarge`](outbox_core::InvalidMessage::PayloadTooLarge)
+    /// longer one fails with [`InvalidMessage::PayloadTooLarge`](outboxkit_core::InvalidMessage::PayloadTooLarge)
     /// and nothing of its batch is written. Keep it at or below what the broker takes
     /// (RabbitMQ's `max_message_size`, NATS' `max_payload`, 1 MiB by default).
     #[must_use]
@@ -263,7 +263,7 @@ fn parse_max_payload_bytes(text: &str) -> Result<usize, OutboxError> {
     })
 }
 
-pub(crate) use outbox_core::store::validate_schema;
+pub(crate) use outboxkit_core::store::validate_schema;
 
 #[cfg(test)]
 mod tests {

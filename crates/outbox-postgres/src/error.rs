@@ -1,6 +1,6 @@
 //! Mapping of sqlx errors onto [`OutboxError`] with a retryable/permanent kind.
 
-use outbox_core::{ErrorKind, OutboxError};
+use outboxkit_core::{ErrorKind, OutboxError};
 
 /// SQLSTATE `25P02` (`in_failed_sql_transaction`): a statement sent on a transaction an
 /// earlier failed statement aborted.

@@ -5,12 +5,12 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use chrono::{DateTime, Utc};
-use outbox_core::inbox::{
+use outboxkit_core::inbox::{
     ConsumerDeadLetter, ConsumerDeadLetters, DurableInbox, FailureCount, InboxClaim,
     InboxCompletion, InboxOutcome, StoredMessage, VersionKey, VersionTracking, lock_order,
 };
-use outbox_core::wire::{IncomingMessage, TraceParent};
-use outbox_core::{CompleteReport, ErrorKind, Headers, InboxStore, OutboxError};
+use outboxkit_core::wire::{IncomingMessage, TraceParent};
+use outboxkit_core::{CompleteReport, ErrorKind, Headers, InboxStore, OutboxError};
 use sqlx::postgres::PgRow;
 use sqlx::types::Json;
 use sqlx::{PgConnection, PgPool, Postgres, Row};
@@ -199,7 +199,7 @@ fn checked_order(pairs: &[(Uuid, &str)]) -> Result<Vec<usize>, OutboxError> {
 
 /// `text` as PostgreSQL's `text` and `jsonb` can hold it: every NUL character (SQLSTATE
 /// 22021 in `text`, "unsupported Unicode escape sequence" in `jsonb`) replaced by the two
-/// characters `\0`, as [`outbox_core::sanitize_error`] does for error texts. Our
+/// characters `\0`, as [`outboxkit_core::sanitize_error`] does for error texts. Our
 /// producers cannot send a NUL (the message builder refuses control characters), but
 /// another producer, or a SQL Server outbox (whose `nvarchar` holds one), can; such a
 /// message must not become one the consumer can neither store nor dead-letter. Version
@@ -435,7 +435,7 @@ impl ConsumerDeadLetters for PgInbox {
             .bind(msg.id)
             .bind(consumer)
             .bind(pg_text(&msg.event_type))
-            .bind(outbox_core::sanitize_error(error))
+            .bind(outboxkit_core::sanitize_error(error))
             .bind(i32::try_from(max_attempts).unwrap_or(i32::MAX))
             .bind(&msg.payload)
             .bind(pg_headers(&msg.headers))

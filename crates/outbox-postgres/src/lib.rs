@@ -1,21 +1,21 @@
-//! # outbox-postgres
+//! # outboxkit-postgres
 //!
 //! The PostgreSQL backend of the outbox toolkit, on sqlx:
 //!
 //! - [`migrate()`]: versioned migrations into a configurable schema (default `outbox`);
 //! - [`PgOutbox`]: [`enqueue`](PgOutbox::enqueue) / [`enqueue_batch`](PgOutbox::enqueue_batch)
-//!   on the caller's transaction, and the [`OutboxStore`](outbox_core::OutboxStore) the
+//!   on the caller's transaction, and the [`OutboxStore`](outboxkit_core::OutboxStore) the
 //!   dispatcher uses: claims with `FOR UPDATE SKIP LOCKED` in `(visible_at, seq)` order,
 //!   fenced leases, one-statement batch completion, backoff as `now() + delay` in SQL.
 //!   Claims change no indexed column and find room on their page, so PostgreSQL
 //!   performs them as heap-only-tuple (HOT) updates (migration 5: partial indexes on
 //!   the generated `phase` column, `fillfactor = 50`);
-//! - [`PgInbox`]: the [`InboxStore`](outbox_core::InboxStore) (`ON CONFLICT DO NOTHING`
+//! - [`PgInbox`]: the [`InboxStore`](outboxkit_core::InboxStore) (`ON CONFLICT DO NOTHING`
 //!   inside the consumer's transaction).
 //!
 //! ```no_run
-//! use outbox_core::NewMessage;
-//! use outbox_postgres::{PgConfig, PgOutbox};
+//! use outboxkit_core::NewMessage;
+//! use outboxkit_postgres::{PgConfig, PgOutbox};
 //!
 //! # async fn demo() -> Result<(), Box<dyn std::error::Error>> {
 //! let outbox = PgOutbox::connect(&PgConfig::new("postgres://postgres@127.0.0.1/test")).await?;

@@ -24,7 +24,7 @@
 
 use std::time::Duration;
 
-use outbox_core::WakeHandle;
+use outboxkit_core::WakeHandle;
 use sqlx::postgres::PgListener;
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, info, warn};

@@ -4,7 +4,7 @@
 //! transaction, under a transaction-scoped advisory lock (so several processes may call
 //! [`migrate`] at start-up), and is recorded in `{schema}.outbox_schema_migrations`.
 
-use outbox_core::OutboxError;
+use outboxkit_core::OutboxError;
 // The schema name is validated before it is spliced into any statement.
 use sqlx::{AssertSqlSafe, PgPool};
 

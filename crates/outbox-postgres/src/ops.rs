@@ -6,7 +6,7 @@
 //!   to the outbox vs recorded as processed in that consumer's inbox;
 //! - [`OutboxAdmin::archive_sent`] / [`OutboxAdmin::archive_inbox_records`]: retention that
 //!   moves rows into the archive tables of migration 4 instead of deleting them (plain
-//!   deletion is [`OutboxStore::purge_sent`](outbox_core::OutboxStore::purge_sent) and
+//!   deletion is [`OutboxStore::purge_sent`](outboxkit_core::OutboxStore::purge_sent) and
 //!   [`InboxStore::purge`]);
 //! - [`OutboxAdmin::inbox_dead_letters`] / [`OutboxAdmin::replay_inbox_dead_letters`]: the
 //!   consumer side's dead letters (idempotent-consumer failures and durable-inbox
@@ -19,8 +19,8 @@
 use std::time::{Duration, Instant};
 
 use chrono::{DateTime, Utc};
-use outbox_core::inbox::DurableInbox;
-use outbox_core::{
+use outboxkit_core::inbox::DurableInbox;
+use outboxkit_core::{
     InboxStore, MessageFilter, MessageStatus, OnDead, OutboxAdmin, OutboxError, OutboxStats,
 };
 use sqlx::{AssertSqlSafe, Row};
@@ -29,7 +29,7 @@ use crate::error::db;
 use crate::sql::{PENDING_LAG_SECS, like_escape, quoted_schema};
 use crate::store::PgOutbox;
 
-use outbox_core::admin::{
+use outboxkit_core::admin::{
     GroupStats, InboxDeadFilter, InboxDeadKind, InboxDeadLetter, InboxReplayMode,
     InboxReplayReport, MessageCount, MessageCursor, MessagePage, MessageState, MessageSummary,
     PENDING_STATS_BOUND, ReconcileRow, RelayHeartbeat, RelaySeen, SentPerMinute, VacuumPressure,
@@ -253,7 +253,7 @@ impl OutboxAdmin for PgOutbox {
     }
 
     /// The relay's periodic gauges: like
-    /// [`OutboxStore::stats`](outbox_core::OutboxStore::stats) but **bounded**, so that
+    /// [`OutboxStore::stats`](outboxkit_core::OutboxStore::stats) but **bounded**, so that
     /// it costs the same at a backlog of a million rows as at an empty table (under
     /// 50 ms, measured by `cargo xtask bench -- --backlog 1000000`):
     ///
@@ -269,7 +269,7 @@ impl OutboxAdmin for PgOutbox {
     ///   seen);
     /// - `sent` is not counted (left 0).
     ///
-    /// `outbox stats` ([`OutboxStore::stats`](outbox_core::OutboxStore::stats) and
+    /// `outbox stats` ([`OutboxStore::stats`](outboxkit_core::OutboxStore::stats) and
     /// [`stats_by_group`](Self::stats_by_group)) stays exact.
     ///
     /// # Errors
@@ -315,7 +315,7 @@ impl OutboxAdmin for PgOutbox {
     /// With `ordered = Some(on_dead)` (per-key mode) a message is claimable only when
     /// no earlier message of its key is in flight, in a retry backoff or (under
     /// [`OnDead::Block`]) `Dead`: those keys are blocked by design and reported by
-    /// [`blocked_keys`](outbox_core::OutboxStore::blocked_keys), not as a stuck relay.
+    /// [`blocked_keys`](outboxkit_core::OutboxStore::blocked_keys), not as a stuck relay.
     /// Only the 1,000 oldest visible messages are examined, so the cost stays flat
     /// under a large backlog (if all of them wait behind blocked keys the answer is
     /// `None`).
@@ -503,7 +503,7 @@ impl OutboxAdmin for PgOutbox {
 
     /// Moves up to `batch_size` inbox records older than `older_than` into
     /// `inbox_records_archive`; returns how many moved. The dedup caveat of
-    /// [`InboxStore::purge`](outbox_core::InboxStore::purge) applies: an archived
+    /// [`InboxStore::purge`](outboxkit_core::InboxStore::purge) applies: an archived
     /// record no longer absorbs duplicates.
     ///
     /// # Errors

@@ -14,7 +14,7 @@ pub(crate) fn quoted_schema(schema: &str) -> String {
     format!("\"{schema}\"")
 }
 
-/// Columns read back for an [`OutboxMessage`](outbox_core::OutboxMessage).
+/// Columns read back for an [`OutboxMessage`](outboxkit_core::OutboxMessage).
 pub(crate) const COLUMNS: &str = "m.id, m.seq, m.aggregate_type, m.aggregate_id, m.aggregate_version, \
     m.event_type, m.payload::text AS payload, m.headers, m.tenant_id, m.routing_key, \
     m.partition_key, m.occurred_at, m.created_at, m.visible_at, m.attempts, m.status, \
@@ -136,7 +136,7 @@ fn claim_set(limit: &str) -> String {
 const CLAIMABLE: &str =
     "((p.status = 0 AND p.visible_at <= now()) OR (p.status = 9 AND p.lease_until < now()))";
 
-/// The per-key claim of [`Ordering::PerKey`](outbox_core::Ordering) mode.
+/// The per-key claim of [`Ordering::PerKey`](outboxkit_core::Ordering) mode.
 /// `$1` batch size, `$2` lease in seconds, `$3` claim token, `$4` whether Dead blocks,
 /// `$5` the round-robin cursor (the last key claimed before; `''` at first), `$6` the
 /// crash-loop limit (see [`claim_set`]).

@@ -6,7 +6,7 @@ use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
 use chrono::{DateTime, Utc};
-use outbox_core::{
+use outboxkit_core::{
     BlockedKey, ClaimedBatch, CompleteReport, Completion, CompletionOutcome, EventSource, Headers,
     MessageFilter, MessageStatus, NewMessage, OnDead, OutboxError, OutboxMessage, OutboxStats,
     OutboxStore, Poison, PoisonRow, ReplayReport, SentRetention, sanitize_error,
@@ -169,7 +169,7 @@ impl PgOutbox {
     /// Writes one message on `conn` (the caller's transaction). Returns its id.
     ///
     /// # Errors
-    /// [`OutboxError::InvalidMessage`] ([`InvalidMessage::PayloadTooLarge`](outbox_core::InvalidMessage::PayloadTooLarge))
+    /// [`OutboxError::InvalidMessage`] ([`InvalidMessage::PayloadTooLarge`](outboxkit_core::InvalidMessage::PayloadTooLarge))
     /// when the payload is longer than [`max_payload_bytes`](Self::max_payload_bytes):
     /// nothing is sent to the database and the transaction is untouched.
     /// [`OutboxError::Database`] when the insert fails (the caller's transaction is then
@@ -188,7 +188,7 @@ impl PgOutbox {
     /// preserving their order in `seq`. Returns their ids.
     ///
     /// # Errors
-    /// [`OutboxError::InvalidMessage`] ([`InvalidMessage::PayloadTooLarge`](outbox_core::InvalidMessage::PayloadTooLarge))
+    /// [`OutboxError::InvalidMessage`] ([`InvalidMessage::PayloadTooLarge`](outboxkit_core::InvalidMessage::PayloadTooLarge))
     /// when any payload is longer than [`max_payload_bytes`](Self::max_payload_bytes):
     /// no message of the batch is written and the transaction is untouched.
     /// [`OutboxError::Database`] when the insert fails; nothing is written then.
@@ -255,7 +255,7 @@ impl PgOutbox {
         Ok(ids)
     }
 
-    /// Drains the aggregate's pending [`DomainEvents`](outbox_core::DomainEvents) into
+    /// Drains the aggregate's pending [`DomainEvents`](outboxkit_core::DomainEvents) into
     /// the outbox on `conn`. On failure the events are put back, so the caller can retry
     /// the unit of work; on success they are gone from the aggregate and cannot be
     /// written twice.
@@ -420,8 +420,8 @@ fn decode_row(row: &PgRow, headers: HeaderDecoding) -> Result<OutboxMessage, Out
         RawValue::from_string(payload).map_err(|e| decode_err(format!("payload: {e}")))?;
     let raw: Json<serde_json::Value> = row.try_get("headers").map_err(db("decode"))?;
     let headers: Headers = match headers {
-        HeaderDecoding::Strict => outbox_core::headers_from_json(raw.0).map_err(decode_err)?,
-        HeaderDecoding::Lossy => outbox_core::headers_from_json_lossy(raw.0),
+        HeaderDecoding::Strict => outboxkit_core::headers_from_json(raw.0).map_err(decode_err)?,
+        HeaderDecoding::Lossy => outboxkit_core::headers_from_json_lossy(raw.0),
     };
     let status: i16 = row.try_get("status").map_err(db("decode"))?;
     Ok(OutboxMessage {

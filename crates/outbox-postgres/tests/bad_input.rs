@@ -7,14 +7,14 @@ use std::collections::BTreeSet;
 use std::time::Duration;
 
 use common::{database_url, fresh_outbox};
-use outbox_core::inbox::{ConsumerDeadLetters, DurableInbox, VersionTracking};
-use outbox_core::wire::IncomingMessage;
-use outbox_core::{
+use outboxkit_core::inbox::{ConsumerDeadLetters, DurableInbox, VersionTracking};
+use outboxkit_core::wire::IncomingMessage;
+use outboxkit_core::{
     Completion, CompletionOutcome, DEFAULT_MAX_PAYLOAD_BYTES, InboxStore, InvalidMessage,
     MessageFilter, NewMessage, OnDead, OutboxError, OutboxStore,
 };
-use outbox_core::{InboxDeadFilter, InboxReplayMode, OutboxAdmin as _};
-use outbox_postgres::{PgConfig, PgOutbox};
+use outboxkit_core::{InboxDeadFilter, InboxReplayMode, OutboxAdmin as _};
+use outboxkit_postgres::{PgConfig, PgOutbox};
 use sqlx::AssertSqlSafe;
 use uuid::Uuid;
 
@@ -104,7 +104,7 @@ async fn reserved_words_are_valid_schema_names() {
         let outbox = &schema.0;
         assert_eq!(
             outbox.migrate().await.expect("migrate"),
-            (1..=outbox_postgres::LATEST_VERSION).collect::<Vec<_>>()
+            (1..=outboxkit_postgres::LATEST_VERSION).collect::<Vec<_>>()
         );
         assert!(outbox.migrate().await.expect("again").is_empty());
 
@@ -363,7 +363,7 @@ async fn payloads_over_the_limit_are_refused_before_anything_is_written() {
         ),
         "{err:?}"
     );
-    assert_eq!(err.kind(), outbox_core::ErrorKind::Permanent);
+    assert_eq!(err.kind(), outboxkit_core::ErrorKind::Permanent);
     // Nothing reached the database: the transaction is not aborted.
     tx.commit().await.expect("commit");
     assert_eq!(count(&outbox, "outbox_messages").await, 0);

@@ -2,7 +2,7 @@
 //! is lost, and the relay resumes by itself when the broker returns.
 //!
 //! The test stops the shared RabbitMQ under the machine-wide fault lock of
-//! `outbox_testkit::faults`, whose guard starts it again even if the test fails. The
+//! `outboxkit_testkit::faults`, whose guard starts it again even if the test fails. The
 //! outage length is `OUTBOX_OUTAGE_SECS` (default 60).
 
 mod common;
@@ -13,12 +13,12 @@ use std::time::Duration;
 use common::fresh_outbox;
 use common::rabbit::{eventually, fixture};
 use lapin::types::FieldTable;
-use outbox_core::{Dispatcher, DispatcherConfig, NewMessage, OutboxStore};
-use outbox_testkit::faults::{self, RabbitStopped};
+use outboxkit_core::{Dispatcher, DispatcherConfig, NewMessage, OutboxStore};
+use outboxkit_rabbit::{RabbitConfig, RabbitPublisher};
+use outboxkit_testkit::faults::{self, RabbitStopped};
 use tokio_util::sync::CancellationToken;
-use transport_rabbit::{RabbitConfig, RabbitPublisher};
 
-async fn enqueue(outbox: &outbox_postgres::PgOutbox, n: usize, tag: &str) {
+async fn enqueue(outbox: &outboxkit_postgres::PgOutbox, n: usize, tag: &str) {
     let msgs: Vec<NewMessage> = (0..n)
         .map(|i| {
             NewMessage::builder("order", format!("{tag}-{i}"), "OrderPlaced")

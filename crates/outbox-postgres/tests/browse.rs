@@ -6,7 +6,7 @@ mod common;
 use std::collections::BTreeSet;
 
 use common::{enqueue_committed, fresh_outbox};
-use outbox_core::{MessageFilter, MessageState, NewMessage, OutboxAdmin as _, RelayHeartbeat};
+use outboxkit_core::{MessageFilter, MessageState, NewMessage, OutboxAdmin as _, RelayHeartbeat};
 
 /// The scan bound of these tests' listings (large: the scan bound has its own test).
 const SCAN: u64 = 100_000;

@@ -1,6 +1,6 @@
-//! The outbox-core store conformance suite, run against the real PostgreSQL.
+//! The outboxkit-core store conformance suite, run against the real PostgreSQL.
 
 mod common;
 use common::harness;
 
-outbox_core::store_conformance_tests!(harness);
+outboxkit_core::store_conformance_tests!(harness);

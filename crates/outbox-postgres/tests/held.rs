@@ -16,11 +16,11 @@ use common::rabbit::{
 use lapin::BasicProperties;
 use lapin::options::{BasicPublishOptions, QueueBindOptions, QueueDeclareOptions};
 use lapin::types::{AMQPValue, FieldTable};
-use outbox_core::{
+use outboxkit_core::{
     Dispatcher, DispatcherConfig, DispatcherStats, MessageStatus, NewMessage, OutboxError,
     OutboxStore,
 };
-use outbox_postgres::PgOutbox;
+use outboxkit_postgres::PgOutbox;
 use sqlx::Row as _;
 use tokio_util::sync::CancellationToken;
 
@@ -60,7 +60,7 @@ async fn start(
     exchange: &str,
     config: DispatcherConfig,
 ) -> (
-    Dispatcher<PgOutbox, transport_rabbit::RabbitPublisher>,
+    Dispatcher<PgOutbox, outboxkit_rabbit::RabbitPublisher>,
     CancellationToken,
     Running,
 ) {
@@ -69,10 +69,10 @@ async fn start(
 
 fn start_with(
     outbox: &Arc<PgOutbox>,
-    publisher: transport_rabbit::RabbitPublisher,
+    publisher: outboxkit_rabbit::RabbitPublisher,
     config: DispatcherConfig,
 ) -> (
-    Dispatcher<PgOutbox, transport_rabbit::RabbitPublisher>,
+    Dispatcher<PgOutbox, outboxkit_rabbit::RabbitPublisher>,
     CancellationToken,
     Running,
 ) {
@@ -403,7 +403,7 @@ async fn many_routing_keys_to_one_full_queue_are_bounded() {
     most_open = most_open.max(d.destination_circuits());
     eprintln!("3,000 keys: most circuits open {most_open}, refused trials {rate:.1}/s");
     assert!(
-        most_open <= outbox_core::dispatcher::MAX_CIRCUITS,
+        most_open <= outboxkit_core::dispatcher::MAX_CIRCUITS,
         "{most_open}"
     );
     assert!(rate <= 15.0, "refused trials {rate}/s");
@@ -494,7 +494,7 @@ async fn a_destination_rule_makes_one_full_queue_one_circuit() {
     assert_eq!(stats.destination_circuits_opened, 1, "{stats:?}");
     assert_eq!(most_open, 1);
     assert_eq!(
-        outbox_testkit::pg::held_destinations(outbox.pool(), outbox.schema()).await,
+        outboxkit_testkit::pg::held_destinations(outbox.pool(), outbox.schema()).await,
         HashSet::from(["full-queue".to_owned()])
     );
     let got = drain(&full).await;
@@ -710,7 +710,7 @@ async fn at_scale_100k_routing_keys_to_one_full_queue() {
     eprintln!(
         "100,000 keys: most circuits open {most_open}, refused trials {rate:.1}/s, RSS {rss_before} KiB before, at most {most_rss} KiB"
     );
-    assert!(most_open <= outbox_core::dispatcher::MAX_CIRCUITS);
+    assert!(most_open <= outboxkit_core::dispatcher::MAX_CIRCUITS);
     // A token bucket: ten a second, and a burst of at most a batch (500) of turns saved
     // while rounds ran long (each trial's claim is its own statement, slow on a loaded
     // machine), so over 10 s at most 10 × 10 + 500.

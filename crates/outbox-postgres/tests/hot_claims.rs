@@ -7,11 +7,11 @@ mod common;
 use std::time::{Duration, Instant};
 
 use common::{database_url, enqueue_committed, fresh_outbox};
-use outbox_core::{
+use outboxkit_core::{
     Completion, CompletionOutcome, MessageFilter, MessageStatus, NewMessage, OutboxAdmin as _,
     OutboxStore,
 };
-use outbox_postgres::{PgConfig, PgOutbox};
+use outboxkit_postgres::{PgConfig, PgOutbox};
 
 /// The columns a claim (New → Processing) or a release (Processing → New, no charge)
 /// writes. If an index used one of them, PostgreSQL could not update the row in place.
@@ -236,7 +236,7 @@ async fn upgrade_from_migration_4_keeps_every_row_where_it_was() {
 
     assert_eq!(
         outbox.migrate().await.expect("migrate"),
-        (5..=outbox_postgres::LATEST_VERSION).collect::<Vec<_>>()
+        (5..=outboxkit_postgres::LATEST_VERSION).collect::<Vec<_>>()
     );
 
     let stats = outbox.stats().await.expect("stats");

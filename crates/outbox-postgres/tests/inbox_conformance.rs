@@ -1,4 +1,4 @@
-//! The outbox-core inbox conformance suite (claims, consumer dead letters, version
+//! The outboxkit-core inbox conformance suite (claims, consumer dead letters, version
 //! tracking and the durable inbox), run against the real PostgreSQL, a fresh schema per
 //! property.
 
@@ -7,8 +7,8 @@ mod common;
 use std::sync::Arc;
 
 use async_trait::async_trait;
-use outbox_core::inbox_conformance::{AbortingHarness, InboxHarness};
-use outbox_postgres::PgInbox;
+use outboxkit_core::inbox_conformance::{AbortingHarness, InboxHarness};
+use outboxkit_postgres::PgInbox;
 use sqlx::{AssertSqlSafe, PgConnection};
 use uuid::Uuid;
 
@@ -73,4 +73,4 @@ async fn harness() -> PgInboxHarness {
     }
 }
 
-outbox_core::inbox_conformance_tests!(harness; dead_letters, versions, durable, aborts);
+outboxkit_core::inbox_conformance_tests!(harness; dead_letters, versions, durable, aborts);

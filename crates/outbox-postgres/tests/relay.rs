@@ -10,13 +10,13 @@ use std::time::Duration;
 use common::fresh_outbox;
 use common::rabbit::{eventually, fixture, reject_when_full};
 use lapin::types::FieldTable;
-use outbox_core::{
+use outboxkit_core::{
     Dispatcher, DispatcherConfig, EventPublisher, MessageStatus, NewMessage, OutboxMessage,
     OutboxStore, PublishOutcome, RetryPolicies, RetryPolicy,
 };
-use outbox_postgres::PgOutbox;
+use outboxkit_postgres::PgOutbox;
+use outboxkit_rabbit::{RabbitConfig, RabbitPublisher};
 use tokio_util::sync::CancellationToken;
-use transport_rabbit::{RabbitConfig, RabbitPublisher};
 
 async fn publisher(exchange: &str, max_payload: Option<usize>) -> Arc<RabbitPublisher> {
     let mut b = RabbitConfig::builder(common::rabbit::amqp_url())
@@ -66,7 +66,7 @@ fn fast_retry(max_attempts: u32) -> RetryPolicies {
 fn spawn<S: OutboxStore, P: EventPublisher>(
     d: &Dispatcher<S, P>,
     token: &CancellationToken,
-) -> tokio::task::JoinHandle<Result<outbox_core::DispatcherStats, outbox_core::OutboxError>> {
+) -> tokio::task::JoinHandle<Result<outboxkit_core::DispatcherStats, outboxkit_core::OutboxError>> {
     let d = d.clone();
     let t = token.clone();
     tokio::spawn(async move { d.run(t).await })

@@ -6,8 +6,8 @@ mod common;
 use std::time::Duration;
 
 use common::fresh_outbox;
-use outbox_core::{DomainEvents, InboxStore, NewMessage, OutboxError, OutboxStore};
-use outbox_postgres::{PgConfig, PgOutbox};
+use outboxkit_core::{DomainEvents, InboxStore, NewMessage, OutboxError, OutboxStore};
+use outboxkit_postgres::{PgConfig, PgOutbox};
 
 fn event(n: i64) -> NewMessage {
     NewMessage::builder("order", n.to_string(), "OrderPlaced")
@@ -274,7 +274,7 @@ async fn migrations_are_idempotent_and_concurrent_safe() {
     .fetch_one(outbox.pool())
     .await
     .expect("version");
-    assert_eq!(v, outbox_postgres::LATEST_VERSION);
+    assert_eq!(v, outboxkit_postgres::LATEST_VERSION);
 }
 
 #[tokio::test]

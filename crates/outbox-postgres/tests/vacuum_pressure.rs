@@ -9,8 +9,8 @@ mod common;
 use std::time::{Duration, Instant};
 
 use common::{database_url, enqueue_committed, fresh_outbox_kept};
-use outbox_core::{Completion, CompletionOutcome, NewMessage, OutboxAdmin as _, OutboxStore};
-use outbox_postgres::{PgConfig, PgOutbox};
+use outboxkit_core::{Completion, CompletionOutcome, NewMessage, OutboxAdmin as _, OutboxStore};
+use outboxkit_postgres::{PgConfig, PgOutbox};
 use sqlx::Connection as _;
 
 /// A connection holding a REPEATABLE READ snapshot open: the xmin horizon of the

@@ -10,11 +10,11 @@ use std::time::Duration;
 use common::rabbit::{Fixture, eventually, fixture};
 use common::{database_url, enqueue_committed, fresh_outbox};
 use lapin::types::FieldTable;
-use outbox_core::{Dispatcher, DispatcherConfig, MessageStatus, NewMessage, OutboxStore};
-use outbox_postgres::{NOTIFY_CHANNEL, PgConfig, PgOutbox};
+use outboxkit_core::{Dispatcher, DispatcherConfig, MessageStatus, NewMessage, OutboxStore};
+use outboxkit_postgres::{NOTIFY_CHANNEL, PgConfig, PgOutbox};
+use outboxkit_rabbit::{RabbitConfig, RabbitPublisher};
 use sqlx::postgres::{PgConnectOptions, PgListener, PgPoolOptions};
 use tokio_util::sync::CancellationToken;
-use transport_rabbit::{RabbitConfig, RabbitPublisher};
 
 fn orders(n: usize) -> Vec<NewMessage> {
     (0..n)
@@ -258,7 +258,7 @@ async fn a_listener_that_cannot_listen_stands_in_for_the_notifications() {
     let migrated = fresh_outbox().await;
     let admin = migrated.pool();
     let options: PgConnectOptions = database_url().parse().expect("database URL");
-    let lockout = outbox_testkit::pg::PgLockout::new(admin, &options, migrated.schema()).await;
+    let lockout = outboxkit_testkit::pg::PgLockout::new(admin, &options, migrated.schema()).await;
     let listen_pool = PgPoolOptions::new()
         .max_connections(2)
         .connect_with(lockout.connect_options())
@@ -294,7 +294,7 @@ async fn a_listener_that_cannot_listen_stands_in_for_the_notifications() {
 /// A relay whose listener connects through a proxy (only the listener: the relay's own
 /// store connects directly), polling only once a minute.
 async fn listening_through(
-    proxy: &outbox_testkit::pg::RoundTripCounter,
+    proxy: &outboxkit_testkit::pg::RoundTripCounter,
     migrated: &PgOutbox,
 ) -> PgOutbox {
     let options: PgConnectOptions = database_url().parse().expect("database URL");
@@ -318,7 +318,7 @@ async fn listening_through(
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_half_open_listener_connection_is_found_and_replaced() {
     let migrated = fresh_outbox().await;
-    let proxy = outbox_testkit::pg::RoundTripCounter::start("127.0.0.1:5432").await;
+    let proxy = outboxkit_testkit::pg::RoundTripCounter::start("127.0.0.1:5432").await;
     let listening = listening_through(&proxy, &migrated).await;
     let outbox = Arc::new(migrated.clone());
     let (dispatcher, _fx) = slow_polling_dispatcher(&outbox).await;
@@ -358,7 +358,7 @@ async fn a_half_open_listener_connection_is_found_and_replaced() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_listener_that_hears_nothing_says_so_and_stands_in() {
     let migrated = fresh_outbox().await;
-    let proxy = outbox_testkit::pg::RoundTripCounter::start("127.0.0.1:5432").await;
+    let proxy = outboxkit_testkit::pg::RoundTripCounter::start("127.0.0.1:5432").await;
     proxy.drop_notifications(true);
     let listening = listening_through(&proxy, &migrated).await;
     let outbox = Arc::new(migrated.clone());

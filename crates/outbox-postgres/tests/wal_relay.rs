@@ -1,12 +1,12 @@
 //! The ordered-delivery and the store-conformance properties that apply to the WAL
 //! relay.
 //!
-//! Ordered delivery per key by the WAL relay (`outbox_postgres::wal::WalRelay`, feature
+//! Ordered delivery per key by the WAL relay (`outboxkit_postgres::wal::WalRelay`, feature
 //! `wal`, `with_per_key_order(true)`: `outbox relay --source wal --ordering
 //! per-key-skip`), in process, over the real PostgreSQL (`wal_level = logical`) and each broker,
 //! RabbitMQ and NATS JetStream: the ordered-delivery suite's properties that apply to a
 //! relay reading a replication slot, with the suite's real consumer
-//! (`outbox_testkit::ordered`) checking every key's first receipts.
+//! (`outboxkit_testkit::ordered`) checking every key's first receipts.
 //!
 //! - 100 keys written by 4 concurrent producers in transactions of 100 rows while the
 //!   relay runs: every key in order, each message published once;
@@ -42,15 +42,15 @@ use std::time::Duration;
 
 use common::database_url;
 use common::wal::{HoldBatch, WalOutbox};
-use outbox_core::conformance::keyed;
-use outbox_core::{
+use outboxkit_core::conformance::keyed;
+use outboxkit_core::{
     EventPublisher, MessageStatus, OutboxMessage, OutboxStore as _, PublishError, PublishOutcome,
 };
-use outbox_postgres::wal::WalRelayConfig;
-use outbox_testkit::ordered::{
+use outboxkit_postgres::wal::WalRelayConfig;
+use outboxkit_testkit::ordered::{
     Broker, Faulty, Nats, Rabbit, assert_in_order, key_names, position, retry_after,
 };
-use outbox_testkit::rabbit::eventually;
+use outboxkit_testkit::rabbit::eventually;
 use tokio_util::sync::CancellationToken;
 use uuid::Uuid;
 
@@ -443,7 +443,7 @@ impl<P: EventPublisher> EventPublisher for Unprintable<P> {
                     PublishOutcome::Permanent(PublishError::Invalid("broker said \0 no".into()))
                 } else if m.id == self.transient {
                     PublishOutcome::Transient(PublishError::Other {
-                        kind: outbox_core::ErrorKind::Transient,
+                        kind: outboxkit_core::ErrorKind::Transient,
                         message: "é".repeat(5_000),
                         source: None,
                     })
@@ -531,7 +531,7 @@ impl<P: EventPublisher> EventPublisher for KillsTheSweeper<P> {
             .map(|f| {
                 if *f {
                     PublishOutcome::Transient(PublishError::Other {
-                        kind: outbox_core::ErrorKind::Transient,
+                        kind: outboxkit_core::ErrorKind::Transient,
                         message: "injected transient failure".into(),
                         source: None,
                     })

@@ -1,4 +1,4 @@
-//! The WAL relay (`outbox_postgres::wal::WalRelay`, feature `wal`) under broker faults
+//! The WAL relay (`outboxkit_postgres::wal::WalRelay`, feature `wal`) under broker faults
 //! injected for real on the shared RabbitMQ, at a precise point of a batch.
 //!
 //! - One destination's queue full (`x-max-length` with `reject-publish`) refuses a
@@ -51,15 +51,17 @@ use lapin::options::{
     BasicPublishOptions, QueueBindOptions, QueueDeclareOptions, QueueDeleteOptions,
 };
 use lapin::types::{AMQPValue, FieldTable};
-use outbox_core::{
+use outboxkit_core::{
     EventPublisher, MessageStatus, NewMessage, OutboxMessage, OutboxStore as _, PublishError,
     PublishOutcome,
 };
-use outbox_postgres::wal::{WalError, WalRelayConfig};
-use outbox_testkit::faults::{self, PgStopped, RabbitMemoryAlarm};
-use outbox_testkit::rabbit::{DropExchange, amqp_url, eventually, reject_when_full, relay_fixture};
+use outboxkit_postgres::wal::{WalError, WalRelayConfig};
+use outboxkit_rabbit::RabbitPublisher;
+use outboxkit_testkit::faults::{self, PgStopped, RabbitMemoryAlarm};
+use outboxkit_testkit::rabbit::{
+    DropExchange, amqp_url, eventually, reject_when_full, relay_fixture,
+};
 use tokio_util::sync::CancellationToken;
-use transport_rabbit::RabbitPublisher;
 use uuid::Uuid;
 
 /// Publishes through RabbitMQ. In the first batch holding `trigger`, the messages up
@@ -161,7 +163,7 @@ async fn start_warmed<P: EventPublisher + 'static>(
     w: &WalOutbox,
     publisher: Arc<P>,
     token: &CancellationToken,
-) -> tokio::task::JoinHandle<outbox_postgres::wal::WalRelayStats> {
+) -> tokio::task::JoinHandle<outboxkit_postgres::wal::WalRelayStats> {
     let config = WalRelayConfig::new(database_url())
         .with_standby_interval(Duration::from_millis(100))
         .with_batch_size(10);
@@ -449,7 +451,7 @@ fn checking_config() -> WalRelayConfig {
 
 /// The error `run` ends with (within 30 s: a relay retrying for ever fails the test).
 async fn stops_with(
-    run: impl Future<Output = Result<outbox_postgres::wal::WalRelayStats, WalError>>,
+    run: impl Future<Output = Result<outboxkit_postgres::wal::WalRelayStats, WalError>>,
 ) -> WalError {
     match tokio::time::timeout(Duration::from_secs(30), run).await {
         Ok(Err(e)) => e,
@@ -501,7 +503,7 @@ async fn stopped_for_good(w: &WalOutbox, e: &WalError, pending: &[Uuid]) {
 async fn an_invalidated_slot_stops_the_relay_with_what_to_do() {
     let _lock = faults::lock().await;
     let e = restarted_after_a_slot_fault(async |w| {
-        outbox_testkit::slot::invalidate(w.outbox.pool(), &database_url(), w.wal.slot()).await;
+        outboxkit_testkit::slot::invalidate(w.outbox.pool(), &database_url(), w.wal.slot()).await;
     })
     .await;
     assert!(
@@ -518,7 +520,7 @@ async fn an_invalidated_slot_stops_the_relay_with_what_to_do() {
 async fn removed_wal_stops_the_relay_with_what_to_do() {
     let _lock = faults::lock().await;
     let e = restarted_after_a_slot_fault(async |w| {
-        outbox_testkit::slot::remove_wal(w.outbox.pool(), w.wal.slot()).await;
+        outboxkit_testkit::slot::remove_wal(w.outbox.pool(), w.wal.slot()).await;
     })
     .await;
     assert!(matches!(e, WalError::WalRemoved { .. }), "{e}");
@@ -615,7 +617,7 @@ async fn a_publication_must_cover_the_tables_inserts_and_updates() {
     ];
     for (definition, refused) in cases {
         let outbox = common::fresh_outbox_kept().await;
-        let wal = outbox_postgres::wal::WalConfig::new(outbox.schema())
+        let wal = outboxkit_postgres::wal::WalConfig::new(outbox.schema())
             .build()
             .expect("wal config");
         let w = WalOutbox { outbox, wal };
@@ -635,10 +637,10 @@ async fn a_publication_must_cover_the_tables_inserts_and_updates() {
                 .await
                 .expect("create");
         }
-        let setup = outbox_postgres::wal::setup(&w.outbox, &w.wal).await;
+        let setup = outboxkit_postgres::wal::setup(&w.outbox, &w.wal).await;
         let Some(gap) = refused else {
             setup.unwrap_or_else(|e| panic!("{definition}: {e}"));
-            outbox_postgres::wal::check(&w.outbox, &w.wal)
+            outboxkit_postgres::wal::check(&w.outbox, &w.wal)
                 .await
                 .unwrap_or_else(|e| panic!("{definition}: {e}"));
             continue;
@@ -649,7 +651,7 @@ async fn a_publication_must_cover_the_tables_inserts_and_updates() {
             }
             other => panic!("{definition}: setup must refuse: {other:?}"),
         }
-        let status = outbox_postgres::wal::status(&w.outbox, &w.wal)
+        let status = outboxkit_postgres::wal::status(&w.outbox, &w.wal)
             .await
             .expect("status");
         assert!(!status.slot_exists, "{definition}: nothing created");

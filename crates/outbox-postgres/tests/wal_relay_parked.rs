@@ -1,4 +1,4 @@
-//! The WAL relay's parked rows (`outbox_postgres::wal::WalRelay`, feature `wal`) at the
+//! The WAL relay's parked rows (`outboxkit_postgres::wal::WalRelay`, feature `wal`) at the
 //! sizes production has, against the real PostgreSQL (`wal_level = logical`) and
 //! RabbitMQ, the relay in process:
 //!
@@ -33,18 +33,18 @@ use common::database_url;
 use common::rabbit::{publisher_to, publisher_with_rules};
 use common::wal::{HoldBatch, WalOutbox};
 use lapin::types::FieldTable;
-use outbox_core::{MessageStatus, NewMessage, OutboxAdmin as _, OutboxStore as _};
-use outbox_postgres::wal::{WalRelayConfig, WalRelayStats};
-use outbox_postgres::{PgConfig, PgOutbox};
-use outbox_testkit::ordered::{Faulty, retry_after};
-use outbox_testkit::pg::ParkLog;
-use outbox_testkit::rabbit::{
+use outboxkit_core::{MessageStatus, NewMessage, OutboxAdmin as _, OutboxStore as _};
+use outboxkit_postgres::wal::{WalRelayConfig, WalRelayStats};
+use outboxkit_postgres::{PgConfig, PgOutbox};
+use outboxkit_rabbit::RabbitPublisher;
+use outboxkit_testkit::ordered::{Faulty, retry_after};
+use outboxkit_testkit::pg::ParkLog;
+use outboxkit_testkit::rabbit::{
     DropExchange, Fixture, amqp_url, eventually, reject_when_full, relay_fixture,
 };
 use sqlx::AssertSqlSafe;
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
-use transport_rabbit::RabbitPublisher;
 use uuid::Uuid;
 
 fn config() -> WalRelayConfig {
@@ -186,7 +186,7 @@ async fn a_due_row_past_10001_parked_ones_is_published() {
 #[ignore = "at production scale: cargo xtask scale"]
 async fn at_scale_a_due_row_past_1000000_parked_ones_is_published() {
     // Minutes long: no server restarted by another test meanwhile.
-    let _lock = outbox_testkit::faults::lock_shared().await;
+    let _lock = outboxkit_testkit::faults::lock_shared().await;
     a_due_row_past_many_parked_ones_is_published(1_000_000, 10_000).await;
 }
 
@@ -325,7 +325,7 @@ impl Own {
         publisher: Arc<RabbitPublisher>,
         token: &CancellationToken,
     ) -> JoinHandle<WalRelayStats> {
-        let relay = outbox_postgres::wal::WalRelay::new(
+        let relay = outboxkit_postgres::wal::WalRelay::new(
             self.outbox.clone(),
             w.wal.clone(),
             publisher,

@@ -3,7 +3,7 @@
 use std::fmt;
 use std::time::Duration;
 
-use outbox_core::{
+use outboxkit_core::{
     DEFAULT_CRASH_LOOP_LIMIT, DEFAULT_MAX_PAYLOAD_BYTES, OutboxError, SentRetention,
 };
 
@@ -158,7 +158,7 @@ impl MssqlConfig {
         self
     }
 
-    /// Application name reported to the server (default `outbox-sqlserver`; visible in
+    /// Application name reported to the server (default `outboxkit-sqlserver`; visible in
     /// `sys.dm_exec_sessions`). A name in the connection string wins.
     #[must_use]
     pub fn with_application_name(mut self, name: impl Into<String>) -> Self {
@@ -181,7 +181,7 @@ impl MssqlConfig {
     /// [`DEFAULT_CRASH_LOOP_LIMIT`]; 0 counts as 1): a row that crashes every relay
     /// publishing it stops doing so after this many crashes on its own; its batch-mates
     /// are each claimed alone once and published. See
-    /// [`Poison::CrashLoop`](outbox_core::Poison::CrashLoop).
+    /// [`Poison::CrashLoop`](outboxkit_core::Poison::CrashLoop).
     #[must_use]
     pub fn with_crash_loop_limit(mut self, limit: u32) -> Self {
         self.crash_loop_limit = limit.max(1);
@@ -191,7 +191,7 @@ impl MssqlConfig {
     /// Longest payload [`MssqlOutbox::enqueue`](crate::MssqlOutbox::enqueue) accepts, in
     /// bytes of its JSON text (default [`DEFAULT_MAX_PAYLOAD_BYTES`], 1 MiB; 0 counts as
     /// 1). A longer one fails with
-    /// [`InvalidMessage::PayloadTooLarge`](outbox_core::InvalidMessage::PayloadTooLarge)
+    /// [`InvalidMessage::PayloadTooLarge`](outboxkit_core::InvalidMessage::PayloadTooLarge)
     /// and nothing of its batch is written. Keep it at or below what the broker takes.
     #[must_use]
     pub fn with_max_payload_bytes(mut self, max: usize) -> Self {
@@ -412,7 +412,7 @@ fn split_part(s: &str) -> (&str, Option<&str>) {
     (s, None)
 }
 
-pub(crate) use outbox_core::store::validate_schema;
+pub(crate) use outboxkit_core::store::validate_schema;
 
 #[cfg(test)]
 mod tests {

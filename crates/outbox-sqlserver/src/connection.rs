@@ -5,7 +5,7 @@
 use std::ops::{Deref, DerefMut};
 use std::time::Duration;
 
-use outbox_core::OutboxError;
+use outboxkit_core::OutboxError;
 use tokio::net::TcpStream;
 use tokio_util::compat::{Compat, TokioAsyncWriteCompatExt};
 
@@ -258,8 +258,8 @@ impl MssqlPool {
     ///
     /// ```no_run
     /// # async fn demo(
-    /// #     outbox: &outbox_sqlserver::MssqlOutbox,
-    /// #     event: &outbox_core::NewMessage,
+    /// #     outbox: &outboxkit_sqlserver::MssqlOutbox,
+    /// #     event: &outboxkit_core::NewMessage,
     /// # ) -> Result<(), Box<dyn std::error::Error>> {
     /// let mut conn = outbox.pool().get().await?;
     /// conn.simple_query("BEGIN TRAN").await?.into_results().await?;

@@ -3,7 +3,7 @@
 
 use std::time::Duration;
 
-use outbox_core::{ErrorKind, OutboxError};
+use outboxkit_core::{ErrorKind, OutboxError};
 
 /// Server error numbers that say "try again": deadlock victim (1205), lock request
 /// timeout (1222), out of lock resources (1204), snapshot update conflict (3960),

@@ -6,12 +6,12 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use async_trait::async_trait;
-use outbox_core::inbox::{
+use outboxkit_core::inbox::{
     ConsumerDeadLetter, ConsumerDeadLetters, DurableInbox, FailureCount, InboxClaim,
     InboxCompletion, InboxOutcome, StoredMessage, VersionTracking, lock_order,
 };
-use outbox_core::wire::{IncomingMessage, TraceParent};
-use outbox_core::{CompleteReport, ErrorKind, Headers, InboxStore, OutboxError};
+use outboxkit_core::wire::{IncomingMessage, TraceParent};
+use outboxkit_core::{CompleteReport, ErrorKind, Headers, InboxStore, OutboxError};
 use tiberius::Row;
 use uuid::Uuid;
 

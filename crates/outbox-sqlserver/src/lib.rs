@@ -1,4 +1,4 @@
-//! # outbox-sqlserver
+//! # outboxkit-sqlserver
 //!
 //! The SQL Server backend of the outbox toolkit, on tiberius (TDS over tokio, rustls for
 //! TLS, no OpenSSL) with a bb8 pool:
@@ -8,19 +8,19 @@
 //!   4 (the archive tables), 6 its 8 (the crash-loop guard's count of claims alone);
 //! - [`MssqlOutbox`]: [`enqueue`](MssqlOutbox::enqueue) /
 //!   [`enqueue_batch`](MssqlOutbox::enqueue_batch) on the caller's client inside the
-//!   caller's transaction, and the [`OutboxStore`](outbox_core::OutboxStore) the
+//!   caller's transaction, and the [`OutboxStore`](outboxkit_core::OutboxStore) the
 //!   dispatcher uses: claims `WITH (ROWLOCK, UPDLOCK, READPAST)` in `(visible_at, seq)`
 //!   order, per-key ordered claims that lock each key's head, fenced leases, the
 //!   crash-loop guard that claims a suspect alone before it kills it
 //!   ([`MssqlConfig::with_crash_loop_limit`]), one-round-trip batch
 //!   completion in statements of at most 1,000 rows, every time from `SYSUTCDATETIME()`;
-//! - [`MssqlInbox`]: the [`InboxStore`](outbox_core::InboxStore) (an insert that locks
+//! - [`MssqlInbox`]: the [`InboxStore`](outboxkit_core::InboxStore) (an insert that locks
 //!   only its own key inside the consumer's transaction) and the inbox capabilities
-//!   ([`VersionTracking`](outbox_core::VersionTracking),
-//!   [`ConsumerDeadLetters`](outbox_core::ConsumerDeadLetters),
-//!   [`DurableInbox`](outbox_core::DurableInbox));
+//!   ([`VersionTracking`](outboxkit_core::VersionTracking),
+//!   [`ConsumerDeadLetters`](outboxkit_core::ConsumerDeadLetters),
+//!   [`DurableInbox`](outboxkit_core::DurableInbox));
 //! - the operator queries of the `outbox` binary
-//!   ([`OutboxAdmin`](outbox_core::OutboxAdmin) for [`MssqlOutbox`]: grouped stats,
+//!   ([`OutboxAdmin`](outboxkit_core::OutboxAdmin) for [`MssqlOutbox`]: grouped stats,
 //!   bounded gauges, reconcile, archiving, consumer-side dead letters and their replay);
 //! - [`MssqlTransaction`]: tiberius has no transaction object, so this is one: a pooled
 //!   connection with an open transaction that dereferences to the client.
@@ -34,8 +34,8 @@
 //! otherwise). See `docs/sqlserver.md` in the repository for setup and guarantees.
 //!
 //! ```no_run
-//! use outbox_core::NewMessage;
-//! use outbox_sqlserver::{MssqlConfig, MssqlOutbox};
+//! use outboxkit_core::NewMessage;
+//! use outboxkit_sqlserver::{MssqlConfig, MssqlOutbox};
 //!
 //! # async fn demo() -> Result<(), Box<dyn std::error::Error>> {
 //! let config = MssqlConfig::new(

@@ -6,7 +6,7 @@
 //! (`sp_getapplock`, transaction-owned, one per schema name) so several processes may
 //! call [`migrate`] at start-up, and is recorded in `{schema}.outbox_schema_migrations`.
 
-use outbox_core::OutboxError;
+use outboxkit_core::OutboxError;
 
 use crate::connection::MssqlPool;
 use crate::error::db;

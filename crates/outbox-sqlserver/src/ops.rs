@@ -22,8 +22,8 @@ use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
 use chrono::{DateTime, NaiveDate, NaiveDateTime, Utc};
-use outbox_core::inbox::DurableInbox;
-use outbox_core::{
+use outboxkit_core::inbox::DurableInbox;
+use outboxkit_core::{
     InboxStore, MessageFilter, MessageStatus, OnDead, OutboxAdmin, OutboxError, OutboxStats,
 };
 use tiberius::{Row, ToSql};
@@ -33,7 +33,7 @@ use crate::error::db;
 use crate::sql::{like_escape, millis, minus_ms, pending_lag_ms, quoted_schema};
 use crate::store::{FilterParams, MssqlOutbox};
 
-use outbox_core::admin::{
+use outboxkit_core::admin::{
     GroupStats, InboxDeadFilter, InboxDeadKind, InboxDeadLetter, InboxReplayMode,
     InboxReplayReport, MessageCount, MessageCursor, MessagePage, MessageState, MessageSummary,
     PENDING_STATS_BOUND, ReconcileRow, RelayHeartbeat, RelaySeen, SentPerMinute,
@@ -815,7 +815,7 @@ impl OutboxAdmin for MssqlOutbox {
 
     /// Counts by status and the oldest pending age, per `(event_type, tenant_id)`,
     /// ordered by event type then tenant (no tenant first). Scans the table, with
-    /// ordinary read-committed locking (like [`stats`](outbox_core::OutboxStore::stats)),
+    /// ordinary read-committed locking (like [`stats`](outboxkit_core::OutboxStore::stats)),
     /// so it is exact; groups follow the columns' collation (see the module docs).
     ///
     /// # Errors

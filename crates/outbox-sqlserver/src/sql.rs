@@ -169,7 +169,7 @@ SET XACT_ABORT ON;"
     )
 }
 
-/// Columns read back for an [`OutboxMessage`](outbox_core::OutboxMessage), from the
+/// Columns read back for an [`OutboxMessage`](outboxkit_core::OutboxMessage), from the
 /// row alias or `inserted` pseudo-table `p`.
 fn columns(p: &str) -> String {
     [
@@ -457,7 +457,7 @@ fn claim_set(guard: Option<&str>) -> String {
     )
 }
 
-/// The per-key claim ([`OutboxStore::claim_ordered`](outbox_core::OutboxStore::claim_ordered)),
+/// The per-key claim ([`OutboxStore::claim_ordered`](outboxkit_core::OutboxStore::claim_ordered)),
 /// one batch in one transaction. `block` says whether a Dead row holds its key
 /// (`OnDead::Block`).
 ///

@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
 use chrono::{DateTime, NaiveDateTime, Utc};
-use outbox_core::{
+use outboxkit_core::{
     BlockedKey, ClaimedBatch, CompleteReport, Completion, CompletionOutcome, EventSource, Headers,
     MessageFilter, MessageStatus, NewMessage, OnDead, OutboxError, OutboxMessage, OutboxStats,
     OutboxStore, Poison, PoisonRow, ReplayReport, SentRetention, sanitize_error,
@@ -91,7 +91,7 @@ impl MssqlOutbox {
     }
 
     /// Claims without an outcome after which a row is a suspected crash loop (see
-    /// [`Poison::CrashLoop`](outbox_core::Poison::CrashLoop)).
+    /// [`Poison::CrashLoop`](outboxkit_core::Poison::CrashLoop)).
     pub fn crash_loop_limit(&self) -> u32 {
         self.crash_loop_limit
     }
@@ -146,7 +146,7 @@ impl MssqlOutbox {
     /// (`BEGIN TRAN` already run, or an [`MssqlTransaction`]). Returns its id.
     ///
     /// # Errors
-    /// [`OutboxError::InvalidMessage`] ([`InvalidMessage::PayloadTooLarge`](outbox_core::InvalidMessage::PayloadTooLarge))
+    /// [`OutboxError::InvalidMessage`] ([`InvalidMessage::PayloadTooLarge`](outboxkit_core::InvalidMessage::PayloadTooLarge))
     /// when the payload is longer than [`max_payload_bytes`](Self::max_payload_bytes):
     /// nothing is sent to the server and the transaction is untouched.
     /// [`OutboxError::Database`] when the insert fails (with `XACT_ABORT ON`, the
@@ -168,7 +168,7 @@ impl MssqlOutbox {
     /// message's delay, computed by the server.
     ///
     /// # Errors
-    /// [`OutboxError::InvalidMessage`] ([`InvalidMessage::PayloadTooLarge`](outbox_core::InvalidMessage::PayloadTooLarge))
+    /// [`OutboxError::InvalidMessage`] ([`InvalidMessage::PayloadTooLarge`](outboxkit_core::InvalidMessage::PayloadTooLarge))
     /// when any payload is longer than [`max_payload_bytes`](Self::max_payload_bytes):
     /// no message of the batch is written and the transaction is untouched.
     /// [`OutboxError::Database`] when the insert fails; nothing is written then.
@@ -190,7 +190,7 @@ impl MssqlOutbox {
         Ok(messages.iter().map(|m| m.id).collect())
     }
 
-    /// Drains the aggregate's pending [`DomainEvents`](outbox_core::DomainEvents) into
+    /// Drains the aggregate's pending [`DomainEvents`](outboxkit_core::DomainEvents) into
     /// the outbox on `client`. On failure the events are put back, so the caller can
     /// retry the unit of work; on success they are gone from the aggregate and cannot be
     /// written twice.
@@ -215,7 +215,7 @@ impl MssqlOutbox {
 
 /// The JSON array `enqueue` sends as `@P1`, once every payload is known to be at most
 /// `max_payload_bytes` long (else the first one that is not, as
-/// [`InvalidMessage::PayloadTooLarge`](outbox_core::InvalidMessage::PayloadTooLarge)).
+/// [`InvalidMessage::PayloadTooLarge`](outboxkit_core::InvalidMessage::PayloadTooLarge)).
 fn encode_batch(messages: &[NewMessage], max_payload_bytes: usize) -> Result<String, OutboxError> {
     for m in messages {
         m.check_payload_size(max_payload_bytes)?;
@@ -253,7 +253,7 @@ fn encode_batch(messages: &[NewMessage], max_payload_bytes: usize) -> Result<Str
 
 /// The JSON array `complete` sends as `@P1` (read by `COMPLETIONS` in `sql.rs`). Every
 /// error text goes through [`sanitize_error`]: NUL characters escaped, texts longer than
-/// [`MAX_ERROR_BYTES`](outbox_core::store::MAX_ERROR_BYTES) cut.
+/// [`MAX_ERROR_BYTES`](outboxkit_core::store::MAX_ERROR_BYTES) cut.
 fn encode_completions(completions: &[Completion]) -> String {
     let batch: Vec<serde_json::Value> = completions
         .iter()
@@ -364,12 +364,12 @@ pub(crate) fn decode_row(
         })?;
     let headers: Headers = match decoding {
         HeaderDecoding::Strict => {
-            outbox_core::headers_from_json(headers).map_err(|reason| OutboxError::Decode {
+            outboxkit_core::headers_from_json(headers).map_err(|reason| OutboxError::Decode {
                 id: sid.clone(),
                 reason,
             })?
         }
-        HeaderDecoding::Lossy => outbox_core::headers_from_json_lossy(headers),
+        HeaderDecoding::Lossy => outboxkit_core::headers_from_json_lossy(headers),
     };
     let status: i16 = req(row, "status", s)?;
     let owned = |v: Option<&str>| v.map(str::to_owned);
@@ -786,7 +786,7 @@ impl OutboxStore for MssqlOutbox {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use outbox_core::DEFAULT_MAX_PAYLOAD_BYTES;
+    use outboxkit_core::DEFAULT_MAX_PAYLOAD_BYTES;
 
     #[test]
     fn batches_encode_as_json_rows_in_order() {
@@ -839,7 +839,7 @@ mod tests {
         assert!(
             matches!(
                 err,
-                OutboxError::InvalidMessage(outbox_core::InvalidMessage::PayloadTooLarge { size, max: m })
+                OutboxError::InvalidMessage(outboxkit_core::InvalidMessage::PayloadTooLarge { size, max: m })
                     if size == max + 1 && m == max
             ),
             "{err:?}"
@@ -850,7 +850,7 @@ mod tests {
         assert!(matches!(
             encode_batch(&[message(&string_of(17))], 16),
             Err(OutboxError::InvalidMessage(
-                outbox_core::InvalidMessage::PayloadTooLarge { size: 17, max: 16 }
+                outboxkit_core::InvalidMessage::PayloadTooLarge { size: 17, max: 16 }
             ))
         ));
     }
@@ -858,7 +858,7 @@ mod tests {
     #[test]
     fn completion_errors_are_sanitized() {
         let (id, token) = (Uuid::new_v4(), Uuid::new_v4());
-        let long = "é".repeat(outbox_core::store::MAX_ERROR_BYTES);
+        let long = "é".repeat(outboxkit_core::store::MAX_ERROR_BYTES);
         let text = encode_completions(&[
             Completion {
                 id,
@@ -885,7 +885,7 @@ mod tests {
         assert_eq!(rows[0]["error"], "broker said \\0 no", "NUL escaped");
         assert_eq!(rows[0]["status"], 3);
         let cut = rows[1]["error"].as_str().expect("text");
-        assert!(cut.len() <= outbox_core::store::MAX_ERROR_BYTES && cut.ends_with('…'));
+        assert!(cut.len() <= outboxkit_core::store::MAX_ERROR_BYTES && cut.ends_with('…'));
         assert_eq!(cut, sanitize_error(&long));
         assert_eq!(rows[1]["delay_ms"], 1500);
         assert!(rows[2]["error"].is_null());

@@ -7,13 +7,13 @@ mod common;
 use std::collections::BTreeSet;
 use std::time::Duration;
 
-use outbox_core::inbox::{ConsumerDeadLetters, DurableInbox};
-use outbox_core::wire::IncomingMessage;
-use outbox_core::{
+use outboxkit_core::inbox::{ConsumerDeadLetters, DurableInbox};
+use outboxkit_core::wire::IncomingMessage;
+use outboxkit_core::{
     Completion, CompletionOutcome, InboxStore, NewMessage, OnDead, OutboxAdmin, OutboxStore,
 };
-use outbox_core::{InboxDeadFilter, InboxReplayMode};
-use outbox_sqlserver::{LATEST_VERSION, MssqlOutbox};
+use outboxkit_core::{InboxDeadFilter, InboxReplayMode};
+use outboxkit_sqlserver::{LATEST_VERSION, MssqlOutbox};
 use uuid::Uuid;
 
 fn event(aggregate: &str, event_type: &str, tenant: Option<&str>) -> NewMessage {
@@ -204,7 +204,7 @@ async fn every_admin_query_runs_once() {
         .expect("inbox replay");
     assert_eq!((report.matched, report.replayed, report.failed), (1, 1, 0));
     let requeued = outbox.get(b.id).await.expect("get").expect("row");
-    assert_eq!(requeued.status, outbox_core::MessageStatus::New);
+    assert_eq!(requeued.status, outboxkit_core::MessageStatus::New);
     assert_eq!(requeued.attempts, 0);
     assert!(!inbox.is_dead(b.id, "c").await.expect("is dead"));
 
@@ -225,7 +225,7 @@ async fn every_admin_query_runs_once() {
     );
 }
 
-/// A batch over [`MAX_ROWS_PER_STATEMENT`](outbox_sqlserver::MAX_ROWS_PER_STATEMENT)
+/// A batch over [`MAX_ROWS_PER_STATEMENT`](outboxkit_sqlserver::MAX_ROWS_PER_STATEMENT)
 /// moves in several statements of one call, and the caller's "less than the batch means
 /// done" loop still holds; rows not yet due stay.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -487,7 +487,7 @@ async fn inbox_replay_without_the_outbox_row_fails_unless_clear_only() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "needs MSSQL_URL"]
 async fn listings_page_by_key_count_with_a_bound_and_bucket_sent_rows() {
-    use outbox_core::{MessageFilter, MessageState};
+    use outboxkit_core::{MessageFilter, MessageState};
     const SCAN: u64 = 100_000;
     let url = common::mssql_url();
     let outbox = common::fresh_outbox(&url).await;
@@ -626,7 +626,7 @@ async fn listings_page_by_key_count_with_a_bound_and_bucket_sent_rows() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "needs MSSQL_URL"]
 async fn heartbeats_keep_one_row_per_relay() {
-    use outbox_core::RelayHeartbeat;
+    use outboxkit_core::RelayHeartbeat;
     let url = common::mssql_url();
     let outbox = common::fresh_outbox(&url).await;
     let mut beat = RelayHeartbeat::new(Uuid::now_v7(), "host-a", 4242, "0.1.0");

@@ -1,4 +1,4 @@
-//! The outbox-core store conformance suite (every property, the ordered ones included),
+//! The outboxkit-core store conformance suite (every property, the ordered ones included),
 //! run against a real SQL Server: ignored unless run with `--ignored` and `MSSQL_URL`
 //! set.
 
@@ -6,7 +6,7 @@ mod common;
 
 use common::harness;
 
-outbox_core::store_conformance_tests!(
+outboxkit_core::store_conformance_tests!(
     #[ignore = "needs MSSQL_URL"]
     harness
 );

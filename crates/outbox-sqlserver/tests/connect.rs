@@ -5,8 +5,8 @@ mod common;
 
 use std::time::Duration;
 
-use outbox_core::{ErrorKind, OutboxError};
-use outbox_sqlserver::{ConnectError, MssqlConfig, MssqlOutbox};
+use outboxkit_core::{ErrorKind, OutboxError};
+use outboxkit_sqlserver::{ConnectError, MssqlConfig, MssqlOutbox};
 
 #[tokio::test]
 async fn an_unreachable_server_is_an_unavailable_database_error() {

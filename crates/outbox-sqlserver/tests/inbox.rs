@@ -1,17 +1,17 @@
 //! SQL Server specifics of the inbox store (what the shared inbox conformance suite in
 //! `inbox_conformance.rs` does not state: waits and errors that must leave the
 //! transaction usable, commits of transactions a swallowed error aborted, claims while
-//! every pooled connection is held, long keys, the `inbox` crate's consumer), against a
+//! every pooled connection is held, long keys, the `outboxkit-inbox` crate's consumer), against a
 //! real SQL Server: ignored unless run with `--ignored` and `MSSQL_URL` set.
 
 mod common;
 
 use std::time::Duration;
 
-use outbox_core::inbox::{ConsumerDeadLetters, VersionTracking};
-use outbox_core::wire::IncomingMessage;
-use outbox_core::{InboxStore, NewMessage, OutboxStore};
-use outbox_sqlserver::{MssqlConfig, MssqlInbox};
+use outboxkit_core::inbox::{ConsumerDeadLetters, VersionTracking};
+use outboxkit_core::wire::IncomingMessage;
+use outboxkit_core::{InboxStore, NewMessage, OutboxStore};
+use outboxkit_sqlserver::{MssqlConfig, MssqlInbox};
 use uuid::Uuid;
 
 async fn inbox() -> MssqlInbox {
@@ -196,7 +196,7 @@ async fn a_dropped_transaction_rolls_back_its_enqueue() {
     assert_eq!(row.payload.get(), "{}");
 }
 
-/// Writes a projection row on the consumer's transaction (the inbox crate's handler
+/// Writes a projection row on the consumer's transaction (the outboxkit-inbox crate's handler
 /// contract: every effect through `conn`).
 struct Project {
     table: String,
@@ -204,23 +204,23 @@ struct Project {
 }
 
 #[async_trait::async_trait]
-impl inbox::Handler<MssqlInbox> for Project {
+impl outboxkit_inbox::Handler<MssqlInbox> for Project {
     async fn handle(
         &self,
-        conn: &mut outbox_sqlserver::MssqlClient,
+        conn: &mut outboxkit_sqlserver::MssqlClient,
         msg: &IncomingMessage,
-        _ctx: &inbox::HandlerContext,
-    ) -> Result<(), inbox::HandlerError> {
+        _ctx: &outboxkit_inbox::HandlerContext,
+    ) -> Result<(), outboxkit_inbox::HandlerError> {
         conn.execute(
             format!("INSERT INTO {} (id) VALUES (@P1)", self.table),
             &[&msg.id],
         )
         .await
-        .map_err(inbox::HandlerError::retryable)?;
+        .map_err(outboxkit_inbox::HandlerError::retryable)?;
         if self.fail {
-            return Err(inbox::HandlerError::retryable(std::io::Error::other(
-                "handler failed after writing",
-            )));
+            return Err(outboxkit_inbox::HandlerError::retryable(
+                std::io::Error::other("handler failed after writing"),
+            ));
         }
         Ok(())
     }
@@ -231,7 +231,7 @@ impl inbox::Handler<MssqlInbox> for Project {
 async fn the_inbox_crate_consumer_applies_a_message_once() {
     use std::sync::Arc;
 
-    use outbox_core::HandlerDecision;
+    use outboxkit_core::HandlerDecision;
 
     let url = common::mssql_url();
     let outbox = common::fresh_outbox(&url).await;
@@ -247,9 +247,9 @@ async fn the_inbox_crate_consumer_applies_a_message_once() {
     .expect("create");
     drop(conn);
     let store = Arc::new(outbox.inbox());
-    let consumer = inbox::IdempotentConsumer::new(
+    let consumer = outboxkit_inbox::IdempotentConsumer::new(
         Arc::clone(&store),
-        inbox::Pipeline::new().on(
+        outboxkit_inbox::Pipeline::new().on(
             "OrderPlaced",
             "projection",
             Project {
@@ -266,9 +266,9 @@ async fn the_inbox_crate_consumer_applies_a_message_once() {
         "the duplicate is acked without a second effect"
     );
 
-    let failing = inbox::IdempotentConsumer::new(
+    let failing = outboxkit_inbox::IdempotentConsumer::new(
         Arc::clone(&store),
-        inbox::Pipeline::new().on(
+        outboxkit_inbox::Pipeline::new().on(
             "OrderPlaced",
             "failing",
             Project {
@@ -296,7 +296,7 @@ async fn the_inbox_crate_consumer_applies_a_message_once() {
     );
 }
 
-/// The consumer's fault properties over SQL Server (as over PostgreSQL in the `inbox`
+/// The consumer's fault properties over SQL Server (as over PostgreSQL in the `outboxkit-inbox`
 /// crate's tests): a handler that panics is a counted failure and then a consumer dead
 /// letter carrying the panic message; a message no handler subscribes to is recorded
 /// under `unhandled` with `UnhandledPolicy::DeadLetter`; an inbox whose pool cannot
@@ -306,12 +306,12 @@ async fn the_inbox_crate_consumer_applies_a_message_once() {
 async fn the_inbox_crate_consumer_survives_faults() {
     use std::sync::Arc;
 
-    use inbox::{
+    use outboxkit_core::HandlerDecision;
+    use outboxkit_inbox::{
         Handler, HandlerContext, HandlerError, IdempotentConsumer, Pipeline, UNHANDLED_CONSUMER,
         UnhandledPolicy,
     };
-    use outbox_core::HandlerDecision;
-    use outbox_sqlserver::{MssqlClient, MssqlConfig};
+    use outboxkit_sqlserver::{MssqlClient, MssqlConfig};
 
     struct Panics;
     #[async_trait::async_trait]
@@ -392,10 +392,10 @@ async fn the_inbox_crate_consumer_survives_faults() {
 /// default 10 s would only make a starved test slower to fail).
 async fn small_pool(
     url: &str,
-    outbox: &outbox_sqlserver::MssqlOutbox,
+    outbox: &outboxkit_sqlserver::MssqlOutbox,
     connections: u32,
 ) -> MssqlInbox {
-    let pool = outbox_sqlserver::MssqlConfig::new(url)
+    let pool = outboxkit_sqlserver::MssqlConfig::new(url)
         .with_schema(outbox.schema())
         .with_max_connections(connections)
         .with_acquire_timeout(Duration::from_secs(5))
@@ -423,7 +423,7 @@ async fn kill(inbox: &MssqlInbox, id: Uuid, consumer: &str) {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "needs MSSQL_URL"]
 async fn claims_never_wait_for_a_second_connection() {
-    use outbox_core::inbox::InboxClaim;
+    use outboxkit_core::inbox::InboxClaim;
 
     let url = common::mssql_url();
     let outbox = common::fresh_outbox(&url).await;
@@ -499,7 +499,7 @@ async fn claims_never_wait_for_a_second_connection() {
                 let claim = inbox.claim_unless_dead(&mut tx, id, "c").await?;
                 tokio::time::sleep(Duration::from_millis(50)).await; // a handler's work
                 inbox.commit(tx).await?;
-                Ok::<_, outbox_core::OutboxError>((id, claim))
+                Ok::<_, outboxkit_core::OutboxError>((id, claim))
             })
         })
         .collect();
@@ -530,32 +530,32 @@ struct SlowProject {
 }
 
 #[async_trait::async_trait]
-impl inbox::Handler<MssqlInbox> for SlowProject {
+impl outboxkit_inbox::Handler<MssqlInbox> for SlowProject {
     async fn handle(
         &self,
-        conn: &mut outbox_sqlserver::MssqlClient,
+        conn: &mut outboxkit_sqlserver::MssqlClient,
         msg: &IncomingMessage,
-        _ctx: &inbox::HandlerContext,
-    ) -> Result<(), inbox::HandlerError> {
+        _ctx: &outboxkit_inbox::HandlerContext,
+    ) -> Result<(), outboxkit_inbox::HandlerError> {
         conn.execute(
             format!("INSERT INTO {} (id) VALUES (@P1)", self.table),
             &[&msg.id],
         )
         .await
-        .map_err(inbox::HandlerError::retryable)?;
+        .map_err(outboxkit_inbox::HandlerError::retryable)?;
         tokio::time::sleep(Duration::from_millis(200)).await;
         Ok(())
     }
 }
 
-/// The symptom of issue 26 item 7 through the `inbox` crate: an `IdempotentConsumer`
+/// The symptom of issue 26 item 7 through the `outboxkit-inbox` crate: an `IdempotentConsumer`
 /// handling more deliveries at once than its pool has connections acks them all.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "needs MSSQL_URL"]
 async fn a_consumer_busier_than_its_pool_acks_every_delivery() {
     use std::sync::Arc;
 
-    use outbox_core::HandlerDecision;
+    use outboxkit_core::HandlerDecision;
 
     let url = common::mssql_url();
     let outbox = common::fresh_outbox(&url).await;
@@ -571,9 +571,9 @@ async fn a_consumer_busier_than_its_pool_acks_every_delivery() {
     .expect("create");
     drop(conn);
     let store = Arc::new(small_pool(&url, &outbox, 2).await);
-    let consumer = Arc::new(inbox::IdempotentConsumer::new(
+    let consumer = Arc::new(outboxkit_inbox::IdempotentConsumer::new(
         Arc::clone(&store),
-        inbox::Pipeline::new().on(
+        outboxkit_inbox::Pipeline::new().on(
             "OrderPlaced",
             "projection",
             SlowProject {
@@ -611,7 +611,7 @@ async fn a_consumer_busier_than_its_pool_acks_every_delivery() {
 
 /// Runs `sql` on `tx` as a handler that swallows its error would, returning whether it
 /// failed.
-async fn swallow(tx: &mut outbox_sqlserver::MssqlTransaction, sql: &str) -> bool {
+async fn swallow(tx: &mut outboxkit_sqlserver::MssqlTransaction, sql: &str) -> bool {
     let result = async { tx.simple_query(sql).await?.into_results().await }.await;
     result.is_err()
 }
@@ -622,7 +622,7 @@ async fn swallow(tx: &mut outbox_sqlserver::MssqlTransaction, sql: &str) -> bool
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "needs MSSQL_URL"]
 async fn commit_reports_a_transaction_a_swallowed_error_aborted() {
-    use outbox_core::OutboxError;
+    use outboxkit_core::OutboxError;
 
     let url = common::mssql_url();
     let outbox = common::fresh_outbox(&url).await;
@@ -734,7 +734,7 @@ async fn commit_reports_a_transaction_a_swallowed_error_aborted() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "needs MSSQL_URL"]
 async fn a_version_is_not_recorded_after_the_transaction_aborted() {
-    use outbox_core::OutboxError;
+    use outboxkit_core::OutboxError;
 
     let inbox = inbox().await;
     let mut tx = inbox.begin().await.expect("begin");

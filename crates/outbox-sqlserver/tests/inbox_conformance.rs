@@ -1,4 +1,4 @@
-//! The outbox-core inbox conformance suite (claims, consumer dead letters, version
+//! The outboxkit-core inbox conformance suite (claims, consumer dead letters, version
 //! tracking and the durable inbox), run against a real SQL Server, a fresh schema per
 //! property: ignored unless run with `--ignored` and `MSSQL_URL` set.
 
@@ -7,8 +7,8 @@ mod common;
 use std::sync::Arc;
 
 use async_trait::async_trait;
-use outbox_core::inbox_conformance::{AbortingHarness, InboxHarness};
-use outbox_sqlserver::{MssqlClient, MssqlInbox, MssqlOutbox};
+use outboxkit_core::inbox_conformance::{AbortingHarness, InboxHarness};
+use outboxkit_sqlserver::{MssqlClient, MssqlInbox, MssqlOutbox};
 use uuid::Uuid;
 
 /// An [`MssqlInbox`] over a fresh, migrated schema (with a table `effects` for the
@@ -87,6 +87,6 @@ async fn harness() -> MssqlInboxHarness {
     }
 }
 
-outbox_core::inbox_conformance_tests!(
+outboxkit_core::inbox_conformance_tests!(
     #[ignore = "needs MSSQL_URL"] harness; dead_letters, versions, durable, aborts
 );

@@ -1,4 +1,4 @@
-//! # outbox-testkit
+//! # outboxkit-testkit
 //!
 //! Test support shared by the SQL backends' integration tests (not published):
 //!
@@ -14,14 +14,14 @@
 //!   removed from `pg_wal` (under the fault lock);
 //! - [`ordered`]: the ordered-delivery suite (dispatcher in `Ordering::PerKey` mode,
 //!   a real broker, a consumer checking every key's order), generic over the
-//!   conformance [`Harness`](outbox_core::conformance::Harness) and the
+//!   conformance [`Harness`](outboxkit_core::conformance::Harness) and the
 //!   [`Broker`](ordered::Broker), expanded by [`ordered_delivery_tests!`] over both
 //!   RabbitMQ and NATS JetStream.
 //!
 //! ```ignore
 //! async fn harness() -> MyHarness { /* fresh schema */ }
 //! // mod ordered_delivery { mod rabbit { .. } mod nats { .. } }
-//! outbox_testkit::ordered_delivery_tests!(harness);
+//! outboxkit_testkit::ordered_delivery_tests!(harness);
 //! ```
 
 pub mod cluster;
@@ -52,5 +52,5 @@ pub fn on_own_runtime(work: impl Future<Output = ()> + Send + 'static) -> bool {
 /// after a whole `cargo xtask itest`, twice, its test not found).
 pub fn leftover(what: &str) {
     use std::io::Write as _;
-    let _ = writeln!(std::io::stderr(), "outbox-testkit: {what}");
+    let _ = writeln!(std::io::stderr(), "outboxkit-testkit: {what}");
 }

@@ -16,8 +16,8 @@ use std::collections::{HashMap, HashSet};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use outbox_core::conformance::{Harness, keyed};
-use outbox_core::{
+use outboxkit_core::conformance::{Harness, keyed};
+use outboxkit_core::{
     Dispatcher, DispatcherConfig, EventPublisher, MessageFilter, MessageStatus, OnDead, Ordering,
     OutboxMessage, OutboxStore, PublishError, PublishOutcome, RetryPolicies, RetryPolicy,
 };
@@ -42,7 +42,7 @@ fn first_receipts(log: &[Arrival]) -> HashMap<String, Vec<u64>> {
 }
 
 /// Asserts every key's first receipts are exactly `0..per_key`, in order (the WAL
-/// relay's suite in `outbox-postgres` uses it too).
+/// relay's suite in `outboxkit-postgres` uses it too).
 pub fn assert_in_order(log: &[Arrival], keys: usize, per_key: u64) {
     let per = first_receipts(log);
     assert_eq!(per.len(), keys, "messages of every key arrived");
@@ -69,7 +69,7 @@ fn ordered(on_dead: OnDead) -> DispatcherConfig {
 fn spawn<S: OutboxStore, P: EventPublisher>(
     d: &Dispatcher<S, P>,
     token: &CancellationToken,
-) -> tokio::task::JoinHandle<Result<outbox_core::DispatcherStats, outbox_core::OutboxError>> {
+) -> tokio::task::JoinHandle<Result<outboxkit_core::DispatcherStats, outboxkit_core::OutboxError>> {
     let d = d.clone();
     let t = token.clone();
     tokio::spawn(async move { d.run(t).await })
@@ -164,7 +164,7 @@ impl<P: EventPublisher> EventPublisher for Faulty<P> {
                 // A failure of this message alone (a broker's refusal would be an
                 // outage, which stops every key instead).
                 Some(false) => PublishOutcome::Transient(PublishError::Other {
-                    kind: outbox_core::ErrorKind::Transient,
+                    kind: outboxkit_core::ErrorKind::Transient,
                     message: "injected transient failure".into(),
                     source: None,
                 }),
@@ -462,7 +462,7 @@ pub async fn dispatcher_killed_mid_batch_does_not_break_any_keys_order<B: Broker
 /// returning a fresh, isolated store; the tests also need the RabbitMQ at `AMQP_URL`
 /// and the NATS server (JetStream enabled) at `NATS_URL`. Attributes written before the
 /// harness are put on every test, e.g. `ordered_delivery_tests!(#[ignore = "needs
-/// MSSQL_URL"] harness)` (see `outbox_core::store_conformance_tests!`).
+/// MSSQL_URL"] harness)` (see `outboxkit_core::store_conformance_tests!`).
 #[macro_export]
 macro_rules! ordered_delivery_tests {
     (@broker $attrs:tt $harness:path; $module:ident, $broker:ident) => {

@@ -14,12 +14,12 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
-use inbox::{Handler, HandlerContext, HandlerError, IdempotentConsumer, Pipeline};
-use outbox_core::wire::IncomingMessage;
-use outbox_core::{Consumer, EventPublisher, OutboxMessage, PublishOutcome};
-use outbox_postgres::{PgConfig, PgInbox, PgOutbox};
-use outbox_testkit::cluster::{self, Broker, NodeKilled, NodePartitioned};
-use outbox_testkit::faults;
+use outboxkit_core::wire::IncomingMessage;
+use outboxkit_core::{Consumer, EventPublisher, OutboxMessage, PublishOutcome};
+use outboxkit_inbox::{Handler, HandlerContext, HandlerError, IdempotentConsumer, Pipeline};
+use outboxkit_postgres::{PgConfig, PgInbox, PgOutbox};
+use outboxkit_testkit::cluster::{self, Broker, NodeKilled, NodePartitioned};
+use outboxkit_testkit::faults;
 use sqlx::{AssertSqlSafe, PgConnection};
 use tokio_util::sync::CancellationToken;
 use uuid::Uuid;
@@ -130,7 +130,7 @@ fn messages() -> Vec<OutboxMessage> {
     (0..MESSAGES)
         .map(|_| {
             let id = Uuid::now_v7();
-            let msg = outbox_core::NewMessage::builder("counter", id.to_string(), "Counted")
+            let msg = outboxkit_core::NewMessage::builder("counter", id.to_string(), "Counted")
                 .id(id)
                 .aggregate_version(1)
                 .payload_json("{}")
@@ -240,7 +240,7 @@ async fn ride_out_faults<C: Consumer + Send + Sync + 'static>(
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "needs the broker clusters"]
 async fn on_cluster_rabbit_consumer_rides_out_node_loss_and_partition_exactly_once() {
-    use transport_rabbit::{RabbitConfig, RabbitConsumer, RabbitPublisher, lapin};
+    use outboxkit_rabbit::{RabbitConfig, RabbitConsumer, RabbitPublisher, lapin};
 
     let _lock = faults::lock().await;
     cluster::require();
@@ -295,7 +295,7 @@ async fn on_cluster_rabbit_consumer_rides_out_node_loss_and_partition_exactly_on
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "needs the broker clusters"]
 async fn on_cluster_nats_consumer_rides_out_node_loss_and_partition_exactly_once() {
-    use transport_nats::{NatsConfig, NatsConsumer, NatsPublisher, StreamSetup, async_nats};
+    use outboxkit_nats::{NatsConfig, NatsConsumer, NatsPublisher, StreamSetup, async_nats};
 
     let _lock = faults::lock().await;
     cluster::require();

@@ -9,7 +9,9 @@ use std::path::PathBuf;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use outbox_testkit::faults::{NATS_PORT, NatsFrozen, NatsStopped, pid_listening_on, process_state};
+use outboxkit_testkit::faults::{
+    NATS_PORT, NatsFrozen, NatsStopped, pid_listening_on, process_state,
+};
 
 /// A `nats-server` of this test's own; killed on drop, also when the test panics.
 struct OwnServer {

@@ -5,16 +5,16 @@
 //! `NatsConsumerBuilder::with_batch`.
 //!
 //! `AMQP_URL=amqp://guest:guest@127.0.0.1:5672/%2f DATABASE_URL=postgres://postgres@127.0.0.1/test \
-//!  cargo run -p outbox --example batched_consumer --features inbox`
+//!  cargo run -p outboxkit --example batched_consumer --features inbox`
 use std::sync::Arc;
 use std::time::Duration;
 
-use outbox::inbox::{Handler, HandlerContext, HandlerError, IdempotentConsumer, Pipeline};
-use outbox::postgres::sqlx::{self, PgConnection};
-use outbox::postgres::{PgConfig, PgInbox};
-use outbox::rabbit::lapin::types::{AMQPValue, FieldTable};
-use outbox::rabbit::{RabbitConfig, RabbitConsumer};
-use outbox::{BatchSettings, Consumer as _, IncomingMessage};
+use outboxkit::inbox::{Handler, HandlerContext, HandlerError, IdempotentConsumer, Pipeline};
+use outboxkit::postgres::sqlx::{self, PgConnection};
+use outboxkit::postgres::{PgConfig, PgInbox};
+use outboxkit::rabbit::lapin::types::{AMQPValue, FieldTable};
+use outboxkit::rabbit::{RabbitConfig, RabbitConsumer};
+use outboxkit::{BatchSettings, Consumer as _, IncomingMessage};
 use tokio_util::sync::CancellationToken;
 
 /// Records each order placed; one statement per message here (override

@@ -5,15 +5,15 @@
 //! instead of blocking the queue.
 //!
 //! `BROKER_URL=nats://127.0.0.1:4222 DATABASE_URL=postgres://postgres@127.0.0.1/test \
-//!  cargo run -p outbox --example consume_exactly_once --features nats,inbox`
+//!  cargo run -p outboxkit --example consume_exactly_once --features nats,inbox`
 //! (with `relay.rs` running and `publish_in_transaction.rs` producing; Ctrl-C stops it
 //! after the deliveries in hand are settled)
 use std::sync::Arc;
 
-use outbox::inbox::{Handler, HandlerContext, HandlerError, IdempotentConsumer, Pipeline};
-use outbox::postgres::sqlx::{self, PgConnection};
-use outbox::postgres::{PgConfig, PgInbox};
-use outbox::{AnyConsumer, Consumer as _, IncomingMessage};
+use outboxkit::inbox::{Handler, HandlerContext, HandlerError, IdempotentConsumer, Pipeline};
+use outboxkit::postgres::sqlx::{self, PgConnection};
+use outboxkit::postgres::{PgConfig, PgInbox};
+use outboxkit::{AnyConsumer, Consumer as _, IncomingMessage};
 use tokio_util::sync::CancellationToken;
 
 #[derive(serde::Deserialize)]

@@ -6,13 +6,13 @@
 //! for each order, Placed, Paid, Shipped.
 //!
 //! `AMQP_URL=amqp://guest:guest@127.0.0.1:5672/%2f DATABASE_URL=postgres://postgres@127.0.0.1/test \
-//!  cargo run -p outbox --example per_key_ordering`
+//!  cargo run -p outboxkit --example per_key_ordering`
 use std::sync::Arc;
 
-use outbox::postgres::{PgConfig, PgOutbox};
-use outbox::rabbit::{RabbitConfig, RabbitConsumer, RabbitPublisher};
-use outbox::{Consumer as _, DeliveryHandler, Dispatcher, DispatcherConfig, HandlerDecision};
-use outbox::{IncomingMessage, NewMessage, Ordering};
+use outboxkit::postgres::{PgConfig, PgOutbox};
+use outboxkit::rabbit::{RabbitConfig, RabbitConsumer, RabbitPublisher};
+use outboxkit::{Consumer as _, DeliveryHandler, Dispatcher, DispatcherConfig, HandlerDecision};
+use outboxkit::{IncomingMessage, NewMessage, Ordering};
 use tokio_util::sync::CancellationToken;
 
 /// Prints each delivery and stops the example after the last one.

@@ -2,9 +2,9 @@
 //! its `OrderPlaced` event commit together or not at all. A relay publishes the event
 //! later (see `relay.rs`); until then `outbox stats` shows it pending.
 //!
-//! `DATABASE_URL=postgres://postgres@127.0.0.1/test cargo run -p outbox --example publish_in_transaction`
-use outbox::NewMessage;
-use outbox::postgres::{PgConfig, PgOutbox, sqlx};
+//! `DATABASE_URL=postgres://postgres@127.0.0.1/test cargo run -p outboxkit --example publish_in_transaction`
+use outboxkit::NewMessage;
+use outboxkit::postgres::{PgConfig, PgOutbox, sqlx};
 
 #[tokio::main]
 async fn main() -> Result<(), Box<dyn std::error::Error>> {

@@ -2,13 +2,13 @@
 //! once. PostgreSQL from `DATABASE_URL`; the broker from `BROKER_URL` (`amqp://…` for
 //! RabbitMQ, `nats://…` for NATS JetStream: only the URL changes).
 //!
-//! `cargo run -p outbox --example quick_start --features nats,inbox`
+//! `cargo run -p outboxkit --example quick_start --features nats,inbox`
 #![cfg_attr(rustfmt, rustfmt::skip)] // the README shows it line for line
 use std::sync::Arc;
 
-use outbox::inbox::{Handler, HandlerContext, HandlerError, IdempotentConsumer, Pipeline};
-use outbox::postgres::{PgConfig, PgInbox, PgOutbox, sqlx::{self, PgConnection}};
-use outbox::{AnyConsumer, AnyPublisher, AnyPublisherConfig, CancellationToken, Consumer as _, Dispatcher, DispatcherConfig, IncomingMessage, NewMessage};
+use outboxkit::inbox::{Handler, HandlerContext, HandlerError, IdempotentConsumer, Pipeline};
+use outboxkit::postgres::{PgConfig, PgInbox, PgOutbox, sqlx::{self, PgConnection}};
+use outboxkit::{AnyConsumer, AnyPublisher, AnyPublisherConfig, CancellationToken, Consumer as _, Dispatcher, DispatcherConfig, IncomingMessage, NewMessage};
 
 struct Project; // the effect: one row per order, in the inbox's transaction
 #[async_trait::async_trait]

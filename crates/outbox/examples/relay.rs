@@ -4,14 +4,14 @@
 //! as you like against one database: claims never overlap.
 //!
 //! `BROKER_URL=amqp://guest:guest@127.0.0.1:5672/%2f DATABASE_URL=postgres://postgres@127.0.0.1/test \
-//!  cargo run -p outbox --example relay --features nats`
+//!  cargo run -p outboxkit --example relay --features nats`
 //!
 //! The `outbox relay` binary is this loop with metrics, health checks, SIGTERM and a
 //! config file (docs/operations.md).
 use std::sync::Arc;
 
-use outbox::postgres::{PgConfig, PgOutbox};
-use outbox::{AnyPublisher, AnyPublisherConfig, Dispatcher, DispatcherConfig};
+use outboxkit::postgres::{PgConfig, PgOutbox};
+use outboxkit::{AnyPublisher, AnyPublisherConfig, Dispatcher, DispatcherConfig};
 use tokio_util::sync::CancellationToken;
 
 #[tokio::main]
@@ -22,7 +22,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         AnyPublisher::connect(AnyPublisherConfig::from_url(&std::env::var("BROKER_URL")?)?).await?;
     if let Some(nats) = publisher.as_nats() {
         // JetStream stores only subjects a stream captures: `OUTBOX` takes `outbox.events.>`.
-        let stream = outbox::nats::StreamSetup::for_config("OUTBOX", nats.config());
+        let stream = outboxkit::nats::StreamSetup::for_config("OUTBOX", nats.config());
         nats.ensure_stream(&stream).await?;
     }
 

@@ -6,12 +6,12 @@
 //! says which isolation level, locking hints and indexes the claims rely on).
 //!
 //! `MSSQL_URL=… BROKER_URL=amqp://guest:guest@127.0.0.1:5672/%2f \
-//!  cargo run -p outbox --example sqlserver_setup --features sqlserver`
+//!  cargo run -p outboxkit --example sqlserver_setup --features sqlserver`
 use std::sync::Arc;
 use std::time::Duration;
 
-use outbox::sqlserver::{MssqlConfig, MssqlOutbox};
-use outbox::{AnyPublisher, AnyPublisherConfig, Dispatcher, DispatcherConfig, NewMessage};
+use outboxkit::sqlserver::{MssqlConfig, MssqlOutbox};
+use outboxkit::{AnyPublisher, AnyPublisherConfig, Dispatcher, DispatcherConfig, NewMessage};
 use tokio_util::sync::CancellationToken;
 
 #[tokio::main]

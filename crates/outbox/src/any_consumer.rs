@@ -3,13 +3,13 @@
 //! the broker at run time.
 
 use async_trait::async_trait;
-use outbox_core::TransportKind;
-use outbox_core::consumer::{BatchDeliveryHandler, Consumer, DeliveryHandler};
-use tokio_util::sync::CancellationToken;
+use outboxkit_core::TransportKind;
+use outboxkit_core::consumer::{BatchDeliveryHandler, Consumer, DeliveryHandler};
 #[cfg(feature = "nats")]
-use transport_nats::{NatsConfig, NatsConsumer, NatsError, StreamSetup};
+use outboxkit_nats::{NatsConfig, NatsConsumer, NatsError, StreamSetup};
 #[cfg(feature = "rabbit")]
-use transport_rabbit::{RabbitConfig, RabbitConsumer, RabbitError};
+use outboxkit_rabbit::{RabbitConfig, RabbitConsumer, RabbitError};
+use tokio_util::sync::CancellationToken;
 
 use crate::AnyPublisherError;
 #[cfg(not(all(feature = "rabbit", feature = "nats")))]
@@ -17,7 +17,7 @@ use crate::any_publisher::transport_disabled;
 use crate::any_publisher::{NATS_SCHEMES, RABBIT_SCHEMES, redact_unknown};
 
 /// One consumer over the enabled brokers, a [`Consumer`] by delegation: the same
-/// handlers ([`DeliveryHandler`], [`BatchDeliveryHandler`], the `inbox` crate's
+/// handlers ([`DeliveryHandler`], [`BatchDeliveryHandler`], the `outboxkit-inbox` crate's
 /// `IdempotentConsumer` and `DurableReceiver`) run on either.
 ///
 /// Build it with [`from_url`](Self::from_url) when a URL and a name are all there is,
@@ -55,7 +55,7 @@ impl AnyConsumer {
     /// # Errors
     /// [`AnyPublisherError::UnsupportedScheme`],
     /// [`AnyPublisherError::TransportDisabled`], or the transport's own error for a URL
-    /// or name it rejects ([`ErrorKind::Permanent`](outbox_core::ErrorKind::Permanent)). Nothing connects here: the
+    /// or name it rejects ([`ErrorKind::Permanent`](outboxkit_core::ErrorKind::Permanent)). Nothing connects here: the
     /// consumer connects when it runs.
     pub fn from_url(url: &str, stream: &str, name: &str) -> Result<Self, AnyConsumerError> {
         match url.split_once("://").map(|(scheme, _)| scheme) {
@@ -197,7 +197,7 @@ impl Consumer for AnyConsumer {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use outbox_core::ErrorKind;
+    use outboxkit_core::ErrorKind;
 
     #[cfg(feature = "rabbit")]
     #[test]

@@ -5,13 +5,13 @@
 use std::time::Duration;
 
 use async_trait::async_trait;
-use outbox_core::{
+use outboxkit_core::{
     ErrorKind, EventPublisher, OutboxMessage, PublishError, PublishOutcome, TransportKind,
 };
 #[cfg(feature = "nats")]
-use transport_nats::{NatsConfig, NatsError, NatsPublisher};
+use outboxkit_nats::{NatsConfig, NatsError, NatsPublisher};
 #[cfg(feature = "rabbit")]
-use transport_rabbit::{RabbitConfig, RabbitError, RabbitPublisher};
+use outboxkit_rabbit::{RabbitConfig, RabbitError, RabbitPublisher};
 
 /// URL schemes of RabbitMQ (AMQP 0-9-1, plain and TLS).
 pub(crate) const RABBIT_SCHEMES: [&str; 2] = ["amqp", "amqps"];
@@ -113,7 +113,7 @@ pub(crate) fn transport_disabled(url: &str, feature: &'static str) -> AnyPublish
 /// A URL of no known transport, redacted the strictest way (a lone user info is taken
 /// for a token and hidden).
 pub(crate) fn redact_unknown(url: &str) -> String {
-    outbox_core::error::redact_url(url, outbox_core::error::LoneUserInfo::Token)
+    outboxkit_core::error::redact_url(url, outboxkit_core::error::LoneUserInfo::Token)
 }
 
 #[cfg(feature = "rabbit")]
@@ -153,9 +153,9 @@ pub enum AnyPublisherError {
         /// The URL, password or token hidden.
         url_redacted: String,
     },
-    /// The URL names a broker whose transport feature of the `outbox` crate is off.
+    /// The URL names a broker whose transport feature of the `outboxkit` crate is off.
     #[error(
-        "broker URL {url_redacted}: the `outbox` crate was built without its `{feature}` feature"
+        "broker URL {url_redacted}: the `outboxkit` crate was built without its `{feature}` feature"
     )]
     TransportDisabled {
         /// The URL, password or token hidden.
@@ -182,7 +182,7 @@ impl AnyPublisherError {
 }
 
 /// One publisher over the enabled brokers; an [`EventPublisher`] by delegation, so
-/// the [`Dispatcher`](outbox_core::Dispatcher) takes it like any other.
+/// the [`Dispatcher`](outboxkit_core::Dispatcher) takes it like any other.
 ///
 /// Each variant keeps its transport's guarantees: RabbitMQ publishes persistent
 /// messages with `mandatory` to a durable topic exchange and waits for the AMQP 0-9-1

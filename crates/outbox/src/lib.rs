@@ -4,20 +4,20 @@
 //! same database transaction as your business rows, relay them to a broker with
 //! confirmation (at-least-once), and consume them with exactly-once effects.
 //!
-//! The core (`outbox-core`: message model, [`Dispatcher`], [`OutboxStore`] /
+//! The core (`outboxkit-core`: message model, [`Dispatcher`], [`OutboxStore`] /
 //! [`InboxStore`] / [`EventPublisher`] traits, retry policy, wire format) is always
-//! present and re-exported at the root, so `outbox::NewMessage` is
-//! `outbox_core::NewMessage`. Each database and broker is a cargo feature that adds
+//! present and re-exported at the root, so `outboxkit::NewMessage` is
+//! `outboxkit_core::NewMessage`. Each database and broker is a cargo feature that adds
 //! one module, the backend crate re-exported as is:
 //!
 //! | feature | default | module | what it adds |
 //! |---|---|---|---|
-//! | `postgres` | yes | [`outbox::postgres`](crate::postgres) (`outbox-postgres`) | PostgreSQL store and inbox (sqlx): `FOR UPDATE SKIP LOCKED` claims with fenced leases |
-//! | `sqlserver` | | [`outbox::sqlserver`](crate::sqlserver) (`outbox-sqlserver`) | SQL Server store and inbox (tiberius): `READPAST/UPDLOCK/ROWLOCK` claims, an inbox claim that locks only its own key |
-//! | `mysql` | | [`outbox::mysql`](crate::mysql) (`outbox-mysql`) | MySQL 8.0+ / MariaDB 10.6+ store and inbox (sqlx): `FOR UPDATE SKIP LOCKED` claims under `READ COMMITTED`, polling (no push wake-up) |
-//! | `rabbit` | yes | [`outbox::rabbit`](crate::rabbit) (`transport-rabbit`) | RabbitMQ publisher (AMQP 0-9-1 publisher confirms, mandatory returns) and consumer |
-//! | `nats` | | [`outbox::nats`](crate::nats) (`transport-nats`) | NATS JetStream publisher (awaits each PubAck; `Nats-Msg-Id` deduplication) and consumer |
-//! | `inbox` | | [`outbox::inbox`](crate::inbox) (`inbox`) | idempotent consumer, durable inbox processor, handler pipeline |
+//! | `postgres` | yes | [`outboxkit::postgres`](crate::postgres) (`outboxkit-postgres`) | PostgreSQL store and inbox (sqlx): `FOR UPDATE SKIP LOCKED` claims with fenced leases |
+//! | `sqlserver` | | [`outboxkit::sqlserver`](crate::sqlserver) (`outboxkit-sqlserver`) | SQL Server store and inbox (tiberius): `READPAST/UPDLOCK/ROWLOCK` claims, an inbox claim that locks only its own key |
+//! | `mysql` | | [`outboxkit::mysql`](crate::mysql) (`outboxkit-mysql`) | MySQL 8.0+ / MariaDB 10.6+ store and inbox (sqlx): `FOR UPDATE SKIP LOCKED` claims under `READ COMMITTED`, polling (no push wake-up) |
+//! | `rabbit` | yes | [`outboxkit::rabbit`](crate::rabbit) (`outboxkit-rabbit`) | RabbitMQ publisher (AMQP 0-9-1 publisher confirms, mandatory returns) and consumer |
+//! | `nats` | | [`outboxkit::nats`](crate::nats) (`outboxkit-nats`) | NATS JetStream publisher (awaits each PubAck; `Nats-Msg-Id` deduplication) and consumer |
+//! | `inbox` | | [`outboxkit::inbox`](crate::inbox) (`outboxkit-inbox`) | idempotent consumer, durable inbox processor, handler pipeline |
 //! | `opentelemetry` | yes | — | W3C trace context captured at enqueue and made the consumer span's parent (`tracing-opentelemetry`) |
 //!
 //! With `rabbit` or `nats`, [`AnyPublisher`] and [`AnyConsumer`] are one publisher and
@@ -26,16 +26,16 @@
 //!
 //! ```toml
 //! [dependencies]
-//! outbox = { version = "0.1", features = ["nats", "inbox"] }            # PostgreSQL (default) + RabbitMQ (default) + NATS + inbox
-//! outbox = { version = "0.1", default-features = false, features = ["sqlserver", "nats"] }
+//! outboxkit = { version = "0.1", features = ["nats", "inbox"] }            # PostgreSQL (default) + RabbitMQ (default) + NATS + inbox
+//! outboxkit = { version = "0.1", default-features = false, features = ["sqlserver", "nats"] }
 //! ```
 //!
-//! Features only add: enabling one never changes what another does. `outbox::inbox`
+//! Features only add: enabling one never changes what another does. `outboxkit::inbox`
 //! always holds the core's inbox traits ([`InboxStore`], [`DurableInbox`], …, also at
-//! the root); the `inbox` feature adds the `inbox` crate's consumer, handler pipeline
+//! the root); the `inbox` feature adds the `outboxkit-inbox` crate's consumer, handler pipeline
 //! and durable processor to the same module. With `opentelemetry` off no trace context
 //! is captured or restored: the backends and transports depend on the core without
-//! that feature, so only the facade's feature (or your own dependency on `outbox-core`
+//! that feature, so only the facade's feature (or your own dependency on `outboxkit-core`
 //! or `inbox` with default features) turns it on.
 //!
 //! **TLS with `sqlserver`:** tiberius brings rustls's aws-lc-rs provider while sqlx,
@@ -50,9 +50,9 @@
 //! # #[cfg(all(feature = "postgres", feature = "rabbit"))]
 //! # async fn demo(shutdown: tokio_util::sync::CancellationToken) -> Result<(), Box<dyn std::error::Error>> {
 //! use std::sync::Arc;
-//! use outbox::postgres::{PgConfig, PgOutbox};
-//! use outbox::rabbit::{RabbitConfig, RabbitPublisher};
-//! use outbox::{Dispatcher, DispatcherConfig, NewMessage};
+//! use outboxkit::postgres::{PgConfig, PgOutbox};
+//! use outboxkit::rabbit::{RabbitConfig, RabbitPublisher};
+//! use outboxkit::{Dispatcher, DispatcherConfig, NewMessage};
 //!
 //! let store = PgOutbox::connect(&PgConfig::from_env()?).await?; // DATABASE_URL
 //! store.migrate().await?;
@@ -86,9 +86,9 @@
 //! # #[cfg(all(feature = "postgres", feature = "nats"))]
 //! # async fn demo(shutdown: tokio_util::sync::CancellationToken) -> Result<(), Box<dyn std::error::Error>> {
 //! use std::sync::Arc;
-//! use outbox::nats::{NatsConfig, NatsPublisher, StreamSetup};
-//! use outbox::postgres::{PgConfig, PgOutbox};
-//! use outbox::{Dispatcher, DispatcherConfig, NewMessage};
+//! use outboxkit::nats::{NatsConfig, NatsPublisher, StreamSetup};
+//! use outboxkit::postgres::{PgConfig, PgOutbox};
+//! use outboxkit::{Dispatcher, DispatcherConfig, NewMessage};
 //!
 //! let store = PgOutbox::connect(&PgConfig::from_env()?).await?;
 //! store.migrate().await?;
@@ -118,9 +118,9 @@
 //! # #[cfg(all(feature = "sqlserver", feature = "rabbit"))]
 //! # async fn demo(shutdown: tokio_util::sync::CancellationToken) -> Result<(), Box<dyn std::error::Error>> {
 //! use std::sync::Arc;
-//! use outbox::rabbit::{RabbitConfig, RabbitPublisher};
-//! use outbox::sqlserver::{MssqlConfig, MssqlOutbox};
-//! use outbox::{Dispatcher, DispatcherConfig, NewMessage};
+//! use outboxkit::rabbit::{RabbitConfig, RabbitPublisher};
+//! use outboxkit::sqlserver::{MssqlConfig, MssqlOutbox};
+//! use outboxkit::{Dispatcher, DispatcherConfig, NewMessage};
 //!
 //! let store = MssqlOutbox::connect(&MssqlConfig::from_env()?).await?; // MSSQL_URL
 //! store.migrate().await?;
@@ -147,9 +147,9 @@
 //! # #[cfg(all(feature = "mysql", feature = "rabbit"))]
 //! # async fn demo(shutdown: tokio_util::sync::CancellationToken) -> Result<(), Box<dyn std::error::Error>> {
 //! use std::sync::Arc;
-//! use outbox::mysql::{MySqlConfig, MySqlOutbox};
-//! use outbox::rabbit::{RabbitConfig, RabbitPublisher};
-//! use outbox::{Dispatcher, DispatcherConfig, NewMessage};
+//! use outboxkit::mysql::{MySqlConfig, MySqlOutbox};
+//! use outboxkit::rabbit::{RabbitConfig, RabbitPublisher};
+//! use outboxkit::{Dispatcher, DispatcherConfig, NewMessage};
 //!
 //! let store = MySqlOutbox::connect(&MySqlConfig::from_env()?).await?; // MYSQL_URL
 //! store.migrate().await?;
@@ -176,9 +176,9 @@
 //! # #[cfg(all(feature = "sqlserver", feature = "nats"))]
 //! # async fn demo(shutdown: tokio_util::sync::CancellationToken) -> Result<(), Box<dyn std::error::Error>> {
 //! use std::sync::Arc;
-//! use outbox::nats::{NatsConfig, NatsPublisher, StreamSetup};
-//! use outbox::sqlserver::{MssqlConfig, MssqlOutbox};
-//! use outbox::{Dispatcher, DispatcherConfig, NewMessage};
+//! use outboxkit::nats::{NatsConfig, NatsPublisher, StreamSetup};
+//! use outboxkit::sqlserver::{MssqlConfig, MssqlOutbox};
+//! use outboxkit::{Dispatcher, DispatcherConfig, NewMessage};
 //!
 //! let store = MssqlOutbox::connect(&MssqlConfig::from_env()?).await?;
 //! store.migrate().await?;
@@ -207,8 +207,8 @@
 //! # #[cfg(all(feature = "postgres", any(feature = "rabbit", feature = "nats")))]
 //! # async fn demo(shutdown: tokio_util::sync::CancellationToken) -> Result<(), Box<dyn std::error::Error>> {
 //! use std::sync::Arc;
-//! use outbox::postgres::{PgConfig, PgOutbox};
-//! use outbox::{AnyPublisher, AnyPublisherConfig, Dispatcher, DispatcherConfig};
+//! use outboxkit::postgres::{PgConfig, PgOutbox};
+//! use outboxkit::{AnyPublisher, AnyPublisherConfig, Dispatcher, DispatcherConfig};
 //!
 //! let store = PgOutbox::connect(&PgConfig::from_env()?).await?;
 //! // amqp:// or amqps:// is RabbitMQ, nats:// or tls:// is NATS (default settings).
@@ -228,18 +228,18 @@
 //! commit in one transaction, then the delivery is acknowledged; a redelivery finds
 //! the record and is acknowledged without running the handler again. [`AnyConsumer`]
 //! picks the broker from the URL as [`AnyPublisherConfig::from_url`] does; a
-//! transport's own builder (`outbox::rabbit::RabbitConsumer::builder`,
-//! `outbox::nats::NatsConsumer::builder`) sets the rest (prefetch, quorum queues,
+//! transport's own builder (`outboxkit::rabbit::RabbitConsumer::builder`,
+//! `outboxkit::nats::NatsConsumer::builder`) sets the rest (prefetch, quorum queues,
 //! [`BatchSettings`] for [`Consumer::run_batched`], …).
 //!
 //! ```no_run
 //! # #[cfg(all(feature = "postgres", feature = "inbox", any(feature = "rabbit", feature = "nats")))]
 //! # async fn demo(shutdown: tokio_util::sync::CancellationToken) -> Result<(), Box<dyn std::error::Error>> {
 //! use std::sync::Arc;
-//! use outbox::inbox::{Handler, HandlerContext, HandlerError, IdempotentConsumer, Pipeline};
-//! use outbox::postgres::sqlx::{self, PgConnection};
-//! use outbox::postgres::{PgConfig, PgInbox};
-//! use outbox::{AnyConsumer, Consumer as _, IncomingMessage};
+//! use outboxkit::inbox::{Handler, HandlerContext, HandlerError, IdempotentConsumer, Pipeline};
+//! use outboxkit::postgres::sqlx::{self, PgConnection};
+//! use outboxkit::postgres::{PgConfig, PgInbox};
+//! use outboxkit::{AnyConsumer, Consumer as _, IncomingMessage};
 //!
 //! struct Project;
 //!
@@ -281,53 +281,53 @@
     )
 )]
 
-pub use outbox_core::*;
+pub use outboxkit_core::*;
 
 #[cfg(feature = "postgres")]
 #[cfg_attr(docsrs, doc(cfg(feature = "postgres")))]
 #[doc(inline)]
-pub use outbox_postgres as postgres;
+pub use outboxkit_postgres as postgres;
 
 #[cfg(feature = "sqlserver")]
 #[cfg_attr(docsrs, doc(cfg(feature = "sqlserver")))]
 #[doc(inline)]
-pub use outbox_sqlserver as sqlserver;
+pub use outboxkit_sqlserver as sqlserver;
 
 #[cfg(feature = "mysql")]
 #[cfg_attr(docsrs, doc(cfg(feature = "mysql")))]
 #[doc(inline)]
-pub use outbox_mysql as mysql;
+pub use outboxkit_mysql as mysql;
 
 #[cfg(feature = "rabbit")]
 #[cfg_attr(docsrs, doc(cfg(feature = "rabbit")))]
 #[doc(inline)]
-pub use transport_rabbit as rabbit;
+pub use outboxkit_rabbit as rabbit;
 
 #[cfg(feature = "nats")]
 #[cfg_attr(docsrs, doc(cfg(feature = "nats")))]
 #[doc(inline)]
-pub use transport_nats as nats;
+pub use outboxkit_nats as nats;
 
 /// The consumer side. Always: the core's inbox traits and types
 /// ([`InboxStore`] and its capabilities [`DurableInbox`],
 /// [`VersionTracking`], [`ConsumerDeadLetters`], …, also at the root). With the `inbox`
-/// feature, also the `inbox` crate: [`IdempotentConsumer`](inbox::IdempotentConsumer),
+/// feature, also the `outboxkit-inbox` crate: [`IdempotentConsumer`](inbox::IdempotentConsumer),
 /// [`Handler`](inbox::Handler), [`Pipeline`](inbox::Pipeline), the durable
 /// [`InboxProcessor`](inbox::InboxProcessor) and their metrics. A feature only adds
 /// names here; none changes meaning.
 pub mod inbox {
     #[doc(inline)]
-    pub use outbox_core::inbox::*;
+    pub use outboxkit_core::inbox::*;
 
     #[cfg(feature = "inbox")]
     #[cfg_attr(docsrs, doc(cfg(feature = "inbox")))]
     #[doc(inline)]
-    pub use ::inbox::*;
+    pub use ::outboxkit_inbox::*;
 }
 
 /// A message as received from a broker, decoded from its wire form (both transports
 /// hand these to a [`DeliveryHandler`]).
-pub use outbox_core::wire::IncomingMessage;
+pub use outboxkit_core::wire::IncomingMessage;
 
 #[cfg(any(feature = "rabbit", feature = "nats"))]
 mod any_publisher;

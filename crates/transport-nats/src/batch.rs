@@ -8,10 +8,10 @@ use async_nats::jetstream::{self, AckKind};
 use futures::StreamExt;
 use futures::future::join_all;
 use futures::stream::FuturesUnordered;
-use outbox_core::consumer::{
+use outboxkit_core::consumer::{
     BatchDeliveryHandler, HandlerDecision, handle_batch_until_decided, until_decided,
 };
-use outbox_core::wire::{IncomingMessage, UndecodableMessage};
+use outboxkit_core::wire::{IncomingMessage, UndecodableMessage};
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, warn};

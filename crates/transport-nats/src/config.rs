@@ -4,7 +4,7 @@
 //!
 //! ```
 //! use std::time::Duration;
-//! use transport_nats::NatsConfigBuilder;
+//! use outboxkit_nats::NatsConfigBuilder;
 //!
 //! let config = NatsConfigBuilder::new("nats://app:s3cret@127.0.0.1:4222")
 //!     .with_subject_prefix("orders.events")
@@ -15,7 +15,7 @@
 //! assert_eq!(config.subject_for("OrderPlaced"), "orders.events.OrderPlaced");
 //! // The password never shows up in logs or errors.
 //! assert_eq!(config.url_redacted(), "nats://app:***@127.0.0.1:4222");
-//! # Ok::<(), transport_nats::NatsError>(())
+//! # Ok::<(), outboxkit_nats::NatsError>(())
 //! ```
 
 use std::fmt;
@@ -117,7 +117,7 @@ impl NatsConfigBuilder {
 
     /// How long a batch waits for its PubAcks, measured from the start of the batch;
     /// messages still unacknowledged then are reported as
-    /// [`PublishError::Timeout`](outbox_core::PublishError::Timeout) (transient), or as
+    /// [`PublishError::Timeout`](outboxkit_core::PublishError::Timeout) (transient), or as
     /// `Unavailable` when the connection was lost meanwhile. Also bounds each JetStream
     /// API request of the publisher. Default 10 s.
     pub fn with_ack_timeout(mut self, timeout: Duration) -> Self {
@@ -126,7 +126,7 @@ impl NatsConfigBuilder {
     }
 
     /// How long connecting may take (TCP, TLS, NATS handshake), and how long
-    /// [`check_ready`](outbox_core::EventPublisher::check_ready), the stream helper and
+    /// [`check_ready`](outboxkit_core::EventPublisher::check_ready), the stream helper and
     /// the consumer wait for a JetStream API answer. Default 5 s.
     pub fn with_connect_timeout(mut self, timeout: Duration) -> Self {
         self.connect_timeout = timeout;
@@ -144,7 +144,7 @@ impl NatsConfigBuilder {
     /// A payload limit, in bytes, below the server's. Default: none, the server's
     /// `max_payload` (from its `INFO`, 1 MiB unless configured) is the only limit. A
     /// message whose payload plus headers exceed the limit is not sent and gets
-    /// [`PublishError::PayloadTooLarge`](outbox_core::PublishError::PayloadTooLarge)
+    /// [`PublishError::PayloadTooLarge`](outboxkit_core::PublishError::PayloadTooLarge)
     /// (permanent).
     pub fn with_max_payload_bytes(mut self, max: usize) -> Self {
         self.max_payload_bytes = Some(max);

@@ -28,11 +28,11 @@
 //!   a malformed or over-long attribute) goes to the handler's
 //!   [`handle_undecodable`](DeliveryHandler::handle_undecodable) as an
 //!   [`UndecodableMessage`] (its raw headers and body and the id it can be recorded
-//!   under) and is answered like any other message (the `inbox` crate's consumers
+//!   under) and is answered like any other message (the `outboxkit-inbox` crate's consumers
 //!   record a consumer dead letter and answer `Ack`; the default terminates it,
 //!   `+TERM`). It never blocks the consumer.
 //! - A handler that panics is caught and logged, and the message redelivered (`-NAK`):
-//!   it is never terminated (the `inbox` crate's handlers count their own panics as
+//!   it is never terminated (the `outboxkit-inbox` crate's handlers count their own panics as
 //!   failures and end a message that always panics as a consumer dead letter).
 //! - Messages are handled **concurrently**, up to the concurrency limit at a time,
 //!   within the task that calls [`run`](NatsConsumer::run); handlers may finish in any
@@ -47,7 +47,7 @@
 //! # Batched mode
 //!
 //! [`NatsConsumer::run_batched`] hands messages to a [`BatchDeliveryHandler`] in
-//! batches instead (the `inbox` crate's `IdempotentConsumer` applies a batch in one
+//! batches instead (the `outboxkit-inbox` crate's `IdempotentConsumer` applies a batch in one
 //! database transaction). Everything above holds per message, and:
 //!
 //! - Every delivery is taken off the pull subscription as soon as it arrives (none is
@@ -80,7 +80,7 @@
 //! `max_deliver` counts every delivery of a message, acked or not. When the limit is
 //! reached JetStream stops delivering the message (advisory
 //! `$JS.EVENT.ADVISORY.CONSUMER.MAX_DELIVERIES`); it stays in the stream but this
-//! consumer never sees it again. The default here is **no limit**: the `inbox` crate's
+//! consumer never sees it again. The default here is **no limit**: the `outboxkit-inbox` crate's
 //! `IdempotentConsumer` counts its own handler failures and, after its
 //! `max_deliveries` (5 by default), records the message as a **consumer dead letter**
 //! and acks it, and a database outage defers deliveries without spending any, so no
@@ -97,11 +97,11 @@ use async_nats::jetstream::{self, AckKind, ErrorCode};
 use async_trait::async_trait;
 use futures::StreamExt;
 use futures::stream::FuturesUnordered;
-use outbox_core::consumer::{
+use outboxkit_core::consumer::{
     BatchDeliveryHandler, DeliveryHandler, HandlerDecision, handle_until_decided, until_decided,
 };
-use outbox_core::wire::{Binding, IncomingMessage, UndecodableMessage};
-use outbox_core::{BatchSettings, Consumer, ErrorKind, Headers, TransportKind};
+use outboxkit_core::wire::{Binding, IncomingMessage, UndecodableMessage};
+use outboxkit_core::{BatchSettings, Consumer, ErrorKind, Headers, TransportKind};
 use tokio::time::timeout;
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, error, info, warn};
@@ -380,9 +380,9 @@ fn check_name(field: &'static str, value: &str) -> Result<(), NatsError> {
 ///
 /// ```no_run
 /// use async_trait::async_trait;
-/// use outbox_core::wire::IncomingMessage;
+/// use outboxkit_core::wire::IncomingMessage;
 /// use tokio_util::sync::CancellationToken;
-/// use transport_nats::{Consumer as _, DeliveryHandler, HandlerDecision, NatsConfigBuilder, NatsConsumer};
+/// use outboxkit_nats::{Consumer as _, DeliveryHandler, HandlerDecision, NatsConfigBuilder, NatsConsumer};
 ///
 /// struct Projection;
 ///
@@ -394,7 +394,7 @@ fn check_name(field: &'static str, value: &str) -> Result<(), NatsError> {
 ///     }
 /// }
 ///
-/// # async fn run() -> Result<(), transport_nats::NatsError> {
+/// # async fn run() -> Result<(), outboxkit_nats::NatsError> {
 /// let config = NatsConfigBuilder::from_env()
 ///     .with_subject_prefix("orders.events")
 ///     .build()?;
@@ -821,7 +821,7 @@ impl NatsConsumer {
     }
 }
 
-type BoxedError = outbox_core::BoxError;
+type BoxedError = outboxkit_core::BoxError;
 
 fn millis(d: Duration) -> u64 {
     u64::try_from(d.as_millis()).unwrap_or(u64::MAX)
@@ -1010,7 +1010,7 @@ mod tests {
 mod properties {
     use super::*;
     use async_nats::{HeaderMap, HeaderName, HeaderValue};
-    use outbox_core::proptest_support::config;
+    use outboxkit_core::proptest_support::config;
     use proptest::prelude::*;
 
     /// Every name a `HeaderMap` can hold (printable ASCII without ':', empty too),

@@ -1,6 +1,6 @@
 //! Destinations as JetStream names them: the stream that refused a publish, so that
 //! one full stream is one circuit of the relay however many subjects it captures
-//! ([`EventPublisher::destination`](outbox_core::EventPublisher::destination)).
+//! ([`EventPublisher::destination`](outboxkit_core::EventPublisher::destination)).
 //!
 //! A JetStream refusal (stream full with `discard: new`, out of storage, no leader)
 //! names no stream in the error the client hands us. So when a publish on a subject is

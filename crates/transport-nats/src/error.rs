@@ -1,6 +1,6 @@
 //! [`NatsError`]: what can go wrong while configuring, connecting, setting up streams and
 //! consumers, or consuming. Per-message publish failures are
-//! [`outbox_core::PublishError`]s instead.
+//! [`outboxkit_core::PublishError`]s instead.
 //!
 //! Driver errors are boxed to keep `Result<_, NatsError>` small.
 //!
@@ -10,7 +10,7 @@
 
 use std::time::Duration;
 
-use outbox_core::{BoxError, ErrorKind};
+use outboxkit_core::{BoxError, ErrorKind};
 
 /// Errors of the NATS transport outside the per-message publish path.
 #[derive(Debug, thiserror::Error)]
@@ -179,7 +179,9 @@ pub(crate) fn classify_create_stream(
 /// (a token, `nats://s3cr3t@host`) is hidden whole.
 pub fn redact_url(url: &str) -> String {
     url.split(',')
-        .map(|one| outbox_core::error::redact_url(one, outbox_core::error::LoneUserInfo::Token))
+        .map(|one| {
+            outboxkit_core::error::redact_url(one, outboxkit_core::error::LoneUserInfo::Token)
+        })
         .collect::<Vec<_>>()
         .join(",")
 }

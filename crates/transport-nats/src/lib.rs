@@ -1,34 +1,34 @@
-//! # transport-nats
+//! # outboxkit-nats
 //!
 //! The NATS JetStream transport of the outbox toolkit:
 //!
-//! - [`NatsPublisher`] implements [`outbox_core::EventPublisher`] for the relay: it
+//! - [`NatsPublisher`] implements [`outboxkit_core::EventPublisher`] for the relay: it
 //!   publishes a batch to JetStream with `Nats-Msg-Id` = outbox id (so the stream's
 //!   duplicate window drops a re-publish), keeps a bounded window of publishes in
 //!   flight, awaits their PubAcks together, and turns every answer into one
-//!   [`PublishOutcome`](outbox_core::PublishOutcome) per message (an invalid subject or
+//!   [`PublishOutcome`](outboxkit_core::PublishOutcome) per message (an invalid subject or
 //!   oversized message is permanent, no stream for the subject is a permanent
 //!   `Unroutable`, a lost connection `Unavailable`, which opens the dispatcher's
 //!   circuit). The client reconnects by itself.
 //! - [`NatsConsumer`] consumes a stream through a durable pull consumer with explicit
 //!   acks, decodes each message into an
-//!   [`IncomingMessage`](outbox_core::wire::IncomingMessage) and acks, naks (with a
-//!   delay) or terminates it after a [`DeliveryHandler`] returns; the inbox crate's
+//!   [`IncomingMessage`](outboxkit_core::wire::IncomingMessage) and acks, naks (with a
+//!   delay) or terminates it after a [`DeliveryHandler`] returns; the outboxkit-inbox crate's
 //!   idempotent consumer plugs in as that handler. With [`NatsConsumer::run_batched`]
 //!   it hands a [`BatchDeliveryHandler`] the messages in batches instead.
 //! - [`StreamSetup`] creates or updates the stream the publisher writes to (subjects,
 //!   storage, duplicate window, retention, max age) and documents what a PubAck
 //!   promises about durability.
 //! - [`NatsConfigBuilder`] / [`NatsConfig`]: the server URL and settings shared by
-//!   all of them; [`NatsError`]: typed errors with an [`ErrorKind`](outbox_core::ErrorKind).
+//!   all of them; [`NatsError`]: typed errors with an [`ErrorKind`](outboxkit_core::ErrorKind).
 //!
 //! Messages carry the outbox id as `Nats-Msg-Id` and the event's metadata as
 //! CloudEvents headers of the NATS binding (`ce-id`, `ce-type`, ...), see
-//! [`outbox_core::wire`].
+//! [`outboxkit_core::wire`].
 //!
 //! ```no_run
-//! use outbox_core::EventPublisher;
-//! use transport_nats::{NatsConfigBuilder, NatsPublisher, StreamSetup};
+//! use outboxkit_core::EventPublisher;
+//! use outboxkit_nats::{NatsConfigBuilder, NatsPublisher, StreamSetup};
 //!
 //! # async fn relay() -> Result<(), Box<dyn std::error::Error>> {
 //! // NATS_URL, or nats://127.0.0.1:4222
@@ -43,7 +43,7 @@
 //!     .ensure_stream(&StreamSetup::for_config("ORDERS", &config))
 //!     .await?;
 //! publisher.check_ready().await?;
-//! // Hand it to a `Dispatcher` together with a store, e.g. outbox-postgres.
+//! // Hand it to a `Dispatcher` together with a store, e.g. outboxkit-postgres.
 //! # Ok(())
 //! # }
 //! ```
@@ -62,7 +62,7 @@ pub mod topology;
 pub use config::{NatsConfig, NatsConfigBuilder};
 pub use consumer::{NatsConsumer, NatsConsumerBuilder};
 pub use error::{NatsError, redact_url};
-pub use outbox_core::consumer::{
+pub use outboxkit_core::consumer::{
     BatchDeliveryHandler, Consumer, DeliveryHandler, HandlerDecision, TransportKind,
 };
 pub use publisher::NatsPublisher;

@@ -39,7 +39,7 @@
 //! | no PubAck within the deadline, connection lost meanwhile | `Transient(Unavailable)`: circuit opens |
 //!
 //! A refusal's destination is the stream that refused
-//! ([`EventPublisher::destination`](outbox_core::EventPublisher::destination):
+//! ([`EventPublisher::destination`](outboxkit_core::EventPublisher::destination):
 //! `stream NAME`): after a refusal the publisher looks up the stream that captures the
 //! subject and its subject filters, so every subject of one full stream shares one
 //! circuit of the relay.
@@ -73,7 +73,7 @@
 //! # Wire format
 //!
 //! Binary content mode of the CloudEvents NATS protocol binding (NATS headers, since
-//! server 2.2): [`outbox_core::wire::encode_headers`] with [`Binding::Nats`] (`ce-id`,
+//! server 2.2): [`outboxkit_core::wire::encode_headers`] with [`Binding::Nats`] (`ce-id`,
 //! `ce-type`, `ce-source`, `ce-subject`, `ce-time`, the extensions, `traceparent` /
 //! `tracestate` unprefixed, pass-through headers), `Content-Type: application/json`,
 //! and `Nats-Msg-Id` = outbox id. When a pass-through header has the name of a
@@ -101,8 +101,8 @@ use async_trait::async_trait;
 use bytes::Bytes;
 use futures::StreamExt;
 use futures::stream::FuturesUnordered;
-use outbox_core::wire::{Binding, CONTENT_TYPE_JSON, check_limits, encode_headers};
-use outbox_core::{ErrorKind, EventPublisher, OutboxMessage, PublishError, PublishOutcome};
+use outboxkit_core::wire::{Binding, CONTENT_TYPE_JSON, check_limits, encode_headers};
+use outboxkit_core::{ErrorKind, EventPublisher, OutboxMessage, PublishError, PublishOutcome};
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use tokio::time::{Instant, sleep_until, timeout, timeout_at};
 use tracing::{debug, info, warn};
@@ -122,7 +122,7 @@ pub const CONTENT_TYPE_HEADER: &str = "Content-Type";
 /// [module docs](self) for the outcome of each server answer.
 ///
 /// Cheap to share: wrap it in an [`Arc`] or hand it to the
-/// [`Dispatcher`](outbox_core::Dispatcher) directly; concurrent
+/// [`Dispatcher`](outboxkit_core::Dispatcher) directly; concurrent
 /// [`publish_batch`](EventPublisher::publish_batch) calls share one connection and one
 /// in-flight window. The client reconnects by itself (unlimited attempts, backoff up to
 /// 4 s); while it is disconnected batches report `Unavailable`.
@@ -740,7 +740,7 @@ impl Cloneable {
                 exchange: String::new(),
                 routing_key: subject.clone(),
                 reply_code: 503,
-                reply_text: "no responders: no JetStream stream captures this subject (create one with transport_nats::StreamSetup, or fix the subject prefix)".to_owned(),
+                reply_text: "no responders: no JetStream stream captures this subject (create one with outboxkit_nats::StreamSetup, or fix the subject prefix)".to_owned(),
             },
             Self::Rejected(reason) => PublishError::Rejected {
                 reason: reason.clone(),
@@ -790,9 +790,9 @@ mod tests {
 mod properties {
     use super::*;
     use crate::config::DEFAULT_URL;
-    use outbox_core::MessageStatus;
-    use outbox_core::proptest_support::{config, payload, text};
-    use outbox_core::wire::IncomingMessage;
+    use outboxkit_core::MessageStatus;
+    use outboxkit_core::proptest_support::{config, payload, text};
+    use outboxkit_core::wire::IncomingMessage;
     use proptest::prelude::*;
     use uuid::Uuid;
 
@@ -843,7 +843,7 @@ mod properties {
     }
 
     /// The headers of a row: most names valid NATS names, some of every kind above.
-    fn headers() -> impl Strategy<Value = outbox_core::Headers> {
+    fn headers() -> impl Strategy<Value = outboxkit_core::Headers> {
         let name = prop_oneof![6 => "x-[!-9;-~]{0,20}", 1 => header_name()];
         prop::collection::btree_map(name, header_value(), 0..6)
     }
@@ -948,7 +948,7 @@ mod properties {
     }
 
     /// What the consumer decodes from the prepared headers.
-    fn consumed(prepared: &Prepared) -> Result<IncomingMessage, outbox_core::wire::DecodeError> {
+    fn consumed(prepared: &Prepared) -> Result<IncomingMessage, outboxkit_core::wire::DecodeError> {
         let headers = crate::consumer::headers_to_strings(Some(&prepared.headers));
         let message_id = headers.get(MSG_ID_HEADER).cloned();
         IncomingMessage::decode(
@@ -1053,7 +1053,7 @@ mod properties {
             .expect("valid config");
         for name in ["Natsé-x", "Nat日本", "é", "日", "ab", "𝄞"] {
             let msg = OutboxMessage::claimed_from(
-                outbox_core::NewMessage::builder("order", "1", "OrderPlaced")
+                outboxkit_core::NewMessage::builder("order", "1", "OrderPlaced")
                     .payload(&1)
                     .header(name, "v")
                     .build()

@@ -73,9 +73,9 @@ pub enum StreamRetention {
 ///
 /// ```no_run
 /// use std::time::Duration;
-/// use transport_nats::{NatsConfigBuilder, Storage, StreamRetention, StreamSetup};
+/// use outboxkit_nats::{NatsConfigBuilder, Storage, StreamRetention, StreamSetup};
 ///
-/// # async fn setup() -> Result<(), transport_nats::NatsError> {
+/// # async fn setup() -> Result<(), outboxkit_nats::NatsError> {
 /// let config = NatsConfigBuilder::from_env()
 ///     .with_subject_prefix("orders.events")
 ///     .build()?;

@@ -7,21 +7,21 @@
 
 mod common;
 
-use outbox_core::Consumer as _;
+use outboxkit_core::Consumer as _;
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use async_trait::async_trait;
 use futures::FutureExt as _;
-use outbox_core::wire::IncomingMessage;
-use outbox_core::{BatchSettings, EventPublisher, OutboxMessage};
-use tokio::time::Instant;
-use tokio_util::sync::CancellationToken;
-use transport_nats::{
+use outboxkit_core::wire::IncomingMessage;
+use outboxkit_core::{BatchSettings, EventPublisher, OutboxMessage};
+use outboxkit_nats::{
     BatchDeliveryHandler, HandlerDecision, NatsConsumer, NatsConsumerBuilder, NatsError,
     NatsPublisher,
 };
+use tokio::time::Instant;
+use tokio_util::sync::CancellationToken;
 use uuid::Uuid;
 
 use common::*;
@@ -29,7 +29,7 @@ use common::*;
 /// Batch settings are checked against the concurrency.
 #[test]
 fn batch_settings_are_validated() {
-    let config = transport_nats::NatsConfigBuilder::new(url())
+    let config = outboxkit_nats::NatsConfigBuilder::new(url())
         .build()
         .expect("valid");
     let builder = || NatsConsumer::builder(config.clone(), "S", "d").with_concurrency(10);
@@ -37,7 +37,7 @@ fn batch_settings_are_validated() {
         Err(NatsError::InvalidConfig { field, .. }) => field,
         other => panic!("expected InvalidConfig, got {other:?}"),
     };
-    // The limits are BatchSettings::check's (outbox-core's unit tests); the window here
+    // The limits are BatchSettings::check's (outboxkit-core's unit tests); the window here
     // is the concurrency.
     assert_eq!(
         field(builder().with_batch(BatchSettings::new().with_size(11))),

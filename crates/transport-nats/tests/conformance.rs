@@ -1,24 +1,24 @@
-//! The transport conformance suite of `outbox-core` (`transport_conformance_tests!`)
+//! The transport conformance suite of `outboxkit-core` (`transport_conformance_tests!`)
 //! run against the real NATS server with JetStream: every property on a stream and a
 //! subject prefix of its own, consumed by one durable consumer, read back with raw
 //! async-nats.
 
 mod common;
 
-use outbox_core::Consumer as _;
+use outboxkit_core::Consumer as _;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use async_trait::async_trait;
-use outbox_core::transport_conformance::{
+use outboxkit_core::transport_conformance::{
     ConsumerRun, ConsumerSettings, RawMessage, SOURCE, TransportHarness,
 };
-use outbox_core::wire::Binding;
-use outbox_core::{
+use outboxkit_core::wire::Binding;
+use outboxkit_core::{
     BatchDeliveryHandler, BoxError, DeliveryHandler, ErrorKind, Headers, OutboxMessage,
 };
+use outboxkit_nats::{NatsConfigBuilder, NatsConsumer, NatsError, NatsPublisher, StreamSetup};
 use tokio_util::sync::CancellationToken;
-use transport_nats::{NatsConfigBuilder, NatsConsumer, NatsError, NatsPublisher, StreamSetup};
 use uuid::Uuid;
 
 use common::*;
@@ -55,7 +55,7 @@ impl Nats {
             .expect("publisher connects")
     }
 
-    fn unreachable(&self) -> transport_nats::NatsConfig {
+    fn unreachable(&self) -> outboxkit_nats::NatsConfig {
         NatsConfigBuilder::new("nats://app:hunter2@127.0.0.1:1")
             .with_connect_timeout(Duration::from_secs(2))
             .build()
@@ -227,8 +227,8 @@ impl TransportHarness for Nats {
         headers.insert("Nats-Msg-Id", id.to_string().as_str());
         headers.insert("ce-type", "RawEvent");
         headers.insert("ce-aggregateversion", "1.0");
-        let body =
-            std::str::from_utf8(outbox_core::transport_conformance::MALFORMED_BODY).expect("UTF-8");
+        let body = std::str::from_utf8(outboxkit_core::transport_conformance::MALFORMED_BODY)
+            .expect("UTF-8");
         self.publish_raw(Some(headers), body).await;
     }
 
@@ -289,4 +289,4 @@ impl TransportHarness for Nats {
     }
 }
 
-outbox_core::transport_conformance_tests!(harness);
+outboxkit_core::transport_conformance_tests!(harness);

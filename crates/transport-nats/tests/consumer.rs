@@ -1,24 +1,24 @@
 //! `NatsConsumer` against the real NATS server, for what only JetStream has or what
-//! needs PostgreSQL: redeliveries absorbed by the inbox of outbox-postgres, a
+//! needs PostgreSQL: redeliveries absorbed by the inbox of outboxkit-postgres, a
 //! `max_deliver` limit, a consumer configuration the server refuses. Requeue, reject,
 //! undecodable messages, panics, shutdown and resume are properties of the transport
 //! conformance suite (`tests/conformance.rs`).
 
 mod common;
 
-use outbox_core::Consumer as _;
+use outboxkit_core::Consumer as _;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use async_trait::async_trait;
-use outbox_core::wire::IncomingMessage;
-use outbox_core::{EventPublisher, InboxStore, OutboxMessage};
-use outbox_postgres::{PgInbox, PgOutbox};
-use tokio::task::JoinHandle;
-use tokio_util::sync::CancellationToken;
-use transport_nats::{
+use outboxkit_core::wire::IncomingMessage;
+use outboxkit_core::{EventPublisher, InboxStore, OutboxMessage};
+use outboxkit_nats::{
     DeliveryHandler, HandlerDecision, NatsConsumer, NatsConsumerBuilder, NatsError, NatsPublisher,
 };
+use outboxkit_postgres::{PgInbox, PgOutbox};
+use tokio::task::JoinHandle;
+use tokio_util::sync::CancellationToken;
 use uuid::Uuid;
 
 use common::*;
@@ -287,7 +287,7 @@ async fn invalid_consumer_settings_are_a_permanent_error() {
     .expect("returns instead of retrying forever");
     match result {
         Err(e @ NatsError::Consumer { .. }) => {
-            assert_eq!(e.kind(), outbox_core::ErrorKind::Permanent, "{e}");
+            assert_eq!(e.kind(), outboxkit_core::ErrorKind::Permanent, "{e}");
         }
         other => panic!("expected a permanent Consumer error, got {other:?}"),
     }
@@ -302,7 +302,7 @@ async fn invalid_consumer_settings_are_a_permanent_error() {
 async fn a_stream_setup_creates_the_missing_stream_and_leaves_an_existing_one() {
     let fx = Fixture::unconfigured().await;
     let config = fx.build();
-    let setup = || transport_nats::StreamSetup::for_config(&fx.stream, &config);
+    let setup = || outboxkit_nats::StreamSetup::for_config(&fx.stream, &config);
     let creator = consumer(&fx, "creator")
         .with_stream_setup(setup().with_max_age(Duration::from_secs(3600)))
         .build()
@@ -349,7 +349,7 @@ async fn a_stream_setup_creates_the_missing_stream_and_leaves_an_existing_one() 
     running.stop().await;
 
     let misnamed = consumer(&fx, "misnamed")
-        .with_stream_setup(transport_nats::StreamSetup::for_config("OTHER", &config))
+        .with_stream_setup(outboxkit_nats::StreamSetup::for_config("OTHER", &config))
         .build();
     match misnamed {
         Err(NatsError::InvalidConfig { field, .. }) => assert_eq!(field, "stream_setup"),

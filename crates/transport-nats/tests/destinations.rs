@@ -15,10 +15,10 @@ use std::time::Duration;
 
 use async_nats::jetstream::stream::DiscardPolicy;
 use common::{Fixture, eventually_within, fresh_outbox};
-use outbox_core::{Dispatcher, DispatcherConfig, EventPublisher, MessageStatus, NewMessage};
-use outbox_postgres::PgOutbox;
+use outboxkit_core::{Dispatcher, DispatcherConfig, EventPublisher, MessageStatus, NewMessage};
+use outboxkit_nats::{NatsPublisher, StreamSetup};
+use outboxkit_postgres::PgOutbox;
 use tokio_util::sync::CancellationToken;
-use transport_nats::{NatsPublisher, StreamSetup};
 
 fn routed(n: usize, prefix: &str) -> Vec<NewMessage> {
     (0..n)
@@ -148,7 +148,7 @@ async fn one_full_stream_is_one_circuit_however_many_subjects_it_captures() {
     assert_eq!(stats.destination_circuits_opened, 1, "{stats:?}");
     assert_eq!(most_open, 1);
     assert_eq!(
-        outbox_testkit::pg::held_destinations(outbox.pool(), outbox.schema()).await,
+        outboxkit_testkit::pg::held_destinations(outbox.pool(), outbox.schema()).await,
         HashSet::from([stream_name.clone()]),
         "held rows name the stream"
     );

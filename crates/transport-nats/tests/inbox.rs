@@ -1,4 +1,4 @@
-//! The `inbox` crate driven by `NatsConsumer`, in both modes, over the real NATS server
+//! The `outboxkit-inbox` crate driven by `NatsConsumer`, in both modes, over the real NATS server
 //! and PostgreSQL:
 //!
 //! - idempotent consumer: copies of one message have one effect, and a poison message
@@ -10,24 +10,24 @@
 
 mod common;
 
-use outbox_core::Consumer as _;
+use outboxkit_core::Consumer as _;
 use std::sync::Arc;
 use std::time::Duration;
 
 use async_trait::async_trait;
-use inbox::{
+use outboxkit_core::inbox::ConsumerDeadLetters;
+use outboxkit_core::wire::IncomingMessage;
+use outboxkit_core::{EventPublisher, OutboxMessage};
+use outboxkit_inbox::{
     DurableReceiver, Handler, HandlerContext, HandlerError, IdempotentConsumer, InboxProcessor,
     Pipeline, ProcessorConfig,
 };
-use outbox_core::inbox::ConsumerDeadLetters;
-use outbox_core::wire::IncomingMessage;
-use outbox_core::{EventPublisher, OutboxMessage};
-use outbox_postgres::{PgConfig, PgInbox, PgOutbox};
-use outbox_testkit::pg::PgLockout;
+use outboxkit_nats::{NatsConsumer, NatsPublisher};
+use outboxkit_postgres::{PgConfig, PgInbox, PgOutbox};
+use outboxkit_testkit::pg::PgLockout;
 use sqlx::PgConnection;
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 use tokio_util::sync::CancellationToken;
-use transport_nats::{NatsConsumer, NatsPublisher};
 use uuid::Uuid;
 
 use common::*;

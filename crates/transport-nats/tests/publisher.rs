@@ -11,11 +11,11 @@ mod common;
 use std::sync::Arc;
 use std::time::Duration;
 
-use outbox_core::{
+use outboxkit_core::{
     Dispatcher, DispatcherConfig, ErrorKind, EventPublisher, MessageStatus, NewMessage,
     OutboxMessage, PublishOutcome,
 };
-use transport_nats::{NatsError, NatsPublisher, Storage, StreamSetup};
+use outboxkit_nats::{NatsError, NatsPublisher, Storage, StreamSetup};
 
 use common::*;
 

@@ -3,28 +3,28 @@
 //! JetStream) and the consumer resume by themselves.
 //!
 //! This binary stops the shared NATS server (under the machine-wide fault lock of
-//! `outbox_testkit::faults`), so it holds a single test (cargo runs test
+//! `outboxkit_testkit::faults`), so it holds a single test (cargo runs test
 //! binaries one after another). The outage length is `NATS_OUTAGE_SECS` (default 5).
-//! The server is stopped with `outbox_testkit::faults::NatsStopped`: the process
+//! The server is stopped with `outboxkit_testkit::faults::NatsStopped`: the process
 //! listening on port 4222 and no other `nats-server` (a cluster's nodes keep running),
 //! started again with its own command line; with Docker, the compose service `nats`.
 
 mod common;
 
-use outbox_core::Consumer as _;
+use outboxkit_core::Consumer as _;
 use std::collections::HashSet;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use async_trait::async_trait;
-use outbox_core::wire::IncomingMessage;
-use outbox_core::{Dispatcher, DispatcherConfig, NewMessage, OutboxStore};
-use outbox_postgres::PgOutbox;
-use outbox_testkit::faults::NatsStopped;
-use tokio_util::sync::CancellationToken;
-use transport_nats::{
+use outboxkit_core::wire::IncomingMessage;
+use outboxkit_core::{Dispatcher, DispatcherConfig, NewMessage, OutboxStore};
+use outboxkit_nats::{
     DeliveryHandler, HandlerDecision, NatsConfigBuilder, NatsConsumer, NatsPublisher,
 };
+use outboxkit_postgres::PgOutbox;
+use outboxkit_testkit::faults::NatsStopped;
+use tokio_util::sync::CancellationToken;
 use uuid::Uuid;
 
 use common::*;
@@ -71,7 +71,7 @@ async fn server_is_down() -> bool {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn relay_and_consumer_resume_after_a_server_restart_and_nothing_is_lost() {
     // No other test may freeze or stop a shared server meanwhile.
-    let _lock = outbox_testkit::faults::lock().await;
+    let _lock = outboxkit_testkit::faults::lock().await;
     let outage_secs: u64 = std::env::var("NATS_OUTAGE_SECS")
         .ok()
         .and_then(|s| s.parse().ok())

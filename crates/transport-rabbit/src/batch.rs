@@ -12,10 +12,10 @@ use lapin::Acker;
 use lapin::message::Delivery;
 use lapin::options::BasicAckOptions;
 use lapin::types::ShortString;
-use outbox_core::consumer::{
+use outboxkit_core::consumer::{
     BatchDeliveryHandler, HandlerDecision, handle_batch_until_decided, until_decided,
 };
-use outbox_core::wire::{IncomingMessage, UndecodableMessage};
+use outboxkit_core::wire::{IncomingMessage, UndecodableMessage};
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, warn};

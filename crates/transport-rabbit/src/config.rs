@@ -3,7 +3,7 @@
 //!
 //! ```
 //! use std::time::Duration;
-//! use transport_rabbit::RabbitConfigBuilder;
+//! use outboxkit_rabbit::RabbitConfigBuilder;
 //!
 //! let config = RabbitConfigBuilder::new("amqp://guest:guest@127.0.0.1:5672/%2f")
 //!     .with_exchange("orders.events")
@@ -13,7 +13,7 @@
 //! assert_eq!(config.exchange(), "orders.events");
 //! // The password never shows up in logs or errors.
 //! assert_eq!(config.url_redacted(), "amqp://guest:***@127.0.0.1:5672/%2f");
-//! # Ok::<(), transport_rabbit::RabbitError>(())
+//! # Ok::<(), outboxkit_rabbit::RabbitError>(())
 //! ```
 
 use std::borrow::Cow;
@@ -151,7 +151,7 @@ impl RabbitConfigBuilder {
 
     /// How long a batch waits for its publisher confirms: a batch ends at most the
     /// connect timeout plus this after it started; messages still unconfirmed then are
-    /// reported as [`PublishError::Timeout`](outbox_core::PublishError::Timeout), an
+    /// reported as [`PublishError::Timeout`](outboxkit_core::PublishError::Timeout), an
     /// outage that charges no attempt. Default 10 s. The dispatcher's lease must be at
     /// least twice the sum of the two.
     pub fn with_confirm_timeout(mut self, timeout: Duration) -> Self {
@@ -168,7 +168,7 @@ impl RabbitConfigBuilder {
     }
 
     /// The largest payload, in bytes, the publisher sends. A larger message is not sent
-    /// and gets [`PublishError::PayloadTooLarge`](outbox_core::PublishError::PayloadTooLarge)
+    /// and gets [`PublishError::PayloadTooLarge`](outboxkit_core::PublishError::PayloadTooLarge)
     /// (permanent). Default 16 MiB; keep it at or below the broker's
     /// `max_message_size`.
     pub fn with_max_payload_bytes(mut self, max: usize) -> Self {

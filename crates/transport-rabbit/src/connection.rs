@@ -184,7 +184,7 @@ impl RabbitConsumer {
 /// so an attempt cut short goes on with the next node.
 ///
 /// A refusal that is not an outage (bad credentials, an unknown virtual host: a
-/// [`Permanent`](outbox_core::ErrorKind::Permanent) error) is returned at once: every
+/// [`Permanent`](outboxkit_core::ErrorKind::Permanent) error) is returned at once: every
 /// node of a cluster shares users and virtual hosts.
 pub(crate) async fn open_connection(config: &RabbitConfig) -> Result<Connection, RabbitError> {
     let limit = config.node_connect_timeout();
@@ -216,7 +216,7 @@ pub(crate) async fn open_connection(config: &RabbitConfig) -> Result<Connection,
             },
         };
         config.tried(index);
-        if error.kind() == outbox_core::ErrorKind::Permanent {
+        if error.kind() == outboxkit_core::ErrorKind::Permanent {
             return Err(error);
         }
         if config.node_count() > 1 {

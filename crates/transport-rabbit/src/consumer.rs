@@ -17,7 +17,7 @@
 //!   a malformed or over-long attribute) goes to the handler's
 //!   [`handle_undecodable`](DeliveryHandler::handle_undecodable) as an
 //!   [`UndecodableMessage`], its raw headers and body and the id it can be recorded
-//!   under; the answer is carried out like any other (the `inbox` crate's consumers
+//!   under; the answer is carried out like any other (the `outboxkit-inbox` crate's consumers
 //!   record a consumer dead letter and answer `Ack`; the default rejects it without
 //!   requeue, `basic.nack` with `requeue = false`, to the queue's dead-letter exchange
 //!   if it has one). It never blocks the queue.
@@ -34,7 +34,7 @@
 //!   then return to the queue (a quorum queue counts that as one delivery each) and the
 //!   consumer reconnects.
 //! - A handler that panics is caught and logged, and the delivery requeued: it is never
-//!   rejected (the `inbox` crate's handlers count their own panics as failures and
+//!   rejected (the `outboxkit-inbox` crate's handlers count their own panics as failures and
 //!   end a message that always panics as a consumer dead letter).
 //! - Deliveries are handled **concurrently**, up to the prefetch count at a time, within
 //!   the task that calls [`run`](RabbitConsumer::run); the order in which handlers finish
@@ -49,7 +49,7 @@
 //! # Batched mode
 //!
 //! [`RabbitConsumer::run_batched`] hands deliveries to a [`BatchDeliveryHandler`] in
-//! batches instead (the `inbox` crate's `IdempotentConsumer` applies a batch in one
+//! batches instead (the `outboxkit-inbox` crate's `IdempotentConsumer` applies a batch in one
 //! database transaction). Everything above holds per delivery, and:
 //!
 //! - A batch takes the deliveries already received, up to the batch size (default: the
@@ -80,11 +80,11 @@ use lapin::message::Delivery;
 use lapin::options::{BasicAckOptions, BasicCancelOptions, BasicConsumeOptions, BasicNackOptions};
 use lapin::types::{AMQPValue, DecimalValue, FieldTable, LongString, ShortString};
 use lapin::{BasicProperties, Channel, Connection};
-use outbox_core::consumer::{
+use outboxkit_core::consumer::{
     BatchDeliveryHandler, DeliveryHandler, HandlerDecision, handle_until_decided, until_decided,
 };
-use outbox_core::wire::{Binding, IncomingMessage, UndecodableMessage};
-use outbox_core::{BatchSettings, Consumer, ErrorKind, Headers, TransportKind};
+use outboxkit_core::wire::{Binding, IncomingMessage, UndecodableMessage};
+use outboxkit_core::{BatchSettings, Consumer, ErrorKind, Headers, TransportKind};
 use tokio::time::timeout;
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, error, info, warn};
@@ -116,7 +116,7 @@ pub const DEFAULT_REQUEUE_DELAY: Duration = Duration::from_secs(1);
 /// channel closed with unacknowledged deliveries) toward its `x-delivery-limit`, and
 /// drops or dead-letters a message past it. This crate's consumers never spend a
 /// delivery on an outage (`Defer` keeps the delivery, see the module docs), and the
-/// `inbox` crate records a message that keeps failing as a consumer dead letter after
+/// `outboxkit-inbox` crate records a message that keeps failing as a consumer dead letter after
 /// its own attempts; leave the delivery limit unset (RabbitMQ 3.x: unlimited) or set it
 /// well above those attempts (RabbitMQ 4.0 sets 20 by default), so that the broker never
 /// ends a message the inbox has not recorded. See `docs/clusters.md`.
@@ -368,9 +368,9 @@ fn check_name(field: &'static str, value: &str) -> Result<(), RabbitError> {
 ///
 /// ```no_run
 /// use async_trait::async_trait;
-/// use outbox_core::wire::IncomingMessage;
+/// use outboxkit_core::wire::IncomingMessage;
 /// use tokio_util::sync::CancellationToken;
-/// use transport_rabbit::{
+/// use outboxkit_rabbit::{
 ///     Consumer as _, DeliveryHandler, HandlerDecision, RabbitConfigBuilder, RabbitConsumer,
 /// };
 ///
@@ -384,7 +384,7 @@ fn check_name(field: &'static str, value: &str) -> Result<(), RabbitError> {
 ///     }
 /// }
 ///
-/// # async fn run() -> Result<(), transport_rabbit::RabbitError> {
+/// # async fn run() -> Result<(), outboxkit_rabbit::RabbitError> {
 /// let config = RabbitConfigBuilder::from_env().build()?;
 /// let consumer = RabbitConsumer::builder(config, "projection.orders")
 ///     .with_binding_key("Order*")
@@ -913,7 +913,7 @@ mod tests {
 mod properties {
     use super::*;
     use lapin::types::{ByteArray, FieldArray};
-    use outbox_core::proptest_support::{config, text};
+    use outboxkit_core::proptest_support::{config, text};
     use proptest::prelude::*;
 
     /// An AMQP short string: any text of at most 255 bytes.

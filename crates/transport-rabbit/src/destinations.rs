@@ -1,5 +1,5 @@
 //! Destination rules: which routing keys share one circuit of the relay
-//! ([`EventPublisher::destination`](outbox_core::EventPublisher::destination)).
+//! ([`EventPublisher::destination`](outboxkit_core::EventPublisher::destination)).
 //!
 //! When a queue is full (`x-max-length` with `x-overflow: reject-publish`), RabbitMQ
 //! answers the publish with a `basic.nack` that names no queue, and one routing key may
@@ -31,12 +31,12 @@ const MAX_WORDS: usize = 128;
 /// destination `name`. Written `PATTERN=NAME` (its [`FromStr`] and [`Display`]).
 ///
 /// ```
-/// use transport_rabbit::DestinationRule;
+/// use outboxkit_rabbit::DestinationRule;
 ///
 /// let rule: DestinationRule = "orders.#=orders-queue".parse()?;
 /// assert_eq!(rule.destination_of("orders.eu.created"), Some("orders-queue"));
 /// assert_eq!(rule.destination_of("payments.created"), None);
-/// # Ok::<(), transport_rabbit::RabbitError>(())
+/// # Ok::<(), outboxkit_rabbit::RabbitError>(())
 /// ```
 ///
 /// [`Display`]: fmt::Display
@@ -53,7 +53,7 @@ impl DestinationRule {
     /// [`RabbitError::InvalidConfig`] (field `destination_rules`) when the pattern is
     /// empty, longer than 255 bytes, has an empty word (`a..b`) or a word mixing a
     /// wildcard with other characters (`a*`), or the name is empty, longer than
-    /// [`MAX_NAME_LEN`](outbox_core::MAX_NAME_LEN) bytes or holds a control character.
+    /// [`MAX_NAME_LEN`](outboxkit_core::MAX_NAME_LEN) bytes or holds a control character.
     pub fn new(pattern: impl Into<String>, name: impl Into<String>) -> Result<Self, RabbitError> {
         let (pattern, name) = (pattern.into(), name.into());
         let invalid = |reason: String| RabbitError::InvalidConfig {
@@ -80,10 +80,10 @@ impl DestinationRule {
                 )));
             }
         }
-        if name.is_empty() || name.len() > outbox_core::MAX_NAME_LEN {
+        if name.is_empty() || name.len() > outboxkit_core::MAX_NAME_LEN {
             return Err(invalid(format!(
                 "destination name {name:?} must be 1 to {} bytes",
-                outbox_core::MAX_NAME_LEN
+                outboxkit_core::MAX_NAME_LEN
             )));
         }
         if name.chars().any(char::is_control) {

@@ -1,5 +1,5 @@
 //! [`RabbitError`]: what can go wrong while configuring, connecting, declaring topology or
-//! consuming. Per-message publish failures are [`outbox_core::PublishError`]s instead.
+//! consuming. Per-message publish failures are [`outboxkit_core::PublishError`]s instead.
 //!
 //! Driver errors are boxed to keep `Result<_, RabbitError>` small.
 //!
@@ -10,7 +10,7 @@
 use std::time::Duration;
 
 use lapin::protocol::{AMQPErrorKind, AMQPHardError, AMQPSoftError};
-use outbox_core::ErrorKind;
+use outboxkit_core::ErrorKind;
 
 /// Errors of the RabbitMQ transport outside the per-message publish path.
 #[derive(Debug, thiserror::Error)]
@@ -163,7 +163,9 @@ pub(crate) fn is_precondition_failed(error: &lapin::Error) -> bool {
 /// the user info and the last `@` of the authority is hidden.
 pub fn redact_url(url: &str) -> String {
     url.split(',')
-        .map(|one| outbox_core::error::redact_url(one, outbox_core::error::LoneUserInfo::UserName))
+        .map(|one| {
+            outboxkit_core::error::redact_url(one, outboxkit_core::error::LoneUserInfo::UserName)
+        })
         .collect::<Vec<_>>()
         .join(",")
 }

@@ -1,29 +1,29 @@
-//! # transport-rabbit
+//! # outboxkit-rabbit
 //!
 //! The RabbitMQ (AMQP 0-9-1) transport of the outbox toolkit:
 //!
-//! - [`RabbitPublisher`] implements [`outbox_core::EventPublisher`] for the relay: it
+//! - [`RabbitPublisher`] implements [`outboxkit_core::EventPublisher`] for the relay: it
 //!   publishes a batch to a durable topic exchange as persistent, `mandatory` messages
 //!   on a channel in confirm mode, sends the whole batch before awaiting the
 //!   [publisher confirms] together, and turns every broker answer into one
-//!   [`PublishOutcome`](outbox_core::PublishOutcome) per message (a `basic.return` is
+//!   [`PublishOutcome`](outboxkit_core::PublishOutcome) per message (a `basic.return` is
 //!   a permanent `Unroutable`, a `basic.nack` a transient `Rejected`, a lost connection
 //!   `Unavailable`, which opens the dispatcher's circuit). It reconnects by itself.
 //! - [`RabbitConsumer`] consumes a queue bound to that exchange with manual acks,
-//!   decodes each delivery into an [`IncomingMessage`](outbox_core::wire::IncomingMessage)
+//!   decodes each delivery into an [`IncomingMessage`](outboxkit_core::wire::IncomingMessage)
 //!   and acks, requeues or rejects it after a [`DeliveryHandler`] returns; or, with
 //!   [`RabbitConsumer::run_batched`], hands a [`BatchDeliveryHandler`] the deliveries
 //!   in batches and acknowledges a whole batch with one `basic.ack` when it can.
 //! - [`RabbitConfigBuilder`] / [`RabbitConfig`]: the broker URL and settings shared by
-//!   both; [`RabbitError`]: typed errors with an [`ErrorKind`](outbox_core::ErrorKind).
+//!   both; [`RabbitError`]: typed errors with an [`ErrorKind`](outboxkit_core::ErrorKind).
 //!
 //! Messages carry the outbox id as the AMQP `message_id` property and the event's
 //! metadata as CloudEvents AMQP-binding headers (`cloudEvents:type`, ...), see
-//! [`outbox_core::wire`].
+//! [`outboxkit_core::wire`].
 //!
 //! ```no_run
-//! use outbox_core::{Dispatcher, EventPublisher};
-//! use transport_rabbit::{RabbitConfigBuilder, RabbitPublisher};
+//! use outboxkit_core::{Dispatcher, EventPublisher};
+//! use outboxkit_rabbit::{RabbitConfigBuilder, RabbitPublisher};
 //!
 //! # async fn relay() -> Result<(), Box<dyn std::error::Error>> {
 //! // AMQP_URL, or amqp://guest:guest@127.0.0.1:5672/%2f
@@ -34,7 +34,7 @@
 //! // Fails fast with a typed error if the broker is unreachable or refuses us.
 //! let publisher = RabbitPublisher::connect(config).await?;
 //! publisher.check_ready().await?;
-//! // Hand it to a `Dispatcher` together with a store, e.g. outbox-postgres.
+//! // Hand it to a `Dispatcher` together with a store, e.g. outboxkit-postgres.
 //! # Ok(())
 //! # }
 //! ```
@@ -56,7 +56,7 @@ pub use config::{RabbitConfig, RabbitConfigBuilder};
 pub use consumer::{QueueType, RabbitConsumer, RabbitConsumerBuilder};
 pub use destinations::DestinationRule;
 pub use error::{RabbitError, redact_url};
-pub use outbox_core::consumer::{
+pub use outboxkit_core::consumer::{
     BatchDeliveryHandler, Consumer, DeliveryHandler, HandlerDecision, TransportKind,
 };
 pub use publisher::RabbitPublisher;

@@ -39,7 +39,7 @@
 //!
 //! Properties: `message_id` = outbox id, `content_type` = `application/json`,
 //! `delivery_mode` = 2 (persistent), `timestamp` = `occurred_at` (Unix seconds), `type`
-//! = event type. Headers: [`outbox_core::wire::encode_headers`] with the AMQP binding
+//! = event type. Headers: [`outboxkit_core::wire::encode_headers`] with the AMQP binding
 //! (`cloudEvents:*` attributes, `traceparent`/`tracestate`, pass-through headers), all
 //! as AMQP long strings; when a pass-through header has the name of a CloudEvents
 //! attribute, the attribute wins. Routing key: [`OutboxMessage::effective_routing_key`].
@@ -65,8 +65,8 @@ use futures::future::join_all;
 use lapin::options::BasicPublishOptions;
 use lapin::types::{AMQPValue, FieldTable, LongString, ShortString};
 use lapin::{BasicProperties, Confirmation, PublisherConfirm};
-use outbox_core::wire::{Binding, CONTENT_TYPE_JSON, check_limits, encode_headers};
-use outbox_core::{ErrorKind, EventPublisher, OutboxMessage, PublishError, PublishOutcome};
+use outboxkit_core::wire::{Binding, CONTENT_TYPE_JSON, check_limits, encode_headers};
+use outboxkit_core::{ErrorKind, EventPublisher, OutboxMessage, PublishError, PublishOutcome};
 use tokio::sync::Mutex;
 use tokio::time::{Instant, timeout, timeout_at};
 use tracing::{debug, warn};
@@ -85,7 +85,7 @@ const MAX_SHORT_STRING: usize = 255;
 /// confirms. See the [module docs](self) for the outcome of each broker answer.
 ///
 /// Cheap to share: wrap it in an [`Arc`] or hand it to the
-/// [`Dispatcher`](outbox_core::Dispatcher) directly. Concurrent
+/// [`Dispatcher`](outboxkit_core::Dispatcher) directly. Concurrent
 /// [`publish_batch`](EventPublisher::publish_batch) calls use different channels of the
 /// one connection.
 #[derive(Debug)]
@@ -642,8 +642,8 @@ mod tests {
 mod properties {
     use super::*;
     use crate::config::DEFAULT_URL;
-    use outbox_core::proptest_support::{any_time, config, payload, text};
-    use outbox_core::{MAX_AGGREGATE_ID_LEN, MAX_NAME_LEN, MessageStatus};
+    use outboxkit_core::proptest_support::{any_time, config, payload, text};
+    use outboxkit_core::{MAX_AGGREGATE_ID_LEN, MAX_NAME_LEN, MessageStatus};
     use proptest::prelude::*;
     use uuid::Uuid;
 

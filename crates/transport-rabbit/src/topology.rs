@@ -59,7 +59,7 @@ impl RabbitPublisher {
 impl RabbitConsumer {
     /// Connects once, declares the exchange (when configured) and the queue, binds it,
     /// and disconnects. Call it before publishing when messages must not be missed
-    /// before [`run`](outbox_core::Consumer::run) starts.
+    /// before [`run`](outboxkit_core::Consumer::run) starts.
     ///
     /// # Errors
     /// A connection, channel or declaration error ([`RabbitError`]).

@@ -5,8 +5,8 @@
 
 mod common;
 
-use outbox_core::BatchSettings;
-use transport_rabbit::{RabbitConsumer, RabbitConsumerBuilder, RabbitError};
+use outboxkit_core::BatchSettings;
+use outboxkit_rabbit::{RabbitConsumer, RabbitConsumerBuilder, RabbitError};
 
 use common::*;
 
@@ -18,7 +18,7 @@ fn batch_settings_are_validated() {
         Err(RabbitError::InvalidConfig { field, .. }) => field,
         other => panic!("expected InvalidConfig, got {other:?}"),
     };
-    // The limits are BatchSettings::check's (outbox-core's unit tests); the window here
+    // The limits are BatchSettings::check's (outboxkit-core's unit tests); the window here
     // is the prefetch.
     assert_eq!(
         field(builder().with_batch(BatchSettings::new().with_size(11))),

@@ -1,16 +1,16 @@
 //! `RabbitConsumer` while RabbitMQ is stopped and started again, in a binary of its own
 //! so that no other test of this crate runs meanwhile (the broker is shared); it also
-//! holds the machine-wide fault lock of `outbox_testkit::faults`.
+//! holds the machine-wide fault lock of `outboxkit_testkit::faults`.
 
 mod common;
 
-use outbox_core::Consumer as _;
+use outboxkit_core::Consumer as _;
 use std::time::Duration;
 
 use lapin::types::FieldTable;
-use outbox_core::EventPublisher;
+use outboxkit_core::EventPublisher;
+use outboxkit_rabbit::{RabbitConsumer, RabbitPublisher};
 use tokio_util::sync::CancellationToken;
-use transport_rabbit::{RabbitConsumer, RabbitPublisher};
 
 use common::*;
 
@@ -19,7 +19,7 @@ use common::*;
 /// consumer; once the broker is back the message is delivered again and handled.
 #[tokio::test]
 async fn a_delivery_in_flight_when_the_broker_restarts_is_redelivered() {
-    let _lock = outbox_testkit::faults::lock().await;
+    let _lock = outboxkit_testkit::faults::lock().await;
     let exchange = unique("consumer.restart");
     let queue = unique("consumer.restart.q");
     let publisher_config = build(config(&exchange));
@@ -50,7 +50,7 @@ async fn a_delivery_in_flight_when_the_broker_restarts_is_redelivered() {
     tokio::time::timeout(DEADLINE, handler.started.notified())
         .await
         .expect("the handler holds the delivery");
-    let stopped = outbox_testkit::faults::RabbitStopped::stop();
+    let stopped = outboxkit_testkit::faults::RabbitStopped::stop();
     handler.release.notify_one();
     tokio::time::sleep(Duration::from_secs(2)).await;
     stopped.end();

@@ -1,10 +1,10 @@
-//! The transport conformance suite of `outbox-core` (`transport_conformance_tests!`)
+//! The transport conformance suite of `outboxkit-core` (`transport_conformance_tests!`)
 //! run against the real RabbitMQ: every property on an exchange and a queue of its own
 //! (with a dead-letter exchange and queue), read back with raw lapin.
 
 mod common;
 
-use outbox_core::Consumer as _;
+use outboxkit_core::Consumer as _;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -13,15 +13,15 @@ use futures::StreamExt as _;
 use lapin::options::{BasicConsumeOptions, BasicPublishOptions, ConfirmSelectOptions};
 use lapin::types::{AMQPValue, FieldTable};
 use lapin::{BasicProperties, Channel, Connection, ExchangeKind};
-use outbox_core::transport_conformance::{
+use outboxkit_core::transport_conformance::{
     ConsumerRun, ConsumerSettings, DEADLINE, RawMessage, SOURCE, TransportHarness,
 };
-use outbox_core::wire::Binding;
-use outbox_core::{
+use outboxkit_core::wire::Binding;
+use outboxkit_core::{
     BatchDeliveryHandler, BoxError, DeliveryHandler, ErrorKind, Headers, OutboxMessage,
 };
+use outboxkit_rabbit::{RabbitConfigBuilder, RabbitConsumer, RabbitError, RabbitPublisher};
 use tokio_util::sync::CancellationToken;
-use transport_rabbit::{RabbitConfigBuilder, RabbitConsumer, RabbitError, RabbitPublisher};
 use uuid::Uuid;
 
 use common::*;
@@ -283,7 +283,7 @@ impl TransportHarness for Rabbit {
         );
         self.publish_raw(
             "RawEvent",
-            outbox_core::transport_conformance::MALFORMED_BODY,
+            outboxkit_core::transport_conformance::MALFORMED_BODY,
             BasicProperties::default()
                 .with_message_id(id.to_string().into())
                 .with_headers(headers),
@@ -367,4 +367,4 @@ impl TransportHarness for Rabbit {
     }
 }
 
-outbox_core::transport_conformance_tests!(harness);
+outboxkit_core::transport_conformance_tests!(harness);

@@ -5,20 +5,20 @@
 
 mod common;
 
-use outbox_core::Consumer as _;
+use outboxkit_core::Consumer as _;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use async_trait::async_trait;
 use lapin::ExchangeKind;
 use lapin::types::FieldTable;
-use outbox_core::EventPublisher;
-use outbox_core::wire::IncomingMessage;
-use tokio::task::JoinHandle;
-use tokio_util::sync::CancellationToken;
-use transport_rabbit::{
+use outboxkit_core::EventPublisher;
+use outboxkit_core::wire::IncomingMessage;
+use outboxkit_rabbit::{
     DeliveryHandler, HandlerDecision, RabbitConfig, RabbitConsumer, RabbitError, RabbitPublisher,
 };
+use tokio::task::JoinHandle;
+use tokio_util::sync::CancellationToken;
 use uuid::Uuid;
 
 use common::*;
@@ -145,7 +145,7 @@ async fn inequivalent_queue_is_a_permanent_error() {
                 ..
             },
         ) => {
-            assert_eq!(e.kind(), outbox_core::ErrorKind::Permanent);
+            assert_eq!(e.kind(), outboxkit_core::ErrorKind::Permanent);
         }
         other => panic!("expected a permanent queue.declare error, got {other:?}"),
     }

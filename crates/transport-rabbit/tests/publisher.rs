@@ -15,8 +15,8 @@ use lapin::ExchangeKind;
 use lapin::message::Delivery;
 use lapin::options::BasicConsumeOptions;
 use lapin::types::{AMQPValue, FieldTable};
-use outbox_core::{ErrorKind, EventPublisher, OutboxMessage, PublishError, PublishOutcome};
-use transport_rabbit::{RabbitConfigBuilder, RabbitError, RabbitPublisher};
+use outboxkit_core::{ErrorKind, EventPublisher, OutboxMessage, PublishError, PublishOutcome};
+use outboxkit_rabbit::{RabbitConfigBuilder, RabbitError, RabbitPublisher};
 
 use common::*;
 

@@ -6,7 +6,7 @@
 //!    (the order row and the outbox row commit together or not at all);
 //! 2. the **relay** ([`Dispatcher`] + `RabbitPublisher` or `NatsPublisher`) publishes
 //!    committed events with publisher confirms or JetStream PubAcks;
-//! 3. a **consumer** projects each event into `order_projection` through the `inbox`
+//! 3. a **consumer** projects each event into `order_projection` through the `outboxkit-inbox`
 //!    crate's idempotent consumer: the inbox record and the projection upsert commit
 //!    together, then the broker is acked, so the effect happens exactly once;
 //! 4. duplicates are made **on purpose** on both sides: a relay "crashes" after
@@ -30,7 +30,7 @@ mod telemetry;
 mod transport;
 
 use db::{Database, DatabaseKind};
-use outbox::Consumer as _;
+use outboxkit::Consumer as _;
 use projection::{CONSUMER, ConsumerCounters, Projector};
 
 use std::sync::Arc;
@@ -39,7 +39,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::bail;
 use clap::Parser;
-use outbox_core::{Dispatcher, DispatcherConfig, EventPublisher, NewMessage, OutboxStore};
+use outboxkit_core::{Dispatcher, DispatcherConfig, EventPublisher, NewMessage, OutboxStore};
 use serde::{Deserialize, Serialize};
 use tokio_util::sync::CancellationToken;
 use tracing::Instrument as _;
@@ -132,7 +132,7 @@ async fn produce<D: Database>(
     db: D,
     first: usize,
     count: usize,
-    wake: outbox_core::WakeHandle,
+    wake: outboxkit_core::WakeHandle,
 ) -> anyhow::Result<()> {
     for i in first..first + count {
         let order = OrderPlaced {

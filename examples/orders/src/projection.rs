@@ -11,11 +11,11 @@ use std::marker::PhantomData;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
-use inbox::{Handler, HandlerContext, HandlerError, IdempotentConsumer, Pipeline};
-use outbox_core::InboxStore;
-use outbox_core::async_trait;
-use outbox_core::consumer::{DeliveryHandler, HandlerDecision};
-use outbox_core::wire::{IncomingMessage, TRACEPARENT, TraceParent};
+use outboxkit_core::InboxStore;
+use outboxkit_core::async_trait;
+use outboxkit_core::consumer::{DeliveryHandler, HandlerDecision};
+use outboxkit_core::wire::{IncomingMessage, TRACEPARENT, TraceParent};
+use outboxkit_inbox::{Handler, HandlerContext, HandlerError, IdempotentConsumer, Pipeline};
 
 use crate::OrderPlaced;
 use crate::db::{Database, Projection};

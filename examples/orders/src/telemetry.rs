@@ -84,11 +84,11 @@ pub(crate) fn install() -> anyhow::Result<Telemetry> {
     let spans = Targets::new().with_targets(
         [
             "orders_example",
-            "outbox_core",
-            "outbox_postgres",
-            "inbox",
-            "transport_rabbit",
-            "transport_nats",
+            "outboxkit_core",
+            "outboxkit_postgres",
+            "outboxkit_inbox",
+            "outboxkit_rabbit",
+            "outboxkit_nats",
         ]
         .map(|target| (target, LevelFilter::INFO)),
     );

@@ -3,14 +3,14 @@
 //! construction); the producers, the relay, the projection handler and the
 //! reconciliation are the same for both.
 
-pub(crate) use outbox_core::TransportKind;
+pub(crate) use outboxkit_core::TransportKind;
 use std::time::Duration;
 
 use anyhow::Context as _;
-use outbox::AnyConsumer;
-use outbox::AnyPublisher;
-use transport_nats::{NatsConfig, NatsConsumer, NatsPublisher, StreamSetup, async_nats};
-use transport_rabbit::{RabbitConfig, RabbitConsumer, RabbitPublisher};
+use outboxkit::AnyConsumer;
+use outboxkit::AnyPublisher;
+use outboxkit_nats::{NatsConfig, NatsConsumer, NatsPublisher, StreamSetup, async_nats};
+use outboxkit_rabbit::{RabbitConfig, RabbitConsumer, RabbitPublisher};
 
 /// Publisher, consumer, and what the reconciliation needs to know about the broker.
 pub(crate) struct Wiring {
@@ -102,7 +102,7 @@ async fn wire_rabbit(amqp_url: &str, schema: &str) -> anyhow::Result<Wiring> {
 /// 2-minute duplicate window, and a durable pull consumer `projection` of
 /// `OrderPlaced`.
 async fn wire_nats(nats_url: &str, schema: &str) -> anyhow::Result<Wiring> {
-    let config: NatsConfig = transport_nats::NatsConfigBuilder::new(nats_url)
+    let config: NatsConfig = outboxkit_nats::NatsConfigBuilder::new(nats_url)
         .with_subject_prefix(format!("{schema}.events"))
         .with_connection_name(format!("{schema}-demo"))
         .build()?;

@@ -5,8 +5,8 @@
 
 use std::sync::Arc;
 
-use outbox_core::wire::IncomingMessage;
-use outbox_postgres::{PgConfig, PgInbox, PgOutbox};
+use outboxkit_core::wire::IncomingMessage;
+use outboxkit_postgres::{PgConfig, PgInbox, PgOutbox};
 use sqlx::{AssertSqlSafe, PgPool};
 use uuid::Uuid;
 
@@ -20,7 +20,7 @@ pub(crate) struct Db {
     pub(crate) pool: PgPool,
     pub(crate) schema: String,
     /// Last (fields drop in order): the schema goes with the test.
-    _drop: outbox_testkit::pg::DropSchema,
+    _drop: outboxkit_testkit::pg::DropSchema,
 }
 
 /// A fresh schema with an `effects` table: one row per handler run that committed,
@@ -50,7 +50,7 @@ pub(crate) async fn db() -> Db {
             .expect("inbox"),
         ),
         pool: outbox.pool().clone(),
-        _drop: outbox_testkit::pg::DropSchema::new(&database_url(), &schema),
+        _drop: outboxkit_testkit::pg::DropSchema::new(&database_url(), &schema),
         schema,
     }
 }

@@ -4,7 +4,7 @@ use std::io::Write;
 
 use chrono::{DateTime, Utc};
 use clap::{Args, Subcommand};
-use outbox_core::{MessageFilter, OutboxAdmin};
+use outboxkit_core::{MessageFilter, OutboxAdmin};
 use serde::Serialize;
 use uuid::Uuid;
 

@@ -5,7 +5,7 @@ use std::io::Write;
 
 use chrono::{DateTime, Utc};
 use clap::{Args, Subcommand};
-use outbox_core::{
+use outboxkit_core::{
     InboxDeadFilter, InboxDeadLetter, InboxReplayMode, InboxReplayReport, OutboxAdmin,
 };
 

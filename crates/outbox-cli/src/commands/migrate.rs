@@ -2,7 +2,7 @@
 
 use std::io::Write;
 
-use outbox_core::OutboxAdmin;
+use outboxkit_core::OutboxAdmin;
 
 use super::Validated;
 use crate::error::CliError;

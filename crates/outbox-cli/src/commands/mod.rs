@@ -18,7 +18,7 @@
 
 use std::io::Write;
 
-use outbox_core::OutboxAdmin;
+use outboxkit_core::OutboxAdmin;
 
 use crate::error::CliError;
 

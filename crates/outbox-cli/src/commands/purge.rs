@@ -5,7 +5,7 @@ use std::io::Write;
 use std::time::{Duration, Instant};
 
 use clap::Args;
-use outbox_core::OutboxAdmin;
+use outboxkit_core::OutboxAdmin;
 use serde::Serialize;
 
 use super::Validated;

@@ -5,7 +5,7 @@ use std::io::Write;
 
 use chrono::{DateTime, Utc};
 use clap::Args;
-use outbox_core::{OutboxAdmin, ReconcileRow};
+use outboxkit_core::{OutboxAdmin, ReconcileRow};
 
 use super::Validated;
 use crate::config::parse_window;

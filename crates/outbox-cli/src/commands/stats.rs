@@ -4,7 +4,7 @@ use std::io::Write;
 
 use chrono::{DateTime, Utc};
 use clap::Args;
-use outbox_core::{GroupStats, OutboxAdmin};
+use outboxkit_core::{GroupStats, OutboxAdmin};
 use serde::Serialize;
 use uuid::Uuid;
 

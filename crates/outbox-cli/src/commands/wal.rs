@@ -65,14 +65,14 @@ pub(crate) enum WalCommand {
 }
 
 #[cfg(feature = "postgres")]
-/// The checked [`WalConfig`](outbox_postgres::wal::WalConfig) of `schema` with the
+/// The checked [`WalConfig`](outboxkit_postgres::wal::WalConfig) of `schema` with the
 /// names given.
 pub(crate) fn wal_config(
     schema: &str,
     slot: Option<&str>,
     publication: Option<&str>,
-) -> Result<outbox_postgres::wal::WalConfig, CliError> {
-    let mut wal = outbox_postgres::wal::WalConfig::new(schema);
+) -> Result<outboxkit_postgres::wal::WalConfig, CliError> {
+    let mut wal = outboxkit_postgres::wal::WalConfig::new(schema);
     if let Some(slot) = slot {
         wal = wal.with_slot(slot);
     }
@@ -107,10 +107,10 @@ pub(crate) async fn run(
         config = config.with_failover(*failover);
     }
     let outbox =
-        outbox_postgres::PgOutbox::connect(&db.pg_config().with_max_connections(2)).await?;
+        outboxkit_postgres::PgOutbox::connect(&db.pg_config().with_max_connections(2)).await?;
     match command {
         WalCommand::Setup { json, .. } => {
-            let report = outbox_postgres::wal::setup(&outbox, &config).await?;
+            let report = outboxkit_postgres::wal::setup(&outbox, &config).await?;
             if *json {
                 writeln!(
                     out,
@@ -153,7 +153,7 @@ pub(crate) async fn run(
             }
         }
         WalCommand::Status { json, .. } => {
-            let s = outbox_postgres::wal::status(&outbox, &config).await?;
+            let s = outboxkit_postgres::wal::status(&outbox, &config).await?;
             if *json {
                 writeln!(
                     out,
@@ -220,7 +220,7 @@ pub(crate) async fn run(
             }
         }
         WalCommand::Drop { force, .. } => {
-            let existed = outbox_postgres::wal::drop_slot(&outbox, &config, *force).await?;
+            let existed = outboxkit_postgres::wal::drop_slot(&outbox, &config, *force).await?;
             writeln!(
                 out,
                 "slot {}: {}; publication {} dropped; NOTIFY trigger enabled",

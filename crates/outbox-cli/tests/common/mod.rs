@@ -6,8 +6,8 @@ use std::path::PathBuf;
 use std::process::{Child, Command, ExitStatus, Stdio};
 use std::time::{Duration, Instant};
 
-use outbox_core::NewMessage;
-use outbox_postgres::{PgConfig, PgOutbox};
+use outboxkit_core::NewMessage;
+use outboxkit_postgres::{PgConfig, PgOutbox};
 use sqlx::AssertSqlSafe;
 use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
 use uuid::Uuid;
@@ -17,12 +17,12 @@ pub fn database_url() -> String {
         .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".into())
 }
 
-pub use outbox_testkit::rabbit::amqp_url;
+pub use outboxkit_testkit::rabbit::amqp_url;
 
 /// A test's outbox over a fresh, migrated schema `t_<uuid>` (derefs to the
 /// [`PgOutbox`]; `clone()` gives a `PgOutbox` to move into tasks); the schema is dropped
 /// when it goes out of scope, also when the test panics.
-pub type TestOutbox = outbox_testkit::pg::InSchema<PgOutbox>;
+pub type TestOutbox = outboxkit_testkit::pg::InSchema<PgOutbox>;
 
 /// A fresh, migrated schema `t_<uuid>`, dropped with the returned value.
 pub async fn fresh_outbox() -> TestOutbox {
@@ -158,7 +158,7 @@ pub async fn request(
 }
 
 /// Polls `f` every 50 ms until it is true or a timeout passes (shared test support).
-pub use outbox_testkit::rabbit::eventually;
+pub use outboxkit_testkit::rabbit::eventually;
 
 /// A running `outbox relay`, its log in a file; killed on drop if still running.
 pub struct RelayProcess {
@@ -315,7 +315,12 @@ impl WalCleanup {
 impl Drop for WalCleanup {
     fn drop(&mut self) {
         let slot = format!("{}_outbox", self.schema);
-        outbox_testkit::pg::drop_wal_objects_blocking(&database_url(), &slot, &slot, &self.schema);
+        outboxkit_testkit::pg::drop_wal_objects_blocking(
+            &database_url(),
+            &slot,
+            &slot,
+            &self.schema,
+        );
     }
 }
 

@@ -12,7 +12,7 @@
 //!
 //! ```ignore
 //! async fn harness() -> MyHarness { /* own exchange and queue */ }
-//! outbox_core::transport_conformance_tests!(harness);
+//! outboxkit_core::transport_conformance_tests!(harness);
 //! ```
 //!
 //! The properties, by module:

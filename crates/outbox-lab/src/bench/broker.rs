@@ -13,8 +13,8 @@ use lapin::options::{
 };
 use lapin::types::FieldTable;
 use lapin::{Connection, ExchangeKind};
-use transport_nats::StreamSetup;
-use transport_nats::async_nats::jetstream;
+use outboxkit_nats::StreamSetup;
+use outboxkit_nats::async_nats::jetstream;
 use uuid::Uuid;
 
 use super::ceilings::{Feed, copies, nats_publish, rabbit_publish, reference_feeds};
@@ -206,7 +206,7 @@ impl Broker {
     pub(super) async fn reference_relay(
         &self,
         args: &Args,
-        db: &outbox_postgres::PgOutbox,
+        db: &outboxkit_postgres::PgOutbox,
     ) -> anyhow::Result<Duration> {
         let feeds = reference_feeds(args.concurrency, db.pool(), db.schema());
         self.publish(args, feeds, false)
@@ -319,7 +319,7 @@ impl Receipts {
                             msg = sub.next() => {
                                 let Some(msg) = msg else { break };
                                 let id = msg.headers.as_ref().and_then(|h| {
-                                    h.get(transport_nats::publisher::MSG_ID_HEADER).map(|v| v.as_str())
+                                    h.get(outboxkit_nats::publisher::MSG_ID_HEADER).map(|v| v.as_str())
                                 });
                                 record(id);
                             }

@@ -15,9 +15,9 @@ use uuid::Uuid;
 use lapin::BasicProperties;
 use lapin::options::{BasicPublishOptions, ConfirmSelectOptions};
 use lapin::types::{AMQPValue, FieldTable};
-use outbox_core::{NewMessage, OutboxMessage};
-use transport_nats::async_nats;
-use transport_nats::async_nats::jetstream;
+use outboxkit_core::{NewMessage, OutboxMessage};
+use outboxkit_nats::async_nats;
+use outboxkit_nats::async_nats::jetstream;
 
 use super::Args;
 use crate::common;
@@ -34,7 +34,7 @@ pub(super) fn same_properties_as_the_relay(body: &[u8]) -> BasicProperties {
     );
     let mut headers = std::collections::BTreeMap::new();
     for (name, value) in
-        outbox_core::wire::encode_headers(&msg, outbox_core::wire::Binding::Amqp, None)
+        outboxkit_core::wire::encode_headers(&msg, outboxkit_core::wire::Binding::Amqp, None)
     {
         headers.insert(name.into(), AMQPValue::LongString(value.into()));
     }
@@ -245,7 +245,7 @@ pub(super) fn same_headers_as_the_relay(body: &[u8]) -> async_nats::HeaderMap {
     headers.insert("Nats-Msg-Id", msg.id.to_string().as_str());
     headers.insert("Content-Type", "application/json");
     for (name, value) in
-        outbox_core::wire::encode_headers(&msg, outbox_core::wire::Binding::Nats, None)
+        outboxkit_core::wire::encode_headers(&msg, outboxkit_core::wire::Binding::Nats, None)
     {
         headers.insert(name.as_str(), value.as_str());
     }

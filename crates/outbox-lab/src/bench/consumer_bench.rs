@@ -34,7 +34,7 @@
 //! proxy's own CPU is in this process's figure and it adds one local hop to each round
 //! trip (the same for every database phase).
 
-use outbox_core::Consumer as _;
+use outboxkit_core::Consumer as _;
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
@@ -43,23 +43,23 @@ use std::time::{Duration, Instant};
 use anyhow::{Context as _, bail, ensure};
 use async_trait::async_trait;
 use hdrhistogram::Histogram;
-use inbox::{
+use lapin::Connection;
+use lapin::options::{ExchangeDeleteOptions, QueueDeleteOptions};
+use outboxkit_core::consumer::{BatchDeliveryHandler, DeliveryHandler, HandlerDecision};
+use outboxkit_core::wire::IncomingMessage;
+use outboxkit_core::{EventPublisher, NewMessage, OutboxMessage};
+use outboxkit_inbox::{
     BatchHandlerError, DurableReceiver, Handler, HandlerContext, HandlerError, IdempotentConsumer,
     InboxProcessor, Pipeline, ProcessorConfig,
 };
-use lapin::Connection;
-use lapin::options::{ExchangeDeleteOptions, QueueDeleteOptions};
-use outbox_core::consumer::{BatchDeliveryHandler, DeliveryHandler, HandlerDecision};
-use outbox_core::wire::IncomingMessage;
-use outbox_core::{EventPublisher, NewMessage, OutboxMessage};
-use outbox_postgres::{PgConfig, PgInbox, PgOutbox};
-use outbox_testkit::pg::RoundTripCounter;
+use outboxkit_nats::async_nats::jetstream;
+use outboxkit_nats::{NatsConfig, NatsConfigBuilder, NatsConsumer, NatsPublisher, StreamSetup};
+use outboxkit_postgres::{PgConfig, PgInbox, PgOutbox};
+use outboxkit_rabbit::{RabbitConfig, RabbitConsumer, RabbitPublisher};
+use outboxkit_testkit::pg::RoundTripCounter;
 use sqlx::postgres::PgPoolOptions;
 use sqlx::{AssertSqlSafe, PgConnection, PgPool};
 use tokio_util::sync::CancellationToken;
-use transport_nats::async_nats::jetstream;
-use transport_nats::{NatsConfig, NatsConfigBuilder, NatsConsumer, NatsPublisher, StreamSetup};
-use transport_rabbit::{RabbitConfig, RabbitConsumer, RabbitPublisher};
 use uuid::Uuid;
 
 use super::{Args, TransportKind, common, drop_schema, fresh_outbox, payload, quiesce, rate};
@@ -177,7 +177,7 @@ async fn run_rounds(args: &Args, bus: &Bus) -> anyhow::Result<()> {
         std::thread::available_parallelism().map_or(0, usize::from),
     );
     let url = common::database_url();
-    let base = outbox_postgres::parse_url(&url)?;
+    let base = outboxkit_postgres::parse_url(&url)?;
     let counter =
         RoundTripCounter::start(&format!("{}:{}", base.get_host(), base.get_port())).await;
     let counter = Arc::new(counter);
@@ -866,7 +866,7 @@ impl Bus {
         }
     }
 
-    async fn publish(&self, batch: &[OutboxMessage]) -> Vec<outbox_core::PublishOutcome> {
+    async fn publish(&self, batch: &[OutboxMessage]) -> Vec<outboxkit_core::PublishOutcome> {
         match self {
             Self::Rabbit { publisher, .. } => publisher.publish_batch(batch).await,
             Self::Nats { publisher, .. } => publisher.publish_batch(batch).await,

@@ -31,7 +31,7 @@
 //! after an untimed publish of the same size (then purged). The report says how busy the
 //! relay's publishers were and how long a batch took to be confirmed, with and without
 //! the database in the phase: whether the relay waited on the store or on the broker.
-//! With `RUST_LOG=warn,outbox_core=info` each claim, publish and completion span is
+//! With `RUST_LOG=warn,outboxkit_core=info` each claim, publish and completion span is
 //! printed as it closes, with its busy and idle time.
 //!
 //! - `phases`: the timed phases' building blocks (fresh tables, preloads, a quiet
@@ -58,16 +58,16 @@ mod soak;
 mod stores;
 mod wal_throughput;
 
-pub(crate) use outbox_core::TransportKind;
+pub(crate) use outboxkit_core::TransportKind;
 use std::sync::Arc;
 use std::time::Duration;
 pub use stores::DatabaseKind;
 
 use anyhow::Context as _;
 use clap::Parser;
-use outbox_core::{EventPublisher, OnDead, Ordering, OutboxStore, SentRetention};
-use transport_nats::{NatsConfigBuilder, NatsPublisher};
-use transport_rabbit::{RabbitConfig, RabbitPublisher};
+use outboxkit_core::{EventPublisher, OnDead, Ordering, OutboxStore, SentRetention};
+use outboxkit_nats::{NatsConfigBuilder, NatsPublisher};
+use outboxkit_rabbit::{RabbitConfig, RabbitPublisher};
 
 use crate::common;
 // The phases' and the report's names, as `consumer_bench` and `relay_latency_bench`
@@ -189,7 +189,7 @@ pub struct Args {
 pub async fn main(args: Args) -> anyhow::Result<()> {
     if args.cluster {
         anyhow::ensure!(
-            outbox_testkit::cluster::running(),
+            outboxkit_testkit::cluster::running(),
             "the clusters are not running: start them with `cargo xtask services --cluster`"
         );
         common::use_cluster();

@@ -10,8 +10,8 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use outbox_core::{EventPublisher, SentRetention};
-use outbox_mysql::MySqlOutbox;
+use outboxkit_core::{EventPublisher, SentRetention};
+use outboxkit_mysql::MySqlOutbox;
 
 use super::phases::Publishing;
 use super::report::{Round, median, print_cpu, rate};

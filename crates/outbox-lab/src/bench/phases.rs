@@ -7,13 +7,13 @@ use std::time::{Duration, Instant};
 
 use anyhow::bail;
 use async_trait::async_trait;
-use outbox_core::{
+use outboxkit_core::{
     BlockedKey, ClaimedBatch, CompleteReport, Completion, Dispatcher, DispatcherConfig,
     EventPublisher, MessageFilter, NewMessage, OnDead, Ordering, OutboxError, OutboxMessage,
     OutboxStats, OutboxStore, ReplayReport, SentRetention,
 };
-use outbox_memory::MemoryPublisher;
-use outbox_postgres::PgOutbox;
+use outboxkit_memory::MemoryPublisher;
+use outboxkit_postgres::PgOutbox;
 use tokio_util::sync::CancellationToken;
 
 use super::Args;
@@ -108,7 +108,7 @@ pub(super) struct Publishing {
 }
 
 impl Publishing {
-    fn of(stats: &outbox_core::DispatcherStats, elapsed: Duration, publishers: usize) -> Self {
+    fn of(stats: &outboxkit_core::DispatcherStats, elapsed: Duration, publishers: usize) -> Self {
         let publishing = Duration::from_micros(stats.publish_micros);
         Self {
             busy: publishing.as_secs_f64() / (elapsed.as_secs_f64() * publishers.max(1) as f64),
@@ -146,7 +146,7 @@ pub(super) async fn run_preclaimed<P: EventPublisher>(
 }
 
 /// Hands out messages claimed in advance and records completions nowhere: the
-/// dispatcher's and publisher's cost without the database's. (Not `outbox_memory`'s
+/// dispatcher's and publisher's cost without the database's. (Not `outboxkit_memory`'s
 /// `MemoryOutbox`: its claims and completions cost about 2.5 µs a message, 7 times this.)
 pub(super) struct PreclaimedStore(std::sync::Mutex<std::collections::VecDeque<OutboxMessage>>);
 

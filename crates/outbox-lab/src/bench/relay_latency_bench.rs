@@ -48,8 +48,8 @@ use std::sync::atomic::{AtomicU64, Ordering as AtomicOrdering};
 use std::time::{Duration, Instant, SystemTime};
 
 use anyhow::{Context as _, bail};
-use outbox_core::{EventPublisher, NewMessage, OutboxAdmin as _};
-use outbox_postgres::PgOutbox;
+use outboxkit_core::{EventPublisher, NewMessage, OutboxAdmin as _};
+use outboxkit_postgres::PgOutbox;
 use std::process::{Child, Command};
 use uuid::Uuid;
 
@@ -94,7 +94,7 @@ fn outbox_bin() -> anyhow::Result<PathBuf> {
         .with_file_name("outbox");
     anyhow::ensure!(
         path.is_file(),
-        "{} not found: build it with `cargo build --release -p outbox-cli --bin outbox` \
+        "{} not found: build it with `cargo build --release -p outboxkit-cli --bin outbox` \
          (`cargo xtask bench` does)",
         path.display()
     );
@@ -473,7 +473,7 @@ pub(super) async fn create_db(admin: &sqlx::PgPool) -> anyhow::Result<Db> {
     let url = url_with_database(&name)?;
     // The relay gets `url`; this process's own connections carry its application name.
     let outbox = PgOutbox::connect(
-        &outbox_postgres::PgConfig::new(common::with_application_name(&url, BENCH_APPLICATION))
+        &outboxkit_postgres::PgConfig::new(common::with_application_name(&url, BENCH_APPLICATION))
             .with_schema("outbox")
             .with_max_connections(8),
     )
@@ -819,7 +819,7 @@ async fn notify_cost(outbox: &PgOutbox, body: &str) -> anyhow::Result<()> {
     .execute(outbox.pool())
     .await?;
     let mut listener = sqlx::postgres::PgListener::connect_with(outbox.pool()).await?;
-    listener.listen(outbox_postgres::NOTIFY_CHANNEL).await?;
+    listener.listen(outboxkit_postgres::NOTIFY_CHANNEL).await?;
     let notified = Arc::new(AtomicU64::new(0));
     let drain = {
         let notified = Arc::clone(&notified);

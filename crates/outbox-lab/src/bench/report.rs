@@ -3,7 +3,7 @@
 
 use std::time::Duration;
 
-use outbox_core::SentRetention;
+use outboxkit_core::SentRetention;
 
 use super::phases::Publishing;
 use super::{Args, Broker};

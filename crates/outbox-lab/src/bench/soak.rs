@@ -64,7 +64,7 @@ pub(crate) async fn run(
     n: usize,
     which: SoakSource,
 ) -> anyhow::Result<()> {
-    let _no_faults = outbox_testkit::faults::lock_shared().await;
+    let _no_faults = outboxkit_testkit::faults::lock_shared().await;
     let sources: &[Source] = match which {
         SoakSource::Both => &[Source::Polling, Source::Wal],
         SoakSource::Polling => &[Source::Polling],

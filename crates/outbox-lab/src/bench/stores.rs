@@ -6,9 +6,9 @@
 use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
-use outbox_core::{NewMessage, OutboxStore, SentRetention};
-use outbox_mysql::{MySqlConfig, MySqlOutbox};
-use outbox_postgres::{PgConfig, PgOutbox};
+use outboxkit_core::{NewMessage, OutboxStore, SentRetention};
+use outboxkit_mysql::{MySqlConfig, MySqlOutbox};
+use outboxkit_postgres::{PgConfig, PgOutbox};
 use sqlx::AssertSqlSafe;
 
 use crate::common;

@@ -39,7 +39,7 @@
 use std::time::{Duration, Instant, SystemTime};
 
 use anyhow::Context as _;
-use outbox_postgres::{PgConfig, PgOutbox};
+use outboxkit_postgres::{PgConfig, PgOutbox};
 use sqlx::AssertSqlSafe;
 
 use super::relay_latency_bench::{Db, message, outbox_command, spawn_relay, stop};

@@ -1,9 +1,9 @@
 //! `cargo xtask bench`: relay throughput PostgreSQL → RabbitMQ or NATS JetStream next to
 //! the broker and store ceilings measured in the same run, or with `--consumer` the
-//! consumer side. The benchmark lives in the `outbox_lab::bench` module.
+//! consumer side. The benchmark lives in the `outboxkit_lab::bench` module.
 
 use clap::Parser as _;
-use outbox_lab::bench::{self, Args};
+use outboxkit_lab::bench::{self, Args};
 
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {

@@ -1,9 +1,9 @@
 //! A consumer process of `cargo xtask chaos`: the real transport consumer applying each
 //! event's effect through the real inbox. The consumer lives in the
-//! `outbox_lab::chaos::consumer` module.
+//! `outboxkit_lab::chaos::consumer` module.
 
 use clap::Parser as _;
-use outbox_lab::chaos::consumer::{self, Args};
+use outboxkit_lab::chaos::consumer::{self, Args};
 
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {

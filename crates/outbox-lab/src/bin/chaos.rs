@@ -2,7 +2,7 @@
 //! verdict that counts every message. See `src/chaos/mod.rs` for what a run does, and
 //! `docs/chaos.md` for how to run it and what it showed.
 //!
-//! The run holds the machine-wide fault lock of `outbox_testkit::faults` from start to
+//! The run holds the machine-wide fault lock of `outboxkit_testkit::faults` from start to
 //! end. Every fault is undone by a guard that runs on drop: when the run ends, fails,
 //! panics, or is interrupted (SIGINT or SIGTERM stop it: the run is dropped, which
 //! undoes the fault in force and kills the processes it started). Exit codes: 0 the
@@ -11,7 +11,7 @@
 use std::process::ExitCode;
 
 use clap::Parser as _;
-use outbox_lab::chaos::{self, args::Args};
+use outboxkit_lab::chaos::{self, args::Args};
 
 #[tokio::main(flavor = "multi_thread", worker_threads = 4)]
 async fn main() -> ExitCode {

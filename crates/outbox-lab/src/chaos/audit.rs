@@ -11,7 +11,7 @@ use anyhow::Context as _;
 use futures::StreamExt as _;
 use lapin::options::{BasicConsumeOptions, QueueDeclareOptions};
 use lapin::types::FieldTable;
-use transport_nats::async_nats::jetstream;
+use outboxkit_nats::async_nats::jetstream;
 use uuid::Uuid;
 
 use super::injector::SENTINEL_ID_PREFIX;

@@ -37,7 +37,7 @@
 //! outage. The harness kills this process with `SIGKILL` at random moments; `SIGTERM`
 //! or `SIGINT` stop it gracefully.
 
-use outbox_core::Consumer as _;
+use outboxkit_core::Consumer as _;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -45,17 +45,17 @@ use super::db::{Arg, Database, Db, bound};
 use super::topology::{self, CONSUMER, ConsumerMode, EVENT_TYPE, Names, TransportKind};
 use anyhow::Context as _;
 use async_trait::async_trait;
-use inbox::{
+use outboxkit::AnyConsumer;
+use outboxkit_core::RetryPolicy;
+use outboxkit_core::consumer::{BatchDeliveryHandler, DeliveryHandler, HandlerDecision};
+use outboxkit_core::wire::{IncomingMessage, UndecodableMessage};
+use outboxkit_core::{ConsumerDeadLetters, DurableInbox, InboxStore, VersionTracking};
+use outboxkit_inbox::{
     DurableReceiver, Handler, HandlerContext, HandlerError, IdempotentConsumer, InboxProcessor,
     Pipeline, ProcessorConfig,
 };
-use outbox::AnyConsumer;
-use outbox_core::RetryPolicy;
-use outbox_core::consumer::{BatchDeliveryHandler, DeliveryHandler, HandlerDecision};
-use outbox_core::wire::{IncomingMessage, UndecodableMessage};
-use outbox_core::{ConsumerDeadLetters, DurableInbox, InboxStore, VersionTracking};
-use outbox_mysql::{MySqlConfig, MySqlInbox};
-use outbox_postgres::{PgConfig, PgInbox};
+use outboxkit_mysql::{MySqlConfig, MySqlInbox};
+use outboxkit_postgres::{PgConfig, PgInbox};
 use serde::Deserialize;
 use sqlx::mysql::MySqlPoolOptions;
 use sqlx::postgres::PgPoolOptions;

@@ -1,5 +1,5 @@
 //! The run's database (`--database`): PostgreSQL, or MariaDB / MySQL through
-//! `outbox-mysql`. One [`Db`] pool type and one [`Outbox`] store type for the harness,
+//! `outboxkit-mysql`. One [`Db`] pool type and one [`Outbox`] store type for the harness,
 //! and a [`Database`] that writes the few things its SQL says differently (bind
 //! placeholders, the clock, seconds since the epoch); every query of the harness, the
 //! verdict and the consumers is written once, in SQL both servers read.
@@ -13,8 +13,8 @@
 
 use std::sync::OnceLock;
 
-use outbox_mysql::{MySqlConfig, MySqlOutbox};
-use outbox_postgres::{PgConfig, PgOutbox};
+use outboxkit_mysql::{MySqlConfig, MySqlOutbox};
+use outboxkit_postgres::{PgConfig, PgOutbox};
 use sqlx::mysql::MySqlRow;
 use sqlx::postgres::PgRow;
 use sqlx::{FromRow, MySqlPool, PgPool};
@@ -61,7 +61,7 @@ impl Database {
     pub(crate) fn port(self) -> u16 {
         match self {
             Self::Postgres => 5432,
-            Self::Mysql => outbox_testkit::faults::MYSQL_PORT,
+            Self::Mysql => outboxkit_testkit::faults::MYSQL_PORT,
         }
     }
 
@@ -93,7 +93,7 @@ impl Database {
     }
 
     /// Seconds since the epoch of the timestamp expression `expr`, a double (MySQL's
-    /// sessions here are in UTC: `outbox_mysql::parse_url`).
+    /// sessions here are in UTC: `outboxkit_mysql::parse_url`).
     pub(crate) fn epoch(self, expr: &str) -> String {
         match self {
             Self::Postgres => format!("extract(epoch FROM {expr})::float8"),
@@ -184,7 +184,7 @@ impl Db {
                 sqlx::mysql::MySqlPoolOptions::new()
                     .max_connections(max)
                     .acquire_timeout(timeout)
-                    .connect_with(outbox_mysql::parse_url(&common::mysql_url())?)
+                    .connect_with(outboxkit_mysql::parse_url(&common::mysql_url())?)
                     .await?,
             ),
         })

@@ -22,8 +22,8 @@ use anyhow::Context as _;
 use lapin::options::{BasicPublishOptions, ConfirmSelectOptions};
 use lapin::types::{AMQPValue, FieldTable};
 use lapin::{BasicProperties, Channel, Connection};
+use outboxkit_nats::async_nats;
 use tokio_util::sync::CancellationToken;
-use transport_nats::async_nats;
 use uuid::Uuid;
 
 use super::db::{Arg, Db};
@@ -38,7 +38,7 @@ pub(crate) enum Expect {
     /// Decodable: applied exactly once by the consumers' handler.
     Applied,
     /// Undecodable, with a usable id: exactly one consumer dead letter under
-    /// `inbox::UNDECODABLE_CONSUMER`.
+    /// `outboxkit_inbox::UNDECODABLE_CONSUMER`.
     DeadLetter,
     /// Undecodable, without any usable id: dropped (counted in a metric only).
     Dropped,

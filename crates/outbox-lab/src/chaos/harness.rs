@@ -40,9 +40,9 @@ pub async fn main(args: Args) -> ExitCode {
     );
     println!(
         "chaos: taking the machine-wide fault lock {}",
-        outbox_testkit::faults::lock_path().display()
+        outboxkit_testkit::faults::lock_path().display()
     );
-    let _lock = outbox_testkit::faults::lock().await;
+    let _lock = outboxkit_testkit::faults::lock().await;
     if args.cluster {
         // Relays, consumers and the harness's own connections: every node.
         crate::common::use_cluster();

@@ -1,5 +1,5 @@
 //! The broker and database lanes: each planned fault injected with a guard of
-//! `outbox_testkit::faults` (or [`ConsumerLockout`]), held for its window and undone by
+//! `outboxkit_testkit::faults` (or [`ConsumerLockout`]), held for its window and undone by
 //! dropping the guard, so it is undone also when the run fails, panics or is
 //! interrupted (the lane's future is dropped, and with it the guard). A fault that
 //! cannot be injected here is recorded as such, with why, and the run goes on.
@@ -19,24 +19,24 @@
 //!
 //! On MariaDB the consumers log in as a user of their own too, whose
 //! `MAX_USER_CONNECTIONS` is set to -1 (a new connection is refused with error 1226,
-//! the account's "too many connections", which `outbox-mysql` takes for a transient
+//! the account's "too many connections", which `outboxkit-mysql` takes for a transient
 //! outage) while its open connections are ended with `KILL CONNECTION`; the relays have a
 //! user of their own as well, for the connections fault (MariaDB has no
 //! `application_name`). Not `ACCOUNT LOCK`: its error 4151 is an access refusal, a
 //! misconfiguration like PostgreSQL's 28000. The database restart stops the
 //! `mariadbd` listening on port 3306 and starts it again with its command line
-//! (`outbox_testkit::faults::MariaDbStopped`).
+//! (`outboxkit_testkit::faults::MariaDbStopped`).
 
 use std::time::{Duration, Instant};
 
-use outbox_testkit::cluster::{self, Broker, NodeFrozen, NodeKilled, NodePartitioned};
-use outbox_testkit::faults::{
+use outboxkit_nats::async_nats;
+use outboxkit_testkit::cluster::{self, Broker, NodeFrozen, NodeKilled, NodePartitioned};
+use outboxkit_testkit::faults::{
     FaultUnavailable, MariaDbStopped, NatsFrozen, NatsStopped, PgStopped, RabbitFrozen,
     RabbitMemoryAlarm, RabbitQueueFull, RabbitStopped,
 };
 use sqlx::{AssertSqlSafe, ConnectOptions as _};
 use tokio_util::sync::CancellationToken;
-use transport_nats::async_nats;
 
 use super::db::{self, Database, Db};
 use super::schedule::{FaultKind, Planned};
@@ -468,7 +468,7 @@ impl Drop for ConsumerLockout {
                         sqlx::raw_sql(AssertSqlSafe(sql)).execute(&mut conn).await?;
                     }
                     Database::Mysql => {
-                        let mut conn = outbox_mysql::parse_url(&crate::common::mysql_url())?
+                        let mut conn = outboxkit_mysql::parse_url(&crate::common::mysql_url())?
                             .connect()
                             .await?;
                         sqlx::raw_sql(AssertSqlSafe(sql)).execute(&mut conn).await?;
@@ -494,8 +494,8 @@ mod tests {
     use std::sync::Arc;
     use std::sync::atomic::{AtomicBool, Ordering};
 
-    use transport_nats::async_nats::HeaderMap;
-    use transport_nats::async_nats::jetstream::{self, stream};
+    use outboxkit_nats::async_nats::HeaderMap;
+    use outboxkit_nats::async_nats::jetstream::{self, stream};
     use uuid::Uuid;
 
     use super::{add_sentinels, fill_stream, make_room, on_own_runtime};
@@ -513,7 +513,7 @@ mod tests {
                 Ok(())
             });
             if let Err(e) = deleted {
-                outbox_testkit::leftover(&format!("stream {} left behind: {e:#}", self.0));
+                outboxkit_testkit::leftover(&format!("stream {} left behind: {e:#}", self.0));
             }
         }
     }

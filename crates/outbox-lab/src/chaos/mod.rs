@@ -8,7 +8,7 @@
 //!    relays' user), and the broker side (RabbitMQ: exchange, the consumers' quorum queue, an
 //!    audit queue bound to `#`, the side events' queue; NATS: a file-storage stream for
 //!    the orders' events with a durable consumer, and one for the side events), under
-//!    the machine-wide fault lock of `outbox_testkit::faults`.
+//!    the machine-wide fault lock of `outboxkit_testkit::faults`.
 //! 2. **Run** `--relays` `outbox relay` processes (the release build's binary),
 //!    `--consumers` `chaos-consumer` processes, and `--producers` tasks writing orders
 //!    and their events at `--rate` (a share of them marked for the consumers' swallowing
@@ -57,9 +57,9 @@ use anyhow::Context as _;
 use chrono::Utc;
 use lapin::options::QueueDeclareOptions;
 use lapin::types::FieldTable;
-use outbox_testkit::faults::RabbitMaxMessageSize;
+use outboxkit_nats::async_nats;
+use outboxkit_testkit::faults::RabbitMaxMessageSize;
 use tokio_util::sync::CancellationToken;
-use transport_nats::async_nats;
 
 use crate::common;
 use args::Args;
@@ -146,7 +146,7 @@ impl Binaries {
             let path = given.clone().unwrap_or_else(|| dir.join(name));
             anyhow::ensure!(
                 path.is_file(),
-                "{} not found: build it with `cargo build --release -p outbox-cli -p outbox-lab` \
+                "{} not found: build it with `cargo build --release -p outboxkit-cli -p outboxkit-lab` \
                  (or run `cargo xtask chaos`, which does), or pass its path",
                 path.display()
             );
@@ -166,7 +166,7 @@ fn duration_arg(d: Duration) -> String {
 fn relay_command(bins: &Binaries, args: &Args, names: &Names, crash_loop_limit: usize) -> Command {
     let mut c = Command::new(&bins.outbox);
     c.env_remove("OUTBOX_CONFIG")
-        .env("RUST_LOG", "warn,outbox_cli=info")
+        .env("RUST_LOG", "warn,outboxkit_cli=info")
         .args(["--database-url", &topology::relay_url(args.database, names)])
         .args(["--schema", &names.schema, "relay"])
         .args(["--listen", "127.0.0.1:0", "--poll-interval", "100ms"])
@@ -222,7 +222,7 @@ fn consumer_command(bins: &Binaries, args: &Args, names: &Names, instance: usize
 /// of kills land on whole batches. (Before the isolation the chaos relays needed a
 /// limit above the number of kills and database faults of the run.)
 fn crash_loop_limit(_schedule: &Schedule) -> usize {
-    outbox_core::DEFAULT_CRASH_LOOP_LIMIT as usize
+    outboxkit_core::DEFAULT_CRASH_LOOP_LIMIT as usize
 }
 
 fn print_schedule(schedule: &Schedule, transport: TransportKind, limit: usize) {
@@ -272,10 +272,10 @@ async fn broker_busy(
             let listed = tokio::task::block_in_place(|| {
                 if cluster {
                     // Any node that answers; a listing can time out after a partition.
-                    (1..=outbox_testkit::cluster::NODES).find_map(|node| {
+                    (1..=outboxkit_testkit::cluster::NODES).find_map(|node| {
                         let mut with_timeout = vec!["-t", "10"];
                         with_timeout.extend(args);
-                        outbox_testkit::cluster::rabbitmqctl(node, &with_timeout).ok()
+                        outboxkit_testkit::cluster::rabbitmqctl(node, &with_timeout).ok()
                     })
                 } else {
                     Command::new("rabbitmqctl")

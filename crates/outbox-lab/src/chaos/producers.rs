@@ -7,7 +7,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
-use outbox_core::NewMessage;
+use outboxkit_core::NewMessage;
 use tokio_util::sync::CancellationToken;
 use uuid::Uuid;
 
@@ -192,7 +192,7 @@ pub(crate) fn poison_kinds(
                 name: "header name over 255 bytes",
                 set: format!(r#"headers = '{{"{}": "x"}}'"#, "h".repeat(300)),
                 // Refused before the wire by the limits consumers decode
-                // (`outbox_core::wire::check_limits`).
+                // (`outboxkit_core::wire::check_limits`).
                 reason: "header name is 300 bytes long, the maximum is 255",
             });
             if payload_limit {

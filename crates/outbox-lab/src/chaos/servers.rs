@@ -8,7 +8,7 @@ use std::process::Command;
 use std::time::{Duration, Instant};
 
 use super::db::Database;
-use outbox_testkit::faults::{
+use outboxkit_testkit::faults::{
     self, QUEUE_FULL_POLICY, RabbitQueueFull, rabbit_max_message_size, rabbit_memory_alarm_active,
     rabbit_memory_watermark,
 };
@@ -46,7 +46,7 @@ pub(crate) fn before(cluster: bool, database: Database) -> anyhow::Result<Snapsh
     RabbitQueueFull::clear_leftover();
     if cluster {
         anyhow::ensure!(
-            outbox_testkit::cluster::running(),
+            outboxkit_testkit::cluster::running(),
             "the clusters are not running: start them with `cargo xtask services --cluster`"
         );
     }
@@ -88,7 +88,7 @@ pub(crate) fn after(before: &Snapshot, cluster: bool) -> (Vec<String>, bool) {
         ));
     }
     if cluster {
-        use outbox_testkit::cluster::{nats_cluster_whole, rabbit_cluster_whole, running};
+        use outboxkit_testkit::cluster::{nats_cluster_whole, rabbit_cluster_whole, running};
         // A node killed, frozen or cut off last comes back within two minutes.
         let deadline = Instant::now() + Duration::from_secs(120);
         let whole = || running() && rabbit_cluster_whole() && nats_cluster_whole();

@@ -7,8 +7,8 @@ use std::time::Duration;
 use anyhow::Context as _;
 use lapin::options::{QueueBindOptions, QueueDeclareOptions, QueueDeleteOptions};
 use lapin::types::FieldTable;
-use transport_nats::async_nats::jetstream;
-use transport_nats::{NatsPublisher, StreamSetup};
+use outboxkit_nats::async_nats::jetstream;
+use outboxkit_nats::{NatsPublisher, StreamSetup};
 
 use super::db::{self, Database, Db, Outbox};
 use super::injector;

@@ -30,7 +30,7 @@ use rand::rngs::StdRng;
 use rand::{RngExt as _, SeedableRng as _};
 use tokio_util::sync::CancellationToken;
 
-use outbox_testkit::faults::skewed_clock_env;
+use outboxkit_testkit::faults::skewed_clock_env;
 
 use super::schedule::{FaultKind, Planned, RESTART_PAUSE};
 use super::timeline::{Record, Timeline};

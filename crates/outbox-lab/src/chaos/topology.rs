@@ -2,14 +2,14 @@
 //! consumer mode, the names of the tables, queues and stream, and how the consumers
 //! connect. Used by both binaries (`chaos` and `chaos-consumer`).
 
-pub(crate) use outbox_core::TransportKind;
+pub(crate) use outboxkit_core::TransportKind;
 use std::time::Duration;
 
 use lapin::types::{AMQPValue, FieldTable};
+use outboxkit_nats::{NatsConfig, NatsConfigBuilder, NatsConsumer};
+use outboxkit_rabbit::{RabbitConfig, RabbitConsumer};
 use sqlx::mysql::MySqlConnectOptions;
 use sqlx::postgres::PgConnectOptions;
-use transport_nats::{NatsConfig, NatsConfigBuilder, NatsConsumer};
-use transport_rabbit::{RabbitConfig, RabbitConsumer};
 
 use super::db::{Database, url_with_user};
 use crate::common;
@@ -132,7 +132,7 @@ pub(crate) fn database_url_as(app: &str) -> String {
 
 /// Connect options of `DATABASE_URL` with `application_name` = `app`.
 pub(crate) fn pg_options(app: &str) -> anyhow::Result<PgConnectOptions> {
-    Ok(outbox_postgres::parse_url(&common::database_url())?.application_name(app))
+    Ok(outboxkit_postgres::parse_url(&common::database_url())?.application_name(app))
 }
 
 /// Connect options of the consumer processes: `DATABASE_URL` as the run's consumer
@@ -156,7 +156,7 @@ pub(crate) fn relay_url(database: Database, names: &Names) -> String {
 /// Connect options of the consumer processes on MariaDB: `MYSQL_URL` as the run's
 /// consumer user, starting in the run's database (sessions in UTC).
 pub(crate) fn consumer_mysql_options(names: &Names) -> anyhow::Result<MySqlConnectOptions> {
-    Ok(outbox_mysql::parse_url(&url_with_user(
+    Ok(outboxkit_mysql::parse_url(&url_with_user(
         &common::mysql_url(),
         &names.consumer_role,
         Some(&names.schema),

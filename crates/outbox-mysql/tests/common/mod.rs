@@ -7,9 +7,9 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use async_trait::async_trait;
-use outbox_core::NewMessage;
-use outbox_core::conformance::Harness;
-use outbox_mysql::{MySqlConfig, MySqlOutbox};
+use outboxkit_core::NewMessage;
+use outboxkit_core::conformance::Harness;
+use outboxkit_mysql::{MySqlConfig, MySqlOutbox};
 use sqlx::{AssertSqlSafe, Connection as _, MySqlConnection, MySqlPool};
 
 pub fn mysql_url() -> String {
@@ -122,7 +122,7 @@ impl Harness for MySqlHarness {
     fn store_deleting_sent(&self) -> Arc<MySqlOutbox> {
         let config = MySqlConfig::default()
             .with_schema(self.0.schema())
-            .with_sent_retention(outbox_core::SentRetention::Delete);
+            .with_sent_retention(outboxkit_core::SentRetention::Delete);
         Arc::new(MySqlOutbox::new(self.0.pool().clone(), &config).expect("outbox"))
     }
 

@@ -6,12 +6,12 @@
 //! - [`WalConfig`]: the slot and publication names and the stream's settings;
 //! - [`setup`], [`status`], [`drop_slot`]: the slot and publication (`outbox wal
 //!   setup|status|drop`);
-//! - [`WalRelay`]: the relay loop over any [`EventPublisher`](outbox_core::EventPublisher);
+//! - [`WalRelay`]: the relay loop over any [`EventPublisher`](outboxkit_core::EventPublisher);
 //! - [`WalError`]: its failures, typed (`wal_level` not `logical`, the slot gone, ...).
 //!
 //! The producer API is unchanged: messages are enqueued into the outbox table as
 //! before. The relay marks each published batch `Sent` (or deletes it, with
-//! [`SentRetention::Delete`](outbox_core::SentRetention)) in one statement, so `outbox
+//! [`SentRetention::Delete`](outboxkit_core::SentRetention)) in one statement, so `outbox
 //! stats`, the dashboard, dead letters and replay keep working; there is no claim, no
 //! lease and (after [`setup`]) no NOTIFY trigger on the producers' commits.
 
@@ -277,7 +277,7 @@ pub enum WalError {
     Malformed(String),
     /// A statement failed (checks, marking messages sent or dead).
     #[error(transparent)]
-    Store(#[from] outbox_core::OutboxError),
+    Store(#[from] outboxkit_core::OutboxError),
 }
 
 impl WalError {
@@ -315,7 +315,7 @@ impl WalError {
             ),
             Self::Store(e) => matches!(
                 e.kind(),
-                outbox_core::ErrorKind::Transient | outbox_core::ErrorKind::Unavailable
+                outboxkit_core::ErrorKind::Transient | outboxkit_core::ErrorKind::Unavailable
             ),
             _ => false,
         }

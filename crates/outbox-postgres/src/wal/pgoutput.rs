@@ -11,7 +11,7 @@
 use std::collections::HashMap;
 
 use chrono::{DateTime, Utc};
-use outbox_core::{MessageStatus, OutboxMessage};
+use outboxkit_core::{MessageStatus, OutboxMessage};
 use serde_json::value::RawValue;
 use uuid::Uuid;
 
@@ -226,7 +226,7 @@ impl<'a> Row<'a> {
             .map_err(|e| format!("payload: {e}"))?;
         let headers: serde_json::Value =
             serde_json::from_str(self.text("headers")?).map_err(|e| format!("headers: {e}"))?;
-        let headers = outbox_core::headers_from_json(headers)?;
+        let headers = outboxkit_core::headers_from_json(headers)?;
         let required_time = |column: &str| {
             self.time(column)?
                 .ok_or_else(|| format!("column {column} is NULL"))

@@ -8,9 +8,9 @@ pub mod rabbit;
 pub mod wal;
 
 use async_trait::async_trait;
-use outbox_core::NewMessage;
-use outbox_core::conformance::Harness;
-use outbox_postgres::{PgConfig, PgOutbox};
+use outboxkit_core::NewMessage;
+use outboxkit_core::conformance::Harness;
+use outboxkit_postgres::{PgConfig, PgOutbox};
 
 pub fn database_url() -> String {
     std::env::var("DATABASE_URL")
@@ -49,7 +49,7 @@ async fn sweep_old_schemas(pool: &sqlx::PgPool) {
 
 /// A test's outbox over a fresh, migrated schema (derefs to the [`PgOutbox`]); the
 /// schema is dropped when it goes out of scope, also when the test panics.
-pub type TestOutbox = outbox_testkit::pg::InSchema<PgOutbox>;
+pub type TestOutbox = outboxkit_testkit::pg::InSchema<PgOutbox>;
 
 /// A fresh, migrated schema named `t_<uuid>`, dropped with the returned value.
 pub async fn fresh_outbox() -> TestOutbox {
@@ -81,7 +81,7 @@ pub async fn enqueue_committed(outbox: &PgOutbox, messages: &[NewMessage]) {
     tx.commit().await.expect("commit");
 }
 
-pub struct PgHarness(pub Arc<PgOutbox>, outbox_testkit::pg::DropSchema);
+pub struct PgHarness(pub Arc<PgOutbox>, outboxkit_testkit::pg::DropSchema);
 
 #[async_trait]
 impl Harness for PgHarness {
@@ -92,9 +92,9 @@ impl Harness for PgHarness {
     }
 
     fn store_deleting_sent(&self) -> Arc<PgOutbox> {
-        let config = outbox_postgres::PgConfig::default()
+        let config = outboxkit_postgres::PgConfig::default()
             .with_schema(self.0.schema())
-            .with_sent_retention(outbox_core::SentRetention::Delete);
+            .with_sent_retention(outboxkit_core::SentRetention::Delete);
         Arc::new(PgOutbox::new(self.0.pool().clone(), &config).expect("outbox"))
     }
 

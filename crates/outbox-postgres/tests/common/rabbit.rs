@@ -1,11 +1,11 @@
-//! RabbitMQ fixtures, shared with the other backends through `outbox-testkit`.
+//! RabbitMQ fixtures, shared with the other backends through `outboxkit-testkit`.
 #![allow(unused_imports, unreachable_pub)] // reason: each test binary uses a different subset
 
-pub use outbox_testkit::rabbit::*;
+pub use outboxkit_testkit::rabbit::*;
 
 use std::time::Duration;
 
-use transport_rabbit::{RabbitConfig, RabbitPublisher};
+use outboxkit_rabbit::{RabbitConfig, RabbitPublisher};
 
 /// A relay's publisher to `exchange`, declared by the test (a 3 s confirm timeout).
 pub async fn publisher_to(exchange: &str) -> RabbitPublisher {

@@ -3,9 +3,9 @@
 
 use std::sync::Arc;
 
-use outbox_core::EventPublisher;
-use outbox_postgres::PgOutbox;
-use outbox_postgres::wal::{WalConfig, WalRelay, WalRelayConfig, WalRelayStats};
+use outboxkit_core::EventPublisher;
+use outboxkit_postgres::PgOutbox;
+use outboxkit_postgres::wal::{WalConfig, WalRelay, WalRelayConfig, WalRelayStats};
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
@@ -22,7 +22,7 @@ impl WalOutbox {
         let outbox = fresh_outbox_kept().await;
         let wal = WalConfig::new(outbox.schema()).build().expect("wal config");
         let this = Self { outbox, wal };
-        outbox_postgres::wal::setup(&this.outbox, &this.wal)
+        outboxkit_postgres::wal::setup(&this.outbox, &this.wal)
             .await
             .expect("wal setup (wal_level = logical? `cargo xtask services`)");
         this
@@ -47,7 +47,7 @@ impl WalOutbox {
         tokio::spawn(async move { relay.run(token).await.expect("the relay runs") })
     }
 
-    pub async fn enqueue(&self, messages: &[outbox_core::NewMessage]) {
+    pub async fn enqueue(&self, messages: &[outboxkit_core::NewMessage]) {
         for chunk in messages.chunks(100) {
             enqueue_committed(&self.outbox, chunk).await;
         }
@@ -56,7 +56,7 @@ impl WalOutbox {
 
 impl Drop for WalOutbox {
     fn drop(&mut self) {
-        outbox_testkit::pg::drop_wal_objects_blocking(
+        outboxkit_testkit::pg::drop_wal_objects_blocking(
             &database_url(),
             self.wal.slot(),
             self.wal.publication(),
@@ -92,8 +92,8 @@ impl<P> HoldBatch<P> {
 impl<P: EventPublisher> EventPublisher for HoldBatch<P> {
     async fn publish_batch(
         &self,
-        messages: &[outbox_core::OutboxMessage],
-    ) -> Vec<outbox_core::PublishOutcome> {
+        messages: &[outboxkit_core::OutboxMessage],
+    ) -> Vec<outboxkit_core::PublishOutcome> {
         if messages.iter().any(|m| m.id == self.trigger)
             && !self.fired.swap(true, std::sync::atomic::Ordering::SeqCst)
         {
@@ -103,7 +103,7 @@ impl<P: EventPublisher> EventPublisher for HoldBatch<P> {
         self.inner.publish_batch(messages).await
     }
 
-    async fn check_ready(&self) -> Result<(), outbox_core::PublishError> {
+    async fn check_ready(&self) -> Result<(), outboxkit_core::PublishError> {
         self.inner.check_ready().await
     }
 }

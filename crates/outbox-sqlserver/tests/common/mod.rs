@@ -1,16 +1,16 @@
 //! Shared helpers: every test gets its own schema in the SQL Server named by
 //! `MSSQL_URL`. The tests that need it are `#[ignore = "needs MSSQL_URL"]`, so that a
 //! run without SQL Server reports them as ignored rather than passed; `cargo test -p
-//! outbox-sqlserver -- --ignored` (which `cargo xtask itest` runs when `MSSQL_URL` is
+//! outboxkit-sqlserver -- --ignored` (which `cargo xtask itest` runs when `MSSQL_URL` is
 //! set) runs them.
 #![allow(dead_code, unreachable_pub)] // reason: each test binary uses a different subset
 
 use std::sync::Arc;
 
 use async_trait::async_trait;
-use outbox_core::NewMessage;
-use outbox_core::conformance::Harness;
-use outbox_sqlserver::{MssqlConfig, MssqlOutbox, MssqlPool};
+use outboxkit_core::NewMessage;
+use outboxkit_core::conformance::Harness;
+use outboxkit_sqlserver::{MssqlConfig, MssqlOutbox, MssqlPool};
 
 /// `MSSQL_URL`. Panics when it is not set: the caller is an ignored test that was asked
 /// for explicitly (`--ignored`, `--include-ignored`), and passing without a server would
@@ -97,9 +97,9 @@ impl Harness for MssqlHarness {
     }
 
     fn store_deleting_sent(&self) -> Arc<MssqlOutbox> {
-        let config = outbox_sqlserver::MssqlConfig::default()
+        let config = outboxkit_sqlserver::MssqlConfig::default()
             .with_schema(self.0.schema())
-            .with_sent_retention(outbox_core::SentRetention::Delete);
+            .with_sent_retention(outboxkit_core::SentRetention::Delete);
         Arc::new(MssqlOutbox::new(self.0.pool().clone(), &config).expect("outbox"))
     }
 

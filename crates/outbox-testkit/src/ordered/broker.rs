@@ -9,11 +9,11 @@ use std::time::Duration;
 use async_trait::async_trait;
 use futures::StreamExt as _;
 use lapin::types::FieldTable;
-use outbox_core::EventPublisher;
+use outboxkit_core::EventPublisher;
+use outboxkit_nats::async_nats::{self, jetstream};
+use outboxkit_nats::{NatsConfig, NatsConfigBuilder, NatsPublisher, StreamSetup};
+use outboxkit_rabbit::{RabbitConfig, RabbitPublisher};
 use tokio::task::JoinHandle;
-use transport_nats::async_nats::{self, jetstream};
-use transport_nats::{NatsConfig, NatsConfigBuilder, NatsPublisher, StreamSetup};
-use transport_rabbit::{RabbitConfig, RabbitPublisher};
 
 use crate::rabbit::{Fixture, amqp_url, fixture};
 
@@ -22,7 +22,7 @@ use crate::rabbit::{Fixture, amqp_url, fixture};
 pub struct Arrival {
     /// The outbox message id (AMQP `message_id`, NATS `Nats-Msg-Id`).
     pub id: String,
-    /// The payload's `key` (see [`keyed`](outbox_core::conformance::keyed)).
+    /// The payload's `key` (see [`keyed`](outboxkit_core::conformance::keyed)).
     pub key: String,
     /// The payload's `n`, the message's position within its key (`u64::MAX` if absent).
     pub n: u64,
@@ -136,10 +136,10 @@ pub struct Nats {
 
 /// `NATS_URL`, or the local server.
 fn nats_url() -> String {
-    std::env::var(transport_nats::config::URL_ENV)
+    std::env::var(outboxkit_nats::config::URL_ENV)
         .ok()
         .filter(|u| !u.trim().is_empty())
-        .unwrap_or_else(|| transport_nats::config::DEFAULT_URL.to_owned())
+        .unwrap_or_else(|| outboxkit_nats::config::DEFAULT_URL.to_owned())
 }
 
 #[async_trait]
@@ -187,7 +187,7 @@ impl Broker for Nats {
                 let id = message
                     .headers
                     .as_ref()
-                    .and_then(|h| h.get(transport_nats::publisher::MSG_ID_HEADER))
+                    .and_then(|h| h.get(outboxkit_nats::publisher::MSG_ID_HEADER))
                     .map(|v| v.as_str().to_owned())
                     .unwrap_or_default();
                 sink.lock()

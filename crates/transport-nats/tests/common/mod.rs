@@ -11,10 +11,10 @@ use std::time::Duration;
 use async_nats::jetstream::{self, consumer};
 use chrono::{SubsecRound, Utc};
 use futures::StreamExt;
-use outbox_core::{NewMessage, OutboxMessage};
-use outbox_postgres::{PgConfig, PgOutbox};
+use outboxkit_core::{NewMessage, OutboxMessage};
+use outboxkit_nats::{NatsConfig, NatsConfigBuilder, StreamSetup};
+use outboxkit_postgres::{PgConfig, PgOutbox};
 use tokio::time::Instant;
-use transport_nats::{NatsConfig, NatsConfigBuilder, StreamSetup};
 use uuid::Uuid;
 
 /// How long any condition may take before a test fails.
@@ -24,7 +24,7 @@ pub fn url() -> String {
     std::env::var("NATS_URL")
         .ok()
         .filter(|u| !u.trim().is_empty())
-        .unwrap_or_else(|| transport_nats::config::DEFAULT_URL.to_owned())
+        .unwrap_or_else(|| outboxkit_nats::config::DEFAULT_URL.to_owned())
 }
 
 pub fn database_url() -> String {
@@ -181,7 +181,7 @@ pub fn message(event_type: &str, aggregate_id: &str, payload: &str) -> OutboxMes
 }
 
 /// An outbox in a schema of the test's own (see [`fresh_outbox`]), dropped with it.
-pub type TestOutbox = outbox_testkit::pg::InSchema<PgOutbox>;
+pub type TestOutbox = outboxkit_testkit::pg::InSchema<PgOutbox>;
 
 /// A fresh, migrated PostgreSQL schema named `t_<uuid>`, dropped when the returned value
 /// is (also when the test fails).

@@ -16,9 +16,9 @@ use lapin::options::{
 };
 use lapin::types::{AMQPValue, FieldTable};
 use lapin::{Channel, Connection, ConnectionProperties, ExchangeKind};
-use outbox_core::{NewMessage, OutboxMessage};
+use outboxkit_core::{NewMessage, OutboxMessage};
+use outboxkit_rabbit::{RabbitConfig, RabbitConfigBuilder};
 use tokio::time::Instant;
-use transport_rabbit::{RabbitConfig, RabbitConfigBuilder};
 use uuid::Uuid;
 
 /// How long any condition may take before a test fails.
@@ -28,7 +28,7 @@ pub fn url() -> String {
     std::env::var("AMQP_URL")
         .ok()
         .filter(|u| !u.trim().is_empty())
-        .unwrap_or_else(|| transport_rabbit::config::DEFAULT_URL.to_owned())
+        .unwrap_or_else(|| outboxkit_rabbit::config::DEFAULT_URL.to_owned())
 }
 
 /// A name unique to this test run, e.g. `test.publish.0190...`.
@@ -200,7 +200,7 @@ pub async fn force_close_connections(name: &str) -> usize {
             let count = pids.len();
             tokio::task::spawn_blocking(move || {
                 for pid in pids {
-                    rabbitmqctl(&["close_connection", &pid, "forced by transport-rabbit test"]);
+                    rabbitmqctl(&["close_connection", &pid, "forced by outboxkit-rabbit test"]);
                 }
             })
             .await
@@ -224,11 +224,11 @@ pub struct Holding {
 }
 
 #[async_trait::async_trait]
-impl transport_rabbit::DeliveryHandler for Holding {
+impl outboxkit_rabbit::DeliveryHandler for Holding {
     async fn handle(
         &self,
-        msg: &outbox_core::wire::IncomingMessage,
-    ) -> transport_rabbit::HandlerDecision {
+        msg: &outboxkit_core::wire::IncomingMessage,
+    ) -> outboxkit_rabbit::HandlerDecision {
         let first = {
             let mut seen = self.seen.lock().expect("lock");
             seen.push(msg.id);
@@ -238,6 +238,6 @@ impl transport_rabbit::DeliveryHandler for Holding {
             self.started.notify_one();
             self.release.notified().await;
         }
-        transport_rabbit::HandlerDecision::Ack
+        outboxkit_rabbit::HandlerDecision::Ack
     }
 }

@@ -10,17 +10,17 @@ mod postgres;
 pub(crate) use mysql::MySql;
 pub(crate) use postgres::Postgres;
 
-use outbox_core::async_trait;
-use outbox_core::{ConsumerDeadLetters, InboxStore, NewMessage, OutboxStore, VersionTracking};
+use outboxkit_core::async_trait;
+use outboxkit_core::{ConsumerDeadLetters, InboxStore, NewMessage, OutboxStore, VersionTracking};
 
 use crate::OrderPlaced;
 
 /// The database picked by `--database`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
 pub(crate) enum DatabaseKind {
-    /// PostgreSQL (`outbox-postgres`).
+    /// PostgreSQL (`outboxkit-postgres`).
     Postgres,
-    /// MySQL 8.0+ or MariaDB 10.6+ (`outbox-mysql`).
+    /// MySQL 8.0+ or MariaDB 10.6+ (`outboxkit-mysql`).
     Mysql,
 }
 

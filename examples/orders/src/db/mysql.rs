@@ -3,9 +3,9 @@
 //! the outbox's own tables (every connection of the backend's pools runs in UTC).
 
 use anyhow::Context as _;
-use outbox_core::NewMessage;
-use outbox_core::async_trait;
-use outbox_mysql::{MySqlConfig, MySqlInbox, MySqlOutbox};
+use outboxkit_core::NewMessage;
+use outboxkit_core::async_trait;
+use outboxkit_mysql::{MySqlConfig, MySqlInbox, MySqlOutbox};
 use sqlx::{AssertSqlSafe, MySqlConnection};
 
 use super::{Database, Projection};

@@ -2,9 +2,9 @@
 //! tables.
 
 use anyhow::Context as _;
-use outbox_core::NewMessage;
-use outbox_core::async_trait;
-use outbox_postgres::{PgConfig, PgInbox, PgOutbox};
+use outboxkit_core::NewMessage;
+use outboxkit_core::async_trait;
+use outboxkit_postgres::{PgConfig, PgInbox, PgOutbox};
 use sqlx::{AssertSqlSafe, PgConnection};
 
 use super::{Database, Projection};

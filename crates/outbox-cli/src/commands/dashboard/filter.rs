@@ -4,7 +4,7 @@
 
 use chrono::{DateTime, Utc};
 use maud::{Markup, html};
-use outbox_core::{InboxDeadFilter, MessageFilter};
+use outboxkit_core::{InboxDeadFilter, MessageFilter};
 use uuid::Uuid;
 
 use super::PageError;

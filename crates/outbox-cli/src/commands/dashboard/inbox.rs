@@ -5,7 +5,7 @@
 use axum::extract::{Path, Query, State};
 use chrono::Utc;
 use maud::{Markup, html};
-use outbox_core::{InboxDeadFilter, InboxDeadKind, InboxDeadLetter};
+use outboxkit_core::{InboxDeadFilter, InboxDeadKind, InboxDeadLetter};
 use uuid::Uuid;
 
 use super::filter::{Fields, Side};

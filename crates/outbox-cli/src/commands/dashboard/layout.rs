@@ -8,7 +8,7 @@ use axum::http::{StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use chrono::{DateTime, Utc};
 use maud::{DOCTYPE, Markup, html};
-use outbox_core::MessageStatus;
+use outboxkit_core::MessageStatus;
 
 use super::Dashboard;
 

@@ -5,8 +5,8 @@
 use axum::extract::{Path, Query, State};
 use chrono::{DateTime, Utc};
 use maud::{Markup, html};
-use outbox_core::admin::DEFAULT_SCAN_BOUND;
-use outbox_core::{MessageCursor, MessageState, MessageStatus, MessageSummary};
+use outboxkit_core::admin::DEFAULT_SCAN_BOUND;
+use outboxkit_core::{MessageCursor, MessageState, MessageStatus, MessageSummary};
 use uuid::Uuid;
 
 use super::filter::{Fields, Side};

@@ -24,7 +24,7 @@ use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use axum::routing::get;
 use clap::Args;
-use outbox_core::{OutboxAdmin, OutboxError};
+use outboxkit_core::{OutboxAdmin, OutboxError};
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 use tracing::info;

@@ -6,8 +6,8 @@
 use axum::extract::State;
 use chrono::Duration as ChronoDuration;
 use maud::{Markup, html};
-use outbox_core::admin::PENDING_STATS_BOUND;
-use outbox_core::{InboxDeadFilter, SentPerMinute};
+use outboxkit_core::admin::PENDING_STATS_BOUND;
+use outboxkit_core::{InboxDeadFilter, SentPerMinute};
 
 use super::layout::{self, age, bounded, thousands};
 use super::{Dashboard, PageError};
@@ -106,7 +106,9 @@ fn chart(series: &SentPerMinute) -> Markup {
 }
 
 /// The relays heard of in the last hour, from their heartbeats.
-fn relays_seen(relays: Result<Vec<outbox_core::RelaySeen>, outbox_core::OutboxError>) -> Markup {
+fn relays_seen(
+    relays: Result<Vec<outboxkit_core::RelaySeen>, outboxkit_core::OutboxError>,
+) -> Markup {
     let relays = match relays {
         Ok(r) => r,
         Err(e) => {

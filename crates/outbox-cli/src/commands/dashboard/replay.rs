@@ -12,7 +12,7 @@ use axum::extract::{Query, State};
 use axum::response::Html;
 use chrono::{SecondsFormat, Utc};
 use maud::{Markup, html};
-use outbox_core::{InboxReplayMode, MessageFilter};
+use outboxkit_core::{InboxReplayMode, MessageFilter};
 
 use super::filter::{Fields, Side};
 use super::layout::{self, short, thousands, time};

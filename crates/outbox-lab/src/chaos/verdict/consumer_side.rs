@@ -20,7 +20,7 @@
 
 use std::collections::HashSet;
 
-use inbox::UNDECODABLE_CONSUMER;
+use outboxkit_inbox::UNDECODABLE_CONSUMER;
 use uuid::Uuid;
 
 use super::super::audit::Copies;

@@ -4,7 +4,7 @@ use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use outbox_core::RetryPolicies;
+use outboxkit_core::RetryPolicies;
 
 /// The Prometheus gauge of the WAL the slot retains, in bytes.
 pub const WAL_RETAINED_BYTES: &str = "outbox_wal_retained_bytes";
@@ -38,7 +38,7 @@ impl WalRelayConfig {
             probe_cap: Duration::from_secs(30),
             gauge_interval: Duration::from_secs(5),
             standby_interval: Duration::from_secs(1),
-            crash_loop_limit: outbox_core::DEFAULT_CRASH_LOOP_LIMIT,
+            crash_loop_limit: outboxkit_core::DEFAULT_CRASH_LOOP_LIMIT,
             per_key: false,
             lease: Duration::from_secs(30),
             linger: Duration::ZERO,
@@ -124,7 +124,7 @@ impl WalRelayConfig {
 
     /// Starts of the relay that may end (the process dies) while it publishes one
     /// message alone, before that message goes `Dead` as a suspected crash loop
-    /// [default: [`DEFAULT_CRASH_LOOP_LIMIT`](outbox_core::DEFAULT_CRASH_LOOP_LIMIT)].
+    /// [default: [`DEFAULT_CRASH_LOOP_LIMIT`](outboxkit_core::DEFAULT_CRASH_LOOP_LIMIT)].
     #[must_use]
     pub fn with_crash_loop_limit(mut self, limit: u32) -> Self {
         self.crash_loop_limit = limit.max(1);

@@ -6,7 +6,7 @@ use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::Duration;
 
-use outbox_core::{
+use outboxkit_core::{
     ErrorKind, EventPublisher, MessageStatus, OutboxError, OutboxMessage, PublishError,
     PublishOutcome,
 };
@@ -189,7 +189,7 @@ impl<P: EventPublisher> WalRelay<P> {
             let Some(checked) = self.wait_visible(&xids, &keys, parked, shutdown).await? else {
                 return Ok(false);
             };
-            outbox_core::metrics::claimed(messages.len());
+            outboxkit_core::metrics::claimed(messages.len());
             self.launch(messages, keys, parked, pipeline, upto, &checked);
             return Ok(true);
         }
@@ -242,7 +242,7 @@ impl<P: EventPublisher> WalRelay<P> {
                 Item::Message(m) => messages.push(*m),
                 Item::Poison { id, reason } => {
                     warn!(%id, %reason, "poison row: it cannot be decoded, it is dead");
-                    outbox_core::metrics::dead_poison();
+                    outboxkit_core::metrics::dead_poison();
                     dead.push((id, format!("undecodable row: {reason}")));
                 }
                 // Decoded as for publishing: a row spoiled by the update is poison.
@@ -253,7 +253,7 @@ impl<P: EventPublisher> WalRelay<P> {
                     // The row as it is now does not decode: it dies alone.
                     Some(Err(e)) => {
                         warn!(%id, error = %e, "poison row: it cannot be decoded, it is dead");
-                        outbox_core::metrics::dead_poison();
+                        outboxkit_core::metrics::dead_poison();
                         dead.push((id, format!("undecodable row: {e}")));
                     }
                 },
@@ -294,7 +294,7 @@ impl<P: EventPublisher> WalRelay<P> {
                 );
             }
         }
-        outbox_core::metrics::claimed(messages.len());
+        outboxkit_core::metrics::claimed(messages.len());
         let keys: Vec<String> = messages.iter().map(order_key).collect();
         let result = self
             .publish_in_order(
@@ -352,7 +352,7 @@ impl<P: EventPublisher> WalRelay<P> {
             if alone > i64::from(self.config.crash_loop_limit) {
                 let times = alone - 1;
                 warn!(id = %first.id, event_type = %first.event_type, times, "suspected crash loop: the relay ended every time it published this message alone; it is dead");
-                outbox_core::metrics::dead(&first.event_type);
+                outboxkit_core::metrics::dead(&first.event_type);
                 let error = format!(
                     "suspected crash loop: published alone {times} times without an outcome (the relay ended each time)"
                 );
@@ -452,7 +452,7 @@ impl<P: EventPublisher> WalRelay<P> {
                         }
                     }
                 }
-                outbox_core::metrics::commit_to_publish(
+                outboxkit_core::metrics::commit_to_publish(
                     slice
                         .iter()
                         .map(|m| (&m.created_at, out.sent.contains(&m.id))),
@@ -557,7 +557,7 @@ impl<P: EventPublisher> WalRelay<P> {
     fn broker_back(&self) {
         if self.counters.circuit_open.swap(false, Ordering::Relaxed) {
             info!("the broker takes messages again; reading resumes");
-            metrics::gauge!(outbox_core::metrics::CIRCUIT_OPEN).set(0.0);
+            metrics::gauge!(outboxkit_core::metrics::CIRCUIT_OPEN).set(0.0);
         }
     }
 
@@ -586,10 +586,10 @@ impl<P: EventPublisher> WalRelay<P> {
     ) -> Result<bool, WalError> {
         if !self.counters.circuit_open.swap(true, Ordering::Relaxed) {
             warn!(error = %reason, unconfirmed, "the broker cannot take messages: reading pauses, nothing is charged");
-            metrics::gauge!(outbox_core::metrics::CIRCUIT_OPEN).set(1.0);
+            metrics::gauge!(outboxkit_core::metrics::CIRCUIT_OPEN).set(1.0);
         }
         let mut delay = *outage_delay;
-        *outage_delay = outbox_core::retry::outage_backoff(delay, self.config.probe_cap);
+        *outage_delay = outboxkit_core::retry::outage_backoff(delay, self.config.probe_cap);
         // During an outage: probe until the broker is ready, then publish the rest
         // of the batch again. The session stays open meanwhile, and a PostgreSQL
         // shutting down waits for this session to confirm what it was sent: so
@@ -608,7 +608,7 @@ impl<P: EventPublisher> WalRelay<P> {
                 return Ok(true);
             }
             delay = *outage_delay;
-            *outage_delay = outbox_core::retry::outage_backoff(delay, self.config.probe_cap);
+            *outage_delay = outboxkit_core::retry::outage_backoff(delay, self.config.probe_cap);
         }
     }
 
@@ -690,7 +690,7 @@ impl<P: EventPublisher> WalRelay<P> {
                 }
             }
         }
-        outbox_core::metrics::commit_to_publish(
+        outboxkit_core::metrics::commit_to_publish(
             batch
                 .messages
                 .iter()
@@ -855,8 +855,8 @@ pub(super) async fn publish_keyed<P: EventPublisher>(
     let distinct = || keys.iter().collect::<HashSet<_>>().len() == keys.len();
     if !per_key || distinct() {
         let outcomes =
-            outbox_core::dispatcher::publish_guarded(publisher, messages, deadline()).await;
-        outbox_core::metrics::publish_duration(began.elapsed());
+            outboxkit_core::dispatcher::publish_guarded(publisher, messages, deadline()).await;
+        outboxkit_core::metrics::publish_duration(began.elapsed());
         return outcomes;
     }
     let mut outcomes: Vec<Option<PublishOutcome>> = messages.iter().map(|_| None).collect();
@@ -874,7 +874,7 @@ pub(super) async fn publish_keyed<P: EventPublisher>(
         let batch: Vec<OutboxMessage> = wave.iter().map(|&i| messages[i].clone()).collect();
         let mut stop = false;
         let wave_outcomes =
-            outbox_core::dispatcher::publish_guarded(publisher, &batch, deadline()).await;
+            outboxkit_core::dispatcher::publish_guarded(publisher, &batch, deadline()).await;
         for (&i, outcome) in wave.iter().zip(wave_outcomes) {
             match &outcome {
                 Some(PublishOutcome::Published | PublishOutcome::Permanent(_)) => {}
@@ -890,6 +890,6 @@ pub(super) async fn publish_keyed<P: EventPublisher>(
         }
         remaining = rest;
     }
-    outbox_core::metrics::publish_duration(began.elapsed());
+    outboxkit_core::metrics::publish_duration(began.elapsed());
     outcomes
 }

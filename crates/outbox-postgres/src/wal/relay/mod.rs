@@ -15,7 +15,7 @@ use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::Duration;
 
-use outbox_core::EventPublisher;
+use outboxkit_core::EventPublisher;
 use pgwire_replication::Lsn;
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, error, info, warn};
@@ -216,7 +216,7 @@ impl<P: EventPublisher> WalRelay<P> {
             () = shutdown.cancelled() => {}
             () = tokio::time::sleep(*backoff) => {}
         }
-        *backoff = outbox_core::retry::outage_backoff(*backoff, Duration::from_secs(10));
+        *backoff = outboxkit_core::retry::outage_backoff(*backoff, Duration::from_secs(10));
     }
 
     /// Every gauge interval until `sessions` is cancelled: checks the slot and the

@@ -46,7 +46,7 @@ use std::collections::{HashMap, HashSet};
 use std::sync::{Mutex, MutexGuard, PoisonError};
 use std::time::Duration;
 
-use outbox_core::{EventPublisher, OutboxMessage, PublishError, PublishOutcome};
+use outboxkit_core::{EventPublisher, OutboxMessage, PublishError, PublishOutcome};
 use tokio::sync::Notify;
 use tokio::time::Instant;
 use tracing::{debug, info, warn};
@@ -354,7 +354,7 @@ impl Parked {
         outcome: &PublishOutcome,
     ) -> ParkedRow {
         let delay = self.refused(circuit);
-        outbox_core::metrics::deferred(&m.event_type);
+        outboxkit_core::metrics::deferred(&m.event_type);
         ParkedRow {
             id: m.id,
             key: key.to_owned(),
@@ -393,7 +393,7 @@ impl Parked {
         );
         // Closed and refusing again: its heads stay held.
         s.releasing.retain(|c| c != circuit);
-        outbox_core::metrics::destinations_open(s.circuits.len());
+        outboxkit_core::metrics::destinations_open(s.circuits.len());
         drop(s);
         self.due_in(delay);
         delay
@@ -404,7 +404,7 @@ impl Parked {
         let mut s = self.lock();
         if s.circuits.remove(circuit).is_some() {
             info!(circuit, "the destination takes messages again");
-            outbox_core::metrics::destinations_open(s.circuits.len());
+            outboxkit_core::metrics::destinations_open(s.circuits.len());
         }
         if s.releasing.len() < MAX_CIRCUITS && !s.releasing.iter().any(|c| c == circuit) {
             s.releasing.push(circuit.to_owned());
@@ -421,7 +421,7 @@ impl Parked {
         let mut s = self.lock();
         if s.unmapped && s.circuits.len() >= MAX_CIRCUITS {
             s.circuits.remove(circuit);
-            outbox_core::metrics::destinations_open(s.circuits.len());
+            outboxkit_core::metrics::destinations_open(s.circuits.len());
         }
     }
 
@@ -486,7 +486,7 @@ impl Parked {
         let mut s = self.lock();
         if s.circuits.remove(circuit).is_some() {
             debug!(circuit, "an open circuit holds nothing: forgotten");
-            outbox_core::metrics::destinations_open(s.circuits.len());
+            outboxkit_core::metrics::destinations_open(s.circuits.len());
         }
         // Parks of the stream for it may be on their way to the table.
         s.unmapped = true;
@@ -555,7 +555,7 @@ impl Parked {
                 next_trial: now,
             });
         }
-        outbox_core::metrics::destinations_open(s.circuits.len());
+        outboxkit_core::metrics::destinations_open(s.circuits.len());
         s.adopted = last.unwrap_or_default();
         if all && s.circuits.len() < MAX_CIRCUITS {
             s.unmapped = false;
@@ -573,11 +573,11 @@ impl<P: EventPublisher> WalRelay<P> {
         error: &PublishError,
         out: &mut Outcomes,
     ) -> Option<ParkedRow> {
-        outbox_core::metrics::publish_failed(error.kind(), &m.event_type);
+        outboxkit_core::metrics::publish_failed(error.kind(), &m.event_type);
         let attempts = u32::try_from(m.attempts).unwrap_or(0) + 1;
         let policy = self.config.retry.for_event_type(&m.event_type);
         if policy.should_retry(attempts) {
-            outbox_core::metrics::retried(&m.event_type);
+            outboxkit_core::metrics::retried(&m.event_type);
             debug!(id = %m.id, attempts, error = %error, "publish failed, will retry");
             Some(ParkedRow {
                 delay: policy.delay(attempts),
@@ -586,7 +586,7 @@ impl<P: EventPublisher> WalRelay<P> {
                 ..ParkedRow::behind(m.id, key)
             })
         } else {
-            outbox_core::metrics::dead(&m.event_type);
+            outboxkit_core::metrics::dead(&m.event_type);
             warn!(id = %m.id, event_type = %m.event_type, attempts, error = %error, "attempts exhausted, message is dead");
             out.dead.push((
                 m.id,
@@ -602,8 +602,8 @@ impl<P: EventPublisher> WalRelay<P> {
 
 /// A verdict about `m` itself (unroutable, oversized, invalid): dead at once.
 pub(super) fn dead_for_good(m: &OutboxMessage, e: &PublishError, out: &mut Outcomes) {
-    outbox_core::metrics::publish_failed(e.kind(), &m.event_type);
-    outbox_core::metrics::dead(&m.event_type);
+    outboxkit_core::metrics::publish_failed(e.kind(), &m.event_type);
+    outboxkit_core::metrics::dead(&m.event_type);
     warn!(id = %m.id, event_type = %m.event_type, error = %e, "permanent publish failure, message is dead");
     out.dead.push((m.id, e.to_string()));
 }

@@ -27,7 +27,7 @@
 use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
 
-use outbox_core::{OutboxMessage, PublishOutcome};
+use outboxkit_core::{OutboxMessage, PublishOutcome};
 use pgwire_replication::Lsn;
 use tokio::task::JoinHandle;
 

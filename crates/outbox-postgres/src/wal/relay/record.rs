@@ -7,7 +7,7 @@ use std::sync::atomic::Ordering;
 use std::time::Duration;
 
 use chrono::{DateTime, Utc};
-use outbox_core::{EventPublisher, OutboxMessage, SentRetention, sanitize_error};
+use outboxkit_core::{EventPublisher, OutboxMessage, SentRetention, sanitize_error};
 use pgwire_replication::Lsn;
 use sqlx::{AssertSqlSafe, PgConnection, Row as _};
 use tokio::task::JoinHandle;
@@ -253,7 +253,8 @@ impl Recorder {
                         () = shutdown.cancelled() => return Ok(false),
                         () = tokio::time::sleep(backoff) => {}
                     }
-                    backoff = outbox_core::retry::outage_backoff(backoff, Duration::from_secs(10));
+                    backoff =
+                        outboxkit_core::retry::outage_backoff(backoff, Duration::from_secs(10));
                 }
                 Err(e) => return Err(e),
             }
@@ -264,7 +265,7 @@ impl Recorder {
         self.counters
             .dead
             .fetch_add(out.dead.len() as u64, Ordering::Relaxed);
-        outbox_core::metrics::completed(out.sent.len(), 0, 0);
+        outboxkit_core::metrics::completed(out.sent.len(), 0, 0);
         Ok(true)
     }
 

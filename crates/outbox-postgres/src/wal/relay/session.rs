@@ -7,7 +7,7 @@ use std::sync::atomic::Ordering;
 use std::time::Duration;
 
 use futures::FutureExt as _;
-use outbox_core::{EventPublisher, MessageStatus, OutboxMessage};
+use outboxkit_core::{EventPublisher, MessageStatus, OutboxMessage};
 use pgwire_replication::{Lsn, ReplicationClient, ReplicationEvent};
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;

@@ -19,7 +19,7 @@ use std::collections::{HashMap, HashSet};
 use std::sync::atomic::Ordering;
 use std::time::Duration;
 
-use outbox_core::{ErrorKind, EventPublisher, MessageStatus, OutboxMessage, PublishOutcome};
+use outboxkit_core::{ErrorKind, EventPublisher, MessageStatus, OutboxMessage, PublishOutcome};
 use sqlx::{AssertSqlSafe, Row as _};
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, warn};
@@ -163,7 +163,7 @@ impl<P: EventPublisher> WalRelay<P> {
                     Err(e) => {
                         warn!(error = %e, "the sweeper of parked rows failed; retrying");
                         let d = failing;
-                        failing = outbox_core::retry::outage_backoff(d, self.config.probe_cap);
+                        failing = outboxkit_core::retry::outage_backoff(d, self.config.probe_cap);
                         d
                     }
                 }
@@ -240,7 +240,7 @@ impl<P: EventPublisher> WalRelay<P> {
                 Ok(m) => messages.push(m),
                 Err(reason) => {
                     warn!(%id, %reason, "poison row: it cannot be decoded, it is dead");
-                    outbox_core::metrics::dead_poison();
+                    outboxkit_core::metrics::dead_poison();
                     out.dead.push((id, format!("undecodable row: {reason}")));
                 }
             }
@@ -329,11 +329,11 @@ impl<P: EventPublisher> WalRelay<P> {
             }
         }
         if broker_out {
-            *outage = outbox_core::retry::outage_backoff(*outage, self.config.probe_cap);
+            *outage = outboxkit_core::retry::outage_backoff(*outage, self.config.probe_cap);
         } else {
             *outage = Duration::from_millis(500);
         }
-        outbox_core::metrics::commit_to_publish(
+        outboxkit_core::metrics::commit_to_publish(
             messages
                 .iter()
                 .map(|m| (&m.created_at, out.sent.contains(&m.id))),
