@@ -7,6 +7,12 @@
 //!   (`all-features`, `--cfg docsrs`, `doc_cfg`); the examples and xtask are
 //!   `publish = false`; no published crate needs an unpublished one; a `CHANGELOG.md`
 //!   with a section for the version. The publish order is derived from the manifests.
+//! * Names on crates.io: each published crate's name is looked up in crates.io's sparse
+//!   index (`https://index.crates.io/`, with `curl`; also spelled with `_` for `-`, which
+//!   crates.io takes for the same name): not there, it is free; there, it must be ours
+//!   (the manifest of its newest version names the workspace's `repository`), or the run
+//!   fails saying the name is taken. Without crates.io (offline, no `curl`) the names
+//!   are reported as not checked.
 //! * MSRV: built with the `rust-version` toolchain when rustup has it; otherwise every
 //!   crate a user compiles with ours must declare a `rust-version` no newer than ours
 //!   (`cargo metadata`), and clippy's `incompatible_msrv` finds any standard library
@@ -20,6 +26,11 @@
 //!   package's contents: the license files, every `include_str!`/`include_bytes!` file,
 //!   a size that rules out stray files, and a lockfile whose copies of our crates are
 //!   ours.
+//! * Publish dry run: `cargo publish --workspace --dry-run --no-verify` (cargo 1.90+),
+//!   which uploads nothing but packages the crates in cargo's own publish order against
+//!   crates.io's index, a path the `cargo package` step does not take; the order must be
+//!   ours, and the step is not checked when crates.io cannot be reached. The builds from
+//!   the `.crate`s are the `cargo package` step's (`--no-verify` here: not twice).
 //! * `cargo deny check licenses bans sources` (deny.toml), and `advisories` against a
 //!   local copy of the RustSec database when there is one (it is fetched from GitHub).
 //!
@@ -30,7 +41,7 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::fs;
 use std::path::{Path, PathBuf};
-use std::process::Command;
+use std::process::{Command, Stdio};
 use std::time::Instant;
 
 use anyhow::{Context, Result, bail};
@@ -49,13 +60,16 @@ const DOC_CFG: &str = "#![cfg_attr(docsrs, feature(doc_cfg))]";
 /// packed by mistake (crates.io itself refuses above 10 MiB).
 const MAX_CRATE_BYTES: u64 = 1024 * 1024;
 
-/// Names of ours that other owners already hold on crates.io (their versions were in
-/// the index when cargo resolved our packages in November 2026: `inbox` 0.0.1,
-/// `outboxkit-core` 0.1.0 to 0.6.0, `outboxkit-postgres` 0.1.0 to 0.3.0; the other six names
-/// were not; `outboxkit-mysql`, added later, was not looked up). Publishing needs other names; until then
-/// a package that depends on them resolves the foreign crate whenever its versions
-/// match, which the lockfile check tolerates for these names alone.
-const NAMES_TAKEN_ON_CRATES_IO: [&str; 3] = ["inbox", "outboxkit-core", "outboxkit-postgres"];
+/// crates.io's sparse index: one file per crate name, one JSON line per version.
+const SPARSE_INDEX: &str = "https://index.crates.io";
+
+/// crates.io's downloads, for the manifest (its `repository`) of a crate the index has:
+/// the index does not say where a crate comes from (and crates.io's API, which does,
+/// is not always reachable where the index is).
+const CRATES_IO_DOWNLOADS: &str = "https://static.crates.io/crates";
+
+/// How long one request to crates.io may take, in seconds.
+const HTTP_TIMEOUT_SECS: &str = "20";
 
 /// A workspace member, from `cargo metadata`.
 #[derive(Debug)]
@@ -301,17 +315,21 @@ pub(crate) fn check(strict: bool, depth: Depth) -> Result<()> {
         // No order (a cycle): package in name order so the other steps still report.
         order = ws.published().map(|m| m.name.clone()).collect();
     }
+    let mut crates_io = None;
+    report.step("names on crates.io", |r| {
+        crates_io = Some(names_on_crates_io(&ws, r));
+        Ok(())
+    });
     let toolchains = installed_toolchains();
     report.step("MSRV", |r| msrv(&ws, &order, &toolchains, r));
     report.step("docs", |r| docs(&ws, &order, &toolchains, depth, r));
     report.step("packages", |r| {
         packages(&ws, &order, depth == Depth::Full, r)
     });
+    report.step("publish dry run", |r| {
+        publish_dry_run(&order, crates_io == Some(true), r)
+    });
     report.step("cargo deny", deny);
-    report.blockers.push(format!(
-        "crate names already on crates.io under other owners: {} (rename before publishing)",
-        NAMES_TAKEN_ON_CRATES_IO.join(", ")
-    ));
 
     eprintln!("xtask: release-check summary:");
     for (name, outcome, secs) in &report.steps {
@@ -694,17 +712,309 @@ fn packages(ws: &Workspace, order: &[String], verify: bool, r: &mut Report) -> R
             if version == *our_version {
                 continue;
             }
-            let found = format!(
+            r.fail(format!(
                 "{base}'s lockfile resolves {name} {version} from crates.io, not ours \
                  ({our_version})"
-            );
-            if NAMES_TAKEN_ON_CRATES_IO.contains(&name.as_str()) {
-                eprintln!("xtask: release-check: {found} (a name taken on crates.io)");
-            } else {
-                r.fail(found);
-            }
+            ));
         }
         eprintln!("xtask: release-check: {base}.crate: {size} bytes");
+    }
+    Ok(())
+}
+
+/// The file of crate `name` in a sparse index (lowercase): `1/a`, `2/ab`, `3/a/abc`,
+/// then the first two letters and the next two, `ou/tb/outboxkit-core`.
+fn index_path(name: &str) -> String {
+    let name = name.to_ascii_lowercase();
+    match name.len() {
+        1 => format!("1/{name}"),
+        2 => format!("2/{name}"),
+        3 => format!("3/{}/{name}", &name[..1]),
+        _ => format!("{}/{}/{name}", &name[..2], &name[2..4]),
+    }
+}
+
+/// The versions in a sparse index file (one JSON object a line), yanked ones marked.
+fn index_versions(file: &str) -> Vec<String> {
+    file.lines()
+        .filter_map(|line| serde_json::from_str::<Value>(line).ok())
+        .filter_map(|v| {
+            let version = v["vers"].as_str()?.to_owned();
+            Some(if v["yanked"] == Value::Bool(true) {
+                format!("{version} (yanked)")
+            } else {
+                version
+            })
+        })
+        .collect()
+}
+
+/// What a GET from crates.io gave.
+enum Fetched {
+    /// An HTTP answer: status and body.
+    Answer(u16, String),
+    /// No answer (no `curl`, no network, a timeout), and why.
+    Unreachable(String),
+}
+
+/// GET `url` with `curl` (no HTTP client in xtask's dependencies).
+fn http_get(url: &str) -> Fetched {
+    let out = Command::new("curl")
+        .args([
+            "--silent",
+            "--show-error",
+            "--location",
+            "--max-time",
+            HTTP_TIMEOUT_SECS,
+            // crates.io's API refuses requests without a user agent.
+            "--user-agent",
+            "outboxkit-xtask-release-check",
+            "--write-out",
+            "\n%{http_code}",
+            url,
+        ])
+        .stdin(Stdio::null())
+        .output();
+    let out = match out {
+        Ok(out) => out,
+        Err(e) => return Fetched::Unreachable(format!("could not run curl: {e}")),
+    };
+    if !out.status.success() {
+        return Fetched::Unreachable(format!(
+            "curl {url}: {}",
+            String::from_utf8_lossy(&out.stderr).trim()
+        ));
+    }
+    let text = String::from_utf8_lossy(&out.stdout);
+    let (body, code) = text.rsplit_once('\n').unwrap_or(("", &text));
+    match code.trim().parse::<u16>() {
+        Ok(code) if code != 0 => Fetched::Answer(code, body.to_owned()),
+        _ => Fetched::Unreachable(format!("curl {url}: no HTTP status")),
+    }
+}
+
+/// A repository URL compared loosely: no trailing `/` or `.git`, lowercase.
+fn same_repository(a: &str, b: &str) -> bool {
+    let norm = |u: &str| {
+        u.trim()
+            .trim_end_matches('/')
+            .trim_end_matches(".git")
+            .to_ascii_lowercase()
+    };
+    norm(a) == norm(b)
+}
+
+/// `repository` of a manifest's `[package]` table.
+fn manifest_repository(manifest: &str) -> Option<String> {
+    let mut table = "";
+    for line in manifest.lines().map(str::trim) {
+        if line.starts_with('[') {
+            table = line;
+        } else if table == "[package]"
+            && let Some((key, value)) = line.split_once('=')
+            && key.trim() == "repository"
+        {
+            return Some(value.trim().trim_matches('"').to_owned());
+        }
+    }
+    None
+}
+
+/// The `repository` in the manifest of crates.io's `name` `version` (its `.crate`
+/// downloaded and read), or why it could not be read.
+fn published_repository(name: &str, version: &str) -> Result<Option<String>, String> {
+    let file = std::env::temp_dir().join(format!(
+        "release-check-{}-{name}-{version}.crate",
+        std::process::id()
+    ));
+    let url = format!("{CRATES_IO_DOWNLOADS}/{name}/{name}-{version}.crate");
+    let downloaded = Command::new("curl")
+        .args([
+            "--silent",
+            "--show-error",
+            "--fail",
+            "--location",
+            "--max-time",
+            HTTP_TIMEOUT_SECS,
+            "--output",
+        ])
+        .arg(&file)
+        .arg(&url)
+        .stdin(Stdio::null())
+        .output()
+        .map_err(|e| format!("could not run curl: {e}"))?;
+    if !downloaded.status.success() {
+        let _ = fs::remove_file(&file);
+        return Err(format!(
+            "curl {url}: {}",
+            String::from_utf8_lossy(&downloaded.stderr).trim()
+        ));
+    }
+    let manifest = Command::new("tar")
+        .arg("-xzOf")
+        .arg(&file)
+        .arg(format!("{name}-{version}/Cargo.toml"))
+        .output();
+    let _ = fs::remove_file(&file);
+    let manifest = manifest.map_err(|e| format!("could not run tar: {e}"))?;
+    if !manifest.status.success() {
+        return Err(format!("{url} holds no {name}-{version}/Cargo.toml"));
+    }
+    Ok(manifest_repository(&String::from_utf8_lossy(
+        &manifest.stdout,
+    )))
+}
+
+/// Versions for a message: all of a few, or how many and the first and last.
+fn versions_shown(versions: &[String]) -> String {
+    match versions {
+        [] => "no versions".to_owned(),
+        [first, .., last] if versions.len() > 4 => {
+            format!("{} versions, {first} to {last}", versions.len())
+        }
+        _ => format!("versions {}", versions.join(", ")),
+    }
+}
+
+/// Each published crate's name in crates.io's sparse index, as it is spelled and with
+/// `_` for `-` (one name to crates.io): free (not there), ours (the manifest of its
+/// newest version gives this workspace's repository) or taken (a failure). Returns
+/// whether crates.io answered; when it did not, the names are reported as not checked.
+fn names_on_crates_io(ws: &Workspace, r: &mut Report) -> bool {
+    for m in ws.published() {
+        let mut spellings = vec![m.name.clone()];
+        if m.name.contains('-') {
+            spellings.push(m.name.replace('-', "_"));
+        }
+        let mut found = None;
+        for spelling in spellings {
+            let url = format!("{SPARSE_INDEX}/{}", index_path(&spelling));
+            match http_get(&url) {
+                Fetched::Unreachable(why) => {
+                    r.not_checked.push(format!(
+                        "names on crates.io: could not check, crates.io's index was not \
+                         reached ({why})"
+                    ));
+                    return false;
+                }
+                Fetched::Answer(404, _) => {}
+                Fetched::Answer(200, body) => {
+                    found = Some(Some((spelling, index_versions(&body))));
+                    break;
+                }
+                Fetched::Answer(code, _) => {
+                    r.not_checked.push(format!(
+                        "name {} on crates.io: could not check, {url} answered HTTP {code}",
+                        m.name
+                    ));
+                    found = Some(None);
+                    break;
+                }
+            }
+        }
+        let (spelling, versions) = match found {
+            None => {
+                eprintln!("xtask: release-check: {}: free on crates.io", m.name);
+                continue;
+            }
+            Some(None) => continue, // Reported as not checked.
+            Some(Some(found)) => found,
+        };
+        let shown = versions_shown(&versions);
+        let as_spelled = if spelling == m.name {
+            String::new()
+        } else {
+            format!(" as {spelling}")
+        };
+        let ours = m.str_field("repository").unwrap_or_default();
+        let newest = versions
+            .last()
+            .and_then(|v| v.split(' ').next())
+            .unwrap_or_default();
+        match published_repository(&spelling, newest) {
+            Ok(Some(repo)) if !ours.is_empty() && same_repository(&repo, ours) => {
+                eprintln!(
+                    "xtask: release-check: {}: published from this repository ({shown})",
+                    m.name
+                );
+                if versions
+                    .iter()
+                    .any(|v| v.split(' ').next() == Some(m.version.as_str()))
+                {
+                    r.blockers.push(format!(
+                        "{} {} is already on crates.io: the version needs a bump",
+                        m.name, m.version
+                    ));
+                }
+            }
+            Ok(repo) => r.fail(format!(
+                "the name {} is taken on crates.io{as_spelled} ({shown}; repository {}), \
+                 not published from this repository ({ours}): rename the package",
+                m.name,
+                repo.as_deref().unwrap_or("none given")
+            )),
+            Err(why) => r.fail(format!(
+                "the name {} is taken on crates.io{as_spelled} ({shown}); whether it is \
+                 ours could not be read ({why})",
+                m.name
+            )),
+        }
+    }
+    true
+}
+
+/// `cargo publish --workspace --dry-run --no-verify`: cargo packages every published
+/// crate and walks the uploads in its dependency order, against crates.io's index,
+/// uploading nothing. Each crate's build from its `.crate` is the `packages` step's.
+fn publish_dry_run(order: &[String], crates_io: bool, r: &mut Report) -> Result<()> {
+    if !crates_io {
+        r.not_checked.push(
+            "cargo publish --dry-run: crates.io could not be reached (it reads the index)"
+                .to_owned(),
+        );
+        return Ok(());
+    }
+    let mut cmd = cargo();
+    cmd.args([
+        "publish",
+        "--workspace",
+        "--dry-run",
+        "--no-verify",
+        "--allow-dirty",
+    ]);
+    let shown = display(&cmd);
+    eprintln!("xtask: running `{shown}`");
+    let out = cmd
+        .stdin(Stdio::null())
+        .output()
+        .with_context(|| format!("could not run `{shown}`"))?;
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    if !out.status.success() {
+        if stderr.contains("unexpected argument '--workspace'") {
+            r.not_checked.push(
+                "cargo publish --dry-run: this cargo has no multi-package publishing \
+                 (`--workspace`, cargo 1.90+)"
+                    .to_owned(),
+            );
+            return Ok(());
+        }
+        bail!("`{shown}` failed ({}):\n{stderr}", out.status);
+    }
+    let uploaded: Vec<&str> = stderr
+        .lines()
+        .filter_map(|l| l.trim_start().strip_prefix("Uploading "))
+        .filter_map(|l| l.split_whitespace().next())
+        .collect();
+    eprintln!(
+        "xtask: release-check: cargo's publish order: {}",
+        uploaded.join(", ")
+    );
+    let cargos: BTreeSet<&str> = uploaded.iter().copied().collect();
+    let ours: BTreeSet<&str> = order.iter().map(String::as_str).collect();
+    if cargos != ours {
+        r.fail(format!(
+            "`{shown}` would publish {cargos:?}, not the published crates {ours:?}"
+        ));
     }
     Ok(())
 }
@@ -831,6 +1141,46 @@ mod tests {
     use super::*;
 
     #[test]
+    fn index_paths_follow_the_sparse_index_layout() {
+        assert_eq!(index_path("a"), "1/a");
+        assert_eq!(index_path("ab"), "2/ab");
+        assert_eq!(index_path("abc"), "3/a/abc");
+        assert_eq!(index_path("outboxkit-core"), "ou/tb/outboxkit-core");
+        assert_eq!(index_path("Serde"), "se/rd/serde");
+    }
+
+    #[test]
+    fn index_versions_are_read_line_by_line() {
+        let file = "{\"name\":\"x\",\"vers\":\"0.1.0\",\"yanked\":false}\n\
+                    {\"name\":\"x\",\"vers\":\"0.2.0\",\"yanked\":true}\n";
+        assert_eq!(index_versions(file), ["0.1.0", "0.2.0 (yanked)"]);
+        assert!(same_repository(
+            "https://github.com/o/r.git",
+            "https://github.com/O/r/"
+        ));
+        assert!(!same_repository(
+            "https://github.com/o/r",
+            "https://example.invalid/r"
+        ));
+    }
+
+    #[test]
+    fn the_repository_is_read_from_the_package_table() {
+        let manifest = "[package]\nname = \"x\"\nrepository = \"https://github.com/o/r\"\n\n\
+                        [dependencies]\nrepository = \"no\"\n";
+        assert_eq!(
+            manifest_repository(manifest).as_deref(),
+            Some("https://github.com/o/r")
+        );
+        assert_eq!(manifest_repository("[lib]\nrepository = \"no\"\n"), None);
+        let many: Vec<String> = ["0.1.0", "0.2.0", "0.3.0", "0.4.0", "0.5.0"]
+            .map(str::to_owned)
+            .to_vec();
+        assert_eq!(versions_shown(&many), "5 versions, 0.1.0 to 0.5.0");
+        assert_eq!(versions_shown(&many[..2]), "versions 0.1.0, 0.2.0");
+    }
+
+    #[test]
     fn included_paths_are_found() {
         let text = r#"
             const CSS: &str = include_str!("assets/dashboard.css");
@@ -902,13 +1252,13 @@ mod tests {
 
     #[test]
     fn lock_entries_pair_names_with_versions() {
-        let lock = "version = 4\n\n[[package]]\nname = \"outbox\"\nversion = \"0.1.0\"\n\
+        let lock = "version = 4\n\n[[package]]\nname = \"outboxkit\"\nversion = \"0.1.0\"\n\
                     dependencies = [\n \"outboxkit-core\",\n]\n\n[[package]]\n\
                     name = \"outboxkit-core\"\nversion = \"0.2.2\"\nsource = \"registry+x\"\n";
         assert_eq!(
             lock_entries(lock),
             [
-                ("outbox".to_owned(), "0.1.0".to_owned()),
+                ("outboxkit".to_owned(), "0.1.0".to_owned()),
                 ("outboxkit-core".to_owned(), "0.2.2".to_owned())
             ]
         );
@@ -944,7 +1294,7 @@ mod tests {
             "outboxkit-mysql",
         ] {
             assert!(
-                position(backend) < position("outbox"),
+                position(backend) < position("outboxkit"),
                 "{backend}: {order:?}"
             );
             assert!(
