@@ -10,9 +10,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use common::fresh_outbox;
-use common::rabbit::{
-    amqp_url, eventually, fixture, publisher_to, publisher_with_rules, reject_when_full,
-};
+use common::rabbit::{eventually, fixture, publisher_to, publisher_with_rules, reject_when_full};
 use lapin::BasicProperties;
 use lapin::options::{BasicPublishOptions, QueueBindOptions, QueueDeclareOptions};
 use lapin::types::{AMQPValue, FieldTable};
@@ -127,43 +125,7 @@ async fn count_status(outbox: &PgOutbox, status: MessageStatus) -> i64 {
     .expect("count")
 }
 
-/// A consumer of `queue` that acks what arrives: the deliveries per message id.
-async fn drain(queue: &str) -> Arc<Mutex<HashMap<String, usize>>> {
-    let got: Arc<Mutex<HashMap<String, usize>>> = Arc::default();
-    let sink = Arc::clone(&got);
-    let conn = lapin::Connection::connect(&amqp_url(), lapin::ConnectionProperties::default())
-        .await
-        .expect("connect");
-    let channel = conn.create_channel().await.expect("channel");
-    let mut consumer = channel
-        .basic_consume(
-            queue.into(),
-            "".into(),
-            lapin::options::BasicConsumeOptions::default(),
-            FieldTable::default(),
-        )
-        .await
-        .expect("consume");
-    tokio::spawn(async move {
-        use futures::StreamExt as _;
-        let _keep = (conn, channel);
-        while let Some(Ok(delivery)) = consumer.next().await {
-            let id = delivery
-                .properties
-                .message_id()
-                .as_ref()
-                .map(|s| s.to_string())
-                .unwrap_or_default();
-            *sink.lock().expect("lock").entry(id).or_insert(0) += 1;
-            let _ = delivery
-                .ack(lapin::options::BasicAckOptions::default())
-                .await;
-        }
-    });
-    got
-}
-
-/// Every one of `ids` arrives in `got` (see [`drain`]), each once.
+/// Every one of `ids` arrives in `got` (`Fixture::counter_of`), each once.
 async fn each_received_once(got: &Mutex<HashMap<String, usize>>, ids: &[uuid::Uuid]) {
     let ids: HashSet<String> = ids.iter().map(ToString::to_string).collect();
     assert!(
@@ -342,7 +304,7 @@ async fn held_rows_resume_after_the_queue_drains_and_after_a_restart() {
         d.stats()
     );
     // The queue drains: a consumer takes what arrives.
-    let got = drain(&full).await;
+    let got = fx.counter_of(&full).await;
     assert!(
         eventually(Duration::from_secs(60), || async {
             count_status(&outbox, MessageStatus::Sent).await == (N + 50) as i64
@@ -497,7 +459,7 @@ async fn a_destination_rule_makes_one_full_queue_one_circuit() {
         outboxkit_testkit::pg::held_destinations(outbox.pool(), outbox.schema()).await,
         HashSet::from(["full-queue".to_owned()])
     );
-    let got = drain(&full).await;
+    let got = fx.counter_of(&full).await;
     assert!(
         eventually(Duration::from_secs(120), || async {
             count_status(&outbox, MessageStatus::Sent).await == (N + 50) as i64

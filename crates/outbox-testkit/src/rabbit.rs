@@ -192,11 +192,21 @@ impl Fixture {
     /// Starts consuming the queue with acks, handing every delivery's message id (empty
     /// when it has none) and body to `on_delivery`, in the order the broker delivers
     /// them, until the connection closes.
-    pub async fn consume(&self, mut on_delivery: impl FnMut(String, &[u8]) + Send + 'static) {
+    pub async fn consume(&self, on_delivery: impl FnMut(String, &[u8]) + Send + 'static) {
+        self.consume_queue(&self.queue, on_delivery).await;
+    }
+
+    /// [`consume`](Self::consume) of another queue, `queue`, on this fixture's
+    /// connection.
+    pub async fn consume_queue(
+        &self,
+        queue: &str,
+        mut on_delivery: impl FnMut(String, &[u8]) + Send + 'static,
+    ) {
         let channel = self.conn.create_channel().await.expect("channel");
         let mut consumer = channel
             .basic_consume(
-                self.queue.as_str().into(),
+                queue.into(),
                 "".into(),
                 BasicConsumeOptions::default(),
                 FieldTable::default(),
@@ -220,10 +230,17 @@ impl Fixture {
 
     /// Starts consuming the queue, counting deliveries per message id.
     pub async fn counter(&self) -> Arc<Mutex<HashMap<String, usize>>> {
+        self.counter_of(&self.queue).await
+    }
+
+    /// [`counter`](Self::counter) of another queue, `queue`.
+    pub async fn counter_of(&self, queue: &str) -> Arc<Mutex<HashMap<String, usize>>> {
         let counts = Arc::new(Mutex::new(HashMap::new()));
         let sink = Arc::clone(&counts);
-        self.consume(move |id, _| *sink.lock().expect("lock").entry(id).or_insert(0) += 1)
-            .await;
+        self.consume_queue(queue, move |id, _| {
+            *sink.lock().expect("lock").entry(id).or_insert(0) += 1;
+        })
+        .await;
         counts
     }
 }
