@@ -39,7 +39,7 @@
 //! | no PubAck within the deadline, connection lost meanwhile | `Transient(Unavailable)`: circuit opens |
 //!
 //! A refusal's destination is the stream that refused
-//! ([`EventPublisher::destination`](outboxkit_core::EventPublisher::destination):
+//! ([`EventPublisher::destination`]:
 //! `stream NAME`): after a refusal the publisher looks up the stream that captures the
 //! subject and its subject filters, so every subject of one full stream shares one
 //! circuit of the relay.

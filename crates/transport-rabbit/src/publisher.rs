@@ -462,7 +462,7 @@ impl EventPublisher for RabbitPublisher {
 
     /// The first [`DestinationRule`](crate::DestinationRule) matching `routing_key`
     /// names its destination, else the routing key is its own
-    /// ([`RabbitConfig::destination`](crate::RabbitConfig::destination)): a
+    /// ([`RabbitConfig::destination`]): a
     /// `basic.nack` names no queue.
     fn destination<'a>(&'a self, routing_key: &'a str) -> std::borrow::Cow<'a, str> {
         self.config().destination(routing_key)
