@@ -136,29 +136,32 @@ impl fmt::Display for DestinationRule {
 /// <https://www.rabbitmq.com/tutorials/amqp-concepts#exchange-topic>). Linear in the
 /// product of the word counts (no backtracking blow-up with many `#`).
 pub(crate) fn topic_matches(pattern: &str, routing_key: &str) -> bool {
-    let p: Vec<&str> = pattern.split('.').collect();
     let k: Vec<&str> = routing_key.split('.').collect();
-    // can[j]: the first i words of the pattern match the first j words of the key.
+    // can[j]: the pattern's words so far match the first j words of the key.
     let mut can = vec![false; k.len() + 1];
+    let mut next = vec![false; k.len() + 1];
     can[0] = true;
-    for word in &p {
-        let mut next = vec![false; k.len() + 1];
-        match *word {
+    for word in pattern.split('.') {
+        match word {
             "#" => {
                 let mut any = false;
-                for j in 0..=k.len() {
-                    any |= can[j];
-                    next[j] = any;
+                for (n, c) in next.iter_mut().zip(&can) {
+                    any |= *c;
+                    *n = any;
                 }
             }
-            "*" => next[1..].copy_from_slice(&can[..k.len()]),
+            "*" => {
+                next[0] = false;
+                next[1..].copy_from_slice(&can[..k.len()]);
+            }
             w => {
+                next[0] = false;
                 for j in 1..=k.len() {
                     next[j] = can[j - 1] && k[j - 1] == w;
                 }
             }
         }
-        can = next;
+        std::mem::swap(&mut can, &mut next);
     }
     can[k.len()]
 }
