@@ -44,6 +44,13 @@ struct Refuser {
     learned: Instant,
 }
 
+impl Refuser {
+    /// Whether one of its subject filters matches `subject`.
+    fn captures(&self, subject: &str) -> bool {
+        self.subjects.iter().any(|f| subject_matches(f, subject))
+    }
+}
+
 /// The streams that refused publishes, newest first.
 #[derive(Debug, Default)]
 pub(crate) struct Refusers {
@@ -57,7 +64,7 @@ impl Refusers {
         let streams = self.streams.read().unwrap_or_else(PoisonError::into_inner);
         streams
             .iter()
-            .find(|s| s.subjects.iter().any(|f| subject_matches(f, subject)))
+            .find(|s| s.captures(subject))
             .map(|s| s.destination.clone())
     }
 
@@ -73,10 +80,9 @@ impl Refusers {
     /// was learned within [`RELEARN_AFTER`].
     pub(crate) fn needs_lookup(&self, subject: &str) -> bool {
         let streams = self.streams.read().unwrap_or_else(PoisonError::into_inner);
-        !streams.iter().any(|s| {
-            s.learned.elapsed() < RELEARN_AFTER
-                && s.subjects.iter().any(|f| subject_matches(f, subject))
-        })
+        !streams
+            .iter()
+            .any(|s| s.learned.elapsed() < RELEARN_AFTER && s.captures(subject))
     }
 
     /// Stream `name` captures `subjects` (its filters): it becomes the newest entry.
