@@ -51,7 +51,6 @@
 //! `tracing-opentelemetry` layer installed, becomes the span's OpenTelemetry parent, so
 //! the handler joins the producer's trace.
 #![cfg_attr(docsrs, feature(doc_cfg))]
-#![deny(missing_docs)]
 
 mod batch;
 mod consumer;

@@ -37,7 +37,6 @@
 //! # Ok(()) }
 //! ```
 #![cfg_attr(docsrs, feature(doc_cfg))]
-#![deny(missing_docs)]
 
 #[cfg(not(any(feature = "postgres", feature = "sqlserver", feature = "mysql")))]
 compile_error!("outboxkit-cli needs a database feature: `postgres`, `sqlserver` and/or `mysql`");

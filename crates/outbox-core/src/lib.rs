@@ -48,7 +48,6 @@
 //! # Ok::<(), outboxkit_core::OutboxError>(())
 //! ```
 #![cfg_attr(docsrs, feature(doc_cfg))]
-#![deny(missing_docs)]
 
 pub mod admin;
 pub mod consumer;

@@ -265,7 +265,6 @@
 //! More, each a program to run: `crates/outbox/examples` (publish in a transaction, a
 //! relay, exactly-once and batched consumers, per-key ordering, SQL Server).
 #![cfg_attr(docsrs, feature(doc_cfg))]
-#![deny(missing_docs)]
 #![cfg_attr(
     not(all(
         feature = "postgres",

@@ -48,7 +48,6 @@
 //! # }
 //! ```
 #![cfg_attr(docsrs, feature(doc_cfg))]
-#![deny(missing_docs)]
 
 mod batch;
 pub mod config;

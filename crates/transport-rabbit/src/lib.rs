@@ -41,7 +41,6 @@
 //!
 //! [publisher confirms]: https://www.rabbitmq.com/docs/confirms#publisher-confirms
 #![cfg_attr(docsrs, feature(doc_cfg))]
-#![deny(missing_docs)]
 
 mod batch;
 pub mod config;
