@@ -206,6 +206,13 @@ pub struct RelayArgs {
     #[arg(long, env = "OUTBOX_SUBJECT_PREFIX", value_name = "PREFIX")]
     pub subject_prefix: Option<String>,
 
+    /// NATS: the JetStream stream the relay declares, capturing PREFIX.> (created if
+    /// missing, with file storage and a 2-minute duplicate window; an existing
+    /// stream's settings are left as they are), as it declares the RabbitMQ exchange
+    /// [default: none: the stream must exist].
+    #[arg(long, env = "OUTBOX_STREAM", value_name = "NAME")]
+    pub stream: Option<String>,
+
     /// RabbitMQ: routing keys that are one destination, PATTERN=NAME (an AMQP topic
     /// pattern, e.g. orders.#=orders): while the queue behind them refuses messages
     /// (full, reject-publish) they share one circuit and one trial. Repeat the flag
@@ -339,6 +346,7 @@ impl fmt::Debug for RelayArgs {
             broker_url,
             exchange,
             subject_prefix,
+            stream,
             destination_rules,
             batch_size,
             poll_interval,
@@ -374,6 +382,7 @@ impl fmt::Debug for RelayArgs {
             )
             .field("exchange", exchange)
             .field("subject_prefix", subject_prefix)
+            .field("stream", stream)
             .field("destination_rules", destination_rules)
             .field("batch_size", batch_size)
             .field("poll_interval", poll_interval)

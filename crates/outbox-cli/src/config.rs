@@ -42,6 +42,7 @@ const DEFAULT_LISTEN: SocketAddr = SocketAddr::V4(std::net::SocketAddrV4::new(
 /// broker_url = "amqp://guest:guest@127.0.0.1:5672/%2f"
 /// exchange = "outbox.events"      # rabbit
 /// subject_prefix = "outbox.events" # nats
+/// stream = "OUTBOX"              # nats: declared by the relay
 /// destination_rules = ["orders.#=orders"] # rabbit: routing keys of one queue
 /// batch_size = 500
 /// poll_interval = "500ms"
@@ -93,6 +94,7 @@ pub struct FileRelay {
     pub broker_url: Option<String>,
     pub exchange: Option<String>,
     pub subject_prefix: Option<String>,
+    pub stream: Option<String>,
     pub destination_rules: Option<Vec<String>>,
     pub batch_size: Option<usize>,
     pub poll_interval: Option<String>,
@@ -425,6 +427,7 @@ impl fmt::Debug for FileRelay {
             broker_url,
             exchange,
             subject_prefix,
+            stream,
             destination_rules,
             batch_size,
             poll_interval,
@@ -467,6 +470,7 @@ impl fmt::Debug for FileRelay {
             )
             .field("exchange", exchange)
             .field("subject_prefix", subject_prefix)
+            .field("stream", stream)
             .field("destination_rules", destination_rules)
             .field("batch_size", batch_size)
             .field("poll_interval", poll_interval)
@@ -508,6 +512,7 @@ impl fmt::Debug for RelaySettings {
             broker_url,
             exchange,
             subject_prefix,
+            stream,
             destination_rules,
             batch_size,
             poll_interval,
@@ -542,6 +547,7 @@ impl fmt::Debug for RelaySettings {
             )
             .field("exchange", exchange)
             .field("subject_prefix", subject_prefix)
+            .field("stream", stream)
             .field("destination_rules", destination_rules)
             .field("batch_size", batch_size)
             .field("poll_interval", poll_interval)
@@ -591,6 +597,8 @@ pub struct RelaySettings {
     pub exchange: String,
     /// NATS subject prefix.
     pub subject_prefix: String,
+    /// NATS: the stream the relay declares (capturing `{subject_prefix}.>`), if any.
+    pub stream: Option<String>,
     /// RabbitMQ destination rules, `PATTERN=NAME` each (see
     /// `outboxkit_rabbit::DestinationRule`), in the order they are tried.
     pub destination_rules: Vec<String>,
@@ -655,6 +663,7 @@ impl RelaySettings {
             broker_url: broker_url.into(),
             exchange: DEFAULT_DESTINATION.to_owned(),
             subject_prefix: DEFAULT_DESTINATION.to_owned(),
+            stream: None,
             destination_rules: Vec::new(),
             batch_size: 500,
             poll_interval: None,
@@ -713,6 +722,7 @@ impl RelaySettings {
         {
             s.subject_prefix = x;
         }
+        s.stream = args.stream.clone().or_else(|| f.stream.clone());
         if !args.destination_rules.is_empty() {
             s.destination_rules.clone_from(&args.destination_rules);
         } else if let Some(rules) = &f.destination_rules {
@@ -923,6 +933,14 @@ impl RelaySettings {
         match self.transport.require()? {
             #[cfg(feature = "rabbit")]
             TransportKind::Rabbit => {
+                if let Some(stream) = &self.stream {
+                    return Err(CliError::Invalid {
+                        field: "stream",
+                        reason: format!(
+                            "{stream:?}: a stream is for NATS; RabbitMQ publishes to the exchange, which the relay declares"
+                        ),
+                    });
+                }
                 self.rabbit_config()?;
             }
             #[cfg(feature = "nats")]
@@ -970,15 +988,18 @@ impl RelaySettings {
     /// The NATS configuration.
     ///
     /// # Errors
-    /// [`CliError::Nats`] for an invalid URL or subject prefix.
+    /// [`CliError::Nats`] for an invalid URL, subject prefix or stream name.
     #[cfg(feature = "nats")]
     pub fn nats_config(&self) -> Result<outboxkit_nats::NatsConfig, CliError> {
-        Ok(outboxkit_nats::NatsConfig::builder(&self.broker_url)
+        let mut config = outboxkit_nats::NatsConfig::builder(&self.broker_url)
             .with_subject_prefix(&self.subject_prefix)
             .with_connection_name("outbox-relay")
             .with_connect_timeout(self.connect_timeout)
-            .with_ack_timeout(self.confirm_timeout)
-            .build()?)
+            .with_ack_timeout(self.confirm_timeout);
+        if let Some(stream) = &self.stream {
+            config = config.with_stream(outboxkit_nats::StreamSetup::new(stream));
+        }
+        Ok(config.build()?)
     }
 
     /// The retry policies: the default with `max_attempts`, plus the overrides.
@@ -1316,6 +1337,58 @@ mod tests {
             let e = resolve_wal_relay(&["--transport", "nats", "--destination-rule", "a.#=q"])
                 .expect_err("rules are RabbitMQ's");
             assert!(e.is_bad_input() && e.to_string().contains("NATS"), "{e}");
+        }
+    }
+
+    #[cfg(feature = "nats")]
+    #[test]
+    fn the_nats_stream_comes_from_flags_or_the_file_and_is_refused_with_rabbit() {
+        let s = resolve_wal_relay(&[
+            "--transport",
+            "nats",
+            "--subject-prefix",
+            "orders.events",
+            "--stream",
+            "ORDERS",
+        ])
+        .expect("valid");
+        let config = s.nats_config().expect("config");
+        let stream = config.stream().expect("declared");
+        assert_eq!(
+            (stream.name(), stream.subjects()),
+            ("ORDERS", &["orders.events.>".to_owned()][..])
+        );
+        let file: FileConfig =
+            toml::from_str("[relay]\ntransport = \"nats\"\nstream = \"OUTBOX\"").expect("toml");
+        let argv = ["outbox", "--database-url", "postgres://u@h/d", "relay"];
+        let cli = <Cli as clap::Parser>::parse_from(argv);
+        let crate::cli::Command::Relay(args) = &cli.command else {
+            unreachable!("parsed relay")
+        };
+        let s = RelaySettings::resolve(&cli, args, &file).expect("valid");
+        assert_eq!(
+            s.nats_config()
+                .expect("config")
+                .stream()
+                .map(|s| s.name().to_owned()),
+            Some("OUTBOX".to_owned())
+        );
+        let e = resolve_wal_relay(&["--transport", "nats", "--stream", "bad.name"])
+            .expect_err("a dot in a stream name");
+        assert!(e.is_bad_input(), "{e}");
+        #[cfg(feature = "rabbit")]
+        {
+            let e = resolve_wal_relay(&["--stream", "ORDERS"]).expect_err("streams are NATS'");
+            assert!(
+                matches!(
+                    &e,
+                    CliError::Invalid {
+                        field: "stream",
+                        ..
+                    }
+                ),
+                "{e}"
+            );
         }
     }
 

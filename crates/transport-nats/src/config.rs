@@ -25,6 +25,7 @@ use std::time::Duration;
 use async_nats::ServerAddr;
 
 use crate::error::{NatsError, redact_url};
+use crate::topology::StreamSetup;
 
 /// The server URL used by [`NatsConfigBuilder::from_env`] when `NATS_URL` is not set.
 pub const DEFAULT_URL: &str = "nats://127.0.0.1:4222";
@@ -62,6 +63,7 @@ pub struct NatsConfigBuilder {
     max_payload_bytes: Option<usize>,
     source: Option<String>,
     connection_name: String,
+    stream: Option<StreamSetup>,
 }
 
 impl fmt::Debug for NatsConfigBuilder {
@@ -75,6 +77,7 @@ impl fmt::Debug for NatsConfigBuilder {
             .field("max_payload_bytes", &self.max_payload_bytes)
             .field("source", &self.source)
             .field("connection_name", &self.connection_name)
+            .field("stream", &self.stream)
             .finish()
     }
 }
@@ -92,6 +95,7 @@ impl NatsConfigBuilder {
             max_payload_bytes: None,
             source: None,
             connection_name: DEFAULT_CONNECTION_NAME.to_owned(),
+            stream: None,
         }
     }
 
@@ -165,6 +169,23 @@ impl NatsConfigBuilder {
         self
     }
 
+    /// The JetStream stream the publisher declares, as the RabbitMQ publisher declares
+    /// its exchange (default: none; the stream is then the operator's, and must exist).
+    /// [`NatsPublisher::connect`](crate::NatsPublisher::connect) creates the stream or
+    /// updates it to `setup` (its settings are the publisher's: storage, replicas,
+    /// duplicate window, retention, age limit), and every readiness check the relay
+    /// makes (at start, and while its circuit is open) creates it again if it was
+    /// deleted, leaving an existing stream's settings as they are. A `setup` without
+    /// subjects captures every subject this configuration publishes to
+    /// ([`NatsConfig::subject_wildcard`], e.g. `outbox.events.>`).
+    ///
+    /// A stream's subjects must not overlap another stream's: the server refuses such a
+    /// stream (a permanent [`NatsError::Stream`] from `connect`).
+    pub fn with_stream(mut self, setup: StreamSetup) -> Self {
+        self.stream = Some(setup);
+        self
+    }
+
     /// Validates the settings.
     ///
     /// # Errors
@@ -172,8 +193,9 @@ impl NatsConfigBuilder {
     ///   `nats://` or `tls://` (the error shows the URL with its password redacted);
     /// - [`NatsError::InvalidConfig`] when the subject prefix is not a valid publish
     ///   subject, a timeout, the in-flight window or the payload limit is zero (or the
-    ///   window is over [`MAX_IN_FLIGHT`]), or the source or connection name is empty or
-    ///   contains a line break.
+    ///   window is over [`MAX_IN_FLIGHT`]), the source or connection name is empty or
+    ///   contains a line break, or the [stream](Self::with_stream)'s name or subjects
+    ///   are invalid.
     pub fn build(self) -> Result<NatsConfig, NatsError> {
         let url_redacted = redact_url(&self.url);
         let servers = parse_servers(&self.url, &url_redacted)?;
@@ -214,9 +236,10 @@ impl NatsConfigBuilder {
         if self.connection_name.chars().any(char::is_control) {
             return Err(invalid("connection_name", "contains a control character"));
         }
-        Ok(NatsConfig {
+        let mut config = NatsConfig {
             servers,
             url_redacted,
+            stream: None,
             subject_prefix: self.subject_prefix,
             ack_timeout: self.ack_timeout,
             connect_timeout: self.connect_timeout,
@@ -224,7 +247,17 @@ impl NatsConfigBuilder {
             max_payload_bytes: self.max_payload_bytes,
             source: self.source,
             connection_name: self.connection_name,
-        })
+        };
+        if let Some(setup) = self.stream {
+            let setup = if setup.subjects().is_empty() {
+                setup.with_subject(config.subject_wildcard())
+            } else {
+                setup
+            };
+            setup.check()?;
+            config.stream = Some(Box::new(setup));
+        }
+        Ok(config)
     }
 }
 
@@ -327,6 +360,8 @@ pub(crate) fn subject_problem(subject: &str) -> Option<String> {
 pub struct NatsConfig {
     servers: Vec<ServerAddr>,
     url_redacted: String,
+    /// Boxed: most configurations have none, and the config is inside every consumer.
+    stream: Option<Box<StreamSetup>>,
     subject_prefix: String,
     ack_timeout: Duration,
     connect_timeout: Duration,
@@ -347,6 +382,7 @@ impl fmt::Debug for NatsConfig {
             .field("max_payload_bytes", &self.max_payload_bytes)
             .field("source", &self.source)
             .field("connection_name", &self.connection_name)
+            .field("stream", &self.stream)
             .finish()
     }
 }
@@ -388,6 +424,12 @@ impl NatsConfig {
     /// ([`StreamSetup::with_subjects`](crate::StreamSetup::with_subjects)).
     pub fn subject_wildcard(&self) -> String {
         self.subject_for(">")
+    }
+
+    /// The stream the publisher declares, if the configuration names one
+    /// ([`NatsConfigBuilder::with_stream`]), its subjects filled in.
+    pub fn stream(&self) -> Option<&StreamSetup> {
+        self.stream.as_deref()
     }
 
     /// How long a batch waits for its PubAcks.

@@ -139,20 +139,31 @@ pub struct NatsPublisher {
 }
 
 impl NatsPublisher {
-    /// Connects at once.
+    /// Connects at once and, when the configuration names a
+    /// [stream](crate::NatsConfigBuilder::with_stream), creates it or updates it to the
+    /// configured settings.
     ///
     /// # Errors
     /// [`NatsError::Connect`] when the server refuses or cannot be reached (an
     /// authorization violation is [`ErrorKind::Permanent`], an unreachable server
-    /// [`ErrorKind::Unavailable`]), [`NatsError::Timeout`] after the connect timeout.
+    /// [`ErrorKind::Unavailable`]), [`NatsError::Timeout`] after the connect timeout;
+    /// [`NatsError::Stream`] when the server refuses the stream (subjects overlapping
+    /// another stream's, a storage change: permanent) or JetStream does not answer.
     pub async fn connect(config: NatsConfig) -> Result<Self, NatsError> {
-        Self::open(config, false).await
+        let publisher = Self::open(config, false).await?;
+        if let Some(setup) = publisher.config.stream() {
+            publisher.ensure_stream(setup).await?;
+        }
+        Ok(publisher)
     }
 
     /// A publisher that connects in the background and keeps trying until it succeeds:
     /// use it when the relay must start while the server is down. Until the first
     /// connection, batches report `Unavailable` and `check_ready` fails. The same call
-    /// as `RabbitPublisher::connect_lazy`.
+    /// as `RabbitPublisher::connect_lazy`. A configured
+    /// [stream](crate::NatsConfigBuilder::with_stream) is created by the first readiness
+    /// check that reaches the server (the relay makes one before its first claim), with
+    /// an existing stream's settings left as they are.
     pub async fn connect_lazy(config: NatsConfig) -> Self {
         match Self::open(config, true).await {
             Ok(publisher) => publisher,
@@ -542,7 +553,18 @@ impl EventPublisher for NatsPublisher {
         }
         jetstream_ready(&self.client, self.config.connect_timeout())
             .await
-            .map_err(|reason| PublishError::unavailable(reason, None))
+            .map_err(|reason| PublishError::unavailable(reason, None))?;
+        // The configured stream, created again if it was deleted (as the RabbitMQ
+        // publisher declares its exchange on every check); an existing one is left
+        // as it is. A refusal is an outage of the whole publisher: nothing it
+        // publishes could be stored without the stream.
+        if let Some(setup) = self.config.stream() {
+            setup
+                .get_or_create(&self.jetstream, self.config.connect_timeout())
+                .await
+                .map_err(|e| PublishError::unavailable(e.to_string(), None))?;
+        }
+        Ok(())
     }
 }
 

@@ -139,3 +139,94 @@ async fn stream_setup_creates_updates_and_reports_conflicts() {
     }
     fx.cleanup().await;
 }
+
+/// A publisher configured with a stream declares it, as the RabbitMQ publisher declares
+/// its exchange: `connect` creates it capturing the configuration's subjects (or updates
+/// it to the configured settings), the relay's readiness check creates it again after
+/// it was deleted, and the messages published then are stored in it. Without the
+/// setting (main before it existed) nothing creates the stream: the publish is refused
+/// as having no stream, which the second half shows first.
+#[tokio::test]
+async fn a_configured_stream_is_declared_by_the_publisher_and_recreated_when_deleted() {
+    let fx = Fixture::unconfigured().await;
+    // Without a stream in the configuration nothing captures the subjects.
+    let plain = NatsPublisher::connect(fx.build()).await.expect("connect");
+    plain.check_ready().await.expect("the server is ready");
+    let refused = plain
+        .publish_batch(&[message("OrderPlaced", "0", r#"{"n":0}"#)])
+        .await;
+    assert!(
+        !refused[0].is_published(),
+        "no stream captures the subject: {refused:?}"
+    );
+    assert!(fx.js.get_stream(&fx.stream).await.is_err(), "no stream yet");
+
+    let config = fx
+        .config()
+        .with_stream(StreamSetup::new(&fx.stream).with_duplicate_window(Duration::from_secs(90)))
+        .build()
+        .expect("valid");
+    assert_eq!(
+        config.stream().map(StreamSetup::subjects),
+        Some(&[format!("{}.>", fx.prefix)][..]),
+        "a setup without subjects captures the configuration's"
+    );
+    let publisher = NatsPublisher::connect(config)
+        .await
+        .expect("connect declares the stream");
+    let mut stream = fx
+        .js
+        .get_stream(&fx.stream)
+        .await
+        .expect("declared by connect");
+    let info = stream.info().await.expect("info");
+    assert_eq!(info.config.duplicate_window, Duration::from_secs(90));
+    assert_eq!(info.config.subjects, [format!("{}.>", fx.prefix)]);
+    assert_published(
+        &publisher
+            .publish_batch(&[message("OrderPlaced", "1", r#"{"n":1}"#)])
+            .await,
+        1,
+    );
+    assert_eq!(fx.stored().await, 1);
+
+    // Deleted behind the relay's back: the next readiness check (the relay makes one
+    // before claiming again after an outage) declares it again.
+    fx.js.delete_stream(&fx.stream).await.expect("delete");
+    publisher
+        .check_ready()
+        .await
+        .expect("the check recreates the stream");
+    assert_published(
+        &publisher
+            .publish_batch(&[message("OrderPlaced", "2", r#"{"n":2}"#)])
+            .await,
+        1,
+    );
+    assert_eq!(
+        fx.stored().await,
+        1,
+        "the recreated stream holds the new message"
+    );
+
+    // A stream overlapping another's subjects is a permanent error of `connect`.
+    let clash = fx
+        .config()
+        .with_stream(StreamSetup::new(format!("{}_CLASH", fx.stream)))
+        .build()
+        .expect("valid");
+    match NatsPublisher::connect(clash).await {
+        Err(e @ NatsError::Stream { .. }) => assert_eq!(e.kind(), ErrorKind::Permanent, "{e}"),
+        other => panic!("expected a Stream error, got {other:?}"),
+    }
+    // An invalid stream name is refused where the configuration is built.
+    match fx
+        .config()
+        .with_stream(StreamSetup::new("bad.name"))
+        .build()
+    {
+        Err(NatsError::InvalidConfig { field, .. }) => assert_eq!(field, "stream name"),
+        other => panic!("expected an InvalidConfig error, got {other:?}"),
+    }
+    fx.cleanup().await;
+}
