@@ -13,7 +13,7 @@ use std::sync::Arc;
 use outboxkit::inbox::{Handler, HandlerContext, HandlerError, IdempotentConsumer, Pipeline};
 use outboxkit::postgres::sqlx::{self, PgConnection};
 use outboxkit::postgres::{PgConfig, PgInbox};
-use outboxkit::{AnyConsumer, Consumer as _, IncomingMessage};
+use outboxkit::{AnyConsumer, AnyConsumerConfig, Consumer as _, IncomingMessage};
 use tokio_util::sync::CancellationToken;
 
 #[derive(serde::Deserialize)]
@@ -58,7 +58,8 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     .await?;
     // RabbitMQ: the durable queue `revenue` bound to the exchange `outbox.events`;
     // NATS: the durable consumer `revenue` on the stream `OUTBOX`.
-    let consumer = AnyConsumer::from_url(&std::env::var("BROKER_URL")?, "OUTBOX", "revenue")?;
+    let config = AnyConsumerConfig::from_url(&std::env::var("BROKER_URL")?, "revenue")?;
+    let consumer = AnyConsumer::new(config.with_stream("OUTBOX"))?;
     let pipeline = Pipeline::new().on("OrderPlaced", "revenue", Revenue);
     let handler = IdempotentConsumer::new(Arc::new(inbox), pipeline).with_max_deliveries(5);
 

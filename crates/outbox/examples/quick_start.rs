@@ -8,7 +8,7 @@ use std::sync::Arc;
 
 use outboxkit::inbox::{Handler, HandlerContext, HandlerError, IdempotentConsumer, Pipeline};
 use outboxkit::postgres::{PgConfig, PgInbox, PgOutbox, sqlx::{self, PgConnection}};
-use outboxkit::{AnyConsumer, AnyPublisher, AnyPublisherConfig, CancellationToken, Consumer as _, Dispatcher, DispatcherConfig, IncomingMessage, NewMessage};
+use outboxkit::{AnyConsumer, AnyConsumerConfig, AnyPublisher, AnyPublisherConfig, CancellationToken, Consumer as _, Dispatcher, DispatcherConfig, IncomingMessage, NewMessage};
 
 struct Project; // the effect: one row per order, in the inbox's transaction
 #[async_trait::async_trait]
@@ -29,7 +29,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     store.enqueue(&mut tx, &NewMessage::builder("order", "42", "OrderPlaced").payload(&serde_json::json!({ "id": 42 })).build()?).await?;
     tx.commit().await?;
 
-    let consumer = AnyConsumer::from_url(&broker, "OUTBOX", "projection")?;
+    let consumer = AnyConsumer::new(AnyConsumerConfig::from_url(&broker, "projection")?.with_stream("OUTBOX"))?;
     consumer.declare().await?; // its queue (RabbitMQ) or stream and durable (NATS) exist before the first publish
     let handler = IdempotentConsumer::new(Arc::new(store.inbox()), Pipeline::new().on("OrderPlaced", "projection", Project));
     let publisher = AnyPublisher::connect(AnyPublisherConfig::from_url(&broker)?).await?;

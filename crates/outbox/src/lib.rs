@@ -227,10 +227,11 @@
 //! With `inbox`: the handler's effect and the inbox record of `(message, handler)`
 //! commit in one transaction, then the delivery is acknowledged; a redelivery finds
 //! the record and is acknowledged without running the handler again. [`AnyConsumer`]
-//! picks the broker from the URL as [`AnyPublisherConfig::from_url`] does; a
-//! transport's own builder (`outboxkit::rabbit::RabbitConsumer::builder`,
-//! `outboxkit::nats::NatsConsumer::builder`) sets the rest (prefetch, quorum queues,
-//! [`BatchSettings`] for [`Consumer::run_batched`], …).
+//! picks the broker from the URL as [`AnyPublisherConfig::from_url`] does
+//! ([`AnyConsumerConfig`]: the name, the NATS stream, [`BatchSettings`] for
+//! [`Consumer::run_batched`]); a transport's own builder
+//! (`outboxkit::rabbit::RabbitConsumer::builder`, `outboxkit::nats::NatsConsumer::builder`)
+//! sets the rest (prefetch, quorum queues, ack wait, …) and converts with `From`.
 //!
 //! ```no_run
 //! # #[cfg(all(feature = "postgres", feature = "inbox", any(feature = "rabbit", feature = "nats")))]
@@ -239,7 +240,7 @@
 //! use outboxkit::inbox::{Handler, HandlerContext, HandlerError, IdempotentConsumer, Pipeline};
 //! use outboxkit::postgres::sqlx::{self, PgConnection};
 //! use outboxkit::postgres::{PgConfig, PgInbox};
-//! use outboxkit::{AnyConsumer, Consumer as _, IncomingMessage};
+//! use outboxkit::{AnyConsumer, AnyConsumerConfig, Consumer as _, IncomingMessage};
 //!
 //! struct Project;
 //!
@@ -256,7 +257,8 @@
 //! let inbox = PgInbox::connect(&PgConfig::from_env()?).await?;
 //! // RabbitMQ: the queue `projection` on the exchange `outbox.events`; NATS: the durable
 //! // consumer `projection` on the stream `OUTBOX`. Each created when missing.
-//! let consumer = AnyConsumer::from_url("amqp://guest:guest@127.0.0.1:5672/%2f", "OUTBOX", "projection")?;
+//! let config = AnyConsumerConfig::from_url("amqp://guest:guest@127.0.0.1:5672/%2f", "projection")?;
+//! let consumer = AnyConsumer::new(config.with_stream("OUTBOX"))?;
 //! let pipeline = Pipeline::new().on("OrderPlaced", "projection", Project);
 //! consumer.run(IdempotentConsumer::new(Arc::new(inbox), pipeline), shutdown).await?;
 //! # Ok(()) }
@@ -340,4 +342,4 @@ mod any_consumer;
 
 #[cfg(any(feature = "rabbit", feature = "nats"))]
 #[cfg_attr(docsrs, doc(cfg(any(feature = "rabbit", feature = "nats"))))]
-pub use any_consumer::{AnyConsumer, AnyConsumerError};
+pub use any_consumer::{AnyConsumer, AnyConsumerConfig, AnyConsumerError};
