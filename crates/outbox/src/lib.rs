@@ -335,6 +335,16 @@ mod any_publisher;
 #[cfg_attr(docsrs, doc(cfg(any(feature = "rabbit", feature = "nats"))))]
 pub use any_publisher::{AnyPublisher, AnyPublisherConfig, AnyPublisherError};
 
+#[cfg(any(feature = "postgres", feature = "mysql", feature = "sqlserver"))]
+mod any_store;
+
+#[cfg(any(feature = "postgres", feature = "mysql", feature = "sqlserver"))]
+#[cfg_attr(
+    docsrs,
+    doc(cfg(any(feature = "postgres", feature = "mysql", feature = "sqlserver")))
+)]
+pub use any_store::{AnyStore, AnyStoreConfig, AnyStoreError};
+
 #[cfg(any(feature = "rabbit", feature = "nats"))]
 mod any_consumer;
 
