@@ -156,19 +156,22 @@ impl AnyStoreConfig {
     }
 }
 
+/// The databases this build has.
+const COMPILED: &[DatabaseKind] = &[
+    #[cfg(feature = "postgres")]
+    DatabaseKind::Postgres,
+    #[cfg(feature = "mysql")]
+    DatabaseKind::MySql,
+    #[cfg(feature = "sqlserver")]
+    DatabaseKind::SqlServer,
+];
+
 /// The kind of `url`, required to be compiled in.
 fn require(url: &str) -> Result<DatabaseKind, AnyStoreError> {
     let kind = DatabaseKind::of_url(url).ok_or_else(|| AnyStoreError::UnsupportedUrl {
         url_redacted: outboxkit_core::database::redact_database_url(url),
     })?;
-    let compiled = match kind {
-        DatabaseKind::Postgres => cfg!(feature = "postgres"),
-        DatabaseKind::MySql => cfg!(feature = "mysql"),
-        DatabaseKind::SqlServer => cfg!(feature = "sqlserver"),
-        #[allow(unreachable_patterns, reason = "`DatabaseKind` is non-exhaustive")]
-        _ => false,
-    };
-    if compiled {
+    if COMPILED.contains(&kind) {
         Ok(kind)
     } else {
         Err(disabled(url, kind))
