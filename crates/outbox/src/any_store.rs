@@ -64,7 +64,7 @@ pub enum AnyStoreConfig {
 
 impl AnyStoreConfig {
     /// The store's default configuration for `url`, picked by
-    /// [`DatabaseKind::of_url`] (the table in the [module docs](self)): schema `outbox`,
+    /// [`DatabaseKind::of_url`] (the table on [`DatabaseKind`]): schema `outbox`,
     /// the store's pool and retention defaults.
     ///
     /// # Errors

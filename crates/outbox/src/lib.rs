@@ -35,7 +35,7 @@
 //! `OUTBOX_BROKER_URL` (default: the local broker), `OUTBOX_CONNECT_TIMEOUT`,
 //! `OUTBOX_CONFIRM_TIMEOUT`, `OUTBOX_EXCHANGE`, `OUTBOX_DESTINATION_RULES` (RabbitMQ),
 //! `OUTBOX_SUBJECT_PREFIX` (NATS) for the transports. A bad value is an
-//! [`EnvError`] naming the variable (the table: [`env`]).
+//! [`EnvError`] naming the variable (the table: [`env`](mod@env)).
 //!
 //! ```toml
 //! [dependencies]
