@@ -98,13 +98,18 @@ impl fmt::Display for DatabaseKind {
 }
 
 /// `text`, a database URL or connection string of any kind, with its password replaced
-/// by `***`: [`redact_connection_string`] for `key=value;` strings (ADO.NET, JDBC,
-/// `sqlserver://HOST;…`), [`redact_url`](crate::error::redact_url) otherwise.
+/// by `***`: [`redact_connection_string`] for `key=value;` pairs (ADO.NET, JDBC,
+/// `sqlserver://HOST;…`) and [`redact_url`](crate::error::redact_url) for a URL's user
+/// info and query; text with both gets both (over-redaction is preferred to a leak).
 pub fn redact_database_url(text: &str) -> String {
-    if !text.contains("://") || text.contains(';') {
-        redact_connection_string(text)
-    } else {
-        crate::error::redact_url(text, crate::error::LoneUserInfo::UserName)
+    let url = |t: &str| crate::error::redact_url(t, crate::error::LoneUserInfo::UserName);
+    match (
+        text.contains("://"),
+        text.contains(';') || !text.contains("://"),
+    ) {
+        (true, true) => url(&redact_connection_string(text)),
+        (false, _) => redact_connection_string(text),
+        (true, false) => url(text),
     }
 }
 
@@ -191,6 +196,9 @@ mod tests {
             "jdbc:sqlserver://h:1433;user=sa;Password='s3;cret';x=1",
             "server=tcp:db,1433;user=sa;Password=s3cret;database=app",
             "Server=db;PWD={s3;cret};Database=x",
+            "postgres://app:s3;cret@db/app",
+            "mssql://sa:s3;cret@db/app",
+            "mysql://app:s3cret@db/app?ssl-mode=required;x=1",
         ] {
             let shown = redact_database_url(text);
             assert!(
@@ -198,6 +206,23 @@ mod tests {
                 "{text} -> {shown}"
             );
         }
+    }
+
+    #[test]
+    fn redaction_keeps_what_is_not_a_secret() {
+        assert_eq!(
+            redact_database_url("server=tcp:db,1433;user=sa;password=x;database=app"),
+            "server=tcp:db,1433;user=sa;password=***;database=app"
+        );
+        assert_eq!(
+            redact_database_url("postgres://app:x@db:5432/app"),
+            "postgres://app:***@db:5432/app"
+        );
+        let jdbc = redact_database_url("jdbc:sqlserver://db:1433;user=sa;password=x");
+        assert!(
+            jdbc.contains("password=***") && jdbc.contains("db"),
+            "{jdbc}"
+        );
     }
 
     #[test]
