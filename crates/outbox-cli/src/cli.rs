@@ -188,7 +188,8 @@ pub struct RelayArgs {
     pub transport: Option<TransportKind>,
 
     /// Broker URL (amqp:// or amqps://user:password@host:port/vhost, or nats://host:port)
-    /// [default: AMQP_URL or NATS_URL, else the local broker].
+    /// [default: the local broker, amqp://guest:guest@127.0.0.1:5672/%2f or
+    /// nats://127.0.0.1:4222].
     #[arg(
         long,
         env = "OUTBOX_BROKER_URL",

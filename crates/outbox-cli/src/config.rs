@@ -254,19 +254,19 @@ impl DbSettings {
         outboxkit_mysql::MySqlConfig::new(&self.url).with_schema(&self.schema)
     }
 
-    /// The SQL Server configuration (the URL turned into a connection string, see
-    /// [`crate::database`]).
+    /// The SQL Server configuration (the URL or connection string parsed by
+    /// `MssqlConfig`'s `FromStr`, see [`crate::database`]).
     ///
     /// # Errors
-    /// [`CliError::Invalid`] for a malformed `mssql://` URL.
+    /// [`CliError::Invalid`] for a malformed `mssql://` URL or connection string.
     #[cfg(feature = "sqlserver")]
     pub fn mssql_config(&self) -> Result<outboxkit_sqlserver::MssqlConfig, CliError> {
-        Ok(
-            outboxkit_sqlserver::MssqlConfig::new(crate::database::sqlserver_connection_string(
-                &self.url,
-            )?)
-            .with_schema(&self.schema),
-        )
+        let config: outboxkit_sqlserver::MssqlConfig =
+            self.url.parse().map_err(|e| CliError::Invalid {
+                field: "database_url",
+                reason: strip_config_prefix(&e),
+            })?;
+        Ok(config.with_schema(&self.schema))
     }
 }
 
@@ -302,8 +302,9 @@ pub(crate) trait TransportExt: Sized {
     fn require(self) -> Result<Self, CliError>;
     /// The [`CliError::FeatureMissing`] that names this transport's feature.
     fn missing(self) -> CliError;
-    /// The environment variable of the broker URL, and the local default URL.
-    fn url_defaults(self) -> (&'static str, &'static str);
+    /// The local broker's URL: the default without `--broker-url` / `OUTBOX_BROKER_URL`
+    /// (the transport's `from_env` default too).
+    fn default_url(self) -> &'static str;
     /// The transport's default connect timeout.
     fn connect_timeout(self) -> Duration;
 }
@@ -349,22 +350,16 @@ impl TransportExt for TransportKind {
         }
     }
 
-    /// The environment variable of the broker URL, and the local default URL.
-    fn url_defaults(self) -> (&'static str, &'static str) {
+    /// The local broker's URL.
+    fn default_url(self) -> &'static str {
         match self {
             #[cfg(feature = "rabbit")]
-            Self::Rabbit => (
-                outboxkit_rabbit::config::URL_ENV,
-                outboxkit_rabbit::config::DEFAULT_URL,
-            ),
+            Self::Rabbit => outboxkit_rabbit::config::DEFAULT_URL,
             #[cfg(feature = "nats")]
-            Self::Nats => (
-                outboxkit_nats::config::URL_ENV,
-                outboxkit_nats::config::DEFAULT_URL,
-            ),
+            Self::Nats => outboxkit_nats::config::DEFAULT_URL,
             // Compiled out: `require` fails before the URL is used.
             #[allow(unreachable_patterns)] // reason: unreachable with both transports
-            _ => ("OUTBOX_BROKER_URL", ""),
+            _ => "",
         }
     }
 
@@ -709,8 +704,7 @@ impl RelaySettings {
             .broker_url
             .clone()
             .or_else(|| f.broker_url.clone())
-            .or_else(|| std::env::var(transport.url_defaults().0).ok())
-            .unwrap_or_else(|| transport.url_defaults().1.to_owned());
+            .unwrap_or_else(|| transport.default_url().to_owned());
         let mut s = Self::new(db, transport, broker_url);
         if let Some(x) = args.exchange.clone().or_else(|| f.exchange.clone()) {
             s.exchange = x;
@@ -1049,14 +1043,15 @@ fn nonzero(field: &'static str, d: Duration) -> Result<Duration, CliError> {
     }
 }
 
-/// Parses a duration such as `500ms`, `30s`, `5m`, `7d`, `1h 30m` (humantime syntax).
+/// Parses a duration such as `500ms`, `30s`, `5m`, `7d`, `1h 30m`: the syntax of every
+/// `from_env` too ([`outboxkit_core::env::parse_duration`]).
 ///
 /// # Errors
 /// [`CliError::Invalid`] naming `field`.
 pub(crate) fn parse_duration(field: &'static str, text: &str) -> Result<Duration, CliError> {
-    humantime::parse_duration(text.trim()).map_err(|e| CliError::Invalid {
+    outboxkit_core::env::parse_duration(text).map_err(|e| CliError::Invalid {
         field,
-        reason: format!("{text:?} is not a duration like 500ms, 30s, 5m or 7d: {e}"),
+        reason: e.to_string(),
     })
 }
 
@@ -1074,7 +1069,7 @@ pub(crate) fn parse_time(
     if let Ok(t) = DateTime::parse_from_rfc3339(text) {
         return Ok(t.with_timezone(&Utc));
     }
-    let ago = humantime::parse_duration(text).map_err(|_| CliError::TimeWindow {
+    let ago = outboxkit_core::env::parse_duration(text).map_err(|_| CliError::TimeWindow {
         reason: format!(
             "{flag} {text:?} is neither an RFC 3339 time (2026-11-22T06:00:00Z) nor a duration ago (2h, 7d)"
         ),
@@ -1195,9 +1190,10 @@ fn file_override(
         policy = policy.with_base(b);
     }
     let dur = |name: &str, v: &str| {
-        humantime::parse_duration(v).map_err(|e| {
+        outboxkit_core::env::parse_duration(v).map_err(|e| {
             bad(format!(
-                "{name} {v:?} is not a duration like 30s or 5m: {e}"
+                "{name} {v:?} is not a duration like 30s or 5m: {}",
+                e.reason()
             ))
         })
     };

@@ -8,11 +8,11 @@
 //! | ADO.NET string (`server=tcp:HOST,PORT;user=…;password=…`) | SQL Server | `sqlserver` |
 //! | `mysql://…`, `mariadb://…` | MySQL 8.0+ / MariaDB 10.6+ (`outboxkit-mysql`) | `mysql` |
 //!
-//! `sqlserver://` and `mssql://` take either the JDBC tail
-//! (`sqlserver://HOST:PORT;user=sa;password=…;database=app`) or a URL
-//! (`mssql://USER:PASSWORD@HOST:PORT/DATABASE?TrustServerCertificate=true`, percent-encoded),
-//! which becomes the ADO.NET string `server=tcp:HOST,PORT;user=USER;password=…;database=DATABASE`
-//! plus its query pairs.
+//! The kind is decided by [`outboxkit_core::DatabaseKind::of_url`], as in every store's
+//! `from_env` and the facade's `AnyStore`. `sqlserver://` and `mssql://` take either the
+//! JDBC tail (`sqlserver://HOST:PORT;user=sa;password=…;database=app`) or a URL
+//! (`mssql://USER:PASSWORD@HOST:PORT/DATABASE?TrustServerCertificate=true`,
+//! percent-encoded): `outboxkit-sqlserver` parses them (`MssqlConfig`'s `FromStr`).
 
 use outboxkit_core::OutboxAdmin;
 
@@ -37,35 +37,20 @@ impl DatabaseKind {
     /// # Errors
     /// [`CliError::Invalid`] (`database_url`) when neither form is recognised.
     pub fn of_url(url: &str) -> Result<Self, CliError> {
-        let lower = url.trim().to_ascii_lowercase();
-        if lower.starts_with("postgres://") || lower.starts_with("postgresql://") {
-            return Ok(Self::Postgres);
+        match outboxkit_core::DatabaseKind::of_url(url) {
+            Some(outboxkit_core::DatabaseKind::Postgres) => Ok(Self::Postgres),
+            Some(outboxkit_core::DatabaseKind::MySql) => Ok(Self::MySql),
+            Some(outboxkit_core::DatabaseKind::SqlServer) => Ok(Self::SqlServer),
+            // `DatabaseKind` is non-exhaustive: a kind this binary does not know yet.
+            _ => Err(CliError::Invalid {
+                field: "database_url",
+                reason: "expected a PostgreSQL URL (postgres://…), a MySQL or MariaDB URL \
+                         (mysql://…, mariadb://…), a SQL Server URL \
+                         (sqlserver://…, mssql://…, jdbc:sqlserver://…) or an ADO.NET \
+                         connection string (server=tcp:HOST,PORT;user=…;password=…)"
+                    .into(),
+            }),
         }
-        if lower.starts_with("mysql://") || lower.starts_with("mariadb://") {
-            return Ok(Self::MySql);
-        }
-        if ["sqlserver://", "mssql://", "jdbc:sqlserver://"]
-            .iter()
-            .any(|p| lower.starts_with(p))
-        {
-            return Ok(Self::SqlServer);
-        }
-        let squashed: String = lower.chars().filter(|c| !c.is_whitespace()).collect();
-        if !lower.contains("://")
-            && squashed
-                .split(';')
-                .any(|pair| pair.starts_with("server=") || pair.starts_with("datasource="))
-        {
-            return Ok(Self::SqlServer);
-        }
-        Err(CliError::Invalid {
-            field: "database_url",
-            reason: "expected a PostgreSQL URL (postgres://…), a MySQL or MariaDB URL \
-                     (mysql://…, mariadb://…), a SQL Server URL \
-                     (sqlserver://…, mssql://…, jdbc:sqlserver://…) or an ADO.NET \
-                     connection string (server=tcp:HOST,PORT;user=…;password=…)"
-                .into(),
-        })
     }
 
     /// The backend's name in messages.
@@ -116,99 +101,9 @@ impl DatabaseKind {
     }
 }
 
-/// The connection string `outboxkit-sqlserver` parses (ADO.NET or JDBC) for a SQL Server
-/// `url` in any of the accepted forms (see the module docs).
-///
-/// # Errors
-/// [`CliError::Invalid`] for a `mssql://` / `sqlserver://` URL that does not parse.
-pub fn sqlserver_connection_string(url: &str) -> Result<String, CliError> {
-    let trimmed = url.trim();
-    let lower = trimmed.to_ascii_lowercase();
-    let tail = ["sqlserver://", "mssql://"]
-        .iter()
-        .find(|p| lower.starts_with(*p))
-        .map(|p| &trimmed[p.len()..]);
-    let Some(tail) = tail else {
-        // jdbc:sqlserver:// or ADO.NET: as given.
-        return Ok(trimmed.to_owned());
-    };
-    if tail.contains(';') || !tail.contains('@') {
-        // The JDBC tail: `HOST:PORT;key=value;…`.
-        return Ok(format!("jdbc:sqlserver://{tail}"));
-    }
-    let invalid = |reason: String| CliError::Invalid {
-        field: "database_url",
-        reason,
-    };
-    let parsed = url::Url::parse(&format!("mssql://{tail}"))
-        .map_err(|e| invalid(format!("not a SQL Server URL: {e}")))?;
-    let host = parsed
-        .host_str()
-        .ok_or_else(|| invalid("SQL Server URL names no host".into()))?;
-    let decode = |s: &str| {
-        url::form_urlencoded::parse(format!("x={}", s.replace('+', "%2B")).as_bytes())
-            .next()
-            .map(|(_, v)| v.into_owned())
-            .unwrap_or_default()
-    };
-    // ADO.NET values with `;`, `=` or braces must be braced, a `}` doubled.
-    let value = |v: &str| {
-        if v.contains([';', '=', '{', '}']) || v.trim() != v {
-            format!("{{{}}}", v.replace('}', "}}"))
-        } else {
-            v.to_owned()
-        }
-    };
-    let mut ado = format!("server=tcp:{host},{}", parsed.port().unwrap_or(1433));
-    if !parsed.username().is_empty() {
-        ado.push_str(&format!(";user={}", value(&decode(parsed.username()))));
-    }
-    if let Some(password) = parsed.password() {
-        ado.push_str(&format!(";password={}", value(&decode(password))));
-    }
-    let database = parsed.path().trim_start_matches('/');
-    if !database.is_empty() {
-        ado.push_str(&format!(";database={}", value(&decode(database))));
-    }
-    for (k, v) in parsed.query_pairs() {
-        ado.push_str(&format!(";{}={}", k, value(&v)));
-    }
-    Ok(ado)
-}
-
 /// `url` with its password replaced by `***`, whichever backend it names.
 pub(crate) fn redact_database_url(url: &str) -> String {
-    match DatabaseKind::of_url(url) {
-        Ok(DatabaseKind::SqlServer) if !url.contains("://") || url.contains(';') => redact_ado(url),
-        _ => outboxkit_core::error::redact_url(url, outboxkit_core::error::LoneUserInfo::UserName),
-    }
-}
-
-/// Redacts `password=` / `pwd=` values of an ADO.NET or JDBC string.
-fn redact_ado(text: &str) -> String {
-    #[cfg(feature = "sqlserver")]
-    {
-        outboxkit_sqlserver::redact_connection_string(text)
-    }
-    #[cfg(not(feature = "sqlserver"))]
-    {
-        text.split(';')
-            .map(|pair| {
-                let key = pair
-                    .split('=')
-                    .next()
-                    .unwrap_or("")
-                    .trim()
-                    .to_ascii_lowercase();
-                if key == "password" || key == "pwd" {
-                    format!("{}=***", pair.split('=').next().unwrap_or(""))
-                } else {
-                    pair.to_owned()
-                }
-            })
-            .collect::<Vec<_>>()
-            .join(";")
-    }
+    outboxkit_core::database::redact_database_url(url)
 }
 
 /// Connects to the database of `db` (its URL picks the backend) in its schema, as the
@@ -275,28 +170,6 @@ mod tests {
                 "{url}"
             );
         }
-    }
-
-    #[test]
-    fn sqlserver_urls_become_connection_strings() -> Result<(), CliError> {
-        assert_eq!(
-            sqlserver_connection_string("sqlserver://db:1444;user=sa;password=pw")?,
-            "jdbc:sqlserver://db:1444;user=sa;password=pw"
-        );
-        assert_eq!(
-            sqlserver_connection_string(
-                "mssql://sa:p%3Bw%40rd@db.example:1444/app?TrustServerCertificate=true"
-            )?,
-            "server=tcp:db.example,1444;user=sa;password={p;w@rd};database=app;\
-             TrustServerCertificate=true"
-        );
-        assert_eq!(
-            sqlserver_connection_string("mssql://sa:pw@db")?,
-            "server=tcp:db,1433;user=sa;password=pw"
-        );
-        let ado = "server=tcp:h,1433;user=sa;password=x";
-        assert_eq!(sqlserver_connection_string(ado)?, ado);
-        Ok(())
     }
 
     #[test]

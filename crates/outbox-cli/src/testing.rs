@@ -79,7 +79,7 @@ pub mod internals {
     pub use crate::cli::{SentRetentionMode, SourceKind};
     pub use crate::commands::dashboard::{DashboardSettings, RunningDashboard, TOKEN_ENV};
     pub use crate::config::{DbSettings, RelaySettings};
-    pub use crate::database::{connect_admin, sqlserver_connection_string};
+    pub use crate::database::connect_admin;
     pub use crate::health::Health;
     pub use crate::relay::Relay;
 }

@@ -204,9 +204,8 @@ mod sqlserver {
     struct Mssql;
 
     async fn connect(url: &str, schema: &str) -> MssqlOutbox {
-        let conn =
-            outboxkit_cli::testing::internals::sqlserver_connection_string(url).expect("url");
-        MssqlOutbox::connect(&MssqlConfig::new(conn).with_schema(schema))
+        let config: MssqlConfig = url.parse().expect("url");
+        MssqlOutbox::connect(&config.with_schema(schema))
             .await
             .expect("connect")
     }

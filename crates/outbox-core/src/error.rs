@@ -100,6 +100,10 @@ pub enum OutboxError {
     /// A configuration value is invalid (URL, schema name, sizes, durations).
     #[error("invalid configuration: {0}")]
     Config(String),
+    /// An environment variable read by a `from_env` is missing or invalid (the
+    /// variable and its redacted value are named).
+    #[error("invalid configuration: {0}")]
+    Env(#[from] crate::env::EnvError),
     /// The database reported an error.
     #[error("database error ({kind:?}) during {operation}: {source}")]
     Database {

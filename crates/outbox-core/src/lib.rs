@@ -51,8 +51,10 @@
 
 pub mod admin;
 pub mod consumer;
+pub mod database;
 pub mod dispatcher;
 pub mod domain;
+pub mod env;
 pub mod error;
 pub mod inbox;
 pub mod message;
@@ -87,8 +89,10 @@ pub use consumer::{
     BatchDeliveryHandler, BatchSettings, Consumer, DeliveryHandler, HandlerDecision,
     InvalidBatchSettings, TransportKind, UnknownTransport,
 };
+pub use database::DatabaseKind;
 pub use dispatcher::{BatchReport, Dispatcher, DispatcherConfig, DispatcherStats, WakeHandle};
 pub use domain::{DomainEvents, EventSource};
+pub use env::EnvError;
 pub use error::{BoxError, ErrorKind, InvalidMessage, OutboxError, PublishError};
 pub use inbox::{
     ConsumerDeadLetter, ConsumerDeadLetters, DurableInbox, FailureCount, InboxClaim,

@@ -4,9 +4,12 @@ use std::fmt;
 use std::str::FromStr;
 use std::time::Duration;
 
+use outboxkit_core::env::{
+    DATABASE_URL, Env, EnvError, OUTBOX_CRASH_LOOP_LIMIT, OUTBOX_MAX_PAYLOAD_BYTES,
+};
 use outboxkit_core::error::{LoneUserInfo, redact_url};
 use outboxkit_core::{
-    DEFAULT_CRASH_LOOP_LIMIT, DEFAULT_MAX_PAYLOAD_BYTES, OutboxError, SentRetention,
+    DEFAULT_CRASH_LOOP_LIMIT, DEFAULT_MAX_PAYLOAD_BYTES, DatabaseKind, OutboxError, SentRetention,
 };
 use sqlx::mysql::{MySqlConnectOptions, MySqlPoolOptions};
 
@@ -70,39 +73,53 @@ impl MySqlConfig {
         }
     }
 
-    /// Settings from the environment: `MYSQL_URL` (required; its own name, as SQL
-    /// Server's `MSSQL_URL`, so that one environment can hold several backends' URLs),
-    /// `OUTBOX_SCHEMA`
-    /// (default `outbox`), `OUTBOX_SENT_RETENTION` (`keep` or `delete`, default
-    /// `keep`), `OUTBOX_CRASH_LOOP_LIMIT` (claims, default 5) and
-    /// `OUTBOX_MAX_PAYLOAD_BYTES` (bytes, default 1,048,576).
+    /// Settings from the environment, under the names the `outbox` binary reads
+    /// (the table: [`outboxkit_core::env`]):
+    ///
+    /// | Variable | Setting | Default |
+    /// |---|---|---|
+    /// | `DATABASE_URL` | the URL, `mysql://…` or `mariadb://…` | required |
+    /// | `OUTBOX_SCHEMA` | [`with_schema`](Self::with_schema) (the database of the tables) | `outbox` |
+    /// | `OUTBOX_SENT_RETENTION` | [`with_sent_retention`](Self::with_sent_retention): `keep` or `delete` | `keep` |
+    /// | `OUTBOX_CRASH_LOOP_LIMIT` | [`with_crash_loop_limit`](Self::with_crash_loop_limit), claims | 5 |
+    /// | `OUTBOX_MAX_PAYLOAD_BYTES` | [`with_max_payload_bytes`](Self::with_max_payload_bytes), bytes | 1,048,576 |
+    ///
+    /// Unset or blank variables take the default.
     ///
     /// # Errors
-    /// [`OutboxError::Config`] when `MYSQL_URL` is not set,
-    /// `OUTBOX_SENT_RETENTION` is neither `keep` nor `delete`, or
-    /// `OUTBOX_CRASH_LOOP_LIMIT` or `OUTBOX_MAX_PAYLOAD_BYTES` is not a positive
-    /// integer.
+    /// [`OutboxError::Env`] naming the variable and its value (the URL's password
+    /// hidden): `DATABASE_URL` unset, naming another database (`postgres://…`) or
+    /// malformed; a schema name the store refuses; a retention other than `keep` or
+    /// `delete`; a limit that is not a positive integer.
     pub fn from_env() -> Result<Self, OutboxError> {
-        let url = std::env::var("MYSQL_URL")
-            .map_err(|_| OutboxError::Config("MYSQL_URL is not set".into()))?;
+        Ok(Self::from_lookup(&Env::process())?)
+    }
+
+    /// [`from_env`](Self::from_env) over any environment (a map in tests).
+    pub(crate) fn from_lookup(
+        env: &Env<impl Fn(&str) -> Option<String>>,
+    ) -> Result<Self, EnvError> {
+        let redact = |url: &str| redact_url(url, LoneUserInfo::UserName);
+        let url = env.database_url(DatabaseKind::MySql)?;
+        if let Err(e) = parse_url(&url) {
+            return Err(EnvError::invalid(
+                DATABASE_URL,
+                redact(&url),
+                config_reason(e),
+            ));
+        }
         let mut config = Self::new(url);
-        if let Ok(schema) = std::env::var("OUTBOX_SCHEMA") {
+        if let Some(schema) = env.schema()? {
             config = config.with_schema(schema);
         }
-        if let Ok(retention) = std::env::var("OUTBOX_SENT_RETENTION") {
-            config = config.with_sent_retention(retention.parse()?);
+        if let Some(retention) = env.sent_retention()? {
+            config = config.with_sent_retention(retention);
         }
-        if let Ok(limit) = std::env::var("OUTBOX_CRASH_LOOP_LIMIT") {
-            config = config.with_crash_loop_limit(
-                limit.parse().ok().filter(|n| *n > 0).ok_or_else(|| {
-                    OutboxError::Config(format!(
-                        "OUTBOX_CRASH_LOOP_LIMIT {limit:?} is not a positive integer"
-                    ))
-                })?,
-            );
+        if let Some(limit) = env.positive(OUTBOX_CRASH_LOOP_LIMIT)? {
+            config = config.with_crash_loop_limit(limit);
         }
-        if let Ok(max) = std::env::var("OUTBOX_MAX_PAYLOAD_BYTES") {
-            config = config.with_max_payload_bytes(parse_max_payload_bytes(&max)?);
+        if let Some(max) = env.positive(OUTBOX_MAX_PAYLOAD_BYTES)? {
+            config = config.with_max_payload_bytes(max);
         }
         Ok(config)
     }
@@ -247,14 +264,12 @@ pub fn parse_url(url: &str) -> Result<MySqlConnectOptions, OutboxError> {
         .map_err(|e| OutboxError::Config(format!("malformed database URL: {e}")))
 }
 
-/// The value of `OUTBOX_MAX_PAYLOAD_BYTES`: a positive integer, else a typed
-/// [`OutboxError::Config`].
-fn parse_max_payload_bytes(text: &str) -> Result<usize, OutboxError> {
-    text.trim().parse().ok().filter(|n| *n > 0).ok_or_else(|| {
-        OutboxError::Config(format!(
-            "OUTBOX_MAX_PAYLOAD_BYTES {text:?} is not a positive integer"
-        ))
-    })
+/// The reason of a configuration error, without the `invalid configuration:` prefix.
+fn config_reason(e: OutboxError) -> String {
+    match e {
+        OutboxError::Config(reason) => reason,
+        other => other.to_string(),
+    }
 }
 
 pub(crate) use outboxkit_core::store::validate_schema;
@@ -309,13 +324,6 @@ mod tests {
                 .max_payload_bytes(),
             1
         );
-        assert_eq!(parse_max_payload_bytes("2048").ok(), Some(2048));
-        for bad in ["0", "-1", "1MiB", ""] {
-            assert!(
-                matches!(parse_max_payload_bytes(bad), Err(OutboxError::Config(_))),
-                "{bad:?}"
-            );
-        }
     }
 
     #[test]
@@ -328,5 +336,86 @@ mod tests {
         }
         assert!(parse_url("mysql://root@127.0.0.1:3306/test").is_ok());
         assert!(parse_url("mariadb://root@127.0.0.1:3306/test").is_ok());
+    }
+
+    fn env(pairs: &[(&'static str, &'static str)]) -> Env<impl Fn(&str) -> Option<String>> {
+        let pairs = pairs.to_vec();
+        Env::new(move |name: &str| {
+            pairs
+                .iter()
+                .find(|(k, _)| *k == name)
+                .map(|(_, v)| (*v).to_owned())
+        })
+    }
+
+    #[test]
+    fn from_env_reads_the_binarys_variables() -> Result<(), EnvError> {
+        let config = MySqlConfig::from_lookup(&env(&[
+            ("DATABASE_URL", "mariadb://app:s3cret@db:3306/app"),
+            ("OUTBOX_SCHEMA", "orders"),
+            ("OUTBOX_SENT_RETENTION", "delete"),
+            ("OUTBOX_CRASH_LOOP_LIMIT", "3"),
+            ("OUTBOX_MAX_PAYLOAD_BYTES", "2048"),
+        ]))?;
+        assert_eq!(config.schema(), "orders");
+        assert_eq!(config.sent_retention(), SentRetention::Delete);
+        assert_eq!(config.crash_loop_limit(), 3);
+        assert_eq!(config.max_payload_bytes(), 2048);
+        let defaults = MySqlConfig::from_lookup(&env(&[("DATABASE_URL", "mysql://h/db")]))?;
+        assert_eq!(defaults.schema(), DEFAULT_SCHEMA);
+        assert_eq!(defaults.sent_retention(), SentRetention::Keep);
+        assert_eq!(defaults.crash_loop_limit(), DEFAULT_CRASH_LOOP_LIMIT);
+        assert_eq!(defaults.max_payload_bytes(), DEFAULT_MAX_PAYLOAD_BYTES);
+        Ok(())
+    }
+
+    #[test]
+    fn from_env_names_the_bad_variable() {
+        let url = ("DATABASE_URL", "mysql://app:s3cret@db/app");
+        assert_eq!(
+            MySqlConfig::from_lookup(&env(&[])).expect_err("unset"),
+            EnvError::Missing {
+                var: "DATABASE_URL"
+            }
+        );
+        for (pairs, var) in [
+            (
+                vec![("DATABASE_URL", "postgres://app:s3cret@db/app")],
+                "DATABASE_URL",
+            ),
+            (
+                vec![("DATABASE_URL", "mssql://sa:s3cret@db/app")],
+                "DATABASE_URL",
+            ),
+            (
+                vec![("DATABASE_URL", "mysql://app:s3cret@db:port/app")],
+                "DATABASE_URL",
+            ),
+            (vec![url, ("OUTBOX_SCHEMA", "Orders")], "OUTBOX_SCHEMA"),
+            (
+                vec![url, ("OUTBOX_SENT_RETENTION", "never")],
+                "OUTBOX_SENT_RETENTION",
+            ),
+            (
+                vec![url, ("OUTBOX_CRASH_LOOP_LIMIT", "-1")],
+                "OUTBOX_CRASH_LOOP_LIMIT",
+            ),
+            (
+                vec![url, ("OUTBOX_MAX_PAYLOAD_BYTES", "0")],
+                "OUTBOX_MAX_PAYLOAD_BYTES",
+            ),
+        ] {
+            let err = MySqlConfig::from_lookup(&env(&pairs)).expect_err(var);
+            assert_eq!(err.var(), var, "{err}");
+            let text = OutboxError::from(err).to_string();
+            assert!(text.contains(var) && !text.contains("s3cret"), "{text}");
+        }
+        let err = MySqlConfig::from_lookup(&env(&[("DATABASE_URL", "postgres://h/db")]))
+            .expect_err("postgres")
+            .to_string();
+        assert!(
+            err.contains("PostgreSQL") && err.contains("mysql://"),
+            "{err}"
+        );
     }
 }

@@ -1,10 +1,16 @@
 //! Configuration of the SQL Server backend: the connection string, the schema, the pool.
 
 use std::fmt;
+use std::str::FromStr;
 use std::time::Duration;
 
+use outboxkit_core::database::{redact_connection_string, redact_database_url};
+use outboxkit_core::env::{
+    DATABASE_URL, Env, EnvError, OUTBOX_CRASH_LOOP_LIMIT, OUTBOX_MAX_PAYLOAD_BYTES,
+};
+use outboxkit_core::error::{LoneUserInfo, redact_url};
 use outboxkit_core::{
-    DEFAULT_CRASH_LOOP_LIMIT, DEFAULT_MAX_PAYLOAD_BYTES, OutboxError, SentRetention,
+    DEFAULT_CRASH_LOOP_LIMIT, DEFAULT_MAX_PAYLOAD_BYTES, DatabaseKind, OutboxError, SentRetention,
 };
 
 use crate::connection::{MssqlConnectionManager, MssqlPool};
@@ -12,10 +18,34 @@ use crate::connection::{MssqlConnectionManager, MssqlPool};
 /// Default schema holding the outbox and inbox tables.
 pub const DEFAULT_SCHEMA: &str = "outbox";
 
-/// The environment variable [`MssqlConfig::from_env`] reads the connection string from.
-pub const MSSQL_URL_ENV: &str = "MSSQL_URL";
-
 /// Settings of [`MssqlOutbox`](crate::MssqlOutbox) and [`MssqlInbox`](crate::MssqlInbox).
+///
+/// Built with [`new`](Self::new) from a connection string, or parsed
+/// ([`FromStr`](#impl-FromStr-for-MssqlConfig), as sqlx's connect options are) from any
+/// of the forms the `outbox` binary takes in `DATABASE_URL`:
+///
+/// | Form | Example |
+/// |---|---|
+/// | ADO.NET | `server=tcp:HOST,PORT;user=sa;password=…;database=app` (`Data Source=…` too) |
+/// | JDBC | `jdbc:sqlserver://HOST:PORT;user=sa;password=…;database=app` |
+/// | `sqlserver://` or `mssql://` with a JDBC tail | `sqlserver://HOST:PORT;user=sa;password=…` |
+/// | `sqlserver://` or `mssql://` URL | `mssql://USER:PASSWORD@HOST:PORT/DATABASE?TrustServerCertificate=true` |
+///
+/// A URL's user, password and database are percent-decoded, its port defaults to 1433
+/// and its query pairs are appended as connection-string keys: it becomes
+/// `server=tcp:HOST,PORT;user=USER;password=…;database=DATABASE;KEY=VALUE…`.
+///
+/// ```
+/// use outboxkit_sqlserver::MssqlConfig;
+///
+/// let config: MssqlConfig = "mssql://sa:p%3Bw@db.example:1444/app?TrustServerCertificate=true".parse()?;
+/// assert_eq!(
+///     config.redacted().as_deref(),
+///     Some("server=tcp:db.example,1444;user=sa;password=***;database=app;TrustServerCertificate=true")
+/// );
+/// assert!("postgres://app@db/app".parse::<MssqlConfig>().is_err());
+/// # Ok::<(), outboxkit_core::OutboxError>(())
+/// ```
 ///
 /// The connection string is an ADO.NET string
 /// (`server=tcp:127.0.0.1,1433;user=sa;password=...;database=app;TrustServerCertificate=true`)
@@ -90,30 +120,47 @@ impl MssqlConfig {
         }
     }
 
-    /// Settings from the environment: `MSSQL_URL` (required, a connection string),
-    /// `OUTBOX_SCHEMA` (default `outbox`), `OUTBOX_SENT_RETENTION` (`keep` or `delete`,
-    /// default `keep`), `OUTBOX_CRASH_LOOP_LIMIT` (claims, default 5) and
-    /// `OUTBOX_MAX_PAYLOAD_BYTES` (bytes, default 1,048,576).
+    /// Settings from the environment, under the names the `outbox` binary reads
+    /// (the table: [`outboxkit_core::env`]):
+    ///
+    /// | Variable | Setting | Default |
+    /// |---|---|---|
+    /// | `DATABASE_URL` | the server, in any form [`FromStr`](#impl-FromStr-for-MssqlConfig) takes | required |
+    /// | `OUTBOX_SCHEMA` | [`with_schema`](Self::with_schema) | `outbox` |
+    /// | `OUTBOX_SENT_RETENTION` | [`with_sent_retention`](Self::with_sent_retention): `keep` or `delete` | `keep` |
+    /// | `OUTBOX_CRASH_LOOP_LIMIT` | [`with_crash_loop_limit`](Self::with_crash_loop_limit), claims | 5 |
+    /// | `OUTBOX_MAX_PAYLOAD_BYTES` | [`with_max_payload_bytes`](Self::with_max_payload_bytes), bytes | 1,048,576 |
+    ///
+    /// Unset or blank variables take the default.
     ///
     /// # Errors
-    /// [`OutboxError::Config`] when `MSSQL_URL` is not set, `OUTBOX_SENT_RETENTION` is
-    /// neither `keep` nor `delete`, or `OUTBOX_CRASH_LOOP_LIMIT` or
-    /// `OUTBOX_MAX_PAYLOAD_BYTES` is not a positive integer.
+    /// [`OutboxError::Env`] naming the variable and its value (the password hidden):
+    /// `DATABASE_URL` unset, naming another database (`postgres://…`) or malformed; a
+    /// schema name the store refuses; a retention other than `keep` or `delete`; a
+    /// limit that is not a positive integer.
     pub fn from_env() -> Result<Self, OutboxError> {
-        let url = std::env::var(MSSQL_URL_ENV)
-            .map_err(|_| OutboxError::Config(format!("{MSSQL_URL_ENV} is not set")))?;
-        let mut config = Self::new(url);
-        if let Ok(schema) = std::env::var("OUTBOX_SCHEMA") {
+        Ok(Self::from_lookup(&Env::process())?)
+    }
+
+    /// [`from_env`](Self::from_env) over any environment (a map in tests).
+    pub(crate) fn from_lookup(
+        env: &Env<impl Fn(&str) -> Option<String>>,
+    ) -> Result<Self, EnvError> {
+        let url = env.database_url(DatabaseKind::SqlServer)?;
+        let mut config: Self = url.parse().map_err(|e| {
+            EnvError::invalid(DATABASE_URL, redact_database_url(&url), config_reason(e))
+        })?;
+        if let Some(schema) = env.schema()? {
             config = config.with_schema(schema);
         }
-        if let Ok(retention) = std::env::var("OUTBOX_SENT_RETENTION") {
-            config = config.with_sent_retention(retention.parse()?);
+        if let Some(retention) = env.sent_retention()? {
+            config = config.with_sent_retention(retention);
         }
-        if let Ok(limit) = std::env::var("OUTBOX_CRASH_LOOP_LIMIT") {
-            config = config.with_crash_loop_limit(parse_crash_loop_limit(&limit)?);
+        if let Some(limit) = env.positive(OUTBOX_CRASH_LOOP_LIMIT)? {
+            config = config.with_crash_loop_limit(limit);
         }
-        if let Ok(max) = std::env::var("OUTBOX_MAX_PAYLOAD_BYTES") {
-            config = config.with_max_payload_bytes(parse_max_payload_bytes(&max)?);
+        if let Some(max) = env.positive(OUTBOX_MAX_PAYLOAD_BYTES)? {
+            config = config.with_max_payload_bytes(max);
         }
         Ok(config)
     }
@@ -323,93 +370,103 @@ impl MssqlConfig {
     }
 }
 
-/// The value of `OUTBOX_CRASH_LOOP_LIMIT`: a positive integer, else a typed
-/// [`OutboxError::Config`].
-fn parse_crash_loop_limit(text: &str) -> Result<u32, OutboxError> {
-    text.parse().ok().filter(|n| *n > 0).ok_or_else(|| {
-        OutboxError::Config(format!(
-            "OUTBOX_CRASH_LOOP_LIMIT {text:?} is not a positive integer"
-        ))
-    })
-}
+impl FromStr for MssqlConfig {
+    type Err = OutboxError;
 
-/// The value of `OUTBOX_MAX_PAYLOAD_BYTES`: a positive integer, else a typed
-/// [`OutboxError::Config`].
-fn parse_max_payload_bytes(text: &str) -> Result<usize, OutboxError> {
-    text.trim().parse().ok().filter(|n| *n > 0).ok_or_else(|| {
-        OutboxError::Config(format!(
-            "OUTBOX_MAX_PAYLOAD_BYTES {text:?} is not a positive integer"
-        ))
-    })
-}
-
-/// `connection_string` with the values of `password` / `pwd` replaced by `***`.
-/// Works on ADO.NET and JDBC strings (`key=value;` pairs, values optionally quoted
-/// with `{}`, `"` or `'`); best effort on malformed input: everything from a password
-/// key to the next `;` is hidden.
-pub fn redact_connection_string(connection_string: &str) -> String {
-    let mut out = String::with_capacity(connection_string.len());
-    let mut rest = connection_string;
-    while !rest.is_empty() {
-        // One `key=value` part, honouring quoted values that may contain `;`.
-        let (part, tail) = split_part(rest);
-        let redacted = match part.split_once('=') {
-            Some((key, _)) if is_secret_key(key) => format!("{key}=***"),
-            _ => part.to_owned(),
-        };
-        out.push_str(&redacted);
-        if let Some(tail) = tail {
-            out.push(';');
-            rest = tail;
-        } else {
-            break;
-        }
-    }
-    out
-}
-
-fn is_secret_key(key: &str) -> bool {
-    let key = key.trim().to_ascii_lowercase();
-    // The JDBC prefix may carry the first key after `jdbc:sqlserver://host:port;`.
-    matches!(key.as_str(), "password" | "pwd")
-}
-
-/// Splits off the first `;`-separated part, skipping `;` inside a quoted value.
-fn split_part(s: &str) -> (&str, Option<&str>) {
-    let bytes = s.as_bytes();
-    let mut i = 0;
-    let mut in_value = false;
-    while i < bytes.len() {
-        match bytes[i] {
-            b'=' if !in_value => {
-                in_value = true;
-                // Skip spaces, then a quoted value if one opens here.
-                let mut j = i + 1;
-                while j < bytes.len() && bytes[j] == b' ' {
-                    j += 1;
-                }
-                if j < bytes.len() {
-                    let close = match bytes[j] {
-                        b'{' => Some(b'}'),
-                        b'"' => Some(b'"'),
-                        b'\'' => Some(b'\''),
-                        _ => None,
-                    };
-                    if let Some(close) = close {
-                        match bytes[j + 1..].iter().position(|&b| b == close) {
-                            Some(p) => i = j + 1 + p,
-                            // Unterminated quote: hide to the end.
-                            None => return (s, None),
-                        }
-                    }
-                }
+    /// Parses a SQL Server URL or connection string in any of the forms in the type
+    /// docs into settings (everything but the server at its default), checking that the
+    /// result is a connection string tiberius accepts.
+    ///
+    /// # Errors
+    /// [`OutboxError::Config`] for text that names another database (`postgres://…`)
+    /// or none, a `mssql://` / `sqlserver://` URL that does not parse or names no host,
+    /// or a connection string tiberius refuses. The password is never in the message.
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match DatabaseKind::of_url(s) {
+            Some(DatabaseKind::SqlServer) => {}
+            found => {
+                return Err(OutboxError::Config(format!(
+                    "{:?} is not a SQL Server URL or connection string{}: expected {}",
+                    redact_database_url(s),
+                    found.map_or(String::new(), |kind| format!(" (it names {kind})")),
+                    DatabaseKind::SqlServer.forms()
+                )));
             }
-            b';' => return (&s[..i], Some(&s[i + 1..])),
-            _ => {}
         }
-        i += 1;
+        let config = Self::new(connection_string(s)?);
+        config.tiberius_config()?;
+        Ok(config)
     }
-    (s, None)
+}
+
+/// The ADO.NET or JDBC connection string tiberius parses for `url`, a SQL Server URL or
+/// connection string in any of the forms of [`MssqlConfig`]'s docs.
+///
+/// # Errors
+/// [`OutboxError::Config`] for a `mssql://` / `sqlserver://` URL that does not parse.
+fn connection_string(url: &str) -> Result<String, OutboxError> {
+    let trimmed = url.trim();
+    let lower = trimmed.to_ascii_lowercase();
+    let tail = ["sqlserver://", "mssql://"]
+        .iter()
+        .find(|p| lower.starts_with(*p))
+        .map(|p| &trimmed[p.len()..]);
+    let Some(tail) = tail else {
+        // jdbc:sqlserver:// or ADO.NET: as given.
+        return Ok(trimmed.to_owned());
+    };
+    if tail.contains(';') || !tail.contains('@') {
+        // The JDBC tail: `HOST:PORT;key=value;…`.
+        return Ok(format!("jdbc:sqlserver://{tail}"));
+    }
+    let invalid = |reason: String| {
+        OutboxError::Config(format!(
+            "SQL Server URL {:?}: {reason}",
+            redact_url(url, LoneUserInfo::UserName)
+        ))
+    };
+    let parsed = url::Url::parse(&format!("mssql://{tail}"))
+        .map_err(|e| invalid(format!("not a valid URL: {e}")))?;
+    let host = parsed
+        .host_str()
+        .ok_or_else(|| invalid("names no host".into()))?;
+    let decode = |s: &str| {
+        url::form_urlencoded::parse(format!("x={}", s.replace('+', "%2B")).as_bytes())
+            .next()
+            .map(|(_, v)| v.into_owned())
+            .unwrap_or_default()
+    };
+    // ADO.NET values with `;`, `=` or braces must be braced, a `}` doubled.
+    let value = |v: &str| {
+        if v.contains([';', '=', '{', '}']) || v.trim() != v {
+            format!("{{{}}}", v.replace('}', "}}"))
+        } else {
+            v.to_owned()
+        }
+    };
+    let mut ado = format!("server=tcp:{host},{}", parsed.port().unwrap_or(1433));
+    if !parsed.username().is_empty() {
+        ado.push_str(&format!(";user={}", value(&decode(parsed.username()))));
+    }
+    if let Some(password) = parsed.password() {
+        ado.push_str(&format!(";password={}", value(&decode(password))));
+    }
+    let database = parsed.path().trim_start_matches('/');
+    if !database.is_empty() {
+        ado.push_str(&format!(";database={}", value(&decode(database))));
+    }
+    for (k, v) in parsed.query_pairs() {
+        ado.push_str(&format!(";{}={}", k, value(&v)));
+    }
+    Ok(ado)
+}
+
+/// The reason of a configuration error, without the `invalid configuration:` prefix.
+fn config_reason(e: OutboxError) -> String {
+    match e {
+        OutboxError::Config(reason) => reason,
+        other => other.to_string(),
+    }
 }
 
 pub(crate) use outboxkit_core::store::validate_schema;
@@ -471,13 +528,6 @@ mod tests {
                 .crash_loop_limit(),
             1
         );
-        assert_eq!(parse_crash_loop_limit("3").ok(), Some(3));
-        for bad in ["0", "-1", "five", "", "4294967296"] {
-            assert!(
-                matches!(parse_crash_loop_limit(bad), Err(OutboxError::Config(_))),
-                "{bad:?}"
-            );
-        }
     }
 
     #[test]
@@ -492,13 +542,6 @@ mod tests {
                 .max_payload_bytes(),
             1
         );
-        assert_eq!(parse_max_payload_bytes("2048").ok(), Some(2048));
-        for bad in ["0", "-1", "1MiB", ""] {
-            assert!(
-                matches!(parse_max_payload_bytes(bad), Err(OutboxError::Config(_))),
-                "{bad:?}"
-            );
-        }
     }
 
     #[test]
@@ -558,5 +601,163 @@ mod tests {
             conflict.tiberius_config(),
             Err(OutboxError::Config(_))
         ));
+    }
+
+    /// The connection string `text` parses into.
+    fn parsed(text: &str) -> Result<String, OutboxError> {
+        let config: MssqlConfig = text.parse()?;
+        Ok(config.connection_string.unwrap_or_default())
+    }
+
+    #[test]
+    fn sqlserver_urls_become_connection_strings() -> Result<(), OutboxError> {
+        assert_eq!(
+            parsed("sqlserver://db:1444;user=sa;password=pw")?,
+            "jdbc:sqlserver://db:1444;user=sa;password=pw"
+        );
+        assert_eq!(
+            parsed("mssql://sa:p%3Bw%40rd@db.example:1444/app?TrustServerCertificate=true")?,
+            "server=tcp:db.example,1444;user=sa;password={p;w@rd};database=app;\
+             TrustServerCertificate=true"
+        );
+        assert_eq!(
+            parsed("MSSQL://sa:pw@db")?,
+            "server=tcp:db,1433;user=sa;password=pw"
+        );
+        let ado = "server=tcp:h,1433;user=sa;password=x";
+        assert_eq!(parsed(ado)?, ado);
+        let jdbc = "jdbc:sqlserver://h:1433;user=sa;password=x";
+        assert_eq!(parsed(jdbc)?, jdbc);
+        assert_eq!(
+            parsed("mssql://sa:pw@db:1444")?
+                .parse::<MssqlConfig>()?
+                .tiberius_config()?
+                .get_addr(),
+            "db:1444"
+        );
+        Ok(())
+    }
+
+    #[test]
+    fn other_databases_and_malformed_urls_are_refused_without_the_password() {
+        for bad in [
+            "postgres://app:s3cret@db/app",
+            "mysql://app:s3cret@db/app",
+            "mssql://sa:s3cret@db:notaport/app",
+            "mssql://sa:s3cret@/app",
+            "user=sa;password=s3cret",
+            "",
+        ] {
+            let err = bad.parse::<MssqlConfig>().expect_err(bad);
+            assert!(matches!(err, OutboxError::Config(_)), "{bad}: {err}");
+            assert!(!err.to_string().contains("s3cret"), "{err}");
+        }
+        let err = "postgres://h/db"
+            .parse::<MssqlConfig>()
+            .expect_err("pg")
+            .to_string();
+        assert!(
+            err.contains("PostgreSQL") && err.contains("mssql://"),
+            "{err}"
+        );
+    }
+
+    #[test]
+    fn redaction_covers_every_form() {
+        for text in [
+            "mssql://sa:s3cret@db/app",
+            "sqlserver://db:1433;user=sa;password=s3cret",
+            "server=tcp:db,1433;user=sa;Password=s3cret;database=app",
+            "postgres://app:s3cret@db/app",
+        ] {
+            let shown = redact_database_url(text);
+            assert!(!shown.contains("s3cret"), "{text} -> {shown}");
+        }
+    }
+
+    fn env(pairs: &[(&'static str, &'static str)]) -> Env<impl Fn(&str) -> Option<String>> {
+        let pairs = pairs.to_vec();
+        Env::new(move |name: &str| {
+            pairs
+                .iter()
+                .find(|(k, _)| *k == name)
+                .map(|(_, v)| (*v).to_owned())
+        })
+    }
+
+    #[test]
+    fn from_env_reads_the_binarys_variables() -> Result<(), EnvError> {
+        let config = MssqlConfig::from_lookup(&env(&[
+            ("DATABASE_URL", "mssql://sa:s3cret@db:1444/app"),
+            ("OUTBOX_SCHEMA", "orders"),
+            ("OUTBOX_SENT_RETENTION", "delete"),
+            ("OUTBOX_CRASH_LOOP_LIMIT", "3"),
+            ("OUTBOX_MAX_PAYLOAD_BYTES", "2048"),
+        ]))?;
+        assert_eq!(
+            config.redacted().as_deref(),
+            Some("server=tcp:db,1444;user=sa;password=***;database=app")
+        );
+        assert_eq!(config.schema(), "orders");
+        assert_eq!(config.sent_retention(), SentRetention::Delete);
+        assert_eq!(config.crash_loop_limit(), 3);
+        assert_eq!(config.max_payload_bytes(), 2048);
+        let defaults = MssqlConfig::from_lookup(&env(&[(
+            "DATABASE_URL",
+            "server=tcp:h,1433;user=sa;password=x",
+        )]))?;
+        assert_eq!(defaults.schema(), DEFAULT_SCHEMA);
+        assert_eq!(defaults.sent_retention(), SentRetention::Keep);
+        assert_eq!(defaults.crash_loop_limit(), DEFAULT_CRASH_LOOP_LIMIT);
+        assert_eq!(defaults.max_payload_bytes(), DEFAULT_MAX_PAYLOAD_BYTES);
+        Ok(())
+    }
+
+    #[test]
+    fn from_env_names_the_bad_variable() {
+        let url = ("DATABASE_URL", "mssql://sa:s3cret@db/app");
+        assert_eq!(
+            MssqlConfig::from_lookup(&env(&[])).expect_err("unset"),
+            EnvError::Missing {
+                var: "DATABASE_URL"
+            }
+        );
+        for (pairs, var) in [
+            (
+                vec![("DATABASE_URL", "postgres://app:s3cret@db/app")],
+                "DATABASE_URL",
+            ),
+            (
+                vec![("DATABASE_URL", "mysql://app:s3cret@db/app")],
+                "DATABASE_URL",
+            ),
+            (
+                vec![("DATABASE_URL", "mssql://sa:s3cret@db:port/app")],
+                "DATABASE_URL",
+            ),
+            (vec![url, ("OUTBOX_SCHEMA", "Orders")], "OUTBOX_SCHEMA"),
+            (
+                vec![url, ("OUTBOX_SENT_RETENTION", "none")],
+                "OUTBOX_SENT_RETENTION",
+            ),
+            (
+                vec![url, ("OUTBOX_CRASH_LOOP_LIMIT", "five")],
+                "OUTBOX_CRASH_LOOP_LIMIT",
+            ),
+            (
+                vec![url, ("OUTBOX_MAX_PAYLOAD_BYTES", "")],
+                "DATABASE_URL_OK",
+            ),
+        ] {
+            if var == "DATABASE_URL_OK" {
+                // Blank counts as unset.
+                assert!(MssqlConfig::from_lookup(&env(&pairs)).is_ok());
+                continue;
+            }
+            let err = MssqlConfig::from_lookup(&env(&pairs)).expect_err(var);
+            assert_eq!(err.var(), var, "{err}");
+            let text = OutboxError::from(err).to_string();
+            assert!(text.contains(var) && !text.contains("s3cret"), "{text}");
+        }
     }
 }

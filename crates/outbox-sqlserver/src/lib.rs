@@ -70,7 +70,7 @@ mod ops;
 mod sql;
 mod store;
 
-pub use config::{DEFAULT_SCHEMA, MSSQL_URL_ENV, MssqlConfig, redact_connection_string};
+pub use config::{DEFAULT_SCHEMA, MssqlConfig};
 pub use connection::{
     MssqlClient, MssqlConnection, MssqlConnectionManager, MssqlPool, MssqlTransaction,
     PooledConnection,
@@ -79,4 +79,5 @@ pub use error::ConnectError;
 pub use inbox::MssqlInbox;
 pub use migrate::{LATEST_VERSION, migrate};
 pub use ops::MAX_ROWS_PER_STATEMENT;
+pub use outboxkit_core::database::{redact_connection_string, redact_database_url};
 pub use store::MssqlOutbox;

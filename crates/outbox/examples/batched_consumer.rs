@@ -4,7 +4,7 @@
 //! three times its rate (docs/performance.md). The same `BatchSettings` go to
 //! `NatsConsumerBuilder::with_batch`.
 //!
-//! `AMQP_URL=amqp://guest:guest@127.0.0.1:5672/%2f DATABASE_URL=postgres://postgres@127.0.0.1/test \
+//! `OUTBOX_BROKER_URL=amqp://guest:guest@127.0.0.1:5672/%2f DATABASE_URL=postgres://postgres@127.0.0.1/test \
 //!  cargo run -p outboxkit --example batched_consumer --features inbox`
 use std::sync::Arc;
 use std::time::Duration;
@@ -13,7 +13,7 @@ use outboxkit::inbox::{Handler, HandlerContext, HandlerError, IdempotentConsumer
 use outboxkit::postgres::sqlx::{self, PgConnection};
 use outboxkit::postgres::{PgConfig, PgInbox};
 use outboxkit::rabbit::lapin::types::{AMQPValue, FieldTable};
-use outboxkit::rabbit::{RabbitConfig, RabbitConsumer};
+use outboxkit::rabbit::{RabbitConfigBuilder, RabbitConsumer};
 use outboxkit::{BatchSettings, Consumer as _, IncomingMessage};
 use tokio_util::sync::CancellationToken;
 
@@ -47,13 +47,12 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     .execute(inbox.pool())
     .await?;
 
-    let amqp_url = std::env::var("AMQP_URL")?;
     let mut quorum = FieldTable::default(); // replicated: survives the loss of a node
     quorum.insert(
         "x-queue-type".into(),
         AMQPValue::LongString("quorum".into()),
     );
-    let consumer = RabbitConsumer::builder(RabbitConfig::builder(amqp_url).build()?, "audit")
+    let consumer = RabbitConsumer::builder(RabbitConfigBuilder::from_env()?.build()?, "audit")
         .with_binding_key("OrderPlaced") // routing key: the event type, by default
         .with_queue_arguments(quorum)
         .with_prefetch(200)

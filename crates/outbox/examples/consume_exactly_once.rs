@@ -4,7 +4,7 @@
 //! handler that keeps failing ends as a consumer dead letter (`outbox inbox dead list`)
 //! instead of blocking the queue.
 //!
-//! `BROKER_URL=nats://127.0.0.1:4222 DATABASE_URL=postgres://postgres@127.0.0.1/test \
+//! `OUTBOX_BROKER_URL=nats://127.0.0.1:4222 DATABASE_URL=postgres://postgres@127.0.0.1/test \
 //!  cargo run -p outboxkit --example consume_exactly_once --features nats,inbox`
 //! (with `relay.rs` running and `publish_in_transaction.rs` producing; Ctrl-C stops it
 //! after the deliveries in hand are settled)
@@ -58,7 +58,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     .await?;
     // RabbitMQ: the durable queue `revenue` bound to the exchange `outbox.events`;
     // NATS: the durable consumer `revenue` on the stream `OUTBOX`.
-    let config = AnyConsumerConfig::from_url(&std::env::var("BROKER_URL")?, "revenue")?;
+    let config = AnyConsumerConfig::from_url(&std::env::var("OUTBOX_BROKER_URL")?, "revenue")?;
     let consumer = AnyConsumer::new(config.with_stream("OUTBOX"))?;
     let pipeline = Pipeline::new().on("OrderPlaced", "revenue", Revenue);
     let handler = IdempotentConsumer::new(Arc::new(inbox), pipeline).with_max_deliveries(5);

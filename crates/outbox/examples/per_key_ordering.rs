@@ -5,12 +5,12 @@
 //! below takes one delivery at a time (prefetch 1), so it prints them in broker order:
 //! for each order, Placed, Paid, Shipped.
 //!
-//! `AMQP_URL=amqp://guest:guest@127.0.0.1:5672/%2f DATABASE_URL=postgres://postgres@127.0.0.1/test \
+//! `OUTBOX_BROKER_URL=amqp://guest:guest@127.0.0.1:5672/%2f DATABASE_URL=postgres://postgres@127.0.0.1/test \
 //!  cargo run -p outboxkit --example per_key_ordering`
 use std::sync::Arc;
 
 use outboxkit::postgres::{PgConfig, PgOutbox};
-use outboxkit::rabbit::{RabbitConfig, RabbitConsumer, RabbitPublisher};
+use outboxkit::rabbit::{RabbitConfigBuilder, RabbitConsumer, RabbitPublisher};
 use outboxkit::{Consumer as _, DeliveryHandler, Dispatcher, DispatcherConfig, HandlerDecision};
 use outboxkit::{IncomingMessage, NewMessage, Ordering};
 use tokio_util::sync::CancellationToken;
@@ -38,7 +38,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     // A schema of its own, so that no other example's pending events are relayed here.
     let store = PgOutbox::connect(&PgConfig::from_env()?.with_schema("ordering_example")).await?;
     store.migrate().await?;
-    let rabbit = RabbitConfig::builder(std::env::var("AMQP_URL")?)
+    let rabbit = RabbitConfigBuilder::from_env()? // OUTBOX_BROKER_URL, else the local broker
         .with_exchange("ordering.example")
         .build()?;
     let consumer = RabbitConsumer::builder(rabbit.clone(), "ordering.example")

@@ -1,5 +1,5 @@
 //! The README's quick start: migrate, enqueue in a transaction, relay, consume exactly
-//! once. PostgreSQL from `DATABASE_URL`; the broker from `BROKER_URL` (`amqp://…` for
+//! once. PostgreSQL from `DATABASE_URL`; the broker from `OUTBOX_BROKER_URL` (`amqp://…` for
 //! RabbitMQ, `nats://…` for NATS JetStream: only the URL changes).
 //!
 //! `cargo run -p outboxkit --example quick_start --features nats,inbox`
@@ -21,7 +21,7 @@ impl Handler<PgInbox> for Project {
 
 #[tokio::main]
 async fn main() -> Result<(), Box<dyn std::error::Error>> {
-    let (broker, shutdown) = (std::env::var("BROKER_URL")?, CancellationToken::new());
+    let (broker, shutdown) = (std::env::var("OUTBOX_BROKER_URL")?, CancellationToken::new());
     let store = PgOutbox::connect(&PgConfig::from_env()?).await?; // DATABASE_URL
     store.migrate().await?;
     sqlx::query("CREATE TABLE IF NOT EXISTS projected (id uuid PRIMARY KEY)").execute(store.pool()).await?;

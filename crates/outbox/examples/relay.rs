@@ -1,9 +1,9 @@
-//! Run a relay: publish what the outbox holds to the broker of `BROKER_URL`
+//! Run a relay: publish what the outbox holds to the broker of `OUTBOX_BROKER_URL`
 //! (`amqp://…` for RabbitMQ, `nats://…` for NATS JetStream), with publisher confirms or
 //! PubAcks, until Ctrl-C; then drain (batches in flight finish) and stop. Run as many
 //! as you like against one database: claims never overlap.
 //!
-//! `BROKER_URL=amqp://guest:guest@127.0.0.1:5672/%2f DATABASE_URL=postgres://postgres@127.0.0.1/test \
+//! `OUTBOX_BROKER_URL=amqp://guest:guest@127.0.0.1:5672/%2f DATABASE_URL=postgres://postgres@127.0.0.1/test \
 //!  cargo run -p outboxkit --example relay --features nats`
 //!
 //! The `outbox relay` binary is this loop with metrics, health checks, SIGTERM and a
@@ -18,8 +18,10 @@ use tokio_util::sync::CancellationToken;
 async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let store = PgOutbox::connect(&PgConfig::from_env()?).await?;
     store.migrate().await?;
-    let publisher =
-        AnyPublisher::connect(AnyPublisherConfig::from_url(&std::env::var("BROKER_URL")?)?).await?;
+    let publisher = AnyPublisher::connect(AnyPublisherConfig::from_url(&std::env::var(
+        "OUTBOX_BROKER_URL",
+    )?)?)
+    .await?;
     if let Some(nats) = publisher.as_nats() {
         // JetStream stores only subjects a stream captures: `OUTBOX` takes `outbox.events.>`.
         let stream = outboxkit::nats::StreamSetup::for_config("OUTBOX", nats.config());

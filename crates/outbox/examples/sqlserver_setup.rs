@@ -1,11 +1,12 @@
 //! SQL Server: the same outbox on SQL Server 2017+ (tiberius, a bb8 pool). Connect with
-//! `MSSQL_URL` (an ADO.NET connection string, e.g.
-//! `server=tcp:127.0.0.1,1433;user=sa;password=…;TrustServerCertificate=true;database=app`),
+//! `DATABASE_URL` (an ADO.NET connection string, e.g.
+//! `server=tcp:127.0.0.1,1433;user=sa;password=…;TrustServerCertificate=true;database=app`,
+//! or `mssql://sa:…@127.0.0.1:1433/app?TrustServerCertificate=true`),
 //! migrate, enqueue in the caller's transaction, relay. SQL Server has no push
 //! notification for commits: the relay polls, adaptively (docs/sqlserver.md, which also
 //! says which isolation level, locking hints and indexes the claims rely on).
 //!
-//! `MSSQL_URL=… BROKER_URL=amqp://guest:guest@127.0.0.1:5672/%2f \
+//! `DATABASE_URL=… OUTBOX_BROKER_URL=amqp://guest:guest@127.0.0.1:5672/%2f \
 //!  cargo run -p outboxkit --example sqlserver_setup --features sqlserver`
 use std::sync::Arc;
 use std::time::Duration;
@@ -38,8 +39,10 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     store.enqueue(&mut tx, &event).await?;
     tx.commit().await?;
 
-    let publisher =
-        AnyPublisher::connect(AnyPublisherConfig::from_url(&std::env::var("BROKER_URL")?)?).await?;
+    let publisher = AnyPublisher::connect(AnyPublisherConfig::from_url(&std::env::var(
+        "OUTBOX_BROKER_URL",
+    )?)?)
+    .await?;
     // Polling only: at most every 500 ms when idle, back to back while there is work.
     let config = DispatcherConfig::new().with_poll_interval(Duration::from_millis(500));
     let relay = Dispatcher::new(Arc::new(store), Arc::new(publisher), config);

@@ -22,7 +22,20 @@
 //!
 //! With `rabbit` or `nats`, [`AnyPublisher`] and [`AnyConsumer`] are one publisher and
 //! one consumer type over the enabled brokers, for programs that choose theirs at run
-//! time (from a URL or a setting).
+//! time (from a URL or a setting). With `postgres`, `mysql` or `sqlserver`, [`AnyStore`]
+//! is one outbox store ([`OutboxStore`] and [`OutboxAdmin`], with `migrate`) over the
+//! enabled databases, picked by the database URL ([`AnyStoreConfig::from_url`] /
+//! [`AnyStoreConfig::from_env`]); writing messages and the inbox stay with the concrete
+//! store, whose transaction and connection types differ per database.
+//!
+//! **The environment.** Every store's and transport's `from_env` reads the variables the
+//! `outbox` binary reads, with the binary's syntax: `DATABASE_URL` (required; each
+//! store refuses another database's URL), `OUTBOX_SCHEMA`, `OUTBOX_SENT_RETENTION`,
+//! `OUTBOX_CRASH_LOOP_LIMIT`, `OUTBOX_MAX_PAYLOAD_BYTES` for the stores;
+//! `OUTBOX_BROKER_URL` (default: the local broker), `OUTBOX_CONNECT_TIMEOUT`,
+//! `OUTBOX_CONFIRM_TIMEOUT`, `OUTBOX_EXCHANGE`, `OUTBOX_DESTINATION_RULES` (RabbitMQ),
+//! `OUTBOX_SUBJECT_PREFIX` (NATS) for the transports. A bad value is an
+//! [`EnvError`] naming the variable (the table: [`env`](mod@env)).
 //!
 //! ```toml
 //! [dependencies]
@@ -122,7 +135,7 @@
 //! use outboxkit::sqlserver::{MssqlConfig, MssqlOutbox};
 //! use outboxkit::{Dispatcher, DispatcherConfig, NewMessage};
 //!
-//! let store = MssqlOutbox::connect(&MssqlConfig::from_env()?).await?; // MSSQL_URL
+//! let store = MssqlOutbox::connect(&MssqlConfig::from_env()?).await?; // DATABASE_URL
 //! store.migrate().await?;
 //!
 //! // A pooled connection with an open transaction; it dereferences to the client.
@@ -151,7 +164,7 @@
 //! use outboxkit::rabbit::{RabbitConfig, RabbitPublisher};
 //! use outboxkit::{Dispatcher, DispatcherConfig, NewMessage};
 //!
-//! let store = MySqlOutbox::connect(&MySqlConfig::from_env()?).await?; // MYSQL_URL
+//! let store = MySqlOutbox::connect(&MySqlConfig::from_env()?).await?; // DATABASE_URL
 //! store.migrate().await?;
 //!
 //! let mut tx = store.begin().await?;
@@ -201,16 +214,18 @@
 //! # Ok(()) }
 //! ```
 //!
-//! ## The broker chosen at run time
+//! ## The database and the broker chosen at run time
 //!
 //! ```no_run
-//! # #[cfg(all(feature = "postgres", any(feature = "rabbit", feature = "nats")))]
+//! # #[cfg(all(any(feature = "postgres", feature = "mysql", feature = "sqlserver"), any(feature = "rabbit", feature = "nats")))]
 //! # async fn demo(shutdown: tokio_util::sync::CancellationToken) -> Result<(), Box<dyn std::error::Error>> {
 //! use std::sync::Arc;
-//! use outboxkit::postgres::{PgConfig, PgOutbox};
-//! use outboxkit::{AnyPublisher, AnyPublisherConfig, Dispatcher, DispatcherConfig};
+//! use outboxkit::{AnyPublisher, AnyPublisherConfig, AnyStore, AnyStoreConfig};
+//! use outboxkit::{Dispatcher, DispatcherConfig, OutboxAdmin as _};
 //!
-//! let store = PgOutbox::connect(&PgConfig::from_env()?).await?;
+//! // DATABASE_URL: postgres://, mysql:// / mariadb://, mssql:// or an ADO.NET string.
+//! let store = AnyStore::connect(AnyStoreConfig::from_env()?).await?;
+//! store.migrate().await?;
 //! // amqp:// or amqps:// is RabbitMQ, nats:// or tls:// is NATS (default settings).
 //! let config = AnyPublisherConfig::from_url("nats://127.0.0.1:4222")?;
 //! // Lazy: the relay starts while the broker is down and reports it unready.
@@ -336,6 +351,16 @@ mod any_publisher;
 #[cfg(any(feature = "rabbit", feature = "nats"))]
 #[cfg_attr(docsrs, doc(cfg(any(feature = "rabbit", feature = "nats"))))]
 pub use any_publisher::{AnyPublisher, AnyPublisherConfig, AnyPublisherError};
+
+#[cfg(any(feature = "postgres", feature = "mysql", feature = "sqlserver"))]
+mod any_store;
+
+#[cfg(any(feature = "postgres", feature = "mysql", feature = "sqlserver"))]
+#[cfg_attr(
+    docsrs,
+    doc(cfg(any(feature = "postgres", feature = "mysql", feature = "sqlserver")))
+)]
+pub use any_store::{AnyStore, AnyStoreConfig, AnyStoreError};
 
 #[cfg(any(feature = "rabbit", feature = "nats"))]
 mod any_consumer;

@@ -24,13 +24,17 @@ use std::time::Duration;
 
 use async_nats::ServerAddr;
 
+use outboxkit_core::env::{
+    Env, EnvError, OUTBOX_BROKER_URL, OUTBOX_CONFIRM_TIMEOUT, OUTBOX_CONNECT_TIMEOUT,
+    OUTBOX_SUBJECT_PREFIX,
+};
+
 use crate::error::{NatsError, redact_url};
 use crate::topology::StreamSetup;
 
-/// The server URL used by [`NatsConfigBuilder::from_env`] when `NATS_URL` is not set.
+/// The server URL used by [`NatsConfigBuilder::from_env`] (and the `outbox` binary)
+/// when `OUTBOX_BROKER_URL` is not set: the local server.
 pub const DEFAULT_URL: &str = "nats://127.0.0.1:4222";
-/// The environment variable read by [`NatsConfigBuilder::from_env`].
-pub const URL_ENV: &str = "NATS_URL";
 /// Default subject prefix: messages go to `outbox.events.<routing key or event type>`.
 pub const DEFAULT_SUBJECT_PREFIX: &str = "outbox.events";
 /// Default time a batch waits for its PubAcks, counted from the batch's first publish.
@@ -99,13 +103,70 @@ impl NatsConfigBuilder {
         }
     }
 
-    /// Settings for the server named by the `NATS_URL` environment variable, or
-    /// [`DEFAULT_URL`] (`nats://127.0.0.1:4222`) when it is unset or empty.
-    pub fn from_env() -> Self {
-        match std::env::var(URL_ENV) {
-            Ok(url) if !url.trim().is_empty() => Self::new(url.trim()),
-            _ => Self::new(DEFAULT_URL),
+    /// Settings from the environment, under the names the `outbox` binary reads (the
+    /// table: [`outboxkit_core::env`]); every other setting at its default:
+    ///
+    /// | Variable | Setting | Default |
+    /// |---|---|---|
+    /// | `OUTBOX_BROKER_URL` | the URL(s), as [`new`](Self::new) takes them | [`DEFAULT_URL`] (`nats://127.0.0.1:4222`) |
+    /// | `OUTBOX_SUBJECT_PREFIX` | [`with_subject_prefix`](Self::with_subject_prefix) | `outbox.events` |
+    /// | `OUTBOX_CONNECT_TIMEOUT` | [`with_connect_timeout`](Self::with_connect_timeout), a duration (`5s`, `1m`) | 5 s |
+    /// | `OUTBOX_CONFIRM_TIMEOUT` | [`with_ack_timeout`](Self::with_ack_timeout) (the PubAck wait), a duration | 10 s |
+    ///
+    /// Unset or blank variables take the default (so an empty subject prefix cannot be
+    /// set from the environment). The values are checked here as [`build`](Self::build)
+    /// checks them, so that an error names its variable.
+    ///
+    /// # Errors
+    /// [`NatsError::Env`] naming the variable and its value (the URL's password or token
+    /// hidden): a URL that is not `nats://` or `tls://` (e.g. an `amqp://` one), an
+    /// invalid subject prefix, a duration that does not parse or is zero.
+    pub fn from_env() -> Result<Self, NatsError> {
+        Self::from_lookup(&Env::process())
+    }
+
+    /// [`from_env`](Self::from_env) over any environment (a map in tests).
+    pub(crate) fn from_lookup(
+        env: &Env<impl Fn(&str) -> Option<String>>,
+    ) -> Result<Self, NatsError> {
+        let mut builder = Self::new(
+            env.get(OUTBOX_BROKER_URL)
+                .unwrap_or_else(|| DEFAULT_URL.to_owned()),
+        );
+        if let Some(prefix) = env.get(OUTBOX_SUBJECT_PREFIX) {
+            builder = builder.with_subject_prefix(prefix);
         }
+        if let Some(timeout) = env.duration(OUTBOX_CONNECT_TIMEOUT)? {
+            builder = builder.with_connect_timeout(timeout);
+        }
+        if let Some(timeout) = env.duration(OUTBOX_CONFIRM_TIMEOUT)? {
+            builder = builder.with_ack_timeout(timeout);
+        }
+        if let Err(e) = builder.clone().build() {
+            let var = match &e {
+                NatsError::InvalidUrl { .. } => OUTBOX_BROKER_URL,
+                NatsError::InvalidConfig { field, .. } => match *field {
+                    "subject_prefix" => OUTBOX_SUBJECT_PREFIX,
+                    "connect_timeout" => OUTBOX_CONNECT_TIMEOUT,
+                    "ack_timeout" => OUTBOX_CONFIRM_TIMEOUT,
+                    _ => return Err(e),
+                },
+                _ => return Err(e),
+            };
+            let value = if var == OUTBOX_BROKER_URL {
+                redact_url(&builder.url)
+            } else {
+                env.get(var).unwrap_or_default()
+            };
+            let reason = match e {
+                NatsError::InvalidUrl { reason, .. } | NatsError::InvalidConfig { reason, .. } => {
+                    reason
+                }
+                other => other.to_string(),
+            };
+            return Err(EnvError::invalid(var, value, reason).into());
+        }
+        Ok(builder)
     }
 
     /// The subject prefix: a message is published to `{prefix}.{routing key}` (or
@@ -603,6 +664,67 @@ mod tests {
             if let Ok(config) = builder.build() {
                 let shown = format!("{config:?}");
                 assert!(!shown.contains("s3cret"), "{shown}");
+            }
+        }
+    }
+
+    fn env(pairs: &[(&'static str, &'static str)]) -> Env<impl Fn(&str) -> Option<String>> {
+        let pairs = pairs.to_vec();
+        Env::new(move |name: &str| {
+            pairs
+                .iter()
+                .find(|(k, _)| *k == name)
+                .map(|(_, v)| (*v).to_owned())
+        })
+    }
+
+    #[test]
+    fn from_env_reads_the_binarys_variables() -> Result<(), NatsError> {
+        let config = NatsConfigBuilder::from_lookup(&env(&[
+            ("OUTBOX_BROKER_URL", "nats://app:s3cret@mq:4222"),
+            ("OUTBOX_SUBJECT_PREFIX", "orders.events"),
+            ("OUTBOX_CONNECT_TIMEOUT", "2s"),
+            ("OUTBOX_CONFIRM_TIMEOUT", "1m 30s"),
+        ]))?
+        .build()?;
+        assert_eq!(config.url_redacted(), "nats://app:***@mq:4222");
+        assert_eq!(config.subject_prefix(), "orders.events");
+        assert_eq!(config.connect_timeout(), Duration::from_secs(2));
+        assert_eq!(config.ack_timeout(), Duration::from_secs(90));
+        let defaults = NatsConfigBuilder::from_lookup(&env(&[]))?.build()?;
+        assert_eq!(defaults.url_redacted(), DEFAULT_URL);
+        assert_eq!(defaults.subject_prefix(), DEFAULT_SUBJECT_PREFIX);
+        assert_eq!(defaults.connect_timeout(), DEFAULT_CONNECT_TIMEOUT);
+        assert_eq!(defaults.ack_timeout(), DEFAULT_ACK_TIMEOUT);
+        Ok(())
+    }
+
+    #[test]
+    fn from_env_names_the_bad_variable() {
+        for (pairs, var) in [
+            (
+                vec![("OUTBOX_BROKER_URL", "amqp://app:s3cret@mq:5672/%2f")],
+                "OUTBOX_BROKER_URL",
+            ),
+            (
+                vec![("OUTBOX_SUBJECT_PREFIX", "orders.*")],
+                "OUTBOX_SUBJECT_PREFIX",
+            ),
+            (
+                vec![("OUTBOX_CONNECT_TIMEOUT", "soon")],
+                "OUTBOX_CONNECT_TIMEOUT",
+            ),
+            (
+                vec![("OUTBOX_CONFIRM_TIMEOUT", "0ms")],
+                "OUTBOX_CONFIRM_TIMEOUT",
+            ),
+        ] {
+            match NatsConfigBuilder::from_lookup(&env(&pairs)) {
+                Err(NatsError::Env(e)) => {
+                    assert_eq!(e.var(), var, "{e}");
+                    assert!(!e.to_string().contains("s3cret"), "{e}");
+                }
+                other => panic!("{var}: {other:?}"),
             }
         }
     }

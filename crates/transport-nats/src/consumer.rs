@@ -395,7 +395,7 @@ fn check_name(field: &'static str, value: &str) -> Result<(), NatsError> {
 /// }
 ///
 /// # async fn run() -> Result<(), outboxkit_nats::NatsError> {
-/// let config = NatsConfigBuilder::from_env()
+/// let config = NatsConfigBuilder::from_env()?
 ///     .with_subject_prefix("orders.events")
 ///     .build()?;
 /// let consumer = NatsConsumer::builder(config, "ORDERS", "projection")

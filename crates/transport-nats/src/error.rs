@@ -33,6 +33,11 @@ pub enum NatsError {
         /// What is wrong with it.
         reason: String,
     },
+    /// An environment variable read by
+    /// [`NatsConfigBuilder::from_env`](crate::NatsConfigBuilder::from_env) is invalid (the
+    /// variable and its value are named, a URL's password or token hidden).
+    #[error("invalid configuration: {0}")]
+    Env(#[from] outboxkit_core::EnvError),
     /// The connection to the server could not be established (refused, unreachable,
     /// authorization violation, TLS failure).
     #[error("could not connect to {url_redacted}: {source}")]
@@ -111,7 +116,9 @@ impl NatsError {
     /// - [`ErrorKind::Transient`]: anything else that may pass.
     pub fn kind(&self) -> ErrorKind {
         match self {
-            Self::InvalidUrl { .. } | Self::InvalidConfig { .. } => ErrorKind::Permanent,
+            Self::InvalidUrl { .. } | Self::InvalidConfig { .. } | Self::Env(_) => {
+                ErrorKind::Permanent
+            }
             Self::Timeout { .. } => ErrorKind::Unavailable,
             Self::Connect { source, .. } => match source.kind() {
                 async_nats::ConnectErrorKind::ServerParse

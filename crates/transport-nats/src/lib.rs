@@ -31,8 +31,8 @@
 //! use outboxkit_nats::{NatsConfigBuilder, NatsPublisher, StreamSetup};
 //!
 //! # async fn relay() -> Result<(), Box<dyn std::error::Error>> {
-//! // NATS_URL, or nats://127.0.0.1:4222
-//! let config = NatsConfigBuilder::from_env()
+//! // OUTBOX_BROKER_URL, or nats://127.0.0.1:4222
+//! let config = NatsConfigBuilder::from_env()?
 //!     .with_subject_prefix("orders.events")
 //!     .with_connection_name("orders-relay")
 //!     .build()?;

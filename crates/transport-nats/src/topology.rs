@@ -76,7 +76,7 @@ pub enum StreamRetention {
 /// use outboxkit_nats::{NatsConfigBuilder, Storage, StreamRetention, StreamSetup};
 ///
 /// # async fn setup() -> Result<(), outboxkit_nats::NatsError> {
-/// let config = NatsConfigBuilder::from_env()
+/// let config = NatsConfigBuilder::from_env()?
 ///     .with_subject_prefix("orders.events")
 ///     .build()?;
 /// let info = StreamSetup::for_config("ORDERS", &config) // subjects: orders.events.>

@@ -27,13 +27,27 @@ use std::time::Duration;
 use lapin::types::MAX_SHORT_STRING_LENGTH;
 use lapin::uri::AMQPUri;
 
+use outboxkit_core::env::{
+    Env, EnvError, OUTBOX_BROKER_URL, OUTBOX_CONFIRM_TIMEOUT, OUTBOX_CONNECT_TIMEOUT,
+    OUTBOX_DESTINATION_RULES, OUTBOX_EXCHANGE,
+};
+
 use crate::destinations::DestinationRule;
 use crate::error::{RabbitError, redact_url};
 
-/// The broker URL used by [`RabbitConfigBuilder::from_env`] when `AMQP_URL` is not set.
+/// The reason of a configuration error, without the URL or setting it is about.
+fn reason_of(e: RabbitError) -> String {
+    match e {
+        RabbitError::InvalidUrl { reason, .. } | RabbitError::InvalidConfig { reason, .. } => {
+            reason
+        }
+        other => other.to_string(),
+    }
+}
+
+/// The broker URL used by [`RabbitConfigBuilder::from_env`] (and the `outbox` binary)
+/// when `OUTBOX_BROKER_URL` is not set: the local broker.
 pub const DEFAULT_URL: &str = "amqp://guest:guest@127.0.0.1:5672/%2f";
-/// The environment variable read by [`RabbitConfigBuilder::from_env`].
-pub const URL_ENV: &str = "AMQP_URL";
 /// Default exchange name.
 pub const DEFAULT_EXCHANGE: &str = "outbox.events";
 /// Default time to wait for the publisher confirms of one batch.
@@ -119,14 +133,78 @@ impl RabbitConfigBuilder {
         }
     }
 
-    /// Settings for the broker named by the `AMQP_URL` environment variable, or
-    /// [`DEFAULT_URL`] (`amqp://guest:guest@127.0.0.1:5672/%2f`) when it is unset or
-    /// empty.
-    pub fn from_env() -> Self {
-        match std::env::var(URL_ENV) {
-            Ok(url) if !url.trim().is_empty() => Self::new(url.trim()),
-            _ => Self::new(DEFAULT_URL),
+    /// Settings from the environment, under the names the `outbox` binary reads (the
+    /// table: [`outboxkit_core::env`]); every other setting at its default:
+    ///
+    /// | Variable | Setting | Default |
+    /// |---|---|---|
+    /// | `OUTBOX_BROKER_URL` | the URL(s), as [`new`](Self::new) takes them | [`DEFAULT_URL`] (`amqp://guest:guest@127.0.0.1:5672/%2f`) |
+    /// | `OUTBOX_EXCHANGE` | [`with_exchange`](Self::with_exchange) | `outbox.events` |
+    /// | `OUTBOX_CONNECT_TIMEOUT` | [`with_connect_timeout`](Self::with_connect_timeout), a duration (`5s`, `1m`) | 5 s |
+    /// | `OUTBOX_CONFIRM_TIMEOUT` | [`with_confirm_timeout`](Self::with_confirm_timeout), a duration | 10 s |
+    /// | `OUTBOX_DESTINATION_RULES` | [`with_destination_rules`](Self::with_destination_rules), `PATTERN=NAME` comma-separated | none |
+    ///
+    /// Unset or blank variables take the default. The values are checked here as
+    /// [`build`](Self::build) checks them, so that an error names its variable.
+    ///
+    /// # Errors
+    /// [`RabbitError::Env`] naming the variable and its value (the URL's password
+    /// hidden): a URL that is not `amqp://` or `amqps://` (e.g. a `nats://` one), an
+    /// invalid exchange name, a duration that does not parse or is zero, a malformed
+    /// destination rule.
+    pub fn from_env() -> Result<Self, RabbitError> {
+        Self::from_lookup(&Env::process())
+    }
+
+    /// [`from_env`](Self::from_env) over any environment (a map in tests).
+    pub(crate) fn from_lookup(
+        env: &Env<impl Fn(&str) -> Option<String>>,
+    ) -> Result<Self, RabbitError> {
+        let mut builder = Self::new(
+            env.get(OUTBOX_BROKER_URL)
+                .unwrap_or_else(|| DEFAULT_URL.to_owned()),
+        );
+        if let Some(exchange) = env.get(OUTBOX_EXCHANGE) {
+            builder = builder.with_exchange(exchange);
         }
+        if let Some(timeout) = env.duration(OUTBOX_CONNECT_TIMEOUT)? {
+            builder = builder.with_connect_timeout(timeout);
+        }
+        if let Some(timeout) = env.duration(OUTBOX_CONFIRM_TIMEOUT)? {
+            builder = builder.with_confirm_timeout(timeout);
+        }
+        let rules = env
+            .list(OUTBOX_DESTINATION_RULES)
+            .into_iter()
+            .map(|rule| {
+                rule.parse::<DestinationRule>().map_err(|e| {
+                    EnvError::invalid(OUTBOX_DESTINATION_RULES, rule.clone(), reason_of(e))
+                })
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        if !rules.is_empty() {
+            builder = builder.with_destination_rules(rules);
+        }
+        if let Err(e) = builder.clone().build() {
+            let var = match &e {
+                RabbitError::InvalidUrl { .. } => OUTBOX_BROKER_URL,
+                RabbitError::InvalidConfig { field, .. } => match *field {
+                    "exchange" => OUTBOX_EXCHANGE,
+                    "connect_timeout" => OUTBOX_CONNECT_TIMEOUT,
+                    "confirm_timeout" => OUTBOX_CONFIRM_TIMEOUT,
+                    "destination_rules" => OUTBOX_DESTINATION_RULES,
+                    _ => return Err(e),
+                },
+                _ => return Err(e),
+            };
+            let value = if var == OUTBOX_BROKER_URL {
+                redact_url(&builder.url)
+            } else {
+                env.get(var).unwrap_or_default()
+            };
+            return Err(EnvError::invalid(var, value, reason_of(e)).into());
+        }
+        Ok(builder)
     }
 
     /// The exchange messages are published to and queues are bound to. Default
@@ -667,6 +745,79 @@ mod tests {
             if let Ok(config) = builder.build() {
                 let shown = format!("{config:?}");
                 assert!(!shown.contains("s3cret"), "{shown}");
+            }
+        }
+    }
+
+    fn env(pairs: &[(&'static str, &'static str)]) -> Env<impl Fn(&str) -> Option<String>> {
+        let pairs = pairs.to_vec();
+        Env::new(move |name: &str| {
+            pairs
+                .iter()
+                .find(|(k, _)| *k == name)
+                .map(|(_, v)| (*v).to_owned())
+        })
+    }
+
+    #[test]
+    fn from_env_reads_the_binarys_variables() -> Result<(), RabbitError> {
+        let config = RabbitConfigBuilder::from_lookup(&env(&[
+            ("OUTBOX_BROKER_URL", "amqp://app:s3cret@mq:5672/%2f"),
+            ("OUTBOX_EXCHANGE", "orders.events"),
+            ("OUTBOX_CONNECT_TIMEOUT", "2s"),
+            ("OUTBOX_CONFIRM_TIMEOUT", "1m 30s"),
+            (
+                "OUTBOX_DESTINATION_RULES",
+                "orders.#=orders, billing.*=billing",
+            ),
+        ]))?
+        .build()?;
+        assert_eq!(config.url_redacted(), "amqp://app:***@mq:5672/%2f");
+        assert_eq!(config.exchange(), "orders.events");
+        assert_eq!(config.connect_timeout(), Duration::from_secs(2));
+        assert_eq!(config.confirm_timeout(), Duration::from_secs(90));
+        assert_eq!(config.destination_rules().len(), 2);
+        let defaults =
+            RabbitConfigBuilder::from_lookup(&env(&[("OUTBOX_BROKER_URL", " ")]))?.build()?;
+        assert_eq!(defaults.url_redacted(), redact_url(DEFAULT_URL));
+        assert_eq!(defaults.exchange(), DEFAULT_EXCHANGE);
+        assert_eq!(defaults.connect_timeout(), DEFAULT_CONNECT_TIMEOUT);
+        assert_eq!(defaults.confirm_timeout(), DEFAULT_CONFIRM_TIMEOUT);
+        assert!(defaults.destination_rules().is_empty());
+        Ok(())
+    }
+
+    #[test]
+    fn from_env_names_the_bad_variable() {
+        for (pairs, var) in [
+            (
+                vec![("OUTBOX_BROKER_URL", "nats://app:s3cret@mq:4222")],
+                "OUTBOX_BROKER_URL",
+            ),
+            (
+                vec![("OUTBOX_BROKER_URL", "amqp://app:s3cret@mq:port/%2f")],
+                "OUTBOX_BROKER_URL",
+            ),
+            (vec![("OUTBOX_EXCHANGE", "a\u{7}b")], "OUTBOX_EXCHANGE"),
+            (
+                vec![("OUTBOX_CONNECT_TIMEOUT", "5")],
+                "OUTBOX_CONNECT_TIMEOUT",
+            ),
+            (
+                vec![("OUTBOX_CONFIRM_TIMEOUT", "0s")],
+                "OUTBOX_CONFIRM_TIMEOUT",
+            ),
+            (
+                vec![("OUTBOX_DESTINATION_RULES", "orders.#")],
+                "OUTBOX_DESTINATION_RULES",
+            ),
+        ] {
+            match RabbitConfigBuilder::from_lookup(&env(&pairs)) {
+                Err(RabbitError::Env(e)) => {
+                    assert_eq!(e.var(), var, "{e}");
+                    assert!(!e.to_string().contains("s3cret"), "{e}");
+                }
+                other => panic!("{var}: {other:?}"),
             }
         }
     }

@@ -385,7 +385,7 @@ fn check_name(field: &'static str, value: &str) -> Result<(), RabbitError> {
 /// }
 ///
 /// # async fn run() -> Result<(), outboxkit_rabbit::RabbitError> {
-/// let config = RabbitConfigBuilder::from_env().build()?;
+/// let config = RabbitConfigBuilder::from_env()?.build()?;
 /// let consumer = RabbitConsumer::builder(config, "projection.orders")
 ///     .with_binding_key("Order*")
 ///     .with_prefetch(50)

@@ -32,6 +32,11 @@ pub enum RabbitError {
         /// What is wrong with it.
         reason: String,
     },
+    /// An environment variable read by
+    /// [`RabbitConfigBuilder::from_env`](crate::RabbitConfigBuilder::from_env) is invalid
+    /// (the variable and its value are named, a URL's password hidden).
+    #[error("invalid configuration: {0}")]
+    Env(#[from] outboxkit_core::EnvError),
     /// The connection to the broker could not be established (refused, unreachable,
     /// bad credentials, unknown virtual host, TLS failure).
     #[error("could not connect to {url_redacted}: {source}")]
@@ -102,7 +107,9 @@ impl RabbitError {
     ///   an exchange another service has yet to declare).
     pub fn kind(&self) -> ErrorKind {
         match self {
-            Self::InvalidUrl { .. } | Self::InvalidConfig { .. } => ErrorKind::Permanent,
+            Self::InvalidUrl { .. } | Self::InvalidConfig { .. } | Self::Env(_) => {
+                ErrorKind::Permanent
+            }
             Self::ConnectTimeout { .. } => ErrorKind::Unavailable,
             Self::Connect { source, .. } => match classify(source) {
                 // A refused handshake at connect time is the credentials' or vhost's

@@ -26,8 +26,8 @@
 //! use outboxkit_rabbit::{RabbitConfigBuilder, RabbitPublisher};
 //!
 //! # async fn relay() -> Result<(), Box<dyn std::error::Error>> {
-//! // AMQP_URL, or amqp://guest:guest@127.0.0.1:5672/%2f
-//! let config = RabbitConfigBuilder::from_env()
+//! // OUTBOX_BROKER_URL, or amqp://guest:guest@127.0.0.1:5672/%2f
+//! let config = RabbitConfigBuilder::from_env()?
 //!     .with_exchange("orders.events")
 //!     .with_connection_name("orders-relay")
 //!     .build()?;

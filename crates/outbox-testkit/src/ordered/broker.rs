@@ -134,9 +134,10 @@ pub struct Nats {
     consumer: JoinHandle<()>,
 }
 
-/// `NATS_URL`, or the local server.
+/// `NATS_URL` (the test environment's setting, not the library's `OUTBOX_BROKER_URL`),
+/// or the local server.
 fn nats_url() -> String {
-    std::env::var(outboxkit_nats::config::URL_ENV)
+    std::env::var("NATS_URL")
         .ok()
         .filter(|u| !u.trim().is_empty())
         .unwrap_or_else(|| outboxkit_nats::config::DEFAULT_URL.to_owned())
