@@ -15,6 +15,7 @@
 //! | [`OUTBOX_EXCHANGE`] | RabbitMQ | an exchange name | `outbox.events` |
 //! | [`OUTBOX_DESTINATION_RULES`] | RabbitMQ | `PATTERN=NAME`, comma-separated | none |
 //! | [`OUTBOX_SUBJECT_PREFIX`] | NATS | a subject prefix | `outbox.events` |
+//! | [`OUTBOX_STREAM`] | NATS | a stream name, declared by the publisher | none |
 //!
 //! A variable that is unset, or set to blanks only, counts as unset; values are trimmed.
 //! Durations take the binary's syntax ([`parse_duration`]): `500ms`, `30s`, `5m`,
@@ -68,6 +69,8 @@ pub const OUTBOX_EXCHANGE: &str = "OUTBOX_EXCHANGE";
 pub const OUTBOX_DESTINATION_RULES: &str = "OUTBOX_DESTINATION_RULES";
 /// NATS: the subject prefix.
 pub const OUTBOX_SUBJECT_PREFIX: &str = "OUTBOX_SUBJECT_PREFIX";
+/// NATS: the JetStream stream the publisher declares, capturing the subject prefix.
+pub const OUTBOX_STREAM: &str = "OUTBOX_STREAM";
 
 /// A variable of the environment that is missing or does not parse.
 ///

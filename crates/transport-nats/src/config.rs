@@ -26,7 +26,7 @@ use async_nats::ServerAddr;
 
 use outboxkit_core::env::{
     Env, EnvError, OUTBOX_BROKER_URL, OUTBOX_CONFIRM_TIMEOUT, OUTBOX_CONNECT_TIMEOUT,
-    OUTBOX_SUBJECT_PREFIX,
+    OUTBOX_STREAM, OUTBOX_SUBJECT_PREFIX,
 };
 
 use crate::error::{NatsError, redact_url};
@@ -112,6 +112,7 @@ impl NatsConfigBuilder {
     /// | `OUTBOX_SUBJECT_PREFIX` | [`with_subject_prefix`](Self::with_subject_prefix) | `outbox.events` |
     /// | `OUTBOX_CONNECT_TIMEOUT` | [`with_connect_timeout`](Self::with_connect_timeout), a duration (`5s`, `1m`) | 5 s |
     /// | `OUTBOX_CONFIRM_TIMEOUT` | [`with_ack_timeout`](Self::with_ack_timeout) (the PubAck wait), a duration | 10 s |
+    /// | `OUTBOX_STREAM` | [`with_stream`](Self::with_stream)`(StreamSetup::new(NAME))`, the stream declared | none |
     ///
     /// Unset or blank variables take the default (so an empty subject prefix cannot be
     /// set from the environment). The values are checked here as [`build`](Self::build)
@@ -120,7 +121,7 @@ impl NatsConfigBuilder {
     /// # Errors
     /// [`NatsError::Env`] naming the variable and its value (the URL's password or token
     /// hidden): a URL that is not `nats://` or `tls://` (e.g. an `amqp://` one), an
-    /// invalid subject prefix, a duration that does not parse or is zero.
+    /// invalid subject prefix or stream name, a duration that does not parse or is zero.
     pub fn from_env() -> Result<Self, NatsError> {
         Self::from_lookup(&Env::process())
     }
@@ -142,6 +143,9 @@ impl NatsConfigBuilder {
         if let Some(timeout) = env.duration(OUTBOX_CONFIRM_TIMEOUT)? {
             builder = builder.with_ack_timeout(timeout);
         }
+        if let Some(stream) = env.get(OUTBOX_STREAM) {
+            builder = builder.with_stream(StreamSetup::new(stream));
+        }
         if let Err(e) = builder.clone().build() {
             let var = match &e {
                 NatsError::InvalidUrl { .. } => OUTBOX_BROKER_URL,
@@ -149,6 +153,7 @@ impl NatsConfigBuilder {
                     "subject_prefix" => OUTBOX_SUBJECT_PREFIX,
                     "connect_timeout" => OUTBOX_CONNECT_TIMEOUT,
                     "ack_timeout" => OUTBOX_CONFIRM_TIMEOUT,
+                    "stream name" | "stream subjects" => OUTBOX_STREAM,
                     _ => return Err(e),
                 },
                 _ => return Err(e),
@@ -685,8 +690,13 @@ mod tests {
             ("OUTBOX_SUBJECT_PREFIX", "orders.events"),
             ("OUTBOX_CONNECT_TIMEOUT", "2s"),
             ("OUTBOX_CONFIRM_TIMEOUT", "1m 30s"),
+            ("OUTBOX_STREAM", "ORDERS"),
         ]))?
         .build()?;
+        assert_eq!(
+            config.stream().map(|s| (s.name(), s.subjects())),
+            Some(("ORDERS", &["orders.events.>".to_owned()][..]))
+        );
         assert_eq!(config.url_redacted(), "nats://app:***@mq:4222");
         assert_eq!(config.subject_prefix(), "orders.events");
         assert_eq!(config.connect_timeout(), Duration::from_secs(2));
@@ -696,6 +706,7 @@ mod tests {
         assert_eq!(defaults.subject_prefix(), DEFAULT_SUBJECT_PREFIX);
         assert_eq!(defaults.connect_timeout(), DEFAULT_CONNECT_TIMEOUT);
         assert_eq!(defaults.ack_timeout(), DEFAULT_ACK_TIMEOUT);
+        assert!(defaults.stream().is_none());
         Ok(())
     }
 
@@ -718,6 +729,7 @@ mod tests {
                 vec![("OUTBOX_CONFIRM_TIMEOUT", "0ms")],
                 "OUTBOX_CONFIRM_TIMEOUT",
             ),
+            (vec![("OUTBOX_STREAM", "bad.name")], "OUTBOX_STREAM"),
         ] {
             match NatsConfigBuilder::from_lookup(&env(&pairs)) {
                 Err(NatsError::Env(e)) => {
