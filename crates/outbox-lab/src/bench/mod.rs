@@ -44,8 +44,8 @@
 //! - `consumer_bench` (`--consumer`), `relay_latency_bench` (`--relay-process`,
 //!   `--backlog`), `wal_throughput` (`--relay-process`'s throughput phase: the polling
 //!   and the WAL relay draining a backlog, `--wal-throughput-messages`,
-//!   `--wal-throughput-only`) and `soak` (`--soak`): the benchmark's other
-//!   measurements.
+//!   `--wal-throughput-only`), `soak` (`--soak`) and `statements` (`--statements`):
+//!   the benchmark's other measurements.
 
 mod broker;
 mod ceilings;
@@ -55,6 +55,7 @@ mod phases;
 mod relay_latency_bench;
 mod report;
 mod soak;
+mod statements;
 mod stores;
 mod wal_throughput;
 
@@ -177,6 +178,12 @@ pub struct Args {
     /// over the whole phase and over its last fifth, and the ratio (see `phases.rs`).
     #[arg(long)]
     hold_xmin: bool,
+    /// Measure how long the producer's and the relay's large statements take instead
+    /// (`enqueue_batch` of 500 and 5,000 messages, the completion of 500), counting
+    /// those of 40 ms or more: the Nagle stalls of a connection without `TCP_NODELAY`
+    /// (see `statements.rs`). PostgreSQL; uses `--payload-bytes`.
+    #[arg(long)]
+    statements: bool,
 }
 
 /// The `bench` binary: runs the benchmark `args` asks for (see the
@@ -206,11 +213,15 @@ pub async fn main(args: Args) -> anyhow::Result<()> {
                 || args.relay_process
                 || args.backlog.is_some()
                 || args.soak.is_some()
-                || args.ordered),
-        "--database mysql measures the relay benchmark only: not with --consumer, --relay-process, --backlog, --soak or --ordered"
+                || args.ordered
+                || args.statements),
+        "--database mysql measures the relay benchmark only: not with --consumer, --relay-process, --backlog, --soak, --ordered or --statements"
     );
     if args.consumer {
         return consumer_bench::run(&args).await;
+    }
+    if args.statements {
+        return statements::run(args.payload_bytes).await;
     }
     let tag = uuid::Uuid::new_v4().simple().to_string()[..8].to_owned();
     let broker = Broker::setup(args.transport, &tag).await?;
