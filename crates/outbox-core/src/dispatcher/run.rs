@@ -92,7 +92,11 @@ impl<S: OutboxStore, P: EventPublisher> Dispatcher<S, P> {
     /// Three stages overlap so the broker stays busy while the database works:
     /// one **claimer** claims batches (at most `concurrency` claimed batches wait), up
     /// to `concurrency` **publishers** publish them, and one **completer** records the
-    /// outcomes, merging whatever completions are waiting into one statement.
+    /// outcomes, merging whatever completions are waiting into one statement. While it
+    /// runs, the store's push wake-up ([`OutboxStore::spawn_wake_source`]) wakes the
+    /// claimer when messages are committed, unless
+    /// [`DispatcherConfig::with_push_wake`](super::DispatcherConfig::with_push_wake) turned
+    /// it off.
     ///
     /// # Errors
     /// [`OutboxError::Config`] at once when the lease is shorter than twice the
@@ -109,6 +113,14 @@ impl<S: OutboxStore, P: EventPublisher> Dispatcher<S, P> {
             "dispatcher started"
         );
         let stop = Stop::new(shutdown.child_token(), self.config.drain_timeout);
+        // The store's push wake-up lives as long as this run: it stops with the claimer
+        // (at shutdown or a fatal error), and is joined before `run` returns.
+        let wake_source = if self.config.push_wake {
+            self.store
+                .spawn_wake_source(self.wake_handle(), stop.token.child_token())
+        } else {
+            None
+        };
         let (claimed_tx, claimed_rx) = mpsc::channel::<Claimed>(self.config.concurrency);
         let (done_tx, done_rx) = mpsc::channel::<Finished>(self.config.concurrency * 2);
         let claimed_rx = Arc::new(Mutex::new(claimed_rx));
@@ -156,6 +168,12 @@ impl<S: OutboxStore, P: EventPublisher> Dispatcher<S, P> {
                 if result.is_ok() {
                     result = Err(e);
                 }
+            }
+        }
+        if let Some(source) = wake_source {
+            stop.token.cancel();
+            if let Err(e) = source.await {
+                warn!(error = %e, "the store's wake-up task failed");
             }
         }
         let stats = self.stats();
