@@ -8,7 +8,7 @@ use std::sync::Arc;
 
 use outboxkit::inbox::{Handler, HandlerContext, HandlerError, IdempotentConsumer, Pipeline};
 use outboxkit::postgres::{PgConfig, PgInbox, PgOutbox, sqlx::{self, PgConnection}};
-use outboxkit::{AnyConsumer, AnyPublisher, AnyPublisherConfig, CancellationToken, Consumer as _, Dispatcher, DispatcherConfig, IncomingMessage, NewMessage};
+use outboxkit::{OutboxProducer, AnyConsumer, AnyPublisher, AnyPublisherConfig, CancellationToken, Consumer as _, Dispatcher, DispatcherConfig, IncomingMessage, NewMessage};
 
 struct Project; // the effect: one row per order, in the inbox's transaction
 #[async_trait::async_trait]
