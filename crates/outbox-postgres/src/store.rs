@@ -746,12 +746,20 @@ impl OutboxStore for PgOutbox {
     /// every (re)connection, and wakes every
     /// [`OUTAGE_WAKE_INTERVAL`](crate::OUTAGE_WAKE_INTERVAL) while it cannot listen; a
     /// connection quiet for [`listener_keepalive`](PgOutbox::listener_keepalive) is
-    /// checked with a query.
+    /// checked with a query. A pool of one connection gets no listener (it would hold
+    /// the relay's only connection): `None`, with a warning, and the relay polls.
     fn spawn_wake_source(
         &self,
         wake: outboxkit_core::WakeHandle,
         shutdown: tokio_util::sync::CancellationToken,
     ) -> Option<tokio::task::JoinHandle<()>> {
+        if self.pool.options().get_max_connections() < 2 {
+            tracing::warn!(
+                schema = %self.schema,
+                "the outbox's pool has one connection, which the LISTEN wake-up would hold: no push wake-up, the relay polls (give the pool at least 2 connections)"
+            );
+            return None;
+        }
         Some(crate::listen::spawn(self, wake, shutdown))
     }
 }

@@ -33,9 +33,7 @@ use common::database_url;
 use common::rabbit::{publisher_to, publisher_with_rules};
 use common::wal::{HoldBatch, WalOutbox};
 use lapin::types::FieldTable;
-use outboxkit_core::{
-    MessageStatus, NewMessage, OutboxAdmin as _, OutboxProducer, OutboxStore as _,
-};
+use outboxkit_core::{MessageStatus, NewMessage, OutboxAdmin as _, OutboxStore as _};
 use outboxkit_postgres::wal::{WalRelayConfig, WalRelayStats};
 use outboxkit_postgres::{PgConfig, PgOutbox};
 use outboxkit_rabbit::RabbitPublisher;
