@@ -114,7 +114,10 @@ impl<S: OutboxStore, P: EventPublisher> Dispatcher<S, P> {
         );
         let stop = Stop::new(shutdown.child_token(), self.config.drain_timeout);
         // The store's push wake-up lives as long as this run: it stops with the claimer
-        // (at shutdown or a fatal error), and is joined before `run` returns.
+        // (at shutdown or a fatal error), and is joined before `run` returns; a run
+        // future dropped before it ends stops it too (the guard cancels `stop`'s token,
+        // a child of `shutdown`).
+        let _stop_when_dropped = stop.token.clone().drop_guard();
         let wake_source = if self.config.push_wake {
             self.store
                 .spawn_wake_source(self.wake_handle(), stop.token.child_token())
