@@ -574,13 +574,16 @@ pub trait OutboxStore: Send + Sync + 'static {
     /// is cancelled. Returns the task, or `None` (the default) when the store has no
     /// such signal and the relay only polls.
     ///
-    /// [`Dispatcher::run`](crate::Dispatcher::run) calls it itself when it starts
-    /// (unless [`DispatcherConfig::with_push_wake`](crate::DispatcherConfig::with_push_wake)
-    /// turned it off) and cancels `shutdown` when it stops; programs do not call it.
+    /// [`Dispatcher::run`](crate::Dispatcher::run) calls it itself, once per run, when
+    /// its claimer first finds less than a full batch (unless
+    /// [`DispatcherConfig::with_push_wake`](crate::DispatcherConfig::with_push_wake)
+    /// turned it off), and cancels `shutdown` when it stops; programs do not call it.
     /// Implementations MUST return at once (spawning the work on the current tokio
-    /// runtime) and the task MUST end soon after `shutdown` is cancelled. A wake-up is
-    /// only a hint: a store MAY wake spuriously, and MUST NOT rely on being heard (the
-    /// relay's poll remains the fallback).
+    /// runtime) and the task MUST end soon after `shutdown` is cancelled. A commit the
+    /// source may have missed while it started (before it listened) MUST be covered by
+    /// one wake-up once it listens. A wake-up is only a hint: a store MAY wake
+    /// spuriously, and MUST NOT rely on being heard (the relay's poll remains the
+    /// fallback).
     fn spawn_wake_source(
         &self,
         wake: WakeHandle,

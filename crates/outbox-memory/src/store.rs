@@ -1087,8 +1087,10 @@ impl OutboxStore for MemoryOutbox {
         wake: WakeHandle,
         shutdown: CancellationToken,
     ) -> Option<tokio::task::JoinHandle<()>> {
-        // Subscribed before returning, so a commit right after is not missed.
+        // Subscribed before returning, so a commit right after is not missed; one
+        // wake-up now for a commit before it.
         let mut committed = self.committed.subscribe();
+        wake.wake();
         Some(tokio::spawn(async move {
             loop {
                 tokio::select! {

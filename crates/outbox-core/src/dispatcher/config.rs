@@ -151,7 +151,8 @@ impl DispatcherConfig {
 
     /// Whether [`Dispatcher::run`](super::Dispatcher::run) starts the store's push
     /// wake-up ([`OutboxStore::spawn_wake_source`](crate::OutboxStore::spawn_wake_source):
-    /// PostgreSQL's `LISTEN`, the in-memory store's commits) for as long as it runs, so
+    /// PostgreSQL's `LISTEN`, the in-memory store's commits), from its first claim that
+    /// finds less than a full batch for as long as it runs, so
     /// that a committed message is claimed at once rather than at the next poll (default
     /// `true`). With `false`, or over a store without one (MySQL, SQL Server), the
     /// dispatcher polls; [`WakeHandle::wake`](super::WakeHandle::wake) still works.
