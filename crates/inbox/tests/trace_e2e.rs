@@ -10,7 +10,7 @@ use async_trait::async_trait;
 use opentelemetry::trace::{TraceContextExt as _, TracerProvider as _};
 use opentelemetry_sdk::trace::{InMemorySpanExporter, SdkTracerProvider};
 use outboxkit_core::wire::IncomingMessage;
-use outboxkit_core::{Dispatcher, DispatcherConfig, NewMessage};
+use outboxkit_core::{Dispatcher, DispatcherConfig, NewMessage, OutboxProducer};
 use outboxkit_inbox::{Handler, HandlerContext, HandlerError, IdempotentConsumer, Pipeline};
 use outboxkit_postgres::{PgConfig, PgInbox, PgOutbox};
 use outboxkit_rabbit::{RabbitConfig, RabbitConsumer, RabbitPublisher};

@@ -10,7 +10,7 @@ use axum::http::{StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use axum::routing::get;
 use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
-use outboxkit_core::{Dispatcher, DispatcherStats, OnDead, Ordering, OutboxAdmin, WakeHandle};
+use outboxkit_core::{Dispatcher, DispatcherStats, OnDead, Ordering, OutboxAdmin};
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
@@ -170,12 +170,10 @@ impl Relay {
                 if settings.source == crate::cli::SourceKind::Wal {
                     return crate::wal::start(settings, store, shutdown).await;
                 }
-                // Push wake-up: a committed insert wakes the claimer at once; polling
-                // stays as the fallback.
-                Self::start_on(settings, store, shutdown, |store, wake, token| {
-                    Some(store.spawn_wake_listener(wake, token))
-                })
-                .await
+                // Push wake-up: the dispatcher starts the store's LISTEN itself, so a
+                // committed insert wakes the claimer at once; polling stays as the
+                // fallback.
+                Self::start_on(settings, store, shutdown).await
             }
             #[cfg(feature = "sqlserver")]
             DatabaseKind::SqlServer => {
@@ -188,7 +186,7 @@ impl Relay {
                 )
                 .await?;
                 // No push on SQL Server: the dispatcher's adaptive polling.
-                Self::start_on(settings, store, shutdown, |_, _, _| None).await
+                Self::start_on(settings, store, shutdown).await
             }
             #[cfg(feature = "mysql")]
             DatabaseKind::MySql => {
@@ -201,24 +199,22 @@ impl Relay {
                 )
                 .await?;
                 // No push on MySQL either: the dispatcher's adaptive polling.
-                Self::start_on(settings, store, shutdown, |_, _, _| None).await
+                Self::start_on(settings, store, shutdown).await
             }
             #[allow(unreachable_patterns)] // reason: `require` failed for a compiled-out one
             other => Err(other.missing()),
         }
     }
 
-    /// [`start`](Self::start) over a connected `store`; `wake_listener` may spawn a task
-    /// that wakes the dispatcher (PostgreSQL's LISTEN) and stops with the token.
-    async fn start_on<S, W>(
+    /// [`start`](Self::start) over a connected `store` (the dispatcher starts the
+    /// store's push wake-up, PostgreSQL's LISTEN, itself).
+    async fn start_on<S>(
         settings: &RelaySettings,
         store: S,
         shutdown: CancellationToken,
-        wake_listener: W,
     ) -> Result<Self, CliError>
     where
         S: OutboxAdmin,
-        W: FnOnce(&S, WakeHandle, CancellationToken) -> Option<JoinHandle<()>>,
     {
         let prometheus = prometheus()?;
         let publisher = Arc::new(crate::testing::Hooked::from_env(publisher(settings).await?));
@@ -230,7 +226,6 @@ impl Relay {
         let store = Arc::new(store);
         let backend = store.backend();
         let dispatcher = Dispatcher::new(Arc::clone(&store), Arc::clone(&publisher), config);
-        let wake_listener = wake_listener(&store, dispatcher.wake_handle(), shutdown.clone());
         let health = Health::new(settings.max_lag, settings.stuck_after, ordered);
 
         let (addr, server) =
@@ -277,9 +272,6 @@ impl Relay {
                 // The relay is what the process is for: without it, stop serving.
                 token.cancel();
                 let _ = checker.await;
-                if let Some(listener) = wake_listener {
-                    let _ = listener.await;
-                }
                 match server.await {
                     Ok(Ok(())) => {}
                     Ok(Err(e)) => warn!(error = %e, "metrics endpoint failed"),

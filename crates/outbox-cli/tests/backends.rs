@@ -9,7 +9,7 @@ use clap::Parser as _;
 use outboxkit_cli::{Cli, CliError};
 use outboxkit_core::inbox::ConsumerDeadLetters;
 use outboxkit_core::wire::IncomingMessage;
-use outboxkit_core::{Completion, CompletionOutcome, NewMessage, OutboxAdmin};
+use outboxkit_core::{Completion, CompletionOutcome, NewMessage, OutboxAdmin, OutboxProducer};
 use uuid::Uuid;
 
 /// Runs `outbox --database-url URL --schema SCHEMA ARGS` in-process; returns stdout.

@@ -5,8 +5,9 @@
 //! - the message model: [`NewMessage`] (built and validated by the producer),
 //!   [`OutboxMessage`] (a stored row) and the [`MessageStatus`] state machine
 //!   (New=0 → Processing=9 → Sent=1 / Dead=3);
-//! - the required traits: [`OutboxStore`] (claim, fenced completion, stats, dead
-//!   letters, replay, purge), [`OutboxAdmin`] (the operator queries behind the
+//! - the required traits: [`OutboxProducer`] (enqueue in the caller's transaction),
+//!   [`OutboxStore`] (claim, fenced completion, stats, dead letters, replay, purge, and
+//!   the store's push wake-up of the relay), [`OutboxAdmin`] (the operator queries behind the
 //!   `outbox` binary), [`InboxStore`] (consumer dedup inside the consumer's
 //!   transaction) and [`EventPublisher`] (publish a batch, one [`PublishOutcome`] per
 //!   message);
@@ -62,6 +63,7 @@ pub mod metrics;
 pub mod ordering;
 #[cfg(feature = "opentelemetry")]
 mod otel;
+pub mod producer;
 #[cfg(any(test, feature = "proptest"))]
 pub mod proptest_support;
 pub mod publisher;
@@ -103,6 +105,7 @@ pub use message::{
     NewMessage, NewMessageBuilder, OutboxMessage, headers_from_json, headers_from_json_lossy,
 };
 pub use ordering::{BlockedKey, OnDead, OrderKey, Ordering};
+pub use producer::OutboxProducer;
 pub use publisher::{EventPublisher, PublishOutcome};
 pub use retry::{RetryPolicies, RetryPolicy};
 pub use store::{

@@ -1,16 +1,20 @@
 //! Store traits: [`OutboxStore`] (the relay's side of the outbox table) and
 //! [`InboxStore`] (the consumer's dedup records), with the types they exchange.
 //!
-//! Enqueueing is not part of [`OutboxStore`]: it must run inside the caller's own
+//! Enqueueing is not part of [`OutboxStore`]: it runs inside the caller's own
 //! transaction, whose type belongs to the backend (`&mut PgConnection` for PostgreSQL),
-//! so each backend offers `enqueue` / `enqueue_batch` as inherent methods.
+//! so it is a trait of its own, [`OutboxProducer`](crate::OutboxProducer), with the
+//! connection as an associated type.
 
 use std::time::Duration;
 
 use async_trait::async_trait;
 use chrono::{DateTime, Utc};
+use tokio::task::JoinHandle;
+use tokio_util::sync::CancellationToken;
 use uuid::Uuid;
 
+use crate::dispatcher::WakeHandle;
 use crate::error::{ErrorKind, OutboxError};
 use crate::message::OutboxMessage;
 use crate::ordering::{BlockedKey, OnDead};
@@ -563,6 +567,31 @@ pub trait OutboxStore: Send + Sync + 'static {
     /// [`OutboxError::Database`] on database failure.
     async fn purge_sent(&self, older_than: Duration, batch_size: usize)
     -> Result<u64, OutboxError>;
+
+    /// Starts the store's push wake-up, if it has one: a task that calls
+    /// [`WakeHandle::wake`] soon after a transaction that enqueued messages commits, so
+    /// that the relay claims them at once instead of at its next poll, until `shutdown`
+    /// is cancelled. Returns the task, or `None` (the default) when the store has no
+    /// such signal and the relay only polls.
+    ///
+    /// [`Dispatcher::run`](crate::Dispatcher::run) calls it itself, once per run, when
+    /// its claimer first finds less than a full batch (unless
+    /// [`DispatcherConfig::with_push_wake`](crate::DispatcherConfig::with_push_wake)
+    /// turned it off), and cancels `shutdown` when it stops; programs do not call it.
+    /// Implementations MUST return at once (spawning the work on the current tokio
+    /// runtime) and the task MUST end soon after `shutdown` is cancelled. A commit the
+    /// source may have missed while it started (before it listened) MUST be covered by
+    /// one wake-up once it listens. A wake-up is only a hint: a store MAY wake
+    /// spuriously, and MUST NOT rely on being heard (the relay's poll remains the
+    /// fallback).
+    fn spawn_wake_source(
+        &self,
+        wake: WakeHandle,
+        shutdown: CancellationToken,
+    ) -> Option<JoinHandle<()>> {
+        let _ = (wake, shutdown);
+        None
+    }
 }
 
 /// The consumer's dedup records: `(message_id, consumer)` claimed inside the consumer's

@@ -4,8 +4,10 @@
 //!
 //! - [`MemoryOutbox`]: an [`OutboxStore`](outboxkit_core::OutboxStore) (claims with leases
 //!   and fencing tokens, per-key ordered claims, the crash-loop guard, every completion
-//!   outcome, both sent retentions, dead letters, replay, purge) with `enqueue` /
-//!   `enqueue_batch` in place of the caller's transaction;
+//!   outcome, both sent retentions, dead letters, replay, purge, a push wake-up on
+//!   commit) and an [`OutboxProducer`](outboxkit_core::OutboxProducer) on a
+//!   [`MemoryOutboxTransaction`] of its own ([`MemoryOutbox::begin`]): enqueued messages
+//!   are stored when it commits;
 //! - [`MemoryInbox`]: an [`InboxStore`](outboxkit_core::InboxStore) whose transactions
 //!   buffer their claims until commit, plus
 //!   [`ConsumerDeadLetters`](outboxkit_core::ConsumerDeadLetters) and
@@ -33,17 +35,21 @@
 //! use std::sync::Arc;
 //! use std::time::Duration;
 //!
-//! use outboxkit_core::{Dispatcher, DispatcherConfig, MessageStatus, NewMessage};
+//! use outboxkit_core::{Dispatcher, DispatcherConfig, MessageStatus, NewMessage, OutboxProducer};
 //! use outboxkit_memory::{MemoryOutbox, MemoryPublisher, Scripted};
 //!
 //! # #[tokio::main(flavor = "current_thread")]
 //! # async fn main() -> Result<(), outboxkit_core::OutboxError> {
 //! let store = MemoryOutbox::new();
 //! let publisher = MemoryPublisher::new();
-//! store.enqueue_batch([
-//!     NewMessage::builder("order", "1", "OrderPlaced").payload(&1).build()?,
-//!     NewMessage::builder("order", "2", "OrderPlaced").payload(&2).build()?,
-//! ])?;
+//! let mut tx = store.begin();
+//! store
+//!     .enqueue_batch(&mut tx, &[
+//!         NewMessage::builder("order", "1", "OrderPlaced").payload(&1).build()?,
+//!         NewMessage::builder("order", "2", "OrderPlaced").payload(&2).build()?,
+//!     ])
+//!     .await?;
+//! tx.commit()?;
 //! // The broker cannot route the first message published.
 //! publisher.script([Scripted::Unroutable]);
 //!
@@ -69,4 +75,4 @@ mod store;
 pub use clock::Clock;
 pub use inbox::{MemoryConnection, MemoryInbox, MemoryTransaction};
 pub use publisher::{MemoryPublisher, Scripted};
-pub use store::MemoryOutbox;
+pub use store::{MemoryOutbox, MemoryOutboxTransaction};

@@ -8,18 +8,38 @@ use std::time::Duration;
 use async_trait::async_trait;
 use chrono::{DateTime, Utc};
 use outboxkit_core::{
-    BlockedKey, ClaimedBatch, CompleteReport, Completion, CompletionOutcome,
+    BlockedKey, CancellationToken, ClaimedBatch, CompleteReport, Completion, CompletionOutcome,
     DEFAULT_CRASH_LOOP_LIMIT, DEFAULT_MAX_PAYLOAD_BYTES, ErrorKind, MessageFilter, MessageStatus,
-    NewMessage, OnDead, OutboxError, OutboxMessage, OutboxStats, OutboxStore, Poison, PoisonRow,
-    ReplayReport, SentRetention, headers_from_json, headers_from_json_lossy, sanitize_error,
+    NewMessage, OnDead, OutboxError, OutboxMessage, OutboxProducer, OutboxStats, OutboxStore,
+    Poison, PoisonRow, ReplayReport, SentRetention, WakeHandle, headers_from_json,
+    headers_from_json_lossy, sanitize_error,
 };
 use uuid::Uuid;
 
 use crate::clock::{Clock, after, before};
 
 /// The outbox table in memory: every [`OutboxStore`] property of the contract (the
-/// conformance suite checks them), with `enqueue` / `enqueue_batch` in place of the
-/// caller's transaction.
+/// conformance suite checks them), and the [`OutboxProducer`] on a
+/// [`MemoryOutboxTransaction`] of its own ([`begin`](Self::begin)): messages enqueued on it are
+/// stored when it commits, and not at all if it is dropped uncommitted.
+///
+/// ```
+/// use outboxkit_core::{NewMessage, OutboxProducer};
+/// use outboxkit_memory::MemoryOutbox;
+///
+/// # #[tokio::main(flavor = "current_thread")]
+/// # async fn main() -> Result<(), outboxkit_core::OutboxError> {
+/// let outbox = MemoryOutbox::new();
+/// let mut tx = outbox.begin();
+/// outbox
+///     .enqueue(&mut tx, &NewMessage::builder("order", "1", "OrderPlaced").payload(&1).build()?)
+///     .await?;
+/// assert!(outbox.is_empty(), "staged, not stored");
+/// tx.commit()?;
+/// assert_eq!(outbox.len(), 1);
+/// # Ok(())
+/// # }
+/// ```
 ///
 /// All operations take one mutex for the whole table, so each is atomic, as a SQL
 /// statement is: two claimers never take the same message, and a per-key claim never
@@ -29,7 +49,9 @@ use crate::clock::{Clock, after, before};
 /// gives another handle over the same table; give handles of one table one clock.
 ///
 /// Not durable and not shared between processes: for tests, examples, and as a
-/// readable reference of the contract.
+/// readable reference of the contract. Its push wake-up
+/// ([`spawn_wake_source`](OutboxStore::spawn_wake_source), started by the dispatcher)
+/// wakes the relay on every commit that stored messages.
 #[derive(Debug, Clone)]
 pub struct MemoryOutbox {
     table: Arc<Mutex<Table>>,
@@ -37,6 +59,8 @@ pub struct MemoryOutbox {
     sent_retention: SentRetention,
     crash_loop_limit: u32,
     max_payload_bytes: usize,
+    /// Bumped by every commit that stored messages: the store's push wake-up watches it.
+    committed: Arc<tokio::sync::watch::Sender<u64>>,
 }
 
 impl Default for MemoryOutbox {
@@ -442,6 +466,7 @@ impl MemoryOutbox {
             sent_retention: SentRetention::Keep,
             crash_loop_limit: DEFAULT_CRASH_LOOP_LIMIT,
             max_payload_bytes: DEFAULT_MAX_PAYLOAD_BYTES,
+            committed: Arc::new(tokio::sync::watch::Sender::new(0)),
         }
     }
 
@@ -490,29 +515,26 @@ impl MemoryOutbox {
         })
     }
 
-    /// Stores one message, committed at once: `New`, `created_at = now`, visible after
-    /// its `deliver_after` delay, the next `seq`. Returns its id.
-    ///
-    /// # Errors
-    /// [`OutboxError::InvalidMessage`] when the payload is longer than the payload
-    /// limit; [`OutboxError::Database`] with [`ErrorKind::Permanent`] when the id is
-    /// already stored (a primary key violation). Nothing is stored then.
-    pub fn enqueue(&self, message: NewMessage) -> Result<Uuid, OutboxError> {
-        let ids = self.enqueue_batch([message])?;
-        Ok(ids[0])
+    /// Begins a transaction: messages [`enqueue`](OutboxProducer::enqueue)d on it
+    /// (`&mut tx`) are staged in it, invisible to every claim, until
+    /// [`MemoryOutboxTransaction::commit`] stores them all at once; a transaction dropped (or
+    /// [rolled back](MemoryOutboxTransaction::rollback)) uncommitted stores nothing.
+    pub fn begin(&self) -> MemoryOutboxTransaction {
+        MemoryOutboxTransaction {
+            outbox: self.clone(),
+            staged: Vec::new(),
+        }
     }
 
-    /// Stores `messages` at once, in order (`seq` follows the iteration order).
-    /// Returns their ids.
+    /// Stores `messages` at once, in order: `New`, `created_at = now`, visible after
+    /// their `deliver_after` delay, the next `seq`s. Returns their ids.
     ///
     /// # Errors
-    /// As [`enqueue`](Self::enqueue), for any message of the batch: nothing of the
-    /// batch is stored then.
-    pub fn enqueue_batch(
-        &self,
-        messages: impl IntoIterator<Item = NewMessage>,
-    ) -> Result<Vec<Uuid>, OutboxError> {
-        let messages: Vec<NewMessage> = messages.into_iter().collect();
+    /// [`OutboxError::InvalidMessage`] when a payload is longer than the payload limit;
+    /// [`OutboxError::Database`] with [`ErrorKind::Permanent`] when an id is already
+    /// stored or repeated in `messages` (a primary key violation). Nothing is stored
+    /// then.
+    fn store(&self, messages: Vec<NewMessage>) -> Result<Vec<Uuid>, OutboxError> {
         let mut fresh = std::collections::HashSet::with_capacity(messages.len());
         for m in &messages {
             m.check_payload_size(self.max_payload_bytes)?;
@@ -520,7 +542,7 @@ impl MemoryOutbox {
                 return Err(duplicate(m.id));
             }
         }
-        let mut table = self.lock("enqueue")?;
+        let mut table = self.lock("commit")?;
         if let Some(m) = messages.iter().find(|m| table.ids.contains_key(&m.id)) {
             return Err(duplicate(m.id));
         }
@@ -551,6 +573,10 @@ impl MemoryOutbox {
                     key,
                 },
             );
+        }
+        drop(table);
+        if !ids.is_empty() {
+            self.committed.send_modify(|n| *n = n.wrapping_add(1));
         }
         Ok(ids)
     }
@@ -616,6 +642,87 @@ fn duplicate(id: Uuid) -> OutboxError {
         kind: ErrorKind::Permanent,
         operation: "enqueue",
         source: format!("duplicate message id {id}").into(),
+    }
+}
+
+/// A transaction of a [`MemoryOutbox`] ([`MemoryOutbox::begin`]), the
+/// [`Connection`](OutboxProducer::Connection) its [`OutboxProducer`] writes on: the
+/// messages enqueued on it are staged, invisible to every claim, until
+/// [`commit`](Self::commit) stores them all at once. Dropped without a commit (or
+/// [rolled back](Self::rollback)) it stores nothing.
+#[derive(Debug)]
+#[must_use = "a transaction dropped without `commit` stores nothing"]
+pub struct MemoryOutboxTransaction {
+    outbox: MemoryOutbox,
+    staged: Vec<NewMessage>,
+}
+
+impl MemoryOutboxTransaction {
+    /// Stores every staged message atomically, in the order enqueued (their `seq`s
+    /// follow it), as the outbox that began the transaction: `New`, `created_at = now`,
+    /// visible after each message's `deliver_after` delay. Wakes the relays watching the
+    /// store (its push wake-up).
+    ///
+    /// # Errors
+    /// [`OutboxError::InvalidMessage`] when a payload is longer than the outbox's
+    /// payload limit; [`OutboxError::Database`] with [`ErrorKind::Permanent`] when an
+    /// id is already stored (committed by another transaction since it was enqueued) or
+    /// was enqueued twice (a primary key violation). Nothing of the transaction is
+    /// stored then.
+    pub fn commit(self) -> Result<(), OutboxError> {
+        self.outbox.store(self.staged).map(drop)
+    }
+
+    /// Discards the staged messages (as dropping the transaction does).
+    pub fn rollback(self) {}
+
+    /// The messages staged so far, in order.
+    pub fn staged(&self) -> &[NewMessage] {
+        &self.staged
+    }
+}
+
+/// Stages the messages in the caller's [`MemoryOutboxTransaction`]; see
+/// [`MemoryOutboxTransaction::commit`] for when they are stored.
+#[async_trait]
+impl OutboxProducer for MemoryOutbox {
+    type Connection = MemoryOutboxTransaction;
+
+    /// Stages `messages` in `conn`, after the checks a SQL store's insert makes: every
+    /// payload within the payload limit, and no id already stored, staged or repeated
+    /// in `messages`. Returns their ids.
+    ///
+    /// # Errors
+    /// [`OutboxError::InvalidMessage`] when a payload is longer than the payload limit;
+    /// [`OutboxError::Database`] with [`ErrorKind::Permanent`] for a duplicate id;
+    /// [`OutboxError::Config`] when `conn` was begun by a store over another table.
+    /// Nothing of the batch is staged then.
+    async fn enqueue_batch(
+        &self,
+        conn: &mut MemoryOutboxTransaction,
+        messages: &[NewMessage],
+    ) -> Result<Vec<Uuid>, OutboxError> {
+        if !Arc::ptr_eq(&self.table, &conn.outbox.table) {
+            return Err(OutboxError::Config(
+                "this MemoryOutboxTransaction was begun by a MemoryOutbox over another table"
+                    .to_owned(),
+            ));
+        }
+        let mut fresh: std::collections::HashSet<Uuid> = conn.staged.iter().map(|m| m.id).collect();
+        for m in messages {
+            m.check_payload_size(self.max_payload_bytes)?;
+            if !fresh.insert(m.id) {
+                return Err(duplicate(m.id));
+            }
+        }
+        {
+            let table = self.lock("enqueue")?;
+            if let Some(m) = messages.iter().find(|m| table.ids.contains_key(&m.id)) {
+                return Err(duplicate(m.id));
+            }
+        }
+        conn.staged.extend_from_slice(messages);
+        Ok(messages.iter().map(|m| m.id).collect())
     }
 }
 
@@ -971,10 +1078,37 @@ impl OutboxStore for MemoryOutbox {
         }
         Ok(seqs.len() as u64)
     }
+
+    /// Wakes the relay after every [`MemoryOutboxTransaction::commit`] that stored messages
+    /// (on any handle over this table), until `shutdown` is cancelled or every handle
+    /// of the table is dropped.
+    fn spawn_wake_source(
+        &self,
+        wake: WakeHandle,
+        shutdown: CancellationToken,
+    ) -> Option<tokio::task::JoinHandle<()>> {
+        // Subscribed before returning, so a commit right after is not missed; one
+        // wake-up now for a commit before it.
+        let mut committed = self.committed.subscribe();
+        wake.wake();
+        Some(tokio::spawn(async move {
+            loop {
+                tokio::select! {
+                    () = shutdown.cancelled() => return,
+                    changed = committed.changed() => match changed {
+                        Ok(()) => wake.wake(),
+                        Err(_) => return, // every handle of the table is gone
+                    },
+                }
+            }
+        }))
+    }
 }
 
 #[cfg(test)]
 mod tests {
+    use outboxkit_core::InvalidMessage;
+
     use super::*;
 
     #[tokio::test]
@@ -986,7 +1120,9 @@ mod tests {
             .deliver_after(Duration::from_secs(5))
             .build()
             .expect("valid");
-        let id = store.enqueue(later).expect("enqueue");
+        let mut tx = store.begin();
+        let id = store.enqueue(&mut tx, &later).await.expect("enqueue");
+        tx.commit().expect("commit");
         let lease = Duration::from_secs(10);
         assert!(store.claim(10, lease).await.expect("claim").is_empty());
         assert!(clock.advance(Duration::from_secs(5)));
@@ -1003,24 +1139,181 @@ mod tests {
         assert_eq!((second[0].id, second[0].attempts), (id, 2), "reclaimed");
     }
 
-    #[test]
-    fn enqueue_rejects_oversized_payloads_and_duplicate_ids() {
+    fn message(aggregate_id: &str) -> NewMessage {
+        NewMessage::builder("order", aggregate_id, "OrderPlaced")
+            .payload(&1)
+            .build()
+            .expect("valid")
+    }
+
+    fn ids(messages: &[OutboxMessage]) -> Vec<Uuid> {
+        messages.iter().map(|m| m.id).collect()
+    }
+
+    #[tokio::test]
+    async fn a_commit_stores_every_staged_message_in_order() {
+        let store = MemoryOutbox::new();
+        let mut tx = store.begin();
+        let first = store
+            .enqueue(&mut tx, &message("1"))
+            .await
+            .expect("enqueue");
+        let rest = store
+            .enqueue_batch(&mut tx, &[message("2"), message("3")])
+            .await
+            .expect("enqueue_batch");
+        assert_eq!(tx.staged().len(), 3);
+        assert!(store.is_empty(), "staged, not stored, before the commit");
+        assert!(
+            store
+                .claim(10, Duration::from_secs(30))
+                .await
+                .expect("claim")
+                .is_empty(),
+            "a claim sees nothing uncommitted"
+        );
+        tx.commit().expect("commit");
+        let stored = store.messages();
+        assert_eq!(
+            ids(&stored),
+            [vec![first], rest].concat(),
+            "in enqueue order"
+        );
+        assert!(stored.windows(2).all(|w| w[0].seq < w[1].seq));
+        assert!(stored.iter().all(|m| m.status == MessageStatus::New));
+    }
+
+    #[tokio::test]
+    async fn a_transaction_rolled_back_or_dropped_stores_nothing() {
+        let store = MemoryOutbox::new();
+        let mut rolled_back = store.begin();
+        store
+            .enqueue(&mut rolled_back, &message("1"))
+            .await
+            .expect("enqueue");
+        rolled_back.rollback();
+        {
+            let mut dropped = store.begin();
+            store
+                .enqueue(&mut dropped, &message("2"))
+                .await
+                .expect("enqueue");
+        }
+        assert!(store.is_empty());
+        store.begin().commit().expect("an empty commit");
+        assert!(store.is_empty());
+    }
+
+    #[tokio::test]
+    async fn an_oversized_payload_is_refused_at_enqueue_and_stages_nothing() {
         let store = MemoryOutbox::new().with_max_payload_bytes(8);
         let big = NewMessage::builder("order", "1", "OrderPlaced")
             .payload(&"0123456789")
             .build()
             .expect("valid");
-        assert!(matches!(
-            store.enqueue(big),
-            Err(OutboxError::InvalidMessage(_))
-        ));
-        let small = NewMessage::builder("order", "1", "OrderPlaced")
-            .payload(&1)
-            .build()
-            .expect("valid");
-        store.enqueue(small.clone()).expect("enqueue");
-        let err = store.enqueue_batch([small]).expect_err("the id is taken");
+        let mut tx = store.begin();
+        let err = store
+            .enqueue_batch(&mut tx, &[message("1"), big.clone()])
+            .await
+            .expect_err("too large");
+        assert!(
+            matches!(
+                err,
+                OutboxError::InvalidMessage(InvalidMessage::PayloadTooLarge { max: 8, .. })
+            ),
+            "{err}"
+        );
+        assert!(tx.staged().is_empty(), "nothing of the batch is staged");
+        // Staged through a handle with a larger limit, the commit still checks the
+        // limit of the outbox that began the transaction.
+        let roomy = store.clone().with_max_payload_bytes(1024);
+        roomy
+            .enqueue(&mut tx, &big)
+            .await
+            .expect("within 1024 bytes");
+        let err = tx
+            .commit()
+            .expect_err("over the limit of the beginning store");
+        assert!(matches!(err, OutboxError::InvalidMessage(_)), "{err}");
+        assert!(store.is_empty());
+    }
+
+    #[tokio::test]
+    async fn duplicate_ids_are_refused_and_a_failed_commit_stores_nothing() {
+        let store = MemoryOutbox::new();
+        let taken = message("1");
+        let mut tx = store.begin();
+        store.enqueue(&mut tx, &taken).await.expect("enqueue");
+        let err = store
+            .enqueue(&mut tx, &taken)
+            .await
+            .expect_err("staged already");
+        assert!(
+            matches!(
+                err,
+                OutboxError::Database {
+                    kind: ErrorKind::Permanent,
+                    ..
+                }
+            ),
+            "{err}"
+        );
+        // Two transactions stage the same id; the second to commit loses, whole.
+        let mut other = store.begin();
+        store
+            .enqueue(&mut other, &message("2"))
+            .await
+            .expect("enqueue");
+        store
+            .enqueue(&mut other, &taken)
+            .await
+            .expect("not stored yet");
+        tx.commit().expect("commit");
+        let err = other.commit().expect_err("the id is taken now");
+        assert!(
+            matches!(
+                err,
+                OutboxError::Database {
+                    kind: ErrorKind::Permanent,
+                    ..
+                }
+            ),
+            "{err}"
+        );
+        assert_eq!(
+            ids(&store.messages()),
+            [taken.id],
+            "nothing of the failed commit"
+        );
+        let mut late = store.begin();
+        let err = store
+            .enqueue(&mut late, &taken)
+            .await
+            .expect_err("stored already");
         assert!(matches!(err, OutboxError::Database { .. }), "{err}");
-        assert_eq!(store.len(), 1, "nothing of the failed batch is stored");
+    }
+
+    #[tokio::test]
+    async fn a_transaction_belongs_to_its_table() {
+        let store = MemoryOutbox::new();
+        let mut elsewhere = MemoryOutbox::new().begin();
+        let err = store
+            .enqueue(&mut elsewhere, &message("1"))
+            .await
+            .expect_err("another table");
+        assert!(matches!(err, OutboxError::Config(_)), "{err}");
+    }
+
+    #[tokio::test]
+    async fn save_events_drains_the_aggregate_into_the_transaction() {
+        let store = MemoryOutbox::new();
+        let mut events = outboxkit_core::DomainEvents::new();
+        events.raise(message("1"));
+        events.raise(message("2"));
+        let mut tx = store.begin();
+        let saved = store.save_events(&mut tx, &mut events).await.expect("save");
+        assert!(events.pending().is_empty());
+        tx.commit().expect("commit");
+        assert_eq!(ids(&store.messages()), saved);
     }
 }

@@ -4,7 +4,7 @@ use std::sync::Arc;
 
 use async_trait::async_trait;
 use outboxkit_core::conformance::Harness;
-use outboxkit_core::{NewMessage, SentRetention};
+use outboxkit_core::{NewMessage, OutboxProducer, SentRetention};
 use outboxkit_memory::MemoryOutbox;
 use uuid::Uuid;
 
@@ -30,9 +30,12 @@ impl Harness for MemoryHarness {
     }
 
     async fn enqueue(&self, messages: &[NewMessage]) {
+        let mut tx = self.store.begin();
         self.store
-            .enqueue_batch(messages.iter().cloned())
+            .enqueue_batch(&mut tx, messages)
+            .await
             .expect("enqueue");
+        tx.commit().expect("commit");
     }
 
     async fn set_headers_json(&self, id: Uuid, json: &str) {

@@ -10,7 +10,8 @@ use std::time::Duration;
 
 use outboxkit_core::{
     Dispatcher, DispatcherConfig, DispatcherStats, MessageFilter, MessageStatus, NewMessage,
-    OnDead, Ordering, OutboxError, OutboxMessage, OutboxStore, RetryPolicies, RetryPolicy,
+    OnDead, Ordering, OutboxError, OutboxMessage, OutboxProducer, OutboxStore, RetryPolicies,
+    RetryPolicy,
 };
 use outboxkit_memory::{MemoryOutbox, MemoryPublisher, Scripted};
 use tokio::task::JoinHandle;
@@ -81,6 +82,21 @@ async fn wait_until(what: &str, mut done: impl FnMut() -> bool) {
     }
 }
 
+/// Enqueues `messages` in one transaction and commits it; returns their ids.
+async fn committed(
+    store: &MemoryOutbox,
+    messages: impl IntoIterator<Item = NewMessage>,
+) -> Vec<Uuid> {
+    let messages: Vec<NewMessage> = messages.into_iter().collect();
+    let mut tx = store.begin();
+    let ids = store
+        .enqueue_batch(&mut tx, &messages)
+        .await
+        .expect("enqueue");
+    tx.commit().expect("commit");
+    ids
+}
+
 async fn row(store: &MemoryOutbox, id: Uuid) -> OutboxMessage {
     store.get(id).await.expect("get").expect("row exists")
 }
@@ -106,7 +122,7 @@ fn confirmed(publisher: &MemoryPublisher) -> Vec<String> {
 async fn a_confirmed_message_is_sent() {
     let store = MemoryOutbox::new();
     let publisher = MemoryPublisher::new();
-    let id = store.enqueue(message("1", "OrderPlaced")).expect("enqueue");
+    let id = committed(&store, [message("1", "OrderPlaced")]).await[0];
     let report = dispatcher(&store, &publisher, DispatcherConfig::new())
         .run_batch()
         .await
@@ -124,7 +140,7 @@ async fn a_confirmed_message_is_sent() {
 async fn a_transient_failure_is_retried_after_the_policys_backoff() {
     let store = MemoryOutbox::new();
     let publisher = MemoryPublisher::new();
-    let id = store.enqueue(message("1", "OrderPlaced")).expect("enqueue");
+    let id = committed(&store, [message("1", "OrderPlaced")]).await[0];
     let config = DispatcherConfig::new().with_retry(RetryPolicies::new(exact_policy(2.0, 5)));
     let d = dispatcher(&store, &publisher, config);
 
@@ -171,13 +187,15 @@ async fn a_transient_failure_is_retried_after_the_policys_backoff() {
 async fn a_permanent_failure_is_dead_at_once_and_alone() {
     let store = MemoryOutbox::new();
     let publisher = MemoryPublisher::new();
-    let ids = store
-        .enqueue_batch([
+    let ids = committed(
+        &store,
+        [
             message("1", "OrderPlaced"),
             message("2", "OrderPlaced"),
             message("3", "OrderPlaced"),
-        ])
-        .expect("enqueue");
+        ],
+    )
+    .await;
     publisher.script([
         Scripted::Confirm,
         Scripted::Unroutable,
@@ -207,7 +225,7 @@ async fn a_permanent_failure_is_dead_at_once_and_alone() {
 async fn a_message_is_dead_when_its_attempts_run_out() {
     let store = MemoryOutbox::new();
     let publisher = MemoryPublisher::new().with_rule(|_| Some(Scripted::Nack));
-    let id = store.enqueue(message("1", "OrderPlaced")).expect("enqueue");
+    let id = committed(&store, [message("1", "OrderPlaced")]).await[0];
     let config = DispatcherConfig::new().with_retry(RetryPolicies::new(exact_policy(1.0, 3)));
     let d = dispatcher(&store, &publisher, config);
     for attempt in 1..=3 {
@@ -238,9 +256,7 @@ async fn a_message_is_dead_when_its_attempts_run_out() {
 async fn retry_policies_are_overridden_by_event_type() {
     let store = MemoryOutbox::new();
     let publisher = MemoryPublisher::new().with_rule(|_| Some(Scripted::Nack));
-    let ids = store
-        .enqueue_batch([message("1", "Flaky"), message("2", "Patient")])
-        .expect("enqueue");
+    let ids = committed(&store, [message("1", "Flaky"), message("2", "Patient")]).await;
     let config = DispatcherConfig::new().with_retry(
         RetryPolicies::new(exact_policy(10.0, 8)).with_override("Flaky", exact_policy(2.0, 1)),
     );
@@ -268,13 +284,15 @@ async fn a_publisher_panic_kills_only_its_message() {
     let store = MemoryOutbox::new();
     let publisher =
         MemoryPublisher::new().with_rule(|m| (m.aggregate_id == "2").then_some(Scripted::Panic));
-    let ids = store
-        .enqueue_batch([
+    let ids = committed(
+        &store,
+        [
             message("1", "OrderPlaced"),
             message("2", "OrderPlaced"),
             message("3", "OrderPlaced"),
-        ])
-        .expect("enqueue");
+        ],
+    )
+    .await;
     let report = dispatcher(&store, &publisher, DispatcherConfig::new())
         .run_batch()
         .await
@@ -305,9 +323,11 @@ async fn an_outage_opens_the_circuit_charges_nothing_and_a_trial_closes_it() {
     })
     .await;
     publisher.set_down(true);
-    store
-        .enqueue_batch((0..5).map(|i| message(&i.to_string(), "OrderPlaced")))
-        .expect("enqueue");
+    committed(
+        &store,
+        (0..5).map(|i| message(&i.to_string(), "OrderPlaced")),
+    )
+    .await;
     d.wake_handle().wake();
     wait_until("the circuit opens", || d.circuit_open()).await;
     // Probes go on (1 s, 2 s, 4 s, 8 s, 8 s ...) while the broker is down.
@@ -346,9 +366,11 @@ async fn an_outage_opens_the_circuit_charges_nothing_and_a_trial_closes_it() {
 async fn a_dispatcher_started_while_the_broker_is_down_claims_nothing() {
     let store = MemoryOutbox::new();
     let publisher = MemoryPublisher::new();
-    store
-        .enqueue_batch((0..5).map(|i| message(&i.to_string(), "OrderPlaced")))
-        .expect("enqueue");
+    committed(
+        &store,
+        (0..5).map(|i| message(&i.to_string(), "OrderPlaced")),
+    )
+    .await;
     publisher.set_down(true);
     let d = dispatcher(
         &store,
@@ -389,9 +411,11 @@ async fn a_destination_that_refuses_messages_is_tried_one_message_at_a_time() {
     // check_ready succeeds (the connection is fine) but a full queue rejects messages.
     let publisher = MemoryPublisher::new();
     publisher.script_calls([Scripted::Rejected, Scripted::Rejected, Scripted::Rejected]);
-    store
-        .enqueue_batch((0..4).map(|i| message(&i.to_string(), "OrderPlaced")))
-        .expect("enqueue");
+    committed(
+        &store,
+        (0..4).map(|i| message(&i.to_string(), "OrderPlaced")),
+    )
+    .await;
     let d = dispatcher(
         &store,
         &publisher,
@@ -442,12 +466,14 @@ async fn a_full_destination_holds_back_only_its_own_messages() {
     );
     let (token, run) = spawn(&d);
     for round in 0..10 {
-        store
-            .enqueue_batch((0..10).flat_map(|i| {
+        committed(
+            &store,
+            (0..10).flat_map(|i| {
                 let id = format!("{round}-{i}");
                 [message(&id, "ToFull"), message(&id, "ToOther")]
-            }))
-            .expect("enqueue");
+            }),
+        )
+        .await;
         d.wake_handle().wake();
         tokio::time::sleep(Duration::from_secs(1)).await;
         let late: Vec<_> = store
@@ -495,7 +521,7 @@ async fn a_publish_longer_than_the_publish_timeout_is_an_outage() {
     let store = MemoryOutbox::new();
     let publisher = MemoryPublisher::new().with_publish_timeout(Some(Duration::from_secs(1)));
     publisher.set_delay(Duration::from_secs(5));
-    let id = store.enqueue(message("1", "OrderPlaced")).expect("enqueue");
+    let id = committed(&store, [message("1", "OrderPlaced")]).await[0];
     let d = dispatcher(&store, &publisher, DispatcherConfig::new());
     let started = Instant::now();
     let report = d.run_batch().await.expect("batch");
@@ -516,9 +542,11 @@ async fn shutdown_behind_a_hung_broker_releases_everything_at_the_drain_timeout(
     let store = MemoryOutbox::new();
     let publisher = MemoryPublisher::new();
     publisher.set_delay(Duration::from_secs(3600));
-    store
-        .enqueue_batch((0..10).map(|i| message(&i.to_string(), "OrderPlaced")))
-        .expect("enqueue");
+    committed(
+        &store,
+        (0..10).map(|i| message(&i.to_string(), "OrderPlaced")),
+    )
+    .await;
     let d = dispatcher(
         &store,
         &publisher,
@@ -559,7 +587,7 @@ async fn shutdown_lets_a_slow_publish_finish_within_the_drain_timeout() {
     let store = MemoryOutbox::new();
     let publisher = MemoryPublisher::new();
     publisher.set_delay(Duration::from_secs(1));
-    let id = store.enqueue(message("1", "OrderPlaced")).expect("enqueue");
+    let id = committed(&store, [message("1", "OrderPlaced")]).await[0];
     let d = dispatcher(
         &store,
         &publisher,
@@ -582,9 +610,7 @@ async fn per_key_order_holds_across_a_retry() {
     let publisher = MemoryPublisher::new().with_rule(move |m| {
         (m.aggregate_id == "a-0" && !flag.swap(true, SeqCst)).then_some(Scripted::Nack)
     });
-    store
-        .enqueue_batch(keyed(&["a", "b", "c"], 4))
-        .expect("enqueue");
+    committed(&store, keyed(&["a", "b", "c"], 4)).await;
     let d = dispatcher(
         &store,
         &publisher,
@@ -615,7 +641,7 @@ async fn per_key_order_holds_across_a_retry() {
 }
 
 /// A key `k` whose head `k-0` is unroutable until `fixed` is set, beside a healthy key.
-fn dead_head_setup(
+async fn dead_head_setup(
     on_dead: OnDead,
 ) -> (
     MemoryOutbox,
@@ -629,7 +655,7 @@ fn dead_head_setup(
     let publisher = MemoryPublisher::new().with_rule(move |m| {
         (m.aggregate_id == "k-0" && !flag.load(SeqCst)).then_some(Scripted::Unroutable)
     });
-    store.enqueue_batch(keyed(&["k", "j"], 3)).expect("enqueue");
+    committed(&store, keyed(&["k", "j"], 3)).await;
     let d = dispatcher(
         &store,
         &publisher,
@@ -640,7 +666,7 @@ fn dead_head_setup(
 
 #[tokio::test(start_paused = true)]
 async fn a_dead_head_blocks_its_key_under_block_until_replayed() {
-    let (store, publisher, fixed, d) = dead_head_setup(OnDead::Block);
+    let (store, publisher, fixed, d) = dead_head_setup(OnDead::Block).await;
     let (token, run) = spawn(&d);
     assert!(publisher.wait_published(3, Duration::from_secs(60)).await);
     // Give the relay many more polls (virtual time) to publish what it must not.
@@ -684,7 +710,7 @@ async fn a_dead_head_blocks_its_key_under_block_until_replayed() {
 
 #[tokio::test(start_paused = true)]
 async fn a_dead_head_is_passed_over_under_skip() {
-    let (store, publisher, _fixed, d) = dead_head_setup(OnDead::Skip);
+    let (store, publisher, _fixed, d) = dead_head_setup(OnDead::Skip).await;
     let (token, run) = spawn(&d);
     assert!(publisher.wait_published(5, Duration::from_secs(60)).await);
     token.cancel();
@@ -706,12 +732,14 @@ async fn the_wake_handle_ends_the_poll_wait() {
     let d = dispatcher(
         &store,
         &publisher,
-        DispatcherConfig::new().with_poll_interval(Duration::from_secs(3600)),
+        DispatcherConfig::new()
+            .with_poll_interval(Duration::from_secs(3600))
+            .with_push_wake(false),
     );
     let (token, run) = spawn(&d);
     // Let the idle relay settle into its hour-long poll wait.
     tokio::time::sleep(Duration::from_secs(1)).await;
-    store.enqueue(message("1", "OrderPlaced")).expect("enqueue");
+    committed(&store, [message("1", "OrderPlaced")]).await;
     assert!(
         !publisher.wait_published(1, Duration::from_secs(60)).await,
         "without a wake-up the message waits for the next poll"
@@ -727,6 +755,50 @@ async fn the_wake_handle_ends_the_poll_wait() {
     run.await.expect("task").expect("run");
 }
 
+/// The dispatcher starts the store's push wake-up by itself: with a 60 s poll (every
+/// wait 60 s, even right after a claim that found messages), a message committed after
+/// the relay went idle is published well within the poll interval. Turned off, the same
+/// message waits for the poll.
+#[tokio::test(start_paused = true)]
+async fn the_store_wakes_the_dispatcher_on_commit_by_itself() {
+    for push in [true, false] {
+        let store = MemoryOutbox::new();
+        let publisher = MemoryPublisher::new();
+        let poll = Duration::from_secs(60);
+        let d = dispatcher(
+            &store,
+            &publisher,
+            DispatcherConfig::new()
+                .with_poll_interval(poll)
+                .with_min_poll_interval(poll)
+                .with_push_wake(push),
+        );
+        committed(&store, [message("first", "OrderPlaced")]).await;
+        let (token, run) = spawn(&d);
+        // The first claim found a message: the claimer now waits its 60 s.
+        wait_until("the first message is published", || {
+            publisher.published_count() == 1
+        })
+        .await;
+        let after_idle = Instant::now();
+        committed(&store, [message("second", "OrderPlaced")]).await;
+        let woken = publisher.wait_published(2, Duration::from_secs(5)).await;
+        assert_eq!(
+            woken, push,
+            "push wake-up {push}: published within 5 s of the commit (poll interval 60 s)"
+        );
+        if !push {
+            wait_until("the poll claims it", || publisher.published_count() == 2).await;
+            assert!(
+                after_idle.elapsed() >= Duration::from_secs(50),
+                "by the poll"
+            );
+        }
+        token.cancel();
+        run.await.expect("task").expect("run");
+    }
+}
+
 /// A half-open trial whose claim finds only poison rows records them dead and claims
 /// again for a message to try: it does not close the circuit on nothing. Here the broker
 /// answers probes but still cannot take messages: the trial fails and the circuit stays
@@ -736,16 +808,15 @@ async fn a_trial_that_finds_only_poison_keeps_the_circuit_open() {
     let store = MemoryOutbox::new();
     let publisher = MemoryPublisher::new();
     publisher.set_down(true);
-    let poison: Vec<Uuid> = (0..3)
-        .map(|i| {
-            let id = store
-                .enqueue(message(&format!("p{i}"), "OrderPlaced"))
-                .expect("enqueue");
-            assert!(store.set_headers_json(id, "[1, 2]"), "poison row");
-            id
-        })
-        .collect();
-    let good = store.enqueue(message("a", "OrderPlaced")).expect("enqueue");
+    let poison = committed(
+        &store,
+        (0..3).map(|i| message(&format!("p{i}"), "OrderPlaced")),
+    )
+    .await;
+    for &id in &poison {
+        assert!(store.set_headers_json(id, "[1, 2]"), "poison row");
+    }
+    let good = committed(&store, [message("a", "OrderPlaced")]).await[0];
     let d = dispatcher(
         &store,
         &publisher,

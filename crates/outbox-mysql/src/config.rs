@@ -175,7 +175,7 @@ impl MySqlConfig {
         self.crash_loop_limit
     }
 
-    /// Longest payload [`MySqlOutbox::enqueue`](crate::MySqlOutbox::enqueue) accepts, in bytes
+    /// Longest payload [`enqueue`](outboxkit_core::OutboxProducer::enqueue) accepts, in bytes
     /// of its JSON text (default [`DEFAULT_MAX_PAYLOAD_BYTES`], 1 MiB; at least 1). A
     /// longer one fails with [`InvalidMessage::PayloadTooLarge`](outboxkit_core::InvalidMessage::PayloadTooLarge)
     /// and nothing of its batch is written. Keep it at or below what the broker takes

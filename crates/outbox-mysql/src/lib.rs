@@ -6,9 +6,10 @@
 //! - [`migrate()`]: versioned migrations into a configurable database (MySQL's
 //!   "schema", default `outbox`), InnoDB tables in `utf8mb4`, times as `DATETIME(6)`
 //!   in UTC from the database clock, ids as `BINARY(16)`;
-//! - [`MySqlOutbox`]: [`enqueue`](MySqlOutbox::enqueue) /
-//!   [`enqueue_batch`](MySqlOutbox::enqueue_batch) on the caller's transaction
-//!   (multi-row `INSERT`, chunked), and the [`OutboxStore`](outboxkit_core::OutboxStore)
+//! - [`MySqlOutbox`]: the [`OutboxProducer`](outboxkit_core::OutboxProducer)
+//!   ([`enqueue`](outboxkit_core::OutboxProducer::enqueue) /
+//!   [`enqueue_batch`](outboxkit_core::OutboxProducer::enqueue_batch) on the caller's
+//!   transaction: multi-row `INSERT`, chunked), and the [`OutboxStore`](outboxkit_core::OutboxStore)
 //!   the dispatcher uses: claims with `SELECT … FOR UPDATE SKIP LOCKED` in
 //!   `(visible_at, seq)` order under `READ COMMITTED` (no gap locks, so claims never
 //!   block producers' inserts), fenced leases, one-statement batch completion
@@ -21,7 +22,7 @@
 //! on SQL Server). See `docs/mysql.md` for what differs from PostgreSQL.
 //!
 //! ```no_run
-//! use outboxkit_core::NewMessage;
+//! use outboxkit_core::{NewMessage, OutboxProducer};
 //! use outboxkit_mysql::{MySqlConfig, MySqlOutbox};
 //!
 //! # async fn demo() -> Result<(), Box<dyn std::error::Error>> {

@@ -8,9 +8,9 @@ use std::time::{Duration, Instant};
 use async_trait::async_trait;
 use chrono::{DateTime, Utc};
 use outboxkit_core::{
-    BlockedKey, ClaimedBatch, CompleteReport, Completion, CompletionOutcome, EventSource, Headers,
-    MessageFilter, MessageStatus, NewMessage, OnDead, OutboxError, OutboxMessage, OutboxStats,
-    OutboxStore, Poison, PoisonRow, ReplayReport, SentRetention, sanitize_error,
+    BlockedKey, ClaimedBatch, CompleteReport, Completion, CompletionOutcome, Headers,
+    MessageFilter, MessageStatus, NewMessage, OnDead, OutboxError, OutboxMessage, OutboxProducer,
+    OutboxStats, OutboxStore, Poison, PoisonRow, ReplayReport, SentRetention, sanitize_error,
 };
 use serde_json::value::RawValue;
 use sqlx::mysql::{MySqlArguments, MySqlRow};
@@ -24,7 +24,7 @@ use crate::error::db;
 use crate::inbox::MySqlInbox;
 use crate::sql::{BEGIN_READ_COMMITTED, COLUMNS, Queries, like_escape, micros, placeholders, sql};
 
-/// Rows per `INSERT` of [`MySqlOutbox::enqueue_batch`]: 12 parameters a row keeps a
+/// Rows per `INSERT` of `MySqlOutbox`'s [`enqueue_batch`](OutboxProducer::enqueue_batch): 12 parameters a row keeps a
 /// statement far below MySQL's 65,535 placeholders and its payload below a default
 /// `max_allowed_packet` (64 MiB) for payloads of tens of kilobytes.
 const ENQUEUE_CHUNK: usize = 500;
@@ -32,10 +32,11 @@ const ENQUEUE_CHUNK: usize = 500;
 /// The MySQL / MariaDB outbox: a pool plus the SQL rendered for one database. Cheap to
 /// clone.
 ///
-/// Writes go through [`enqueue`](Self::enqueue) / [`enqueue_batch`](Self::enqueue_batch)
-/// on the caller's own transaction ([`begin`](Self::begin), or any `&mut
-/// MySqlConnection` of theirs), so the events commit or roll back with the business
-/// rows. The relay side is the [`OutboxStore`] impl.
+/// Writes go through [`OutboxProducer`] ([`enqueue`](OutboxProducer::enqueue) /
+/// [`enqueue_batch`](OutboxProducer::enqueue_batch)) on the caller's own transaction
+/// ([`begin`](Self::begin), or any `&mut MySqlConnection` of theirs), so the events
+/// commit or roll back with the business rows. The relay side is the [`OutboxStore`]
+/// impl (no push wake-up: the dispatcher polls).
 #[derive(Debug, Clone)]
 pub struct MySqlOutbox {
     pool: MySqlPool,
@@ -87,7 +88,7 @@ impl MySqlOutbox {
 
     /// Begins a transaction on the pool (the server's default isolation, `REPEATABLE
     /// READ` unless configured otherwise): write the business rows and
-    /// [`enqueue`](Self::enqueue) the events on it (`&mut tx`), then commit.
+    /// [`enqueue`](OutboxProducer::enqueue) the events on it (`&mut tx`), then commit.
     ///
     /// # Errors
     /// [`OutboxError::Database`] when no connection can be had or `BEGIN` fails.
@@ -134,114 +135,6 @@ impl MySqlOutbox {
     /// The database name.
     pub fn schema(&self) -> &str {
         &self.schema
-    }
-
-    /// Writes one message on `conn` (the caller's transaction). Returns its id.
-    ///
-    /// # Errors
-    /// As [`enqueue_batch`](Self::enqueue_batch).
-    pub async fn enqueue(
-        &self,
-        conn: &mut MySqlConnection,
-        message: &NewMessage,
-    ) -> Result<Uuid, OutboxError> {
-        self.enqueue_batch(conn, std::slice::from_ref(message))
-            .await?;
-        Ok(message.id)
-    }
-
-    /// Writes `messages` on `conn` with multi-row `INSERT`s of up to 500 rows each,
-    /// preserving their order in `seq` (InnoDB hands a statement's rows rising
-    /// auto-increment values in row order, under every `innodb_autoinc_lock_mode`).
-    /// Returns their ids.
-    ///
-    /// # Errors
-    /// [`OutboxError::InvalidMessage`] ([`InvalidMessage::PayloadTooLarge`](outboxkit_core::InvalidMessage::PayloadTooLarge))
-    /// when any payload is longer than [`max_payload_bytes`](Self::max_payload_bytes):
-    /// no message of the batch is written and the transaction is untouched.
-    /// [`OutboxError::Database`] when an insert fails: roll the transaction back (an
-    /// earlier chunk of the batch may be written in it).
-    pub async fn enqueue_batch(
-        &self,
-        conn: &mut MySqlConnection,
-        messages: &[NewMessage],
-    ) -> Result<Vec<Uuid>, OutboxError> {
-        if messages.is_empty() {
-            return Ok(Vec::new());
-        }
-        for m in messages {
-            m.check_payload_size(self.max_payload_bytes)?;
-        }
-        let mut headers = Vec::with_capacity(messages.len());
-        for m in messages {
-            headers.push(
-                serde_json::to_string(&m.headers).map_err(|e| OutboxError::Decode {
-                    id: m.id.to_string(),
-                    reason: e.to_string(),
-                })?,
-            );
-        }
-        let span = enqueue_span(messages);
-        for (chunk, chunk_headers) in messages
-            .chunks(ENQUEUE_CHUNK)
-            .zip(headers.chunks(ENQUEUE_CHUNK))
-        {
-            let rows = vec![
-                "(?, ?, ?, ?, ?, ?, ?, ?, ?, ?, COALESCE(?, NOW(6)), NOW(6) + INTERVAL ? MICROSECOND)";
-                chunk.len()
-            ]
-            .join(", ");
-            let text = format!(
-                "INSERT INTO {} (id, aggregate_type, aggregate_id, aggregate_version, event_type,
-                     payload, headers, tenant_id, routing_key, partition_key, occurred_at, visible_at)
-                 VALUES {rows}",
-                self.q.table
-            );
-            let mut query = sqlx::query(AssertSqlSafe(text));
-            for (m, h) in chunk.iter().zip(chunk_headers) {
-                query = query
-                    .bind(m.id)
-                    .bind(m.aggregate_type.as_str())
-                    .bind(m.aggregate_id.as_str())
-                    .bind(m.aggregate_version)
-                    .bind(m.event_type.as_str())
-                    .bind(m.payload.get())
-                    .bind(h.as_str())
-                    .bind(m.tenant_id.as_deref())
-                    .bind(m.routing_key.as_deref())
-                    .bind(m.partition_key.as_deref())
-                    .bind(m.occurred_at)
-                    .bind(m.deliver_after.map_or(0, micros));
-            }
-            query
-                .execute(&mut *conn)
-                .instrument(span.clone())
-                .await
-                .map_err(db("enqueue"))?;
-        }
-        Ok(messages.iter().map(|m| m.id).collect())
-    }
-
-    /// Drains the aggregate's pending [`DomainEvents`](outboxkit_core::DomainEvents) into
-    /// the outbox on `conn`. On failure the events are put back, so the caller can retry
-    /// the unit of work; on success they are gone from the aggregate and cannot be
-    /// written twice.
-    ///
-    /// # Errors
-    /// As [`enqueue_batch`](Self::enqueue_batch).
-    pub async fn save_events<A: EventSource + ?Sized>(
-        &self,
-        conn: &mut MySqlConnection,
-        aggregate: &mut A,
-    ) -> Result<Vec<Uuid>, OutboxError> {
-        let events = aggregate.domain_events().take();
-        match self.enqueue_batch(conn, &events).await {
-            Ok(ids) => Ok(ids),
-            Err(e) => {
-                aggregate.domain_events().restore(events);
-                Err(e)
-            }
-        }
     }
 
     /// A transaction under `READ COMMITTED` (see [`BEGIN_READ_COMMITTED`]).
@@ -687,6 +580,87 @@ pub(crate) fn bind_filter<'q>(
         .bind(f.event_type.as_deref())
         .bind(error.clone())
         .bind(error)
+}
+
+/// Enqueueing on the caller's transaction: `&mut tx` of a
+/// `sqlx::Transaction<'_, MySql>` ([`MySqlOutbox::begin`] or your pool's), or any
+/// `&mut MySqlConnection` inside a transaction. The rows are visible to the relay when
+/// it commits.
+#[async_trait]
+impl OutboxProducer for MySqlOutbox {
+    type Connection = MySqlConnection;
+
+    /// Writes `messages` on `conn` with multi-row `INSERT`s of up to 500 rows each,
+    /// preserving their order in `seq` (InnoDB hands a statement's rows rising
+    /// auto-increment values in row order, under every `innodb_autoinc_lock_mode`).
+    /// Returns their ids.
+    ///
+    /// # Errors
+    /// [`OutboxError::InvalidMessage`] ([`InvalidMessage::PayloadTooLarge`](outboxkit_core::InvalidMessage::PayloadTooLarge))
+    /// when any payload is longer than [`max_payload_bytes`](MySqlOutbox::max_payload_bytes):
+    /// no message of the batch is written and the transaction is untouched.
+    /// [`OutboxError::Database`] when an insert fails: roll the transaction back (an
+    /// earlier chunk of the batch may be written in it).
+    async fn enqueue_batch(
+        &self,
+        conn: &mut MySqlConnection,
+        messages: &[NewMessage],
+    ) -> Result<Vec<Uuid>, OutboxError> {
+        if messages.is_empty() {
+            return Ok(Vec::new());
+        }
+        for m in messages {
+            m.check_payload_size(self.max_payload_bytes)?;
+        }
+        let mut headers = Vec::with_capacity(messages.len());
+        for m in messages {
+            headers.push(
+                serde_json::to_string(&m.headers).map_err(|e| OutboxError::Decode {
+                    id: m.id.to_string(),
+                    reason: e.to_string(),
+                })?,
+            );
+        }
+        let span = enqueue_span(messages);
+        for (chunk, chunk_headers) in messages
+            .chunks(ENQUEUE_CHUNK)
+            .zip(headers.chunks(ENQUEUE_CHUNK))
+        {
+            let rows = vec![
+                "(?, ?, ?, ?, ?, ?, ?, ?, ?, ?, COALESCE(?, NOW(6)), NOW(6) + INTERVAL ? MICROSECOND)";
+                chunk.len()
+            ]
+            .join(", ");
+            let text = format!(
+                "INSERT INTO {} (id, aggregate_type, aggregate_id, aggregate_version, event_type,
+                     payload, headers, tenant_id, routing_key, partition_key, occurred_at, visible_at)
+                 VALUES {rows}",
+                self.q.table
+            );
+            let mut query = sqlx::query(AssertSqlSafe(text));
+            for (m, h) in chunk.iter().zip(chunk_headers) {
+                query = query
+                    .bind(m.id)
+                    .bind(m.aggregate_type.as_str())
+                    .bind(m.aggregate_id.as_str())
+                    .bind(m.aggregate_version)
+                    .bind(m.event_type.as_str())
+                    .bind(m.payload.get())
+                    .bind(h.as_str())
+                    .bind(m.tenant_id.as_deref())
+                    .bind(m.routing_key.as_deref())
+                    .bind(m.partition_key.as_deref())
+                    .bind(m.occurred_at)
+                    .bind(m.deliver_after.map_or(0, micros));
+            }
+            query
+                .execute(&mut *conn)
+                .instrument(span.clone())
+                .await
+                .map_err(db("enqueue"))?;
+        }
+        Ok(messages.iter().map(|m| m.id).collect())
+    }
 }
 
 #[async_trait]

@@ -10,7 +10,8 @@ use std::time::Duration;
 use outboxkit_core::inbox::{ConsumerDeadLetters, DurableInbox};
 use outboxkit_core::wire::IncomingMessage;
 use outboxkit_core::{
-    Completion, CompletionOutcome, InboxStore, NewMessage, OnDead, OutboxAdmin, OutboxStore,
+    Completion, CompletionOutcome, InboxStore, NewMessage, OnDead, OutboxAdmin, OutboxProducer,
+    OutboxStore,
 };
 use outboxkit_core::{InboxDeadFilter, InboxReplayMode};
 use outboxkit_mysql::{LATEST_VERSION, MySqlOutbox};

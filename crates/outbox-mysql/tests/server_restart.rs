@@ -23,7 +23,7 @@ use lapin::types::FieldTable;
 use outboxkit_core::Consumer as _;
 use outboxkit_core::consumer::{DeliveryHandler, HandlerDecision};
 use outboxkit_core::wire::IncomingMessage;
-use outboxkit_core::{Dispatcher, DispatcherConfig, NewMessage, OutboxStore};
+use outboxkit_core::{Dispatcher, DispatcherConfig, NewMessage, OutboxProducer, OutboxStore};
 use outboxkit_inbox::{Handler, HandlerContext, HandlerError, IdempotentConsumer, Pipeline};
 use outboxkit_mysql::{MySqlInbox, MySqlOutbox};
 use outboxkit_rabbit::{RabbitConfig, RabbitConsumer, RabbitPublisher};

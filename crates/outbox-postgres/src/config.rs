@@ -176,7 +176,7 @@ impl PgConfig {
         self.crash_loop_limit
     }
 
-    /// Longest payload [`PgOutbox::enqueue`](crate::PgOutbox::enqueue) accepts, in bytes
+    /// Longest payload [`enqueue`](outboxkit_core::OutboxProducer::enqueue) accepts, in bytes
     /// of its JSON text (default [`DEFAULT_MAX_PAYLOAD_BYTES`], 1 MiB; at least 1). A
     /// longer one fails with [`InvalidMessage::PayloadTooLarge`](outboxkit_core::InvalidMessage::PayloadTooLarge)
     /// and nothing of its batch is written. Keep it at or below what the broker takes
@@ -192,7 +192,9 @@ impl PgConfig {
         self.max_payload_bytes
     }
 
-    /// How long the relay's [wake listener](crate::PgOutbox::spawn_wake_listener) may go
+    /// How long the relay's wake listener (the `LISTEN` connection a dispatcher over
+    /// [`PgOutbox`](crate::PgOutbox) starts, its
+    /// [`spawn_wake_source`](outboxkit_core::OutboxStore::spawn_wake_source)) may go
     /// without a word from its connection before it checks the connection with a query,
     /// reconnecting when the query does not answer within 5 s (default
     /// [`KEEPALIVE_INTERVAL`](crate::KEEPALIVE_INTERVAL), 30 s; at least 1 s).

@@ -3,9 +3,11 @@
 //! The PostgreSQL backend of the outbox toolkit, on sqlx:
 //!
 //! - [`migrate()`]: versioned migrations into a configurable schema (default `outbox`);
-//! - [`PgOutbox`]: [`enqueue`](PgOutbox::enqueue) / [`enqueue_batch`](PgOutbox::enqueue_batch)
-//!   on the caller's transaction, and the [`OutboxStore`](outboxkit_core::OutboxStore) the
-//!   dispatcher uses: claims with `FOR UPDATE SKIP LOCKED` in `(visible_at, seq)` order,
+//! - [`PgOutbox`]: the [`OutboxProducer`](outboxkit_core::OutboxProducer)
+//!   ([`enqueue`](outboxkit_core::OutboxProducer::enqueue) /
+//!   [`enqueue_batch`](outboxkit_core::OutboxProducer::enqueue_batch) on the caller's
+//!   transaction), and the [`OutboxStore`](outboxkit_core::OutboxStore) the
+//!   dispatcher uses, with a push wake-up (`LISTEN`/`NOTIFY`) the dispatcher starts itself: claims with `FOR UPDATE SKIP LOCKED` in `(visible_at, seq)` order,
 //!   fenced leases, one-statement batch completion, backoff as `now() + delay` in SQL.
 //!   Claims change no indexed column and find room on their page, so PostgreSQL
 //!   performs them as heap-only-tuple (HOT) updates (migration 5: partial indexes on
@@ -14,7 +16,7 @@
 //!   inside the consumer's transaction).
 //!
 //! ```no_run
-//! use outboxkit_core::NewMessage;
+//! use outboxkit_core::{NewMessage, OutboxProducer};
 //! use outboxkit_postgres::{PgConfig, PgOutbox};
 //!
 //! # async fn demo() -> Result<(), Box<dyn std::error::Error>> {

@@ -1,5 +1,9 @@
 //! Push wake-up: relays `LISTEN` on the channel [`NOTIFY_CHANNEL`] and claim as soon as
 //! a transaction that inserted outbox rows commits, instead of waiting for their poll.
+//! A [`Dispatcher`](outboxkit_core::Dispatcher) over a [`PgOutbox`] starts the listener
+//! itself when it runs (`PgOutbox`'s
+//! [`spawn_wake_source`](outboxkit_core::OutboxStore::spawn_wake_source)) and stops it
+//! with the relay; `DispatcherConfig::with_push_wake(false)` turns it off.
 //!
 //! The notifications come from the database itself: migration 7 puts a statement-level
 //! trigger on `outbox_messages` that sends `NOTIFY outbox, '<schema>'` after every
@@ -41,25 +45,24 @@ const MAX_BACKOFF: Duration = Duration::from_secs(30);
 /// that push wake-up replaces (500 milliseconds).
 pub const OUTAGE_WAKE_INTERVAL: Duration = Duration::from_millis(500);
 
-impl PgOutbox {
-    /// Starts a task that calls [`WakeHandle::wake`] whenever a transaction that inserted
-    /// rows into this outbox's schema commits, until `shutdown` is cancelled. The task
-    /// holds one connection of the pool while it listens, reconnects by itself (with
-    /// backoff up to 30 s) when that connection is lost, and wakes once after every
-    /// (re)connection, since notifications sent while it was not listening are gone;
-    /// while it cannot listen it wakes the relay every [`OUTAGE_WAKE_INTERVAL`].
-    /// Needs migration 7 (the notification trigger); without it the relay simply
-    /// polls.
-    pub fn spawn_wake_listener(
-        &self,
-        wake: WakeHandle,
-        shutdown: CancellationToken,
-    ) -> tokio::task::JoinHandle<()> {
-        let pool = self.pool().clone();
-        let schema = self.schema().to_owned();
-        let keepalive = self.listener_keepalive();
-        tokio::spawn(async move { listen(pool, schema, keepalive, wake, shutdown).await })
-    }
+/// Starts the task behind `PgOutbox`'s
+/// [`spawn_wake_source`](outboxkit_core::OutboxStore::spawn_wake_source), which the
+/// dispatcher starts itself: it calls [`WakeHandle::wake`] whenever a transaction that
+/// inserted rows into this outbox's schema commits, until `shutdown` is cancelled. The
+/// task holds one connection of the pool while it listens, reconnects by itself (with
+/// backoff up to 30 s) when that connection is lost, and wakes once after every
+/// (re)connection, since notifications sent while it was not listening are gone; while
+/// it cannot listen it wakes the relay every [`OUTAGE_WAKE_INTERVAL`]. Needs migration 7
+/// (the notification trigger); without it the relay simply polls.
+pub(crate) fn spawn(
+    outbox: &PgOutbox,
+    wake: WakeHandle,
+    shutdown: CancellationToken,
+) -> tokio::task::JoinHandle<()> {
+    let pool = outbox.pool().clone();
+    let schema = outbox.schema().to_owned();
+    let keepalive = outbox.listener_keepalive();
+    tokio::spawn(async move { listen(pool, schema, keepalive, wake, shutdown).await })
 }
 
 /// How long the listener may go without hearing from its connection before it checks

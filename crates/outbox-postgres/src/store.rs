@@ -7,9 +7,9 @@ use std::time::{Duration, Instant};
 use async_trait::async_trait;
 use chrono::{DateTime, Utc};
 use outboxkit_core::{
-    BlockedKey, ClaimedBatch, CompleteReport, Completion, CompletionOutcome, EventSource, Headers,
-    MessageFilter, MessageStatus, NewMessage, OnDead, OutboxError, OutboxMessage, OutboxStats,
-    OutboxStore, Poison, PoisonRow, ReplayReport, SentRetention, sanitize_error,
+    BlockedKey, ClaimedBatch, CompleteReport, Completion, CompletionOutcome, Headers,
+    MessageFilter, MessageStatus, NewMessage, OnDead, OutboxError, OutboxMessage, OutboxProducer,
+    OutboxStats, OutboxStore, Poison, PoisonRow, ReplayReport, SentRetention, sanitize_error,
 };
 use serde_json::value::RawValue;
 use sqlx::postgres::{PgArguments, PgRow};
@@ -27,9 +27,12 @@ use crate::sql::{Queries, like_escape, sql};
 
 /// The PostgreSQL outbox: a pool plus the SQL rendered for one schema. Cheap to clone.
 ///
-/// Writes go through [`enqueue`](Self::enqueue) / [`enqueue_batch`](Self::enqueue_batch)
-/// on the caller's own transaction ([`begin`](Self::begin), or any `&mut PgConnection`
-/// of theirs), so the events commit or roll back with the business rows. The relay side is the [`OutboxStore`] impl.
+/// Writes go through [`OutboxProducer`] ([`enqueue`](OutboxProducer::enqueue) /
+/// [`enqueue_batch`](OutboxProducer::enqueue_batch)) on the caller's own transaction
+/// ([`begin`](Self::begin), or any `&mut PgConnection` of theirs), so the events commit
+/// or roll back with the business rows. The relay side is the [`OutboxStore`] impl,
+/// whose push wake-up (`LISTEN` on [`NOTIFY_CHANNEL`](crate::NOTIFY_CHANNEL)) the
+/// dispatcher starts itself.
 #[derive(Debug, Clone)]
 pub struct PgOutbox {
     pool: PgPool,
@@ -82,7 +85,7 @@ impl PgOutbox {
     }
 
     /// Begins a transaction on the pool: write the business rows and
-    /// [`enqueue`](Self::enqueue) the events on it (`&mut tx`), then commit (as
+    /// [`enqueue`](OutboxProducer::enqueue) the events on it (`&mut tx`), then commit (as
     /// `MssqlOutbox::begin` on SQL Server).
     ///
     /// # Errors
@@ -164,117 +167,6 @@ impl PgOutbox {
             .await
             .map_err(db("complete"))?;
         Ok(report(ids, &applied))
-    }
-
-    /// Writes one message on `conn` (the caller's transaction). Returns its id.
-    ///
-    /// # Errors
-    /// [`OutboxError::InvalidMessage`] ([`InvalidMessage::PayloadTooLarge`](outboxkit_core::InvalidMessage::PayloadTooLarge))
-    /// when the payload is longer than [`max_payload_bytes`](Self::max_payload_bytes):
-    /// nothing is sent to the database and the transaction is untouched.
-    /// [`OutboxError::Database`] when the insert fails (the caller's transaction is then
-    /// aborted and should be rolled back).
-    pub async fn enqueue(
-        &self,
-        conn: &mut PgConnection,
-        message: &NewMessage,
-    ) -> Result<Uuid, OutboxError> {
-        self.enqueue_batch(conn, std::slice::from_ref(message))
-            .await?;
-        Ok(message.id)
-    }
-
-    /// Writes `messages` on `conn` in one statement (`INSERT ... SELECT FROM UNNEST`),
-    /// preserving their order in `seq`. Returns their ids.
-    ///
-    /// # Errors
-    /// [`OutboxError::InvalidMessage`] ([`InvalidMessage::PayloadTooLarge`](outboxkit_core::InvalidMessage::PayloadTooLarge))
-    /// when any payload is longer than [`max_payload_bytes`](Self::max_payload_bytes):
-    /// no message of the batch is written and the transaction is untouched.
-    /// [`OutboxError::Database`] when the insert fails; nothing is written then.
-    pub async fn enqueue_batch(
-        &self,
-        conn: &mut PgConnection,
-        messages: &[NewMessage],
-    ) -> Result<Vec<Uuid>, OutboxError> {
-        if messages.is_empty() {
-            return Ok(Vec::new());
-        }
-        for m in messages {
-            m.check_payload_size(self.max_payload_bytes)?;
-        }
-        let n = messages.len();
-        let mut ids = Vec::with_capacity(n);
-        let mut aggregate_types = Vec::with_capacity(n);
-        let mut aggregate_ids = Vec::with_capacity(n);
-        let mut versions = Vec::with_capacity(n);
-        let mut event_types = Vec::with_capacity(n);
-        let mut payloads = Vec::with_capacity(n);
-        let mut headers = Vec::with_capacity(n);
-        let mut tenants = Vec::with_capacity(n);
-        let mut routing_keys = Vec::with_capacity(n);
-        let mut partition_keys = Vec::with_capacity(n);
-        let mut occurred = Vec::with_capacity(n);
-        let mut delays = Vec::with_capacity(n);
-        for m in messages {
-            ids.push(m.id);
-            aggregate_types.push(m.aggregate_type.as_str());
-            aggregate_ids.push(m.aggregate_id.as_str());
-            versions.push(m.aggregate_version);
-            event_types.push(m.event_type.as_str());
-            payloads.push(m.payload.get());
-            headers.push(
-                serde_json::to_string(&m.headers).map_err(|e| OutboxError::Decode {
-                    id: m.id.to_string(),
-                    reason: e.to_string(),
-                })?,
-            );
-            tenants.push(m.tenant_id.as_deref());
-            routing_keys.push(m.routing_key.as_deref());
-            partition_keys.push(m.partition_key.as_deref());
-            occurred.push(m.occurred_at);
-            delays.push(m.deliver_after.map_or(0.0, |d| d.as_secs_f64()));
-        }
-        sqlx::query(sql(&self.q.enqueue))
-            .bind(&ids)
-            .bind(&aggregate_types)
-            .bind(&aggregate_ids)
-            .bind(&versions)
-            .bind(&event_types)
-            .bind(&payloads)
-            .bind(&headers)
-            .bind(&tenants)
-            .bind(&routing_keys)
-            .bind(&partition_keys)
-            .bind(&occurred)
-            .bind(&delays)
-            .execute(&mut *conn)
-            .instrument(enqueue_span(messages))
-            .await
-            .map_err(db("enqueue"))?;
-        Ok(ids)
-    }
-
-    /// Drains the aggregate's pending [`DomainEvents`](outboxkit_core::DomainEvents) into
-    /// the outbox on `conn`. On failure the events are put back, so the caller can retry
-    /// the unit of work; on success they are gone from the aggregate and cannot be
-    /// written twice.
-    ///
-    /// # Errors
-    /// As [`enqueue_batch`](Self::enqueue_batch).
-    pub async fn save_events<A: EventSource + ?Sized>(
-        &self,
-        conn: &mut PgConnection,
-        aggregate: &mut A,
-    ) -> Result<Vec<Uuid>, OutboxError> {
-        let events = aggregate.domain_events().take();
-        match self.enqueue_batch(conn, &events).await {
-            Ok(ids) => Ok(ids),
-            Err(e) => {
-                aggregate.domain_events().restore(events);
-                Err(e)
-            }
-        }
     }
 
     fn crash_loop_limit_param(&self) -> i32 {
@@ -470,6 +362,87 @@ fn count(n: i64) -> u64 {
 
 fn limit(n: usize) -> i64 {
     i64::try_from(n).unwrap_or(i64::MAX)
+}
+
+/// Enqueueing on the caller's transaction: `&mut tx` of a
+/// `sqlx::Transaction<'_, Postgres>` ([`PgOutbox::begin`] or your pool's), or any
+/// `&mut PgConnection` inside a transaction. The rows are visible to the relay when it
+/// commits (and its commit sends the `NOTIFY` on [`NOTIFY_CHANNEL`](crate::NOTIFY_CHANNEL)
+/// that wakes the relays).
+#[async_trait]
+impl OutboxProducer for PgOutbox {
+    type Connection = PgConnection;
+
+    /// Writes `messages` on `conn` in one statement (`INSERT ... SELECT FROM UNNEST`),
+    /// preserving their order in `seq`. Returns their ids.
+    ///
+    /// # Errors
+    /// [`OutboxError::InvalidMessage`] ([`InvalidMessage::PayloadTooLarge`](outboxkit_core::InvalidMessage::PayloadTooLarge))
+    /// when any payload is longer than [`max_payload_bytes`](PgOutbox::max_payload_bytes):
+    /// no message of the batch is written and the transaction is untouched.
+    /// [`OutboxError::Database`] when the insert fails; nothing is written then.
+    async fn enqueue_batch(
+        &self,
+        conn: &mut PgConnection,
+        messages: &[NewMessage],
+    ) -> Result<Vec<Uuid>, OutboxError> {
+        if messages.is_empty() {
+            return Ok(Vec::new());
+        }
+        for m in messages {
+            m.check_payload_size(self.max_payload_bytes)?;
+        }
+        let n = messages.len();
+        let mut ids = Vec::with_capacity(n);
+        let mut aggregate_types = Vec::with_capacity(n);
+        let mut aggregate_ids = Vec::with_capacity(n);
+        let mut versions = Vec::with_capacity(n);
+        let mut event_types = Vec::with_capacity(n);
+        let mut payloads = Vec::with_capacity(n);
+        let mut headers = Vec::with_capacity(n);
+        let mut tenants = Vec::with_capacity(n);
+        let mut routing_keys = Vec::with_capacity(n);
+        let mut partition_keys = Vec::with_capacity(n);
+        let mut occurred = Vec::with_capacity(n);
+        let mut delays = Vec::with_capacity(n);
+        for m in messages {
+            ids.push(m.id);
+            aggregate_types.push(m.aggregate_type.as_str());
+            aggregate_ids.push(m.aggregate_id.as_str());
+            versions.push(m.aggregate_version);
+            event_types.push(m.event_type.as_str());
+            payloads.push(m.payload.get());
+            headers.push(
+                serde_json::to_string(&m.headers).map_err(|e| OutboxError::Decode {
+                    id: m.id.to_string(),
+                    reason: e.to_string(),
+                })?,
+            );
+            tenants.push(m.tenant_id.as_deref());
+            routing_keys.push(m.routing_key.as_deref());
+            partition_keys.push(m.partition_key.as_deref());
+            occurred.push(m.occurred_at);
+            delays.push(m.deliver_after.map_or(0.0, |d| d.as_secs_f64()));
+        }
+        sqlx::query(sql(&self.q.enqueue))
+            .bind(&ids)
+            .bind(&aggregate_types)
+            .bind(&aggregate_ids)
+            .bind(&versions)
+            .bind(&event_types)
+            .bind(&payloads)
+            .bind(&headers)
+            .bind(&tenants)
+            .bind(&routing_keys)
+            .bind(&partition_keys)
+            .bind(&occurred)
+            .bind(&delays)
+            .execute(&mut *conn)
+            .instrument(enqueue_span(messages))
+            .await
+            .map_err(db("enqueue"))?;
+        Ok(ids)
+    }
 }
 
 #[async_trait]
@@ -764,5 +737,29 @@ impl OutboxStore for PgOutbox {
             .await
             .map_err(db("purge_sent"))?
             .rows_affected())
+    }
+
+    /// The `LISTEN` wake-up: wakes the relay whenever a transaction that inserted rows
+    /// into this schema commits (migration 7's trigger sends `NOTIFY` on
+    /// [`NOTIFY_CHANNEL`](crate::NOTIFY_CHANNEL)), holding one connection of the pool
+    /// while it runs. It reconnects by itself (backoff up to 30 s), wakes once after
+    /// every (re)connection, and wakes every
+    /// [`OUTAGE_WAKE_INTERVAL`](crate::OUTAGE_WAKE_INTERVAL) while it cannot listen; a
+    /// connection quiet for [`listener_keepalive`](PgOutbox::listener_keepalive) is
+    /// checked with a query. A pool of one connection gets no listener (it would hold
+    /// the relay's only connection): `None`, with a warning, and the relay polls.
+    fn spawn_wake_source(
+        &self,
+        wake: outboxkit_core::WakeHandle,
+        shutdown: tokio_util::sync::CancellationToken,
+    ) -> Option<tokio::task::JoinHandle<()>> {
+        if self.pool.options().get_max_connections() < 2 {
+            tracing::warn!(
+                schema = %self.schema,
+                "the outbox's pool has one connection, which the LISTEN wake-up would hold: no push wake-up, the relay polls (give the pool at least 2 connections)"
+            );
+            return None;
+        }
+        Some(crate::listen::spawn(self, wake, shutdown))
     }
 }

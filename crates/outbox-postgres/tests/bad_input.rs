@@ -11,7 +11,7 @@ use outboxkit_core::inbox::{ConsumerDeadLetters, DurableInbox, VersionTracking};
 use outboxkit_core::wire::IncomingMessage;
 use outboxkit_core::{
     Completion, CompletionOutcome, DEFAULT_MAX_PAYLOAD_BYTES, InboxStore, InvalidMessage,
-    MessageFilter, NewMessage, OnDead, OutboxError, OutboxStore,
+    MessageFilter, NewMessage, OnDead, OutboxError, OutboxProducer, OutboxStore,
 };
 use outboxkit_core::{InboxDeadFilter, InboxReplayMode, OutboxAdmin as _};
 use outboxkit_postgres::{PgConfig, PgOutbox};

@@ -13,7 +13,7 @@ use std::time::Duration;
 use common::fresh_outbox;
 use common::rabbit::{eventually, fixture};
 use lapin::types::FieldTable;
-use outboxkit_core::{Dispatcher, DispatcherConfig, NewMessage, OutboxStore};
+use outboxkit_core::{Dispatcher, DispatcherConfig, NewMessage, OutboxProducer, OutboxStore};
 use outboxkit_rabbit::{RabbitConfig, RabbitPublisher};
 use outboxkit_testkit::faults::{self, RabbitStopped};
 use tokio_util::sync::CancellationToken;

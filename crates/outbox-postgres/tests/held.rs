@@ -16,7 +16,7 @@ use lapin::options::{BasicPublishOptions, QueueBindOptions, QueueDeclareOptions}
 use lapin::types::{AMQPValue, FieldTable};
 use outboxkit_core::{
     Dispatcher, DispatcherConfig, DispatcherStats, MessageStatus, NewMessage, OutboxError,
-    OutboxStore,
+    OutboxProducer, OutboxStore,
 };
 use outboxkit_postgres::PgOutbox;
 use sqlx::Row as _;

@@ -12,7 +12,7 @@ use common::rabbit::{eventually, fixture, reject_when_full};
 use lapin::types::FieldTable;
 use outboxkit_core::{
     Dispatcher, DispatcherConfig, EventPublisher, MessageStatus, NewMessage, OutboxMessage,
-    OutboxStore, PublishOutcome, RetryPolicies, RetryPolicy,
+    OutboxProducer, OutboxStore, PublishOutcome, RetryPolicies, RetryPolicy,
 };
 use outboxkit_postgres::PgOutbox;
 use outboxkit_rabbit::{RabbitConfig, RabbitPublisher};

@@ -6,7 +6,9 @@ mod common;
 use std::time::Duration;
 
 use common::fresh_outbox;
-use outboxkit_core::{DomainEvents, InboxStore, NewMessage, OutboxError, OutboxStore};
+use outboxkit_core::{
+    DomainEvents, InboxStore, NewMessage, OutboxError, OutboxProducer, OutboxStore,
+};
 use outboxkit_postgres::{PgConfig, PgOutbox};
 
 fn event(n: i64) -> NewMessage {
@@ -77,6 +79,81 @@ async fn rolled_back_transaction_leaves_no_event_and_commit_keeps_both() {
         .expect("claim")
         .messages;
     assert_eq!(claimed.iter().map(|m| m.id).collect::<Vec<_>>(), [id]);
+}
+
+/// Application code written once against [`OutboxProducer`]: an order's events, written
+/// on whatever connection the caller's transaction is, of whichever store.
+async fn place_order<P: OutboxProducer>(
+    producer: &P,
+    conn: &mut P::Connection,
+    order: i64,
+    lines: usize,
+) -> Result<Vec<uuid::Uuid>, OutboxError> {
+    let placed = NewMessage::builder("order", order.to_string(), "OrderPlaced")
+        .aggregate_version(1)
+        .payload(&serde_json::json!({ "order": order, "lines": lines }))
+        .build()?;
+    let mut ids = vec![producer.enqueue(conn, &placed).await?];
+    let added: Vec<NewMessage> = (0..lines)
+        .map(|line| {
+            NewMessage::builder("order", order.to_string(), "LineAdded")
+                .aggregate_version(2 + line as i64)
+                .payload(&serde_json::json!({ "order": order, "line": line }))
+                .build()
+        })
+        .collect::<Result<_, _>>()?;
+    ids.extend(producer.enqueue_batch(conn, &added).await?);
+    Ok(ids)
+}
+
+/// The same producer function runs on PostgreSQL (on a `sqlx` transaction) and on the
+/// in-memory store (on its own transaction): on both, a rolled-back transaction leaves
+/// nothing, and a committed one leaves every message, claimed in the order written.
+#[tokio::test]
+async fn one_producer_function_serves_every_store() {
+    async fn claimed_order<S: OutboxStore>(store: &S) -> Vec<(String, i64)> {
+        store
+            .claim(100, Duration::from_secs(30))
+            .await
+            .expect("claim")
+            .messages
+            .into_iter()
+            .map(|m| (m.event_type, m.aggregate_version))
+            .collect()
+    }
+    let expected: Vec<(String, i64)> = std::iter::once(("OrderPlaced".to_owned(), 1))
+        .chain((0..3).map(|l| ("LineAdded".to_owned(), 2 + l)))
+        .collect();
+
+    let pg = fresh_outbox().await;
+    let mut tx = pg.begin().await.expect("begin");
+    place_order(&*pg, &mut tx, 1, 3).await.expect("enqueue");
+    tx.rollback().await.expect("rollback");
+    assert_eq!(count_rows(&pg).await, 0, "rolled back: nothing stored");
+    let mut tx = pg.begin().await.expect("begin");
+    let ids = place_order(&*pg, &mut tx, 2, 3).await.expect("enqueue");
+    assert!(
+        claimed_order(&*pg).await.is_empty(),
+        "invisible before commit"
+    );
+    tx.commit().await.expect("commit");
+    assert_eq!(claimed_order(&*pg).await, expected);
+    assert_eq!(ids.len(), 4);
+
+    let memory = outboxkit_memory::MemoryOutbox::new();
+    let mut tx = memory.begin();
+    place_order(&memory, &mut tx, 1, 3).await.expect("enqueue");
+    drop(tx);
+    assert!(memory.is_empty(), "rolled back: nothing stored");
+    let mut tx = memory.begin();
+    let ids = place_order(&memory, &mut tx, 2, 3).await.expect("enqueue");
+    assert!(
+        claimed_order(&memory).await.is_empty(),
+        "invisible before commit"
+    );
+    tx.commit().expect("commit");
+    assert_eq!(claimed_order(&memory).await, expected);
+    assert_eq!(ids.len(), 4);
 }
 
 #[tokio::test]

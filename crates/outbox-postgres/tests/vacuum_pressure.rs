@@ -9,7 +9,9 @@ mod common;
 use std::time::{Duration, Instant};
 
 use common::{database_url, enqueue_committed, fresh_outbox_kept};
-use outboxkit_core::{Completion, CompletionOutcome, NewMessage, OutboxAdmin as _, OutboxStore};
+use outboxkit_core::{
+    Completion, CompletionOutcome, NewMessage, OutboxAdmin as _, OutboxProducer, OutboxStore,
+};
 use outboxkit_postgres::{PgConfig, PgOutbox};
 use sqlx::Connection as _;
 

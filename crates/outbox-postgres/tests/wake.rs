@@ -7,10 +7,15 @@ mod common;
 use std::sync::Arc;
 use std::time::Duration;
 
+use async_trait::async_trait;
 use common::rabbit::{Fixture, eventually, fixture};
 use common::{database_url, enqueue_committed, fresh_outbox};
 use lapin::types::FieldTable;
-use outboxkit_core::{Dispatcher, DispatcherConfig, MessageStatus, NewMessage, OutboxStore};
+use outboxkit_core::{
+    BlockedKey, ClaimedBatch, CompleteReport, Completion, Dispatcher, DispatcherConfig,
+    MessageFilter, MessageStatus, NewMessage, OnDead, OutboxError, OutboxMessage, OutboxProducer,
+    OutboxStats, OutboxStore, ReplayReport, WakeHandle,
+};
 use outboxkit_postgres::{NOTIFY_CHANNEL, PgConfig, PgOutbox};
 use outboxkit_rabbit::{RabbitConfig, RabbitPublisher};
 use sqlx::postgres::{PgConnectOptions, PgListener, PgPoolOptions};
@@ -123,12 +128,13 @@ async fn a_half_full_notification_queue_sends_nothing_and_fails_no_commit() {
         .expect("drop");
 }
 
-/// A dispatcher over `outbox` that polls only once a minute, even right after a claim
+/// A dispatcher over `outbox` (with its push wake-up, started by `run`) that polls only
+/// once a minute, even right after a claim
 /// that found messages, publishing to an exchange of its own (the fixture keeps it,
 /// with a bound queue).
-async fn slow_polling_dispatcher(
-    outbox: &Arc<PgOutbox>,
-) -> (Dispatcher<PgOutbox, RabbitPublisher>, Fixture) {
+async fn slow_polling_dispatcher<S: OutboxStore>(
+    outbox: &Arc<S>,
+) -> (Dispatcher<S, RabbitPublisher>, Fixture) {
     let fx = fixture(true, FieldTable::default()).await;
     let publisher = RabbitPublisher::connect(
         RabbitConfig::builder(common::rabbit::amqp_url())
@@ -179,6 +185,133 @@ async fn listening_backend(admin: &sqlx::PgPool, application_name: &str) -> Opti
     .expect("pg_stat_activity")
 }
 
+/// The relay's store, whose push wake-up is the one of another `PgOutbox` over the same
+/// schema (`listening`: a pool of another role, or through a proxy), so that the faults a
+/// test injects into the listener's connections leave the relay's claims alone. The
+/// dispatcher starts the wake-up itself, as it does for a plain `PgOutbox`.
+struct ListeningElsewhere {
+    store: PgOutbox,
+    listening: PgOutbox,
+}
+
+#[async_trait]
+impl OutboxStore for ListeningElsewhere {
+    async fn claim(&self, n: usize, lease: Duration) -> Result<ClaimedBatch, OutboxError> {
+        self.store.claim(n, lease).await
+    }
+    async fn claim_ordered(
+        &self,
+        n: usize,
+        lease: Duration,
+        on_dead: OnDead,
+    ) -> Result<ClaimedBatch, OutboxError> {
+        self.store.claim_ordered(n, lease, on_dead).await
+    }
+    async fn claim_held(
+        &self,
+        destinations: &[String],
+        lease: Duration,
+        order: Option<OnDead>,
+    ) -> Result<ClaimedBatch, OutboxError> {
+        self.store.claim_held(destinations, lease, order).await
+    }
+    async fn release_held(&self, destination: &str, limit: usize) -> Result<u64, OutboxError> {
+        self.store.release_held(destination, limit).await
+    }
+    async fn held_destinations(
+        &self,
+        after: &str,
+        limit: usize,
+    ) -> Result<Vec<String>, OutboxError> {
+        self.store.held_destinations(after, limit).await
+    }
+    async fn blocked_keys(&self, limit: usize) -> Result<Vec<BlockedKey>, OutboxError> {
+        self.store.blocked_keys(limit).await
+    }
+    async fn complete(&self, completions: &[Completion]) -> Result<CompleteReport, OutboxError> {
+        self.store.complete(completions).await
+    }
+    async fn get(&self, id: uuid::Uuid) -> Result<Option<OutboxMessage>, OutboxError> {
+        self.store.get(id).await
+    }
+    async fn stats(&self) -> Result<OutboxStats, OutboxError> {
+        self.store.stats().await
+    }
+    async fn dead_letters(
+        &self,
+        filter: &MessageFilter,
+        limit: usize,
+    ) -> Result<Vec<OutboxMessage>, OutboxError> {
+        self.store.dead_letters(filter, limit).await
+    }
+    async fn replay(
+        &self,
+        filter: &MessageFilter,
+        dry_run: bool,
+    ) -> Result<ReplayReport, OutboxError> {
+        self.store.replay(filter, dry_run).await
+    }
+    async fn purge_sent(&self, older_than: Duration, batch: usize) -> Result<u64, OutboxError> {
+        self.store.purge_sent(older_than, batch).await
+    }
+    fn spawn_wake_source(
+        &self,
+        wake: WakeHandle,
+        shutdown: CancellationToken,
+    ) -> Option<tokio::task::JoinHandle<()>> {
+        self.listening.spawn_wake_source(wake, shutdown)
+    }
+}
+
+/// A dispatcher built plainly over a `PgOutbox`, polling only once a minute (even right
+/// after a claim that found messages), publishes a message committed after it went idle
+/// within seconds: it LISTENs by itself. Without its push wake-up
+/// (`with_push_wake(false)`) the same message waits for the poll.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_plain_dispatcher_over_pg_outbox_is_woken_by_its_commits() {
+    for push in [true, false] {
+        let migrated = fresh_outbox().await;
+        let outbox = Arc::new(migrated.clone());
+        let fx = fixture(true, FieldTable::default()).await;
+        let publisher = RabbitPublisher::connect(
+            RabbitConfig::builder(common::rabbit::amqp_url())
+                .with_exchange(&fx.exchange)
+                .with_declare_exchange(false)
+                .build()
+                .expect("config"),
+        )
+        .await
+        .expect("publisher");
+        let dispatcher = Dispatcher::new(
+            Arc::clone(&outbox),
+            Arc::new(publisher),
+            DispatcherConfig::new()
+                .with_poll_interval(Duration::from_secs(60))
+                .with_min_poll_interval(Duration::from_secs(60))
+                .with_push_wake(push),
+        );
+        let first = orders(1);
+        enqueue_committed(&migrated, &first).await;
+        let token = CancellationToken::new();
+        let relay = {
+            let (d, t) = (dispatcher.clone(), token.clone());
+            tokio::spawn(async move { d.run(t).await })
+        };
+        // Its first claim found a message: the relay now waits a minute unless woken.
+        assert!(sent_within_10s(&outbox, &first).await, "the first claim");
+        let second = orders(3);
+        enqueue_committed(&migrated, &second).await;
+        assert_eq!(
+            sent_within_10s(&outbox, &second).await,
+            push,
+            "push wake-up {push}: published within 10 s of the commit (poll interval 60 s)"
+        );
+        token.cancel();
+        relay.await.expect("join").expect("relay");
+        drop((fx, migrated));
+    }
+}
+
 /// A relay polling only once a minute publishes a committed message within seconds:
 /// the notification wakes it. After its listening connection is terminated it
 /// reconnects by itself and the next message is just as fast.
@@ -197,7 +330,6 @@ async fn a_notification_wakes_a_slow_polling_relay_and_survives_a_lost_connectio
     );
     let (dispatcher, _fx) = slow_polling_dispatcher(&outbox).await;
     let token = CancellationToken::new();
-    let listener = outbox.spawn_wake_listener(dispatcher.wake_handle(), token.clone());
     let relay = {
         let (d, t) = (dispatcher.clone(), token.clone());
         tokio::spawn(async move { d.run(t).await })
@@ -246,7 +378,6 @@ async fn a_notification_wakes_a_slow_polling_relay_and_survives_a_lost_connectio
     );
     token.cancel();
     relay.await.expect("join").expect("relay");
-    listener.await.expect("listener task");
 }
 
 /// While the listener cannot listen (its role locked out: connections terminated, new
@@ -270,10 +401,13 @@ async fn a_listener_that_cannot_listen_stands_in_for_the_notifications() {
     )
     .expect("outbox");
     let outbox = Arc::new(migrated.clone());
-    let (dispatcher, _fx) = slow_polling_dispatcher(&outbox).await;
+    let relay_store = Arc::new(ListeningElsewhere {
+        store: migrated.clone(),
+        listening,
+    });
+    let (dispatcher, _fx) = slow_polling_dispatcher(&relay_store).await;
     let token = CancellationToken::new();
     lockout.lock_out().await;
-    let listener = listening.spawn_wake_listener(dispatcher.wake_handle(), token.clone());
     let relay = {
         let (d, t) = (dispatcher.clone(), token.clone());
         tokio::spawn(async move { d.run(t).await })
@@ -286,7 +420,6 @@ async fn a_listener_that_cannot_listen_stands_in_for_the_notifications() {
     lockout.let_in().await;
     token.cancel();
     relay.await.expect("join").expect("relay");
-    listener.await.expect("listener task");
     lockout.drop_role().await;
     assert!(sent, "the listener's stand-in wakes published the messages");
 }
@@ -321,9 +454,12 @@ async fn a_half_open_listener_connection_is_found_and_replaced() {
     let proxy = outboxkit_testkit::pg::RoundTripCounter::start("127.0.0.1:5432").await;
     let listening = listening_through(&proxy, &migrated).await;
     let outbox = Arc::new(migrated.clone());
-    let (dispatcher, _fx) = slow_polling_dispatcher(&outbox).await;
+    let relay_store = Arc::new(ListeningElsewhere {
+        store: migrated.clone(),
+        listening,
+    });
+    let (dispatcher, _fx) = slow_polling_dispatcher(&relay_store).await;
     let token = CancellationToken::new();
-    let listener = listening.spawn_wake_listener(dispatcher.wake_handle(), token.clone());
     let relay = {
         let (d, t) = (dispatcher.clone(), token.clone());
         tokio::spawn(async move { d.run(t).await })
@@ -348,7 +484,6 @@ async fn a_half_open_listener_connection_is_found_and_replaced() {
     );
     token.cancel();
     relay.await.expect("join").expect("relay");
-    listener.await.expect("listener task");
 }
 
 /// `LISTEN` succeeds but no notification ever arrives (what a connection pooler in
@@ -362,9 +497,12 @@ async fn a_listener_that_hears_nothing_says_so_and_stands_in() {
     proxy.drop_notifications(true);
     let listening = listening_through(&proxy, &migrated).await;
     let outbox = Arc::new(migrated.clone());
-    let (dispatcher, _fx) = slow_polling_dispatcher(&outbox).await;
+    let relay_store = Arc::new(ListeningElsewhere {
+        store: migrated.clone(),
+        listening,
+    });
+    let (dispatcher, _fx) = slow_polling_dispatcher(&relay_store).await;
     let token = CancellationToken::new();
-    let listener = listening.spawn_wake_listener(dispatcher.wake_handle(), token.clone());
     let relay = {
         let (d, t) = (dispatcher.clone(), token.clone());
         tokio::spawn(async move { d.run(t).await })
@@ -378,5 +516,4 @@ async fn a_listener_that_hears_nothing_says_so_and_stands_in() {
     );
     token.cancel();
     relay.await.expect("join").expect("relay");
-    listener.await.expect("listener task");
 }

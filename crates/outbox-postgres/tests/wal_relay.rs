@@ -44,7 +44,8 @@ use common::database_url;
 use common::wal::{HoldBatch, WalOutbox};
 use outboxkit_core::conformance::keyed;
 use outboxkit_core::{
-    EventPublisher, MessageStatus, OutboxMessage, OutboxStore as _, PublishError, PublishOutcome,
+    EventPublisher, MessageStatus, OutboxMessage, OutboxProducer, OutboxStore as _, PublishError,
+    PublishOutcome,
 };
 use outboxkit_postgres::wal::WalRelayConfig;
 use outboxkit_testkit::ordered::{

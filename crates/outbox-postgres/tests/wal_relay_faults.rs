@@ -52,8 +52,8 @@ use lapin::options::{
 };
 use lapin::types::{AMQPValue, FieldTable};
 use outboxkit_core::{
-    EventPublisher, MessageStatus, NewMessage, OutboxMessage, OutboxStore as _, PublishError,
-    PublishOutcome,
+    EventPublisher, MessageStatus, NewMessage, OutboxMessage, OutboxProducer, OutboxStore as _,
+    PublishError, PublishOutcome,
 };
 use outboxkit_postgres::wal::{WalError, WalRelayConfig};
 use outboxkit_rabbit::RabbitPublisher;

@@ -235,7 +235,7 @@ impl MssqlConfig {
         self
     }
 
-    /// Longest payload [`MssqlOutbox::enqueue`](crate::MssqlOutbox::enqueue) accepts, in
+    /// Longest payload [`enqueue`](outboxkit_core::OutboxProducer::enqueue) accepts, in
     /// bytes of its JSON text (default [`DEFAULT_MAX_PAYLOAD_BYTES`], 1 MiB; 0 counts as
     /// 1). A longer one fails with
     /// [`InvalidMessage::PayloadTooLarge`](outboxkit_core::InvalidMessage::PayloadTooLarge)

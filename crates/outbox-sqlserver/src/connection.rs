@@ -249,7 +249,8 @@ impl MssqlPool {
     }
 
     /// Borrows a connection (for the caller's own statements, e.g. a transaction that
-    /// enqueues with [`MssqlOutbox::enqueue`](crate::MssqlOutbox::enqueue)).
+    /// enqueues with `MssqlOutbox`'s
+    /// [`enqueue`](outboxkit_core::OutboxProducer::enqueue)).
     ///
     /// A connection handed back with a transaction still open stays open on the server
     /// for the next borrower: end every `BEGIN TRAN` with `COMMIT` or `ROLLBACK`, or use
@@ -257,6 +258,7 @@ impl MssqlPool {
     /// ended.
     ///
     /// ```no_run
+    /// use outboxkit_core::OutboxProducer;
     /// # async fn demo(
     /// #     outbox: &outboxkit_sqlserver::MssqlOutbox,
     /// #     event: &outboxkit_core::NewMessage,

@@ -6,9 +6,10 @@
 //! - [`migrate()`]: versioned migrations into a configurable schema (default `outbox`),
 //!   versions 1 to 3 as in the PostgreSQL backend, 4 its 6 (the crash-loop guard), 5 its
 //!   4 (the archive tables), 6 its 8 (the crash-loop guard's count of claims alone);
-//! - [`MssqlOutbox`]: [`enqueue`](MssqlOutbox::enqueue) /
-//!   [`enqueue_batch`](MssqlOutbox::enqueue_batch) on the caller's client inside the
-//!   caller's transaction, and the [`OutboxStore`](outboxkit_core::OutboxStore) the
+//! - [`MssqlOutbox`]: the [`OutboxProducer`](outboxkit_core::OutboxProducer)
+//!   ([`enqueue`](outboxkit_core::OutboxProducer::enqueue) /
+//!   [`enqueue_batch`](outboxkit_core::OutboxProducer::enqueue_batch) on the caller's
+//!   client inside the caller's transaction), and the [`OutboxStore`](outboxkit_core::OutboxStore) the
 //!   dispatcher uses: claims `WITH (ROWLOCK, UPDLOCK, READPAST)` in `(visible_at, seq)`
 //!   order, per-key ordered claims that lock each key's head, fenced leases, the
 //!   crash-loop guard that claims a suspect alone before it kills it
@@ -34,7 +35,7 @@
 //! otherwise). See `docs/sqlserver.md` in the repository for setup and guarantees.
 //!
 //! ```no_run
-//! use outboxkit_core::NewMessage;
+//! use outboxkit_core::{NewMessage, OutboxProducer};
 //! use outboxkit_sqlserver::{MssqlConfig, MssqlOutbox};
 //!
 //! # async fn demo() -> Result<(), Box<dyn std::error::Error>> {

@@ -8,9 +8,9 @@ use std::time::{Duration, Instant};
 use async_trait::async_trait;
 use chrono::{DateTime, NaiveDateTime, Utc};
 use outboxkit_core::{
-    BlockedKey, ClaimedBatch, CompleteReport, Completion, CompletionOutcome, EventSource, Headers,
-    MessageFilter, MessageStatus, NewMessage, OnDead, OutboxError, OutboxMessage, OutboxStats,
-    OutboxStore, Poison, PoisonRow, ReplayReport, SentRetention, sanitize_error,
+    BlockedKey, ClaimedBatch, CompleteReport, Completion, CompletionOutcome, Headers,
+    MessageFilter, MessageStatus, NewMessage, OnDead, OutboxError, OutboxMessage, OutboxProducer,
+    OutboxStats, OutboxStore, Poison, PoisonRow, ReplayReport, SentRetention, sanitize_error,
 };
 use serde_json::value::RawValue;
 use tiberius::{FromSql, Row, ToSql};
@@ -25,8 +25,8 @@ use crate::sql::{Queries, like_escape, millis};
 
 /// The SQL Server outbox: a pool plus the SQL rendered for one schema. Cheap to clone.
 ///
-/// Writes go through [`enqueue`](Self::enqueue) / [`enqueue_batch`](Self::enqueue_batch)
-/// on the caller's own client, inside the caller's transaction, so the events commit or
+/// Writes go through [`OutboxProducer`] ([`enqueue`](OutboxProducer::enqueue) /
+/// [`enqueue_batch`](OutboxProducer::enqueue_batch)) on the caller's own client, inside the caller's transaction, so the events commit or
 /// roll back with the business rows. tiberius has no transaction object: either use
 /// [`begin`](Self::begin) (a pooled connection with an open transaction, see
 /// [`MssqlTransaction`]), or run `BEGIN TRAN` / `COMMIT` yourself on your client and
@@ -134,45 +134,37 @@ impl MssqlOutbox {
     }
 
     /// Borrows a pooled connection and begins a transaction on it, for the caller's
-    /// business statements and [`enqueue`](Self::enqueue) (see [`MssqlPool::begin`]).
+    /// business statements and [`enqueue`](OutboxProducer::enqueue) (see
+    /// [`MssqlPool::begin`]).
     ///
     /// # Errors
     /// [`OutboxError::Database`] when no connection can be had.
     pub async fn begin(&self) -> Result<MssqlTransaction, OutboxError> {
         self.pool.begin().await
     }
+}
 
-    /// Writes one message on `client`, which should be inside the caller's transaction
-    /// (`BEGIN TRAN` already run, or an [`MssqlTransaction`]). Returns its id.
-    ///
-    /// # Errors
-    /// [`OutboxError::InvalidMessage`] ([`InvalidMessage::PayloadTooLarge`](outboxkit_core::InvalidMessage::PayloadTooLarge))
-    /// when the payload is longer than [`max_payload_bytes`](Self::max_payload_bytes):
-    /// nothing is sent to the server and the transaction is untouched.
-    /// [`OutboxError::Database`] when the insert fails (with `XACT_ABORT ON`, the
-    /// session default on this crate's connections, the caller's transaction is then
-    /// rolled back; otherwise roll it back yourself).
-    pub async fn enqueue(
-        &self,
-        client: &mut MssqlClient,
-        message: &NewMessage,
-    ) -> Result<Uuid, OutboxError> {
-        self.enqueue_batch(client, std::slice::from_ref(message))
-            .await?;
-        Ok(message.id)
-    }
+/// Enqueueing on the caller's client, inside the caller's transaction: `&mut tx` of an
+/// [`MssqlTransaction`] ([`MssqlOutbox::begin`]), or a client of yours on which
+/// `BEGIN TRAN` ran. The rows are visible to the relay when the transaction commits.
+#[async_trait]
+impl OutboxProducer for MssqlOutbox {
+    type Connection = MssqlClient;
 
-    /// Writes `messages` on `client` in one statement (`INSERT ... SELECT FROM
+    /// Writes `messages` on `client` (inside the caller's transaction: `BEGIN TRAN` already
+    /// run, or an [`MssqlTransaction`]) in one statement (`INSERT ... SELECT FROM
     /// OPENJSON(@P1)`, the rows travelling as one JSON parameter), preserving their
     /// order in `seq`. Returns their ids. `visible_at` is `SYSUTCDATETIME()` plus the
     /// message's delay, computed by the server.
     ///
     /// # Errors
     /// [`OutboxError::InvalidMessage`] ([`InvalidMessage::PayloadTooLarge`](outboxkit_core::InvalidMessage::PayloadTooLarge))
-    /// when any payload is longer than [`max_payload_bytes`](Self::max_payload_bytes):
+    /// when any payload is longer than [`max_payload_bytes`](MssqlOutbox::max_payload_bytes):
     /// no message of the batch is written and the transaction is untouched.
-    /// [`OutboxError::Database`] when the insert fails; nothing is written then.
-    pub async fn enqueue_batch(
+    /// [`OutboxError::Database`] when the insert fails; nothing is written then (with
+    /// `XACT_ABORT ON`, the session default on this crate's connections, the caller's
+    /// transaction is rolled back; otherwise roll it back yourself).
+    async fn enqueue_batch(
         &self,
         client: &mut MssqlClient,
         messages: &[NewMessage],
@@ -188,28 +180,6 @@ impl MssqlOutbox {
             .await
             .map_err(db("enqueue"))?;
         Ok(messages.iter().map(|m| m.id).collect())
-    }
-
-    /// Drains the aggregate's pending [`DomainEvents`](outboxkit_core::DomainEvents) into
-    /// the outbox on `client`. On failure the events are put back, so the caller can
-    /// retry the unit of work; on success they are gone from the aggregate and cannot be
-    /// written twice.
-    ///
-    /// # Errors
-    /// As [`enqueue_batch`](Self::enqueue_batch).
-    pub async fn save_events<A: EventSource + ?Sized>(
-        &self,
-        client: &mut MssqlClient,
-        aggregate: &mut A,
-    ) -> Result<Vec<Uuid>, OutboxError> {
-        let events = aggregate.domain_events().take();
-        match self.enqueue_batch(client, &events).await {
-            Ok(ids) => Ok(ids),
-            Err(e) => {
-                aggregate.domain_events().restore(events);
-                Err(e)
-            }
-        }
     }
 }
 

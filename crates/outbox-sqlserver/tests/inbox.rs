@@ -10,7 +10,7 @@ use std::time::Duration;
 
 use outboxkit_core::inbox::{ConsumerDeadLetters, VersionTracking};
 use outboxkit_core::wire::IncomingMessage;
-use outboxkit_core::{InboxStore, NewMessage, OutboxStore};
+use outboxkit_core::{InboxStore, NewMessage, OutboxProducer, OutboxStore};
 use outboxkit_sqlserver::{MssqlConfig, MssqlInbox};
 use uuid::Uuid;
 

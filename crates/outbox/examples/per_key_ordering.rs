@@ -11,7 +11,9 @@ use std::sync::Arc;
 
 use outboxkit::postgres::{PgConfig, PgOutbox};
 use outboxkit::rabbit::{RabbitConfigBuilder, RabbitConsumer, RabbitPublisher};
-use outboxkit::{Consumer as _, DeliveryHandler, Dispatcher, DispatcherConfig, HandlerDecision};
+use outboxkit::{
+    Consumer as _, DeliveryHandler, Dispatcher, DispatcherConfig, HandlerDecision, OutboxProducer,
+};
 use outboxkit::{IncomingMessage, NewMessage, Ordering};
 use tokio_util::sync::CancellationToken;
 

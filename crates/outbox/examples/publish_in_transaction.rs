@@ -3,8 +3,8 @@
 //! later (see `relay.rs`); until then `outbox stats` shows it pending.
 //!
 //! `DATABASE_URL=postgres://postgres@127.0.0.1/test cargo run -p outboxkit --example publish_in_transaction`
-use outboxkit::NewMessage;
 use outboxkit::postgres::{PgConfig, PgOutbox, sqlx};
+use outboxkit::{NewMessage, OutboxProducer};
 
 #[tokio::main]
 async fn main() -> Result<(), Box<dyn std::error::Error>> {

@@ -30,15 +30,14 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
 
     // Defaults: batches of 500, 30 s leases, 8 attempts with exponential backoff, then
     // a dead letter; a circuit breaker per destination; a poll at least every 500 ms.
-    let store = Arc::new(store);
     let relay = Dispatcher::new(
-        Arc::clone(&store),
+        Arc::new(store),
         Arc::new(publisher),
         DispatcherConfig::new(),
     );
+    // The relay wakes at once when an insert commits: it LISTENs to the store's NOTIFY
+    // by itself while it runs (`DispatcherConfig::with_push_wake`).
     let shutdown = CancellationToken::new();
-    // Push wake-up: a committed insert wakes the relay at once (LISTEN/NOTIFY).
-    store.spawn_wake_listener(relay.wake_handle(), shutdown.clone());
     let on_ctrl_c = shutdown.clone();
     tokio::spawn(async move {
         let _ = tokio::signal::ctrl_c().await;

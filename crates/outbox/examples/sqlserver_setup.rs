@@ -12,7 +12,9 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use outboxkit::sqlserver::{MssqlConfig, MssqlOutbox};
-use outboxkit::{AnyPublisher, AnyPublisherConfig, Dispatcher, DispatcherConfig, NewMessage};
+use outboxkit::{
+    AnyPublisher, AnyPublisherConfig, Dispatcher, DispatcherConfig, NewMessage, OutboxProducer,
+};
 use tokio_util::sync::CancellationToken;
 
 #[tokio::main]

@@ -4,8 +4,9 @@
 //! same database transaction as your business rows, relay them to a broker with
 //! confirmation (at-least-once), and consume them with exactly-once effects.
 //!
-//! The core (`outboxkit-core`: message model, [`Dispatcher`], [`OutboxStore`] /
-//! [`InboxStore`] / [`EventPublisher`] traits, retry policy, wire format) is always
+//! The core (`outboxkit-core`: message model, [`Dispatcher`], [`OutboxProducer`] /
+//! [`OutboxStore`] / [`InboxStore`] / [`EventPublisher`] traits, retry policy, wire
+//! format) is always
 //! present and re-exported at the root, so `outboxkit::NewMessage` is
 //! `outboxkit_core::NewMessage`. Each database and broker is a cargo feature that adds
 //! one module, the backend crate re-exported as is:
@@ -57,6 +58,14 @@
 //! installs one provider at start, as the `outbox` binary does:
 //! `rustls::crypto::ring::default_provider().install_default()`.
 //!
+//! **Writing events** is the same on every store: [`OutboxProducer`]'s
+//! [`enqueue`](OutboxProducer::enqueue) and [`enqueue_batch`](OutboxProducer::enqueue_batch)
+//! take the caller's transaction (`&mut tx`), and the messages reach the relay when it
+//! commits, or never if it rolls back. **Waking the relay** is the dispatcher's own
+//! business: over PostgreSQL it `LISTEN`s for the commits while it runs
+//! ([`OutboxStore::spawn_wake_source`], off with
+//! [`DispatcherConfig::with_push_wake`]); MySQL and SQL Server have no push, so it polls.
+//!
 //! ## PostgreSQL and RabbitMQ
 //!
 //! ```no_run
@@ -65,7 +74,7 @@
 //! use std::sync::Arc;
 //! use outboxkit::postgres::{PgConfig, PgOutbox};
 //! use outboxkit::rabbit::{RabbitConfig, RabbitPublisher};
-//! use outboxkit::{Dispatcher, DispatcherConfig, NewMessage};
+//! use outboxkit::{Dispatcher, DispatcherConfig, NewMessage, OutboxProducer};
 //!
 //! let store = PgOutbox::connect(&PgConfig::from_env()?).await?; // DATABASE_URL
 //! store.migrate().await?;
@@ -79,7 +88,8 @@
 //! store.enqueue(&mut tx, &event).await?;
 //! tx.commit().await?;
 //!
-//! // Relay: a durable topic exchange, routing key = event type.
+//! // Relay: a durable topic exchange, routing key = event type. It LISTENs by itself,
+//! // so a commit wakes it at once.
 //! let rabbit = RabbitConfig::builder("amqp://guest:guest@127.0.0.1:5672/%2f")
 //!     .with_exchange("orders.events")
 //!     .build()?;
@@ -101,7 +111,7 @@
 //! use std::sync::Arc;
 //! use outboxkit::nats::{NatsConfig, NatsPublisher, StreamSetup};
 //! use outboxkit::postgres::{PgConfig, PgOutbox};
-//! use outboxkit::{Dispatcher, DispatcherConfig, NewMessage};
+//! use outboxkit::{Dispatcher, DispatcherConfig, NewMessage, OutboxProducer};
 //!
 //! let store = PgOutbox::connect(&PgConfig::from_env()?).await?;
 //! store.migrate().await?;
@@ -133,7 +143,7 @@
 //! use std::sync::Arc;
 //! use outboxkit::rabbit::{RabbitConfig, RabbitPublisher};
 //! use outboxkit::sqlserver::{MssqlConfig, MssqlOutbox};
-//! use outboxkit::{Dispatcher, DispatcherConfig, NewMessage};
+//! use outboxkit::{Dispatcher, DispatcherConfig, NewMessage, OutboxProducer};
 //!
 //! let store = MssqlOutbox::connect(&MssqlConfig::from_env()?).await?; // DATABASE_URL
 //! store.migrate().await?;
@@ -162,7 +172,7 @@
 //! use std::sync::Arc;
 //! use outboxkit::mysql::{MySqlConfig, MySqlOutbox};
 //! use outboxkit::rabbit::{RabbitConfig, RabbitPublisher};
-//! use outboxkit::{Dispatcher, DispatcherConfig, NewMessage};
+//! use outboxkit::{Dispatcher, DispatcherConfig, NewMessage, OutboxProducer};
 //!
 //! let store = MySqlOutbox::connect(&MySqlConfig::from_env()?).await?; // DATABASE_URL
 //! store.migrate().await?;
@@ -191,7 +201,7 @@
 //! use std::sync::Arc;
 //! use outboxkit::nats::{NatsConfig, NatsPublisher, StreamSetup};
 //! use outboxkit::sqlserver::{MssqlConfig, MssqlOutbox};
-//! use outboxkit::{Dispatcher, DispatcherConfig, NewMessage};
+//! use outboxkit::{Dispatcher, DispatcherConfig, NewMessage, OutboxProducer};
 //!
 //! let store = MssqlOutbox::connect(&MssqlConfig::from_env()?).await?;
 //! store.migrate().await?;

@@ -15,7 +15,9 @@ use std::time::Duration;
 
 use async_nats::jetstream::stream::DiscardPolicy;
 use common::{Fixture, eventually_within, fresh_outbox};
-use outboxkit_core::{Dispatcher, DispatcherConfig, EventPublisher, MessageStatus, NewMessage};
+use outboxkit_core::{
+    Dispatcher, DispatcherConfig, EventPublisher, MessageStatus, NewMessage, OutboxProducer,
+};
 use outboxkit_nats::{NatsPublisher, StreamSetup};
 use outboxkit_postgres::PgOutbox;
 use tokio_util::sync::CancellationToken;

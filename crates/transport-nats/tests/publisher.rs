@@ -13,7 +13,7 @@ use std::time::Duration;
 
 use outboxkit_core::{
     Dispatcher, DispatcherConfig, ErrorKind, EventPublisher, MessageStatus, NewMessage,
-    OutboxMessage, PublishOutcome,
+    OutboxMessage, OutboxProducer, PublishOutcome,
 };
 use outboxkit_nats::{NatsError, NatsPublisher, Storage, StreamSetup};
 

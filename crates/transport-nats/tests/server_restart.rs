@@ -18,7 +18,7 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use outboxkit_core::wire::IncomingMessage;
-use outboxkit_core::{Dispatcher, DispatcherConfig, NewMessage, OutboxStore};
+use outboxkit_core::{Dispatcher, DispatcherConfig, NewMessage, OutboxProducer, OutboxStore};
 use outboxkit_nats::{
     DeliveryHandler, HandlerDecision, NatsConfigBuilder, NatsConsumer, NatsPublisher,
 };

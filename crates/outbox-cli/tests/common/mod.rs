@@ -6,7 +6,7 @@ use std::path::PathBuf;
 use std::process::{Child, Command, ExitStatus, Stdio};
 use std::time::{Duration, Instant};
 
-use outboxkit_core::NewMessage;
+use outboxkit_core::{NewMessage, OutboxProducer};
 use outboxkit_postgres::{PgConfig, PgOutbox};
 use sqlx::AssertSqlSafe;
 use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};

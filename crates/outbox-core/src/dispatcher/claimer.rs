@@ -60,6 +60,7 @@ impl<S: OutboxStore, P: EventPublisher> Dispatcher<S, P> {
                             }
                         }
                         if !full {
+                            stop.went_idle.notify_one();
                             tokio::select! {
                                 () = stop.stopping() => {}
                                 () = &mut notified => poll_wait = self.config.min_poll_interval,

@@ -21,6 +21,7 @@ pub struct DispatcherConfig {
     pub(super) store_backoff_max: Duration,
     pub(super) ordering: Ordering,
     pub(super) drain_timeout: Duration,
+    pub(super) push_wake: bool,
 }
 
 /// Default of [`DispatcherConfig::with_min_poll_interval`]: 10 milliseconds.
@@ -43,6 +44,7 @@ impl Default for DispatcherConfig {
             store_backoff_max: Duration::from_secs(30),
             ordering: Ordering::Unordered,
             drain_timeout: DEFAULT_DRAIN_TIMEOUT,
+            push_wake: true,
         }
     }
 }
@@ -51,7 +53,7 @@ impl DispatcherConfig {
     /// The defaults: batches of 500 messages, adaptive polling from 10 ms up to 500 ms,
     /// 30 s lease, 2 batches
     /// in flight, the default [`RetryPolicies`], circuit probes from 500 ms up to 30 s,
-    /// unordered, a 10 s drain at shutdown.
+    /// unordered, a 10 s drain at shutdown, the store's push wake-up on.
     pub fn new() -> Self {
         Self::default()
     }
@@ -68,8 +70,8 @@ impl DispatcherConfig {
     /// next poll comes after [`with_min_poll_interval`](Self::with_min_poll_interval),
     /// and each poll that finds nothing doubles the wait up to this interval, so a busy
     /// relay picks up new messages within milliseconds and an idle one polls at this
-    /// rate. [`WakeHandle::wake`](super::WakeHandle::wake) (for example from PostgreSQL's
-    /// push wake-up) cuts any wait short.
+    /// rate. [`WakeHandle::wake`](super::WakeHandle::wake) (for example from the store's
+    /// push wake-up, see [`with_push_wake`](Self::with_push_wake)) cuts any wait short.
     #[must_use]
     pub fn with_poll_interval(mut self, d: Duration) -> Self {
         self.poll_interval = d;
@@ -145,6 +147,26 @@ impl DispatcherConfig {
     pub fn with_drain_timeout(mut self, d: Duration) -> Self {
         self.drain_timeout = d;
         self
+    }
+
+    /// Whether [`Dispatcher::run`](super::Dispatcher::run) starts the store's push
+    /// wake-up ([`OutboxStore::spawn_wake_source`](crate::OutboxStore::spawn_wake_source):
+    /// PostgreSQL's `LISTEN`, the in-memory store's commits), from its first claim that
+    /// finds less than a full batch for as long as it runs, so
+    /// that a committed message is claimed at once rather than at the next poll (default
+    /// `true`). With `false`, or over a store without one (MySQL, SQL Server), the
+    /// dispatcher polls; [`WakeHandle::wake`](super::WakeHandle::wake) still works.
+    /// PostgreSQL's listener holds one connection of the store's pool while it runs.
+    #[must_use]
+    pub fn with_push_wake(mut self, on: bool) -> Self {
+        self.push_wake = on;
+        self
+    }
+
+    /// Whether the store's push wake-up is started (see
+    /// [`with_push_wake`](Self::with_push_wake)).
+    pub fn push_wake(&self) -> bool {
+        self.push_wake
     }
 
     /// The delivery order.

@@ -53,7 +53,9 @@ use destinations::Destinations;
 use stats::Counters;
 
 /// Wakes a dispatcher that is waiting for its poll interval, e.g. right after a
-/// transaction that enqueued messages commits. Cheap to clone.
+/// transaction that enqueued messages commits. The store's push wake-up
+/// ([`OutboxStore::spawn_wake_source`]) gets one from [`Dispatcher::run`]; in-process
+/// producers over a store without one may call it themselves. Cheap to clone.
 #[derive(Debug, Clone)]
 pub struct WakeHandle(Arc<Notify>);
 
@@ -72,7 +74,9 @@ impl WakeHandle {
 /// completer records every outcome, fenced by claim token, merging what is waiting into
 /// one statement. A full batch is followed at once by the next claim; otherwise the
 /// claimer waits (adaptively: 10 ms after a claim that found messages, doubling while
-/// claims find nothing, up to `poll_interval`) or until a [`WakeHandle::wake`]. Several
+/// claims find nothing, up to `poll_interval`) or until a [`WakeHandle::wake`], which
+/// the store's own push wake-up sends when messages are committed (started by
+/// [`run`](Self::run), see [`OutboxStore::spawn_wake_source`]). Several
 /// dispatchers, in one process or many, may share a database: claims never overlap.
 ///
 /// What happens to a message, by what went wrong:

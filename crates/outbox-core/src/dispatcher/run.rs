@@ -6,7 +6,7 @@
 use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
-use tokio::sync::{Mutex, mpsc};
+use tokio::sync::{Mutex, Notify, mpsc};
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tracing::{error, info, warn};
@@ -52,6 +52,9 @@ pub(super) struct Stop {
     pub(super) token: CancellationToken,
     drain_started: Arc<OnceLock<Instant>>,
     drain_timeout: Duration,
+    /// Notified by the claimer whenever a claim found less than a full batch (it is
+    /// about to wait): the store's push wake-up starts on the first one.
+    pub(super) went_idle: Arc<Notify>,
 }
 
 impl Stop {
@@ -60,6 +63,7 @@ impl Stop {
             token,
             drain_started: Arc::default(),
             drain_timeout,
+            went_idle: Arc::default(),
         }
     }
 
@@ -92,7 +96,12 @@ impl<S: OutboxStore, P: EventPublisher> Dispatcher<S, P> {
     /// Three stages overlap so the broker stays busy while the database works:
     /// one **claimer** claims batches (at most `concurrency` claimed batches wait), up
     /// to `concurrency` **publishers** publish them, and one **completer** records the
-    /// outcomes, merging whatever completions are waiting into one statement.
+    /// outcomes, merging whatever completions are waiting into one statement. From the
+    /// first claim that finds less than a full batch until it stops, the store's push
+    /// wake-up ([`OutboxStore::spawn_wake_source`]) wakes the claimer when messages are
+    /// committed, unless
+    /// [`DispatcherConfig::with_push_wake`](super::DispatcherConfig::with_push_wake) turned
+    /// it off.
     ///
     /// # Errors
     /// [`OutboxError::Config`] at once when the lease is shorter than twice the
@@ -109,6 +118,26 @@ impl<S: OutboxStore, P: EventPublisher> Dispatcher<S, P> {
             "dispatcher started"
         );
         let stop = Stop::new(shutdown.child_token(), self.config.drain_timeout);
+        // The store's push wake-up lives as long as this run: it starts when the
+        // claimer first finds less than a full batch (a relay busy with a backlog claims
+        // at once anyway, and the source's start, on PostgreSQL a connection, LISTEN
+        // and a self-test, does not compete with its first claims), stops with the
+        // claimer (at shutdown or a fatal error), and is joined before `run` returns; a
+        // run future dropped before it ends stops it too (the guard cancels `stop`'s
+        // token, a child of `shutdown`).
+        let _stop_when_dropped = stop.token.clone().drop_guard();
+        let wake_source = self.config.push_wake.then(|| {
+            let this = self.clone();
+            let stop = stop.clone();
+            tokio::spawn(async move {
+                tokio::select! {
+                    () = stop.stopping() => None,
+                    () = stop.went_idle.notified() => this
+                        .store
+                        .spawn_wake_source(this.wake_handle(), stop.token.child_token()),
+                }
+            })
+        });
         let (claimed_tx, claimed_rx) = mpsc::channel::<Claimed>(self.config.concurrency);
         let (done_tx, done_rx) = mpsc::channel::<Finished>(self.config.concurrency * 2);
         let claimed_rx = Arc::new(Mutex::new(claimed_rx));
@@ -156,6 +185,17 @@ impl<S: OutboxStore, P: EventPublisher> Dispatcher<S, P> {
                 if result.is_ok() {
                     result = Err(e);
                 }
+            }
+        }
+        if let Some(starter) = wake_source {
+            stop.token.cancel();
+            let source = match starter.await {
+                Ok(Some(source)) => source.await,
+                Ok(None) => Ok(()),
+                Err(e) => Err(e),
+            };
+            if let Err(e) = source {
+                warn!(error = %e, "the store's wake-up task failed");
             }
         }
         let stats = self.stats();

@@ -10,7 +10,7 @@ use async_trait::async_trait;
 use outboxkit_core::{
     BlockedKey, ClaimedBatch, CompleteReport, Completion, Dispatcher, DispatcherConfig,
     EventPublisher, MessageFilter, NewMessage, OnDead, Ordering, OutboxError, OutboxMessage,
-    OutboxStats, OutboxStore, ReplayReport, SentRetention,
+    OutboxProducer, OutboxStats, OutboxStore, ReplayReport, SentRetention,
 };
 use outboxkit_memory::MemoryPublisher;
 use outboxkit_postgres::PgOutbox;

@@ -48,7 +48,7 @@ use std::sync::atomic::{AtomicU64, Ordering as AtomicOrdering};
 use std::time::{Duration, Instant, SystemTime};
 
 use anyhow::{Context as _, bail};
-use outboxkit_core::{EventPublisher, NewMessage, OutboxAdmin as _};
+use outboxkit_core::{EventPublisher, NewMessage, OutboxAdmin as _, OutboxProducer};
 use outboxkit_postgres::PgOutbox;
 use std::process::{Child, Command};
 use uuid::Uuid;

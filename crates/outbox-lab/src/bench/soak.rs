@@ -21,6 +21,7 @@
 //! which costs the database, not the relay's memory. The sink is purged every
 //! [`PURGE_EVERY`] messages for the same reason on the broker's side.
 
+use outboxkit_core::OutboxProducer;
 use std::time::{Duration, Instant};
 
 use anyhow::Context as _;

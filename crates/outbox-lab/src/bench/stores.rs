@@ -6,7 +6,7 @@
 use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
-use outboxkit_core::{NewMessage, OutboxStore, SentRetention};
+use outboxkit_core::{NewMessage, OutboxProducer, OutboxStore, SentRetention};
 use outboxkit_mysql::{MySqlConfig, MySqlOutbox};
 use outboxkit_postgres::{PgConfig, PgOutbox};
 use sqlx::AssertSqlSafe;

@@ -36,6 +36,7 @@
 //! On a 2-core machine the relay, the walsender, PostgreSQL, the broker and this
 //! process share the cores.
 
+use outboxkit_core::OutboxProducer;
 use std::time::{Duration, Instant, SystemTime};
 
 use anyhow::Context as _;

@@ -19,7 +19,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
-use outboxkit_core::NewMessage;
+use outboxkit_core::{NewMessage, OutboxProducer};
 use tokio_util::sync::CancellationToken;
 use uuid::Uuid;
 

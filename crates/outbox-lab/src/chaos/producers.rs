@@ -7,7 +7,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
-use outboxkit_core::NewMessage;
+use outboxkit_core::{NewMessage, OutboxProducer};
 use tokio_util::sync::CancellationToken;
 use uuid::Uuid;
 

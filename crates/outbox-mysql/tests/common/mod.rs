@@ -7,8 +7,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use async_trait::async_trait;
-use outboxkit_core::NewMessage;
 use outboxkit_core::conformance::Harness;
+use outboxkit_core::{NewMessage, OutboxProducer};
 use outboxkit_mysql::{MySqlConfig, MySqlOutbox};
 use sqlx::{AssertSqlSafe, Connection as _, MySqlConnection, MySqlPool};
 

@@ -8,8 +8,8 @@ pub mod rabbit;
 pub mod wal;
 
 use async_trait::async_trait;
-use outboxkit_core::NewMessage;
 use outboxkit_core::conformance::Harness;
+use outboxkit_core::{NewMessage, OutboxProducer};
 use outboxkit_postgres::{PgConfig, PgOutbox};
 
 pub fn database_url() -> String {

@@ -8,8 +8,8 @@
 use std::sync::Arc;
 
 use async_trait::async_trait;
-use outboxkit_core::NewMessage;
 use outboxkit_core::conformance::Harness;
+use outboxkit_core::{NewMessage, OutboxProducer};
 use outboxkit_sqlserver::{MssqlConfig, MssqlOutbox, MssqlPool};
 
 /// `MSSQL_URL`. Panics when it is not set: the caller is an ignored test that was asked

@@ -3,8 +3,8 @@
 //! the outbox's own tables (every connection of the backend's pools runs in UTC).
 
 use anyhow::Context as _;
-use outboxkit_core::NewMessage;
 use outboxkit_core::async_trait;
+use outboxkit_core::{NewMessage, OutboxProducer};
 use outboxkit_mysql::{MySqlConfig, MySqlInbox, MySqlOutbox};
 use sqlx::{AssertSqlSafe, MySqlConnection};
 

@@ -2,8 +2,8 @@
 //! tables.
 
 use anyhow::Context as _;
-use outboxkit_core::NewMessage;
 use outboxkit_core::async_trait;
+use outboxkit_core::{NewMessage, OutboxProducer};
 use outboxkit_postgres::{PgConfig, PgInbox, PgOutbox};
 use sqlx::{AssertSqlSafe, PgConnection};
 
