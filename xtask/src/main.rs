@@ -221,8 +221,13 @@ fn run(cli: Cli) -> Result<()> {
             let mut tests = cargo();
             tests
                 .args(["test", "--workspace", "--all-targets"])
-                // The process tests' hooks (never in a released binary).
-                .args(["--features", "outboxkit-cli/testing"])
+                // The process tests' hooks (never in a released binary), and every
+                // database and the inbox in the facade, so that its `AnyStore` test and
+                // its examples (the README's quick start among them) are built and run.
+                .args([
+                    "--features",
+                    "outboxkit-cli/testing,outboxkit/mysql,outboxkit/sqlserver,outboxkit/inbox",
+                ])
                 .args(&args);
             env_default(&mut tests, "RUST_BACKTRACE", "1");
             run_child(&mut tests)?;

@@ -33,7 +33,7 @@ use outboxkit_core::{
     GroupStats, InboxDeadFilter, InboxDeadLetter, InboxReplayMode, InboxReplayReport, MessageCount,
     MessageCursor, MessageFilter, MessagePage, MessageState, OnDead, OutboxAdmin, OutboxError,
     OutboxMessage, OutboxStats, OutboxStore, ReconcileRow, RelayHeartbeat, RelaySeen, ReplayReport,
-    SentPerMinute, VacuumPressure,
+    SentPerMinute, VacuumPressure, WakeHandle,
 };
 #[cfg(feature = "mysql")]
 use outboxkit_mysql::{MySqlConfig, MySqlOutbox};
@@ -41,6 +41,8 @@ use outboxkit_mysql::{MySqlConfig, MySqlOutbox};
 use outboxkit_postgres::{PgConfig, PgOutbox};
 #[cfg(feature = "sqlserver")]
 use outboxkit_sqlserver::{MssqlConfig, MssqlOutbox};
+use tokio::task::JoinHandle;
+use tokio_util::sync::CancellationToken;
 use uuid::Uuid;
 
 /// The configuration of an [`AnyStore`]: one store's own configuration.
@@ -478,6 +480,16 @@ impl OutboxStore for AnyStore {
         batch_size: usize,
     ) -> Result<u64, OutboxError> {
         forward!(self, s => OutboxStore::purge_sent(s, older_than, batch_size).await)
+    }
+
+    fn spawn_wake_source(
+        &self,
+        wake: WakeHandle,
+        shutdown: CancellationToken,
+    ) -> Option<JoinHandle<()>> {
+        // The store's own (PostgreSQL: its LISTEN); the trait's default would leave a
+        // relay over `AnyStore` polling.
+        forward!(self, s => s.spawn_wake_source(wake, shutdown))
     }
 }
 

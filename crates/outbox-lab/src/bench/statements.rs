@@ -13,7 +13,9 @@
 use std::time::{Duration, Instant};
 
 use anyhow::Context as _;
-use outboxkit_core::{Completion, CompletionOutcome, NewMessage, OutboxStore, SentRetention};
+use outboxkit_core::{
+    Completion, CompletionOutcome, NewMessage, OutboxProducer as _, OutboxStore, SentRetention,
+};
 use outboxkit_postgres::PgOutbox;
 
 use super::phases::payload;
