@@ -7,8 +7,10 @@
 //! 45 ms instead of about 3. sqlx 0.9.1 sets it again (launchbadge/sqlx#4336). This
 //! times, on a fresh schema, `enqueue_batch` of 500 and of 5,000 messages (each in a
 //! transaction of its own, the statement alone timed) and the completion of 500
-//! claimed messages as `Sent` (one `UPDATE … FROM UNNEST`), [`ROUNDS`] times each, and
-//! counts the statements that took 40 ms or more.
+//! claimed messages as `Sent` (one `UPDATE … FROM UNNEST`), [`ROUNDS`] times each. It
+//! counts the 500-message statements that took 40 ms or more, and compares the
+//! 5,000-message insert with ten times the 500-message one: the work grows linearly
+//! with the rows, a stall adds a fixed 40 ms.
 
 use std::time::{Duration, Instant};
 
@@ -25,6 +27,8 @@ use super::stores::BenchStore;
 const ROUNDS: usize = 30;
 /// Messages per completion: the relay's default batch.
 const COMPLETION: usize = 500;
+/// Messages of the large `enqueue_batch`.
+const LARGE: usize = 5_000;
 /// A statement this long or longer is counted as a stall.
 const STALL: Duration = Duration::from_millis(40);
 
@@ -42,7 +46,8 @@ async fn measure(outbox: &PgOutbox, body: &str) -> anyhow::Result<()> {
         "statements, PostgreSQL: {ROUNDS} of each, {}-byte payloads, the statement alone timed",
         body.len()
     );
-    for size in [COMPLETION, 5_000] {
+    let mut medians = Vec::new();
+    for size in [COMPLETION, LARGE] {
         let mut times = Vec::with_capacity(ROUNDS);
         for round in 0..ROUNDS {
             let messages = (0..size)
@@ -58,8 +63,16 @@ async fn measure(outbox: &PgOutbox, body: &str) -> anyhow::Result<()> {
             times.push(started.elapsed());
             tx.commit().await?;
         }
-        report("enqueue_batch", size, times);
+        medians.push(report("enqueue_batch", size, times));
     }
+    let linear = medians[0] * (LARGE / COMPLETION) as u32;
+    println!(
+        "statements, PostgreSQL: enqueue_batch of {LARGE} messages: p50 {:.1} ms against {:.1} ms for {} times {COMPLETION} ({:+.1} ms; a Nagle stall adds a fixed ~40 ms)",
+        medians[1].as_secs_f64() * 1_000.0,
+        linear.as_secs_f64() * 1_000.0,
+        LARGE / COMPLETION,
+        (medians[1].as_secs_f64() - linear.as_secs_f64()) * 1_000.0,
+    );
     let mut times = Vec::with_capacity(ROUNDS);
     for _ in 0..ROUNDS {
         let batch = outbox.claim(COMPLETION, Duration::from_secs(60)).await?;
@@ -92,19 +105,29 @@ async fn measure(outbox: &PgOutbox, body: &str) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// Prints the median, the 90th percentile and the longest of `times`, and how many
-/// reached [`STALL`].
-fn report(what: &str, size: usize, mut times: Vec<Duration>) {
+/// Prints the median, the 90th percentile and the longest of `times`, per message too,
+/// and (for statements of [`COMPLETION`] messages) how many reached [`STALL`]; returns
+/// the median.
+fn report(what: &str, size: usize, mut times: Vec<Duration>) -> Duration {
     times.sort_unstable();
     let ms = |d: Duration| d.as_secs_f64() * 1_000.0;
     let at = |q: f64| times[((times.len() - 1) as f64 * q).round() as usize];
-    let stalls = times.iter().filter(|t| **t >= STALL).count();
+    let stalls = if size == COMPLETION {
+        format!(
+            "; {} of {} took {} ms or more",
+            times.iter().filter(|t| **t >= STALL).count(),
+            times.len(),
+            STALL.as_millis()
+        )
+    } else {
+        String::new()
+    };
     println!(
-        "statements, PostgreSQL: {what} of {size} messages: p50 {:.1} ms, p90 {:.1} ms, max {:.1} ms; {stalls} of {} took {} ms or more",
+        "statements, PostgreSQL: {what} of {size} messages: p50 {:.1} ms ({:.1} µs per message), p90 {:.1} ms, max {:.1} ms{stalls}",
         ms(at(0.5)),
+        ms(at(0.5)) * 1_000.0 / size as f64,
         ms(at(0.9)),
         ms(at(1.0)),
-        times.len(),
-        STALL.as_millis()
     );
+    at(0.5)
 }
