@@ -11,7 +11,7 @@
 //!   the broker clusters too, as `cargo xtask services --cluster`, stopped again at the
 //!   end if it started them, and their tests run in a pass of their own), runs the
 //!   quick start in a project outside the workspace on the packages just made (as
-//!   `cargo xtask outside`: about N s warm), installs
+//!   `cargo xtask outside`: about 10 s warm there, without its packaging), installs
 //!   Chromium and chromedriver for the dashboard's browser tests and libfaketime for
 //!   the clock-skew tests when missing (apt-get, `packages.rs`), then runs every test
 //!   of the
@@ -165,7 +165,12 @@ enum Cmd {
     /// Build the quick start in a new cargo project outside the workspace, on the
     /// packaged crates (`cargo package`, unpacked), and run it on PostgreSQL and on
     /// MariaDB, over RabbitMQ and over NATS, until each run's event is projected.
-    Outside,
+    Outside {
+        /// Use the packages as the last `release-check` (or `outside`) left them
+        /// unpacked under `TARGET/package`, instead of making them again.
+        #[arg(long)]
+        unpacked: bool,
+    },
     /// Check what publishing the crates needs, without publishing: manifests, MSRV,
     /// docs (warnings denied), `cargo package` of every published crate, `cargo deny`.
     ReleaseCheck {
@@ -309,9 +314,9 @@ fn run(cli: Cli) -> Result<()> {
             sqlserver::announce_skip(sqlserver_skipped);
             Ok(())
         }
-        Cmd::Outside => {
+        Cmd::Outside { unpacked } => {
             services::ensure(timeout)?;
-            outside::run(true)
+            outside::run(!unpacked)
         }
         Cmd::Scale { args } => {
             services::ensure(timeout)?;
