@@ -6,6 +6,10 @@
 //!   table (PostgreSQL: its `search_path`; MySQL: its database).
 //! * `probe wait SECS`: polls `OUTBOX_SCHEMA.projected` until it holds a row (exit 0)
 //!   or `SECS` seconds pass (exit 1).
+//! * `probe enqueue`: enqueues the quick start's `OrderPlaced` in `OUTBOX_SCHEMA` at
+//!   `DATABASE_URL` (PostgreSQL), for a relay of another build to publish.
+//! * `probe sent SECS`: polls `OUTBOX_SCHEMA.outbox_messages` (PostgreSQL) until a
+//!   message is `Sent` (exit 0) or `SECS` seconds pass (exit 1).
 //! * `probe clean STREAM QUEUE`: drops what a run of the quick start made: the schema
 //!   (PostgreSQL) or database (MySQL / MariaDB) `OUTBOX_SCHEMA`, with its `projected`
 //!   table; at `OUTBOX_BROKER_URL`, the queue `QUEUE` and the exchange
@@ -16,9 +20,11 @@
 
 use std::time::{Duration, Instant};
 
+use outboxkit::NewMessage;
 use outboxkit::mysql::sqlx::MySqlPool;
 use outboxkit::nats::async_nats;
 use outboxkit::postgres::sqlx::{self, AssertSqlSafe, PgPool};
+use outboxkit::postgres::{PgConfig, PgOutbox};
 use outboxkit::rabbit::lapin;
 
 type Error = Box<dyn std::error::Error>;
@@ -27,10 +33,9 @@ fn var(name: &str) -> Result<String, Error> {
     std::env::var(name).map_err(|e| format!("{name}: {e}").into())
 }
 
-/// Rows in `SCHEMA.projected` (an error while the table is not there yet; the schema
-/// is the run's own, made by `cargo xtask outside`).
-async fn projected(url: &str, schema: &str) -> Result<i64, Error> {
-    let sql = format!("SELECT COUNT(*) FROM {schema}.projected");
+/// The count `sql` gives (an error while its table is not there yet; the schema is
+/// the run's own, made by `cargo xtask outside`).
+async fn count(url: &str, sql: String) -> Result<i64, Error> {
     let rows = if url.starts_with("postgres") {
         let pool = PgPool::connect(url).await?;
         let rows = sqlx::query_scalar(AssertSqlSafe(sql))
@@ -76,23 +81,35 @@ async fn prepare() -> Result<(), Error> {
     execute(&url, format!("CREATE {kind} IF NOT EXISTS {schema}")).await
 }
 
-async fn wait(secs: u64) -> Result<(), Error> {
-    let (url, schema) = (var("OUTSIDE_ADMIN_URL")?, var("OUTBOX_SCHEMA")?);
+/// Polls `sql` (a count) until it is positive or `secs` seconds pass.
+async fn wait(sql: String, secs: u64) -> Result<(), Error> {
+    let url = var("OUTSIDE_ADMIN_URL")?;
     let deadline = Instant::now() + Duration::from_secs(secs);
     loop {
-        let last = match projected(&url, &schema).await {
+        let last = match count(&url, sql.clone()).await {
             Ok(n) if n > 0 => {
-                println!("probe: {schema}.projected holds {n} row(s)");
+                println!("probe: `{sql}`: {n}");
                 return Ok(());
             }
-            Ok(n) => format!("{n} rows"),
+            Ok(n) => n.to_string(),
             Err(e) => e.to_string(),
         };
         if Instant::now() > deadline {
-            return Err(format!("{schema}.projected: no row after {secs} s ({last})").into());
+            return Err(format!("`{sql}`: none after {secs} s ({last})").into());
         }
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
+}
+
+async fn enqueue() -> Result<(), Error> {
+    let store = PgOutbox::connect(&PgConfig::from_env()?).await?;
+    let mut tx = store.begin().await?;
+    let event = NewMessage::builder("order", "42", "OrderPlaced")
+        .payload(&serde_json::json!({ "id": 42 }))
+        .build()?;
+    store.enqueue(&mut tx, &event).await?;
+    tx.commit().await?;
+    Ok(())
 }
 
 async fn clean(stream: &str, queue: &str) -> Result<(), Error> {
@@ -147,8 +164,17 @@ async fn main() -> Result<(), Error> {
     let args: Vec<String> = std::env::args().skip(1).collect();
     match args.iter().map(String::as_str).collect::<Vec<_>>()[..] {
         ["prepare"] => prepare().await,
-        ["wait", secs] => wait(secs.parse()?).await,
+        ["wait", secs] => {
+            let sql = format!("SELECT COUNT(*) FROM {}.projected", var("OUTBOX_SCHEMA")?);
+            wait(sql, secs.parse()?).await
+        }
+        ["enqueue"] => enqueue().await,
+        ["sent", secs] => {
+            let schema = var("OUTBOX_SCHEMA")?;
+            let sql = format!("SELECT COUNT(*) FROM {schema}.outbox_messages WHERE status = 1");
+            wait(sql, secs.parse()?).await
+        }
         ["clean", stream, queue] => clean(stream, queue).await,
-        _ => Err("usage: probe prepare | probe wait SECS | probe clean STREAM QUEUE".into()),
+        _ => Err("usage: probe prepare | probe wait SECS | probe enqueue | probe sent SECS | probe clean STREAM QUEUE".into()),
     }
 }

@@ -170,6 +170,12 @@ enum Cmd {
         /// unpacked under `TARGET/package`, instead of making them again.
         #[arg(long)]
         unpacked: bool,
+        /// Then `cargo install --path crates/outbox-cli` outside the workspace (no
+        /// lock, no patch: the newest dependencies the manifests allow; `--debug`), and
+        /// the installed `outbox` migrates and relays a message to NATS. A cold build
+        /// of its own (minutes): not part of `itest`.
+        #[arg(long)]
+        install: bool,
     },
     /// Check what publishing the crates needs, without publishing: manifests, MSRV,
     /// docs (warnings denied), `cargo package` of every published crate, `cargo deny`.
@@ -225,7 +231,7 @@ fn run(cli: Cli) -> Result<()> {
             services::ensure(timeout)?;
             // A user's project outside the workspace on the packages release-check just
             // made and unpacked: the quick start on each database over each broker.
-            outside::run(false)?;
+            outside::run(false, false)?;
             // The broker clusters' tests (`tests/cluster.rs`) run in a pass of their own.
             let _clusters = if cluster {
                 Some(cluster::ForRun::up(timeout)?)
@@ -314,9 +320,9 @@ fn run(cli: Cli) -> Result<()> {
             sqlserver::announce_skip(sqlserver_skipped);
             Ok(())
         }
-        Cmd::Outside { unpacked } => {
+        Cmd::Outside { unpacked, install } => {
             services::ensure(timeout)?;
-            outside::run(!unpacked)
+            outside::run(!unpacked, install)
         }
         Cmd::Scale { args } => {
             services::ensure(timeout)?;

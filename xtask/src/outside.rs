@@ -122,13 +122,14 @@ const BROKERS: [&str; 2] = ["rabbit", "nats"];
 
 /// Makes the project on the packages (`make`: packed and unpacked here; otherwise as
 /// the `release-check` just run left them), builds it and runs the quick start on each
-/// database over each broker. The services must be up.
+/// database over each broker; `with_install`, then [`install`]. The services must be
+/// up.
 ///
 /// # Errors
 /// A package missing, a replacement that no longer matches the quick start, the
 /// build failing, a run without its projected row within [`WAIT_SECS`], or a cleanup
 /// that failed.
-pub(crate) fn run(make: bool) -> Result<()> {
+pub(crate) fn run(make: bool, with_install: bool) -> Result<()> {
     let started = Instant::now();
     let packages = release::unpacked(make)?;
     let project = packages.target_dir.join("outside");
@@ -152,7 +153,7 @@ pub(crate) fn run(make: bool) -> Result<()> {
     for (database, program) in DATABASES {
         for broker in BROKERS {
             let run_started = Instant::now();
-            let names = Names::new(database, broker);
+            let names = Names::new("quick_start", database, broker);
             match names.run(&bin, program) {
                 Ok(()) => eprintln!(
                     "xtask: outside: {program} over {broker}: projected in {:.1} s",
@@ -161,6 +162,9 @@ pub(crate) fn run(make: bool) -> Result<()> {
                 Err(e) => failures.push(format!("{program} over {broker}: {e:#}")),
             }
         }
+    }
+    if with_install && let Err(e) = install(&packages.target_dir) {
+        failures.push(format!("cargo install --path crates/outbox-cli: {e:#}"));
     }
     eprintln!(
         "xtask: outside took {:.0} s",
@@ -404,7 +408,7 @@ fn with_query(url: &str, key: &str, value: &str) -> String {
 
 /// The names and settings of one run.
 struct Names {
-    /// The schema, exchange, subject prefix and consumer: `outside_PID_DB_BROKER`.
+    /// The schema, exchange, subject prefix and consumer: `outside_PID_LABEL_DB_BROKER`.
     tag: String,
     /// The NATS stream: the tag in capitals.
     stream: String,
@@ -413,8 +417,10 @@ struct Names {
 }
 
 impl Names {
-    fn new(database: &str, broker: &str) -> Self {
-        let tag = format!("outside_{}_{database}_{broker}", std::process::id());
+    /// The names of a run `label` (`quick_start`, `install`) on `database` (`postgres`
+    /// or `mysql`) over `broker` (`rabbit` or `nats`).
+    fn new(label: &str, database: &str, broker: &str) -> Self {
+        let tag = format!("outside_{}_{label}_{database}_{broker}", std::process::id());
         let stream = tag.to_ascii_uppercase();
         let (admin, url) = if database == "postgres" {
             let admin = service_url("DATABASE_URL");
@@ -457,41 +463,96 @@ impl Names {
     fn run(&self, bin: &Path, program: &str) -> Result<()> {
         let probe = || self.command(bin.join("outside-probe"));
         run_child(probe().arg("prepare"))?;
-        let ran = self.run_prepared(&bin.join(program), &probe);
+        let program = self.command(bin.join(program));
+        let ran = until(program, probe().args(["wait", &WAIT_SECS.to_string()]));
         let cleaned = run_child(probe().args(["clean", &self.stream, &self.tag]));
         ran.and(cleaned)
     }
+}
 
-    fn run_prepared(&self, program: &Path, probe: &dyn Fn() -> Command) -> Result<()> {
-        let mut quick_start = self.command(program.to_path_buf());
-        eprintln!("xtask: running `{}`", display(&quick_start));
-        let mut quick_start = Kill(
-            quick_start
-                .spawn()
-                .with_context(|| format!("could not run {}", program.display()))?,
-        );
-        let mut wait = probe();
-        wait.args(["wait", &WAIT_SECS.to_string()]);
-        let mut wait = Kill(
-            wait.spawn()
-                .with_context(|| format!("could not run `{}`", display(&wait)))?,
-        );
-        loop {
-            if let Some(status) = quick_start.0.try_wait()? {
-                bail!(
-                    "{} exited ({status}) before its row was projected",
-                    program.display()
-                );
-            }
-            if let Some(status) = wait.0.try_wait()? {
-                if status.success() {
-                    return Ok(());
-                }
-                bail!("no projected row ({status})");
-            }
-            std::thread::sleep(Duration::from_millis(100));
+/// Runs `program` (which runs until killed) and `wait` beside it until `wait` exits:
+/// fails if `wait` fails or `program` exits first.
+fn until(mut program: Command, wait: &mut Command) -> Result<()> {
+    eprintln!("xtask: running `{}`", display(&program));
+    let shown = display(&program);
+    let mut program = Kill(
+        program
+            .spawn()
+            .with_context(|| format!("could not run `{shown}`"))?,
+    );
+    eprintln!("xtask: running `{}`", display(wait));
+    let mut wait = Kill(
+        wait.spawn()
+            .with_context(|| format!("could not run `{}`", display(wait)))?,
+    );
+    loop {
+        if let Some(status) = program.0.try_wait()? {
+            bail!("`{shown}` exited ({status}) before the wait was over");
         }
+        if let Some(status) = wait.0.try_wait()? {
+            if status.success() {
+                return Ok(());
+            }
+            bail!("`{shown}`: the wait failed ({status})");
+        }
+        std::thread::sleep(Duration::from_millis(100));
     }
+}
+
+/// `cargo install --path crates/outbox-cli` as a user of a checkout would run it:
+/// outside the workspace (so neither its `Cargo.lock` nor a `[patch]` of its applies:
+/// cargo resolves the newest versions the manifests allow), `--debug` to keep it short
+/// (the code and the dependencies built are the release's, not their optimisation),
+/// into `TARGET/outside-install/` with a target directory of its own there (the
+/// workspace's `debug/outbox` is not overwritten). Then the installed `outbox` migrates
+/// a schema of its own on PostgreSQL and relays a message enqueued by the packaged
+/// crates (`outside-probe enqueue`) to NATS JetStream (a stream of its own, declared by
+/// `--stream`), until the message is `Sent`; everything is dropped afterwards.
+fn install(target_dir: &Path) -> Result<()> {
+    let root = target_dir.join("outside-install");
+    fs::create_dir_all(&root).with_context(|| format!("could not create {}", root.display()))?;
+    let mut cargo = Command::new(std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into()));
+    cargo
+        .current_dir(&root)
+        .env("CARGO_TARGET_DIR", root.join("target"))
+        .args(["install", "--debug", "--force", "--path"])
+        .arg(workspace_root().join("crates/outbox-cli"))
+        .arg("--root")
+        .arg(&root);
+    let started = Instant::now();
+    run_child(&mut cargo)?;
+    eprintln!(
+        "xtask: outside: `cargo install --path crates/outbox-cli` took {:.0} s",
+        started.elapsed().as_secs_f64()
+    );
+    let outbox = root.join("bin/outbox");
+    let names = Names::new("install", "postgres", "nats");
+    let probe = || names.command(target_dir.join("debug/outside-probe"));
+    // An address of its own for /metrics and /healthz (127.0.0.1:9464 by default).
+    let listen = std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .context("no free port")?;
+    let relay = || {
+        let mut relay = names.command(outbox.clone());
+        // The binary refuses a RabbitMQ setting with a NATS URL.
+        relay
+            .env_remove("OUTBOX_EXCHANGE")
+            .env("OUTBOX_STREAM", &names.stream)
+            .env("OUTBOX_LISTEN", listen.to_string());
+        relay
+    };
+    run_child(probe().arg("prepare"))?;
+    let ran = (|| {
+        run_child(relay().arg("migrate"))?;
+        run_child(probe().arg("enqueue"))?;
+        let mut relaying = relay();
+        relaying.arg("relay");
+        until(relaying, probe().args(["sent", &WAIT_SECS.to_string()]))
+    })();
+    let cleaned = run_child(probe().args(["clean", &names.stream, &names.tag]));
+    ran.and(cleaned)?;
+    eprintln!("xtask: outside: the installed `outbox` relayed to NATS");
+    Ok(())
 }
 
 /// A child process killed (and reaped) when dropped: the quick start runs until
