@@ -112,6 +112,11 @@ async fn enqueue() -> Result<(), Error> {
     Ok(())
 }
 
+fn stream_not_found(e: &async_nats::jetstream::context::DeleteStreamError) -> bool {
+    use async_nats::jetstream::{ErrorCode, context::DeleteStreamErrorKind as Kind};
+    matches!(e.kind(), Kind::JetStream(js) if js.error_code() == ErrorCode::STREAM_NOT_FOUND)
+}
+
 async fn clean(stream: &str, queue: &str) -> Result<(), Error> {
     let (url, schema) = (var("OUTSIDE_ADMIN_URL")?, var("OUTBOX_SCHEMA")?);
     let mut failed = Vec::new();
@@ -143,12 +148,14 @@ async fn clean(stream: &str, queue: &str) -> Result<(), Error> {
         let _ = conn.close(200, "".into()).await;
     } else {
         let client = async_nats::connect(&broker).await?;
-        // The durable goes with its stream.
-        if let Err(e) = async_nats::jetstream::new(client)
+        // The durable goes with its stream. A stream never made (a run that failed
+        // before) is not a failure to clean up.
+        match async_nats::jetstream::new(client)
             .delete_stream(stream)
             .await
         {
-            failed.push(format!("stream {stream}: {e}"));
+            Err(e) if !stream_not_found(&e) => failed.push(format!("stream {stream}: {e}")),
+            _ => {}
         }
     }
     if failed.is_empty() {

@@ -534,8 +534,10 @@ fn install(target_dir: &Path) -> Result<()> {
         .context("no free port")?;
     let relay = || {
         let mut relay = names.command(outbox.clone());
-        // The binary refuses a RabbitMQ setting with a NATS URL.
+        // The binary takes the broker from OUTBOX_TRANSPORT (default: rabbit), not
+        // from the URL, and refuses a RabbitMQ setting with NATS.
         relay
+            .env("OUTBOX_TRANSPORT", "nats")
             .env_remove("OUTBOX_EXCHANGE")
             .env("OUTBOX_STREAM", &names.stream)
             .env("OUTBOX_LISTEN", listen.to_string());
