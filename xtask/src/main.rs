@@ -11,7 +11,7 @@
 //!   the broker clusters too, as `cargo xtask services --cluster`, stopped again at the
 //!   end if it started them, and their tests run in a pass of their own), runs the
 //!   quick start in a project outside the workspace on the packages just made (as
-//!   `cargo xtask outside`: about 10 s warm there, without its packaging), installs
+//!   `cargo xtask outside`: about 10 s warm there, the packages being release-check's), installs
 //!   Chromium and chromedriver for the dashboard's browser tests and libfaketime for
 //!   the clock-skew tests when missing (apt-get, `packages.rs`), then runs every test
 //!   of the

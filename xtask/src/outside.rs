@@ -30,15 +30,20 @@
 //!
 //! The build reuses the workspace's: the same target directory, the workspace's
 //! `Cargo.lock` copied in (cargo keeps the versions it pins and drops what the project
-//! does not use; `--locked` cannot be used because of that drop, so the run checks
-//! instead that every package of the project's lock is pinned at the workspace's
-//! version), the workspace's `tokio`, `serde_json` and `async-trait` requirements and
+//! does not use; the run checks that every package of the project's lock is pinned at
+//! the workspace's version), the workspace's `tokio`, `serde_json` and `async-trait` requirements and
 //! its `[profile.dev]`, so that the dependencies compiled for the workspace are
-//! compiled for this project too. Feature unification differs from the workspace's
-//! builds (this project enables the facade's `postgres`, `mysql`, `rabbit`, `nats` and
-//! `inbox` together), so some dependencies are compiled again on the first run.
+//! compiled for this project too (`--locked` refuses the copy: cargo would add the
+//! project and drop the rest). Where the features a dependency is built with differ from
+//! every workspace build's, it is compiled again on the first run; what was compiled
+//! again here was ring and what depends on it, whose build script tracks
+//! `CARGO_MANIFEST_DIR` (set for a `cargo` started by `cargo xtask`, not for one typed
+//! in a shell).
 //!
-//! Each of the four runs has its own names (`outside_PID_DB_BROKER`): the schema
+//! `--install` then runs `cargo install --path crates/outbox-cli` outside the workspace
+//! and relays a message with the installed binary ([`install`]).
+//!
+//! Each of the four runs has its own names (`outside_PID_quick_start_DB_BROKER`): the schema
 //! (`OUTBOX_SCHEMA`; PostgreSQL's `search_path` and MySQL's URL database, so that the
 //! quick start's unqualified `projected` table lands there too), the exchange
 //! (`OUTBOX_EXCHANGE`) or subject prefix (`OUTBOX_SUBJECT_PREFIX`), the NATS stream
