@@ -9,7 +9,9 @@
 //!   `cargo xtask release-check --no-verify`, with the docs on the current toolchain
 //!   rather than nightly), brings the services up (with `--cluster`
 //!   the broker clusters too, as `cargo xtask services --cluster`, stopped again at the
-//!   end if it started them, and their tests run in a pass of their own), installs
+//!   end if it started them, and their tests run in a pass of their own), runs the
+//!   quick start in a project outside the workspace on the packages just made (as
+//!   `cargo xtask outside`: about 10 s warm there, the packages being release-check's), installs
 //!   Chromium and chromedriver for the dashboard's browser tests and libfaketime for
 //!   the clock-skew tests when missing (apt-get, `packages.rs`), then runs every test
 //!   of the
@@ -31,6 +33,10 @@
 //!   feature combination a user can pick (none, each alone, each database × broker
 //!   pair, with and without `inbox`, all), and the `outbox` binary with each database
 //!   × broker pair.
+//! * `cargo xtask outside` packs the published crates (`cargo package`), makes a new
+//!   cargo project outside the workspace that depends on the unpacked packages, builds
+//!   it and runs the quick start on PostgreSQL and on MariaDB, over RabbitMQ and over
+//!   NATS, each until its event is projected (see `outside.rs`); part of `itest`.
 //! * `cargo xtask release-check [--strict] [--no-verify]` checks what publishing the crates needs
 //!   without publishing: manifests (licenses, MSRV, docs.rs metadata, `publish =
 //!   false` where due), the MSRV, `cargo doc` with warnings denied, `cargo package` of
@@ -41,6 +47,7 @@
 
 mod cluster;
 mod features;
+mod outside;
 mod packages;
 mod release;
 mod scale;
@@ -155,6 +162,21 @@ enum Cmd {
     /// can pick: none, each feature alone, each database × broker pair with and without
     /// `inbox`, and all features; and `outboxkit-cli` with each database × broker pair.
     Features,
+    /// Build the quick start in a new cargo project outside the workspace, on the
+    /// packaged crates (`cargo package`, unpacked), and run it on PostgreSQL and on
+    /// MariaDB, over RabbitMQ and over NATS, until each run's event is projected.
+    Outside {
+        /// Use the packages as the last `release-check` (or `outside`) left them
+        /// unpacked under `TARGET/package`, instead of making them again.
+        #[arg(long)]
+        unpacked: bool,
+        /// Then `cargo install --path crates/outbox-cli` outside the workspace (no
+        /// lock, no patch: the newest dependencies the manifests allow; `--debug`), and
+        /// the installed `outbox` migrates and relays a message to NATS. A cold build
+        /// of its own (minutes): not part of `itest`.
+        #[arg(long)]
+        install: bool,
+    },
     /// Check what publishing the crates needs, without publishing: manifests, MSRV,
     /// docs (warnings denied), `cargo package` of every published crate, `cargo deny`.
     ReleaseCheck {
@@ -207,6 +229,9 @@ fn run(cli: Cli) -> Result<()> {
             // does both).
             release::check(false, release::Depth::Quick)?;
             services::ensure(timeout)?;
+            // A user's project outside the workspace on the packages release-check just
+            // made and unpacked: the quick start on each database over each broker.
+            outside::run(false, false)?;
             // The broker clusters' tests (`tests/cluster.rs`) run in a pass of their own.
             let _clusters = if cluster {
                 Some(cluster::ForRun::up(timeout)?)
@@ -299,6 +324,10 @@ fn run(cli: Cli) -> Result<()> {
             // Repeated at the end, where a reader of the run looks.
             sqlserver::announce_skip(sqlserver_skipped);
             Ok(())
+        }
+        Cmd::Outside { unpacked, install } => {
+            services::ensure(timeout)?;
+            outside::run(!unpacked, install)
         }
         Cmd::Scale { args } => {
             services::ensure(timeout)?;

@@ -661,18 +661,11 @@ fn docs(
 /// `cargo package` of the published crates together (`verify`: each built from its
 /// `.crate`), then each package's contents.
 fn packages(ws: &Workspace, order: &[String], verify: bool, r: &mut Report) -> Result<()> {
-    // `--allow-dirty`: a check, not a release; the packages are not kept.
-    let mut package = cargo();
-    package.args(["package", "--allow-dirty"]);
-    if !verify {
-        package.arg("--no-verify");
-    }
-    run(package.args(ws.package_args(order)))?;
+    let dir = package_and_unpack(ws, order, verify)?;
     let ours: BTreeMap<&str, &str> = ws
         .published()
         .map(|m| (m.name.as_str(), m.version.as_str()))
         .collect();
-    let dir = ws.target_dir.join("package");
     for m in ws.published() {
         let base = format!("{}-{}", m.name, m.version);
         let size = fs::metadata(dir.join(format!("{base}.crate")))
@@ -684,18 +677,6 @@ fn packages(ws: &Workspace, order: &[String], verify: bool, r: &mut Report) -> R
             ));
         }
         let unpacked = dir.join(&base);
-        if !verify {
-            // Verification unpacks the `.crate`; without it, unpack it here.
-            if unpacked.exists() {
-                fs::remove_dir_all(&unpacked)
-                    .with_context(|| format!("could not remove {}", unpacked.display()))?;
-            }
-            run(Command::new("tar")
-                .arg("-xzf")
-                .arg(dir.join(format!("{base}.crate")))
-                .arg("-C")
-                .arg(&dir))?;
-        }
         for missing in missing_includes(&unpacked) {
             r.fail(format!("{base}.crate: {missing}"));
         }
@@ -720,6 +701,76 @@ fn packages(ws: &Workspace, order: &[String], verify: bool, r: &mut Report) -> R
         eprintln!("xtask: release-check: {base}.crate: {size} bytes");
     }
     Ok(())
+}
+
+/// `cargo package` of the published crates together (`verify`: each built from its
+/// `.crate`, which unpacks it), each `.crate` unpacked beside it; returns the directory
+/// (`TARGET/package`) holding `NAME-VERSION.crate` and `NAME-VERSION/`.
+fn package_and_unpack(ws: &Workspace, order: &[String], verify: bool) -> Result<PathBuf> {
+    // `--allow-dirty`: a check, not a release; the packages are not kept.
+    let mut package = cargo();
+    package.args(["package", "--allow-dirty"]);
+    if !verify {
+        package.arg("--no-verify");
+    }
+    run(package.args(ws.package_args(order)))?;
+    let dir = ws.target_dir.join("package");
+    for m in ws.published() {
+        let base = format!("{}-{}", m.name, m.version);
+        let unpacked = dir.join(&base);
+        if !verify {
+            // Verification unpacks the `.crate`; without it, unpack it here.
+            if unpacked.exists() {
+                fs::remove_dir_all(&unpacked)
+                    .with_context(|| format!("could not remove {}", unpacked.display()))?;
+            }
+            run(Command::new("tar")
+                .arg("-xzf")
+                .arg(dir.join(format!("{base}.crate")))
+                .arg("-C")
+                .arg(&dir))?;
+        }
+    }
+    Ok(dir)
+}
+
+/// The published crates as `cargo package` made them, unpacked.
+pub(crate) struct Unpacked {
+    /// The unpacked directory of each published crate, by name.
+    pub(crate) dirs: BTreeMap<String, PathBuf>,
+    /// The workspace's target directory (`cargo metadata`).
+    pub(crate) target_dir: PathBuf,
+}
+
+/// The published crates' packages unpacked under `TARGET/package`: made and unpacked
+/// here (`make`, without the verification build), or as an earlier
+/// `release-check` left them (which `cargo xtask itest` has just run).
+///
+/// # Errors
+/// `cargo metadata` or `cargo package` failing, a dependency cycle, or (not `make`)
+/// a package that is not unpacked there.
+pub(crate) fn unpacked(make: bool) -> Result<Unpacked> {
+    let ws = Workspace::load()?;
+    let dir = if make {
+        package_and_unpack(&ws, &publish_order(&ws)?, false)?
+    } else {
+        ws.target_dir.join("package")
+    };
+    let mut dirs = BTreeMap::new();
+    for m in ws.published() {
+        let unpacked = dir.join(format!("{}-{}", m.name, m.version));
+        if !unpacked.join("Cargo.toml").is_file() {
+            bail!(
+                "{} is not there: `cargo xtask release-check --no-verify` makes it",
+                unpacked.display()
+            );
+        }
+        dirs.insert(m.name.clone(), unpacked);
+    }
+    Ok(Unpacked {
+        dirs,
+        target_dir: ws.target_dir.clone(),
+    })
 }
 
 /// The file of crate `name` in a sparse index (lowercase): `1/a`, `2/ab`, `3/a/abc`,
