@@ -20,7 +20,7 @@
 
 use std::time::{Duration, Instant};
 
-use outboxkit::NewMessage;
+use outboxkit::{NewMessage, OutboxProducer};
 use outboxkit::mysql::sqlx::MySqlPool;
 use outboxkit::nats::async_nats;
 use outboxkit::postgres::sqlx::{self, AssertSqlSafe, PgPool};

@@ -9,7 +9,7 @@ use std::sync::Arc;
 
 use outboxkit::inbox::{Handler, HandlerContext, HandlerError, IdempotentConsumer, Pipeline};
 use outboxkit::mysql::{MySqlConfig, MySqlInbox, MySqlOutbox, sqlx::{self, MySqlConnection}};
-use outboxkit::{AnyConsumer, AnyConsumerConfig, AnyPublisher, AnyPublisherConfig, CancellationToken, Consumer as _, Dispatcher, DispatcherConfig, IncomingMessage, NewMessage};
+use outboxkit::{AnyConsumer, AnyConsumerConfig, AnyPublisher, AnyPublisherConfig, CancellationToken, Consumer as _, Dispatcher, DispatcherConfig, IncomingMessage, NewMessage, OutboxProducer};
 
 struct Project; // the effect: one row per order, in the inbox's transaction
 #[async_trait::async_trait]
