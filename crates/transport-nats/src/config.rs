@@ -237,11 +237,13 @@ impl NatsConfigBuilder {
 
     /// The JetStream stream the publisher declares, as the RabbitMQ publisher declares
     /// its exchange (default: none; the stream is then the operator's, and must exist).
-    /// [`NatsPublisher::connect`](crate::NatsPublisher::connect) creates the stream or
-    /// updates it to `setup` (its settings are the publisher's: storage, replicas,
-    /// duplicate window, retention, age limit), and every readiness check the relay
-    /// makes (at start, and while its circuit is open) creates it again if it was
-    /// deleted, leaving an existing stream's settings as they are. A `setup` without
+    /// [`NatsPublisher::connect`](crate::NatsPublisher::connect) creates the stream with
+    /// `setup`'s settings (storage, replicas, duplicate window, retention, age limit)
+    /// when it does not exist, and every readiness check the relay makes (at start, and
+    /// while its circuit is open) creates it again if it was deleted; an existing
+    /// stream's settings are left as they are (an operator's replicas or limits are
+    /// never changed; [`NatsPublisher::ensure_stream`](crate::NatsPublisher::ensure_stream)
+    /// updates them). A `setup` without
     /// subjects captures every subject this configuration publishes to
     /// ([`NatsConfig::subject_wildcard`], e.g. `outbox.events.>`).
     ///

@@ -140,19 +140,24 @@ pub struct NatsPublisher {
 
 impl NatsPublisher {
     /// Connects at once and, when the configuration names a
-    /// [stream](crate::NatsConfigBuilder::with_stream), creates it or updates it to the
-    /// configured settings.
+    /// [stream](crate::NatsConfigBuilder::with_stream), creates it if it does not
+    /// exist. An existing stream is left as it is (its replicas, retention and limits
+    /// may be an operator's: a publisher with default settings must not scale a
+    /// replicated stream down); [`ensure_stream`](Self::ensure_stream) updates one to a
+    /// setup.
     ///
     /// # Errors
     /// [`NatsError::Connect`] when the server refuses or cannot be reached (an
     /// authorization violation is [`ErrorKind::Permanent`], an unreachable server
     /// [`ErrorKind::Unavailable`]), [`NatsError::Timeout`] after the connect timeout;
-    /// [`NatsError::Stream`] when the server refuses the stream (subjects overlapping
-    /// another stream's, a storage change: permanent) or JetStream does not answer.
+    /// [`NatsError::Stream`] when the server refuses to create the stream (subjects
+    /// overlapping another stream's: permanent) or JetStream does not answer.
     pub async fn connect(config: NatsConfig) -> Result<Self, NatsError> {
         let publisher = Self::open(config, false).await?;
         if let Some(setup) = publisher.config.stream() {
-            publisher.ensure_stream(setup).await?;
+            setup
+                .get_or_create(&publisher.jetstream, publisher.config.connect_timeout())
+                .await?;
         }
         Ok(publisher)
     }

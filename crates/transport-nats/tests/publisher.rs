@@ -141,8 +141,8 @@ async fn stream_setup_creates_updates_and_reports_conflicts() {
 }
 
 /// A publisher configured with a stream declares it, as the RabbitMQ publisher declares
-/// its exchange: `connect` creates it capturing the configuration's subjects (or updates
-/// it to the configured settings), the relay's readiness check creates it again after
+/// its exchange: `connect` creates it capturing the configuration's subjects (an
+/// existing one is left as it is), the relay's readiness check creates it again after
 /// it was deleted, and the messages published then are stored in it. Without the
 /// setting (main before it existed) nothing creates the stream: the publish is refused
 /// as having no stream, which the second half shows first.
@@ -189,6 +189,17 @@ async fn a_configured_stream_is_declared_by_the_publisher_and_recreated_when_del
         1,
     );
     assert_eq!(fx.stored().await, 1);
+
+    // An existing stream is left as it is: another publisher configured with other
+    // settings does not change it (an operator's replicas or limits are never undone).
+    let other = fx
+        .config()
+        .with_stream(StreamSetup::new(&fx.stream).with_duplicate_window(Duration::from_secs(30)))
+        .build()
+        .expect("valid");
+    drop(NatsPublisher::connect(other).await.expect("connect"));
+    let info = stream.info().await.expect("info");
+    assert_eq!(info.config.duplicate_window, Duration::from_secs(90));
 
     // Deleted behind the relay's back: the next readiness check (the relay makes one
     // before claiming again after an outage) declares it again.
