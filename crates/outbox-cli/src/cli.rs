@@ -183,7 +183,8 @@ pub struct RelayArgs {
     #[arg(long, env = "OUTBOX_WAL_PART_SIZE", value_name = "ROWS")]
     pub wal_part_size: Option<usize>,
 
-    /// Broker: rabbit or nats [default: rabbit].
+    /// Broker: rabbit or nats [default: the broker URL's (amqp://, amqps://: rabbit;
+    /// nats://, tls://: nats), else rabbit].
     #[arg(long, env = "OUTBOX_TRANSPORT", value_enum)]
     pub transport: Option<TransportKind>,
 

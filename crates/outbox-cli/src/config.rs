@@ -696,15 +696,15 @@ impl RelaySettings {
     pub fn resolve(cli: &Cli, args: &RelayArgs, file: &FileConfig) -> Result<Self, CliError> {
         let db = DbSettings::resolve(cli, file)?;
         let f = &file.relay;
+        let given_url = args.broker_url.clone().or_else(|| f.broker_url.clone());
+        // Without a transport, the URL's scheme names it (as `AnyPublisherConfig::from_url`
+        // reads it): a `nats://` URL is never taken for RabbitMQ.
         let transport = args
             .transport
             .or(f.transport)
+            .or_else(|| given_url.as_deref().and_then(TransportKind::of_url))
             .unwrap_or(TransportKind::Rabbit);
-        let broker_url = args
-            .broker_url
-            .clone()
-            .or_else(|| f.broker_url.clone())
-            .unwrap_or_else(|| transport.default_url().to_owned());
+        let broker_url = given_url.unwrap_or_else(|| transport.default_url().to_owned());
         let mut s = Self::new(db, transport, broker_url);
         if let Some(x) = args.exchange.clone().or_else(|| f.exchange.clone()) {
             s.exchange = x;
@@ -1334,6 +1334,43 @@ mod tests {
                 .expect_err("rules are RabbitMQ's");
             assert!(e.is_bad_input() && e.to_string().contains("NATS"), "{e}");
         }
+    }
+
+    #[cfg(all(feature = "nats", feature = "rabbit"))]
+    #[test]
+    fn without_a_transport_the_broker_urls_scheme_names_it() {
+        let s = resolve_wal_relay(&["--broker-url", "nats://127.0.0.1:4222"]).expect("valid");
+        assert_eq!(s.transport, TransportKind::Nats);
+        let s = resolve_wal_relay(&["--broker-url", "tls://a:4222,tls://b:4222"]).expect("valid");
+        assert_eq!(s.transport, TransportKind::Nats);
+        let s = resolve_wal_relay(&["--broker-url", "amqps://u:p@mq/%2f"]).expect("valid");
+        assert_eq!(s.transport, TransportKind::Rabbit);
+        // A given transport wins, and is checked against the URL as before.
+        let e = resolve_wal_relay(&[
+            "--transport",
+            "rabbit",
+            "--broker-url",
+            "nats://127.0.0.1:4222",
+        ])
+        .expect_err("a NATS URL for RabbitMQ");
+        assert!(e.is_bad_input(), "{e}");
+        // No URL, no transport: RabbitMQ on the local broker.
+        let s = resolve_wal_relay(&[]).expect("valid");
+        assert_eq!(
+            (s.transport, s.broker_url.as_str()),
+            (TransportKind::Rabbit, TransportKind::Rabbit.default_url())
+        );
+        // From the file too.
+        let file: FileConfig =
+            toml::from_str("[relay]\nbroker_url = \"nats://127.0.0.1:4222\"\nstream = \"S\"")
+                .expect("toml");
+        let argv = ["outbox", "--database-url", "postgres://u@h/d", "relay"];
+        let cli = <Cli as clap::Parser>::parse_from(argv);
+        let crate::cli::Command::Relay(args) = &cli.command else {
+            unreachable!("parsed relay")
+        };
+        let s = RelaySettings::resolve(&cli, args, &file).expect("a stream is fine on NATS");
+        assert_eq!(s.transport, TransportKind::Nats);
     }
 
     #[cfg(feature = "nats")]

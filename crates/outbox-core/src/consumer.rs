@@ -358,6 +358,26 @@ pub const MAX_DEFER_DELAY: std::time::Duration = std::time::Duration::from_secs(
 
 #[cfg(test)]
 mod tests {
+
+    #[test]
+    fn a_broker_url_names_its_transport_by_scheme() {
+        use super::TransportKind;
+        for (url, kind) in [
+            (
+                "amqp://guest:guest@127.0.0.1:5672/%2f",
+                Some(TransportKind::Rabbit),
+            ),
+            (" amqps://mq.example/vhost", Some(TransportKind::Rabbit)),
+            ("nats://127.0.0.1:4222", Some(TransportKind::Nats)),
+            ("tls://a:4222,tls://b:4222", Some(TransportKind::Nats)),
+            ("AMQP://upper.case", None),
+            ("http://x", None),
+            ("127.0.0.1:4222", None),
+            ("", None),
+        ] {
+            assert_eq!(TransportKind::of_url(url), kind, "{url:?}");
+        }
+    }
     use super::*;
 
     use std::sync::atomic::{AtomicU32, Ordering::SeqCst};
@@ -659,6 +679,18 @@ impl TransportKind {
         match self {
             Self::Rabbit => "rabbit",
             Self::Nats => "nats",
+        }
+    }
+
+    /// The broker `url` names by its scheme: `amqp://` or `amqps://` is RabbitMQ,
+    /// `nats://` or `tls://` is NATS (a comma-separated list of servers is read by its
+    /// first URL); `None` for any other scheme or none. Schemes are lower case, as the
+    /// transports' URL parsers require. The rest of the URL is not checked here.
+    pub fn of_url(url: &str) -> Option<Self> {
+        match url.trim().split_once("://")?.0 {
+            "amqp" | "amqps" => Some(Self::Rabbit),
+            "nats" | "tls" => Some(Self::Nats),
+            _ => None,
         }
     }
 }

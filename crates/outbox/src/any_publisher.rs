@@ -13,11 +13,6 @@ use outboxkit_nats::{NatsConfig, NatsError, NatsPublisher};
 #[cfg(feature = "rabbit")]
 use outboxkit_rabbit::{RabbitConfig, RabbitError, RabbitPublisher};
 
-/// URL schemes of RabbitMQ (AMQP 0-9-1, plain and TLS).
-pub(crate) const RABBIT_SCHEMES: [&str; 2] = ["amqp", "amqps"];
-/// URL schemes of NATS (plain and TLS; async-nats is built without WebSocket support).
-pub(crate) const NATS_SCHEMES: [&str; 2] = ["nats", "tls"];
-
 /// The configuration of an [`AnyPublisher`]: one transport's own configuration.
 ///
 /// Build it from the transport's builder and `.into()` when the program has
@@ -49,10 +44,12 @@ impl AnyPublisherConfig {
     /// ([`AnyPublisherError::Rabbit`] / [`AnyPublisherError::Nats`], both
     /// [`ErrorKind::Permanent`]) when it rejects the URL.
     pub fn from_url(url: &str) -> Result<Self, AnyPublisherError> {
-        match url.split_once("://").map(|(scheme, _)| scheme) {
-            Some(s) if RABBIT_SCHEMES.contains(&s) => rabbit_from_url(url),
-            Some(s) if NATS_SCHEMES.contains(&s) => nats_from_url(url),
-            _ => Err(AnyPublisherError::UnsupportedScheme {
+        // NATS: async-nats is built without WebSocket support, so `nats://` and
+        // `tls://` only.
+        match TransportKind::of_url(url) {
+            Some(TransportKind::Rabbit) => rabbit_from_url(url),
+            Some(TransportKind::Nats) => nats_from_url(url),
+            None => Err(AnyPublisherError::UnsupportedScheme {
                 url_redacted: redact_unknown(url),
             }),
         }
