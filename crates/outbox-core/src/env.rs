@@ -165,6 +165,27 @@ impl Env<ProcessLookup> {
     }
 }
 
+/// The lookup of a fixed set of variables ([`Env::from_pairs`]).
+pub type PairsLookup = Box<dyn Fn(&str) -> Option<String> + Send + Sync>;
+
+impl Env<PairsLookup> {
+    /// An environment of exactly these `(name, value)` pairs, the process environment
+    /// untouched: for tests of settings read through an [`Env`] (the first pair of a
+    /// name wins).
+    pub fn from_pairs(pairs: &[(&str, &str)]) -> Self {
+        let pairs: Vec<(String, String)> = pairs
+            .iter()
+            .map(|(k, v)| ((*k).to_owned(), (*v).to_owned()))
+            .collect();
+        Self::new(Box::new(move |name| {
+            pairs
+                .iter()
+                .find(|(k, _)| k == name)
+                .map(|(_, v)| v.clone())
+        }))
+    }
+}
+
 impl<F: Fn(&str) -> Option<String>> Env<F> {
     /// The environment `lookup` answers.
     pub fn new(lookup: F) -> Self {
@@ -291,21 +312,12 @@ impl<F: Fn(&str) -> Option<String>> Env<F> {
 
 #[cfg(test)]
 mod tests {
-    use std::collections::HashMap;
 
     use super::*;
 
-    fn env(pairs: &[(&str, &str)]) -> Env<impl Fn(&str) -> Option<String>> {
-        let map: HashMap<String, String> = pairs
-            .iter()
-            .map(|(k, v)| ((*k).to_owned(), (*v).to_owned()))
-            .collect();
-        Env::new(move |name: &str| map.get(name).cloned())
-    }
-
     #[test]
     fn blanks_are_unset_and_values_trimmed() {
-        let e = env(&[(OUTBOX_SCHEMA, "  "), (OUTBOX_EXCHANGE, " x ")]);
+        let e = Env::from_pairs(&[(OUTBOX_SCHEMA, "  "), (OUTBOX_EXCHANGE, " x ")]);
         assert_eq!(e.get(OUTBOX_SCHEMA), None);
         assert_eq!(e.get(OUTBOX_EXCHANGE).as_deref(), Some("x"));
         assert_eq!(e.get("NOT_THERE"), None);
@@ -313,7 +325,7 @@ mod tests {
 
     #[test]
     fn durations_take_the_binary_syntax_and_refuse_zero() {
-        let e = env(&[
+        let e = Env::from_pairs(&[
             ("A", "500ms"),
             ("B", "1h 30m"),
             ("C", "0s"),
@@ -338,7 +350,7 @@ mod tests {
 
     #[test]
     fn counts_are_positive() {
-        let e = env(&[("A", "3"), ("B", "0"), ("C", "-1"), ("D", "4294967296")]);
+        let e = Env::from_pairs(&[("A", "3"), ("B", "0"), ("C", "-1"), ("D", "4294967296")]);
         assert_eq!(e.positive::<u32>("A"), Ok(Some(3)));
         for var in ["B", "C", "D"] {
             assert!(
@@ -351,10 +363,10 @@ mod tests {
 
     #[test]
     fn sent_retention_and_schema_are_checked() {
-        let e = env(&[(OUTBOX_SENT_RETENTION, "delete"), (OUTBOX_SCHEMA, "app_1")]);
+        let e = Env::from_pairs(&[(OUTBOX_SENT_RETENTION, "delete"), (OUTBOX_SCHEMA, "app_1")]);
         assert_eq!(e.sent_retention(), Ok(Some(SentRetention::Delete)));
         assert_eq!(e.schema(), Ok(Some("app_1".to_owned())));
-        let e = env(&[(OUTBOX_SENT_RETENTION, "forever"), (OUTBOX_SCHEMA, "A-b")]);
+        let e = Env::from_pairs(&[(OUTBOX_SENT_RETENTION, "forever"), (OUTBOX_SCHEMA, "A-b")]);
         let err = e.sent_retention().expect_err("retention");
         assert_eq!(err.var(), OUTBOX_SENT_RETENTION);
         assert!(err.to_string().contains("\"forever\""), "{err}");
@@ -364,10 +376,10 @@ mod tests {
     #[test]
     fn the_database_url_must_name_the_stores_database() {
         assert_eq!(
-            env(&[]).database_url(DatabaseKind::Postgres),
+            Env::from_pairs(&[]).database_url(DatabaseKind::Postgres),
             Err(EnvError::Missing { var: DATABASE_URL })
         );
-        let e = env(&[(DATABASE_URL, "mysql://app:s3cret@db/app")]);
+        let e = Env::from_pairs(&[(DATABASE_URL, "mysql://app:s3cret@db/app")]);
         assert!(e.database_url(DatabaseKind::MySql).is_ok());
         let err = e
             .database_url(DatabaseKind::Postgres)
@@ -378,7 +390,7 @@ mod tests {
             "{text}"
         );
         assert!(!text.contains("s3cret"), "{text}");
-        let err = env(&[(DATABASE_URL, "oracle://u:s3cret@h/db")])
+        let err = Env::from_pairs(&[(DATABASE_URL, "oracle://u:s3cret@h/db")])
             .database_url(DatabaseKind::SqlServer)
             .expect_err("unknown");
         assert!(!err.to_string().contains("s3cret"), "{err}");
@@ -386,7 +398,7 @@ mod tests {
 
     #[test]
     fn lists_are_comma_separated() {
-        let e = env(&[("A", "a.#=a, ,b.*=b,")]);
+        let e = Env::from_pairs(&[("A", "a.#=a, ,b.*=b,")]);
         assert_eq!(e.list("A"), vec!["a.#=a".to_owned(), "b.*=b".to_owned()]);
         assert!(e.list("B").is_empty());
     }

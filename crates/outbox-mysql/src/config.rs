@@ -338,19 +338,9 @@ mod tests {
         assert!(parse_url("mariadb://root@127.0.0.1:3306/test").is_ok());
     }
 
-    fn env(pairs: &[(&'static str, &'static str)]) -> Env<impl Fn(&str) -> Option<String>> {
-        let pairs = pairs.to_vec();
-        Env::new(move |name: &str| {
-            pairs
-                .iter()
-                .find(|(k, _)| *k == name)
-                .map(|(_, v)| (*v).to_owned())
-        })
-    }
-
     #[test]
     fn from_env_reads_the_binarys_variables() -> Result<(), EnvError> {
-        let config = MySqlConfig::from_lookup(&env(&[
+        let config = MySqlConfig::from_lookup(&Env::from_pairs(&[
             ("DATABASE_URL", "mariadb://app:s3cret@db:3306/app"),
             ("OUTBOX_SCHEMA", "orders"),
             ("OUTBOX_SENT_RETENTION", "delete"),
@@ -361,7 +351,8 @@ mod tests {
         assert_eq!(config.sent_retention(), SentRetention::Delete);
         assert_eq!(config.crash_loop_limit(), 3);
         assert_eq!(config.max_payload_bytes(), 2048);
-        let defaults = MySqlConfig::from_lookup(&env(&[("DATABASE_URL", "mysql://h/db")]))?;
+        let defaults =
+            MySqlConfig::from_lookup(&Env::from_pairs(&[("DATABASE_URL", "mysql://h/db")]))?;
         assert_eq!(defaults.schema(), DEFAULT_SCHEMA);
         assert_eq!(defaults.sent_retention(), SentRetention::Keep);
         assert_eq!(defaults.crash_loop_limit(), DEFAULT_CRASH_LOOP_LIMIT);
@@ -373,7 +364,7 @@ mod tests {
     fn from_env_names_the_bad_variable() {
         let url = ("DATABASE_URL", "mysql://app:s3cret@db/app");
         assert_eq!(
-            MySqlConfig::from_lookup(&env(&[])).expect_err("unset"),
+            MySqlConfig::from_lookup(&Env::from_pairs(&[])).expect_err("unset"),
             EnvError::Missing {
                 var: "DATABASE_URL"
             }
@@ -405,14 +396,15 @@ mod tests {
                 "OUTBOX_MAX_PAYLOAD_BYTES",
             ),
         ] {
-            let err = MySqlConfig::from_lookup(&env(&pairs)).expect_err(var);
+            let err = MySqlConfig::from_lookup(&Env::from_pairs(&pairs)).expect_err(var);
             assert_eq!(err.var(), var, "{err}");
             let text = OutboxError::from(err).to_string();
             assert!(text.contains(var) && !text.contains("s3cret"), "{text}");
         }
-        let err = MySqlConfig::from_lookup(&env(&[("DATABASE_URL", "postgres://h/db")]))
-            .expect_err("postgres")
-            .to_string();
+        let err =
+            MySqlConfig::from_lookup(&Env::from_pairs(&[("DATABASE_URL", "postgres://h/db")]))
+                .expect_err("postgres")
+                .to_string();
         assert!(
             err.contains("PostgreSQL") && err.contains("mysql://"),
             "{err}"

@@ -347,19 +347,9 @@ mod tests {
         assert!(parse_url("postgres://postgres@127.0.0.1:5432/test").is_ok());
     }
 
-    fn env(pairs: &[(&'static str, &'static str)]) -> Env<impl Fn(&str) -> Option<String>> {
-        let pairs = pairs.to_vec();
-        Env::new(move |name: &str| {
-            pairs
-                .iter()
-                .find(|(k, _)| *k == name)
-                .map(|(_, v)| (*v).to_owned())
-        })
-    }
-
     #[test]
     fn from_env_reads_the_binarys_variables() -> Result<(), EnvError> {
-        let config = PgConfig::from_lookup(&env(&[
+        let config = PgConfig::from_lookup(&Env::from_pairs(&[
             ("DATABASE_URL", "postgres://app:s3cret@db:5432/app"),
             ("OUTBOX_SCHEMA", "orders"),
             ("OUTBOX_SENT_RETENTION", "delete"),
@@ -370,7 +360,8 @@ mod tests {
         assert_eq!(config.sent_retention(), SentRetention::Delete);
         assert_eq!(config.crash_loop_limit(), 3);
         assert_eq!(config.max_payload_bytes(), 2048);
-        let defaults = PgConfig::from_lookup(&env(&[("DATABASE_URL", "postgresql://h/db")]))?;
+        let defaults =
+            PgConfig::from_lookup(&Env::from_pairs(&[("DATABASE_URL", "postgresql://h/db")]))?;
         assert_eq!(defaults.schema(), DEFAULT_SCHEMA);
         assert_eq!(defaults.sent_retention(), SentRetention::Keep);
         assert_eq!(defaults.crash_loop_limit(), DEFAULT_CRASH_LOOP_LIMIT);
@@ -382,7 +373,7 @@ mod tests {
     fn from_env_names_the_bad_variable() {
         let url = ("DATABASE_URL", "postgres://app:s3cret@db/app");
         assert_eq!(
-            PgConfig::from_lookup(&env(&[])).expect_err("unset"),
+            PgConfig::from_lookup(&Env::from_pairs(&[])).expect_err("unset"),
             EnvError::Missing {
                 var: "DATABASE_URL"
             }
@@ -414,12 +405,12 @@ mod tests {
                 "OUTBOX_MAX_PAYLOAD_BYTES",
             ),
         ] {
-            let err = PgConfig::from_lookup(&env(&pairs)).expect_err(var);
+            let err = PgConfig::from_lookup(&Env::from_pairs(&pairs)).expect_err(var);
             assert_eq!(err.var(), var, "{err}");
             let text = OutboxError::from(err).to_string();
             assert!(text.contains(var) && !text.contains("s3cret"), "{text}");
         }
-        let err = PgConfig::from_lookup(&env(&[("DATABASE_URL", "mysql://h/db")]))
+        let err = PgConfig::from_lookup(&Env::from_pairs(&[("DATABASE_URL", "mysql://h/db")]))
             .expect_err("mysql")
             .to_string();
         assert!(

@@ -675,19 +675,9 @@ mod tests {
         }
     }
 
-    fn env(pairs: &[(&'static str, &'static str)]) -> Env<impl Fn(&str) -> Option<String>> {
-        let pairs = pairs.to_vec();
-        Env::new(move |name: &str| {
-            pairs
-                .iter()
-                .find(|(k, _)| *k == name)
-                .map(|(_, v)| (*v).to_owned())
-        })
-    }
-
     #[test]
     fn from_env_reads_the_binarys_variables() -> Result<(), EnvError> {
-        let config = MssqlConfig::from_lookup(&env(&[
+        let config = MssqlConfig::from_lookup(&Env::from_pairs(&[
             ("DATABASE_URL", "mssql://sa:s3cret@db:1444/app"),
             ("OUTBOX_SCHEMA", "orders"),
             ("OUTBOX_SENT_RETENTION", "delete"),
@@ -702,7 +692,7 @@ mod tests {
         assert_eq!(config.sent_retention(), SentRetention::Delete);
         assert_eq!(config.crash_loop_limit(), 3);
         assert_eq!(config.max_payload_bytes(), 2048);
-        let defaults = MssqlConfig::from_lookup(&env(&[(
+        let defaults = MssqlConfig::from_lookup(&Env::from_pairs(&[(
             "DATABASE_URL",
             "server=tcp:h,1433;user=sa;password=x",
         )]))?;
@@ -717,7 +707,7 @@ mod tests {
     fn from_env_names_the_bad_variable() {
         let url = ("DATABASE_URL", "mssql://sa:s3cret@db/app");
         assert_eq!(
-            MssqlConfig::from_lookup(&env(&[])).expect_err("unset"),
+            MssqlConfig::from_lookup(&Env::from_pairs(&[])).expect_err("unset"),
             EnvError::Missing {
                 var: "DATABASE_URL"
             }
@@ -751,10 +741,10 @@ mod tests {
         ] {
             if var == "DATABASE_URL_OK" {
                 // Blank counts as unset.
-                assert!(MssqlConfig::from_lookup(&env(&pairs)).is_ok());
+                assert!(MssqlConfig::from_lookup(&Env::from_pairs(&pairs)).is_ok());
                 continue;
             }
-            let err = MssqlConfig::from_lookup(&env(&pairs)).expect_err(var);
+            let err = MssqlConfig::from_lookup(&Env::from_pairs(&pairs)).expect_err(var);
             assert_eq!(err.var(), var, "{err}");
             let text = OutboxError::from(err).to_string();
             assert!(text.contains(var) && !text.contains("s3cret"), "{text}");

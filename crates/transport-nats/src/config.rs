@@ -675,19 +675,9 @@ mod tests {
         }
     }
 
-    fn env(pairs: &[(&'static str, &'static str)]) -> Env<impl Fn(&str) -> Option<String>> {
-        let pairs = pairs.to_vec();
-        Env::new(move |name: &str| {
-            pairs
-                .iter()
-                .find(|(k, _)| *k == name)
-                .map(|(_, v)| (*v).to_owned())
-        })
-    }
-
     #[test]
     fn from_env_reads_the_binarys_variables() -> Result<(), NatsError> {
-        let config = NatsConfigBuilder::from_lookup(&env(&[
+        let config = NatsConfigBuilder::from_lookup(&Env::from_pairs(&[
             ("OUTBOX_BROKER_URL", "nats://app:s3cret@mq:4222"),
             ("OUTBOX_SUBJECT_PREFIX", "orders.events"),
             ("OUTBOX_CONNECT_TIMEOUT", "2s"),
@@ -703,7 +693,7 @@ mod tests {
         assert_eq!(config.subject_prefix(), "orders.events");
         assert_eq!(config.connect_timeout(), Duration::from_secs(2));
         assert_eq!(config.ack_timeout(), Duration::from_secs(90));
-        let defaults = NatsConfigBuilder::from_lookup(&env(&[]))?.build()?;
+        let defaults = NatsConfigBuilder::from_lookup(&Env::from_pairs(&[]))?.build()?;
         assert_eq!(defaults.url_redacted(), DEFAULT_URL);
         assert_eq!(defaults.subject_prefix(), DEFAULT_SUBJECT_PREFIX);
         assert_eq!(defaults.connect_timeout(), DEFAULT_CONNECT_TIMEOUT);
@@ -733,7 +723,7 @@ mod tests {
             ),
             (vec![("OUTBOX_STREAM", "bad.name")], "OUTBOX_STREAM"),
         ] {
-            match NatsConfigBuilder::from_lookup(&env(&pairs)) {
+            match NatsConfigBuilder::from_lookup(&Env::from_pairs(&pairs)) {
                 Err(NatsError::Env(e)) => {
                     assert_eq!(e.var(), var, "{e}");
                     assert!(!e.to_string().contains("s3cret"), "{e}");

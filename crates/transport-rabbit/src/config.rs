@@ -749,19 +749,9 @@ mod tests {
         }
     }
 
-    fn env(pairs: &[(&'static str, &'static str)]) -> Env<impl Fn(&str) -> Option<String>> {
-        let pairs = pairs.to_vec();
-        Env::new(move |name: &str| {
-            pairs
-                .iter()
-                .find(|(k, _)| *k == name)
-                .map(|(_, v)| (*v).to_owned())
-        })
-    }
-
     #[test]
     fn from_env_reads_the_binarys_variables() -> Result<(), RabbitError> {
-        let config = RabbitConfigBuilder::from_lookup(&env(&[
+        let config = RabbitConfigBuilder::from_lookup(&Env::from_pairs(&[
             ("OUTBOX_BROKER_URL", "amqp://app:s3cret@mq:5672/%2f"),
             ("OUTBOX_EXCHANGE", "orders.events"),
             ("OUTBOX_CONNECT_TIMEOUT", "2s"),
@@ -778,7 +768,8 @@ mod tests {
         assert_eq!(config.confirm_timeout(), Duration::from_secs(90));
         assert_eq!(config.destination_rules().len(), 2);
         let defaults =
-            RabbitConfigBuilder::from_lookup(&env(&[("OUTBOX_BROKER_URL", " ")]))?.build()?;
+            RabbitConfigBuilder::from_lookup(&Env::from_pairs(&[("OUTBOX_BROKER_URL", " ")]))?
+                .build()?;
         assert_eq!(defaults.url_redacted(), redact_url(DEFAULT_URL));
         assert_eq!(defaults.exchange(), DEFAULT_EXCHANGE);
         assert_eq!(defaults.connect_timeout(), DEFAULT_CONNECT_TIMEOUT);
@@ -812,7 +803,7 @@ mod tests {
                 "OUTBOX_DESTINATION_RULES",
             ),
         ] {
-            match RabbitConfigBuilder::from_lookup(&env(&pairs)) {
+            match RabbitConfigBuilder::from_lookup(&Env::from_pairs(&pairs)) {
                 Err(RabbitError::Env(e)) => {
                     assert_eq!(e.var(), var, "{e}");
                     assert!(!e.to_string().contains("s3cret"), "{e}");
