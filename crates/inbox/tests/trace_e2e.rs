@@ -89,7 +89,8 @@ async fn the_consumer_span_joins_the_producers_trace() {
 
     // Relay and consumer.
     let publisher = Arc::new(RabbitPublisher::connect(rabbit).await.expect("publisher"));
-    let dispatcher = Dispatcher::new(Arc::new(outbox.clone()), publisher, DispatcherConfig::new());
+    let dispatcher = Dispatcher::new(Arc::new(outbox.clone()), publisher, DispatcherConfig::new())
+        .expect("valid dispatcher config");
     assert_eq!(dispatcher.run_batch().await.expect("relay").published, 1);
     let store = Arc::new(
         PgInbox::new(

@@ -876,7 +876,7 @@ impl RelaySettings {
             .map_err(|e| CliError::Invalid {
                 field: "lease",
                 reason: match e {
-                    outboxkit_core::OutboxError::Config(reason) => reason,
+                    outboxkit_core::OutboxError::InvalidConfig { reason, .. } => reason,
                     other => other.to_string(),
                 },
             })?;

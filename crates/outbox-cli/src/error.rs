@@ -132,7 +132,7 @@ impl CliError {
             | Self::EventTypeOverride { .. }
             | Self::TimeWindow { .. }
             | Self::FeatureMissing { .. } => true,
-            Self::Store(OutboxError::Config(_)) => true,
+            Self::Store(OutboxError::Config(_) | OutboxError::InvalidConfig { .. }) => true,
             #[cfg(feature = "postgres")]
             Self::Wal(e) => matches!(
                 e,

@@ -225,7 +225,7 @@ impl Relay {
         };
         let store = Arc::new(store);
         let backend = store.backend();
-        let dispatcher = Dispatcher::new(Arc::clone(&store), Arc::clone(&publisher), config);
+        let dispatcher = Dispatcher::new(Arc::clone(&store), Arc::clone(&publisher), config)?;
         let health = Health::new(settings.max_lag, settings.stuck_after, ordered);
 
         let (addr, server) =

@@ -100,6 +100,17 @@ pub enum OutboxError {
     /// A configuration value is invalid (URL, schema name, sizes, durations).
     #[error("invalid configuration: {0}")]
     Config(String),
+    /// A setting of a configuration (`DispatcherConfig`, the inbox's
+    /// `ProcessorConfig`, ...) is invalid: refused by its `validate`, which the
+    /// component built from it (`Dispatcher::new`, `InboxProcessor::new`) calls before
+    /// any I/O or task starts.
+    #[error("invalid configuration: {field}: {reason}")]
+    InvalidConfig {
+        /// The setting, as its `with_*` setter names it (`batch_size`, `lease`, ...).
+        field: &'static str,
+        /// What is wrong with its value.
+        reason: String,
+    },
     /// An environment variable read by a `from_env` is missing or invalid (the
     /// variable and its redacted value are named).
     #[error("invalid configuration: {0}")]

@@ -133,6 +133,15 @@ impl RetryPolicies {
     }
 }
 
+/// One policy for every event type: what `with_retry(policy)` means on the
+/// dispatcher, the WAL relay and the inbox processor, which all take
+/// `impl Into<RetryPolicies>`. Same as [`RetryPolicies::new`].
+impl From<RetryPolicy> for RetryPolicies {
+    fn from(policy: RetryPolicy) -> Self {
+        Self::new(policy)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -183,5 +192,12 @@ mod tests {
             .with_override("Flaky", RetryPolicy::new().with_max_attempts(2));
         assert_eq!(policies.for_event_type("Flaky").max_attempts(), 2);
         assert_eq!(policies.for_event_type("Other").max_attempts(), 8);
+    }
+
+    #[test]
+    fn one_policy_converts_to_policies_for_every_event_type() {
+        let policies = RetryPolicies::from(RetryPolicy::new().with_max_attempts(3));
+        assert_eq!(policies.for_event_type("Any").max_attempts(), 3);
+        assert_eq!(policies.for_event_type("Other").max_attempts(), 3);
     }
 }

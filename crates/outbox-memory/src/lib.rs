@@ -57,7 +57,7 @@
 //!     Arc::new(store.clone()),
 //!     Arc::new(publisher.clone()),
 //!     DispatcherConfig::new(),
-//! );
+//! )?;
 //! let report = dispatcher.run_batch().await?;
 //! assert_eq!((report.published, report.dead), (1, 1));
 //! assert_eq!(publisher.published_count(), 1);

@@ -58,6 +58,7 @@ fn dispatcher(
     config: DispatcherConfig,
 ) -> Dispatcher<MemoryOutbox, MemoryPublisher> {
     Dispatcher::new(Arc::new(store.clone()), Arc::new(publisher.clone()), config)
+        .expect("valid dispatcher config")
 }
 
 /// Runs `d` until the returned token is cancelled.

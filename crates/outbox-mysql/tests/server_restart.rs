@@ -169,7 +169,8 @@ async fn relay_and_consumer_ride_out_a_server_restart_with_nothing_lost_or_appli
         DispatcherConfig::new()
             .with_batch_size(50)
             .with_poll_interval(Duration::from_millis(100)),
-    );
+    )
+    .expect("valid dispatcher config");
     let token = CancellationToken::new();
     let relay = {
         let d = dispatcher.clone();

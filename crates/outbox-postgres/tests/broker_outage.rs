@@ -98,7 +98,8 @@ async fn broker_down_for_a_minute_dead_letters_nothing_and_recovers() {
             .with_batch_size(50)
             .with_poll_interval(Duration::from_millis(100))
             .with_probe_backoff(Duration::from_millis(200), Duration::from_secs(2)),
-    );
+    )
+    .expect("valid dispatcher config");
     let token = CancellationToken::new();
     let handle = {
         let d = dispatcher.clone();

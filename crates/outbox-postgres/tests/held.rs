@@ -74,7 +74,8 @@ fn start_with(
     CancellationToken,
     Running,
 ) {
-    let d = Dispatcher::new(Arc::clone(outbox), Arc::new(publisher), config);
+    let d = Dispatcher::new(Arc::clone(outbox), Arc::new(publisher), config)
+        .expect("valid dispatcher config");
     let token = CancellationToken::new();
     let running = {
         let (d, t) = (d.clone(), token.clone());

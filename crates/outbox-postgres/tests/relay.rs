@@ -95,7 +95,8 @@ async fn four_dispatchers_publish_10000_messages_exactly_once() {
             Arc::clone(&outbox),
             publisher(&fx.exchange, None).await,
             DispatcherConfig::new().with_batch_size(100),
-        );
+        )
+        .expect("valid dispatcher config");
         dispatchers.push((d.clone(), spawn(&d, &token)));
     }
     let all_sent = eventually(Duration::from_secs(120), || async {
@@ -160,7 +161,8 @@ async fn dispatcher_killed_mid_batch_loses_nothing_after_lease_expiry() {
             .with_batch_size(20)
             .with_concurrency(1)
             .with_lease(Duration::from_secs(2)),
-    );
+    )
+    .expect("valid dispatcher config");
     let killed = tokio::spawn(async move { doomed.run_batch().await });
     // Wait until the doomed dispatcher has published its batch, then kill it.
     assert!(
@@ -186,7 +188,8 @@ async fn dispatcher_killed_mid_batch_loses_nothing_after_lease_expiry() {
         Arc::clone(&outbox),
         real,
         DispatcherConfig::new().with_poll_interval(Duration::from_millis(100)),
-    );
+    )
+    .expect("valid dispatcher config");
     let handle = spawn(&rescuer, &token);
     assert!(
         eventually(Duration::from_secs(30), || async {
@@ -239,7 +242,8 @@ async fn broker_nack_defers_the_message_and_charges_nothing() {
             .with_retry(fast_retry(2))
             .with_poll_interval(Duration::from_millis(50))
             .with_probe_backoff(Duration::from_millis(100), Duration::from_millis(500)),
-    );
+    )
+    .expect("valid dispatcher config");
     let handle = spawn(&d, &token);
     assert!(
         eventually(Duration::from_secs(20), || async {
@@ -287,7 +291,8 @@ async fn permanent_failures_are_dead_at_once() {
         Arc::clone(&outbox),
         publisher(&lonely.exchange, None).await,
         DispatcherConfig::new(),
-    );
+    )
+    .expect("valid dispatcher config");
     let report = d.run_batch().await.expect("batch");
     assert_eq!(report.dead, 1, "{report:?}");
     let m = status_of(&outbox, unroutable).await;
@@ -309,7 +314,8 @@ async fn permanent_failures_are_dead_at_once() {
         Arc::clone(&outbox),
         publisher(&fx.exchange, Some(1024)).await,
         DispatcherConfig::new(),
-    );
+    )
+    .expect("valid dispatcher config");
     let report = d.run_batch().await.expect("batch");
     assert_eq!(report.dead, 1, "{report:?}");
     let m = status_of(&outbox, big_id).await;
@@ -347,7 +353,8 @@ async fn a_relay_bound_by_its_broker_says_so_in_its_stats() {
             .with_batch_size(100)
             .with_concurrency(2)
             .with_poll_interval(Duration::from_millis(20)),
-    );
+    )
+    .expect("valid dispatcher config");
     let handle = spawn(&d, &token);
     assert!(
         eventually(Duration::from_secs(60), || async {

@@ -151,7 +151,8 @@ async fn slow_polling_dispatcher<S: OutboxStore>(
         DispatcherConfig::new()
             .with_poll_interval(Duration::from_secs(60))
             .with_min_poll_interval(Duration::from_secs(60)),
-    );
+    )
+    .expect("valid dispatcher config");
     (dispatcher, fx)
 }
 
@@ -289,7 +290,8 @@ async fn a_plain_dispatcher_over_pg_outbox_is_woken_by_its_commits() {
                 .with_poll_interval(Duration::from_secs(60))
                 .with_min_poll_interval(Duration::from_secs(60))
                 .with_push_wake(push),
-        );
+        )
+        .expect("valid dispatcher config");
         let first = orders(1);
         enqueue_committed(&migrated, &first).await;
         let token = CancellationToken::new();

@@ -94,7 +94,8 @@ pub async fn four_dispatchers_keep_100_keys_in_order_over_20000_messages<B: Brok
             Arc::clone(&outbox),
             broker.publisher().await,
             ordered(OnDead::Block),
-        );
+        )
+        .expect("valid dispatcher config");
         handles.push(spawn(&d, &token));
     }
     let received = eventually(Duration::from_secs(240), || async {
@@ -212,7 +213,8 @@ pub async fn transient_failure_delays_only_its_key_and_order_holds<B: Broker, H:
         Arc::clone(&outbox),
         Arc::new(Faulty::new(broker.publisher().await, &[(victim, false, 1)])),
         ordered(OnDead::Block).with_retry(retry_after(Duration::from_secs(2), 5)),
-    );
+    )
+    .expect("valid dispatcher config");
     let handle = spawn(&d, &token);
     let received = eventually(Duration::from_secs(60), || async {
         log.lock().expect("lock").len() >= 1000
@@ -264,7 +266,8 @@ pub async fn on_dead_block_stops_the_key_until_replay<B: Broker, H: Harness>(h: 
         Arc::clone(&outbox),
         Arc::new(Faulty::new(broker.publisher().await, &[(poison, true, 1)])),
         ordered(OnDead::Block),
-    );
+    )
+    .expect("valid dispatcher config");
     let handle = spawn(&d, &token);
     assert!(
         eventually(Duration::from_secs(30), || async {
@@ -335,7 +338,8 @@ pub async fn on_dead_skip_lets_the_key_continue<B: Broker, H: Harness>(h: &H) {
         Arc::clone(&outbox),
         Arc::new(Faulty::new(broker.publisher().await, &[(poison, true, 1)])),
         ordered(OnDead::Skip),
-    );
+    )
+    .expect("valid dispatcher config");
     let handle = spawn(&d, &token);
     assert!(
         eventually(Duration::from_secs(30), || async {
@@ -404,7 +408,8 @@ pub async fn dispatcher_killed_mid_batch_does_not_break_any_keys_order<B: Broker
         ordered(OnDead::Block)
             .with_batch_size(100)
             .with_lease(Duration::from_secs(2)),
-    );
+    )
+    .expect("valid dispatcher config");
     let killed = tokio::spawn(async move { doomed.run_batch().await });
     assert!(
         eventually(Duration::from_secs(20), || async {
@@ -423,7 +428,8 @@ pub async fn dispatcher_killed_mid_batch_does_not_break_any_keys_order<B: Broker
                 Arc::clone(&outbox),
                 Arc::clone(&real),
                 ordered(OnDead::Block),
-            );
+            )
+            .expect("valid dispatcher config");
             spawn(&d, &token)
         })
         .collect();

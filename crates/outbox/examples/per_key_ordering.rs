@@ -64,7 +64,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
 
     let config = DispatcherConfig::new().with_ordering(Ordering::per_key());
     let publisher = RabbitPublisher::connect(rabbit).await?;
-    let relay = Dispatcher::new(Arc::new(store), Arc::new(publisher), config);
+    let relay = Dispatcher::new(Arc::new(store), Arc::new(publisher), config)?;
     let done = CancellationToken::new();
     let print = Print {
         left: 6.into(),

@@ -33,7 +33,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     consumer.declare().await?; // its queue (RabbitMQ) or stream and durable (NATS) exist before the first publish
     let handler = IdempotentConsumer::new(Arc::new(store.inbox()), Pipeline::new().on("OrderPlaced", "projection", Project));
     let publisher = AnyPublisher::connect(AnyPublisherConfig::from_url(&broker)?).await?;
-    let relay = Dispatcher::new(Arc::new(store), Arc::new(publisher), DispatcherConfig::new()); // LISTENs: a commit wakes it
+    let relay = Dispatcher::new(Arc::new(store), Arc::new(publisher), DispatcherConfig::new())?; // LISTENs: a commit wakes it
     let (relayed, consumed) = tokio::join!(relay.run(shutdown.clone()), consumer.run(handler, shutdown.clone()));
     relayed?; consumed?; // runs until cancelled: wire `shutdown` to SIGTERM
     Ok(())

@@ -34,7 +34,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         Arc::new(store),
         Arc::new(publisher),
         DispatcherConfig::new(),
-    );
+    )?;
     // The relay wakes at once when an insert commits: it LISTENs to the store's NOTIFY
     // by itself while it runs (`DispatcherConfig::with_push_wake`).
     let shutdown = CancellationToken::new();

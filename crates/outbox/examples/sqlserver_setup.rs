@@ -47,7 +47,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     .await?;
     // Polling only: at most every 500 ms when idle, back to back while there is work.
     let config = DispatcherConfig::new().with_poll_interval(Duration::from_millis(500));
-    let relay = Dispatcher::new(Arc::new(store), Arc::new(publisher), config);
+    let relay = Dispatcher::new(Arc::new(store), Arc::new(publisher), config)?;
     let shutdown = CancellationToken::new();
     let on_ctrl_c = shutdown.clone();
     tokio::spawn(async move {

@@ -94,7 +94,7 @@
 //!     .with_exchange("orders.events")
 //!     .build()?;
 //! let publisher = RabbitPublisher::connect(rabbit).await?;
-//! Dispatcher::new(Arc::new(store), Arc::new(publisher), DispatcherConfig::new())
+//! Dispatcher::new(Arc::new(store), Arc::new(publisher), DispatcherConfig::new())?
 //!     .run(shutdown)
 //!     .await?;
 //! # Ok(()) }
@@ -129,7 +129,7 @@
 //!     .build()?;
 //! let publisher = NatsPublisher::connect(nats.clone()).await?;
 //! publisher.ensure_stream(&StreamSetup::for_config("ORDERS", &nats)).await?; // orders.events.>
-//! Dispatcher::new(Arc::new(store), Arc::new(publisher), DispatcherConfig::new())
+//! Dispatcher::new(Arc::new(store), Arc::new(publisher), DispatcherConfig::new())?
 //!     .run(shutdown)
 //!     .await?;
 //! # Ok(()) }
@@ -158,7 +158,7 @@
 //!
 //! let rabbit = RabbitConfig::builder("amqp://guest:guest@127.0.0.1:5672/%2f").build()?;
 //! let publisher = RabbitPublisher::connect(rabbit).await?;
-//! Dispatcher::new(Arc::new(store), Arc::new(publisher), DispatcherConfig::new())
+//! Dispatcher::new(Arc::new(store), Arc::new(publisher), DispatcherConfig::new())?
 //!     .run(shutdown)
 //!     .await?;
 //! # Ok(()) }
@@ -187,7 +187,7 @@
 //! let rabbit = RabbitConfig::builder("amqp://guest:guest@127.0.0.1:5672/%2f").build()?;
 //! let publisher = RabbitPublisher::connect(rabbit).await?;
 //! // No push wake-up on MySQL: the dispatcher polls (every `poll_interval`).
-//! Dispatcher::new(Arc::new(store), Arc::new(publisher), DispatcherConfig::new())
+//! Dispatcher::new(Arc::new(store), Arc::new(publisher), DispatcherConfig::new())?
 //!     .run(shutdown)
 //!     .await?;
 //! # Ok(()) }
@@ -218,7 +218,7 @@
 //!     .build()?;
 //! let publisher = NatsPublisher::connect(nats.clone()).await?;
 //! publisher.ensure_stream(&StreamSetup::for_config("ORDERS", &nats)).await?;
-//! Dispatcher::new(Arc::new(store), Arc::new(publisher), DispatcherConfig::new())
+//! Dispatcher::new(Arc::new(store), Arc::new(publisher), DispatcherConfig::new())?
 //!     .run(shutdown)
 //!     .await?;
 //! # Ok(()) }
@@ -240,7 +240,7 @@
 //! let config = AnyPublisherConfig::from_url("nats://127.0.0.1:4222")?;
 //! // Lazy: the relay starts while the broker is down and reports it unready.
 //! let publisher = Arc::new(AnyPublisher::connect_lazy(config).await);
-//! Dispatcher::new(Arc::new(store), Arc::clone(&publisher), DispatcherConfig::new())
+//! Dispatcher::new(Arc::new(store), Arc::clone(&publisher), DispatcherConfig::new())?
 //!     .run(shutdown)
 //!     .await?;
 //! publisher.close().await;

@@ -186,7 +186,8 @@ async fn a_relay_over_any_store_is_woken_by_a_postgres_commit() -> TestResult {
         DispatcherConfig::new()
             .with_poll_interval(Duration::from_secs(60))
             .with_min_poll_interval(Duration::from_secs(60)),
-    );
+    )
+    .expect("valid dispatcher config");
     let token = CancellationToken::new();
     let relay = {
         let (dispatcher, token) = (dispatcher.clone(), token.clone());

@@ -105,7 +105,8 @@ async fn one_full_stream_is_one_circuit_however_many_subjects_it_captures() {
             .with_batch_size(100)
             .with_poll_interval(Duration::from_millis(50))
             .with_probe_backoff(Duration::from_millis(100), Duration::from_millis(500)),
-    );
+    )
+    .expect("valid dispatcher config");
     let token = CancellationToken::new();
     let running = {
         let (d, t) = (d.clone(), token.clone());

@@ -91,7 +91,8 @@ async fn invalid_subject_is_dead_lettered_by_the_dispatcher() {
     tx.commit().await.expect("commit");
 
     let publisher = Arc::new(NatsPublisher::connect(fx.build()).await.expect("connect"));
-    let dispatcher = Dispatcher::new(Arc::clone(&outbox), publisher, DispatcherConfig::new());
+    let dispatcher = Dispatcher::new(Arc::clone(&outbox), publisher, DispatcherConfig::new())
+        .expect("valid dispatcher config");
     let report = dispatcher.run_batch().await.expect("one batch");
     assert_eq!((report.claimed, report.published, report.dead), (2, 1, 1));
 

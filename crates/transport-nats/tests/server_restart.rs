@@ -100,7 +100,8 @@ async fn relay_and_consumer_resume_after_a_server_restart_and_nothing_is_lost() 
             .with_batch_size(50)
             .with_poll_interval(Duration::from_millis(100))
             .with_probe_backoff(Duration::from_millis(200), Duration::from_secs(2)),
-    );
+    )
+    .expect("valid dispatcher config");
     let token = CancellationToken::new();
     let relay = {
         let d = dispatcher.clone();

@@ -203,7 +203,7 @@ async fn run<D: Database>(args: Args) -> anyhow::Result<()> {
         DispatcherConfig::new()
             .with_batch_size(200)
             .with_poll_interval(Duration::from_millis(100)),
-    );
+    )?;
 
     // Producers start first; the relay is not running yet, so a backlog builds up.
     let per = args.orders.div_ceil(args.producers.max(1));

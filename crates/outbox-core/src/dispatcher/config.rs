@@ -7,7 +7,11 @@ use crate::error::OutboxError;
 use crate::ordering::Ordering;
 use crate::retry::RetryPolicies;
 
-/// Dispatcher settings. Build with [`DispatcherConfig::new`] and the `with_*` setters.
+/// Dispatcher settings: plain data. Made with [`DispatcherConfig::new`] and the `with_*`
+/// setters (which never fail), read with the getters named after each setting, checked
+/// by [`validate`](Self::validate), which [`Dispatcher::new`](super::Dispatcher::new)
+/// calls: an invalid setting is refused where the dispatcher is built, before anything
+/// runs.
 #[derive(Debug, Clone)]
 pub struct DispatcherConfig {
     pub(super) batch_size: usize,
@@ -58,10 +62,11 @@ impl DispatcherConfig {
         Self::default()
     }
 
-    /// Messages claimed per batch (default 500, at least 1).
+    /// Messages claimed per batch (default 500; 0 is refused by
+    /// [`validate`](Self::validate)).
     #[must_use]
     pub fn with_batch_size(mut self, n: usize) -> Self {
-        self.batch_size = n.max(1);
+        self.batch_size = n;
         self
     }
 
@@ -89,7 +94,7 @@ impl DispatcherConfig {
     /// How long a claim is held before another dispatcher may reclaim it (default 30 s).
     /// It must be at least twice the publisher's
     /// [`publish_timeout`](crate::EventPublisher::publish_timeout):
-    /// [`Dispatcher::run`](super::Dispatcher::run) refuses to start otherwise. A claimed
+    /// [`Dispatcher::new`](super::Dispatcher::new) refuses it otherwise, and 0 always. A claimed
     /// batch that waited so long for a publisher that less than one publish timeout of
     /// its lease is left is released instead of published.
     #[must_use]
@@ -98,18 +103,23 @@ impl DispatcherConfig {
         self
     }
 
-    /// Batches being published at once (default 2, at least 1); as many more may wait
-    /// claimed. Claiming and completing overlap with publishing in any case.
+    /// Batches being published at once (default 2; 0 is refused by
+    /// [`validate`](Self::validate)); as many more may wait claimed. Claiming and
+    /// completing overlap with publishing in any case.
     #[must_use]
     pub fn with_concurrency(mut self, n: usize) -> Self {
-        self.concurrency = n.max(1);
+        self.concurrency = n;
         self
     }
 
-    /// Retry policies (default: [`RetryPolicies::default`]).
+    /// Backoff and attempts of a message whose publish failed transiently, by event
+    /// type (default: [`RetryPolicies::default`]). A single
+    /// [`RetryPolicy`](crate::RetryPolicy) is accepted too: it applies to every event
+    /// type (`From<RetryPolicy> for RetryPolicies`). The same shape as the WAL relay's
+    /// and the inbox processor's `with_retry`.
     #[must_use]
-    pub fn with_retry(mut self, retry: RetryPolicies) -> Self {
-        self.retry = retry;
+    pub fn with_retry(mut self, retry: impl Into<RetryPolicies>) -> Self {
+        self.retry = retry.into();
         self
     }
 
@@ -190,6 +200,33 @@ impl DispatcherConfig {
         self.batch_size
     }
 
+    /// The longest wait between polls ([`with_poll_interval`](Self::with_poll_interval)).
+    pub fn poll_interval(&self) -> Duration {
+        self.poll_interval
+    }
+
+    /// The first wait after a claim that found messages
+    /// ([`with_min_poll_interval`](Self::with_min_poll_interval)).
+    pub fn min_poll_interval(&self) -> Duration {
+        self.min_poll_interval
+    }
+
+    /// Batches published at once ([`with_concurrency`](Self::with_concurrency)).
+    pub fn concurrency(&self) -> usize {
+        self.concurrency
+    }
+
+    /// The retry policies ([`with_retry`](Self::with_retry)).
+    pub fn retry(&self) -> &RetryPolicies {
+        &self.retry
+    }
+
+    /// The circuit-breaker probe backoff, first delay and cap
+    /// ([`with_probe_backoff`](Self::with_probe_backoff)).
+    pub fn probe_backoff(&self) -> (Duration, Duration) {
+        (self.probe_initial, self.probe_max)
+    }
+
     /// Lease per claim.
     pub fn lease(&self) -> Duration {
         self.lease
@@ -200,18 +237,47 @@ impl DispatcherConfig {
         self.drain_timeout
     }
 
+    /// Checks every setting, as [`Dispatcher::new`](super::Dispatcher::new) does
+    /// (which also checks the lease against its publisher: see
+    /// [`check_lease`](Self::check_lease)).
+    ///
+    /// # Errors
+    /// [`OutboxError::InvalidConfig`] naming the setting: `batch_size` or
+    /// `concurrency` 0, `lease` 0.
+    pub fn validate(&self) -> Result<(), OutboxError> {
+        let invalid = |field: &'static str, reason: &str| {
+            Err(OutboxError::InvalidConfig {
+                field,
+                reason: reason.to_owned(),
+            })
+        };
+        if self.batch_size == 0 {
+            return invalid("batch_size", "must be at least 1");
+        }
+        if self.concurrency == 0 {
+            return invalid("concurrency", "must be at least 1");
+        }
+        if self.lease.is_zero() {
+            return invalid("lease", "must be longer than 0");
+        }
+        Ok(())
+    }
+
     /// Checks the lease against a publisher's longest publish.
     ///
     /// # Errors
-    /// [`OutboxError::Config`] when `publish_timeout` is set and the lease is shorter
-    /// than twice it.
+    /// [`OutboxError::InvalidConfig`] (field `lease`) when `publish_timeout` is set
+    /// and the lease is shorter than twice it.
     pub fn check_lease(&self, publish_timeout: Option<Duration>) -> Result<(), OutboxError> {
         match publish_timeout {
             Some(publish) if self.lease < publish.saturating_mul(2) => {
-                Err(OutboxError::Config(format!(
-                    "the lease ({:?}) must be at least twice the publisher's publish timeout ({publish:?}: its connect timeout plus its confirm or ack timeout), or another relay could reclaim messages still being published; raise the lease or lower the publisher's timeouts",
-                    self.lease
-                )))
+                Err(OutboxError::InvalidConfig {
+                    field: "lease",
+                    reason: format!(
+                        "the lease ({:?}) must be at least twice the publisher's publish timeout ({publish:?}: its connect timeout plus its confirm or ack timeout), or another relay could reclaim messages still being published; raise the lease or lower the publisher's timeouts",
+                        self.lease
+                    ),
+                })
             }
             _ => Ok(()),
         }
@@ -252,8 +318,29 @@ mod tests {
             .check_lease(Some(Duration::from_secs(16)))
             .expect_err("30 s < 2 x 16 s");
         assert!(
-            matches!(&err, OutboxError::Config(m) if m.contains("lease") && m.contains("16s")),
+            matches!(&err, OutboxError::InvalidConfig { field: "lease", reason } if reason.contains("16s")),
             "{err}"
+        );
+    }
+
+    #[test]
+    fn validate_names_the_invalid_setting() {
+        let field = |config: DispatcherConfig| match config.validate() {
+            Err(OutboxError::InvalidConfig { field, .. }) => field,
+            other => panic!("expected InvalidConfig, got {other:?}"),
+        };
+        assert!(DispatcherConfig::new().validate().is_ok());
+        assert_eq!(
+            field(DispatcherConfig::new().with_batch_size(0)),
+            "batch_size"
+        );
+        assert_eq!(
+            field(DispatcherConfig::new().with_concurrency(0)),
+            "concurrency"
+        );
+        assert_eq!(
+            field(DispatcherConfig::new().with_lease(Duration::ZERO)),
+            "lease"
         );
     }
 }

@@ -45,6 +45,7 @@ pub use destinations::{MAX_CIRCUITS, RELEASE_CHUNK, TRIALS_PER_SECOND};
 pub use publish::publish_guarded;
 pub use stats::{BatchReport, DispatcherStats};
 
+use crate::error::OutboxError;
 use crate::message::OutboxMessage;
 use crate::publisher::EventPublisher;
 use crate::store::OutboxStore;
@@ -152,12 +153,25 @@ impl<S, P> std::fmt::Debug for Dispatcher<S, P> {
 }
 
 impl<S: OutboxStore, P: EventPublisher> Dispatcher<S, P> {
-    /// A dispatcher over `store` and `publisher`.
-    pub fn new(store: Arc<S>, publisher: Arc<P>, config: DispatcherConfig) -> Self {
+    /// A dispatcher over `store` and `publisher`. Nothing starts until
+    /// [`run`](Self::run) (or [`run_batch`](Self::run_batch)).
+    ///
+    /// # Errors
+    /// [`OutboxError::InvalidConfig`] naming the setting, before any I/O: what
+    /// [`DispatcherConfig::validate`] refuses, or a lease shorter than twice the
+    /// publisher's [`publish_timeout`](EventPublisher::publish_timeout)
+    /// ([`DispatcherConfig::check_lease`]).
+    pub fn new(
+        store: Arc<S>,
+        publisher: Arc<P>,
+        config: DispatcherConfig,
+    ) -> Result<Self, OutboxError> {
+        config.validate()?;
+        config.check_lease(publisher.publish_timeout())?;
         let circuit = Circuit::new(config.probe_initial, config.probe_max);
         let destinations =
             Destinations::new(config.probe_initial, config.probe_max, config.batch_size);
-        Self {
+        Ok(Self {
             store,
             publisher,
             config: Arc::new(config),
@@ -165,7 +179,7 @@ impl<S: OutboxStore, P: EventPublisher> Dispatcher<S, P> {
             counters: Arc::new(Counters::default()),
             circuit: Arc::new(circuit),
             destinations: Arc::new(destinations),
-        }
+        })
     }
 
     /// A handle that ends the poll wait early.

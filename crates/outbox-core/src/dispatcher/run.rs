@@ -104,12 +104,10 @@ impl<S: OutboxStore, P: EventPublisher> Dispatcher<S, P> {
     /// it off.
     ///
     /// # Errors
-    /// [`OutboxError::Config`] at once when the lease is shorter than twice the
-    /// publisher's [`publish_timeout`](EventPublisher::publish_timeout). Otherwise only
-    /// a failure that retrying cannot fix: a claim or a completion the database rejects
-    /// (for example a trigger that raises). Outages are waited out.
+    /// Only a failure that retrying cannot fix: a claim or a completion the database
+    /// rejects (for example a trigger that raises). Outages are waited out. (The
+    /// configuration was checked by [`Dispatcher::new`].)
     pub async fn run(&self, shutdown: CancellationToken) -> Result<DispatcherStats, OutboxError> {
-        self.config.check_lease(self.publisher.publish_timeout())?;
         info!(
             batch_size = self.config.batch_size,
             concurrency = self.config.concurrency,

@@ -320,7 +320,7 @@ impl EventPublisher for Broker {
 }
 
 fn dispatcher(rows: Rows, broker: Broker, config: DispatcherConfig) -> Dispatcher<Rows, Broker> {
-    Dispatcher::new(Arc::new(rows), Arc::new(broker), config)
+    Dispatcher::new(Arc::new(rows), Arc::new(broker), config).expect("valid config")
 }
 
 async fn wait_until(what: &str, mut done: impl FnMut() -> bool) {
@@ -524,13 +524,33 @@ async fn shutdown_behind_a_hung_broker_releases_within_the_drain_timeout() {
 async fn a_lease_shorter_than_two_publishes_is_refused() {
     let mut broker = Broker::new(Behaviour::Confirm);
     broker.publish_timeout = Some(Duration::from_secs(20));
-    let d = dispatcher(Rows::with(1), broker, DispatcherConfig::new());
-    let err = d
-        .run(CancellationToken::new())
-        .await
+    let rows = Arc::new(Rows::with(1));
+    let err = Dispatcher::new(Arc::clone(&rows), Arc::new(broker), DispatcherConfig::new())
         .expect_err("30 s < 40 s");
-    assert!(matches!(err, OutboxError::Config(_)), "{err}");
-    assert_eq!(d.store.claims.load(SeqCst), 0, "nothing was claimed");
+    assert!(
+        matches!(err, OutboxError::InvalidConfig { field: "lease", .. }),
+        "{err}"
+    );
+    assert_eq!(rows.claims.load(SeqCst), 0, "nothing was claimed");
+}
+
+#[tokio::test]
+async fn an_invalid_config_is_refused_where_the_dispatcher_is_built() {
+    let rows = Arc::new(Rows::with(1));
+    let broker = Arc::new(Broker::new(Behaviour::Confirm));
+    for (config, expected) in [
+        (DispatcherConfig::new().with_batch_size(0), "batch_size"),
+        (DispatcherConfig::new().with_concurrency(0), "concurrency"),
+    ] {
+        let err =
+            Dispatcher::new(Arc::clone(&rows), Arc::clone(&broker), config).expect_err("refused");
+        assert!(
+            matches!(err, OutboxError::InvalidConfig { field, .. } if field == expected),
+            "{err}"
+        );
+    }
+    assert_eq!(rows.claims.load(SeqCst), 0, "nothing was claimed");
+    assert_eq!(broker.calls.load(SeqCst), 0, "nothing was published");
 }
 
 #[tokio::test]

@@ -228,7 +228,7 @@ pub(super) async fn run_store<S: OutboxStore, P: EventPublisher>(
         .with_concurrency(args.concurrency)
         .with_ordering(ordering)
         .with_poll_interval(Duration::from_millis(50));
-    let dispatcher = Dispatcher::new(store, publisher, config);
+    let dispatcher = Dispatcher::new(store, publisher, config)?;
     let token = CancellationToken::new();
     let started = Instant::now();
     let runner = {
@@ -311,7 +311,7 @@ pub(super) async fn steady_run<P: EventPublisher>(
         DispatcherConfig::new()
             .with_batch_size(args.batch_size)
             .with_concurrency(args.concurrency),
-    );
+    )?;
     let wake = dispatcher.wake_handle();
     let token = CancellationToken::new();
     let runner = {
