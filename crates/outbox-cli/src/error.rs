@@ -137,6 +137,7 @@ impl CliError {
             Self::Wal(e) => matches!(
                 e,
                 outboxkit_postgres::wal::WalError::InvalidName { .. }
+                    | outboxkit_postgres::wal::WalError::InvalidConfig { .. }
                     | outboxkit_postgres::wal::WalError::Url(_)
             ),
             #[cfg(feature = "rabbit")]

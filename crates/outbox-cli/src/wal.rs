@@ -4,7 +4,7 @@
 
 use std::sync::Arc;
 
-use outboxkit_core::{DispatcherStats, OutboxAdmin as _};
+use outboxkit_core::{DispatcherStats, OnDead, Ordering, OutboxAdmin as _};
 use outboxkit_postgres::PgOutbox;
 use outboxkit_postgres::wal::{WalRelay, WalRelayConfig};
 use tokio_util::sync::CancellationToken;
@@ -41,7 +41,14 @@ pub(crate) async fn start(
         .with_retry(settings.retry_policies())
         .with_gauge_interval(settings.health_interval)
         .with_crash_loop_limit(settings.crash_loop_limit)
-        .with_per_key_order(settings.ordering == OrderingMode::PerKeySkip)
+        .with_ordering(match settings.ordering {
+            OrderingMode::PerKeySkip => Ordering::PerKey {
+                on_dead: OnDead::Skip,
+            },
+            // `--ordering per-key` is refused for `--source wal` by the settings.
+            OrderingMode::PerKey => Ordering::per_key(),
+            OrderingMode::Unordered => Ordering::Unordered,
+        })
         .with_lease(settings.lease)
         .with_linger(settings.wal_linger)
         .with_part_size(settings.wal_part_size)
@@ -52,7 +59,7 @@ pub(crate) async fn start(
         wal.clone(),
         Arc::clone(&publisher),
         config,
-    );
+    )?;
     let stats = relay.stats();
     let health = Health::new(settings.max_lag, settings.stuck_after, None);
 

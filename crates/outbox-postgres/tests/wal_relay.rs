@@ -2,7 +2,7 @@
 //! relay.
 //!
 //! Ordered delivery per key by the WAL relay (`outboxkit_postgres::wal::WalRelay`, feature
-//! `wal`, `with_per_key_order(true)`: `outbox relay --source wal --ordering
+//! `wal`, `with_ordering(Ordering::PerKey { on_dead: OnDead::Skip })`: `outbox relay --source wal --ordering
 //! per-key-skip`), in process, over the real PostgreSQL (`wal_level = logical`) and each broker,
 //! RabbitMQ and NATS JetStream: the ordered-delivery suite's properties that apply to a
 //! relay reading a replication slot, with the suite's real consumer
@@ -47,6 +47,7 @@ use outboxkit_core::{
     EventPublisher, MessageStatus, OutboxMessage, OutboxProducer, OutboxStore as _, PublishError,
     PublishOutcome,
 };
+use outboxkit_core::{OnDead, Ordering};
 use outboxkit_postgres::wal::WalRelayConfig;
 use outboxkit_testkit::ordered::{
     Broker, Faulty, Nats, Rabbit, assert_in_order, key_names, position, retry_after,
@@ -59,7 +60,9 @@ use uuid::Uuid;
 fn config() -> WalRelayConfig {
     WalRelayConfig::new(database_url())
         .with_standby_interval(Duration::from_millis(100))
-        .with_per_key_order(true)
+        .with_ordering(Ordering::PerKey {
+            on_dead: OnDead::Skip,
+        })
 }
 
 /// 100 keys of 100 messages from 4 producers at once while the relay runs.
@@ -864,3 +867,63 @@ macro_rules! wal_ordered_tests {
 
 wal_ordered_tests!(rabbit, Rabbit);
 wal_ordered_tests!(nats, Nats);
+
+/// An invalid setting is refused where the relay is built (`WalRelay::new`), with the
+/// typed error naming it, before any connection; `setup` refuses a bad name before
+/// creating anything.
+#[tokio::test]
+async fn an_invalid_config_is_refused_where_the_relay_is_built() {
+    use outboxkit_postgres::wal::{WalConfig, WalError, WalRelay};
+    let outbox = common::fresh_outbox_kept().await;
+    let publisher = Arc::new(outboxkit_memory::MemoryPublisher::new());
+    let relay = |wal: WalConfig, config: WalRelayConfig| {
+        WalRelay::new(outbox.clone(), wal, Arc::clone(&publisher), config).map(drop)
+    };
+    let good = WalConfig::new(outbox.schema());
+    let err = relay(
+        good.clone().with_slot("Not-A-Slot"),
+        WalRelayConfig::new(database_url()),
+    )
+    .expect_err("a bad slot name");
+    assert!(
+        matches!(&err, WalError::InvalidName { what: "slot", .. }),
+        "{err}"
+    );
+    let err = relay(
+        good.clone(),
+        WalRelayConfig::new(database_url()).with_ordering(Ordering::per_key()),
+    )
+    .expect_err("OnDead::Block");
+    assert!(
+        matches!(&err, WalError::InvalidConfig { field: "ordering", reason } if reason.contains("OnDead::Skip")),
+        "{err}"
+    );
+    let err = relay(good.clone(), WalRelayConfig::new("")).expect_err("no URL");
+    assert!(
+        matches!(&err, WalError::InvalidConfig { field: "url", .. }),
+        "{err}"
+    );
+    relay(good, WalRelayConfig::new(database_url())).expect("valid");
+    let bad = WalConfig::new(outbox.schema()).with_publication("x;drop");
+    let err = outboxkit_postgres::wal::setup(&outbox, &bad)
+        .await
+        .expect_err("a bad publication name");
+    assert!(
+        matches!(
+            &err,
+            WalError::InvalidName {
+                what: "publication",
+                ..
+            }
+        ),
+        "{err}"
+    );
+    assert_eq!(publisher.published_count(), 0, "nothing was published");
+    sqlx::query(sqlx::AssertSqlSafe(format!(
+        "DROP SCHEMA \"{}\" CASCADE",
+        outbox.schema()
+    )))
+    .execute(outbox.pool())
+    .await
+    .expect("drop the schema");
+}

@@ -617,9 +617,7 @@ async fn a_publication_must_cover_the_tables_inserts_and_updates() {
     ];
     for (definition, refused) in cases {
         let outbox = common::fresh_outbox_kept().await;
-        let wal = outboxkit_postgres::wal::WalConfig::new(outbox.schema())
-            .build()
-            .expect("wal config");
+        let wal = outboxkit_postgres::wal::WalConfig::new(outbox.schema());
         let w = WalOutbox { outbox, wal };
         let pool = w.outbox.pool();
         let schema = w.outbox.schema();

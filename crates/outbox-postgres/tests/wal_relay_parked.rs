@@ -330,7 +330,8 @@ impl Own {
             w.wal.clone(),
             publisher,
             config(),
-        );
+        )
+        .expect("valid wal relay config");
         let token = token.clone();
         tokio::spawn(async move { relay.run(token).await.expect("the relay runs") })
     }

@@ -79,10 +79,11 @@ pub(crate) fn wal_config(
     if let Some(publication) = publication {
         wal = wal.with_publication(publication);
     }
-    wal.build().map_err(|e| CliError::Invalid {
+    wal.validate().map_err(|e| CliError::Invalid {
         field: "wal",
         reason: e.to_string(),
-    })
+    })?;
+    Ok(wal)
 }
 
 #[cfg(feature = "postgres")]

@@ -336,6 +336,7 @@ pub(crate) struct Slot {
 /// `pgoutput`, PostgreSQL has not invalidated it, and the publication covers the
 /// outbox table's inserts and updates.
 pub(crate) async fn preflight(outbox: &PgOutbox, wal: &WalConfig) -> Result<Slot, WalError> {
+    wal.validate()?;
     let pool = outbox.pool();
     require_logical(pool).await?;
     let Some(row) = slot_row(pool, wal.slot()).await? else {
@@ -365,6 +366,7 @@ pub(crate) async fn preflight(outbox: &PgOutbox, wal: &WalConfig) -> Result<Slot
 /// the outbox table's inserts and updates).
 ///
 /// # Errors
+/// [`WalError::InvalidName`] ([`WalConfig::validate`], before any query),
 /// [`WalError::WalLevel`], [`WalError::SlotMissing`], [`WalError::WrongPlugin`],
 /// [`WalError::SlotInvalidated`], [`WalError::PublicationMissing`],
 /// [`WalError::PublicationIncomplete`], [`WalError::Store`].
@@ -410,8 +412,10 @@ pub(crate) async fn explain(outbox: &PgOutbox, wal: &WalConfig, e: WalError) -> 
 /// The state of `wal`'s slot and publication.
 ///
 /// # Errors
+/// [`WalError::InvalidName`] ([`WalConfig::validate`], before any query),
 /// [`WalError::Store`] when a query fails.
 pub async fn status(outbox: &PgOutbox, wal: &WalConfig) -> Result<SlotStatus, WalError> {
+    wal.validate()?;
     let pool = outbox.pool();
     let level = wal_level(pool).await?;
     let row = slot_row(pool, wal.slot()).await?;
@@ -448,6 +452,7 @@ pub async fn status(outbox: &PgOutbox, wal: &WalConfig) -> Result<SlotStatus, Wa
 /// over.
 ///
 /// # Errors
+/// [`WalError::InvalidName`] ([`WalConfig::validate`], before any query);
 /// [`WalError::WalLevel`] unless `wal_level = logical`; with
 /// [`WalConfig::with_failover`], [`WalError::FailoverUnsupported`] before PostgreSQL 17
 /// and [`WalError::FailoverOff`] when the slot exists without it;
@@ -455,6 +460,7 @@ pub async fn status(outbox: &PgOutbox, wal: &WalConfig) -> Result<SlotStatus, Wa
 /// [`WalError::PublicationMissing`] (a slot without its publication): all before
 /// anything is created; [`WalError::Store`].
 pub async fn setup(outbox: &PgOutbox, wal: &WalConfig) -> Result<SetupReport, WalError> {
+    wal.validate()?;
     let pool = outbox.pool();
     require_logical(pool).await?;
     let existing = slot_row(pool, wal.slot()).await?;
@@ -546,8 +552,10 @@ pub async fn setup(outbox: &PgOutbox, wal: &WalConfig) -> Result<SetupReport, Wa
 /// [`WalError::SlotMissing`]). Returns whether the slot existed.
 ///
 /// # Errors
+/// [`WalError::InvalidName`] ([`WalConfig::validate`], before any query),
 /// [`WalError::SlotActive`], [`WalError::Store`].
 pub async fn drop_slot(outbox: &PgOutbox, wal: &WalConfig, force: bool) -> Result<bool, WalError> {
+    wal.validate()?;
     let pool = outbox.pool();
     let mut existed = false;
     for _ in 0..50 {

@@ -28,7 +28,10 @@ pub use admin::{
 pub use relay::{WAL_RETAINED_BYTES, WalRelay, WalRelayConfig, WalRelayStats, WalStatsHandle};
 
 /// The name of the replication slot and of the publication of a schema's outbox, and
-/// the stream's settings.
+/// the stream's settings: plain data, made with [`new`](Self::new) and the `with_*`
+/// setters (which never fail), checked by [`validate`](Self::validate), which what is
+/// built from it calls first ([`WalRelay::new`], [`setup`], [`status`], [`check`],
+/// [`drop_slot`]): an invalid name is refused before any connection.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct WalConfig {
     slot: String,
@@ -39,7 +42,7 @@ pub struct WalConfig {
 
 impl WalConfig {
     /// The defaults for `schema`: slot and publication `{schema}_outbox` (PostgreSQL
-    /// folds and limits the names: see [`build`](Self::build)), standby status updates
+    /// folds and limits the names: see [`validate`](Self::validate)), standby status updates
     /// every second.
     pub fn new(schema: &str) -> Self {
         let name = format!("{schema}_outbox");
@@ -88,10 +91,12 @@ impl WalConfig {
 
     /// Checks the names: they are spliced into replication commands, so only
     /// `[a-z0-9_]{1,63}` is accepted (what PostgreSQL allows for slot names).
+    /// [`WalRelay::new`], [`setup`], [`status`], [`check`] and [`drop_slot`] call it
+    /// first.
     ///
     /// # Errors
-    /// [`WalError::InvalidName`].
-    pub fn build(self) -> Result<Self, WalError> {
+    /// [`WalError::InvalidName`] naming the setting (`slot` or `publication`).
+    pub fn validate(&self) -> Result<(), WalError> {
         for (what, name) in [("slot", &self.slot), ("publication", &self.publication)] {
             let ok = !name.is_empty()
                 && name.len() <= 63
@@ -105,7 +110,7 @@ impl WalConfig {
                 });
             }
         }
-        Ok(self)
+        Ok(())
     }
 
     /// The slot's name.
@@ -116,6 +121,12 @@ impl WalConfig {
     /// The publication's name.
     pub fn publication(&self) -> &str {
         &self.publication
+    }
+
+    /// How often the confirmed position is reported to the server at most
+    /// ([`with_status_interval`](Self::with_status_interval)).
+    pub fn status_interval(&self) -> Duration {
+        self.status_interval
     }
 
     /// Whether [`setup`] creates a failover slot ([`with_failover`](Self::with_failover)).
@@ -266,6 +277,16 @@ pub enum WalError {
         /// The name given.
         name: String,
     },
+    /// A setting of [`WalRelayConfig`] is invalid (refused by
+    /// [`WalRelayConfig::validate`], which [`WalRelay::new`] calls before anything
+    /// starts).
+    #[error("invalid configuration: {field}: {reason}")]
+    InvalidConfig {
+        /// The setting, as its `with_*` setter names it (`ordering`, ...).
+        field: &'static str,
+        /// What is wrong with its value.
+        reason: String,
+    },
     /// The database URL cannot be used for a replication connection.
     #[error("database URL: {0}")]
     Url(String),
@@ -328,11 +349,14 @@ mod tests {
 
     #[test]
     fn names_are_checked() {
-        assert!(WalConfig::new("outbox").build().is_ok());
+        assert!(WalConfig::new("outbox").validate().is_ok());
         assert_eq!(WalConfig::new("outbox").slot(), "outbox_outbox");
         for bad in ["", "Slot", "a-b", "x;drop", &"a".repeat(64)] {
             assert!(
-                WalConfig::new("outbox").with_slot(bad).build().is_err(),
+                matches!(
+                    WalConfig::new("outbox").with_slot(bad).validate(),
+                    Err(WalError::InvalidName { what: "slot", .. })
+                ),
                 "{bad}"
             );
         }

@@ -20,7 +20,7 @@ pub struct WalOutbox {
 impl WalOutbox {
     pub async fn new() -> Self {
         let outbox = fresh_outbox_kept().await;
-        let wal = WalConfig::new(outbox.schema()).build().expect("wal config");
+        let wal = WalConfig::new(outbox.schema());
         let this = Self { outbox, wal };
         outboxkit_postgres::wal::setup(&this.outbox, &this.wal)
             .await
@@ -34,6 +34,7 @@ impl WalOutbox {
         config: WalRelayConfig,
     ) -> WalRelay<P> {
         WalRelay::new(self.outbox.clone(), self.wal.clone(), publisher, config)
+            .expect("valid wal relay config")
     }
 
     pub fn spawn<P: EventPublisher>(

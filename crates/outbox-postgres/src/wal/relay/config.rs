@@ -4,12 +4,17 @@ use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use outboxkit_core::RetryPolicies;
+use outboxkit_core::{OnDead, Ordering as Order, RetryPolicies};
+
+use crate::wal::WalError;
 
 /// The Prometheus gauge of the WAL the slot retains, in bytes.
 pub const WAL_RETAINED_BYTES: &str = "outbox_wal_retained_bytes";
 
-/// Settings of a [`WalRelay`](super::WalRelay) beside its [`WalConfig`](crate::wal::WalConfig).
+/// Settings of a [`WalRelay`](super::WalRelay) beside its [`WalConfig`](crate::wal::WalConfig):
+/// plain data, made with [`new`](Self::new) and the `with_*` setters (which never
+/// fail), checked by [`validate`](Self::validate), which
+/// [`WalRelay::new`](super::WalRelay::new) calls before anything starts.
 #[derive(Debug, Clone)]
 pub struct WalRelayConfig {
     pub(super) url: String,
@@ -20,7 +25,7 @@ pub struct WalRelayConfig {
     pub(super) gauge_interval: Duration,
     pub(super) standby_interval: Duration,
     pub(super) crash_loop_limit: u32,
-    pub(super) per_key: bool,
+    pub(super) ordering: Order,
     pub(super) lease: Duration,
     pub(super) linger: Duration,
     pub(super) concurrency: usize,
@@ -39,7 +44,7 @@ impl WalRelayConfig {
             gauge_interval: Duration::from_secs(5),
             standby_interval: Duration::from_secs(1),
             crash_loop_limit: outboxkit_core::DEFAULT_CRASH_LOOP_LIMIT,
-            per_key: false,
+            ordering: Order::Unordered,
             lease: Duration::from_secs(30),
             linger: Duration::ZERO,
             concurrency: Self::DEFAULT_CONCURRENCY,
@@ -58,7 +63,7 @@ impl WalRelayConfig {
     /// behind them. A message committed while a batch waits for its confirm is then
     /// published at once instead of after it (RabbitMQ confirms persistent messages
     /// after its disk write). 1 publishes one batch at a time. With
-    /// [per-key order](Self::with_per_key_order), a batch holding a key that is in
+    /// [per-key order](Self::with_ordering), a batch holding a key that is in
     /// flight waits until it is confirmed. A RabbitMQ publisher sends concurrent
     /// batches on different channels (`RabbitConfigBuilder::with_channels`, 2 by
     /// default): batches beyond its channels wait for one. docs/wal.md (How it works).
@@ -102,24 +107,39 @@ impl WalRelayConfig {
         self
     }
 
-    /// Per-key order of first deliveries [default: off].
+    /// Delivery order [default: [`Ordering::Unordered`](outboxkit_core::Ordering)]: the
+    /// dispatcher's setting
+    /// ([`DispatcherConfig::with_ordering`](outboxkit_core::DispatcherConfig::with_ordering)),
+    /// of which the WAL relay takes `Unordered` and `PerKey { on_dead: OnDead::Skip }`:
+    /// a dead message never stops its key here, so `OnDead::Block` is refused by
+    /// [`validate`](Self::validate) (field `ordering`).
     ///
-    /// Off, a batch is published as one pipelined call in commit order: when one
+    /// Unordered, a batch is published as one pipelined call in commit order: when one
     /// message fails (its destination refuses it, a transient error) while a later
     /// message of its key in the same call, or in a batch in flight beside it (see
     /// [`with_concurrency`](Self::with_concurrency)), is confirmed, that later one
     /// arrives first (and again after it, unless the broker drops the republish as a
-    /// duplicate: JetStream within its window). On, each call holds at most one message per key (waves,
-    /// as the polling relay's `Ordering::PerKey`), so a key's next message is published
+    /// duplicate: JetStream within its window). Per key, each call holds at most one
+    /// message per key (waves, as the polling relay's `Ordering::PerKey`), so a key's next message is published
     /// only after the previous one was confirmed: first deliveries are in order per
     /// key, at the cost of one broker round trip per message of a key (a batch of one
     /// hot key is published one message at a time). Either way a parked message's
     /// later messages of its key wait behind it, and a dead message does not stop its
     /// key (`OnDead::Skip`).
     #[must_use]
-    pub fn with_per_key_order(mut self, on: bool) -> Self {
-        self.per_key = on;
+    pub fn with_ordering(mut self, ordering: Order) -> Self {
+        self.ordering = ordering;
         self
+    }
+
+    /// The delivery order ([`with_ordering`](Self::with_ordering)).
+    pub fn ordering(&self) -> Order {
+        self.ordering
+    }
+
+    /// Whether first deliveries are in order per key.
+    pub(super) fn per_key(&self) -> bool {
+        self.ordering.is_ordered()
     }
 
     /// Starts of the relay that may end (the process dies) while it publishes one
@@ -161,11 +181,44 @@ impl WalRelayConfig {
         self
     }
 
-    /// Backoff and attempts per event type [default: [`RetryPolicies::default`]].
+    /// Backoff and attempts per event type [default: [`RetryPolicies::default`]]. A
+    /// single [`RetryPolicy`](outboxkit_core::RetryPolicy) is accepted too, for every
+    /// event type: the same shape as the dispatcher's and the inbox processor's
+    /// `with_retry`.
     #[must_use]
-    pub fn with_retry(mut self, retry: RetryPolicies) -> Self {
-        self.retry = retry;
+    pub fn with_retry(mut self, retry: impl Into<RetryPolicies>) -> Self {
+        self.retry = retry.into();
         self
+    }
+
+    /// The retry policies ([`with_retry`](Self::with_retry)).
+    pub fn retry(&self) -> &RetryPolicies {
+        &self.retry
+    }
+
+    /// Checks the settings, as [`WalRelay::new`](super::WalRelay::new) does.
+    ///
+    /// # Errors
+    /// [`WalError::InvalidConfig`] naming the setting: `url` empty, `ordering`
+    /// `PerKey { on_dead: OnDead::Block }` (the WAL relay never stops a key at a dead
+    /// message: use `OnDead::Skip`).
+    pub fn validate(&self) -> Result<(), WalError> {
+        if self.url.trim().is_empty() {
+            return Err(WalError::InvalidConfig {
+                field: "url",
+                reason: "the database URL is empty".into(),
+            });
+        }
+        if let Order::PerKey {
+            on_dead: OnDead::Block,
+        } = self.ordering
+        {
+            return Err(WalError::InvalidConfig {
+                field: "ordering",
+                reason: "the WAL relay never stops a key at a dead message: use Ordering::PerKey { on_dead: OnDead::Skip }".into(),
+            });
+        }
+        Ok(())
     }
 
     /// How often the slot and the publication are checked while the relay runs (what

@@ -31,7 +31,7 @@ impl<P: EventPublisher> WalRelay<P> {
         messages: &[OutboxMessage],
         keys: &[&str],
     ) -> Vec<Option<PublishOutcome>> {
-        publish_keyed(&*self.publisher, self.config.per_key, messages, keys).await
+        publish_keyed(&*self.publisher, self.config.per_key(), messages, keys).await
     }
 
     /// Records `out` (the stream's) once the recording in flight has ended: outcomes
@@ -642,7 +642,7 @@ impl<P: EventPublisher> WalRelay<P> {
         let task = if go.is_empty() {
             tokio::spawn(async { Vec::new() })
         } else {
-            let (publisher, per_key) = (Arc::clone(&self.publisher), self.config.per_key);
+            let (publisher, per_key) = (Arc::clone(&self.publisher), self.config.per_key());
             let (messages, keys) = (Arc::clone(&go), Arc::clone(&go_keys));
             tokio::spawn(async move {
                 let keys: Vec<&str> = keys.iter().map(String::as_str).collect();

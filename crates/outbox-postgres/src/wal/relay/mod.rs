@@ -78,22 +78,28 @@ impl<P: EventPublisher> WalRelay<P> {
     }
 
     /// A relay reading `wal`'s slot for `outbox`'s table and publishing with
-    /// `publisher`.
+    /// `publisher`. Nothing connects or starts until [`run`](Self::run).
+    ///
+    /// # Errors
+    /// Before any I/O: [`WalError::InvalidName`] ([`WalConfig::validate`]) and
+    /// [`WalError::InvalidConfig`] ([`WalRelayConfig::validate`]), naming the setting.
     pub fn new(
         outbox: PgOutbox,
         wal: WalConfig,
         publisher: Arc<P>,
         config: WalRelayConfig,
-    ) -> Self {
+    ) -> Result<Self, WalError> {
+        wal.validate()?;
+        config.validate()?;
         let counters = Arc::new(Counters::default());
         counters.retained.store(-1, Ordering::Relaxed);
-        Self {
+        Ok(Self {
             outbox,
             wal,
             publisher,
             config,
             counters,
-        }
+        })
     }
 
     /// A live view of the counters.

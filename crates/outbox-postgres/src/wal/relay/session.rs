@@ -160,7 +160,7 @@ impl<P: EventPublisher> WalRelay<P> {
         // published: the position is confirmed once they are.
         let mut recording = Recording::default();
         // Batches published and not yet handled (see `pipeline`).
-        let mut pipeline = Pipeline::new(self.config.concurrency, self.config.per_key);
+        let mut pipeline = Pipeline::new(self.config.concurrency, self.config.per_key());
         loop {
             // A recording that ended is settled and the outcomes queued behind it go.
             if recording.ended() {
