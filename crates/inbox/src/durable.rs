@@ -12,7 +12,7 @@ use outboxkit_core::inbox::{
     VersionTracking,
 };
 use outboxkit_core::wire::{IncomingMessage, UndecodableMessage};
-use outboxkit_core::{ErrorKind, InboxStore, OutboxError, RetryPolicy};
+use outboxkit_core::{ErrorKind, InboxStore, OutboxError, RetryPolicies};
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, error, info, warn};
 
@@ -144,13 +144,17 @@ pub enum GapPolicy {
     DeadLetter,
 }
 
-/// Settings of an [`InboxProcessor`].
+/// Settings of an [`InboxProcessor`]: plain data, made with
+/// [`ProcessorConfig::new`] and the `with_*` setters (which never fail), read with the
+/// getters named after each setting, checked by [`validate`](Self::validate), which
+/// [`InboxProcessor::new`] calls: an invalid setting is refused where the processor is
+/// built, before anything runs.
 #[derive(Debug, Clone)]
 pub struct ProcessorConfig {
     batch_size: usize,
     lease: Duration,
     poll_interval: Duration,
-    retry: RetryPolicy,
+    retry: RetryPolicies,
     reorder_window: Duration,
     gap_recheck: Duration,
     gap_policy: GapPolicy,
@@ -168,7 +172,7 @@ impl Default for ProcessorConfig {
             batch_size: 100,
             lease: Duration::from_secs(30),
             poll_interval: Duration::from_millis(500),
-            retry: RetryPolicy::default(),
+            retry: RetryPolicies::default(),
             reorder_window: Duration::from_secs(180),
             gap_recheck: Duration::from_secs(1),
             gap_policy: GapPolicy::ProcessAnyway,
@@ -180,20 +184,21 @@ impl Default for ProcessorConfig {
 
 impl ProcessorConfig {
     /// Defaults: batches of 100 messages, 30 s lease, 500 ms poll interval, the default
-    /// [`RetryPolicy`] (base 3 s, cap 300 s, 8 attempts), a 3-minute reorder window
+    /// [`RetryPolicy`](outboxkit_core::RetryPolicy) (base 3 s, cap 300 s, 8 attempts), a 3-minute reorder window
     /// rechecked every second, [`GapPolicy::ProcessAnyway`], one transaction per batch.
     pub fn new() -> Self {
         Self::default()
     }
 
-    /// Messages per claim (default 100).
+    /// Messages per claim (default 100; 0 is refused by [`validate`](Self::validate)).
     #[must_use]
     pub fn with_batch_size(mut self, n: usize) -> Self {
-        self.batch_size = n.max(1);
+        self.batch_size = n;
         self
     }
 
-    /// Claim lease (default 30 s); must exceed the slowest batch.
+    /// Claim lease (default 30 s; 0 is refused by [`validate`](Self::validate)); must
+    /// exceed the slowest batch.
     #[must_use]
     pub fn with_lease(mut self, lease: Duration) -> Self {
         self.lease = lease;
@@ -207,10 +212,14 @@ impl ProcessorConfig {
         self
     }
 
-    /// Backoff and attempts for failing handlers (default [`RetryPolicy::default`]).
+    /// Backoff and attempts for failing handlers, by the message's event type (default
+    /// [`RetryPolicies::default`]: [`RetryPolicy::default`](outboxkit_core::RetryPolicy::default) for every event type). A
+    /// single [`RetryPolicy`](outboxkit_core::RetryPolicy) is accepted too, for every event type
+    /// (`From<RetryPolicy> for RetryPolicies`): the same shape as the dispatcher's and
+    /// the WAL relay's `with_retry`.
     #[must_use]
-    pub fn with_retry(mut self, retry: RetryPolicy) -> Self {
-        self.retry = retry;
+    pub fn with_retry(mut self, retry: impl Into<RetryPolicies>) -> Self {
+        self.retry = retry.into();
         self
     }
 
@@ -253,6 +262,79 @@ impl ProcessorConfig {
     pub fn with_gap_policy(mut self, policy: GapPolicy) -> Self {
         self.gap_policy = policy;
         self
+    }
+
+    /// Messages per claim ([`with_batch_size`](Self::with_batch_size)).
+    pub fn batch_size(&self) -> usize {
+        self.batch_size
+    }
+
+    /// The claim lease ([`with_lease`](Self::with_lease)).
+    pub fn lease(&self) -> Duration {
+        self.lease
+    }
+
+    /// The wait after a batch that was not full
+    /// ([`with_poll_interval`](Self::with_poll_interval)).
+    pub fn poll_interval(&self) -> Duration {
+        self.poll_interval
+    }
+
+    /// The retry policies ([`with_retry`](Self::with_retry)).
+    pub fn retry(&self) -> &RetryPolicies {
+        &self.retry
+    }
+
+    /// The reorder window and how often it is rechecked
+    /// ([`with_reorder_window`](Self::with_reorder_window)).
+    pub fn reorder_window(&self) -> (Duration, Duration) {
+        (self.reorder_window, self.gap_recheck)
+    }
+
+    /// What happens to a message no handler subscribes to
+    /// ([`with_unhandled`](Self::with_unhandled)).
+    pub fn unhandled(&self) -> UnhandledPolicy {
+        self.unhandled
+    }
+
+    /// Whether a claimed batch runs in one transaction
+    /// ([`with_batch_transactions`](Self::with_batch_transactions)).
+    pub fn batch_transactions(&self) -> bool {
+        self.batch_transactions
+    }
+
+    /// What happens when the reorder window has passed
+    /// ([`with_gap_policy`](Self::with_gap_policy)).
+    pub fn gap_policy(&self) -> GapPolicy {
+        self.gap_policy
+    }
+
+    /// Checks every setting, as [`InboxProcessor::new`] does.
+    ///
+    /// # Errors
+    /// [`OutboxError::InvalidConfig`] naming the setting: `batch_size` 0, `lease` 0,
+    /// `reorder_window` with a recheck of 0 (a message ahead of a gap would be
+    /// rechecked without pause).
+    pub fn validate(&self) -> Result<(), OutboxError> {
+        let invalid = |field: &'static str, reason: &str| {
+            Err(OutboxError::InvalidConfig {
+                field,
+                reason: reason.to_owned(),
+            })
+        };
+        if self.batch_size == 0 {
+            return invalid("batch_size", "must be at least 1");
+        }
+        if self.lease.is_zero() {
+            return invalid("lease", "must be longer than 0");
+        }
+        if self.gap_recheck.is_zero() {
+            return invalid(
+                "reorder_window",
+                "the recheck interval must be longer than 0",
+            );
+        }
+        Ok(())
     }
 }
 
@@ -312,14 +394,24 @@ impl<S> InboxProcessor<S>
 where
     S: DurableInbox + VersionTracking,
 {
-    /// A processor of `store` running `pipeline`.
-    pub fn new(store: Arc<S>, pipeline: Pipeline<S>, config: ProcessorConfig) -> Self {
-        Self {
+    /// A processor of `store` running `pipeline`. Nothing runs until
+    /// [`run`](Self::run) or [`run_once`](Self::run_once).
+    ///
+    /// # Errors
+    /// [`OutboxError::InvalidConfig`] naming the setting, before any I/O: what
+    /// [`ProcessorConfig::validate`] refuses.
+    pub fn new(
+        store: Arc<S>,
+        pipeline: Pipeline<S>,
+        config: ProcessorConfig,
+    ) -> Result<Self, OutboxError> {
+        config.validate()?;
+        Ok(Self {
             store,
             pipeline: Arc::new(pipeline),
             config,
             trouble: StoreTrouble::default(),
-        }
+        })
     }
 
     /// Claims and processes one batch.
@@ -528,7 +620,8 @@ where
                 }
                 Ok(Step::Failed(e)) => {
                     let error = format!("{}: {e}", reg.consumer);
-                    if e.is_permanent() || !self.config.retry.should_retry(attempt) {
+                    let retry = self.config.retry.for_event_type(&msg.event_type);
+                    if e.is_permanent() || !retry.should_retry(attempt) {
                         crate::metrics::dead(&reg.consumer);
                         error!(id = %msg.id, consumer = %reg.consumer, attempt, error = %e, "inbox message is dead");
                         return InboxOutcome::Dead {
@@ -537,13 +630,13 @@ where
                             } else {
                                 format!(
                                     "attempts exhausted ({attempt}/{}): {error}",
-                                    self.config.retry.max_attempts()
+                                    retry.max_attempts()
                                 )
                             },
                         };
                     }
                     return InboxOutcome::Retry {
-                        delay: self.config.retry.delay(attempt),
+                        delay: retry.delay(attempt),
                         error,
                     };
                 }

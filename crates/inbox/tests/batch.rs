@@ -752,7 +752,8 @@ async fn the_processor_batch_with_a_failing_message() {
             ProcessorConfig::new()
                 .with_retry(retry)
                 .with_batch_transactions(batched),
-        );
+        )
+        .expect("valid processor config");
         let first = p.run_once().await.expect("process");
         assert_eq!((first.done, first.retried), (7, 1), "batched: {batched}");
         let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
@@ -799,7 +800,8 @@ async fn the_processor_batch_holds_a_gap_and_applies_the_rest() {
         ProcessorConfig::new()
             .with_reorder_window(Duration::from_secs(60), Duration::from_millis(50))
             .with_poll_interval(Duration::from_millis(20)),
-    );
+    )
+    .expect("valid processor config");
     let (v1, v2, v3) = (
         message("OrderChanged", "9", 1),
         message("OrderChanged", "9", 2),

@@ -423,7 +423,8 @@ async fn the_durable_inbox_never_marks_a_swallowed_error_done() {
                         .with_jitter(Duration::ZERO)
                         .with_max_attempts(2),
                 ),
-        );
+        )
+        .expect("valid processor config");
         wait_for(
             "both messages decided",
             Duration::from_secs(30),

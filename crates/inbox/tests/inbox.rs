@@ -328,6 +328,7 @@ fn processor(
         pipeline,
         config.with_poll_interval(Duration::from_millis(50)),
     )
+    .expect("valid processor config")
 }
 
 async fn store(db: &Db, msg: &IncomingMessage) {
@@ -351,6 +352,75 @@ async fn durable_inbox_stores_once_and_processes_once() {
     assert_eq!((report.claimed, report.done), (1, 1));
     assert_eq!(p.run_once().await.expect("process").claimed, 0);
     assert_eq!(db.effects("projector").await.len(), 1);
+}
+
+/// An invalid setting is refused where the processor is built, with the typed error
+/// naming it: nothing is claimed.
+#[tokio::test]
+async fn an_invalid_processor_config_is_refused_where_the_processor_is_built() {
+    let db = db().await;
+    let msg = message("OrderPlaced", "1", 1);
+    store(&db, &msg).await;
+    for (config, expected) in [
+        (ProcessorConfig::new().with_batch_size(0), "batch_size"),
+        (ProcessorConfig::new().with_lease(Duration::ZERO), "lease"),
+        (
+            ProcessorConfig::new().with_reorder_window(Duration::from_secs(1), Duration::ZERO),
+            "reorder_window",
+        ),
+    ] {
+        let err = InboxProcessor::new(
+            Arc::clone(&db.inbox),
+            Pipeline::new().on("OrderPlaced", "projector", Effect::new(&db)),
+            config,
+        )
+        .expect_err("refused");
+        assert!(
+            matches!(&err, outboxkit_core::OutboxError::InvalidConfig { field, .. } if *field == expected),
+            "{err}"
+        );
+    }
+    let p = processor(
+        &db,
+        Pipeline::new().on("OrderPlaced", "projector", Effect::new(&db)),
+        ProcessorConfig::new(),
+    );
+    let report = p.run_once().await.expect("process");
+    assert_eq!(
+        (report.claimed, report.done),
+        (1, 1),
+        "the message waited, unclaimed"
+    );
+}
+
+/// `with_retry` takes `RetryPolicies` as the dispatcher does: an event type's override
+/// applies to its messages only.
+#[tokio::test]
+async fn durable_inbox_retry_policies_apply_by_event_type() {
+    let db = db().await;
+    let placed = message("OrderPlaced", "1", 1);
+    let shipped = message("OrderShipped", "2", 1);
+    store(&db, &placed).await;
+    store(&db, &shipped).await;
+    let quick = RetryPolicy::new()
+        .with_base(1.0)
+        .with_cap(Duration::from_millis(10))
+        .with_jitter(Duration::ZERO);
+    let retry = outboxkit_core::RetryPolicies::new(quick.clone().with_max_attempts(5))
+        .with_override("OrderShipped", quick.with_max_attempts(1));
+    let p = processor(
+        &db,
+        Pipeline::new()
+            .on("OrderPlaced", "projector", Effect::new(&db).failing(100))
+            .on("OrderShipped", "shipper", Effect::new(&db).failing(100)),
+        ProcessorConfig::new().with_retry(retry),
+    );
+    let first = p.run_once().await.expect("process");
+    assert_eq!(
+        (first.retried, first.dead),
+        (1, 1),
+        "OrderShipped's single attempt is final, OrderPlaced is retried"
+    );
 }
 
 #[tokio::test]
@@ -672,7 +742,8 @@ async fn an_unhandled_event_type_follows_the_policy() {
             Arc::clone(&db.inbox),
             pipeline(),
             ProcessorConfig::new().with_unhandled(policy),
-        );
+        )
+        .expect("valid processor config");
         let report = processor.run_once().await.expect("process");
         let got = match (report.done, report.dead, report.deferred) {
             (1, 0, 0) => "done",

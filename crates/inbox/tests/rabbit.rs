@@ -215,7 +215,8 @@ async fn durable_inbox_fed_by_rabbitmq() {
         Arc::clone(&store),
         Pipeline::new().on("OrderPlaced", "projector", Projector(schema.clone())),
         outboxkit_inbox::ProcessorConfig::new(),
-    );
+    )
+    .expect("valid processor config");
     let effects = format!("SELECT count(*) FROM {schema}.effects");
     let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
     while sqlx::query_scalar::<_, i64>(AssertSqlSafe(effects.clone()))
@@ -318,7 +319,8 @@ async fn the_durable_inbox_stores_and_processes_a_message_with_nul_characters() 
         Arc::clone(&store),
         Pipeline::new().on("OrderPlaced", "projector", Projector(schema.clone())),
         outboxkit_inbox::ProcessorConfig::new(),
-    );
+    )
+    .expect("valid processor config");
     let effects = format!("SELECT count(*) FROM {schema}.effects");
     wait_for(
         "both messages processed",

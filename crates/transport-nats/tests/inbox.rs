@@ -205,7 +205,8 @@ async fn durable_inbox_over_nats_stores_then_processes() {
             Projector(outbox.schema().to_owned()),
         ),
         ProcessorConfig::new(),
-    );
+    )
+    .expect("valid processor config");
     eventually("every message is stored and applied", || async {
         processor.run_once().await.expect("process");
         let mut all = true;

@@ -458,7 +458,7 @@ impl PhaseContext<'_> {
             Arc::clone(&db.inbox),
             Pipeline::new().on(EVENT_TYPE, CONSUMER, Project(db.schema.clone())),
             ProcessorConfig::new(),
-        );
+        )?;
         let mut latency = histogram();
         let cpu0 = self.cpu();
         let trips0 = self.counter.count();

@@ -441,7 +441,7 @@ where
                             .with_jitter(Duration::from_millis(500))
                             .with_max_attempts(3),
                     ),
-            );
+            )?;
             // The processor stops by itself only on a store error retrying cannot fix:
             // then this process stops too (the harness counts a consumer's exit as a
             // failure) rather than keep storing what nobody processes.
