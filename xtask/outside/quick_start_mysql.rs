@@ -7,7 +7,7 @@
 #![cfg_attr(rustfmt, rustfmt::skip)] // kept line for line beside the quick start
 use std::sync::Arc;
 
-use outboxkit::inbox::{Handler, HandlerContext, HandlerError, IdempotentConsumer, Pipeline};
+use outboxkit::inbox::{ConsumerConfig, Handler, HandlerContext, HandlerError, IdempotentConsumer, Pipeline};
 use outboxkit::mysql::{MySqlConfig, MySqlInbox, MySqlOutbox, sqlx::{self, MySqlConnection}};
 use outboxkit::{AnyConsumer, AnyConsumerConfig, AnyPublisher, AnyPublisherConfig, CancellationToken, Consumer as _, Dispatcher, DispatcherConfig, IncomingMessage, NewMessage, OutboxProducer};
 
@@ -32,7 +32,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
 
     let consumer = AnyConsumer::new(AnyConsumerConfig::from_url(&broker, "projection")?.with_stream("OUTBOX"))?;
     consumer.declare().await?; // its queue (RabbitMQ) or stream and durable (NATS) exist before the first publish
-    let handler = IdempotentConsumer::new(Arc::new(store.inbox()), Pipeline::new().on("OrderPlaced", "projection", Project));
+    let handler = IdempotentConsumer::new(Arc::new(store.inbox()), Pipeline::new().on("OrderPlaced", "projection", Project), ConsumerConfig::new())?;
     let publisher = AnyPublisher::connect(AnyPublisherConfig::from_url(&broker)?).await?;
     let relay = Dispatcher::new(Arc::new(store), Arc::new(publisher), DispatcherConfig::new())?;
     let (relayed, consumed) = tokio::join!(relay.run(shutdown.clone()), consumer.run(handler, shutdown.clone()));

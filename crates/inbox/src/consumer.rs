@@ -60,6 +60,79 @@ impl UnhandledPolicy {
     }
 }
 
+/// Settings of an [`IdempotentConsumer`]: plain data, made with
+/// [`ConsumerConfig::new`] and the `with_*` setters (which never fail), read with the
+/// getters named after each setting, checked by [`validate`](Self::validate), which
+/// [`IdempotentConsumer::new`] calls: an invalid setting is refused where the consumer
+/// is built, before any delivery is handled. The durable inbox's counterpart is
+/// [`ProcessorConfig`](crate::ProcessorConfig).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ConsumerConfig {
+    max_deliveries: u32,
+    unhandled: UnhandledPolicy,
+}
+
+impl Default for ConsumerConfig {
+    fn default() -> Self {
+        Self {
+            max_deliveries: DEFAULT_MAX_DELIVERIES,
+            unhandled: UnhandledPolicy::Ack,
+        }
+    }
+}
+
+impl ConsumerConfig {
+    /// The defaults: [`DEFAULT_MAX_DELIVERIES`] (5) failed deliveries per handler before
+    /// a consumer dead letter, [`UnhandledPolicy::Ack`].
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// What to do with a message no handler subscribes to (default
+    /// [`UnhandledPolicy::Ack`]; the same setting as
+    /// [`ProcessorConfig::with_unhandled`](crate::ProcessorConfig::with_unhandled)).
+    #[must_use]
+    pub fn with_unhandled(mut self, policy: UnhandledPolicy) -> Self {
+        self.unhandled = policy;
+        self
+    }
+
+    /// Failed deliveries of one message per handler before it becomes a consumer dead
+    /// letter (default [`DEFAULT_MAX_DELIVERIES`], 5; 0 is refused by
+    /// [`validate`](Self::validate)).
+    #[must_use]
+    pub fn with_max_deliveries(mut self, n: u32) -> Self {
+        self.max_deliveries = n;
+        self
+    }
+
+    /// What happens to a message no handler subscribes to
+    /// ([`with_unhandled`](Self::with_unhandled)).
+    pub fn unhandled(&self) -> UnhandledPolicy {
+        self.unhandled
+    }
+
+    /// Failed deliveries per handler before a consumer dead letter
+    /// ([`with_max_deliveries`](Self::with_max_deliveries)).
+    pub fn max_deliveries(&self) -> u32 {
+        self.max_deliveries
+    }
+
+    /// Checks every setting, as [`IdempotentConsumer::new`] does.
+    ///
+    /// # Errors
+    /// [`OutboxError::InvalidConfig`] naming the setting: `max_deliveries` 0.
+    pub fn validate(&self) -> Result<(), OutboxError> {
+        if self.max_deliveries == 0 {
+            return Err(OutboxError::InvalidConfig {
+                field: "max_deliveries",
+                reason: "must be at least 1".into(),
+            });
+        }
+        Ok(())
+    }
+}
+
 /// Plugs a [`Pipeline`] into a transport's consumer adapter (it is a
 /// [`DeliveryHandler`]).
 ///
@@ -141,32 +214,25 @@ impl<S> IdempotentConsumer<S>
 where
     S: InboxStore + VersionTracking + ConsumerDeadLetters,
 {
-    /// A consumer running `pipeline` against `store`, with
-    /// [`DEFAULT_MAX_DELIVERIES`].
-    pub fn new(store: Arc<S>, pipeline: Pipeline<S>) -> Self {
-        Self {
+    /// A consumer running `pipeline` against `store` with `config`
+    /// ([`ConsumerConfig::new`] for the defaults).
+    ///
+    /// # Errors
+    /// [`OutboxError::InvalidConfig`] naming the setting, before any delivery is
+    /// handled: what [`ConsumerConfig::validate`] refuses.
+    pub fn new(
+        store: Arc<S>,
+        pipeline: Pipeline<S>,
+        config: ConsumerConfig,
+    ) -> Result<Self, OutboxError> {
+        config.validate()?;
+        Ok(Self {
             store,
             pipeline: Arc::new(pipeline),
-            max_deliveries: DEFAULT_MAX_DELIVERIES,
-            unhandled: UnhandledPolicy::Ack,
+            max_deliveries: config.max_deliveries,
+            unhandled: config.unhandled,
             trouble: StoreTrouble::default(),
-        }
-    }
-
-    /// What to do with a message no handler subscribes to (default
-    /// [`UnhandledPolicy::Ack`]).
-    #[must_use]
-    pub fn with_unhandled(mut self, policy: UnhandledPolicy) -> Self {
-        self.unhandled = policy;
-        self
-    }
-
-    /// Failed deliveries of one message per handler before it becomes a consumer dead
-    /// letter (default 5, at least 1).
-    #[must_use]
-    pub fn with_max_deliveries(mut self, n: u32) -> Self {
-        self.max_deliveries = n.max(1);
-        self
+        })
     }
 
     /// Handles one message and says how to answer the broker (the

@@ -22,7 +22,7 @@
 //!
 //! ```no_run
 //! use std::sync::Arc;
-//! use outboxkit_inbox::{Handler, HandlerContext, HandlerError, IdempotentConsumer, Pipeline, async_trait};
+//! use outboxkit_inbox::{ConsumerConfig, Handler, HandlerContext, HandlerError, IdempotentConsumer, Pipeline, async_trait};
 //! use outboxkit_core::wire::IncomingMessage;
 //! use outboxkit_postgres::PgInbox;
 //!
@@ -37,11 +37,11 @@
 //!     }
 //! }
 //!
-//! # fn demo(store: PgInbox) {
+//! # fn demo(store: PgInbox) -> Result<(), outboxkit_core::OutboxError> {
 //! let pipeline = Pipeline::new().on("OrderPlaced", "order-projection", Project);
-//! let consumer = IdempotentConsumer::new(Arc::new(store), pipeline);
+//! let consumer = IdempotentConsumer::new(Arc::new(store), pipeline, ConsumerConfig::new())?;
 //! // RabbitConsumer::run(consumer, shutdown) / NatsConsumer::run(...)
-//! # }
+//! # Ok(()) }
 //! ```
 //!
 //! Trace context: each handler runs in an `inbox.handle` span carrying the message id,
@@ -67,8 +67,8 @@ mod retention;
 /// so that a program needs no dependency of its own on `async-trait`.
 pub use async_trait::async_trait;
 pub use consumer::{
-    DEFAULT_MAX_DELIVERIES, IdempotentConsumer, UNDECODABLE_CONSUMER, UNHANDLED_CONSUMER,
-    UnhandledPolicy,
+    ConsumerConfig, DEFAULT_MAX_DELIVERIES, IdempotentConsumer, UNDECODABLE_CONSUMER,
+    UNHANDLED_CONSUMER, UnhandledPolicy,
 };
 pub use durable::{DurableReceiver, GapPolicy, InboxProcessor, ProcessReport, ProcessorConfig};
 pub use handler::{BatchHandlerError, Handler, HandlerContext, HandlerError, StalePolicy};

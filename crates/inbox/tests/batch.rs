@@ -14,8 +14,9 @@ use outboxkit_core::consumer::{BatchDeliveryHandler, HandlerDecision};
 use outboxkit_core::inbox::{ConsumerDeadLetters, DurableInbox};
 use outboxkit_core::wire::IncomingMessage;
 use outboxkit_inbox::{
-    BatchHandlerError, DurableReceiver, Handler, HandlerContext, HandlerError, IdempotentConsumer,
-    InboxProcessor, Pipeline, ProcessorConfig, StalePolicy, UNHANDLED_CONSUMER, UnhandledPolicy,
+    BatchHandlerError, ConsumerConfig, DurableReceiver, Handler, HandlerContext, HandlerError,
+    IdempotentConsumer, InboxProcessor, Pipeline, ProcessorConfig, StalePolicy, UNHANDLED_CONSUMER,
+    UnhandledPolicy,
 };
 use outboxkit_postgres::{PgConfig, PgInbox};
 use sqlx::{AssertSqlSafe, PgConnection};
@@ -121,7 +122,9 @@ async fn a_message_delivered_five_times_in_batches_has_its_effect_once() {
     let consumer = IdempotentConsumer::new(
         Arc::clone(&db.inbox),
         Pipeline::new().on("OrderPlaced", "projector", effect.clone()),
-    );
+        ConsumerConfig::new(),
+    )
+    .expect("valid consumer config");
     let dup = message("OrderPlaced", "1", 1);
     let mut batch = vec![dup.clone(); 5];
     batch.extend(fresh(3));
@@ -145,7 +148,9 @@ async fn two_consumers_racing_on_overlapping_batches_produce_one_effect_each() {
         IdempotentConsumer::new(
             Arc::clone(&db.inbox),
             Pipeline::new().on("OrderPlaced", "projector", e),
+            ConsumerConfig::new(),
         )
+        .expect("valid consumer config")
     };
     let (a, b) = (make(), make());
     for _ in 0..3 {
@@ -171,7 +176,9 @@ async fn one_failing_handler_in_a_batch_leaves_the_others_applied_and_is_retried
     let consumer = IdempotentConsumer::new(
         Arc::clone(&db.inbox),
         Pipeline::new().on("OrderPlaced", "projector", effect.clone()),
-    );
+        ConsumerConfig::new(),
+    )
+    .expect("valid consumer config");
     let decisions = consumer.process_batch(&msgs).await;
     let mut want = vec![Ack; 10];
     want[6] = Requeue;
@@ -234,8 +241,9 @@ async fn per_handler_dead_letters_in_batch_mode_failures_and_panics() {
                 "second",
                 Either(Effect::new(&db).failing_on(failing), panics),
             ),
+        ConsumerConfig::new().with_max_deliveries(3),
     )
-    .with_max_deliveries(3);
+    .expect("valid consumer config");
     let mut want = vec![Ack; 6];
     want[1] = Requeue;
     want[4] = Requeue;
@@ -291,7 +299,9 @@ async fn a_permanent_error_in_a_batch_is_dead_lettered_at_once() {
     let consumer = IdempotentConsumer::new(
         Arc::clone(&db.inbox),
         Pipeline::new().on("OrderPlaced", "projector", effect),
-    );
+        ConsumerConfig::new(),
+    )
+    .expect("valid consumer config");
     assert_eq!(consumer.process_batch(&msgs).await, vec![Ack; 3]);
     assert_eq!(db.failures(msgs[0].id, "projector").await, Some((1, true)));
     assert_eq!(db.effects("projector").await.len(), 2);
@@ -346,7 +356,9 @@ async fn versions_inside_a_batch_keep_order_and_the_stale_policy() {
                 SeesVersion(db.schema.clone()),
                 StalePolicy::Deliver,
             ),
-    );
+        ConsumerConfig::new(),
+    )
+    .expect("valid consumer config");
     let batch: Vec<IncomingMessage> = [1, 3, 2, 3]
         .into_iter()
         .map(|v| message("OrderChanged", "42", v))
@@ -405,7 +417,9 @@ async fn concurrent_batches_sharing_aggregates_do_not_deadlock() {
             Pipeline::new()
                 .on("OrderChanged", "a", Effect::new(&db))
                 .on("OrderChanged", "b", Effect::new(&db)),
+            ConsumerConfig::new(),
         )
+        .expect("valid consumer config")
     };
     let (x, y) = (make(), make());
     for round in 1..=3 {
@@ -526,7 +540,9 @@ async fn a_set_based_handler_gets_the_batch_in_one_call() {
     let consumer = IdempotentConsumer::new(
         Arc::clone(&db.inbox),
         Pipeline::new().on("OrderPlaced", "bulk", Shared(Arc::clone(&handler))),
-    );
+        ConsumerConfig::new(),
+    )
+    .expect("valid consumer config");
     let msgs = fresh(50);
     let mut batch = msgs.clone();
     batch.push(msgs[0].clone());
@@ -559,8 +575,9 @@ async fn unhandled_event_types_in_a_batch_follow_the_policy_per_message() {
     let consumer = IdempotentConsumer::new(
         Arc::clone(&db.inbox),
         Pipeline::new().on("OrderPlaced", "projector", Effect::new(&db)),
+        ConsumerConfig::new().with_unhandled(UnhandledPolicy::DeadLetter),
     )
-    .with_unhandled(UnhandledPolicy::DeadLetter);
+    .expect("valid consumer config");
     let stray = message("OrderShipped", "1", 1);
     let mut batch = fresh(2);
     batch.insert(1, stray.clone());
@@ -575,8 +592,9 @@ async fn unhandled_event_types_in_a_batch_follow_the_policy_per_message() {
     let requeue = IdempotentConsumer::new(
         Arc::clone(&db.inbox),
         Pipeline::new().on("OrderPlaced", "projector", Effect::new(&db)),
+        ConsumerConfig::new().with_unhandled(UnhandledPolicy::Requeue),
     )
-    .with_unhandled(UnhandledPolicy::Requeue);
+    .expect("valid consumer config");
     let mut batch = fresh(2);
     batch.push(message("OrderShipped", "2", 1));
     assert_eq!(requeue.process_batch(&batch).await, vec![Ack, Ack, Requeue]);
@@ -601,7 +619,9 @@ async fn an_unreachable_inbox_defers_the_whole_batch() {
     let consumer = IdempotentConsumer::new(
         Arc::clone(&starved),
         Pipeline::new().on("OrderPlaced", "projector", Effect::new(&db)),
-    );
+        ConsumerConfig::new(),
+    )
+    .expect("valid consumer config");
     let msgs = fresh(5);
     assert_eq!(consumer.process_batch(&msgs).await, vec![Defer; 5]);
     let receiver = DurableReceiver::new(Arc::clone(&starved));
@@ -652,7 +672,9 @@ async fn a_batch_of_100_takes_about_one_round_trip_per_message() {
     let consumer = IdempotentConsumer::new(
         Arc::clone(&inbox),
         Pipeline::new().on("OrderPlaced", "projector", Effect::new(&db)),
-    );
+        ConsumerConfig::new(),
+    )
+    .expect("valid consumer config");
     let per_message = async |versioned: bool| {
         let make = || {
             fresh(100)

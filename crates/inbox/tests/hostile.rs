@@ -27,7 +27,9 @@ use lapin::{BasicProperties, Connection, ConnectionProperties};
 use outboxkit_core::inbox::{ConsumerDeadLetter, ConsumerDeadLetters};
 use outboxkit_core::wire::IncomingMessage;
 use outboxkit_core::{BatchSettings, EventPublisher, NewMessage, OutboxMessage};
-use outboxkit_inbox::{Handler, HandlerContext, HandlerError, IdempotentConsumer, Pipeline};
+use outboxkit_inbox::{
+    ConsumerConfig, Handler, HandlerContext, HandlerError, IdempotentConsumer, Pipeline,
+};
 use outboxkit_postgres::{PgConfig, PgInbox, PgOutbox};
 use outboxkit_rabbit::{
     BatchDeliveryHandler, DeliveryHandler, RabbitConfig, RabbitConsumer, RabbitPublisher,
@@ -344,8 +346,9 @@ async fn swallowed_errors_end_as_dead_letters(batched: bool) {
     let handler = IdempotentConsumer::new(
         Arc::clone(&s.store),
         Pipeline::new().on("OrderPlaced", "projector", Swallowing(s.schema.clone())),
+        ConsumerConfig::new().with_max_deliveries(3),
     )
-    .with_max_deliveries(3);
+    .expect("valid consumer config");
     let running = if batched {
         start_batched(s.consumer.clone(), handler)
     } else {
@@ -520,8 +523,9 @@ async fn a_commit_refused_for_the_handlers_data_is_a_failure_of_that_message() {
         Pipeline::new()
             .on("Twice", "projector", DeferredDuplicate(s.schema.clone()))
             .on("Once", "projector", DeferredDuplicate(s.schema.clone())),
+        ConsumerConfig::new().with_max_deliveries(2),
     )
-    .with_max_deliveries(2);
+    .expect("valid consumer config");
     let running = start(s.consumer.clone(), handler);
     // The bad message's last delivery may come after the good one is applied (a failed
     // delivery goes back to the queue): wait for both.
@@ -619,7 +623,9 @@ async fn foreign_messages_end_recorded(batched: bool) {
     let handler = IdempotentConsumer::new(
         Arc::clone(&s.store),
         Pipeline::new().on("OrderPlaced", "projector", Recorder(s.schema.clone())),
-    );
+        ConsumerConfig::new(),
+    )
+    .expect("valid consumer config");
     let running = if batched {
         start_batched(s.consumer.clone(), handler)
     } else {
@@ -744,8 +750,9 @@ async fn database_hiccups_in_the_handler_do_not_charge_the_message() {
     let handler = IdempotentConsumer::new(
         Arc::clone(&s.store),
         Pipeline::new().on("OrderPlaced", "projector", Shared(Arc::clone(&hiccups))),
+        ConsumerConfig::new().with_max_deliveries(1),
     )
-    .with_max_deliveries(1);
+    .expect("valid consumer config");
     let running = start(s.consumer.clone(), handler);
     wait_for("the message applied", Duration::from_secs(60), async || {
         s.effects().await.contains(&m.id) || !s.dead_letters().await.is_empty()
@@ -813,7 +820,9 @@ async fn a_version_far_ahead_is_a_dead_letter_not_the_new_version() {
             "projector",
             Versions(Arc::clone(&applied), s.schema.clone()),
         ),
-    );
+        ConsumerConfig::new(),
+    )
+    .expect("valid consumer config");
     let running = start(s.consumer.clone(), handler);
     wait_for("all three decided", Duration::from_secs(30), async || {
         s.queued().await == 0 && !s.dead_letters().await.is_empty()

@@ -10,8 +10,9 @@ use outboxkit_core::consumer::{DeliveryHandler, HandlerDecision};
 use outboxkit_core::inbox::ConsumerDeadLetters;
 use outboxkit_core::wire::IncomingMessage;
 use outboxkit_inbox::{
-    DurableReceiver, GapPolicy, Handler, HandlerContext, HandlerError, IdempotentConsumer,
-    InboxProcessor, Pipeline, ProcessorConfig, StalePolicy, UNHANDLED_CONSUMER, UnhandledPolicy,
+    ConsumerConfig, DurableReceiver, GapPolicy, Handler, HandlerContext, HandlerError,
+    IdempotentConsumer, InboxProcessor, Pipeline, ProcessorConfig, StalePolicy, UNHANDLED_CONSUMER,
+    UnhandledPolicy,
 };
 use outboxkit_postgres::{PgConfig, PgInbox};
 use sqlx::{AssertSqlSafe, PgConnection};
@@ -92,7 +93,9 @@ async fn a_message_delivered_five_times_has_its_effect_once() {
     let consumer = IdempotentConsumer::new(
         Arc::clone(&db.inbox),
         Pipeline::new().on("OrderPlaced", "projector", effect),
-    );
+        ConsumerConfig::new(),
+    )
+    .expect("valid consumer config");
     let msg = message("OrderPlaced", "1", 1);
     for _ in 0..5 {
         assert_eq!(consumer.process(&msg).await, HandlerDecision::Ack);
@@ -116,7 +119,9 @@ async fn two_consumers_racing_on_one_message_produce_one_effect() {
             IdempotentConsumer::new(
                 Arc::clone(&db.inbox),
                 Pipeline::new().on("OrderPlaced", "projector", e),
+                ConsumerConfig::new(),
             )
+            .expect("valid consumer config")
         };
         let (a, b) = (make(), make());
         let (ra, rb) = tokio::join!(a.process(&msg), b.process(&msg));
@@ -136,7 +141,9 @@ async fn a_handler_that_fails_twice_is_retried_and_applied_once() {
     let consumer = IdempotentConsumer::new(
         Arc::clone(&db.inbox),
         Pipeline::new().on("OrderPlaced", "projector", Effect::new(&db).failing(2)),
-    );
+        ConsumerConfig::new(),
+    )
+    .expect("valid consumer config");
     let msg = message("OrderPlaced", "1", 1);
     assert_eq!(consumer.process(&msg).await, HandlerDecision::Requeue);
     assert_eq!(consumer.process(&msg).await, HandlerDecision::Requeue);
@@ -176,7 +183,9 @@ async fn after_a_retry_only_the_handlers_that_failed_run_again() {
             .on("OrderPlaced", "first", first)
             .on("OrderPlaced", "second", second)
             .on("OrderPlaced", "third", third),
-    );
+        ConsumerConfig::new(),
+    )
+    .expect("valid consumer config");
     let msg = message("OrderPlaced", "1", 1);
     assert_eq!(consumer.process(&msg).await, HandlerDecision::Requeue);
     assert_eq!(
@@ -219,7 +228,9 @@ async fn stale_versions_are_skipped_or_delivered_flagged_by_policy() {
                 Effect::new(&db),
                 StalePolicy::Deliver,
             ),
-    );
+        ConsumerConfig::new(),
+    )
+    .expect("valid consumer config");
     // Versions 1, 3, 2 (out of order), then 3 again with a new id (a stale re-send).
     for v in [1, 3, 2, 3] {
         assert_eq!(
@@ -275,8 +286,9 @@ async fn a_poison_message_becomes_a_dead_letter_and_later_messages_flow() {
             "projector",
             Effect::new(&db).failing(u32::MAX),
         ),
+        ConsumerConfig::new().with_max_deliveries(3),
     )
-    .with_max_deliveries(3);
+    .expect("valid consumer config");
     let poison = message("OrderPlaced", "1", 1);
     assert_eq!(consumer.process(&poison).await, HandlerDecision::Requeue);
     assert_eq!(consumer.process(&poison).await, HandlerDecision::Requeue);
@@ -307,7 +319,9 @@ async fn a_permanent_error_is_dead_lettered_at_once() {
     let consumer = IdempotentConsumer::new(
         Arc::clone(&db.inbox),
         Pipeline::new().on("OrderPlaced", "projector", effect),
-    );
+        ConsumerConfig::new(),
+    )
+    .expect("valid consumer config");
     let msg = message("OrderPlaced", "1", 1);
     assert_eq!(consumer.process(&msg).await, HandlerDecision::Ack);
     assert!(
@@ -391,6 +405,37 @@ async fn an_invalid_processor_config_is_refused_where_the_processor_is_built() {
         (1, 1),
         "the message waited, unclaimed"
     );
+}
+
+/// `max_deliveries` 0 is refused where the consumer is built (it used to be raised to 1
+/// silently), with the typed error naming it.
+#[tokio::test]
+async fn an_invalid_consumer_config_is_refused_where_the_consumer_is_built() {
+    let db = db().await;
+    let err = IdempotentConsumer::new(
+        Arc::clone(&db.inbox),
+        Pipeline::new().on("OrderPlaced", "projector", Effect::new(&db)),
+        ConsumerConfig::new().with_max_deliveries(0),
+    )
+    .expect_err("refused");
+    assert!(
+        matches!(
+            &err,
+            outboxkit_core::OutboxError::InvalidConfig {
+                field: "max_deliveries",
+                ..
+            }
+        ),
+        "{err}"
+    );
+    let config = ConsumerConfig::new()
+        .with_max_deliveries(1)
+        .with_unhandled(UnhandledPolicy::DeadLetter);
+    assert_eq!(
+        (config.max_deliveries(), config.unhandled()),
+        (1, UnhandledPolicy::DeadLetter)
+    );
+    assert!(config.validate().is_ok());
 }
 
 /// `with_retry` takes `RetryPolicies` as the dispatcher does: an event type's override
@@ -693,7 +738,8 @@ async fn an_unhandled_event_type_follows_the_policy() {
     let pipeline = || Pipeline::new().on("OrderPlaced", "projector", Effect::new(&db));
     let msg = message("OrderShipped", "1", 1);
 
-    let ack = IdempotentConsumer::new(Arc::clone(&db.inbox), pipeline());
+    let ack = IdempotentConsumer::new(Arc::clone(&db.inbox), pipeline(), ConsumerConfig::new())
+        .expect("valid consumer config");
     assert_eq!(ack.process(&msg).await, HandlerDecision::Ack);
     assert!(
         !db.inbox
@@ -702,8 +748,12 @@ async fn an_unhandled_event_type_follows_the_policy() {
             .expect("dead")
     );
 
-    let requeue = IdempotentConsumer::new(Arc::clone(&db.inbox), pipeline())
-        .with_unhandled(UnhandledPolicy::Requeue);
+    let requeue = IdempotentConsumer::new(
+        Arc::clone(&db.inbox),
+        pipeline(),
+        ConsumerConfig::new().with_unhandled(UnhandledPolicy::Requeue),
+    )
+    .expect("valid consumer config");
     assert_eq!(requeue.process(&msg).await, HandlerDecision::Requeue);
     assert!(
         !db.inbox
@@ -712,8 +762,12 @@ async fn an_unhandled_event_type_follows_the_policy() {
             .expect("dead")
     );
 
-    let dead = IdempotentConsumer::new(Arc::clone(&db.inbox), pipeline())
-        .with_unhandled(UnhandledPolicy::DeadLetter);
+    let dead = IdempotentConsumer::new(
+        Arc::clone(&db.inbox),
+        pipeline(),
+        ConsumerConfig::new().with_unhandled(UnhandledPolicy::DeadLetter),
+    )
+    .expect("valid consumer config");
     assert_eq!(dead.process(&msg).await, HandlerDecision::Ack);
     let letters = db
         .inbox
@@ -775,8 +829,9 @@ async fn a_panicking_handler_is_a_counted_failure_then_a_dead_letter() {
     let consumer = IdempotentConsumer::new(
         Arc::clone(&db.inbox),
         Pipeline::new().on("OrderPlaced", "projector", Panics),
+        ConsumerConfig::new().with_max_deliveries(2),
     )
-    .with_max_deliveries(2);
+    .expect("valid consumer config");
     let msg = message("OrderPlaced", "1", 1);
     assert_eq!(consumer.process(&msg).await, HandlerDecision::Requeue);
     assert_eq!(consumer.process(&msg).await, HandlerDecision::Ack);
@@ -816,7 +871,9 @@ async fn an_unreachable_inbox_defers_the_delivery() {
     let consumer = IdempotentConsumer::new(
         Arc::clone(&starved),
         Pipeline::new().on("OrderPlaced", "projector", Effect::new(&db)),
-    );
+        ConsumerConfig::new(),
+    )
+    .expect("valid consumer config");
     let msg = message("OrderPlaced", "1", 1);
     assert_eq!(consumer.process(&msg).await, HandlerDecision::Defer);
     let receiver = DurableReceiver::new(Arc::clone(&starved));
@@ -862,7 +919,9 @@ async fn the_per_message_path_takes_five_round_trips() {
     let consumer = IdempotentConsumer::new(
         Arc::clone(&inbox),
         Pipeline::new().on("OrderPlaced", "projector", Effect::new(&db)),
-    );
+        ConsumerConfig::new(),
+    )
+    .expect("valid consumer config");
     let per_message = async |versioned: bool| {
         let make = |n: usize| {
             let mut m = message("OrderPlaced", &format!("agg-{n}-{versioned}"), 1);

@@ -11,7 +11,9 @@ use async_trait::async_trait;
 use outboxkit_core::inbox::ConsumerDeadLetters;
 use outboxkit_core::wire::IncomingMessage;
 use outboxkit_core::{EventPublisher, OutboxMessage};
-use outboxkit_inbox::{Handler, HandlerContext, HandlerError, IdempotentConsumer, Pipeline};
+use outboxkit_inbox::{
+    ConsumerConfig, Handler, HandlerContext, HandlerError, IdempotentConsumer, Pipeline,
+};
 use outboxkit_postgres::{PgConfig, PgInbox, PgOutbox};
 use outboxkit_rabbit::{DeliveryHandler, RabbitConfig, RabbitConsumer, RabbitPublisher};
 use outboxkit_testkit::pg::PgLockout;
@@ -154,8 +156,9 @@ async fn duplicates_and_a_poison_message_through_rabbitmq() {
         Pipeline::new()
             .on("OrderPlaced", "projector", Projector(schema.clone()))
             .on("Poison", "projector", Projector(schema.clone())),
+        ConsumerConfig::new().with_max_deliveries(3),
     )
-    .with_max_deliveries(3);
+    .expect("valid consumer config");
     let running = start(consumer, handler);
     let count = |id: Uuid| {
         let pool = outbox.pool().clone();
@@ -279,8 +282,9 @@ async fn a_poison_message_with_nul_characters_still_becomes_a_dead_letter() {
     let handler = IdempotentConsumer::new(
         Arc::clone(&store),
         Pipeline::new().on("Poison", "projector", Projector(schema.clone())),
+        ConsumerConfig::new().with_max_deliveries(3),
     )
-    .with_max_deliveries(3);
+    .expect("valid consumer config");
     let running = start(consumer, handler);
     wait_for("the dead letter", Duration::from_secs(30), async || {
         store.is_dead(poison.id, "projector").await.expect("dead")
@@ -590,7 +594,9 @@ async fn a_database_outage_on_a_quorum_queue_loses_nothing() {
     let handler = IdempotentConsumer::new(
         Arc::clone(&q.store),
         Pipeline::new().on("OrderPlaced", "projector", Projector(q.schema.clone())),
-    );
+        ConsumerConfig::new(),
+    )
+    .expect("valid consumer config");
     let running = q.start(handler);
     let before: Vec<OutboxMessage> = (0..20).map(|_| outbox_message("OrderPlaced")).collect();
     let during: Vec<OutboxMessage> = (0..30).map(|_| outbox_message("OrderPlaced")).collect();
@@ -636,8 +642,9 @@ async fn a_handler_that_always_panics_ends_as_a_dead_letter() {
                 SlowOrPanicking(q.schema.clone()),
             )
             .on("Panics", "projector", SlowOrPanicking(q.schema.clone())),
+        ConsumerConfig::new().with_max_deliveries(2),
     )
-    .with_max_deliveries(2);
+    .expect("valid consumer config");
     let running = q.start(handler);
     let poison = outbox_message("Panics");
     let after: Vec<OutboxMessage> = (0..5).map(|_| outbox_message("OrderPlaced")).collect();
@@ -683,7 +690,9 @@ async fn many_concurrent_deliveries_wait_for_a_small_pool() {
             "projector",
             SlowOrPanicking(q.schema.clone()),
         ),
-    );
+        ConsumerConfig::new(),
+    )
+    .expect("valid consumer config");
     let running = q.start(handler);
     let messages: Vec<OutboxMessage> = (0..100).map(|_| outbox_message("OrderPlaced")).collect();
     q.publish(&messages).await;

@@ -7,7 +7,9 @@ use opentelemetry::trace::TracerProvider as _;
 use opentelemetry_sdk::trace::{InMemorySpanExporter, SdkTracerProvider};
 use outboxkit_core::consumer::HandlerDecision;
 use outboxkit_core::wire::{IncomingMessage, TraceParent};
-use outboxkit_inbox::{Handler, HandlerContext, HandlerError, IdempotentConsumer, Pipeline};
+use outboxkit_inbox::{
+    ConsumerConfig, Handler, HandlerContext, HandlerError, IdempotentConsumer, Pipeline,
+};
 use outboxkit_postgres::{PgConfig, PgInbox, PgOutbox};
 use sqlx::PgConnection;
 use tracing_subscriber::layer::SubscriberExt as _;
@@ -52,8 +54,12 @@ async fn handler_span_joins_the_producers_trace() {
         )
         .expect("inbox"),
     );
-    let consumer =
-        IdempotentConsumer::new(store, Pipeline::new().on("OrderPlaced", "projector", Noop));
+    let consumer = IdempotentConsumer::new(
+        store,
+        Pipeline::new().on("OrderPlaced", "projector", Noop),
+        ConsumerConfig::new(),
+    )
+    .expect("valid consumer config");
 
     let producer = TraceParent::parse("00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01")
         .expect("valid");

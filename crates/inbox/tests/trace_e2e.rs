@@ -11,7 +11,9 @@ use opentelemetry::trace::{TraceContextExt as _, TracerProvider as _};
 use opentelemetry_sdk::trace::{InMemorySpanExporter, SdkTracerProvider};
 use outboxkit_core::wire::IncomingMessage;
 use outboxkit_core::{Dispatcher, DispatcherConfig, NewMessage, OutboxProducer};
-use outboxkit_inbox::{Handler, HandlerContext, HandlerError, IdempotentConsumer, Pipeline};
+use outboxkit_inbox::{
+    ConsumerConfig, Handler, HandlerContext, HandlerError, IdempotentConsumer, Pipeline,
+};
 use outboxkit_postgres::{PgConfig, PgInbox, PgOutbox};
 use outboxkit_rabbit::{RabbitConfig, RabbitConsumer, RabbitPublisher};
 use sqlx::PgConnection;
@@ -100,8 +102,12 @@ async fn the_consumer_span_joins_the_producers_trace() {
         .expect("inbox"),
     );
     let token = CancellationToken::new();
-    let handler =
-        IdempotentConsumer::new(store, Pipeline::new().on("OrderPlaced", "projector", Noop));
+    let handler = IdempotentConsumer::new(
+        store,
+        Pipeline::new().on("OrderPlaced", "projector", Noop),
+        ConsumerConfig::new(),
+    )
+    .expect("valid consumer config");
     let run = consumer.run(handler, token.clone());
     let wait = async {
         let deadline = tokio::time::Instant::now() + Duration::from_secs(20);

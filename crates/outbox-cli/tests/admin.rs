@@ -15,7 +15,9 @@ use outboxkit_core::consumer::HandlerDecision;
 use outboxkit_core::inbox::{ConsumerDeadLetters, DurableInbox};
 use outboxkit_core::wire::IncomingMessage;
 use outboxkit_core::{NewMessage, OutboxAdmin as _, OutboxStore};
-use outboxkit_inbox::{Handler, HandlerContext, HandlerError, IdempotentConsumer, Pipeline};
+use outboxkit_inbox::{
+    ConsumerConfig, Handler, HandlerContext, HandlerError, IdempotentConsumer, Pipeline,
+};
 use outboxkit_postgres::{PgInbox, PgOutbox};
 use sqlx::{AssertSqlSafe, PgConnection};
 use uuid::Uuid;
@@ -548,7 +550,9 @@ async fn inbox_dead_letters_list_and_replay() {
                 fail: Arc::clone(&fail),
             },
         ),
-    );
+        ConsumerConfig::new(),
+    )
+    .expect("valid consumer config");
     // A message the relay published (Sent), which the consumer dead-letters.
     let m = message("OrderPlaced", "acme", "1");
     enqueue(&db, std::slice::from_ref(&m)).await;

@@ -17,7 +17,9 @@ use outboxkit_cli::testing::internals::{DbSettings, Relay, RelaySettings, SentRe
 use outboxkit_core::TransportKind;
 use outboxkit_core::consumer::{DeliveryHandler, HandlerDecision};
 use outboxkit_core::wire::IncomingMessage;
-use outboxkit_inbox::{Handler, HandlerContext, HandlerError, IdempotentConsumer, Pipeline};
+use outboxkit_inbox::{
+    ConsumerConfig, Handler, HandlerContext, HandlerError, IdempotentConsumer, Pipeline,
+};
 use outboxkit_postgres::{PgInbox, PgOutbox};
 use outboxkit_rabbit::lapin::types::{AMQPValue, FieldTable};
 use outboxkit_rabbit::{RabbitConfig, RabbitConsumer};
@@ -129,7 +131,9 @@ async fn relay_exports_metrics_and_a_replayed_message_stays_single() {
                 "projector",
                 Projector(db.schema().to_owned()),
             ),
-        ),
+            ConsumerConfig::new(),
+        )
+        .expect("valid consumer config"),
         seen: Arc::clone(&seen),
         traces: Arc::clone(&traces),
     };

@@ -21,7 +21,9 @@ use outboxkit_core::wire::IncomingMessage;
 use outboxkit_core::{
     BatchSettings, Consumer as _, EventPublisher as _, NewMessage, OutboxMessage,
 };
-use outboxkit_inbox::{Handler, HandlerContext, HandlerError, IdempotentConsumer, Pipeline};
+use outboxkit_inbox::{
+    ConsumerConfig, Handler, HandlerContext, HandlerError, IdempotentConsumer, Pipeline,
+};
 use outboxkit_mysql::{MySqlInbox, MySqlOutbox};
 use outboxkit_rabbit::{RabbitConfig, RabbitConsumer, RabbitPublisher};
 use outboxkit_testkit::rabbit::{Fixture, eventually, relay_fixture};
@@ -231,8 +233,9 @@ async fn a_swallowed_rollback_is_never_acked_without_its_effect(sabotage: Sabota
                     done: Mutex::new(false),
                 },
             ),
+            ConsumerConfig::new().with_max_deliveries(3),
         )
-        .with_max_deliveries(3),
+        .expect("valid consumer config"),
         pool: outbox.pool().clone(),
         schema: schema.clone(),
         acked: Arc::clone(&acked),

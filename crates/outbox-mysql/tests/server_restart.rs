@@ -24,7 +24,9 @@ use outboxkit_core::Consumer as _;
 use outboxkit_core::consumer::{DeliveryHandler, HandlerDecision};
 use outboxkit_core::wire::IncomingMessage;
 use outboxkit_core::{Dispatcher, DispatcherConfig, NewMessage, OutboxProducer, OutboxStore};
-use outboxkit_inbox::{Handler, HandlerContext, HandlerError, IdempotentConsumer, Pipeline};
+use outboxkit_inbox::{
+    ConsumerConfig, Handler, HandlerContext, HandlerError, IdempotentConsumer, Pipeline,
+};
 use outboxkit_mysql::{MySqlInbox, MySqlOutbox};
 use outboxkit_rabbit::{RabbitConfig, RabbitConsumer, RabbitPublisher};
 use outboxkit_testkit::faults::{MYSQL_PORT, MariaDbStopped, pid_listening_on};
@@ -190,7 +192,9 @@ async fn relay_and_consumer_ride_out_a_server_restart_with_nothing_lost_or_appli
                     schema: outbox.schema().to_owned(),
                 },
             ),
-        ),
+            ConsumerConfig::new(),
+        )
+        .expect("valid consumer config"),
         deliveries: Arc::clone(&deliveries),
         acked: Arc::clone(&acked),
     };

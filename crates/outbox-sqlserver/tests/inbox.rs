@@ -257,7 +257,9 @@ async fn the_inbox_crate_consumer_applies_a_message_once() {
                 fail: false,
             },
         ),
-    );
+        outboxkit_inbox::ConsumerConfig::new(),
+    )
+    .expect("valid consumer config");
     let msg = IncomingMessage::new(Uuid::now_v7(), "OrderPlaced", b"{}".to_vec());
     assert_eq!(consumer.process(&msg).await, HandlerDecision::Ack);
     assert_eq!(
@@ -276,7 +278,9 @@ async fn the_inbox_crate_consumer_applies_a_message_once() {
                 fail: true,
             },
         ),
-    );
+        outboxkit_inbox::ConsumerConfig::new(),
+    )
+    .expect("valid consumer config");
     let other = IncomingMessage::new(Uuid::now_v7(), "OrderPlaced", b"{}".to_vec());
     assert_eq!(failing.process(&other).await, HandlerDecision::Requeue);
 
@@ -308,8 +312,8 @@ async fn the_inbox_crate_consumer_survives_faults() {
 
     use outboxkit_core::HandlerDecision;
     use outboxkit_inbox::{
-        Handler, HandlerContext, HandlerError, IdempotentConsumer, Pipeline, UNHANDLED_CONSUMER,
-        UnhandledPolicy,
+        ConsumerConfig, Handler, HandlerContext, HandlerError, IdempotentConsumer, Pipeline,
+        UNHANDLED_CONSUMER, UnhandledPolicy,
     };
     use outboxkit_sqlserver::{MssqlClient, MssqlConfig};
 
@@ -332,9 +336,11 @@ async fn the_inbox_crate_consumer_survives_faults() {
     let consumer = IdempotentConsumer::new(
         Arc::clone(&store),
         Pipeline::new().on("OrderPlaced", "projection", Panics),
+        ConsumerConfig::new()
+            .with_max_deliveries(2)
+            .with_unhandled(UnhandledPolicy::DeadLetter),
     )
-    .with_max_deliveries(2)
-    .with_unhandled(UnhandledPolicy::DeadLetter);
+    .expect("valid consumer config");
     let msg = IncomingMessage::new(Uuid::now_v7(), "OrderPlaced", b"{}".to_vec());
     assert_eq!(consumer.process(&msg).await, HandlerDecision::Requeue);
     assert_eq!(consumer.process(&msg).await, HandlerDecision::Ack);
@@ -378,7 +384,9 @@ async fn the_inbox_crate_consumer_survives_faults() {
     let waiting = IdempotentConsumer::new(
         Arc::clone(&starved),
         Pipeline::new().on("OrderPlaced", "projection", Panics),
-    );
+        ConsumerConfig::new(),
+    )
+    .expect("valid consumer config");
     let fresh = IncomingMessage::new(Uuid::now_v7(), "OrderPlaced", b"{}".to_vec());
     assert_eq!(waiting.process(&fresh).await, HandlerDecision::Defer);
     drop(held);
@@ -571,16 +579,20 @@ async fn a_consumer_busier_than_its_pool_acks_every_delivery() {
     .expect("create");
     drop(conn);
     let store = Arc::new(small_pool(&url, &outbox, 2).await);
-    let consumer = Arc::new(outboxkit_inbox::IdempotentConsumer::new(
-        Arc::clone(&store),
-        outboxkit_inbox::Pipeline::new().on(
-            "OrderPlaced",
-            "projection",
-            SlowProject {
-                table: table.clone(),
-            },
-        ),
-    ));
+    let consumer = Arc::new(
+        outboxkit_inbox::IdempotentConsumer::new(
+            Arc::clone(&store),
+            outboxkit_inbox::Pipeline::new().on(
+                "OrderPlaced",
+                "projection",
+                SlowProject {
+                    table: table.clone(),
+                },
+            ),
+            outboxkit_inbox::ConsumerConfig::new(),
+        )
+        .expect("valid consumer config"),
+    );
     let deliveries: Vec<_> = (0..6)
         .map(|_| {
             let consumer = Arc::clone(&consumer);

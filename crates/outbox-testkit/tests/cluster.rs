@@ -16,7 +16,9 @@ use std::time::{Duration, Instant};
 use async_trait::async_trait;
 use outboxkit_core::wire::IncomingMessage;
 use outboxkit_core::{Consumer, EventPublisher, OutboxMessage, PublishOutcome};
-use outboxkit_inbox::{Handler, HandlerContext, HandlerError, IdempotentConsumer, Pipeline};
+use outboxkit_inbox::{
+    ConsumerConfig, Handler, HandlerContext, HandlerError, IdempotentConsumer, Pipeline,
+};
 use outboxkit_postgres::{PgConfig, PgInbox, PgOutbox};
 use outboxkit_testkit::cluster::{self, Broker, NodeKilled, NodePartitioned};
 use outboxkit_testkit::faults;
@@ -82,7 +84,9 @@ impl Effects {
         IdempotentConsumer::new(
             Arc::clone(&self.inbox),
             Pipeline::new().on("Counted", "counter", Count(self.schema.clone())),
+            ConsumerConfig::new(),
         )
+        .expect("valid consumer config")
     }
 
     /// Messages with an effect, and those with more than one.

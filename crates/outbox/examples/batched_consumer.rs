@@ -9,7 +9,9 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use outboxkit::inbox::{Handler, HandlerContext, HandlerError, IdempotentConsumer, Pipeline};
+use outboxkit::inbox::{
+    ConsumerConfig, Handler, HandlerContext, HandlerError, IdempotentConsumer, Pipeline,
+};
 use outboxkit::postgres::sqlx::{self, PgConnection};
 use outboxkit::postgres::{PgConfig, PgInbox};
 use outboxkit::rabbit::lapin::types::{AMQPValue, FieldTable};
@@ -65,7 +67,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         .build()?;
 
     let pipeline = Pipeline::new().on("OrderPlaced", "audit", AuditLog);
-    let handler = IdempotentConsumer::new(Arc::new(inbox), pipeline);
+    let handler = IdempotentConsumer::new(Arc::new(inbox), pipeline, ConsumerConfig::new())?;
     let shutdown = CancellationToken::new();
     let on_ctrl_c = shutdown.clone();
     tokio::spawn(async move {

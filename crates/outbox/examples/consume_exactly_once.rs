@@ -10,7 +10,9 @@
 //! after the deliveries in hand are settled)
 use std::sync::Arc;
 
-use outboxkit::inbox::{Handler, HandlerContext, HandlerError, IdempotentConsumer, Pipeline};
+use outboxkit::inbox::{
+    ConsumerConfig, Handler, HandlerContext, HandlerError, IdempotentConsumer, Pipeline,
+};
 use outboxkit::postgres::sqlx::{self, PgConnection};
 use outboxkit::postgres::{PgConfig, PgInbox};
 use outboxkit::{AnyConsumer, AnyConsumerConfig, Consumer as _, IncomingMessage};
@@ -61,7 +63,11 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let config = AnyConsumerConfig::from_url(&std::env::var("OUTBOX_BROKER_URL")?, "revenue")?;
     let consumer = AnyConsumer::new(config.with_stream("OUTBOX"))?;
     let pipeline = Pipeline::new().on("OrderPlaced", "revenue", Revenue);
-    let handler = IdempotentConsumer::new(Arc::new(inbox), pipeline).with_max_deliveries(5);
+    let handler = IdempotentConsumer::new(
+        Arc::new(inbox),
+        pipeline,
+        ConsumerConfig::new().with_max_deliveries(5),
+    )?;
 
     let shutdown = CancellationToken::new();
     let on_ctrl_c = shutdown.clone();

@@ -6,7 +6,7 @@
 #![cfg_attr(rustfmt, rustfmt::skip)] // the README shows it line for line
 use std::sync::Arc;
 
-use outboxkit::inbox::{Handler, HandlerContext, HandlerError, IdempotentConsumer, Pipeline};
+use outboxkit::inbox::{ConsumerConfig, Handler, HandlerContext, HandlerError, IdempotentConsumer, Pipeline};
 use outboxkit::postgres::{PgConfig, PgInbox, PgOutbox, sqlx::{self, PgConnection}};
 use outboxkit::{AnyConsumer, AnyConsumerConfig, AnyPublisher, AnyPublisherConfig, CancellationToken, Consumer as _, Dispatcher, DispatcherConfig, IncomingMessage, NewMessage, OutboxProducer};
 
@@ -31,7 +31,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
 
     let consumer = AnyConsumer::new(AnyConsumerConfig::from_url(&broker, "projection")?.with_stream("OUTBOX"))?;
     consumer.declare().await?; // its queue (RabbitMQ) or stream and durable (NATS) exist before the first publish
-    let handler = IdempotentConsumer::new(Arc::new(store.inbox()), Pipeline::new().on("OrderPlaced", "projection", Project));
+    let handler = IdempotentConsumer::new(Arc::new(store.inbox()), Pipeline::new().on("OrderPlaced", "projection", Project), ConsumerConfig::new())?;
     let publisher = AnyPublisher::connect(AnyPublisherConfig::from_url(&broker)?).await?;
     let relay = Dispatcher::new(Arc::new(store), Arc::new(publisher), DispatcherConfig::new())?; // LISTENs: a commit wakes it
     let (relayed, consumed) = tokio::join!(relay.run(shutdown.clone()), consumer.run(handler, shutdown.clone()));

@@ -262,7 +262,7 @@
 //! # #[cfg(all(feature = "postgres", feature = "inbox", any(feature = "rabbit", feature = "nats")))]
 //! # async fn demo(shutdown: tokio_util::sync::CancellationToken) -> Result<(), Box<dyn std::error::Error>> {
 //! use std::sync::Arc;
-//! use outboxkit::inbox::{Handler, HandlerContext, HandlerError, IdempotentConsumer, Pipeline};
+//! use outboxkit::inbox::{ConsumerConfig, Handler, HandlerContext, HandlerError, IdempotentConsumer, Pipeline};
 //! use outboxkit::postgres::sqlx::{self, PgConnection};
 //! use outboxkit::postgres::{PgConfig, PgInbox};
 //! use outboxkit::{AnyConsumer, AnyConsumerConfig, Consumer as _, IncomingMessage};
@@ -285,7 +285,7 @@
 //! let config = AnyConsumerConfig::from_url("amqp://guest:guest@127.0.0.1:5672/%2f", "projection")?;
 //! let consumer = AnyConsumer::new(config.with_stream("OUTBOX"))?;
 //! let pipeline = Pipeline::new().on("OrderPlaced", "projection", Project);
-//! consumer.run(IdempotentConsumer::new(Arc::new(inbox), pipeline), shutdown).await?;
+//! consumer.run(IdempotentConsumer::new(Arc::new(inbox), pipeline, ConsumerConfig::new())?, shutdown).await?;
 //! # Ok(()) }
 //! ```
 //!

@@ -19,8 +19,8 @@ use outboxkit_core::inbox::ConsumerDeadLetters;
 use outboxkit_core::wire::IncomingMessage;
 use outboxkit_core::{EventPublisher, OutboxMessage};
 use outboxkit_inbox::{
-    DurableReceiver, Handler, HandlerContext, HandlerError, IdempotentConsumer, InboxProcessor,
-    Pipeline, ProcessorConfig,
+    ConsumerConfig, DurableReceiver, Handler, HandlerContext, HandlerError, IdempotentConsumer,
+    InboxProcessor, Pipeline, ProcessorConfig,
 };
 use outboxkit_nats::{NatsConsumer, NatsPublisher};
 use outboxkit_postgres::{PgConfig, PgInbox, PgOutbox};
@@ -134,8 +134,9 @@ async fn idempotent_consumer_over_nats_duplicates_and_a_poison_message() {
                 Projector(outbox.schema().to_owned()),
             )
             .on("Poison", "projector", Projector(outbox.schema().to_owned())),
+        ConsumerConfig::new().with_max_deliveries(3),
     )
-    .with_max_deliveries(3);
+    .expect("valid consumer config");
     let consumer = NatsConsumer::builder(fx.build(), &fx.stream, "inbox")
         .with_concurrency(1)
         .with_max_deliver(Some(10))
@@ -252,7 +253,9 @@ async fn a_database_outage_longer_than_the_delivery_budget_loses_nothing() {
             "projector",
             Projector(outbox.schema().to_owned()),
         ),
-    );
+        ConsumerConfig::new(),
+    )
+    .expect("valid consumer config");
     let consumer = NatsConsumer::builder(fx.build(), &fx.stream, "outage")
         .with_max_deliver(Some(3))
         .with_nak_delays(vec![Duration::from_millis(100)])

@@ -15,7 +15,9 @@ use outboxkit_core::InboxStore;
 use outboxkit_core::async_trait;
 use outboxkit_core::consumer::{DeliveryHandler, HandlerDecision};
 use outboxkit_core::wire::{IncomingMessage, TRACEPARENT, TraceParent};
-use outboxkit_inbox::{Handler, HandlerContext, HandlerError, IdempotentConsumer, Pipeline};
+use outboxkit_inbox::{
+    ConsumerConfig, Handler, HandlerContext, HandlerError, IdempotentConsumer, Pipeline,
+};
 
 use crate::OrderPlaced;
 use crate::db::{Database, Projection};
@@ -105,7 +107,8 @@ impl<D: Database> Projector<D> {
             },
         );
         Self {
-            inner: IdempotentConsumer::new(Arc::new(inbox), pipeline),
+            inner: IdempotentConsumer::new(Arc::new(inbox), pipeline, ConsumerConfig::new())
+                .expect("the default consumer config is valid"),
             redeliver_every,
             counters,
             withheld: Mutex::new(HashSet::new()),

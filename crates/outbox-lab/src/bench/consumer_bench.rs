@@ -49,8 +49,8 @@ use outboxkit_core::consumer::{BatchDeliveryHandler, DeliveryHandler, HandlerDec
 use outboxkit_core::wire::IncomingMessage;
 use outboxkit_core::{EventPublisher, NewMessage, OutboxMessage};
 use outboxkit_inbox::{
-    BatchHandlerError, DurableReceiver, Handler, HandlerContext, HandlerError, IdempotentConsumer,
-    InboxProcessor, Pipeline, ProcessorConfig,
+    BatchHandlerError, ConsumerConfig, DurableReceiver, Handler, HandlerContext, HandlerError,
+    IdempotentConsumer, InboxProcessor, Pipeline, ProcessorConfig,
 };
 use outboxkit_nats::async_nats::jetstream;
 use outboxkit_nats::{NatsConfig, NatsConfigBuilder, NatsConsumer, NatsPublisher, StreamSetup};
@@ -321,7 +321,11 @@ impl PhaseContext<'_> {
                     } else {
                         Pipeline::new().on(EVENT_TYPE, CONSUMER, Project(db.schema.clone()))
                     };
-                    let consumer = IdempotentConsumer::new(Arc::clone(&db.inbox), pipeline);
+                    let consumer = IdempotentConsumer::new(
+                        Arc::clone(&db.inbox),
+                        pipeline,
+                        ConsumerConfig::new(),
+                    )?;
                     let handler = Arc::new(Timed::new(consumer, n));
                     let batched = !matches!(phase, Phase::PerMessage | Phase::PerMessageVersioned);
                     let m = self.consume(&source, &handler, batched).await?;

@@ -51,8 +51,8 @@ use outboxkit_core::consumer::{BatchDeliveryHandler, DeliveryHandler, HandlerDec
 use outboxkit_core::wire::{IncomingMessage, UndecodableMessage};
 use outboxkit_core::{ConsumerDeadLetters, DurableInbox, InboxStore, VersionTracking};
 use outboxkit_inbox::{
-    DurableReceiver, Handler, HandlerContext, HandlerError, IdempotentConsumer, InboxProcessor,
-    Pipeline, ProcessorConfig,
+    ConsumerConfig, DurableReceiver, Handler, HandlerContext, HandlerError, IdempotentConsumer,
+    InboxProcessor, Pipeline, ProcessorConfig,
 };
 use outboxkit_mysql::{MySqlConfig, MySqlInbox};
 use outboxkit_postgres::{PgConfig, PgInbox};
@@ -412,7 +412,8 @@ where
             let handler = Arc::new(IdempotentConsumer::new(
                 store,
                 Pipeline::new().on(EVENT_TYPE, CONSUMER, effect()),
-            ));
+                ConsumerConfig::new(),
+            )?);
             if args.batched {
                 consumer
                     .run_batched(
