@@ -251,8 +251,8 @@
 //! the record and is acknowledged without running the handler again. [`AnyConsumer`]
 //! picks the broker from the URL as [`AnyPublisherConfig::from_url`] does
 //! ([`AnyConsumerConfig`]: the name, the NATS stream, [`BatchSettings`] for
-//! [`Consumer::run_batched`]); a transport's own builder
-//! (`outboxkit::rabbit::RabbitConsumer::builder`, `outboxkit::nats::NatsConsumer::builder`)
+//! [`Consumer::run_batched`]); a transport's own consumer configuration
+//! (`outboxkit::rabbit::RabbitConsumerConfig`, `outboxkit::nats::NatsConsumerConfig`)
 //! sets the rest (prefetch, quorum queues, ack wait, …) and converts with `From`.
 //!
 //! ```no_run
