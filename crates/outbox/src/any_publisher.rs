@@ -435,6 +435,60 @@ mod tests {
         assert!(!err.to_string().contains("tok3n"), "{err}");
     }
 
+    /// An invalid transport configuration is refused by `connect` and `connect_lazy`
+    /// (and `AnyConsumer::new`) with the transport's typed error, before anything
+    /// connects or starts.
+    #[tokio::test]
+    async fn invalid_configurations_are_refused_before_connecting() {
+        #[cfg(feature = "rabbit")]
+        {
+            let zero = RabbitConfig::new("amqp://guest:guest@127.0.0.1:5672/%2f")
+                .with_connect_timeout(Duration::ZERO);
+            for err in [
+                AnyPublisher::connect(zero.clone()).await.err(),
+                AnyPublisher::connect_lazy(zero.clone()).await.err(),
+            ] {
+                assert!(
+                    matches!(
+                        err,
+                        Some(AnyPublisherError::Rabbit(RabbitError::InvalidConfig {
+                            field: "connect_timeout",
+                            ..
+                        }))
+                    ),
+                    "{err:?}"
+                );
+            }
+            let err = crate::AnyConsumer::new(crate::AnyConsumerConfig::new(zero, "billing"))
+                .expect_err("invalid");
+            assert!(
+                matches!(
+                    err,
+                    crate::AnyConsumerError::Rabbit(RabbitError::InvalidConfig {
+                        field: "connect_timeout",
+                        ..
+                    })
+                ),
+                "{err:?}"
+            );
+        }
+        #[cfg(feature = "nats")]
+        {
+            let bad = NatsConfig::new("nats://app:s3cret@127.0.0.1:notaport");
+            for err in [
+                AnyPublisher::connect(bad.clone()).await.err(),
+                AnyPublisher::connect_lazy(bad).await.err(),
+            ] {
+                match err {
+                    Some(AnyPublisherError::Nats(e @ NatsError::InvalidUrl { .. })) => {
+                        assert!(!e.to_string().contains("s3cret"), "{e}");
+                    }
+                    other => panic!("expected InvalidUrl, got {other:?}"),
+                }
+            }
+        }
+    }
+
     #[cfg(feature = "rabbit")]
     #[tokio::test]
     async fn a_lazy_rabbit_publisher_delegates_without_a_broker() {
