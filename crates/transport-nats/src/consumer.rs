@@ -1035,8 +1035,34 @@ mod tests {
     }
 
     #[test]
-    fn builder_validates() {
+    fn config_validates() {
         let config = crate::NatsConfig::new(crate::config::DEFAULT_URL);
+        // `validate` itself, the transport configuration's errors included.
+        assert!(
+            NatsConsumerConfig::new(config.clone(), "S", "d")
+                .validate()
+                .is_ok()
+        );
+        assert!(matches!(
+            NatsConsumerConfig::new(config.clone(), "S", "d")
+                .with_backoff(vec![Duration::ZERO])
+                .validate(),
+            Err(NatsError::InvalidConfig {
+                field: "backoff",
+                ..
+            })
+        ));
+        assert!(matches!(
+            NatsConsumerConfig::new(config.clone().with_max_in_flight(0), "S", "d").validate(),
+            Err(NatsError::InvalidConfig {
+                field: "max_in_flight",
+                ..
+            })
+        ));
+        assert!(matches!(
+            NatsConsumerConfig::new(crate::NatsConfig::new("amqp://h"), "S", "d").validate(),
+            Err(NatsError::InvalidUrl { .. })
+        ));
         let field = |b: NatsConsumerConfig| match NatsConsumer::new(b) {
             Err(NatsError::InvalidConfig { field, .. }) => field,
             other => panic!("expected InvalidConfig, got {other:?}"),

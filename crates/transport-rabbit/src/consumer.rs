@@ -963,8 +963,34 @@ mod tests {
     }
 
     #[test]
-    fn builder_validates() {
+    fn config_validates() {
         let config = crate::RabbitConfig::new(crate::config::DEFAULT_URL);
+        // `validate` itself, the transport configuration's errors included.
+        assert!(
+            RabbitConsumerConfig::new(config.clone(), "q")
+                .validate()
+                .is_ok()
+        );
+        assert!(matches!(
+            RabbitConsumerConfig::new(config.clone(), "q")
+                .with_reconnect_backoff(Duration::from_secs(2), Duration::from_secs(1))
+                .validate(),
+            Err(RabbitError::InvalidConfig {
+                field: "reconnect_backoff",
+                ..
+            })
+        ));
+        assert!(matches!(
+            RabbitConsumerConfig::new(config.clone().with_exchange(""), "q").validate(),
+            Err(RabbitError::InvalidConfig {
+                field: "exchange",
+                ..
+            })
+        ));
+        assert!(matches!(
+            RabbitConsumerConfig::new(crate::RabbitConfig::new("http://u:p@h/"), "q").validate(),
+            Err(RabbitError::InvalidUrl { .. })
+        ));
         let field = |b: RabbitConsumerConfig| match RabbitConsumer::new(b) {
             Err(RabbitError::InvalidConfig { field, .. }) => field,
             other => panic!("expected InvalidConfig, got {other:?}"),
