@@ -14,13 +14,9 @@ use outboxkit::AnyPublisherConfig;
 pub fn publisher_config() -> Result<AnyPublisherConfig, Box<dyn std::error::Error>> {
     let url = std::env::var("OUTBOX_BROKER_URL")?;
     if url.starts_with("amqp://") {
-        Ok(outboxkit::rabbit::RabbitConfigBuilder::from_env()?
-            .build()?
-            .into())
+        Ok(outboxkit::rabbit::RabbitConfig::from_env()?.into())
     } else if url.starts_with("nats://") {
-        Ok(outboxkit::nats::NatsConfigBuilder::from_env()?
-            .build()?
-            .into())
+        Ok(outboxkit::nats::NatsConfig::from_env()?.into())
     } else {
         Err(format!("OUTBOX_BROKER_URL={url}: neither amqp:// nor nats://").into())
     }

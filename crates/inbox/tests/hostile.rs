@@ -32,7 +32,8 @@ use outboxkit_inbox::{
 };
 use outboxkit_postgres::{PgConfig, PgInbox, PgOutbox};
 use outboxkit_rabbit::{
-    BatchDeliveryHandler, DeliveryHandler, RabbitConfig, RabbitConsumer, RabbitPublisher,
+    BatchDeliveryHandler, DeliveryHandler, RabbitConfig, RabbitConsumer, RabbitConsumerConfig,
+    RabbitPublisher,
 };
 use sqlx::{AssertSqlSafe, PgConnection, PgPool};
 use tokio_util::sync::CancellationToken;
@@ -88,20 +89,18 @@ async fn setup(prefetch: u16, batch_size: usize) -> Setup {
         PgInbox::new(pool.clone(), &PgConfig::default().with_schema(&schema)).expect("inbox"),
     );
     let exchange = format!("t.{}", Uuid::new_v4().simple());
-    let config = RabbitConfig::builder(amqp_url())
-        .with_exchange(&exchange)
-        .build()
-        .expect("config");
+    let config = RabbitConfig::new(amqp_url()).with_exchange(&exchange);
     let mut args = FieldTable::default();
     args.insert("x-expires".into(), AMQPValue::LongInt(60_000));
-    let consumer = RabbitConsumer::builder(config.clone(), format!("{exchange}.q"))
-        .with_binding_key("#")
-        .with_queue_arguments(args)
-        .with_prefetch(prefetch)
-        .with_batch(BatchSettings::new().with_size(batch_size))
-        .with_requeue_delay(Duration::from_millis(50))
-        .build()
-        .expect("consumer");
+    let consumer = RabbitConsumer::new(
+        RabbitConsumerConfig::new(config.clone(), format!("{exchange}.q"))
+            .with_binding_key("#")
+            .with_queue_arguments(args)
+            .with_prefetch(prefetch)
+            .with_batch(BatchSettings::new().with_size(batch_size))
+            .with_requeue_delay(Duration::from_millis(50)),
+    )
+    .expect("consumer");
     consumer.declare().await.expect("declare");
     let publisher = RabbitPublisher::connect(config).await.expect("publisher");
     let foreign_conn = Connection::connect(&amqp_url(), ConnectionProperties::default())

@@ -15,7 +15,9 @@ use outboxkit_inbox::{
     ConsumerConfig, Handler, HandlerContext, HandlerError, IdempotentConsumer, Pipeline,
 };
 use outboxkit_postgres::{PgConfig, PgInbox, PgOutbox};
-use outboxkit_rabbit::{DeliveryHandler, RabbitConfig, RabbitConsumer, RabbitPublisher};
+use outboxkit_rabbit::{
+    DeliveryHandler, RabbitConfig, RabbitConsumer, RabbitConsumerConfig, RabbitPublisher,
+};
 use outboxkit_testkit::pg::PgLockout;
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 use sqlx::{AssertSqlSafe, PgConnection};
@@ -101,16 +103,14 @@ async fn setup(prefetch: u16) -> Setup {
     );
     let exchange = format!("t.{}", Uuid::new_v4().simple());
     let amqp = env("AMQP_URL", "amqp://guest:guest@127.0.0.1:5672/%2f");
-    let config = RabbitConfig::builder(&amqp)
-        .with_exchange(&exchange)
-        .build()
-        .expect("config");
-    let consumer = RabbitConsumer::builder(config.clone(), format!("{exchange}.q"))
-        .with_binding_key("#")
-        .with_queue_arguments(expires_when_unused())
-        .with_prefetch(prefetch)
-        .build()
-        .expect("consumer");
+    let config = RabbitConfig::new(&amqp).with_exchange(&exchange);
+    let consumer = RabbitConsumer::new(
+        RabbitConsumerConfig::new(config.clone(), format!("{exchange}.q"))
+            .with_binding_key("#")
+            .with_queue_arguments(expires_when_unused())
+            .with_prefetch(prefetch),
+    )
+    .expect("consumer");
     consumer.declare().await.expect("declare");
     let publisher = RabbitPublisher::connect(config).await.expect("publisher");
     Setup {
@@ -440,10 +440,7 @@ async fn quorum(prefetch: u16, pool_size: u32, delivery_limit: i32) -> Quorum {
     let exchange = format!("t.{}", Uuid::new_v4().simple());
     let queue = format!("{exchange}.q");
     let amqp = env("AMQP_URL", "amqp://guest:guest@127.0.0.1:5672/%2f");
-    let config = RabbitConfig::builder(&amqp)
-        .with_exchange(&exchange)
-        .build()
-        .expect("config");
+    let config = RabbitConfig::new(&amqp).with_exchange(&exchange);
     let mut args = expires_when_unused();
     args.insert(
         "x-queue-type".into(),
@@ -453,13 +450,14 @@ async fn quorum(prefetch: u16, pool_size: u32, delivery_limit: i32) -> Quorum {
         "x-delivery-limit".into(),
         lapin::types::AMQPValue::LongInt(delivery_limit),
     );
-    let consumer = RabbitConsumer::builder(config.clone(), &queue)
-        .with_binding_key("#")
-        .with_queue_arguments(args)
-        .with_prefetch(prefetch)
-        .with_requeue_delay(Duration::from_millis(100))
-        .build()
-        .expect("consumer");
+    let consumer = RabbitConsumer::new(
+        RabbitConsumerConfig::new(config.clone(), &queue)
+            .with_binding_key("#")
+            .with_queue_arguments(args)
+            .with_prefetch(prefetch)
+            .with_requeue_delay(Duration::from_millis(100)),
+    )
+    .expect("consumer");
     consumer.declare().await.expect("declare");
     let publisher = RabbitPublisher::connect(config).await.expect("publisher");
     Quorum {

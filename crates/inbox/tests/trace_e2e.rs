@@ -15,7 +15,7 @@ use outboxkit_inbox::{
     ConsumerConfig, Handler, HandlerContext, HandlerError, IdempotentConsumer, Pipeline,
 };
 use outboxkit_postgres::{PgConfig, PgInbox, PgOutbox};
-use outboxkit_rabbit::{RabbitConfig, RabbitConsumer, RabbitPublisher};
+use outboxkit_rabbit::{RabbitConfig, RabbitConsumer, RabbitConsumerConfig, RabbitPublisher};
 use sqlx::PgConnection;
 use tokio_util::sync::CancellationToken;
 use tracing::Instrument as _;
@@ -62,15 +62,13 @@ async fn the_consumer_span_joins_the_producers_trace() {
     let exchange = format!("t.{}", Uuid::new_v4().simple());
     let amqp = env("AMQP_URL", "amqp://guest:guest@127.0.0.1:5672/%2f");
     let _exchange = outboxkit_testkit::rabbit::DropExchange::new(&amqp, &exchange);
-    let rabbit = RabbitConfig::builder(amqp)
-        .with_exchange(&exchange)
-        .build()
-        .expect("config");
-    let consumer = RabbitConsumer::builder(rabbit.clone(), format!("{exchange}.q"))
-        .with_binding_key("#")
-        .with_queue_arguments(expires_when_unused())
-        .build()
-        .expect("consumer");
+    let rabbit = RabbitConfig::new(amqp).with_exchange(&exchange);
+    let consumer = RabbitConsumer::new(
+        RabbitConsumerConfig::new(rabbit.clone(), format!("{exchange}.q"))
+            .with_binding_key("#")
+            .with_queue_arguments(expires_when_unused()),
+    )
+    .expect("consumer");
     consumer.declare().await.expect("declare");
 
     // Producer: enqueue inside a span; the builder captures its context.

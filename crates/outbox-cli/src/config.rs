@@ -935,7 +935,7 @@ impl RelaySettings {
                         ),
                     });
                 }
-                self.rabbit_config()?;
+                let _ = self.rabbit_config()?;
             }
             #[cfg(feature = "nats")]
             TransportKind::Nats => {
@@ -947,7 +947,7 @@ impl RelaySettings {
                         ),
                     });
                 }
-                self.nats_config()?;
+                let _ = self.nats_config()?;
             }
             #[allow(unreachable_patterns)] // reason: unreachable with both transports
             _ => {}
@@ -961,7 +961,7 @@ impl RelaySettings {
     /// [`CliError::Rabbit`] for an invalid URL or exchange.
     #[cfg(feature = "rabbit")]
     pub fn rabbit_config(&self) -> Result<outboxkit_rabbit::RabbitConfig, CliError> {
-        Ok(outboxkit_rabbit::RabbitConfig::builder(&self.broker_url)
+        let config = outboxkit_rabbit::RabbitConfig::new(&self.broker_url)
             .with_exchange(&self.exchange)
             .with_connection_name("outbox-relay")
             .with_connect_timeout(self.connect_timeout)
@@ -975,8 +975,9 @@ impl RelaySettings {
                     .iter()
                     .map(|r| r.parse())
                     .collect::<Result<Vec<outboxkit_rabbit::DestinationRule>, _>>()?,
-            )
-            .build()?)
+            );
+        config.validate()?;
+        Ok(config)
     }
 
     /// The NATS configuration.
@@ -985,15 +986,16 @@ impl RelaySettings {
     /// [`CliError::Nats`] for an invalid URL, subject prefix or stream name.
     #[cfg(feature = "nats")]
     pub fn nats_config(&self) -> Result<outboxkit_nats::NatsConfig, CliError> {
-        let mut config = outboxkit_nats::NatsConfig::builder(&self.broker_url)
+        let mut config = outboxkit_nats::NatsConfig::new(&self.broker_url)
             .with_subject_prefix(&self.subject_prefix)
             .with_connection_name("outbox-relay")
             .with_connect_timeout(self.connect_timeout)
-            .with_ack_timeout(self.confirm_timeout);
+            .with_confirm_timeout(self.confirm_timeout);
         if let Some(stream) = &self.stream {
             config = config.with_stream(outboxkit_nats::StreamSetup::new(stream));
         }
-        Ok(config.build()?)
+        config.validate()?;
+        Ok(config)
     }
 
     /// The retry policies: the default with `max_attempts`, plus the overrides.

@@ -44,7 +44,7 @@ pub(crate) async fn publisher(settings: &RelaySettings) -> Result<AnyPublisher, 
         #[allow(unreachable_patterns)] // reason: `require` failed for a compiled-out one
         other => return Err(other.missing()),
     };
-    Ok(AnyPublisher::connect_lazy(config).await)
+    Ok(AnyPublisher::connect_lazy(config).await?)
 }
 
 /// How often the recorder's histogram samples are drained into their buckets, scraped

@@ -270,10 +270,8 @@ impl R3Stream {
             name: format!("TEST_{tag}"),
             prefix: format!("test.{tag}"),
         };
-        let config = outboxkit_nats::NatsConfig::builder(cluster::nats_urls())
-            .with_subject_prefix(&this.prefix)
-            .build()
-            .expect("valid");
+        let config =
+            outboxkit_nats::NatsConfig::new(cluster::nats_urls()).with_subject_prefix(&this.prefix);
         outboxkit_nats::StreamSetup::for_config(&this.name, &config)
             .with_replicas(3)
             .apply(&config)

@@ -22,7 +22,7 @@ use outboxkit_inbox::{
 };
 use outboxkit_postgres::{PgInbox, PgOutbox};
 use outboxkit_rabbit::lapin::types::{AMQPValue, FieldTable};
-use outboxkit_rabbit::{RabbitConfig, RabbitConsumer};
+use outboxkit_rabbit::{RabbitConfig, RabbitConsumer, RabbitConsumerConfig};
 use outboxkit_testkit::rabbit::DropExchange;
 use sqlx::{AssertSqlSafe, PgConnection};
 use tokio_util::sync::CancellationToken;
@@ -102,15 +102,13 @@ fn expires_when_unused() -> FieldTable {
 async fn order_placed_consumer() -> (String, RabbitConsumer, DropExchange) {
     let exchange = format!("t.{}", Uuid::new_v4().simple());
     let guard = DropExchange::new(&amqp_url(), &exchange);
-    let rabbit = RabbitConfig::builder(amqp_url())
-        .with_exchange(&exchange)
-        .build()
-        .expect("config");
-    let consumer = RabbitConsumer::builder(rabbit, format!("{exchange}.q"))
-        .with_binding_key("OrderPlaced")
-        .with_queue_arguments(expires_when_unused())
-        .build()
-        .expect("consumer");
+    let rabbit = RabbitConfig::new(amqp_url()).with_exchange(&exchange);
+    let consumer = RabbitConsumer::new(
+        RabbitConsumerConfig::new(rabbit, format!("{exchange}.q"))
+            .with_binding_key("OrderPlaced")
+            .with_queue_arguments(expires_when_unused()),
+    )
+    .expect("consumer");
     consumer.declare().await.expect("declare");
     (exchange, consumer, guard)
 }
@@ -410,10 +408,7 @@ async fn relay_over_nats_jetstream() {
     let id = Uuid::new_v4().simple().to_string();
     let (stream, prefix) = (format!("TEST_{id}"), format!("test.{id}"));
     let nats_url = std::env::var("NATS_URL").unwrap_or_else(|_| "nats://127.0.0.1:4222".into());
-    let config = outboxkit_nats::NatsConfig::builder(&nats_url)
-        .with_subject_prefix(&prefix)
-        .build()
-        .expect("config");
+    let config = outboxkit_nats::NatsConfig::new(&nats_url).with_subject_prefix(&prefix);
     outboxkit_nats::StreamSetup::for_config(&stream, &config)
         .with_storage(outboxkit_nats::Storage::Memory)
         .apply(&config)

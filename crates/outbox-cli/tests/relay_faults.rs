@@ -23,7 +23,7 @@ use futures::StreamExt as _;
 use lapin::types::FieldTable;
 use outboxkit_core::NewMessage;
 use outboxkit_nats::async_nats::{self, jetstream};
-use outboxkit_nats::{NatsConfigBuilder, StreamSetup};
+use outboxkit_nats::{NatsConfig, StreamSetup};
 use outboxkit_postgres::PgOutbox;
 use outboxkit_rabbit::lapin;
 use outboxkit_testkit::faults::{self, NatsFrozen, RabbitMaxMessageSize, RabbitMemoryAlarm};
@@ -100,10 +100,7 @@ impl Stream {
         let tag = Uuid::new_v4().simple().to_string();
         let name = format!("TEST_{tag}");
         let prefix = format!("test.{tag}");
-        let config = NatsConfigBuilder::new(NATS_URL)
-            .with_subject_prefix(&prefix)
-            .build()
-            .expect("config");
+        let config = NatsConfig::new(NATS_URL).with_subject_prefix(&prefix);
         StreamSetup::for_config(&name, &config)
             .with_duplicate_window(Duration::from_secs(120))
             .apply(&config)

@@ -616,10 +616,7 @@ async fn h_over_nats_a_restart_leaves_every_message_once_in_the_stream() {
     let tag = uuid::Uuid::new_v4().simple().to_string();
     let (stream, prefix) = (format!("TEST_{tag}"), format!("test.{tag}"));
     let nats_url = std::env::var("NATS_URL").unwrap_or_else(|_| "nats://127.0.0.1:4222".into());
-    let config = outboxkit_nats::NatsConfig::builder(&nats_url)
-        .with_subject_prefix(&prefix)
-        .build()
-        .expect("config");
+    let config = outboxkit_nats::NatsConfig::new(&nats_url).with_subject_prefix(&prefix);
     outboxkit_nats::StreamSetup::for_config(&stream, &config)
         .with_storage(outboxkit_nats::Storage::Memory)
         .apply(&config)

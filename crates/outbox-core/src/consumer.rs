@@ -771,8 +771,8 @@ pub trait Consumer: Send + Sync {
 }
 
 /// How a consumer's batched mode ([`Consumer::run_batched`]) groups deliveries: the
-/// same type and limits for every transport, given to `RabbitConsumerBuilder::with_batch`
-/// and `NatsConsumerBuilder::with_batch`.
+/// same type and limits for every transport, given to `RabbitConsumerConfig::with_batch`
+/// and `NatsConsumerConfig::with_batch`.
 ///
 /// A batch is handed over when it holds [`size`](Self::with_size) deliveries, or when
 /// [`linger`](Self::with_linger) has passed since its first one (deliveries already

@@ -25,7 +25,7 @@ use outboxkit_inbox::{
     ConsumerConfig, Handler, HandlerContext, HandlerError, IdempotentConsumer, Pipeline,
 };
 use outboxkit_mysql::{MySqlInbox, MySqlOutbox};
-use outboxkit_rabbit::{RabbitConfig, RabbitConsumer, RabbitPublisher};
+use outboxkit_rabbit::{RabbitConfig, RabbitConsumer, RabbitConsumerConfig, RabbitPublisher};
 use outboxkit_testkit::rabbit::{Fixture, eventually, relay_fixture};
 use sqlx::{AssertSqlSafe, Executor as _, MySqlConnection, MySqlPool};
 use tokio_util::sync::CancellationToken;
@@ -205,11 +205,9 @@ async fn a_swallowed_rollback_is_never_acked_without_its_effect(sabotage: Sabota
     }
 
     let fx: Fixture = relay_fixture(FieldTable::default()).await;
-    let rabbit = RabbitConfig::builder(outboxkit_testkit::rabbit::amqp_url())
+    let rabbit = RabbitConfig::new(outboxkit_testkit::rabbit::amqp_url())
         .with_exchange(&fx.exchange)
-        .with_declare_exchange(false)
-        .build()
-        .expect("config");
+        .with_declare_exchange(false);
     let publisher = RabbitPublisher::connect(rabbit.clone())
         .await
         .expect("publisher");
@@ -241,17 +239,18 @@ async fn a_swallowed_rollback_is_never_acked_without_its_effect(sabotage: Sabota
         acked: Arc::clone(&acked),
         without_effect: Arc::clone(&without_effect),
     };
-    let consumer = RabbitConsumer::builder(rabbit, &fx.queue)
-        .with_declare_queue(false)
-        .with_prefetch(10)
-        .with_batch(
-            BatchSettings::new()
-                .with_size(10)
-                .with_linger(Duration::from_millis(200)),
-        )
-        .with_requeue_delay(Duration::from_millis(50))
-        .build()
-        .expect("consumer");
+    let consumer = RabbitConsumer::new(
+        RabbitConsumerConfig::new(rabbit, &fx.queue)
+            .with_declare_queue(false)
+            .with_prefetch(10)
+            .with_batch(
+                BatchSettings::new()
+                    .with_size(10)
+                    .with_linger(Duration::from_millis(200)),
+            )
+            .with_requeue_delay(Duration::from_millis(50)),
+    )
+    .expect("consumer");
     let token = CancellationToken::new();
     let running = {
         let t = token.clone();

@@ -28,7 +28,7 @@ use outboxkit_inbox::{
     ConsumerConfig, Handler, HandlerContext, HandlerError, IdempotentConsumer, Pipeline,
 };
 use outboxkit_mysql::{MySqlInbox, MySqlOutbox};
-use outboxkit_rabbit::{RabbitConfig, RabbitConsumer, RabbitPublisher};
+use outboxkit_rabbit::{RabbitConfig, RabbitConsumer, RabbitConsumerConfig, RabbitPublisher};
 use outboxkit_testkit::faults::{MYSQL_PORT, MariaDbStopped, pid_listening_on};
 use outboxkit_testkit::rabbit::{eventually, relay_fixture};
 use sqlx::{AssertSqlSafe, MySqlConnection};
@@ -155,11 +155,9 @@ async fn relay_and_consumer_ride_out_a_server_restart_with_nothing_lost_or_appli
     common::enqueue_committed(&outbox, &messages(2000, "before")).await;
 
     let fx = relay_fixture(FieldTable::default()).await;
-    let rabbit = RabbitConfig::builder(outboxkit_testkit::rabbit::amqp_url())
+    let rabbit = RabbitConfig::new(outboxkit_testkit::rabbit::amqp_url())
         .with_exchange(&fx.exchange)
-        .with_declare_exchange(false)
-        .build()
-        .expect("config");
+        .with_declare_exchange(false);
     let publisher = Arc::new(
         RabbitPublisher::connect(rabbit.clone())
             .await
@@ -198,12 +196,13 @@ async fn relay_and_consumer_ride_out_a_server_restart_with_nothing_lost_or_appli
         deliveries: Arc::clone(&deliveries),
         acked: Arc::clone(&acked),
     };
-    let consumer = RabbitConsumer::builder(rabbit, &fx.queue)
-        .with_declare_queue(false)
-        .with_prefetch(20)
-        .with_requeue_delay(Duration::from_millis(200))
-        .build()
-        .expect("consumer");
+    let consumer = RabbitConsumer::new(
+        RabbitConsumerConfig::new(rabbit, &fx.queue)
+            .with_declare_queue(false)
+            .with_prefetch(20)
+            .with_requeue_delay(Duration::from_millis(200)),
+    )
+    .expect("consumer");
     let consumer_task = {
         let t = token.clone();
         tokio::spawn(async move { consumer.run(handler, t).await })

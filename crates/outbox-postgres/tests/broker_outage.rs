@@ -82,12 +82,10 @@ async fn broker_down_for_a_minute_dead_letters_nothing_and_recovers() {
     enqueue(&outbox, 3000, "before").await;
 
     let publisher = RabbitPublisher::connect(
-        RabbitConfig::builder(common::rabbit::amqp_url())
+        RabbitConfig::new(common::rabbit::amqp_url())
             .with_exchange(&durable)
             .with_declare_exchange(false)
-            .with_confirm_timeout(Duration::from_secs(5))
-            .build()
-            .expect("config"),
+            .with_confirm_timeout(Duration::from_secs(5)),
     )
     .await
     .expect("publisher");

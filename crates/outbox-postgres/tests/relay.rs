@@ -19,17 +19,13 @@ use outboxkit_rabbit::{RabbitConfig, RabbitPublisher};
 use tokio_util::sync::CancellationToken;
 
 async fn publisher(exchange: &str, max_payload: Option<usize>) -> Arc<RabbitPublisher> {
-    let mut b = RabbitConfig::builder(common::rabbit::amqp_url())
+    let mut b = RabbitConfig::new(common::rabbit::amqp_url())
         .with_exchange(exchange)
         .with_declare_exchange(false);
     if let Some(max) = max_payload {
         b = b.with_max_payload_bytes(max);
     }
-    Arc::new(
-        RabbitPublisher::connect(b.build().expect("config"))
-            .await
-            .expect("publisher"),
-    )
+    Arc::new(RabbitPublisher::connect(b).await.expect("publisher"))
 }
 
 async fn enqueue(outbox: &PgOutbox, msgs: &[NewMessage]) -> Vec<uuid::Uuid> {

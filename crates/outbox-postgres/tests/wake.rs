@@ -137,11 +137,9 @@ async fn slow_polling_dispatcher<S: OutboxStore>(
 ) -> (Dispatcher<S, RabbitPublisher>, Fixture) {
     let fx = fixture(true, FieldTable::default()).await;
     let publisher = RabbitPublisher::connect(
-        RabbitConfig::builder(common::rabbit::amqp_url())
+        RabbitConfig::new(common::rabbit::amqp_url())
             .with_exchange(&fx.exchange)
-            .with_declare_exchange(false)
-            .build()
-            .expect("config"),
+            .with_declare_exchange(false),
     )
     .await
     .expect("publisher");
@@ -275,11 +273,9 @@ async fn a_plain_dispatcher_over_pg_outbox_is_woken_by_its_commits() {
         let outbox = Arc::new(migrated.clone());
         let fx = fixture(true, FieldTable::default()).await;
         let publisher = RabbitPublisher::connect(
-            RabbitConfig::builder(common::rabbit::amqp_url())
+            RabbitConfig::new(common::rabbit::amqp_url())
                 .with_exchange(&fx.exchange)
-                .with_declare_exchange(false)
-                .build()
-                .expect("config"),
+                .with_declare_exchange(false),
         )
         .await
         .expect("publisher");

@@ -105,7 +105,7 @@ pub fn rabbit_url(node: usize) -> String {
     )
 }
 
-/// The AMQP URLs of every RabbitMQ node, comma-separated (what `RabbitConfigBuilder`
+/// The AMQP URLs of every RabbitMQ node, comma-separated (what `RabbitConfig`
 /// takes for a cluster).
 pub fn rabbit_urls() -> String {
     (1..=NODES).map(rabbit_url).collect::<Vec<_>>().join(",")
@@ -120,7 +120,7 @@ pub fn nats_url(node: usize) -> String {
     )
 }
 
-/// The URLs of every NATS node, comma-separated (what `NatsConfigBuilder` takes).
+/// The URLs of every NATS node, comma-separated (what `NatsConfig` takes).
 pub fn nats_urls() -> String {
     (1..=NODES).map(nats_url).collect::<Vec<_>>().join(",")
 }

@@ -244,22 +244,21 @@ async fn ride_out_faults<C: Consumer + Send + Sync + 'static>(
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "needs the broker clusters"]
 async fn on_cluster_rabbit_consumer_rides_out_node_loss_and_partition_exactly_once() {
-    use outboxkit_rabbit::{RabbitConfig, RabbitConsumer, RabbitPublisher, lapin};
+    use outboxkit_rabbit::{
+        RabbitConfig, RabbitConsumer, RabbitConsumerConfig, RabbitPublisher, lapin,
+    };
 
     let _lock = faults::lock().await;
     cluster::require();
     let effects = Effects::new().await;
     let exchange = format!("t.{}", Uuid::new_v4().simple());
     let queue = format!("{exchange}.q");
-    let config = RabbitConfig::builder(cluster::rabbit_urls())
-        .with_exchange(&exchange)
-        .build()
-        .expect("config");
+    let config = RabbitConfig::new(cluster::rabbit_urls()).with_exchange(&exchange);
     // A quorum queue: the consumer's default.
-    let consumer = RabbitConsumer::builder(config.clone(), &queue)
-        .with_binding_key("#")
-        .build()
-        .expect("consumer");
+    let consumer = RabbitConsumer::new(
+        RabbitConsumerConfig::new(config.clone(), &queue).with_binding_key("#"),
+    )
+    .expect("consumer");
     consumer.declare().await.expect("declare");
     let publish: Publish = Box::new(move |messages| {
         let config = config.clone();
@@ -299,24 +298,22 @@ async fn on_cluster_rabbit_consumer_rides_out_node_loss_and_partition_exactly_on
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "needs the broker clusters"]
 async fn on_cluster_nats_consumer_rides_out_node_loss_and_partition_exactly_once() {
-    use outboxkit_nats::{NatsConfig, NatsConsumer, NatsPublisher, StreamSetup, async_nats};
+    use outboxkit_nats::{
+        NatsConfig, NatsConsumer, NatsConsumerConfig, NatsPublisher, StreamSetup, async_nats,
+    };
 
     let _lock = faults::lock().await;
     cluster::require();
     let effects = Effects::new().await;
     let tag = Uuid::new_v4().simple().to_string();
     let stream = format!("TEST_{tag}");
-    let config = NatsConfig::builder(cluster::nats_urls())
-        .with_subject_prefix(format!("test.{tag}"))
-        .build()
-        .expect("config");
+    let config = NatsConfig::new(cluster::nats_urls()).with_subject_prefix(format!("test.{tag}"));
     StreamSetup::for_config(&stream, &config)
         .with_replicas(3)
         .apply(&config)
         .await
         .expect("an R3 stream");
-    let consumer = NatsConsumer::builder(config.clone(), &stream, "counter")
-        .build()
+    let consumer = NatsConsumer::new(NatsConsumerConfig::new(config.clone(), &stream, "counter"))
         .expect("consumer");
     consumer.declare().await.expect("declare");
     let publish: Publish = Box::new(move |messages| {

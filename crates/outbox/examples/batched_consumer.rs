@@ -2,7 +2,7 @@
 //! inbox claim statement, the handlers, one commit, then the acknowledgements), on a
 //! RabbitMQ quorum queue. Same exactly-once effects as `consume_exactly_once.rs`, about
 //! three times its rate (docs/performance.md). The same `BatchSettings` go to
-//! `NatsConsumerBuilder::with_batch`.
+//! `NatsConsumerConfig::with_batch`.
 //!
 //! `OUTBOX_BROKER_URL=amqp://guest:guest@127.0.0.1:5672/%2f DATABASE_URL=postgres://postgres@127.0.0.1/test \
 //!  cargo run -p outboxkit --example batched_consumer --features inbox`
@@ -15,7 +15,7 @@ use outboxkit::inbox::{
 use outboxkit::postgres::sqlx::{self, PgConnection};
 use outboxkit::postgres::{PgConfig, PgInbox};
 use outboxkit::rabbit::lapin::types::{AMQPValue, FieldTable};
-use outboxkit::rabbit::{RabbitConfigBuilder, RabbitConsumer};
+use outboxkit::rabbit::{RabbitConfig, RabbitConsumer, RabbitConsumerConfig};
 use outboxkit::{BatchSettings, Consumer as _, IncomingMessage};
 use tokio_util::sync::CancellationToken;
 
@@ -54,17 +54,18 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         "x-queue-type".into(),
         AMQPValue::LongString("quorum".into()),
     );
-    let consumer = RabbitConsumer::builder(RabbitConfigBuilder::from_env()?.build()?, "audit")
-        .with_binding_key("OrderPlaced") // routing key: the event type, by default
-        .with_queue_arguments(quorum)
-        .with_prefetch(200)
-        // Batches of 100 with 2 in flight: the next batch arrives while one commits.
-        .with_batch(
-            BatchSettings::new()
-                .with_size(100)
-                .with_linger(Duration::from_millis(5)),
-        )
-        .build()?;
+    let consumer = RabbitConsumer::new(
+        RabbitConsumerConfig::new(RabbitConfig::from_env()?, "audit")
+            .with_binding_key("OrderPlaced") // routing key: the event type, by default
+            .with_queue_arguments(quorum)
+            .with_prefetch(200)
+            // Batches of 100 with 2 in flight: the next batch arrives while one commits.
+            .with_batch(
+                BatchSettings::new()
+                    .with_size(100)
+                    .with_linger(Duration::from_millis(5)),
+            ),
+    )?;
 
     let pipeline = Pipeline::new().on("OrderPlaced", "audit", AuditLog);
     let handler = IdempotentConsumer::new(Arc::new(inbox), pipeline, ConsumerConfig::new())?;

@@ -10,7 +10,7 @@
 use std::sync::Arc;
 
 use outboxkit::postgres::{PgConfig, PgOutbox};
-use outboxkit::rabbit::{RabbitConfigBuilder, RabbitConsumer, RabbitPublisher};
+use outboxkit::rabbit::{RabbitConfig, RabbitConsumer, RabbitConsumerConfig, RabbitPublisher};
 use outboxkit::{
     Consumer as _, DeliveryHandler, Dispatcher, DispatcherConfig, HandlerDecision, OutboxProducer,
 };
@@ -40,13 +40,13 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     // A schema of its own, so that no other example's pending events are relayed here.
     let store = PgOutbox::connect(&PgConfig::from_env()?.with_schema("ordering_example")).await?;
     store.migrate().await?;
-    let rabbit = RabbitConfigBuilder::from_env()? // OUTBOX_BROKER_URL, else the local broker
-        .with_exchange("ordering.example")
-        .build()?;
-    let consumer = RabbitConsumer::builder(rabbit.clone(), "ordering.example")
-        .with_binding_key("#")
-        .with_prefetch(1)
-        .build()?;
+    let rabbit = RabbitConfig::from_env()? // OUTBOX_BROKER_URL, else the local broker
+        .with_exchange("ordering.example");
+    let consumer = RabbitConsumer::new(
+        RabbitConsumerConfig::new(rabbit.clone(), "ordering.example")
+            .with_binding_key("#")
+            .with_prefetch(1),
+    )?;
     consumer.declare().await?; // the queue exists before the first publish
 
     let mut tx = store.begin().await?;

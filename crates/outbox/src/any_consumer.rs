@@ -6,9 +6,9 @@ use async_trait::async_trait;
 use outboxkit_core::consumer::{BatchDeliveryHandler, BatchSettings, Consumer, DeliveryHandler};
 use outboxkit_core::{ErrorKind, TransportKind};
 #[cfg(feature = "nats")]
-use outboxkit_nats::{NatsConsumer, NatsError, StreamSetup};
+use outboxkit_nats::{NatsConsumer, NatsConsumerConfig, NatsError, StreamSetup};
 #[cfg(feature = "rabbit")]
-use outboxkit_rabbit::{RabbitConsumer, RabbitError};
+use outboxkit_rabbit::{RabbitConsumer, RabbitConsumerConfig, RabbitError};
 use tokio_util::sync::CancellationToken;
 
 use crate::{AnyPublisherConfig, AnyPublisherError};
@@ -19,7 +19,7 @@ use crate::{AnyPublisherConfig, AnyPublisherError};
 ///
 /// Build it with [`new`](Self::new) from an [`AnyConsumerConfig`] (a URL and a name,
 /// or the publisher's configuration and a name), or from a transport's consumer (built
-/// with its own builder: queue arguments, prefetch, ack wait…) with `From`.
+/// with its own configuration: queue arguments, prefetch, ack wait…) with `From`.
 ///
 /// `#[non_exhaustive]`: match with a wildcard arm, or use
 /// [`as_rabbit`](Self::as_rabbit) / [`as_nats`](Self::as_nats).
@@ -43,10 +43,10 @@ impl AnyConsumer {
     ///   (`outbox.events` by default).
     /// - NATS: the durable pull consumer of that name on the config's stream, both
     ///   created if missing; a missing stream is created as the publisher
-    ///   configuration declares it ([`NatsConfigBuilder::with_stream`](crate::nats::NatsConfigBuilder::with_stream)),
+    ///   configuration declares it ([`NatsConfig::with_stream`](crate::nats::NatsConfig::with_stream)),
     ///   or else capturing the subjects it publishes to (`outbox.events.>` by default;
     ///   file storage, one replica); an existing stream is left as it is
-    ///   ([`NatsConsumerBuilder::with_stream_setup`](crate::nats::NatsConsumerBuilder::with_stream_setup)).
+    ///   ([`NatsConsumerConfig::with_stream_setup`](crate::nats::NatsConsumerConfig::with_stream_setup)).
     ///
     /// # Errors
     /// [`AnyConsumerError::NoStream`] for NATS without a stream name, or the
@@ -63,30 +63,30 @@ impl AnyConsumer {
             #[cfg(feature = "rabbit")]
             AnyPublisherConfig::Rabbit(config) => {
                 drop(stream); // RabbitMQ consumes a queue, not a stream
-                let mut builder = RabbitConsumer::builder(config, name).with_binding_key("#");
+                let mut consumer = RabbitConsumerConfig::new(config, name).with_binding_key("#");
                 if let Some(batch) = batch {
-                    builder = builder.with_batch(batch);
+                    consumer = consumer.with_batch(batch);
                 }
-                Ok(Self::Rabbit(builder.build()?))
+                Ok(Self::Rabbit(RabbitConsumer::new(consumer)?))
             }
             #[cfg(feature = "nats")]
             AnyPublisherConfig::Nats(config) => {
                 let setup = match (stream, config.stream()) {
-                    (Some(name), Some(declared)) if declared.name() == name => declared.clone(),
+                    (Some(name), Some(declared)) if declared.name() == name => declared,
                     (Some(name), _) => StreamSetup::for_config(name, &config),
-                    (None, Some(declared)) => declared.clone(),
+                    (None, Some(declared)) => declared,
                     (None, None) => {
                         return Err(AnyConsumerError::NoStream {
-                            url_redacted: config.url_redacted().to_owned(),
+                            url_redacted: config.url_redacted(),
                         });
                     }
                 };
-                let mut builder = NatsConsumer::builder(config, setup.name().to_owned(), name)
+                let mut consumer = NatsConsumerConfig::new(config, setup.name().to_owned(), name)
                     .with_stream_setup(setup);
                 if let Some(batch) = batch {
-                    builder = builder.with_batch(batch);
+                    consumer = consumer.with_batch(batch);
                 }
-                Ok(Self::Nats(builder.build()?))
+                Ok(Self::Nats(NatsConsumer::new(consumer)?))
             }
         }
     }
@@ -155,7 +155,7 @@ impl AnyConsumerConfig {
     }
 
     /// NATS: the JetStream stream to consume from (no default: the publisher
-    /// configuration's [declared stream](crate::nats::NatsConfigBuilder::with_stream)
+    /// configuration's [declared stream](crate::nats::NatsConfig::with_stream)
     /// when it has one, else required). RabbitMQ ignores it.
     pub fn with_stream(mut self, stream: impl Into<String>) -> Self {
         self.stream = Some(stream.into());
@@ -212,7 +212,7 @@ pub enum AnyConsumerError {
     /// A NATS consumer needs a stream: [`AnyConsumerConfig::with_stream`], or a
     /// publisher configuration that declares one.
     #[error(
-        "NATS consumer at {url_redacted}: no stream given (AnyConsumerConfig::with_stream, or NatsConfigBuilder::with_stream in the publisher's configuration)"
+        "NATS consumer at {url_redacted}: no stream given (AnyConsumerConfig::with_stream, or NatsConfig::with_stream in the publisher's configuration)"
     )]
     NoStream {
         /// The URL, password or token hidden.
@@ -364,10 +364,8 @@ mod tests {
         assert!(matches!(err, AnyConsumerError::NoStream { .. }), "{err}");
         assert_eq!(err.kind(), ErrorKind::Permanent);
         // … unless the publisher's configuration declares one: then it is that stream.
-        let publisher = crate::nats::NatsConfig::builder("nats://127.0.0.1:4222")
-            .with_stream(StreamSetup::new("DECLARED"))
-            .build()
-            .expect("valid");
+        let publisher = crate::nats::NatsConfig::new("nats://127.0.0.1:4222")
+            .with_stream(StreamSetup::new("DECLARED"));
         let consumer =
             AnyConsumer::new(AnyConsumerConfig::new(publisher, "billing")).expect("valid");
         assert_eq!(

@@ -15,7 +15,7 @@ use outboxkit_rabbit::{RabbitConfig, RabbitError, RabbitPublisher};
 
 /// The configuration of an [`AnyPublisher`]: one transport's own configuration.
 ///
-/// Build it from the transport's builder and `.into()` when the program has
+/// Build it from the transport's configuration and `.into()` when the program has
 /// settings of its own (exchange, subject prefix, timeouts), or with
 /// [`from_url`](Self::from_url) when a URL is all there is.
 #[derive(Debug, Clone)]
@@ -31,9 +31,10 @@ pub enum AnyPublisherConfig {
 
 impl AnyPublisherConfig {
     /// The transport's default configuration for `url`, picked by its scheme:
-    /// `amqp://` or `amqps://` is RabbitMQ ([`RabbitConfig::builder`] defaults: exchange
-    /// `outbox.events`), `nats://` or `tls://` is NATS ([`NatsConfig::builder`]
-    /// defaults: subject prefix `outbox.events`). A comma-separated NATS server list
+    /// `amqp://` or `amqps://` is RabbitMQ ([`RabbitConfig::new`] defaults: exchange
+    /// `outbox.events`), `nats://` or `tls://` is NATS ([`NatsConfig::new`]
+    /// defaults: subject prefix `outbox.events`), validated here
+    /// ([`RabbitConfig::validate`], [`NatsConfig::validate`]). A comma-separated NATS server list
     /// is read by its first URL's scheme. Schemes are lower case, as the transports'
     /// URL parsers require.
     ///
@@ -66,7 +67,7 @@ impl AnyPublisherConfig {
     }
 
     /// The broker URL with its password (NATS: token) replaced by `***`, for logs.
-    pub fn url_redacted(&self) -> &str {
+    pub fn url_redacted(&self) -> String {
         match self {
             #[cfg(feature = "rabbit")]
             Self::Rabbit(c) => c.url_redacted(),
@@ -78,9 +79,9 @@ impl AnyPublisherConfig {
 
 #[cfg(feature = "rabbit")]
 fn rabbit_from_url(url: &str) -> Result<AnyPublisherConfig, AnyPublisherError> {
-    Ok(AnyPublisherConfig::Rabbit(
-        RabbitConfig::builder(url).build()?,
-    ))
+    let config = RabbitConfig::new(url);
+    config.validate()?;
+    Ok(AnyPublisherConfig::Rabbit(config))
 }
 
 #[cfg(not(feature = "rabbit"))]
@@ -90,7 +91,9 @@ fn rabbit_from_url(url: &str) -> Result<AnyPublisherConfig, AnyPublisherError> {
 
 #[cfg(feature = "nats")]
 fn nats_from_url(url: &str) -> Result<AnyPublisherConfig, AnyPublisherError> {
-    Ok(AnyPublisherConfig::Nats(NatsConfig::builder(url).build()?))
+    let config = NatsConfig::new(url);
+    config.validate()?;
+    Ok(AnyPublisherConfig::Nats(config))
 }
 
 #[cfg(not(feature = "nats"))]
@@ -218,7 +221,8 @@ impl AnyPublisher {
     /// ([`RabbitPublisher::connect`]) or [`AnyPublisherError::Nats`]
     /// ([`NatsPublisher::connect`]); [`AnyPublisherError::kind`] tells an unreachable
     /// broker ([`ErrorKind::Unavailable`]) from bad credentials or settings
-    /// ([`ErrorKind::Permanent`]).
+    /// ([`ErrorKind::Permanent`]). An invalid configuration is the transport's
+    /// `InvalidUrl` or `InvalidConfig` error, returned before anything connects.
     pub async fn connect(config: impl Into<AnyPublisherConfig>) -> Result<Self, AnyPublisherError> {
         Ok(match config.into() {
             #[cfg(feature = "rabbit")]
@@ -233,13 +237,20 @@ impl AnyPublisher {
     /// [`NatsPublisher::connect_lazy`]), so a relay starts while the broker is down:
     /// until connected, batches come back [`PublishOutcome::Transient`] with an
     /// `Unavailable` error and [`check_ready`](EventPublisher::check_ready) fails.
-    pub async fn connect_lazy(config: impl Into<AnyPublisherConfig>) -> Self {
-        match config.into() {
+    ///
+    /// # Errors
+    /// [`AnyPublisherError::Rabbit`] or [`AnyPublisherError::Nats`] with the
+    /// transport's `InvalidUrl` or `InvalidConfig` error when the configuration is
+    /// invalid, before anything starts.
+    pub async fn connect_lazy(
+        config: impl Into<AnyPublisherConfig>,
+    ) -> Result<Self, AnyPublisherError> {
+        Ok(match config.into() {
             #[cfg(feature = "rabbit")]
-            AnyPublisherConfig::Rabbit(c) => Self::Rabbit(RabbitPublisher::connect_lazy(c).await),
+            AnyPublisherConfig::Rabbit(c) => Self::Rabbit(RabbitPublisher::connect_lazy(c).await?),
             #[cfg(feature = "nats")]
-            AnyPublisherConfig::Nats(c) => Self::Nats(NatsPublisher::connect_lazy(c).await),
-        }
+            AnyPublisherConfig::Nats(c) => Self::Nats(NatsPublisher::connect_lazy(c).await?),
+        })
     }
 
     /// The broker this publisher talks to.
@@ -258,7 +269,7 @@ impl AnyPublisher {
     }
 
     /// The broker URL with its password (NATS: token) replaced by `***`, for logs.
-    pub fn url_redacted(&self) -> &str {
+    pub fn url_redacted(&self) -> String {
         match self {
             #[cfg(feature = "rabbit")]
             Self::Rabbit(p) => p.config().url_redacted(),
@@ -424,16 +435,69 @@ mod tests {
         assert!(!err.to_string().contains("tok3n"), "{err}");
     }
 
+    /// An invalid transport configuration is refused by `connect` and `connect_lazy`
+    /// (and `AnyConsumer::new`) with the transport's typed error, before anything
+    /// connects or starts.
+    #[tokio::test]
+    async fn invalid_configurations_are_refused_before_connecting() {
+        #[cfg(feature = "rabbit")]
+        {
+            let zero = RabbitConfig::new("amqp://guest:guest@127.0.0.1:5672/%2f")
+                .with_connect_timeout(Duration::ZERO);
+            for err in [
+                AnyPublisher::connect(zero.clone()).await.err(),
+                AnyPublisher::connect_lazy(zero.clone()).await.err(),
+            ] {
+                assert!(
+                    matches!(
+                        err,
+                        Some(AnyPublisherError::Rabbit(RabbitError::InvalidConfig {
+                            field: "connect_timeout",
+                            ..
+                        }))
+                    ),
+                    "{err:?}"
+                );
+            }
+            let err = crate::AnyConsumer::new(crate::AnyConsumerConfig::new(zero, "billing"))
+                .expect_err("invalid");
+            assert!(
+                matches!(
+                    err,
+                    crate::AnyConsumerError::Rabbit(RabbitError::InvalidConfig {
+                        field: "connect_timeout",
+                        ..
+                    })
+                ),
+                "{err:?}"
+            );
+        }
+        #[cfg(feature = "nats")]
+        {
+            let bad = NatsConfig::new("nats://app:s3cret@127.0.0.1:notaport");
+            for err in [
+                AnyPublisher::connect(bad.clone()).await.err(),
+                AnyPublisher::connect_lazy(bad).await.err(),
+            ] {
+                match err {
+                    Some(AnyPublisherError::Nats(e @ NatsError::InvalidUrl { .. })) => {
+                        assert!(!e.to_string().contains("s3cret"), "{e}");
+                    }
+                    other => panic!("expected InvalidUrl, got {other:?}"),
+                }
+            }
+        }
+    }
+
     #[cfg(feature = "rabbit")]
     #[tokio::test]
     async fn a_lazy_rabbit_publisher_delegates_without_a_broker() {
-        let config = RabbitConfig::builder("amqp://guest:guest@127.0.0.1:1/%2f")
-            .build()
-            .expect("valid");
+        let config = RabbitConfig::new("amqp://guest:guest@127.0.0.1:1/%2f");
         let timeout = RabbitPublisher::connect_lazy(config.clone())
             .await
+            .expect("valid")
             .publish_timeout();
-        let publisher = AnyPublisher::connect_lazy(config).await;
+        let publisher = AnyPublisher::connect_lazy(config).await.expect("valid");
         assert_eq!(publisher.kind(), TransportKind::Rabbit);
         assert_eq!(publisher.name(), "rabbit");
         assert!(publisher.as_rabbit().is_some());

@@ -90,9 +90,8 @@
 //!
 //! // Relay: a durable topic exchange, routing key = event type. It LISTENs by itself,
 //! // so a commit wakes it at once.
-//! let rabbit = RabbitConfig::builder("amqp://guest:guest@127.0.0.1:5672/%2f")
-//!     .with_exchange("orders.events")
-//!     .build()?;
+//! let rabbit = RabbitConfig::new("amqp://guest:guest@127.0.0.1:5672/%2f")
+//!     .with_exchange("orders.events");
 //! let publisher = RabbitPublisher::connect(rabbit).await?;
 //! Dispatcher::new(Arc::new(store), Arc::new(publisher), DispatcherConfig::new())?
 //!     .run(shutdown)
@@ -124,9 +123,8 @@
 //! tx.commit().await?;
 //!
 //! // Relay: subject = prefix.{routing key or event type}.
-//! let nats = NatsConfig::builder("nats://127.0.0.1:4222")
-//!     .with_subject_prefix("orders.events")
-//!     .build()?;
+//! let nats = NatsConfig::new("nats://127.0.0.1:4222")
+//!     .with_subject_prefix("orders.events");
 //! let publisher = NatsPublisher::connect(nats.clone()).await?;
 //! publisher.ensure_stream(&StreamSetup::for_config("ORDERS", &nats)).await?; // orders.events.>
 //! Dispatcher::new(Arc::new(store), Arc::new(publisher), DispatcherConfig::new())?
@@ -156,7 +154,7 @@
 //! store.enqueue(&mut tx, &event).await?;
 //! tx.commit().await?;
 //!
-//! let rabbit = RabbitConfig::builder("amqp://guest:guest@127.0.0.1:5672/%2f").build()?;
+//! let rabbit = RabbitConfig::new("amqp://guest:guest@127.0.0.1:5672/%2f");
 //! let publisher = RabbitPublisher::connect(rabbit).await?;
 //! Dispatcher::new(Arc::new(store), Arc::new(publisher), DispatcherConfig::new())?
 //!     .run(shutdown)
@@ -184,7 +182,7 @@
 //! store.enqueue(&mut tx, &event).await?;
 //! tx.commit().await?;
 //!
-//! let rabbit = RabbitConfig::builder("amqp://guest:guest@127.0.0.1:5672/%2f").build()?;
+//! let rabbit = RabbitConfig::new("amqp://guest:guest@127.0.0.1:5672/%2f");
 //! let publisher = RabbitPublisher::connect(rabbit).await?;
 //! // No push wake-up on MySQL: the dispatcher polls (every `poll_interval`).
 //! Dispatcher::new(Arc::new(store), Arc::new(publisher), DispatcherConfig::new())?
@@ -213,9 +211,8 @@
 //! store.enqueue(&mut tx, &event).await?;
 //! tx.commit().await?;
 //!
-//! let nats = NatsConfig::builder("nats://127.0.0.1:4222")
-//!     .with_subject_prefix("orders.events")
-//!     .build()?;
+//! let nats = NatsConfig::new("nats://127.0.0.1:4222")
+//!     .with_subject_prefix("orders.events");
 //! let publisher = NatsPublisher::connect(nats.clone()).await?;
 //! publisher.ensure_stream(&StreamSetup::for_config("ORDERS", &nats)).await?;
 //! Dispatcher::new(Arc::new(store), Arc::new(publisher), DispatcherConfig::new())?
@@ -239,7 +236,7 @@
 //! // amqp:// or amqps:// is RabbitMQ, nats:// or tls:// is NATS (default settings).
 //! let config = AnyPublisherConfig::from_url("nats://127.0.0.1:4222")?;
 //! // Lazy: the relay starts while the broker is down and reports it unready.
-//! let publisher = Arc::new(AnyPublisher::connect_lazy(config).await);
+//! let publisher = Arc::new(AnyPublisher::connect_lazy(config).await?);
 //! Dispatcher::new(Arc::new(store), Arc::clone(&publisher), DispatcherConfig::new())?
 //!     .run(shutdown)
 //!     .await?;
@@ -254,8 +251,8 @@
 //! the record and is acknowledged without running the handler again. [`AnyConsumer`]
 //! picks the broker from the URL as [`AnyPublisherConfig::from_url`] does
 //! ([`AnyConsumerConfig`]: the name, the NATS stream, [`BatchSettings`] for
-//! [`Consumer::run_batched`]); a transport's own builder
-//! (`outboxkit::rabbit::RabbitConsumer::builder`, `outboxkit::nats::NatsConsumer::builder`)
+//! [`Consumer::run_batched`]); a transport's own consumer configuration
+//! (`outboxkit::rabbit::RabbitConsumerConfig`, `outboxkit::nats::NatsConsumerConfig`)
 //! sets the rest (prefetch, quorum queues, ack wait, …) and converts with `From`.
 //!
 //! ```no_run

@@ -1,16 +1,17 @@
-//! Configuration: [`NatsConfigBuilder`] (unvalidated settings with defaults) and
-//! [`NatsConfig`] (validated, shared by the publisher, the stream helper and the
-//! consumer).
+//! Configuration: [`NatsConfig`], plain settings with defaults shared by the publisher,
+//! the stream helper and the consumer, checked by [`NatsConfig::validate`] (which
+//! [`NatsPublisher::connect`](crate::NatsPublisher::connect) and
+//! [`NatsConsumer::new`](crate::NatsConsumer::new) call before anything else).
 //!
 //! ```
 //! use std::time::Duration;
-//! use outboxkit_nats::NatsConfigBuilder;
+//! use outboxkit_nats::NatsConfig;
 //!
-//! let config = NatsConfigBuilder::new("nats://app:s3cret@127.0.0.1:4222")
+//! let config = NatsConfig::new("nats://app:s3cret@127.0.0.1:4222")
 //!     .with_subject_prefix("orders.events")
-//!     .with_ack_timeout(Duration::from_secs(10))
-//!     .with_connection_name("orders-relay")
-//!     .build()?;
+//!     .with_confirm_timeout(Duration::from_secs(10))
+//!     .with_connection_name("orders-relay");
+//! config.validate()?;
 //! assert_eq!(config.subject_prefix(), "orders.events");
 //! assert_eq!(config.subject_for("OrderPlaced"), "orders.events.OrderPlaced");
 //! // The password never shows up in logs or errors.
@@ -32,13 +33,16 @@ use outboxkit_core::env::{
 use crate::error::{NatsError, redact_url};
 use crate::topology::StreamSetup;
 
-/// The server URL used by [`NatsConfigBuilder::from_env`] (and the `outbox` binary)
+/// The server URL used by [`NatsConfig::from_env`] (and the `outbox` binary)
 /// when `OUTBOX_BROKER_URL` is not set: the local server.
 pub const DEFAULT_URL: &str = "nats://127.0.0.1:4222";
 /// Default subject prefix: messages go to `outbox.events.<routing key or event type>`.
 pub const DEFAULT_SUBJECT_PREFIX: &str = "outbox.events";
 /// Default time a batch waits for its PubAcks, counted from the batch's first publish.
-pub const DEFAULT_ACK_TIMEOUT: Duration = Duration::from_secs(10);
+pub const DEFAULT_CONFIRM_TIMEOUT: Duration = Duration::from_secs(10);
+/// Default payload limit of the publisher: none of its own (`usize::MAX`), the server's
+/// `max_payload` (from its `INFO`, 1 MiB unless configured) is the limit.
+pub const DEFAULT_MAX_PAYLOAD_BYTES: usize = usize::MAX;
 /// Default time to wait for a connection (TCP, TLS, NATS handshake) or a JetStream API
 /// answer.
 pub const DEFAULT_CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
@@ -54,28 +58,33 @@ pub const DEFAULT_CONNECTION_NAME: &str = "outbox-transport-nats";
 /// longer line makes the server close the connection, which would look like an outage.
 pub const MAX_SUBJECT_BYTES: usize = 3_072;
 
-/// Settings for the NATS transport, before validation. Every setter consumes and returns
-/// the builder; [`build`](Self::build) validates.
+/// Settings of the NATS transport, shared by the publisher, the stream helper and the
+/// consumer: plain data. [`new`](Self::new) takes the URL, every `with_*` setter
+/// consumes and returns the configuration, getters are named after the settings, and
+/// [`validate`](Self::validate) checks them all (the publisher's `connect` and
+/// `connect_lazy`, [`StreamSetup::apply`] and the consumer's `new` call it first).
+/// Cheap to clone. `Debug` shows the URL redacted.
 #[derive(Clone)]
 #[must_use]
-pub struct NatsConfigBuilder {
+pub struct NatsConfig {
     url: String,
     subject_prefix: String,
-    ack_timeout: Duration,
+    confirm_timeout: Duration,
     connect_timeout: Duration,
     max_in_flight: usize,
-    max_payload_bytes: Option<usize>,
+    max_payload_bytes: usize,
     source: Option<String>,
     connection_name: String,
-    stream: Option<StreamSetup>,
+    /// Boxed: most configurations have none, and the config is inside every consumer.
+    stream: Option<Box<StreamSetup>>,
 }
 
-impl fmt::Debug for NatsConfigBuilder {
+impl fmt::Debug for NatsConfig {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("NatsConfigBuilder")
+        f.debug_struct("NatsConfig")
             .field("url", &redact_url(&self.url))
             .field("subject_prefix", &self.subject_prefix)
-            .field("ack_timeout", &self.ack_timeout)
+            .field("confirm_timeout", &self.confirm_timeout)
             .field("connect_timeout", &self.connect_timeout)
             .field("max_in_flight", &self.max_in_flight)
             .field("max_payload_bytes", &self.max_payload_bytes)
@@ -86,17 +95,17 @@ impl fmt::Debug for NatsConfigBuilder {
     }
 }
 
-impl NatsConfigBuilder {
+impl NatsConfig {
     /// Settings for the server(s) at `url`: `nats://[user:password@]host[:port]` or
     /// `tls://…`, several separated by commas; the port defaults to 4222.
     pub fn new(url: impl Into<String>) -> Self {
         Self {
             url: url.into(),
             subject_prefix: DEFAULT_SUBJECT_PREFIX.to_owned(),
-            ack_timeout: DEFAULT_ACK_TIMEOUT,
+            confirm_timeout: DEFAULT_CONFIRM_TIMEOUT,
             connect_timeout: DEFAULT_CONNECT_TIMEOUT,
             max_in_flight: DEFAULT_MAX_IN_FLIGHT,
-            max_payload_bytes: None,
+            max_payload_bytes: DEFAULT_MAX_PAYLOAD_BYTES,
             source: None,
             connection_name: DEFAULT_CONNECTION_NAME.to_owned(),
             stream: None,
@@ -111,12 +120,12 @@ impl NatsConfigBuilder {
     /// | `OUTBOX_BROKER_URL` | the URL(s), as [`new`](Self::new) takes them | [`DEFAULT_URL`] (`nats://127.0.0.1:4222`) |
     /// | `OUTBOX_SUBJECT_PREFIX` | [`with_subject_prefix`](Self::with_subject_prefix) | `outbox.events` |
     /// | `OUTBOX_CONNECT_TIMEOUT` | [`with_connect_timeout`](Self::with_connect_timeout), a duration (`5s`, `1m`) | 5 s |
-    /// | `OUTBOX_CONFIRM_TIMEOUT` | [`with_ack_timeout`](Self::with_ack_timeout) (the PubAck wait), a duration | 10 s |
+    /// | `OUTBOX_CONFIRM_TIMEOUT` | [`with_confirm_timeout`](Self::with_confirm_timeout) (the PubAck wait), a duration | 10 s |
     /// | `OUTBOX_STREAM` | [`with_stream`](Self::with_stream)`(StreamSetup::new(NAME))`, the stream declared | none |
     ///
     /// Unset or blank variables take the default (so an empty subject prefix cannot be
-    /// set from the environment). The values are checked here as [`build`](Self::build)
-    /// checks them, so that an error names its variable.
+    /// set from the environment). The values are checked here as
+    /// [`validate`](Self::validate) checks them, so that an error names its variable.
     ///
     /// # Errors
     /// [`NatsError::Env`] naming the variable and its value (the URL's password or token
@@ -141,18 +150,18 @@ impl NatsConfigBuilder {
             builder = builder.with_connect_timeout(timeout);
         }
         if let Some(timeout) = env.duration(OUTBOX_CONFIRM_TIMEOUT)? {
-            builder = builder.with_ack_timeout(timeout);
+            builder = builder.with_confirm_timeout(timeout);
         }
         if let Some(stream) = env.get(OUTBOX_STREAM) {
             builder = builder.with_stream(StreamSetup::new(stream));
         }
-        if let Err(e) = builder.clone().build() {
+        if let Err(e) = builder.validate() {
             let var = match &e {
                 NatsError::InvalidUrl { .. } => OUTBOX_BROKER_URL,
                 NatsError::InvalidConfig { field, .. } => match *field {
                     "subject_prefix" => OUTBOX_SUBJECT_PREFIX,
                     "connect_timeout" => OUTBOX_CONNECT_TIMEOUT,
-                    "ack_timeout" => OUTBOX_CONFIRM_TIMEOUT,
+                    "confirm_timeout" => OUTBOX_CONFIRM_TIMEOUT,
                     "stream name" | "stream subjects" => OUTBOX_STREAM,
                     _ => return Err(e),
                 },
@@ -190,8 +199,8 @@ impl NatsConfigBuilder {
     /// [`PublishError::Timeout`](outboxkit_core::PublishError::Timeout) (transient), or as
     /// `Unavailable` when the connection was lost meanwhile. Also bounds each JetStream
     /// API request of the publisher. Default 10 s.
-    pub fn with_ack_timeout(mut self, timeout: Duration) -> Self {
-        self.ack_timeout = timeout;
+    pub fn with_confirm_timeout(mut self, timeout: Duration) -> Self {
+        self.confirm_timeout = timeout;
         self
     }
 
@@ -211,13 +220,14 @@ impl NatsConfigBuilder {
         self
     }
 
-    /// A payload limit, in bytes, below the server's. Default: none, the server's
-    /// `max_payload` (from its `INFO`, 1 MiB unless configured) is the only limit. A
+    /// The largest payload, in bytes, the publisher sends; the server's `max_payload`
+    /// (from its `INFO`, 1 MiB unless configured) applies too, whichever is lower.
+    /// Default [`DEFAULT_MAX_PAYLOAD_BYTES`] (`usize::MAX`: the server's limit only). A
     /// message whose payload plus headers exceed the limit is not sent and gets
     /// [`PublishError::PayloadTooLarge`](outboxkit_core::PublishError::PayloadTooLarge)
     /// (permanent).
     pub fn with_max_payload_bytes(mut self, max: usize) -> Self {
-        self.max_payload_bytes = Some(max);
+        self.max_payload_bytes = max;
         self
     }
 
@@ -245,12 +255,12 @@ impl NatsConfigBuilder {
     /// never changed; [`NatsPublisher::ensure_stream`](crate::NatsPublisher::ensure_stream)
     /// updates them). A `setup` without
     /// subjects captures every subject this configuration publishes to
-    /// ([`NatsConfig::subject_wildcard`], e.g. `outbox.events.>`).
+    /// ([`subject_wildcard`](Self::subject_wildcard), e.g. `outbox.events.>`).
     ///
     /// A stream's subjects must not overlap another stream's: the server refuses such a
     /// stream (a permanent [`NatsError::Stream`] from `connect`).
     pub fn with_stream(mut self, setup: StreamSetup) -> Self {
-        self.stream = Some(setup);
+        self.stream = Some(Box::new(setup));
         self
     }
 
@@ -263,17 +273,16 @@ impl NatsConfigBuilder {
     ///   subject, a timeout, the in-flight window or the payload limit is zero (or the
     ///   window is over [`MAX_IN_FLIGHT`]), the source or connection name is empty or
     ///   contains a line break, or the [stream](Self::with_stream)'s name or subjects
-    ///   are invalid.
-    pub fn build(self) -> Result<NatsConfig, NatsError> {
-        let url_redacted = redact_url(&self.url);
-        let servers = parse_servers(&self.url, &url_redacted)?;
+    ///   are invalid (fields `stream name`, `stream subjects`).
+    pub fn validate(&self) -> Result<(), NatsError> {
+        self.servers()?;
         if !self.subject_prefix.is_empty()
             && let Some(problem) = subject_problem(&self.subject_prefix)
         {
             return Err(invalid("subject_prefix", problem));
         }
-        if self.ack_timeout.is_zero() {
-            return Err(invalid("ack_timeout", "must be greater than zero"));
+        if self.confirm_timeout.is_zero() {
+            return Err(invalid("confirm_timeout", "must be greater than zero"));
         }
         if self.connect_timeout.is_zero() {
             return Err(invalid("connect_timeout", "must be greater than zero"));
@@ -287,7 +296,7 @@ impl NatsConfigBuilder {
                 ),
             ));
         }
-        if self.max_payload_bytes == Some(0) {
+        if self.max_payload_bytes == 0 {
             return Err(invalid("max_payload_bytes", "must be greater than zero"));
         }
         if let Some(source) = &self.source {
@@ -304,28 +313,10 @@ impl NatsConfigBuilder {
         if self.connection_name.chars().any(char::is_control) {
             return Err(invalid("connection_name", "contains a control character"));
         }
-        let mut config = NatsConfig {
-            servers,
-            url_redacted,
-            stream: None,
-            subject_prefix: self.subject_prefix,
-            ack_timeout: self.ack_timeout,
-            connect_timeout: self.connect_timeout,
-            max_in_flight: self.max_in_flight,
-            max_payload_bytes: self.max_payload_bytes,
-            source: self.source,
-            connection_name: self.connection_name,
-        };
-        if let Some(setup) = self.stream {
-            let setup = if setup.subjects().is_empty() {
-                setup.with_subject(config.subject_wildcard())
-            } else {
-                setup
-            };
+        if let Some(setup) = self.stream() {
             setup.check()?;
-            config.stream = Some(Box::new(setup));
         }
-        Ok(config)
+        Ok(())
     }
 }
 
@@ -422,53 +413,21 @@ pub(crate) fn subject_problem(subject: &str) -> Option<String> {
     None
 }
 
-/// Validated settings of the NATS transport: build them with [`NatsConfigBuilder`].
-/// Cheap to clone. `Debug` shows the URL redacted.
-#[derive(Clone)]
-pub struct NatsConfig {
-    servers: Vec<ServerAddr>,
-    url_redacted: String,
-    /// Boxed: most configurations have none, and the config is inside every consumer.
-    stream: Option<Box<StreamSetup>>,
-    subject_prefix: String,
-    ack_timeout: Duration,
-    connect_timeout: Duration,
-    max_in_flight: usize,
-    max_payload_bytes: Option<usize>,
-    source: Option<String>,
-    connection_name: String,
-}
-
-impl fmt::Debug for NatsConfig {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("NatsConfig")
-            .field("url", &self.url_redacted)
-            .field("subject_prefix", &self.subject_prefix)
-            .field("ack_timeout", &self.ack_timeout)
-            .field("connect_timeout", &self.connect_timeout)
-            .field("max_in_flight", &self.max_in_flight)
-            .field("max_payload_bytes", &self.max_payload_bytes)
-            .field("source", &self.source)
-            .field("connection_name", &self.connection_name)
-            .field("stream", &self.stream)
-            .finish()
-    }
-}
-
 impl NatsConfig {
-    /// Starts a [`NatsConfigBuilder`] for the server(s) at `url`.
-    pub fn builder(url: impl Into<String>) -> NatsConfigBuilder {
-        NatsConfigBuilder::new(url)
+    /// The parsed server addresses (they contain the credentials: do not log them).
+    pub(crate) fn servers(&self) -> Result<Vec<ServerAddr>, NatsError> {
+        parse_servers(&self.url, &self.url_redacted())
     }
 
-    /// The parsed server addresses (they contain the credentials: do not log them).
-    pub(crate) fn servers(&self) -> &[ServerAddr] {
-        &self.servers
+    /// The server URL (or comma-separated URLs) as given, credentials included: do not
+    /// log it; [`url_redacted`](Self::url_redacted) hides them.
+    pub fn url(&self) -> &str {
+        &self.url
     }
 
     /// The server URL with its password or token replaced by `***`.
-    pub fn url_redacted(&self) -> &str {
-        &self.url_redacted
+    pub fn url_redacted(&self) -> String {
+        redact_url(&self.url)
     }
 
     /// The subject prefix (may be empty).
@@ -495,14 +454,21 @@ impl NatsConfig {
     }
 
     /// The stream the publisher declares, if the configuration names one
-    /// ([`NatsConfigBuilder::with_stream`]), its subjects filled in.
-    pub fn stream(&self) -> Option<&StreamSetup> {
-        self.stream.as_deref()
+    /// ([`with_stream`](Self::with_stream)), its subjects filled in (the
+    /// [`subject_wildcard`](Self::subject_wildcard) when it was given none).
+    pub fn stream(&self) -> Option<StreamSetup> {
+        self.stream.as_deref().map(|setup| {
+            if setup.subjects().is_empty() {
+                setup.clone().with_subject(self.subject_wildcard())
+            } else {
+                setup.clone()
+            }
+        })
     }
 
     /// How long a batch waits for its PubAcks.
-    pub fn ack_timeout(&self) -> Duration {
-        self.ack_timeout
+    pub fn confirm_timeout(&self) -> Duration {
+        self.confirm_timeout
     }
 
     /// How long connecting to one server or a JetStream API request may take.
@@ -514,7 +480,7 @@ impl NatsConfig {
     /// server listed (each may be down or cut off), plus one.
     pub fn connect_budget(&self) -> Duration {
         self.connect_timeout
-            .saturating_mul(u32::try_from(self.servers().len() + 1).unwrap_or(u32::MAX))
+            .saturating_mul(u32::try_from(self.url.split(',').count() + 1).unwrap_or(u32::MAX))
     }
 
     /// Publishes awaiting their PubAck at once, per publisher.
@@ -522,8 +488,8 @@ impl NatsConfig {
         self.max_in_flight
     }
 
-    /// The configured payload limit in bytes, if lower than the server's.
-    pub fn max_payload_bytes(&self) -> Option<usize> {
+    /// The largest payload published, in bytes (the server's limit applies too).
+    pub fn max_payload_bytes(&self) -> usize {
         self.max_payload_bytes
     }
 
@@ -544,36 +510,35 @@ mod tests {
 
     #[test]
     fn defaults() {
-        let config = NatsConfigBuilder::new(DEFAULT_URL).build().expect("valid");
+        let config = NatsConfig::new(DEFAULT_URL);
         assert_eq!(config.subject_prefix(), DEFAULT_SUBJECT_PREFIX);
-        assert_eq!(config.ack_timeout(), Duration::from_secs(10));
+        assert_eq!(config.confirm_timeout(), Duration::from_secs(10));
         assert_eq!(config.connect_timeout(), Duration::from_secs(5));
         assert_eq!(config.max_in_flight(), 1024);
-        assert_eq!(config.max_payload_bytes(), None);
+        assert_eq!(config.max_payload_bytes(), usize::MAX);
         assert_eq!(config.source(), None);
-        assert_eq!(config.servers().len(), 1);
-        assert_eq!(config.servers()[0].host(), "127.0.0.1");
-        assert_eq!(config.servers()[0].port(), 4222);
+        let servers = config.servers().expect("valid");
+        assert_eq!(servers.len(), 1);
+        assert_eq!(servers[0].host(), "127.0.0.1");
+        assert_eq!(servers[0].port(), 4222);
         assert_eq!(
             config.subject_for("OrderPlaced"),
             "outbox.events.OrderPlaced"
         );
         assert_eq!(config.subject_wildcard(), "outbox.events.>");
-        let bare = NatsConfigBuilder::new(DEFAULT_URL)
-            .with_subject_prefix("")
-            .build()
-            .expect("valid");
+        let bare = NatsConfig::new(DEFAULT_URL).with_subject_prefix("");
+        bare.validate().expect("valid");
         assert_eq!(bare.subject_for("a.b"), "a.b");
         assert_eq!(bare.subject_wildcard(), ">");
     }
 
     #[test]
     fn server_lists_and_bare_hosts() {
-        let config = NatsConfigBuilder::new("nats://a:1,tls://u:p@b:2, c")
-            .build()
-            .expect("valid");
+        let config = NatsConfig::new("nats://a:1,tls://u:p@b:2, c");
+        config.validate().expect("valid");
         let hosts: Vec<(String, u16)> = config
             .servers()
+            .expect("valid")
             .iter()
             .map(|s| (s.host().to_owned(), s.port()))
             .collect();
@@ -593,7 +558,7 @@ mod tests {
             "nats://app:hunter2@host:notaport",
             "nats://app:hunter2@host:1,",
         ] {
-            match NatsConfigBuilder::new(url).build() {
+            match NatsConfig::new(url).validate() {
                 Err(e @ NatsError::InvalidUrl { .. }) => {
                     let text = format!("{e} {e:?}");
                     assert!(!text.contains("hunter2"), "password leaked: {text}");
@@ -605,8 +570,8 @@ mod tests {
 
     #[test]
     fn invalid_settings() {
-        let base = || NatsConfigBuilder::new(DEFAULT_URL);
-        let field = |b: NatsConfigBuilder| match b.build() {
+        let base = || NatsConfig::new(DEFAULT_URL);
+        let field = |b: NatsConfig| match b.validate() {
             Err(NatsError::InvalidConfig { field, .. }) => field,
             other => panic!("expected InvalidConfig, got {other:?}"),
         };
@@ -623,8 +588,8 @@ mod tests {
             "max_in_flight"
         );
         assert_eq!(
-            field(base().with_ack_timeout(Duration::ZERO)),
-            "ack_timeout"
+            field(base().with_confirm_timeout(Duration::ZERO)),
+            "confirm_timeout"
         );
         assert_eq!(
             field(base().with_connect_timeout(Duration::ZERO)),
@@ -652,24 +617,23 @@ mod tests {
 
     #[test]
     fn debug_never_shows_the_password() {
-        let builder = NatsConfigBuilder::new("nats://app:hunter2@host:4222");
+        let builder = NatsConfig::new("nats://app:hunter2@host:4222");
         assert!(!format!("{builder:?}").contains("hunter2"));
-        let config = builder.build().expect("valid");
-        assert!(!format!("{config:?}").contains("hunter2"));
+        builder.validate().expect("valid");
         for url in [
             "nats://app:s3cret@host:4222",
             "nats://s3cret@host:4222",
             "nats://app:12/s3cret@host:4222",
             "nats://a:x@h1:4222,nats://app:s3?cret@h2:4222",
         ] {
-            let builder = NatsConfigBuilder::new(url);
+            let builder = NatsConfig::new(url);
             let shown = format!("{builder:?}");
             assert!(
                 !shown.contains("s3cret") && !shown.contains("s3?cret"),
                 "{shown}"
             );
-            if let Ok(config) = builder.build() {
-                let shown = format!("{config:?}");
+            if let Err(e) = builder.validate() {
+                let shown = format!("{e} {e:?}");
                 assert!(!shown.contains("s3cret"), "{shown}");
             }
         }
@@ -677,27 +641,28 @@ mod tests {
 
     #[test]
     fn from_env_reads_the_binarys_variables() -> Result<(), NatsError> {
-        let config = NatsConfigBuilder::from_lookup(&Env::from_pairs(&[
+        let config = NatsConfig::from_lookup(&Env::from_pairs(&[
             ("OUTBOX_BROKER_URL", "nats://app:s3cret@mq:4222"),
             ("OUTBOX_SUBJECT_PREFIX", "orders.events"),
             ("OUTBOX_CONNECT_TIMEOUT", "2s"),
             ("OUTBOX_CONFIRM_TIMEOUT", "1m 30s"),
             ("OUTBOX_STREAM", "ORDERS"),
-        ]))?
-        .build()?;
+        ]))?;
         assert_eq!(
-            config.stream().map(|s| (s.name(), s.subjects())),
-            Some(("ORDERS", &["orders.events.>".to_owned()][..]))
+            config
+                .stream()
+                .map(|s| (s.name().to_owned(), s.subjects().to_vec())),
+            Some(("ORDERS".to_owned(), vec!["orders.events.>".to_owned()]))
         );
         assert_eq!(config.url_redacted(), "nats://app:***@mq:4222");
         assert_eq!(config.subject_prefix(), "orders.events");
         assert_eq!(config.connect_timeout(), Duration::from_secs(2));
-        assert_eq!(config.ack_timeout(), Duration::from_secs(90));
-        let defaults = NatsConfigBuilder::from_lookup(&Env::from_pairs(&[]))?.build()?;
+        assert_eq!(config.confirm_timeout(), Duration::from_secs(90));
+        let defaults = NatsConfig::from_lookup(&Env::from_pairs(&[]))?;
         assert_eq!(defaults.url_redacted(), DEFAULT_URL);
         assert_eq!(defaults.subject_prefix(), DEFAULT_SUBJECT_PREFIX);
         assert_eq!(defaults.connect_timeout(), DEFAULT_CONNECT_TIMEOUT);
-        assert_eq!(defaults.ack_timeout(), DEFAULT_ACK_TIMEOUT);
+        assert_eq!(defaults.confirm_timeout(), DEFAULT_CONFIRM_TIMEOUT);
         assert!(defaults.stream().is_none());
         Ok(())
     }
@@ -723,7 +688,7 @@ mod tests {
             ),
             (vec![("OUTBOX_STREAM", "bad.name")], "OUTBOX_STREAM"),
         ] {
-            match NatsConfigBuilder::from_lookup(&Env::from_pairs(&pairs)) {
+            match NatsConfig::from_lookup(&Env::from_pairs(&pairs)) {
                 Err(NatsError::Env(e)) => {
                     assert_eq!(e.var(), var, "{e}");
                     assert!(!e.to_string().contains("s3cret"), "{e}");

@@ -30,7 +30,9 @@ impl NatsConfig {
     }
 
     /// Connects a plain client (no event tracking), failing after the connect timeout.
+    /// Validates the configuration first.
     pub(crate) async fn connect_client(&self) -> Result<async_nats::Client, NatsError> {
+        self.validate()?;
         connect_with(self, self.connect_options()).await
     }
 }
@@ -40,16 +42,16 @@ pub(crate) async fn connect_with(
     config: &NatsConfig,
     options: async_nats::ConnectOptions,
 ) -> Result<async_nats::Client, NatsError> {
-    let connecting = options.connect(config.servers().to_vec());
+    let connecting = options.connect(config.servers()?);
     match tokio::time::timeout(config.connect_budget(), connecting).await {
         Ok(Ok(client)) => Ok(client),
         Ok(Err(source)) => Err(NatsError::Connect {
-            url_redacted: config.url_redacted().to_owned(),
+            url_redacted: config.url_redacted(),
             source: Box::new(source),
         }),
         Err(_) => Err(NatsError::Timeout {
             operation: "connect",
-            url_redacted: config.url_redacted().to_owned(),
+            url_redacted: config.url_redacted(),
             timeout: config.connect_budget(),
         }),
     }

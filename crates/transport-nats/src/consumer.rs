@@ -15,7 +15,7 @@
 //!   before returning [`HandlerDecision::Ack`] never loses a message: a crash before
 //!   the ack means a redelivery after `ack_wait`, which the inbox deduplicates.
 //! - Answers: `Ack` → `+ACK`; `Requeue` → `-NAK` with a delay from the configured
-//!   [nak delays](NatsConsumerBuilder::with_nak_delays) (by delivery count); `Reject` →
+//!   [nak delays](NatsConsumerConfig::with_nak_delays) (by delivery count); `Reject` →
 //!   `+TERM` (never redelivered; JetStream publishes a
 //!   `$JS.EVENT.ADVISORY.CONSUMER.MSG_TERMINATED` advisory); `Defer` (the handler's
 //!   database is unavailable) → `+WPI` (in progress: the server restarts `ack_wait` and
@@ -60,7 +60,7 @@
 //!   [`handle_undecodable`](BatchDeliveryHandler::handle_undecodable) alone, at once.
 //! - Every message held, waiting for a batch or in one and not yet answered, gets a
 //!   `+WPI` every third of `ack_wait` (or of the shortest
-//!   [backoff](NatsConsumerBuilder::with_backoff) step, if shorter), so the server
+//!   [backoff](NatsConsumerConfig::with_backoff) step, if shorter), so the server
 //!   neither redelivers it nor counts a delivery however long it is held: a database
 //!   outage of any length, a slow batch or busy batch slots spend no delivery attempt
 //!   and never reach `max_deliver`. In this mode `ack_wait` only bounds how long the
@@ -140,11 +140,14 @@ const PULL_EXPIRES: Duration = Duration::from_secs(30);
 /// set up again.
 const MAX_CONSECUTIVE_ERRORS: u32 = 5;
 
-/// Settings of a [`NatsConsumer`] before validation. Every setter consumes and returns
-/// the builder; [`build`](Self::build) validates.
+/// Settings of a [`NatsConsumer`]: plain data. [`new`](Self::new) takes the transport's
+/// configuration, the stream and the durable consumer's name, every `with_*` setter
+/// consumes and returns the configuration, getters are named after the settings, and
+/// [`validate`](Self::validate) checks them all (and the transport's configuration);
+/// [`NatsConsumer::new`] calls it first.
 #[derive(Debug, Clone)]
 #[must_use]
-pub struct NatsConsumerBuilder {
+pub struct NatsConsumerConfig {
     config: NatsConfig,
     stream: String,
     durable: String,
@@ -160,8 +163,9 @@ pub struct NatsConsumerBuilder {
     stream_setup: Option<StreamSetup>,
 }
 
-impl NatsConsumerBuilder {
-    /// A durable consumer named `durable` of `stream` on the server of `config`.
+impl NatsConsumerConfig {
+    /// A durable consumer named `durable` of `stream` on the server of `config`, every
+    /// other setting at its default.
     pub fn new(config: NatsConfig, stream: impl Into<String>, durable: impl Into<String>) -> Self {
         Self {
             config,
@@ -264,10 +268,12 @@ impl NatsConsumerBuilder {
         self
     }
 
-    /// Validates the settings.
+    /// Validates the settings, the transport's configuration ([`NatsConfig::validate`])
+    /// first.
     ///
     /// # Errors
-    /// [`NatsError::InvalidConfig`] when the [stream setup](Self::with_stream_setup)
+    /// The transport configuration's [`NatsError::InvalidUrl`] or
+    /// [`NatsError::InvalidConfig`]; [`NatsError::InvalidConfig`] when the [stream setup](Self::with_stream_setup)
     /// names another stream or is invalid, the stream or durable name is empty or contains
     /// whitespace, `.`, `*`, `>`, `/` or `\`; the filter subject is not a valid subject;
     /// `ack_wait` is zero; `max_deliver` is `Some(0)` or not above the number of backoff
@@ -275,7 +281,8 @@ impl NatsConsumerBuilder {
     /// reconnect backoff is zero or its initial delay exceeds its cap; or the
     /// [batch settings](BatchSettings::check) do not fit the concurrency (fields
     /// `batch_size`, `batch_linger`, `batches_in_flight`).
-    pub fn build(self) -> Result<NatsConsumer, NatsError> {
+    pub fn validate(&self) -> Result<(), NatsError> {
+        self.config.validate()?;
         check_name("stream", &self.stream)?;
         check_name("durable", &self.durable)?;
         if let Some(filter) = &self.filter_subject {
@@ -322,10 +329,7 @@ impl NatsConsumerBuilder {
                 "the initial delay must be greater than zero and at most the maximum",
             ));
         }
-        let batch_size = self
-            .batch
-            .check(self.concurrency)
-            .map_err(|e| invalid(e.field, e.reason))?;
+        self.batch_size()?;
         if let Some(setup) = &self.stream_setup {
             if setup.name() != self.stream {
                 return Err(invalid(
@@ -339,21 +343,103 @@ impl NatsConsumerBuilder {
             }
             setup.check()?;
         }
+        Ok(())
+    }
+
+    /// The batch size resolved against the concurrency.
+    fn batch_size(&self) -> Result<usize, NatsError> {
+        self.batch
+            .check(self.concurrency)
+            .map_err(|e| invalid(e.field, e.reason))
+    }
+
+    /// The transport's configuration.
+    pub fn config(&self) -> &NatsConfig {
+        &self.config
+    }
+
+    /// The stream consumed.
+    pub fn stream(&self) -> &str {
+        &self.stream
+    }
+
+    /// The durable consumer's name.
+    pub fn durable(&self) -> &str {
+        &self.durable
+    }
+
+    /// The filter subject, if any.
+    pub fn filter_subject(&self) -> Option<&str> {
+        self.filter_subject.as_deref()
+    }
+
+    /// How long the server waits for an answer to a delivery.
+    pub fn ack_wait(&self) -> Duration {
+        self.ack_wait
+    }
+
+    /// Deliveries of one message after which JetStream stops delivering it (`None`:
+    /// no limit).
+    pub fn max_deliver(&self) -> Option<u32> {
+        self.max_deliver
+    }
+
+    /// The server-side redelivery delays after an unanswered delivery.
+    pub fn backoff(&self) -> &[Duration] {
+        &self.backoff
+    }
+
+    /// The delays of the `-NAK` sent for [`HandlerDecision::Requeue`].
+    pub fn nak_delays(&self) -> &[Duration] {
+        &self.nak_delays
+    }
+
+    /// The concurrency limit (and `max_ack_pending`).
+    pub fn concurrency(&self) -> usize {
+        self.concurrency
+    }
+
+    /// The reconnection backoff: the first delay and the cap.
+    pub fn reconnect_backoff(&self) -> (Duration, Duration) {
+        (self.reconnect_initial, self.reconnect_max)
+    }
+
+    /// The batched mode's settings.
+    pub fn batch(&self) -> &BatchSettings {
+        &self.batch
+    }
+
+    /// The stream created when missing, if any.
+    pub fn stream_setup(&self) -> Option<&StreamSetup> {
+        self.stream_setup.as_ref()
+    }
+}
+
+impl NatsConsumer {
+    /// The consumer `config` describes. Nothing connects here: the consumer connects
+    /// when it runs (or [`declare`](Self::declare)s).
+    ///
+    /// # Errors
+    /// What [`NatsConsumerConfig::validate`] finds, before anything else:
+    /// [`NatsError::InvalidUrl`] or [`NatsError::InvalidConfig`] naming the setting.
+    pub fn new(config: NatsConsumerConfig) -> Result<Self, NatsError> {
+        config.validate()?;
+        let batch_size = config.batch_size()?;
         Ok(NatsConsumer {
-            config: self.config,
-            stream: self.stream,
-            durable: self.durable,
-            filter_subject: self.filter_subject,
-            ack_wait: self.ack_wait,
-            max_deliver: self.max_deliver,
-            backoff: self.backoff,
-            nak_delays: self.nak_delays,
-            concurrency: self.concurrency,
-            reconnect_initial: self.reconnect_initial,
-            reconnect_max: self.reconnect_max,
+            config: config.config,
+            stream: config.stream,
+            durable: config.durable,
+            filter_subject: config.filter_subject,
+            ack_wait: config.ack_wait,
+            max_deliver: config.max_deliver,
+            backoff: config.backoff,
+            nak_delays: config.nak_delays,
+            concurrency: config.concurrency,
+            reconnect_initial: config.reconnect_initial,
+            reconnect_max: config.reconnect_max,
             batch_size,
-            batch: self.batch,
-            stream_setup: self.stream_setup,
+            batch: config.batch,
+            stream_setup: config.stream_setup,
         })
     }
 }
@@ -382,7 +468,7 @@ fn check_name(field: &'static str, value: &str) -> Result<(), NatsError> {
 /// use async_trait::async_trait;
 /// use outboxkit_core::wire::IncomingMessage;
 /// use tokio_util::sync::CancellationToken;
-/// use outboxkit_nats::{Consumer as _, DeliveryHandler, HandlerDecision, NatsConfigBuilder, NatsConsumer};
+/// use outboxkit_nats::{Consumer as _, DeliveryHandler, HandlerDecision, NatsConfig, NatsConsumer, NatsConsumerConfig};
 ///
 /// struct Projection;
 ///
@@ -395,13 +481,11 @@ fn check_name(field: &'static str, value: &str) -> Result<(), NatsError> {
 /// }
 ///
 /// # async fn run() -> Result<(), outboxkit_nats::NatsError> {
-/// let config = NatsConfigBuilder::from_env()?
-///     .with_subject_prefix("orders.events")
-///     .build()?;
-/// let consumer = NatsConsumer::builder(config, "ORDERS", "projection")
+/// let config = NatsConfig::from_env()?
+///     .with_subject_prefix("orders.events");
+/// let consumer = NatsConsumer::new(NatsConsumerConfig::new(config, "ORDERS", "projection")
 ///     .with_filter_subject("orders.events.OrderPlaced")
-///     .with_concurrency(50)
-///     .build()?;
+///     .with_concurrency(50))?;
 /// let shutdown = CancellationToken::new();
 /// consumer.run(Projection, shutdown).await
 /// # }
@@ -470,7 +554,7 @@ impl Consumer for NatsConsumer {
     /// to the [batch size](BatchSettings::with_size) messages, taken as they come and
     /// for at most the [linger](BatchSettings::with_linger) after the first, with up to
     /// [that many](BatchSettings::with_in_flight) batches handled at once (set with
-    /// [`NatsConsumerBuilder::with_batch`]); each message is answered as soon as the handler has decided
+    /// [`NatsConsumerConfig::with_batch`]); each message is answered as soon as the handler has decided
     /// it (the acks of a batch are pipelined, not awaited one by one).
     ///
     /// # Errors
@@ -488,15 +572,6 @@ impl Consumer for NatsConsumer {
 }
 
 impl NatsConsumer {
-    /// Starts a [`NatsConsumerBuilder`] for the durable consumer `durable` of `stream`.
-    pub fn builder(
-        config: NatsConfig,
-        stream: impl Into<String>,
-        durable: impl Into<String>,
-    ) -> NatsConsumerBuilder {
-        NatsConsumerBuilder::new(config, stream, durable)
-    }
-
     /// The stream consumed.
     pub fn stream(&self) -> &str {
         &self.stream
@@ -519,7 +594,7 @@ impl NatsConsumer {
 
     /// How often batched mode sends `+WPI` for each message it holds: a third of the
     /// shortest time the server waits for an answer (`ack_wait`, or a shorter
-    /// [backoff](NatsConsumerBuilder::with_backoff) step), at least 1 ms.
+    /// [backoff](NatsConsumerConfig::with_backoff) step), at least 1 ms.
     pub(crate) fn keep_alive_period(&self) -> Duration {
         let shortest = self
             .backoff
@@ -960,21 +1035,45 @@ mod tests {
     }
 
     #[test]
-    fn builder_validates() {
-        let config = crate::NatsConfigBuilder::new(crate::config::DEFAULT_URL)
-            .build()
-            .expect("valid config");
-        let field = |b: NatsConsumerBuilder| match b.build() {
+    fn config_validates() {
+        let config = crate::NatsConfig::new(crate::config::DEFAULT_URL);
+        // `validate` itself, the transport configuration's errors included.
+        assert!(
+            NatsConsumerConfig::new(config.clone(), "S", "d")
+                .validate()
+                .is_ok()
+        );
+        assert!(matches!(
+            NatsConsumerConfig::new(config.clone(), "S", "d")
+                .with_backoff(vec![Duration::ZERO])
+                .validate(),
+            Err(NatsError::InvalidConfig {
+                field: "backoff",
+                ..
+            })
+        ));
+        assert!(matches!(
+            NatsConsumerConfig::new(config.clone().with_max_in_flight(0), "S", "d").validate(),
+            Err(NatsError::InvalidConfig {
+                field: "max_in_flight",
+                ..
+            })
+        ));
+        assert!(matches!(
+            NatsConsumerConfig::new(crate::NatsConfig::new("amqp://h"), "S", "d").validate(),
+            Err(NatsError::InvalidUrl { .. })
+        ));
+        let field = |b: NatsConsumerConfig| match NatsConsumer::new(b) {
             Err(NatsError::InvalidConfig { field, .. }) => field,
             other => panic!("expected InvalidConfig, got {other:?}"),
         };
-        let base = || NatsConsumer::builder(config.clone(), "S", "d");
+        let base = || NatsConsumerConfig::new(config.clone(), "S", "d");
         assert_eq!(
-            field(NatsConsumer::builder(config.clone(), "", "d")),
+            field(NatsConsumerConfig::new(config.clone(), "", "d")),
             "stream"
         );
         assert_eq!(
-            field(NatsConsumer::builder(config.clone(), "S", "a.b")),
+            field(NatsConsumerConfig::new(config.clone(), "S", "a.b")),
             "durable"
         );
         assert_eq!(field(base().with_concurrency(0)), "concurrency");
@@ -989,11 +1088,12 @@ mod tests {
             "max_deliver"
         );
         assert_eq!(field(base().with_filter_subject("a..b")), "filter_subject");
-        let consumer = base()
-            .with_filter_subject("orders.*.placed")
-            .with_max_deliver(None)
-            .build()
-            .expect("valid");
+        let consumer = NatsConsumer::new(
+            base()
+                .with_filter_subject("orders.*.placed")
+                .with_max_deliver(None),
+        )
+        .expect("valid");
         assert_eq!(consumer.concurrency(), DEFAULT_CONCURRENCY);
         let config = consumer.consumer_config();
         assert_eq!(config.max_deliver, -1);

@@ -34,7 +34,7 @@ pub enum NatsError {
         reason: String,
     },
     /// An environment variable read by
-    /// [`NatsConfigBuilder::from_env`](crate::NatsConfigBuilder::from_env) is invalid (the
+    /// [`NatsConfig::from_env`](crate::NatsConfig::from_env) is invalid (the
     /// variable and its value are named, a URL's password or token hidden).
     #[error("invalid configuration: {0}")]
     Env(#[from] outboxkit_core::EnvError),

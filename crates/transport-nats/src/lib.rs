@@ -19,7 +19,7 @@
 //! - [`StreamSetup`] creates or updates the stream the publisher writes to (subjects,
 //!   storage, duplicate window, retention, max age) and documents what a PubAck
 //!   promises about durability.
-//! - [`NatsConfigBuilder`] / [`NatsConfig`]: the server URL and settings shared by
+//! - [`NatsConfig`] (and [`NatsConsumerConfig`]): the server URL and settings shared by
 //!   all of them; [`NatsError`]: typed errors with an [`ErrorKind`](outboxkit_core::ErrorKind).
 //!
 //! Messages carry the outbox id as `Nats-Msg-Id` and the event's metadata as
@@ -28,14 +28,13 @@
 //!
 //! ```no_run
 //! use outboxkit_core::EventPublisher;
-//! use outboxkit_nats::{NatsConfigBuilder, NatsPublisher, StreamSetup};
+//! use outboxkit_nats::{NatsConfig, NatsPublisher, StreamSetup};
 //!
 //! # async fn relay() -> Result<(), Box<dyn std::error::Error>> {
 //! // OUTBOX_BROKER_URL, or nats://127.0.0.1:4222
-//! let config = NatsConfigBuilder::from_env()?
+//! let config = NatsConfig::from_env()?
 //!     .with_subject_prefix("orders.events")
-//!     .with_connection_name("orders-relay")
-//!     .build()?;
+//!     .with_connection_name("orders-relay");
 //! // Fails fast with a typed error if the server is unreachable or refuses us.
 //! let publisher = NatsPublisher::connect(config.clone()).await?;
 //! // A stream must capture the subjects before anything is published.
@@ -58,8 +57,8 @@ pub mod error;
 pub mod publisher;
 pub mod topology;
 
-pub use config::{NatsConfig, NatsConfigBuilder};
-pub use consumer::{NatsConsumer, NatsConsumerBuilder};
+pub use config::NatsConfig;
+pub use consumer::{NatsConsumer, NatsConsumerConfig};
 pub use error::{NatsError, redact_url};
 pub use outboxkit_core::consumer::{
     BatchDeliveryHandler, Consumer, DeliveryHandler, HandlerDecision, TransportKind,

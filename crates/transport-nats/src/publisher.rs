@@ -16,11 +16,11 @@
 //!    dispatcher opens its circuit and probes with [`check_ready`](EventPublisher::check_ready).
 //! 3. The messages are published one after another without waiting ([JetStream
 //!    publish]: a request whose reply is the PubAck), up to
-//!    [`max_in_flight`](crate::NatsConfigBuilder::with_max_in_flight) awaiting their
+//!    [`max_in_flight`](crate::NatsConfig::with_max_in_flight) awaiting their
 //!    PubAck at once across all batches of the publisher; when the window is full the
 //!    next message goes out as soon as an earlier one is acknowledged.
 //! 4. All PubAcks are awaited under one deadline of
-//!    [`ack_timeout`](crate::NatsConfigBuilder::with_ack_timeout) counted from the
+//!    [`confirm_timeout`](crate::NatsConfig::with_confirm_timeout) counted from the
 //!    start of the batch.
 //!
 //! Each message gets exactly one [`PublishOutcome`], in input order:
@@ -140,7 +140,7 @@ pub struct NatsPublisher {
 
 impl NatsPublisher {
     /// Connects at once and, when the configuration names a
-    /// [stream](crate::NatsConfigBuilder::with_stream), creates it if it does not
+    /// [stream](crate::NatsConfig::with_stream), creates it if it does not
     /// exist. An existing stream is left as it is (its replicas, retention and limits
     /// may be an operator's: a publisher with default settings must not scale a
     /// replicated stream down); [`ensure_stream`](Self::ensure_stream) updates one to a
@@ -152,6 +152,8 @@ impl NatsPublisher {
     /// [`ErrorKind::Unavailable`]), [`NatsError::Timeout`] after the connect timeout;
     /// [`NatsError::Stream`] when the server refuses to create the stream (subjects
     /// overlapping another stream's: permanent) or JetStream does not answer.
+    /// [`NatsError::InvalidUrl`] or [`NatsError::InvalidConfig`] when `config` is invalid
+    /// ([`NatsConfig::validate`]), before any connection is tried.
     pub async fn connect(config: NatsConfig) -> Result<Self, NatsError> {
         let publisher = Self::open(config, false).await?;
         if let Some(setup) = publisher.config.stream() {
@@ -166,23 +168,25 @@ impl NatsPublisher {
     /// use it when the relay must start while the server is down. Until the first
     /// connection, batches report `Unavailable` and `check_ready` fails. The same call
     /// as `RabbitPublisher::connect_lazy`. A configured
-    /// [stream](crate::NatsConfigBuilder::with_stream) is created by the first readiness
+    /// [stream](crate::NatsConfig::with_stream) is created by the first readiness
     /// check that reaches the server (the relay makes one before its first claim), with
     /// an existing stream's settings left as they are.
-    pub async fn connect_lazy(config: NatsConfig) -> Self {
-        match Self::open(config, true).await {
-            Ok(publisher) => publisher,
-            // With `retry_on_initial_connect` the client only builds its server pool
-            // here, which fails for an empty list or a mix of WebSocket and plain URLs:
-            // `NatsConfig::build` admits neither (one or more nats:// or tls:// URLs).
-            Err(e) => unreachable!("a lazy connect does not fail with a built config: {e}"),
-        }
+    ///
+    /// # Errors
+    /// [`NatsError::InvalidUrl`] or [`NatsError::InvalidConfig`] when `config` is invalid
+    /// ([`NatsConfig::validate`]), before anything else. (With
+    /// `retry_on_initial_connect` the client only builds its server pool here, which
+    /// fails for an empty list or a mix of WebSocket and plain URLs: a valid
+    /// configuration admits neither.)
+    pub async fn connect_lazy(config: NatsConfig) -> Result<Self, NatsError> {
+        Self::open(config, true).await
     }
 
     async fn open(config: NatsConfig, lazy: bool) -> Result<Self, NatsError> {
+        config.validate()?;
         let disconnects = Arc::new(AtomicU64::new(0));
         let counter = Arc::clone(&disconnects);
-        let url = config.url_redacted().to_owned();
+        let url = config.url_redacted();
         let mut options = config.connect_options().event_callback(move |event| {
             let counter = Arc::clone(&counter);
             let url = url.clone();
@@ -204,7 +208,7 @@ impl NatsPublisher {
         // Our window bounds what is in flight; the context's own limit only has to be
         // larger so that it never blocks (its permits are released as acks resolve).
         let jetstream = jetstream::ContextBuilder::new()
-            .timeout(config.ack_timeout())
+            .timeout(config.confirm_timeout())
             .max_ack_inflight(config.max_in_flight() + 16)
             .backpressure_on_inflight(true)
             .build(client.clone());
@@ -260,9 +264,7 @@ impl NatsPublisher {
     /// The largest payload plus headers, in bytes, the publisher sends now.
     pub fn max_message_bytes(&self) -> usize {
         let server = self.client.max_payload();
-        self.config
-            .max_payload_bytes()
-            .map_or(server, |own| own.min(server))
+        self.config.max_payload_bytes().min(server)
     }
 
     fn connected(&self) -> bool {
@@ -293,7 +295,7 @@ impl NatsPublisher {
             return;
         }
         let epoch = self.disconnects.load(Ordering::Acquire);
-        let deadline = Instant::now() + self.config.ack_timeout();
+        let deadline = Instant::now() + self.config.confirm_timeout();
         let mut subjects: HashMap<usize, String> = HashMap::new();
         let mut failures: Vec<(usize, Failure)> = Vec::new();
         let mut pending = FuturesUnordered::new();
@@ -528,7 +530,7 @@ impl EventPublisher for NatsPublisher {
     /// deadline of the ack timeout, and a "no responders" answer may add one stream
     /// lookup bounded by the connect timeout.
     fn publish_timeout(&self) -> Option<Duration> {
-        Some(self.config.ack_timeout() + self.config.connect_timeout())
+        Some(self.config.confirm_timeout() + self.config.connect_timeout())
     }
 
     /// The stream that refused a publish on the subject of `routing_key`, as
@@ -698,11 +700,11 @@ impl Failure {
         };
         let error = match self {
             Self::Timeout if connection_lost => lost(),
-            Self::Timeout => PublishError::Timeout(config.ack_timeout()),
+            Self::Timeout => PublishError::Timeout(config.confirm_timeout()),
             Self::Publish(e) => match e.kind() {
                 PublishErrorKind::StreamNotFound => return Mapped::NoResponders,
                 PublishErrorKind::TimedOut if connection_lost => lost(),
-                PublishErrorKind::TimedOut => PublishError::Timeout(config.ack_timeout()),
+                PublishErrorKind::TimedOut => PublishError::Timeout(config.confirm_timeout()),
                 PublishErrorKind::BrokenPipe => lost(),
                 PublishErrorKind::MaxPayloadExceeded => PublishError::Other {
                     kind: ErrorKind::Permanent,
@@ -792,11 +794,9 @@ mod tests {
 
     #[test]
     fn timeouts_become_outages_when_the_connection_was_lost() {
-        let config = crate::NatsConfigBuilder::new(crate::config::DEFAULT_URL)
-            .build()
-            .expect("valid");
+        let config = crate::NatsConfig::new(crate::config::DEFAULT_URL);
         match Failure::Timeout.into_error(&config, false) {
-            Mapped::Done(PublishError::Timeout(d)) => assert_eq!(d, config.ack_timeout()),
+            Mapped::Done(PublishError::Timeout(d)) => assert_eq!(d, config.confirm_timeout()),
             _ => panic!("expected Timeout"),
         }
         match Failure::Timeout.into_error(&config, true) {
@@ -943,11 +943,9 @@ mod properties {
             prop::option::of(Just("/orders-service".to_owned())),
         )
             .prop_map(|(prefix, source)| {
-                crate::NatsConfigBuilder::new(DEFAULT_URL)
+                crate::NatsConfig::new(DEFAULT_URL)
                     .with_subject_prefix(prefix)
                     .with_source(source)
-                    .build()
-                    .expect("valid config")
             })
     }
 
@@ -1075,9 +1073,7 @@ mod properties {
     /// byte 5, and names shorter than 5 bytes.
     #[test]
     fn multi_byte_header_names_are_invalid_not_a_panic() {
-        let config = crate::NatsConfigBuilder::new(DEFAULT_URL)
-            .build()
-            .expect("valid config");
+        let config = crate::NatsConfig::new(DEFAULT_URL);
         for name in ["Natsé-x", "Nat日本", "é", "日", "ab", "𝄞"] {
             let msg = OutboxMessage::claimed_from(
                 outboxkit_core::NewMessage::builder("order", "1", "OrderPlaced")

@@ -73,12 +73,11 @@ pub enum StreamRetention {
 ///
 /// ```no_run
 /// use std::time::Duration;
-/// use outboxkit_nats::{NatsConfigBuilder, Storage, StreamRetention, StreamSetup};
+/// use outboxkit_nats::{NatsConfig, Storage, StreamRetention, StreamSetup};
 ///
 /// # async fn setup() -> Result<(), outboxkit_nats::NatsError> {
-/// let config = NatsConfigBuilder::from_env()?
-///     .with_subject_prefix("orders.events")
-///     .build()?;
+/// let config = NatsConfig::from_env()?
+///     .with_subject_prefix("orders.events");
 /// let info = StreamSetup::for_config("ORDERS", &config) // subjects: orders.events.>
 ///     .with_storage(Storage::File)
 ///     .with_duplicate_window(Duration::from_secs(120))
@@ -285,7 +284,7 @@ impl StreamSetup {
             &js,
             stream_config,
             config.connect_timeout(),
-            config.url_redacted(),
+            &config.url_redacted(),
         )
         .await;
         let _ = timeout(config.connect_timeout(), client.drain()).await;
@@ -310,7 +309,7 @@ impl StreamSetup {
 impl StreamSetup {
     /// The stream over `js`: created with these settings when it does not exist, else
     /// as it is (its settings untouched: the relay or an operator owns them). What a
-    /// consumer built [`with_stream_setup`](crate::NatsConsumerBuilder::with_stream_setup)
+    /// consumer built [`with_stream_setup`](crate::NatsConsumerConfig::with_stream_setup)
     /// does before creating its durable.
     pub(crate) async fn get_or_create(
         &self,

@@ -17,7 +17,7 @@ use futures::FutureExt as _;
 use outboxkit_core::wire::IncomingMessage;
 use outboxkit_core::{BatchSettings, EventPublisher, OutboxMessage};
 use outboxkit_nats::{
-    BatchDeliveryHandler, HandlerDecision, NatsConsumer, NatsConsumerBuilder, NatsError,
+    BatchDeliveryHandler, HandlerDecision, NatsConsumer, NatsConsumerConfig, NatsError,
     NatsPublisher,
 };
 use tokio::time::Instant;
@@ -29,11 +29,9 @@ use common::*;
 /// Batch settings are checked against the concurrency.
 #[test]
 fn batch_settings_are_validated() {
-    let config = outboxkit_nats::NatsConfigBuilder::new(url())
-        .build()
-        .expect("valid");
-    let builder = || NatsConsumer::builder(config.clone(), "S", "d").with_concurrency(10);
-    let field = |b: NatsConsumerBuilder| match b.build() {
+    let config = outboxkit_nats::NatsConfig::new(url());
+    let builder = || NatsConsumerConfig::new(config.clone(), "S", "d").with_concurrency(10);
+    let field = |b: NatsConsumerConfig| match NatsConsumer::new(b) {
         Err(NatsError::InvalidConfig { field, .. }) => field,
         other => panic!("expected InvalidConfig, got {other:?}"),
     };
@@ -44,7 +42,7 @@ fn batch_settings_are_validated() {
         "batch_size"
     );
     assert_eq!(
-        builder().build().expect("valid").batch_size(),
+        NatsConsumer::new(builder()).expect("valid").batch_size(),
         10,
         "default: the concurrency"
     );
@@ -121,14 +119,15 @@ async fn an_outage_longer_than_ack_wait_spends_no_delivery() {
         publisher.close().await;
 
         let handler = Arc::new(DownDatabase::new(OUTAGE));
-        let consumer = NatsConsumer::builder(fx.build(), &fx.stream, DURABLE)
-            .with_ack_wait(ACK_WAIT)
-            .with_max_deliver(Some(3))
-            .with_concurrency(12)
-            .with_batch(BatchSettings::new().with_size(3).with_in_flight(2))
-            .with_reconnect_backoff(Duration::from_millis(100), Duration::from_secs(1))
-            .build()
-            .expect("valid consumer");
+        let consumer = NatsConsumer::new(
+            NatsConsumerConfig::new(fx.build(), &fx.stream, DURABLE)
+                .with_ack_wait(ACK_WAIT)
+                .with_max_deliver(Some(3))
+                .with_concurrency(12)
+                .with_batch(BatchSettings::new().with_size(3).with_in_flight(2))
+                .with_reconnect_backoff(Duration::from_millis(100), Duration::from_secs(1)),
+        )
+        .expect("valid consumer");
         let running = {
             let handler = Arc::clone(&handler);
             let shutdown = shutdown.clone();

@@ -17,7 +17,9 @@ use outboxkit_core::wire::Binding;
 use outboxkit_core::{
     BatchDeliveryHandler, BoxError, DeliveryHandler, ErrorKind, Headers, OutboxMessage,
 };
-use outboxkit_nats::{NatsConfigBuilder, NatsConsumer, NatsError, NatsPublisher, StreamSetup};
+use outboxkit_nats::{
+    NatsConfig, NatsConsumer, NatsConsumerConfig, NatsError, NatsPublisher, StreamSetup,
+};
 use tokio_util::sync::CancellationToken;
 use uuid::Uuid;
 
@@ -45,25 +47,23 @@ async fn harness() -> Nats {
 }
 
 impl Nats {
-    fn config(&self) -> NatsConfigBuilder {
+    fn config(&self) -> NatsConfig {
         self.fx.config().with_source(Some(SOURCE.to_owned()))
     }
 
-    async fn connect(&self, config: NatsConfigBuilder) -> NatsPublisher {
-        NatsPublisher::connect(config.build().expect("valid configuration"))
+    async fn connect(&self, config: NatsConfig) -> NatsPublisher {
+        NatsPublisher::connect(config)
             .await
             .expect("publisher connects")
     }
 
     fn unreachable(&self) -> outboxkit_nats::NatsConfig {
-        NatsConfigBuilder::new("nats://app:hunter2@127.0.0.1:1")
+        NatsConfig::new("nats://app:hunter2@127.0.0.1:1")
             .with_connect_timeout(Duration::from_secs(2))
-            .build()
-            .expect("valid configuration")
     }
 
     fn consumer(&self, settings: &ConsumerSettings) -> NatsConsumer {
-        let mut builder = NatsConsumer::builder(self.fx.build(), &self.fx.stream, DURABLE)
+        let mut builder = NatsConsumerConfig::new(self.fx.build(), &self.fx.stream, DURABLE)
             .with_nak_delays(vec![settings.requeue_delay])
             .with_concurrency(settings.concurrency)
             .with_batch(settings.batch)
@@ -71,7 +71,7 @@ impl Nats {
         if let Some(ack_wait) = settings.ack_wait {
             builder = builder.with_ack_wait(ack_wait);
         }
-        builder.build().expect("valid consumer")
+        NatsConsumer::new(builder).expect("valid consumer")
     }
 
     async fn publish_raw(&self, headers: Option<async_nats::HeaderMap>, payload: &'static str) {
@@ -107,7 +107,8 @@ impl TransportHarness for Nats {
     }
 
     async fn publisher_with_confirm_timeout(&self, timeout: Duration) -> NatsPublisher {
-        self.connect(self.config().with_ack_timeout(timeout)).await
+        self.connect(self.config().with_confirm_timeout(timeout))
+            .await
     }
 
     async fn narrow_publisher(&self) -> NatsPublisher {
@@ -183,7 +184,9 @@ impl TransportHarness for Nats {
     }
 
     async fn unreachable_publisher(&self) -> NatsPublisher {
-        NatsPublisher::connect_lazy(self.unreachable()).await
+        NatsPublisher::connect_lazy(self.unreachable())
+            .await
+            .expect("valid config")
     }
 
     async fn stored(&self) -> u64 {

@@ -14,7 +14,7 @@ use async_trait::async_trait;
 use outboxkit_core::wire::IncomingMessage;
 use outboxkit_core::{EventPublisher, InboxStore, OutboxMessage};
 use outboxkit_nats::{
-    DeliveryHandler, HandlerDecision, NatsConsumer, NatsConsumerBuilder, NatsError, NatsPublisher,
+    DeliveryHandler, HandlerDecision, NatsConsumer, NatsConsumerConfig, NatsError, NatsPublisher,
 };
 use outboxkit_postgres::{PgInbox, PgOutbox};
 use tokio::task::JoinHandle;
@@ -55,8 +55,8 @@ fn start<H: DeliveryHandler>(consumer: NatsConsumer, handler: H) -> Running {
     Running { shutdown, task }
 }
 
-fn consumer(fx: &Fixture, durable: &str) -> NatsConsumerBuilder {
-    NatsConsumer::builder(fx.build(), &fx.stream, durable)
+fn consumer(fx: &Fixture, durable: &str) -> NatsConsumerConfig {
+    NatsConsumerConfig::new(fx.build(), &fx.stream, durable)
         .with_nak_delays(vec![Duration::from_millis(50)])
         .with_reconnect_backoff(Duration::from_millis(100), Duration::from_secs(1))
 }
@@ -152,7 +152,7 @@ async fn redelivered_messages_have_one_effect_through_the_inbox() {
     publish(&fx, &messages).await;
 
     let running = start(
-        consumer(&fx, "projector").build().expect("valid"),
+        NatsConsumer::new(consumer(&fx, "projector")).expect("valid"),
         Arc::clone(&projector),
     );
     eventually("every message is delivered twice", || async {
@@ -235,11 +235,12 @@ async fn with_a_max_deliver_a_requeued_message_stops_after_it_and_blocks_nothing
     let handler = Poisoned::default();
     *handler.poison.lock().expect("lock") = Some(poison.id);
     let running = start(
-        consumer(&fx, "poisoned")
-            .with_concurrency(1)
-            .with_max_deliver(Some(3))
-            .build()
-            .expect("valid"),
+        NatsConsumer::new(
+            consumer(&fx, "poisoned")
+                .with_concurrency(1)
+                .with_max_deliver(Some(3)),
+        )
+        .expect("valid"),
         handler.clone(),
     );
     eventually("every later message is handled", || async {
@@ -275,9 +276,7 @@ async fn with_a_max_deliver_a_requeued_message_stops_after_it_and_blocks_nothing
 #[tokio::test]
 async fn invalid_consumer_settings_are_a_permanent_error() {
     let fx = Fixture::new().await;
-    let consumer = consumer(&fx, "misfit")
-        .with_filter_subject("elsewhere.>")
-        .build()
+    let consumer = NatsConsumer::new(consumer(&fx, "misfit").with_filter_subject("elsewhere.>"))
         .expect("valid locally");
     let result = tokio::time::timeout(
         DEADLINE,
@@ -303,10 +302,10 @@ async fn a_stream_setup_creates_the_missing_stream_and_leaves_an_existing_one() 
     let fx = Fixture::unconfigured().await;
     let config = fx.build();
     let setup = || outboxkit_nats::StreamSetup::for_config(&fx.stream, &config);
-    let creator = consumer(&fx, "creator")
-        .with_stream_setup(setup().with_max_age(Duration::from_secs(3600)))
-        .build()
-        .expect("valid");
+    let creator = NatsConsumer::new(
+        consumer(&fx, "creator").with_stream_setup(setup().with_max_age(Duration::from_secs(3600))),
+    )
+    .expect("valid");
     creator
         .declare()
         .await
@@ -321,10 +320,10 @@ async fn a_stream_setup_creates_the_missing_stream_and_leaves_an_existing_one() 
     assert_eq!(info.config.max_age, Duration::from_secs(3600));
 
     // Created again by another consumer with other settings: left as it is.
-    let second = consumer(&fx, "second")
-        .with_stream_setup(setup().with_max_age(Duration::from_secs(600)))
-        .build()
-        .expect("valid");
+    let second = NatsConsumer::new(
+        consumer(&fx, "second").with_stream_setup(setup().with_max_age(Duration::from_secs(600))),
+    )
+    .expect("valid");
     second.declare().await.expect("the existing stream is used");
     let info = stream.info().await.expect("stream info");
     assert_eq!(
@@ -348,9 +347,10 @@ async fn a_stream_setup_creates_the_missing_stream_and_leaves_an_existing_one() 
     .await;
     running.stop().await;
 
-    let misnamed = consumer(&fx, "misnamed")
-        .with_stream_setup(outboxkit_nats::StreamSetup::for_config("OTHER", &config))
-        .build();
+    let misnamed = NatsConsumer::new(
+        consumer(&fx, "misnamed")
+            .with_stream_setup(outboxkit_nats::StreamSetup::for_config("OTHER", &config)),
+    );
     match misnamed {
         Err(NatsError::InvalidConfig { field, .. }) => assert_eq!(field, "stream_setup"),
         other => panic!("expected InvalidConfig for stream_setup, got {other:?}"),

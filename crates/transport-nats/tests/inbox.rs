@@ -22,7 +22,7 @@ use outboxkit_inbox::{
     ConsumerConfig, DurableReceiver, Handler, HandlerContext, HandlerError, IdempotentConsumer,
     InboxProcessor, Pipeline, ProcessorConfig,
 };
-use outboxkit_nats::{NatsConsumer, NatsPublisher};
+use outboxkit_nats::{NatsConsumer, NatsConsumerConfig, NatsPublisher};
 use outboxkit_postgres::{PgConfig, PgInbox, PgOutbox};
 use outboxkit_testkit::pg::PgLockout;
 use sqlx::PgConnection;
@@ -137,12 +137,13 @@ async fn idempotent_consumer_over_nats_duplicates_and_a_poison_message() {
         ConsumerConfig::new().with_max_deliveries(3),
     )
     .expect("valid consumer config");
-    let consumer = NatsConsumer::builder(fx.build(), &fx.stream, "inbox")
-        .with_concurrency(1)
-        .with_max_deliver(Some(10))
-        .with_nak_delays(vec![Duration::from_millis(50)])
-        .build()
-        .expect("valid");
+    let consumer = NatsConsumer::new(
+        NatsConsumerConfig::new(fx.build(), &fx.stream, "inbox")
+            .with_concurrency(1)
+            .with_max_deliver(Some(10))
+            .with_nak_delays(vec![Duration::from_millis(50)]),
+    )
+    .expect("valid");
     let token = CancellationToken::new();
     let run = {
         let t = token.clone();
@@ -190,8 +191,7 @@ async fn durable_inbox_over_nats_stores_then_processes() {
         assert!(outcome.is_published(), "{outcome:?}");
     }
 
-    let consumer = NatsConsumer::builder(fx.build(), &fx.stream, "durable")
-        .build()
+    let consumer = NatsConsumer::new(NatsConsumerConfig::new(fx.build(), &fx.stream, "durable"))
         .expect("valid");
     let token = CancellationToken::new();
     let run = {
@@ -256,11 +256,12 @@ async fn a_database_outage_longer_than_the_delivery_budget_loses_nothing() {
         ConsumerConfig::new(),
     )
     .expect("valid consumer config");
-    let consumer = NatsConsumer::builder(fx.build(), &fx.stream, "outage")
-        .with_max_deliver(Some(3))
-        .with_nak_delays(vec![Duration::from_millis(100)])
-        .build()
-        .expect("valid");
+    let consumer = NatsConsumer::new(
+        NatsConsumerConfig::new(fx.build(), &fx.stream, "outage")
+            .with_max_deliver(Some(3))
+            .with_nak_delays(vec![Duration::from_millis(100)]),
+    )
+    .expect("valid");
     let token = CancellationToken::new();
     let run = {
         let t = token.clone();

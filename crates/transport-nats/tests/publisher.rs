@@ -15,7 +15,9 @@ use outboxkit_core::{
     Dispatcher, DispatcherConfig, ErrorKind, EventPublisher, MessageStatus, NewMessage,
     OutboxMessage, OutboxProducer, PublishOutcome,
 };
-use outboxkit_nats::{NatsError, NatsPublisher, Storage, StreamSetup};
+use outboxkit_nats::{
+    NatsConfig, NatsConsumer, NatsConsumerConfig, NatsError, NatsPublisher, Storage, StreamSetup,
+};
 
 use common::*;
 
@@ -164,12 +166,10 @@ async fn a_configured_stream_is_declared_by_the_publisher_and_recreated_when_del
 
     let config = fx
         .config()
-        .with_stream(StreamSetup::new(&fx.stream).with_duplicate_window(Duration::from_secs(90)))
-        .build()
-        .expect("valid");
+        .with_stream(StreamSetup::new(&fx.stream).with_duplicate_window(Duration::from_secs(90)));
     assert_eq!(
-        config.stream().map(StreamSetup::subjects),
-        Some(&[format!("{}.>", fx.prefix)][..]),
+        config.stream().map(|setup| setup.subjects().to_vec()),
+        Some(vec![format!("{}.>", fx.prefix)]),
         "a setup without subjects captures the configuration's"
     );
     let publisher = NatsPublisher::connect(config)
@@ -195,9 +195,7 @@ async fn a_configured_stream_is_declared_by_the_publisher_and_recreated_when_del
     // settings does not change it (an operator's replicas or limits are never undone).
     let other = fx
         .config()
-        .with_stream(StreamSetup::new(&fx.stream).with_duplicate_window(Duration::from_secs(30)))
-        .build()
-        .expect("valid");
+        .with_stream(StreamSetup::new(&fx.stream).with_duplicate_window(Duration::from_secs(30)));
     drop(NatsPublisher::connect(other).await.expect("connect"));
     let info = stream.info().await.expect("info");
     assert_eq!(info.config.duplicate_window, Duration::from_secs(90));
@@ -224,21 +222,63 @@ async fn a_configured_stream_is_declared_by_the_publisher_and_recreated_when_del
     // A stream overlapping another's subjects is a permanent error of `connect`.
     let clash = fx
         .config()
-        .with_stream(StreamSetup::new(format!("{}_CLASH", fx.stream)))
-        .build()
-        .expect("valid");
+        .with_stream(StreamSetup::new(format!("{}_CLASH", fx.stream)));
     match NatsPublisher::connect(clash).await {
         Err(e @ NatsError::Stream { .. }) => assert_eq!(e.kind(), ErrorKind::Permanent, "{e}"),
         other => panic!("expected a Stream error, got {other:?}"),
     }
-    // An invalid stream name is refused where the configuration is built.
-    match fx
-        .config()
-        .with_stream(StreamSetup::new("bad.name"))
-        .build()
-    {
+    // An invalid stream name is refused by `connect` before it connects.
+    match NatsPublisher::connect(fx.config().with_stream(StreamSetup::new("bad.name"))).await {
         Err(NatsError::InvalidConfig { field, .. }) => assert_eq!(field, "stream name"),
         other => panic!("expected an InvalidConfig error, got {other:?}"),
     }
     fx.cleanup().await;
+}
+
+/// An invalid configuration is the typed error of `validate`, returned by `connect`,
+/// `connect_lazy` and the consumer's `new` before anything connects or starts: a
+/// malformed URL (`InvalidUrl`, the password hidden), a zero timeout (`InvalidConfig`
+/// naming the field).
+#[tokio::test]
+async fn invalid_configurations_fail_before_connecting() {
+    async fn all(config: NatsConfig) -> Vec<Result<&'static str, NatsError>> {
+        vec![
+            config.validate().map(|()| "validated"),
+            NatsPublisher::connect(config.clone())
+                .await
+                .map(|_| "connected"),
+            NatsPublisher::connect_lazy(config.clone())
+                .await
+                .map(|_| "lazy"),
+            NatsConsumer::new(NatsConsumerConfig::new(config, "S", "d")).map(|_| "consumer"),
+        ]
+    }
+    for url in [
+        "nats://app:hunter2@127.0.0.1:notaport",
+        "amqp://app:hunter2@127.0.0.1:5672",
+        "",
+    ] {
+        for result in all(NatsConfig::new(url)).await {
+            match result {
+                Err(e @ NatsError::InvalidUrl { .. }) => {
+                    assert_eq!(e.kind(), ErrorKind::Permanent);
+                    assert!(!format!("{e} {e:?}").contains("hunter2"), "{e}");
+                }
+                other => panic!("{url:?}: expected InvalidUrl, got {other:?}"),
+            }
+        }
+    }
+    // The server is up: a zero timeout still fails before any connection.
+    let zero = NatsConfig::new(url()).with_connect_timeout(Duration::ZERO);
+    for result in all(zero).await {
+        match result {
+            Err(NatsError::InvalidConfig { field, .. }) => assert_eq!(field, "connect_timeout"),
+            other => panic!("expected InvalidConfig, got {other:?}"),
+        }
+    }
+    let zero = NatsConfig::new(url()).with_confirm_timeout(Duration::ZERO);
+    match NatsPublisher::connect(zero).await {
+        Err(NatsError::InvalidConfig { field, .. }) => assert_eq!(field, "confirm_timeout"),
+        other => panic!("expected InvalidConfig, got {other:?}"),
+    }
 }

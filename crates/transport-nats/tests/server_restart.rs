@@ -20,7 +20,7 @@ use async_trait::async_trait;
 use outboxkit_core::wire::IncomingMessage;
 use outboxkit_core::{Dispatcher, DispatcherConfig, NewMessage, OutboxProducer, OutboxStore};
 use outboxkit_nats::{
-    DeliveryHandler, HandlerDecision, NatsConfigBuilder, NatsConsumer, NatsPublisher,
+    DeliveryHandler, HandlerDecision, NatsConfig, NatsConsumer, NatsConsumerConfig, NatsPublisher,
 };
 use outboxkit_postgres::PgOutbox;
 use outboxkit_testkit::faults::NatsStopped;
@@ -84,10 +84,8 @@ async fn relay_and_consumer_resume_after_a_server_restart_and_nothing_is_lost() 
 
     let config = fx
         .config()
-        .with_ack_timeout(Duration::from_secs(2))
-        .with_connect_timeout(Duration::from_secs(2))
-        .build()
-        .expect("valid");
+        .with_confirm_timeout(Duration::from_secs(2))
+        .with_connect_timeout(Duration::from_secs(2));
     let publisher = Arc::new(
         NatsPublisher::connect(config.clone())
             .await
@@ -109,18 +107,17 @@ async fn relay_and_consumer_resume_after_a_server_restart_and_nothing_is_lost() 
         tokio::spawn(async move { d.run(t).await })
     };
     let collector = Collector::default();
-    let consumer = NatsConsumer::builder(
-        NatsConfigBuilder::new(url())
-            .with_subject_prefix(&fx.prefix)
-            .with_connect_timeout(Duration::from_secs(2))
-            .build()
-            .expect("valid"),
-        &fx.stream,
-        "restart-survivor",
+    let consumer = NatsConsumer::new(
+        NatsConsumerConfig::new(
+            NatsConfig::new(url())
+                .with_subject_prefix(&fx.prefix)
+                .with_connect_timeout(Duration::from_secs(2)),
+            &fx.stream,
+            "restart-survivor",
+        )
+        .with_ack_wait(Duration::from_secs(5))
+        .with_reconnect_backoff(Duration::from_millis(200), Duration::from_secs(2)),
     )
-    .with_ack_wait(Duration::from_secs(5))
-    .with_reconnect_backoff(Duration::from_millis(200), Duration::from_secs(2))
-    .build()
     .expect("valid");
     let consumer_task = {
         let (c, t, h) = (consumer, token.clone(), collector.clone());

@@ -1,15 +1,17 @@
-//! Configuration: [`RabbitConfigBuilder`] (unvalidated settings with defaults) and
-//! [`RabbitConfig`] (validated, shared by the publisher and the consumer).
+//! Configuration: [`RabbitConfig`], plain settings with defaults shared by the
+//! publisher and the consumer, checked by [`RabbitConfig::validate`] (which
+//! [`RabbitPublisher::connect`](crate::RabbitPublisher::connect) and
+//! [`RabbitConsumer::new`](crate::RabbitConsumer::new) call before anything else).
 //!
 //! ```
 //! use std::time::Duration;
-//! use outboxkit_rabbit::RabbitConfigBuilder;
+//! use outboxkit_rabbit::RabbitConfig;
 //!
-//! let config = RabbitConfigBuilder::new("amqp://guest:guest@127.0.0.1:5672/%2f")
+//! let config = RabbitConfig::new("amqp://guest:guest@127.0.0.1:5672/%2f")
 //!     .with_exchange("orders.events")
 //!     .with_confirm_timeout(Duration::from_secs(10))
-//!     .with_connection_name("orders-relay")
-//!     .build()?;
+//!     .with_connection_name("orders-relay");
+//! config.validate()?;
 //! assert_eq!(config.exchange(), "orders.events");
 //! // The password never shows up in logs or errors.
 //! assert_eq!(config.url_redacted(), "amqp://guest:***@127.0.0.1:5672/%2f");
@@ -45,7 +47,7 @@ fn reason_of(e: RabbitError) -> String {
     }
 }
 
-/// The broker URL used by [`RabbitConfigBuilder::from_env`] (and the `outbox` binary)
+/// The broker URL used by [`RabbitConfig::from_env`] (and the `outbox` binary)
 /// when `OUTBOX_BROKER_URL` is not set: the local broker.
 pub const DEFAULT_URL: &str = "amqp://guest:guest@127.0.0.1:5672/%2f";
 /// Default exchange name.
@@ -69,11 +71,14 @@ pub const DEFAULT_HEARTBEAT_SECS: u16 = 10;
 /// Largest accepted number of publisher channels per connection.
 pub const MAX_CHANNELS: usize = 256;
 
-/// Settings for the RabbitMQ transport, before validation. Every setter consumes and
-/// returns the builder; [`build`](Self::build) validates.
+/// Settings of the RabbitMQ transport, shared by the publisher and the consumer: plain
+/// data. [`new`](Self::new) takes the URL, every `with_*` setter consumes and returns the
+/// configuration, getters are named after the settings, and [`validate`](Self::validate)
+/// checks them all (the publisher's `connect` and the consumer's `new` call it first).
+/// `Debug` shows the URLs redacted.
 #[derive(Clone)]
 #[must_use]
-pub struct RabbitConfigBuilder {
+pub struct RabbitConfig {
     url: String,
     exchange: String,
     declare_exchange: bool,
@@ -86,10 +91,10 @@ pub struct RabbitConfigBuilder {
     destination_rules: Vec<DestinationRule>,
 }
 
-impl fmt::Debug for RabbitConfigBuilder {
+impl fmt::Debug for RabbitConfig {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("RabbitConfigBuilder")
-            .field("url", &redact_url(&self.url))
+        f.debug_struct("RabbitConfig")
+            .field("url", &self.url_redacted())
             .field("exchange", &self.exchange)
             .field("declare_exchange", &self.declare_exchange)
             .field("confirm_timeout", &self.confirm_timeout)
@@ -103,7 +108,7 @@ impl fmt::Debug for RabbitConfigBuilder {
     }
 }
 
-impl RabbitConfigBuilder {
+impl RabbitConfig {
     /// Settings for the broker at `url` (`amqp://user:pass@host:port/vhost` or
     /// `amqps://...`; the default virtual host `/` is written `%2f`), with every other
     /// setting at its default.
@@ -145,7 +150,7 @@ impl RabbitConfigBuilder {
     /// | `OUTBOX_DESTINATION_RULES` | [`with_destination_rules`](Self::with_destination_rules), `PATTERN=NAME` comma-separated | none |
     ///
     /// Unset or blank variables take the default. The values are checked here as
-    /// [`build`](Self::build) checks them, so that an error names its variable.
+    /// [`validate`](Self::validate) checks them, so that an error names its variable.
     ///
     /// # Errors
     /// [`RabbitError::Env`] naming the variable and its value (the URL's password
@@ -185,7 +190,7 @@ impl RabbitConfigBuilder {
         if !rules.is_empty() {
             builder = builder.with_destination_rules(rules);
         }
-        if let Err(e) = builder.clone().build() {
+        if let Err(e) = builder.validate() {
             let var = match &e {
                 RabbitError::InvalidUrl { .. } => OUTBOX_BROKER_URL,
                 RabbitError::InvalidConfig { field, .. } => match *field {
@@ -211,7 +216,7 @@ impl RabbitConfigBuilder {
     /// [`DEFAULT_EXCHANGE`] (`"outbox.events"`).
     ///
     /// The name must be 1 to 255 bytes. The AMQP default exchange `""` is rejected by
-    /// [`build`](Self::build): it routes by queue name, so event types would have to be
+    /// [`validate`](Self::validate): it routes by queue name, so event types would have to be
     /// queue names, consumers could not bind by pattern, and it cannot be declared.
     pub fn with_exchange(mut self, exchange: impl Into<String>) -> Self {
         self.exchange = exchange.into();
@@ -292,26 +297,14 @@ impl RabbitConfigBuilder {
     /// Validates the settings.
     ///
     /// # Errors
-    /// - [`RabbitError::InvalidUrl`] when the URL does not parse as `amqp://` or
+    /// - [`RabbitError::InvalidUrl`] when a URL does not parse as `amqp://` or
     ///   `amqps://` (the error shows the URL with its password redacted);
     /// - [`RabbitError::InvalidConfig`] when the exchange name is empty or longer than
     ///   255 bytes, an `amq.*` exchange is to be declared, a timeout or the payload limit
     ///   is zero, the channel count is outside `1..=256`, or the source or connection
     ///   name is empty.
-    pub fn build(self) -> Result<RabbitConfig, RabbitError> {
-        let nodes = self
-            .url
-            .split(',')
-            .map(|url| {
-                let url_redacted = redact_url(url.trim());
-                parse_uri(url, &url_redacted).map(|uri| Node { uri, url_redacted })
-            })
-            .collect::<Result<Vec<_>, _>>()?;
-        let url_redacted = nodes
-            .iter()
-            .map(|node| node.url_redacted.as_str())
-            .collect::<Vec<_>>()
-            .join(",");
+    pub fn validate(&self) -> Result<(), RabbitError> {
+        self.parse_nodes()?;
         if self.exchange.is_empty() {
             return Err(invalid(
                 "exchange",
@@ -363,20 +356,54 @@ impl RabbitConfigBuilder {
         if self.connection_name.is_empty() {
             return Err(invalid("connection_name", "must not be empty"));
         }
-        Ok(RabbitConfig {
+        Ok(())
+    }
+
+    /// The nodes of the URL list, parsed (with their passwords).
+    fn parse_nodes(&self) -> Result<Vec<Node>, RabbitError> {
+        self.url
+            .split(',')
+            .map(|url| {
+                let url_redacted = redact_url(url.trim());
+                parse_uri(url, &url_redacted).map(|uri| Node { uri, url_redacted })
+            })
+            .collect()
+    }
+
+    /// Validates the settings and parses the URLs, for a publisher or consumer to
+    /// hold: the parsed nodes and the position of the node to try next.
+    pub(crate) fn resolve(self) -> Result<Resolved, RabbitError> {
+        self.validate()?;
+        let nodes = self.parse_nodes()?;
+        let url_redacted = self.url_redacted();
+        Ok(Resolved {
+            config: self,
             nodes: Arc::new(nodes),
             next_node: Arc::new(AtomicUsize::new(0)),
             url_redacted,
-            exchange: self.exchange,
-            declare_exchange: self.declare_exchange,
-            confirm_timeout: self.confirm_timeout,
-            connect_timeout: self.connect_timeout,
-            max_payload_bytes: self.max_payload_bytes,
-            source: self.source,
-            connection_name: self.connection_name,
-            channels: self.channels,
-            destination_rules: Arc::new(self.destination_rules),
         })
+    }
+
+    /// The broker URL (or comma-separated URLs) as given, passwords included: do not
+    /// log it; [`url_redacted`](Self::url_redacted) hides them.
+    pub fn url(&self) -> &str {
+        &self.url
+    }
+
+    /// The broker URL, or the cluster's URLs separated by commas, with every password
+    /// replaced by `***`.
+    pub fn url_redacted(&self) -> String {
+        self.url
+            .split(',')
+            .map(|url| redact_url(url.trim()))
+            .collect::<Vec<_>>()
+            .join(",")
+    }
+
+    /// How many nodes the configuration lists (1 for a single broker): the URLs
+    /// separated by commas.
+    pub fn node_count(&self) -> usize {
+        self.url.split(',').count()
     }
 }
 
@@ -437,48 +464,32 @@ pub(crate) struct Node {
     pub(crate) url_redacted: String,
 }
 
-/// Validated settings of the RabbitMQ transport: build them with
-/// [`RabbitConfigBuilder`]. Cheap to clone; clones share the position of the node to
-/// try next. `Debug` shows the URLs redacted.
+/// A validated [`RabbitConfig`] with its URLs parsed, held by a publisher or a
+/// consumer: cheap to clone; clones share the position of the node to try next. Derefs
+/// to the configuration.
 #[derive(Clone)]
-pub struct RabbitConfig {
+pub(crate) struct Resolved {
+    config: RabbitConfig,
     nodes: Arc<Vec<Node>>,
     next_node: Arc<AtomicUsize>,
     url_redacted: String,
-    exchange: String,
-    declare_exchange: bool,
-    confirm_timeout: Duration,
-    connect_timeout: Duration,
-    max_payload_bytes: usize,
-    source: Option<String>,
-    connection_name: String,
-    channels: usize,
-    destination_rules: Arc<Vec<DestinationRule>>,
 }
 
-impl fmt::Debug for RabbitConfig {
+impl fmt::Debug for Resolved {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("RabbitConfig")
-            .field("url", &self.url_redacted)
-            .field("exchange", &self.exchange)
-            .field("declare_exchange", &self.declare_exchange)
-            .field("confirm_timeout", &self.confirm_timeout)
-            .field("connect_timeout", &self.connect_timeout)
-            .field("max_payload_bytes", &self.max_payload_bytes)
-            .field("source", &self.source)
-            .field("connection_name", &self.connection_name)
-            .field("channels", &self.channels)
-            .field("destination_rules", &self.destination_rules)
-            .finish()
+        self.config.fmt(f)
     }
 }
 
-impl RabbitConfig {
-    /// Starts a [`RabbitConfigBuilder`] for the broker at `url`.
-    pub fn builder(url: impl Into<String>) -> RabbitConfigBuilder {
-        RabbitConfigBuilder::new(url)
-    }
+impl std::ops::Deref for Resolved {
+    type Target = RabbitConfig;
 
+    fn deref(&self) -> &RabbitConfig {
+        &self.config
+    }
+}
+
+impl Resolved {
     /// The parsed URI of the first node (it contains the password: do not log it).
     #[cfg(test)]
     pub(crate) fn uri(&self) -> &AMQPUri {
@@ -518,16 +529,17 @@ impl RabbitConfig {
     }
 
     /// How many nodes the configuration lists (1 for a single broker).
-    pub fn node_count(&self) -> usize {
+    pub(crate) fn node_count(&self) -> usize {
         self.nodes.len()
     }
 
-    /// The broker URL, or the cluster's URLs separated by commas, with every password
-    /// replaced by `***`.
-    pub fn url_redacted(&self) -> &str {
+    /// The URLs with every password replaced by `***` (computed once).
+    pub(crate) fn url_redacted(&self) -> &str {
         &self.url_redacted
     }
+}
 
+impl RabbitConfig {
     /// The exchange messages are published to.
     pub fn exchange(&self) -> &str {
         &self.exchange
@@ -592,9 +604,7 @@ mod tests {
 
     #[test]
     fn defaults() {
-        let config = RabbitConfigBuilder::new(DEFAULT_URL)
-            .build()
-            .expect("valid");
+        let config = RabbitConfig::new(DEFAULT_URL).resolve().expect("valid");
         assert_eq!(config.exchange(), DEFAULT_EXCHANGE);
         assert!(config.declare_exchange());
         assert_eq!(config.confirm_timeout(), Duration::from_secs(10));
@@ -615,7 +625,7 @@ mod tests {
             ("amqps://u:p@[fe80::1]/vh", "fe80::1"),
             ("amqp://broker.internal/%2f", "broker.internal"),
         ] {
-            let config = RabbitConfigBuilder::new(url).build().expect("valid");
+            let config = RabbitConfig::new(url).resolve().expect("valid");
             assert_eq!(config.uri().authority.host, host, "{url}");
         }
     }
@@ -624,10 +634,10 @@ mod tests {
     /// starting after the node connected to last.
     #[test]
     fn several_nodes_are_tried_in_turn() {
-        let config = RabbitConfigBuilder::new(
+        let config = RabbitConfig::new(
             "amqp://u:s3cret@n1:5672/%2f, amqp://u:s3cret@n2:5673/%2f,amqp://u:s3cret@n3/%2f",
         )
-        .build()
+        .resolve()
         .expect("valid");
         assert_eq!(config.node_count(), 3);
         assert_eq!(
@@ -635,7 +645,7 @@ mod tests {
             "amqp://u:***@n1:5672/%2f,amqp://u:***@n2:5673/%2f,amqp://u:***@n3/%2f"
         );
         assert!(!format!("{config:?}").contains("s3cret"));
-        let order = |c: &RabbitConfig| -> Vec<String> {
+        let order = |c: &Resolved| -> Vec<String> {
             c.nodes_in_turn()
                 .map(|(_, node)| node.uri.authority.host.clone())
                 .collect()
@@ -649,18 +659,16 @@ mod tests {
         // 5 s over 3 nodes and the setup: 1.25 s each; never below 1 s.
         assert_eq!(config.connect_timeout(), DEFAULT_CONNECT_TIMEOUT);
         assert_eq!(config.node_connect_timeout(), Duration::from_millis(1_250));
-        let short = RabbitConfigBuilder::new("amqp://n1/%2f,amqp://n2/%2f")
+        let short = RabbitConfig::new("amqp://n1/%2f,amqp://n2/%2f")
             .with_connect_timeout(Duration::from_secs(2))
-            .build()
+            .resolve()
             .expect("valid");
         assert_eq!(short.node_connect_timeout(), Duration::from_secs(1));
-        let single = RabbitConfigBuilder::new("amqp://n1/%2f")
-            .build()
-            .expect("valid");
+        let single = RabbitConfig::new("amqp://n1/%2f").resolve().expect("valid");
         assert_eq!(single.node_connect_timeout(), DEFAULT_CONNECT_TIMEOUT);
 
         // One bad node fails the whole list, without its password.
-        match RabbitConfigBuilder::new("amqp://u:s3cret@n1/%2f,http://u:hunter2@n2/").build() {
+        match RabbitConfig::new("amqp://u:s3cret@n1/%2f,http://u:hunter2@n2/").resolve() {
             Err(e @ RabbitError::InvalidUrl { .. }) => {
                 assert!(!format!("{e} {e:?}").contains("hunter2"), "{e}");
             }
@@ -680,7 +688,7 @@ mod tests {
             "guest:hunter2@host",
             "amqp://guest:hunter2@host/%ff",
         ] {
-            match RabbitConfigBuilder::new(url).build() {
+            match RabbitConfig::new(url).resolve() {
                 Err(e @ RabbitError::InvalidUrl { .. }) => {
                     let text = format!("{e} {e:?}");
                     assert!(!text.contains("hunter2"), "password leaked: {text}");
@@ -692,8 +700,8 @@ mod tests {
 
     #[test]
     fn invalid_settings() {
-        let base = || RabbitConfigBuilder::new(DEFAULT_URL);
-        let field = |b: RabbitConfigBuilder| match b.build() {
+        let base = || RabbitConfig::new(DEFAULT_URL);
+        let field = |b: RabbitConfig| match b.validate() {
             Err(RabbitError::InvalidConfig { field, .. }) => field,
             other => panic!("expected InvalidConfig, got {other:?}"),
         };
@@ -704,7 +712,7 @@ mod tests {
             base()
                 .with_exchange("amq.topic")
                 .with_declare_exchange(false)
-                .build()
+                .validate()
                 .is_ok()
         );
         assert_eq!(field(base().with_channels(0)), "channels");
@@ -724,9 +732,9 @@ mod tests {
 
     #[test]
     fn debug_never_shows_the_password() {
-        let builder = RabbitConfigBuilder::new("amqp://guest:hunter2@host/%2f");
+        let builder = RabbitConfig::new("amqp://guest:hunter2@host/%2f");
         assert!(!format!("{builder:?}").contains("hunter2"));
-        let config = builder.build().expect("valid");
+        let config = builder.resolve().expect("valid");
         assert!(!format!("{config:?}").contains("hunter2"));
         // Passwords with unencoded delimiters, digits-only ones included (which read as
         // a port and a path).
@@ -736,13 +744,13 @@ mod tests {
             "amqps://guest:s3?cret#x@host/%2f",
             "amqp://guest:s3cret@host/%2f?heartbeat=10",
         ] {
-            let builder = RabbitConfigBuilder::new(url);
+            let builder = RabbitConfig::new(url);
             let shown = format!("{builder:?}");
             assert!(
                 !shown.contains("s3cret") && !shown.contains("cret#x"),
                 "{shown}"
             );
-            if let Ok(config) = builder.build() {
+            if let Ok(config) = builder.resolve() {
                 let shown = format!("{config:?}");
                 assert!(!shown.contains("s3cret"), "{shown}");
             }
@@ -751,7 +759,7 @@ mod tests {
 
     #[test]
     fn from_env_reads_the_binarys_variables() -> Result<(), RabbitError> {
-        let config = RabbitConfigBuilder::from_lookup(&Env::from_pairs(&[
+        let config = RabbitConfig::from_lookup(&Env::from_pairs(&[
             ("OUTBOX_BROKER_URL", "amqp://app:s3cret@mq:5672/%2f"),
             ("OUTBOX_EXCHANGE", "orders.events"),
             ("OUTBOX_CONNECT_TIMEOUT", "2s"),
@@ -761,15 +769,14 @@ mod tests {
                 "orders.#=orders, billing.*=billing",
             ),
         ]))?
-        .build()?;
+        .resolve()?;
         assert_eq!(config.url_redacted(), "amqp://app:***@mq:5672/%2f");
         assert_eq!(config.exchange(), "orders.events");
         assert_eq!(config.connect_timeout(), Duration::from_secs(2));
         assert_eq!(config.confirm_timeout(), Duration::from_secs(90));
         assert_eq!(config.destination_rules().len(), 2);
-        let defaults =
-            RabbitConfigBuilder::from_lookup(&Env::from_pairs(&[("OUTBOX_BROKER_URL", " ")]))?
-                .build()?;
+        let defaults = RabbitConfig::from_lookup(&Env::from_pairs(&[("OUTBOX_BROKER_URL", " ")]))?
+            .resolve()?;
         assert_eq!(defaults.url_redacted(), redact_url(DEFAULT_URL));
         assert_eq!(defaults.exchange(), DEFAULT_EXCHANGE);
         assert_eq!(defaults.connect_timeout(), DEFAULT_CONNECT_TIMEOUT);
@@ -803,7 +810,7 @@ mod tests {
                 "OUTBOX_DESTINATION_RULES",
             ),
         ] {
-            match RabbitConfigBuilder::from_lookup(&Env::from_pairs(&pairs)) {
+            match RabbitConfig::from_lookup(&Env::from_pairs(&pairs)) {
                 Err(RabbitError::Env(e)) => {
                     assert_eq!(e.var(), var, "{e}");
                     assert!(!e.to_string().contains("s3cret"), "{e}");

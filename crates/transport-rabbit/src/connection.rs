@@ -14,7 +14,7 @@ use tokio::sync::{Mutex, MutexGuard};
 use tokio::time::timeout;
 use tracing::{info, warn};
 
-use crate::config::RabbitConfig;
+use crate::config::Resolved;
 use crate::consumer::RabbitConsumer;
 use crate::error::RabbitError;
 use crate::publisher::RabbitPublisher;
@@ -129,7 +129,7 @@ impl RabbitPublisher {
 }
 
 impl Session {
-    async fn open(config: &RabbitConfig) -> Result<Self, RabbitError> {
+    async fn open(config: &Resolved) -> Result<Self, RabbitError> {
         let connection = open_connection(config).await?;
         declare_exchange(&connection, config, !config.declare_exchange()).await?;
         let mut slots = Vec::with_capacity(config.channels());
@@ -177,8 +177,8 @@ impl RabbitConsumer {
 }
 
 /// Opens a connection named after the configuration to the first node that accepts
-/// one, trying the nodes in turn ([`RabbitConfig::nodes_in_turn`]), each within its
-/// share of the connect timeout ([`RabbitConfig::node_connect_timeout`]): a node that
+/// one, trying the nodes in turn ([`Resolved::nodes_in_turn`]), each within its
+/// share of the connect timeout ([`Resolved::node_connect_timeout`]): a node that
 /// refuses, is unreachable or does not answer (frozen, cut off) costs at most that
 /// long. Callers bound the whole by the connect timeout; a node tried is remembered,
 /// so an attempt cut short goes on with the next node.
@@ -186,7 +186,7 @@ impl RabbitConsumer {
 /// A refusal that is not an outage (bad credentials, an unknown virtual host: a
 /// [`Permanent`](outboxkit_core::ErrorKind::Permanent) error) is returned at once: every
 /// node of a cluster shares users and virtual hosts.
-pub(crate) async fn open_connection(config: &RabbitConfig) -> Result<Connection, RabbitError> {
+pub(crate) async fn open_connection(config: &Resolved) -> Result<Connection, RabbitError> {
     let limit = config.node_connect_timeout();
     let mut last = None;
     for (index, node) in config.nodes_in_turn() {

@@ -22,7 +22,7 @@
 //!   requeue, `basic.nack` with `requeue = false`, to the queue's dead-letter exchange
 //!   if it has one). It never blocks the queue.
 //! - [`HandlerDecision::Requeue`] waits the requeue delay (default 1 s,
-//!   [`RabbitConsumerBuilder::with_requeue_delay`]) before `basic.nack` with
+//!   [`RabbitConsumerConfig::with_requeue_delay`]) before `basic.nack` with
 //!   `requeue = true`, so a failing message does not loop at full speed (AMQP 0-9-1 has
 //!   no delayed requeue of its own).
 //! - [`HandlerDecision::Defer`] (the handler's database is unavailable) keeps the
@@ -89,7 +89,7 @@ use tokio::time::timeout;
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, error, info, warn};
 
-use crate::config::RabbitConfig;
+use crate::config::{RabbitConfig, Resolved};
 use crate::connection::close_connection;
 use crate::error::RabbitError;
 
@@ -140,11 +140,14 @@ impl QueueType {
     }
 }
 
-/// Settings of a [`RabbitConsumer`] before validation. Every setter consumes and
-/// returns the builder; [`build`](Self::build) validates.
+/// Settings of a [`RabbitConsumer`]: plain data. [`new`](Self::new) takes the transport's
+/// configuration and the queue, every `with_*` setter consumes and returns the
+/// configuration, getters are named after the settings, and
+/// [`validate`](Self::validate) checks them all (and the transport's configuration);
+/// [`RabbitConsumer::new`] calls it first.
 #[derive(Debug, Clone)]
 #[must_use]
-pub struct RabbitConsumerBuilder {
+pub struct RabbitConsumerConfig {
     config: RabbitConfig,
     queue: String,
     prefetch: u16,
@@ -160,8 +163,9 @@ pub struct RabbitConsumerBuilder {
     batch: BatchSettings,
 }
 
-impl RabbitConsumerBuilder {
-    /// A consumer of `queue` on the broker and exchange of `config`.
+impl RabbitConsumerConfig {
+    /// A consumer of `queue` on the broker and exchange of `config`, every other
+    /// setting at its default.
     pub fn new(config: RabbitConfig, queue: impl Into<String>) -> Self {
         Self {
             config,
@@ -268,15 +272,18 @@ impl RabbitConsumerBuilder {
         self
     }
 
-    /// Validates the settings.
+    /// Validates the settings, the transport's configuration
+    /// ([`RabbitConfig::validate`]) first.
     ///
     /// # Errors
-    /// [`RabbitError::InvalidConfig`] when the queue name is empty, a name, key or tag is
+    /// The transport configuration's [`RabbitError::InvalidUrl`] or
+    /// [`RabbitError::InvalidConfig`]; [`RabbitError::InvalidConfig`] when the queue name is empty, a name, key or tag is
     /// longer than 255 bytes or contains control characters, the prefetch is 0, the
     /// backoff is zero or its initial delay exceeds its cap, or the
     /// [batch settings](BatchSettings::check) do not fit the prefetch (fields
     /// `batch_size`, `batch_linger`, `batches_in_flight`).
-    pub fn build(self) -> Result<RabbitConsumer, RabbitError> {
+    pub fn validate(&self) -> Result<(), RabbitError> {
+        self.config.validate()?;
         check_name("queue", &self.queue)?;
         for key in &self.binding_keys {
             check_short("binding_key", key)?;
@@ -300,39 +307,118 @@ impl RabbitConsumerBuilder {
                     .to_owned(),
             });
         }
-        let batch_size = self.batch.check(usize::from(self.prefetch)).map_err(|e| {
-            RabbitError::InvalidConfig {
+        self.batch_size()?;
+        Ok(())
+    }
+
+    /// The batch size resolved against the prefetch.
+    fn batch_size(&self) -> Result<usize, RabbitError> {
+        self.batch
+            .check(usize::from(self.prefetch))
+            .map_err(|e| RabbitError::InvalidConfig {
                 field: e.field,
                 reason: e.reason,
-            }
-        })?;
-        let mut queue_arguments = self.queue_arguments;
+            })
+    }
+
+    /// The transport's configuration.
+    pub fn config(&self) -> &RabbitConfig {
+        &self.config
+    }
+
+    /// The queue consumed.
+    pub fn queue(&self) -> &str {
+        &self.queue
+    }
+
+    /// The prefetch count (and concurrency limit).
+    pub fn prefetch(&self) -> u16 {
+        self.prefetch
+    }
+
+    /// The binding keys the queue is bound with, in order.
+    pub fn binding_keys(&self) -> &[String] {
+        &self.binding_keys
+    }
+
+    /// Whether the queue is declared before consuming.
+    pub fn declare_queue(&self) -> bool {
+        self.declare_queue
+    }
+
+    /// The dead-letter exchange the queue is declared with, if any.
+    pub fn dead_letter_exchange(&self) -> Option<&str> {
+        self.dead_letter_exchange.as_deref()
+    }
+
+    /// The type of the queue declared.
+    pub fn queue_type(&self) -> QueueType {
+        self.queue_type
+    }
+
+    /// The extra `queue.declare` arguments.
+    pub fn queue_arguments(&self) -> &FieldTable {
+        &self.queue_arguments
+    }
+
+    /// The consumer tag, if set (else the broker generates one).
+    pub fn consumer_tag(&self) -> Option<&str> {
+        self.consumer_tag.as_deref()
+    }
+
+    /// The reconnection backoff: the first delay and the cap.
+    pub fn reconnect_backoff(&self) -> (Duration, Duration) {
+        (self.reconnect_initial, self.reconnect_max)
+    }
+
+    /// How long a requeued delivery waits before it is returned to the queue.
+    pub fn requeue_delay(&self) -> Duration {
+        self.requeue_delay
+    }
+
+    /// The batched mode's settings.
+    pub fn batch(&self) -> &BatchSettings {
+        &self.batch
+    }
+}
+
+impl RabbitConsumer {
+    /// The consumer `config` describes. Nothing connects here: the consumer connects
+    /// when it runs (or [`declare`](Self::declare)s).
+    ///
+    /// # Errors
+    /// What [`RabbitConsumerConfig::validate`] finds, before anything else:
+    /// [`RabbitError::InvalidUrl`] or [`RabbitError::InvalidConfig`] naming the setting.
+    pub fn new(config: RabbitConsumerConfig) -> Result<Self, RabbitError> {
+        config.validate()?;
+        let batch_size = config.batch_size()?;
+        let mut queue_arguments = config.queue_arguments;
         let queue_type = ShortString::from("x-queue-type");
         if !queue_arguments.inner().contains_key(&queue_type) {
             queue_arguments.insert(
                 queue_type,
-                AMQPValue::LongString(LongString::from(self.queue_type.as_str())),
+                AMQPValue::LongString(LongString::from(config.queue_type.as_str())),
             );
         }
-        if let Some(dlx) = self.dead_letter_exchange {
+        if let Some(dlx) = config.dead_letter_exchange {
             queue_arguments.insert(
                 ShortString::from("x-dead-letter-exchange"),
                 AMQPValue::LongString(LongString::from(dlx)),
             );
         }
         Ok(RabbitConsumer {
-            config: self.config,
-            queue: self.queue,
-            prefetch: self.prefetch,
-            binding_keys: self.binding_keys,
-            declare_queue: self.declare_queue,
+            config: config.config.resolve()?,
+            queue: config.queue,
+            prefetch: config.prefetch,
+            binding_keys: config.binding_keys,
+            declare_queue: config.declare_queue,
             queue_arguments,
-            consumer_tag: self.consumer_tag.unwrap_or_default(),
-            reconnect_initial: self.reconnect_initial,
-            reconnect_max: self.reconnect_max,
-            requeue_delay: self.requeue_delay,
+            consumer_tag: config.consumer_tag.unwrap_or_default(),
+            reconnect_initial: config.reconnect_initial,
+            reconnect_max: config.reconnect_max,
+            requeue_delay: config.requeue_delay,
             batch_size,
-            batch: self.batch,
+            batch: config.batch,
         })
     }
 }
@@ -371,7 +457,8 @@ fn check_name(field: &'static str, value: &str) -> Result<(), RabbitError> {
 /// use outboxkit_core::wire::IncomingMessage;
 /// use tokio_util::sync::CancellationToken;
 /// use outboxkit_rabbit::{
-///     Consumer as _, DeliveryHandler, HandlerDecision, RabbitConfigBuilder, RabbitConsumer,
+///     Consumer as _, DeliveryHandler, HandlerDecision, RabbitConfig, RabbitConsumer,
+///     RabbitConsumerConfig,
 /// };
 ///
 /// struct Projection;
@@ -385,18 +472,19 @@ fn check_name(field: &'static str, value: &str) -> Result<(), RabbitError> {
 /// }
 ///
 /// # async fn run() -> Result<(), outboxkit_rabbit::RabbitError> {
-/// let config = RabbitConfigBuilder::from_env()?.build()?;
-/// let consumer = RabbitConsumer::builder(config, "projection.orders")
-///     .with_binding_key("Order*")
-///     .with_prefetch(50)
-///     .build()?;
+/// let config = RabbitConfig::from_env()?;
+/// let consumer = RabbitConsumer::new(
+///     RabbitConsumerConfig::new(config, "projection.orders")
+///         .with_binding_key("Order*")
+///         .with_prefetch(50),
+/// )?;
 /// let shutdown = CancellationToken::new();
 /// consumer.run(Projection, shutdown).await
 /// # }
 /// ```
 #[derive(Debug, Clone)]
 pub struct RabbitConsumer {
-    pub(crate) config: RabbitConfig,
+    pub(crate) config: Resolved,
     pub(crate) queue: String,
     pub(crate) prefetch: u16,
     pub(crate) binding_keys: Vec<String>,
@@ -446,7 +534,7 @@ impl Consumer for RabbitConsumer {
     /// up to the [batch size](BatchSettings::with_size) deliveries, taken as they come
     /// and for at most the [linger](BatchSettings::with_linger) after the first, with up
     /// to [that many](BatchSettings::with_in_flight) batches handled at once (set with
-    /// [`RabbitConsumerBuilder::with_batch`]); a batch whose decisions are all `Ack` is acknowledged with one
+    /// [`RabbitConsumerConfig::with_batch`]); a batch whose decisions are all `Ack` is acknowledged with one
     /// `basic.ack` (`multiple = true`) when that acknowledges nothing else.
     ///
     /// # Errors
@@ -464,11 +552,6 @@ impl Consumer for RabbitConsumer {
 }
 
 impl RabbitConsumer {
-    /// Starts a [`RabbitConsumerBuilder`] for `queue`.
-    pub fn builder(config: RabbitConfig, queue: impl Into<String>) -> RabbitConsumerBuilder {
-        RabbitConsumerBuilder::new(config, queue)
-    }
-
     /// The queue consumed.
     pub fn queue(&self) -> &str {
         &self.queue
@@ -880,27 +963,54 @@ mod tests {
     }
 
     #[test]
-    fn builder_validates() {
-        let config = crate::RabbitConfigBuilder::new(crate::config::DEFAULT_URL)
-            .build()
-            .expect("valid config");
-        let field = |b: RabbitConsumerBuilder| match b.build() {
+    fn config_validates() {
+        let config = crate::RabbitConfig::new(crate::config::DEFAULT_URL);
+        // `validate` itself, the transport configuration's errors included.
+        assert!(
+            RabbitConsumerConfig::new(config.clone(), "q")
+                .validate()
+                .is_ok()
+        );
+        assert!(matches!(
+            RabbitConsumerConfig::new(config.clone(), "q")
+                .with_reconnect_backoff(Duration::from_secs(2), Duration::from_secs(1))
+                .validate(),
+            Err(RabbitError::InvalidConfig {
+                field: "reconnect_backoff",
+                ..
+            })
+        ));
+        assert!(matches!(
+            RabbitConsumerConfig::new(config.clone().with_exchange(""), "q").validate(),
+            Err(RabbitError::InvalidConfig {
+                field: "exchange",
+                ..
+            })
+        ));
+        assert!(matches!(
+            RabbitConsumerConfig::new(crate::RabbitConfig::new("http://u:p@h/"), "q").validate(),
+            Err(RabbitError::InvalidUrl { .. })
+        ));
+        let field = |b: RabbitConsumerConfig| match RabbitConsumer::new(b) {
             Err(RabbitError::InvalidConfig { field, .. }) => field,
             other => panic!("expected InvalidConfig, got {other:?}"),
         };
-        assert_eq!(field(RabbitConsumer::builder(config.clone(), "")), "queue");
         assert_eq!(
-            field(RabbitConsumer::builder(config.clone(), "q").with_prefetch(0)),
+            field(RabbitConsumerConfig::new(config.clone(), "")),
+            "queue"
+        );
+        assert_eq!(
+            field(RabbitConsumerConfig::new(config.clone(), "q").with_prefetch(0)),
             "prefetch"
         );
         assert_eq!(
-            field(RabbitConsumer::builder(config.clone(), "q").with_binding_key("k".repeat(256))),
+            field(RabbitConsumerConfig::new(config.clone(), "q").with_binding_key("k".repeat(256))),
             "binding_key"
         );
-        let consumer = RabbitConsumer::builder(config, "q")
-            .with_binding_keys(["a.*", "b.#"])
-            .build()
-            .expect("valid");
+        let consumer = RabbitConsumer::new(
+            RabbitConsumerConfig::new(config, "q").with_binding_keys(["a.*", "b.#"]),
+        )
+        .expect("valid");
         assert_eq!(consumer.prefetch(), DEFAULT_PREFETCH);
         assert_eq!(consumer.queue(), "q");
     }

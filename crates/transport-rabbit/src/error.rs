@@ -33,7 +33,7 @@ pub enum RabbitError {
         reason: String,
     },
     /// An environment variable read by
-    /// [`RabbitConfigBuilder::from_env`](crate::RabbitConfigBuilder::from_env) is invalid
+    /// [`RabbitConfig::from_env`](crate::RabbitConfig::from_env) is invalid
     /// (the variable and its value are named, a URL's password hidden).
     #[error("invalid configuration: {0}")]
     Env(#[from] outboxkit_core::EnvError),

@@ -14,8 +14,8 @@
 //!   and acks, requeues or rejects it after a [`DeliveryHandler`] returns; or, with
 //!   [`RabbitConsumer::run_batched`], hands a [`BatchDeliveryHandler`] the deliveries
 //!   in batches and acknowledges a whole batch with one `basic.ack` when it can.
-//! - [`RabbitConfigBuilder`] / [`RabbitConfig`]: the broker URL and settings shared by
-//!   both; [`RabbitError`]: typed errors with an [`ErrorKind`](outboxkit_core::ErrorKind).
+//! - [`RabbitConfig`]: the broker URL and settings shared by both, and
+//!   [`RabbitConsumerConfig`], the consumer's own; [`RabbitError`]: typed errors with an [`ErrorKind`](outboxkit_core::ErrorKind).
 //!
 //! Messages carry the outbox id as the AMQP `message_id` property and the event's
 //! metadata as CloudEvents AMQP-binding headers (`cloudEvents:type`, ...), see
@@ -23,15 +23,15 @@
 //!
 //! ```no_run
 //! use outboxkit_core::{Dispatcher, EventPublisher};
-//! use outboxkit_rabbit::{RabbitConfigBuilder, RabbitPublisher};
+//! use outboxkit_rabbit::{RabbitConfig, RabbitPublisher};
 //!
 //! # async fn relay() -> Result<(), Box<dyn std::error::Error>> {
 //! // OUTBOX_BROKER_URL, or amqp://guest:guest@127.0.0.1:5672/%2f
-//! let config = RabbitConfigBuilder::from_env()?
+//! let config = RabbitConfig::from_env()?
 //!     .with_exchange("orders.events")
-//!     .with_connection_name("orders-relay")
-//!     .build()?;
-//! // Fails fast with a typed error if the broker is unreachable or refuses us.
+//!     .with_connection_name("orders-relay");
+//! // Fails fast with a typed error if the configuration is invalid, the broker is
+//! // unreachable or refuses us.
 //! let publisher = RabbitPublisher::connect(config).await?;
 //! publisher.check_ready().await?;
 //! // Hand it to a `Dispatcher` together with a store, e.g. outboxkit-postgres.
@@ -51,8 +51,8 @@ pub mod error;
 pub mod publisher;
 mod topology;
 
-pub use config::{RabbitConfig, RabbitConfigBuilder};
-pub use consumer::{QueueType, RabbitConsumer, RabbitConsumerBuilder};
+pub use config::RabbitConfig;
+pub use consumer::{QueueType, RabbitConsumer, RabbitConsumerConfig};
 pub use destinations::DestinationRule;
 pub use error::{RabbitError, redact_url};
 pub use outboxkit_core::consumer::{
@@ -62,5 +62,5 @@ pub use publisher::RabbitPublisher;
 
 /// The AMQP client this crate is built on, for its types (e.g.
 /// [`FieldTable`](lapin::types::FieldTable) for
-/// [`RabbitConsumerBuilder::with_queue_arguments`]).
+/// [`RabbitConsumerConfig::with_queue_arguments`]).
 pub use lapin;

@@ -4,7 +4,7 @@
 //! # How a batch is published
 //!
 //! 1. Each message is checked before anything is sent: a payload over
-//!    [`max_payload_bytes`](crate::RabbitConfigBuilder::with_max_payload_bytes) gets
+//!    [`max_payload_bytes`](crate::RabbitConfig::with_max_payload_bytes) gets
 //!    [`PublishError::PayloadTooLarge`], a routing key, event type or header name over
 //!    the AMQP short-string limit of 255 bytes, or headers too large for one AMQP frame,
 //!    get [`PublishError::Invalid`]. These are permanent and nothing is sent for them.
@@ -13,9 +13,9 @@
 //!    message with `basic.publish` (`mandatory`, persistent, see below) without waiting
 //!    for anything in between.
 //! 3. Then all confirms are awaited together, under one deadline of
-//!    [`confirm_timeout`](crate::RabbitConfigBuilder::with_confirm_timeout) counted from
+//!    [`confirm_timeout`](crate::RabbitConfig::with_confirm_timeout) counted from
 //!    when the channel was ready (reconnecting first takes at most the
-//!    [`connect_timeout`](crate::RabbitConfigBuilder::with_connect_timeout), over
+//!    [`connect_timeout`](crate::RabbitConfig::with_connect_timeout), over
 //!    however many nodes of a cluster are tried; the sum is the publisher's
 //!    [`EventPublisher::publish_timeout`]).
 //!
@@ -46,10 +46,10 @@
 //!
 //! # Connection handling
 //!
-//! One connection, [`channels`](crate::RabbitConfigBuilder::with_channels) channels. A
+//! One connection, [`channels`](crate::RabbitConfig::with_channels) channels. A
 //! lost connection is dropped and re-established by the next `publish_batch` or
 //! [`check_ready`](EventPublisher::check_ready) call, with
-//! [`connect_timeout`](crate::RabbitConfigBuilder::with_connect_timeout); while the
+//! [`connect_timeout`](crate::RabbitConfig::with_connect_timeout); while the
 //! broker cannot be reached every message gets `Unavailable`, which makes the
 //! dispatcher open its circuit, hand the messages back without charging an attempt and
 //! probe with `check_ready` until the broker is back.
@@ -71,7 +71,7 @@ use tokio::sync::Mutex;
 use tokio::time::{Instant, timeout, timeout_at};
 use tracing::{debug, warn};
 
-use crate::config::RabbitConfig;
+use crate::config::{RabbitConfig, Resolved};
 use crate::connection::Session;
 use crate::error::{RabbitError, is_precondition_failed};
 use crate::topology::declare_exchange;
@@ -90,7 +90,7 @@ const MAX_SHORT_STRING: usize = 255;
 /// one connection.
 #[derive(Debug)]
 pub struct RabbitPublisher {
-    pub(crate) config: RabbitConfig,
+    pub(crate) config: Resolved,
     pub(crate) session: Mutex<Option<Arc<Session>>>,
 }
 
@@ -100,15 +100,19 @@ impl RabbitPublisher {
     /// [`check_ready`](EventPublisher::check_ready). Use this when the relay must start
     /// even while the broker is down. The same call as `NatsPublisher::connect_lazy`
     /// (async for that reason; nothing here waits).
-    pub async fn connect_lazy(config: RabbitConfig) -> Self {
+    ///
+    /// # Errors
+    /// [`RabbitError::InvalidUrl`] or [`RabbitError::InvalidConfig`] when `config` is
+    /// invalid ([`RabbitConfig::validate`]), before anything else.
+    pub async fn connect_lazy(config: RabbitConfig) -> Result<Self, RabbitError> {
         Self::lazy(config)
     }
 
-    fn lazy(config: RabbitConfig) -> Self {
-        Self {
-            config,
+    fn lazy(config: RabbitConfig) -> Result<Self, RabbitError> {
+        Ok(Self {
+            config: config.resolve()?,
             session: Mutex::new(None),
-        }
+        })
     }
 
     /// Connects at once: opens the connection and its confirm-mode channels and
@@ -119,9 +123,11 @@ impl RabbitPublisher {
     /// credentials are [`ErrorKind::Permanent`], an unreachable broker
     /// [`ErrorKind::Unavailable`]), [`RabbitError::ConnectTimeout`] after the connect
     /// timeout, [`RabbitError::Channel`] or [`RabbitError::Declare`] when the channels or
-    /// the exchange cannot be set up.
+    /// the exchange cannot be set up. [`RabbitError::InvalidUrl`] or
+    /// [`RabbitError::InvalidConfig`] when `config` is invalid
+    /// ([`RabbitConfig::validate`]), before any connection is tried.
     pub async fn connect(config: RabbitConfig) -> Result<Self, RabbitError> {
-        let publisher = Self::lazy(config);
+        let publisher = Self::lazy(config)?;
         publisher.session().await?;
         Ok(publisher)
     }
@@ -390,7 +396,7 @@ impl RabbitPublisher {
 
     /// The broker closed a channel with `406 PRECONDITION_FAILED` (a message over its
     /// `max_message_size`, which may be lower than our
-    /// [`max_payload_bytes`](crate::RabbitConfigBuilder::with_max_payload_bytes)) and
+    /// [`max_payload_bytes`](crate::RabbitConfig::with_max_payload_bytes)) and
     /// took the unconfirmed messages of the batch with it. Only one of them is at fault:
     /// each is published again alone, on a channel of its own, before `deadline`; one
     /// whose channel is closed with 406 again is permanently rejected, the others get
@@ -473,7 +479,7 @@ impl EventPublisher for RabbitPublisher {
     /// are tried), then its messages are sent and their
     /// confirms awaited under one deadline of the confirm timeout (a 406 isolation
     /// included). Give the publisher at
-    /// least as many [`channels`](crate::RabbitConfigBuilder::with_channels) as the
+    /// least as many [`channels`](crate::RabbitConfig::with_channels) as the
     /// dispatcher has concurrent publishes, or a batch may first wait for a channel.
     fn publish_timeout(&self) -> Option<std::time::Duration> {
         Some(self.config.connect_timeout() + self.config.confirm_timeout())
@@ -537,7 +543,7 @@ enum Failure {
 }
 
 impl Failure {
-    fn to_error(&self, config: &RabbitConfig, session: &Session) -> PublishError {
+    fn to_error(&self, config: &Resolved, session: &Session) -> PublishError {
         match self {
             Self::Driver(e) if is_precondition_failed(e) => PublishError::Other {
                 kind: ErrorKind::Transient,
@@ -763,12 +769,11 @@ mod properties {
 
     fn publisher(max: usize, source: Option<String>) -> RabbitPublisher {
         RabbitPublisher::lazy(
-            RabbitConfig::builder(DEFAULT_URL)
+            RabbitConfig::new(DEFAULT_URL)
                 .with_max_payload_bytes(max)
-                .with_source(source)
-                .build()
-                .expect("valid config"),
+                .with_source(source),
         )
+        .expect("valid config")
     }
 
     /// The bytes of the content header frame lapin writes for `properties`: frame

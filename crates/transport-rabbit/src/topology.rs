@@ -17,7 +17,7 @@ use crate::publisher::RabbitPublisher;
 
 impl RabbitPublisher {
     /// Declares the configured exchange (durable, type `topic`) now, whatever
-    /// [`with_declare_exchange`](crate::RabbitConfigBuilder::with_declare_exchange)
+    /// [`with_declare_exchange`](crate::RabbitConfig::with_declare_exchange)
     /// says. Idempotent.
     ///
     /// # Errors

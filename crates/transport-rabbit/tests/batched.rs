@@ -6,15 +6,15 @@
 mod common;
 
 use outboxkit_core::BatchSettings;
-use outboxkit_rabbit::{RabbitConsumer, RabbitConsumerBuilder, RabbitError};
+use outboxkit_rabbit::{RabbitConsumer, RabbitConsumerConfig, RabbitError};
 
 use common::*;
 
 /// Batch settings are checked against the prefetch.
 #[test]
 fn batch_settings_are_validated() {
-    let builder = || RabbitConsumer::builder(build(config("x")), "q").with_prefetch(10);
-    let field = |b: RabbitConsumerBuilder| match b.build() {
+    let builder = || RabbitConsumerConfig::new(build(config("x")), "q").with_prefetch(10);
+    let field = |b: RabbitConsumerConfig| match RabbitConsumer::new(b) {
         Err(RabbitError::InvalidConfig { field, .. }) => field,
         other => panic!("expected InvalidConfig, got {other:?}"),
     };
@@ -25,7 +25,7 @@ fn batch_settings_are_validated() {
         "batch_size"
     );
     assert_eq!(
-        builder().build().expect("valid").batch_size(),
+        RabbitConsumer::new(builder()).expect("valid").batch_size(),
         10,
         "default: the prefetch"
     );

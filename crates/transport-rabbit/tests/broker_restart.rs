@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use lapin::types::FieldTable;
 use outboxkit_core::EventPublisher;
-use outboxkit_rabbit::{RabbitConsumer, RabbitPublisher};
+use outboxkit_rabbit::{RabbitConsumer, RabbitConsumerConfig, RabbitPublisher};
 use tokio_util::sync::CancellationToken;
 
 use common::*;
@@ -29,12 +29,13 @@ async fn a_delivery_in_flight_when_the_broker_restarts_is_redelivered() {
         "x-queue-type".into(),
         lapin::types::AMQPValue::LongString("quorum".into()),
     );
-    let consumer = RabbitConsumer::builder(consumer_config, queue.clone())
-        .with_binding_key("#")
-        .with_queue_arguments(arguments)
-        .with_reconnect_backoff(Duration::from_millis(100), Duration::from_secs(1))
-        .build()
-        .expect("valid consumer");
+    let consumer = RabbitConsumer::new(
+        RabbitConsumerConfig::new(consumer_config, queue.clone())
+            .with_binding_key("#")
+            .with_queue_arguments(arguments)
+            .with_reconnect_backoff(Duration::from_millis(100), Duration::from_secs(1)),
+    )
+    .expect("valid consumer");
     consumer.declare().await.expect("topology");
     let publisher = RabbitPublisher::connect(publisher_config.clone())
         .await

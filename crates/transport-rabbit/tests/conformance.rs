@@ -20,7 +20,9 @@ use outboxkit_core::wire::Binding;
 use outboxkit_core::{
     BatchDeliveryHandler, BoxError, DeliveryHandler, ErrorKind, Headers, OutboxMessage,
 };
-use outboxkit_rabbit::{RabbitConfigBuilder, RabbitConsumer, RabbitError, RabbitPublisher};
+use outboxkit_rabbit::{
+    RabbitConfig, RabbitConsumer, RabbitConsumerConfig, RabbitError, RabbitPublisher,
+};
 use tokio_util::sync::CancellationToken;
 use uuid::Uuid;
 
@@ -71,32 +73,33 @@ async fn harness() -> Rabbit {
 }
 
 impl Rabbit {
-    fn config(&self, exchange: &str) -> RabbitConfigBuilder {
+    fn config(&self, exchange: &str) -> RabbitConfig {
         config(exchange).with_source(Some(SOURCE.to_owned()))
     }
 
-    async fn connect(&self, config: RabbitConfigBuilder) -> RabbitPublisher {
+    async fn connect(&self, config: RabbitConfig) -> RabbitPublisher {
         RabbitPublisher::connect(build(config))
             .await
             .expect("publisher connects")
     }
 
-    fn unreachable(&self) -> RabbitConfigBuilder {
-        RabbitConfigBuilder::new("amqp://guest:hunter2@127.0.0.1:1/%2f")
+    fn unreachable(&self) -> RabbitConfig {
+        RabbitConfig::new("amqp://guest:hunter2@127.0.0.1:1/%2f")
             .with_connect_timeout(Duration::from_secs(2))
     }
 
     fn consumer(&self, settings: &ConsumerSettings) -> RabbitConsumer {
-        RabbitConsumer::builder(build(config(&self.exchange)), self.queue.clone())
-            .with_binding_key("#")
-            .with_dead_letter_exchange(self.dlx.clone())
-            .with_queue_arguments(expiring(FieldTable::default()))
-            .with_prefetch(u16::try_from(settings.concurrency).expect("a prefetch"))
-            .with_requeue_delay(settings.requeue_delay)
-            .with_batch(settings.batch)
-            .with_reconnect_backoff(Duration::from_millis(100), Duration::from_secs(1))
-            .build()
-            .expect("valid consumer")
+        RabbitConsumer::new(
+            RabbitConsumerConfig::new(build(config(&self.exchange)), self.queue.clone())
+                .with_binding_key("#")
+                .with_dead_letter_exchange(self.dlx.clone())
+                .with_queue_arguments(expiring(FieldTable::default()))
+                .with_prefetch(u16::try_from(settings.concurrency).expect("a prefetch"))
+                .with_requeue_delay(settings.requeue_delay)
+                .with_batch(settings.batch)
+                .with_reconnect_backoff(Duration::from_millis(100), Duration::from_secs(1)),
+        )
+        .expect("valid consumer")
     }
 
     async fn publish_raw(&self, routing_key: &str, body: &[u8], properties: BasicProperties) {
@@ -216,7 +219,9 @@ impl TransportHarness for Rabbit {
     }
 
     async fn unreachable_publisher(&self) -> RabbitPublisher {
-        RabbitPublisher::connect_lazy(build(self.unreachable())).await
+        RabbitPublisher::connect_lazy(self.unreachable())
+            .await
+            .expect("valid config")
     }
 
     async fn stored(&self) -> u64 {

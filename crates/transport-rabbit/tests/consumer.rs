@@ -15,7 +15,8 @@ use lapin::types::FieldTable;
 use outboxkit_core::EventPublisher;
 use outboxkit_core::wire::IncomingMessage;
 use outboxkit_rabbit::{
-    DeliveryHandler, HandlerDecision, RabbitConfig, RabbitConsumer, RabbitError, RabbitPublisher,
+    DeliveryHandler, HandlerDecision, RabbitConfig, RabbitConsumer, RabbitConsumerConfig,
+    RabbitError, RabbitPublisher,
 };
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
@@ -81,12 +82,13 @@ async fn consumer_reconnects_after_the_broker_closes_its_connection() {
     let name = unique("consumer.reconnect.conn");
     let publisher_config = build(config(&exchange));
     let consumer_config = build(config(&exchange).with_connection_name(name.clone()));
-    let consumer = RabbitConsumer::builder(consumer_config, queue.clone())
-        .with_binding_key("#")
-        .with_queue_arguments(expiring(FieldTable::default()))
-        .with_reconnect_backoff(Duration::from_millis(100), Duration::from_secs(1))
-        .build()
-        .expect("valid consumer");
+    let consumer = RabbitConsumer::new(
+        RabbitConsumerConfig::new(consumer_config, queue.clone())
+            .with_binding_key("#")
+            .with_queue_arguments(expiring(FieldTable::default()))
+            .with_reconnect_backoff(Duration::from_millis(100), Duration::from_secs(1)),
+    )
+    .expect("valid consumer");
     consumer.declare().await.expect("topology");
     let publisher = publisher(&publisher_config).await;
 
@@ -127,11 +129,12 @@ async fn inequivalent_queue_is_a_permanent_error() {
     declare_exchange(&channel, &exchange, ExchangeKind::Topic).await;
     bind_queue(&channel, &exchange, &queue, "#").await; // no dead-letter exchange
 
-    let consumer = RabbitConsumer::builder(build(config(&exchange)), queue.clone())
-        .with_dead_letter_exchange("some.dlx")
-        .with_queue_arguments(expiring(FieldTable::default()))
-        .build()
-        .expect("valid consumer");
+    let consumer = RabbitConsumer::new(
+        RabbitConsumerConfig::new(build(config(&exchange)), queue.clone())
+            .with_dead_letter_exchange("some.dlx")
+            .with_queue_arguments(expiring(FieldTable::default())),
+    )
+    .expect("valid consumer");
     let result = tokio::time::timeout(
         DEADLINE,
         consumer.run(Recorder::default(), CancellationToken::new()),
@@ -163,12 +166,13 @@ async fn a_delivery_in_flight_when_the_connection_closes_is_redelivered() {
     let name = unique("consumer.inflight.conn");
     let publisher_config = build(config(&exchange));
     let consumer_config = build(config(&exchange).with_connection_name(name.clone()));
-    let consumer = RabbitConsumer::builder(consumer_config, queue.clone())
-        .with_binding_key("#")
-        .with_queue_arguments(expiring(FieldTable::default()))
-        .with_reconnect_backoff(Duration::from_millis(100), Duration::from_secs(1))
-        .build()
-        .expect("valid consumer");
+    let consumer = RabbitConsumer::new(
+        RabbitConsumerConfig::new(consumer_config, queue.clone())
+            .with_binding_key("#")
+            .with_queue_arguments(expiring(FieldTable::default()))
+            .with_reconnect_backoff(Duration::from_millis(100), Duration::from_secs(1)),
+    )
+    .expect("valid consumer");
     consumer.declare().await.expect("topology");
     let publisher = publisher(&publisher_config).await;
     let handler = Holding::default();

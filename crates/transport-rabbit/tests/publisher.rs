@@ -9,6 +9,7 @@
 mod common;
 
 use std::collections::HashMap;
+use std::time::Duration;
 
 use futures::StreamExt;
 use lapin::ExchangeKind;
@@ -16,7 +17,9 @@ use lapin::message::Delivery;
 use lapin::options::BasicConsumeOptions;
 use lapin::types::{AMQPValue, FieldTable};
 use outboxkit_core::{ErrorKind, EventPublisher, OutboxMessage, PublishError, PublishOutcome};
-use outboxkit_rabbit::{RabbitConfigBuilder, RabbitError, RabbitPublisher};
+use outboxkit_rabbit::{
+    RabbitConfig, RabbitConsumer, RabbitConsumerConfig, RabbitError, RabbitPublisher,
+};
 
 use common::*;
 
@@ -103,7 +106,8 @@ async fn amqp_properties_carry_persistence_type_and_timestamp() {
 }
 
 /// A malformed URL is a typed `InvalidUrl` error, never a panic, and never shows the
-/// password.
+/// password: from `validate`, and from `connect`, `connect_lazy` and the consumer's
+/// `new`, which validate before anything else.
 #[tokio::test]
 async fn malformed_urls_are_invalid_url_errors() {
     for url in [
@@ -112,13 +116,54 @@ async fn malformed_urls_are_invalid_url_errors() {
         "amqp//guest:hunter2@127.0.0.1",
         "",
     ] {
-        match RabbitConfigBuilder::new(url).build() {
-            Err(e @ RabbitError::InvalidUrl { .. }) => {
-                assert_eq!(e.kind(), ErrorKind::Permanent);
-                assert!(!format!("{e} {e:?}").contains("hunter2"), "{e}");
+        let config = RabbitConfig::new(url);
+        let errors = [
+            config.validate().map(|()| "validated"),
+            RabbitPublisher::connect(config.clone())
+                .await
+                .map(|_| "connected"),
+            RabbitPublisher::connect_lazy(config.clone())
+                .await
+                .map(|_| "lazy"),
+            RabbitConsumer::new(RabbitConsumerConfig::new(config, "q")).map(|_| "consumer"),
+        ];
+        for result in errors {
+            match result {
+                Err(e @ RabbitError::InvalidUrl { .. }) => {
+                    assert_eq!(e.kind(), ErrorKind::Permanent);
+                    assert!(!format!("{e} {e:?}").contains("hunter2"), "{e}");
+                }
+                other => panic!("{url:?}: expected InvalidUrl, got {other:?}"),
             }
-            other => panic!("{url:?}: expected InvalidUrl, got {other:?}"),
         }
+    }
+}
+
+/// An invalid setting is the typed error of `validate`, returned by `connect` before any
+/// connection is tried: a zero connect timeout to a broker that is up fails with
+/// `InvalidConfig` naming the field, not with a timeout or a connection.
+#[tokio::test]
+async fn connect_validates_before_connecting() {
+    let zero = config(&unique("zero")).with_connect_timeout(Duration::ZERO);
+    for result in [
+        zero.validate().map(|()| "validated"),
+        RabbitPublisher::connect(zero.clone())
+            .await
+            .map(|_| "connected"),
+        RabbitPublisher::connect_lazy(zero.clone())
+            .await
+            .map(|_| "lazy"),
+        RabbitConsumer::new(RabbitConsumerConfig::new(zero, "q")).map(|_| "consumer"),
+    ] {
+        match result {
+            Err(RabbitError::InvalidConfig { field, .. }) => assert_eq!(field, "connect_timeout"),
+            other => panic!("expected InvalidConfig, got {other:?}"),
+        }
+    }
+    // A consumer setting is checked by the consumer's `new` as well.
+    match RabbitConsumer::new(RabbitConsumerConfig::new(config("x"), "q").with_prefetch(0)) {
+        Err(RabbitError::InvalidConfig { field, .. }) => assert_eq!(field, "prefetch"),
+        other => panic!("expected InvalidConfig, got {other:?}"),
     }
 }
 
@@ -131,7 +176,7 @@ async fn bad_credentials_are_a_permanent_connect_error() {
     let at = url.rfind('@').expect("test URL has credentials");
     let colon = url[..at].rfind(':').expect("test URL has a password");
     url.replace_range(colon + 1..at, "definitely-wrong-password");
-    let error = RabbitPublisher::connect(build(RabbitConfigBuilder::new(url)))
+    let error = RabbitPublisher::connect(build(RabbitConfig::new(url)))
         .await
         .expect_err("wrong password");
     assert!(matches!(error, RabbitError::Connect { .. }), "{error:?}");
@@ -214,7 +259,9 @@ async fn passive_exchange_check_and_declare_on_demand() {
         "{error:?}"
     );
 
-    let publisher = RabbitPublisher::connect_lazy(config).await;
+    let publisher = RabbitPublisher::connect_lazy(config)
+        .await
+        .expect("valid config");
     assert!(matches!(
         publisher.check_ready().await,
         Err(PublishError::Unavailable { .. })

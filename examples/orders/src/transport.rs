@@ -9,8 +9,10 @@ use std::time::Duration;
 use anyhow::Context as _;
 use outboxkit::AnyConsumer;
 use outboxkit::AnyPublisher;
-use outboxkit_nats::{NatsConfig, NatsConsumer, NatsPublisher, StreamSetup, async_nats};
-use outboxkit_rabbit::{RabbitConfig, RabbitConsumer, RabbitPublisher};
+use outboxkit_nats::{
+    NatsConfig, NatsConsumer, NatsConsumerConfig, NatsPublisher, StreamSetup, async_nats,
+};
+use outboxkit_rabbit::{RabbitConfig, RabbitConsumer, RabbitConsumerConfig, RabbitPublisher};
 
 /// Publisher, consumer, and what the reconciliation needs to know about the broker.
 pub(crate) struct Wiring {
@@ -67,9 +69,7 @@ pub(crate) async fn wire(
 async fn wire_rabbit(amqp_url: &str, schema: &str) -> anyhow::Result<Wiring> {
     let exchange = format!("{schema}.events");
     let queue = format!("{schema}.projection");
-    let rabbit = RabbitConfig::builder(amqp_url)
-        .with_exchange(&exchange)
-        .build()?;
+    let rabbit = RabbitConfig::new(amqp_url).with_exchange(&exchange);
     let publisher = RabbitPublisher::connect(rabbit.clone())
         .await
         .context("connect to RabbitMQ (is it running? `cargo xtask services`)")?;
@@ -85,10 +85,11 @@ async fn wire_rabbit(amqp_url: &str, schema: &str) -> anyhow::Result<Wiring> {
         .await?;
         conn.close(200, "reset".into()).await?;
     }
-    let consumer = RabbitConsumer::builder(rabbit, &queue)
-        .with_binding_keys(["OrderPlaced"])
-        .with_prefetch(200)
-        .build()?;
+    let consumer = RabbitConsumer::new(
+        RabbitConsumerConfig::new(rabbit, &queue)
+            .with_binding_keys(["OrderPlaced"])
+            .with_prefetch(200),
+    )?;
     // Declare and bind the queue before anything is published, so nothing is missed.
     consumer.declare().await?;
     Ok(Wiring {
@@ -102,10 +103,9 @@ async fn wire_rabbit(amqp_url: &str, schema: &str) -> anyhow::Result<Wiring> {
 /// 2-minute duplicate window, and a durable pull consumer `projection` of
 /// `OrderPlaced`.
 async fn wire_nats(nats_url: &str, schema: &str) -> anyhow::Result<Wiring> {
-    let config: NatsConfig = outboxkit_nats::NatsConfigBuilder::new(nats_url)
+    let config: NatsConfig = outboxkit_nats::NatsConfig::new(nats_url)
         .with_subject_prefix(format!("{schema}.events"))
-        .with_connection_name(format!("{schema}-demo"))
-        .build()?;
+        .with_connection_name(format!("{schema}-demo"));
     let publisher = NatsPublisher::connect(config.clone())
         .await
         .context("connect to NATS (is it running with JetStream? `cargo xtask services`)")?;
@@ -128,12 +128,13 @@ async fn wire_nats(nats_url: &str, schema: &str) -> anyhow::Result<Wiring> {
                 .with_duplicate_window(Duration::from_secs(120)),
         )
         .await?;
-    let consumer = NatsConsumer::builder(config.clone(), &stream, "projection")
-        .with_filter_subject(config.subject_for("OrderPlaced"))
-        .with_concurrency(200)
-        // The demo's "crash between commit and ack" answers Requeue: come back soon.
-        .with_nak_delays(vec![Duration::from_millis(200)])
-        .build()?;
+    let consumer = NatsConsumer::new(
+        NatsConsumerConfig::new(config.clone(), &stream, "projection")
+            .with_filter_subject(config.subject_for("OrderPlaced"))
+            .with_concurrency(200)
+            // The demo's "crash between commit and ack" answers Requeue: come back soon.
+            .with_nak_delays(vec![Duration::from_millis(200)]),
+    )?;
     consumer.declare().await?;
     Ok(Wiring {
         publisher: publisher.into(),

@@ -53,9 +53,9 @@ use outboxkit_inbox::{
     IdempotentConsumer, InboxProcessor, Pipeline, ProcessorConfig,
 };
 use outboxkit_nats::async_nats::jetstream;
-use outboxkit_nats::{NatsConfig, NatsConfigBuilder, NatsConsumer, NatsPublisher, StreamSetup};
+use outboxkit_nats::{NatsConfig, NatsConsumer, NatsConsumerConfig, NatsPublisher, StreamSetup};
 use outboxkit_postgres::{PgConfig, PgInbox, PgOutbox};
-use outboxkit_rabbit::{RabbitConfig, RabbitConsumer, RabbitPublisher};
+use outboxkit_rabbit::{RabbitConfig, RabbitConsumer, RabbitConsumerConfig, RabbitPublisher};
 use outboxkit_testkit::pg::RoundTripCounter;
 use sqlx::postgres::PgPoolOptions;
 use sqlx::{AssertSqlSafe, PgConnection, PgPool};
@@ -797,10 +797,9 @@ impl Bus {
             TransportKind::Rabbit => {
                 let exchange = format!("bench.consumer.{tag}");
                 let (admin, channel) = super::rabbit_admin_with_exchange(&exchange).await?;
-                let config = RabbitConfig::builder(common::amqp_url())
+                let config = RabbitConfig::new(common::amqp_url())
                     .with_exchange(&exchange)
-                    .with_declare_exchange(false)
-                    .build()?;
+                    .with_declare_exchange(false);
                 let publisher = RabbitPublisher::connect(config.clone()).await?;
                 Ok(Self::Rabbit {
                     exchange,
@@ -815,9 +814,7 @@ impl Bus {
                     "connect to NATS (is it running with JetStream? `cargo xtask services`)",
                 )?;
                 let prefix = format!("benchc.{tag}");
-                let config = NatsConfigBuilder::new(common::nats_url())
-                    .with_subject_prefix(&prefix)
-                    .build()?;
+                let config = NatsConfig::new(common::nats_url()).with_subject_prefix(&prefix);
                 let publisher = NatsPublisher::connect(config.clone()).await?;
                 Ok(Self::Nats {
                     prefix,
@@ -890,9 +887,10 @@ impl Bus {
     {
         Ok(match (self, source) {
             (Self::Rabbit { config, .. }, Source::Queue(queue)) => {
-                let consumer = RabbitConsumer::builder(config.clone(), queue.as_str())
-                    .with_declare_queue(false)
-                    .build()?;
+                let consumer = RabbitConsumer::new(
+                    RabbitConsumerConfig::new(config.clone(), queue.as_str())
+                        .with_declare_queue(false),
+                )?;
                 tokio::spawn(async move {
                     if batched {
                         consumer.run_batched(handler, token).await?;
@@ -903,9 +901,10 @@ impl Bus {
                 })
             }
             (Self::Nats { config, .. }, Source::Stream { stream, subject }) => {
-                let consumer = NatsConsumer::builder(config.clone(), stream.as_str(), "bench")
-                    .with_filter_subject(subject.as_str())
-                    .build()?;
+                let consumer = NatsConsumer::new(
+                    NatsConsumerConfig::new(config.clone(), stream.as_str(), "bench")
+                        .with_filter_subject(subject.as_str()),
+                )?;
                 tokio::spawn(async move {
                     if batched {
                         consumer.run_batched(handler, token).await?;

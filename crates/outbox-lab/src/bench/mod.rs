@@ -67,7 +67,7 @@ pub use stores::DatabaseKind;
 use anyhow::Context as _;
 use clap::Parser;
 use outboxkit_core::{EventPublisher, OnDead, Ordering, OutboxStore, SentRetention};
-use outboxkit_nats::{NatsConfigBuilder, NatsPublisher};
+use outboxkit_nats::{NatsConfig, NatsPublisher};
 use outboxkit_rabbit::{RabbitConfig, RabbitPublisher};
 
 use crate::common;
@@ -228,19 +228,16 @@ pub async fn main(args: Args) -> anyhow::Result<()> {
     let result = match &broker {
         Broker::Rabbit { exchange, .. } => {
             let publisher = RabbitPublisher::connect(
-                RabbitConfig::builder(common::amqp_url())
+                RabbitConfig::new(common::amqp_url())
                     .with_exchange(exchange)
-                    .with_declare_exchange(false)
-                    .build()?,
+                    .with_declare_exchange(false),
             )
             .await?;
             run(&args, &broker, Arc::new(publisher)).await
         }
         Broker::Nats { prefix, .. } => {
             let publisher = NatsPublisher::connect(
-                NatsConfigBuilder::new(common::nats_url())
-                    .with_subject_prefix(prefix)
-                    .build()?,
+                NatsConfig::new(common::nats_url()).with_subject_prefix(prefix),
             )
             .await?;
             run(&args, &broker, Arc::new(publisher)).await

@@ -6,8 +6,8 @@ pub(crate) use outboxkit_core::TransportKind;
 use std::time::Duration;
 
 use lapin::types::{AMQPValue, FieldTable};
-use outboxkit_nats::{NatsConfig, NatsConfigBuilder, NatsConsumer};
-use outboxkit_rabbit::{RabbitConfig, RabbitConsumer};
+use outboxkit_nats::{NatsConfig, NatsConsumer, NatsConsumerConfig};
+use outboxkit_rabbit::{RabbitConfig, RabbitConsumer, RabbitConsumerConfig};
 use sqlx::mysql::MySqlConnectOptions;
 use sqlx::postgres::PgConnectOptions;
 
@@ -219,26 +219,24 @@ pub(crate) fn nats_ack_wait(batched: bool) -> Duration {
 }
 
 pub(crate) fn rabbit_config(names: &Names) -> anyhow::Result<RabbitConfig> {
-    Ok(RabbitConfig::builder(common::amqp_url())
-        .with_exchange(&names.exchange)
-        .build()?)
+    Ok(RabbitConfig::new(common::amqp_url()).with_exchange(&names.exchange))
 }
 
 pub(crate) fn nats_config(names: &Names, connection: &str) -> anyhow::Result<NatsConfig> {
-    Ok(NatsConfigBuilder::new(common::nats_url())
+    Ok(NatsConfig::new(common::nats_url())
         .with_subject_prefix(&names.subject_prefix)
-        .with_connection_name(connection)
-        .build()?)
+        .with_connection_name(connection))
 }
 
 /// The consumers' RabbitMQ consumer: the quorum queue bound to [`EVENT_TYPE`].
 pub(crate) fn rabbit_consumer(names: &Names) -> anyhow::Result<RabbitConsumer> {
-    Ok(RabbitConsumer::builder(rabbit_config(names)?, &names.queue)
-        .with_binding_keys([EVENT_TYPE])
-        .with_queue_arguments(quorum_queue())
-        .with_prefetch(64)
-        .with_requeue_delay(Duration::from_millis(200))
-        .build()?)
+    Ok(RabbitConsumer::new(
+        RabbitConsumerConfig::new(rabbit_config(names)?, &names.queue)
+            .with_binding_keys([EVENT_TYPE])
+            .with_queue_arguments(quorum_queue())
+            .with_prefetch(64)
+            .with_requeue_delay(Duration::from_millis(200)),
+    )?)
 }
 
 /// The consumers' NATS consumer: the durable pull consumer on [`EVENT_TYPE`]'s subject,
@@ -249,13 +247,12 @@ pub(crate) fn nats_consumer(
     batched: bool,
 ) -> anyhow::Result<NatsConsumer> {
     let config = nats_config(names, connection)?;
-    Ok(
-        NatsConsumer::builder(config.clone(), &names.stream, &names.durable)
+    Ok(NatsConsumer::new(
+        NatsConsumerConfig::new(config.clone(), &names.stream, &names.durable)
             .with_filter_subject(config.subject_for(EVENT_TYPE))
             .with_concurrency(64)
             .with_ack_wait(nats_ack_wait(batched))
             .with_max_deliver(Some(u32::from(DELIVERY_LIMIT)))
-            .with_nak_delays(vec![Duration::from_millis(200)])
-            .build()?,
-    )
+            .with_nak_delays(vec![Duration::from_millis(200)]),
+    )?)
 }

@@ -15,13 +15,11 @@ pub async fn publisher_to(exchange: &str) -> RabbitPublisher {
 /// [`publisher_to`] with destination rules (`PATTERN=NAME` each).
 pub async fn publisher_with_rules(exchange: &str, rules: &[&str]) -> RabbitPublisher {
     RabbitPublisher::connect(
-        RabbitConfig::builder(amqp_url())
+        RabbitConfig::new(amqp_url())
             .with_exchange(exchange)
             .with_declare_exchange(false)
             .with_confirm_timeout(Duration::from_secs(3))
-            .with_destination_rules(rules.iter().map(|r| r.parse().expect("rule")))
-            .build()
-            .expect("config"),
+            .with_destination_rules(rules.iter().map(|r| r.parse().expect("rule"))),
     )
     .await
     .expect("publisher")

@@ -11,7 +11,7 @@ use futures::StreamExt as _;
 use lapin::types::FieldTable;
 use outboxkit_core::EventPublisher;
 use outboxkit_nats::async_nats::{self, jetstream};
-use outboxkit_nats::{NatsConfig, NatsConfigBuilder, NatsPublisher, StreamSetup};
+use outboxkit_nats::{NatsConfig, NatsPublisher, StreamSetup};
 use outboxkit_rabbit::{RabbitConfig, RabbitPublisher};
 use tokio::task::JoinHandle;
 
@@ -98,11 +98,9 @@ impl Broker for Rabbit {
     }
 
     async fn publisher(&self) -> Arc<RabbitPublisher> {
-        let config = RabbitConfig::builder(amqp_url())
+        let config = RabbitConfig::new(amqp_url())
             .with_exchange(&self.fx.exchange)
-            .with_declare_exchange(false)
-            .build()
-            .expect("config");
+            .with_declare_exchange(false);
         Arc::new(RabbitPublisher::connect(config).await.expect("publisher"))
     }
 
@@ -151,11 +149,9 @@ impl Broker for Nats {
     async fn setup() -> Self {
         let id = uuid::Uuid::new_v4().simple().to_string();
         let stream = format!("{STREAM_PREFIX}{id}");
-        let config = NatsConfigBuilder::new(nats_url())
+        let config = NatsConfig::new(nats_url())
             .with_subject_prefix(format!("ordered.{id}"))
-            .with_connection_name(format!("ordered-{id}"))
-            .build()
-            .expect("NATS configuration");
+            .with_connection_name(format!("ordered-{id}"));
         let client = async_nats::connect(nats_url())
             .await
             .expect("connect to NATS (is it running? `cargo xtask services`)");

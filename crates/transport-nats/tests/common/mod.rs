@@ -12,7 +12,7 @@ use async_nats::jetstream::{self, consumer};
 use chrono::{SubsecRound, Utc};
 use futures::StreamExt;
 use outboxkit_core::{NewMessage, OutboxMessage};
-use outboxkit_nats::{NatsConfig, NatsConfigBuilder, StreamSetup};
+use outboxkit_nats::{NatsConfig, StreamSetup};
 use outboxkit_postgres::{PgConfig, PgOutbox};
 use tokio::time::Instant;
 use uuid::Uuid;
@@ -51,7 +51,7 @@ impl Fixture {
     /// A fresh stream, its settings adjusted by `adjust`.
     pub async fn with(adjust: impl FnOnce(StreamSetup) -> StreamSetup) -> Self {
         let fixture = Self::unconfigured().await;
-        let config = fixture.config().build().expect("valid test configuration");
+        let config = fixture.build();
         adjust(StreamSetup::for_config(&fixture.stream, &config))
             .apply(&config)
             .await
@@ -76,14 +76,17 @@ impl Fixture {
     }
 
     /// Publisher configuration for this fixture's subjects.
-    pub fn config(&self) -> NatsConfigBuilder {
-        NatsConfigBuilder::new(url())
+    pub fn config(&self) -> NatsConfig {
+        NatsConfig::new(url())
             .with_subject_prefix(&self.prefix)
             .with_connection_name(format!("test-{}", self.stream))
     }
 
+    /// [`config`](Self::config), checked valid.
     pub fn build(&self) -> NatsConfig {
-        self.config().build().expect("valid test configuration")
+        let config = self.config();
+        config.validate().expect("valid test configuration");
+        config
     }
 
     /// Messages stored in the stream now.

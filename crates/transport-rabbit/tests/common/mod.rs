@@ -17,7 +17,7 @@ use lapin::options::{
 use lapin::types::{AMQPValue, FieldTable};
 use lapin::{Channel, Connection, ConnectionProperties, ExchangeKind};
 use outboxkit_core::{NewMessage, OutboxMessage};
-use outboxkit_rabbit::{RabbitConfig, RabbitConfigBuilder};
+use outboxkit_rabbit::RabbitConfig;
 use tokio::time::Instant;
 use uuid::Uuid;
 
@@ -37,14 +37,16 @@ pub fn unique(prefix: &str) -> String {
 }
 
 /// Config for the real broker with an exchange of its own.
-pub fn config(exchange: &str) -> RabbitConfigBuilder {
-    RabbitConfigBuilder::new(url())
+pub fn config(exchange: &str) -> RabbitConfig {
+    RabbitConfig::new(url())
         .with_exchange(exchange)
         .with_connection_name(unique("conn"))
 }
 
-pub fn build(builder: RabbitConfigBuilder) -> RabbitConfig {
-    builder.build().expect("valid test configuration")
+/// `config`, checked valid.
+pub fn build(config: RabbitConfig) -> RabbitConfig {
+    config.validate().expect("valid test configuration");
+    config
 }
 
 /// An outbox row as a store would hand it to the publisher.

@@ -65,7 +65,7 @@ impl WalRelayConfig {
     /// after its disk write). 1 publishes one batch at a time. With
     /// [per-key order](Self::with_ordering), a batch holding a key that is in
     /// flight waits until it is confirmed. A RabbitMQ publisher sends concurrent
-    /// batches on different channels (`RabbitConfigBuilder::with_channels`, 2 by
+    /// batches on different channels (`RabbitConfig::with_channels`, 2 by
     /// default): batches beyond its channels wait for one. docs/wal.md (How it works).
     #[must_use]
     pub fn with_concurrency(mut self, n: usize) -> Self {
