@@ -156,6 +156,22 @@ fn ci_runs_the_documented_test_command() {
     );
 }
 
+/// The README's quick start is the compiled example, line for line (from its first
+/// `use`), so that what a newcomer copies is what CI builds and runs.
+#[test]
+fn readme_quick_start_is_the_example() {
+    let readme = fs::read_to_string(workspace_root().join("README.md")).expect("README.md");
+    let example =
+        fs::read_to_string(workspace_root().join("crates/outbox/examples/quick_start.rs"))
+            .expect("the quick start example");
+    let program = &example[example.find("use std::sync::Arc;").expect("its first use")..];
+    assert!(
+        readme.contains(&format!("```rust,ignore\n{program}```\n")),
+        "README.md's quick start differs from crates/outbox/examples/quick_start.rs \
+         (copy the example from its first `use` into the README's code block)"
+    );
+}
+
 #[test]
 fn readme_documents_the_xtask_commands() {
     let Ok(readme) = fs::read_to_string(workspace_root().join("README.md")) else {
