@@ -264,7 +264,7 @@
 //! use std::sync::Arc;
 //! use outboxkit::inbox::{Handler, HandlerContext, HandlerError, IdempotentConsumer, Pipeline};
 //! use outboxkit::postgres::sqlx::{self, PgConnection};
-//! use outboxkit::postgres::{PgConfig, PgInbox};
+//! use outboxkit::postgres::{PgConfig, PgInbox, PgOutbox};
 //! use outboxkit::{AnyConsumer, AnyConsumerConfig, Consumer as _, IncomingMessage};
 //!
 //! struct Project;
@@ -279,7 +279,7 @@
 //!     }
 //! }
 //!
-//! let inbox = PgInbox::connect(&PgConfig::from_env()?).await?;
+//! let inbox = PgOutbox::connect(&PgConfig::from_env()?).await?.inbox();
 //! // RabbitMQ: the queue `projection` on the exchange `outbox.events`; NATS: the durable
 //! // consumer `projection` on the stream `OUTBOX`. Each created when missing.
 //! let config = AnyConsumerConfig::from_url("amqp://guest:guest@127.0.0.1:5672/%2f", "projection")?;
