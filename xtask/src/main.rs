@@ -46,6 +46,7 @@
 //! the local services unless those variables are already set.
 
 mod cluster;
+mod docs_once;
 mod features;
 mod outside;
 mod packages;
@@ -177,6 +178,9 @@ enum Cmd {
         #[arg(long)]
         install: bool,
     },
+    /// Build the facade's docs (`cargo doc -p outboxkit --all-features --no-deps`) and
+    /// check that they list each item under one path (release-check does too).
+    DocsOnce,
     /// Check what publishing the crates needs, without publishing: manifests, MSRV,
     /// docs (warnings denied), `cargo package` of every published crate, `cargo deny`.
     ReleaseCheck {
@@ -374,6 +378,18 @@ fn run(cli: Cli) -> Result<()> {
             exec_child(&mut chaos)
         }
         Cmd::Features => features::check(),
+        Cmd::DocsOnce => {
+            run_child(cargo().args(["doc", "-p", "outboxkit", "--all-features", "--no-deps"]))?;
+            let target = std::env::var_os("CARGO_TARGET_DIR")
+                .map_or_else(|| workspace_root().join("target"), PathBuf::from);
+            let problems = docs_once::check(&target.join("doc"))?;
+            if problems.is_empty() {
+                eprintln!("xtask: docs-once: each item is listed once");
+                Ok(())
+            } else {
+                bail!("the facade's docs:\n  {}", problems.join("\n  "))
+            }
+        }
         Cmd::ReleaseCheck { strict, no_verify } => release::check(
             strict,
             if no_verify {
