@@ -9,7 +9,8 @@
 //! format) is always
 //! present and re-exported at the root, so `outboxkit::NewMessage` is
 //! `outboxkit_core::NewMessage`. Each database and broker is a cargo feature that adds
-//! one module, the backend crate re-exported as is:
+//! one module with the backend crate's items (`outboxkit::postgres::PgOutbox` is
+//! `outboxkit_postgres::PgOutbox`); these docs show each item under one path:
 //!
 //! | feature | default | module | what it adds |
 //! |---|---|---|---|
