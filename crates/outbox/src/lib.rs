@@ -449,9 +449,10 @@ pub mod wire {
     };
 }
 
-// The core's test suites and test strategies, for backend and transport authors, are
-// `outboxkit_core`'s only: with its `conformance` or `proptest` feature on (by another
-// crate of the build), these keep them out of the facade.
+// The core's test suites, their macros and test strategies, for backend and transport
+// authors, are `outboxkit_core`'s only: with its `conformance` or `proptest` feature on
+// (by another crate of the build), these keep them out of the facade (a local item
+// shadows the glob's, in paths and in the docs).
 #[doc(hidden)]
 pub mod conformance {}
 #[doc(hidden)]
@@ -460,6 +461,33 @@ pub mod inbox_conformance {}
 pub mod transport_conformance {}
 #[doc(hidden)]
 pub mod proptest_support {}
+
+/// Not the facade's: `outboxkit_core::store_conformance_tests!` (this shadows it).
+#[doc(hidden)]
+#[macro_export]
+macro_rules! store_conformance_tests {
+    ($($any:tt)*) => {
+        compile_error!("the store conformance suite is outboxkit_core's: outboxkit_core::store_conformance_tests!")
+    };
+}
+
+/// Not the facade's: `outboxkit_core::inbox_conformance_tests!` (this shadows it).
+#[doc(hidden)]
+#[macro_export]
+macro_rules! inbox_conformance_tests {
+    ($($any:tt)*) => {
+        compile_error!("the inbox conformance suite is outboxkit_core's: outboxkit_core::inbox_conformance_tests!")
+    };
+}
+
+/// Not the facade's: `outboxkit_core::transport_conformance_tests!` (this shadows it).
+#[doc(hidden)]
+#[macro_export]
+macro_rules! transport_conformance_tests {
+    ($($any:tt)*) => {
+        compile_error!("the transport conformance suite is outboxkit_core's: outboxkit_core::transport_conformance_tests!")
+    };
+}
 
 /// The PostgreSQL backend (`outboxkit-postgres`, sqlx): [`PgOutbox`](postgres::PgOutbox)
 /// (connect or wrap your pool, [`migrate`](postgres::PgOutbox::migrate),
