@@ -46,6 +46,7 @@
 //! the local services unless those variables are already set.
 
 mod cluster;
+mod docs_once;
 mod features;
 mod outside;
 mod packages;
@@ -176,6 +177,14 @@ enum Cmd {
         /// of its own (minutes): not part of `itest`.
         #[arg(long)]
         install: bool,
+    },
+    /// Build the facade's docs (`cargo doc -p outboxkit --all-features --no-deps`) and
+    /// check that they list each item under one path (release-check does too).
+    DocsOnce {
+        /// Check the docs `TARGET/doc` holds (e.g. release-check's, every member crate
+        /// documented) instead of building the facade's.
+        #[arg(long)]
+        no_build: bool,
     },
     /// Check what publishing the crates needs, without publishing: manifests, MSRV,
     /// docs (warnings denied), `cargo package` of every published crate, `cargo deny`.
@@ -374,6 +383,20 @@ fn run(cli: Cli) -> Result<()> {
             exec_child(&mut chaos)
         }
         Cmd::Features => features::check(),
+        Cmd::DocsOnce { no_build } => {
+            if !no_build {
+                run_child(cargo().args(["doc", "-p", "outboxkit", "--all-features", "--no-deps"]))?;
+            }
+            let target = std::env::var_os("CARGO_TARGET_DIR")
+                .map_or_else(|| workspace_root().join("target"), PathBuf::from);
+            let problems = docs_once::check(&target.join("doc"))?;
+            if problems.is_empty() {
+                eprintln!("xtask: docs-once: each item is listed once");
+                Ok(())
+            } else {
+                bail!("the facade's docs:\n  {}", problems.join("\n  "))
+            }
+        }
         Cmd::ReleaseCheck { strict, no_verify } => release::check(
             strict,
             if no_verify {

@@ -18,7 +18,9 @@
 //!   (`cargo metadata`), and clippy's `incompatible_msrv` finds any standard library
 //!   item newer than it.
 //! * Docs: `cargo doc --no-deps --all-features -D warnings` of the published crates, as
-//!   docs.rs builds them (nightly and `--cfg docsrs` when rustup has a nightly).
+//!   docs.rs builds them (nightly and `--cfg docsrs` when rustup has a nightly); the
+//!   facade's list of items names each item once and misses none of the member crates'
+//!   (`docs_once`).
 //! * Packages: `cargo package` of all the published crates together (cargo resolves
 //!   them against each other through a local registry overlay, so nothing of ours must
 //!   be on crates.io yet) with verification (each package builds alone, from its
@@ -646,7 +648,13 @@ fn docs(
         .args(ws.package_args(order))
         .env("RUSTDOCFLAGS", rustdocflags);
     eprintln!("xtask: RUSTDOCFLAGS={rustdocflags:?}");
-    let doc = run(&mut doc);
+    let doc = run(&mut doc).and_then(|()| {
+        // Each item once in the facade's docs, and every member crate's item in them.
+        for problem in crate::docs_once::check(&ws.target_dir.join("doc"))? {
+            r.fail(format!("docs of the facade: {problem}"));
+        }
+        Ok(())
+    });
     let clippy = if toolchain(toolchains, &ws.msrv).is_some() {
         Ok(()) // Built with the MSRV toolchain itself.
     } else {

@@ -163,7 +163,7 @@ async fn main() -> Result<(), Error> {
         .test_before_acquire(false)
         .connect_with(options)
         .await?;
-    let inbox = PgInbox::new(pool, &PgConfig::default().with_schema(&schema))?;
+    let inbox = PgOutbox::new(pool, &PgConfig::default().with_schema(&schema))?.inbox();
     // Warm up: statements prepared, caches filled.
     for variant in [
         Variant::PerMessage,

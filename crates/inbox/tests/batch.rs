@@ -18,7 +18,7 @@ use outboxkit_inbox::{
     IdempotentConsumer, InboxProcessor, Pipeline, ProcessorConfig, StalePolicy, UNHANDLED_CONSUMER,
     UnhandledPolicy,
 };
-use outboxkit_postgres::{PgConfig, PgInbox};
+use outboxkit_postgres::{PgConfig, PgInbox, PgOutbox};
 use sqlx::{AssertSqlSafe, PgConnection};
 use uuid::Uuid;
 
@@ -614,7 +614,9 @@ async fn an_unreachable_inbox_defers_the_whole_batch() {
         .expect("connect");
     let held = pool.acquire().await.expect("the only connection");
     let starved = Arc::new(
-        PgInbox::new(pool.clone(), &PgConfig::default().with_schema(&db.schema)).expect("inbox"),
+        PgOutbox::new(pool.clone(), &PgConfig::default().with_schema(&db.schema))
+            .expect("outbox")
+            .inbox(),
     );
     let consumer = IdempotentConsumer::new(
         Arc::clone(&starved),
@@ -667,8 +669,11 @@ async fn a_batch_of_100_takes_about_one_round_trip_per_message() {
         .connect_with(counter.options(&base))
         .await
         .expect("connect through the counter");
-    let inbox =
-        Arc::new(PgInbox::new(pool, &PgConfig::default().with_schema(&db.schema)).expect("inbox"));
+    let inbox = Arc::new(
+        PgOutbox::new(pool, &PgConfig::default().with_schema(&db.schema))
+            .expect("outbox")
+            .inbox(),
+    );
     let consumer = IdempotentConsumer::new(
         Arc::clone(&inbox),
         Pipeline::new().on("OrderPlaced", "projector", Effect::new(&db)),

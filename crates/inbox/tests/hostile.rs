@@ -86,7 +86,9 @@ async fn setup(prefetch: u16, batch_size: usize) -> Setup {
     .expect("tables");
     let pool = outbox.pool().clone();
     let store = Arc::new(
-        PgInbox::new(pool.clone(), &PgConfig::default().with_schema(&schema)).expect("inbox"),
+        PgOutbox::new(pool.clone(), &PgConfig::default().with_schema(&schema))
+            .expect("outbox")
+            .inbox(),
     );
     let exchange = format!("t.{}", Uuid::new_v4().simple());
     let config = RabbitConfig::new(amqp_url()).with_exchange(&exchange);

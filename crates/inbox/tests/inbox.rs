@@ -14,7 +14,7 @@ use outboxkit_inbox::{
     IdempotentConsumer, InboxProcessor, Pipeline, ProcessorConfig, StalePolicy, UNHANDLED_CONSUMER,
     UnhandledPolicy,
 };
-use outboxkit_postgres::{PgConfig, PgInbox};
+use outboxkit_postgres::{PgConfig, PgInbox, PgOutbox};
 use sqlx::{AssertSqlSafe, PgConnection};
 use uuid::Uuid;
 
@@ -866,7 +866,9 @@ async fn an_unreachable_inbox_defers_the_delivery() {
         .expect("connect");
     let held = pool.acquire().await.expect("the only connection");
     let starved = Arc::new(
-        PgInbox::new(pool.clone(), &PgConfig::default().with_schema(&db.schema)).expect("inbox"),
+        PgOutbox::new(pool.clone(), &PgConfig::default().with_schema(&db.schema))
+            .expect("outbox")
+            .inbox(),
     );
     let consumer = IdempotentConsumer::new(
         Arc::clone(&starved),
@@ -898,7 +900,7 @@ async fn an_unreachable_inbox_defers_the_delivery() {
 /// unversioned message, 7 with version tracking (the locked version read and its
 /// update), plus the ping sqlx's pool always sends when a connection comes back, on a
 /// pool that does not also ping before each acquire (`test_before_acquire(false)`, as
-/// `PgConfig::connect` builds it). Before the round-trip work: 9 and 12; before the
+/// `PgOutbox::connect` builds it). Before the round-trip work: 9 and 12; before the
 /// abort check: 4 and 6.
 #[tokio::test]
 async fn the_per_message_path_takes_five_round_trips() {
@@ -914,8 +916,11 @@ async fn the_per_message_path_takes_five_round_trips() {
         .connect_with(counter.options(&base))
         .await
         .expect("connect through the counter");
-    let inbox =
-        Arc::new(PgInbox::new(pool, &PgConfig::default().with_schema(&db.schema)).expect("inbox"));
+    let inbox = Arc::new(
+        PgOutbox::new(pool, &PgConfig::default().with_schema(&db.schema))
+            .expect("outbox")
+            .inbox(),
+    );
     let consumer = IdempotentConsumer::new(
         Arc::clone(&inbox),
         Pipeline::new().on("OrderPlaced", "projector", Effect::new(&db)),

@@ -95,11 +95,12 @@ async fn setup(prefetch: u16) -> Setup {
     .await
     .expect("table");
     let store = Arc::new(
-        PgInbox::new(
+        PgOutbox::new(
             outbox.pool().clone(),
             &PgConfig::default().with_schema(&schema),
         )
-        .expect("inbox"),
+        .expect("outbox")
+        .inbox(),
     );
     let exchange = format!("t.{}", Uuid::new_v4().simple());
     let amqp = env("AMQP_URL", "amqp://guest:guest@127.0.0.1:5672/%2f");
@@ -435,8 +436,11 @@ async fn quorum(prefetch: u16, pool_size: u32, delivery_limit: i32) -> Quorum {
         .connect_with(lockout.connect_options())
         .await
         .expect("connect as the consumer's role");
-    let store =
-        Arc::new(PgInbox::new(pool, &PgConfig::default().with_schema(&schema)).expect("inbox"));
+    let store = Arc::new(
+        PgOutbox::new(pool, &PgConfig::default().with_schema(&schema))
+            .expect("outbox")
+            .inbox(),
+    );
     let exchange = format!("t.{}", Uuid::new_v4().simple());
     let queue = format!("{exchange}.q");
     let amqp = env("AMQP_URL", "amqp://guest:guest@127.0.0.1:5672/%2f");

@@ -48,11 +48,12 @@ async fn handler_span_joins_the_producers_trace() {
         .expect("PostgreSQL");
     outbox.migrate().await.expect("migrate");
     let store = Arc::new(
-        PgInbox::new(
+        PgOutbox::new(
             outbox.pool().clone(),
             &PgConfig::default().with_schema(&schema),
         )
-        .expect("inbox"),
+        .expect("outbox")
+        .inbox(),
     );
     let consumer = IdempotentConsumer::new(
         store,

@@ -93,11 +93,12 @@ async fn the_consumer_span_joins_the_producers_trace() {
         .expect("valid dispatcher config");
     assert_eq!(dispatcher.run_batch().await.expect("relay").published, 1);
     let store = Arc::new(
-        PgInbox::new(
+        PgOutbox::new(
             outbox.pool().clone(),
             &PgConfig::default().with_schema(&schema),
         )
-        .expect("inbox"),
+        .expect("outbox")
+        .inbox(),
     );
     let token = CancellationToken::new();
     let handler = IdempotentConsumer::new(

@@ -152,7 +152,7 @@ async fn scenario(url: &str, backend: &dyn Backend) -> String {
 
 mod postgres {
     use super::*;
-    use outboxkit_postgres::{PgConfig, PgInbox, PgOutbox};
+    use outboxkit_postgres::{PgConfig, PgOutbox};
 
     struct Pg;
 
@@ -174,11 +174,12 @@ mod postgres {
             let outbox = PgOutbox::connect(&PgConfig::new(url).with_schema(schema))
                 .await
                 .expect("connect");
-            let inbox = PgInbox::new(
+            let inbox = PgOutbox::new(
                 outbox.pool().clone(),
                 &PgConfig::default().with_schema(schema),
             )
-            .expect("inbox");
+            .expect("outbox")
+            .inbox();
             let msg = IncomingMessage::new(id, "OrderPlaced", b"{}".to_vec());
             let count = inbox
                 .record_failure(&msg, "projector", "boom", 1)
@@ -199,7 +200,7 @@ mod postgres {
 
 mod sqlserver {
     use super::*;
-    use outboxkit_sqlserver::{MssqlConfig, MssqlInbox, MssqlOutbox};
+    use outboxkit_sqlserver::{MssqlConfig, MssqlOutbox};
 
     struct Mssql;
 
@@ -224,11 +225,12 @@ mod sqlserver {
 
         async fn consumer_failure(&self, url: &str, schema: &str, id: Uuid) {
             let outbox = connect(url, schema).await;
-            let inbox = MssqlInbox::new(
+            let inbox = MssqlOutbox::new(
                 outbox.pool().clone(),
                 &MssqlConfig::default().with_schema(schema),
             )
-            .expect("inbox");
+            .expect("outbox")
+            .inbox();
             let msg = IncomingMessage::new(id, "OrderPlaced", b"{}".to_vec());
             let count = inbox
                 .record_failure(&msg, "projector", "boom", 1)
@@ -293,7 +295,11 @@ mod mysql {
             .unwrap_or_else(|_| "mysql://root@127.0.0.1:3306/test".into())
             .replacen("mysql://", "mariadb://", 1);
         let schema = scenario(&url, &MySql).await;
-        let pool = MySqlConfig::new(&url).connect().await.expect("connect");
+        let pool = MySqlOutbox::connect(&MySqlConfig::new(&url))
+            .await
+            .expect("connect")
+            .pool()
+            .clone();
         sqlx::raw_sql(sqlx::AssertSqlSafe(format!("DROP DATABASE `{schema}`")))
             .execute(&pool)
             .await

@@ -59,7 +59,9 @@ impl Shared {
 /// unique row. Cheap to clone: clones share the records.
 ///
 /// Not durable and not shared between processes.
-#[derive(Debug, Clone, Default)]
+///
+/// Had from [`MemoryOutbox::inbox`](crate::MemoryOutbox::inbox).
+#[derive(Debug, Clone)]
 pub struct MemoryInbox {
     shared: Arc<Shared>,
     clock: Clock,
@@ -123,13 +125,16 @@ fn release(state: &mut State, conn: &MemoryConnection) {
 
 impl MemoryInbox {
     /// An empty inbox on a [`Clock::tokio`] clock.
-    pub fn new() -> Self {
-        Self::default()
+    pub(crate) fn new() -> Self {
+        Self {
+            shared: Arc::default(),
+            clock: Clock::default(),
+        }
     }
 
     /// Takes record times from `clock` (default [`Clock::tokio`]).
     #[must_use]
-    pub fn with_clock(mut self, clock: Clock) -> Self {
+    pub(crate) fn with_clock(mut self, clock: Clock) -> Self {
         self.clock = clock;
         self
     }

@@ -17,6 +17,7 @@ use outboxkit_core::{
 use uuid::Uuid;
 
 use crate::clock::{Clock, after, before};
+use crate::inbox::MemoryInbox;
 
 /// The outbox table in memory: every [`OutboxStore`] property of the contract (the
 /// conformance suite checks them), and the [`OutboxProducer`] on a
@@ -61,6 +62,8 @@ pub struct MemoryOutbox {
     max_payload_bytes: usize,
     /// Bumped by every commit that stored messages: the store's push wake-up watches it.
     committed: Arc<tokio::sync::watch::Sender<u64>>,
+    /// The records of [`inbox`](Self::inbox) (shared by clones).
+    inbox: MemoryInbox,
 }
 
 impl Default for MemoryOutbox {
@@ -467,7 +470,25 @@ impl MemoryOutbox {
             crash_loop_limit: DEFAULT_CRASH_LOOP_LIMIT,
             max_payload_bytes: DEFAULT_MAX_PAYLOAD_BYTES,
             committed: Arc::new(tokio::sync::watch::Sender::new(0)),
+            inbox: MemoryInbox::new(),
         }
+    }
+
+    /// The inbox beside this outbox, on the same clock: the one way to have a
+    /// [`MemoryInbox`], as `PgOutbox::inbox` is on PostgreSQL. Every call (and every
+    /// clone's) gives a handle over the same records.
+    pub fn inbox(&self) -> MemoryInbox {
+        self.inbox.clone().with_clock(self.clock.clone())
+    }
+
+    /// Nothing to create: the tables are in memory from [`new`](Self::new). Returns no
+    /// version, so that code written against a SQL store's `migrate` (which returns the
+    /// versions it applied) runs unchanged.
+    ///
+    /// # Errors
+    /// None; the `Result` is the SQL stores' shape.
+    pub async fn migrate(&self) -> Result<Vec<i32>, OutboxError> {
+        Ok(Vec::new())
     }
 
     /// Takes every time from `clock` (default [`Clock::tokio`]). Set it before

@@ -5,12 +5,12 @@ use std::time::Duration;
 
 use outboxkit_core::wire::IncomingMessage;
 use outboxkit_core::{ConsumerDeadLetters, InboxClaim, InboxStore};
-use outboxkit_memory::MemoryInbox;
+use outboxkit_memory::{MemoryInbox, MemoryOutbox};
 use uuid::Uuid;
 
 #[tokio::test]
 async fn a_claim_commits_or_rolls_back_with_its_transaction() {
-    let inbox = MemoryInbox::new();
+    let inbox = MemoryOutbox::new().inbox();
     let id = Uuid::now_v7();
 
     let mut tx = inbox.begin().await.expect("begin");
@@ -61,7 +61,7 @@ async fn a_claim_commits_or_rolls_back_with_its_transaction() {
 
 #[tokio::test(start_paused = true)]
 async fn a_second_claim_of_a_pair_waits_for_the_first_transaction() {
-    let inbox = MemoryInbox::new();
+    let inbox = MemoryOutbox::new().inbox();
     let id = Uuid::now_v7();
     let mut first = inbox.begin().await.expect("begin");
     assert!(inbox.try_claim(&mut first, id, "c").await.expect("claim"));
@@ -109,7 +109,7 @@ async fn a_second_claim_of_a_pair_waits_for_the_first_transaction() {
 
 #[tokio::test]
 async fn failures_become_consumer_dead_letters_at_the_limit() {
-    let inbox = MemoryInbox::new();
+    let inbox = MemoryOutbox::new().inbox();
     let msg = IncomingMessage::new(Uuid::now_v7(), "OrderPlaced", b"{}".to_vec());
     for n in 1..=2 {
         let count = inbox
@@ -144,4 +144,41 @@ async fn failures_become_consumer_dead_letters_at_the_limit() {
         (3, "boom\\0")
     );
     assert_eq!(dead[0].payload, b"{}");
+}
+
+/// The store is the one entry point: `migrate` (nothing to create) and `inbox`, whose
+/// handles (from any clone of the store) share one set of records.
+#[tokio::test]
+async fn the_store_gives_the_inbox_and_every_handle_shares_its_records() {
+    let outbox = MemoryOutbox::new();
+    assert_eq!(outbox.migrate().await.expect("migrate"), Vec::<i32>::new());
+    let first: MemoryInbox = outbox.inbox();
+    let id = Uuid::now_v7();
+    let mut tx = first.begin().await.expect("begin");
+    assert!(
+        first
+            .try_claim(&mut tx, id, "projection")
+            .await
+            .expect("claim")
+    );
+    first.commit(tx).await.expect("commit");
+
+    let second = outbox.clone().inbox();
+    assert!(
+        second.contains(id, "projection"),
+        "a clone's inbox sees the record"
+    );
+    let mut tx = second.begin().await.expect("begin");
+    assert!(
+        !second
+            .try_claim(&mut tx, id, "projection")
+            .await
+            .expect("claim"),
+        "a duplicate through another handle"
+    );
+    drop(tx);
+    assert!(
+        MemoryOutbox::new().inbox().is_empty(),
+        "another store has its own records"
+    );
 }

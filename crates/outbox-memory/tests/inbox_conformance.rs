@@ -4,7 +4,7 @@
 use std::sync::Arc;
 
 use outboxkit_core::inbox_conformance::InboxHarness;
-use outboxkit_memory::MemoryInbox;
+use outboxkit_memory::{MemoryInbox, MemoryOutbox};
 
 /// A fresh inbox per test.
 struct MemoryInboxHarness(Arc<MemoryInbox>);
@@ -18,7 +18,7 @@ impl InboxHarness for MemoryInboxHarness {
 }
 
 async fn harness() -> MemoryInboxHarness {
-    MemoryInboxHarness(Arc::new(MemoryInbox::new()))
+    MemoryInboxHarness(Arc::new(MemoryOutbox::new().inbox()))
 }
 
 outboxkit_core::inbox_conformance_tests!(harness; dead_letters, versions);

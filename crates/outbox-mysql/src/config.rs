@@ -125,7 +125,7 @@ impl MySqlConfig {
     }
 
     /// Database of the tables (MySQL's "schema", default `outbox`; created by
-    /// [`migrate`](crate::migrate()) when missing, so the user needs `CREATE` on it).
+    /// [`MySqlOutbox::migrate`](crate::MySqlOutbox::migrate) when missing, so the user needs `CREATE` on it).
     /// Must match `[a-z_][a-z0-9_]{0,62}`; checked by [`validate`](Self::validate).
     /// The database of the URL is only where connections start.
     #[must_use]
@@ -134,7 +134,7 @@ impl MySqlConfig {
         self
     }
 
-    /// Pool size for [`connect`](Self::connect) (default 8 connections).
+    /// Pool size of [`MySqlOutbox::connect`](crate::MySqlOutbox::connect) (default 8 connections).
     #[must_use]
     pub fn with_max_connections(mut self, n: u32) -> Self {
         self.max_connections = n.max(1);
@@ -222,7 +222,7 @@ impl MySqlConfig {
     /// # Errors
     /// [`OutboxError::Config`] for a missing or malformed URL or schema, or
     /// [`OutboxError::Database`] when the server cannot be reached.
-    pub async fn connect(&self) -> Result<sqlx::MySqlPool, OutboxError> {
+    pub(crate) async fn connect(&self) -> Result<sqlx::MySqlPool, OutboxError> {
         self.validate()?;
         let url = self
             .url

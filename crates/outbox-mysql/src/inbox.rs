@@ -18,7 +18,6 @@ use sqlx::{AssertSqlSafe, Executor as _, MySql, MySqlConnection, MySqlPool, Row,
 use sqlx_core::transaction::TransactionManager as _;
 use uuid::Uuid;
 
-use crate::config::MySqlConfig;
 use crate::error::db;
 use crate::sql::{BEGIN_READ_COMMITTED, Queries, micros, placeholders, quoted_schema, sql};
 use crate::store::limit;
@@ -70,26 +69,6 @@ pub struct MySqlInbox {
 }
 
 impl MySqlInbox {
-    /// An inbox over `pool` in the database of `config` (migrated by
-    /// [`crate::migrate()`] or [`MySqlOutbox::migrate`](crate::MySqlOutbox::migrate));
-    /// the config's URL and pool settings are not used.
-    ///
-    /// # Errors
-    /// [`OutboxError::Config`] for an invalid schema name.
-    pub fn new(pool: MySqlPool, config: &MySqlConfig) -> Result<Self, OutboxError> {
-        crate::config::validate_schema(config.schema())?;
-        Ok(Self::with_queries(pool, config.schema()))
-    }
-
-    /// Connects with `config` (see [`MySqlConfig::connect`]).
-    ///
-    /// # Errors
-    /// As [`MySqlConfig::connect`].
-    pub async fn connect(config: &MySqlConfig) -> Result<Self, OutboxError> {
-        let pool = config.connect().await?;
-        Self::new(pool, config)
-    }
-
     /// `schema` validated already.
     pub(crate) fn with_queries(pool: MySqlPool, schema: &str) -> Self {
         Self {

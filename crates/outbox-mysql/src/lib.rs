@@ -3,7 +3,8 @@
 //! The MySQL / MariaDB backend of the outbox toolkit, on sqlx (MySQL 8.0+, MariaDB
 //! 10.6+: both have `FOR UPDATE SKIP LOCKED`):
 //!
-//! - [`migrate()`]: versioned migrations into a configurable database (MySQL's
+//! - [`MySqlOutbox::migrate`]: versioned migrations of the outbox's and the inbox's
+//!   tables into a configurable database (MySQL's
 //!   "schema", default `outbox`), InnoDB tables in `utf8mb4`, times as `DATETIME(6)`
 //!   in UTC from the database clock, ids as `BINARY(16)`;
 //! - [`MySqlOutbox`]: the [`OutboxProducer`](outboxkit_core::OutboxProducer)
@@ -14,7 +15,7 @@
 //!   `(visible_at, seq)` order under `READ COMMITTED` (no gap locks, so claims never
 //!   block producers' inserts), fenced leases, one-statement batch completion
 //!   (`UPDATE … JOIN JSON_TABLE(…)`), backoff as `NOW(6) + INTERVAL` in SQL;
-//! - [`MySqlInbox`]: the [`InboxStore`](outboxkit_core::InboxStore) (`INSERT IGNORE` on the
+//! - [`MySqlInbox`] ([`MySqlOutbox::inbox`]): the [`InboxStore`](outboxkit_core::InboxStore) (`INSERT IGNORE` on the
 //!   primary key inside the consumer's transaction), consumer dead letters, version
 //!   tracking and the durable inbox.
 //!
@@ -52,7 +53,7 @@ mod store;
 
 pub use config::{DEFAULT_SCHEMA, MySqlConfig, parse_url};
 pub use inbox::{MySqlInbox, MySqlInboxTransaction};
-pub use migrate::{LATEST_VERSION, migrate};
+pub use migrate::LATEST_VERSION;
 pub use store::MySqlOutbox;
 
 /// The MySQL driver this crate is built on, for its types (e.g.

@@ -53,7 +53,7 @@ const LOCK_WAIT_SECS: i32 = 60;
 /// a newer version than this crate knows; [`OutboxError::Database`] when a statement
 /// fails (the migration is not recorded and runs again next time) or the migration lock
 /// is not had within 60 s.
-pub async fn migrate(pool: &MySqlPool, schema: &str) -> Result<Vec<i32>, OutboxError> {
+pub(crate) async fn migrate(pool: &MySqlPool, schema: &str) -> Result<Vec<i32>, OutboxError> {
     crate::config::validate_schema(schema)?;
     let q = quoted_schema(schema);
     // A named lock belongs to a session: hold one connection throughout.

@@ -76,11 +76,16 @@ impl MySqlOutbox {
         })
     }
 
-    /// Connects with `config` (see [`MySqlConfig::connect`]) and takes its settings, as
-    /// [`new`](Self::new).
+    /// Opens a pool with `config`'s URL and pool settings and takes its other settings,
+    /// as [`new`](Self::new). The pool connects eagerly, so a wrong URL or a down server
+    /// fails here, and skips sqlx's ping before each acquire (`test_before_acquire(false)`:
+    /// a round trip per transaction saved; a connection broken meanwhile fails its next
+    /// statement, which the relay retries and the inbox defers). The tables are not
+    /// touched: [`migrate`](Self::migrate) creates or upgrades them.
     ///
     /// # Errors
-    /// As [`MySqlConfig::connect`].
+    /// [`OutboxError::Config`] for a missing or malformed URL or schema, or
+    /// [`OutboxError::Database`] when the server cannot be reached.
     pub async fn connect(config: &MySqlConfig) -> Result<Self, OutboxError> {
         let pool = config.connect().await?;
         Self::new(pool, config)
@@ -96,8 +101,11 @@ impl MySqlOutbox {
         self.pool.begin().await.map_err(db("begin"))
     }
 
-    /// The inbox in this outbox's database and pool (the layout where producer and
-    /// consumer share a database; otherwise build a [`MySqlInbox`] from its own config).
+    /// The inbox in this outbox's database and pool: the one way to have a [`MySqlInbox`]
+    /// ([`migrate`](Self::migrate) creates its tables with the outbox's). A consumer
+    /// whose inbox lives in another database connects a store to that database
+    /// (`MySqlOutbox::connect(&inbox_config)?.inbox()`); its URL, pool and database
+    /// settings are the inbox's.
     pub fn inbox(&self) -> MySqlInbox {
         MySqlInbox::with_queries(self.pool.clone(), &self.schema)
     }
@@ -118,11 +126,18 @@ impl MySqlOutbox {
         self.sent_retention
     }
 
-    /// Applies pending migrations to this outbox's database; returns the versions
-    /// applied.
+    /// Creates the database if needed (`utf8mb4`) and applies pending migrations to it;
+    /// returns the versions applied.
+    ///
+    /// Every table of the database is created: the outbox's and the inbox's
+    /// ([`inbox`](Self::inbox)). Each migration runs once, in its own transaction, under a
+    /// lock on the database name, so several processes may migrate at start-up.
     ///
     /// # Errors
-    /// As [`crate::migrate()`].
+    /// [`OutboxError::Config`] for an invalid database name or when the database
+    /// already has a newer version than this crate knows ([`LATEST_VERSION`](crate::LATEST_VERSION));
+    /// [`OutboxError::Database`] when a statement fails (the migration is not recorded
+    /// and runs again next time) or the migration lock is not had within 60 s.
     pub async fn migrate(&self) -> Result<Vec<i32>, OutboxError> {
         crate::migrate::migrate(&self.pool, &self.schema).await
     }

@@ -355,9 +355,10 @@ async fn claim_unless_dead_needs_no_second_connection() {
         .with_schema(outbox.schema())
         .with_max_connections(1)
         .with_acquire_timeout(Duration::from_secs(2));
-    let inbox = outboxkit_mysql::MySqlInbox::connect(&config)
+    let inbox = outboxkit_mysql::MySqlOutbox::connect(&config)
         .await
-        .expect("inbox");
+        .expect("outbox")
+        .inbox();
     let mut tx = inbox.begin().await.expect("begin");
     let id = Uuid::now_v7();
     let claim = tokio::time::timeout(

@@ -368,7 +368,7 @@ async fn the_inbox_transaction_gives_its_connection_back_in_autocommit() {
     let config = outboxkit_mysql::MySqlConfig::new(common::mysql_url())
         .with_schema(&schema)
         .with_max_connections(1);
-    let inbox = MySqlInbox::new(config.connect().await.expect("pool"), &config).expect("inbox");
+    let inbox = MySqlOutbox::connect(&config).await.expect("outbox").inbox();
     let session = async || -> (u64, i64) {
         sqlx::query_as("SELECT CONNECTION_ID(), @@autocommit")
             .fetch_one(inbox.pool())

@@ -135,7 +135,7 @@ impl PgConfig {
         self
     }
 
-    /// Pool size for [`connect`](Self::connect) (default 8 connections).
+    /// Pool size of [`PgOutbox::connect`](crate::PgOutbox::connect) (default 8 connections).
     #[must_use]
     pub fn with_max_connections(mut self, n: u32) -> Self {
         self.max_connections = n.max(1);
@@ -240,7 +240,7 @@ impl PgConfig {
     /// # Errors
     /// [`OutboxError::Config`] for a missing or malformed URL or schema, or
     /// [`OutboxError::Database`] when the server cannot be reached.
-    pub async fn connect(&self) -> Result<sqlx::PgPool, OutboxError> {
+    pub(crate) async fn connect(&self) -> Result<sqlx::PgPool, OutboxError> {
         self.validate()?;
         let url = self
             .url

@@ -16,7 +16,6 @@ use sqlx::types::Json;
 use sqlx::{PgConnection, PgPool, Postgres, Row};
 use uuid::Uuid;
 
-use crate::config::PgConfig;
 use crate::error::db;
 use crate::sql::{InboxQueries, Queries, sql};
 
@@ -30,7 +29,7 @@ use crate::sql::{InboxQueries, Queries, sql};
 /// [`commit`](InboxStore::commit)), `COMMIT`; with version tracking, one statement that
 /// creates, locks and reads the aggregate's version row and one that raises it. sqlx adds a ping when the
 /// connection goes back to the pool, and another before each acquire unless the pool
-/// is built with `test_before_acquire(false)` (as [`PgConfig::connect`](crate::PgConfig::connect) does).
+/// is built with `test_before_acquire(false)` (as [`PgOutbox::connect`](crate::PgOutbox::connect) does).
 ///
 /// The batched consumer (`IdempotentConsumer` as a `BatchDeliveryHandler`) sends, per
 /// batch: `BEGIN`, one statement claiming every `(message, handler)` pair of the batch
@@ -60,27 +59,6 @@ pub struct PgInbox {
 }
 
 impl PgInbox {
-    /// An inbox over `pool` in the schema of `config` (migrated by
-    /// [`crate::migrate()`] or [`PgOutbox::migrate`](crate::PgOutbox::migrate)); the
-    /// config's URL and pool settings are not used. Sharing a database with the
-    /// outbox? [`PgOutbox::inbox`](crate::PgOutbox::inbox) gives the same.
-    ///
-    /// # Errors
-    /// [`OutboxError::Config`] for an invalid schema name.
-    pub fn new(pool: PgPool, config: &PgConfig) -> Result<Self, OutboxError> {
-        crate::config::validate_schema(config.schema())?;
-        Ok(Self::with_queries(pool, config.schema()))
-    }
-
-    /// Connects with `config` (see [`PgConfig::connect`]).
-    ///
-    /// # Errors
-    /// As [`PgConfig::connect`].
-    pub async fn connect(config: &PgConfig) -> Result<Self, OutboxError> {
-        let pool = config.connect().await?;
-        Self::new(pool, config)
-    }
-
     /// `schema` validated already.
     pub(crate) fn with_queries(pool: PgPool, schema: &str) -> Self {
         Self {

@@ -2,7 +2,8 @@
 //!
 //! The PostgreSQL backend of the outbox toolkit, on sqlx:
 //!
-//! - [`migrate()`]: versioned migrations into a configurable schema (default `outbox`);
+//! - [`PgOutbox::migrate`]: versioned migrations of the outbox's and the inbox's tables
+//!   into a configurable schema (default `outbox`);
 //! - [`PgOutbox`]: the [`OutboxProducer`](outboxkit_core::OutboxProducer)
 //!   ([`enqueue`](outboxkit_core::OutboxProducer::enqueue) /
 //!   [`enqueue_batch`](outboxkit_core::OutboxProducer::enqueue_batch) on the caller's
@@ -12,8 +13,8 @@
 //!   Claims change no indexed column and find room on their page, so PostgreSQL
 //!   performs them as heap-only-tuple (HOT) updates (migration 5: partial indexes on
 //!   the generated `phase` column, `fillfactor = 50`);
-//! - [`PgInbox`]: the [`InboxStore`](outboxkit_core::InboxStore) (`ON CONFLICT DO NOTHING`
-//!   inside the consumer's transaction).
+//! - [`PgInbox`] ([`PgOutbox::inbox`]): the [`InboxStore`](outboxkit_core::InboxStore)
+//!   (`ON CONFLICT DO NOTHING` inside the consumer's transaction).
 //!
 //! ```no_run
 //! use outboxkit_core::{NewMessage, OutboxProducer};
@@ -52,7 +53,7 @@ pub mod wal;
 pub use config::{DEFAULT_SCHEMA, PgConfig, parse_url};
 pub use inbox::PgInbox;
 pub use listen::{KEEPALIVE_INTERVAL, NOTIFY_CHANNEL, OUTAGE_WAKE_INTERVAL};
-pub use migrate::{LATEST_VERSION, migrate};
+pub use migrate::LATEST_VERSION;
 pub use store::PgOutbox;
 
 /// The PostgreSQL driver this crate is built on, for its types (e.g.

@@ -90,7 +90,7 @@ pub const LATEST_VERSION: i32 = 13;
 /// [`OutboxError::Config`] for an invalid schema name, [`OutboxError::Database`] when a
 /// statement fails (that migration is rolled back), or [`OutboxError::Config`] when the
 /// database already has a newer version than this crate knows.
-pub async fn migrate(pool: &PgPool, schema: &str) -> Result<Vec<i32>, OutboxError> {
+pub(crate) async fn migrate(pool: &PgPool, schema: &str) -> Result<Vec<i32>, OutboxError> {
     crate::config::validate_schema(schema)?;
     // Spliced as an identifier (quoted: `user` is a reserved word); the advisory-lock
     // key below is a value and keeps the plain name.

@@ -74,11 +74,16 @@ impl PgOutbox {
         })
     }
 
-    /// Connects with `config` (see [`PgConfig::connect`]) and takes its settings, as
-    /// [`new`](Self::new).
+    /// Opens a pool with `config`'s URL and pool settings and takes its other settings,
+    /// as [`new`](Self::new). The pool connects eagerly, so a wrong URL or a down server
+    /// fails here, and skips sqlx's ping before each acquire (`test_before_acquire(false)`:
+    /// a round trip per transaction saved; a connection broken meanwhile fails its next
+    /// statement, which the relay retries and the inbox defers). The tables are not
+    /// touched: [`migrate`](Self::migrate) creates or upgrades them.
     ///
     /// # Errors
-    /// As [`PgConfig::connect`].
+    /// [`OutboxError::Config`] for a missing or malformed URL or schema, or
+    /// [`OutboxError::Database`] when the server cannot be reached.
     pub async fn connect(config: &PgConfig) -> Result<Self, OutboxError> {
         let pool = config.connect().await?;
         Self::new(pool, config)
@@ -94,8 +99,11 @@ impl PgOutbox {
         self.pool.begin().await.map_err(db("begin"))
     }
 
-    /// The inbox in this outbox's schema and pool (the layout where producer and
-    /// consumer share a database; otherwise build a [`PgInbox`] from its own config).
+    /// The inbox in this outbox's schema and pool: the one way to have a [`PgInbox`]
+    /// ([`migrate`](Self::migrate) creates its tables with the outbox's). A consumer
+    /// whose inbox lives in another database connects a store to that database
+    /// (`PgOutbox::connect(&inbox_config)?.inbox()`); its URL, pool and schema
+    /// settings are the inbox's.
     pub fn inbox(&self) -> PgInbox {
         PgInbox::with_queries(self.pool.clone(), &self.schema)
     }
@@ -122,10 +130,17 @@ impl PgOutbox {
         self.sent_retention
     }
 
-    /// Applies pending migrations to this outbox's schema; returns the versions applied.
+    /// Creates the schema if needed and applies pending migrations to it; returns the
+    /// versions applied.
+    ///
+    /// Every table of the schema is created: the outbox's and the inbox's
+    /// ([`inbox`](Self::inbox)). Each migration runs once, in its own transaction, under a
+    /// lock on the schema name, so several processes may migrate at start-up.
     ///
     /// # Errors
-    /// As [`crate::migrate()`].
+    /// [`OutboxError::Config`] for an invalid schema name or when the database
+    /// already has a newer version than this crate knows ([`LATEST_VERSION`](crate::LATEST_VERSION));
+    /// [`OutboxError::Database`] when a statement fails (that migration is rolled back).
     pub async fn migrate(&self) -> Result<Vec<i32>, OutboxError> {
         crate::migrate::migrate(&self.pool, &self.schema).await
     }

@@ -88,12 +88,15 @@ async fn update_counts(pool: &sqlx::PgPool, schema: &str, at_least: i64) -> (i64
 async fn a_whole_backlog_claimed_at_once_is_updated_in_place() {
     let outbox = fresh_outbox().await;
     // One connection, so the statistics flushed are those of the claims.
-    let pool = PgConfig::new(database_url())
-        .with_schema(outbox.schema())
-        .with_max_connections(1)
-        .connect()
-        .await
-        .expect("connect");
+    let pool = PgOutbox::connect(
+        &PgConfig::new(database_url())
+            .with_schema(outbox.schema())
+            .with_max_connections(1),
+    )
+    .await
+    .expect("connect")
+    .pool()
+    .clone();
     let outbox = PgOutbox::new(
         pool.clone(),
         &PgConfig::default().with_schema(outbox.schema()),
@@ -180,12 +183,15 @@ async fn schema_at_migration_4(pool: &sqlx::PgPool, schema: &str) {
 #[tokio::test]
 async fn upgrade_from_migration_4_keeps_every_row_where_it_was() {
     let schema = format!("t_{}", uuid::Uuid::new_v4().simple());
-    let pool = PgConfig::new(database_url())
-        .with_schema(&schema)
-        .with_max_connections(4)
-        .connect()
-        .await
-        .expect("connect");
+    let pool = PgOutbox::connect(
+        &PgConfig::new(database_url())
+            .with_schema(&schema)
+            .with_max_connections(4),
+    )
+    .await
+    .expect("connect")
+    .pool()
+    .clone();
     schema_at_migration_4(&pool, &schema).await;
     let outbox =
         PgOutbox::new(pool.clone(), &PgConfig::default().with_schema(&schema)).expect("outbox");

@@ -32,12 +32,15 @@ async fn hold_xmin() -> sqlx::PgConnection {
 /// An outbox over a pool of ONE connection, so that the index statistics flushed are
 /// its own (claims and floor refreshes).
 async fn one_connection_outbox(schema: &str) -> PgOutbox {
-    let pool = PgConfig::new(database_url())
-        .with_schema(schema)
-        .with_max_connections(1)
-        .connect()
-        .await
-        .expect("connect");
+    let pool = PgOutbox::connect(
+        &PgConfig::new(database_url())
+            .with_schema(schema)
+            .with_max_connections(1),
+    )
+    .await
+    .expect("connect")
+    .pool()
+    .clone();
     PgOutbox::new(pool, &PgConfig::default().with_schema(schema)).expect("outbox")
 }
 

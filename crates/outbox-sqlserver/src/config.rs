@@ -352,7 +352,7 @@ impl MssqlConfig {
     /// [`OutboxError::Database`] (kind `Unavailable` for an unreachable server or a
     /// timeout, `Permanent` for a failed login) with a [`ConnectError`](crate::ConnectError)
     /// source naming the address, never the password.
-    pub async fn connect(&self) -> Result<MssqlPool, OutboxError> {
+    pub(crate) async fn connect(&self) -> Result<MssqlPool, OutboxError> {
         validate_schema(&self.schema)?;
         let manager = MssqlConnectionManager::new(self.tiberius_config()?, self.connect_timeout);
         let first = manager

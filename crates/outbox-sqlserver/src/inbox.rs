@@ -15,7 +15,6 @@ use outboxkit_core::{CompleteReport, ErrorKind, Headers, InboxStore, OutboxError
 use tiberius::Row;
 use uuid::Uuid;
 
-use crate::config::MssqlConfig;
 use crate::connection::{MssqlClient, MssqlPool, MssqlTransaction};
 use crate::error::db;
 use crate::sql::{InboxQueries, Queries, millis};
@@ -51,28 +50,6 @@ pub struct MssqlInbox {
 }
 
 impl MssqlInbox {
-    /// An inbox over `pool` in the schema of `config` (migrated by
-    /// [`crate::migrate()`] or [`MssqlOutbox::migrate`](crate::MssqlOutbox::migrate));
-    /// the config's connection string and pool settings are not used. Sharing a
-    /// database with the outbox? [`MssqlOutbox::inbox`](crate::MssqlOutbox::inbox) gives
-    /// the same.
-    ///
-    /// # Errors
-    /// [`OutboxError::Config`] for an invalid schema name.
-    pub fn new(pool: MssqlPool, config: &MssqlConfig) -> Result<Self, OutboxError> {
-        crate::config::validate_schema(config.schema())?;
-        Ok(Self::with_queries(pool, config.schema()))
-    }
-
-    /// Connects with `config` (see [`MssqlConfig::connect`]).
-    ///
-    /// # Errors
-    /// As [`MssqlConfig::connect`].
-    pub async fn connect(config: &MssqlConfig) -> Result<Self, OutboxError> {
-        let pool = config.connect().await?;
-        Self::new(pool, config)
-    }
-
     /// `schema` validated already.
     pub(crate) fn with_queries(pool: MssqlPool, schema: &str) -> Self {
         Self {
@@ -665,7 +642,7 @@ mod tests {
             bb8::Pool::builder().build_unchecked(manager),
             Duration::from_secs(1),
         );
-        MssqlInbox::new(pool, &MssqlConfig::default()).expect("inbox")
+        MssqlInbox::with_queries(pool, crate::DEFAULT_SCHEMA)
     }
 
     #[tokio::test]

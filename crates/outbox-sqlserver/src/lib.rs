@@ -3,7 +3,8 @@
 //! The SQL Server backend of the outbox toolkit, on tiberius (TDS over tokio, rustls for
 //! TLS, no OpenSSL) with a bb8 pool:
 //!
-//! - [`migrate()`]: versioned migrations into a configurable schema (default `outbox`),
+//! - [`MssqlOutbox::migrate`]: versioned migrations of the outbox's and the inbox's
+//!   tables into a configurable schema (default `outbox`),
 //!   versions 1 to 3 as in the PostgreSQL backend, 4 its 6 (the crash-loop guard), 5 its
 //!   4 (the archive tables), 6 its 8 (the crash-loop guard's count of claims alone);
 //! - [`MssqlOutbox`]: the [`OutboxProducer`](outboxkit_core::OutboxProducer)
@@ -15,7 +16,7 @@
 //!   crash-loop guard that claims a suspect alone before it kills it
 //!   ([`MssqlConfig::with_crash_loop_limit`]), one-round-trip batch
 //!   completion in statements of at most 1,000 rows, every time from `SYSUTCDATETIME()`;
-//! - [`MssqlInbox`]: the [`InboxStore`](outboxkit_core::InboxStore) (an insert that locks
+//! - [`MssqlInbox`] ([`MssqlOutbox::inbox`]): the [`InboxStore`](outboxkit_core::InboxStore) (an insert that locks
 //!   only its own key inside the consumer's transaction) and the inbox capabilities
 //!   ([`VersionTracking`](outboxkit_core::VersionTracking),
 //!   [`ConsumerDeadLetters`](outboxkit_core::ConsumerDeadLetters),
@@ -78,7 +79,7 @@ pub use connection::{
 };
 pub use error::ConnectError;
 pub use inbox::MssqlInbox;
-pub use migrate::{LATEST_VERSION, migrate};
+pub use migrate::LATEST_VERSION;
 pub use ops::MAX_ROWS_PER_STATEMENT;
 pub use outboxkit_core::database::{redact_connection_string, redact_database_url};
 pub use store::MssqlOutbox;

@@ -111,7 +111,7 @@ pub(crate) fn batches(sql: &str, schema: &str) -> Vec<String> {
 /// [`OutboxError::Config`] for an invalid schema name, [`OutboxError::Database`] when a
 /// statement fails (that migration is rolled back), or [`OutboxError::Config`] when the
 /// database already has a newer version than this crate knows.
-pub async fn migrate(pool: &MssqlPool, schema: &str) -> Result<Vec<i32>, OutboxError> {
+pub(crate) async fn migrate(pool: &MssqlPool, schema: &str) -> Result<Vec<i32>, OutboxError> {
     crate::config::validate_schema(schema)?;
     let q = quoted_schema(schema);
     let resource = format!("outbox-migrate:{schema}");

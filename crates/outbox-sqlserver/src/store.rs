@@ -68,19 +68,27 @@ impl MssqlOutbox {
         })
     }
 
-    /// Connects with `config` (see [`MssqlConfig::connect`]) and takes its settings, as
-    /// [`new`](Self::new).
+    /// Opens a pool with `config`'s connection string and pool settings and takes its
+    /// other settings, as [`new`](Self::new). One connection is opened eagerly, so that a
+    /// wrong address, a down server or bad credentials fail here with the server's own
+    /// reason. The tables are not touched: [`migrate`](Self::migrate) creates or upgrades
+    /// them.
     ///
     /// # Errors
-    /// As [`MssqlConfig::connect`].
+    /// [`OutboxError::Config`] for a missing or malformed connection string or schema;
+    /// [`OutboxError::Database`] (kind `Unavailable` for an unreachable server or a
+    /// timeout, `Permanent` for a failed login) with a [`ConnectError`](crate::ConnectError)
+    /// source naming the address, never the password.
     pub async fn connect(config: &MssqlConfig) -> Result<Self, OutboxError> {
         let pool = config.connect().await?;
         Self::new(pool, config)
     }
 
-    /// The inbox in this outbox's schema and pool (the layout where producer and
-    /// consumer share a database; otherwise build an [`MssqlInbox`] from its own
-    /// config).
+    /// The inbox in this outbox's schema and pool: the one way to have a [`MssqlInbox`]
+    /// ([`migrate`](Self::migrate) creates its tables with the outbox's). A consumer
+    /// whose inbox lives in another database connects a store to that database
+    /// (`MssqlOutbox::connect(&inbox_config)?.inbox()`); its URL, pool and schema
+    /// settings are the inbox's.
     pub fn inbox(&self) -> MssqlInbox {
         MssqlInbox::with_queries(self.pool.clone(), &self.schema)
     }
@@ -115,10 +123,17 @@ impl MssqlOutbox {
         }
     }
 
-    /// Applies pending migrations to this outbox's schema; returns the versions applied.
+    /// Creates the schema if needed and applies pending migrations to it; returns the
+    /// versions applied.
+    ///
+    /// Every table of the schema is created: the outbox's and the inbox's
+    /// ([`inbox`](Self::inbox)). Each migration runs once, in its own transaction, under a
+    /// lock on the schema name, so several processes may migrate at start-up.
     ///
     /// # Errors
-    /// As [`crate::migrate()`].
+    /// [`OutboxError::Config`] for an invalid schema name or when the database
+    /// already has a newer version than this crate knows ([`LATEST_VERSION`](crate::LATEST_VERSION));
+    /// [`OutboxError::Database`] when a statement fails (that migration is rolled back).
     pub async fn migrate(&self) -> Result<Vec<i32>, OutboxError> {
         crate::migrate::migrate(&self.pool, &self.schema).await
     }

@@ -11,7 +11,7 @@ use std::time::Duration;
 use outboxkit_core::inbox::{ConsumerDeadLetters, VersionTracking};
 use outboxkit_core::wire::IncomingMessage;
 use outboxkit_core::{InboxStore, NewMessage, OutboxProducer, OutboxStore};
-use outboxkit_sqlserver::{MssqlConfig, MssqlInbox};
+use outboxkit_sqlserver::{MssqlConfig, MssqlInbox, MssqlOutbox};
 use uuid::Uuid;
 
 async fn inbox() -> MssqlInbox {
@@ -366,20 +366,24 @@ async fn the_inbox_crate_consumer_survives_faults() {
             .expect("dead")
     );
 
-    let starved_pool = MssqlConfig::new(&url)
-        .with_schema(outbox.schema())
-        .with_max_connections(1)
-        .with_acquire_timeout(Duration::from_millis(300))
-        .connect()
-        .await
-        .expect("connect");
+    let starved_pool = MssqlOutbox::connect(
+        &MssqlConfig::new(&url)
+            .with_schema(outbox.schema())
+            .with_max_connections(1)
+            .with_acquire_timeout(Duration::from_millis(300)),
+    )
+    .await
+    .expect("connect")
+    .pool()
+    .clone();
     let held = starved_pool.get().await.expect("the only connection");
     let starved = Arc::new(
-        MssqlInbox::new(
+        MssqlOutbox::new(
             starved_pool.clone(),
             &MssqlConfig::default().with_schema(outbox.schema()),
         )
-        .expect("inbox"),
+        .expect("outbox")
+        .inbox(),
     );
     let waiting = IdempotentConsumer::new(
         Arc::clone(&starved),
@@ -403,14 +407,19 @@ async fn small_pool(
     outbox: &outboxkit_sqlserver::MssqlOutbox,
     connections: u32,
 ) -> MssqlInbox {
-    let pool = outboxkit_sqlserver::MssqlConfig::new(url)
-        .with_schema(outbox.schema())
-        .with_max_connections(connections)
-        .with_acquire_timeout(Duration::from_secs(5))
-        .connect()
-        .await
-        .expect("connect");
-    MssqlInbox::new(pool, &MssqlConfig::default().with_schema(outbox.schema())).expect("inbox")
+    let pool = outboxkit_sqlserver::MssqlOutbox::connect(
+        &outboxkit_sqlserver::MssqlConfig::new(url)
+            .with_schema(outbox.schema())
+            .with_max_connections(connections)
+            .with_acquire_timeout(Duration::from_secs(5)),
+    )
+    .await
+    .expect("connect")
+    .pool()
+    .clone();
+    MssqlOutbox::new(pool, &MssqlConfig::default().with_schema(outbox.schema()))
+        .expect("outbox")
+        .inbox()
 }
 
 /// Makes `(id, consumer)` a consumer dead letter (one failure of at most one).

@@ -72,7 +72,11 @@ impl Effects {
         .execute(outbox.pool())
         .await
         .expect("table");
-        let inbox = Arc::new(PgInbox::new(outbox.pool().clone(), &config).expect("inbox"));
+        let inbox = Arc::new(
+            PgOutbox::new(outbox.pool().clone(), &config)
+                .expect("outbox")
+                .inbox(),
+        );
         Self {
             schema,
             outbox,

@@ -13,7 +13,7 @@ use outboxkit::inbox::{
     ConsumerConfig, Handler, HandlerContext, HandlerError, IdempotentConsumer, Pipeline,
 };
 use outboxkit::postgres::sqlx::{self, PgConnection};
-use outboxkit::postgres::{PgConfig, PgInbox};
+use outboxkit::postgres::{PgConfig, PgInbox, PgOutbox};
 use outboxkit::rabbit::lapin::types::{AMQPValue, FieldTable};
 use outboxkit::rabbit::{RabbitConfig, RabbitConsumer, RabbitConsumerConfig};
 use outboxkit::{BatchSettings, Consumer as _, IncomingMessage};
@@ -42,7 +42,7 @@ impl Handler<PgInbox> for AuditLog {
 
 #[tokio::main]
 async fn main() -> Result<(), Box<dyn std::error::Error>> {
-    let inbox = PgInbox::connect(&PgConfig::from_env()?).await?;
+    let inbox = PgOutbox::connect(&PgConfig::from_env()?).await?.inbox();
     sqlx::query(
         "CREATE TABLE IF NOT EXISTS audit_log (event_id uuid PRIMARY KEY, event_type text)",
     )

@@ -14,7 +14,7 @@ use outboxkit::inbox::{
     ConsumerConfig, Handler, HandlerContext, HandlerError, IdempotentConsumer, Pipeline,
 };
 use outboxkit::postgres::sqlx::{self, PgConnection};
-use outboxkit::postgres::{PgConfig, PgInbox};
+use outboxkit::postgres::{PgConfig, PgInbox, PgOutbox};
 use outboxkit::{AnyConsumer, AnyConsumerConfig, Consumer as _, IncomingMessage};
 use tokio_util::sync::CancellationToken;
 
@@ -52,7 +52,7 @@ impl Handler<PgInbox> for Revenue {
 
 #[tokio::main]
 async fn main() -> Result<(), Box<dyn std::error::Error>> {
-    let inbox = PgInbox::connect(&PgConfig::from_env()?).await?; // the relay migrated it
+    let inbox = PgOutbox::connect(&PgConfig::from_env()?).await?.inbox(); // the relay migrated it
     sqlx::query(
         "CREATE TABLE IF NOT EXISTS revenue (day date PRIMARY KEY, cents bigint, orders bigint)",
     )

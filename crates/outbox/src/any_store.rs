@@ -17,7 +17,9 @@
 //! ([`InboxStore::Connection`](outboxkit_core::InboxStore::Connection)): neither has one
 //! type across databases, so a program that writes business rows takes the concrete
 //! store ([`as_postgres`](AnyStore::as_postgres), [`as_mysql`](AnyStore::as_mysql),
-//! [`as_sqlserver`](AnyStore::as_sqlserver)) and the matching inbox from its crate.
+//! [`as_sqlserver`](AnyStore::as_sqlserver)) and that store's inbox (`inbox()`), as with
+//! a concrete store: connect, [`migrate`](AnyStore::migrate) (the outbox's and the
+//! inbox's tables), then `inbox()`.
 //!
 //! [`PgOutbox`]: https://docs.rs/outboxkit-postgres
 //! [`MySqlOutbox`]: https://docs.rs/outboxkit-mysql
@@ -329,6 +331,17 @@ impl AnyStore {
         })
     }
 
+    /// Creates or upgrades the tables (the outbox's and the inbox's) in the configured
+    /// schema; returns the versions applied. The store's own `migrate`, also reachable
+    /// as [`OutboxAdmin::migrate`].
+    ///
+    /// # Errors
+    /// As the store's `migrate`: [`OutboxError::Config`] when the database has a newer
+    /// version than this build knows, [`OutboxError::Database`] when a statement fails.
+    pub async fn migrate(&self) -> Result<Vec<i32>, OutboxError> {
+        forward!(self, s => s.migrate().await)
+    }
+
     /// The database this store talks to.
     pub fn kind(&self) -> DatabaseKind {
         match self {
@@ -342,7 +355,7 @@ impl AnyStore {
     }
 
     /// The PostgreSQL store, if this is one (to `enqueue` in a transaction of its pool,
-    /// or for its wake listener).
+    /// or for its inbox: `store.as_postgres().map(PgOutbox::inbox)`).
     #[cfg(feature = "postgres")]
     #[cfg_attr(docsrs, doc(cfg(feature = "postgres")))]
     pub fn as_postgres(&self) -> Option<&PgOutbox> {

@@ -9,7 +9,8 @@
 //! format) is always
 //! present and re-exported at the root, so `outboxkit::NewMessage` is
 //! `outboxkit_core::NewMessage`. Each database and broker is a cargo feature that adds
-//! one module, the backend crate re-exported as is:
+//! one module with the backend crate's items (`outboxkit::postgres::PgOutbox` is
+//! `outboxkit_postgres::PgOutbox`); these docs show each item under one path:
 //!
 //! | feature | default | module | what it adds |
 //! |---|---|---|---|
@@ -261,7 +262,7 @@
 //! use std::sync::Arc;
 //! use outboxkit::inbox::{ConsumerConfig, Handler, HandlerContext, HandlerError, IdempotentConsumer, Pipeline};
 //! use outboxkit::postgres::sqlx::{self, PgConnection};
-//! use outboxkit::postgres::{PgConfig, PgInbox};
+//! use outboxkit::postgres::{PgConfig, PgInbox, PgOutbox};
 //! use outboxkit::{AnyConsumer, AnyConsumerConfig, Consumer as _, IncomingMessage};
 //!
 //! struct Project;
@@ -276,7 +277,7 @@
 //!     }
 //! }
 //!
-//! let inbox = PgInbox::connect(&PgConfig::from_env()?).await?;
+//! let inbox = PgOutbox::connect(&PgConfig::from_env()?).await?.inbox();
 //! // RabbitMQ: the queue `projection` on the exchange `outbox.events`; NATS: the durable
 //! // consumer `projection` on the stream `OUTBOX`. Each created when missing.
 //! let config = AnyConsumerConfig::from_url("amqp://guest:guest@127.0.0.1:5672/%2f", "projection")?;
@@ -304,48 +305,411 @@
     )
 )]
 
+// Every item once in the documentation (issue 47; `cargo xtask release-check` fails
+// when `all.html` lists an item under two paths). The core's root items are at the
+// root, through this glob. The glob would also bring the core's modules, most of which
+// hold root items too (`outboxkit::admin::GroupStats` is `outboxkit::GroupStats`): each
+// such module is shadowed below by a module of the same name that re-exports the whole
+// core module hidden from the docs (every path keeps compiling) and shows only the
+// items that are not at the root. The backends and transports are modules built the
+// same way: their own root items, their driver crate as a plain re-export (inlined,
+// sqlx would be documented twice, under `postgres::sqlx` and `mysql::sqlx`), without
+// the core items they re-export. A name listed in one of these lists and removed from
+// its crate fails to compile here; an item added to a crate and to none of these lists
+// is usable but missing from the docs: `cargo xtask release-check` reports both kinds.
 pub use outboxkit_core::*;
 
+/// The operator queries behind the `outbox` binary: [`OutboxAdmin`] and its types
+/// (at the root), and the bounds of its counting queries.
+pub mod admin {
+    #[doc(hidden)]
+    pub use outboxkit_core::admin::*;
+    #[doc(inline)]
+    pub use outboxkit_core::admin::{DEFAULT_SCAN_BOUND, PENDING_STATS_BOUND};
+}
+
+/// The consumer-side contract shared by every transport: [`DeliveryHandler`],
+/// [`BatchDeliveryHandler`], [`HandlerDecision`], [`Consumer`] (at the root), and the
+/// helpers the transports' consumers drive them with.
+pub mod consumer {
+    #[doc(hidden)]
+    pub use outboxkit_core::consumer::*;
+    #[doc(inline)]
+    pub use outboxkit_core::consumer::{
+        MAX_DEFER_DELAY, defer_delay, drop_undecodable, handle_batch_until_decided,
+        handle_until_decided, until_decided,
+    };
+}
+
+/// Database URLs: [`DatabaseKind`] (at the root) and the redaction of passwords in URLs
+/// and connection strings.
+pub mod database {
+    #[doc(hidden)]
+    pub use outboxkit_core::database::*;
+    #[doc(inline)]
+    pub use outboxkit_core::database::{redact_connection_string, redact_database_url};
+}
+
+/// The relay loop: [`Dispatcher`], [`DispatcherConfig`] and their reports (at the root),
+/// and the relay's defaults and bounds.
+pub mod dispatcher {
+    #[doc(hidden)]
+    pub use outboxkit_core::dispatcher::*;
+    #[doc(inline)]
+    pub use outboxkit_core::dispatcher::{
+        DEFAULT_DRAIN_TIMEOUT, DEFAULT_MIN_POLL_INTERVAL, MAX_CIRCUITS, RELEASE_CHUNK,
+        TRIALS_PER_SECOND, publish_guarded,
+    };
+}
+
+/// [`DomainEvents`] and [`EventSource`], at the root.
+#[doc(hidden)]
+pub mod domain {
+    pub use outboxkit_core::domain::*;
+}
+
+/// The environment variables of the `outbox` binary, read the same way by every store's
+/// and transport's `from_env` ([`EnvError`] is at the root).
+pub mod env {
+    #[doc(hidden)]
+    pub use outboxkit_core::env::*;
+    #[doc(inline)]
+    pub use outboxkit_core::env::{
+        DATABASE_URL, DurationError, Env, OUTBOX_BROKER_URL, OUTBOX_CONFIRM_TIMEOUT,
+        OUTBOX_CONNECT_TIMEOUT, OUTBOX_CRASH_LOOP_LIMIT, OUTBOX_DESTINATION_RULES, OUTBOX_EXCHANGE,
+        OUTBOX_MAX_PAYLOAD_BYTES, OUTBOX_SCHEMA, OUTBOX_SENT_RETENTION, OUTBOX_STREAM,
+        OUTBOX_SUBJECT_PREFIX, PairsLookup, ProcessLookup, parse_duration,
+    };
+}
+
+/// Typed errors ([`OutboxError`], [`ErrorKind`], … at the root) and the redaction of
+/// passwords in broker URLs.
+pub mod error {
+    #[doc(hidden)]
+    pub use outboxkit_core::error::*;
+    #[doc(inline)]
+    pub use outboxkit_core::error::{LoneUserInfo, redact_url};
+}
+
+/// [`NewMessage`], [`OutboxMessage`], [`MessageStatus`] and their limits, at the root.
+#[doc(hidden)]
+pub mod message {
+    pub use outboxkit_core::message::*;
+}
+
+/// [`OrderKey`], [`Ordering`], [`OnDead`] and [`BlockedKey`], at the root.
+#[doc(hidden)]
+pub mod ordering {
+    pub use outboxkit_core::ordering::*;
+}
+
+/// [`OutboxProducer`], at the root.
+#[doc(hidden)]
+pub mod producer {
+    pub use outboxkit_core::producer::*;
+}
+
+/// [`EventPublisher`] and [`PublishOutcome`], at the root.
+#[doc(hidden)]
+pub mod publisher {
+    pub use outboxkit_core::publisher::*;
+}
+
+/// Retry policies ([`RetryPolicy`], [`RetryPolicies`] at the root) and the backoff of
+/// an outage.
+pub mod retry {
+    #[doc(inline)]
+    pub use outboxkit_core::retry::outage_backoff;
+    #[doc(hidden)]
+    pub use outboxkit_core::retry::*;
+}
+
+/// The store traits ([`OutboxStore`], [`InboxStore`] and their types, at the root) and
+/// the limits of stored errors and schema names.
+pub mod store {
+    #[doc(hidden)]
+    pub use outboxkit_core::store::*;
+    #[doc(inline)]
+    pub use outboxkit_core::store::{MAX_ERROR_BYTES, validate_schema};
+}
+
+/// The wire format shared by every transport: CloudEvents attributes in binary content
+/// mode and W3C Trace Context ([`IncomingMessage`] is at the root).
+pub mod wire {
+    #[doc(hidden)]
+    pub use outboxkit_core::wire::*;
+    #[doc(inline)]
+    pub use outboxkit_core::wire::{
+        Binding, CAUSATION_ID, CONTENT_TYPE_JSON, CORRELATION_ID, DecodeError, MAX_QUOTED_BYTES,
+        SPEC_VERSION, TRACEPARENT, TRACESTATE, TraceParent, UndecodableMessage, check_limits,
+        encode_headers, format_time, headers_from_pairs,
+    };
+}
+
+// The core's test suites, their macros and test strategies, for backend and transport
+// authors, are `outboxkit_core`'s only: with its `conformance` or `proptest` feature on
+// (by another crate of the build), these keep them out of the facade (a local item
+// shadows the glob's, in paths and in the docs).
+#[doc(hidden)]
+pub mod conformance {}
+#[doc(hidden)]
+pub mod inbox_conformance {}
+#[doc(hidden)]
+pub mod transport_conformance {}
+#[doc(hidden)]
+pub mod proptest_support {}
+
+/// Not the facade's: `outboxkit_core::store_conformance_tests!` (this shadows it).
+#[doc(hidden)]
+#[macro_export]
+macro_rules! store_conformance_tests {
+    ($($any:tt)*) => {
+        compile_error!("the store conformance suite is outboxkit_core's: outboxkit_core::store_conformance_tests!")
+    };
+}
+
+/// Not the facade's: `outboxkit_core::inbox_conformance_tests!` (this shadows it).
+#[doc(hidden)]
+#[macro_export]
+macro_rules! inbox_conformance_tests {
+    ($($any:tt)*) => {
+        compile_error!("the inbox conformance suite is outboxkit_core's: outboxkit_core::inbox_conformance_tests!")
+    };
+}
+
+/// Not the facade's: `outboxkit_core::transport_conformance_tests!` (this shadows it).
+#[doc(hidden)]
+#[macro_export]
+macro_rules! transport_conformance_tests {
+    ($($any:tt)*) => {
+        compile_error!("the transport conformance suite is outboxkit_core's: outboxkit_core::transport_conformance_tests!")
+    };
+}
+
+/// The PostgreSQL backend (`outboxkit-postgres`, sqlx): [`PgOutbox`](postgres::PgOutbox)
+/// (connect or wrap your pool, [`migrate`](postgres::PgOutbox::migrate),
+/// [`enqueue`](OutboxProducer::enqueue) in your transaction, the relay's store with its
+/// `LISTEN` wake-up, [`inbox`](postgres::PgOutbox::inbox)), [`PgConfig`](postgres::PgConfig)
+/// and [`PgInbox`](postgres::PgInbox). The crate's documentation has the details
+/// (claims, migrations, round trips).
 #[cfg(feature = "postgres")]
 #[cfg_attr(docsrs, doc(cfg(feature = "postgres")))]
-#[doc(inline)]
-pub use outboxkit_postgres as postgres;
+pub mod postgres {
+    /// The sqlx this backend is built on, for its types (`sqlx::Transaction` from
+    /// [`PgOutbox::begin`], `sqlx::PgPool` for [`PgOutbox::new`]).
+    #[doc(no_inline)]
+    pub use outboxkit_postgres::sqlx;
+    // Everything else the crate has: its `wal` module when a crate of the build enables
+    // that feature, and whatever a later version adds (none of it in the docs).
+    #[doc(hidden)]
+    #[allow(
+        unused_imports,
+        unreachable_pub,
+        reason = "the explicit list below may name every item of this build"
+    )]
+    pub use outboxkit_postgres::*;
+    #[doc(inline)]
+    pub use outboxkit_postgres::{
+        DEFAULT_SCHEMA, KEEPALIVE_INTERVAL, LATEST_VERSION, NOTIFY_CHANNEL, OUTAGE_WAKE_INTERVAL,
+        PgConfig, PgInbox, PgOutbox, parse_url,
+    };
+}
 
+/// The SQL Server backend (`outboxkit-sqlserver`, tiberius and bb8):
+/// [`MssqlOutbox`](sqlserver::MssqlOutbox) (connect or wrap your pool,
+/// [`migrate`](sqlserver::MssqlOutbox::migrate), [`enqueue`](OutboxProducer::enqueue) in
+/// your transaction, the relay's store, [`inbox`](sqlserver::MssqlOutbox::inbox)),
+/// [`MssqlConfig`](sqlserver::MssqlConfig), [`MssqlInbox`](sqlserver::MssqlInbox) and the
+/// pool and transaction types (the redaction of connection strings is
+/// [`database::redact_connection_string`]).
 #[cfg(feature = "sqlserver")]
 #[cfg_attr(docsrs, doc(cfg(feature = "sqlserver")))]
-#[doc(inline)]
-pub use outboxkit_sqlserver as sqlserver;
+pub mod sqlserver {
+    #[doc(hidden)]
+    pub use outboxkit_sqlserver::*;
+    #[doc(inline)]
+    pub use outboxkit_sqlserver::{
+        ConnectError, DEFAULT_SCHEMA, LATEST_VERSION, MAX_ROWS_PER_STATEMENT, MssqlClient,
+        MssqlConfig, MssqlConnection, MssqlConnectionManager, MssqlInbox, MssqlOutbox, MssqlPool,
+        MssqlTransaction, PooledConnection,
+    };
+}
 
+/// The MySQL 8.0+ / MariaDB 10.6+ backend (`outboxkit-mysql`, sqlx):
+/// [`MySqlOutbox`](mysql::MySqlOutbox) (connect or wrap your pool,
+/// [`migrate`](mysql::MySqlOutbox::migrate), [`enqueue`](OutboxProducer::enqueue) in your
+/// transaction, the relay's store, polled, [`inbox`](mysql::MySqlOutbox::inbox)),
+/// [`MySqlConfig`](mysql::MySqlConfig) and [`MySqlInbox`](mysql::MySqlInbox).
 #[cfg(feature = "mysql")]
 #[cfg_attr(docsrs, doc(cfg(feature = "mysql")))]
-#[doc(inline)]
-pub use outboxkit_mysql as mysql;
+pub mod mysql {
+    /// The sqlx this backend is built on, for its types (`sqlx::Transaction` from
+    /// [`MySqlOutbox::begin`], `sqlx::MySqlPool` for [`MySqlOutbox::new`]).
+    #[doc(no_inline)]
+    pub use outboxkit_mysql::sqlx;
+    #[doc(hidden)]
+    #[allow(
+        unused_imports,
+        unreachable_pub,
+        reason = "the explicit list below may name every item of this build"
+    )]
+    pub use outboxkit_mysql::*;
+    #[doc(inline)]
+    pub use outboxkit_mysql::{
+        DEFAULT_SCHEMA, LATEST_VERSION, MySqlConfig, MySqlInbox, MySqlInboxTransaction,
+        MySqlOutbox, parse_url,
+    };
+}
 
+/// The RabbitMQ transport (`outboxkit-rabbit`, lapin): [`RabbitPublisher`](rabbit::RabbitPublisher)
+/// (publisher confirms, mandatory returns), [`RabbitConsumer`](rabbit::RabbitConsumer)
+/// and their configuration (the consumer traits are at the root: [`DeliveryHandler`],
+/// [`Consumer`]).
 #[cfg(feature = "rabbit")]
 #[cfg_attr(docsrs, doc(cfg(feature = "rabbit")))]
-#[doc(inline)]
-pub use outboxkit_rabbit as rabbit;
+pub mod rabbit {
+    /// The lapin this transport is built on, for its types (e.g. `lapin::types::FieldTable`
+    /// for [`RabbitConsumerBuilder::with_queue_arguments`]).
+    #[doc(no_inline)]
+    pub use outboxkit_rabbit::lapin;
+    #[doc(hidden)]
+    pub use outboxkit_rabbit::*;
+    #[doc(inline)]
+    pub use outboxkit_rabbit::{
+        DestinationRule, QueueType, RabbitConfig, RabbitConfigBuilder, RabbitConsumer,
+        RabbitConsumerBuilder, RabbitError, RabbitPublisher, redact_url,
+    };
 
+    /// The defaults and bounds of [`RabbitConfig`].
+    pub mod config {
+        #[doc(hidden)]
+        pub use outboxkit_rabbit::config::*;
+        #[doc(inline)]
+        pub use outboxkit_rabbit::config::{
+            DEFAULT_CHANNELS, DEFAULT_CONFIRM_TIMEOUT, DEFAULT_CONNECT_TIMEOUT,
+            DEFAULT_CONNECTION_NAME, DEFAULT_EXCHANGE, DEFAULT_HEARTBEAT_SECS,
+            DEFAULT_MAX_PAYLOAD_BYTES, DEFAULT_URL, MAX_CHANNELS,
+        };
+    }
+
+    /// The defaults of [`RabbitConsumer`] and the decoding of AMQP headers.
+    pub mod consumer {
+        #[doc(hidden)]
+        pub use outboxkit_rabbit::consumer::*;
+        #[doc(inline)]
+        pub use outboxkit_rabbit::consumer::{
+            DEFAULT_PREFETCH, DEFAULT_RECONNECT_INITIAL, DEFAULT_RECONNECT_MAX,
+            DEFAULT_REQUEUE_DELAY, headers_to_strings,
+        };
+    }
+
+    #[doc(hidden)]
+    pub mod destinations {
+        pub use outboxkit_rabbit::destinations::*;
+    }
+
+    #[doc(hidden)]
+    pub mod error {
+        pub use outboxkit_rabbit::error::*;
+    }
+
+    #[doc(hidden)]
+    pub mod publisher {
+        pub use outboxkit_rabbit::publisher::*;
+    }
+}
+
+/// The NATS JetStream transport (`outboxkit-nats`, async-nats):
+/// [`NatsPublisher`](nats::NatsPublisher) (awaits each PubAck, `Nats-Msg-Id`
+/// deduplication), [`NatsConsumer`](nats::NatsConsumer), the stream
+/// ([`StreamSetup`](nats::StreamSetup)) and their configuration (the consumer traits are
+/// at the root: [`DeliveryHandler`], [`Consumer`]).
 #[cfg(feature = "nats")]
 #[cfg_attr(docsrs, doc(cfg(feature = "nats")))]
-#[doc(inline)]
-pub use outboxkit_nats as nats;
+pub mod nats {
+    /// The async-nats this transport is built on, for its types (e.g.
+    /// `async_nats::jetstream::Context` from [`NatsPublisher::jetstream`]).
+    #[doc(no_inline)]
+    pub use outboxkit_nats::async_nats;
+    #[doc(hidden)]
+    pub use outboxkit_nats::*;
+    #[doc(inline)]
+    pub use outboxkit_nats::{
+        NatsConfig, NatsConfigBuilder, NatsConsumer, NatsConsumerBuilder, NatsError, NatsPublisher,
+        Storage, StreamInfo, StreamRetention, StreamSetup, redact_url,
+    };
+
+    /// The defaults and bounds of [`NatsConfig`].
+    pub mod config {
+        #[doc(hidden)]
+        pub use outboxkit_nats::config::*;
+        #[doc(inline)]
+        pub use outboxkit_nats::config::{
+            DEFAULT_ACK_TIMEOUT, DEFAULT_CONNECT_TIMEOUT, DEFAULT_CONNECTION_NAME,
+            DEFAULT_MAX_IN_FLIGHT, DEFAULT_SUBJECT_PREFIX, DEFAULT_URL, MAX_IN_FLIGHT,
+            MAX_SUBJECT_BYTES,
+        };
+    }
+
+    /// The defaults and bounds of [`NatsConsumer`] and the decoding of NATS headers.
+    pub mod consumer {
+        #[doc(hidden)]
+        pub use outboxkit_nats::consumer::*;
+        #[doc(inline)]
+        pub use outboxkit_nats::consumer::{
+            DEFAULT_ACK_WAIT, DEFAULT_CONCURRENCY, DEFAULT_MAX_DELIVER, DEFAULT_NAK_DELAYS,
+            DEFAULT_RECONNECT_INITIAL, DEFAULT_RECONNECT_MAX, MAX_CONCURRENCY, headers_to_strings,
+        };
+    }
+
+    #[doc(hidden)]
+    pub mod error {
+        pub use outboxkit_nats::error::*;
+    }
+
+    /// The headers [`NatsPublisher`] sets.
+    pub mod publisher {
+        #[doc(hidden)]
+        pub use outboxkit_nats::publisher::*;
+        #[doc(inline)]
+        pub use outboxkit_nats::publisher::{CONTENT_TYPE_HEADER, MSG_ID_HEADER};
+    }
+
+    /// The defaults of [`StreamSetup`].
+    pub mod topology {
+        #[doc(inline)]
+        pub use outboxkit_nats::topology::DEFAULT_DUPLICATE_WINDOW;
+        #[doc(hidden)]
+        pub use outboxkit_nats::topology::*;
+    }
+}
 
 /// The consumer side. Always: the core's inbox traits and types
 /// ([`InboxStore`] and its capabilities [`DurableInbox`],
-/// [`VersionTracking`], [`ConsumerDeadLetters`], …, also at the root). With the `inbox`
-/// feature, also the `outboxkit-inbox` crate: [`IdempotentConsumer`](inbox::IdempotentConsumer),
+/// [`VersionTracking`], [`ConsumerDeadLetters`], …, at the root) and
+/// [`lock_order`](inbox::lock_order). With the `inbox` feature, also the
+/// `outboxkit-inbox` crate: [`IdempotentConsumer`](inbox::IdempotentConsumer),
 /// [`Handler`](inbox::Handler), [`Pipeline`](inbox::Pipeline), the durable
 /// [`InboxProcessor`](inbox::InboxProcessor) and their metrics. A feature only adds
 /// names here; none changes meaning.
 pub mod inbox {
     #[doc(inline)]
+    pub use outboxkit_core::inbox::lock_order;
+    #[doc(hidden)]
     pub use outboxkit_core::inbox::*;
 
     #[cfg(feature = "inbox")]
+    #[doc(hidden)]
+    pub use ::outboxkit_inbox::*;
+    #[cfg(feature = "inbox")]
     #[cfg_attr(docsrs, doc(cfg(feature = "inbox")))]
     #[doc(inline)]
-    pub use ::outboxkit_inbox::*;
+    pub use ::outboxkit_inbox::{
+        BatchHandlerError, DEFAULT_MAX_DELIVERIES, DEFAULT_MAX_VERSION_JUMP, DurableReceiver,
+        GapPolicy, Handler, HandlerContext, HandlerError, IdempotentConsumer, InboxProcessor,
+        InboxRetention, Pipeline, ProcessReport, ProcessorConfig, PurgeReport, StalePolicy,
+        UNDECODABLE_CONSUMER, UNHANDLED_CONSUMER, UnhandledPolicy, metrics,
+    };
 }
 
 /// A message as received from a broker, decoded from its wire form (both transports

@@ -244,7 +244,9 @@ async fn a_database_outage_longer_than_the_delivery_budget_loses_nothing() {
         .await
         .expect("connect as the consumer's role");
     let store = Arc::new(
-        PgInbox::new(pool, &PgConfig::default().with_schema(outbox.schema())).expect("inbox"),
+        PgOutbox::new(pool, &PgConfig::default().with_schema(outbox.schema()))
+            .expect("outbox")
+            .inbox(),
     );
     let handler = IdempotentConsumer::new(
         Arc::clone(&store),

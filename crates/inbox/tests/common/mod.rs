@@ -43,11 +43,12 @@ pub(crate) async fn db() -> Db {
     .expect("effects table");
     Db {
         inbox: Arc::new(
-            PgInbox::new(
+            PgOutbox::new(
                 outbox.pool().clone(),
                 &PgConfig::default().with_schema(&schema),
             )
-            .expect("inbox"),
+            .expect("outbox")
+            .inbox(),
         ),
         pool: outbox.pool().clone(),
         _drop: outboxkit_testkit::pg::DropSchema::new(&database_url(), &schema),

@@ -532,14 +532,13 @@ impl Database {
         let pool = PgPoolOptions::new()
             .max_connections(POOL_SIZE)
             .acquire_timeout(Duration::from_secs(10))
-            // As `PgConfig::connect`: no ping before each acquire.
+            // As `PgOutbox::connect`: no ping before each acquire.
             .test_before_acquire(false)
             .connect_with(counter.options(base))
             .await?;
-        let inbox = Arc::new(PgInbox::new(
-            pool.clone(),
-            &PgConfig::default().with_schema(&schema),
-        )?);
+        let inbox = Arc::new(
+            PgOutbox::new(pool.clone(), &PgConfig::default().with_schema(&schema))?.inbox(),
+        );
         Ok(Self {
             admin,
             pool,

@@ -54,8 +54,8 @@ use outboxkit_inbox::{
     ConsumerConfig, DurableReceiver, Handler, HandlerContext, HandlerError, IdempotentConsumer,
     InboxProcessor, Pipeline, ProcessorConfig,
 };
-use outboxkit_mysql::{MySqlConfig, MySqlInbox};
-use outboxkit_postgres::{PgConfig, PgInbox};
+use outboxkit_mysql::{MySqlConfig, MySqlInbox, MySqlOutbox};
+use outboxkit_postgres::{PgConfig, PgInbox, PgOutbox};
 use serde::Deserialize;
 use sqlx::mysql::MySqlPoolOptions;
 use sqlx::postgres::PgPoolOptions;
@@ -351,7 +351,7 @@ pub async fn main(args: Args) -> anyhow::Result<()> {
                 .acquire_timeout(timeout)
                 .connect_lazy_with(topology::consumer_pg_options(&names)?);
             let config = PgConfig::default().with_schema(&args.schema);
-            let store = Arc::new(PgInbox::new(pool.clone(), &config)?);
+            let store = Arc::new(PgOutbox::new(pool.clone(), &config)?.inbox());
             consume(&args, &names, store, Db::Pg(pool)).await
         }
         Database::Mysql => {
@@ -360,7 +360,7 @@ pub async fn main(args: Args) -> anyhow::Result<()> {
                 .acquire_timeout(timeout)
                 .connect_lazy_with(topology::consumer_mysql_options(&names)?);
             let config = MySqlConfig::default().with_schema(&args.schema);
-            let store = Arc::new(MySqlInbox::new(pool.clone(), &config)?);
+            let store = Arc::new(MySqlOutbox::new(pool.clone(), &config)?.inbox());
             consume(&args, &names, store, Db::My(pool)).await
         }
     }

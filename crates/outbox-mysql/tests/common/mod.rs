@@ -28,10 +28,10 @@ pub fn drop_database(schema: &str) {
             return;
         };
         rt.block_on(async {
-            if let Ok(pool) = MySqlConfig::new(mysql_url())
-                .with_max_connections(1)
-                .connect()
-                .await
+            if let Ok(pool) =
+                MySqlOutbox::connect(&MySqlConfig::new(mysql_url()).with_max_connections(1))
+                    .await
+                    .map(|outbox| outbox.pool().clone())
             {
                 let _ = sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
                     "DROP DATABASE IF EXISTS `{schema}`"
