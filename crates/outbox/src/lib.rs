@@ -569,15 +569,15 @@ pub mod mysql {
 #[cfg_attr(docsrs, doc(cfg(feature = "rabbit")))]
 pub mod rabbit {
     /// The lapin this transport is built on, for its types (e.g. `lapin::types::FieldTable`
-    /// for [`RabbitConsumerBuilder::with_queue_arguments`]).
+    /// for [`RabbitConsumerConfig::with_queue_arguments`]).
     #[doc(no_inline)]
     pub use outboxkit_rabbit::lapin;
     #[doc(hidden)]
     pub use outboxkit_rabbit::*;
     #[doc(inline)]
     pub use outboxkit_rabbit::{
-        DestinationRule, QueueType, RabbitConfig, RabbitConfigBuilder, RabbitConsumer,
-        RabbitConsumerBuilder, RabbitError, RabbitPublisher, redact_url,
+        DestinationRule, QueueType, RabbitConfig, RabbitConsumer, RabbitConsumerConfig,
+        RabbitError, RabbitPublisher, redact_url,
     };
 
     /// The defaults and bounds of [`RabbitConfig`].
@@ -635,8 +635,8 @@ pub mod nats {
     pub use outboxkit_nats::*;
     #[doc(inline)]
     pub use outboxkit_nats::{
-        NatsConfig, NatsConfigBuilder, NatsConsumer, NatsConsumerBuilder, NatsError, NatsPublisher,
-        Storage, StreamInfo, StreamRetention, StreamSetup, redact_url,
+        NatsConfig, NatsConsumer, NatsConsumerConfig, NatsError, NatsPublisher, Storage,
+        StreamInfo, StreamRetention, StreamSetup, redact_url,
     };
 
     /// The defaults and bounds of [`NatsConfig`].
@@ -645,9 +645,9 @@ pub mod nats {
         pub use outboxkit_nats::config::*;
         #[doc(inline)]
         pub use outboxkit_nats::config::{
-            DEFAULT_ACK_TIMEOUT, DEFAULT_CONNECT_TIMEOUT, DEFAULT_CONNECTION_NAME,
-            DEFAULT_MAX_IN_FLIGHT, DEFAULT_SUBJECT_PREFIX, DEFAULT_URL, MAX_IN_FLIGHT,
-            MAX_SUBJECT_BYTES,
+            DEFAULT_CONFIRM_TIMEOUT, DEFAULT_CONNECT_TIMEOUT, DEFAULT_CONNECTION_NAME,
+            DEFAULT_MAX_IN_FLIGHT, DEFAULT_MAX_PAYLOAD_BYTES, DEFAULT_SUBJECT_PREFIX, DEFAULT_URL,
+            MAX_IN_FLIGHT, MAX_SUBJECT_BYTES,
         };
     }
 
