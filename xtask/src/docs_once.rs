@@ -43,7 +43,13 @@ pub(crate) const SAME_NAME: &[(&str, &str, bool, &str)] = &[
         "constant",
         "DEFAULT_MAX_PAYLOAD_BYTES",
         false,
-        "the outbox's (1 MiB) and RabbitMQ's publish limit (16 MiB)",
+        "the outbox's (1 MiB), RabbitMQ's publish limit (16 MiB) and NATS's (none but the server's)",
+    ),
+    (
+        "constant",
+        "DEFAULT_CONFIRM_TIMEOUT",
+        true,
+        "each transport's own (RabbitMQ's publisher confirm, NATS's PubAck)",
     ),
     (
         "constant",

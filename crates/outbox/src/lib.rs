@@ -705,10 +705,10 @@ pub mod inbox {
     #[cfg_attr(docsrs, doc(cfg(feature = "inbox")))]
     #[doc(inline)]
     pub use ::outboxkit_inbox::{
-        BatchHandlerError, DEFAULT_MAX_DELIVERIES, DEFAULT_MAX_VERSION_JUMP, DurableReceiver,
-        GapPolicy, Handler, HandlerContext, HandlerError, IdempotentConsumer, InboxProcessor,
-        InboxRetention, Pipeline, ProcessReport, ProcessorConfig, PurgeReport, StalePolicy,
-        UNDECODABLE_CONSUMER, UNHANDLED_CONSUMER, UnhandledPolicy, metrics,
+        BatchHandlerError, ConsumerConfig, DEFAULT_MAX_DELIVERIES, DEFAULT_MAX_VERSION_JUMP,
+        DurableReceiver, GapPolicy, Handler, HandlerContext, HandlerError, IdempotentConsumer,
+        InboxProcessor, InboxRetention, Pipeline, ProcessReport, ProcessorConfig, PurgeReport,
+        StalePolicy, UNDECODABLE_CONSUMER, UNHANDLED_CONSUMER, UnhandledPolicy, metrics,
     };
 }
 
