@@ -124,10 +124,10 @@ impl ConsumerConfig {
     /// [`OutboxError::InvalidConfig`] naming the setting: `max_deliveries` 0.
     pub fn validate(&self) -> Result<(), OutboxError> {
         if self.max_deliveries == 0 {
-            return Err(OutboxError::InvalidConfig {
-                field: "max_deliveries",
-                reason: "must be at least 1".into(),
-            });
+            return Err(OutboxError::invalid_config(
+                "max_deliveries",
+                "must be at least 1",
+            ));
         }
         Ok(())
     }

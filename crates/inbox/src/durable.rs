@@ -316,12 +316,7 @@ impl ProcessorConfig {
     /// `reorder_window` with a recheck of 0 (a message ahead of a gap would be
     /// rechecked without pause).
     pub fn validate(&self) -> Result<(), OutboxError> {
-        let invalid = |field: &'static str, reason: &str| {
-            Err(OutboxError::InvalidConfig {
-                field,
-                reason: reason.to_owned(),
-            })
-        };
+        let invalid = |field, reason| Err(OutboxError::invalid_config(field, reason));
         if self.batch_size == 0 {
             return invalid("batch_size", "must be at least 1");
         }

@@ -154,6 +154,16 @@ pub enum OutboxError {
 }
 
 impl OutboxError {
+    /// An [`OutboxError::InvalidConfig`]: `field` as its `with_*` setter names it,
+    /// `reason` what is wrong with its value. The configs' `validate` methods return
+    /// these.
+    pub fn invalid_config(field: &'static str, reason: impl Into<String>) -> Self {
+        Self::InvalidConfig {
+            field,
+            reason: reason.into(),
+        }
+    }
+
     /// Whether retrying may help.
     pub fn kind(&self) -> ErrorKind {
         match self {

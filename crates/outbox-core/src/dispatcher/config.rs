@@ -245,12 +245,7 @@ impl DispatcherConfig {
     /// [`OutboxError::InvalidConfig`] naming the setting: `batch_size` or
     /// `concurrency` 0, `lease` 0.
     pub fn validate(&self) -> Result<(), OutboxError> {
-        let invalid = |field: &'static str, reason: &str| {
-            Err(OutboxError::InvalidConfig {
-                field,
-                reason: reason.to_owned(),
-            })
-        };
+        let invalid = |field, reason| Err(OutboxError::invalid_config(field, reason));
         if self.batch_size == 0 {
             return invalid("batch_size", "must be at least 1");
         }
@@ -271,13 +266,13 @@ impl DispatcherConfig {
     pub fn check_lease(&self, publish_timeout: Option<Duration>) -> Result<(), OutboxError> {
         match publish_timeout {
             Some(publish) if self.lease < publish.saturating_mul(2) => {
-                Err(OutboxError::InvalidConfig {
-                    field: "lease",
-                    reason: format!(
+                Err(OutboxError::invalid_config(
+                    "lease",
+                    format!(
                         "the lease ({:?}) must be at least twice the publisher's publish timeout ({publish:?}: its connect timeout plus its confirm or ack timeout), or another relay could reclaim messages still being published; raise the lease or lower the publisher's timeouts",
                         self.lease
                     ),
-                })
+                ))
             }
             _ => Ok(()),
         }
