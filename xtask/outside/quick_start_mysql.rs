@@ -19,7 +19,7 @@ use outboxkit::{
 };
 
 struct Project; // the effect: one row per order, in the inbox's transaction
-#[async_trait::async_trait]
+#[outboxkit::async_trait]
 impl Handler<MySqlInbox> for Project {
     async fn handle(
         &self,

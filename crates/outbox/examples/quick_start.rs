@@ -18,7 +18,7 @@ use outboxkit::{
 };
 
 struct Project; // the effect: one row per order, in the inbox's transaction
-#[async_trait::async_trait]
+#[outboxkit::async_trait]
 impl Handler<PgInbox> for Project {
     async fn handle(
         &self,
