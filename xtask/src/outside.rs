@@ -341,10 +341,10 @@ fn lock_matches_workspace(project: &Path) -> Result<()> {
         fs::read_to_string(path).with_context(|| format!("could not read {}", path.display()))
     };
     let workspace: BTreeSet<(String, String)> =
-        lock_entries(&read(&workspace_root().join("Cargo.lock"))?)
+        release::lock_entries(&read(&workspace_root().join("Cargo.lock"))?)
             .into_iter()
             .collect();
-    let lock = lock_entries(&read(&project.join("Cargo.lock"))?);
+    let lock = release::lock_entries(&read(&project.join("Cargo.lock"))?);
     let new: Vec<String> = lock
         .iter()
         .filter(|(name, _)| name != "outside")
@@ -363,24 +363,6 @@ fn lock_matches_workspace(project: &Path) -> Result<()> {
         lock.len() - 1
     );
     Ok(())
-}
-
-/// `(name, version)` of every package in a `Cargo.lock`.
-fn lock_entries(lock: &str) -> Vec<(String, String)> {
-    let mut entries = Vec::new();
-    let mut name = None;
-    for line in lock.lines().map(str::trim) {
-        if line == "[[package]]" {
-            name = None;
-        } else if let Some(v) = line.strip_prefix("name = ") {
-            name = Some(v.trim_matches('"').to_owned());
-        } else if let Some(v) = line.strip_prefix("version = ")
-            && let Some(n) = name.take()
-        {
-            entries.push((n, v.trim_matches('"').to_owned()));
-        }
-    }
-    entries
 }
 
 /// The service URL `key` of [`ENV_DEFAULTS`], or the caller's.

@@ -1115,8 +1115,8 @@ fn included_paths(text: &str) -> Vec<String> {
     paths
 }
 
-/// `(name, version)` of every package in a `Cargo.lock`.
-fn lock_entries(lock: &str) -> Vec<(String, String)> {
+/// `(name, version)` of every package in a `Cargo.lock` (also `cargo xtask outside`'s).
+pub(crate) fn lock_entries(lock: &str) -> Vec<(String, String)> {
     let mut entries = Vec::new();
     let mut name = None;
     for line in lock.lines().map(str::trim) {
